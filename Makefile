@@ -1,0 +1,27 @@
+# Set-up and run targets. Each works on a fresh machine with Python >= 3.10: no Redis, no Docker.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: up test bench clean
+
+$(BIN)/splitbus: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $@
+
+## Run the whole system (embedded Redis unless SPLITBUS_REDIS_URL is set).
+up: $(BIN)/splitbus
+	$(BIN)/splitbus up
+
+## Run the test suite against a real redis-server that the fixtures start.
+test: $(BIN)/splitbus
+	$(BIN)/pytest
+
+## Bus benchmark: Redis Streams vs a ZeroMQ baseline, JSON + PNG under bench-results/.
+bench: $(BIN)/splitbus
+	$(BIN)/splitbus bench bus --out bench-results
+
+clean:
+	rm -rf $(VENV) .splitbus bench-results

@@ -1,0 +1,10 @@
+"""The Redis-Streams bus. Imports neither ``api`` nor ``worker``.
+
+See docs/bus.md for the keys, entry format and delivery guarantees.
+"""
+
+from splitbus.bus import messages  # noqa: F401  (registers the message types)
+from splitbus.bus.config import BusConfig
+from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
+
+__all__ = ["BusConfig", "Keys", "SCHEDULER_GROUP", "WORKER_GROUP"]

@@ -1,0 +1,61 @@
+"""Cancellations: one stream that every worker and scheduler reads in full (no group)."""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec, metrics
+from splitbus.bus.config import BusConfig
+from splitbus.bus.errors import DecodeError
+from splitbus.bus.messages.cancel import Cancel
+
+log = logging.getLogger(__name__)
+
+CANCEL_MAXLEN = 100_000
+"""Approximate length kept: a reader further behind than this misses cancellations."""
+
+
+async def publish_cancel(redis: aioredis.Redis, config: BusConfig, request_id: str, reason: str) -> str:
+    entry_id = await redis.xadd(
+        config.keys.cancel, codec.encode(Cancel(request_id, reason)), maxlen=CANCEL_MAXLEN, approximate=True
+    )
+    metrics.ENTRIES_PRODUCED.labels("cancel").inc()
+    return entry_id.decode()
+
+
+class CancelListener:
+    """Reads cancellations published after it started (and after any reconnect, from where it
+    left off: it always reads with an explicit last id, never ``$``)."""
+
+    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+        self._redis = redis
+        self._config = config
+        self._last_id: str | None = None
+
+    async def start(self) -> None:
+        """Remember the current end of the stream; earlier cancellations do not concern us."""
+        newest = await self._redis.xrevrange(self._config.keys.cancel, count=1)
+        self._last_id = newest[0][0].decode() if newest else "0-0"
+
+    async def poll(self, block_ms: int | None = None) -> list[Cancel]:
+        if self._last_id is None:
+            await self.start()
+        block = self._config.block_ms if block_ms is None else block_ms
+        reply = await self._redis.xread({self._config.keys.cancel: self._last_id}, count=1000, block=block)
+        cancels = []
+        for _, entries in reply or ():
+            self._last_id = entries[-1][0].decode()
+            cancels.extend(c for c in map(self._decode, entries) if c is not None)
+        metrics.ENTRIES_CONSUMED.labels("cancel").inc(len(cancels))
+        return cancels
+
+    @staticmethod
+    def _decode(entry: tuple[bytes, dict[bytes, bytes]]) -> Cancel | None:
+        try:
+            msg = codec.decode(entry[1])
+        except DecodeError as exc:
+            log.error("undecodable cancel entry %s: %s", entry[0], exc)
+            return None
+        return msg if isinstance(msg, Cancel) else None

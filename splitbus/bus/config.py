@@ -1,0 +1,45 @@
+"""One configuration object for everything on the bus, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitbus.bus.keys import Keys
+from splitbus.env import DEFAULT_PREFIX
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = DEFAULT_PREFIX
+    block_ms: int = 1000
+    """How long one blocking read waits. Kept well under ``socket_timeout_s``: redis-py 8
+    retries a read that outlives its socket timeout and can then raise after a minute."""
+    socket_timeout_s: float = 5.0
+    claim_idle_ms: int = 30_000
+    """An entry pending this long with its consumer is taken over by a claimer."""
+    max_deliveries: int = 5
+    """An entry delivered this many times without an ack goes to the dead-letter stream."""
+    result_ttl_s: int = 3600
+    """Result streams expire this long after their first entry (a bound on leaks)."""
+    finished_result_ttl_s: int = 120
+    """...and this long after their final entry, so late readers can still replay them."""
+    dead_maxlen: int = 10_000
+    reader_count: int = 256
+    """Entries per stream per read in the multiplexed result reader."""
+
+    def __post_init__(self) -> None:
+        if self.block_ms <= 0:
+            raise ValueError("block_ms must be > 0 (BLOCK 0 waits forever and hangs on a dead server)")
+        if self.block_ms / 1000 >= self.socket_timeout_s:
+            raise ValueError(
+                f"block_ms ({self.block_ms}) must be below socket_timeout_s ({self.socket_timeout_s}s)"
+            )
+        if self.max_deliveries < 1 or self.claim_idle_ms < 1:
+            raise ValueError("max_deliveries and claim_idle_ms must be >= 1")
+        if self.finished_result_ttl_s < 1 or self.result_ttl_s < self.finished_result_ttl_s:
+            raise ValueError("need 1 <= finished_result_ttl_s <= result_ttl_s")
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)

@@ -1,0 +1,25 @@
+"""Message types, one module per direction (who writes -> who reads).
+
+- ``requests``: API node -> scheduler (``sb:requests``)
+- ``results``: worker -> API node (``sb:out:{request}``)
+- ``cancel``: anyone -> every worker and scheduler (``sb:cancel``)
+- ``dead``: any consumer -> operators (``sb:dead``)
+
+Importing this package registers every type with the codec.
+"""
+
+from splitbus.bus.messages.cancel import Cancel
+from splitbus.bus.messages.dead import DeadLetter
+from splitbus.bus.messages.requests import GenerateRequest, SamplingParams
+from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+
+__all__ = [
+    "Cancel",
+    "DeadLetter",
+    "Failed",
+    "Finished",
+    "GenerateRequest",
+    "Result",
+    "SamplingParams",
+    "TokenDelta",
+]

@@ -1,0 +1,21 @@
+"""Anyone -> every worker and scheduler, on ``sb:cancel``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from splitbus.bus.codec import message
+from splitbus.bus.messages._check import require_str
+
+
+@message
+@dataclass
+class Cancel:
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str
+    reason: str = "client_disconnected"
+
+    def __post_init__(self) -> None:
+        require_str(self.request_id, "request_id")
+        require_str(self.reason, "reason")

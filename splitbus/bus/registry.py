@@ -1,0 +1,144 @@
+"""Worker registry: a record hash, a lease key with a TTL, and a sorted set of ids.
+
+Liveness is the lease: it exists while the worker heartbeats, and Redis expires it on the
+server's clock, so a worker with a wrong clock cannot look alive. Heartbeat times are also the
+server's (``TIME`` inside the script).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from splitbus import __version__
+from splitbus.bus.config import BusConfig
+
+ROLES = ("prefill", "decode", "mixed")
+
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'heartbeat_ms', now_ms, unpack(ARGV, 3))
+redis.call('SET', KEYS[2], now_ms, 'PX', ARGV[2])
+redis.call('ZADD', KEYS[3], now_ms, ARGV[1])
+return now_ms
+"""
+
+# Reads every worker in one round trip. It builds key names from templates that Keys passes
+# in (ARGV), so the naming stays in one module.
+_SNAPSHOT = """
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+local out = {}
+for _, id in ipairs(ids) do
+  local rec = redis.call('HGETALL', ARGV[1] .. id .. ARGV[2])
+  local ttl = redis.call('PTTL', ARGV[3] .. id .. ARGV[4])
+  out[#out + 1] = {id, ttl, rec}
+end
+return out
+"""
+
+
+@dataclass
+class WorkerLoad:
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+
+
+@dataclass
+class WorkerRecord:
+    """What a worker publishes about itself in ``sb:worker:{id}`` (flat, for HGETALL)."""
+
+    worker_id: str
+    role: str
+    model: str
+    engine: str = ""
+    dp_group: str = ""
+    dp_rank: int = -1
+    dp_size: int = 0
+    transfer_endpoint: str = ""
+    version: str = __version__
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.worker_id or any(c in self.worker_id for c in " {}:"):
+            raise ValueError(f"worker_id must be non-empty without spaces, braces or colons: {self.worker_id!r}")
+
+    def to_hash(self) -> dict[str, str]:
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "load"}
+        fields.update(dataclasses.asdict(self.load))
+        return {k: str(v) for k, v in fields.items()}
+
+    @classmethod
+    def from_hash(cls, raw: dict[str, str]) -> "WorkerRecord":
+        load = WorkerLoad(**{f.name: int(raw.get(f.name, 0)) for f in dataclasses.fields(WorkerLoad)})
+        kwargs: dict[str, Any] = {
+            f.name: int(raw[f.name]) if f.type == "int" else raw[f.name]
+            for f in dataclasses.fields(cls)
+            if f.name in raw and f.name != "load"
+        }
+        return cls(load=load, **kwargs)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One row of a registry snapshot."""
+
+    record: WorkerRecord
+    heartbeat_ms: int
+    lease_ttl_ms: int
+    """Remaining lease time; -2 when the lease is gone (the worker is dead)."""
+
+    @property
+    def alive(self) -> bool:
+        return self.lease_ttl_ms > 0
+
+
+class Registry:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+        self._redis = redis
+        self._keys = config.keys
+        self._heartbeat = redis.register_script(_HEARTBEAT)
+        self._snapshot = redis.register_script(_SNAPSHOT)
+        self._templates = [*self._keys.worker("\0").split("\0"), *self._keys.lease("\0").split("\0")]
+
+    async def register(self, record: WorkerRecord, lease_ms: int) -> int:
+        """Publish the whole record and take the lease. Returns the server time (ms)."""
+        return await self._beat(record.worker_id, record.to_hash(), lease_ms)
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, lease_ms: int) -> int:
+        """Renew the lease and publish the current load. Returns the server time (ms)."""
+        fields = {k: str(v) for k, v in dataclasses.asdict(load).items()}
+        return await self._beat(worker_id, fields, lease_ms)
+
+    async def snapshot(self) -> list[WorkerInfo]:
+        """Every registered worker, alive or not, in one round trip."""
+        rows = await self._snapshot(keys=[self._keys.workers], args=self._templates)
+        return [self._row(worker_id, ttl, flat) for worker_id, ttl, flat in rows if flat]
+
+    async def deregister(self, worker_id: str) -> None:
+        """Remove a worker that is shutting down cleanly (its lease goes at once)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.delete(self._keys.lease(worker_id), self._keys.worker(worker_id))
+        pipe.zrem(self._keys.workers, worker_id)
+        await pipe.execute()
+
+    async def _beat(self, worker_id: str, fields: dict[str, str], lease_ms: int) -> int:
+        if lease_ms < 1:
+            raise ValueError("lease_ms must be >= 1")
+        keys = [self._keys.worker(worker_id), self._keys.lease(worker_id), self._keys.workers]
+        flat = [item for pair in fields.items() for item in pair]
+        return int(await self._heartbeat(keys=keys, args=[worker_id, lease_ms, *flat]))
+
+    @staticmethod
+    def _row(worker_id: bytes, ttl: int, flat: list[bytes]) -> WorkerInfo:
+        raw = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+        heartbeat_ms = int(raw.pop("heartbeat_ms", 0))
+        return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl))

@@ -1,0 +1,283 @@
+"""Per-request result streams: a writer for workers and a multiplexed reader for API nodes.
+
+The writer stamps every entry of a request with the next sequence number and writes one engine
+step's entries, for all requests, in one pipeline. The reader follows many result streams with
+one XREAD per shard connection, so an API process holds a fixed number of connections whatever
+the number of concurrent requests; it delivers each request's entries in ``seq`` order and drops
+duplicates (a retried XADD, or two workers around a migration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec, metrics
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import TRANSIENT_ERRORS, backoff_delays, connect
+from splitbus.bus.errors import DecodeError
+from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+
+log = logging.getLogger(__name__)
+
+LATENCY_SAMPLE_EVERY = 16
+"""Observe publish->read latency on one token entry in this many: a histogram observation
+costs about as much as decoding the entry."""
+
+
+class ResultWriter:
+    """Buffers one step's result entries for many requests and writes them in one pipeline."""
+
+    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+        self._redis = redis
+        self._config = config
+        self._keys = config.keys
+        self._next_seq: dict[str, int] = {}
+        self._fresh: set[str] = set()  # streams that need their EXPIRE set
+        self._buffer: list[tuple[str, Result]] = []
+
+    def open(self, request_id: str, first_seq: int = 0) -> None:
+        """Start writing a request. A request that moved from another worker continues at
+        ``first_seq`` (the number of entries already sent), so its stream stays gap-free."""
+        self._next_seq[request_id] = first_seq
+        self._fresh.add(request_id)
+
+    def tokens(self, request_id: str, token_ids: list[int], text: str = "") -> None:
+        self._append(request_id, TokenDelta(self._take_seq(request_id), token_ids, text))
+
+    def finish(
+        self, request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, text: str = ""
+    ) -> None:
+        seq = self._take_seq(request_id)
+        self._append(request_id, Finished(seq, finish_reason, prompt_tokens, completion_tokens, text))
+
+    def fail(self, request_id: str, code: str, message: str, status: int = 500) -> None:
+        """End a request with an error. Allowed without ``open``: readers accept an error
+        entry whatever its sequence number, since any party may have to fail a request."""
+        if request_id not in self._next_seq:
+            self.open(request_id)
+        self._append(request_id, Failed(self._take_seq(request_id), code, message, status))
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    async def flush(self) -> None:
+        """Write everything buffered since the last flush in one round trip."""
+        if not self._buffer:
+            return
+        batch, self._buffer = self._buffer, []
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id, result in batch:
+            self._queue_write(pipe, request_id, result)
+        await pipe.execute()
+        metrics.ENTRIES_PRODUCED.labels("out").inc(len(batch))
+
+    def _queue_write(self, pipe: Any, request_id: str, result: Result) -> None:
+        key = self._keys.out(request_id)
+        pipe.xadd(key, codec.encode(result))
+        if result.terminal:
+            pipe.expire(key, self._config.finished_result_ttl_s)
+            self._next_seq.pop(request_id, None)
+            self._fresh.discard(request_id)
+        elif request_id in self._fresh:
+            pipe.expire(key, self._config.result_ttl_s)
+            self._fresh.discard(request_id)
+
+    def _take_seq(self, request_id: str) -> int:
+        try:
+            seq = self._next_seq[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} was not opened on this writer") from None
+        self._next_seq[request_id] = seq + 1
+        return seq
+
+    def _append(self, request_id: str, result: Result) -> None:
+        self._buffer.append((request_id, result))
+
+
+@dataclass(eq=False)
+class Subscription:
+    """The results of one request, in ``seq`` order, ending with its terminal entry."""
+
+    request_id: str
+    key: str
+    last_id: str = "0-0"
+    next_seq: int = 0
+    done: bool = False
+    _held: dict[int, Result] = field(default_factory=dict)
+    _queue: asyncio.Queue[Result] = field(default_factory=asyncio.Queue)
+
+    def accept(self, result: Result) -> None:
+        """Deliver in order; hold early entries, drop duplicates. An error ends at once."""
+        if self.done:
+            return
+        if isinstance(result, Failed):
+            self._deliver(result)
+        elif result.seq < self.next_seq or result.seq in self._held:
+            metrics.DUPLICATES_DROPPED.inc()
+        elif result.seq > self.next_seq:
+            self._held[result.seq] = result
+        else:
+            self._deliver(result)
+            while not self.done and self.next_seq in self._held:
+                self._deliver(self._held.pop(self.next_seq))
+
+    def _deliver(self, result: Result) -> None:
+        self._queue.put_nowait(result)
+        self.next_seq = result.seq + 1
+        self.done = result.terminal
+
+    async def get(self) -> Result:
+        return await self._queue.get()
+
+    async def __aiter__(self) -> AsyncIterator[Result]:
+        while True:
+            result = await self._queue.get()
+            yield result
+            if result.terminal:
+                return
+
+
+class _Shard:
+    """One connection and one XREAD loop over a subset of the subscribed streams."""
+
+    def __init__(self, config: BusConfig, name: str) -> None:
+        self._config = config
+        # One connection: a shard runs one XREAD at a time. (Not redis-py's single_connection_client,
+        # whose lock can hang aclose() after a cancelled read.)
+        self._redis = connect(config, max_connections=1)
+        self.wake_key = config.keys.wake(name)
+        self._wake_id = "0-0"
+        self.subs: dict[str, Subscription] = {}
+        self.blocked = False
+        self.closing = False
+        self._reads = 0
+
+    async def run(self) -> None:
+        await self._redis.delete(self.wake_key)
+        while not self.closing:
+            try:
+                await self._read_once()
+            except TRANSIENT_ERRORS as exc:
+                self.blocked = False
+                log.warning("result reader: Redis unavailable (%s); retrying", exc)
+                await self._wait_for_redis()
+
+    async def _wait_for_redis(self) -> None:
+        async for _ in backoff_delays():
+            if self.closing:
+                return
+            try:
+                await self._redis.ping()
+                return
+            except TRANSIENT_ERRORS:
+                continue
+
+    async def _read_once(self) -> None:
+        streams = {self.wake_key: self._wake_id}
+        streams.update((key, sub.last_id) for key, sub in self.subs.items())
+        self.blocked = True
+        reply = await self._redis.xread(streams, count=self._config.reader_count, block=self._config.block_ms)
+        self.blocked = False
+        for key, entries in reply or ():
+            self._dispatch(key.decode(), entries)
+
+    def _dispatch(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        if key == self.wake_key:
+            self._wake_id = entries[-1][0].decode()
+            return
+        sub = self.subs.get(key)
+        if sub is None:  # unsubscribed while the read was in flight
+            return
+        sub.last_id = entries[-1][0].decode()
+        metrics.ENTRIES_CONSUMED.labels("out").inc(len(entries))
+        for entry_id, fields in entries:
+            self._accept(sub, entry_id, fields)
+        if sub.done:
+            self.subs.pop(key, None)
+
+    def _accept(self, sub: Subscription, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        self._reads += 1
+        if self._reads % LATENCY_SAMPLE_EVERY == 0:
+            published = codec.published_us(fields)
+            if published is not None:
+                metrics.PUBLISH_TO_READ.labels("out").observe(max(0.0, (codec.now_us() - published) / 1e6))
+        try:
+            sub.accept(codec.decode(fields))
+        except DecodeError as exc:
+            log.error("undecodable result entry %s on %s: %s", entry_id, sub.key, exc)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class ResultReader:
+    """Follows the result streams of one API process over ``shards`` Redis connections."""
+
+    def __init__(self, config: BusConfig, name: str, shards: int = 1) -> None:
+        if shards < 1:
+            raise ValueError("shards must be >= 1")
+        self._config = config
+        self._keys = config.keys
+        self._shards = [_Shard(config, f"{name}.{i}") for i in range(shards)]
+        self._waker = connect(config, max_connections=4)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def connections(self) -> int:
+        """Redis connections this reader may hold: one per shard plus its small wake pool."""
+        return len(self._shards) + 4
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(s.run(), name=f"result-shard-{i}") for i, s in enumerate(self._shards)]
+
+    async def close(self) -> None:
+        """Stop the shards: flag them and wake them, so each blocking read returns at once.
+        Cancelling is only the fallback: redis-py can swallow the cancellation of a blocking
+        read on a reconnected connection, and the task then never ends."""
+        for shard in self._shards:
+            shard.closing = True
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await self._wake(shard)
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=self._config.block_ms / 1000 + 1)
+            for task in stuck:
+                task.cancel()
+        for shard in self._shards:
+            await shard.close()  # closing the connection also ends a read that ignored cancel
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._waker.aclose()
+
+    async def subscribe(self, request_id: str, from_id: str = "0-0") -> Subscription:
+        """Follow a request's results. Subscribe before the request is published: reading
+        starts at the stream's beginning, so nothing written in between is missed."""
+        key = self._keys.out(request_id)
+        shard = self._shard_of(request_id)
+        sub = Subscription(request_id, key, last_id=from_id)
+        shard.subs[key] = sub
+        if shard.blocked:  # its XREAD in flight does not include this stream: end it now
+            await self._wake(shard)
+        return sub
+
+    async def _wake(self, shard: _Shard) -> None:
+        pipe = self._waker.pipeline(transaction=False)
+        pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=16, approximate=True)
+        pipe.expire(shard.wake_key, self._config.result_ttl_s)
+        await pipe.execute()
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._shard_of(sub.request_id).subs.pop(sub.key, None)
+
+    @property
+    def active(self) -> int:
+        return sum(len(s.subs) for s in self._shards)
+
+    def _shard_of(self, request_id: str) -> _Shard:
+        return self._shards[zlib.crc32(request_id.encode()) % len(self._shards)]

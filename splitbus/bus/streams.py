@@ -1,0 +1,247 @@
+"""Stream primitives: produce, consume in a group with capacity gating, ack, claim, dead-letter,
+trim."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from splitbus.bus import codec, metrics
+from splitbus.bus.config import BusConfig
+from splitbus.bus.errors import DecodeError
+from splitbus.bus.messages.dead import DeadLetter
+
+log = logging.getLogger(__name__)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One decoded entry handed to a consumer; ack it with its ``entry_id``."""
+
+    stream: str
+    entry_id: str
+    message: Any
+
+
+class Producer:
+    """Writes messages to streams: one XADD, or many in one pipeline."""
+
+    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+        self._redis = redis
+        self._keys = config.keys
+
+    async def send(self, stream: str, msg: Any, maxlen: int | None = None) -> str:
+        entry_id = await self._redis.xadd(stream, codec.encode(msg), maxlen=maxlen, approximate=True)
+        metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()
+        return _text(entry_id)
+
+    async def send_many(self, items: Sequence[tuple[str, Any]]) -> list[str]:
+        """XADD each (stream, message) in one pipeline (no MULTI: entries go to many slots)."""
+        if not items:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, msg in items:
+            pipe.xadd(stream, codec.encode(msg))
+        ids = await pipe.execute()
+        for stream, _ in items:
+            metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()
+        return [_text(i) for i in ids]
+
+
+class DeadLetters:
+    """Moves entries out of circulation into ``sb:dead``, then acks them where they were."""
+
+    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+        self._redis = redis
+        self._config = config
+        self._keys = config.keys
+
+    async def send(
+        self, stream: str, group: str, entry_id: str, fields: Mapping[bytes, bytes], reason: str, deliveries: int
+    ) -> None:
+        letter = DeadLetter(
+            stream=stream,
+            entry_id=entry_id,
+            reason=reason,
+            deliveries=deliveries,
+            group=group,
+            original_type=fields.get(b"type", b"").decode(errors="replace"),
+            original_data=fields.get(b"data", b"").decode(errors="replace"),
+        )
+        # Two keys in different cluster slots, so no MULTI: a crash between the two leaves the
+        # entry pending and it is dead-lettered again later (a duplicate letter, never a loss).
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xadd(self._keys.dead, codec.encode(letter), maxlen=self._config.dead_maxlen, approximate=True)
+        pipe.xack(stream, group, entry_id)
+        await pipe.execute()
+        label = reason if reason in metrics.DEAD_LETTER_REASONS else "handler_failed"
+        metrics.ENTRIES_DEAD_LETTERED.labels(self._keys.kind(stream), label).inc()
+        log.warning("dead-lettered %s %s (%s, %d deliveries)", stream, entry_id, reason, deliveries)
+
+
+class GroupConsumer:
+    """One consumer in a consumer group on one stream.
+
+    ``read(capacity)`` returns at most ``capacity`` entries and reads nothing when it is 0, so a
+    worker never takes work it cannot start. On its first reads it re-delivers its own pending
+    entries (left by a previous run under the same consumer name) before new ones.
+    """
+
+    def __init__(
+        self, redis: aioredis.Redis, config: BusConfig, stream: str, group: str, consumer: str
+    ) -> None:
+        self._redis = redis
+        self._config = config
+        self.stream, self.group, self.consumer = stream, group, consumer
+        self._dead = DeadLetters(redis, config)
+        self._kind = config.keys.kind(stream)
+        self._pending_cursor: str | None = "0"  # None once our own backlog is drained
+        self._claim_cursor = "0-0"
+
+    async def ensure_group(self, start_id: str = "0") -> None:
+        """Create the group (and the stream). An existing group is fine (BUSYGROUP)."""
+        try:
+            await self._redis.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read(self, capacity: int, block_ms: int | None = None) -> list[Delivery]:
+        """Up to ``capacity`` entries; blocks up to ``block_ms`` for new ones."""
+        if capacity <= 0:
+            return []
+        block = self._config.block_ms if block_ms is None else block_ms
+        cursor = self._pending_cursor or ">"
+        raw = await self._xreadgroup(cursor, capacity, None if cursor != ">" else block)
+        if cursor != ">":
+            self._pending_cursor = _text(raw[-1][0]) if raw else None
+            if not raw:
+                return await self.read(capacity, block_ms)
+        return await self._decode_all(raw)
+
+    async def ack(self, *entry_ids: str) -> int:
+        if not entry_ids:
+            return 0
+        acked = await self._redis.xack(self.stream, self.group, *entry_ids)
+        metrics.ENTRIES_ACKED.labels(self._kind).inc(len(entry_ids))
+        return int(acked)
+
+    async def dead_letter(self, delivery: Delivery, reason: str, deliveries: int = 1) -> None:
+        """Take an entry that its handler could not process out of circulation."""
+        fields = codec.encode(delivery.message)
+        await self._dead.send(self.stream, self.group, delivery.entry_id, fields, reason, deliveries)
+
+    async def claim_idle(self, count: int = 100, min_idle_ms: int | None = None) -> list[Delivery]:
+        """Take over entries pending longer than ``min_idle_ms`` with any consumer (XAUTOCLAIM).
+
+        Claimed entries become this consumer's; process and ack them like read ones. An entry
+        already delivered ``max_deliveries`` times is dead-lettered instead: it is poison, or
+        every consumer that took it died. Safe with several claimers: XAUTOCLAIM re-checks
+        idleness atomically, so each entry goes to one of them.
+        """
+        idle = self._config.claim_idle_ms if min_idle_ms is None else min_idle_ms
+        reply = await self._redis.xautoclaim(
+            self.stream, self.group, self.consumer, idle, self._claim_cursor, count=count
+        )
+        self._claim_cursor = _text(reply[0])
+        entries = [(_text(i), f) for i, f in reply[1] if f is not None]
+        trimmed = [_text(i) for i, f in reply[1] if f is None]
+        trimmed += [_text(i) for i in (reply[2] if len(reply) > 2 else [])]
+        if trimmed:  # deleted while pending: nothing is left to deliver
+            await self.ack(*trimmed)
+        if not entries:
+            return []
+        metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
+        return await self._decode_all(await self._bury_poison(entries))
+
+    async def _bury_poison(self, entries: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        counts = await self._delivery_counts([entry_id for entry_id, _ in entries])
+        keep = []
+        for entry_id, fields in entries:
+            deliveries = counts.get(entry_id, 1)
+            if deliveries > self._config.max_deliveries:
+                await self._dead.send(self.stream, self.group, entry_id, fields, "max_deliveries", deliveries)
+            else:
+                keep.append((entry_id, fields))
+        return keep
+
+    async def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
+        """Delivery counts of entries this consumer owns, in one XPENDING over their id range."""
+        rows = await self._redis.xpending_range(
+            self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) * 4 + 16, consumername=self.consumer
+        )
+        return {_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    async def _xreadgroup(self, cursor: str, count: int, block: int | None) -> list[tuple[Any, Any]]:
+        args = dict(groupname=self.group, consumername=self.consumer, streams={self.stream: cursor}, count=count, block=block)
+        try:
+            reply = await self._redis.xreadgroup(**args)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The stream or group vanished (e.g. a restart without persistence): recreate, retry.
+            log.warning("group %s on %s missing; recreating", self.group, self.stream)
+            await self.ensure_group()
+            reply = await self._redis.xreadgroup(**args)
+        return reply[0][1] if reply else []
+
+    async def _decode_all(self, raw: Iterable[tuple[Any, Any]]) -> list[Delivery]:
+        deliveries = []
+        for entry_id, fields in raw:
+            delivery = await self._decode_one(_text(entry_id), fields)
+            if delivery is not None:
+                deliveries.append(delivery)
+        return deliveries
+
+    async def _decode_one(self, entry_id: str, fields: Mapping[bytes, bytes] | None) -> Delivery | None:
+        metrics.ENTRIES_CONSUMED.labels(self._kind).inc()
+        if fields is None:  # Redis 6.2: a pending entry that was trimmed away.
+            await self.ack(entry_id)
+            return None
+        _observe_latency(self._kind, fields)
+        try:
+            return Delivery(self.stream, entry_id, codec.decode(fields))
+        except DecodeError as exc:
+            log.error("undecodable entry %s on %s: %s", entry_id, self.stream, exc)
+            await self._dead.send(self.stream, self.group, entry_id, fields, "undecodable", 1)
+            return None
+
+
+async def trim_consumed(redis: aioredis.Redis, stream: str) -> int:
+    """Delete entries that every group has read and acked; never an unacked one.
+
+    Returns the number of entries deleted. Streams without groups are left alone.
+    """
+    groups = await redis.xinfo_groups(stream)
+    if not groups:
+        return 0
+    floor = min([await _group_floor(redis, stream, g) for g in groups], key=_id_key)
+    return int(await redis.xtrim(stream, minid=floor, approximate=False))
+
+
+async def _group_floor(redis: aioredis.Redis, stream: str, group: Mapping[str, Any]) -> str:
+    """The smallest id this group still needs: its oldest pending entry, else past the last read."""
+    if int(group["pending"]) > 0:
+        summary = await redis.xpending(stream, _text(group["name"]))
+        return _text(summary["min"])
+    ms, seq = _id_key(_text(group["last-delivered-id"]))
+    return f"{ms}-{seq + 1}"
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _observe_latency(kind: str, fields: Mapping[bytes, bytes]) -> None:
+    published = codec.published_us(fields)
+    if published is not None:
+        metrics.PUBLISH_TO_READ.labels(kind).observe(max(0.0, (codec.now_us() - published) / 1e6))

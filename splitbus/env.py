@@ -1,0 +1,50 @@
+"""Every environment variable splitbus reads, in one typed place.
+
+Nothing else in the project touches ``os.environ`` for configuration: parts receive an
+``Env`` (or values taken from it) through their constructors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+DEFAULT_PREFIX = "sb"
+
+
+def _split_csv(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+@dataclass(frozen=True)
+class Env:
+    """The ``SPLITBUS_*`` settings of one process."""
+
+    redis_url: str | None = None
+    """``SPLITBUS_REDIS_URL``: an external Redis; unset means start the embedded one."""
+    api_keys: tuple[str, ...] = field(default_factory=tuple)
+    """``SPLITBUS_API_KEYS``: comma-separated Bearer keys; empty means no authentication."""
+    prefix: str = DEFAULT_PREFIX
+    """``SPLITBUS_PREFIX``: the prefix of every Redis key."""
+    data_dir: Path = Path(".splitbus")
+    """``SPLITBUS_DATA_DIR``: where the embedded Redis keeps its AOF, and other local state."""
+    log_level: str = "INFO"
+    """``SPLITBUS_LOG_LEVEL``."""
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in " {}"):
+            raise ValueError(f"SPLITBUS_PREFIX must be non-empty, without spaces or braces: {self.prefix!r}")
+
+
+def load_env(environ: Mapping[str, str] | None = None) -> Env:
+    """Read the ``SPLITBUS_*`` variables (from ``os.environ`` unless given)."""
+    environ = os.environ if environ is None else environ
+    return Env(
+        redis_url=environ.get("SPLITBUS_REDIS_URL") or None,
+        api_keys=_split_csv(environ.get("SPLITBUS_API_KEYS", "")),
+        prefix=environ.get("SPLITBUS_PREFIX", DEFAULT_PREFIX),
+        data_dir=Path(environ.get("SPLITBUS_DATA_DIR", ".splitbus")),
+        log_level=environ.get("SPLITBUS_LOG_LEVEL", "INFO").upper(),
+    )

@@ -1,0 +1,70 @@
+"""Worker registry: records, leases on the server's clock, one-round-trip snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+
+
+def _record(worker_id: str, role: str = "decode") -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, role=role, model="tiny", engine="sim", transfer_endpoint="127.0.0.1:9")
+
+
+async def test_register_heartbeat_and_snapshot(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("p1", "prefill"), lease_ms=5000)
+    await registry.register(_record("d1"), lease_ms=5000)
+    load = WorkerLoad(running=3, waiting=1, queued_prefill_tokens=120, free_kv_blocks=90, total_kv_blocks=100)
+    server_ms = await registry.heartbeat("d1", load, lease_ms=5000)
+    snap = {w.record.worker_id: w for w in await registry.snapshot()}
+    assert set(snap) == {"p1", "d1"}
+    assert snap["d1"].record.load == load
+    assert snap["d1"].record.role == "decode" and snap["d1"].record.transfer_endpoint == "127.0.0.1:9"
+    assert snap["d1"].heartbeat_ms == server_ms
+    assert all(w.alive for w in snap.values())
+    time_s, time_us = await redis.time()
+    assert abs(server_ms - (time_s * 1000 + time_us // 1000)) < 5000  # the server's clock
+
+
+async def test_snapshot_is_one_round_trip(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    for i in range(20):
+        await registry.register(_record(f"w{i}"), lease_ms=5000)
+    await registry.snapshot()  # load the script
+    before = (await redis.info("stats"))["total_commands_processed"]
+    rows = await registry.snapshot()
+    after = (await redis.info("stats"))["total_commands_processed"]
+    assert len(rows) == 20
+    # EVALSHA runs the script's calls inside Redis; the client sent one command (+1 for INFO).
+    assert after - before == 1 + 1 + 20 * 2 + 1
+
+
+async def test_expired_lease_means_dead(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("short"), lease_ms=100)
+    await registry.register(_record("long"), lease_ms=10_000)
+    await asyncio.sleep(0.25)
+    alive = {w.record.worker_id: w.alive for w in await registry.snapshot()}
+    assert alive == {"short": False, "long": True}
+
+
+async def test_deregister_removes_everything(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("gone"), lease_ms=5000)
+    await registry.deregister("gone")
+    assert await registry.snapshot() == []
+    assert not await redis.exists(bus_config.keys.worker("gone"), bus_config.keys.lease("gone"))
+
+
+def test_record_validation() -> None:
+    with pytest.raises(ValueError, match="role"):
+        WorkerRecord(worker_id="w", role="router", model="m")
+    with pytest.raises(ValueError, match="worker_id"):
+        WorkerRecord(worker_id="a:b", role="decode", model="m")
+    record = WorkerRecord(worker_id="w", role="mixed", model="m", dp_group="g", dp_rank=0, dp_size=4)
+    assert WorkerRecord.from_hash(record.to_hash()) == record

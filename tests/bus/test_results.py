@@ -1,0 +1,160 @@
+"""Result streams: sequence stamping, the multiplexed reader, ordering and duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec
+from splitbus.bus.config import BusConfig
+from splitbus.bus.messages import Failed, Finished, TokenDelta
+from splitbus.bus.results import ResultReader, ResultWriter, Subscription
+
+
+async def _collect(sub: Subscription, timeout: float = 20.0) -> list[object]:
+    async def drain() -> list[object]:
+        return [r async for r in sub]
+
+    return await asyncio.wait_for(drain(), timeout)
+
+
+@pytest.fixture
+async def reader(bus_config: BusConfig) -> ResultReader:
+    reader = ResultReader(bus_config, name="api-test", shards=2)
+    await reader.start()
+    yield reader
+    await reader.close()
+
+
+async def test_writer_stamps_sequence_and_sets_ttl(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r1")
+    writer.tokens("r1", [10])
+    writer.tokens("r1", [11, 12], "ab")
+    await writer.flush()
+    key = bus_config.keys.out("r1")
+    assert 0 < await redis.ttl(key) <= bus_config.result_ttl_s
+    writer.finish("r1", "length", prompt_tokens=3, completion_tokens=3)
+    await writer.flush()
+    entries = [codec.decode(f) for _, f in await redis.xrange(key)]
+    assert [e.seq for e in entries] == [0, 1, 2]
+    assert entries[1] == TokenDelta(seq=1, token_ids=[11, 12], text="ab")
+    assert isinstance(entries[2], Finished)
+    assert 0 < await redis.ttl(key) <= bus_config.finished_result_ttl_s
+
+
+async def test_writer_rejects_tokens_for_unopened_request(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    with pytest.raises(KeyError, match="not opened"):
+        ResultWriter(redis, bus_config).tokens("nobody", [1])
+
+
+async def test_migrated_request_continues_its_sequence(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    sub = await reader.subscribe("r1")
+    first, second = ResultWriter(redis, bus_config), ResultWriter(redis, bus_config)
+    first.open("r1")
+    for t in range(3):
+        first.tokens("r1", [t])
+    await first.flush()
+    # The first worker dies after sending seq 0..2 (seq 2 possibly twice, by a retried XADD).
+    await redis.xadd(bus_config.keys.out("r1"), codec.encode(TokenDelta(seq=2, token_ids=[2])))
+    second.open("r1", first_seq=3)
+    second.tokens("r1", [3])
+    second.finish("r1", "length", 1, 4)
+    await second.flush()
+    got = await _collect(sub)
+    assert [r.seq for r in got] == [0, 1, 2, 3, 4]
+    assert [r.token_ids for r in got[:4]] == [[0], [1], [2], [3]]
+
+
+async def test_thousand_streams_each_exact_and_in_order(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    n_requests, n_steps = 1000, 12
+    subs = [await reader.subscribe(f"req-{i}") for i in range(n_requests)]
+    writer = ResultWriter(redis, bus_config)
+    for i in range(n_requests):
+        writer.open(f"req-{i}")
+    for step in range(n_steps):
+        for i in range(n_requests):
+            writer.tokens(f"req-{i}", [i * 100 + step])
+        await writer.flush()
+    for i in range(n_requests):
+        writer.finish(f"req-{i}", "length", 1, n_steps)
+    await writer.flush()
+    results = await asyncio.gather(*(_collect(s) for s in subs))
+    for i, got in enumerate(results):
+        assert [r.seq for r in got] == list(range(n_steps + 1))
+        assert [r.token_ids[0] for r in got[:-1]] == [i * 100 + s for s in range(n_steps)]
+    assert reader.active == 0
+
+
+async def test_connections_do_not_grow_with_streams(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    for i in range(1000):
+        await reader.subscribe(f"c-{i}")
+    await asyncio.sleep(0.3)  # let every shard run a read with the full set
+    clients = await redis.client_list()
+    assert len(clients) <= reader.connections + 1, clients  # +1: this test's own client
+    assert len([c for c in clients if c["cmd"] == "xread"]) == 2  # one per shard, not per stream
+
+
+async def test_reader_holds_early_entries_and_drops_duplicates(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    sub = Subscription("r", "k")
+    for seq in [2, 0, 0, 1, 2, 3]:
+        sub.accept(TokenDelta(seq=seq, token_ids=[seq]))
+    sub.accept(Finished(seq=4, finish_reason="stop", prompt_tokens=1, completion_tokens=4))
+    sub.accept(TokenDelta(seq=5, token_ids=[5]))  # after the end: ignored
+    got = await _collect(sub)
+    assert [r.seq for r in got] == [0, 1, 2, 3, 4]
+
+
+async def test_error_entry_ends_the_stream_whatever_its_seq(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    sub = await reader.subscribe("r-err")
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r-err")
+    writer.tokens("r-err", [1])
+    await writer.flush()
+    # A scheduler that never saw the worker's tokens fails the request with seq 0.
+    other = ResultWriter(redis, bus_config)
+    other.fail("r-err", "no_worker", "no decode worker is alive", status=503)
+    await other.flush()
+    got = await _collect(sub)
+    assert isinstance(got[-1], Failed) and got[-1].status == 503
+    assert [type(r).__name__ for r in got] == ["TokenDelta", "Failed"]
+
+
+async def test_undecodable_result_entry_is_skipped(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    sub = await reader.subscribe("r-bad")
+    key = bus_config.keys.out("r-bad")
+    await redis.xadd(key, {b"type": b"token", b"data": b"nonsense"})
+    await redis.xadd(key, codec.encode(Finished(0, "stop", 1, 0)))
+    got = await _collect(sub)
+    assert [type(r).__name__ for r in got] == ["Finished"]
+
+
+async def test_subscribing_wakes_a_blocked_reader(redis_server: object, redis: aioredis.Redis) -> None:
+    # With a 4 s block, a new stream would wait for the in-flight XREAD to time out unless the
+    # reader is woken; the 2 s bound below fails without the wake.
+    config = BusConfig(redis_url=redis_server.url, prefix=f"wake{random.randrange(10**9)}", block_ms=4000)  # type: ignore[attr-defined]
+    reader = ResultReader(config, name="api-wake", shards=1)
+    await reader.start()
+    try:
+        await asyncio.sleep(0.2)  # the shard is now blocked with no streams
+        sub = await reader.subscribe("late")
+        writer = ResultWriter(redis, config)
+        writer.fail("late", "x", "y")
+        await writer.flush()
+        got = await _collect(sub, timeout=2.0)
+        assert isinstance(got[0], Failed)
+    finally:
+        await reader.close()

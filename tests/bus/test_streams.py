@@ -1,0 +1,150 @@
+"""Stream primitives against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec
+from splitbus.bus.config import BusConfig
+from splitbus.bus.messages import Cancel, DeadLetter
+from splitbus.bus.streams import GroupConsumer, Producer, trim_consumed
+
+GROUP = "g"
+
+
+def _msg(i: int) -> Cancel:
+    return Cancel(request_id=f"r{i}", reason="test")
+
+
+async def _consumer(redis: aioredis.Redis, config: BusConfig, name: str = "c1") -> GroupConsumer:
+    consumer = GroupConsumer(redis, config, config.keys.requests, GROUP, name)
+    await consumer.ensure_group()
+    return consumer
+
+
+async def _dead_letters(redis: aioredis.Redis, config: BusConfig) -> list[DeadLetter]:
+    return [codec.decode(fields) for _, fields in await redis.xrange(config.keys.dead)]
+
+
+async def test_entries_arrive_in_order_and_ack_clears_pending(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer = await _consumer(redis, bus_config)
+    producer = Producer(redis, bus_config)
+    ids = await producer.send_many([(bus_config.keys.requests, _msg(i)) for i in range(50)])
+    got = await consumer.read(100)
+    assert [d.message.request_id for d in got] == [f"r{i}" for i in range(50)]
+    assert [d.entry_id for d in got] == ids
+    assert (await redis.xpending(bus_config.keys.requests, GROUP))["pending"] == 50
+    assert await consumer.ack(*ids) == 50
+    assert (await redis.xpending(bus_config.keys.requests, GROUP))["pending"] == 0
+
+
+async def test_read_takes_only_what_capacity_allows(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer = await _consumer(redis, bus_config)
+    producer = Producer(redis, bus_config)
+    for i in range(5):
+        await producer.send(bus_config.keys.requests, _msg(i))
+    assert await consumer.read(0) == []
+    assert (await redis.xpending(bus_config.keys.requests, GROUP))["pending"] == 0
+    first = await consumer.read(2)
+    assert [d.message.request_id for d in first] == ["r0", "r1"]
+    assert (await redis.xpending(bus_config.keys.requests, GROUP))["pending"] == 2
+    rest = await consumer.read(10)
+    assert [d.message.request_id for d in rest] == ["r2", "r3", "r4"]
+
+
+async def test_two_consumers_share_entries_without_overlap(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    a = await _consumer(redis, bus_config, "a")
+    b = await _consumer(redis, bus_config, "b")
+    await Producer(redis, bus_config).send_many([(bus_config.keys.requests, _msg(i)) for i in range(20)])
+    got_a = await a.read(7)
+    got_b = await b.read(100)
+    ids = [d.message.request_id for d in got_a + got_b]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(20))
+    assert len(got_a) == 7 and len(got_b) == 13
+
+
+async def test_undecodable_entry_is_dead_lettered_and_consumer_goes_on(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    consumer = await _consumer(redis, bus_config)
+    stream = bus_config.keys.requests
+    await redis.xadd(stream, {b"type": b"cancel", b"data": b"{broken"})
+    await redis.xadd(stream, {b"garbage": b"1"})
+    await Producer(redis, bus_config).send(stream, _msg(1))
+    got = await consumer.read(10)
+    assert [d.message.request_id for d in got] == ["r1"]
+    letters = await _dead_letters(redis, bus_config)
+    assert [(letter.reason, letter.stream) for letter in letters] == [("undecodable", stream)] * 2
+    assert letters[0].original_data == "{broken"
+    # Dead-lettered entries are acked: only the good one is pending.
+    assert (await redis.xpending(stream, GROUP))["pending"] == 1
+
+
+async def test_restarted_consumer_gets_its_own_pending_entries_first(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    first = await _consumer(redis, bus_config, "worker-1")
+    producer = Producer(redis, bus_config)
+    await producer.send_many([(bus_config.keys.requests, _msg(i)) for i in range(3)])
+    got = await first.read(2)
+    await first.ack(got[0].entry_id)
+    await producer.send(bus_config.keys.requests, _msg(3))
+    restarted = await _consumer(redis, bus_config, "worker-1")  # same name, fresh process
+    again = await restarted.read(1)
+    assert [d.message.request_id for d in again] == ["r1"]  # its unacked entry, not a new one
+    after = await restarted.read(10)
+    assert [d.message.request_id for d in after] == ["r2", "r3"]
+
+
+async def test_missing_group_is_recreated(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer = await _consumer(redis, bus_config)
+    await redis.delete(bus_config.keys.requests)  # as after a restart without persistence
+    assert await consumer.read(5, block_ms=10) == []
+    await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(9))
+    assert [d.message.request_id for d in await consumer.read(5)] == ["r9"]
+
+
+async def test_idle_entries_are_claimed_by_another_consumer(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    dead = await _consumer(redis, bus_config, "dead")
+    alive = await _consumer(redis, bus_config, "alive")
+    await Producer(redis, bus_config).send_many([(bus_config.keys.requests, _msg(i)) for i in range(3)])
+    assert len(await dead.read(3)) == 3
+    assert await alive.claim_idle(min_idle_ms=60_000) == []  # not idle long enough
+    await asyncio.sleep(0.05)
+    claimed = await alive.claim_idle(min_idle_ms=20)
+    assert [d.message.request_id for d in claimed] == ["r0", "r1", "r2"]
+    owners = await redis.xpending_range(bus_config.keys.requests, GROUP, "-", "+", 10)
+    assert {o["consumer"] for o in owners} == {b"alive"}
+
+
+async def test_entry_is_dead_lettered_after_max_deliveries(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    config = dataclasses.replace(bus_config, max_deliveries=3)
+    consumers = [await _consumer(redis, config, f"c{i}") for i in range(4)]
+    await Producer(redis, config).send(config.keys.requests, _msg(7))
+    assert len(await consumers[0].read(1)) == 1  # delivery 1
+    for n, consumer in enumerate(consumers[1:3], start=2):  # deliveries 2 and 3, each "crashes"
+        await asyncio.sleep(0.02)
+        assert len(await consumer.claim_idle(min_idle_ms=10)) == 1, f"delivery {n}"
+    await asyncio.sleep(0.02)
+    assert await consumers[3].claim_idle(min_idle_ms=10) == []  # would be delivery 4
+    letters = await _dead_letters(redis, config)
+    assert [(d.reason, d.deliveries) for d in letters] == [("max_deliveries", 4)]
+    assert (await redis.xpending(config.keys.requests, GROUP))["pending"] == 0
+
+
+async def test_trim_never_removes_unacked_entries(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer = await _consumer(redis, bus_config)
+    stream = bus_config.keys.requests
+    await Producer(redis, bus_config).send_many([(stream, _msg(i)) for i in range(10)])
+    got = await consumer.read(10)
+    await consumer.ack(*[d.entry_id for d in got[:4]])  # r0..r3 done, r4..r9 pending
+    await consumer.ack(got[6].entry_id)  # an ack out of order does not open a hole to trim
+    assert await trim_consumed(redis, stream) == 4
+    left = [codec.decode(f).request_id for _, f in await redis.xrange(stream)]
+    assert left == [f"r{i}" for i in range(4, 10)]
+    await consumer.ack(*[d.entry_id for d in got])
+    assert await trim_consumed(redis, stream) == 6
+    assert await redis.xlen(stream) == 0

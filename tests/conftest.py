@@ -1,0 +1,40 @@
+"""Shared fixtures: one real redis-server per test session (the same code as `splitbus redis`),
+and a fresh key prefix per test so tests never see each other's keys."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import connect
+from splitbus.redis_server import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bus_config(redis_server: EmbeddedRedis) -> BusConfig:
+    return BusConfig(redis_url=redis_server.url, prefix=f"t{uuid.uuid4().hex[:10]}", block_ms=200)
+
+
+@pytest.fixture
+async def redis(bus_config: BusConfig) -> AsyncIterator[aioredis.Redis]:
+    client = connect(bus_config)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
