@@ -181,3 +181,12 @@ class EmbeddedRedis:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
             self._lock = None
+
+
+def find_redis_cli(server_executable: str | None = None) -> str:
+    """A redis-cli to show in hints: on PATH, else the one beside the server binary."""
+    on_path = shutil.which("redis-cli")
+    if on_path:
+        return "redis-cli"
+    beside = Path(server_executable or find_redis_server()).with_name("redis-cli")
+    return str(beside) if beside.exists() else "redis-cli"

@@ -10,6 +10,7 @@ An entry has three fields, so ``redis-cli XRANGE`` shows what it carries::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, ClassVar, Mapping, Protocol, TypeVar
 
@@ -72,16 +73,22 @@ def from_dict(cls: type[M], data: Mapping[str, Any]) -> M:
     Unknown keys are ignored so that newer producers can add fields. Messages validate their
     own values in ``__post_init__`` (raising ValueError or TypeError).
     """
-    known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs = {name: data[name] for name in known if name in data}
-    nested = getattr(cls, "NESTED", {})
+    names, nested = _shape(cls)
+    kwargs = {name: data[name] for name in names if name in data}
     try:
-        for name, sub in nested.items():
+        for name, sub in nested:
             if isinstance(kwargs.get(name), dict):
                 kwargs[name] = from_dict(sub, kwargs[name])
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise DecodeError(f"{getattr(cls, 'TYPE', cls.__name__)}: {exc}") from exc
+
+
+@functools.cache
+def _shape(cls: type) -> tuple[tuple[str, ...], tuple[tuple[str, type], ...]]:
+    """Field names and nested message fields of a class, computed once (decode is hot)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    return names, tuple(getattr(cls, "NESTED", {}).items())
 
 
 def published_us(fields: Mapping[bytes, bytes]) -> int | None:

@@ -29,6 +29,8 @@ class Delivery:
     stream: str
     entry_id: str
     message: Any
+    published_us: int | None = None
+    """When the entry was written (publisher's clock, µs since the epoch)."""
 
 
 class Producer:
@@ -206,9 +208,11 @@ class GroupConsumer:
         if fields is None:  # Redis 6.2: a pending entry that was trimmed away.
             await self.ack(entry_id)
             return None
-        _observe_latency(self._kind, fields)
+        published = codec.published_us(fields)
+        if published is not None:
+            metrics.PUBLISH_TO_READ.labels(self._kind).observe(max(0.0, (codec.now_us() - published) / 1e6))
         try:
-            return Delivery(self.stream, entry_id, codec.decode(fields))
+            return Delivery(self.stream, entry_id, codec.decode(fields), published)
         except DecodeError as exc:
             log.error("undecodable entry %s on %s: %s", entry_id, self.stream, exc)
             await self._dead.send(self.stream, self.group, entry_id, fields, "undecodable", 1)
@@ -239,9 +243,3 @@ async def _group_floor(redis: aioredis.Redis, stream: str, group: Mapping[str, A
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _observe_latency(kind: str, fields: Mapping[bytes, bytes]) -> None:
-    published = codec.published_us(fields)
-    if published is not None:
-        metrics.PUBLISH_TO_READ.labels(kind).observe(max(0.0, (codec.now_us() - published) / 1e6))

@@ -6,7 +6,7 @@ from typing import Any
 
 
 def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int  # bool is not an int here
 
 
 def require(condition: bool, what: str) -> None:
@@ -15,9 +15,10 @@ def require(condition: bool, what: str) -> None:
 
 
 def require_int(value: Any, name: str, minimum: int | None = None) -> None:
-    require(is_int(value), f"{name} must be an integer, got {type(value).__name__}")
-    if minimum is not None:
-        require(value >= minimum, f"{name} must be >= {minimum}, got {value}")
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def require_str(value: Any, name: str, nonempty: bool = True) -> None:
@@ -27,8 +28,11 @@ def require_str(value: Any, name: str, nonempty: bool = True) -> None:
 
 
 def require_int_list(value: Any, name: str) -> None:
-    require(isinstance(value, list), f"{name} must be a list of integers")
-    require(all(is_int(v) and v >= 0 for v in value), f"{name} must hold non-negative integers")
+    if type(value) is not list:
+        raise ValueError(f"{name} must be a list of integers")
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise ValueError(f"{name} must hold non-negative integers")
 
 
 def require_number(value: Any, name: str, minimum: float) -> None:

@@ -1,0 +1,5 @@
+import sys
+
+from splitbus.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""Output of benchmarks: a printed table, a JSON file and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import platform
+import os
+from pathlib import Path
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def bus_table(report: dict[str, Any]) -> str:
+    rows = [f"{'path':<8} {'transport':<8} {'msgs/s':>10} {'p50 µs':>9} {'p99 µs':>9}"]
+    for path in ("request", "token"):
+        section = report[f"{path}_path"]
+        for transport in ("redis", "zeromq"):
+            r = section[transport]
+            rows.append(f"{path:<8} {transport:<8} {r['msgs_per_s']:>10,.0f} {r['p50_us']:>9,.0f} {r['p99_us']:>9,.0f}")
+        rows.append(f"{path:<8} {'ratio':<8} {section['ratio']:>10.2f}   (Redis msgs/s / ZeroMQ msgs/s)")
+    return "\n".join(rows)
+
+
+def bus_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    paths = ("request", "token")
+    colors = {"redis": "#c0392b", "zeromq": "#2980b9"}
+    for ax, (metric, title) in zip(axes, (("msgs_per_s", "throughput, flat out (msgs/s)"), ("p50_us", "latency p50, paced (µs)"), ("p99_us", "latency p99, paced (µs)"))):
+        for offset, transport in ((-0.2, "redis"), (0.2, "zeromq")):
+            values = [report[f"{p}_path"][transport][metric] for p in paths]
+            bars = ax.bar([i + offset for i in range(len(paths))], values, width=0.4, label=transport, color=colors[transport])
+            ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
+        ax.set_xticks(range(len(paths)), [f"{p} path" for p in paths])
+        ax.set_title(title)
+        if metric != "msgs_per_s":  # µs on the request path, tens of ms on the token path
+            ax.set_yscale("log")
+    axes[0].legend()
+    cfg = report["config"]
+    fig.suptitle(
+        f"splitbus bench bus: Redis Streams vs ZeroMQ asyncio PUSH/PULL "
+        f"(token path: {cfg['streams']} streams; paced at {cfg['paced_request_rate']:.0f} req/s and "
+        f"{cfg['streams'] / cfg['paced_step_interval_s']:,.0f} tok/s)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,54 @@
+"""``splitbus bench bus``: benchmarks that print a table and write JSON + PNG."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from splitbus.cli.common import say
+from splitbus.env import Env
+from splitbus.redis_server import EmbeddedRedis
+
+
+def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks (table, JSON and PNG)")
+    kinds = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    bus = kinds.add_parser("bus", help="Redis Streams vs a ZeroMQ baseline: request and token paths")
+    bus.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    bus.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
+    bus.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported")
+    bus.add_argument("--streams", type=int, default=1000, help="concurrent result streams (token path)")
+    bus.add_argument("--quick", action="store_true", help="small counts, one run: checks that it works")
+    bus.set_defaults(run=run_bus)
+
+
+@contextlib.contextmanager
+def _redis(url: str | None) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="splitbus-bench-") as data, EmbeddedRedis(Path(data), appendonly=False) as server:
+        yield server.url
+
+
+def run_bus(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.bus import BusBenchConfig, run_bus_bench
+
+    cfg = BusBenchConfig(repeat=args.repeat, streams=args.streams)
+    if args.quick:
+        cfg = BusBenchConfig(requests=500, paced_requests=200, streams=min(args.streams, 50), steps=5, paced_steps=5, repeat=1)
+    started = time.monotonic()
+    with _redis(args.redis_url) as url:
+        result = run_bus_bench(url, cfg, progress=lambda line: say(f"[{time.monotonic() - started:5.1f}s] {line}"))
+    result["machine"] = report.machine()
+    result["redis"] = "external" if args.redis_url else "embedded"
+    report.write_json(result, args.out / "bench_bus.json")
+    report.bus_plot(result, args.out / "bench_bus.png")
+    say(report.bus_table(result))
+    say(f"wrote {args.out / 'bench_bus.json'} and {args.out / 'bench_bus.png'} in {time.monotonic() - started:.0f}s")
+    return 0

@@ -1,0 +1,46 @@
+"""Helpers shared by the subcommands: logging, waiting for Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Callable
+
+from splitbus.env import Env
+
+
+def setup_logging(env: Env, part: str) -> None:
+    """Log lines prefixed with the part's name, so interleaved output of ``up`` stays legible."""
+    logging.basicConfig(
+        level=env.log_level,
+        format=f"%(asctime)s {part:<9} %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def wait_for_stop(check: Callable[[], str | None], poll_s: float = 0.5) -> str:
+    """Block until SIGINT/SIGTERM, or until ``check`` returns a reason to stop. Returns why."""
+    stop = threading.Event()
+    reason = ["signal"]
+
+    def on_signal(signum: int, _frame: object) -> None:
+        reason[0] = signal.Signals(signum).name
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(poll_s):
+            failure = check()
+            if failure:
+                return failure
+        return reason[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,89 @@
+"""`splitbus redis` and `splitbus up` as a user runs them: real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitbus.redis_server import find_redis_cli
+from tests.test_redis_server import _pid_alive, _wait_gone
+
+SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("SPLITBUS_REDIS_URL", None)
+    return subprocess.Popen(SPLITBUS + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _read_until(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"{pattern!r} never printed; output:\n{''.join(seen)}")
+
+
+def _redis_pid(url: str) -> int:
+    out = subprocess.run([find_redis_cli(), "-u", url, "INFO", "server"], capture_output=True, text=True, timeout=10)
+    return int(re.search(r"process_id:(\d+)", out.stdout).group(1))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_splitbus_redis_answers_ping_and_stops_without_orphan(tmp_path: Path, stop_signal: signal.Signals) -> None:
+    proc = _start(["redis", "--data-dir", str(tmp_path)], tmp_path)
+    url = _read_until(proc, r"Redis ready at (redis://\S+)").group(1)
+    pong = subprocess.run([find_redis_cli(), "-u", url, "PING"], capture_output=True, text=True, timeout=10)
+    assert pong.stdout.strip() == "PONG"
+    redis_pid = _redis_pid(url)
+    proc.send_signal(stop_signal)
+    assert proc.wait(15) == 0
+    assert _wait_gone(redis_pid), "redis-server left running"
+    assert (tmp_path / "redis" / "redis.log").exists()
+
+
+def test_splitbus_up_starts_what_exists_and_says_so(tmp_path: Path) -> None:
+    proc = _start(["up", "--data-dir", str(tmp_path)], tmp_path)
+    url = _read_until(proc, r"Redis ready at (redis://\S+)").group(1)
+    _read_until(proc, r"Not in this build yet: api, scheduler")
+    redis_pid = _redis_pid(url)
+    assert _pid_alive(redis_pid)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(15) == 0
+    assert _wait_gone(redis_pid)
+
+
+def test_splitbus_up_with_unreachable_redis_fails_clearly(tmp_path: Path) -> None:
+    proc = _start(["up", "--redis-url", "redis://127.0.0.1:1/0"], tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "not reachable" in out
+
+
+def test_second_redis_on_same_data_dir_is_refused(tmp_path: Path) -> None:
+    first = _start(["redis", "--data-dir", str(tmp_path)], tmp_path)
+    _read_until(first, r"Redis ready at")
+    try:
+        second = _start(["redis", "--data-dir", str(tmp_path)], tmp_path)
+        out, _ = second.communicate(timeout=30)
+        assert second.returncode == 1
+        assert "in use" in out
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(15)
+
+
+def test_bad_prefix_in_environment_is_a_clear_error() -> None:
+    proc = subprocess.run(SPLITBUS + ["redis"], capture_output=True, text=True, env={**os.environ, "SPLITBUS_PREFIX": "a b"}, timeout=30)
+    assert proc.returncode == 2
+    assert "SPLITBUS_PREFIX" in proc.stderr
