@@ -21,7 +21,7 @@ import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import redis
 
@@ -149,6 +149,20 @@ async def _pace(i: int, start: float, rate: float | None) -> None:
             await asyncio.sleep(delay)
 
 
+async def _send_concurrently(n: int, tasks: int, rate: float | None, send: Callable[[int], Awaitable[None]]) -> int:
+    """Send messages 0..n-1 from ``tasks`` concurrent tasks (as an API process with many
+    clients does), paced at ``rate`` per second if given. Returns the start time (µs)."""
+    start_us, start = codec.now_us(), time.perf_counter()
+
+    async def run(worker: int) -> None:
+        for i in range(worker, n, tasks):
+            await _pace(i, start, rate)
+            await send(i)
+
+    await asyncio.gather(*(run(w) for w in range(tasks)))
+    return start_us
+
+
 def _bus_config(url: str, prefix: str) -> BusConfig:
     return BusConfig(redis_url=url, prefix=prefix, block_ms=100)
 
@@ -177,14 +191,11 @@ async def redis_request_producer(conn: Any, target: str, prefix: str, n: int, ra
     redis = connect(config, max_connections=cfg.request_producers + 1)
     producer = Producer(redis, config)
     messages = [request_message(i, cfg.prompt_tokens) for i in range(n)]
-    start_us, start = codec.now_us(), time.perf_counter()
 
-    async def send(worker: int) -> None:
-        for i in range(worker, n, cfg.request_producers):
-            await _pace(i, start, rate)
-            await producer.send(config.keys.requests, messages[i])
+    async def send(i: int) -> None:
+        await producer.send(config.keys.requests, messages[i])
 
-    await asyncio.gather(*(send(w) for w in range(cfg.request_producers)))
+    start_us = await _send_concurrently(n, cfg.request_producers, rate, send)
     await redis.aclose()
     return start_us
 
@@ -217,15 +228,12 @@ async def zmq_request_producer(conn: Any, target: str, prefix: str, n: int, rate
     sock = ctx.socket(zmq.PUSH)
     sock.connect(target)
     messages = [request_message(i, cfg.prompt_tokens) for i in range(n)]
-    start_us, start = codec.now_us(), time.perf_counter()
 
-    async def send(worker: int) -> None:
-        for i in range(worker, n, cfg.request_producers):
-            await _pace(i, start, rate)
-            f = codec.encode(messages[i])
-            await sock.send_multipart([f[b"type"], f[b"data"], f[b"ts"]])
+    async def send(i: int) -> None:
+        f = codec.encode(messages[i])
+        await sock.send_multipart([f[b"type"], f[b"data"], f[b"ts"]])
 
-    await asyncio.gather(*(send(w) for w in range(cfg.request_producers)))
+    start_us = await _send_concurrently(n, cfg.request_producers, rate, send)
     sock.close(linger=5000)
     ctx.term()
     return start_us
