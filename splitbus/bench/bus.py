@@ -256,12 +256,15 @@ async def _drain_subscriptions(subs: list[Subscription], steps: int) -> tuple:
 
 
 async def redis_token_consumer(conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig) -> tuple:
-    reader = ResultReader(_bus_config(target, prefix), name="bench-api")
+    config = _bus_config(target, prefix)
+    redis = connect(config, max_connections=2)
+    reader = ResultReader(config, redis, name="bench-api")
     await reader.start()
     subs = [await reader.subscribe(request_id(i)) for i in range(cfg.streams)]
     conn.send(("ok", "ready"))
     result = await _drain_subscriptions(subs, steps)
     await reader.close()
+    await redis.aclose()
     return result
 
 

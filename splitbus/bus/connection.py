@@ -26,23 +26,28 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 """Errors that mean "Redis is unreachable for now": back off and try again."""
 
 
-def connect(config: BusConfig, *, max_connections: int = 32) -> aioredis.Redis:
-    """A client for ``config.redis_url``.
+def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = None) -> aioredis.Redis:
+    """A client for ``config.redis_url`` holding at most ``max_connections`` connections.
 
+    A full pool makes callers wait for a connection (redis-py's default pool raises at once).
     RESP2 keeps reply shapes identical on Redis 6.2 and 7. Retries are few and short: the
     bus's loops own reconnection (with backoff), so a dead server surfaces in seconds, not the
-    minute that redis-py 8's defaults take.
+    minute that redis-py 8's defaults take. ``name`` is set with CLIENT SETNAME, so
+    ``redis-cli CLIENT LIST`` shows which part holds which connection.
     """
-    return aioredis.Redis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         config.redis_url,
+        max_connections=max_connections,
+        timeout=config.socket_timeout_s,
+        client_name=name,
         protocol=2,
         decode_responses=False,
         socket_timeout=config.socket_timeout_s,
         socket_connect_timeout=min(config.socket_timeout_s, 2.0),
         health_check_interval=15,
         retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries=2),
-        max_connections=max_connections,
     )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
 
 
 async def backoff_delays(base: float = 0.05, cap: float = 2.0) -> AsyncIterator[float]:

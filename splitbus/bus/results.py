@@ -176,7 +176,7 @@ class _Shard:
         self._config = config
         # One connection: a shard runs one XREAD at a time. (Not redis-py's single_connection_client,
         # whose lock can hang aclose() after a cancelled read.)
-        self._redis = connect(config, max_connections=1)
+        self._redis = connect(config, max_connections=1, name=name)
         self.wake_key = config.keys.wake(name)
         self._wake_id = "0-0"
         self.subs: dict[str, Subscription] = {}
@@ -243,21 +243,22 @@ class _Shard:
 
 
 class ResultReader:
-    """Follows the result streams of one API process over ``shards`` Redis connections."""
+    """Follows the result streams of one API process over ``shards`` Redis connections of its
+    own; wake-ups go through ``redis``, the caller's client."""
 
-    def __init__(self, config: BusConfig, name: str, shards: int = 1) -> None:
+    def __init__(self, config: BusConfig, redis: aioredis.Redis, name: str, shards: int = 1) -> None:
         if shards < 1:
             raise ValueError("shards must be >= 1")
         self._config = config
         self._keys = config.keys
         self._shards = [_Shard(config, f"{name}.{i}") for i in range(shards)]
-        self._waker = connect(config, max_connections=4)
+        self._waker = redis
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def connections(self) -> int:
-        """Redis connections this reader may hold: one per shard plus its small wake pool."""
-        return len(self._shards) + 4
+        """Redis connections this reader holds itself: one per shard."""
+        return len(self._shards)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(s.run(), name=f"result-shard-{i}") for i, s in enumerate(self._shards)]
@@ -277,7 +278,6 @@ class ResultReader:
         for shard in self._shards:
             await shard.close()  # closing the connection also ends a read that ignored cancel
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._waker.aclose()
 
     async def subscribe(self, request_id: str, from_id: str = "0-0") -> Subscription:
         """Follow a request's results. Subscribe before the request is published: reading

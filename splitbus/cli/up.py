@@ -1,7 +1,7 @@
 """``splitbus up``: the whole system as child processes.
 
-This build has the bus only: ``up`` starts the embedded Redis (or checks ``--redis-url``) and says
-which parts are not part of it yet. The API, scheduler and workers join here as they land.
+This build has the bus and the API but no workers yet: ``up`` starts the embedded Redis (or checks
+``--redis-url``) and says which parts are missing. The scheduler, workers and API join here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.env import Env
 from splitbus.redis_server import RedisServerError, find_redis_cli
 
-NOT_YET_BUILT = ("api", "scheduler", "prefill/decode workers")
+NOT_YET_BUILT = ("scheduler", "prefill/decode workers")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -44,7 +44,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
     try:
         say(f"Redis ready at {server.url} (embedded, data in {server.data_dir})")
         say(f"  follow it: {find_redis_cli(server.executable)} -u {server.url}")
-        say(f"Not in this build yet: {', '.join(NOT_YET_BUILT)}. Only Redis is running.")
+        say(f"Not in this build yet: {', '.join(NOT_YET_BUILT)}. Only Redis is running")
+        say("(`splitbus api` exists, but has nothing to serve without workers).")
         say("Ctrl-C stops everything.")
         why = wait_for_stop(lambda: None if server.alive() else "redis-server exited")
     finally:

@@ -30,7 +30,7 @@ async def test_parts_reconnect_after_restart(tmp_path: Path, appendonly: bool) -
     server.start()
     config = BusConfig(redis_url=server.url, block_ms=200, socket_timeout_s=1.0)
     redis = connect(config)
-    reader = ResultReader(config, name="api-r")
+    reader = ResultReader(config, redis, name="api-r")
     await reader.start()
     try:
         consumer = GroupConsumer(redis, config, config.keys.requests, "schedulers", "s1")

@@ -22,8 +22,8 @@ async def _collect(sub: Subscription, timeout: float = 20.0) -> list[object]:
 
 
 @pytest.fixture
-async def reader(bus_config: BusConfig) -> ResultReader:
-    reader = ResultReader(bus_config, name="api-test", shards=2)
+async def reader(bus_config: BusConfig, redis: aioredis.Redis) -> ResultReader:
+    reader = ResultReader(bus_config, redis, name="api-test", shards=2)
     await reader.start()
     yield reader
     await reader.close()
@@ -100,8 +100,9 @@ async def test_connections_do_not_grow_with_streams(
         await reader.subscribe(f"c-{i}")
     await asyncio.sleep(0.3)  # let every shard run a read with the full set
     clients = await redis.client_list()
-    assert len(clients) <= reader.connections + 1, clients  # +1: this test's own client
-    assert len([c for c in clients if c["cmd"] == "xread"]) == 2  # one per shard, not per stream
+    readers = [c for c in clients if c["name"].startswith("api-test.")]
+    assert len(readers) == reader.connections == 2  # one per shard, not one per stream
+    assert all(c["cmd"] == "xread" for c in readers)
 
 
 async def test_reader_holds_early_entries_and_drops_duplicates(redis: aioredis.Redis, bus_config: BusConfig) -> None:
@@ -146,7 +147,7 @@ async def test_subscribing_wakes_a_blocked_reader(redis_server: object, redis: a
     # With a 4 s block, a new stream would wait for the in-flight XREAD to time out unless the
     # reader is woken; the 2 s bound below fails without the wake.
     config = BusConfig(redis_url=redis_server.url, prefix=f"wake{random.randrange(10**9)}", block_ms=4000)  # type: ignore[attr-defined]
-    reader = ResultReader(config, name="api-wake", shards=1)
+    reader = ResultReader(config, redis, name="api-wake", shards=1)
     await reader.start()
     try:
         await asyncio.sleep(0.2)  # the shard is now blocked with no streams

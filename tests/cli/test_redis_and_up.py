@@ -55,7 +55,7 @@ def test_splitbus_redis_answers_ping_and_stops_without_orphan(tmp_path: Path, st
 def test_splitbus_up_starts_what_exists_and_says_so(tmp_path: Path) -> None:
     proc = _start(["up", "--data-dir", str(tmp_path)], tmp_path)
     url = _read_until(proc, r"Redis ready at (redis://\S+)").group(1)
-    _read_until(proc, r"Not in this build yet: api, scheduler")
+    _read_until(proc, r"Not in this build yet: scheduler, prefill/decode workers")
     redis_pid = _redis_pid(url)
     assert _pid_alive(redis_pid)
     proc.send_signal(signal.SIGINT)

@@ -1,0 +1,242 @@
+"""One generation request, from admission to its last byte: publish it on the bus, then relay
+its result stream as SSE or as one JSON body."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from splitbus.api import metrics, protocol
+from splitbus.api.errors import ApiError, BadRequest, GatewayTimeout, ServiceUnavailable, from_status
+from splitbus.api.protocol import GenerationParams
+from splitbus.api.state import ApiState
+from splitbus.bus.connection import TRANSIENT_ERRORS
+from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
+from splitbus.bus.results import Subscription
+from splitbus.tokenization import ModelTokenizer
+from splitbus.tokenization.tokenizer import ChatTemplateError
+
+T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DEADLINE_GRACE_S = 2.0
+"""How long past the deadline the API waits for the worker's own timeout error."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away while we waited; the request is cancelled on the bus."""
+
+
+async def generate(request: Request, params: GenerationParams) -> Response:
+    state: ApiState = request.state.api
+    tokenizer = state.tokenizer(params.model)
+    prompt_ids = tokenize(tokenizer, params)
+    max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
+    state.admit(params.model)
+    generation = Generation(state, params, prompt_ids, max_tokens)
+    try:
+        await generation.publish()
+        first = await generation.until_disconnect(request, generation.next_result())
+    except BaseException as exc:
+        generation.close(cancel_reason(exc))
+        raise
+    if isinstance(first, Failed):  # nothing sent yet: answer with the error's own status
+        generation.close(None)
+        raise from_status(first.status, first.message, first.code)
+    if params.stream:
+        return StreamingResponse(generation.sse(first), media_type="text/event-stream", headers=SSE_HEADERS)
+    return JSONResponse(await generation.collect(request, first))
+
+
+def tokenize(tokenizer: ModelTokenizer, params: GenerationParams) -> list[int]:
+    if params.messages is not None:
+        try:
+            text = tokenizer.render_chat(params.messages)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), "messages") from None
+        return tokenizer.encode(text)
+    if isinstance(params.prompt, str):
+        return tokenizer.encode(params.prompt)
+    ids = list(params.prompt or [])
+    if any(t >= tokenizer.vocab_size or t < 0 for t in ids):
+        raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+    return ids
+
+
+def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prompt_len: int) -> int:
+    """The request's max_tokens, checked against the context (vLLM's rule and message)."""
+    room = tokenizer.context_length - prompt_len
+    if prompt_len == 0:
+        raise BadRequest("the prompt is empty after tokenization", "prompt")
+    if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
+        asked = prompt_len + (params.max_tokens or 0)
+        raise BadRequest(
+            f"This model's maximum context length is {tokenizer.context_length} tokens. However, you requested "
+            f"{asked} tokens ({prompt_len} in the messages/prompt, {params.max_tokens or 0} for the completion). "
+            "Please reduce the length of the messages/prompt or the completion.",
+            "max_tokens" if room > 0 else ("messages" if params.messages else "prompt"),
+        )
+    if params.max_tokens is not None:
+        return params.max_tokens
+    return 16 if params.kind == "completion" else room
+
+
+class Generation:
+    def __init__(self, state: ApiState, params: GenerationParams, prompt_ids: list[int], max_tokens: int) -> None:
+        self.state = state
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        prefix = "chatcmpl" if params.kind == "chat" else "cmpl"
+        self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = protocol.now_s()
+        self.arrival = time.monotonic()
+        self.deadline = self.arrival + state.config.request_timeout_s
+        self.sub: Subscription | None = None
+        self._last_token_at: float | None = None
+        self._closed = False
+
+    def message(self) -> GenerateRequest:
+        p = self.params
+        sampling = SamplingParams(
+            max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop=p.stop
+        )
+        deadline_ms = int((time.time() + self.state.config.request_timeout_s) * 1000)
+        return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, self.state.config.node_id, deadline_ms)
+
+    async def publish(self) -> None:
+        """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is
+        missed however fast the workers answer."""
+        self.sub = await self.state.reader.subscribe(self.request_id)
+        try:
+            await self.state.producer.send(self.state.config.bus.keys.requests, self.message())
+        except TRANSIENT_ERRORS as exc:
+            raise ServiceUnavailable(f"Redis is unreachable: {exc}") from None
+        metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))
+
+    async def next_result(self) -> Result:
+        assert self.sub is not None
+        remaining = self.deadline + DEADLINE_GRACE_S - time.monotonic()
+        try:
+            result = await asyncio.wait_for(self.sub.get(), max(remaining, 0.001))
+        except asyncio.TimeoutError:
+            raise GatewayTimeout(f"the request did not finish within {self.state.config.request_timeout_s:.0f}s") from None
+        self._observe(result)
+        return result
+
+    async def until_disconnect(self, request: Request, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the client disconnects first (then cancel the request)."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_disconnected(request))
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            watcher.cancel()
+            return task.result()
+        task.cancel()
+        raise ClientDisconnected(self.request_id)
+
+    async def collect(self, request: Request, first: Result) -> dict[str, Any]:
+        """The whole response, for ``stream: false``."""
+        try:
+            body = await self.until_disconnect(request, self._collect(first))
+        except BaseException as exc:
+            self.close(cancel_reason(exc))
+            raise
+        self.close(None)
+        return body
+
+    async def _collect(self, result: Result) -> dict[str, Any]:
+        texts = []
+        while True:
+            if isinstance(result, Failed):
+                raise from_status(result.status, result.message, result.code)
+            texts.append(result.text)
+            if isinstance(result, Finished):
+                tokens = protocol.usage(result.prompt_tokens, result.completion_tokens)
+                return protocol.full_response(self.params, self.request_id, self.created, "".join(texts), result.finish_reason, tokens)
+            result = await self.next_result()
+
+    async def sse(self, first: Result) -> AsyncIterator[bytes]:
+        """Server-sent events; an error after the headers went out becomes an error event."""
+        reason: str | None = "client_disconnected"  # unless the loop below ends the stream
+        try:
+            if self.params.kind == "chat":
+                yield _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None))
+            result = first
+            while True:
+                for event in self._events(result):
+                    yield event
+                if result.terminal:
+                    break
+                result = await self.next_result()
+            reason = None
+        except ApiError as exc:
+            reason = cancel_reason(exc)
+            yield _event(exc.body())
+        finally:
+            self.close(reason)
+        yield b"data: [DONE]\n\n"
+
+    def _events(self, result: Result) -> list[bytes]:
+        if isinstance(result, Failed):
+            return [_event(from_status(result.status, result.message, result.code).body())]
+        finish = result.finish_reason if isinstance(result, Finished) else None
+        events = [self._chunk(result.text, finish)] if result.text or finish else []
+        if isinstance(result, Finished) and self.params.include_usage:
+            tokens = protocol.usage(result.prompt_tokens, result.completion_tokens)
+            events.append(_event(protocol.usage_chunk(self.params, self.request_id, self.created, tokens)))
+        return events
+
+    def _chunk(self, text: str, finish: str | None) -> bytes:
+        if self.params.kind == "chat":
+            delta = {"content": text} if text else {}
+            return _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, delta, finish))
+        return _event(protocol.completion_chunk(self.request_id, self.created, self.params.model, text, finish))
+
+    def _observe(self, result: Result) -> None:
+        now = time.monotonic()
+        if isinstance(result, TokenDelta) or (isinstance(result, Finished) and result.token_ids):
+            metrics.GENERATION_TOKENS.inc(len(result.token_ids))
+            if self._last_token_at is None:
+                metrics.TTFT.observe(now - self.arrival)
+            else:
+                metrics.ITL.observe(now - self._last_token_at)
+            self._last_token_at = now
+        if result.terminal:
+            metrics.E2E.observe(now - self.arrival)
+
+    def close(self, cancel: str | None) -> None:
+        """Release the request's slot and subscription. With a reason, the request did not end
+        on the workers' side: cancel it on the bus, so they free its KV blocks and queues."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.sub is not None:
+            self.state.reader.unsubscribe(self.sub)
+            if cancel is not None:
+                self.state.cancel_later(self.request_id, cancel)
+        self.state.release()
+
+
+def cancel_reason(exc: BaseException) -> str | None:
+    """Why a request that failed with ``exc`` must be cancelled on the bus, if it must.
+    An error a worker reported has ended the request already."""
+    if isinstance(exc, GatewayTimeout):
+        return "deadline"
+    if isinstance(exc, ApiError):
+        return None if exc.status != 503 else "publish_failed"
+    return "client_disconnected"
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,140 @@
+"""``GET /openapi.json``: the routes and bodies this API accepts, for client generation and
+fuzzing. Kept by hand beside ``protocol.py``, which enforces the same rules."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from splitbus import __version__
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+_COMMON = {
+    "model": {"type": "string", "minLength": 1},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": ["integer", "null"], "minimum": -1, "description": "-1 or 0 disables top-k"},
+    "seed": {"type": ["integer", "null"]},
+    "stop": {
+        "oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+            {"type": "null"},
+        ]
+    },
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {
+        "type": ["object", "null"],
+        "properties": {"include_usage": {"type": "boolean"}},
+        "description": "only with stream: true",
+    },
+    "user": {"type": "string"},
+    "n": {"type": "integer", "enum": [1], "description": "only 1 is supported"},
+}
+
+_COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        **_COMMON,
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            ]
+        },
+    },
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "developer", "tool"]},
+        "content": {
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+                    },
+                },
+            ]
+        },
+    },
+}
+
+_CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        **_COMMON,
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+    },
+}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}} for s in statuses}
+
+
+def _generation(summary: str, schema: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+            "responses": {
+                "200": {
+                    "description": "a JSON body, or server-sent events when stream is true",
+                    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
+                },
+                **_errors(400, 401, 404, 413, 429, 503, 504),
+            },
+        }
+    }
+
+
+def _get(summary: str, *errors: int) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "ok"}, **_errors(*errors)}}}
+
+
+@functools.cache
+def openapi_spec() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "splitbus OpenAI-compatible API", "version": __version__},
+        "paths": {
+            "/v1/completions": _generation("Create a completion", "CompletionRequest"),
+            "/v1/chat/completions": _generation("Create a chat completion", "ChatCompletionRequest"),
+            "/v1/models": {"get": {**_get("Models that live workers serve", 401)["get"], "security": [{"bearer": []}]}},
+            "/health": _get("The process is alive"),
+            "/ready": _get("Redis answers and at least one worker is live", 503),
+            "/metrics": _get("Prometheus metrics"),
+        },
+        "components": {
+            "schemas": {"CompletionRequest": _COMPLETION_REQUEST, "ChatCompletionRequest": _CHAT_REQUEST, "Error": _ERROR},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

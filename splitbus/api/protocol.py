@@ -1,0 +1,221 @@
+"""OpenAI request bodies -> validated parameters, and the response objects sent back.
+
+Unknown fields are ignored (as vLLM does); known fields with values splitbus does not support
+get a 400 that names them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from splitbus.api.errors import BadRequest
+
+MAX_STOP_SEQUENCES = 16
+# Fields that only their default (or equivalent) value is accepted for.
+UNSUPPORTED = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+}
+
+
+@dataclass
+class GenerationParams:
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+def parse_completion(body: Any) -> GenerationParams:
+    params = _common(body, "completion")
+    params.prompt = _prompt(body.get("prompt"))
+    return params
+
+
+def parse_chat(body: Any) -> GenerationParams:
+    params = _common(body, "chat")
+    params.messages = _messages(body.get("messages"))
+    if body.get("max_completion_tokens") is not None:
+        params.max_tokens = _int(body, "max_completion_tokens", minimum=1)
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise BadRequest("response_format other than {'type': 'text'} is not supported", "response_format")
+    return params
+
+
+def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _reject_unsupported(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a string", "model")
+    stream = _bool(body, "stream")
+    return GenerationParams(
+        kind=kind,
+        model=model,
+        max_tokens=_int(body, "max_tokens", minimum=1) if body.get("max_tokens") is not None else None,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, exclusive_min=True),
+        top_k=max(0, _int(body, "top_k", default=0, minimum=-1)),
+        seed=_int(body, "seed") if body.get("seed") is not None else None,
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        user=body.get("user") if isinstance(body.get("user"), str) else None,
+    )
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    for name, allowed in UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == ok and type(value) is type(ok) for ok in allowed):
+            raise BadRequest(f"'{name}' = {value!r} is not supported by this server", name)
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", name)
+    return value
+
+
+def _int(body: dict[str, Any], name: str, default: int | None = None, minimum: int | None = None) -> int:
+    value = body.get(name, default)
+    if type(value) is not int:
+        raise BadRequest(f"'{name}' must be an integer", name)
+    if minimum is not None and value < minimum:
+        raise BadRequest(f"'{name}' must be >= {minimum}, got {value}", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, exclusive_min: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"'{name}' must be a number", name)
+    if value > high or value < low or (exclusive_min and value == low):
+        bound = f"({low}, {high}]" if exclusive_min else f"[{low}, {high}]"
+        raise BadRequest(f"'{name}' must be in {bound}, got {value}", name)
+    return float(value)
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise BadRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    return stops
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    return _bool(options, "include_usage")
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise BadRequest("'prompt' must not be empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise BadRequest("several prompts in one request are not supported; send one per request", "prompt")
+    raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    return [_message(m, i) for i, m in enumerate(value)]
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise BadRequest(f"{param} must be an object with a role in {ROLES}", param)
+    return {"role": message["role"], "content": _content(message.get("content"), param)}
+
+
+def _content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest(f"{param}.content must be a string or a list of text parts", f"{param}.content")
+
+
+# ---------------------------------------------------------------- responses
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(params: GenerationParams, rid: str, created: int, tokens: dict[str, int]) -> dict[str, Any]:
+    kind = "chat.completion.chunk" if params.kind == "chat" else "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": params.model, "choices": [], "usage": tokens}
+
+
+def full_response(params: GenerationParams, rid: str, created: int, text: str, finish_reason: str, tokens: dict[str, int]) -> dict[str, Any]:
+    if params.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": params.model, "choices": [choice], "usage": tokens}

@@ -1,0 +1,116 @@
+"""Everything an API process holds, created in the app's lifespan (no module globals)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Coroutine
+
+import redis.asyncio as aioredis
+
+from splitbus.api import metrics
+from splitbus.api.config import ApiConfig
+from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
+from splitbus.bus.cancel import publish_cancel
+from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.bus.results import ResultReader
+from splitbus.bus.streams import Producer
+from splitbus.tokenization import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class WorkerView:
+    """A registry snapshot kept fresh in the background, so requests never read the registry."""
+
+    def __init__(self, registry: Registry, refresh_s: float) -> None:
+        self._registry = registry
+        self._refresh_s = refresh_s
+        self.workers: list[WorkerInfo] = []
+        self.redis_ok = False
+
+    async def refresh(self) -> None:
+        try:
+            self.workers = await self._registry.snapshot()
+            self.redis_ok = True
+        except TRANSIENT_ERRORS as exc:
+            if self.redis_ok:
+                log.warning("registry snapshot failed: %s", exc)
+            self.redis_ok = False
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self._refresh_s)
+
+    def live_models(self) -> list[str]:
+        return sorted({w.record.model for w in self.workers if w.alive})
+
+    def serves(self, model: str) -> bool:
+        return any(w.alive and w.record.model == model for w in self.workers)
+
+
+class ApiState:
+    def __init__(self, config: ApiConfig, tokenizers: dict[str, ModelTokenizer]) -> None:
+        self.config = config
+        self.tokenizers = tokenizers
+        self.redis = connect(config.bus, max_connections=config.redis_connections, name=config.node_id)
+        self.reader = ResultReader(config.bus, self.redis, name=f"{config.node_id}.out", shards=config.reader_shards)
+        self.producer = Producer(self.redis, config.bus)
+        self.workers = WorkerView(Registry(self.redis, config.bus), config.registry_refresh_s)
+        self.inflight = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    async def open(cls, config: ApiConfig) -> "ApiState":
+        tokenizers = {name: ModelTokenizer.load(folder, name) for name, folder in config.models}
+        state = cls(config, tokenizers)
+        await state.reader.start()
+        await state.workers.refresh()
+        state.spawn(state.workers.run())
+        return state
+
+    async def close(self) -> None:
+        await self.reader.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.redis.aclose()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run in the background, kept referenced until done (cancellations outlive the
+        handler that a client disconnect cancelled)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def tokenizer(self, model: str) -> ModelTokenizer:
+        try:
+            return self.tokenizers[model]
+        except KeyError:
+            raise ModelNotFound(f"The model '{model}' does not exist", "model") from None
+
+    def admit(self, model: str) -> None:
+        """Take an in-flight slot, or say why not (429 over the bound, 503 nobody to serve)."""
+        if self.inflight >= self.config.max_inflight:
+            raise TooManyRequests(f"more than {self.config.max_inflight} requests in flight; retry later")
+        if not self.workers.redis_ok:
+            raise ServiceUnavailable("Redis is unreachable")
+        if not self.workers.serves(model):
+            raise ServiceUnavailable(f"no live worker serves model '{model}'")
+        self.inflight += 1
+        metrics.INFLIGHT.set(self.inflight)
+
+    def release(self) -> None:
+        self.inflight -= 1
+        metrics.INFLIGHT.set(self.inflight)
+
+    def cancel_later(self, request_id: str, reason: str) -> None:
+        metrics.CANCELLATIONS.labels(reason).inc()
+        self.spawn(self._cancel(request_id, reason))
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            await publish_cancel(self.redis, self.config.bus, request_id, reason)

@@ -1,0 +1,65 @@
+"""``splitbus api``: one OpenAI-compatible API process (Starlette on uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from splitbus.cli.common import say
+from splitbus.env import Env
+
+
+def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
+    p = subparsers.add_parser("api", help="run one OpenAI-compatible API process")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    p.add_argument("--model", action="append", type=Path, default=[], required=True, metavar="DIR",
+                   help="Hugging Face model folder whose tokenizer this API uses (repeatable)")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name; one --model only)")
+    p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key (repeatable)")
+    p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--reader-shards", type=int, default=1, help="connections that follow result streams")
+    p.add_argument("--node-id", default=None, help="this API's name on the bus (default: random)")
+    p.set_defaults(run=run)
+
+
+def build_config(args: argparse.Namespace, env: Env) -> "ApiConfig":
+    from splitbus.api.config import ApiConfig
+    from splitbus.bus.config import BusConfig
+
+    if args.served_model_name and len(args.model) != 1:
+        raise ValueError("--served-model-name needs exactly one --model")
+    models = tuple((args.served_model_name or folder.resolve().name, folder) for folder in args.model)
+    return ApiConfig(
+        bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix),
+        models=models,
+        api_keys=tuple(args.api_key),
+        max_inflight=args.max_inflight,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        reader_shards=args.reader_shards,
+        **({"node_id": args.node_id} if args.node_id else {}),
+    )
+
+
+def run(args: argparse.Namespace, env: Env) -> int:
+    import uvicorn
+
+    from splitbus.api.app import create_app
+    from splitbus.tokenization import ModelFilesError
+
+    try:
+        config = build_config(args, env)
+        for _, folder in config.models:  # fail before binding the port, naming the problem
+            from splitbus.tokenization import ModelTokenizer
+
+            ModelTokenizer.load(folder)
+    except (ValueError, ModelFilesError) as exc:
+        say(f"splitbus api: {exc}")
+        return 2
+    say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {config.bus.redis_url})")
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", loop="auto", http="auto")
+    return 0

@@ -1,0 +1,6 @@
+"""Tokenizers of served models: used by the API (encode, chat templates) and by workers
+(incremental decoding). Imports no other splitbus part."""
+
+from splitbus.tokenization.tokenizer import ModelFilesError, ModelTokenizer
+
+__all__ = ["ModelFilesError", "ModelTokenizer"]

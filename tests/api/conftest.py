@@ -1,0 +1,111 @@
+"""A live `splitbus api` process on loopback, a tiny model folder, and the scripted responder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from splitbus.bus.config import BusConfig
+from splitbus.redis_server import EmbeddedRedis, free_port
+from splitbus.tokenization import ModelTokenizer
+from splitbus.tokenization.byte_level import write_byte_level_tokenizer
+from tests.api.responder import Responder
+
+CONTEXT = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("models") / "tiny"
+    vocab = write_byte_level_tokenizer(folder)
+    config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": CONTEXT, "vocab_size": vocab}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@dataclass
+class ApiProcess:
+    url: str
+    node_id: str
+    config: BusConfig
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+def start_api(redis_url: str, prefix: str, models: list[Path], *extra: str) -> ApiProcess:
+    port = free_port()
+    node_id = f"api-{uuid.uuid4().hex[:6]}"
+    args = [sys.executable, "-m", "splitbus.cli.main", "api", "--port", str(port), "--redis-url", redis_url, "--node-id", node_id]
+    for folder in models:
+        args += ["--model", str(folder)]
+    env = {**os.environ, "SPLITBUS_PREFIX": prefix}
+    env.pop("SPLITBUS_API_KEYS", None)
+    proc = subprocess.Popen(args + list(extra), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = ApiProcess(f"http://127.0.0.1:{port}", node_id, BusConfig(redis_url=redis_url, prefix=prefix), proc)
+    _wait_healthy(api)
+    return api
+
+
+def _wait_healthy(api: ApiProcess, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if api.proc.poll() is not None:
+            raise RuntimeError(f"splitbus api exited with {api.proc.returncode}")
+        try:
+            if httpx.get(api.url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("splitbus api did not become healthy")
+
+
+def stop_api(api: ApiProcess) -> None:
+    api.proc.terminate()
+    try:
+        api.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        api.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"api{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def responder(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str) -> Iterator[Responder]:
+    config = BusConfig(redis_url=redis_server.url, prefix=prefix)
+    responder = Responder(config, ModelTokenizer.load(tiny_model, "tiny")).start()
+    yield responder
+    responder.stop()
+
+
+@pytest.fixture(scope="module")
+def api(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder) -> Iterator[ApiProcess]:
+    process = start_api(redis_server.url, prefix, [tiny_model], "--request-timeout", "5")
+    _wait_for_model(process)
+    yield process
+    stop_api(process)
+
+
+def _wait_for_model(api: ApiProcess, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(api.url + "/ready", timeout=2).status_code == 200:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the API never saw a live worker")

@@ -1,0 +1,129 @@
+"""A scripted stand-in for scheduler + workers, for API tests only (not product code).
+
+It registers as a live worker, consumes ``sb:requests`` in the schedulers' group and answers
+each request with a known text, one token per step. Prompts steer it:
+
+- ``[fail:STATUS]`` -> an error entry with that status before any token
+- ``[slow]`` -> 50 ms between tokens (for disconnect tests)
+- ``[silent]`` -> no answer at all (for timeout tests)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from typing import Any
+
+from splitbus.bus.cancel import CancelListener
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.registry import Registry, WorkerRecord
+from splitbus.bus.results import ResultWriter
+from splitbus.bus.streams import GroupConsumer
+from splitbus.tokenization import ModelTokenizer
+
+REPLY = "The quick brown fox jumps over the lazy dog. "
+
+
+def expected_text(max_tokens: int, stop: list[str] | None = None) -> tuple[str, str]:
+    """What the responder answers (byte-level tokenizer: one ASCII char per token)."""
+    text = (REPLY * (max_tokens // len(REPLY) + 1))[:max_tokens]
+    for s in stop or []:
+        if s in text:
+            return text[: text.index(s)], "stop"
+    return text, "length"
+
+
+class Responder:
+    def __init__(self, config: BusConfig, tokenizer: ModelTokenizer, model: str = "tiny") -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = model
+        self.cancelled: list[str] = []
+        self.served: list[str] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._stop = asyncio.Event()
+
+    def start(self) -> "Responder":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._main(), self._loop)
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=0.1)
+
+    async def _main(self) -> None:
+        redis = connect(self.config)
+        registry = Registry(redis, self.config)
+        consumer = GroupConsumer(redis, self.config, self.config.keys.requests, SCHEDULER_GROUP, "responder")
+        await consumer.ensure_group()
+        await registry.register(WorkerRecord(worker_id=f"responder-{id(self)}", role="mixed", model=self.model), 2000)
+        cancels = CancelListener(redis, self.config)
+        await cancels.start()
+        tasks = [self._heartbeat(registry), self._consume(redis, consumer), self._listen(cancels)]
+        await asyncio.gather(*(self._forever(t) for t in tasks))
+
+    async def _forever(self, coro: Any) -> None:
+        try:
+            await coro
+        except TRANSIENT_ERRORS:
+            pass
+
+    async def _heartbeat(self, registry: Registry) -> None:
+        record = WorkerRecord(worker_id=f"responder-{id(self)}", role="mixed", model=self.model)
+        while not self._stop.is_set():
+            try:
+                await registry.register(record, 2000)
+            except TRANSIENT_ERRORS:
+                pass
+            await asyncio.sleep(0.3)
+
+    async def _listen(self, cancels: CancelListener) -> None:
+        while not self._stop.is_set():
+            try:
+                self.cancelled += [c.request_id for c in await cancels.poll(block_ms=100)]
+            except TRANSIENT_ERRORS:
+                await asyncio.sleep(0.1)
+
+    async def _consume(self, redis: Any, consumer: GroupConsumer) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = await consumer.read(64, block_ms=100)
+            except TRANSIENT_ERRORS:
+                await asyncio.sleep(0.1)
+                continue
+            for delivery in batch:
+                asyncio.ensure_future(self._answer(redis, delivery.message))
+            if batch:
+                await consumer.ack(*[d.entry_id for d in batch])
+
+    async def _answer(self, redis: Any, request: GenerateRequest) -> None:
+        prompt = self.tokenizer.decode(request.prompt_token_ids)
+        self.served.append(request.request_id)
+        writer = ResultWriter(redis, self.config)
+        if "[silent]" in prompt:
+            return
+        failure = re.search(r"\[fail:(\d+)\]", prompt)
+        if failure:
+            writer.fail(request.request_id, "scripted", "scripted failure", int(failure.group(1)))
+            await writer.flush()
+            return
+        await self._stream(writer, request, delay=0.05 if "[slow]" in prompt else 0.0)
+
+    async def _stream(self, writer: ResultWriter, request: GenerateRequest, delay: float) -> None:
+        text, reason = expected_text(request.sampling.max_tokens, request.sampling.stop)
+        rid = request.request_id
+        writer.open(rid)
+        for char in text:
+            if rid in self.cancelled:
+                return
+            writer.tokens(rid, self.tokenizer.encode(char), char)
+            await writer.flush()
+            await asyncio.sleep(delay)
+        writer.finish(rid, reason, len(request.prompt_token_ids), len(text))
+        await writer.flush()

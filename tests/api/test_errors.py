@@ -1,0 +1,136 @@
+"""Every error path over real HTTP: OpenAI's error JSON with the right status."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from splitbus.redis_server import EmbeddedRedis
+from tests.api.conftest import CONTEXT, ApiProcess, start_api, stop_api
+from tests.api.responder import Responder
+
+
+def _post(api: ApiProcess, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    return httpx.post(api.v1 + path, content=content, headers=headers, timeout=30, **kwargs)
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        ([1, 2], None),
+        ({"prompt": "x"}, "model"),
+        ({"model": "tiny"}, "prompt"),
+        ({"model": "tiny", "prompt": ""}, "prompt"),
+        ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "tiny", "prompt": "x", "temperature": 5}, "temperature"),
+        ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 3}, "logprobs"),
+        ({"model": "tiny", "prompt": "x", "stop": 7}, "stop"),
+        ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": "tiny", "prompt": [1, 999999]}, "prompt"),
+        ({"model": "tiny", "prompt": "x" * (CONTEXT + 1)}, "prompt"),
+        ({"model": "tiny", "prompt": "x" * 10, "max_tokens": CONTEXT}, "max_tokens"),
+    ],
+)
+def test_bad_completion_requests_get_400(api: ApiProcess, body: Any, param: str | None) -> None:
+    error = _error(_post(api, "/completions", body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "tiny", "messages": []}, "messages"),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_bad_chat_requests_get_400(api: ApiProcess, body: Any, param: str) -> None:
+    assert _error(_post(api, "/chat/completions", body), 400)["param"] == param
+
+
+def test_context_length_message_names_the_limit(api: ApiProcess) -> None:
+    error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "x" * 10, "max_tokens": CONTEXT}), 400)
+    assert f"maximum context length is {CONTEXT} tokens" in error["message"]
+
+
+def test_unsupported_n_says_so(api: ApiProcess) -> None:
+    error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "x", "n": 2}), 400)
+    assert "'n' = 2 is not supported" in error["message"]
+
+
+def test_unknown_model_is_404(api: ApiProcess) -> None:
+    error = _error(_post(api, "/completions", {"model": "gpt-9", "prompt": "x"}), 404)
+    assert error["code"] == "model_not_found"
+
+
+def test_unknown_route_and_method_in_openai_shape(api: ApiProcess) -> None:
+    _error(httpx.get(api.v1 + "/nothing"), 404)
+    _error(httpx.get(api.v1 + "/completions"), 405)
+
+
+def test_worker_error_before_any_token_keeps_its_status(api: ApiProcess) -> None:
+    error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "[fail:503]"}), 503)
+    assert error["message"] == "scripted failure"
+    streamed = _post(api, "/completions", {"model": "tiny", "prompt": "[fail:500]", "stream": True})
+    assert _error(streamed, 500)["code"] == "scripted"
+
+
+def test_request_past_its_deadline_is_504_and_cancelled(api: ApiProcess, responder: Responder) -> None:
+    # The module's API runs with --request-timeout 5 (+2 s grace for the worker's own error).
+    response = _post(api, "/completions", {"model": "tiny", "prompt": "[silent]"})
+    error = _error(response, 504)
+    assert error["type"] == "timeout_error"
+    rid = responder.served[-1]
+    _until(lambda: rid in responder.cancelled)
+
+
+def test_body_over_the_limit_is_413(api: ApiProcess) -> None:
+    big = json.dumps({"model": "tiny", "prompt": "x" * (5 * 1024 * 1024)})
+    _error(_post(api, "/completions", big), 413)
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
+        for _ in range(6):
+            yield b" " * (1024 * 1024)
+
+    _error(httpx.post(api.v1 + "/completions", content=chunks(), timeout=30), 413)
+
+
+def test_model_without_live_worker_is_503(redis_server: EmbeddedRedis, tiny_model: Path, tmp_path: Path, prefix: str, responder: Responder) -> None:
+    lonely = tmp_path / "lonely"
+    shutil.copytree(tiny_model, lonely)
+    api = start_api(redis_server.url, prefix, [tiny_model, lonely])
+    try:
+        error = _error(_post(api, "/completions", {"model": "lonely", "prompt": "x"}), 503)
+        assert "no live worker serves model 'lonely'" in error["message"]
+    finally:
+        stop_api(api)
+
+
+def _until(check: Any, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
