@@ -74,11 +74,14 @@ def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prom
     if prompt_len == 0:
         raise BadRequest("the prompt is empty after tokenization", "prompt")
     if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
-        asked = prompt_len + (params.max_tokens or 0)
+        asked = (
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages/prompt, {params.max_tokens} for the completion)"
+            if params.max_tokens is not None
+            else f"{prompt_len} tokens in the messages/prompt"
+        )
         raise BadRequest(
             f"This model's maximum context length is {tokenizer.context_length} tokens. However, you requested "
-            f"{asked} tokens ({prompt_len} in the messages/prompt, {params.max_tokens or 0} for the completion). "
-            "Please reduce the length of the messages/prompt or the completion.",
+            f"{asked}. Please reduce the length of the messages/prompt or the completion.",
             "max_tokens" if room > 0 else ("messages" if params.messages else "prompt"),
         )
     if params.max_tokens is not None:
