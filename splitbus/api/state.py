@@ -7,49 +7,18 @@ import contextlib
 import logging
 from typing import Any, Coroutine
 
-import redis.asyncio as aioredis
-
 from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
+from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect
-from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.bus.registry import Registry, RegistryView
 from splitbus.bus.results import ResultReader
 from splitbus.bus.streams import Producer
 from splitbus.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
-
-
-class WorkerView:
-    """A registry snapshot kept fresh in the background, so requests never read the registry."""
-
-    def __init__(self, registry: Registry, refresh_s: float) -> None:
-        self._registry = registry
-        self._refresh_s = refresh_s
-        self.workers: list[WorkerInfo] = []
-        self.redis_ok = False
-
-    async def refresh(self) -> None:
-        try:
-            self.workers = await self._registry.snapshot()
-            self.redis_ok = True
-        except TRANSIENT_ERRORS as exc:
-            if self.redis_ok:
-                log.warning("registry snapshot failed: %s", exc)
-            self.redis_ok = False
-
-    async def run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self._refresh_s)
-
-    def live_models(self) -> list[str]:
-        return sorted({w.record.model for w in self.workers if w.alive})
-
-    def serves(self, model: str) -> bool:
-        return any(w.alive and w.record.model == model for w in self.workers)
 
 
 class ApiState:
@@ -59,7 +28,7 @@ class ApiState:
         self.redis = connect(config.bus, max_connections=config.redis_connections, name=config.node_id)
         self.reader = ResultReader(config.bus, self.redis, name=f"{config.node_id}.out", shards=config.reader_shards)
         self.producer = Producer(self.redis, config.bus)
-        self.workers = WorkerView(Registry(self.redis, config.bus), config.registry_refresh_s)
+        self.workers = RegistryView(Registry(self.redis, config.bus), config.registry_refresh_s)
         self.inflight = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -73,10 +42,9 @@ class ApiState:
         return state
 
     async def close(self) -> None:
+        self.workers.stop()
         await self.reader.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         await self.redis.aclose()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

@@ -73,6 +73,10 @@ class Keys:
         """Hash: the decode side's KV reservation for one request."""
         return f"{self.prefix}:kv:{{{request}}}"
 
+    def dispatched(self, request: str) -> str:
+        """String with a TTL: the request was dispatched (a duplicate entry is then skipped)."""
+        return f"{self.prefix}:dispatched:{{{request}}}"
+
     def rdma(self, prefill: str, decode: str) -> str:
         """Hash: connection state between a prefill and a decode worker."""
         return f"{self.prefix}:rdma:{{{prefill}}}:{{{decode}}}"

@@ -7,7 +7,9 @@ server's (``TIME`` inside the script).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,9 @@ import redis.asyncio as aioredis
 
 from splitbus import __version__
 from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import TRANSIENT_ERRORS
+
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -43,11 +48,26 @@ return out
 
 @dataclass
 class WorkerLoad:
+    """What a worker reports about itself at each heartbeat."""
+
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
+    prefills_done: int = 0
+    decodes_done: int = 0
+
+
+@dataclass
+class Reserved:
+    """Load that schedulers assigned and the worker has not taken yet. Schedulers add to it
+    when they write a task (``HINCRBY``); the worker subtracts when it reads the task. Heartbeats
+    never write these fields, so they do not erase each other."""
+
+    reserved_prefill_tokens: int = 0
+    reserved_requests: int = 0
+    reserved_kv_blocks: int = 0
 
 
 @dataclass
@@ -62,6 +82,8 @@ class WorkerRecord:
     dp_rank: int = -1
     dp_size: int = 0
     transfer_endpoint: str = ""
+    block_size: int = 16
+    max_model_len: int = 0
     version: str = __version__
     load: WorkerLoad = field(default_factory=WorkerLoad)
 
@@ -95,6 +117,7 @@ class WorkerInfo:
     heartbeat_ms: int
     lease_ttl_ms: int
     """Remaining lease time; -2 when the lease is gone (the worker is dead)."""
+    reserved: Reserved = field(default_factory=Reserved)
 
     @property
     def alive(self) -> bool:
@@ -141,4 +164,52 @@ class Registry:
     def _row(worker_id: bytes, ttl: int, flat: list[bytes]) -> WorkerInfo:
         raw = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
         heartbeat_ms = int(raw.pop("heartbeat_ms", 0))
-        return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl))
+        reserved = Reserved(**{f.name: int(raw.pop(f.name, 0)) for f in dataclasses.fields(Reserved)})
+        return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), reserved)
+
+    async def release(self, worker_id: str, reserved: Reserved) -> None:
+        """Give back a reservation: the worker has taken the task (or dropped it)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for name, amount in dataclasses.asdict(reserved).items():
+            if amount:
+                pipe.hincrby(self._keys.worker(worker_id), name, -amount)
+        await pipe.execute()
+
+
+class RegistryView:
+    """A registry snapshot kept fresh in the background, so hot paths never read the registry."""
+
+    def __init__(self, registry: Registry, refresh_s: float) -> None:
+        self._registry = registry
+        self._refresh_s = refresh_s
+        self.workers: list[WorkerInfo] = []
+        self.redis_ok = False
+        self.refreshed = asyncio.Event()
+        self.stopped = False
+
+    async def refresh(self) -> None:
+        try:
+            self.workers = await self._registry.snapshot()
+            self.redis_ok = True
+        except TRANSIENT_ERRORS as exc:
+            if self.redis_ok:
+                log.warning("registry snapshot failed: %s", exc)
+            self.redis_ok = False
+        self.refreshed.set()
+
+    async def run(self) -> None:
+        while not self.stopped:
+            await self.refresh()
+            await asyncio.sleep(self._refresh_s)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def live(self) -> list[WorkerInfo]:
+        return [w for w in self.workers if w.alive]
+
+    def live_models(self) -> list[str]:
+        return sorted({w.record.model for w in self.live()})
+
+    def serves(self, model: str) -> bool:
+        return any(w.record.model == model for w in self.live())

@@ -81,6 +81,16 @@ class ResultWriter:
             self.open(request_id)
         self._append(request_id, Failed(self._take_seq(request_id), code, message, status))
 
+    def next_seq(self, request_id: str) -> int:
+        """The sequence number the request's next entry will get here."""
+        return self._next_seq[request_id]
+
+    def forget(self, request_id: str) -> None:
+        """Stop writing a request without ending it (another worker continues it)."""
+        self._next_seq.pop(request_id, None)
+        if all(rid != request_id for rid, _ in self._buffer):
+            self._fresh.discard(request_id)
+
     @property
     def pending(self) -> int:
         return len(self._buffer)
@@ -185,14 +195,21 @@ class _Shard:
         self._reads = 0
 
     async def run(self) -> None:
-        await self._redis.delete(self.wake_key)
+        fresh = True
         while not self.closing:
             try:
+                if fresh:  # a wake stream left by an earlier process of the same name
+                    await self._redis.delete(self.wake_key)
+                    fresh = False
                 await self._read_once()
             except TRANSIENT_ERRORS as exc:
                 self.blocked = False
                 log.warning("result reader: Redis unavailable (%s); retrying", exc)
                 await self._wait_for_redis()
+            except Exception:  # never die silently: every API request depends on this loop
+                self.blocked = False
+                log.exception("result reader failed; retrying")
+                await asyncio.sleep(0.5)
 
     async def _wait_for_redis(self) -> None:
         async for _ in backoff_delays():

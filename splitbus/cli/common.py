@@ -44,3 +44,23 @@ def wait_for_stop(check: Callable[[], str | None], poll_s: float = 0.5) -> str:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_service(service: object) -> int:
+    """Run an asyncio service (``run()`` + ``stopping`` event) until it ends or a signal
+    arrives; the signal sets ``stopping`` so the service closes cleanly."""
+    import asyncio
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, service.stopping.set)  # type: ignore[attr-defined]
+        await service.run()  # type: ignore[attr-defined]
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+    return 0

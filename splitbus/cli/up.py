@@ -1,64 +1,136 @@
-"""``splitbus up``: the whole system as child processes.
-
-This build has the bus and the API but no workers yet: ``up`` starts the embedded Redis (or checks
-``--redis-url``) and says which parts are missing. The scheduler, workers and API join here.
-"""
+"""``splitbus up``: Redis (embedded unless ``--redis-url``), scheduler, workers and API as
+child processes; prints where to reach them; Ctrl-C or SIGTERM stops everything."""
 
 from __future__ import annotations
 
 import argparse
-
-import redis
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
+from splitbus.cli.supervisor import Supervisor
 from splitbus.env import Env
-from splitbus.redis_server import RedisServerError, find_redis_cli
+from splitbus.redis_server import EmbeddedRedis, RedisServerError, find_redis_cli
 
-NOT_YET_BUILT = ("scheduler", "prefill/decode workers")
+READY_TIMEOUT_S = 60.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("up", help="run the whole system (embedded Redis unless --redis-url)")
     p.add_argument("--redis-url", default=env.redis_url, help="use this Redis instead of starting one")
-    p.add_argument("--engine", choices=("paddle", "sim"), default="paddle")
-    p.add_argument("--model", default=None, help="Hugging Face model folder (paddle engine)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default %(default)s)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default %(default)s)")
+    p.add_argument("--engine", choices=("paddle", "sim"), default="sim", help="worker engine (default %(default)s; paddle is not in this build yet)")
+    p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --mixed)")
     p.add_argument("--mixed", type=int, default=0, help="mixed workers (default %(default)s)")
+    p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
     p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeatable)")
     add_embedded_options(p, env)
     p.set_defaults(run=run)
 
 
+def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    mixed = args.mixed
+    prefill = args.prefill if args.prefill is not None else (0 if mixed else 1)
+    decode = args.decode if args.decode is not None else (0 if mixed else 1)
+    if min(prefill, decode, mixed) < 0 or (prefill + decode + mixed) == 0:
+        raise ValueError("need at least one worker, and no negative counts")
+    if (prefill == 0) != (decode == 0):
+        raise ValueError("prefill and decode workers come together: give both --prefill and --decode, or neither")
+    return prefill, decode, mixed
+
+
+def default_model(data_dir: Path) -> Path:
+    """A tokenizer-only byte-level model for the sim engine, made once under the data folder."""
+    from splitbus.tokenization.byte_level import write_byte_level_tokenizer
+
+    folder = data_dir / "models" / "tiny"
+    if not (folder / "config.json").exists():
+        vocab = write_byte_level_tokenizer(folder)
+        config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "vocab_size": vocab}
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
 def run(args: argparse.Namespace, env: Env) -> int:
-    if args.redis_url:
-        return _check_external(args.redis_url)
     try:
-        server = start_embedded(args)
-    except RedisServerError as exc:
+        counts = worker_counts(args)
+        if args.engine == "paddle":
+            raise ValueError("the paddle engine is not in this build yet; use --engine sim")
+    except ValueError as exc:
         say(f"splitbus up: {exc}")
-        return 1
+        return 2
+    server: EmbeddedRedis | None = None
+    supervisor = Supervisor()
     try:
-        say(f"Redis ready at {server.url} (embedded, data in {server.data_dir})")
-        say(f"  follow it: {find_redis_cli(server.executable)} -u {server.url}")
-        say(f"Not in this build yet: {', '.join(NOT_YET_BUILT)}. Only Redis is running")
-        say("(`splitbus api` exists, but has nothing to serve without workers).")
-        say("Ctrl-C stops everything.")
-        why = wait_for_stop(lambda: None if server.alive() else "redis-server exited")
+        server, url = _redis(args)
+        model = args.model or default_model(args.data_dir)
+        _start_parts(supervisor, args, url, model, counts)
+        why = _wait_ready(supervisor, args) or _announce(args, url, server) or wait_for_stop(supervisor.failed)
+    except (RedisServerError, ValueError) as exc:
+        say(f"splitbus up: {exc}")
+        why = "error"
     finally:
-        server.stop()
+        supervisor.stop()
+        if server is not None:
+            server.stop()
     say(f"stopped ({why})")
     return 0 if why in ("SIGINT", "SIGTERM") else 1
 
 
-def _check_external(url: str) -> int:
-    try:
-        redis.Redis.from_url(url, socket_timeout=3).ping()
-    except (redis.RedisError, OSError) as exc:
-        say(f"splitbus up: Redis at {url} is not reachable: {exc}")
-        return 1
-    say(f"Redis at {url} answers. Not in this build yet: {', '.join(NOT_YET_BUILT)}; nothing to start.")
-    return 0
+def _redis(args: argparse.Namespace) -> tuple[EmbeddedRedis | None, str]:
+    if args.redis_url:
+        return None, args.redis_url
+    server = start_embedded(args)
+    return server, server.url
+
+
+def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]) -> None:
+    prefill, decode, mixed = counts
+    mode = "mixed" if mixed and not prefill else "splitwise"
+    common = ["--redis-url", url]
+    for i in range(args.schedulers):
+        supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", ["scheduler", "--mode", mode, *common])
+    for role, n in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
+        for i in range(n):
+            worker = ["worker", "--role", role, "--engine", args.engine, "--model", str(model), *common, *args.worker_arg]
+            supervisor.start(f"{role}{i}", worker)
+    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model), *common]
+    for key in args.api_key:
+        api += ["--api-key", key]
+    supervisor.start("api", api)
+
+
+def _wait_ready(supervisor: Supervisor, args: argparse.Namespace) -> str | None:
+    """None once the API answers /ready; else why it never will."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        failure = supervisor.failed()
+        if failure:
+            return failure
+        try:
+            with urllib.request.urlopen(f"http://{args.host}:{args.port}/ready", timeout=1) as response:
+                if response.status == 200:
+                    return None
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return f"the API was not ready within {READY_TIMEOUT_S:.0f}s"
+
+
+def _announce(args: argparse.Namespace, url: str, server: EmbeddedRedis | None) -> None:
+    base = f"http://{args.host}:{args.port}"
+    auth = f" -H 'Authorization: Bearer {args.api_key[0]}'" if args.api_key else ""
+    cli = find_redis_cli(server.executable if server else None)
+    say(f"splitbus is up: API {base}/v1  Redis {url}")
+    say(f"  try: curl -sN {base}/v1/completions{auth} -H 'Content-Type: application/json' \\")
+    say("         -d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}'")
+    say(f"  watch: {cli} -u {url} XINFO GROUPS sb:requests")
+    say("Ctrl-C stops everything.")

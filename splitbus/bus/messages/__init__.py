@@ -1,6 +1,7 @@
 """Message types, one module per direction (who writes -> who reads).
 
 - ``requests``: API node -> scheduler (``sb:requests``)
+- ``tasks``: scheduler -> worker (``sb:tasks:{worker}``)
 - ``results``: worker -> API node (``sb:out:{request}``)
 - ``cancel``: anyone -> every worker and scheduler (``sb:cancel``)
 - ``dead``: any consumer -> operators (``sb:dead``)
@@ -12,6 +13,7 @@ from splitbus.bus.messages.cancel import Cancel
 from splitbus.bus.messages.dead import DeadLetter
 from splitbus.bus.messages.requests import GenerateRequest, SamplingParams
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+from splitbus.bus.messages.tasks import Task
 
 __all__ = [
     "Cancel",
@@ -21,5 +23,6 @@ __all__ = [
     "GenerateRequest",
     "Result",
     "SamplingParams",
+    "Task",
     "TokenDelta",
 ]

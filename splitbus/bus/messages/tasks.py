@@ -1,0 +1,42 @@
+"""Scheduler -> worker, on ``sb:tasks:{worker}``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from splitbus.bus.codec import message
+from splitbus.bus.messages._check import require, require_int, require_int_list, require_str
+from splitbus.bus.messages.requests import GenerateRequest
+
+PHASES = ("prefill", "decode", "mixed")
+
+
+@message
+@dataclass
+class Task:
+    """One phase of one request for one worker.
+
+    ``prefill``: compute the prompt's KV, publish the first token, ship the KV to ``peer`` (the
+    decode worker). ``decode``: reserve KV blocks, wait for ``peer``'s transfer, then decode.
+    ``mixed``: both on this worker. ``first_seq`` and ``output_token_ids`` let a request that
+    already streamed tokens continue where it stopped.
+    """
+
+    TYPE: ClassVar[str] = "task"
+    NESTED: ClassVar[dict[str, type]] = {"request": GenerateRequest}
+
+    phase: str
+    request: GenerateRequest
+    peer: str = ""
+    first_seq: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        require(self.phase in PHASES, f"phase must be one of {PHASES}")
+        require(isinstance(self.request, GenerateRequest), "request must be an object")
+        require(isinstance(self.peer, str), "peer must be a string")
+        if self.phase != "mixed":
+            require_str(self.peer, "peer")
+        require_int(self.first_seq, "first_seq", minimum=0)
+        require_int_list(self.output_token_ids, "output_token_ids")

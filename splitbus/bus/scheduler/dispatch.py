@@ -1,0 +1,55 @@
+"""Writing a request's tasks: one script that acks the request, marks it dispatched, reserves
+the chosen workers' load and XADDs every task, atomically.
+
+A crash before the script leaves the request pending (another replica claims it); after it,
+everything is written. A retried call finds the entry acked and does nothing, and a duplicate
+request entry (a retried XADD by an API node) finds the dispatched mark and is only acked: each
+request is dispatched exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec
+from splitbus.bus.config import BusConfig
+from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.messages import GenerateRequest, Task
+from splitbus.bus.scheduler.policy import Placement
+
+DISPATCHED = 1
+ALREADY_ACKED = 0
+DUPLICATE = -1
+
+_DISPATCH = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return -1 end
+for i = 0, tonumber(ARGV[4]) - 1 do
+  local worker, tasks, a = KEYS[3 + 2 * i], KEYS[4 + 2 * i], 5 + 6 * i
+  redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
+  redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
+  redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
+  redis.call('XADD', tasks, '*', 'type', ARGV[a + 3], 'data', ARGV[a + 4], 'ts', ARGV[a + 5])
+end
+return 1
+"""
+
+
+class Dispatcher:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, dispatched_ttl_s: int) -> None:
+        self._keys = config.keys
+        self._script = redis.register_script(_DISPATCH)
+        self._ttl = dispatched_ttl_s
+
+    async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement]) -> int:
+        """Returns DISPATCHED, ALREADY_ACKED or DUPLICATE."""
+        keys = [self._keys.requests, self._keys.dispatched(request.request_id)]
+        args: list[object] = [SCHEDULER_GROUP, entry_id, self._ttl, len(placements)]
+        for p in placements:
+            worker_id = p.worker.record.worker_id
+            keys += [self._keys.worker(worker_id), self._keys.tasks(worker_id)]
+            fields = codec.encode(Task(phase=p.phase, request=request, peer=p.peer))
+            args += [*dataclasses.astuple(p.reserve), fields[b"type"], fields[b"data"], fields[b"ts"]]
+        return int(await self._script(keys=keys, args=args))

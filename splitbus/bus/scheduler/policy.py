@@ -1,0 +1,106 @@
+"""Placement: pure functions over a registry snapshot, so they are tested on hand-made data.
+
+P is chosen by queued prefill tokens, D by free KV blocks then running requests. Among
+candidates within ``NEAR`` of the best, the choice is random, so scheduler replicas working
+from the same snapshot do not all pick the same worker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.registry import Reserved, WorkerInfo
+
+NEAR = 0.1
+"""Relative slack within which candidates count as equally loaded."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One task to write: the worker, the phase, the peer, and the load to reserve."""
+
+    worker: WorkerInfo
+    phase: str
+    peer: str
+    reserve: Reserved
+
+
+def blocks_needed(request: GenerateRequest, block_size: int) -> int:
+    return math.ceil((len(request.prompt_token_ids) + request.sampling.max_tokens) / max(block_size, 1))
+
+
+def free_blocks(worker: WorkerInfo, local: Reserved) -> int:
+    return worker.record.load.free_kv_blocks - worker.reserved.reserved_kv_blocks - local.reserved_kv_blocks
+
+
+def queued_prefill(worker: WorkerInfo, local: Reserved) -> int:
+    load = worker.record.load
+    return load.queued_prefill_tokens + worker.reserved.reserved_prefill_tokens + local.reserved_prefill_tokens
+
+
+def active_requests(worker: WorkerInfo, local: Reserved) -> int:
+    load = worker.record.load
+    return load.running + load.waiting + worker.reserved.reserved_requests + local.reserved_requests
+
+
+def choose(candidates: Sequence[WorkerInfo], cost: Callable[[WorkerInfo], float], rng: random.Random) -> WorkerInfo | None:
+    """A random candidate among those within NEAR of the lowest cost."""
+    if not candidates:
+        return None
+    best = min(cost(w) for w in candidates)
+    near = [w for w in candidates if cost(w) <= best + abs(best) * NEAR]
+    return rng.choice(near)
+
+
+def eligible(workers: Sequence[WorkerInfo], model: str, role: str) -> list[WorkerInfo]:
+    return [w for w in workers if w.alive and w.record.model == model and w.record.role == role]
+
+
+class Policy:
+    def __init__(self, mode: str, rng: random.Random | None = None) -> None:
+        self.mode = mode
+        self.rng = rng or random.Random()
+
+    def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+        """The tasks for one request, or the reason no placement exists now."""
+        if self.mode == "mixed":
+            return self._mixed(request, workers, local)
+        return self._splitwise(request, workers, local)
+
+    def _splitwise(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+        decode = self._decode_worker(request, eligible(workers, request.model, "decode"), local)
+        prefill = choose(eligible(workers, request.model, "prefill"), lambda w: queued_prefill(w, _get(local, w)), self.rng)
+        if prefill is None or decode is None:
+            missing = "prefill" if prefill is None else "decode"
+            return f"no live {missing} worker with room serves model '{request.model}'"
+        tokens = len(request.prompt_token_ids)
+        blocks = blocks_needed(request, decode.record.block_size)
+        return [
+            Placement(decode, "decode", prefill.record.worker_id, Reserved(reserved_requests=1, reserved_kv_blocks=blocks)),
+            Placement(prefill, "prefill", decode.record.worker_id, Reserved(reserved_prefill_tokens=tokens)),
+        ]
+
+    def _mixed(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+        worker = self._decode_worker(request, eligible(workers, request.model, "mixed"), local)
+        if worker is None:
+            return f"no live mixed worker with room serves model '{request.model}'"
+        blocks = blocks_needed(request, worker.record.block_size)
+        reserve = Reserved(len(request.prompt_token_ids), 1, blocks)
+        return [Placement(worker, "mixed", "", reserve)]
+
+    def _decode_worker(self, request: GenerateRequest, candidates: list[WorkerInfo], local: dict[str, Reserved]) -> WorkerInfo | None:
+        roomy = [w for w in candidates if free_blocks(w, _get(local, w)) >= blocks_needed(request, w.record.block_size)]
+        most_free = choose(roomy, lambda w: -free_blocks(w, _get(local, w)), self.rng)
+        if most_free is None:
+            return None
+        floor = free_blocks(most_free, _get(local, most_free))
+        tied = [w for w in roomy if free_blocks(w, _get(local, w)) >= floor - abs(floor) * NEAR]
+        return choose(tied, lambda w: active_requests(w, _get(local, w)), self.rng)
+
+
+def _get(local: dict[str, Reserved], worker: WorkerInfo) -> Reserved:
+    return local.get(worker.record.worker_id) or Reserved()

@@ -1,0 +1,34 @@
+"""``splitbus scheduler``: one scheduler replica."""
+
+from __future__ import annotations
+
+import argparse
+
+from splitbus.cli.common import run_service, say
+from splitbus.env import Env
+
+
+def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
+    p = subparsers.add_parser("scheduler", help="run one scheduler replica")
+    p.add_argument("--mode", choices=("splitwise", "mixed"), default="splitwise")
+    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
+    p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bus.config import BusConfig
+    from splitbus.bus.scheduler import Scheduler, SchedulerConfig
+
+    try:
+        config = SchedulerConfig(
+            bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix),
+            mode=args.mode,
+            no_worker_wait_s=args.no_worker_wait,
+            **({"name": args.name} if args.name else {}),
+        )
+    except ValueError as exc:
+        say(f"splitbus scheduler: {exc}")
+        return 2
+    return run_service(Scheduler(config))

@@ -1,0 +1,58 @@
+"""``splitbus worker``: one prefill, decode or mixed worker."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from splitbus.cli.common import run_service, say
+from splitbus.env import Env
+
+
+def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
+    p = subparsers.add_parser("worker", help="run one worker")
+    p.add_argument("--role", choices=("prefill", "decode", "mixed"), required=True)
+    p.add_argument("--engine", choices=("sim", "paddle"), default="sim")
+    p.add_argument("--model", type=Path, required=True, metavar="DIR", help="Hugging Face model folder")
+    p.add_argument("--served-model-name", default=None, help="default: the folder name")
+    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    p.add_argument("--worker-id", default=None, help="default: role, host and pid")
+    p.add_argument("--max-requests", type=int, default=64, help="requests held at once (default %(default)s)")
+    p.add_argument("--kv-blocks", type=int, default=8192, help="KV blocks of 16 tokens (default %(default)s)")
+    p.add_argument("--transfer-host", default="127.0.0.1", help="address of the KV transfer server")
+    p.add_argument("--transfer-port", type=int, default=0, help="port of the KV transfer server (default: free)")
+    p.add_argument("--kv-wait", type=float, default=30.0, help="seconds to wait for the peer's KV or reservation")
+    p.add_argument("--transfer-timeout", type=float, default=10.0)
+    p.add_argument("--sim-prefill-us-per-token", type=float, default=50.0)
+    p.add_argument("--sim-decode-step-ms", type=float, default=4.0)
+    p.add_argument("--sim-kv-bytes-per-token", type=int, default=4096)
+    p.set_defaults(run=run)
+
+
+def build_config(args: argparse.Namespace, env: Env) -> "WorkerConfig":
+    from splitbus.bus.config import BusConfig
+    from splitbus.worker.config import SimConfig, WorkerConfig
+
+    if args.engine == "paddle":
+        raise ValueError("the paddle engine is not in this build yet; use --engine sim")
+    sim = SimConfig(args.sim_prefill_us_per_token / 1e6, args.sim_decode_step_ms / 1e3, kv_bytes_per_token=args.sim_kv_bytes_per_token)
+    return WorkerConfig(
+        bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix), role=args.role, engine=args.engine,
+        model_dir=args.model, model_name=args.served_model_name or args.model.resolve().name,
+        worker_id=args.worker_id or "", max_requests=args.max_requests, total_kv_blocks=args.kv_blocks,
+        transfer_host=args.transfer_host, transfer_port=args.transfer_port, kv_wait_s=args.kv_wait,
+        transfer_timeout_s=args.transfer_timeout, sim=sim,
+    )
+
+
+def run(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.tokenization import ModelFilesError, ModelTokenizer
+    from splitbus.worker.worker import Worker
+
+    try:
+        config = build_config(args, env)
+        tokenizer = ModelTokenizer.load(config.model_dir, config.model_name)
+    except (ValueError, ModelFilesError) as exc:
+        say(f"splitbus worker: {exc}")
+        return 2
+    return run_service(Worker(config, tokenizer))

@@ -1,0 +1,69 @@
+"""Configuration of one worker process, validated once."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splitbus.bus.config import BusConfig
+
+ROLES = ("prefill", "decode", "mixed")
+ENGINES = ("sim",)
+
+
+def default_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cost model of the simulated engine (time is slept, not computed)."""
+
+    prefill_s_per_token: float = 0.00005
+    decode_step_s: float = 0.004
+    decode_s_per_seq: float = 0.0001
+    kv_bytes_per_token: int = 4096
+    """Bytes shipped from P to D per prompt token (Qwen2.5-0.5B in bf16 holds ~12 KiB)."""
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq) < 0 or self.kv_bytes_per_token < 1:
+            raise ValueError("sim costs must be >= 0 and kv_bytes_per_token >= 1")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    bus: BusConfig
+    role: str
+    model_dir: Path
+    model_name: str
+    engine: str = "sim"
+    worker_id: str = ""
+    max_requests: int = 64
+    """Requests held at once (queued, waiting for KV, running); beyond it the worker reads no task."""
+    max_prefill_tokens: int = 4096
+    """Prompt tokens in one prefill batch."""
+    total_kv_blocks: int = 8192
+    block_size: int = 16
+    heartbeat_s: float = 0.5
+    lease_ms: int = 3000
+    transfer_host: str = "127.0.0.1"
+    transfer_port: int = 0
+    """0: a free port."""
+    transfer_timeout_s: float = 10.0
+    kv_wait_s: float = 30.0
+    """How long P waits for D's reservation, and D for P's KV, before failing the request."""
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES} in this build, got {self.engine!r}")
+        if min(self.max_requests, self.max_prefill_tokens, self.total_kv_blocks, self.block_size) < 1:
+            raise ValueError("capacities must be >= 1")
+        if self.lease_ms < self.heartbeat_s * 2000:
+            raise ValueError("lease_ms must cover at least two heartbeats")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", default_worker_id(self.role))

@@ -1,0 +1,46 @@
+"""One request's state on a worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitbus.bus.messages import GenerateRequest, Task
+from splitbus.worker.text import TextStream
+
+
+@dataclass(eq=False)
+class Sequence:
+    task: Task
+    entry_id: str
+    text: TextStream
+    blocks: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    kv: bytes | None = None
+    finish_reason: str | None = None
+
+    @property
+    def request(self) -> GenerateRequest:
+        return self.task.request
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.task.request.prompt_token_ids)
+
+    def add_token(self, token_id: int, eos_ids: tuple[int, ...]) -> str:
+        """Append a generated token; returns the text it releases and sets ``finish_reason``."""
+        self.output_ids.append(token_id)
+        text = self.text.push([token_id])
+        sampling = self.request.sampling
+        if self.text.stopped or token_id in sampling.stop_token_ids or (token_id in eos_ids and not sampling.ignore_eos):
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= sampling.max_tokens:
+            self.finish_reason = "length"
+        return text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,385 @@
+"""A worker process: pull tasks while there is room, step the engine, publish results.
+
+Roles: a ``prefill`` worker prefills, publishes the first token and hands the KV cache to the
+decode worker named in its task; a ``decode`` worker reserves KV blocks, waits for that cache
+and decodes; a ``mixed`` worker does both. Tasks are acked once their work is handed on: by P
+when D has the cache, by D when the final entry is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any, Coroutine
+
+from splitbus.bus.aio import cancel_and_wait
+from splitbus.bus.cancel import CancelListener, publish_cancel
+from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.messages import Task
+from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
+from splitbus.bus.results import ResultWriter
+from splitbus.bus.scheduler.policy import blocks_needed
+from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.links import PeerLinks
+from splitbus.worker.sequence import Sequence
+from splitbus.worker.sim import SimEngine
+from splitbus.worker.text import TextStream
+from splitbus.worker.transfer import TransferClient, TransferError, TransferServer
+
+log = logging.getLogger(__name__)
+KV_TTL_S = 300
+RECENT_CANCELS = 10_000
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, tokenizer: ModelTokenizer) -> None:
+        self.config = config
+        self.id = config.worker_id
+        self.tokenizer = tokenizer
+        self.engine = SimEngine(config.sim, tokenizer)
+        self.redis = connect(config.bus, max_connections=16, name=self.id)
+        self.keys = config.bus.keys
+        self.registry = Registry(self.redis, config.bus)
+        self.tasks = GroupConsumer(self.redis, config.bus, self.keys.tasks(self.id), WORKER_GROUP, self.id)
+        self.writer = ResultWriter(self.redis, config.bus)
+        self.cancels = CancelListener(self.redis, config.bus)
+        self.server = TransferServer(self.id, self.import_kv)
+        self.links = PeerLinks(self.redis, config.bus, self.id, TransferClient(self.id, config.transfer_timeout_s))
+        self.endpoint = ""
+        self.queued: deque[Sequence] = deque()  # to prefill
+        self.awaiting_kv: dict[str, tuple[Sequence, float]] = {}  # decode: waiting for P's cache
+        self.running: list[Sequence] = []  # decoding
+        self.handing_off: dict[str, Sequence] = {}  # prefill: cache on its way to D
+        self.done_entries: list[str] = []  # task entries to ack at the next publish
+        self.stale_reservations: list[str] = []  # sb:kv keys of requests that left
+        self.free_blocks = config.total_kv_blocks
+        self.recently_cancelled: dict[str, float] = {}
+        self.counters = {"prefills_done": 0, "decodes_done": 0}
+        self.wake = asyncio.Event()
+        self.room = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------ main loop
+
+    async def run(self) -> None:
+        await self.start()
+        try:
+            while not self.stopping.is_set():
+                await self.step()
+        finally:
+            await self.close()
+
+    async def step(self) -> None:
+        await self.wait_for_work()
+        await self.prefill_queued()
+        await self.decode_running()
+        await self.publish()
+
+    # ------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port)
+        await self.tasks.ensure_group()
+        await self.cancels.start()
+        await self.registry.register(self.record(), self.config.lease_ms)
+        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels):
+            self.spawn(self._forever(loop))
+        log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
+
+    async def close(self) -> None:
+        self.stopping.set()
+        self.room.set()
+        await cancel_and_wait(self._background)
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            await self.registry.deregister(self.id)
+        await self.server.close()
+        await self.links.client.close()
+        await self.redis.aclose()
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.id, role=self.config.role, model=self.config.model_name, engine=self.config.engine,
+            transfer_endpoint=self.endpoint, block_size=self.config.block_size,
+            max_model_len=self.tokenizer.context_length, load=self.load(),
+        )
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            running=len(self.running) + len(self.handing_off),
+            waiting=len(self.queued) + len(self.awaiting_kv),
+            queued_prefill_tokens=sum(s.prompt_len for s in self.queued),
+            free_kv_blocks=self.free_blocks,
+            total_kv_blocks=self.config.total_kv_blocks,
+            **self.counters,
+        )
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _forever(self, loop: Any) -> None:
+        """Run a background loop; Redis outages are retried, anything else stops the worker."""
+        while not self.stopping.is_set():
+            try:
+                await loop()
+            except TRANSIENT_ERRORS as exc:
+                log.warning("%s: Redis unavailable (%s); retrying", loop.__name__, exc)
+                await asyncio.sleep(0.5)
+            except Exception:
+                log.exception("%s failed; stopping the worker", loop.__name__)
+                self.stopping.set()
+                self.wake.set()
+
+    # ------------------------------------------------------------ bus edges
+
+    async def heartbeat(self) -> None:
+        while not self.stopping.is_set():
+            await self.registry.heartbeat(self.id, self.load(), self.config.lease_ms)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    def held(self) -> int:
+        return len(self.queued) + len(self.awaiting_kv) + len(self.running) + len(self.handing_off)
+
+    async def feed_tasks(self) -> None:
+        """Read tasks only while there is room for them."""
+        while not self.stopping.is_set():
+            room = self.config.max_requests - self.held()
+            if room <= 0:
+                self.room.clear()
+                await self.room.wait()
+                continue
+            deliveries = await self.tasks.read(room)
+            await self.release_reservations(deliveries)
+            for delivery in deliveries:
+                await self.accept(delivery)
+            self.wake.set()
+
+    async def release_reservations(self, deliveries: list[Delivery]) -> None:
+        totals = Reserved()
+        for d in deliveries:
+            if isinstance(d.message, Task):
+                r = d.message.request
+                decode = d.message.phase != "prefill"
+                totals.reserved_prefill_tokens += 0 if d.message.phase == "decode" else len(r.prompt_token_ids)
+                totals.reserved_requests += 1 if decode else 0
+                totals.reserved_kv_blocks += blocks_needed(r, self.config.block_size) if decode else 0
+        await self.registry.release(self.id, totals)
+
+    async def accept(self, delivery: Delivery) -> None:
+        task = delivery.message
+        if not isinstance(task, Task):
+            await self.tasks.dead_letter(delivery, "handler_failed")
+            return
+        seq = Sequence(task, delivery.entry_id, TextStream(self.tokenizer, task.request.sampling.stop))
+        if task.request.request_id in self.recently_cancelled:
+            self.done_entries.append(delivery.entry_id)
+            return
+        if task.phase != "decode":
+            self.writer.open(seq.request_id, first_seq=task.first_seq)
+            seq.output_ids = list(task.output_token_ids)
+            seq.text.push(seq.output_ids)
+        if task.phase == "prefill":
+            self.queued.append(seq)
+        elif self.take_blocks(seq):
+            await self.accept_with_blocks(seq)
+
+    async def accept_with_blocks(self, seq: Sequence) -> None:
+        if seq.task.phase == "mixed":
+            self.queued.append(seq)
+            return
+        self.awaiting_kv[seq.request_id] = (seq, time.monotonic() + self.config.kv_wait_s)
+        reservation = {"decode_worker": self.id, "endpoint": self.endpoint, "blocks": str(seq.blocks), "prefill_worker": seq.task.peer}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.kv(seq.request_id), mapping=reservation)
+        pipe.expire(self.keys.kv(seq.request_id), KV_TTL_S)
+        await pipe.execute()
+
+    def take_blocks(self, seq: Sequence) -> bool:
+        needed = blocks_needed(seq.request, self.config.block_size)
+        if needed > self.free_blocks:
+            self.fail(seq, "out_of_kv_blocks", f"worker {self.id} has {self.free_blocks} free KV blocks, needs {needed}", 503)
+            return False
+        self.free_blocks -= needed
+        seq.blocks = needed
+        return True
+
+    async def listen_for_cancels(self) -> None:
+        while not self.stopping.is_set():
+            for cancel in await self.cancels.poll():
+                self.drop(cancel.request_id)
+
+    # ------------------------------------------------------------ engine steps
+
+    async def wait_for_work(self) -> None:
+        self.expire_waits()
+        if self.queued or self.running or self.done_entries or self.writer.pending or self.stale_reservations:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), 0.5)
+        self.wake.clear()
+
+    async def prefill_queued(self) -> None:
+        batch = self.next_prefill_batch()
+        if not batch:
+            return
+        await self.engine.prefill(batch)
+        for seq in batch:
+            self.emit(seq, self.engine.next_token(seq))
+            self.after_prefill(seq)
+
+    def next_prefill_batch(self) -> list[Sequence]:
+        batch, tokens = [], 0
+        while self.queued and (not batch or tokens + self.queued[0].prompt_len <= self.config.max_prefill_tokens):
+            seq = self.queued.popleft()
+            batch.append(seq)
+            tokens += seq.prompt_len
+        return batch
+
+    def after_prefill(self, seq: Sequence) -> None:
+        self.counters["prefills_done"] += 1
+        if seq.task.phase == "mixed" and not seq.finished:
+            self.running.append(seq)
+        elif seq.finished:  # done at its first token: D has nothing to decode
+            self.finish(seq)
+            if seq.task.phase == "prefill":
+                self.cancel_peer(seq, "finished_on_prefill")
+        else:
+            self.handing_off[seq.request_id] = seq
+            self.spawn(self.hand_off(seq))
+
+    async def decode_running(self) -> None:
+        if not self.running:
+            return
+        await self.engine.decode(self.running)
+        for seq in self.running:
+            self.emit(seq, self.engine.next_token(seq))
+        for seq in [s for s in self.running if s.finished]:
+            self.running.remove(seq)
+            self.counters["decodes_done"] += 1
+            self.finish(seq)
+
+    def emit(self, seq: Sequence, token_id: int) -> None:
+        self.writer.tokens(seq.request_id, [token_id], seq.add_token(token_id, self.engine.eos_token_ids))
+
+    def finish(self, seq: Sequence) -> None:
+        text = seq.text.flush()
+        self.writer.finish(seq.request_id, seq.finish_reason or "stop", seq.prompt_len, len(seq.output_ids), text)
+        self.retire(seq)
+
+    def fail(self, seq: Sequence, code: str, message: str, status: int) -> None:
+        log.warning("request %s failed: %s", seq.request_id, message)
+        self.writer.fail(seq.request_id, code, message, status)
+        self.retire(seq)
+
+    def retire(self, seq: Sequence) -> None:
+        """The request leaves this worker: free its blocks, ack its task at the next publish."""
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        self.done_entries.append(seq.entry_id)
+        self.writer.forget(seq.request_id)
+        if seq.task.phase == "decode":
+            self.stale_reservations.append(self.keys.kv(seq.request_id))
+        self.room.set()
+
+    async def publish(self) -> None:
+        if self.writer.pending:
+            await self.writer.flush()
+        if self.done_entries:
+            done, self.done_entries = self.done_entries, []
+            await self.tasks.ack(*done)
+        if self.stale_reservations:
+            stale, self.stale_reservations = self.stale_reservations, []
+            await self.redis.delete(*stale)
+
+    # ------------------------------------------------------------ P -> D hand-off
+
+    async def hand_off(self, seq: Sequence) -> None:
+        """Ship the cache to the decode worker named in the task, then ack (or fail) the task."""
+        try:
+            endpoint = await self.wait_for_reservation(seq)
+            await self.links.ensure(seq.task.peer, endpoint)
+            meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id), "from": self.id}
+            await self.links.client.send(endpoint, seq.request_id, meta, seq.kv or b"")
+        except (TransferError, asyncio.TimeoutError) as exc:
+            self.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
+            self.cancel_peer(seq, "kv_transfer_failed")
+        else:
+            self.retire(seq)
+        finally:
+            self.handing_off.pop(seq.request_id, None)
+            seq.kv = None
+            self.wake.set()
+
+    async def wait_for_reservation(self, seq: Sequence) -> str:
+        """D's transfer endpoint, once D has reserved blocks for the request."""
+        deadline = time.monotonic() + self.config.kv_wait_s
+        delay = 0.002
+        while time.monotonic() < deadline:
+            endpoint = await self.redis.hget(self.keys.kv(seq.request_id), "endpoint")
+            if endpoint:
+                return endpoint.decode()
+            if seq.request_id in self.recently_cancelled:
+                raise TransferError("the request was cancelled")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        raise TransferError(f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s")
+
+    def import_kv(self, request_id: str, meta: dict[str, Any], payload: bytes) -> str | None:
+        """Transfer-server callback on D: take the cache and the tokens P generated."""
+        entry = self.awaiting_kv.pop(request_id, None)
+        if entry is None:
+            return f"decode worker {self.id} holds no reservation for {request_id}"
+        seq = entry[0]
+        error = self.engine.import_kv(seq, payload)
+        if error:
+            self.fail(seq, "kv_import_failed", error, 500)
+            return error
+        seq.output_ids = list(meta["output_token_ids"])
+        seq.text.push(seq.output_ids)  # replay: the same text state P had
+        self.writer.open(request_id, first_seq=int(meta["next_seq"]))
+        self.running.append(seq)
+        self.wake.set()
+        return None
+
+    def cancel_peer(self, seq: Sequence, reason: str) -> None:
+        self.spawn(publish_cancel(self.redis, self.config.bus, seq.request_id, reason))
+
+    # ------------------------------------------------------------ cancellation and deadlines
+
+    def drop(self, request_id: str) -> None:
+        """Forget a cancelled request wherever it is here, freeing its blocks."""
+        self.recently_cancelled[request_id] = time.monotonic()
+        while len(self.recently_cancelled) > RECENT_CANCELS:
+            self.recently_cancelled.pop(next(iter(self.recently_cancelled)))
+        seq = self._remove(request_id)
+        if seq is not None:
+            log.info("dropped cancelled request %s", request_id)
+            self.retire(seq)
+            self.wake.set()
+
+    def _remove(self, request_id: str) -> Sequence | None:
+        for seq in list(self.queued):
+            if seq.request_id == request_id:
+                self.queued.remove(seq)
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                return seq
+        entry = self.awaiting_kv.pop(request_id, None)
+        return entry[0] if entry else None
+
+    def expire_waits(self) -> None:
+        now = time.monotonic()
+        for request_id, (seq, deadline) in list(self.awaiting_kv.items()):
+            if now > deadline:
+                del self.awaiting_kv[request_id]
+                self.fail(seq, "kv_transfer_timeout", f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s", 503)
