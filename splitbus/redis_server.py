@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import os
 import re
 import shutil
 import signal

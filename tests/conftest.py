@@ -35,6 +35,20 @@ async def redis(bus_config: BusConfig) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer-only model folder: byte-level tokenizer, ChatML template, 512-token context."""
+    import json
+
+    from splitbus.tokenization.byte_level import write_byte_level_tokenizer
+
+    folder = tmp_path_factory.mktemp("models") / "tiny"
+    vocab = write_byte_level_tokenizer(folder)
+    config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 512, "vocab_size": vocab}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent

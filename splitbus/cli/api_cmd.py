@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from splitbus.cli.common import say
 from splitbus.env import Env
+
+if TYPE_CHECKING:
+    from splitbus.api.config import ApiConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:

@@ -28,6 +28,7 @@ class Supervisor:
     def __init__(self) -> None:
         self.children: list[Child] = []
         self._print_lock = threading.Lock()
+        self._reported: set[str] = set()
 
     def start(self, name: str, args: list[str]) -> Child:
         proc = subprocess.Popen(
@@ -48,11 +49,18 @@ class Supervisor:
                 print(f"{name:<10}| {line}", flush=True)
 
     def failed(self) -> str | None:
-        """Why the system cannot go on: a child that exited by itself."""
+        """Why the system cannot go on: the API exited, or every scheduler did. A worker that
+        exits is reported once and the rest go on serving (its requests fail or move)."""
         for child in self.children:
             code = child.proc.poll()
-            if code is not None:
-                return f"{child.name} exited with code {code}"
+            if code is not None and child.name not in self._reported:
+                self._reported.add(child.name)
+                print(f"{child.name} exited with code {code}", flush=True)
+        if any(c.name == "api" and c.proc.poll() is not None for c in self.children):
+            return "the API exited"
+        schedulers = [c for c in self.children if c.name.startswith("scheduler")]
+        if schedulers and all(c.proc.poll() is not None for c in schedulers):
+            return "every scheduler exited"
         return None
 
     def stop(self, timeout_s: float = 10.0) -> None:

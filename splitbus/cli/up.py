@@ -70,6 +70,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     server: EmbeddedRedis | None = None
     supervisor = Supervisor()
     try:
+        _check_port_free(args.host, args.port)
         server, url = _redis(args)
         model = args.model or default_model(args.data_dir)
         _start_parts(supervisor, args, url, model, counts)
@@ -87,9 +88,32 @@ def run(args: argparse.Namespace, env: Env) -> int:
 
 def _redis(args: argparse.Namespace) -> tuple[EmbeddedRedis | None, str]:
     if args.redis_url:
+        _check_reachable(args.redis_url)
         return None, args.redis_url
     server = start_embedded(args)
     return server, server.url
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before starting anything: otherwise another server on the port would answer our
+    readiness probe."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is fine
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}; pass another --port") from None
+
+
+def _check_reachable(url: str) -> None:
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3).ping()
+    except (redis.RedisError, OSError) as exc:
+        raise ValueError(f"Redis at {url} is not reachable: {exc}") from None
 
 
 def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]) -> None:

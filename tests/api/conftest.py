@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,19 +17,9 @@ import pytest
 from splitbus.bus.config import BusConfig
 from splitbus.redis_server import EmbeddedRedis, free_port
 from splitbus.tokenization import ModelTokenizer
-from splitbus.tokenization.byte_level import write_byte_level_tokenizer
 from tests.api.responder import Responder
 
 CONTEXT = 512
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("models") / "tiny"
-    vocab = write_byte_level_tokenizer(folder)
-    config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": CONTEXT, "vocab_size": vocab}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 @dataclass

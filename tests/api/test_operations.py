@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
 import redis as sync_redis
 
 from splitbus.bus import codec

@@ -8,19 +8,36 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from splitbus.redis_server import find_redis_cli
-from tests.test_redis_server import _pid_alive, _wait_gone
+from tests.test_redis_server import _wait_gone
 
 SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]
+
+
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers() -> Iterator[None]:
+    """A failed assertion must not leave a server running (it would hold ports for later tests)."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("SPLITBUS_REDIS_URL", None)
-    return subprocess.Popen(SPLITBUS + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(SPLITBUS + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    _STARTED.append(proc)
+    return proc
 
 
 def _read_until(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
@@ -52,22 +69,38 @@ def test_splitbus_redis_answers_ping_and_stops_without_orphan(tmp_path: Path, st
     assert (tmp_path / "redis" / "redis.log").exists()
 
 
-def test_splitbus_up_starts_what_exists_and_says_so(tmp_path: Path) -> None:
-    proc = _start(["up", "--data-dir", str(tmp_path)], tmp_path)
-    url = _read_until(proc, r"Redis ready at (redis://\S+)").group(1)
-    _read_until(proc, r"Not in this build yet: scheduler, prefill/decode workers")
-    redis_pid = _redis_pid(url)
-    assert _pid_alive(redis_pid)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(15) == 0
-    assert _wait_gone(redis_pid)
-
-
 def test_splitbus_up_with_unreachable_redis_fails_clearly(tmp_path: Path) -> None:
-    proc = _start(["up", "--redis-url", "redis://127.0.0.1:1/0"], tmp_path)
+    proc = _start(["up", "--redis-url", "redis://127.0.0.1:1/0", "--port", "1"], tmp_path)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1
-    assert "not reachable" in out
+    assert "Redis at redis://127.0.0.1:1/0 is not reachable" in out
+
+
+def test_splitbus_up_refuses_a_busy_port(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _start(["up", "--port", str(port), "--data-dir", str(tmp_path)], tmp_path)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prefill", "1", "--decode", "0"], "prefill and decode workers come together"),
+        (["--prefill", "0", "--decode", "0"], "need at least one worker"),
+        (["--engine", "paddle"], "paddle engine is not in this build yet"),
+    ],
+)
+def test_splitbus_up_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = _start(["up", *args], tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and message in out
 
 
 def test_second_redis_on_same_data_dir_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,69 @@
+"""The dispatch script against real Redis: exactly once, reservations, tasks."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec
+from splitbus.bus.config import BusConfig
+from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.registry import Registry, Reserved, WorkerRecord
+from splitbus.bus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, Dispatcher
+from splitbus.bus.scheduler.policy import Placement
+from splitbus.bus.streams import GroupConsumer, Producer
+from tests.bus.scheduler.test_policy import request, worker
+
+
+async def _setup(redis: aioredis.Redis, config: BusConfig) -> GroupConsumer:
+    registry = Registry(redis, config)
+    for wid, role in (("p", "prefill"), ("d", "decode")):
+        await registry.register(WorkerRecord(worker_id=wid, role=role, model="m"), 5000)
+    consumer = GroupConsumer(redis, config, config.keys.requests, SCHEDULER_GROUP, "s1")
+    await consumer.ensure_group()
+    return consumer
+
+
+def _plan() -> list[Placement]:
+    return [
+        Placement(worker("d", "decode"), "decode", "p", Reserved(0, 1, 8)),
+        Placement(worker("p", "prefill"), "prefill", "d", Reserved(100, 0, 0)),
+    ]
+
+
+async def test_dispatch_writes_tasks_reserves_and_acks_once(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    delivery = (await consumer.read(1))[0]
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    # A retried call (reply lost) changes nothing.
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == ALREADY_ACKED
+    tasks = {w: [codec.decode(f) for _, f in await redis.xrange(bus_config.keys.tasks(w))] for w in ("p", "d")}
+    assert [(t.phase, t.peer, t.request.request_id) for t in tasks["p"]] == [("prefill", "d", "r")]
+    assert [(t.phase, t.peer) for t in tasks["d"]] == [("decode", "p")]
+    snap = {w.record.worker_id: w.reserved for w in await Registry(redis, bus_config).snapshot()}
+    assert snap == {"p": Reserved(100, 0, 0), "d": Reserved(0, 1, 8)}
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
+async def test_duplicate_request_entry_is_acked_not_dispatched(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer = await _setup(redis, bus_config)
+    producer = Producer(redis, bus_config)
+    await producer.send(bus_config.keys.requests, request())
+    await producer.send(bus_config.keys.requests, request())  # an API's retried XADD
+    first, second = await consumer.read(2)
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) == DISPATCHED
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
+    assert await redis.xlen(bus_config.keys.tasks("p")) == 1
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
+async def test_worker_releases_its_reservation(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    await _setup(redis, bus_config)
+    registry = Registry(redis, bus_config)
+    await redis.hincrby(bus_config.keys.worker("d"), "reserved_kv_blocks", 8)
+    await redis.hincrby(bus_config.keys.worker("d"), "reserved_requests", 1)
+    await registry.release("d", Reserved(0, 1, 8))
+    snap = {w.record.worker_id: w.reserved for w in await registry.snapshot()}
+    assert snap["d"] == Reserved()

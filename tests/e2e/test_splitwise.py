@@ -1,0 +1,98 @@
+"""A request goes in over HTTP, P prefills, D decodes, tokens stream back (sim engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import openai
+
+from splitbus.worker.sim import sim_text
+from tests.e2e.conftest import System, start_system, stop_system
+
+
+def _client(system: System) -> openai.OpenAI:
+    return openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+
+
+def test_streamed_chat_and_completion(system: System) -> None:
+    chunks = list(_client(system).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=20, seed=11, stream=True
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == sim_text(11, 20)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    completion = list(_client(system).completions.create(model="tiny", prompt="Hello", max_tokens=7, seed=5, stream=True))
+    assert "".join(c.choices[0].text for c in completion) == sim_text(5, 7)
+
+
+def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> str:
+        stream = await client.completions.create(model="tiny", prompt=f"request {i}", max_tokens=10 + i, seed=1000 + i, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(50)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(all_of_them()) == [sim_text(1000 + i, 10 + i) for i in range(50)]
+
+    def work_done() -> tuple[int, int]:  # as the workers' heartbeats (every 0.5 s) report it
+        r = system.redis()
+        by_role = {w["role"]: w for w in (r.hgetall(f"sb:worker:{{{wid}}}") for wid in r.zrange("sb:workers", 0, -1))}
+        return int(by_role["prefill"]["prefills_done"]), int(by_role["decode"]["decodes_done"])
+
+    deadline = time.monotonic() + 5
+    while min(work_done()) < 50 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    prefills, decodes = work_done()
+    assert prefills >= 50 and decodes >= 50
+
+
+def test_prefill_and_decode_are_linked_through_rdma_keys(system: System) -> None:
+    _client(system).completions.create(model="tiny", prompt="link", max_tokens=3)
+    r = system.redis()
+    keys = r.keys("sb:rdma:*")
+    assert len(keys) == 1
+    link = r.hgetall(keys[0])
+    assert link["state"] == "connected"
+    assert link["prefill"].startswith("prefill-") and link["decode"].startswith("decode-")
+    assert 0 < r.ttl(keys[0]) <= 60
+
+
+def test_mixed_worker_serves_the_same_requests(tmp_path: Path) -> None:
+    system = start_system(tmp_path, "--mixed", "1", "--prefill", "0", "--decode", "0")
+    try:
+        client = _client(system)
+        for seed in (1, 2, 3):
+            reply = client.completions.create(model="tiny", prompt="x", max_tokens=15, seed=seed)
+            assert reply.choices[0].text == sim_text(seed, 15)
+        roles = {system.redis().hget(f"sb:worker:{{{w}}}", "role") for w in system.redis().zrange("sb:workers", 0, -1)}
+        assert roles == {"mixed"}
+    finally:
+        assert stop_system(system) == []
+
+
+def test_dead_decode_worker_gives_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    system = start_system(tmp_path, "--worker-arg=--kv-wait", "--worker-arg=2")
+    try:
+        client = _client(system)
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=3, seed=1).choices[0].text == sim_text(1, 3)
+        import os
+        import signal
+
+        os.kill(system.pid_of(r"--role decode"), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            client.completions.create(model="tiny", prompt="x", max_tokens=3)
+            raise AssertionError("a request succeeded without a decode worker")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            assert "decode" in str(exc.body)
+        assert time.monotonic() - started < 30  # bounded by --kv-wait / the no-worker wait, not a hang
+    finally:
+        stop_system(system)
