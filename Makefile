@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 $(BIN)/splitbus: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/pip install --quiet -e '.[test,bench,paddle]'
 	touch $@
 
 ## Run the whole system (embedded Redis unless SPLITBUS_REDIS_URL is set).

@@ -22,7 +22,7 @@ READY_TIMEOUT_S = 60.0
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("up", help="run the whole system (embedded Redis unless --redis-url)")
     p.add_argument("--redis-url", default=env.redis_url, help="use this Redis instead of starting one")
-    p.add_argument("--engine", choices=("paddle", "sim"), default="sim", help="worker engine (default %(default)s; paddle is not in this build yet)")
+    p.add_argument("--engine", choices=("paddle", "sim"), default="paddle", help="worker engine (default %(default)s)")
     p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --mixed)")
@@ -47,12 +47,21 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     return prefill, decode, mixed
 
 
-def default_model(data_dir: Path) -> Path:
-    """A tokenizer-only byte-level model for the sim engine, made once under the data folder."""
+def default_model(data_dir: Path, engine: str) -> Path:
+    """A tiny model made once under the data folder: random weights for the paddle engine, the
+    tokenizer alone for the sim engine (which needs no paddle install)."""
     from splitbus.tokenization.byte_level import write_byte_level_tokenizer
 
     folder = data_dir / "models" / "tiny"
-    if not (folder / "config.json").exists():
+    if engine == "paddle" and not (folder / "model.safetensors").exists():
+        from splitbus.gpu_ops import device
+
+        device.prepare()
+        from splitbus.worker.paddle.tiny import make_tiny_model
+
+        say(f"making a tiny random llama model in {folder} (first run)")
+        make_tiny_model(folder)
+    elif not (folder / "config.json").exists():
         vocab = write_byte_level_tokenizer(folder)
         config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "vocab_size": vocab}
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -62,8 +71,6 @@ def default_model(data_dir: Path) -> Path:
 def run(args: argparse.Namespace, env: Env) -> int:
     try:
         counts = worker_counts(args)
-        if args.engine == "paddle":
-            raise ValueError("the paddle engine is not in this build yet; use --engine sim")
     except ValueError as exc:
         say(f"splitbus up: {exc}")
         return 2
@@ -72,10 +79,10 @@ def run(args: argparse.Namespace, env: Env) -> int:
     try:
         _check_port_free(args.host, args.port)
         server, url = _redis(args)
-        model = args.model or default_model(args.data_dir)
+        model = args.model or default_model(args.data_dir, args.engine)
         _start_parts(supervisor, args, url, model, counts)
         why = _wait_ready(supervisor, args) or _announce(args, url, server) or wait_for_stop(supervisor.failed)
-    except (RedisServerError, ValueError) as exc:
+    except (RedisServerError, ValueError, ImportError) as exc:
         say(f"splitbus up: {exc}")
         why = "error"
     finally:

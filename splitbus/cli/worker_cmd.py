@@ -10,7 +10,10 @@ from splitbus.cli.common import run_service, say
 from splitbus.env import Env
 
 if TYPE_CHECKING:
+    from splitbus.tokenization import ModelTokenizer
     from splitbus.worker.config import WorkerConfig
+    from splitbus.worker.engine import Engine
+    from splitbus.worker.paddle.config import ModelConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -22,7 +25,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
     p.add_argument("--worker-id", default=None, help="default: role, host and pid")
     p.add_argument("--max-requests", type=int, default=64, help="requests held at once (default %(default)s)")
-    p.add_argument("--kv-blocks", type=int, default=8192, help="KV blocks of 16 tokens (default %(default)s)")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks of 16 tokens (default: 8192 for sim; from --kv-cache-mb for paddle)")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="paddle: memory for the KV cache (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="paddle: math threads on the CPU (default %(default)s)")
     p.add_argument("--transfer-host", default="127.0.0.1", help="address of the KV transfer server")
     p.add_argument("--transfer-port", type=int, default=0, help="port of the KV transfer server (default: free)")
     p.add_argument("--kv-wait", type=float, default=30.0, help="seconds to wait for the peer's KV or reservation")
@@ -37,16 +42,37 @@ def build_config(args: argparse.Namespace, env: Env) -> "WorkerConfig":
     from splitbus.bus.config import BusConfig
     from splitbus.worker.config import SimConfig, WorkerConfig
 
-    if args.engine == "paddle":
-        raise ValueError("the paddle engine is not in this build yet; use --engine sim")
     sim = SimConfig(args.sim_prefill_us_per_token / 1e6, args.sim_decode_step_ms / 1e3, kv_bytes_per_token=args.sim_kv_bytes_per_token)
     return WorkerConfig(
         bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix), role=args.role, engine=args.engine,
         model_dir=args.model, model_name=args.served_model_name or args.model.resolve().name,
-        worker_id=args.worker_id or "", max_requests=args.max_requests, total_kv_blocks=args.kv_blocks,
+        worker_id=args.worker_id or "", max_requests=args.max_requests, total_kv_blocks=args.kv_blocks or 8192,
         transfer_host=args.transfer_host, transfer_port=args.transfer_port, kv_wait_s=args.kv_wait,
-        transfer_timeout_s=args.transfer_timeout, sim=sim,
+        transfer_timeout_s=args.transfer_timeout, sim=sim, threads=args.threads,
     )
+
+
+def build_engine(config: "WorkerConfig", tokenizer: "ModelTokenizer", args: argparse.Namespace) -> "Engine":
+    """The engine named by the config; paddle is imported only here, after the CPU tuning."""
+    if config.engine == "sim":
+        from splitbus.worker.sim import SimEngine
+
+        return SimEngine(config.sim, tokenizer, config.total_kv_blocks, config.block_size)
+    from splitbus.gpu_ops import device
+
+    device.prepare(config.threads)
+    try:
+        from splitbus.worker.paddle.config import ModelConfig
+        from splitbus.worker.paddle.engine import PaddleEngine
+    except ImportError as exc:
+        raise ValueError(f"the paddle engine needs PaddlePaddle: pip install 'splitbus[paddle]' ({exc})") from None
+    blocks = args.kv_blocks or _blocks_for(ModelConfig.load(config.model_dir), args.kv_cache_mb, config.block_size)
+    return PaddleEngine.load(config.model_dir, tokenizer.eos_token_ids, blocks, config.block_size, config.threads)
+
+
+def _blocks_for(model: "ModelConfig", megabytes: int, block_size: int) -> int:
+    bytes_per_block = 2 * model.layers * model.kv_heads * model.head_dim * 4 * block_size  # K and V, fp32
+    return max(2, megabytes * 1024 * 1024 // bytes_per_block)
 
 
 def run(args: argparse.Namespace, env: Env) -> int:
@@ -56,7 +82,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
     try:
         config = build_config(args, env)
         tokenizer = ModelTokenizer.load(config.model_dir, config.model_name)
+        engine = build_engine(config, tokenizer, args)
     except (ValueError, ModelFilesError) as exc:
         say(f"splitbus worker: {exc}")
         return 2
-    return run_service(Worker(config, tokenizer))
+    return run_service(Worker(config, tokenizer, engine))

@@ -10,7 +10,7 @@ from pathlib import Path
 from splitbus.bus.config import BusConfig
 
 ROLES = ("prefill", "decode", "mixed")
-ENGINES = ("sim",)
+ENGINES = ("sim", "paddle")
 
 
 def default_worker_id(role: str) -> str:
@@ -55,12 +55,14 @@ class WorkerConfig:
     kv_wait_s: float = 30.0
     """How long P waits for D's reservation, and D for P's KV, before failing the request."""
     sim: SimConfig = field(default_factory=SimConfig)
+    threads: int = 1
+    """Math threads of the paddle engine on the CPU (1 when several workers share few cores)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES} in this build, got {self.engine!r}")
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if min(self.max_requests, self.max_prefill_tokens, self.total_kv_blocks, self.block_size) < 1:
             raise ValueError("capacities must be >= 1")
         if self.lease_ms < self.heartbeat_s * 2000:

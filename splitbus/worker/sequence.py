@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from splitbus.bus.messages import GenerateRequest, Task
@@ -14,9 +15,23 @@ class Sequence:
     entry_id: str
     text: TextStream
     blocks: int = 0
+    block_table: list[int] = field(default_factory=list)
+    cached: int = 0
+    """Positions whose KV is in this worker's cache."""
     output_ids: list[int] = field(default_factory=list)
     kv: bytes | None = None
     finish_reason: str | None = None
+
+    @property
+    def seed(self) -> int:
+        """The request's sampling seed; without one, derived from its id, so every worker
+        that continues the request draws the same tokens."""
+        seed = self.request.sampling.seed
+        return seed if seed is not None else zlib.crc32(self.request_id.encode())
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output_ids
 
     @property
     def request(self) -> GenerateRequest:

@@ -28,9 +28,16 @@ class TextStream:
         return self._release(self._held + self._new_text())
 
     def flush(self) -> str:
-        """Held text, sent when the request ends for another reason."""
-        held, self._held = self._held, ""
-        return "" if self.stopped else held
+        """Everything not sent yet, when the request ends for another reason: text held for a
+        possible stop string, and bytes that never completed a character."""
+        if self.stopped:
+            return ""
+        full = self._tokenizer.decode(self._ids[self._prefix :])
+        window = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        self._prefix = self._read = len(self._ids)
+        text = self._release(self._held + full[len(window) :])
+        rest, self._held = ("" if self.stopped else self._held), ""
+        return text + rest
 
     def _new_text(self) -> str:
         window = self._tokenizer.decode(self._ids[self._prefix : self._read])

@@ -17,7 +17,7 @@ import socket
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -77,7 +77,7 @@ def _nodelay(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-KvHandler = Callable[[str, dict[str, Any], bytes], "str | None"]
+KvHandler = Callable[[str, dict[str, Any], bytes], Awaitable["str | None"]]
 """Called with (request id, meta, payload); returns why the KV is refused, or None."""
 
 
@@ -104,18 +104,18 @@ class TransferServer:
         try:
             while True:
                 frame = await read_frame(reader)
-                error = self._handle(frame)
+                error = await self._handle(frame)
                 await write_frame(writer, ACK, frame.ident, {"ok": error is None, "error": error or "", "worker": self.worker_id})
         except (TransferError, ConnectionError, asyncio.IncompleteReadError) as exc:
             log.debug("transfer connection ended: %s", exc)
         finally:
             writer.close()
 
-    def _handle(self, frame: Frame) -> str | None:
+    async def _handle(self, frame: Frame) -> str | None:
         if frame.kind == HELLO:
             return None
         if frame.kind == KV:
-            return self._on_kv(frame.ident, frame.meta, frame.payload)
+            return await self._on_kv(frame.ident, frame.meta, frame.payload)
         return f"unexpected frame kind {frame.kind}"
 
 

@@ -28,7 +28,7 @@ from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.sim import SimEngine
+from splitbus.worker.engine import Engine
 from splitbus.worker.text import TextStream
 from splitbus.worker.transfer import TransferClient, TransferError, TransferServer
 
@@ -38,11 +38,11 @@ RECENT_CANCELS = 10_000
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, config: WorkerConfig, tokenizer: ModelTokenizer, engine: Engine) -> None:
         self.config = config
         self.id = config.worker_id
         self.tokenizer = tokenizer
-        self.engine = SimEngine(config.sim, tokenizer)
+        self.engine = engine
         self.redis = connect(config.bus, max_connections=16, name=self.id)
         self.keys = config.bus.keys
         self.registry = Registry(self.redis, config.bus)
@@ -58,7 +58,6 @@ class Worker:
         self.handing_off: dict[str, Sequence] = {}  # prefill: cache on its way to D
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[str] = []  # sb:kv keys of requests that left
-        self.free_blocks = config.total_kv_blocks
         self.recently_cancelled: dict[str, float] = {}
         self.counters = {"prefills_done": 0, "decodes_done": 0}
         self.wake = asyncio.Event()
@@ -115,8 +114,8 @@ class Worker:
             running=len(self.running) + len(self.handing_off),
             waiting=len(self.queued) + len(self.awaiting_kv),
             queued_prefill_tokens=sum(s.prompt_len for s in self.queued),
-            free_kv_blocks=self.free_blocks,
-            total_kv_blocks=self.config.total_kv_blocks,
+            free_kv_blocks=self.engine.free_blocks,
+            total_kv_blocks=self.engine.total_blocks,
             **self.counters,
         )
 
@@ -186,13 +185,11 @@ class Worker:
             self.writer.open(seq.request_id, first_seq=task.first_seq)
             seq.output_ids = list(task.output_token_ids)
             seq.text.push(seq.output_ids)
-        if task.phase == "prefill":
-            self.queued.append(seq)
-        elif self.take_blocks(seq):
+        if self.take_blocks(seq):
             await self.accept_with_blocks(seq)
 
     async def accept_with_blocks(self, seq: Sequence) -> None:
-        if seq.task.phase == "mixed":
+        if seq.task.phase != "decode":
             self.queued.append(seq)
             return
         self.awaiting_kv[seq.request_id] = (seq, time.monotonic() + self.config.kv_wait_s)
@@ -203,12 +200,15 @@ class Worker:
         await pipe.execute()
 
     def take_blocks(self, seq: Sequence) -> bool:
-        needed = blocks_needed(seq.request, self.config.block_size)
-        if needed > self.free_blocks:
-            self.fail(seq, "out_of_kv_blocks", f"worker {self.id} has {self.free_blocks} free KV blocks, needs {needed}", 503)
+        """KV room for the request: its prompt on a prefill worker, prompt + max_tokens where
+        it decodes."""
+        tokens = len(seq.all_tokens)
+        if seq.task.phase != "prefill":
+            tokens = seq.prompt_len + seq.request.sampling.max_tokens
+        if not self.engine.reserve(seq, tokens):
+            free = self.engine.free_blocks
+            self.fail(seq, "out_of_kv_blocks", f"worker {self.id} has {free} free KV blocks, not enough for {tokens} tokens", 503)
             return False
-        self.free_blocks -= needed
-        seq.blocks = needed
         return True
 
     async def listen_for_cancels(self) -> None:
@@ -230,17 +230,17 @@ class Worker:
         batch = self.next_prefill_batch()
         if not batch:
             return
-        await self.engine.prefill(batch)
-        for seq in batch:
-            self.emit(seq, self.engine.next_token(seq))
+        tokens = await self.engine.prefill(batch)
+        for seq, token in zip(batch, tokens):
+            self.emit(seq, token)
             self.after_prefill(seq)
 
     def next_prefill_batch(self) -> list[Sequence]:
         batch, tokens = [], 0
-        while self.queued and (not batch or tokens + self.queued[0].prompt_len <= self.config.max_prefill_tokens):
+        while self.queued and (not batch or tokens + len(self.queued[0].all_tokens) <= self.config.max_prefill_tokens):
             seq = self.queued.popleft()
             batch.append(seq)
-            tokens += seq.prompt_len
+            tokens += len(seq.all_tokens)
         return batch
 
     def after_prefill(self, seq: Sequence) -> None:
@@ -258,9 +258,13 @@ class Worker:
     async def decode_running(self) -> None:
         if not self.running:
             return
-        await self.engine.decode(self.running)
-        for seq in self.running:
-            self.emit(seq, self.engine.next_token(seq))
+        # A snapshot: imports and cancellations change self.running while the engine computes.
+        batch = list(self.running)
+        tokens = await self.engine.decode(batch)
+        still_running = set(map(id, self.running))
+        for seq, token in zip(batch, tokens):
+            if id(seq) in still_running:
+                self.emit(seq, token)
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.counters["decodes_done"] += 1
@@ -281,8 +285,7 @@ class Worker:
 
     def retire(self, seq: Sequence) -> None:
         """The request leaves this worker: free its blocks, ack its task at the next publish."""
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
+        self.engine.release(seq)
         self.done_entries.append(seq.entry_id)
         self.writer.forget(seq.request_id)
         if seq.task.phase == "decode":
@@ -307,7 +310,7 @@ class Worker:
             endpoint = await self.wait_for_reservation(seq)
             await self.links.ensure(seq.task.peer, endpoint)
             meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id), "from": self.id}
-            await self.links.client.send(endpoint, seq.request_id, meta, seq.kv or b"")
+            await self.links.client.send(endpoint, seq.request_id, meta, await self.engine.export_kv(seq))
         except (TransferError, asyncio.TimeoutError) as exc:
             self.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
             self.cancel_peer(seq, "kv_transfer_failed")
@@ -332,13 +335,13 @@ class Worker:
             delay = min(delay * 2, 0.05)
         raise TransferError(f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s")
 
-    def import_kv(self, request_id: str, meta: dict[str, Any], payload: bytes) -> str | None:
+    async def import_kv(self, request_id: str, meta: dict[str, Any], payload: bytes) -> str | None:
         """Transfer-server callback on D: take the cache and the tokens P generated."""
         entry = self.awaiting_kv.pop(request_id, None)
         if entry is None:
             return f"decode worker {self.id} holds no reservation for {request_id}"
         seq = entry[0]
-        error = self.engine.import_kv(seq, payload)
+        error = await self.engine.import_kv(seq, payload)
         if error:
             self.fail(seq, "kv_import_failed", error, 500)
             return error

@@ -94,7 +94,6 @@ def test_splitbus_up_refuses_a_busy_port(tmp_path: Path) -> None:
     [
         (["--prefill", "1", "--decode", "0"], "prefill and decode workers come together"),
         (["--prefill", "0", "--decode", "0"], "need at least one worker"),
-        (["--engine", "paddle"], "paddle engine is not in this build yet"),
     ],
 )
 def test_splitbus_up_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:

@@ -78,7 +78,8 @@ def start_system(data_dir: Path, *args: str) -> System:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name in ("SPLITBUS_REDIS_URL", "SPLITBUS_API_KEYS", "SPLITBUS_PREFIX"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "splitbus.cli.main", "up", "--engine", "sim", "--port", str(port), "--data-dir", str(data_dir), *args]
+    engine = [] if "--engine" in args else ["--engine", "sim"]
+    cmd = [sys.executable, "-m", "splitbus.cli.main", "up", *engine, "--port", str(port), "--data-dir", str(data_dir), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     system = System(proc, f"http://127.0.0.1:{port}", "")
     try:

@@ -49,3 +49,12 @@ def test_replay_reaches_the_same_state(tiny_model: Path) -> None:
     second.push(ids)  # a decode worker that takes over replays the tokens
     assert sent == "xx " and first.push(tok.encode("c")) == second.push(tok.encode("c")) == ""
     assert first.stopped and second.stopped
+
+
+def test_flush_sends_bytes_that_never_completed_a_character(tiny_model: Path) -> None:
+    tok = _tokenizer(tiny_model)
+    ids = tok.encode("ok 🙂")[:-1]  # the emoji's last byte never comes
+    stream = TextStream(tok, [])
+    sent = "".join(stream.push([t]) for t in ids)
+    assert sent == "ok "
+    assert stream.flush() == tok.decode(ids)[len("ok ") :]

@@ -13,7 +13,7 @@ from splitbus.worker.transfer import HEADER, MAGIC, Refused, TransferClient, Tra
 async def test_kv_arrives_intact_and_refusals_keep_the_connection() -> None:
     received: dict[str, tuple[dict, bytes]] = {}
 
-    def on_kv(rid: str, meta: dict, payload: bytes) -> str | None:
+    async def on_kv(rid: str, meta: dict, payload: bytes) -> str | None:
         if rid == "unknown":
             return "no reservation"
         received[rid] = (meta, payload)
@@ -42,7 +42,10 @@ async def test_unreachable_endpoint_is_a_transfer_error() -> None:
 
 
 async def test_corrupt_frame_is_rejected() -> None:
-    server = TransferServer("d1", lambda *_: None)
+    async def accept_all(*_: object) -> None:
+        return None
+
+    server = TransferServer("d1", accept_all)
     host, port = (await server.start("127.0.0.1", 0)).split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(HEADER.pack(MAGIC, 2, 1, 2, 3, 12345) + b"r{}" + b"abc")  # wrong CRC

@@ -1,0 +1,76 @@
+"""Paged KV cache: per-layer flat pools ``[num_blocks * block_size, kv_heads, head_dim]``.
+
+A request owns a list of blocks (its block table); position p lives in slot
+``table[p // block_size] * block_size + p % block_size``. Block 0 is never handed out: it is
+the scratch block that padding may write to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError("need at least 2 blocks (block 0 is scratch)")
+        self.total = num_blocks - 1
+        self._free = list(range(num_blocks - 1, 0, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
+        return taken[::-1]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class PagedKVCache:
+    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: str = "float32") -> None:
+        self.layers, self.block_size = layers, block_size
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        shape = [num_blocks * block_size, kv_heads, head_dim]
+        self.k = [paddle.zeros(shape, dtype) for _ in range(layers)]
+        self.v = [paddle.zeros(shape, dtype) for _ in range(layers)]
+        self.allocator = BlockAllocator(num_blocks)
+
+    def slots(self, table: list[int], start: int, end: int) -> np.ndarray:
+        """Slot ids of positions [start, end) of a request with this block table."""
+        positions = np.arange(start, end)
+        blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
+        # In place: non-inplace scatter copies the whole pool, fancy assignment is 10-100x slower.
+        paddle.scatter_(self.k[layer], slots, k, overwrite=True)
+        paddle.scatter_(self.v[layer], slots, v, overwrite=True)
+
+    def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        return paddle.index_select(self.k[layer], slots, axis=0), paddle.index_select(self.v[layer], slots, axis=0)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+    def export(self, table: list[int], length: int) -> bytes:
+        """Positions [0, length) of a request, every layer's K then V, as one byte string."""
+        slots = paddle.to_tensor(self.slots(table, 0, length))
+        parts = [paddle.index_select(pool, slots, axis=0).numpy() for layer in range(self.layers) for pool in (self.k[layer], self.v[layer])]
+        return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+
+    def import_(self, table: list[int], length: int, payload: bytes) -> None:
+        """Write an exported request into this cache under another block table."""
+        expected = length * self.bytes_per_token()
+        if len(payload) != expected:
+            raise ValueError(f"KV payload has {len(payload)} bytes, expected {expected} for {length} tokens")
+        rows = np.frombuffer(payload, dtype=self.dtype).reshape(self.layers, 2, length, self.kv_heads, self.head_dim)
+        slots = paddle.to_tensor(self.slots(table, 0, length))
+        for layer in range(self.layers):
+            self.write(layer, slots, paddle.to_tensor(rows[layer, 0]), paddle.to_tensor(rows[layer, 1]))

@@ -1,0 +1,38 @@
+"""What the worker loop needs from an engine (``sim`` or ``paddle``)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from splitbus.worker.sequence import Sequence
+
+
+class Engine(Protocol):
+    eos_token_ids: tuple[int, ...]
+    total_blocks: int
+
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks not held by any request (reported at each heartbeat)."""
+
+    def reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Called when a task is accepted: hold blocks for ``tokens`` positions of ``seq``
+        (prompt only on a prefill worker; prompt + max_tokens where it decodes). False when
+        there is no room; the request is then failed."""
+
+    def release(self, seq: Sequence) -> None:
+        """Called when the request leaves this worker (finished, handed off, cancelled)."""
+
+    async def prefill(self, batch: list[Sequence]) -> list[int]:
+        """Called with sequences whose prompt (and tokens already generated) have no KV here
+        yet: compute it and return each sequence's next token."""
+
+    async def decode(self, batch: list[Sequence]) -> list[int]:
+        """Called once per step with the running sequences: feed each one's last token and
+        return its next token."""
+
+    async def export_kv(self, seq: Sequence) -> bytes:
+        """Called on a prefill worker after prefill: the request's KV, to ship to its decode worker."""
+
+    async def import_kv(self, seq: Sequence, payload: bytes) -> str | None:
+        """Called on a decode worker when the KV arrives; returns why it is refused, or None."""

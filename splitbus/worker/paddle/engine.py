@@ -1,0 +1,100 @@
+"""The Paddle engine: a CausalLM, a paged KV cache, counter-based sampling.
+
+All Paddle work runs on one dedicated thread, in order: forwards, KV export and import never
+overlap, and the worker's event loop stays free for heartbeats and transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import numpy as np
+
+from splitbus.gpu_ops.sampling import sample
+from splitbus.worker.paddle.model import CausalLM, Chunk
+from splitbus.worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PaddleEngine:
+    def __init__(self, model: CausalLM, eos_token_ids: tuple[int, ...], total_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.total_blocks = total_blocks - 1  # block 0 is the cache's scratch block
+        self.block_size = block_size
+        self.cache = model.new_cache(total_blocks, block_size)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
+
+    @classmethod
+    def load(cls, folder: Path, eos_token_ids: tuple[int, ...], total_blocks: int, block_size: int, threads: int = 1) -> "PaddleEngine":
+        from splitbus.gpu_ops import device
+
+        where = device.select_device(threads)
+        model = CausalLM.load(folder)
+        device.release_unused_memory()
+        log.info("loaded %s (%s, %d layers) on %s", folder, model.config.arch, model.config.layers, where)
+        return cls(model, eos_token_ids, total_blocks, block_size)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.cache.allocator.free
+
+    def reserve(self, seq: Sequence, tokens: int) -> bool:
+        table = self.cache.allocator.allocate(-(-tokens // self.block_size))
+        if table is None:
+            return False
+        seq.block_table, seq.blocks = table, len(table)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.cache.allocator.release(seq.block_table)
+        seq.block_table, seq.blocks = [], 0
+
+    async def prefill(self, batch: list[Sequence]) -> list[int]:
+        return await self._run(lambda: self._prefill(batch))
+
+    async def decode(self, batch: list[Sequence]) -> list[int]:
+        return await self._run(lambda: self._decode(batch))
+
+    async def export_kv(self, seq: Sequence) -> bytes:
+        return await self._run(lambda: self.cache.export(seq.block_table, seq.cached))
+
+    async def import_kv(self, seq: Sequence, payload: bytes) -> str | None:
+        length = len(seq.request.prompt_token_ids)
+        try:
+            await self._run(lambda: self.cache.import_(seq.block_table, length, payload))
+        except ValueError as exc:
+            return str(exc)
+        seq.cached = length
+        return None
+
+    def _prefill(self, batch: list[Sequence]) -> list[int]:
+        chunks = [Chunk(seq.all_tokens, 0, seq.block_table) for seq in batch]
+        logits = self.model.forward(chunks, self.cache)
+        for seq in batch:
+            seq.cached = len(seq.all_tokens)
+        return self._sample(batch, logits)
+
+    def _decode(self, batch: list[Sequence]) -> list[int]:
+        chunks = [Chunk([seq.output_ids[-1]], seq.cached, seq.block_table) for seq in batch]
+        logits = self.model.forward(chunks, self.cache)
+        for seq in batch:
+            seq.cached += 1
+        return self._sample(batch, logits)
+
+    @staticmethod
+    def _sample(batch: list[Sequence], logits: np.ndarray) -> list[int]:
+        tokens = []
+        for seq, row in zip(batch, logits):
+            s = seq.request.sampling
+            tokens.append(sample(row, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids)))
+        return tokens
+
+    async def _run(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work)

@@ -1,0 +1,127 @@
+"""Llama / Qwen2 decoder on gpu_ops: one forward pass for any mix of prefill and decode chunks.
+
+Every chunk is a run of tokens of one sequence starting at an absolute position. Linear layers
+run on all chunks' tokens at once; attention runs per chunk, over the paged cache (or, with no
+cache, over the chunk itself: the full-recompute reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from splitbus.gpu_ops.attention import attention
+from splitbus.gpu_ops.kv_cache import PagedKVCache
+from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
+from splitbus.worker.paddle import weights
+from splitbus.worker.paddle.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Chunk:
+    tokens: list[int]
+    start: int
+    """Absolute position of ``tokens[0]``; positions before it are in the cache."""
+    table: list[int] | None = None
+    """The sequence's block table; None: no cache, ``tokens`` is the whole sequence."""
+
+
+@dataclass
+class Layer:
+    ln1: paddle.Tensor
+    w_qkv: paddle.Tensor  # [hidden, (heads + 2 kv_heads) * head_dim]: q, k, v fused
+    b_qkv: paddle.Tensor | None
+    w_o: paddle.Tensor
+    ln2: paddle.Tensor
+    w_gate_up: paddle.Tensor  # [hidden, 2 * intermediate]: gate and up fused
+    w_down: paddle.Tensor
+
+
+def _t(array: np.ndarray) -> paddle.Tensor:
+    return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
+
+
+class CausalLM:
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
+        self.config = config
+        self.embed = _t(tensors["model.embed_tokens.weight"])
+        self.norm = _t(tensors["model.norm.weight"])
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
+        self.lm_head = _t(head.T)  # HF Linear is [out, in]; matmul wants [in, out]
+        self.layers = [self._layer(tensors, i) for i in range(config.layers)]
+
+    @classmethod
+    def load(cls, folder: Path) -> "CausalLM":
+        config = ModelConfig.load(folder)
+        return cls(config, dict(weights.load(folder, config)))
+
+    def _layer(self, t: dict[str, np.ndarray], i: int) -> Layer:
+        p = f"model.layers.{i}."
+        qkv = np.concatenate([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0).T
+        bias = np.concatenate([t[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) if self.config.qkv_bias else None
+        gate_up = np.concatenate([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], axis=0).T
+        return Layer(
+            ln1=_t(t[p + "input_layernorm.weight"]), w_qkv=_t(qkv), b_qkv=_t(bias) if bias is not None else None,
+            w_o=_t(t[p + "self_attn.o_proj.weight"].T), ln2=_t(t[p + "post_attention_layernorm.weight"]),
+            w_gate_up=_t(gate_up), w_down=_t(t[p + "mlp.down_proj.weight"].T),
+        )
+
+    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim)
+
+    @paddle.no_grad()
+    def forward(self, chunks: list[Chunk], cache: PagedKVCache | None = None) -> np.ndarray:
+        """Logits ``[len(chunks), vocab]`` at the last token of each chunk; writes the chunks'
+        K/V into ``cache`` at their positions."""
+        tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
+        positions = np.concatenate([np.arange(ch.start, ch.start + len(ch.tokens)) for ch in chunks])
+        ends = np.cumsum([len(ch.tokens) for ch in chunks])
+        plan = _Plan(chunks, ends, cache)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        x = F.embedding(paddle.to_tensor(tokens), self.embed)
+        for index, layer in enumerate(self.layers):
+            x = x + self._attend(layer, index, x, cos, sin, plan)
+            h = rms_norm(x, layer.ln2, self.config.rms_norm_eps)
+            gate, up = paddle.split(paddle.matmul(h, layer.w_gate_up), 2, axis=-1)
+            x = x + paddle.matmul(F.silu(gate) * up, layer.w_down)
+        last = paddle.index_select(x, paddle.to_tensor(ends - 1), axis=0)
+        # The LM head only for the last position of each chunk: vocabularies reach 150k.
+        return paddle.matmul(rms_norm(last, self.norm, self.config.rms_norm_eps), self.lm_head).numpy()
+
+    def _attend(self, layer: Layer, index: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, plan: "_Plan") -> paddle.Tensor:
+        c = self.config
+        h = rms_norm(x, layer.ln1, c.rms_norm_eps)
+        qkv = paddle.matmul(h, layer.w_qkv)
+        if layer.b_qkv is not None:
+            qkv = qkv + layer.b_qkv
+        q, k, v = paddle.split(qkv, [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], axis=-1)
+        q = apply_rope(q.reshape([-1, c.heads, c.head_dim]), cos, sin)
+        k = apply_rope(k.reshape([-1, c.kv_heads, c.head_dim]), cos, sin)
+        v = v.reshape([-1, c.kv_heads, c.head_dim])
+        if plan.cache is not None:
+            plan.cache.write(index, plan.new_slots, k, v)
+        outs = [attention(q[a:b], *plan.keys(index, j, k[a:b], v[a:b]), q_offset=ch.start) for j, (ch, a, b) in enumerate(plan.spans)]
+        return paddle.matmul(paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0], layer.w_o)
+
+
+class _Plan:
+    """Slot tensors of one forward pass, computed once and used by every layer."""
+
+    def __init__(self, chunks: list[Chunk], ends: np.ndarray, cache: PagedKVCache | None) -> None:
+        starts = np.concatenate([[0], ends[:-1]]).astype(int)
+        self.spans = [(ch, int(a), int(b)) for ch, a, b in zip(chunks, starts, ends)]
+        self.cache = cache
+        if cache is not None:
+            self.new_slots = paddle.to_tensor(np.concatenate([cache.slots(ch.table or [], ch.start, ch.start + len(ch.tokens)) for ch in chunks]))
+            self.all_slots = [paddle.to_tensor(cache.slots(ch.table or [], 0, ch.start + len(ch.tokens))) if ch.start else None for ch in chunks]
+
+    def keys(self, layer: int, chunk: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """K and V a chunk attends to: its own when it starts the sequence, else the cache's."""
+        if self.cache is None or self.all_slots[chunk] is None:
+            return k, v
+        return self.cache.gather(layer, self.all_slots[chunk])

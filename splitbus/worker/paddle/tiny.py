@@ -1,0 +1,67 @@
+"""``splitbus make-tiny-model``: a small random model in Hugging Face layout (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json with a chat template)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from splitbus.tokenization.byte_level import write_byte_level_tokenizer
+from splitbus.worker.paddle.config import ModelConfig
+from splitbus.worker.paddle.weights import expected_shapes
+
+ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def tiny_config(arch: str, vocab_size: int, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2) -> dict[str, object]:
+    return {
+        "architectures": [ARCH_NAMES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": arch == "qwen2",
+        "torch_dtype": "float32",
+        "eos_token_id": vocab_size - 1,
+    }
+
+
+def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, dtype: str = "float32", **sizes: int) -> Path:
+    """Write the model; returns the folder. ``dtype`` bfloat16 exercises the conversion path."""
+    if arch not in ARCH_NAMES:
+        raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}")
+    vocab = write_byte_level_tokenizer(folder)
+    raw = tiny_config(arch, vocab, **sizes)
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab - 1}) + "\n")
+    config = ModelConfig.from_dict(raw)
+    rng = np.random.default_rng(seed)
+    tensors = {name: _init(name, shape, rng) for name, shape in expected_shapes(config).items()}
+    _save(tensors, folder / "model.safetensors", dtype)
+    return folder
+
+
+def _init(name: str, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return (0.08 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _save(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+    if dtype == "float32":
+        from safetensors.numpy import save_file
+
+        save_file(tensors, str(path))
+        return
+    import paddle
+    from safetensors.paddle import save_file as save_paddle
+
+    save_paddle({k: paddle.to_tensor(v).astype(dtype) for k, v in tensors.items()}, str(path))
