@@ -59,3 +59,32 @@ def bus_plot(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def engine_table(report: dict[str, Any]) -> str:
+    cols = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "kv_export_gb_s", "kv_import_gb_s")
+    rows = [f"{'model':<20} {'params M':>8} " + " ".join(f"{c:>17}" for c in cols)]
+    for r in report["results"]:
+        rows.append(f"{r['model']:<20} {r['params_m']:>8} " + " ".join(f"{r[c]:>17,}" for c in cols))
+    return f"device {report['device']}, {report['threads']} thread(s)\n" + "\n".join(rows)
+
+
+def engine_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        labels = ["prefill 128", "decode b1", "decode b8", "decode b32"]
+        values = [r["prefill_tok_s"], r["decode_b1_tok_s"], r["decode_b8_tok_s"], r["decode_b32_tok_s"]]
+        bars = ax.bar(labels, values, color=["#8e44ad", "#16a085", "#16a085", "#16a085"])
+        ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
+        ax.set_title(f"{r['model']} ({r['params_m']}M params): tokens/s\nKV export {r['kv_export_gb_s']} GB/s, import {r['kv_import_gb_s']} GB/s", fontsize=9)
+    fig.suptitle(f"splitbus bench engine on {report['device']} ({report['threads']} thread)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -24,6 +24,11 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     bus.add_argument("--streams", type=int, default=1000, help="concurrent result streams (token path)")
     bus.add_argument("--quick", action="store_true", help="small counts, one run: checks that it works")
     bus.set_defaults(run=run_bus)
+    engine = kinds.add_parser("engine", help="paddle engine: prefill and decode tokens/s, KV export/import GB/s")
+    engine.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    engine.add_argument("--models", nargs="+", choices=("tiny", "qwen2.5-0.5b-shape"), default=["tiny", "qwen2.5-0.5b-shape"])
+    engine.add_argument("--runs", type=int, default=3, help="timed runs per figure; the fastest is reported")
+    engine.set_defaults(run=run_engine)
 
 
 @contextlib.contextmanager
@@ -51,4 +56,21 @@ def run_bus(args: argparse.Namespace, env: Env) -> int:
     report.bus_plot(result, args.out / "bench_bus.png")
     say(report.bus_table(result))
     say(f"wrote {args.out / 'bench_bus.json'} and {args.out / 'bench_bus.png'} in {time.monotonic() - started:.0f}s")
+    return 0
+
+
+def run_engine(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.gpu_ops import device
+
+    device.prepare(1)
+    from splitbus.bench import report
+    from splitbus.bench.engine import run_engine_bench
+
+    started = time.monotonic()
+    result = run_engine_bench(args.models, args.runs, progress=lambda line: say(f"[{time.monotonic() - started:5.1f}s] {line}"))
+    result["machine"] = report.machine()
+    report.write_json(result, args.out / "bench_engine.json")
+    report.engine_plot(result, args.out / "bench_engine.png")
+    say(report.engine_table(result))
+    say(f"wrote {args.out / 'bench_engine.json'} and {args.out / 'bench_engine.png'} in {time.monotonic() - started:.0f}s")
     return 0

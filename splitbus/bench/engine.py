@@ -1,0 +1,100 @@
+"""``splitbus bench engine``: the paddle engine's speed on this machine.
+
+Prefill tokens/s (one 128-token prompt), decode tokens/s at batch 1, 8 and 32 (16-token prompts,
+then steps of the whole batch), and KV export/import GB/s, for the tiny test model and for a
+random model of Qwen2.5-0.5B's shape. Weights are random and built in memory: speed does not
+depend on their values.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from splitbus.worker.paddle.config import ModelConfig
+from splitbus.worker.paddle.model import CausalLM, Chunk
+from splitbus.worker.paddle.tiny import tiny_config
+from splitbus.worker.paddle.weights import expected_shapes
+
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+}
+MODELS = {"tiny": tiny_config("llama", 259), "qwen2.5-0.5b-shape": QWEN25_05B}
+BATCHES = (1, 8, 32)
+
+
+def random_model(raw: dict[str, Any], seed: int = 0) -> CausalLM:
+    config = ModelConfig.from_dict(raw)
+    rng = np.random.default_rng(seed)
+    tensors = {name: (0.02 * rng.standard_normal(shape, dtype=np.float32)) for name, shape in expected_shapes(config).items()}
+    return CausalLM(config, tensors)
+
+
+def _best_of(runs: int, work: Callable[[], Any]) -> float:
+    """Seconds of the fastest of ``runs`` timed calls, after one warm-up."""
+    work()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bench_model(name: str, raw: dict[str, Any], runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    progress(f"{name}: building a random model")
+    model = random_model(raw)
+    cache = model.new_cache(2 + 40 * 3, 16)
+    prompt = list(range(1, 129))
+    progress(f"{name}: prefill")
+    prefill_s = _best_of(runs, lambda: model.forward([Chunk(prompt, 0)]))
+    result: dict[str, Any] = {"model": name, "params_m": round(_params(model) / 1e6, 1), "prefill_tokens": 128,
+                              "prefill_tok_s": round(128 / prefill_s, 1), "prefill_ms": round(prefill_s * 1000, 1)}
+    for batch in BATCHES:
+        progress(f"{name}: decode at batch {batch}")
+        step_s = _decode_step(model, cache, batch, runs)
+        result[f"decode_b{batch}_tok_s"] = round(batch / step_s, 1)
+        result[f"decode_b{batch}_step_ms"] = round(step_s * 1000, 2)
+    result.update(_transfer(model, cache, runs))
+    return result
+
+
+def _decode_step(model: CausalLM, cache: Any, batch: int, runs: int) -> float:
+    tables = [cache.allocator.allocate(3) for _ in range(batch)]
+    model.forward([Chunk(list(range(1, 17)), 0, t) for t in tables], cache)
+    position = [16]
+
+    def step() -> None:
+        model.forward([Chunk([7], position[0], t) for t in tables], cache)
+        position[0] += 1
+
+    seconds = _best_of(min(runs, 5), step)
+    for t in tables:
+        cache.allocator.release(t)
+    return seconds
+
+
+def _transfer(model: CausalLM, cache: Any, runs: int) -> dict[str, float]:
+    table = cache.allocator.allocate(8)
+    model.forward([Chunk(list(range(1, 129)), 0, table)], cache)
+    payload = cache.export(table, 128)
+    export_s = _best_of(runs, lambda: cache.export(table, 128))
+    import_s = _best_of(runs, lambda: cache.import_(table, 128, payload))
+    cache.allocator.release(table)
+    size = len(payload)
+    return {"kv_bytes_128_tokens": size, "kv_export_gb_s": round(size / export_s / 1e9, 2), "kv_import_gb_s": round(size / import_s / 1e9, 2)}
+
+
+def _params(model: CausalLM) -> int:
+    return sum(int(np.prod(shape)) for shape in expected_shapes(model.config).values())
+
+
+def run_engine_bench(models: list[str], runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    from splitbus.gpu_ops import device
+
+    where = device.select_device(1)
+    return {"device": where, "threads": 1, "results": [bench_model(m, MODELS[m], runs, progress) for m in models]}
