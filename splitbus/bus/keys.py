@@ -15,7 +15,7 @@ SCHEDULER_GROUP = "schedulers"
 WORKER_GROUP = "workers"
 """Consumer group on each worker's task stream."""
 
-STREAM_KINDS = ("requests", "tasks", "out", "ctrl", "reply", "cancel", "dead", "wake")
+STREAM_KINDS = ("requests", "tasks", "out", "ctrl", "reply", "cancel", "dead", "wake", "dp")
 """Bounded label values for metrics: a key's kind, never its full name."""
 
 
@@ -80,6 +80,10 @@ class Keys:
     def rdma(self, prefill: str, decode: str) -> str:
         """Hash: connection state between a prefill and a decode worker."""
         return f"{self.prefix}:rdma:{{{prefill}}}:{{{decode}}}"
+
+    def dp(self, group: str) -> str:
+        """Stream of one DP group's step plans: the ranks' lock-step barrier."""
+        return f"{self.prefix}:dp:{{{group}}}"
 
     def wake(self, reader: str) -> str:
         """Stream that wakes one multiplexed result reader when its set of streams changes."""

@@ -57,6 +57,10 @@ class WorkerLoad:
     total_kv_blocks: int = 0
     prefills_done: int = 0
     decodes_done: int = 0
+    steps: int = 0
+    idle_forwards: int = 0
+    step_us: int = 0
+    """DP ranks: recent duration of one group step (an EWMA), for the stagger window."""
 
 
 @dataclass
@@ -84,6 +88,7 @@ class WorkerRecord:
     transfer_endpoint: str = ""
     block_size: int = 16
     max_model_len: int = 0
+    started_ms: int = 0
     version: str = __version__
     load: WorkerLoad = field(default_factory=WorkerLoad)
 

@@ -29,6 +29,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     engine.add_argument("--models", nargs="+", choices=("tiny", "qwen2.5-0.5b-shape"), default=["tiny", "qwen2.5-0.5b-shape"])
     engine.add_argument("--runs", type=int, default=3, help="timed runs per figure; the fastest is reported")
     engine.set_defaults(run=run_engine)
+    stagger = kinds.add_parser("stagger", help="naive vs staggered DP batching: rank processes and a simulation")
+    stagger.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    stagger.add_argument("--sim-ranks", type=int, nargs="*", default=[8, 16, 64], help="simulated group sizes")
+    stagger.add_argument("--process-ranks", type=int, default=4, help="rank processes (0: skip)")
+    stagger.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per trace")
+    stagger.add_argument("--seed", type=int, default=1)
+    stagger.set_defaults(run=run_stagger)
 
 
 @contextlib.contextmanager
@@ -73,4 +80,19 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
     report.engine_plot(result, args.out / "bench_engine.png")
     say(report.engine_table(result))
     say(f"wrote {args.out / 'bench_engine.json'} and {args.out / 'bench_engine.png'} in {time.monotonic() - started:.0f}s")
+    return 0
+
+
+def run_stagger(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.stagger import run_stagger_bench
+
+    started = time.monotonic()
+    result = run_stagger_bench(args.sim_ranks, args.process_ranks, args.duration, args.seed,
+                               progress=lambda line: say(f"[{time.monotonic() - started:5.1f}s] {line}"))
+    result["machine"] = report.machine()
+    report.write_json(result, args.out / "bench_stagger.json")
+    report.stagger_plot(result, args.out / "bench_stagger.png")
+    say(report.stagger_table(result))
+    say(f"wrote {args.out / 'bench_stagger.json'} and {args.out / 'bench_stagger.png'} in {time.monotonic() - started:.0f}s")
     return 0

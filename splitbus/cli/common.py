@@ -63,4 +63,4 @@ def run_service(service: object) -> int:
         uvloop.run(main())
     except ImportError:
         asyncio.run(main())
-    return 0
+    return int(getattr(service, "exit_code", 0))

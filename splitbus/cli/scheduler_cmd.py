@@ -10,7 +10,9 @@ from splitbus.env import Env
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("scheduler", help="run one scheduler replica")
-    p.add_argument("--mode", choices=("splitwise", "mixed"), default="splitwise")
+    p.add_argument("--mode", choices=("splitwise", "mixed", "dp"), default="splitwise")
+    p.add_argument("--no-stagger", action="store_true", help="dp mode: place each arrival at once (the naive policy)")
+    p.add_argument("--stagger-max-wait-ms", type=float, default=50.0, help="dp mode: longest hold of an arrival")
     p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
     p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")
@@ -26,6 +28,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
             bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix),
             mode=args.mode,
             no_worker_wait_s=args.no_worker_wait,
+            stagger=not args.no_stagger,
+            stagger_max_wait_s=args.stagger_max_wait_ms / 1000,
             **({"name": args.name} if args.name else {}),
         )
     except ValueError as exc:

@@ -27,16 +27,22 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --mixed)")
     p.add_argument("--mixed", type=int, default=0, help="mixed workers (default %(default)s)")
+    p.add_argument("--dp", type=int, default=0, help="one DP group of this many mixed ranks, scheduler in dp mode")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
     p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeatable)")
+    p.add_argument("--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)")
     add_embedded_options(p, env)
     p.set_defaults(run=run)
 
 
 def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    if args.dp:
+        if args.dp < 1 or args.mixed or args.prefill or args.decode:
+            raise ValueError("--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed")
+        return 0, 0, 0
     mixed = args.mixed
     prefill = args.prefill if args.prefill is not None else (0 if mixed else 1)
     decode = args.decode if args.decode is not None else (0 if mixed else 1)
@@ -125,14 +131,18 @@ def _check_reachable(url: str) -> None:
 
 def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]) -> None:
     prefill, decode, mixed = counts
-    mode = "mixed" if mixed and not prefill else "splitwise"
+    mode = "dp" if args.dp else "mixed" if mixed and not prefill else "splitwise"
     common = ["--redis-url", url]
     for i in range(args.schedulers):
-        supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", ["scheduler", "--mode", mode, *common])
+        scheduler = ["scheduler", "--mode", mode, *common, *args.scheduler_arg]
+        supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", scheduler)
+    worker = ["worker", "--engine", args.engine, "--model", str(model), *common, *args.worker_arg]
     for role, n in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
         for i in range(n):
-            worker = ["worker", "--role", role, "--engine", args.engine, "--model", str(model), *common, *args.worker_arg]
-            supervisor.start(f"{role}{i}", worker)
+            supervisor.start(f"{role}{i}", [*worker, "--role", role])
+    for rank in range(args.dp):
+        dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
+        supervisor.start(f"rank{rank}", [*worker, *dp])
     api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model), *common]
     for key in args.api_key:
         api += ["--api-key", key]

@@ -32,6 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--transfer-port", type=int, default=0, help="port of the KV transfer server (default: free)")
     p.add_argument("--kv-wait", type=float, default=30.0, help="seconds to wait for the peer's KV or reservation")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
+    p.add_argument("--dp-group", default="", help="DP group name (with --dp-rank and --dp-size; --role mixed)")
+    p.add_argument("--dp-rank", type=int, default=-1)
+    p.add_argument("--dp-size", type=int, default=0)
+    p.add_argument("--dp-align-ms", type=float, default=20.0, help="wait this long for the group's prefills to align (0: off)")
+    p.add_argument("--dp-barrier-timeout", type=float, default=5.0, help="seconds before a missing rank breaks the group")
     p.add_argument("--sim-prefill-us-per-token", type=float, default=50.0)
     p.add_argument("--sim-decode-step-ms", type=float, default=4.0)
     p.add_argument("--sim-kv-bytes-per-token", type=int, default=4096)
@@ -49,6 +54,8 @@ def build_config(args: argparse.Namespace, env: Env) -> "WorkerConfig":
         worker_id=args.worker_id or "", max_requests=args.max_requests, total_kv_blocks=args.kv_blocks or 8192,
         transfer_host=args.transfer_host, transfer_port=args.transfer_port, kv_wait_s=args.kv_wait,
         transfer_timeout_s=args.transfer_timeout, sim=sim, threads=args.threads,
+        dp_group=args.dp_group, dp_rank=args.dp_rank, dp_size=args.dp_size, dp_align_ms=args.dp_align_ms,
+        dp_barrier_timeout_s=args.dp_barrier_timeout,
     )
 
 
@@ -77,6 +84,7 @@ def _blocks_for(model: "ModelConfig", megabytes: int, block_size: int) -> int:
 
 def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.tokenization import ModelFilesError, ModelTokenizer
+    from splitbus.worker.dp import DpWorker
     from splitbus.worker.worker import Worker
 
     try:
@@ -86,4 +94,5 @@ def run(args: argparse.Namespace, env: Env) -> int:
     except (ValueError, ModelFilesError) as exc:
         say(f"splitbus worker: {exc}")
         return 2
-    return run_service(Worker(config, tokenizer, engine))
+    worker_class = DpWorker if config.dp_size else Worker
+    return run_service(worker_class(config, tokenizer, engine))

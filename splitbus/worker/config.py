@@ -57,6 +57,13 @@ class WorkerConfig:
     sim: SimConfig = field(default_factory=SimConfig)
     threads: int = 1
     """Math threads of the paddle engine on the CPU (1 when several workers share few cores)."""
+    dp_group: str = ""
+    dp_rank: int = -1
+    dp_size: int = 0
+    dp_align_ms: float = 20.0
+    """A rank with new prefill work waits up to this long for the others' so prefills share a step (0: off)."""
+    dp_barrier_timeout_s: float = 5.0
+    """A rank missing from a step for this long breaks the group."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -67,5 +74,7 @@ class WorkerConfig:
             raise ValueError("capacities must be >= 1")
         if self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats")
+        if self.dp_size and not (self.dp_group and 0 <= self.dp_rank < self.dp_size and self.role == "mixed"):
+            raise ValueError("a DP rank needs --dp-group, 0 <= --dp-rank < --dp-size, and --role mixed")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", default_worker_id(self.role))

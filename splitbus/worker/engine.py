@@ -36,3 +36,7 @@ class Engine(Protocol):
 
     async def import_kv(self, seq: Sequence, payload: bytes) -> str | None:
         """Called on a decode worker when the KV arrives; returns why it is refused, or None."""
+
+    async def idle(self) -> None:
+        """Called on a DP rank with nothing to do while its group steps: a dummy forward, as
+        EP's collective all-to-all needs every rank."""

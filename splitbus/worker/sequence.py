@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     kv: bytes | None = None
     finish_reason: str | None = None
+    queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def seed(self) -> int:

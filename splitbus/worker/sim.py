@@ -63,6 +63,9 @@ class SimEngine:
         await asyncio.sleep(self.config.decode_step_s + self.config.decode_s_per_seq * len(batch))
         return [self._next(seq) for seq in batch]
 
+    async def idle(self) -> None:
+        await asyncio.sleep(self.config.decode_step_s)
+
     def _next(self, seq: Sequence) -> int:
         return self.token_ids[_draw(seq.seed, len(seq.output_ids))]
 

@@ -59,7 +59,9 @@ class Worker:
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[str] = []  # sb:kv keys of requests that left
         self.recently_cancelled: dict[str, float] = {}
-        self.counters = {"prefills_done": 0, "decodes_done": 0}
+        self.counters = {"prefills_done": 0, "decodes_done": 0, "steps": 0, "idle_forwards": 0, "step_us": 0}
+        self.exit_code = 0
+        self.started_ms = 0
         self.wake = asyncio.Event()
         self.room = asyncio.Event()
         self.stopping = asyncio.Event()
@@ -87,7 +89,8 @@ class Worker:
         self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port)
         await self.tasks.ensure_group()
         await self.cancels.start()
-        await self.registry.register(self.record(), self.config.lease_ms)
+        self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
+        await self.registry.register(self.record(), self.config.lease_ms)  # now with started_ms
         for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels):
             self.spawn(self._forever(loop))
         log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
@@ -106,7 +109,8 @@ class Worker:
         return WorkerRecord(
             worker_id=self.id, role=self.config.role, model=self.config.model_name, engine=self.config.engine,
             transfer_endpoint=self.endpoint, block_size=self.config.block_size,
-            max_model_len=self.tokenizer.context_length, load=self.load(),
+            max_model_len=self.tokenizer.context_length, load=self.load(), started_ms=self.started_ms,
+            dp_group=self.config.dp_group, dp_rank=self.config.dp_rank, dp_size=self.config.dp_size,
         )
 
     def load(self) -> WorkerLoad:

@@ -31,6 +31,10 @@ class Task:
     peer: str = ""
     first_seq: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    batch_id: str = ""
+    """dp mode with staggering: the release batch this task came in..."""
+    batch_ranks: int = 0
+    """...and how many ranks that batch went to, so the ranks can start its prefills together."""
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, f"phase must be one of {PHASES}")

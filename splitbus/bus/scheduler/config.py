@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from splitbus.bus.config import BusConfig
 
-MODES = ("splitwise", "mixed")
+MODES = ("splitwise", "mixed", "dp")
 
 
 def default_name() -> str:
@@ -28,9 +28,13 @@ class SchedulerConfig:
     dispatched_ttl_s: int = 3600
     claim_every_s: float = 5.0
     """How often this replica takes over requests left pending by a dead replica."""
+    stagger: bool = True
+    """dp mode: hold arrivals and release them as one batch spread over the ranks."""
+    stagger_max_wait_s: float = 0.05
+    """dp mode: the longest an arrival is held (the window closes earlier under load)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES} (dp comes with DP groups), got {self.mode!r}")
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.refresh_s <= 0 or self.no_worker_wait_s <= 0 or self.batch < 1:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")

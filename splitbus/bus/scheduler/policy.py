@@ -27,6 +27,8 @@ class Placement:
     phase: str
     peer: str
     reserve: Reserved
+    batch_id: str = ""
+    batch_ranks: int = 0
 
 
 def blocks_needed(request: GenerateRequest, block_size: int) -> int:
@@ -69,7 +71,17 @@ class Policy:
         """The tasks for one request, or the reason no placement exists now."""
         if self.mode == "mixed":
             return self._mixed(request, workers, local)
+        if self.mode == "dp":
+            return self._dp(request, workers, local)
         return self._splitwise(request, workers, local)
+
+    def _dp(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+        """Naive DP: each arrival at once to the rank with the fewest queued prefill tokens."""
+        ranks = [w for w in dp_ranks(workers, request.model) if free_blocks(w, _get(local, w)) >= blocks_needed(request, w.record.block_size)]
+        rank = choose(ranks, lambda w: queued_prefill(w, _get(local, w)), self.rng)
+        if rank is None:
+            return f"no live DP rank with room serves model '{request.model}'"
+        return [dp_placement(rank, request)]
 
     def _splitwise(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
         decode = self._decode_worker(request, eligible(workers, request.model, "decode"), local)
@@ -104,3 +116,12 @@ class Policy:
 
 def _get(local: dict[str, Reserved], worker: WorkerInfo) -> Reserved:
     return local.get(worker.record.worker_id) or Reserved()
+
+
+def dp_ranks(workers: Sequence[WorkerInfo], model: str) -> list[WorkerInfo]:
+    return [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0]
+
+
+def dp_placement(rank: WorkerInfo, request: GenerateRequest, batch_id: str = "", batch_ranks: int = 0) -> Placement:
+    blocks = blocks_needed(request, rank.record.block_size)
+    return Placement(rank, "mixed", "", Reserved(len(request.prompt_token_ids), 1, blocks), batch_id, batch_ranks)

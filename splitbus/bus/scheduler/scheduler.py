@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import dataclasses
 import logging
 import time
@@ -24,7 +25,16 @@ from splitbus.bus.results import ResultWriter
 from splitbus.bus.scheduler import metrics
 from splitbus.bus.scheduler.config import SchedulerConfig
 from splitbus.bus.scheduler.dispatch import DISPATCHED, Dispatcher
-from splitbus.bus.scheduler.policy import Placement, Policy
+from splitbus.bus.scheduler.policy import (
+    Placement,
+    Policy,
+    blocks_needed,
+    dp_placement,
+    dp_ranks,
+    free_blocks,
+    queued_prefill,
+)
+from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
 from splitbus.bus.streams import Delivery, GroupConsumer
 
 log = logging.getLogger(__name__)
@@ -51,6 +61,10 @@ class Scheduler:
         self.local: dict[str, Reserved] = {}
         """Reservations made since the last registry snapshot."""
         self._claimed: list[Delivery] = []
+        self.window: StaggerWindow[Waiting] | None = None
+        self._batches = itertools.count()
+        if config.mode == "dp" and config.stagger:
+            self.window = StaggerWindow(ranks=1, max_wait_s=config.stagger_max_wait_s)
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -64,8 +78,46 @@ class Scheduler:
 
     async def step(self) -> None:
         """Read what there is room to wait for, then place everything that can be placed."""
-        self.waiting += await self.read_requests()
+        arrivals = await self.read_requests()
+        if self.window is None:
+            self.waiting += arrivals
+        else:
+            await self.hold(arrivals)
         self.waiting = [w for w in self.waiting if not await self.try_place(w)]
+
+    async def hold(self, arrivals: list[Waiting]) -> None:
+        """dp mode with staggering: arrivals wait in the window, then go out as one batch."""
+        assert self.window is not None
+        for waiting in arrivals:
+            self.window.add(waiting, waiting.since)
+        if self.window.ready(time.monotonic()):
+            self.waiting += await self.place_batch(self.window.release())
+
+    async def place_batch(self, batch: list[Waiting]) -> list[Waiting]:
+        """Water-fill the batch over the DP ranks; returns what it could not place."""
+        left = [w for w in batch if not isinstance(w.delivery.message, GenerateRequest)]
+        by_model: dict[str, list[Waiting]] = {}
+        for w in batch:
+            if isinstance(w.delivery.message, GenerateRequest):
+                by_model.setdefault(w.delivery.message.model, []).append(w)
+        for model, group in by_model.items():
+            left += await self._fill(model, group)
+        return left
+
+    async def _fill(self, model: str, group: list[Waiting]) -> list[Waiting]:
+        ranks = {r.record.worker_id: r for r in dp_ranks(self.view.workers, model)}
+        loads = [RankLoad(rid, queued_prefill(r, self.local.get(rid, Reserved())), free_blocks(r, self.local.get(rid, Reserved()))) for rid, r in ranks.items()]
+        if not ranks:
+            return group
+        block_size = next(iter(ranks.values())).record.block_size
+        jobs = {w.delivery.entry_id: w for w in group}
+        sizes = [Job(k, len(w.delivery.message.prompt_token_ids), blocks_needed(w.delivery.message, block_size)) for k, w in jobs.items()]
+        placed = water_fill(sizes, loads)
+        batch_id, batch_ranks = f"{self.config.name}.{next(self._batches)}", len(set(placed.values()))
+        for key, rank_id in placed.items():
+            request = jobs[key].delivery.message
+            await self.dispatch(jobs[key], request, [dp_placement(ranks[rank_id], request, batch_id, batch_ranks)])
+        return [w for k, w in jobs.items() if k not in placed]
 
     async def start(self) -> None:
         await self.requests.ensure_group()
@@ -91,8 +143,7 @@ class Scheduler:
 
     async def read_requests(self) -> list[Waiting]:
         room = self.config.batch - len(self.waiting)
-        # With requests waiting for a worker, wake at each registry refresh to retry them.
-        block_ms = int(self.config.refresh_s * 1000) if self.waiting else None
+        block_ms = self._block_ms()
         if room > 0:
             deliveries = await self.requests.read(room, block_ms=block_ms)
         else:
@@ -104,6 +155,23 @@ class Scheduler:
         deliveries, self._claimed = deliveries + self._claimed, []
         now = time.monotonic()
         return [Waiting(d, now) for d in deliveries]
+
+    def _block_ms(self) -> int | None:
+        """How long a read may block: until the stagger window is due, or the next registry
+        refresh when requests wait for a worker, else the bus default."""
+        if self.window is not None:
+            self._tune_window(self.window)
+            due = self.window.due_at()
+            if due is not None:
+                return max(1, int((due - time.monotonic()) * 1000))
+        return int(self.config.refresh_s * 1000) if self.waiting else None
+
+    def _tune_window(self, window: StaggerWindow[Waiting]) -> None:
+        """One request per rank closes the window; otherwise it holds ~2 of the ranks' steps."""
+        ranks = [w for w in self.view.live() if w.record.dp_size > 0]
+        window.ranks = max(1, len(ranks))
+        steps = [w.record.load.step_us for w in ranks if w.record.load.step_us]
+        window.step_s = (sum(steps) / len(steps) / 1e6) if steps else None
 
     async def try_place(self, waiting: Waiting) -> bool:
         """Place one request; True when it is done with (dispatched, or failed to its client)."""

@@ -62,6 +62,10 @@ class PaddleEngine:
     async def decode(self, batch: list[Sequence]) -> list[int]:
         return await self._run(lambda: self._decode(batch))
 
+    async def idle(self) -> None:
+        # One token at position 0 of block 0, the scratch block: computes, stores nothing.
+        await self._run(lambda: self.model.forward([Chunk([0], 0, [0])], self.cache))
+
     async def export_kv(self, seq: Sequence) -> bytes:
         return await self._run(lambda: self.cache.export(seq.block_table, seq.cached))
 

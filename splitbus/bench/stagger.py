@@ -1,0 +1,152 @@
+"""``splitbus bench stagger``: naive vs staggered DP scheduling on the same seeded Poisson trace.
+
+Two backends: real rank processes (``splitbus up --engine sim --dp 4``, requests through the
+HTTP API, idle forwards read from the ranks' registry records) and the discrete-event
+simulation (``stagger_sim``) for 8, 16 and 64 ranks, which runs the same scheduling code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from splitbus.bench.stagger_sim import GroupSimulation, TraceRequest, poisson_trace
+
+SIM_LOADS = {"low": 2.0, "moderate": 20.0, "high": 24.0}
+"""Arrivals per second per rank for the simulation's cost model (the sim engine's defaults):
+about 8 %, 80 % and 95 % of the rate at which naive scheduling saturates."""
+PROCESS_LOADS = {"low": 1.0, "moderate": 5.0, "high": 8.0}
+"""Lower for real processes: 4 ranks, an API, a scheduler, Redis and the client share 2 cores."""
+MODES = ("naive", "staggered")
+
+
+def simulate(ranks: int, load: str, duration_s: float, seed: int) -> list[dict[str, Any]]:
+    trace = poisson_trace(SIM_LOADS[load] * ranks, duration_s, seed)
+    rows = []
+    for mode in MODES:
+        result = GroupSimulation(ranks, staggered=mode == "staggered").run(trace)
+        rows.append(_row("simulation", ranks, load, mode, result.idle_forward_ratio, result.ttft_p50_s, result.ttft_p99_s, result.throughput_tok_s, result.requests))
+    return rows
+
+
+def _row(backend: str, ranks: int, load: str, mode: str, idle: float, p50: float, p99: float, tput: float, requests: int) -> dict[str, Any]:
+    return {"backend": backend, "ranks": ranks, "load": load, "mode": mode, "idle_forward_ratio": round(idle, 4),
+            "ttft_p50_s": round(p50, 4), "ttft_p99_s": round(p99, 4), "throughput_tok_s": round(tput, 1), "requests": requests}
+
+
+class _System:
+    """``splitbus up --engine sim --dp N`` in a temporary folder, stopped with SIGINT."""
+
+    def __init__(self, ranks: int, staggered: bool) -> None:
+        from splitbus.redis_server import free_port
+
+        self.port = free_port()
+        self._data = tempfile.TemporaryDirectory(prefix="splitbus-stagger-")
+        args = ["up", "--engine", "sim", "--dp", str(ranks), "--port", str(self.port), "--data-dir", self._data.name]
+        if not staggered:
+            args += ["--scheduler-arg=--no-stagger", "--worker-arg=--dp-align-ms", "--worker-arg=0"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("SPLITBUS_REDIS_URL", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.redis_url = self._wait_up()
+
+    def _wait_up(self) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            match = re.search(r"splitbus is up: API \S+  Redis (\S+)", line)
+            if match:
+                import threading
+
+                threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+                return match.group(1)
+        raise RuntimeError("splitbus up did not start")
+
+    def counters(self) -> tuple[int, int]:
+        """(steps, idle forwards) summed over the ranks, as their heartbeats report them."""
+        import redis
+
+        client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        steps = idle = 0
+        for worker in client.zrange("sb:workers", 0, -1):
+            values = client.hmget(f"sb:worker:{{{worker}}}", "steps", "idle_forwards")
+            steps, idle = steps + int(values[0] or 0), idle + int(values[1] or 0)
+        client.close()
+        return steps, idle
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._data.cleanup()
+
+
+async def _replay(base_url: str, trace: list[TraceRequest]) -> tuple[list[float], int, float]:
+    """Send the trace through the API at its arrival times; TTFTs, tokens and seconds taken."""
+    import httpx
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120,
+                                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000)))
+    start = time.perf_counter()
+
+    async def one(req: TraceRequest) -> tuple[float, int]:
+        await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
+        sent = time.perf_counter()
+        stream = await client.completions.create(model="tiny", prompt=[97] * req.prompt_tokens, max_tokens=req.output_tokens, stream=True)
+        first, tokens = None, 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first = first or time.perf_counter() - sent
+                tokens += len(chunk.choices[0].text)
+        return first or 0.0, tokens
+
+    results = await asyncio.gather(*(one(r) for r in trace))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return [r[0] for r in results], sum(r[1] for r in results), elapsed
+
+
+def run_processes(ranks: int, duration_s: float, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows = []
+    for mode in MODES:
+        system = _System(ranks, staggered=mode == "staggered")
+        try:
+            for load, rate in PROCESS_LOADS.items():
+                progress(f"processes: {ranks} ranks, {mode}, {load} load ({rate * ranks:.0f} req/s)")
+                rows.append(_measure(system, ranks, load, mode, poisson_trace(rate * ranks, duration_s, seed)))
+        finally:
+            system.stop()
+    return rows
+
+
+def _measure(system: _System, ranks: int, load: str, mode: str, trace: list[TraceRequest]) -> dict[str, Any]:
+    time.sleep(1.0)  # let the last load's steps settle into the counters
+    steps0, idle0 = system.counters()
+    ttfts, tokens, elapsed = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace))
+    time.sleep(1.0)  # heartbeats publish the counters every 0.5 s
+    steps1, idle1 = system.counters()
+    idle = (idle1 - idle0) / max(steps1 - steps0, 1)
+    return _row("processes", ranks, load, mode, idle, float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99)), tokens / elapsed, len(trace))
+
+
+def run_stagger_bench(sim_ranks: list[int], process_ranks: int, duration_s: float, seed: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    results = []
+    if process_ranks:
+        results += run_processes(process_ranks, duration_s, seed, progress)
+    for ranks in sim_ranks:
+        for load in SIM_LOADS:
+            progress(f"simulation: {ranks} ranks, {load} load")
+            results += simulate(ranks, load, duration_s, seed)
+    return {"seed": seed, "duration_s": duration_s, "sim_loads_per_rank": SIM_LOADS, "process_loads_per_rank": PROCESS_LOADS, "results": results}

@@ -1,0 +1,196 @@
+"""Discrete-event simulation of one DP group under the real scheduling code.
+
+Placement uses ``water_fill`` (naive: each arrival alone, at once; staggered: the
+``StaggerWindow``'s batches), and every step each rank acts by ``decide`` on the group's plans,
+exactly as a ``DpWorker`` does. Step costs follow the sim engine's model (``SimConfig``); the
+group's step lasts as long as its slowest rank (EP's all-to-all makes them wait).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
+from splitbus.worker.config import SimConfig
+from splitbus.worker.dp import StepPlan, decide
+
+PREFILL_TOKEN_BUDGET = 4096
+KV_BLOCKS_PER_RANK = 8192
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def poisson_trace(rate_per_s: float, duration_s: float, seed: int) -> list[TraceRequest]:
+    """Seeded Poisson arrivals; prompts of 64-1024 tokens, outputs of 16-128."""
+    rng = np.random.default_rng(seed)
+    count = rng.poisson(rate_per_s * duration_s)
+    arrivals = np.sort(rng.uniform(0, duration_s, count))
+    prompts = rng.integers(64, 1025, count)
+    outputs = rng.integers(16, 129, count)
+    return [TraceRequest(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs)]
+
+
+@dataclass
+class _Req:
+    trace: TraceRequest
+    queued_at: float = 0.0
+    remaining: int = 0
+    batch_id: str = ""
+    batch_ranks: int = 0
+    ttft_s: float | None = None
+    done_at: float | None = None
+
+
+@dataclass
+class _Rank:
+    name: str
+    queued: list[_Req] = field(default_factory=list)
+    running: list[_Req] = field(default_factory=list)
+
+    def load(self) -> RankLoad:
+        queued = sum(r.trace.prompt_tokens for r in self.queued)
+        held = sum(math.ceil((r.trace.prompt_tokens + r.trace.output_tokens) / BLOCK) for r in self.queued + self.running)
+        return RankLoad(self.name, queued, KV_BLOCKS_PER_RANK - held)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    idle_forward_ratio: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    throughput_tok_s: float
+    requests: int
+
+
+class GroupSimulation:
+    def __init__(self, ranks: int, staggered: bool, max_wait_s: float = 0.05, align_ms: float = 20.0, costs: SimConfig | None = None) -> None:
+        self.ranks = [_Rank(f"r{i}") for i in range(ranks)]
+        self.window: StaggerWindow[_Req] | None = StaggerWindow(ranks, max_wait_s) if staggered else None
+        self.align_ms = align_ms if staggered else 0.0
+        self.costs = costs or SimConfig()
+        self.now = 0.0
+        self.rank_steps = 0
+        self.idle_steps = 0
+        self.batches = 0
+
+    def run(self, trace: list[TraceRequest]) -> SimResult:
+        requests = [_Req(t) for t in trace]
+        upcoming = list(requests)
+        while upcoming or self._busy():
+            upcoming = self._arrive(upcoming)
+            if self._busy():
+                self._step()
+            else:
+                self.now = self._next_event(upcoming)
+        return self._result(requests)
+
+    def _busy(self) -> bool:
+        return any(r.queued or r.running for r in self.ranks) or bool(self.window and self.window.held)
+
+    def _arrive(self, upcoming: list[_Req]) -> list[_Req]:
+        while upcoming and upcoming[0].trace.arrival_s <= self.now:
+            req = upcoming.pop(0)
+            if self.window is None:
+                self._place([req])
+            else:
+                self.window.add(req, req.trace.arrival_s)
+        if self.window is not None and self.window.ready(self.now):
+            self._place(self.window.release())
+        return upcoming
+
+    def _place(self, batch: list[_Req]) -> None:
+        by_key = {str(id(r)): r for r in batch}
+        jobs = [Job(k, r.trace.prompt_tokens, math.ceil((r.trace.prompt_tokens + r.trace.output_tokens) / BLOCK)) for k, r in by_key.items()]
+        placed = water_fill(jobs, [rank.load() for rank in self.ranks])
+        names = {rank.name: rank for rank in self.ranks}
+        self.batches += 1
+        for key, rank in placed.items():
+            req = by_key[key]
+            req.queued_at = self.now
+            if self.window is not None:
+                req.batch_id, req.batch_ranks = str(self.batches), len(set(placed.values()))
+            names[rank].queued.append(req)
+
+    def _next_event(self, upcoming: list[_Req]) -> float:
+        events = [upcoming[0].trace.arrival_s] if upcoming else []
+        if self.window is not None and self.window.due_at() is not None:
+            events.append(self.window.due_at() or 0.0)
+        return max(self.now, min(events)) if events else self.now
+
+    def _step(self) -> None:
+        plans = [self._plan(i, r) for i, r in enumerate(self.ranks)]
+        actions = [decide(p, plans, self.align_ms) for p in plans]
+        if all(a == "none" for a in actions):  # only the window holds work: wait for it
+            self.now = max(self.now, (self.window.due_at() if self.window else None) or self.now) + 1e-6
+            return
+        duration = max(self._cost(rank, action) for rank, action in zip(self.ranks, actions))
+        if self.window is not None:
+            self.window.observe_step(duration)
+        end = self.now + duration
+        for rank, action in zip(self.ranks, actions):
+            self._apply(rank, action, end)
+        self.rank_steps += len(self.ranks)
+        self.now = end
+
+    def _plan(self, index: int, rank: _Rank) -> StepPlan:
+        if not rank.queued:
+            return StepPlan(index, False, bool(rank.running), 0.0)
+        oldest = rank.queued[0]
+        return StepPlan(index, True, bool(rank.running), (self.now - oldest.queued_at) * 1000, oldest.batch_id, oldest.batch_ranks)
+
+    def _prefill_batch(self, rank: _Rank) -> list[_Req]:
+        batch, tokens = [], 0
+        for req in rank.queued:
+            if batch and tokens + req.trace.prompt_tokens > PREFILL_TOKEN_BUDGET:
+                break
+            batch.append(req)
+            tokens += req.trace.prompt_tokens
+        return batch
+
+    def _cost(self, rank: _Rank, action: str) -> float:
+        c = self.costs
+        if action == "prefill":
+            return c.prefill_s_per_token * sum(r.trace.prompt_tokens for r in self._prefill_batch(rank))
+        if action == "decode":
+            return c.decode_step_s + c.decode_s_per_seq * len(rank.running)
+        return c.decode_step_s  # an idle forward still joins the collective
+
+    def _apply(self, rank: _Rank, action: str, end: float) -> None:
+        if action == "prefill":
+            for req in self._prefill_batch(rank):
+                rank.queued.remove(req)
+                req.ttft_s = end - req.trace.arrival_s
+                req.remaining = req.trace.output_tokens - 1
+                if req.remaining > 0:
+                    rank.running.append(req)
+                else:
+                    req.done_at = end
+        elif action == "decode":
+            for req in list(rank.running):
+                req.remaining -= 1
+                if req.remaining == 0:
+                    req.done_at = end
+                    rank.running.remove(req)
+        else:
+            self.idle_steps += 1
+
+    def _result(self, requests: list[_Req]) -> SimResult:
+        ttfts = np.array([r.ttft_s for r in requests if r.ttft_s is not None])
+        tokens = sum(r.trace.output_tokens for r in requests if r.done_at is not None)
+        span = max((r.done_at or 0.0) for r in requests) - min(r.trace.arrival_s for r in requests)
+        return SimResult(
+            idle_forward_ratio=self.idle_steps / max(self.rank_steps, 1),
+            ttft_p50_s=float(np.percentile(ttfts, 50)),
+            ttft_p99_s=float(np.percentile(ttfts, 99)),
+            throughput_tok_s=tokens / span if span > 0 else 0.0,
+            requests=len(requests),
+        )

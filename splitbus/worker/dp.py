@@ -1,0 +1,186 @@
+"""DP groups: the ranks of a group step together, as EP's all-to-all forces.
+
+Before each step every rank posts its plan (has prefill work, has decode work, how long its
+oldest prefill has waited) to ``sb:dp:{group}`` and reads the others'. From the same plans every
+rank makes the same decision: the group steps if any rank has work, and a rank with nothing to
+do runs an idle forward (counted). Prefills are aligned: a task of a staggered batch names the
+batch and how many ranks it went to, and a rank waits (up to ``dp_align_ms``) until all of them
+have their part, so the batch's prefills share a step.
+
+The group starts when all its ranks are live in the registry; its epoch is the latest
+``started_ms`` among them (Redis server time), and only plans of that epoch count. A rank
+missing from a step for ``dp_barrier_timeout_s`` breaks the group: every rank fails what it
+holds with a reason, leaves the registry and exits, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import orjson
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+PLANS_KEPT = 2000
+
+
+class GroupBroken(Exception):
+    """A rank did not reach a step in time; the message says which and when."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rank: int
+    prefill: bool
+    decode: bool
+    waited_ms: float
+    batch_id: str = ""
+    """The scheduler batch of this rank's oldest prefill work ("" when not staggered)."""
+    batch_ranks: int = 0
+
+
+def decide(mine: StepPlan, plans: list[StepPlan], align_ms: float) -> str:
+    """What this rank does in a step: ``prefill``, ``decode``, ``idle`` or ``none`` (the whole
+    group has nothing to do). Every rank computes it from the same plans.
+
+    A prefill from a staggered batch waits, up to ``align_ms``, until every rank the batch went
+    to has its part, so the batch's prefills share a step (0 turns alignment off).
+    """
+    if not any(p.prefill or p.decode for p in plans):
+        return "none"
+    if mine.prefill and (align_ms <= 0 or _batch_arrived(mine, plans) or mine.waited_ms >= align_ms):
+        return "prefill"
+    return "decode" if mine.decode else "idle"
+
+
+def _batch_arrived(mine: StepPlan, plans: list[StepPlan]) -> bool:
+    if not mine.batch_id:
+        return True
+    return sum(1 for p in plans if p.prefill and p.batch_id == mine.batch_id) >= mine.batch_ranks
+
+
+class GroupBarrier:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, group: str, rank: int, size: int, timeout_s: float) -> None:
+        self._redis = redis
+        self._key = config.keys.dp(group)
+        self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
+        self.epoch = 0
+        self._last_id = "0-0"
+        self._seen: dict[int, dict[int, StepPlan]] = {}
+
+    def begin(self, epoch_ms: int) -> None:
+        self.epoch = epoch_ms
+        self._last_id = f"{epoch_ms}-0"  # entry ids are Redis server time: older ones are another run
+
+    async def exchange(self, step: int, plan: StepPlan) -> list[StepPlan]:
+        fields = {"epoch": self.epoch, "step": step, "plan": orjson.dumps(asdict(plan))}
+        await self._redis.xadd(self._key, fields, maxlen=PLANS_KEPT, approximate=True)
+        deadline = time.monotonic() + self.timeout_s
+        while len(self._seen.get(step, {})) < self.size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.size)) - set(self._seen.get(step, {})))
+                raise GroupBroken(f"DP group {self.group}: rank(s) {missing} did not reach step {step} within {self.timeout_s:.0f}s")
+            await self._read(min(left, 1.0))
+        plans = [self._seen[step][r] for r in range(self.size)]
+        for old in [s for s in self._seen if s <= step]:
+            del self._seen[old]
+        return plans
+
+    async def _read(self, block_s: float) -> None:
+        reply = await self._redis.xread({self._key: self._last_id}, count=1000, block=max(1, int(block_s * 1000)))
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id.decode()
+                if int(fields[b"epoch"]) == self.epoch:
+                    plan = StepPlan(**orjson.loads(fields[b"plan"]))
+                    self._seen.setdefault(int(fields[b"step"]), {})[plan.rank] = plan
+
+
+class DpWorker(Worker):
+    """A mixed worker that is one rank of a DP group."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        c = self.config
+        self.barrier = GroupBarrier(self.redis, c.bus, c.dp_group, c.dp_rank, c.dp_size, c.dp_barrier_timeout_s)
+        self.step_no = 0
+
+    async def start(self) -> None:
+        await super().start()
+        self.barrier.begin(await self.wait_for_group())
+        log.info("DP group %s: rank %d of %d in step with the others", self.config.dp_group, self.config.dp_rank, self.config.dp_size)
+
+    async def wait_for_group(self) -> int:
+        """The group's epoch, once every rank is live."""
+        deadline = time.monotonic() + max(60.0, self.config.dp_barrier_timeout_s)
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            ranks = self.group_ranks(await self.registry.snapshot())
+            if len(ranks) == self.config.dp_size and all(r.record.started_ms for r in ranks):
+                return max(r.record.started_ms for r in ranks)
+            await asyncio.sleep(0.05)
+        raise GroupBroken(f"DP group {self.config.dp_group}: not all {self.config.dp_size} ranks came up")
+
+    def group_ranks(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        return [w for w in workers if w.alive and w.record.dp_group == self.config.dp_group]
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        except GroupBroken as exc:
+            await self.leave(str(exc))
+
+    async def step(self) -> None:
+        self.expire_waits()
+        mine = self.plan()
+        started = time.monotonic()
+        plans = await self.barrier.exchange(self.step_no, mine)
+        action = decide(mine, plans, self.config.dp_align_ms)
+        self.step_no += 1
+        await self.act(action)
+        await self.publish()
+        if action != "none":
+            self.observe_step(time.monotonic() - started)
+
+    def observe_step(self, seconds: float) -> None:
+        old = self.counters["step_us"]
+        self.counters["step_us"] = int(seconds * 1e6 if not old else 0.8 * old + 0.2 * seconds * 1e6)
+
+    def plan(self) -> StepPlan:
+        if not self.queued:
+            return StepPlan(self.config.dp_rank, False, bool(self.running), 0.0)
+        oldest = self.queued[0]
+        waited = (time.monotonic() - oldest.queued_at) * 1000
+        return StepPlan(self.config.dp_rank, True, bool(self.running), waited, oldest.task.batch_id, oldest.task.batch_ranks)
+
+    async def act(self, action: str) -> None:
+        if action == "none":  # the whole group is idle: wait for work, no forward
+            await self.wait_for_work()
+            return
+        self.counters["steps"] += 1
+        if action == "prefill":
+            await self.prefill_queued()
+        elif action == "decode":
+            await self.decode_running()
+        else:
+            self.counters["idle_forwards"] += 1
+            await self.engine.idle()
+
+    async def leave(self, reason: str) -> None:
+        """The group is broken: fail what this rank holds, leave the registry, stop."""
+        log.error("%s; failing held requests and stopping", reason)
+        for seq in [*self.queued, *self.running]:
+            self.fail(seq, "dp_group_broken", reason, 503)
+        self.queued.clear()
+        self.running.clear()
+        await self.publish()
+        await self.registry.deregister(self.id)
+        self.exit_code = 3
+        self.stopping.set()

@@ -1,0 +1,75 @@
+"""A DP group of 4 sim ranks: lock-step, idle forwards, and a dead rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import openai
+import orjson
+
+from splitbus.worker.sim import sim_text
+from tests.e2e.conftest import start_system, stop_system
+
+
+def _ranks(system) -> dict[int, dict[str, str]]:  # type: ignore[no-untyped-def]
+    r = system.redis()
+    return {int(h["dp_rank"]): h for h in (r.hgetall(f"sb:worker:{{{w}}}") for w in r.zrange("sb:workers", 0, -1))}
+
+
+def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
+    system = start_system(tmp_path, "--dp", "4")
+    try:
+        client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt="one", max_tokens=30, seed=4)  # one rank busy
+        assert reply.choices[0].text == sim_text(4, 30)
+        time.sleep(1.2)  # two heartbeats publish the counters
+        ranks = _ranks(system)
+        assert sorted(ranks) == [0, 1, 2, 3]
+        steps = {int(h["steps"]) for h in ranks.values()}
+        assert len(steps) == 1 and steps.pop() >= 30  # the same number of steps on every rank
+        idle = sorted(int(h["idle_forwards"]) for h in ranks.values())
+        assert idle[0] == 0 and idle[1:] == [idle[3]] * 3 and idle[3] >= 29  # three ranks idled while one worked
+        _assert_lock_step(system)
+    finally:
+        assert stop_system(system) == []
+
+
+def _assert_lock_step(system) -> None:  # type: ignore[no-untyped-def]
+    """In the barrier stream, no rank posts step s+1 before every rank posted step s."""
+    entries = system.redis().xrange("sb:dp:{g0}")
+    posted: dict[int, set[int]] = defaultdict(set)
+    for _, fields in entries:
+        step, rank = int(fields["step"]), orjson.loads(fields["plan"])["rank"]
+        if step > 0 and step - 1 in posted:
+            assert posted[step - 1] == {0, 1, 2, 3}, f"rank {rank} ran ahead to step {step}"
+        posted[step].add(rank)
+    assert len(posted) >= 30
+
+
+def test_a_dead_rank_breaks_the_group_with_a_clear_error(tmp_path: Path) -> None:
+    system = start_system(tmp_path, "--dp", "4", "--worker-arg=--dp-barrier-timeout", "--worker-arg=2",
+                          "--scheduler-arg=--no-worker-wait", "--scheduler-arg=2")
+    try:
+        client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=3, seed=2).choices[0].text == sim_text(2, 3)
+        os.kill(system.pid_of(r"--dp-rank 2"), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            client.completions.create(model="tiny", prompt="x", max_tokens=50)
+            raise AssertionError("the broken group served a request")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            assert "did not reach step" in str(exc.body) or "no live DP rank" in str(exc.body)
+        assert time.monotonic() - started < 20
+        output = "".join(system.output)
+        deadline = time.monotonic() + 10
+        while "did not reach step" not in output and time.monotonic() < deadline:
+            time.sleep(0.2)
+            output = "".join(system.output)
+        assert "rank(s) [2] did not reach step" in output
+    finally:
+        stop_system(system)
