@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np

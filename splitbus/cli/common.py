@@ -19,6 +19,8 @@ def setup_logging(env: Env, part: str) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):  # a line per HTTP request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def say(message: str) -> None:

@@ -24,7 +24,10 @@ import orjson
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.messages import Task
+from splitbus.bus.registry import WorkerInfo
+from splitbus.bus.streams import GroupConsumer
 from splitbus.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,10 @@ PLANS_KEPT = 2000
 
 class GroupBroken(Exception):
     """A rank did not reach a step in time; the message says which and when."""
+
+    def __init__(self, message: str, missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing or []
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class GroupBarrier:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.size)) - set(self._seen.get(step, {})))
-                raise GroupBroken(f"DP group {self.group}: rank(s) {missing} did not reach step {step} within {self.timeout_s:.0f}s")
+                raise GroupBroken(f"DP group {self.group}: rank(s) {missing} did not reach step {step} within {self.timeout_s:.0f}s", missing)
             await self._read(min(left, 1.0))
         plans = [self._seen[step][r] for r in range(self.size)]
         for old in [s for s in self._seen if s <= step]:
@@ -135,7 +142,7 @@ class DpWorker(Worker):
         try:
             await super().run()
         except GroupBroken as exc:
-            await self.leave(str(exc))
+            await self.leave(str(exc), exc.missing)
 
     async def step(self) -> None:
         self.expire_waits()
@@ -173,14 +180,28 @@ class DpWorker(Worker):
             self.counters["idle_forwards"] += 1
             await self.engine.idle()
 
-    async def leave(self, reason: str) -> None:
-        """The group is broken: fail what this rank holds, leave the registry, stop."""
+    async def leave(self, reason: str, missing: list[int]) -> None:
+        """The group is broken: fail what this rank holds (and, on the lowest surviving rank,
+        what the missing ranks were given), leave the registry, stop."""
         log.error("%s; failing held requests and stopping", reason)
         for seq in [*self.queued, *self.running]:
             self.fail(seq, "dp_group_broken", reason, 503)
         self.queued.clear()
         self.running.clear()
+        if self.config.dp_rank == min(set(range(self.config.dp_size)) - set(missing), default=-1):
+            await self.fail_orphaned_tasks(reason, missing)
         await self.publish()
         await self.registry.deregister(self.id)
         self.exit_code = 3
         self.stopping.set()
+
+    async def fail_orphaned_tasks(self, reason: str, missing: list[int]) -> None:
+        """Tasks in the missing ranks' streams would wait forever: answer them with the reason."""
+        dead = [w.record.worker_id for w in await self.registry.snapshot() if w.record.dp_group == self.config.dp_group and w.record.dp_rank in missing]
+        for worker_id in dead:
+            stream = GroupConsumer(self.redis, self.config.bus, self.keys.tasks(worker_id), WORKER_GROUP, self.id)
+            orphans = await stream.read(10_000, block_ms=1) + await stream.claim_idle(10_000, min_idle_ms=0)
+            for delivery in orphans:
+                if isinstance(delivery.message, Task):
+                    self.writer.fail(delivery.message.request.request_id, "dp_group_broken", reason, 503)
+            await stream.ack(*[d.entry_id for d in orphans])

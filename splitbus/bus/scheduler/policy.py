@@ -119,7 +119,12 @@ def _get(local: dict[str, Reserved], worker: WorkerInfo) -> Reserved:
 
 
 def dp_ranks(workers: Sequence[WorkerInfo], model: str) -> list[WorkerInfo]:
-    return [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0]
+    """Ranks of complete DP groups only: a group missing a rank cannot step."""
+    ranks = [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0]
+    members: dict[str, int] = {}
+    for w in ranks:
+        members[w.record.dp_group] = members.get(w.record.dp_group, 0) + 1
+    return [w for w in ranks if members[w.record.dp_group] == w.record.dp_size]
 
 
 def dp_placement(rank: WorkerInfo, request: GenerateRequest, batch_id: str = "", batch_ranks: int = 0) -> Placement:
