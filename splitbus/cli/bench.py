@@ -7,7 +7,7 @@ import contextlib
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from splitbus.cli.common import say
 from splitbus.env import Env
@@ -47,6 +47,29 @@ def _redis(url: str | None) -> Iterator[str]:
         yield server.url
 
 
+class _Run:
+    """Progress lines stamped with the elapsed time, and the common end of every benchmark:
+    machine facts, JSON, PNG, the table, where the files went."""
+
+    def __init__(self, name: str, out: Path) -> None:
+        self.name, self.out = name, out
+        self.started = time.monotonic()
+
+    def progress(self, line: str) -> None:
+        say(f"[{time.monotonic() - self.started:5.1f}s] {line}")
+
+    def finish(self, result: dict[str, Any], plot: Callable[[dict[str, Any], Path], None], table: Callable[[dict[str, Any]], str]) -> int:
+        from splitbus.bench import report
+
+        result["machine"] = report.machine()
+        json_path, png_path = self.out / f"bench_{self.name}.json", self.out / f"bench_{self.name}.png"
+        report.write_json(result, json_path)
+        plot(result, png_path)
+        say(table(result))
+        say(f"wrote {json_path} and {png_path} in {time.monotonic() - self.started:.0f}s")
+        return 0
+
+
 def run_bus(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.bus import BusBenchConfig, run_bus_bench
@@ -54,16 +77,11 @@ def run_bus(args: argparse.Namespace, env: Env) -> int:
     cfg = BusBenchConfig(repeat=args.repeat, streams=args.streams)
     if args.quick:
         cfg = BusBenchConfig(requests=500, paced_requests=200, streams=min(args.streams, 50), steps=5, paced_steps=5, repeat=1)
-    started = time.monotonic()
+    run = _Run("bus", args.out)
     with _redis(args.redis_url) as url:
-        result = run_bus_bench(url, cfg, progress=lambda line: say(f"[{time.monotonic() - started:5.1f}s] {line}"))
-    result["machine"] = report.machine()
+        result = run_bus_bench(url, cfg, progress=run.progress)
     result["redis"] = "external" if args.redis_url else "embedded"
-    report.write_json(result, args.out / "bench_bus.json")
-    report.bus_plot(result, args.out / "bench_bus.png")
-    say(report.bus_table(result))
-    say(f"wrote {args.out / 'bench_bus.json'} and {args.out / 'bench_bus.png'} in {time.monotonic() - started:.0f}s")
-    return 0
+    return run.finish(result, report.bus_plot, report.bus_table)
 
 
 def run_engine(args: argparse.Namespace, env: Env) -> int:
@@ -73,26 +91,14 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.engine import run_engine_bench
 
-    started = time.monotonic()
-    result = run_engine_bench(args.models, args.runs, progress=lambda line: say(f"[{time.monotonic() - started:5.1f}s] {line}"))
-    result["machine"] = report.machine()
-    report.write_json(result, args.out / "bench_engine.json")
-    report.engine_plot(result, args.out / "bench_engine.png")
-    say(report.engine_table(result))
-    say(f"wrote {args.out / 'bench_engine.json'} and {args.out / 'bench_engine.png'} in {time.monotonic() - started:.0f}s")
-    return 0
+    run = _Run("engine", args.out)
+    return run.finish(run_engine_bench(args.models, args.runs, progress=run.progress), report.engine_plot, report.engine_table)
 
 
 def run_stagger(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.stagger import run_stagger_bench
 
-    started = time.monotonic()
-    result = run_stagger_bench(args.sim_ranks, args.process_ranks, args.duration, args.seed,
-                               progress=lambda line: say(f"[{time.monotonic() - started:5.1f}s] {line}"))
-    result["machine"] = report.machine()
-    report.write_json(result, args.out / "bench_stagger.json")
-    report.stagger_plot(result, args.out / "bench_stagger.png")
-    say(report.stagger_table(result))
-    say(f"wrote {args.out / 'bench_stagger.json'} and {args.out / 'bench_stagger.png'} in {time.monotonic() - started:.0f}s")
-    return 0
+    run = _Run("stagger", args.out)
+    result = run_stagger_bench(args.sim_ranks, args.process_ranks, args.duration, args.seed, progress=run.progress)
+    return run.finish(result, report.stagger_plot, report.stagger_table)

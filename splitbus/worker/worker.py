@@ -22,7 +22,6 @@ from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.scheduler.policy import blocks_needed
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
@@ -166,15 +165,10 @@ class Worker:
             self.wake.set()
 
     async def release_reservations(self, deliveries: list[Delivery]) -> None:
-        totals = Reserved()
-        for d in deliveries:
-            if isinstance(d.message, Task):
-                r = d.message.request
-                decode = d.message.phase != "prefill"
-                totals.reserved_prefill_tokens += 0 if d.message.phase == "decode" else len(r.prompt_token_ids)
-                totals.reserved_requests += 1 if decode else 0
-                totals.reserved_kv_blocks += blocks_needed(r, self.config.block_size) if decode else 0
-        await self.registry.release(self.id, totals)
+        """Give back what the scheduler reserved for these tasks: they are taken now."""
+        tasks = [d.message for d in deliveries if isinstance(d.message, Task)]
+        if tasks:
+            await self.registry.release(self.id, Reserved(*(sum(column) for column in zip(*(t.reserved for t in tasks)))))
 
     async def accept(self, delivery: Delivery) -> None:
         task = delivery.message

@@ -51,6 +51,10 @@ def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System)
         time.sleep(0.1)
     prefills, decodes = work_done()
     assert prefills >= 50 and decodes >= 50
+    r = system.redis()
+    for wid in r.zrange("sb:workers", 0, -1):  # every reservation was given back
+        reserved = r.hmget(f"sb:worker:{{{wid}}}", "reserved_prefill_tokens", "reserved_requests", "reserved_kv_blocks")
+        assert [int(x or 0) for x in reserved] == [0, 0, 0], (wid, reserved)
 
 
 def test_prefill_and_decode_are_linked_through_rdma_keys(system: System) -> None:

@@ -35,6 +35,9 @@ class Task:
     """dp mode with staggering: the release batch this task came in..."""
     batch_ranks: int = 0
     """...and how many ranks that batch went to, so the ranks can start its prefills together."""
+    reserved: list[int] = field(default_factory=lambda: [0, 0, 0])
+    """What the scheduler reserved on this worker for the task (prefill tokens, requests, KV
+    blocks); the worker gives exactly this back when it takes the task."""
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, f"phase must be one of {PHASES}")
@@ -44,3 +47,5 @@ class Task:
             require_str(self.peer, "peer")
         require_int(self.first_seq, "first_seq", minimum=0)
         require_int_list(self.output_token_ids, "output_token_ids")
+        require_int_list(self.reserved, "reserved")
+        require(len(self.reserved) == 3, "reserved must hold 3 numbers")

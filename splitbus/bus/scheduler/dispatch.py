@@ -50,6 +50,7 @@ class Dispatcher:
         for p in placements:
             worker_id = p.worker.record.worker_id
             keys += [self._keys.worker(worker_id), self._keys.tasks(worker_id)]
-            fields = codec.encode(Task(p.phase, request, p.peer, batch_id=p.batch_id, batch_ranks=p.batch_ranks))
+            reserved = list(dataclasses.astuple(p.reserve))
+            fields = codec.encode(Task(p.phase, request, p.peer, batch_id=p.batch_id, batch_ranks=p.batch_ranks, reserved=reserved))
             args += [*dataclasses.astuple(p.reserve), fields[b"type"], fields[b"data"], fields[b"ts"]]
         return int(await self._script(keys=keys, args=args))

@@ -40,7 +40,8 @@ async def test_dispatch_writes_tasks_reserves_and_acks_once(redis: aioredis.Redi
     assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == ALREADY_ACKED
     tasks = {w: [codec.decode(f) for _, f in await redis.xrange(bus_config.keys.tasks(w))] for w in ("p", "d")}
     assert [(t.phase, t.peer, t.request.request_id) for t in tasks["p"]] == [("prefill", "d", "r")]
-    assert [(t.phase, t.peer) for t in tasks["d"]] == [("decode", "p")]
+    assert [(t.phase, t.peer, t.reserved) for t in tasks["d"]] == [("decode", "p", [0, 1, 8])]
+    assert tasks["p"][0].reserved == [100, 0, 0]
     snap = {w.record.worker_id: w.reserved for w in await Registry(redis, bus_config).snapshot()}
     assert snap == {"p": Reserved(100, 0, 0), "d": Reserved(0, 1, 8)}
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
