@@ -57,7 +57,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -104,7 +104,7 @@ class EmbeddedRedis:
         self.port = self.port or free_port(self.host)
         self._proc = subprocess.Popen(
             self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )
         try:
             self._wait_ready(timeout_s)

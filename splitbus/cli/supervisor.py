@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import IO
 
-from splitbus.redis_server import _die_with_parent
+from splitbus.redis_server import die_with_parent
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Supervisor:
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitbus.cli.main", *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True, preexec_fn=die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         child = Child(name, proc)
         self.children.append(child)
