@@ -17,10 +17,10 @@ CANCEL_MAXLEN = 100_000
 """Approximate length kept: a reader further behind than this misses cancellations."""
 
 
-async def publish_cancel(redis: aioredis.Redis, config: BusConfig, request_id: str, reason: str) -> str:
-    entry_id = await redis.xadd(
-        config.keys.cancel, codec.encode(Cancel(request_id, reason)), maxlen=CANCEL_MAXLEN, approximate=True
-    )
+async def publish_cancel(redis: aioredis.Redis, config: BusConfig, request_id: str, reason: str, worker: str = "", task_entry: str = "") -> str:
+    """Cancel a request everywhere, or (``worker`` and ``task_entry``) one worker's task of it."""
+    cancel = Cancel(request_id, reason, worker, task_entry)
+    entry_id = await redis.xadd(config.keys.cancel, codec.encode(cancel), maxlen=CANCEL_MAXLEN, approximate=True)
     metrics.ENTRIES_PRODUCED.labels("cancel").inc()
     return entry_id.decode()
 

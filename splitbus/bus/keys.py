@@ -77,6 +77,14 @@ class Keys:
         """String with a TTL: the request was dispatched (a duplicate entry is then skipped)."""
         return f"{self.prefix}:dispatched:{{{request}}}"
 
+    def moved(self, request: str) -> str:
+        """Counter with a TTL: how often the reaper moved the request off a dead worker."""
+        return f"{self.prefix}:moved:{{{request}}}"
+
+    def reaping(self, worker: str) -> str:
+        """String with a TTL: the scheduler replica that is taking over a dead worker's tasks."""
+        return f"{self.prefix}:reaping:{{{worker}}}"
+
     def rdma(self, prefill: str, decode: str) -> str:
         """Hash: connection state between a prefill and a decode worker."""
         return f"{self.prefix}:rdma:{{{prefill}}}:{{{decode}}}"

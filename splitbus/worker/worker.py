@@ -190,8 +190,12 @@ class Worker:
         if seq.task.phase != "decode":
             self.queued.append(seq)
             return
+        superseded = self.awaiting_kv.pop(seq.request_id, None)
+        if superseded is not None:  # the request moved here again: its older task is void
+            self.retire(superseded[0])
         self.awaiting_kv[seq.request_id] = (seq, time.monotonic() + self.config.kv_wait_s)
-        reservation = {"decode_worker": self.id, "endpoint": self.endpoint, "blocks": str(seq.blocks), "prefill_worker": seq.task.peer}
+        reservation = {"decode_worker": self.id, "endpoint": self.endpoint, "blocks": str(seq.blocks),
+                       "prefill_worker": seq.task.peer, "task_entry": seq.entry_id}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.kv(seq.request_id), mapping=reservation)
         pipe.expire(self.keys.kv(seq.request_id), KV_TTL_S)
@@ -212,7 +216,10 @@ class Worker:
     async def listen_for_cancels(self) -> None:
         while not self.stopping.is_set():
             for cancel in await self.cancels.poll():
-                self.drop(cancel.request_id)
+                if cancel.entry_id and cancel.worker == self.id:
+                    self.drop_task(cancel.entry_id)
+                elif not cancel.worker:
+                    self.drop(cancel.request_id)
 
     # ------------------------------------------------------------ engine steps
 
@@ -310,8 +317,7 @@ class Worker:
             meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id), "from": self.id}
             await self.links.client.send(endpoint, seq.request_id, meta, await self.engine.export_kv(seq))
         except (TransferError, asyncio.TimeoutError) as exc:
-            self.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
-            self.cancel_peer(seq, "kv_transfer_failed")
+            await self.transfer_failed(seq, exc)
         else:
             self.retire(seq)
         finally:
@@ -319,16 +325,29 @@ class Worker:
             seq.kv = None
             self.wake.set()
 
+    async def transfer_failed(self, seq: Sequence, exc: Exception) -> None:
+        """A dead decode worker's requests are the reaper's to move (failing them here would end
+        streams that can still complete); any other failure ends the request with an error."""
+        if not await self.redis.exists(self.keys.lease(seq.task.peer)) or await self.redis.exists(self.keys.moved(seq.request_id)):
+            log.warning("decode worker %s is gone; leaving %s to the reaper", seq.task.peer, seq.request_id)
+            self.retire(seq)
+            return
+        self.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
+        self.cancel_peer(seq, "kv_transfer_failed")
+
     async def wait_for_reservation(self, seq: Sequence) -> str:
         """D's transfer endpoint, once D has reserved blocks for the request."""
         deadline = time.monotonic() + self.config.kv_wait_s
         delay = 0.002
         while time.monotonic() < deadline:
-            endpoint = await self.redis.hget(self.keys.kv(seq.request_id), "endpoint")
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hget(self.keys.kv(seq.request_id), "endpoint")
+            pipe.exists(self.keys.lease(seq.task.peer))
+            endpoint, peer_alive = await pipe.execute()
             if endpoint:
                 return endpoint.decode()
-            if seq.request_id in self.recently_cancelled:
-                raise TransferError("the request was cancelled")
+            if seq.request_id in self.recently_cancelled or not peer_alive:
+                raise TransferError("the request was cancelled" if peer_alive else f"decode worker {seq.task.peer} is gone")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
         raise TransferError(f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s")
@@ -366,6 +385,14 @@ class Worker:
             self.retire(seq)
             self.wake.set()
 
+    def drop_task(self, entry_id: str) -> None:
+        """Forget one task (its request moved to other workers), freeing its blocks."""
+        for request_id, (seq, _) in list(self.awaiting_kv.items()):
+            if seq.entry_id == entry_id:
+                del self.awaiting_kv[request_id]
+                self.retire(seq)
+                self.wake.set()
+
     def _remove(self, request_id: str) -> Sequence | None:
         for seq in list(self.queued):
             if seq.request_id == request_id:
@@ -383,4 +410,13 @@ class Worker:
         for request_id, (seq, deadline) in list(self.awaiting_kv.items()):
             if now > deadline:
                 del self.awaiting_kv[request_id]
-                self.fail(seq, "kv_transfer_timeout", f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s", 503)
+                self.spawn(self._expire(seq))
+
+    async def _expire(self, seq: Sequence) -> None:
+        """No KV came: fail the request, unless the reaper moved it (then its new workers answer)."""
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            if await self.redis.exists(self.keys.moved(seq.request_id)):
+                self.retire(seq)
+                return
+        self.fail(seq, "kv_transfer_timeout", f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s", 503)
+        self.wake.set()

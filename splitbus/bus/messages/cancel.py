@@ -15,6 +15,9 @@ class Cancel:
     TYPE: ClassVar[str] = "cancel"
     request_id: str
     reason: str = "client_disconnected"
+    worker: str = ""
+    """With ``entry_id``: only this worker drops only that task (the request moved elsewhere)."""
+    entry_id: str = ""
 
     def __post_init__(self) -> None:
         require_str(self.request_id, "request_id")

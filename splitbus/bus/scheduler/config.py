@@ -28,6 +28,8 @@ class SchedulerConfig:
     dispatched_ttl_s: int = 3600
     claim_every_s: float = 5.0
     """How often this replica takes over requests left pending by a dead replica."""
+    reap_every_s: float = 1.0
+    """How often this replica looks for workers whose lease expired, to move their tasks."""
     stagger: bool = True
     """dp mode: hold arrivals and release them as one batch spread over the ranks."""
     stagger_max_wait_s: float = 0.05

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.scheduler.policy import Placement
 
@@ -45,12 +45,25 @@ class Dispatcher:
 
     async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement]) -> int:
         """Returns DISPATCHED, ALREADY_ACKED or DUPLICATE."""
-        keys = [self._keys.requests, self._keys.dispatched(request.request_id)]
-        args: list[object] = [SCHEDULER_GROUP, entry_id, self._ttl, len(placements)]
+        mark = self._keys.dispatched(request.request_id)
+        return await self._write(self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements)
+
+    async def redispatch(self, dead_worker: str, entry_id: str, request: GenerateRequest, placements: list[Placement], first_seq: int, tokens: list[int]) -> int:
+        """Move a dead worker's task: ack it in that worker's stream and write new tasks that
+        continue at ``first_seq`` after the ``tokens`` already sent. The mark is per old entry,
+        so a retried call or a second reaper does nothing."""
+        mark = self._keys.dispatched(f"{request.request_id}:{entry_id}")
+        return await self._write(self._keys.tasks(dead_worker), WORKER_GROUP, entry_id, mark, request, placements, first_seq, tokens)
+
+    async def _write(self, stream: str, group: str, entry_id: str, mark: str, request: GenerateRequest,
+                     placements: list[Placement], first_seq: int = 0, tokens: list[int] | None = None) -> int:
+        keys = [stream, mark]
+        args: list[object] = [group, entry_id, self._ttl, len(placements)]
         for p in placements:
             worker_id = p.worker.record.worker_id
             keys += [self._keys.worker(worker_id), self._keys.tasks(worker_id)]
             reserved = list(dataclasses.astuple(p.reserve))
-            fields = codec.encode(Task(p.phase, request, p.peer, batch_id=p.batch_id, batch_ranks=p.batch_ranks, reserved=reserved))
-            args += [*dataclasses.astuple(p.reserve), fields[b"type"], fields[b"data"], fields[b"ts"]]
+            task = Task(p.phase, request, p.peer, first_seq, list(tokens or []), p.batch_id, p.batch_ranks, reserved)
+            fields = codec.encode(task)
+            args += [*reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
         return int(await self._script(keys=keys, args=args))

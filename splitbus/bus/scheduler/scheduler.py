@@ -34,6 +34,7 @@ from splitbus.bus.scheduler.policy import (
     free_blocks,
     queued_prefill,
 )
+from splitbus.bus.scheduler.reaper import Reaper
 from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
 from splitbus.bus.streams import Delivery, GroupConsumer
 
@@ -61,6 +62,7 @@ class Scheduler:
         self.local: dict[str, Reserved] = {}
         """Reservations made since the last registry snapshot."""
         self._claimed: list[Delivery] = []
+        self.reaper = Reaper(self.redis, bus, config.name, self.view, self.policy, self.dispatcher, self.local)
         self.window: StaggerWindow[Waiting] | None = None
         self._batches = itertools.count()
         if config.mode == "dp" and config.stagger:
@@ -122,12 +124,17 @@ class Scheduler:
     async def start(self) -> None:
         await self.requests.ensure_group()
         await self.view.refresh()
-        self._tasks = [asyncio.create_task(self.view.run()), asyncio.create_task(self.claim_orphans())]
+        self._tasks = [
+            asyncio.create_task(self.view.run()),
+            asyncio.create_task(self.claim_orphans()),
+            asyncio.create_task(self.reaper.run(self.config.reap_every_s)),
+        ]
         log.info("scheduler %s (%s) started", self.config.name, self.config.mode)
 
     async def close(self) -> None:
         self.stopping.set()
         self.view.stop()
+        self.reaper.stopped = True
         await cancel_and_wait(self._tasks)
         await self.redis.aclose()
 

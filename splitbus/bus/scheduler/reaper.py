@@ -1,0 +1,144 @@
+"""The reaper: when a worker's lease expires, its tasks move to live workers.
+
+Runs in every scheduler replica; ``SET sb:reaping:{worker} NX`` lets one of them take a dead
+worker. For each task left in its stream (unread, or read and never acked):
+
+- if the request's result stream has ended, the task is simply acked;
+- otherwise what was already sent (entries, and their tokens) is read from ``sb:out:{id}``, and
+  new tasks continue at the next ``seq`` from prompt + those tokens — a request that sent no
+  token starts again, one mid-stream migrates, and the client's stream has no gap and no
+  duplicate;
+- a decode worker that still waits for that request's KV (its prefill worker died) is told to
+  drop only that task (a scoped cancel), freeing its blocks;
+- a request moved more than ``max_deliveries`` times fails with a clear error.
+
+The dead worker then leaves the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec
+from splitbus.bus.cancel import publish_cancel
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import TRANSIENT_ERRORS
+from splitbus.bus.errors import DecodeError
+from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.messages import Failed, Finished, Task, TokenDelta
+from splitbus.bus.registry import Registry, RegistryView, Reserved
+from splitbus.bus.results import ResultWriter
+from splitbus.bus.scheduler.dispatch import Dispatcher
+from splitbus.bus.scheduler.policy import Policy
+from splitbus.bus.streams import Delivery, GroupConsumer
+
+log = logging.getLogger(__name__)
+MOVED_TTL_S = 3600
+REAPING_TTL_S = 60
+
+
+@dataclass
+class Sent:
+    """What a request's result stream holds already."""
+
+    next_seq: int = 0
+    tokens: list[int] = field(default_factory=list)
+    ended: bool = False
+
+
+async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
+    by_seq: dict[int, list[int]] = {}
+    sent = Sent()
+    for _, fields in await redis.xrange(config.keys.out(request_id)):
+        with contextlib.suppress(DecodeError):
+            entry = codec.decode(fields)
+            sent.ended = sent.ended or isinstance(entry, (Finished, Failed))
+            if isinstance(entry, TokenDelta):
+                by_seq[entry.seq] = entry.token_ids
+            sent.next_seq = max(sent.next_seq, entry.seq + 1)
+    sent.tokens = [t for seq in sorted(by_seq) for t in by_seq[seq]]
+    return sent
+
+
+class Reaper:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, name: str, view: RegistryView, policy: Policy,
+                 dispatcher: Dispatcher, local: dict[str, Reserved]) -> None:
+        self.redis, self.config, self.name = redis, config, name
+        self.keys = config.keys
+        self.view, self.policy, self.dispatcher, self.local = view, policy, dispatcher, local
+        self.registry = Registry(redis, config)
+        self.writer = ResultWriter(redis, config)
+        self.stopped = False
+
+    async def run(self, every_s: float) -> None:
+        while not self.stopped:
+            await asyncio.sleep(every_s)
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                for worker in [w for w in self.view.workers if not w.alive]:
+                    await self.reap(worker.record.worker_id)
+
+    async def reap(self, worker_id: str) -> int:
+        """Move every task of a dead worker; returns how many there were (0 if another replica
+        is on it)."""
+        if not await self.redis.set(self.keys.reaping(worker_id), self.name, nx=True, ex=REAPING_TTL_S):
+            return 0
+        stream = GroupConsumer(self.redis, self.config, self.keys.tasks(worker_id), WORKER_GROUP, f"reaper.{self.name}")
+        await stream.ensure_group()
+        tasks = await stream.read(100_000, block_ms=1) + await stream.claim_idle(100_000, min_idle_ms=0)
+        for delivery in tasks:
+            await self.move(worker_id, stream, delivery)
+        await self.writer.flush()
+        await self.registry.deregister(worker_id)
+        log.warning("worker %s is dead: moved %d task(s)", worker_id, len(tasks))
+        return len(tasks)
+
+    async def move(self, dead: str, stream: GroupConsumer, delivery: Delivery) -> None:
+        task = delivery.message
+        if not isinstance(task, Task):
+            await stream.ack(delivery.entry_id)
+            return
+        request = task.request
+        sent = await read_sent(self.redis, self.config, request.request_id)
+        if sent.ended:
+            await stream.ack(delivery.entry_id)
+            return
+        if task.phase == "prefill":
+            await self.release_decode_side(request.request_id)
+        outcome = await self.continue_request(dead, delivery, task, sent)
+        if outcome:
+            await stream.ack(delivery.entry_id)
+            self.fail_or_finish(request.request_id, sent, outcome)
+
+    async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> str:
+        """Write the new tasks; returns "" on success, else why the request ends here."""
+        request = task.request
+        moves = await self.redis.incr(self.keys.moved(request.request_id))
+        await self.redis.expire(self.keys.moved(request.request_id), MOVED_TTL_S)
+        if moves > self.config.max_deliveries:
+            return f"the request failed on {moves} workers"
+        if len(sent.tokens) >= request.sampling.max_tokens:
+            return "finished"
+        placement = self.policy.place(request, self.view.workers, self.local)
+        if isinstance(placement, str):
+            return f"worker {dead} died and {placement}"
+        await self.dispatcher.redispatch(dead, delivery.entry_id, request, placement, sent.next_seq, sent.tokens)
+        return ""
+
+    def fail_or_finish(self, request_id: str, sent: Sent, outcome: str) -> None:
+        self.writer.open(request_id, first_seq=sent.next_seq)
+        if outcome == "finished":
+            self.writer.finish(request_id, "length", 0, len(sent.tokens))
+        else:
+            self.writer.fail(request_id, "worker_died", outcome, 503)
+
+    async def release_decode_side(self, request_id: str) -> None:
+        """The decode worker waiting for this request's KV will not get it: free its task."""
+        reservation = await self.redis.hgetall(self.keys.kv(request_id))
+        worker, entry = reservation.get(b"decode_worker"), reservation.get(b"task_entry")
+        if worker and entry:
+            await publish_cancel(self.redis, self.config, request_id, "moved", worker.decode(), entry.decode())

@@ -1,0 +1,72 @@
+"""kill -9 a worker while requests run on it: every stream still completes exactly (sim engine,
+so the expected text is known), with no duplicate and no gap."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from splitbus.worker.sim import sim_text
+from tests.e2e.conftest import System, start_system, stop_system
+
+
+async def _streams(system: System, count: int, max_tokens: int, prompt_tokens: int, kill_after_s: float, victim: str) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=120)
+
+    async def one(i: int) -> str:
+        stream = await client.completions.create(model="tiny", prompt=[97] * prompt_tokens, max_tokens=max_tokens, seed=500 + i, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def killer() -> None:
+        await asyncio.sleep(kill_after_s)
+        os.kill(system.pid_of(victim), signal.SIGKILL)
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(count)), killer())
+        return list(results[:count])
+    finally:
+        await client.close()
+
+
+def _moved(system: System) -> int:
+    """Tasks the reaper moved, from the scheduler's log (it logs each dead worker it takes)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = re.findall(r"is dead: moved (\d+) task", "".join(system.output))
+        if found:
+            return sum(map(int, found))
+        time.sleep(0.2)
+    return 0
+
+
+@pytest.mark.timeout(180)
+def test_decode_worker_killed_mid_stream(tmp_path: Path) -> None:
+    # 25 ms per decode step: 120 tokens take ~3 s, and the kill lands 1 s in.
+    system = start_system(tmp_path, "--decode", "2", "--worker-arg=--sim-decode-step-ms", "--worker-arg=25")
+    try:
+        started = time.monotonic()
+        texts = asyncio.run(_streams(system, 40, 120, 8, kill_after_s=1.0, victim=r"--role decode"))
+        assert texts == [sim_text(500 + i, 120) for i in range(40)]
+        assert time.monotonic() - started < 60
+        assert _moved(system) > 0
+    finally:
+        stop_system(system)
+
+
+@pytest.mark.timeout(180)
+def test_prefill_worker_killed_mid_prefill(tmp_path: Path) -> None:
+    # 2 ms per prompt token: each prefill worker's batch of 100-token prompts takes ~1 s.
+    system = start_system(tmp_path, "--prefill", "2", "--worker-arg=--sim-prefill-us-per-token", "--worker-arg=2000")
+    try:
+        texts = asyncio.run(_streams(system, 10, 20, 100, kill_after_s=0.4, victim=r"--role prefill"))
+        assert texts == [sim_text(500 + i, 20) for i in range(10)]
+        assert _moved(system) > 0
+    finally:
+        stop_system(system)
