@@ -97,7 +97,12 @@ class EmbeddedRedis:
         return self.data_dir / "redis.log"
 
     def start(self, timeout_s: float = 10.0) -> str:
-        """Start the server and wait until it answers PING. Returns its URL."""
+        """Start the server and wait until it answers PING. Returns its URL.
+
+        Call it from a thread that lives as long as the server should: the death signal
+        (PR_SET_PDEATHSIG) fires when the *thread* that started the child exits, not only the
+        process — a server started from a short-lived worker thread dies with that thread.
+        """
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         self.executable = self.executable or find_redis_server()

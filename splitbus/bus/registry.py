@@ -149,7 +149,13 @@ class Registry:
     async def snapshot(self) -> list[WorkerInfo]:
         """Every registered worker, alive or not, in one round trip."""
         rows = await self._snapshot(keys=[self._keys.workers], args=self._templates)
-        return [self._row(worker_id, ttl, flat) for worker_id, ttl, flat in rows if flat]
+        infos = []
+        for worker_id, ttl, flat in rows:
+            try:
+                infos.append(self._row(worker_id, ttl, flat))
+            except (KeyError, TypeError, ValueError) as exc:  # a partial or foreign record
+                log.warning("skipping unreadable registry record %s: %s", worker_id, exc)
+        return infos
 
     async def deregister(self, worker_id: str) -> None:
         """Remove a worker that is shutting down cleanly (its lease goes at once)."""
@@ -167,6 +173,8 @@ class Registry:
 
     @staticmethod
     def _row(worker_id: bytes, ttl: int, flat: list[bytes]) -> WorkerInfo:
+        if not flat:
+            raise ValueError("empty record")
         raw = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
         heartbeat_ms = int(raw.pop("heartbeat_ms", 0))
         reserved = Reserved(**{f.name: int(raw.pop(f.name, 0)) for f in dataclasses.fields(Reserved)})

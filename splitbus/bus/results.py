@@ -96,33 +96,40 @@ class ResultWriter:
         return len(self._buffer)
 
     async def flush(self) -> None:
-        """Write everything buffered since the last flush: one round trip per STEP_CHUNK entries."""
-        if not self._buffer:
-            return
-        batch, self._buffer = self._buffer, []
-        for i in range(0, len(batch), STEP_CHUNK):
-            await self._write_step(*self._script_args(batch[i : i + STEP_CHUNK]))
-        metrics.ENTRIES_PRODUCED.labels("out").inc(len(batch))
+        """Write everything buffered since the last flush: one round trip per STEP_CHUNK entries.
+        A chunk leaves the buffer only once written, so a failed flush (Redis away) loses
+        nothing: the next flush writes it again, and readers drop any duplicate by seq."""
+        while self._buffer:
+            chunk = self._buffer[:STEP_CHUNK]
+            await self._write_step(*self._script_args(chunk))
+            del self._buffer[: len(chunk)]
+            self._settle(chunk)
+            metrics.ENTRIES_PRODUCED.labels("out").inc(len(chunk))
 
-    def _script_args(self, batch: list[tuple[str, Result]]) -> tuple[list[str], list[Any]]:
+    def _script_args(self, chunk: list[tuple[str, Result]]) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         args: list[Any] = []
-        for request_id, result in batch:
+        seen: set[str] = set()
+        for request_id, result in chunk:
             keys.append(self._keys.out(request_id))
             fields = codec.encode(result)
-            args += (fields[b"type"], fields[b"data"], fields[b"ts"], self._ttl_after(request_id, result))
+            args += (fields[b"type"], fields[b"data"], fields[b"ts"], self._ttl_for(request_id, result, request_id not in seen))
+            seen.add(request_id)
         return keys, args
 
-    def _ttl_after(self, request_id: str, result: Result) -> int:
+    def _ttl_for(self, request_id: str, result: Result, first_in_chunk: bool) -> int:
         """The TTL to set with this entry: on a request's first and last entries, else 0."""
         if result.terminal:
-            self._next_seq.pop(request_id, None)
-            self._fresh.discard(request_id)
             return self._config.finished_result_ttl_s
-        if request_id in self._fresh:
-            self._fresh.discard(request_id)
+        if first_in_chunk and request_id in self._fresh:
             return self._config.result_ttl_s
         return 0
+
+    def _settle(self, chunk: list[tuple[str, Result]]) -> None:
+        for request_id, result in chunk:
+            self._fresh.discard(request_id)
+            if result.terminal:
+                self._next_seq.pop(request_id, None)
 
     def _take_seq(self, request_id: str) -> int:
         try:

@@ -16,6 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
     p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")
+    p.add_argument("--claim-idle-ms", type=int, default=30_000, help="take over requests another replica left pending this long")
     p.set_defaults(run=run)
 
 
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
 
     try:
         config = SchedulerConfig(
-            bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix),
+            bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix, claim_idle_ms=args.claim_idle_ms),
             mode=args.mode,
             no_worker_wait_s=args.no_worker_wait,
             stagger=not args.no_stagger,

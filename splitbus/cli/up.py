@@ -32,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
     p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)")
     add_embedded_options(p, env)
@@ -143,7 +144,7 @@ def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, mod
     for rank in range(args.dp):
         dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
         supervisor.start(f"rank{rank}", [*worker, *dp])
-    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model), *common]
+    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model), "--request-timeout", str(args.request_timeout), *common]
     for key in args.api_key:
         api += ["--api-key", key]
     supervisor.start("api", api)

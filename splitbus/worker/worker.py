@@ -17,7 +17,7 @@ from typing import Any, Coroutine
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.connection import TRANSIENT_ERRORS, backoff_delays, connect
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
@@ -72,9 +72,22 @@ class Worker:
         await self.start()
         try:
             while not self.stopping.is_set():
-                await self.step()
+                await self.step_safely()
         finally:
             await self.close()
+
+    async def step_safely(self) -> None:
+        """A step; while Redis is away, back off and retry (nothing buffered is dropped)."""
+        try:
+            await self.step()
+        except TRANSIENT_ERRORS as exc:
+            log.warning("Redis unavailable (%s); retrying", exc)
+            async for _ in backoff_delays():
+                if self.stopping.is_set():
+                    return
+                with contextlib.suppress(*TRANSIENT_ERRORS):
+                    await self.redis.ping()
+                    return
 
     async def step(self) -> None:
         await self.wait_for_work()
@@ -143,8 +156,10 @@ class Worker:
     # ------------------------------------------------------------ bus edges
 
     async def heartbeat(self) -> None:
+        # The whole record each time (~20 small fields): a worker whose record was removed, say
+        # by a reaper during a long Redis outage, is whole again at its next beat.
         while not self.stopping.is_set():
-            await self.registry.heartbeat(self.id, self.load(), self.config.lease_ms)
+            await self.registry.register(self.record(), self.config.lease_ms)
             await asyncio.sleep(self.config.heartbeat_s)
 
     def held(self) -> int:
@@ -298,14 +313,18 @@ class Worker:
         self.room.set()
 
     async def publish(self) -> None:
+        """Write the step's results, then ack finished tasks and drop stale reservations; each
+        list is cleared only once written, so an outage loses nothing."""
         if self.writer.pending:
             await self.writer.flush()
         if self.done_entries:
-            done, self.done_entries = self.done_entries, []
+            done = list(self.done_entries)
             await self.tasks.ack(*done)
+            del self.done_entries[: len(done)]
         if self.stale_reservations:
-            stale, self.stale_reservations = self.stale_reservations, []
+            stale = list(self.stale_reservations)
             await self.redis.delete(*stale)
+            del self.stale_reservations[: len(stale)]
 
     # ------------------------------------------------------------ P -> D hand-off
 

@@ -68,3 +68,10 @@ def test_record_validation() -> None:
         WorkerRecord(worker_id="a:b", role="decode", model="m")
     record = WorkerRecord(worker_id="w", role="mixed", model="m", dp_group="g", dp_rank=0, dp_size=4)
     assert WorkerRecord.from_hash(record.to_hash()) == record
+
+
+async def test_snapshot_skips_a_partial_record(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("whole"), lease_ms=5000)
+    await registry.heartbeat("partial", WorkerLoad(running=1), lease_ms=5000)  # load only, no role
+    assert [w.record.worker_id for w in await registry.snapshot()] == ["whole"]

@@ -159,3 +159,25 @@ async def test_subscribing_wakes_a_blocked_reader(redis_server: object, redis: a
         assert isinstance(got[0], Failed)
     finally:
         await reader.close()
+
+
+async def test_a_failed_flush_keeps_its_entries(redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader) -> None:
+    sub = await reader.subscribe("r-keep")
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r-keep")
+    writer.tokens("r-keep", [1])
+
+    async def redis_is_away(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("Redis is restarting")
+
+    working = writer._write_step
+    writer._write_step = redis_is_away  # type: ignore[assignment]
+    with pytest.raises(ConnectionError):
+        await writer.flush()
+    assert writer.pending == 1  # nothing was dropped
+    writer._write_step = working  # type: ignore[method-assign]
+    writer.finish("r-keep", "length", 1, 1)
+    await writer.flush()
+    got = await _collect(sub)
+    assert [r.seq for r in got] == [0, 1]
+    assert 0 < await redis.ttl(bus_config.keys.out("r-keep")) <= bus_config.finished_result_ttl_s

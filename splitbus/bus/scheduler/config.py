@@ -26,7 +26,7 @@ class SchedulerConfig:
     no_worker_wait_s: float = 10.0
     """How long a request waits for an eligible worker before its client gets a 503."""
     dispatched_ttl_s: int = 3600
-    claim_every_s: float = 5.0
+    claim_every_s: float = 1.0
     """How often this replica takes over requests left pending by a dead replica."""
     reap_every_s: float = 1.0
     """How often this replica looks for workers whose lease expired, to move their tasks."""

@@ -1,0 +1,62 @@
+"""Clients that disconnect mid-stream: their requests are cancelled on every worker and the KV
+blocks come back (read from the registry, as an operator would)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import System, start_system, stop_system
+
+
+async def _connect_then_leave(system: System, count: int) -> list[tuple[str, int, int, int]]:
+    """Open ``count`` streams, wait until each has its first chunk, sample the workers' KV
+    blocks, then drop every connection mid-stream. Returns the sample."""
+    body = {"model": "tiny", "prompt": "stay a while", "max_tokens": 400, "stream": True}
+    streaming, leave = asyncio.Semaphore(0), asyncio.Event()
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=count + 5)) as client:
+
+        async def one() -> None:
+            async with client.stream("POST", system.v1 + "/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        streaming.release()
+                        await leave.wait()
+                        return  # closing the response drops the connection mid-stream
+
+        tasks = [asyncio.create_task(one()) for _ in range(count)]
+        for _ in range(count):
+            await asyncio.wait_for(streaming.acquire(), 30)
+        await asyncio.sleep(0.6)  # a heartbeat publishes the held blocks
+        sample = _blocks(system)
+        leave.set()
+        await asyncio.gather(*tasks)
+    return sample
+
+
+def _blocks(system: System) -> list[tuple[str, int, int, int]]:
+    r = system.redis()
+    rows = []
+    for wid in r.zrange("sb:workers", 0, -1):
+        h = r.hgetall(f"sb:worker:{{{wid}}}")
+        rows.append((h["role"], int(h["free_kv_blocks"]), int(h["total_kv_blocks"]), int(h["running"]) + int(h["waiting"])))
+    return rows
+
+
+@pytest.mark.timeout(120)
+def test_fifty_disconnects_free_every_kv_block(tmp_path: Path) -> None:
+    system = start_system(tmp_path, "--worker-arg=--sim-decode-step-ms", "--worker-arg=20")
+    try:
+        during = asyncio.run(_connect_then_leave(system, 50))
+        assert any(free < total for role, free, total, _ in during if role == "decode"), during  # they held blocks
+        deadline = time.monotonic() + 10
+        while any(free != total or held for _, free, total, held in _blocks(system)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(free == total and held == 0 for _, free, total, held in _blocks(system)), _blocks(system)
+        assert len(system.redis().xrange("sb:cancel")) >= 50
+    finally:
+        stop_system(system)
