@@ -19,6 +19,9 @@ class ApiConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_inflight: int = 1024
     """Requests in flight in this process beyond which new ones get 429."""
+    max_backlog: int = 10_000
+    """Entries in the request stream (not yet trimmed: unplaced or recent) beyond which new
+    requests get 429: the schedulers are behind."""
     request_timeout_s: float = 600.0
     """Deadline of a request; past it the client gets an error and workers free its state."""
     redis_connections: int = 8
@@ -31,7 +34,7 @@ class ApiConfig:
         names = [name for name, _ in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")
-        if min(self.max_body_bytes, self.max_inflight, self.redis_connections, self.reader_shards) < 1:
+        if min(self.max_body_bytes, self.max_inflight, self.max_backlog, self.redis_connections, self.reader_shards) < 1:
             raise ValueError("limits must be >= 1")
         if self.request_timeout_s <= 0 or self.registry_refresh_s <= 0:
             raise ValueError("timeouts must be > 0")

@@ -30,6 +30,7 @@ class ApiState:
         self.producer = Producer(self.redis, config.bus)
         self.workers = RegistryView(Registry(self.redis, config.bus), config.registry_refresh_s)
         self.inflight = 0
+        self.backlog = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -39,7 +40,15 @@ class ApiState:
         await state.reader.start()
         await state.workers.refresh()
         state.spawn(state.workers.run())
+        state.spawn(state.watch_backlog())
         return state
+
+    async def watch_backlog(self) -> None:
+        """The request stream's length, read at the registry's pace (never per request)."""
+        while not self.workers.stopped:
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                self.backlog = int(await self.redis.xlen(self.config.bus.keys.requests))
+            await asyncio.sleep(self.config.registry_refresh_s)
 
     async def close(self) -> None:
         self.workers.stop()
@@ -64,6 +73,8 @@ class ApiState:
         """Take an in-flight slot, or say why not (429 over the bound, 503 nobody to serve)."""
         if self.inflight >= self.config.max_inflight:
             raise TooManyRequests(f"more than {self.config.max_inflight} requests in flight; retry later")
+        if self.backlog >= self.config.max_backlog:
+            raise TooManyRequests(f"the request queue holds {self.backlog} entries (bound {self.config.max_backlog}); retry later")
         if not self.workers.redis_ok:
             raise ServiceUnavailable("Redis is unreachable")
         if not self.workers.serves(model):

@@ -23,6 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name; one --model only)")
     p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key (repeatable)")
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
+    p.add_argument("--max-backlog", type=int, default=10_000, help="request-stream entries before 429 (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--reader-shards", type=int, default=1, help="connections that follow result streams")
@@ -42,6 +43,7 @@ def build_config(args: argparse.Namespace, env: Env) -> "ApiConfig":
         models=models,
         api_keys=tuple(args.api_key),
         max_inflight=args.max_inflight,
+        max_backlog=args.max_backlog,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         reader_shards=args.reader_shards,

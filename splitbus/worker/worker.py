@@ -22,7 +22,7 @@ from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.links import PeerLinks
@@ -33,6 +33,7 @@ from splitbus.worker.transfer import TransferClient, TransferError, TransferServ
 
 log = logging.getLogger(__name__)
 KV_TTL_S = 300
+TRIM_EVERY_S = 5.0
 RECENT_CANCELS = 10_000
 
 
@@ -103,7 +104,7 @@ class Worker:
         await self.cancels.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.registry.register(self.record(), self.config.lease_ms)  # now with started_ms
-        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels):
+        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks):
             self.spawn(self._forever(loop))
         log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
 
@@ -227,6 +228,12 @@ class Worker:
             self.fail(seq, "out_of_kv_blocks", f"worker {self.id} has {free} free KV blocks, not enough for {tokens} tokens", 503)
             return False
         return True
+
+    async def trim_tasks(self) -> None:
+        """Delete this worker's task entries once acked (never an unacked one)."""
+        while not self.stopping.is_set():
+            await asyncio.sleep(TRIM_EVERY_S)
+            await trim_consumed(self.redis, self.keys.tasks(self.id))
 
     async def listen_for_cancels(self) -> None:
         while not self.stopping.is_set():
@@ -424,7 +431,17 @@ class Worker:
         entry = self.awaiting_kv.pop(request_id, None)
         return entry[0] if entry else None
 
+    def expire_deadlines(self) -> None:
+        """Past its deadline a request ends here with an error, freeing its blocks, whether or
+        not its API node is still there to cancel it."""
+        now_ms = time.time() * 1000
+        held = [*self.queued, *self.running, *(entry[0] for entry in self.awaiting_kv.values())]
+        for seq in [s for s in held if s.request.deadline_ms and now_ms > s.request.deadline_ms]:
+            self._remove(seq.request_id)
+            self.fail(seq, "deadline", "the request's deadline passed before it finished", 504)
+
     def expire_waits(self) -> None:
+        self.expire_deadlines()
         now = time.monotonic()
         for request_id, (seq, deadline) in list(self.awaiting_kv.items()):
             if now > deadline:

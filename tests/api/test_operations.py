@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,21 @@ def test_redis_outage_is_503_and_the_api_recovers(tmp_path: Path, tiny_model: Pa
         stop_api(api)
         responder.stop()
         server.stop()
+
+
+def test_request_backlog_over_the_bound_is_429(redis_server: EmbeddedRedis, tiny_model: Path) -> None:
+    prefix = "backlog"
+    responder = Responder(BusConfig(redis_url=redis_server.url, prefix=prefix), ModelTokenizer.load(tiny_model, "tiny")).start()
+    api = start_api(redis_server.url, prefix, [tiny_model], "--max-backlog", "3")
+    try:
+        _wait_for_model(api)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        for _ in range(3):  # the responder acks but never trims: each stays in the stream
+            assert _post(api, "/completions", body).status_code == 200
+        time.sleep(0.7)  # the API reads the stream's length every 0.5 s
+        response = _post(api, "/completions", body)
+        assert "request queue holds 3 entries" in _error(response, 429)["message"]
+        assert response.headers["retry-after"] == "1"
+    finally:
+        stop_api(api)
+        responder.stop()

@@ -100,3 +100,15 @@ def test_dead_decode_worker_gives_a_clear_error_not_a_hang(tmp_path: Path) -> No
         assert time.monotonic() - started < 30  # bounded by --kv-wait / the no-worker wait, not a hang
     finally:
         stop_system(system)
+
+
+def test_consumed_entries_are_trimmed(system: System) -> None:
+    client = _client(system)
+    for i in range(5):
+        client.completions.create(model="tiny", prompt="trim", max_tokens=2, seed=i)
+    r = system.redis()
+    streams = ["sb:requests"] + [f"sb:tasks:{{{w}}}" for w in r.zrange("sb:workers", 0, -1)]
+    deadline = time.monotonic() + 12  # the scheduler and the workers trim every 5 s
+    while any(r.xlen(s) for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert [r.xlen(s) for s in streams] == [0] * len(streams)

@@ -60,3 +60,20 @@ def test_fifty_disconnects_free_every_kv_block(tmp_path: Path) -> None:
         assert len(system.redis().xrange("sb:cancel")) >= 50
     finally:
         stop_system(system)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_blocks(tmp_path: Path) -> None:
+    system = start_system(tmp_path, "--request-timeout", "2", "--worker-arg=--sim-decode-step-ms", "--worker-arg=20")
+    try:
+        started = time.monotonic()
+        response = httpx.post(system.v1 + "/completions", json={"model": "tiny", "prompt": "slow", "max_tokens": 400}, timeout=30)
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "deadline"  # the worker's own error, before the API's grace ran out
+        assert time.monotonic() - started < 4
+        deadline = time.monotonic() + 5
+        while any(free != total or held for _, free, total, held in _blocks(system)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(free == total and held == 0 for _, free, total, held in _blocks(system))
+    finally:
+        stop_system(system)

@@ -36,9 +36,10 @@ from splitbus.bus.scheduler.policy import (
 )
 from splitbus.bus.scheduler.reaper import Reaper
 from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
-from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 
 log = logging.getLogger(__name__)
+TRIM_EVERY_S = 5.0
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Scheduler:
             asyncio.create_task(self.view.run()),
             asyncio.create_task(self.claim_orphans()),
             asyncio.create_task(self.reaper.run(self.config.reap_every_s)),
+            asyncio.create_task(self.trim_requests()),
         ]
         log.info("scheduler %s (%s) started", self.config.name, self.config.mode)
 
@@ -219,6 +221,13 @@ class Scheduler:
         await self.requests.ack(waiting.delivery.entry_id)
         metrics.DISPATCHES.labels(code).inc()
         return True
+
+    async def trim_requests(self) -> None:
+        """Delete request entries every replica has acked: the stream stays as long as its backlog."""
+        while not self.stopping.is_set():
+            await asyncio.sleep(TRIM_EVERY_S)
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await trim_consumed(self.redis, self.config.bus.keys.requests)
 
     async def claim_orphans(self) -> None:
         """Take over requests that a dead replica read but never dispatched."""
