@@ -95,6 +95,13 @@ _CHAT_REQUEST = {
 }
 
 
+def _with_models(schema: dict[str, Any], models: tuple[str, ...]) -> dict[str, Any]:
+    if not models:
+        return schema
+    properties = {**schema["properties"], "model": {"type": "string", "enum": list(models)}}
+    return {**schema, "properties": properties}
+
+
 def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}} for s in statuses}
 
@@ -121,7 +128,9 @@ def _get(summary: str, *errors: int) -> dict[str, Any]:
 
 
 @functools.cache
-def openapi_spec() -> dict[str, Any]:
+def openapi_spec(models: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The document; ``models`` (the names this API serves) become the ``model`` enum."""
+    schemas = {"CompletionRequest": _with_models(_COMPLETION_REQUEST, models), "ChatCompletionRequest": _with_models(_CHAT_REQUEST, models), "Error": _ERROR}
     return {
         "openapi": "3.1.0",
         "info": {"title": "splitbus OpenAI-compatible API", "version": __version__},
@@ -134,7 +143,7 @@ def openapi_spec() -> dict[str, Any]:
             "/metrics": _get("Prometheus metrics"),
         },
         "components": {
-            "schemas": {"CompletionRequest": _COMPLETION_REQUEST, "ChatCompletionRequest": _CHAT_REQUEST, "Error": _ERROR},
+            "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

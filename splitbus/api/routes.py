@@ -75,4 +75,4 @@ async def metrics(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    return JSONResponse(openapi_spec())
+    return JSONResponse(openapi_spec(tuple(sorted(request.state.api.tokenizers))))

@@ -84,7 +84,7 @@ class DeadLetters:
         pipe.xadd(self._keys.dead, codec.encode(letter), maxlen=self._config.dead_maxlen, approximate=True)
         pipe.xack(stream, group, entry_id)
         await pipe.execute()
-        label = reason if reason in metrics.DEAD_LETTER_REASONS else "handler_failed"
+        label = reason.split(":", 1)[0] if reason.split(":", 1)[0] in metrics.DEAD_LETTER_REASONS else "handler_failed"
         metrics.ENTRIES_DEAD_LETTERED.labels(self._keys.kind(stream), label).inc()
         log.warning("dead-lettered %s %s (%s, %d deliveries)", stream, entry_id, reason, deliveries)
 

@@ -26,6 +26,8 @@ class SimConfig:
     decode_s_per_seq: float = 0.0001
     kv_bytes_per_token: int = 4096
     """Bytes shipped from P to D per prompt token (Qwen2.5-0.5B in bf16 holds ~12 KiB)."""
+    poison_token: int = -1
+    """Fault injection: a step that holds a request whose prompt contains this token raises."""
 
     def __post_init__(self) -> None:
         if min(self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq) < 0 or self.kv_bytes_per_token < 1:

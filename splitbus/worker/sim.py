@@ -53,13 +53,20 @@ class SimEngine:
         self._free += seq.blocks
         seq.blocks = 0
 
+    def _check_poison(self, batch: list[Sequence]) -> None:
+        poison = self.config.poison_token
+        if poison >= 0 and any(poison in s.request.prompt_token_ids for s in batch):
+            raise RuntimeError(f"sim engine: poison token {poison} in the batch")
+
     async def prefill(self, batch: list[Sequence]) -> list[int]:
+        self._check_poison(batch)
         await asyncio.sleep(self.config.prefill_s_per_token * sum(len(s.all_tokens) for s in batch))
         for seq in batch:
             seq.kv = self.kv_payload(seq.request)
         return [self._next(seq) for seq in batch]
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
+        self._check_poison(batch)
         await asyncio.sleep(self.config.decode_step_s + self.config.decode_s_per_seq * len(batch))
         return [self._next(seq) for seq in batch]
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any, Coroutine
+from typing import Any, Awaitable, Callable, Coroutine
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
@@ -257,8 +257,7 @@ class Worker:
         batch = self.next_prefill_batch()
         if not batch:
             return
-        tokens = await self.engine.prefill(batch)
-        for seq, token in zip(batch, tokens):
+        for seq, token in await self.run_engine(self.engine.prefill, batch):
             self.emit(seq, token)
             self.after_prefill(seq)
 
@@ -287,15 +286,41 @@ class Worker:
             return
         # A snapshot: imports and cancellations change self.running while the engine computes.
         batch = list(self.running)
-        tokens = await self.engine.decode(batch)
+        results = await self.run_engine(self.engine.decode, batch)
         still_running = set(map(id, self.running))
-        for seq, token in zip(batch, tokens):
+        for seq, token in results:
             if id(seq) in still_running:
                 self.emit(seq, token)
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.counters["decodes_done"] += 1
             self.finish(seq)
+
+    async def run_engine(self, step: Callable[[list[Sequence]], Awaitable[list[int]]], batch: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """One engine call for the batch. If it raises, each sequence runs alone to find the
+        one that breaks it: that request is poison and ends with an error and a dead letter,
+        and the others go on."""
+        try:
+            return list(zip(batch, await step(batch)))
+        except TRANSIENT_ERRORS:
+            raise
+        except Exception as exc:
+            log.error("engine step failed on a batch of %d (%s); running each alone", len(batch), exc)
+        done = []
+        for seq in batch:
+            try:
+                done += list(zip([seq], await step([seq])))
+            except TRANSIENT_ERRORS:
+                raise
+            except Exception as exc:
+                await self.poison(seq, exc)
+        return done
+
+    async def poison(self, seq: Sequence, exc: Exception) -> None:
+        self._remove(seq.request_id)
+        self.handing_off.pop(seq.request_id, None)
+        await self.tasks.dead_letter(Delivery(self.tasks.stream, seq.entry_id, seq.task), f"engine_error: {exc}")
+        self.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
 
     def emit(self, seq: Sequence, token_id: int) -> None:
         self.writer.tokens(seq.request_id, [token_id], seq.add_token(token_id, self.engine.eos_token_ids))
