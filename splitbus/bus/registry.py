@@ -157,6 +157,17 @@ class Registry:
                 log.warning("skipping unreadable registry record %s: %s", worker_id, exc)
         return infos
 
+    async def mark_dead(self, worker_id: str, keep_s: int = 3600) -> None:
+        """A worker whose tasks were taken over: out of the live set, its reservations zeroed,
+        its record kept (``state`` = dead) for ``keep_s`` so operators can see what happened."""
+        key = self._keys.worker(worker_id)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zrem(self._keys.workers, worker_id)
+        pipe.delete(self._keys.lease(worker_id))
+        pipe.hset(key, mapping={"state": "dead", **{f.name: "0" for f in dataclasses.fields(Reserved)}})
+        pipe.expire(key, keep_s)
+        await pipe.execute()
+
     async def deregister(self, worker_id: str) -> None:
         """Remove a worker that is shutting down cleanly (its lease goes at once)."""
         pipe = self._redis.pipeline(transaction=False)

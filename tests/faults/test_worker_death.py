@@ -56,6 +56,11 @@ def test_decode_worker_killed_mid_stream(tmp_path: Path) -> None:
         assert texts == [sim_text(500 + i, 120) for i in range(40)]
         assert time.monotonic() - started < 60
         assert _moved(system) > 0
+        r = system.redis()
+        live = {r.hget(f"sb:worker:{{{w}}}", "role") for w in r.zrange("sb:workers", 0, -1)}
+        assert sorted(live) == ["decode", "prefill"]  # the dead one left the live set...
+        dead = [k for k in r.scan_iter("sb:worker:*") if r.hget(k, "state") == "dead"]
+        assert len(dead) == 1 and r.hget(dead[0], "reserved_kv_blocks") == "0" and 0 < r.ttl(dead[0]) <= 3600
     finally:
         stop_system(system)
 

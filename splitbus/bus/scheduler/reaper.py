@@ -12,7 +12,7 @@ worker. For each task left in its stream (unread, or read and never acked):
   drop only that task (a scoped cancel), freeing its blocks;
 - a request moved more than ``max_deliveries`` times fails with a clear error.
 
-The dead worker then leaves the registry.
+The dead worker then leaves the live set; its record stays an hour with ``state`` = dead.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Reaper:
         for delivery in tasks:
             await self.move(worker_id, stream, delivery)
         await self.writer.flush()
-        await self.registry.deregister(worker_id)
+        await self.registry.mark_dead(worker_id)
         log.warning("worker %s is dead: moved %d task(s)", worker_id, len(tasks))
         return len(tasks)
 
