@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -58,3 +58,15 @@ async def backoff_delays(base: float = 0.05, cap: float = 2.0) -> AsyncIterator[
         await asyncio.sleep(delay)
         attempt += 1
         yield delay
+
+
+async def wait_until_reachable(redis: aioredis.Redis, stop: Callable[[], bool] = lambda: False) -> None:
+    """Back off (capped, jittered) until Redis answers PING, or until ``stop()`` is true."""
+    async for _ in backoff_delays():
+        if stop():
+            return
+        try:
+            await redis.ping()
+            return
+        except TRANSIENT_ERRORS:
+            continue

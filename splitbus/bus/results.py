@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus import codec, metrics
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS, backoff_delays, connect
+from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
 
@@ -212,21 +212,11 @@ class _Shard:
             except TRANSIENT_ERRORS as exc:
                 self.blocked = False
                 log.warning("result reader: Redis unavailable (%s); retrying", exc)
-                await self._wait_for_redis()
+                await wait_until_reachable(self._redis, lambda: self.closing)
             except Exception:  # never die silently: every API request depends on this loop
                 self.blocked = False
                 log.exception("result reader failed; retrying")
                 await asyncio.sleep(0.5)
-
-    async def _wait_for_redis(self) -> None:
-        async for _ in backoff_delays():
-            if self.closing:
-                return
-            try:
-                await self._redis.ping()
-                return
-            except TRANSIENT_ERRORS:
-                continue
 
     async def _read_once(self) -> None:
         streams = {self.wake_key: self._wake_id}

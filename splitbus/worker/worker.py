@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
-from splitbus.bus.connection import TRANSIENT_ERRORS, backoff_delays, connect
+from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
@@ -83,12 +83,7 @@ class Worker:
             await self.step()
         except TRANSIENT_ERRORS as exc:
             log.warning("Redis unavailable (%s); retrying", exc)
-            async for _ in backoff_delays():
-                if self.stopping.is_set():
-                    return
-                with contextlib.suppress(*TRANSIENT_ERRORS):
-                    await self.redis.ping()
-                    return
+            await wait_until_reachable(self.redis, self.stopping.is_set)
 
     async def step(self) -> None:
         await self.wait_for_work()

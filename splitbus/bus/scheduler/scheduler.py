@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS, backoff_delays, connect
+from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, Reserved
@@ -145,10 +145,7 @@ class Scheduler:
             await self.step()
         except TRANSIENT_ERRORS as exc:
             log.warning("Redis unavailable (%s); retrying", exc)
-            async for _ in backoff_delays():
-                with contextlib.suppress(*TRANSIENT_ERRORS):
-                    await self.redis.ping()
-                    return
+            await wait_until_reachable(self.redis, self.stopping.is_set)
 
     async def read_requests(self) -> list[Waiting]:
         room = self.config.batch - len(self.waiting)
