@@ -32,7 +32,8 @@ def test_fuzzing_finds_no_server_error(tmp_path: Path) -> None:
             _fuzz(operation, system.base_url)
         statuses = _statuses(system.base_url)
         assert statuses.get(("/v1/completions", "200"), 0) > 0 and statuses.get(("/v1/completions", "400"), 0) > 0, statuses
-        assert sum(n for (_, code), n in statuses.items() if code.startswith("5")) == 0
+        # /ready answered 503 while `splitbus up` was starting (its probes): only /v1/* counts here.
+        assert sum(n for (route, code), n in statuses.items() if route.startswith("/v1/") and code.startswith("5")) == 0
         reply = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0).completions.create(model="tiny", prompt="x", max_tokens=4, seed=3)
         assert reply.choices[0].text == sim_text(3, 4)
     finally:
