@@ -119,3 +119,9 @@ def test_bad_prefix_in_environment_is_a_clear_error() -> None:
     proc = subprocess.run(SPLITBUS + ["redis"], capture_output=True, text=True, env={**os.environ, "SPLITBUS_PREFIX": "a b"}, timeout=30)
     assert proc.returncode == 2
     assert "SPLITBUS_PREFIX" in proc.stderr
+
+
+def test_status_with_unreachable_redis_fails_clearly(tmp_path: Path) -> None:
+    proc = _start(["status", "--redis-url", "redis://127.0.0.1:1/0"], tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "is not reachable" in out

@@ -112,3 +112,24 @@ def test_consumed_entries_are_trimmed(system: System) -> None:
     while any(r.xlen(s) for s in streams) and time.monotonic() < deadline:
         time.sleep(0.3)
     assert [r.xlen(s) for s in streams] == [0] * len(streams)
+
+
+def test_status_json_against_the_live_system(system: System) -> None:
+    import json
+    import subprocess
+    import sys
+
+    _client(system).completions.create(model="tiny", prompt="status", max_tokens=3)
+    out = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "status", "--json", "--redis-url", system.redis_url],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert {(w["role"], w["alive"]) for w in status["workers"]} == {("prefill", True), ("decode", True)}
+    assert all(w["free_kv_blocks"] <= w["total_kv_blocks"] == 8192 for w in status["workers"])
+    requests = next(s for s in status["streams"] if s["stream"] == "sb:requests")
+    assert [(g["group"], g["pending"]) for g in requests["groups"]] == [("schedulers", 0)]
+    assert {s["stream"].split(":")[1] for s in status["streams"]} == {"requests", "tasks"}
+    assert [link["state"] for link in status["links"]] == ["connected"]
+    text = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "status", "--redis-url", system.redis_url],
+                          capture_output=True, text=True, timeout=30).stdout
+    assert "P-D links:" in text and "connected" in text and "sb:requests" in text

@@ -1,0 +1,114 @@
+"""``splitbus status``: workers, streams, dead letters and P-D links, read from Redis.
+
+Works on Redis 6.2 (no ``lag`` in XINFO GROUPS: shown as "-") and 7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import redis
+
+from splitbus.cli.common import say
+from splitbus.env import Env
+
+
+def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
+    p = subparsers.add_parser("status", help="workers, queues, pending entries, dead letters, P-D connections")
+    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS", help="refresh every SECONDS (default 2)")
+    p.set_defaults(run=run)
+
+
+def collect(client: redis.Redis, prefix: str) -> dict[str, Any]:
+    from splitbus.bus.keys import Keys
+
+    keys = Keys(prefix)
+    now_ms = _server_ms(client)
+    return {
+        "workers": [_worker(client, keys, wid, now_ms) for wid in client.zrange(keys.workers, 0, -1)],
+        "streams": [_stream(client, name, now_ms) for name in _streams(client, keys)],
+        "dead_letters": client.xlen(keys.dead) if client.exists(keys.dead) else 0,
+        "links": [_link(client, key) for key in sorted(client.scan_iter(match=keys.rdma("*", "*").replace("{*}", "*"), count=1000))],
+    }
+
+
+def _server_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _worker(client: redis.Redis, keys: Any, wid: str, now_ms: int) -> dict[str, Any]:
+    h = client.hgetall(keys.worker(wid))
+    lease = client.pttl(keys.lease(wid))
+    ints = ("running", "waiting", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "dp_rank")
+    row: dict[str, Any] = {"id": wid, "role": h.get("role", "?"), "model": h.get("model", "?"), "alive": lease > 0,
+                           "lease_ms": max(lease, 0), "heartbeat_age_ms": now_ms - int(h.get("heartbeat_ms", now_ms))}
+    row.update({k: int(h.get(k, 0)) for k in ints})
+    row["dp_group"] = h.get("dp_group", "")
+    return row
+
+
+def _streams(client: redis.Redis, keys: Any) -> list[str]:
+    tasks = sorted(client.scan_iter(match=keys.tasks("*").replace("{*}", "*"), count=1000))
+    return [keys.requests, *tasks]
+
+
+def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"stream": name, "length": client.xlen(name), "groups": []}
+    for group in (client.xinfo_groups(name) if client.exists(name) else []):
+        pending = int(group["pending"])
+        oldest = None
+        if pending:
+            first = client.xpending_range(name, group["name"], "-", "+", 1)
+            oldest = now_ms - int(first[0]["message_id"].split("-")[0]) if first else None
+        row["groups"].append({"group": group["name"], "consumers": int(group["consumers"]), "pending": pending,
+                              "lag": group.get("lag"), "oldest_pending_ms": oldest})
+    return row
+
+
+def _link(client: redis.Redis, key: str) -> dict[str, Any]:
+    h = client.hgetall(key)
+    return {"prefill": h.get("prefill"), "decode": h.get("decode"), "state": h.get("state"), "error": h.get("error", "")}
+
+
+def render(status: dict[str, Any]) -> str:
+    lines = [f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} {'FREE/TOTAL KV':>15}"]
+    for w in status["workers"]:
+        dp = f"{w['dp_group']}/{w['dp_rank']}" if w["dp_group"] else "-"
+        lease = f"{w['lease_ms'] / 1000:.1f}s" if w["alive"] else "DEAD"
+        lines.append(f"{w['id']:<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} {w['queued_prefill_tokens']:>11} "
+                     f"{w['free_kv_blocks']:>7}/{w['total_kv_blocks']:<7}")
+    lines += ["", f"{'STREAM':<40} {'LENGTH':>7} {'GROUP':<11} {'PENDING':>7} {'LAG':>5} {'OLDEST PENDING':>14}"]
+    for s in status["streams"]:
+        for g in s["groups"] or [{"group": "-", "pending": 0, "lag": None, "oldest_pending_ms": None}]:
+            lag = "-" if g["lag"] is None else str(g["lag"])
+            oldest = "-" if g["oldest_pending_ms"] is None else f"{g['oldest_pending_ms'] / 1000:.1f}s"
+            lines.append(f"{s['stream']:<40} {s['length']:>7} {g['group']:<11} {g['pending']:>7} {lag:>5} {oldest:>14}")
+    lines += ["", f"dead letters: {status['dead_letters']}", "P-D links:" + ("" if status["links"] else " none")]
+    lines += [f"  {link['prefill']} -> {link['decode']}: {link['state']} {link['error']}".rstrip() for link in status["links"]]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, env: Env) -> int:
+    client = redis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5)
+    try:
+        while True:
+            status = collect(client, env.prefix)
+            say(json.dumps(status) if args.json else render(status))
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+            if not args.json:
+                say("\033[2J\033[H")  # clear the screen between refreshes
+    except (redis.RedisError, OSError) as exc:
+        say(f"splitbus status: Redis at {args.redis_url} is not reachable: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
