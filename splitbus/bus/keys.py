@@ -102,7 +102,3 @@ class Keys:
         rest = key[len(self.prefix) + 1 :] if key.startswith(self.prefix + ":") else key
         kind = rest.split(":", 1)[0]
         return kind if kind in STREAM_KINDS else "other"
-
-    def request_id_of(self, out_key: str) -> str:
-        """The request id inside an ``out`` key (inverse of ``out``)."""
-        return out_key[out_key.index("{") + 1 : out_key.rindex("}")]

@@ -18,8 +18,3 @@ def test_kind_is_bounded() -> None:
     assert keys.kind(keys.tasks("w")) == "tasks"
     assert keys.kind(keys.requests) == "requests"
     assert keys.kind("unrelated:key") == "other"
-
-
-def test_request_id_round_trip() -> None:
-    keys = Keys()
-    assert keys.request_id_of(keys.out("cmpl-42")) == "cmpl-42"

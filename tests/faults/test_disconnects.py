@@ -47,16 +47,21 @@ def _blocks(system: System) -> list[tuple[str, int, int, int]]:
     return rows
 
 
+def _assert_blocks_return(system: System, within_s: float) -> None:
+    """Every worker's free KV blocks are back to its total and it holds no request."""
+    deadline = time.monotonic() + within_s
+    while any(free != total or held for _, free, total, held in _blocks(system)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(free == total and held == 0 for _, free, total, held in _blocks(system)), _blocks(system)
+
+
 @pytest.mark.timeout(120)
 def test_fifty_disconnects_free_every_kv_block(tmp_path: Path) -> None:
     system = start_system(tmp_path, "--worker-arg=--sim-decode-step-ms", "--worker-arg=20")
     try:
         during = asyncio.run(_connect_then_leave(system, 50))
         assert any(free < total for role, free, total, _ in during if role == "decode"), during  # they held blocks
-        deadline = time.monotonic() + 10
-        while any(free != total or held for _, free, total, held in _blocks(system)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert all(free == total and held == 0 for _, free, total, held in _blocks(system)), _blocks(system)
+        _assert_blocks_return(system, within_s=10)
         assert len(system.redis().xrange("sb:cancel")) >= 50
     finally:
         stop_system(system)
@@ -71,9 +76,6 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_blocks(tmp
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "deadline"  # the worker's own error, before the API's grace ran out
         assert time.monotonic() - started < 4
-        deadline = time.monotonic() + 5
-        while any(free != total or held for _, free, total, held in _blocks(system)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert all(free == total and held == 0 for _, free, total, held in _blocks(system))
+        _assert_blocks_return(system, within_s=5)
     finally:
         stop_system(system)

@@ -46,7 +46,6 @@ TRIM_EVERY_S = 5.0
 class Waiting:
     delivery: Delivery
     since: float
-    reason: str = ""
 
 
 class Scheduler:
@@ -189,7 +188,6 @@ class Scheduler:
             return await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
         placement = self.policy.place(request, self.view.workers, self.local)
         if isinstance(placement, str):
-            waiting.reason = placement
             if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
                 return await self.fail(waiting, "no_worker", placement, 503)
             return False
@@ -199,8 +197,8 @@ class Scheduler:
     async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: list[Placement]) -> None:
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements)
         metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
-        if outcome == DISPATCHED:
-            metrics.QUEUE_WAIT.observe(max(0.0, time.time() - (waiting.delivery.published_us or 0) / 1e6))
+        if outcome == DISPATCHED and waiting.delivery.published_us is not None:
+            metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
             for p in placements:
                 self._reserve_locally(p)
 
