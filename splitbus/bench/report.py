@@ -91,9 +91,9 @@ def engine_plot(report: dict[str, Any], path: Path) -> None:
 
 
 def stagger_table(report: dict[str, Any]) -> str:
-    rows = [f"{'backend':<11} {'ranks':>5} {'load':<9} {'mode':<10} {'idle ratio':>10} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"]
+    rows = [f"{'backend':<11} {'ranks':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"]
     for r in report["results"]:
-        rows.append(f"{r['backend']:<11} {r['ranks']:>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>10.3f} "
+        rows.append(f"{r['backend']:<11} {r['ranks']:>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} {r['idle_time_ratio']:>9.4f} {r['step_utilization']:>5.2f} "
                     f"{r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}")
     return "\n".join(rows)
 
@@ -107,8 +107,9 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
     keys = sorted({(r["backend"], r["ranks"], r["load"]) for r in report["results"]}, key=lambda k: (k[0] != "processes", k[1], ["low", "moderate", "high"].index(k[2])))
     by = {(r["backend"], r["ranks"], r["load"], r["mode"]): r for r in report["results"]}
     labels = [f"{'proc' if b == 'processes' else 'sim'} {n}r\n{load}" for b, n, load in keys]
-    fig, axes = plt.subplots(3, 1, figsize=(max(10, len(keys) * 0.9), 10))
-    metrics = (("idle_forward_ratio", "idle-forward ratio", 1), ("ttft_p50_s", "TTFT p50 (ms)", 1000), ("ttft_p99_s", "TTFT p99 (ms)", 1000))
+    fig, axes = plt.subplots(4, 1, figsize=(max(10, len(keys) * 0.9), 13))
+    metrics = (("idle_forward_ratio", "idle forwards per rank-step", 1), ("idle_time_ratio", "share of rank time in idle forwards", 1),
+               ("ttft_p50_s", "TTFT p50 (ms)", 1000), ("ttft_p99_s", "TTFT p99 (ms)", 1000))
     for ax, (metric, title, scale) in zip(axes, metrics):
         for offset, mode, color in ((-0.2, "naive", "#7f8c8d"), (0.2, "staggered", "#27ae60")):
             ax.bar([i + offset for i in range(len(keys))], [by[(*k, mode)][metric] * scale for k in keys], width=0.4, label=mode, color=color)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -27,19 +28,30 @@ about 8 %, 80 % and 95 % of the rate at which naive scheduling saturates."""
 PROCESS_LOADS = {"low": 1.0, "moderate": 5.0, "high": 8.0}
 """Lower for real processes: 4 ranks, an API, a scheduler, Redis and the client share 2 cores."""
 MODES = ("naive", "staggered")
+RANK_COUNTERS = ("steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us")
 
 
 def simulate(ranks: int, load: str, duration_s: float, seed: int) -> list[dict[str, Any]]:
     trace = poisson_trace(SIM_LOADS[load] * ranks, duration_s, seed)
     rows = []
     for mode in MODES:
-        result = GroupSimulation(ranks, staggered=mode == "staggered").run(trace)
-        rows.append(_row("simulation", ranks, load, mode, result.idle_forward_ratio, result.ttft_p50_s, result.ttft_p99_s, result.throughput_tok_s, result.requests))
+        r = GroupSimulation(ranks, staggered=mode == "staggered", seed=seed).run(trace)
+        rows.append(_row("simulation", ranks, load, mode, Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization), r.ttft_p50_s, r.ttft_p99_s, r.throughput_tok_s, r.requests))
     return rows
 
 
-def _row(backend: str, ranks: int, load: str, mode: str, idle: float, p50: float, p99: float, tput: float, requests: int) -> dict[str, Any]:
-    return {"backend": backend, "ranks": ranks, "load": load, "mode": mode, "idle_forward_ratio": round(idle, 4),
+@dataclass(frozen=True)
+class Counters:
+    idle_forward_ratio: float
+    """Idle forwards per rank-step."""
+    idle_time_ratio: float
+    """Share of the ranks' step time spent in idle forwards."""
+    step_utilization: float
+    """Share of the ranks' step time spent computing their own prefill or decode."""
+
+
+def _row(backend: str, ranks: int, load: str, mode: str, counters: Counters, p50: float, p99: float, tput: float, requests: int) -> dict[str, Any]:
+    return {"backend": backend, "ranks": ranks, "load": load, "mode": mode, **{k: round(v, 4) for k, v in asdict(counters).items()},
             "ttft_p50_s": round(p50, 4), "ttft_p99_s": round(p99, 4), "throughput_tok_s": round(tput, 1), "requests": requests}
 
 
@@ -70,17 +82,17 @@ class _System:
                 return match.group(1)
         raise RuntimeError("splitbus up did not start")
 
-    def counters(self) -> tuple[int, int]:
-        """(steps, idle forwards) summed over the ranks, as their heartbeats report them."""
+    def counters(self) -> np.ndarray:
+        """The ranks' cumulative step counters (``RANK_COUNTERS``) summed, as their heartbeats
+        report them."""
         import redis
 
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
-        steps = idle = 0
+        total = np.zeros(len(RANK_COUNTERS))
         for worker in client.zrange("sb:workers", 0, -1):
-            values = client.hmget(f"sb:worker:{{{worker}}}", "steps", "idle_forwards")
-            steps, idle = steps + int(values[0] or 0), idle + int(values[1] or 0)
+            total += [int(v or 0) for v in client.hmget(f"sb:worker:{{{worker}}}", *RANK_COUNTERS)]
         client.close()
-        return steps, idle
+        return total
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -132,12 +144,12 @@ def run_processes(ranks: int, duration_s: float, seed: int, progress: Callable[[
 
 def _measure(system: _System, ranks: int, load: str, mode: str, trace: list[TraceRequest]) -> dict[str, Any]:
     time.sleep(1.0)  # let the last load's steps settle into the counters
-    steps0, idle0 = system.counters()
+    before = system.counters()
     ttfts, tokens, elapsed = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace))
     time.sleep(1.0)  # heartbeats publish the counters every 0.5 s
-    steps1, idle1 = system.counters()
-    idle = (idle1 - idle0) / max(steps1 - steps0, 1)
-    return _row("processes", ranks, load, mode, idle, float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99)), tokens / elapsed, len(trace))
+    steps, idle, step_us, idle_us, busy_us = system.counters() - before
+    counters = Counters(idle / max(steps, 1), idle_us / max(step_us, 1), busy_us / max(step_us, 1))
+    return _row("processes", ranks, load, mode, counters, float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99)), tokens / elapsed, len(trace))
 
 
 def run_stagger_bench(sim_ranks: list[int], process_ranks: int, duration_s: float, seed: int, progress: Callable[[str], None]) -> dict[str, Any]:

@@ -1,18 +1,21 @@
 """Discrete-event simulation of one DP group under the real scheduling code.
 
-Placement uses ``water_fill`` (naive: each arrival alone, at once; staggered: the
-``StaggerWindow``'s batches), and every step each rank acts by ``decide`` on the group's plans,
-exactly as a ``DpWorker`` does. Step costs follow the sim engine's model (``SimConfig``); the
+Placement is the scheduler's (naive: each arrival at once to a rank among those with the fewest
+queued prefill tokens, chosen by ``choose`` as ``Policy`` does; staggered: the ``StaggerWindow``'s
+batches, spread by ``water_fill``), and every step each rank acts by ``decide`` on the group's
+plans, exactly as a ``DpWorker`` does. Step costs follow the sim engine's model (``SimConfig``); the
 group's step lasts as long as its slowest rank (EP's all-to-all makes them wait).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from splitbus.bus.scheduler.policy import choose
 from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
 from splitbus.worker.config import SimConfig
 from splitbus.worker.dp import StepPlan, decide
@@ -50,6 +53,13 @@ class _Req:
     done_at: float | None = None
 
 
+class GroupFull(Exception):
+    """A request fits on no rank: the trace asks for more KV than the simulated group has."""
+
+    def __init__(self, req: _Req) -> None:
+        super().__init__(f"no rank has KV room for a {req.trace.prompt_tokens}+{req.trace.output_tokens}-token request; shorten the trace")
+
+
 @dataclass
 class _Rank:
     name: str
@@ -65,6 +75,11 @@ class _Rank:
 @dataclass(frozen=True)
 class SimResult:
     idle_forward_ratio: float
+    """Idle forwards per rank-step."""
+    idle_time_ratio: float
+    """Share of the ranks' time spent in idle forwards (a step lasts as long as its slowest rank)."""
+    step_utilization: float
+    """Share of the ranks' time spent computing their own prefill or decode."""
     ttft_p50_s: float
     ttft_p99_s: float
     throughput_tok_s: float
@@ -72,7 +87,7 @@ class SimResult:
 
 
 class GroupSimulation:
-    def __init__(self, ranks: int, staggered: bool, max_wait_s: float = 0.05, align_ms: float = 20.0, costs: SimConfig | None = None) -> None:
+    def __init__(self, ranks: int, staggered: bool, max_wait_s: float = 0.05, align_ms: float = 20.0, costs: SimConfig | None = None, seed: int = 0) -> None:
         self.ranks = [_Rank(f"r{i}") for i in range(ranks)]
         self.window: StaggerWindow[_Req] | None = StaggerWindow(ranks, max_wait_s) if staggered else None
         self.align_ms = align_ms if staggered else 0.0
@@ -81,6 +96,8 @@ class GroupSimulation:
         self.rank_steps = 0
         self.idle_steps = 0
         self.batches = 0
+        self.rank_time_s = self.idle_time_s = self.busy_time_s = 0.0
+        self.rng = random.Random(seed)
 
     def run(self, trace: list[TraceRequest]) -> SimResult:
         requests = [_Req(t) for t in trace]
@@ -100,24 +117,35 @@ class GroupSimulation:
         while upcoming and upcoming[0].trace.arrival_s <= self.now:
             req = upcoming.pop(0)
             if self.window is None:
-                self._place([req])
+                self._place_naive(req)
             else:
                 self.window.add(req, req.trace.arrival_s)
         if self.window is not None and self.window.ready(self.now):
-            self._place(self.window.release())
+            self._place_batch(self.window.release())
         return upcoming
 
-    def _place(self, batch: list[_Req]) -> None:
-        by_key = {str(id(r)): r for r in batch}
+    def _place_naive(self, req: _Req) -> None:
+        blocks = math.ceil((req.trace.prompt_tokens + req.trace.output_tokens) / BLOCK)
+        loads = {rank.name: rank.load() for rank in self.ranks}
+        roomy = [rank for rank in self.ranks if loads[rank.name].free_blocks >= blocks]
+        rank = choose(roomy, lambda r: loads[r.name].queued_tokens, self.rng)
+        if rank is None:
+            raise GroupFull(req)
+        req.queued_at = self.now
+        rank.queued.append(req)
+
+    def _place_batch(self, batch: list[_Req]) -> None:
+        by_key = {f"{r.trace.arrival_s:.9f}/{i}": r for i, r in enumerate(batch)}
         jobs = [Job(k, r.trace.prompt_tokens, math.ceil((r.trace.prompt_tokens + r.trace.output_tokens) / BLOCK)) for k, r in by_key.items()]
         placed = water_fill(jobs, [rank.load() for rank in self.ranks])
+        if len(placed) < len(jobs):
+            raise GroupFull(next(r for k, r in by_key.items() if k not in placed))
         names = {rank.name: rank for rank in self.ranks}
         self.batches += 1
         for key, rank in placed.items():
             req = by_key[key]
             req.queued_at = self.now
-            if self.window is not None:
-                req.batch_id, req.batch_ranks = str(self.batches), len(set(placed.values()))
+            req.batch_id, req.batch_ranks = str(self.batches), len(set(placed.values()))
             names[rank].queued.append(req)
 
     def _next_event(self, upcoming: list[_Req]) -> float:
@@ -132,7 +160,9 @@ class GroupSimulation:
         if all(a == "none" for a in actions):  # only the window holds work: wait for it
             self.now = max(self.now, (self.window.due_at() if self.window else None) or self.now) + 1e-6
             return
-        duration = max(self._cost(rank, action) for rank, action in zip(self.ranks, actions))
+        costs = [self._cost(rank, action) for rank, action in zip(self.ranks, actions)]
+        duration = max(costs)
+        self._account(actions, costs, duration)
         if self.window is not None:
             self.window.observe_step(duration)
         end = self.now + duration
@@ -140,6 +170,11 @@ class GroupSimulation:
             self._apply(rank, action, end)
         self.rank_steps += len(self.ranks)
         self.now = end
+
+    def _account(self, actions: list[str], costs: list[float], duration: float) -> None:
+        self.rank_time_s += duration * len(actions)
+        self.idle_time_s += duration * actions.count("idle")
+        self.busy_time_s += sum(c for c, a in zip(costs, actions) if a in ("prefill", "decode"))
 
     def _plan(self, index: int, rank: _Rank) -> StepPlan:
         if not rank.queued:
@@ -189,6 +224,8 @@ class GroupSimulation:
         span = max((r.done_at or 0.0) for r in requests) - min(r.trace.arrival_s for r in requests)
         return SimResult(
             idle_forward_ratio=self.idle_steps / max(self.rank_steps, 1),
+            idle_time_ratio=self.idle_time_s / max(self.rank_time_s, 1e-12),
+            step_utilization=self.busy_time_s / max(self.rank_time_s, 1e-12),
             ttft_p50_s=float(np.percentile(ttfts, 50)),
             ttft_p99_s=float(np.percentile(ttfts, 99)),
             throughput_tok_s=tokens / span if span > 0 else 0.0,

@@ -61,6 +61,12 @@ class WorkerLoad:
     idle_forwards: int = 0
     step_us: int = 0
     """DP ranks: recent duration of one group step (an EWMA), for the stagger window."""
+    step_time_us: int = 0
+    """DP ranks, cumulative: time in group steps (barrier wait included)."""
+    idle_time_us: int = 0
+    """DP ranks, cumulative: time in steps where this rank ran an idle forward."""
+    busy_time_us: int = 0
+    """DP ranks, cumulative: time computing this rank's own prefill or decode."""
 
 
 @dataclass

@@ -151,14 +151,17 @@ class DpWorker(Worker):
         plans = await self.barrier.exchange(self.step_no, mine)
         action = decide(mine, plans, self.config.dp_align_ms)
         self.step_no += 1
+        acting = time.monotonic()
         await self.act(action)
         await self.publish()
         if action != "none":
-            self.observe_step(time.monotonic() - started)
+            self.observe_step(action, time.monotonic() - started, time.monotonic() - acting)
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, action: str, step_s: float, act_s: float) -> None:
         old = self.counters["step_us"]
-        self.counters["step_us"] = int(seconds * 1e6 if not old else 0.8 * old + 0.2 * seconds * 1e6)
+        self.counters["step_us"] = int(step_s * 1e6 if not old else 0.8 * old + 0.2 * step_s * 1e6)
+        self.counters["step_time_us"] += int(step_s * 1e6)
+        self.counters["idle_time_us" if action == "idle" else "busy_time_us"] += int((step_s if action == "idle" else act_s) * 1e6)
 
     def plan(self) -> StepPlan:
         if not self.queued:

@@ -59,7 +59,7 @@ class Worker:
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[str] = []  # sb:kv keys of requests that left
         self.recently_cancelled: dict[str, float] = {}
-        self.counters = {"prefills_done": 0, "decodes_done": 0, "steps": 0, "idle_forwards": 0, "step_us": 0}
+        self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_us", "step_time_us", "idle_time_us", "busy_time_us"), 0)
         self.exit_code = 0
         self.started_ms = 0
         self.wake = asyncio.Event()

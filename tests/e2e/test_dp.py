@@ -33,6 +33,11 @@ def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
         assert len(steps) == 1 and steps.pop() >= 30  # the same number of steps on every rank
         idle = sorted(int(h["idle_forwards"]) for h in ranks.values())
         assert idle[0] == 0 and idle[1:] == [idle[3]] * 3 and idle[3] >= 29  # three ranks idled while one worked
+        worker = next(h for h in ranks.values() if int(h["idle_forwards"]) == 0)
+        assert int(worker["busy_time_us"]) > 0 and int(worker["idle_time_us"]) == 0
+        for h in ranks.values():  # the step time covers both kinds of step
+            assert int(h["busy_time_us"]) + int(h["idle_time_us"]) <= int(h["step_time_us"])
+            assert (int(h["idle_time_us"]) > 0) == (int(h["idle_forwards"]) > 0)
         _assert_lock_step(system)
     finally:
         assert stop_system(system) == []

@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
 
 NEAR = 0.1
 """Relative slack within which candidates count as equally loaded."""
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def active_requests(worker: WorkerInfo, local: Reserved) -> int:
     return load.running + load.waiting + worker.reserved.reserved_requests + local.reserved_requests
 
 
-def choose(candidates: Sequence[WorkerInfo], cost: Callable[[WorkerInfo], float], rng: random.Random) -> WorkerInfo | None:
+def choose(candidates: Sequence[C], cost: Callable[[C], float], rng: random.Random) -> C | None:
     """A random candidate among those within NEAR of the lowest cost."""
     if not candidates:
         return None

@@ -42,7 +42,9 @@ class Job:
 
 def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad]) -> dict[str, str]:
     """Assign jobs to ranks, largest first, each to the rank with the lowest level of queued
-    prefill tokens that has KV blocks for it (ties: the first rank). Returns job key ->
+    prefill tokens that has KV blocks for it. Ties go to the rank with the most free blocks:
+    the one decoding least, which would otherwise be the next to run idle forwards (a batch
+    smaller than the group would else always land on the first ranks). Returns job key ->
     rank id; jobs that fit nowhere are left out."""
     levels = {r.rank_id: RankLoad(r.rank_id, r.queued_tokens, r.free_blocks) for r in ranks}
     order = {r.rank_id: i for i, r in enumerate(ranks)}
@@ -51,7 +53,7 @@ def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad]) -> dict[str, str]
         fits = [r for r in levels.values() if r.free_blocks >= job.blocks]
         if not fits:
             continue
-        target = min(fits, key=lambda r: (r.queued_tokens, order[r.rank_id]))
+        target = min(fits, key=lambda r: (r.queued_tokens, -r.free_blocks, order[r.rank_id]))
         target.queued_tokens += job.tokens
         target.free_blocks -= job.blocks
         placed[job.key] = target.rank_id

@@ -26,6 +26,13 @@ def test_largest_first_balances_the_levels() -> None:
     assert placed == {"big": "r0", "mid": "r1", "small1": "r1", "small2": "r1"}  # levels 100 / 70
 
 
+def test_ties_go_to_the_rank_decoding_least() -> None:
+    # No queued prefill anywhere: a batch smaller than the group goes to the ranks with the
+    # most free KV blocks (r2 and r0 decode least), not to the first ranks.
+    ranks = [RankLoad("r0", 0, 80), RankLoad("r1", 0, 10), RankLoad("r2", 0, 90), RankLoad("r3", 0, 40)]
+    assert water_fill([Job("a", 100, 1), Job("b", 50, 1)], ranks) == {"a": "r2", "b": "r0"}
+
+
 def test_kv_blocks_are_respected() -> None:
     ranks = [RankLoad("r0", 0, 1), RankLoad("r1", 1000, 50)]
     placed = water_fill([Job("needs10", 10, 10), Job("huge", 10, 100)], ranks)
