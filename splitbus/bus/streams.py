@@ -129,6 +129,12 @@ class GroupConsumer:
                 return await self.read(capacity, block_ms)
         return await self._decode_all(raw)
 
+    async def read_raw(self, count: int, block_ms: int | None = None) -> list[tuple[str, Mapping[bytes, bytes]]]:
+        """Up to ``count`` new entries, not decoded: for a caller that answers malformed entries
+        itself instead of dead-lettering them."""
+        raw = await self._xreadgroup(">", count, self._config.block_ms if block_ms is None else block_ms)
+        return [(_text(entry_id), fields) for entry_id, fields in raw]
+
     async def ack(self, *entry_ids: str) -> int:
         if not entry_ids:
             return 0
@@ -243,3 +249,14 @@ async def _group_floor(redis: aioredis.Redis, stream: str, group: Mapping[str, A
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+async def unread(redis: aioredis.Redis, stream: str, group: str, limit: int = 100_000) -> int:
+    """Entries the group has not read yet (at most ``limit``); Redis 6.2 has no ``lag`` field,
+    so they are counted past the group's last-delivered id."""
+    for info in await redis.xinfo_groups(stream):
+        if _text(info["name"]) == group:
+            if info.get("lag") is not None:
+                return int(info["lag"])
+            return len(await redis.xrange(stream, min="(" + _text(info["last-delivered-id"]), count=limit))
+    return await redis.xlen(stream)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -21,6 +22,26 @@ def setup_logging(env: Env, part: str) -> None:
     )
     for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):  # a line per HTTP request
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (default: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default %(default)s)")
+
+
+def serve_metrics(args: argparse.Namespace, part: str) -> bool:
+    """Start the /metrics endpoint if asked for; False (after saying why) if the port is taken."""
+    if not args.metrics_port:
+        return True
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+    except OSError as exc:
+        say(f"splitbus {part}: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc.strerror}")
+        return False
+    logging.getLogger(__name__).info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
+    return True
 
 
 def say(message: str) -> None:

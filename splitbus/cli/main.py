@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from splitbus import __version__
-from splitbus.cli import api_cmd, bench, model_cmd, redis_cmd, scheduler_cmd, status_cmd, up, worker_cmd
+from splitbus.cli import api_cmd, bench, ctl_cmd, model_cmd, redis_cmd, scheduler_cmd, status_cmd, up, worker_cmd
 from splitbus.cli.common import setup_logging
 from splitbus.env import Env, load_env
 
@@ -18,7 +18,7 @@ def build_parser(env: Env) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"splitbus {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (up, redis_cmd, api_cmd, scheduler_cmd, worker_cmd, status_cmd, model_cmd, bench):
+    for module in (up, redis_cmd, api_cmd, scheduler_cmd, worker_cmd, status_cmd, ctl_cmd, model_cmd, bench):
         module.add_parser(subparsers, env)
     return parser
 

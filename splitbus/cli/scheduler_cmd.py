@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from splitbus.cli.common import run_service, say
+from splitbus.cli.common import add_metrics_arguments, run_service, say, serve_metrics
 from splitbus.env import Env
 
 
@@ -17,6 +17,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
     p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")
     p.add_argument("--claim-idle-ms", type=int, default=30_000, help="take over requests another replica left pending this long")
+    add_metrics_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -35,5 +36,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
         )
     except ValueError as exc:
         say(f"splitbus scheduler: {exc}")
+        return 2
+    if not serve_metrics(args, "scheduler"):
         return 2
     return run_service(Scheduler(config))

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from splitbus.cli.common import run_service, say
+from splitbus.cli.common import add_metrics_arguments, run_service, say, serve_metrics
 from splitbus.env import Env
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--sim-decode-step-ms", type=float, default=4.0)
     p.add_argument("--sim-kv-bytes-per-token", type=int, default=4096)
     p.add_argument("--sim-poison-token", type=int, default=-1, help="fault injection: fail any step holding a prompt with this token")
+    add_metrics_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
         engine = build_engine(config, tokenizer, args)
     except (ValueError, ModelFilesError) as exc:
         say(f"splitbus worker: {exc}")
+        return 2
+    if not serve_metrics(args, "worker"):
         return 2
     worker_class = DpWorker if config.dp_size else Worker
     return run_service(worker_class(config, tokenizer, engine))

@@ -28,6 +28,7 @@ from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.streams import GroupConsumer
+from splitbus.worker import metrics
 from splitbus.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,8 @@ class DpWorker(Worker):
             await self.decode_running()
         else:
             self.counters["idle_forwards"] += 1
-            await self.engine.idle()
+            with metrics.ENGINE_STEP.labels("idle").time():
+                await self.engine.idle()
 
     async def leave(self, reason: str, missing: list[int]) -> None:
         """The group is broken: fail what this rank holds (and, on the lowest surviving rank,

@@ -25,6 +25,8 @@ from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
+from splitbus.worker.control import control_server
+from splitbus.worker import metrics
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.engine import Engine
@@ -51,6 +53,8 @@ class Worker:
         self.cancels = CancelListener(self.redis, config.bus)
         self.server = TransferServer(self.id, self.import_kv)
         self.links = PeerLinks(self.redis, config.bus, self.id, TransferClient(self.id, config.transfer_timeout_s))
+        self.control = control_server(self)
+        self.stop_reporting_load = metrics.watch_load(self.load)
         self.endpoint = ""
         self.queued: deque[Sequence] = deque()  # to prefill
         self.awaiting_kv: dict[str, tuple[Sequence, float]] = {}  # decode: waiting for P's cache
@@ -97,9 +101,10 @@ class Worker:
         self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port)
         await self.tasks.ensure_group()
         await self.cancels.start()
+        await self.control.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.registry.register(self.record(), self.config.lease_ms)  # now with started_ms
-        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks):
+        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands):
             self.spawn(self._forever(loop))
         log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
 
@@ -107,6 +112,7 @@ class Worker:
         self.stopping.set()
         self.room.set()
         await cancel_and_wait(self._background)
+        self.stop_reporting_load()
         with contextlib.suppress(*TRANSIENT_ERRORS):
             await self.registry.deregister(self.id)
         await self.server.close()
@@ -230,6 +236,10 @@ class Worker:
             await asyncio.sleep(TRIM_EVERY_S)
             await trim_consumed(self.redis, self.keys.tasks(self.id))
 
+    async def answer_commands(self) -> None:
+        while not self.stopping.is_set():
+            await self.control.serve_once()
+
     async def listen_for_cancels(self) -> None:
         while not self.stopping.is_set():
             for cancel in await self.cancels.poll():
@@ -252,6 +262,7 @@ class Worker:
         batch = self.next_prefill_batch()
         if not batch:
             return
+        metrics.PROMPT_TOKENS.inc(sum(len(seq.all_tokens) for seq in batch))
         for seq, token in await self.run_engine(self.engine.prefill, batch):
             self.emit(seq, token)
             self.after_prefill(seq)
@@ -296,7 +307,8 @@ class Worker:
         one that breaks it: that request is poison and ends with an error and a dead letter,
         and the others go on."""
         try:
-            return list(zip(batch, await step(batch)))
+            with metrics.ENGINE_STEP.labels(getattr(step, "__name__", "step")).time():
+                return list(zip(batch, await step(batch)))
         except TRANSIENT_ERRORS:
             raise
         except Exception as exc:
@@ -318,15 +330,18 @@ class Worker:
         self.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
 
     def emit(self, seq: Sequence, token_id: int) -> None:
+        metrics.GENERATION_TOKENS.inc()
         self.writer.tokens(seq.request_id, [token_id], seq.add_token(token_id, self.engine.eos_token_ids))
 
     def finish(self, seq: Sequence) -> None:
         text = seq.text.flush()
+        metrics.REQUESTS_FINISHED.labels(seq.finish_reason or "stop").inc()
         self.writer.finish(seq.request_id, seq.finish_reason or "stop", seq.prompt_len, len(seq.output_ids), text)
         self.retire(seq)
 
     def fail(self, seq: Sequence, code: str, message: str, status: int) -> None:
         log.warning("request %s failed: %s", seq.request_id, message)
+        metrics.REQUESTS_FINISHED.labels(code).inc()
         self.writer.fail(seq.request_id, code, message, status)
         self.retire(seq)
 
@@ -361,7 +376,10 @@ class Worker:
             endpoint = await self.wait_for_reservation(seq)
             await self.links.ensure(seq.task.peer, endpoint)
             meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id), "from": self.id}
-            await self.links.client.send(endpoint, seq.request_id, meta, await self.engine.export_kv(seq))
+            with metrics.KV_TRANSFER.time():
+                payload = await self.engine.export_kv(seq)
+                await self.links.client.send(endpoint, seq.request_id, meta, payload)
+            metrics.KV_TRANSFER_BYTES.inc(len(payload))
         except (TransferError, asyncio.TimeoutError) as exc:
             await self.transfer_failed(seq, exc)
         else:

@@ -4,12 +4,14 @@
 - ``tasks``: scheduler -> worker (``sb:tasks:{worker}``)
 - ``results``: worker -> API node (``sb:out:{request}``)
 - ``cancel``: anyone -> every worker and scheduler (``sb:cancel``)
+- ``control``: anyone -> one worker (``sb:ctrl:{worker}``), and its reply (``sb:reply:{task}``)
 - ``dead``: any consumer -> operators (``sb:dead``)
 
 Importing this package registers every type with the codec.
 """
 
 from splitbus.bus.messages.cancel import Cancel
+from splitbus.bus.messages.control import ControlCommand, ControlReply
 from splitbus.bus.messages.dead import DeadLetter
 from splitbus.bus.messages.requests import GenerateRequest, SamplingParams
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
@@ -17,6 +19,8 @@ from splitbus.bus.messages.tasks import Task
 
 __all__ = [
     "Cancel",
+    "ControlCommand",
+    "ControlReply",
     "DeadLetter",
     "Failed",
     "Finished",

@@ -1,0 +1,70 @@
+"""A worker's answers to control commands (``splitbus.bus.control``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import generate_latest
+
+from splitbus.bus.control import CommandFailed, ControlServer, Handler
+from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.streams import unread
+from splitbus.worker.transfer import TransferError
+
+if TYPE_CHECKING:
+    from splitbus.worker.worker import Worker
+
+
+def control_server(worker: Worker) -> ControlServer:
+    handlers: dict[str, Handler] = {
+        "get_payload": lambda args: get_payload(worker),
+        "get_metrics": lambda args: get_metrics(),
+        "connect_rdma": lambda args: connect_rdma(worker, args),
+    }
+    return ControlServer(worker.redis, worker.config.bus, worker.id, handlers)
+
+
+async def get_payload(worker: Worker) -> dict[str, Any]:
+    """What an external router needs to place work on this worker."""
+    load, c = worker.load(), worker.config
+    return {
+        "worker_id": worker.id, "role": c.role, "model": c.model_name, "engine": c.engine,
+        "transfer_endpoint": worker.endpoint, "block_size": c.block_size,
+        "free_kv_blocks": load.free_kv_blocks, "total_kv_blocks": load.total_kv_blocks,
+        "running_requests": load.running, "waiting_requests": load.waiting,
+        "queued_prefill_tokens": load.queued_prefill_tokens,
+        "max_batch_size": c.max_requests, "max_prefill_tokens": c.max_prefill_tokens,
+        "max_input_length": worker.tokenizer.context_length,
+        "unhandled_requests": await unread(worker.redis, worker.keys.tasks(worker.id), WORKER_GROUP) + len(worker.queued),
+        "dp_group": c.dp_group, "dp_rank": c.dp_rank, "dp_size": c.dp_size,
+    }
+
+
+async def get_metrics() -> dict[str, Any]:
+    return {"content_type": "text/plain; version=0.0.4", "text": generate_latest().decode()}
+
+
+async def connect_rdma(worker: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    """Connect this prefill worker to the decode worker ``args["decode_worker"]`` (its endpoint
+    from the registry unless ``args["endpoint"]`` names one) and record it in
+    ``sb:rdma:{P}:{D}``."""
+    if worker.config.role == "decode":
+        raise CommandFailed(f"{worker.id} is a decode worker; send connect_rdma to the prefill worker")
+    decode_worker = args.get("decode_worker")
+    if not isinstance(decode_worker, str) or not decode_worker:
+        raise CommandFailed("connect_rdma needs args.decode_worker, the id of a decode worker")
+    endpoint = args.get("endpoint") or await _endpoint_of(worker, decode_worker)
+    try:
+        await worker.links.ensure(decode_worker, endpoint)
+    except TransferError as exc:
+        raise CommandFailed(f"could not connect to {decode_worker} at {endpoint}: {exc}") from exc
+    return {"state": "connected", "decode_worker": decode_worker, "endpoint": endpoint, "key": worker.keys.rdma(worker.id, decode_worker)}
+
+
+async def _endpoint_of(worker: Worker, decode_worker: str) -> str:
+    record = next((w.record for w in await worker.registry.snapshot() if w.record.worker_id == decode_worker and w.alive), None)
+    if record is None:
+        raise CommandFailed(f"no live worker {decode_worker!r} in the registry")
+    if record.role not in ("decode", "mixed") or not record.transfer_endpoint:
+        raise CommandFailed(f"{decode_worker} is a {record.role} worker with no KV endpoint to connect to")
+    return record.transfer_endpoint
