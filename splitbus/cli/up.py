@@ -4,6 +4,7 @@ child processes; prints where to reach them; Ctrl-C or SIGTERM stops everything.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 import urllib.error
@@ -33,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
     p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
+    p.add_argument("--metrics-port-base", type=int, default=0, help="serve /metrics: schedulers on this port and up, then the workers (default: off)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)")
     add_embedded_options(p, env)
@@ -134,16 +136,21 @@ def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, mod
     prefill, decode, mixed = counts
     mode = "dp" if args.dp else "mixed" if mixed and not prefill else "splitwise"
     common = ["--redis-url", url]
+    ports = itertools.count(args.metrics_port_base)
+
+    def metrics() -> list[str]:
+        return ["--metrics-port", str(next(ports))] if args.metrics_port_base else []
+
     for i in range(args.schedulers):
-        scheduler = ["scheduler", "--mode", mode, *common, *args.scheduler_arg]
+        scheduler = ["scheduler", "--mode", mode, *common, *metrics(), *args.scheduler_arg]
         supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", scheduler)
     worker = ["worker", "--engine", args.engine, "--model", str(model), *common, *args.worker_arg]
     for role, n in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
         for i in range(n):
-            supervisor.start(f"{role}{i}", [*worker, "--role", role])
+            supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()])
     for rank in range(args.dp):
         dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
-        supervisor.start(f"rank{rank}", [*worker, *dp])
+        supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()])
     api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model), "--request-timeout", str(args.request_timeout), *common]
     for key in args.api_key:
         api += ["--api-key", key]

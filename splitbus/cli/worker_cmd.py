@@ -30,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--threads", type=int, default=1, help="paddle: math threads on the CPU (default %(default)s)")
     p.add_argument("--transfer-host", default="127.0.0.1", help="address of the KV transfer server")
     p.add_argument("--transfer-port", type=int, default=0, help="port of the KV transfer server (default: free)")
+    p.add_argument("--transfer-advertise-host", default="", help="address peers connect to (default: --transfer-host, or the host name for 0.0.0.0)")
     p.add_argument("--kv-wait", type=float, default=30.0, help="seconds to wait for the peer's KV or reservation")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
     p.add_argument("--dp-group", default="", help="DP group name (with --dp-rank and --dp-size; --role mixed)")
@@ -55,7 +56,7 @@ def build_config(args: argparse.Namespace, env: Env) -> "WorkerConfig":
         bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix), role=args.role, engine=args.engine,
         model_dir=args.model, model_name=args.served_model_name or args.model.resolve().name,
         worker_id=args.worker_id or "", max_requests=args.max_requests, total_kv_blocks=args.kv_blocks or 8192,
-        transfer_host=args.transfer_host, transfer_port=args.transfer_port, kv_wait_s=args.kv_wait,
+        transfer_host=args.transfer_host, transfer_port=args.transfer_port, transfer_advertise_host=args.transfer_advertise_host, kv_wait_s=args.kv_wait,
         transfer_timeout_s=args.transfer_timeout, sim=sim, threads=args.threads,
         dp_group=args.dp_group, dp_rank=args.dp_rank, dp_size=args.dp_size, dp_align_ms=args.dp_align_ms,
         dp_barrier_timeout_s=args.dp_barrier_timeout,

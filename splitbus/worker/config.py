@@ -53,6 +53,9 @@ class WorkerConfig:
     transfer_host: str = "127.0.0.1"
     transfer_port: int = 0
     """0: a free port."""
+    transfer_advertise_host: str = ""
+    """The address other workers connect to (registered as the KV endpoint); default: the
+    bind address, or the host name when binding to all interfaces (0.0.0.0)."""
     transfer_timeout_s: float = 10.0
     kv_wait_s: float = 30.0
     """How long P waits for D's reservation, and D for P's KV, before failing the request."""
@@ -66,6 +69,12 @@ class WorkerConfig:
     """A rank with new prefill work waits up to this long for the others' so prefills share a step (0: off)."""
     dp_barrier_timeout_s: float = 5.0
     """A rank missing from a step for this long breaks the group."""
+
+    @property
+    def advertised_transfer_host(self) -> str:
+        if self.transfer_advertise_host:
+            return self.transfer_advertise_host
+        return socket.gethostname() if self.transfer_host in ("0.0.0.0", "::") else self.transfer_host
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -28,14 +28,14 @@ GAUGES = {
     "waiting": ("splitbus_worker_requests_waiting", "Requests queued to prefill or waiting for KV."),
     "queued_prefill_tokens": ("splitbus_worker_queued_prefill_tokens", "Prompt tokens queued to prefill."),
     "free_kv_blocks": ("splitbus_worker_kv_blocks_free", "Free KV cache blocks."),
-    "total_kv_blocks": ("splitbus_worker_kv_blocks_total", "KV cache blocks in all."),
+    "total_kv_blocks": ("splitbus_worker_kv_blocks_capacity", "KV cache blocks in all, free or used."),
 }
-COUNTERS = {
-    "steps": ("splitbus_worker_dp_steps", "DP ranks: group steps taken."),
-    "idle_forwards": ("splitbus_worker_dp_idle_forwards", "DP ranks: idle forwards run so that the group could step."),
-    "step_time_us": ("splitbus_worker_dp_step_time_microseconds", "DP ranks: time in group steps, barrier wait included."),
-    "idle_time_us": ("splitbus_worker_dp_idle_time_microseconds", "DP ranks: time in steps spent on an idle forward."),
-    "busy_time_us": ("splitbus_worker_dp_busy_time_microseconds", "DP ranks: time computing this rank's own prefill or decode."),
+COUNTERS = {  # field: (name, help, scale)
+    "steps": ("splitbus_worker_dp_steps", "DP ranks: group steps taken.", 1),
+    "idle_forwards": ("splitbus_worker_dp_idle_forwards", "DP ranks: idle forwards run so that the group could step.", 1),
+    "step_time_us": ("splitbus_worker_dp_step_seconds", "DP ranks: time in group steps, barrier wait included.", 1e-6),
+    "idle_time_us": ("splitbus_worker_dp_idle_seconds", "DP ranks: time in steps spent on an idle forward.", 1e-6),
+    "busy_time_us": ("splitbus_worker_dp_busy_seconds", "DP ranks: time computing this rank's own prefill or decode.", 1e-6),
 }
 
 
@@ -50,8 +50,8 @@ class LoadCollector(Collector):
         loads = [load() for load in self.loads]
         for field, (name, doc) in GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=sum(getattr(load, field) for load in loads))
-        for field, (name, doc) in COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=sum(getattr(load, field) for load in loads))
+        for field, (name, doc, scale) in COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=scale * sum(getattr(load, field) for load in loads))
 
 
 _LOADS = LoadCollector()

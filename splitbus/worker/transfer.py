@@ -89,10 +89,12 @@ class TransferServer:
         self._on_kv = on_kv
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> str:
+    async def start(self, host: str, port: int, advertise_host: str = "") -> str:
+        """Listen; returns the endpoint to publish (``advertise_host``, default ``host``, and the
+        bound port)."""
         self._server = await asyncio.start_server(self._serve, host, port)
         bound = self._server.sockets[0].getsockname()
-        return f"{host}:{bound[1]}"
+        return f"{advertise_host or host}:{bound[1]}"
 
     async def close(self) -> None:
         if self._server is not None:

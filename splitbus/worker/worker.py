@@ -98,7 +98,7 @@ class Worker:
     # ------------------------------------------------------------ life cycle
 
     async def start(self) -> None:
-        self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port)
+        self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port, self.config.advertised_transfer_host)
         await self.tasks.ensure_group()
         await self.cancels.start()
         await self.control.start()

@@ -83,9 +83,9 @@ async def test_get_payload_describes_each_worker(workers: Workers, tiny_model: P
 
 async def test_get_metrics_is_the_workers_prometheus_text(workers: Workers) -> None:
     reply = await _call(workers, "p0", "get_metrics")
-    assert reply.ok and "splitbus_worker_kv_blocks_total 512.0" in reply.result["text"]
+    assert reply.ok and "splitbus_worker_kv_blocks_capacity 512.0" in reply.result["text"]
     served = urllib.request.urlopen(f"http://127.0.0.1:{workers.metrics_port}/metrics", timeout=10).read().decode()
-    assert "splitbus_worker_kv_blocks_total 512.0" in served and "splitbus_bus_entries_produced_total" in served
+    assert "splitbus_worker_kv_blocks_capacity 512.0" in served and "splitbus_bus_entries_produced_total" in served
 
 
 async def test_connect_rdma_connects_and_records_the_link(workers: Workers) -> None:
