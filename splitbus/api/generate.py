@@ -107,7 +107,8 @@ class Generation:
     def message(self) -> GenerateRequest:
         p = self.params
         sampling = SamplingParams(
-            max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop=p.stop
+            max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop=p.stop,
+            ignore_eos=p.ignore_eos,
         )
         deadline_ms = int((time.time() + self.state.config.request_timeout_s) * 1000)
         return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, self.state.config.node_id, deadline_ms)
@@ -124,6 +125,9 @@ class Generation:
 
     async def next_result(self) -> Result:
         assert self.sub is not None
+        ready = self._ready()  # under load the next one is often here: no wait_for task then
+        if ready is not None:
+            return ready
         remaining = self.deadline + DEADLINE_GRACE_S - time.monotonic()
         try:
             result = await asyncio.wait_for(self.sub.get(), max(remaining, 0.001))
@@ -172,8 +176,12 @@ class Generation:
                 yield _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None))
             result = first
             while True:
-                for event in self._events(result):
-                    yield event
+                events = self._events(result)
+                while not result.terminal and (ready := self._ready()) is not None:
+                    result = ready  # what has arrived goes out in one write
+                    events += self._events(result)
+                if events:
+                    yield b"".join(events)
                 if result.terminal:
                     break
                 result = await self.next_result()
@@ -184,6 +192,13 @@ class Generation:
         finally:
             self.close(reason)
         yield b"data: [DONE]\n\n"
+
+    def _ready(self) -> Result | None:
+        assert self.sub is not None
+        ready = self.sub.get_nowait()
+        if ready is not None:
+            self._observe(ready)
+        return ready
 
     def _events(self, result: Result) -> list[bytes]:
         if isinstance(result, Failed):

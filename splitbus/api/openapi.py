@@ -32,6 +32,7 @@ _COMMON = {
     "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"type": ["integer", "null"], "minimum": -1, "description": "-1 or 0 disables top-k"},
     "seed": {"type": ["integer", "null"]},
+    "ignore_eos": {"type": ["boolean", "null"]},
     "stop": {
         "oneOf": [
             {"type": "string", "minLength": 1},

@@ -41,6 +41,8 @@ class GenerationParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    """vLLM's extension: generate ``max_tokens`` even past an end-of-sequence token."""
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
@@ -80,6 +82,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         top_k=max(0, _int(body, "top_k", default=0, minimum=-1)),
         seed=_int(body, "seed") if body.get("seed") is not None else None,
         stop=_stop(body.get("stop")),
+        ignore_eos=_bool(body, "ignore_eos"),
         stream=stream,
         include_usage=_stream_options(body, stream),
         user=body.get("user") if isinstance(body.get("user"), str) else None,

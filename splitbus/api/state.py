@@ -27,7 +27,7 @@ class ApiState:
         self.tokenizers = tokenizers
         self.redis = connect(config.bus, max_connections=config.redis_connections, name=config.node_id)
         self.reader = ResultReader(config.bus, self.redis, name=f"{config.node_id}.out", shards=config.reader_shards)
-        self.producer = Producer(self.redis, config.bus)
+        self.producer = Producer(self.redis, config.bus, batched=True)  # concurrent requests share XADD pipelines
         self.workers = RegistryView(Registry(self.redis, config.bus), config.registry_refresh_s)
         self.inflight = 0
         self.backlog = 0

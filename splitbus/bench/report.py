@@ -121,3 +121,55 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def serve_table(report: dict[str, Any]) -> str:
+    rows = [f"{'path':<9} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p99':>9}  (ms)"]
+    for r in report["runs"]:
+        rows.append(f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} {r['output_throughput']:>9,.0f} "
+                    f"{r['median_ttft_ms']:>9.2f} {r['p99_ttft_ms']:>9.2f} {r['median_tpot_ms']:>9.2f} {r['median_itl_ms']:>8.2f} {r['p99_itl_ms']:>8.2f} {r['p99_e2el_ms']:>9.1f}")
+    for o in report.get("overhead", []):
+        rows.append(f"added by the stack at {o['request_rate']} req/s: TTFT p50 {o['added_median_ttft_ms']:+.2f} ms, mean {o['added_mean_ttft_ms']:+.2f}, "
+                    f"p99 {o['added_p99_ttft_ms']:+.2f}; per token (TPOT) p50 {o['added_median_tpot_ms']:+.2f} ms, mean {o['added_mean_tpot_ms']:+.2f}, "
+                    f"p99 {o['added_p99_tpot_ms']:+.2f}; ITL p50 {o['added_median_itl_ms']:+.2f} ms, p99 {o['added_p99_itl_ms']:+.2f}")
+    return "\n".join(rows)
+
+
+def serve_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    colors = plt.get_cmap("viridis")
+    rates = sorted({str(r["request_rate"]) for r in report["runs"]}, key=lambda x: float(x))
+    for ax, (metric, title) in zip(axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency"))):
+        for run in report["runs"]:
+            values = run["cdf_ms"][metric]
+            if values:
+                color = colors(rates.index(str(run["request_rate"])) / max(1, len(rates) - 1) * 0.85)
+                style = "--" if run["path"] == "direct" else "-"
+                ax.plot(values, [i / (len(values) - 1) for i in range(len(values))], style, color=color, label=f"{run['path']} {run['request_rate']} req/s")
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_title(f"{title} CDF")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    ax = axes.flat[3]
+    for path_name, marker in (("splitbus", "o-"), ("direct", "s--"), ("http", "o-")):
+        runs = [r for r in report["runs"] if r["path"] == path_name]
+        if runs:
+            ax.plot([r["request_throughput"] for r in runs], [r["output_throughput"] for r in runs], marker, label=path_name)
+            for r in runs:
+                ax.annotate(f"{r['request_rate']}", (r["request_throughput"], r["output_throughput"]), fontsize=7)
+    ax.set_xlabel("completed requests/s")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs offered rate (labels)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"splitbus bench serve: {report['target']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -8,12 +8,6 @@ simulation (``stagger_sim``) for 8, 16 and 64 ranks, which runs the same schedul
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -21,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from splitbus.bench.stagger_sim import GroupSimulation, TraceRequest, poisson_trace
+from splitbus.bench.system import LocalSystem
 
 SIM_LOADS = {"low": 2.0, "moderate": 20.0, "high": 24.0}
 """Arrivals per second per rank for the simulation's cost model (the sim engine's defaults):
@@ -55,32 +50,12 @@ def _row(backend: str, ranks: int, load: str, mode: str, counters: Counters, p50
             "ttft_p50_s": round(p50, 4), "ttft_p99_s": round(p99, 4), "throughput_tok_s": round(tput, 1), "requests": requests}
 
 
-class _System:
-    """``splitbus up --engine sim --dp N`` in a temporary folder, stopped with SIGINT."""
+class _System(LocalSystem):
+    """``splitbus up --engine sim --dp N``, naive or staggered."""
 
     def __init__(self, ranks: int, staggered: bool) -> None:
-        from splitbus.redis_server import free_port
-
-        self.port = free_port()
-        self._data = tempfile.TemporaryDirectory(prefix="splitbus-stagger-")
-        args = ["up", "--engine", "sim", "--dp", str(ranks), "--port", str(self.port), "--data-dir", self._data.name]
-        if not staggered:
-            args += ["--scheduler-arg=--no-stagger", "--worker-arg=--dp-align-ms", "--worker-arg=0"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("SPLITBUS_REDIS_URL", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.redis_url = self._wait_up()
-
-    def _wait_up(self) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            match = re.search(r"splitbus is up: API \S+  Redis (\S+)", line)
-            if match:
-                import threading
-
-                threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-                return match.group(1)
-        raise RuntimeError("splitbus up did not start")
+        naive = ["--scheduler-arg=--no-stagger", "--worker-arg=--dp-align-ms", "--worker-arg=0"]
+        super().__init__("--engine", "sim", "--dp", str(ranks), *([] if staggered else naive))
 
     def counters(self) -> np.ndarray:
         """The ranks' cumulative step counters (``RANK_COUNTERS``) summed, as their heartbeats
@@ -93,14 +68,6 @@ class _System:
             total += [int(v or 0) for v in client.hmget(f"sb:worker:{{{worker}}}", *RANK_COUNTERS)]
         client.close()
         return total
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._data.cleanup()
 
 
 async def _replay(base_url: str, trace: list[TraceRequest]) -> tuple[list[float], int, float]:

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 import redis.asyncio as aioredis
 
 from splitbus.bus import codec, metrics
+from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.errors import DecodeError
@@ -178,6 +179,10 @@ class Subscription:
     async def get(self) -> Result:
         return await self._queue.get()
 
+    def get_nowait(self) -> Result | None:
+        """The next result if one is here already, else None."""
+        return None if self._queue.empty() else self._queue.get_nowait()
+
     async def __aiter__(self) -> AsyncIterator[Result]:
         while True:
             result = await self._queue.get()
@@ -198,6 +203,9 @@ class _Shard:
         self._wake_id = "0-0"
         self.subs: dict[str, Subscription] = {}
         self.blocked = False
+        self.xreads = 0
+        """XREAD calls issued; a subscription wakes each blocked one at most once."""
+        self.woken_xread = -1
         self.closing = False
         self._reads = 0
 
@@ -221,6 +229,7 @@ class _Shard:
     async def _read_once(self) -> None:
         streams = {self.wake_key: self._wake_id}
         streams.update((key, sub.last_id) for key, sub in self.subs.items())
+        self.xreads += 1
         self.blocked = True
         reply = await self._redis.xread(streams, count=self._config.reader_count, block=self._config.block_ms)
         self.blocked = False
@@ -256,6 +265,12 @@ class _Shard:
         await self._redis.aclose()
 
 
+def _log_wake_failure(reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled() and reply.exception() is not None:
+        # The shard's read times out after block_ms and picks the stream up then.
+        log.warning("result reader: wake-up failed (%s)", reply.exception())
+
+
 class ResultReader:
     """Follows the result streams of one API process over ``shards`` Redis connections of its
     own; wake-ups go through ``redis``, the caller's client."""
@@ -266,7 +281,7 @@ class ResultReader:
         self._config = config
         self._keys = config.keys
         self._shards = [_Shard(config, f"{name}.{i}") for i in range(shards)]
-        self._waker = redis
+        self._waker = Batcher(redis)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -284,7 +299,7 @@ class ResultReader:
         for shard in self._shards:
             shard.closing = True
             with contextlib.suppress(*TRANSIENT_ERRORS):
-                await self._wake(shard)
+                await asyncio.gather(*self._wake(shard))
         if self._tasks:
             _, stuck = await asyncio.wait(self._tasks, timeout=self._config.block_ms / 1000 + 1)
             for task in stuck:
@@ -300,15 +315,20 @@ class ResultReader:
         shard = self._shard_of(request_id)
         sub = Subscription(request_id, key, last_id=from_id)
         shard.subs[key] = sub
-        if shard.blocked:  # its XREAD in flight does not include this stream: end it now
-            await self._wake(shard)
+        if shard.blocked and shard.woken_xread != shard.xreads:
+            # Its XREAD in flight does not include this stream: end it. Not awaited: the
+            # caller's own XADD need not wait, and the reader reads the new stream from its
+            # start whenever it wakes.
+            shard.woken_xread = shard.xreads
+            for reply in self._wake(shard):
+                reply.add_done_callback(_log_wake_failure)
         return sub
 
-    async def _wake(self, shard: _Shard) -> None:
-        pipe = self._waker.pipeline(transaction=False)
-        pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=16, approximate=True)
-        pipe.expire(shard.wake_key, self._config.result_ttl_s)
-        await pipe.execute()
+    def _wake(self, shard: _Shard) -> list[asyncio.Future[Any]]:
+        return [
+            self._waker.call("xadd", shard.wake_key, {b"w": b"1"}, maxlen=16, approximate=True),
+            self._waker.call("expire", shard.wake_key, self._config.result_ttl_s),
+        ]
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._shard_of(sub.request_id).subs.pop(sub.key, None)

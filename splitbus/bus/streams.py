@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from splitbus.bus import codec, metrics
+from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.dead import DeadLetter
@@ -34,14 +35,20 @@ class Delivery:
 
 
 class Producer:
-    """Writes messages to streams: one XADD, or many in one pipeline."""
+    """Writes messages to streams: one XADD, or many in one pipeline. With ``batched``, the
+    XADDs of concurrent ``send`` calls share pipelines (see ``Batcher``)."""
 
-    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, batched: bool = False) -> None:
         self._redis = redis
         self._keys = config.keys
+        self._batcher = Batcher(redis) if batched else None
 
     async def send(self, stream: str, msg: Any, maxlen: int | None = None) -> str:
-        entry_id = await self._redis.xadd(stream, codec.encode(msg), maxlen=maxlen, approximate=True)
+        fields = codec.encode(msg)
+        if self._batcher is not None:
+            entry_id = await self._batcher.call("xadd", stream, fields, maxlen=maxlen, approximate=True)
+        else:
+            entry_id = await self._redis.xadd(stream, fields, maxlen=maxlen, approximate=True)
         metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()
         return _text(entry_id)
 

@@ -36,6 +36,19 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     stagger.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per trace")
     stagger.add_argument("--seed", type=int, default=1)
     stagger.set_defaults(run=run_stagger)
+    serve = kinds.add_parser("serve", help="Poisson arrivals against the HTTP API: TTFT, ITL, E2E latency, throughput (vLLM's field names)")
+    serve.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    serve.add_argument("--base-url", default=None, help="measure this deployment (default: start splitbus up --engine sim and compare it with the engine driven directly)")
+    serve.add_argument("--api-key", default="", help="Bearer key for --base-url")
+    serve.add_argument("--model", default="tiny", help="served model name (default %(default)s)")
+    serve.add_argument("--request-rate", type=float, nargs="+", default=[10.0, 25.0, 50.0], help="requests/s, one run each; inf: all at once")
+    serve.add_argument("--num-prompts", type=int, default=200, help="requests per run (default %(default)s)")
+    serve.add_argument("--max-concurrency", type=int, default=512, help="requests in flight at most (default %(default)s)")
+    serve.add_argument("--input-len", type=int, default=128, help="mean prompt tokens (default %(default)s)")
+    serve.add_argument("--output-len", type=int, default=64, help="mean output tokens (default %(default)s)")
+    serve.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1±ratio) (default %(default)s)")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(run=run_serve)
 
 
 @contextlib.contextmanager
@@ -102,3 +115,17 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
     run = _Run("stagger", args.out)
     result = run_stagger_bench(args.sim_ranks, args.process_ranks, args.duration, args.seed, progress=run.progress)
     return run.finish(result, report.stagger_plot, report.stagger_table)
+
+
+def run_serve(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.serve import ServeConfig, run_serve_bench
+
+    try:
+        config = ServeConfig(tuple(args.request_rate), args.num_prompts, args.max_concurrency, args.input_len, args.output_len,
+                             args.range_ratio, args.model, args.seed)
+    except ValueError as exc:
+        say(f"splitbus bench serve: {exc}")
+        return 2
+    run = _Run("serve", args.out)
+    return run.finish(run_serve_bench(config, args.base_url, args.api_key, progress=run.progress), report.serve_plot, report.serve_table)

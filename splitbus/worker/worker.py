@@ -68,6 +68,8 @@ class Worker:
         self.started_ms = 0
         self.wake = asyncio.Event()
         self.room = asyncio.Event()
+        self.to_publish = asyncio.Event()
+        self._publishing = asyncio.Lock()
         self.stopping = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -90,10 +92,13 @@ class Worker:
             await wait_until_reachable(self.redis, self.stopping.is_set)
 
     async def step(self) -> None:
+        # Results go out after each engine call, written by the publisher task while the
+        # engine goes on: a first token waits neither for the decode nor for Redis.
         await self.wait_for_work()
         await self.prefill_queued()
+        self.publish_soon()
         await self.decode_running()
-        await self.publish()
+        self.publish_soon()
 
     # ------------------------------------------------------------ life cycle
 
@@ -104,13 +109,15 @@ class Worker:
         await self.control.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.registry.register(self.record(), self.config.lease_ms)  # now with started_ms
-        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands):
+        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands, self.publisher):
             self.spawn(self._forever(loop))
         log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
 
     async def close(self) -> None:
         self.stopping.set()
         self.room.set()
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            await self.publish()  # what the last steps left
         await cancel_and_wait(self._background)
         self.stop_reporting_load()
         with contextlib.suppress(*TRANSIENT_ERRORS):
@@ -176,10 +183,10 @@ class Worker:
                 await self.room.wait()
                 continue
             deliveries = await self.tasks.read(room)
-            await self.release_reservations(deliveries)
             for delivery in deliveries:
                 await self.accept(delivery)
-            self.wake.set()
+            self.wake.set()  # the engine loop starts on them while the reservations go back
+            await self.release_reservations(deliveries)
 
     async def release_reservations(self, deliveries: list[Delivery]) -> None:
         """Give back what the scheduler reserved for these tasks: they are taken now."""
@@ -252,7 +259,7 @@ class Worker:
 
     async def wait_for_work(self) -> None:
         self.expire_waits()
-        if self.queued or self.running or self.done_entries or self.writer.pending or self.stale_reservations:
+        if self.queued or self.running:
             return
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wake.wait(), 0.5)
@@ -353,10 +360,27 @@ class Worker:
         if seq.task.phase == "decode":
             self.stale_reservations.append(self.keys.kv(seq.request_id))
         self.room.set()
+        self.publish_soon()
+
+    def publish_soon(self) -> None:
+        self.to_publish.set()
+
+    async def publisher(self) -> None:
+        """Writes what the engine loop and the hand-offs leave, one write at a time, so entries
+        keep their order."""
+        while not self.stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.to_publish.wait(), 0.5)
+            self.to_publish.clear()
+            await self.publish()
 
     async def publish(self) -> None:
-        """Write the step's results, then ack finished tasks and drop stale reservations; each
-        list is cleared only once written, so an outage loses nothing."""
+        """Write the results, then ack finished tasks and drop stale reservations; each list is
+        cleared only once written, so an outage loses nothing."""
+        async with self._publishing:
+            await self._publish()
+
+    async def _publish(self) -> None:
         if self.writer.pending:
             await self.writer.flush()
         if self.done_entries:

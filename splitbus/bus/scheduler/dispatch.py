@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from splitbus.bus import codec
+from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, Task
@@ -41,6 +43,7 @@ class Dispatcher:
     def __init__(self, redis: aioredis.Redis, config: BusConfig, dispatched_ttl_s: int) -> None:
         self._keys = config.keys
         self._script = redis.register_script(_DISPATCH)
+        self._batcher = Batcher(redis)
         self._ttl = dispatched_ttl_s
 
     async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement]) -> int:
@@ -66,4 +69,12 @@ class Dispatcher:
             task = Task(p.phase, request, p.peer, first_seq, list(tokens or []), p.batch_id, p.batch_ranks, reserved)
             fields = codec.encode(task)
             args += [*reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
-        return int(await self._script(keys=keys, args=args))
+        return int(await self._run(keys, args))
+
+    async def _run(self, keys: list[str], args: list[object]) -> object:
+        """The script, in the pipeline shared with concurrent dispatches; loaded again if Redis
+        lost it (a restart)."""
+        try:
+            return await self._batcher.call("evalsha", self._script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self._script(keys=keys, args=args)

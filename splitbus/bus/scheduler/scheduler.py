@@ -85,7 +85,21 @@ class Scheduler:
             self.waiting += arrivals
         else:
             await self.hold(arrivals)
-        self.waiting = [w for w in self.waiting if not await self.try_place(w)]
+        self.waiting = await self.place_all(self.waiting)
+
+    async def place_all(self, waiting: list[Waiting]) -> list[Waiting]:
+        """Decide each request in order (each decision sees the earlier ones' reservations),
+        then write all their tasks at once: the dispatch scripts share one pipeline. Returns
+        the requests still waiting for a worker."""
+        left, writes = [], []
+        for w in waiting:
+            placements = await self.decide(w)
+            if placements is None:
+                left.append(w)
+            elif placements:
+                writes.append(self.dispatch(w, w.delivery.message, placements))
+        await asyncio.gather(*writes)
+        return left
 
     async def hold(self, arrivals: list[Waiting]) -> None:
         """dp mode with staggering: arrivals wait in the window, then go out as one batch."""
@@ -116,9 +130,13 @@ class Scheduler:
         sizes = [Job(k, len(w.delivery.message.prompt_token_ids), blocks_needed(w.delivery.message, block_size)) for k, w in jobs.items()]
         placed = water_fill(sizes, loads)
         batch_id, batch_ranks = f"{self.config.name}.{next(self._batches)}", len(set(placed.values()))
+        writes = []
         for key, rank_id in placed.items():
             request = jobs[key].delivery.message
-            await self.dispatch(jobs[key], request, [dp_placement(ranks[rank_id], request, batch_id, batch_ranks)])
+            placement = dp_placement(ranks[rank_id], request, batch_id, batch_ranks)
+            self._reserve_locally(placement)
+            writes.append(self.dispatch(jobs[key], request, [placement]))
+        await asyncio.gather(*writes)
         return [w for k, w in jobs.items() if k not in placed]
 
     async def start(self) -> None:
@@ -178,29 +196,31 @@ class Scheduler:
         steps = [w.record.load.step_us for w in ranks if w.record.load.step_us]
         window.step_s = (sum(steps) / len(steps) / 1e6) if steps else None
 
-    async def try_place(self, waiting: Waiting) -> bool:
-        """Place one request; True when it is done with (dispatched, or failed to its client)."""
+    async def decide(self, waiting: Waiting) -> list[Placement] | None:
+        """The tasks to write for a request; [] when it is done with (failed to its client, or
+        dead-lettered), None while it waits for a worker with room."""
         request = waiting.delivery.message
         if not isinstance(request, GenerateRequest):
             await self.requests.dead_letter(waiting.delivery, "handler_failed")
-            return True
+            return []
         if request.deadline_ms and time.time() * 1000 > request.deadline_ms:
-            return await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
+            await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
+            return []
         placement = self.policy.place(request, self.view.workers, self.local)
         if isinstance(placement, str):
             if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
-                return await self.fail(waiting, "no_worker", placement, 503)
-            return False
-        await self.dispatch(waiting, request, placement)
-        return True
+                await self.fail(waiting, "no_worker", placement, 503)
+                return []
+            return None
+        for p in placement:  # the next decisions must see this load before it is written
+            self._reserve_locally(p)
+        return placement
 
     async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: list[Placement]) -> None:
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements)
         metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
         if outcome == DISPATCHED and waiting.delivery.published_us is not None:
             metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
-            for p in placements:
-                self._reserve_locally(p)
 
     def _reserve_locally(self, placement: Placement) -> None:
         worker_id = placement.worker.record.worker_id

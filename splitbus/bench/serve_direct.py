@@ -1,0 +1,119 @@
+"""The sim engine driven in-process the way a worker drives it (continuous batching: take what
+there is room for, prefill what is queued, decode what runs, detokenize every token), with no
+HTTP, bus or scheduler: the baseline ``splitbus bench serve`` compares the whole stack with."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from splitbus.bench.serve import RequestResult, ServeConfig, TraceItem, cdf_samples, make_trace, replay, summarize
+from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import SimConfig, WorkerConfig
+from splitbus.worker.sequence import Sequence
+from splitbus.worker.sim import SimEngine
+from splitbus.worker.text import TextStream
+
+DEFAULTS = WorkerConfig.__dataclass_fields__
+
+
+class _Pending:
+    def __init__(self, seq: Sequence, result: RequestResult) -> None:
+        self.seq, self.result = seq, result
+        self.sent = self.last = time.perf_counter()
+        self.done = asyncio.get_running_loop().create_future()
+
+
+class DirectLoop:
+    """One worker's engine loop without the bus; capacities are the worker's defaults."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.max_requests: int = DEFAULTS["max_requests"].default
+        self.max_prefill_tokens: int = DEFAULTS["max_prefill_tokens"].default
+        self.engine = SimEngine(SimConfig(), tokenizer, DEFAULTS["total_kv_blocks"].default, DEFAULTS["block_size"].default)
+        self.waiting: deque[_Pending] = deque()  # not admitted: no room yet
+        self.queued: deque[_Pending] = deque()
+        self.running: list[_Pending] = []
+        self.wake = asyncio.Event()
+
+    async def send(self, item: TraceItem) -> RequestResult:
+        request = GenerateRequest(uuid.uuid4().hex, "tiny", item.prompt_token_ids, SamplingParams(max_tokens=item.max_tokens, ignore_eos=True), "direct", 0)
+        pending = _Pending(Sequence(Task("mixed", request), "", TextStream(self.tokenizer, [])), RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)))
+        self.waiting.append(pending)
+        self.wake.set()
+        return await pending.done
+
+    async def run(self) -> None:
+        while True:
+            await self.wait_for_work()
+            await self.prefill_queued()
+            await self.decode_running()
+
+    async def wait_for_work(self) -> None:
+        while self.waiting and len(self.queued) + len(self.running) < self.max_requests:
+            pending = self.waiting.popleft()
+            self.engine.reserve(pending.seq, pending.seq.prompt_len + pending.seq.request.sampling.max_tokens)
+            self.queued.append(pending)
+        if not self.queued and not self.running:
+            self.wake.clear()
+            await self.wake.wait()
+
+    async def prefill_queued(self) -> None:
+        batch: list[_Pending] = []
+        tokens = 0
+        while self.queued and (not batch or tokens + self.queued[0].seq.prompt_len <= self.max_prefill_tokens):
+            batch.append(self.queued.popleft())
+            tokens += batch[-1].seq.prompt_len
+        if batch:
+            for pending, token in zip(batch, await self.engine.prefill([p.seq for p in batch])):
+                self.emit(pending, token)
+            self.running += [p for p in batch if not p.done.done()]
+
+    async def decode_running(self) -> None:
+        if self.running:
+            for pending, token in zip(list(self.running), await self.engine.decode([p.seq for p in self.running])):
+                self.emit(pending, token)
+            self.running = [p for p in self.running if not p.done.done()]
+
+    def emit(self, pending: _Pending, token: int) -> None:
+        pending.seq.add_token(token, self.engine.eos_token_ids)
+        now, result = time.perf_counter(), pending.result
+        if result.output_tokens == 0:
+            result.ttft_s = now - pending.sent
+        else:
+            result.itl_s.append(now - pending.last)
+        pending.last = now
+        result.output_tokens += 1
+        if pending.seq.finish_reason:
+            result.e2el_s, result.ok = now - pending.sent, True
+            self.engine.release(pending.seq)
+            pending.done.set_result(result)
+
+
+def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    async def main() -> tuple[list[RequestResult], float]:
+        loop = DirectLoop(ModelTokenizer.load(model_dir, "tiny"))
+        engine = asyncio.create_task(loop.run())
+        try:
+            return await replay(loop.send, make_trace(config, rate), config.max_concurrency)
+        finally:
+            engine.cancel()
+
+    results, duration = run_like_a_worker(main())
+    return summarize(results, duration), cdf_samples(results)
+
+
+def run_like_a_worker(coro: Any) -> Any:
+    """On the event loop a worker runs on (uvloop where installed): its timers decide how long
+    the sim engine's sleeps last."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -1,0 +1,54 @@
+"""``splitbus up`` started by a benchmark, in a temporary folder, stopped with SIGINT."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+
+class LocalSystem:
+    def __init__(self, *up_args: str) -> None:
+        from splitbus.redis_server import free_port
+
+        self.port = free_port()
+        self._data = tempfile.TemporaryDirectory(prefix="splitbus-bench-")
+        self.data_dir = Path(self._data.name)
+        args = ["up", "--port", str(self.port), "--data-dir", self._data.name, *up_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("SPLITBUS_REDIS_URL", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.output: list[str] = []
+        self.redis_url = self._wait_up()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _wait_up(self) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            match = re.search(r"splitbus is up: API \S+  Redis (\S+)", line)
+            if match:
+                threading.Thread(target=self._drain, daemon=True).start()
+                return match.group(1)
+        raise RuntimeError("splitbus up did not start:\n" + "".join(self.output[-30:]))
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._data.cleanup()
