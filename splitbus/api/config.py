@@ -24,8 +24,9 @@ class ApiConfig:
     requests get 429: the schedulers are behind."""
     request_timeout_s: float = 600.0
     """Deadline of a request; past it the client gets an error and workers free its state."""
-    redis_connections: int = 8
-    """Connections of the shared pool (XADD, cancellations, registry, wake-ups)."""
+    redis_connections: int = 7
+    """Connections of the shared pool (XADD, cancellations, registry, wake-ups); with the
+    reader's one, 8 in all by default, however many streams are open."""
     reader_shards: int = 1
     """Connections that follow result streams; each multiplexes any number of streams."""
     registry_refresh_s: float = 0.5

@@ -99,7 +99,6 @@ class Generation:
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = protocol.now_s()
         self.arrival = time.monotonic()
-        self.deadline = self.arrival + state.config.request_timeout_s
         self.sub: Subscription | None = None
         self._last_token_at: float | None = None
         self._closed = False
@@ -117,6 +116,7 @@ class Generation:
         """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is
         missed however fast the workers answer."""
         self.sub = await self.state.reader.subscribe(self.request_id)
+        self.sub.expire_at(asyncio.get_running_loop().time() + self.state.config.request_timeout_s + DEADLINE_GRACE_S)
         try:
             await self.state.producer.send(self.state.config.bus.keys.requests, self.message())
         except TRANSIENT_ERRORS as exc:
@@ -128,10 +128,9 @@ class Generation:
         ready = self._ready()  # under load the next one is often here: no wait_for task then
         if ready is not None:
             return ready
-        remaining = self.deadline + DEADLINE_GRACE_S - time.monotonic()
         try:
-            result = await asyncio.wait_for(self.sub.get(), max(remaining, 0.001))
-        except asyncio.TimeoutError:
+            result = await self.sub.get()
+        except TimeoutError:
             raise GatewayTimeout(f"the request did not finish within {self.state.config.request_timeout_s:.0f}s") from None
         self._observe(result)
         return result

@@ -173,3 +173,72 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def scheduler_table(report: dict[str, Any]) -> str:
+    rows = [f"{'replicas':>8} {'workers':>7} {'paced req/s':>11} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'max ms':>7} {'flood decisions/s':>18}"]
+    for r in report["results"]:
+        p, f = r["paced"], r["flood"]
+        rows.append(f"{r['replicas']:>8} {r['workers']:>7} {p['achieved_rate']:>11.0f} {p['p50_ms']:>7.2f} {p['p90_ms']:>7.2f} {p['p99_ms']:>7.2f} {p['max_ms']:>7.1f} {f['decisions_per_s']:>18,.0f}")
+    return "\n".join(rows)
+
+
+def scheduler_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in report["results"]:
+        values = r["paced"]["cdf_ms"]
+        cdf.plot(values, [i / (len(values) - 1) for i in range(len(values))], label=f"{r['replicas']} replica(s): p99 {r['paced']['p99_ms']:.2f} ms")
+    cdf.axvline(3.0, color="grey", linestyle=":", label="target p99 3 ms")
+    cdf.set_xscale("log")
+    cdf.set_xlabel("ms from the request's XADD to its task in a worker's stream")
+    cdf.set_title(f"latency at {report['config']['rate']:g} requests/s, {report['config']['workers']} workers")
+    cdf.legend(fontsize=8)
+    cdf.grid(alpha=0.3)
+    labels = [f"{r['replicas']} replica(s)" for r in report["results"]]
+    values = [r["flood"]["decisions_per_s"] for r in report["results"]]
+    drawn = bars.bar(labels, values, color="#2980b9")
+    bars.bar_label(drawn, fmt="{:,.0f}")
+    bars.axhline(5000, color="grey", linestyle=":", label="target 5,000/s (one process)")
+    bars.set_title(f"decisions/s, {report['config']['flood_requests']:,} requests at once")
+    bars.legend(fontsize=8)
+    fig.suptitle("splitbus bench scheduler", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def api_table(report: dict[str, Any]) -> str:
+    r = report
+    return (f"{r['streams']} concurrent streams through one API process: {r['completed']} completed, "
+            f"{r['tokens']:,} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']:,.0f} tokens/s delivered "
+            f"(offered {r['offered_tokens_per_s']:,.0f}); Redis connections held by the API: {r['api_redis_connections_peak']} at peak"
+            + (f"\nerrors: {r['errors']}" if r["errors"] else ""))
+
+
+def api_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tput, conns) = plt.subplots(1, 2, figsize=(10, 4))
+    bars = tput.bar(["offered", "delivered"], [report["offered_tokens_per_s"], report["tokens_per_s"]], color=["#95a5a6", "#27ae60"])
+    tput.bar_label(bars, fmt="{:,.0f}")
+    tput.axhline(20000, color="grey", linestyle=":", label="target 20,000")
+    tput.set_title("tokens/s")
+    tput.legend(fontsize=8)
+    bars = conns.bar(["API Redis connections (peak)"], [report["api_redis_connections_peak"]], color="#2980b9")
+    conns.bar_label(bars)
+    conns.axhline(8, color="grey", linestyle=":", label="target ≤ 8")
+    conns.legend(fontsize=8)
+    fig.suptitle(f"splitbus bench api: {report['streams']} concurrent streams, one API process", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 class LocalSystem:
     def __init__(self, *up_args: str) -> None:
-        from splitbus.redis_server import free_port
+        from splitbus.redis_server import die_with_parent, free_port
 
         self.port = free_port()
         self._data = tempfile.TemporaryDirectory(prefix="splitbus-bench-")
@@ -22,7 +22,8 @@ class LocalSystem:
         args = ["up", "--port", str(self.port), "--data-dir", self._data.name, *up_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SPLITBUS_REDIS_URL", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     preexec_fn=die_with_parent)  # no orphaned system if the benchmark is killed
         self.output: list[str] = []
         self.redis_url = self._wait_up()
 

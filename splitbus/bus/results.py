@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -154,7 +155,12 @@ class Subscription:
     next_seq: int = 0
     done: bool = False
     _held: dict[int, Result] = field(default_factory=dict)
-    _queue: asyncio.Queue[Result] = field(default_factory=asyncio.Queue)
+    # A deque and one waiter instead of an asyncio.Queue, and one timer per request instead of
+    # asyncio.wait_for per token (a task and a timer each time): this runs for every token.
+    _ready: deque[Result] = field(default_factory=deque)
+    _waiter: asyncio.Future[None] | None = None
+    _timer: asyncio.TimerHandle | None = None
+    expired: bool = False
 
     def accept(self, result: Result) -> None:
         """Deliver in order; hold early entries, drop duplicates. An error ends at once."""
@@ -172,23 +178,52 @@ class Subscription:
                 self._deliver(self._held.pop(self.next_seq))
 
     def _deliver(self, result: Result) -> None:
-        self._queue.put_nowait(result)
+        self._ready.append(result)
         self.next_seq = result.seq + 1
         self.done = result.terminal
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def expire_at(self, when: float) -> None:
+        """From event-loop time ``when`` on, ``get`` raises TimeoutError instead of waiting.
+        One timer per request, not one per token."""
+        self._timer = asyncio.get_running_loop().call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
     async def get(self) -> Result:
-        return await self._queue.get()
+        """The next result (TimeoutError once expired)."""
+        while not self._ready:
+            if self.expired:
+                raise TimeoutError(f"no result for {self.request_id} in time")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._ready.popleft()
 
     def get_nowait(self) -> Result | None:
         """The next result if one is here already, else None."""
-        return None if self._queue.empty() else self._queue.get_nowait()
+        return self._ready.popleft() if self._ready else None
 
     async def __aiter__(self) -> AsyncIterator[Result]:
         while True:
-            result = await self._queue.get()
+            result = await self.get()
             yield result
             if result.terminal:
                 return
+
+
+def _as_sent(response: Any, **options: Any) -> Any:
+    return response
 
 
 class _Shard:
@@ -199,6 +234,9 @@ class _Shard:
         # One connection: a shard runs one XREAD at a time. (Not redis-py's single_connection_client,
         # whose lock can hang aclose() after a cancelled read.)
         self._redis = connect(config, max_connections=1, name=name)
+        # XREAD replies as Redis sends them: redis-py's conversion to dicts costs more per
+        # token than decoding the entry does.
+        self._redis.set_response_callback("XREAD", _as_sent)
         self.wake_key = config.keys.wake(name)
         self._wake_id = "0-0"
         self.subs: dict[str, Subscription] = {}
@@ -236,7 +274,7 @@ class _Shard:
         for key, entries in reply or ():
             self._dispatch(key.decode(), entries)
 
-    def _dispatch(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _dispatch(self, key: str, entries: list[tuple[bytes, list[bytes]]]) -> None:
         if key == self.wake_key:
             self._wake_id = entries[-1][0].decode()
             return
@@ -244,13 +282,14 @@ class _Shard:
         if sub is None:  # unsubscribed while the read was in flight
             return
         sub.last_id = entries[-1][0].decode()
-        metrics.ENTRIES_CONSUMED.labels("out").inc(len(entries))
+        _OUT_CONSUMED.inc(len(entries))
         for entry_id, fields in entries:
             self._accept(sub, entry_id, fields)
         if sub.done:
             self.subs.pop(key, None)
 
-    def _accept(self, sub: Subscription, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    def _accept(self, sub: Subscription, entry_id: bytes, flat: list[bytes]) -> None:
+        fields = dict(zip(flat[::2], flat[1::2]))
         self._reads += 1
         if self._reads % LATENCY_SAMPLE_EVERY == 0:
             published = codec.published_us(fields)
@@ -269,6 +308,9 @@ def _log_wake_failure(reply: asyncio.Future[Any]) -> None:
     if not reply.cancelled() and reply.exception() is not None:
         # The shard's read times out after block_ms and picks the stream up then.
         log.warning("result reader: wake-up failed (%s)", reply.exception())
+
+
+_OUT_CONSUMED = metrics.ENTRIES_CONSUMED.labels("out")  # per read: look the child up once
 
 
 class ResultReader:
@@ -331,6 +373,7 @@ class ResultReader:
         ]
 
     def unsubscribe(self, sub: Subscription) -> None:
+        sub.stop_timer()
         self._shard_of(sub.request_id).subs.pop(sub.key, None)
 
     @property

@@ -49,6 +49,23 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     serve.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1±ratio) (default %(default)s)")
     serve.add_argument("--seed", type=int, default=0)
     serve.set_defaults(run=run_serve)
+    sched = kinds.add_parser("scheduler", help="scheduler processes placing on many registered sim workers: latency and decisions/s")
+    sched.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    sched.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
+    sched.add_argument("--workers", type=int, default=64, help="registered workers, half prefill, half decode (default %(default)s)")
+    sched.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="scheduler processes, one run each (default 1 2)")
+    sched.add_argument("--rate", type=float, default=500.0, help="paced arrivals, requests/s (default %(default)s)")
+    sched.add_argument("--paced-requests", type=int, default=5000)
+    sched.add_argument("--flood-requests", type=int, default=20000)
+    sched.set_defaults(run=run_scheduler)
+    api = kinds.add_parser("api", help="many concurrent streams through one API process: Redis connections and tokens/s")
+    api.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    api.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
+    api.add_argument("--streams", type=int, default=1000, help="concurrent streaming requests (default %(default)s)")
+    api.add_argument("--tokens", type=int, default=256, help="tokens per stream (default %(default)s)")
+    api.add_argument("--step-ms", type=float, default=20.0, help="a token per stream every this many ms (default %(default)s)")
+    api.add_argument("--client-processes", type=int, default=2, help="processes holding the streams (default %(default)s)")
+    api.set_defaults(run=run_api)
 
 
 @contextlib.contextmanager
@@ -129,3 +146,33 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
         return 2
     run = _Run("serve", args.out)
     return run.finish(run_serve_bench(config, args.base_url, args.api_key, progress=run.progress), report.serve_plot, report.serve_table)
+
+
+def run_scheduler(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.scheduler import SchedulerBenchConfig, run_scheduler_bench
+
+    try:
+        config = SchedulerBenchConfig(args.workers, tuple(args.replicas), args.rate, args.paced_requests, args.flood_requests)
+    except ValueError as exc:
+        say(f"splitbus bench scheduler: {exc}")
+        return 2
+    run = _Run("scheduler", args.out)
+    with _redis(args.redis_url) as url:
+        result = run_scheduler_bench(url, config, progress=run.progress)
+    return run.finish(result, report.scheduler_plot, report.scheduler_table)
+
+
+def run_api(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.api_load import ApiBenchConfig, run_api_bench
+
+    try:
+        config = ApiBenchConfig(args.streams, args.tokens, args.step_ms, args.client_processes)
+    except ValueError as exc:
+        say(f"splitbus bench api: {exc}")
+        return 2
+    run = _Run("api", args.out)
+    with _redis(args.redis_url) as url:
+        result = run_api_bench(url, config, progress=run.progress)
+    return run.finish(result, report.api_plot, report.api_table)

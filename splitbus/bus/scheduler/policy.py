@@ -54,9 +54,10 @@ def choose(candidates: Sequence[C], cost: Callable[[C], float], rng: random.Rand
     """A random candidate among those within NEAR of the lowest cost."""
     if not candidates:
         return None
-    best = min(cost(w) for w in candidates)
-    near = [w for w in candidates if cost(w) <= best + abs(best) * NEAR]
-    return rng.choice(near)
+    costs = [cost(w) for w in candidates]
+    best = min(costs)
+    bound = best + abs(best) * NEAR
+    return rng.choice([w for w, c in zip(candidates, costs) if c <= bound])
 
 
 def eligible(workers: Sequence[WorkerInfo], model: str, role: str) -> list[WorkerInfo]:
@@ -67,6 +68,17 @@ class Policy:
     def __init__(self, mode: str, rng: random.Random | None = None) -> None:
         self.mode = mode
         self.rng = rng or random.Random()
+        self._snapshot: Sequence[WorkerInfo] | None = None
+        self._eligible: dict[tuple[str, str], list[WorkerInfo]] = {}
+
+    def eligible(self, workers: Sequence[WorkerInfo], model: str, role: str) -> list[WorkerInfo]:
+        """``eligible``, kept per snapshot: a snapshot serves hundreds of decisions."""
+        if workers is not self._snapshot:
+            self._snapshot, self._eligible = workers, {}
+        key = (model, role)
+        if key not in self._eligible:
+            self._eligible[key] = eligible(workers, model, role)
+        return self._eligible[key]
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
         """The tasks for one request, or the reason no placement exists now."""
@@ -85,8 +97,8 @@ class Policy:
         return [dp_placement(rank, request)]
 
     def _splitwise(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
-        decode = self._decode_worker(request, eligible(workers, request.model, "decode"), local)
-        prefill = choose(eligible(workers, request.model, "prefill"), lambda w: queued_prefill(w, _get(local, w)), self.rng)
+        decode = self._decode_worker(request, self.eligible(workers, request.model, "decode"), local)
+        prefill = choose(self.eligible(workers, request.model, "prefill"), lambda w: queued_prefill(w, _get(local, w)), self.rng)
         if prefill is None or decode is None:
             missing = "prefill" if prefill is None else "decode"
             return f"no live {missing} worker with room serves model '{request.model}'"
@@ -98,7 +110,7 @@ class Policy:
         ]
 
     def _mixed(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
-        worker = self._decode_worker(request, eligible(workers, request.model, "mixed"), local)
+        worker = self._decode_worker(request, self.eligible(workers, request.model, "mixed"), local)
         if worker is None:
             return f"no live mixed worker with room serves model '{request.model}'"
         blocks = blocks_needed(request, worker.record.block_size)
@@ -106,12 +118,14 @@ class Policy:
         return [Placement(worker, "mixed", "", reserve)]
 
     def _decode_worker(self, request: GenerateRequest, candidates: list[WorkerInfo], local: dict[str, Reserved]) -> WorkerInfo | None:
-        roomy = [w for w in candidates if free_blocks(w, _get(local, w)) >= blocks_needed(request, w.record.block_size)]
-        most_free = choose(roomy, lambda w: -free_blocks(w, _get(local, w)), self.rng)
+        free = {id(w): free_blocks(w, _get(local, w)) for w in candidates}
+        needs = {size: blocks_needed(request, size) for size in {w.record.block_size for w in candidates}}
+        roomy = [w for w in candidates if free[id(w)] >= needs[w.record.block_size]]
+        most_free = choose(roomy, lambda w: -free[id(w)], self.rng)
         if most_free is None:
             return None
-        floor = free_blocks(most_free, _get(local, most_free))
-        tied = [w for w in roomy if free_blocks(w, _get(local, w)) >= floor - abs(floor) * NEAR]
+        floor = free[id(most_free)]
+        tied = [w for w in roomy if free[id(w)] >= floor - abs(floor) * NEAR]
         return choose(tied, lambda w: active_requests(w, _get(local, w)), self.rng)
 
 

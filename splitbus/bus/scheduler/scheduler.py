@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -224,9 +223,9 @@ class Scheduler:
 
     def _reserve_locally(self, placement: Placement) -> None:
         worker_id = placement.worker.record.worker_id
-        mine = self.local.get(worker_id, Reserved())
-        added = [a + b for a, b in zip(dataclasses.astuple(mine), dataclasses.astuple(placement.reserve))]
-        self.local[worker_id] = Reserved(*added)
+        mine, add = self.local.get(worker_id, Reserved()), placement.reserve
+        self.local[worker_id] = Reserved(mine.reserved_prefill_tokens + add.reserved_prefill_tokens,
+                                         mine.reserved_requests + add.reserved_requests, mine.reserved_kv_blocks + add.reserved_kv_blocks)
 
     async def fail(self, waiting: Waiting, code: str, message: str, status: int) -> bool:
         request = waiting.delivery.message

@@ -1,0 +1,205 @@
+"""``splitbus bench api``: many concurrent streaming requests through one API process.
+
+One ``splitbus api`` process; a responder process stands in for scheduler and workers (it takes
+requests from ``sb:requests`` and writes one token per request every ``step_ms`` through the
+``ResultWriter``, as a worker does); client processes hold the streams open over HTTP. Measured:
+the Redis connections the API process holds (``CLIENT LIST``, by client name, sampled during
+the run) and the tokens per second the clients receive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+USAGE = re.compile(rb'"completion_tokens":(\d+)')
+
+
+@dataclass(frozen=True)
+class ApiBenchConfig:
+    streams: int = 1000
+    tokens: int = 256
+    """Tokens per stream."""
+    step_ms: float = 20.0
+    """The responder's step: every stream gets a token per step."""
+    client_processes: int = 2
+
+    def __post_init__(self) -> None:
+        if min(self.streams, self.tokens, self.client_processes) < 1 or self.step_ms <= 0:
+            raise ValueError("streams, tokens, client_processes and step_ms must be positive")
+
+
+def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
+    """The responder process: registers a worker for model ``tiny`` and answers every request."""
+    from splitbus.bus.config import BusConfig
+    from splitbus.bus.connection import connect
+    from splitbus.bus.keys import SCHEDULER_GROUP
+    from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+    from splitbus.bus.results import ResultWriter
+    from splitbus.bus.streams import GroupConsumer
+
+    async def main() -> None:
+        bus = BusConfig(redis_url=url, prefix=prefix, block_ms=50)
+        redis = connect(bus, max_connections=4, name="bench-responder")
+        registry, writer = Registry(redis, bus), ResultWriter(redis, bus)
+        record = WorkerRecord("bench-responder", "mixed", "tiny", "sim", load=WorkerLoad(free_kv_blocks=10**9, total_kv_blocks=10**9))
+        requests = GroupConsumer(redis, bus, bus.keys.requests, SCHEDULER_GROUP, "bench-responder")
+        await requests.ensure_group()
+        remaining: dict[str, list[int]] = {}  # request id -> [tokens left, tokens in all]
+        next_beat = 0.0
+        while not stop.is_set():
+            step_started = time.monotonic()
+            if step_started > next_beat:
+                await registry.register(record, 3000)
+                next_beat = step_started + 0.5
+            deliveries = await requests.read(10_000, block_ms=1)
+            for d in deliveries:
+                writer.open(d.message.request_id)
+                remaining[d.message.request_id] = [d.message.sampling.max_tokens] * 2
+            await requests.ack(*[d.entry_id for d in deliveries])
+            for request_id in list(remaining):
+                _one_token(writer, remaining, request_id)
+            await writer.flush()
+            await asyncio.sleep(max(0.0, config.step_ms / 1000 - (time.monotonic() - step_started)))
+        await redis.aclose()
+
+    asyncio.run(main())
+
+
+def _one_token(writer: Any, remaining: dict[str, list[int]], request_id: str) -> None:
+    writer.tokens(request_id, [97], "a")
+    left = remaining[request_id]
+    left[0] -= 1
+    if left[0] == 0:
+        del remaining[request_id]
+        writer.finish(request_id, "length", 1, left[1])
+
+
+def _client(base_url: str, streams: int, tokens: int, results: Any) -> None:
+    """A client process: ``streams`` concurrent streamed completions; reports what it got.
+
+    It speaks just enough HTTP/1.1 over asyncio streams to send the request and count what
+    comes back (like wrk, it does not parse each event): an HTTP library's per-chunk work would
+    take the CPU that the API process under test needs on a small machine."""
+    host, port = base_url.removeprefix("http://").split(":")
+    body = orjson.dumps({"model": "tiny", "prompt": [97], "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}})
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+
+    async def one() -> tuple[int, str]:
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head + body)
+            first, tail = b"", b""
+            while chunk := await reader.read(65536):
+                first = first or chunk[:12]
+                tail = (tail + chunk)[-300:]
+            writer.close()
+        except OSError as exc:
+            return 0, f"{type(exc).__name__}: {exc}"
+        if not first.startswith(b"HTTP/1.1 200"):
+            return 0, first.decode(errors="replace")
+        match = USAGE.search(tail)
+        return (int(match.group(1)), "") if match else (0, "no usage chunk")
+
+    async def main() -> None:
+        started = time.time()
+        done = await asyncio.gather(*(one() for _ in range(streams)))
+        results.put({"started": started, "ended": time.time(), "tokens": sum(t for t, _ in done),
+                     "completed": sum(1 for t, _ in done if t == tokens), "errors": sorted({e for _, e in done if e})[:3]})
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+def _api_connections(url: str, node: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return sum(1 for c in client.client_list() if c.get("name", "").startswith(node))
+    finally:
+        client.close()
+
+
+def _start_api(url: str, prefix: str, model_dir: Path, port: int, node: str, streams: int) -> subprocess.Popen[bytes]:
+    from splitbus.redis_server import die_with_parent
+
+    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "splitbus.cli.main", "api", "--model", str(model_dir), "--redis-url", url, "--port", str(port),
+           "--node-id", node, "--max-inflight", str(streams * 2)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+
+def _wait_ready(base_url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"{base_url}/ready", timeout=2).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("the API did not become ready")
+
+
+def run_api_bench(url: str, config: ApiBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    from splitbus.cli.up import default_model
+    from splitbus.redis_server import free_port
+
+    prefix, node, port = f"ba{uuid.uuid4().hex[:6]}", f"bench-api-{uuid.uuid4().hex[:6]}", free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="splitbus-bench-api-") as data:
+        api = _start_api(url, prefix, default_model(Path(data), "sim"), port, node, config.streams)
+        stop, results = mp.Event(), mp.Queue()
+        responder = mp.Process(target=_respond, args=(url, prefix, config, stop), daemon=True)
+        responder.start()
+        try:
+            _wait_ready(base_url)
+            progress(f"{config.streams} streams of {config.tokens} tokens through one API process ({config.client_processes} client processes)")
+            per_client = [config.streams // config.client_processes + (i < config.streams % config.client_processes) for i in range(config.client_processes)]
+            clients = [mp.Process(target=_client, args=(base_url, n, config.tokens, results), daemon=True) for n in per_client]
+            for c in clients:
+                c.start()
+            peak = _sample_connections(url, node, clients)
+            reports = [results.get(timeout=60) for _ in clients]
+        finally:
+            stop.set()
+            api.terminate()
+            api.wait(30)
+            responder.join(10)
+    return _summary(config, reports, peak)
+
+
+def _sample_connections(url: str, node: str, clients: list[Any]) -> int:
+    peak = 0
+    while any(c.is_alive() for c in clients):
+        peak = max(peak, _api_connections(url, node))
+        time.sleep(0.25)
+    return peak
+
+
+def _summary(config: ApiBenchConfig, reports: list[dict[str, Any]], peak: int) -> dict[str, Any]:
+    started, ended = min(r["started"] for r in reports), max(r["ended"] for r in reports)
+    tokens = sum(r["tokens"] for r in reports)
+    return {"config": asdict(config), "streams": config.streams, "completed": sum(r["completed"] for r in reports),
+            "tokens": tokens, "seconds": ended - started, "tokens_per_s": tokens / (ended - started),
+            "offered_tokens_per_s": config.streams * 1000 / config.step_ms, "api_redis_connections_peak": peak,
+            "errors": sorted({e for r in reports for e in r["errors"]})}
