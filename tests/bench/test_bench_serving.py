@@ -1,0 +1,85 @@
+"""`splitbus bench serve|scheduler|api` run end to end on small settings and write the documented
+JSON (vLLM's field names for serve) and a PNG. They check the output's shape and what every
+request got, never timings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitbus.bench.serve import RequestResult, ServeConfig, make_trace, summarize
+
+VLLM_FIELDS = ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+               "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "bench", *args, "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = args[0]
+    assert (out / f"bench_{name}.png").read_bytes()[:8] == PNG
+    return json.loads((out / f"bench_{name}.json").read_text())
+
+
+def test_serve_compares_the_stack_with_the_engine_driven_directly(tmp_path: Path) -> None:
+    report = _bench(tmp_path, "serve", "--num-prompts", "12", "--request-rate", "20", "inf", "--input-len", "32", "--output-len", "8")
+    assert [(r["path"], r["request_rate"]) for r in report["runs"]] == [("direct", 20.0), ("splitbus", 20.0), ("direct", "inf"), ("splitbus", "inf")]
+    for run in report["runs"]:
+        assert run["completed"] == 12 and run["failed"] == 0, run.get("errors")
+        assert all(field in run for field in VLLM_FIELDS)
+        assert 0 < run["median_ttft_ms"] <= run["p99_ttft_ms"] <= run["p99_e2el_ms"]
+    assert [o["request_rate"] for o in report["overhead"]] == [20.0, "inf"]
+
+
+def test_serve_measures_a_running_deployment(tmp_path: Path) -> None:
+    from tests.e2e.conftest import start_system, stop_system
+
+    system = start_system(tmp_path / "up")
+    try:
+        report = _bench(tmp_path, "serve", "--base-url", system.base_url, "--num-prompts", "6", "--request-rate", "inf", "--output-len", "5")
+    finally:
+        assert stop_system(system) == []
+    (run,) = report["runs"]
+    assert run["path"] == "http" and run["completed"] == 6 and "overhead" not in report
+
+
+def test_scheduler_bench_places_every_request(tmp_path: Path, redis_server: Any) -> None:
+    report = _bench(tmp_path, "scheduler", "--redis-url", redis_server.url, "--workers", "8", "--replicas", "1", "2",
+                    "--rate", "100", "--paced-requests", "60", "--flood-requests", "300")
+    assert [r["replicas"] for r in report["results"]] == [1, 2]
+    for r in report["results"]:
+        assert r["paced"]["placed"] == 60 and r["flood"]["placed"] == 300
+        assert 0 < r["paced"]["p50_ms"] <= r["paced"]["p99_ms"] and r["flood"]["decisions_per_s"] > 0
+
+
+def test_api_bench_counts_tokens_and_connections(tmp_path: Path, redis_server: Any) -> None:
+    report = _bench(tmp_path, "api", "--redis-url", redis_server.url, "--streams", "40", "--tokens", "12", "--client-processes", "2")
+    assert report["completed"] == 40 and report["tokens"] == 40 * 12 and not report["errors"]
+    assert 1 <= report["api_redis_connections_peak"] <= 8
+
+
+def test_the_trace_is_seeded_and_lengths_stay_in_range() -> None:
+    config = ServeConfig(num_prompts=50, input_len=100, output_len=20, len_range=0.5, seed=7)
+    trace = make_trace(config, 10.0)
+    assert trace == make_trace(config, 10.0)
+    assert all(50 <= len(t.prompt_token_ids) <= 150 and 10 <= t.max_tokens <= 30 for t in trace)
+    assert trace[0].arrival_s == 0.0 and all(a.arrival_s <= b.arrival_s for a, b in zip(trace, trace[1:]))
+    assert all(t.arrival_s == 0.0 for t in make_trace(config, float("inf")))
+
+
+def test_summary_uses_vllm_names_and_counts_failures() -> None:
+    ok = RequestResult(True, prompt_tokens=10, output_tokens=3, ttft_s=0.010, itl_s=[0.002, 0.004], e2el_s=0.016)
+    failed = RequestResult(False, prompt_tokens=10, error="HTTP 503")
+    summary = summarize([ok, failed], duration_s=2.0)
+    assert summary["completed"] == 1 and summary["failed"] == 1 and summary["errors"] == ["HTTP 503"]
+    assert summary["output_throughput"] == 1.5 and summary["request_throughput"] == 0.5
+    assert summary["median_ttft_ms"] == pytest.approx(10.0) and summary["mean_itl_ms"] == pytest.approx(3.0)
+    assert summary["mean_tpot_ms"] == pytest.approx(3.0) and summary["p99_e2el_ms"] == pytest.approx(16.0)
