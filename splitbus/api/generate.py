@@ -4,6 +4,7 @@ its result stream as SSE or as one JSON body."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, TypeVar
@@ -63,7 +64,7 @@ def tokenize(tokenizer: ModelTokenizer, params: GenerationParams) -> list[int]:
     if isinstance(params.prompt, str):
         return tokenizer.encode(params.prompt)
     ids = list(params.prompt or [])
-    if any(t >= tokenizer.vocab_size or t < 0 for t in ids):
+    if ids and (min(ids) < 0 or max(ids) >= tokenizer.vocab_size):
         raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
     return ids
 
@@ -175,10 +176,8 @@ class Generation:
                 yield _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None))
             result = first
             while True:
+                result = self._merge_ready(result)
                 events = self._events(result)
-                while not result.terminal and (ready := self._ready()) is not None:
-                    result = ready  # what has arrived goes out in one write
-                    events += self._events(result)
                 if events:
                     yield b"".join(events)
                 if result.terminal:
@@ -191,6 +190,19 @@ class Generation:
         finally:
             self.close(reason)
         yield b"data: [DONE]\n\n"
+
+    def _merge_ready(self, result: Result) -> Result:
+        """Token deltas that have arrived together go out as one event with their text joined
+        (as vLLM's stream interval does): under load a client gets fewer, larger chunks, and
+        the API writes once per stream instead of once per token."""
+        while isinstance(result, TokenDelta) and (ready := self._ready()) is not None:
+            if isinstance(ready, TokenDelta):
+                result = TokenDelta(ready.seq, result.token_ids + ready.token_ids, result.text + ready.text)
+            elif isinstance(ready, Finished):
+                result = dataclasses.replace(ready, text=result.text + ready.text, token_ids=result.token_ids + ready.token_ids)
+            else:
+                return ready  # an error ends the stream: the text before it is moot
+        return result
 
     def _ready(self) -> Result | None:
         assert self.sub is not None

@@ -65,7 +65,7 @@ def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
             if step_started > next_beat:
                 await registry.register(record, 3000)
                 next_beat = step_started + 0.5
-            deliveries = await requests.read(10_000, block_ms=1)
+            deliveries = await requests.read(10_000, block_ms=0)
             for d in deliveries:
                 writer.open(d.message.request_id)
                 remaining[d.message.request_id] = [d.message.sampling.max_tokens] * 2

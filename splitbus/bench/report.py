@@ -128,6 +128,8 @@ def serve_table(report: dict[str, Any]) -> str:
     for r in report["runs"]:
         rows.append(f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} {r['output_throughput']:>9,.0f} "
                     f"{r['median_ttft_ms']:>9.2f} {r['p99_ttft_ms']:>9.2f} {r['median_tpot_ms']:>9.2f} {r['median_itl_ms']:>8.2f} {r['p99_itl_ms']:>8.2f} {r['p99_e2el_ms']:>9.1f}")
+    for name, hop in report.get("hops_ms", {}).items():
+        rows.append(f"  idle system, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms")
     for o in report.get("overhead", []):
         rows.append(f"added by the stack at {o['request_rate']} req/s: TTFT p50 {o['added_median_ttft_ms']:+.2f} ms, mean {o['added_mean_ttft_ms']:+.2f}, "
                     f"p99 {o['added_p99_ttft_ms']:+.2f}; per token (TPOT) p50 {o['added_median_tpot_ms']:+.2f} ms, mean {o['added_mean_tpot_ms']:+.2f}, "

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import orjson
 
 PERCENTILES = (50, 90, 99)
 FIRST_TOKEN_ID, LAST_TOKEN_ID = 32, 126
@@ -114,8 +115,6 @@ class HttpClient:
 
     @staticmethod
     def _on_line(line: str, result: RequestResult, started: float, last: float) -> float:
-        import orjson
-
         if not line.startswith("data: ") or line == "data: [DONE]":
             return last
         chunk = orjson.loads(line[6:])
@@ -214,6 +213,8 @@ def run_serve_bench(config: ServeConfig, base_url: str | None, api_key: str, pro
     system = LocalSystem("--engine", "sim", "--mixed", "1")
     try:
         model_dir = system.data_dir / "models" / "tiny"
+        progress("where the time to first token goes: 50 requests one at a time, timed at each hop")
+        hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.input_len))
         for rate in config.rates:
             progress(f"direct (sim engine in-process): {rate:g} req/s, {config.num_prompts} requests")
             runs.append(_run_row("direct", "in-process", rate, *measure_direct(model_dir, config, rate)))
@@ -221,7 +222,7 @@ def run_serve_bench(config: ServeConfig, base_url: str | None, api_key: str, pro
             runs.append(_run_row("splitbus", system.base_url, rate, *asyncio.run(measure_http(system.base_url, config, rate))))
     finally:
         system.stop()
-    return {"config": asdict(config), "target": "splitbus up --engine sim --mixed 1", "runs": runs, "overhead": overhead(runs)}
+    return {"config": asdict(config), "target": "splitbus up --engine sim --mixed 1", "runs": runs, "overhead": overhead(runs), "hops_ms": hops}
 
 
 def _run_row(path: str, target: str, rate: float, summary: dict[str, Any], cdf: dict[str, list[float]]) -> dict[str, Any]:
@@ -237,3 +238,39 @@ def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = direct[run["request_rate"]]
         rows.append({"request_rate": run["request_rate"], **{f"added_{f}": run[f] - base[f] for f in fields}})
     return rows
+
+
+HOPS = ("client send -> request XADD", "request XADD -> task XADD", "task XADD -> first token XADD", "first token XADD -> client", "TTFT")
+
+
+async def hop_breakdown(base_url: str, redis_url: str, prompt_len: int, count: int = 50) -> dict[str, dict[str, float]]:
+    """Requests one at a time (an idle system), each timed at every hop by the ``ts`` that its
+    request, task and first result entries carry (one machine, one clock)."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    client = HttpClient(base_url, "tiny", "", 1)
+    rows = []
+    try:
+        for i in range(count):
+            item = TraceItem(0.0, [FIRST_TOKEN_ID + i % 50] * prompt_len, 2)
+            sent = time.time()
+            result = await client.send(item)
+            rows.append(await _hops(r, sent, result))
+            await asyncio.sleep(0.02)
+    finally:
+        await client.close()
+        await r.aclose()
+    rows = rows[5:]  # warm-up
+    return {name: {"p50": float(np.median([row[k] for row in rows])), "p90": float(np.percentile([row[k] for row in rows], 90))} for k, name in enumerate(HOPS)}
+
+
+async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
+    request = await r.xrevrange("sb:requests", count=1)
+    workers = [w.decode() for w in await r.zrange("sb:workers", 0, -1)]
+    tasks = [e for w in workers for e in await r.xrevrange(f"sb:tasks:{{{w}}}", count=1)]
+    request_ts, task_ts = int(request[0][1][b"ts"]) / 1e6, max(int(e[1][b"ts"]) for e in tasks) / 1e6
+    request_id = orjson.loads(request[0][1][b"data"])["request_id"]
+    token_ts = int((await r.xrange(f"sb:out:{{{request_id}}}", count=1))[0][1][b"ts"]) / 1e6
+    first = sent + result.ttft_s
+    return [(request_ts - sent) * 1000, (task_ts - request_ts) * 1000, (token_ts - task_ts) * 1000, (first - token_ts) * 1000, result.ttft_s * 1000]

@@ -111,13 +111,15 @@ class WorkerRecord:
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> "WorkerRecord":
-        load = WorkerLoad(**{f.name: int(raw.get(f.name, 0)) for f in dataclasses.fields(WorkerLoad)})
-        kwargs: dict[str, Any] = {
-            f.name: int(raw[f.name]) if f.type == "int" else raw[f.name]
-            for f in dataclasses.fields(cls)
-            if f.name in raw and f.name != "load"
-        }
+        # Field lists are computed once: schedulers parse every record every 100 ms.
+        load = WorkerLoad(*[int(raw.get(name, 0)) for name in _LOAD_FIELDS])
+        kwargs: dict[str, Any] = {name: int(raw[name]) if is_int else raw[name] for name, is_int in _RECORD_FIELDS if name in raw}
         return cls(load=load, **kwargs)
+
+
+_LOAD_FIELDS = [f.name for f in dataclasses.fields(WorkerLoad)]
+_RESERVED_FIELDS = [f.name for f in dataclasses.fields(Reserved)]
+_RECORD_FIELDS = [(f.name, f.type == "int") for f in dataclasses.fields(WorkerRecord) if f.name != "load"]
 
 
 @dataclass(frozen=True)
@@ -192,9 +194,9 @@ class Registry:
     def _row(worker_id: bytes, ttl: int, flat: list[bytes]) -> WorkerInfo:
         if not flat:
             raise ValueError("empty record")
-        raw = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+        raw = {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2])}
         heartbeat_ms = int(raw.pop("heartbeat_ms", 0))
-        reserved = Reserved(**{f.name: int(raw.pop(f.name, 0)) for f in dataclasses.fields(Reserved)})
+        reserved = Reserved(*[int(raw.pop(name, 0)) for name in _RESERVED_FIELDS])
         return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), reserved)
 
     async def release(self, worker_id: str, reserved: Reserved) -> None:

@@ -3,7 +3,9 @@ trim."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -124,17 +126,32 @@ class GroupConsumer:
                 raise
 
     async def read(self, capacity: int, block_ms: int | None = None) -> list[Delivery]:
-        """Up to ``capacity`` entries; blocks up to ``block_ms`` for new ones."""
+        """Up to ``capacity`` entries; blocks up to ``block_ms`` for new ones (0: not at all).
+
+        Redis ends a blocked read's timeout only when its event loop next wakes, which on an
+        idle server can be 1000/hz ms (100 ms with the default hz 10) late: a short precise
+        wait is a non-blocking read and a sleep here (``read_within``), not a short BLOCK."""
         if capacity <= 0:
             return []
         block = self._config.block_ms if block_ms is None else block_ms
         cursor = self._pending_cursor or ">"
-        raw = await self._xreadgroup(cursor, capacity, None if cursor != ">" else block)
+        raw = await self._xreadgroup(cursor, capacity, block if cursor == ">" and block > 0 else None)
         if cursor != ">":
             self._pending_cursor = _text(raw[-1][0]) if raw else None
             if not raw:
                 return await self.read(capacity, block_ms)
         return await self._decode_all(raw)
+
+    async def read_within(self, capacity: int, wait_ms: float, poll_ms: float = 5.0) -> list[Delivery]:
+        """Up to ``capacity`` entries, waiting at most ``wait_ms`` for them, to within about
+        ``poll_ms`` (polling without BLOCK, see ``read``)."""
+        deadline = time.monotonic() + wait_ms / 1000
+        while True:
+            deliveries = await self.read(capacity, block_ms=0)
+            left = deadline - time.monotonic()
+            if deliveries or left <= 0:
+                return deliveries
+            await asyncio.sleep(min(left, poll_ms / 1000))
 
     async def read_raw(self, count: int, block_ms: int | None = None) -> list[tuple[str, Mapping[bytes, bytes]]]:
         """Up to ``count`` new entries, not decoded: for a caller that answers malformed entries

@@ -205,7 +205,7 @@ class DpWorker(Worker):
         dead = [w.record.worker_id for w in await self.registry.snapshot() if w.record.dp_group == self.config.dp_group and w.record.dp_rank in missing]
         for worker_id in dead:
             stream = GroupConsumer(self.redis, self.config.bus, self.keys.tasks(worker_id), WORKER_GROUP, self.id)
-            orphans = await stream.read(10_000, block_ms=1) + await stream.claim_idle(10_000, min_idle_ms=0)
+            orphans = await stream.read(10_000, block_ms=0) + await stream.claim_idle(10_000, min_idle_ms=0)
             for delivery in orphans:
                 if isinstance(delivery.message, Task):
                     self.writer.fail(delivery.message.request.request_id, "dp_group_broken", reason, 503)

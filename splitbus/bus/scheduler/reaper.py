@@ -89,7 +89,7 @@ class Reaper:
             return 0
         stream = GroupConsumer(self.redis, self.config, self.keys.tasks(worker_id), WORKER_GROUP, f"reaper.{self.name}")
         await stream.ensure_group()
-        tasks = await stream.read(100_000, block_ms=1) + await stream.claim_idle(100_000, min_idle_ms=0)
+        tasks = await stream.read(100_000, block_ms=0) + await stream.claim_idle(100_000, min_idle_ms=0)
         for delivery in tasks:
             await self.move(worker_id, stream, delivery)
         await self.writer.flush()
