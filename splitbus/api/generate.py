@@ -176,8 +176,9 @@ class Generation:
                 yield _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None))
             result = first
             while True:
-                result = self._merge_ready(result)
-                events = self._events(result)
+                merged = self._merge_ready(result)
+                events = [event for r in merged for event in self._events(r)]
+                result = merged[-1]
                 if events:
                     yield b"".join(events)
                 if result.terminal:
@@ -191,18 +192,19 @@ class Generation:
             self.close(reason)
         yield b"data: [DONE]\n\n"
 
-    def _merge_ready(self, result: Result) -> Result:
+    def _merge_ready(self, result: Result) -> list[Result]:
         """Token deltas that have arrived together go out as one event with their text joined
         (as vLLM's stream interval does): under load a client gets fewer, larger chunks, and
-        the API writes once per stream instead of once per token."""
+        the API writes once per stream instead of once per token. An error that arrived with
+        them follows as its own event."""
         while isinstance(result, TokenDelta) and (ready := self._ready()) is not None:
             if isinstance(ready, TokenDelta):
                 result = TokenDelta(ready.seq, result.token_ids + ready.token_ids, result.text + ready.text)
             elif isinstance(ready, Finished):
                 result = dataclasses.replace(ready, text=result.text + ready.text, token_ids=result.token_ids + ready.token_ids)
             else:
-                return ready  # an error ends the stream: the text before it is moot
-        return result
+                return [result, ready]
+        return [result]
 
     def _ready(self) -> Result | None:
         assert self.sub is not None

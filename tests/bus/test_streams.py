@@ -148,3 +148,27 @@ async def test_trim_never_removes_unacked_entries(redis: aioredis.Redis, bus_con
     await consumer.ack(*[d.entry_id for d in got])
     assert await trim_consumed(redis, stream) == 6
     assert await redis.xlen(stream) == 0
+
+
+async def test_read_without_block_and_read_within_a_wait(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer = await _consumer(redis, bus_config)
+    assert await consumer.read(10, block_ms=0) == []  # 0 is "do not block", never Redis's "block forever"
+    assert await consumer.read_within(10, wait_ms=20) == []
+
+    async def later() -> None:
+        await asyncio.sleep(0.05)
+        await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(1))
+
+    writer = asyncio.create_task(later())
+    got = await consumer.read_within(10, wait_ms=5000)
+    await writer
+    assert [d.message.request_id for d in got] == ["r1"]
+
+
+async def test_batched_producer_shares_pipelines_between_concurrent_sends(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    producer = Producer(redis, bus_config, batched=True)
+    ids = await asyncio.gather(*(producer.send(bus_config.keys.requests, _msg(i)) for i in range(100)))
+    assert len(set(ids)) == 100
+    assert producer._batcher is not None and producer._batcher.pipelines < 100
+    entries = await redis.xrange(bus_config.keys.requests)
+    assert [codec.decode(f).request_id for _, f in entries] == [f"r{i}" for i in range(100)]

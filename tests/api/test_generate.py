@@ -1,0 +1,38 @@
+"""How a generation turns results into SSE events, on hand-made results (no server needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from splitbus.api.generate import Generation
+from splitbus.api.protocol import parse_completion
+from splitbus.bus.messages import Failed, Finished, TokenDelta
+from splitbus.bus.results import Subscription
+
+
+def _merge(*arrived: object) -> list[object]:
+    """The first result as the stream loop holds it, the rest already arrived."""
+    generation = Generation(SimpleNamespace(), parse_completion({"model": "m", "prompt": "x", "stream": True}), [1], 8)  # type: ignore[arg-type]
+    generation.sub = Subscription("r", "k")
+    for result in arrived:
+        generation.sub.accept(result)  # type: ignore[arg-type]
+    merged = generation._merge_ready(generation.sub.get_nowait())  # type: ignore[arg-type]
+    assert generation.sub.get_nowait() is None
+    return merged  # type: ignore[return-value]
+
+
+def test_tokens_that_arrived_together_go_out_as_one_event() -> None:
+    assert _merge(TokenDelta(0, [10], "a"), TokenDelta(1, [11], "b"), TokenDelta(2, [12], "c")) == [TokenDelta(2, [10, 11, 12], "abc")]
+
+
+def test_the_final_entry_takes_the_text_before_it() -> None:
+    (merged,) = _merge(TokenDelta(0, [10], "a"), TokenDelta(1, [11], "b"), Finished(2, "length", 1, 2, text="!"))
+    assert isinstance(merged, Finished) and merged.text == "ab!" and merged.token_ids == [10, 11] and merged.completion_tokens == 2
+
+
+def test_an_error_follows_the_text_that_came_before_it() -> None:
+    assert _merge(TokenDelta(0, [10], "a"), Failed(1, "deadline", "too late", 504)) == [TokenDelta(0, [10], "a"), Failed(1, "deadline", "too late", 504)]
+
+
+def test_nothing_waiting_means_nothing_merged() -> None:
+    assert _merge(TokenDelta(0, [10], "a")) == [TokenDelta(0, [10], "a")]
