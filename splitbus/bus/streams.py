@@ -265,7 +265,8 @@ async def _group_floor(redis: aioredis.Redis, stream: str, group: Mapping[str, A
     """The smallest id this group still needs: its oldest pending entry, else past the last read."""
     if int(group["pending"]) > 0:
         summary = await redis.xpending(stream, _text(group["name"]))
-        return _text(summary["min"])
+        if summary["min"] is not None:  # else all were acked since XINFO: past the last read
+            return _text(summary["min"])
     ms, seq = _id_key(_text(group["last-delivered-id"]))
     return f"{ms}-{seq + 1}"
 

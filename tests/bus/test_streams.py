@@ -172,3 +172,18 @@ async def test_batched_producer_shares_pipelines_between_concurrent_sends(redis:
     assert producer._batcher is not None and producer._batcher.pipelines < 100
     entries = await redis.xrange(bus_config.keys.requests)
     assert [codec.decode(f).request_id for _, f in entries] == [f"r{i}" for i in range(100)]
+
+
+async def test_trim_survives_acks_between_its_two_reads(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    # XINFO says entries are pending, then every one is acked before XPENDING runs (another
+    # replica's ack): XPENDING's min is then nil, and trimming goes on past the last read.
+    from splitbus.bus import streams
+
+    consumer = await _consumer(redis, bus_config)
+    stream = bus_config.keys.requests
+    await Producer(redis, bus_config).send_many([(stream, _msg(i)) for i in range(3)])
+    got = await consumer.read(3)
+    stale = [{**g, "pending": 3} for g in await redis.xinfo_groups(stream)]
+    await consumer.ack(*[d.entry_id for d in got])
+    floor = await streams._group_floor(redis, stream, stale[0])
+    assert streams._id_key(floor) > streams._id_key(got[-1].entry_id)
