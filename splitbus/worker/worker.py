@@ -429,10 +429,12 @@ class Worker:
         delay = 0.002
         while time.monotonic() < deadline:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hget(self.keys.kv(seq.request_id), "endpoint")
+            pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "decode_worker")
             pipe.exists(self.keys.lease(seq.task.peer))
-            endpoint, peer_alive = await pipe.execute()
-            if endpoint:
+            (endpoint, decode_worker), peer_alive = await pipe.execute()
+            # Only the peer's own reservation: a request moved off a dead decode worker can
+            # still find that worker's reservation here until its new one replaces it.
+            if endpoint and decode_worker and decode_worker.decode() == seq.task.peer:
                 return endpoint.decode()
             if seq.request_id in self.recently_cancelled or not peer_alive:
                 raise TransferError("the request was cancelled" if peer_alive else f"decode worker {seq.task.peer} is gone")
