@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 KV_TTL_S = 300
 TRIM_EVERY_S = 5.0
 RECENT_CANCELS = 10_000
+DROP_RESERVATION = """
+if redis.call('HGET', KEYS[1], 'task_entry') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+"""Delete a request's KV reservation only if it is still the one this task made: the request
+may have moved here again, and its new task's reservation must stay."""
 
 
 class Worker:
@@ -61,7 +67,8 @@ class Worker:
         self.running: list[Sequence] = []  # decoding
         self.handing_off: dict[str, Sequence] = {}  # prefill: cache on its way to D
         self.done_entries: list[str] = []  # task entries to ack at the next publish
-        self.stale_reservations: list[str] = []  # sb:kv keys of requests that left
+        self.stale_reservations: list[tuple[str, str]] = []  # (sb:kv key, task entry) of requests that left
+        self._drop_reservation = self.redis.register_script(DROP_RESERVATION)
         self.recently_cancelled: dict[str, float] = {}
         self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_us", "step_time_us", "idle_time_us", "busy_time_us"), 0)
         self.exit_code = 0
@@ -358,7 +365,7 @@ class Worker:
         self.done_entries.append(seq.entry_id)
         self.writer.forget(seq.request_id)
         if seq.task.phase == "decode":
-            self.stale_reservations.append(self.keys.kv(seq.request_id))
+            self.stale_reservations.append((self.keys.kv(seq.request_id), seq.entry_id))
         self.room.set()
         self.publish_soon()
 
@@ -389,7 +396,10 @@ class Worker:
             del self.done_entries[: len(done)]
         if self.stale_reservations:
             stale = list(self.stale_reservations)
-            await self.redis.delete(*stale)
+            pipe = self.redis.pipeline(transaction=False)
+            for key, entry_id in stale:
+                await self._drop_reservation(keys=[key], args=[entry_id], client=pipe)
+            await pipe.execute()
             del self.stale_reservations[: len(stale)]
 
     # ------------------------------------------------------------ P -> D hand-off

@@ -37,3 +37,22 @@ async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(bus_co
     finally:
         await writer
         await worker.redis.aclose()
+
+
+async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConfig, tiny_model: Path) -> None:
+    # D retires the task of a request that moved here again: the old task's clean-up must not
+    # delete the reservation the new task has just written (P would wait for it forever).
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="decode", model_dir=tiny_model, model_name="tiny", worker_id="d1")
+    worker = Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    moved, done = bus_config.keys.kv("moved-2"), bus_config.keys.kv("done-3")
+    try:
+        await worker.redis.hset(moved, mapping={"decode_worker": "d1", "task_entry": "2-0"})  # the new task's
+        await worker.redis.hset(done, mapping={"decode_worker": "d1", "task_entry": "3-0"})
+        worker.stale_reservations += [(moved, "1-0"), (done, "3-0")]  # the old task of moved-2, and done-3's
+        await worker.publish()
+        assert await worker.redis.hget(moved, "task_entry") == b"2-0"
+        assert not await worker.redis.exists(done)
+        assert worker.stale_reservations == []
+    finally:
+        await worker.redis.aclose()
