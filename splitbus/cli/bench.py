@@ -1,4 +1,4 @@
-"""``splitbus bench bus``: benchmarks that print a table and write JSON + PNG."""
+"""``splitbus bench bus|engine|stagger|serve|scheduler|api``: each prints a table and writes JSON + PNG."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ from splitbus.redis_server import EmbeddedRedis
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (table, JSON and PNG)")
     kinds = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for add in (_add_bus, _add_engine, _add_stagger, _add_serve, _add_scheduler, _add_api):
+        add(kinds, env)
+
+
+def _add_bus(kinds: argparse._SubParsersAction, env: Env) -> None:
     bus = kinds.add_parser("bus", help="Redis Streams vs a ZeroMQ baseline: request and token paths")
     bus.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     bus.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
@@ -24,11 +29,17 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     bus.add_argument("--streams", type=int, default=1000, help="concurrent result streams (token path)")
     bus.add_argument("--quick", action="store_true", help="small counts, one run: checks that it works")
     bus.set_defaults(run=run_bus)
+
+
+def _add_engine(kinds: argparse._SubParsersAction, env: Env) -> None:
     engine = kinds.add_parser("engine", help="paddle engine: prefill and decode tokens/s, KV export/import GB/s")
     engine.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     engine.add_argument("--models", nargs="+", choices=("tiny", "qwen2.5-0.5b-shape"), default=["tiny", "qwen2.5-0.5b-shape"])
     engine.add_argument("--runs", type=int, default=3, help="timed runs per figure; the fastest is reported")
     engine.set_defaults(run=run_engine)
+
+
+def _add_stagger(kinds: argparse._SubParsersAction, env: Env) -> None:
     stagger = kinds.add_parser("stagger", help="naive vs staggered DP batching: rank processes and a simulation")
     stagger.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     stagger.add_argument("--sim-ranks", type=int, nargs="*", default=[8, 16, 64], help="simulated group sizes")
@@ -36,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     stagger.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per trace")
     stagger.add_argument("--seed", type=int, default=1)
     stagger.set_defaults(run=run_stagger)
+
+
+def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
     serve = kinds.add_parser("serve", help="Poisson arrivals against the HTTP API: TTFT, ITL, E2E latency, throughput (vLLM's field names)")
     serve.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     serve.add_argument("--base-url", default=None, help="measure this deployment (default: start splitbus up --engine sim and compare it with the engine driven directly)")
@@ -49,6 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     serve.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1±ratio) (default %(default)s)")
     serve.add_argument("--seed", type=int, default=0)
     serve.set_defaults(run=run_serve)
+
+
+def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
     sched = kinds.add_parser("scheduler", help="scheduler processes placing on many registered sim workers: latency and decisions/s")
     sched.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     sched.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
@@ -58,6 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     sched.add_argument("--paced-requests", type=int, default=5000)
     sched.add_argument("--flood-requests", type=int, default=20000)
     sched.set_defaults(run=run_scheduler)
+
+
+def _add_api(kinds: argparse._SubParsersAction, env: Env) -> None:
     api = kinds.add_parser("api", help="many concurrent streams through one API process: Redis connections and tokens/s")
     api.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     api.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
@@ -66,7 +86,6 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     api.add_argument("--step-ms", type=float, default=20.0, help="a token per stream every this many ms (default %(default)s)")
     api.add_argument("--client-processes", type=int, default=2, help="processes holding the streams (default %(default)s)")
     api.set_defaults(run=run_api)
-
 
 @contextlib.contextmanager
 def _redis(url: str | None) -> Iterator[str]:
