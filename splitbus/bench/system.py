@@ -20,8 +20,9 @@ class LocalSystem:
         self._data = tempfile.TemporaryDirectory(prefix="splitbus-bench-")
         self.data_dir = Path(self._data.name)
         args = ["up", "--port", str(self.port), "--data-dir", self._data.name, *up_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("SPLITBUS_REDIS_URL", None)
+        # Its own embedded Redis, under the default key prefix that the benchmarks read.
+        env = {k: v for k, v in os.environ.items() if k not in ("SPLITBUS_REDIS_URL", "SPLITBUS_PREFIX")}
+        env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      preexec_fn=die_with_parent)  # no orphaned system if the benchmark is killed
         self.output: list[str] = []
