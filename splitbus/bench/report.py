@@ -127,14 +127,20 @@ def serve_table(report: dict[str, Any]) -> str:
     rows = [f"{'path':<9} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p99':>9}  (ms)"]
     for r in report["runs"]:
         rows.append(f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} {r['output_throughput']:>9,.0f} "
-                    f"{r['median_ttft_ms']:>9.2f} {r['p99_ttft_ms']:>9.2f} {r['median_tpot_ms']:>9.2f} {r['median_itl_ms']:>8.2f} {r['p99_itl_ms']:>8.2f} {r['p99_e2el_ms']:>9.1f}")
+                    f"{_ms(r['median_ttft_ms'], 9)} {_ms(r['p99_ttft_ms'], 9)} {_ms(r['median_tpot_ms'], 9)} {_ms(r['median_itl_ms'], 8)} {_ms(r['p99_itl_ms'], 8)} {_ms(r['p99_e2el_ms'], 9)}")
+        if r["failed"]:
+            rows.append(f"          {r['failed']} failed: {'; '.join(r.get('errors', []))}")
     for name, hop in report.get("hops_ms", {}).items():
         rows.append(f"  idle system, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms")
     for o in report.get("overhead", []):
-        rows.append(f"added by the stack at {o['request_rate']} req/s: TTFT p50 {o['added_median_ttft_ms']:+.2f} ms, mean {o['added_mean_ttft_ms']:+.2f}, "
-                    f"p99 {o['added_p99_ttft_ms']:+.2f}; per token (TPOT) p50 {o['added_median_tpot_ms']:+.2f} ms, mean {o['added_mean_tpot_ms']:+.2f}, "
-                    f"p99 {o['added_p99_tpot_ms']:+.2f}; ITL p50 {o['added_median_itl_ms']:+.2f} ms, p99 {o['added_p99_itl_ms']:+.2f}")
+        rows.append(f"added by the stack at {o['request_rate']} req/s: TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, mean {_ms(o['added_mean_ttft_ms'], 0, '+')}, "
+                    f"p99 {_ms(o['added_p99_ttft_ms'], 0, '+')}; per token (TPOT) p50 {_ms(o['added_median_tpot_ms'], 0, '+')} ms, mean {_ms(o['added_mean_tpot_ms'], 0, '+')}, "
+                    f"p99 {_ms(o['added_p99_tpot_ms'], 0, '+')}; ITL p50 {_ms(o['added_median_itl_ms'], 0, '+')} ms, p99 {_ms(o['added_p99_itl_ms'], 0, '+')}")
     return "\n".join(rows)
+
+
+def _ms(value: float | None, width: int, sign: str = "") -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{sign}{width}.2f}"
 
 
 def serve_plot(report: dict[str, Any], path: Path) -> None:

@@ -171,11 +171,15 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     return summary
 
 
-def _stats(name: str, seconds: list[float]) -> dict[str, float]:
-    ms = np.array(seconds) * 1000 if seconds else np.array([math.nan])
-    stats = {f"mean_{name}_ms": float(np.mean(ms)), f"median_{name}_ms": float(np.median(ms)), f"std_{name}_ms": float(np.std(ms))}
-    stats.update({f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in PERCENTILES})
-    return stats
+def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
+    """Mean, median, std and percentiles in ms; None when nothing was measured (JSON null,
+    not NaN)."""
+    keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms", *(f"p{p}_{name}_ms" for p in PERCENTILES)]
+    if not seconds:
+        return dict.fromkeys(keys)
+    ms = np.array(seconds) * 1000
+    values = [np.mean(ms), np.median(ms), np.std(ms), *(np.percentile(ms, p) for p in PERCENTILES)]
+    return {k: float(v) for k, v in zip(keys, values)}
 
 
 def cdf_samples(results: list[RequestResult], points: int = 200) -> dict[str, list[float]]:
@@ -203,6 +207,7 @@ def run_serve_bench(config: ServeConfig, base_url: str | None, api_key: str, pro
     engine driven directly) at each rate."""
     runs: list[dict[str, Any]] = []
     if base_url:
+        check_target(base_url, config.model, api_key)
         for rate in config.rates:
             progress(f"{base_url}: {rate:g} req/s, {config.num_prompts} requests")
             runs.append(_run_row("http", base_url, rate, *asyncio.run(measure_http(base_url, config, rate, api_key))))
@@ -225,6 +230,26 @@ def run_serve_bench(config: ServeConfig, base_url: str | None, api_key: str, pro
     return {"config": asdict(config), "target": "splitbus up --engine sim --mixed 1", "runs": runs, "overhead": overhead(runs), "hops_ms": hops}
 
 
+class TargetError(Exception):
+    """The deployment to measure cannot be reached, or does not serve the model."""
+
+
+def check_target(base_url: str, model: str, api_key: str) -> None:
+    """Fail at once, saying why, rather than report a run in which every request failed."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TargetError(f"cannot reach {base_url}: {exc}") from None
+    if response.status_code != 200:
+        raise TargetError(f"{base_url}/v1/models answered HTTP {response.status_code}: {response.text[:200]}")
+    served = [m.get("id") for m in response.json().get("data", [])]
+    if model not in served:
+        raise TargetError(f"{base_url} does not serve model {model!r} (it serves {served}); pass --model")
+
+
 def _run_row(path: str, target: str, rate: float, summary: dict[str, Any], cdf: dict[str, list[float]]) -> dict[str, Any]:
     return {"path": path, "target": target, "request_rate": "inf" if math.isinf(rate) else rate, **summary, "cdf_ms": cdf}
 
@@ -236,7 +261,7 @@ def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for run in (r for r in runs if r["path"] == "splitbus" and r["request_rate"] in direct):
         base = direct[run["request_rate"]]
-        rows.append({"request_rate": run["request_rate"], **{f"added_{f}": run[f] - base[f] for f in fields}})
+        rows.append({"request_rate": run["request_rate"], **{f"added_{f}": _minus(run[f], base[f]) for f in fields}})
     return rows
 
 
@@ -274,3 +299,7 @@ async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
     token_ts = int((await r.xrange(f"sb:out:{{{request_id}}}", count=1))[0][1][b"ts"]) / 1e6
     first = sent + result.ttft_s
     return [(request_ts - sent) * 1000, (task_ts - request_ts) * 1000, (token_ts - task_ts) * 1000, (first - token_ts) * 1000, result.ttft_s * 1000]
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b

@@ -90,10 +90,25 @@ def _add_api(kinds: argparse._SubParsersAction, env: Env) -> None:
 @contextlib.contextmanager
 def _redis(url: str | None) -> Iterator[str]:
     if url:
+        _check_reachable(url)
         yield url
         return
     with tempfile.TemporaryDirectory(prefix="splitbus-bench-") as data, EmbeddedRedis(Path(data), appendonly=False) as server:
         yield server.url
+
+
+def _check_reachable(url: str) -> None:
+    """A clear message and exit status 2 for a --redis-url that does not answer, not a traceback."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        say(f"splitbus bench: cannot reach Redis at {url}: {exc}")
+        raise SystemExit(2) from None
+    finally:
+        client.close()
 
 
 class _Run:
@@ -155,7 +170,7 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
 
 def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
-    from splitbus.bench.serve import ServeConfig, run_serve_bench
+    from splitbus.bench.serve import ServeConfig, TargetError, run_serve_bench
 
     try:
         config = ServeConfig(tuple(args.request_rate), args.num_prompts, args.max_concurrency, args.input_len, args.output_len,
@@ -164,7 +179,12 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus bench serve: {exc}")
         return 2
     run = _Run("serve", args.out)
-    return run.finish(run_serve_bench(config, args.base_url, args.api_key, progress=run.progress), report.serve_plot, report.serve_table)
+    try:
+        result = run_serve_bench(config, args.base_url, args.api_key, progress=run.progress)
+    except TargetError as exc:
+        say(f"splitbus bench serve: {exc}")
+        return 2
+    return run.finish(result, report.serve_plot, report.serve_table)
 
 
 def run_scheduler(args: argparse.Namespace, env: Env) -> int:

@@ -45,10 +45,25 @@ def test_serve_measures_a_running_deployment(tmp_path: Path) -> None:
     system = start_system(tmp_path / "up")
     try:
         report = _bench(tmp_path, "serve", "--base-url", system.base_url, "--num-prompts", "6", "--request-rate", "inf", "--output-len", "5")
+        wrong_model = _bench_fails(tmp_path, "serve", "--base-url", system.base_url, "--model", "nope")
     finally:
         assert stop_system(system) == []
     (run,) = report["runs"]
     assert run["path"] == "http" and run["completed"] == 6 and "overhead" not in report
+    assert "does not serve model 'nope' (it serves ['tiny']); pass --model" in wrong_model
+
+
+def test_serve_says_when_the_deployment_is_unreachable(tmp_path: Path) -> None:
+    out = _bench_fails(tmp_path, "serve", "--base-url", "http://127.0.0.1:1")
+    assert "splitbus bench serve: cannot reach http://127.0.0.1:1" in out
+    assert not (tmp_path / "out").exists()  # no report of a run that never happened
+
+
+def _bench_fails(tmp_path: Path, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "bench", *args, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 def test_scheduler_bench_places_every_request(tmp_path: Path, redis_server: Any) -> None:
@@ -83,3 +98,9 @@ def test_summary_uses_vllm_names_and_counts_failures() -> None:
     assert summary["output_throughput"] == 1.5 and summary["request_throughput"] == 0.5
     assert summary["median_ttft_ms"] == pytest.approx(10.0) and summary["mean_itl_ms"] == pytest.approx(3.0)
     assert summary["mean_tpot_ms"] == pytest.approx(3.0) and summary["p99_e2el_ms"] == pytest.approx(16.0)
+
+
+@pytest.mark.parametrize("bench", ["scheduler", "api"])
+def test_an_unreachable_redis_is_a_clear_error(tmp_path: Path, bench: str) -> None:
+    out = _bench_fails(tmp_path, bench, "--redis-url", "redis://127.0.0.1:1/0")
+    assert "splitbus bench: cannot reach Redis at redis://127.0.0.1:1/0" in out
