@@ -18,6 +18,23 @@ def write_json(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def _pyplot() -> Any:
+    """pyplot on the file-only backend; imported here, so only plotting needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: Path, dpi: int) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def bus_table(report: dict[str, Any]) -> str:
     rows = [f"{'path':<8} {'transport':<8} {'msgs/s':>10} {'p50 µs':>9} {'p99 µs':>9}"]
     for path in ("request", "token"):
@@ -30,10 +47,7 @@ def bus_table(report: dict[str, Any]) -> str:
 
 
 def bus_plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     paths = ("request", "token")
@@ -55,10 +69,7 @@ def bus_plot(report: dict[str, Any], path: Path) -> None:
         f"{cfg['streams'] / cfg['paced_step_interval_s']:,.0f} tok/s)",
         fontsize=10,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=110)
 
 
 def engine_table(report: dict[str, Any]) -> str:
@@ -70,10 +81,7 @@ def engine_table(report: dict[str, Any]) -> str:
 
 
 def engine_plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     results = report["results"]
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
@@ -84,10 +92,7 @@ def engine_plot(report: dict[str, Any], path: Path) -> None:
         ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
         ax.set_title(f"{r['model']} ({r['params_m']}M params): tokens/s\nKV export {r['kv_export_gb_s']} GB/s, import {r['kv_import_gb_s']} GB/s", fontsize=9)
     fig.suptitle(f"splitbus bench engine on {report['device']} ({report['threads']} thread)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=110)
 
 
 def stagger_table(report: dict[str, Any]) -> str:
@@ -99,10 +104,7 @@ def stagger_table(report: dict[str, Any]) -> str:
 
 
 def stagger_plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     keys = sorted({(r["backend"], r["ranks"], r["load"]) for r in report["results"]}, key=lambda k: (k[0] != "processes", k[1], ["low", "moderate", "high"].index(k[2])))
     by = {(r["backend"], r["ranks"], r["load"], r["mode"]): r for r in report["results"]}
@@ -117,10 +119,7 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title, fontsize=9)
     axes[0].legend()
     fig.suptitle(f"splitbus bench stagger: naive vs staggered on the same Poisson trace (seed {report['seed']})", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=100)
 
 
 def serve_table(report: dict[str, Any]) -> str:
@@ -144,10 +143,7 @@ def _ms(value: float | None, width: int, sign: str = "") -> str:
 
 
 def serve_plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = plt.get_cmap("viridis")
@@ -177,10 +173,7 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.suptitle(f"splitbus bench serve: {report['target']}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=100)
 
 
 def scheduler_table(report: dict[str, Any]) -> str:
@@ -192,10 +185,7 @@ def scheduler_table(report: dict[str, Any]) -> str:
 
 
 def scheduler_plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in report["results"]:
@@ -215,10 +205,7 @@ def scheduler_plot(report: dict[str, Any], path: Path) -> None:
     bars.set_title(f"decisions/s, {report['config']['flood_requests']:,} requests at once")
     bars.legend(fontsize=8)
     fig.suptitle("splitbus bench scheduler", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=100)
 
 
 def api_table(report: dict[str, Any]) -> str:
@@ -230,10 +217,7 @@ def api_table(report: dict[str, Any]) -> str:
 
 
 def api_plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, (tput, conns) = plt.subplots(1, 2, figsize=(10, 4))
     bars = tput.bar(["offered", "delivered"], [report["offered_tokens_per_s"], report["tokens_per_s"]], color=["#95a5a6", "#27ae60"])
@@ -246,7 +230,4 @@ def api_plot(report: dict[str, Any], path: Path) -> None:
     conns.axhline(8, color="grey", linestyle=":", label="target ≤ 8")
     conns.legend(fontsize=8)
     fig.suptitle(f"splitbus bench api: {report['streams']} concurrent streams, one API process", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=100)

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import numpy as np
 import orjson
 
+from splitbus.bus.keys import Keys
+
 PERCENTILES = (50, 90, 99)
 FIRST_TOKEN_ID, LAST_TOKEN_ID = 32, 126
 """Prompt token ids are drawn from here: printable bytes, present in any byte-level vocabulary."""
@@ -219,7 +221,7 @@ def run_serve_bench(config: ServeConfig, base_url: str | None, api_key: str, pro
     try:
         model_dir = system.data_dir / "models" / "tiny"
         progress("where the time to first token goes: 50 requests one at a time, timed at each hop")
-        hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.input_len))
+        hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.model, config.input_len))
         for rate in config.rates:
             progress(f"direct (sim engine in-process): {rate:g} req/s, {config.num_prompts} requests")
             runs.append(_run_row("direct", "in-process", rate, *measure_direct(model_dir, config, rate)))
@@ -268,13 +270,13 @@ def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 HOPS = ("client send -> request XADD", "request XADD -> task XADD", "task XADD -> first token XADD", "first token XADD -> client", "TTFT")
 
 
-async def hop_breakdown(base_url: str, redis_url: str, prompt_len: int, count: int = 50) -> dict[str, dict[str, float]]:
+async def hop_breakdown(base_url: str, redis_url: str, model: str, prompt_len: int, count: int = 50) -> dict[str, dict[str, float]]:
     """Requests one at a time (an idle system), each timed at every hop by the ``ts`` that its
     request, task and first result entries carry (one machine, one clock)."""
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(redis_url)
-    client = HttpClient(base_url, "tiny", "", 1)
+    client = HttpClient(base_url, model, "", 1)
     rows = []
     try:
         for i in range(count):
@@ -291,12 +293,13 @@ async def hop_breakdown(base_url: str, redis_url: str, prompt_len: int, count: i
 
 
 async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
-    request = await r.xrevrange("sb:requests", count=1)
-    workers = [w.decode() for w in await r.zrange("sb:workers", 0, -1)]
-    tasks = [e for w in workers for e in await r.xrevrange(f"sb:tasks:{{{w}}}", count=1)]
+    keys = Keys()  # the system the benchmark started uses the default prefix
+    request = await r.xrevrange(keys.requests, count=1)
+    workers = [w.decode() for w in await r.zrange(keys.workers, 0, -1)]
+    tasks = [e for w in workers for e in await r.xrevrange(keys.tasks(w), count=1)]
     request_ts, task_ts = int(request[0][1][b"ts"]) / 1e6, max(int(e[1][b"ts"]) for e in tasks) / 1e6
     request_id = orjson.loads(request[0][1][b"data"])["request_id"]
-    token_ts = int((await r.xrange(f"sb:out:{{{request_id}}}", count=1))[0][1][b"ts"]) / 1e6
+    token_ts = int((await r.xrange(keys.out(request_id), count=1))[0][1][b"ts"]) / 1e6
     first = sent + result.ttft_s
     return [(request_ts - sent) * 1000, (task_ts - request_ts) * 1000, (token_ts - task_ts) * 1000, (first - token_ts) * 1000, result.ttft_s * 1000]
 

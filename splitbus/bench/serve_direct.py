@@ -12,15 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from splitbus.bench.serve import RequestResult, ServeConfig, TraceItem, cdf_samples, make_trace, replay, summarize
+from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.config import SimConfig, WorkerConfig
+from splitbus.worker.config import WorkerConfig
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
-
-DEFAULTS = WorkerConfig.__dataclass_fields__
-
 
 class _Pending:
     def __init__(self, seq: Sequence, result: RequestResult) -> None:
@@ -30,20 +28,20 @@ class _Pending:
 
 
 class DirectLoop:
-    """One worker's engine loop without the bus; capacities are the worker's defaults."""
+    """One worker's engine loop without the bus, with a worker's capacities and engine costs."""
 
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, config: WorkerConfig) -> None:
         self.tokenizer = tokenizer
-        self.max_requests: int = DEFAULTS["max_requests"].default
-        self.max_prefill_tokens: int = DEFAULTS["max_prefill_tokens"].default
-        self.engine = SimEngine(SimConfig(), tokenizer, DEFAULTS["total_kv_blocks"].default, DEFAULTS["block_size"].default)
+        self.max_requests = config.max_requests
+        self.max_prefill_tokens = config.max_prefill_tokens
+        self.engine = SimEngine(config.sim, tokenizer, config.total_kv_blocks, config.block_size)
         self.waiting: deque[_Pending] = deque()  # not admitted: no room yet
         self.queued: deque[_Pending] = deque()
         self.running: list[_Pending] = []
         self.wake = asyncio.Event()
 
     async def send(self, item: TraceItem) -> RequestResult:
-        request = GenerateRequest(uuid.uuid4().hex, "tiny", item.prompt_token_ids, SamplingParams(max_tokens=item.max_tokens, ignore_eos=True), "direct", 0)
+        request = GenerateRequest(uuid.uuid4().hex, self.tokenizer.name, item.prompt_token_ids, SamplingParams(max_tokens=item.max_tokens, ignore_eos=True), "direct", 0)
         pending = _Pending(Sequence(Task("mixed", request), "", TextStream(self.tokenizer, [])), RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)))
         self.waiting.append(pending)
         self.wake.set()
@@ -98,7 +96,8 @@ class DirectLoop:
 
 def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
     async def main() -> tuple[list[RequestResult], float]:
-        loop = DirectLoop(ModelTokenizer.load(model_dir, "tiny"))
+        worker = WorkerConfig(bus=BusConfig(), role="mixed", model_dir=model_dir, model_name=config.model)  # the defaults `up` uses
+        loop = DirectLoop(ModelTokenizer.load(model_dir, config.model), worker)
         engine = asyncio.create_task(loop.run())
         try:
             return await replay(loop.send, make_trace(config, rate), config.max_concurrency)

@@ -16,6 +16,7 @@ import numpy as np
 
 from splitbus.bench.stagger_sim import GroupSimulation, TraceRequest, poisson_trace
 from splitbus.bench.system import LocalSystem
+from splitbus.bus.keys import Keys
 
 SIM_LOADS = {"low": 2.0, "moderate": 20.0, "high": 24.0}
 """Arrivals per second per rank for the simulation's cost model (the sim engine's defaults):
@@ -64,8 +65,9 @@ class _System(LocalSystem):
 
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
         total = np.zeros(len(RANK_COUNTERS))
-        for worker in client.zrange("sb:workers", 0, -1):
-            total += [int(v or 0) for v in client.hmget(f"sb:worker:{{{worker}}}", *RANK_COUNTERS)]
+        keys = Keys()  # the system the benchmark started uses the default prefix
+        for worker in client.zrange(keys.workers, 0, -1):
+            total += [int(v or 0) for v in client.hmget(keys.worker(worker), *RANK_COUNTERS)]
         client.close()
         return total
 

@@ -277,7 +277,9 @@ class Worker:
         if not batch:
             return
         metrics.PROMPT_TOKENS.inc(sum(len(seq.all_tokens) for seq in batch))
-        for seq, token in await self.run_engine(self.engine.prefill, batch):
+        results = await self.run_engine(self.engine.prefill, batch)
+        metrics.GENERATION_TOKENS.inc(len(results))
+        for seq, token in results:
             self.emit(seq, token)
             self.after_prefill(seq)
 
@@ -308,9 +310,10 @@ class Worker:
         batch = list(self.running)
         results = await self.run_engine(self.engine.decode, batch)
         still_running = set(map(id, self.running))
-        for seq, token in results:
-            if id(seq) in still_running:
-                self.emit(seq, token)
+        emitted = [(seq, token) for seq, token in results if id(seq) in still_running]
+        metrics.GENERATION_TOKENS.inc(len(emitted))
+        for seq, token in emitted:
+            self.emit(seq, token)
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.counters["decodes_done"] += 1
@@ -344,7 +347,6 @@ class Worker:
         self.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
 
     def emit(self, seq: Sequence, token_id: int) -> None:
-        metrics.GENERATION_TOKENS.inc()
         self.writer.tokens(seq.request_id, [token_id], seq.add_token(token_id, self.engine.eos_token_ids))
 
     def finish(self, seq: Sequence) -> None:

@@ -166,8 +166,9 @@ class Scheduler:
     async def read_requests(self) -> list[Waiting]:
         room = self.config.batch - len(self.waiting)
         block_ms = self._block_ms()
-        if room > 0 and block_ms is not None and block_ms < PRECISE_WAIT_MS:
-            deliveries = await self.requests.read_within(room, block_ms)  # the stagger window is due soon
+        if room > 0 and self._window_due():
+            assert block_ms is not None
+            deliveries = await self.requests.read_within(room, block_ms)  # the window must close on time
         elif room > 0:
             deliveries = await self.requests.read(room, block_ms=block_ms)
         else:
@@ -179,6 +180,9 @@ class Scheduler:
         deliveries, self._claimed = deliveries + self._claimed, []
         now = time.monotonic()
         return [Waiting(d, now) for d in deliveries]
+
+    def _window_due(self) -> bool:
+        return self.window is not None and self.window.due_at() is not None
 
     def _block_ms(self) -> int | None:
         """How long a read may block: until the stagger window is due, or the next registry
@@ -253,6 +257,4 @@ class Scheduler:
                 self._claimed += await self.requests.claim_idle()
 
 
-PRECISE_WAIT_MS = 200
-"""Waits shorter than this poll instead of blocking in Redis (whose timeouts can end 100 ms late)."""
 _OUTCOMES = {1: "dispatched", 0: "already_acked", -1: "duplicate"}
