@@ -96,30 +96,56 @@ def engine_plot(report: dict[str, Any], path: Path) -> None:
 
 
 def stagger_table(report: dict[str, Any]) -> str:
-    rows = [f"{'backend':<11} {'ranks':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"]
+    rows = [f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"]
     for r in report["results"]:
-        rows.append(f"{r['backend']:<11} {r['ranks']:>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} {r['idle_time_ratio']:>9.4f} {r['step_utilization']:>5.2f} "
-                    f"{r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}")
+        rows.append(f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} {r['idle_time_ratio']:>9.4f} "
+                    f"{r['step_utilization']:>5.2f} {r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}")
+    if report.get("window_sweep"):
+        rows.append("window sweep (simulation, moderate load, staggered): ranks, steps held -> idle fwd, TTFT p50 / p99 ms")
+        for w in report["window_sweep"]:
+            rows.append(f"  {w['ranks']:>3} ranks, {w['steps_held']:>4} steps: {w['idle_forward_ratio']:.4f}, {w['ttft_p50_s'] * 1000:.1f} / {w['ttft_p99_s'] * 1000:.1f}")
     return "\n".join(rows)
+
+
+def _stagger_key(r: dict[str, Any]) -> tuple[str, int, float, str]:
+    return r["backend"], r["ranks"], r["cost_scale"], r["load"]
 
 
 def stagger_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
 
-    keys = sorted({(r["backend"], r["ranks"], r["load"]) for r in report["results"]}, key=lambda k: (k[0] != "processes", k[1], ["low", "moderate", "high"].index(k[2])))
-    by = {(r["backend"], r["ranks"], r["load"], r["mode"]): r for r in report["results"]}
-    labels = [f"{'proc' if b == 'processes' else 'sim'} {n}r\n{load}" for b, n, load in keys]
-    fig, axes = plt.subplots(4, 1, figsize=(max(10, len(keys) * 0.9), 13))
-    metrics = (("idle_forward_ratio", "idle forwards per rank-step", 1), ("idle_time_ratio", "share of rank time in idle forwards", 1),
-               ("ttft_p50_s", "TTFT p50 (ms)", 1000), ("ttft_p99_s", "TTFT p99 (ms)", 1000))
-    for ax, (metric, title, scale) in zip(axes, metrics):
+    loads = ["low", "moderate", "high"]
+    keys = sorted({_stagger_key(r) for r in report["results"]}, key=lambda k: (k[2] == 1, k[1], k[0] != "processes", loads.index(k[3])))
+    by = {(*_stagger_key(r), r["mode"]): r for r in report["results"]}
+    labels = [f"{'proc' if b == 'processes' else 'sim'} {n}r x{scale:g}\n{load}" for b, n, scale, load in keys]
+    fig, axes = plt.subplots(5, 1, figsize=(max(10, len(keys) * 0.9), 16))
+    for ax, (metric, title) in zip(axes, (("idle_forward_ratio", "idle forwards per rank-step"), ("idle_time_ratio", "share of rank time in idle forwards"))):
         for offset, mode, color in ((-0.2, "naive", "#7f8c8d"), (0.2, "staggered", "#27ae60")):
-            ax.bar([i + offset for i in range(len(keys))], [by[(*k, mode)][metric] * scale for k in keys], width=0.4, label=mode, color=color)
+            ax.bar([i + offset for i in range(len(keys))], [by[(*k, mode)][metric] for k in keys], width=0.4, label=mode, color=color)
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(title, fontsize=9)
+    for ax, metric in zip(axes[2:4], ("ttft_p50_s", "ttft_p99_s")):
+        change = [100 * (by[(*k, "staggered")][metric] / by[(*k, "naive")][metric] - 1) for k in keys]
+        ax.bar(range(len(keys)), change, color=["#27ae60" if c < 0 else "#c0392b" for c in change])
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xticks(range(len(keys)), labels, fontsize=7)
+        ax.set_title(f"{metric[:4].upper()} {metric[5:8]}: staggered vs naive (%)", fontsize=9)
+    _window_sweep_plot(axes[4], report.get("window_sweep", []))
     axes[0].legend()
     fig.suptitle(f"splitbus bench stagger: naive vs staggered on the same Poisson trace (seed {report['seed']})", fontsize=10)
     _save(plt, fig, path, dpi=100)
+
+
+def _window_sweep_plot(ax: Any, sweep: list[dict[str, Any]]) -> None:
+    for ranks in sorted({w["ranks"] for w in sweep}):
+        points = [w for w in sweep if w["ranks"] == ranks]
+        ax.plot([w["steps_held"] for w in points], [w["ttft_p50_s"] * 1000 for w in points], marker="o", label=f"{ranks} ranks")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("window length (steps of the group)")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title("simulation, moderate load: staggered TTFT p50 against the window length", fontsize=9)
+    if sweep:
+        ax.legend(fontsize=7)
 
 
 def serve_table(report: dict[str, Any]) -> str:

@@ -17,22 +17,43 @@ import numpy as np
 from splitbus.bench.stagger_sim import GroupSimulation, TraceRequest, poisson_trace
 from splitbus.bench.system import LocalSystem
 from splitbus.bus.keys import Keys
+from splitbus.worker.config import SimConfig
 
 SIM_LOADS = {"low": 2.0, "moderate": 20.0, "high": 24.0}
 """Arrivals per second per rank for the simulation's cost model (the sim engine's defaults):
 about 8 %, 80 % and 95 % of the rate at which naive scheduling saturates."""
-PROCESS_LOADS = {"low": 1.0, "moderate": 5.0, "high": 8.0}
-"""Lower for real processes: 4 ranks, an API, a scheduler, Redis and the client share 2 cores."""
+PROCESS_COST_SCALE = 4.0
+"""The rank processes run the sim engine this many times slower, at this many times fewer
+arrivals: the same load, relative to the group's capacity, as the simulation's, at a request
+rate that 2 shared cores keep up with (4 ranks, an API, a scheduler, Redis and the client)."""
+PROCESS_LOADS = {load: rate / PROCESS_COST_SCALE for load, rate in SIM_LOADS.items()}
+WINDOW_SWEEP = (0.25, 0.5, 1.0, 2.0)
+"""Window lengths, in steps of the group, that the simulation compares at moderate load."""
 MODES = ("naive", "staggered")
 RANK_COUNTERS = ("steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us")
 
 
-def simulate(ranks: int, load: str, duration_s: float, seed: int) -> list[dict[str, Any]]:
-    trace = poisson_trace(SIM_LOADS[load] * ranks, duration_s, seed)
+def scaled_costs(scale: float) -> SimConfig:
+    base = SimConfig()
+    return SimConfig(base.prefill_s_per_token * scale, base.decode_step_s * scale, base.decode_s_per_seq * scale)
+
+
+def simulate(ranks: int, load: str, trace: list[TraceRequest], seed: int, cost_scale: float = 1.0) -> list[dict[str, Any]]:
     rows = []
     for mode in MODES:
-        r = GroupSimulation(ranks, staggered=mode == "staggered", seed=seed).run(trace)
-        rows.append(_row("simulation", ranks, load, mode, Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization), r.ttft_p50_s, r.ttft_p99_s, r.throughput_tok_s, r.requests))
+        r = GroupSimulation(ranks, staggered=mode == "staggered", seed=seed, costs=scaled_costs(cost_scale)).run(trace)
+        rows.append(_row("simulation", ranks, load, mode, cost_scale, Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization),
+                         r.ttft_p50_s, r.ttft_p99_s, r.throughput_tok_s, r.requests))
+    return rows
+
+
+def sweep_window(ranks: int, trace: list[TraceRequest], seed: int) -> list[dict[str, Any]]:
+    """Staggered runs of one trace with windows of different lengths (in steps of the group)."""
+    rows = []
+    for steps in WINDOW_SWEEP:
+        r = GroupSimulation(ranks, staggered=True, seed=seed, steps_held=steps).run(trace)
+        rows.append({"ranks": ranks, "load": "moderate", "steps_held": steps, "idle_forward_ratio": round(r.idle_forward_ratio, 4),
+                     "ttft_p50_s": round(r.ttft_p50_s, 4), "ttft_p99_s": round(r.ttft_p99_s, 4), "throughput_tok_s": round(r.throughput_tok_s, 1)})
     return rows
 
 
@@ -46,17 +67,20 @@ class Counters:
     """Share of the ranks' step time spent computing their own prefill or decode."""
 
 
-def _row(backend: str, ranks: int, load: str, mode: str, counters: Counters, p50: float, p99: float, tput: float, requests: int) -> dict[str, Any]:
-    return {"backend": backend, "ranks": ranks, "load": load, "mode": mode, **{k: round(v, 4) for k, v in asdict(counters).items()},
+def _row(backend: str, ranks: int, load: str, mode: str, cost_scale: float, counters: Counters, p50: float, p99: float, tput: float, requests: int) -> dict[str, Any]:
+    return {"backend": backend, "ranks": ranks, "load": load, "mode": mode, "cost_scale": cost_scale, **{k: round(v, 4) for k, v in asdict(counters).items()},
             "ttft_p50_s": round(p50, 4), "ttft_p99_s": round(p99, 4), "throughput_tok_s": round(tput, 1), "requests": requests}
 
 
 class _System(LocalSystem):
     """``splitbus up --engine sim --dp N``, naive or staggered."""
 
-    def __init__(self, ranks: int, staggered: bool) -> None:
+    def __init__(self, ranks: int, staggered: bool, costs: SimConfig) -> None:
         naive = ["--scheduler-arg=--no-stagger", "--worker-arg=--dp-align-ms", "--worker-arg=0"]
-        super().__init__("--engine", "sim", "--dp", str(ranks), *([] if staggered else naive))
+        cost_args = {"--sim-prefill-us-per-token": costs.prefill_s_per_token * 1e6, "--sim-decode-step-ms": costs.decode_step_s * 1e3,
+                     "--sim-decode-us-per-seq": costs.decode_s_per_seq * 1e6}
+        worker_args = [f"--worker-arg={a}" for flag, value in cost_args.items() for a in (flag, f"{value:g}")]
+        super().__init__("--engine", "sim", "--dp", str(ranks), *worker_args, *([] if staggered else naive))
 
     def counters(self) -> np.ndarray:
         """The ranks' cumulative step counters (``RANK_COUNTERS``) summed, as their heartbeats
@@ -99,15 +123,20 @@ async def _replay(base_url: str, trace: list[TraceRequest]) -> tuple[list[float]
 
 
 def run_processes(ranks: int, duration_s: float, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Naive and staggered with real rank processes, then the simulation of the same traces and
+    costs: the check that the model predicts the processes."""
+    traces = {load: poisson_trace(rate * ranks, duration_s, seed) for load, rate in PROCESS_LOADS.items()}
     rows = []
     for mode in MODES:
-        system = _System(ranks, staggered=mode == "staggered")
+        system = _System(ranks, mode == "staggered", scaled_costs(PROCESS_COST_SCALE))
         try:
-            for load, rate in PROCESS_LOADS.items():
-                progress(f"processes: {ranks} ranks, {mode}, {load} load ({rate * ranks:.0f} req/s)")
-                rows.append(_measure(system, ranks, load, mode, poisson_trace(rate * ranks, duration_s, seed)))
+            for load, trace in traces.items():
+                progress(f"processes: {ranks} ranks, {mode}, {load} load ({PROCESS_LOADS[load] * ranks:.1f} req/s)")
+                rows.append(_measure(system, ranks, load, mode, trace))
         finally:
             system.stop()
+    for load, trace in traces.items():
+        rows += simulate(ranks, load, trace, seed, PROCESS_COST_SCALE)
     return rows
 
 
@@ -118,15 +147,20 @@ def _measure(system: _System, ranks: int, load: str, mode: str, trace: list[Trac
     time.sleep(1.0)  # heartbeats publish the counters every 0.5 s
     steps, idle, step_us, idle_us, busy_us = system.counters() - before
     counters = Counters(idle / max(steps, 1), idle_us / max(step_us, 1), busy_us / max(step_us, 1))
-    return _row("processes", ranks, load, mode, counters, float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99)), tokens / elapsed, len(trace))
+    return _row("processes", ranks, load, mode, PROCESS_COST_SCALE, counters, float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99)), tokens / elapsed, len(trace))
 
 
-def run_stagger_bench(sim_ranks: list[int], process_ranks: int, duration_s: float, seed: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    results = []
+def run_stagger_bench(sim_ranks: list[int], process_ranks: int, duration_s: float, process_duration_s: float, seed: int,
+                      progress: Callable[[str], None]) -> dict[str, Any]:
+    results, sweep = [], []
     if process_ranks:
-        results += run_processes(process_ranks, duration_s, seed, progress)
+        results += run_processes(process_ranks, process_duration_s, seed, progress)
     for ranks in sim_ranks:
-        for load in SIM_LOADS:
+        for load, rate in SIM_LOADS.items():
             progress(f"simulation: {ranks} ranks, {load} load")
-            results += simulate(ranks, load, duration_s, seed)
-    return {"seed": seed, "duration_s": duration_s, "sim_loads_per_rank": SIM_LOADS, "process_loads_per_rank": PROCESS_LOADS, "results": results}
+            trace = poisson_trace(rate * ranks, duration_s, seed)
+            results += simulate(ranks, load, trace, seed)
+            if load == "moderate":
+                sweep += sweep_window(ranks, trace, seed)
+    return {"seed": seed, "duration_s": duration_s, "process_duration_s": process_duration_s, "sim_loads_per_rank": SIM_LOADS,
+            "process_loads_per_rank": PROCESS_LOADS, "process_cost_scale": PROCESS_COST_SCALE, "results": results, "window_sweep": sweep}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from splitbus.bus.scheduler.policy import choose
-from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
+from splitbus.bus.scheduler.stagger import STEPS_HELD, Job, RankLoad, StaggerWindow, water_fill
 from splitbus.worker.config import SimConfig
 from splitbus.worker.dp import StepPlan, decide
 
@@ -87,9 +87,10 @@ class SimResult:
 
 
 class GroupSimulation:
-    def __init__(self, ranks: int, staggered: bool, max_wait_s: float = 0.05, align_ms: float = 20.0, costs: SimConfig | None = None, seed: int = 0) -> None:
+    def __init__(self, ranks: int, staggered: bool, max_wait_s: float = 0.05, align_ms: float = 20.0, costs: SimConfig | None = None, seed: int = 0,
+                 steps_held: float = STEPS_HELD) -> None:
         self.ranks = [_Rank(f"r{i}") for i in range(ranks)]
-        self.window: StaggerWindow[_Req] | None = StaggerWindow(ranks, max_wait_s) if staggered else None
+        self.window: StaggerWindow[_Req] | None = StaggerWindow(ranks, max_wait_s, steps_held) if staggered else None
         self.align_ms = align_ms if staggered else 0.0
         self.costs = costs or SimConfig()
         self.now = 0.0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from splitbus import __version__
 from splitbus.bus.config import BusConfig
@@ -48,7 +49,8 @@ return out
 
 @dataclass
 class WorkerLoad:
-    """What a worker reports about itself at each heartbeat."""
+    """What a worker reports about itself at each heartbeat, and as it takes tasks (DP ranks:
+    every step)."""
 
     running: int = 0
     waiting: int = 0
@@ -199,13 +201,21 @@ class Registry:
         reserved = Reserved(*[int(raw.pop(name, 0)) for name in _RESERVED_FIELDS])
         return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), reserved)
 
-    async def release(self, worker_id: str, reserved: Reserved) -> None:
-        """Give back a reservation: the worker has taken the task (or dropped it)."""
+    async def report_load(self, worker_id: str, load: WorkerLoad, taken: Reserved | None = None) -> None:
+        """Publish the load between heartbeats, and give back the reservations of the tasks it
+        now counts (``taken``). One round trip, the load first: a snapshot may count a task
+        twice for an instant, never not at all (schedulers would pile work on the worker)."""
         pipe = self._redis.pipeline(transaction=False)
-        for name, amount in dataclasses.asdict(reserved).items():
+        self.queue_load(pipe, worker_id, load)
+        for name, amount in dataclasses.asdict(taken or Reserved()).items():
             if amount:
                 pipe.hincrby(self._keys.worker(worker_id), name, -amount)
         await pipe.execute()
+
+
+    def queue_load(self, pipe: Pipeline, worker_id: str, load: WorkerLoad) -> None:
+        """Add the load's write to a pipeline that goes out anyway (a DP rank's step plan)."""
+        pipe.hset(self._keys.worker(worker_id), mapping={k: str(v) for k, v in dataclasses.asdict(load).items()})
 
 
 class RegistryView:

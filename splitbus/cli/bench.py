@@ -44,7 +44,8 @@ def _add_stagger(kinds: argparse._SubParsersAction, env: Env) -> None:
     stagger.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     stagger.add_argument("--sim-ranks", type=int, nargs="*", default=[8, 16, 64], help="simulated group sizes")
     stagger.add_argument("--process-ranks", type=int, default=4, help="rank processes (0: skip)")
-    stagger.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per trace")
+    stagger.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per simulated trace")
+    stagger.add_argument("--process-duration", type=float, default=10.0, help="seconds of arrivals per trace sent to the rank processes")
     stagger.add_argument("--seed", type=int, default=1)
     stagger.set_defaults(run=run_stagger)
 
@@ -164,7 +165,7 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench.stagger import run_stagger_bench
 
     run = _Run("stagger", args.out)
-    result = run_stagger_bench(args.sim_ranks, args.process_ranks, args.duration, args.seed, progress=run.progress)
+    result = run_stagger_bench(args.sim_ranks, args.process_ranks, args.duration, args.process_duration, args.seed, progress=run.progress)
     return run.finish(result, report.stagger_plot, report.stagger_table)
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import WORKER_GROUP
@@ -33,6 +34,7 @@ from splitbus.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 PLANS_KEPT = 2000
+IDLE_WAIT_S = 0.5
 
 
 class GroupBroken(Exception):
@@ -87,9 +89,11 @@ class GroupBarrier:
         self.epoch = epoch_ms
         self._last_id = f"{epoch_ms}-0"  # entry ids are Redis server time: older ones are another run
 
-    async def exchange(self, step: int, plan: StepPlan) -> list[StepPlan]:
-        fields = {"epoch": self.epoch, "step": step, "plan": orjson.dumps(asdict(plan))}
-        await self._redis.xadd(self._key, fields, maxlen=PLANS_KEPT, approximate=True)
+    async def exchange(self, step: int, plan: StepPlan, pipe: Pipeline | None = None) -> list[StepPlan]:
+        """Post this rank's plan (with whatever ``pipe`` already holds) and wait for every rank's."""
+        pipe = pipe if pipe is not None else self._redis.pipeline(transaction=False)
+        pipe.xadd(self._key, {"epoch": self.epoch, "step": step, "plan": orjson.dumps(asdict(plan))}, maxlen=PLANS_KEPT, approximate=True)
+        await pipe.execute()
         deadline = time.monotonic() + self.timeout_s
         while len(self._seen.get(step, {})) < self.size:
             left = deadline - time.monotonic()
@@ -102,12 +106,21 @@ class GroupBarrier:
             del self._seen[old]
         return plans
 
+    async def nudge(self) -> None:
+        """Wake the ranks of an idle group: this one has work."""
+        await self._redis.xadd(self._key, {"epoch": self.epoch, "wake": self.rank}, maxlen=PLANS_KEPT, approximate=True)
+
+    async def wait_for_news(self, timeout_s: float) -> None:
+        """While the group is idle: return when a rank posts to the group (a plan or a nudge),
+        or after about ``timeout_s``."""
+        await self._read(timeout_s)
+
     async def _read(self, block_s: float) -> None:
         reply = await self._redis.xread({self._key: self._last_id}, count=1000, block=max(1, int(block_s * 1000)))
         for _, entries in reply or ():
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode()
-                if int(fields[b"epoch"]) == self.epoch:
+                if int(fields[b"epoch"]) == self.epoch and b"plan" in fields:
                     plan = StepPlan(**orjson.loads(fields[b"plan"]))
                     self._seen.setdefault(int(fields[b"step"]), {})[plan.rank] = plan
 
@@ -120,6 +133,8 @@ class DpWorker(Worker):
         c = self.config
         self.barrier = GroupBarrier(self.redis, c.bus, c.dp_group, c.dp_rank, c.dp_size, c.dp_barrier_timeout_s)
         self.step_no = 0
+        self.group_idle = False
+        """True while the whole group waits for work: new work here must wake the others."""
 
     async def start(self) -> None:
         await super().start()
@@ -149,14 +164,22 @@ class DpWorker(Worker):
         self.expire_waits()
         mine = self.plan()
         started = time.monotonic()
-        plans = await self.barrier.exchange(self.step_no, mine)
+        plans = await self.barrier.exchange(self.step_no, mine, self.load_report())
         action = decide(mine, plans, self.config.dp_align_ms)
         self.step_no += 1
         acting = time.monotonic()
         await self.act(action)
-        await self.publish()
+        self.publish_soon()
         if action != "none":
             self.observe_step(action, time.monotonic() - started, time.monotonic() - acting)
+
+    def load_report(self) -> Pipeline:
+        """The rank's load, to go out with its step plan. It changes every step, and the
+        scheduler spreads the group's work by it: with heartbeats alone (every 0.5 s), finished
+        prefills still counted, so new work piled on the ranks that had reported little."""
+        pipe = self.redis.pipeline(transaction=False)
+        self.registry.queue_load(pipe, self.id, self.load())
+        return pipe
 
     def observe_step(self, action: str, step_s: float, act_s: float) -> None:
         old = self.counters["step_us"]
@@ -172,8 +195,8 @@ class DpWorker(Worker):
         return StepPlan(self.config.dp_rank, True, bool(self.running), waited, oldest.task.batch_id, oldest.task.batch_ranks)
 
     async def act(self, action: str) -> None:
-        if action == "none":  # the whole group is idle: wait for work, no forward
-            await self.wait_for_work()
+        if action == "none":
+            await self.wait_for_group_work()
             return
         self.counters["steps"] += 1
         if action == "prefill":
@@ -184,6 +207,23 @@ class DpWorker(Worker):
             self.counters["idle_forwards"] += 1
             with metrics.ENGINE_STEP.labels("idle").time():
                 await self.engine.idle()
+
+    async def wait_for_group_work(self) -> None:
+        """The whole group is idle: no forward. Wait until a rank gets work: this one (its
+        ``work_arrived`` nudges the group) or another (its nudge or plan reaches the group's
+        stream). Each rank used to wait on its own tasks only, so a request that reached one
+        rank of an idle group waited for the others' idle timeout."""
+        self.expire_waits()
+        self.group_idle = True
+        if not (self.queued or self.running):  # work that came before group_idle was set sent no nudge
+            await self.barrier.wait_for_news(IDLE_WAIT_S)
+        self.group_idle = False
+
+    async def work_arrived(self) -> None:
+        await super().work_arrived()
+        if self.group_idle:
+            self.group_idle = False
+            await self.barrier.nudge()
 
     async def leave(self, reason: str, missing: list[int]) -> None:
         """The group is broken: fail what this rank holds (and, on the lowest surviving rank,

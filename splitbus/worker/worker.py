@@ -192,14 +192,18 @@ class Worker:
             deliveries = await self.tasks.read(room)
             for delivery in deliveries:
                 await self.accept(delivery)
-            self.wake.set()  # the engine loop starts on them while the reservations go back
+            await self.work_arrived()  # the engine loop starts on them while the reservations go back
             await self.release_reservations(deliveries)
 
+    async def work_arrived(self) -> None:
+        self.wake.set()
+
     async def release_reservations(self, deliveries: list[Delivery]) -> None:
-        """Give back what the scheduler reserved for these tasks: they are taken now."""
+        """Give back what the scheduler reserved for these tasks, with the load that now counts
+        them: until the next heartbeat the tasks would otherwise be in neither."""
         tasks = [d.message for d in deliveries if isinstance(d.message, Task)]
         if tasks:
-            await self.registry.release(self.id, Reserved(*(sum(column) for column in zip(*(t.reserved for t in tasks)))))
+            await self.registry.report_load(self.id, self.load(), Reserved(*(sum(column) for column in zip(*(t.reserved for t in tasks)))))
 
     async def accept(self, delivery: Delivery) -> None:
         task = delivery.message

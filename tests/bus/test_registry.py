@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 
 
 def _record(worker_id: str, role: str = "decode") -> WorkerRecord:
@@ -29,6 +29,18 @@ async def test_register_heartbeat_and_snapshot(redis: aioredis.Redis, bus_config
     assert all(w.alive for w in snap.values())
     time_s, time_us = await redis.time()
     assert abs(server_ms - (time_s * 1000 + time_us // 1000)) < 5000  # the server's clock
+
+
+async def test_a_taken_task_moves_from_reserved_to_the_reported_load(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("m1", "mixed"), lease_ms=5000)
+    for name, amount in (("reserved_prefill_tokens", 300), ("reserved_requests", 2), ("reserved_kv_blocks", 30)):
+        await redis.hincrby(bus_config.keys.worker("m1"), name, amount)  # what two dispatches reserved
+    taken_load = WorkerLoad(waiting=1, queued_prefill_tokens=100, free_kv_blocks=80, total_kv_blocks=100)
+    await registry.report_load("m1", taken_load, Reserved(100, 1, 10))  # the worker read one of the two tasks
+    (worker,) = await registry.snapshot()
+    assert worker.record.load == taken_load and worker.alive
+    assert worker.reserved == Reserved(200, 1, 20)
 
 
 async def test_snapshot_is_one_round_trip(redis: aioredis.Redis, bus_config: BusConfig) -> None:

@@ -195,7 +195,7 @@ class Scheduler:
         return int(self.config.refresh_s * 1000) if self.waiting else None
 
     def _tune_window(self, window: StaggerWindow[Waiting]) -> None:
-        """One request per rank closes the window; otherwise it holds ~2 of the ranks' steps."""
+        """One request per rank closes the window; otherwise it holds half of the ranks' recent step time."""
         ranks = [w for w in self.view.live() if w.record.dp_size > 0]
         window.ranks = max(1, len(ranks))
         steps = [w.record.load.step_us for w in ranks if w.record.load.step_us]

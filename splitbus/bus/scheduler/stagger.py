@@ -7,9 +7,12 @@ once, the scheduler holds arrivals in a short window and releases them as one ba
 over the ranks by water-filling on queued prefill tokens, so the ranks' prefills line up.
 
 The window is adaptive: it closes as soon as there is a request for every rank (high load: no
-waiting), else after ``STEPS_HELD`` of the group's recent step time (ranks only take work at a
-step boundary, so holding longer than a step or two only adds to TTFT), and never later than
-``max_wait_s`` after its first arrival.
+waiting), else after ``STEPS_HELD`` of the group's recent step time, and never later than
+``max_wait_s`` after its first arrival. Ranks only take work at a step boundary, so an arrival
+waits for the running step anyway; holding it for half a step lets the arrivals of one step be
+placed together, and costs little more than that wait. Held longer (we first held two steps),
+batches grow but TTFT and idle forwards rise: see ``splitbus bench stagger`` in
+docs/benchmarks.md for the sweep.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Sequence, TypeVar
 
 T = TypeVar("T")
-STEPS_HELD = 2.0
+STEPS_HELD = 0.5
 STEP_EWMA = 0.2
 
 
@@ -66,6 +69,7 @@ class StaggerWindow(Generic[T]):
 
     ranks: int
     max_wait_s: float
+    steps_held: float = STEPS_HELD
     held: list[T] = field(default_factory=list)
     opened_at: float | None = None
     step_s: float | None = None
@@ -78,7 +82,7 @@ class StaggerWindow(Generic[T]):
     def hold_s(self) -> float:
         if self.step_s is None:
             return self.max_wait_s
-        return min(self.max_wait_s, STEPS_HELD * self.step_s)
+        return min(self.max_wait_s, self.steps_held * self.step_s)
 
     def add(self, item: T, now: float) -> None:
         if self.opened_at is None:

@@ -58,13 +58,3 @@ async def test_duplicate_request_entry_is_acked_not_dispatched(redis: aioredis.R
     assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
-
-
-async def test_worker_releases_its_reservation(redis: aioredis.Redis, bus_config: BusConfig) -> None:
-    await _setup(redis, bus_config)
-    registry = Registry(redis, bus_config)
-    await redis.hincrby(bus_config.keys.worker("d"), "reserved_kv_blocks", 8)
-    await redis.hincrby(bus_config.keys.worker("d"), "reserved_requests", 1)
-    await registry.release("d", Reserved(0, 1, 8))
-    snap = {w.record.worker_id: w.reserved for w in await registry.snapshot()}
-    assert snap["d"] == Reserved()

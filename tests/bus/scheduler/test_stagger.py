@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
 
 
@@ -50,3 +52,12 @@ def test_window_closes_when_every_rank_has_work_or_at_the_bound() -> None:
     for i, item in enumerate("wxyz"):
         window.add(item, 2.0 + i * 0.001)
     assert window.ready(2.003)  # high load: one per rank, no waiting
+
+
+def test_window_holds_half_a_step_once_the_step_time_is_known() -> None:
+    window: StaggerWindow[str] = StaggerWindow(ranks=8, max_wait_s=0.05)
+    window.observe_step(0.03)
+    window.add("a", now=1.0)
+    assert window.due_at() == pytest.approx(1.015)  # half of the group's 30 ms step
+    window.observe_step(0.5)  # long prefill steps: the bound caps the wait
+    assert window.due_at() == pytest.approx(1.05)
