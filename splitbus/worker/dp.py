@@ -70,6 +70,17 @@ def decide(mine: StepPlan, plans: list[StepPlan], align_ms: float) -> str:
     return "decode" if mine.decode else "idle"
 
 
+def bind_late(action: str, posted: StepPlan, current: StepPlan, plans: list[StepPlan], align_ms: float) -> str:
+    """Prefill work that reached a rank after it posted its plan (``current`` has it,
+    ``posted`` had not) joins this step, not the next. In lock-step the rank that finishes
+    first posts first, so during a long prefill step its plan would miss nearly all that
+    arrives meanwhile. Safe for the lock-step: the group steps anyway, and the prefill is this
+    rank's forward instead of an idle one or a decode."""
+    if action not in ("idle", "decode") or posted.prefill or not current.prefill:
+        return action
+    return decide(current, [current if p.rank == current.rank else p for p in plans], align_ms)
+
+
 def _batch_arrived(mine: StepPlan, plans: list[StepPlan]) -> bool:
     if not mine.batch_id:
         return True
@@ -165,7 +176,7 @@ class DpWorker(Worker):
         mine = self.plan()
         started = time.monotonic()
         plans = await self.barrier.exchange(self.step_no, mine, self.load_report())
-        action = decide(mine, plans, self.config.dp_align_ms)
+        action = bind_late(decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms)
         self.step_no += 1
         acting = time.monotonic()
         await self.act(action)
