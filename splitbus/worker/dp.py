@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import orjson
@@ -95,6 +96,7 @@ class GroupBarrier:
         self.epoch = 0
         self._last_id = "0-0"
         self._seen: dict[int, dict[int, StepPlan]] = {}
+        self._done: dict[int, dict[int, bool]] = {}
 
     def begin(self, epoch_ms: int) -> None:
         self.epoch = epoch_ms
@@ -105,17 +107,28 @@ class GroupBarrier:
         pipe = pipe if pipe is not None else self._redis.pipeline(transaction=False)
         pipe.xadd(self._key, {"epoch": self.epoch, "step": step, "plan": orjson.dumps(asdict(plan))}, maxlen=PLANS_KEPT, approximate=True)
         await pipe.execute()
-        deadline = time.monotonic() + self.timeout_s
-        while len(self._seen.get(step, {})) < self.size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(self.size)) - set(self._seen.get(step, {})))
-                raise GroupBroken(f"DP group {self.group}: rank(s) {missing} did not reach step {step} within {self.timeout_s:.0f}s", missing)
-            await self._read(min(left, 1.0))
+        await self._wait_for_all(self._seen, step, "reach")
         plans = [self._seen[step][r] for r in range(self.size)]
         for old in [s for s in self._seen if s <= step]:
             del self._seen[old]
         return plans
+
+    async def finish(self, step: int) -> None:
+        """Return once every rank has finished its forward of ``step``: the collective end of a
+        step that EP's all-to-all gives real forwards, for engines that have no EP to do it."""
+        await self._redis.xadd(self._key, {"epoch": self.epoch, "done": step, "rank": self.rank}, maxlen=PLANS_KEPT, approximate=True)
+        await self._wait_for_all(self._done, step, "finish")
+        for old in [s for s in self._done if s <= step]:
+            del self._done[old]
+
+    async def _wait_for_all(self, posts: Mapping[int, Mapping[int, object]], step: int, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while len(posts.get(step, {})) < self.size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.size)) - set(posts.get(step, {})))
+                raise GroupBroken(f"DP group {self.group}: rank(s) {missing} did not {what} step {step} within {self.timeout_s:.0f}s", missing)
+            await self._read(min(left, 1.0))
 
     async def nudge(self) -> None:
         """Wake the ranks of an idle group: this one has work."""
@@ -131,7 +144,9 @@ class GroupBarrier:
         for _, entries in reply or ():
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode()
-                if int(fields[b"epoch"]) == self.epoch and b"plan" in fields:
+                if int(fields[b"epoch"]) == self.epoch and b"done" in fields:
+                    self._done.setdefault(int(fields[b"done"]), {})[int(fields[b"rank"])] = True
+                elif int(fields[b"epoch"]) == self.epoch and b"plan" in fields:
                     plan = StepPlan(**orjson.loads(fields[b"plan"]))
                     self._seen.setdefault(int(fields[b"step"]), {})[plan.rank] = plan
 
@@ -144,6 +159,10 @@ class DpWorker(Worker):
         c = self.config
         self.barrier = GroupBarrier(self.redis, c.bus, c.dp_group, c.dp_rank, c.dp_size, c.dp_barrier_timeout_s)
         self.step_no = 0
+        self.steps_end_together = self.config.engine == "sim"
+        """The sim engine has no EP, so its ranks end each step together as EP's all-to-all makes
+        real ones do: a token is out when the group's step ends, not when this rank's share of
+        it does (the benchmark's processes then behave like the group they stand for)."""
         self.group_idle = False
         """True while the whole group waits for work: new work here must wake the others."""
 
@@ -177,12 +196,15 @@ class DpWorker(Worker):
         started = time.monotonic()
         plans = await self.barrier.exchange(self.step_no, mine, self.load_report())
         action = bind_late(decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms)
-        self.step_no += 1
         acting = time.monotonic()
         await self.act(action)
+        acted = time.monotonic()
+        if action != "none" and self.steps_end_together:
+            await self.barrier.finish(self.step_no)
+        self.step_no += 1
         self.publish_soon()
         if action != "none":
-            self.observe_step(action, time.monotonic() - started, time.monotonic() - acting)
+            self.observe_step(action, time.monotonic() - started, acted - acting)
 
     def load_report(self) -> Pipeline:
         """The rank's load, to go out with its step plan. It changes every step, and the

@@ -1,14 +1,15 @@
-"""The DP group's barrier on a real Redis: plans are exchanged per step, and an idle group
-wakes when one of its ranks gets work."""
+"""The DP group's barrier on a real Redis: plans are exchanged per step, steps can end
+together, and an idle group wakes when one of its ranks gets work."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
-from splitbus.worker.dp import GroupBarrier, StepPlan
+from splitbus.worker.dp import GroupBarrier, GroupBroken, StepPlan
 
 BOUND_S = 5.0
 """Far beyond any wait here: a barrier that misses a post would show as a timeout, not a hang."""
@@ -43,3 +44,19 @@ async def test_a_nudge_is_not_taken_for_a_plan(redis: aioredis.Redis, bus_config
     plans = [StepPlan(0, True, False, 0.0), StepPlan(1, False, True, 0.0)]
     seen = await asyncio.gather(first.exchange(0, plans[0]), second.exchange(0, plans[1]))
     assert seen == [plans, plans]
+
+
+async def test_a_step_ends_when_every_rank_has_finished_it(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    fast, slow = barriers(redis, bus_config, "finish", 2)
+    fast_done = asyncio.create_task(fast.finish(7))
+    await asyncio.sleep(0.05)
+    assert not fast_done.done()  # the slow rank is still in its forward
+    await slow.finish(7)
+    await asyncio.wait_for(fast_done, BOUND_S / 2)
+
+
+async def test_a_rank_that_never_finishes_breaks_the_group(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    (alone, _) = [GroupBarrier(redis, bus_config, "gone", rank, 2, timeout_s=0.3) for rank in range(2)]
+    alone.begin(epoch_ms=1)
+    with pytest.raises(GroupBroken, match=r"rank\(s\) \[1\] did not finish step 3"):
+        await alone.finish(3)
