@@ -212,7 +212,6 @@ class Registry:
                 pipe.hincrby(self._keys.worker(worker_id), name, -amount)
         await pipe.execute()
 
-
     def queue_load(self, pipe: Pipeline, worker_id: str, load: WorkerLoad) -> None:
         """Add the load's write to a pipeline that goes out anyway (a DP rank's step plan)."""
         pipe.hset(self._keys.worker(worker_id), mapping={k: str(v) for k, v in dataclasses.asdict(load).items()})

@@ -5,7 +5,11 @@ oldest prefill has waited) to ``sb:dp:{group}`` and reads the others'. From the 
 rank makes the same decision: the group steps if any rank has work, and a rank with nothing to
 do runs an idle forward (counted). Prefills are aligned: a task of a staggered batch names the
 batch and how many ranks it went to, and a rank waits (up to ``dp_align_ms``) until all of them
-have their part, so the batch's prefills share a step.
+have their part, so the batch's prefills share a step. Prefill work that comes after a rank
+posted its plan still joins the step (``bind_late``). With the sim engine, which has no EP, the
+ranks also wait for each other at the end of each step (``GroupBarrier.finish``), so tokens
+come out when the group's step ends, as they would with EP. A group with no work blocks on its
+stream; a rank that gets work posts a ``wake`` entry there.
 
 The group starts when all its ranks are live in the registry; its epoch is the latest
 ``started_ms`` among them (Redis server time), and only plans of that epoch count. A rank
