@@ -207,6 +207,9 @@ def scheduler_table(report: dict[str, Any]) -> str:
     for r in report["results"]:
         p, f = r["paced"], r["flood"]
         rows.append(f"{r['replicas']:>8} {r['workers']:>7} {p['achieved_rate']:>11.0f} {p['p50_ms']:>7.2f} {p['p90_ms']:>7.2f} {p['p99_ms']:>7.2f} {p['max_ms']:>7.1f} {f['decisions_per_s']:>18,.0f}")
+        for phase, counts in (("paced", p), ("flood", f)):
+            if counts["placed"] < counts["requests"]:
+                rows.append(f"         {phase}: only {counts['placed']} of {counts['requests']} requests were placed")
     return "\n".join(rows)
 
 

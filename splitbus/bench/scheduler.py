@@ -34,6 +34,10 @@ from splitbus.redis_server import die_with_parent
 LEASE_MS = 3000
 
 
+class SchedulerStalled(Exception):
+    """A phase ended with none of its requests placed: the schedulers are not working."""
+
+
 @dataclass(frozen=True)
 class SchedulerBenchConfig:
     workers: int = 64
@@ -104,8 +108,10 @@ async def _paced(redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, co
         sent[request.request_id] = int(fields[b"ts"]) / 1e6
         await redis.xadd(bus.keys.requests, fields)
     sending_s = time.perf_counter() - start
-    await _until(lambda: all(r in workers.arrived for r in sent), 30)
+    await _until(lambda: all(r in workers.arrived for r in sent), _placing_s(len(sent)))
     latency_ms = np.array([(workers.arrived[r] - t) * 1000 for r, t in sent.items() if r in workers.arrived])
+    if not latency_ms.size:
+        raise SchedulerStalled(f"none of {len(sent)} paced requests was placed within {_placing_s(len(sent)):.0f} s")
     return {"requests": len(sent), "placed": len(latency_ms), "offered_rate": config.rate, "achieved_rate": len(sent) / sending_s,
             **{f"p{p}_ms": float(np.percentile(latency_ms, p)) for p in (50, 90, 99, 99.9)}, "max_ms": float(latency_ms.max()),
             "cdf_ms": np.percentile(latency_ms, np.linspace(0, 100, 200)).round(3).tolist()}
@@ -121,10 +127,19 @@ async def _flood(redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, co
             pipe.xadd(bus.keys.requests, codec.encode(request))
         await pipe.execute()
     written = time.time()
-    await _until(lambda: len(workers.arrived) - before >= len(requests), 120)
-    last = max(workers.arrived[r.request_id] for r in requests if r.request_id in workers.arrived)
+    await _until(lambda: len(workers.arrived) - before >= len(requests), _placing_s(len(requests)))
     placed = sum(1 for r in requests if r.request_id in workers.arrived)
+    if not placed:
+        raise SchedulerStalled(f"none of {len(requests)} flood requests was placed within {_placing_s(len(requests)):.0f} s")
+    last = max(workers.arrived[r.request_id] for r in requests if r.request_id in workers.arrived)
     return {"requests": len(requests), "placed": placed, "write_s": written - start, "elapsed_s": last - start, "decisions_per_s": placed / (last - start)}
+
+
+def _placing_s(requests: int) -> float:
+    """How long to wait for the last of a phase's requests to be placed: well past any
+    measured rate (over 1,000 decisions/s), so that a phase that stalls ends as a report of
+    fewer placed than sent, not as a hang."""
+    return max(10.0, requests / 200)
 
 
 async def _until(done: Callable[[], bool], timeout_s: float) -> None:

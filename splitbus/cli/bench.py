@@ -190,7 +190,7 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
 
 def run_scheduler(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
-    from splitbus.bench.scheduler import SchedulerBenchConfig, run_scheduler_bench
+    from splitbus.bench.scheduler import SchedulerBenchConfig, SchedulerStalled, run_scheduler_bench
 
     try:
         config = SchedulerBenchConfig(args.workers, tuple(args.replicas), args.rate, args.paced_requests, args.flood_requests)
@@ -198,8 +198,12 @@ def run_scheduler(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus bench scheduler: {exc}")
         return 2
     run = _Run("scheduler", args.out)
-    with _redis(args.redis_url) as url:
-        result = run_scheduler_bench(url, config, progress=run.progress)
+    try:
+        with _redis(args.redis_url) as url:
+            result = run_scheduler_bench(url, config, progress=run.progress)
+    except SchedulerStalled as exc:
+        say(f"splitbus bench scheduler: {exc}; the schedulers' own errors, if any, are above")
+        return 1
     return run.finish(result, report.scheduler_plot, report.scheduler_table)
 
 

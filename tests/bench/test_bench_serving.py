@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from splitbus.bench import scheduler as scheduler_bench
 from splitbus.bench.serve import RequestResult, ServeConfig, make_trace, summarize
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import connect
 
 VLLM_FIELDS = ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
                "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms")
@@ -104,3 +108,15 @@ def test_summary_uses_vllm_names_and_counts_failures() -> None:
 def test_an_unreachable_redis_is_a_clear_error(tmp_path: Path, bench: str) -> None:
     out = _bench_fails(tmp_path, bench, "--redis-url", "redis://127.0.0.1:1/0")
     assert "splitbus bench: cannot reach Redis at redis://127.0.0.1:1/0" in out
+
+
+async def test_scheduler_bench_reports_a_stall_instead_of_hanging(redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_bench, "_placing_s", lambda requests: 0.3)
+    bus = BusConfig(redis_url=redis_server.url, prefix=f"stall{uuid.uuid4().hex[:6]}")
+    redis = connect(bus)
+    try:
+        workers = scheduler_bench.FakeWorkers(redis, bus, 2)  # and no scheduler to place on them
+        with pytest.raises(scheduler_bench.SchedulerStalled, match="none of 5 flood requests was placed"):
+            await scheduler_bench._flood(redis, bus, workers, scheduler_bench.SchedulerBenchConfig(workers=2, flood_requests=5))
+    finally:
+        await redis.aclose()
