@@ -33,6 +33,35 @@ MODES = ("naive", "staggered")
 RANK_COUNTERS = ("steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us")
 
 
+@dataclass(frozen=True)
+class StaggerBenchConfig:
+    sim_ranks: tuple[int, ...] = (8, 16, 64)
+    process_ranks: int = 4
+    """Rank processes to start (0: none)."""
+    duration_s: float = 6.0
+    """Seconds of arrivals per simulated trace."""
+    process_duration_s: float = 10.0
+    """Seconds of arrivals per trace sent to the rank processes."""
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if any(r < 1 for r in self.sim_ranks) or self.process_ranks < 0:
+            raise ValueError("--sim-ranks must be >= 1 and --process-ranks >= 0")
+        if self.duration_s <= 0 or self.process_duration_s <= 0:
+            raise ValueError("--duration and --process-duration must be positive")
+
+
+class EmptyTrace(Exception):
+    """A trace drew no arrivals: there is nothing to measure."""
+
+
+def _trace(rate_per_s: float, duration_s: float, seed: int, what: str) -> list[TraceRequest]:
+    trace = poisson_trace(rate_per_s, duration_s, seed)
+    if not trace:
+        raise EmptyTrace(f"the {what} trace drew no requests in {duration_s:g} s; give it a longer duration")
+    return trace
+
+
 def scaled_costs(scale: float) -> SimConfig:
     base = SimConfig()
     return SimConfig(base.prefill_s_per_token * scale, base.decode_step_s * scale, base.decode_s_per_seq * scale)
@@ -125,7 +154,7 @@ async def _replay(base_url: str, trace: list[TraceRequest]) -> tuple[list[float]
 def run_processes(ranks: int, duration_s: float, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """Naive and staggered with real rank processes, then the simulation of the same traces and
     costs: the check that the model predicts the processes."""
-    traces = {load: poisson_trace(rate * ranks, duration_s, seed) for load, rate in PROCESS_LOADS.items()}
+    traces = {load: _trace(rate * ranks, duration_s, seed, f"{load}-load process") for load, rate in PROCESS_LOADS.items()}
     rows = []
     for mode in MODES:
         system = _System(ranks, mode == "staggered", scaled_costs(PROCESS_COST_SCALE))
@@ -150,17 +179,16 @@ def _measure(system: _System, ranks: int, load: str, mode: str, trace: list[Trac
     return _row("processes", ranks, load, mode, PROCESS_COST_SCALE, counters, float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99)), tokens / elapsed, len(trace))
 
 
-def run_stagger_bench(sim_ranks: list[int], process_ranks: int, duration_s: float, process_duration_s: float, seed: int,
-                      progress: Callable[[str], None]) -> dict[str, Any]:
+def run_stagger_bench(config: StaggerBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     results, sweep = [], []
-    if process_ranks:
-        results += run_processes(process_ranks, process_duration_s, seed, progress)
-    for ranks in sim_ranks:
+    if config.process_ranks:
+        results += run_processes(config.process_ranks, config.process_duration_s, config.seed, progress)
+    for ranks in config.sim_ranks:
         for load, rate in SIM_LOADS.items():
             progress(f"simulation: {ranks} ranks, {load} load")
-            trace = poisson_trace(rate * ranks, duration_s, seed)
-            results += simulate(ranks, load, trace, seed)
+            trace = _trace(rate * ranks, config.duration_s, config.seed, f"{load}-load simulated")
+            results += simulate(ranks, load, trace, config.seed)
             if load == "moderate":
-                sweep += sweep_window(ranks, trace, seed)
-    return {"seed": seed, "duration_s": duration_s, "process_duration_s": process_duration_s, "sim_loads_per_rank": SIM_LOADS,
+                sweep += sweep_window(ranks, trace, config.seed)
+    return {"seed": config.seed, "duration_s": config.duration_s, "process_duration_s": config.process_duration_s, "sim_loads_per_rank": SIM_LOADS,
             "process_loads_per_rank": PROCESS_LOADS, "process_cost_scale": PROCESS_COST_SCALE, "results": results, "window_sweep": sweep}

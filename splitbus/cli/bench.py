@@ -7,11 +7,13 @@ import contextlib
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from splitbus.cli.common import say
 from splitbus.env import Env
 from splitbus.redis_server import EmbeddedRedis
+
+C = TypeVar("C")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -112,6 +114,15 @@ def _check_reachable(url: str) -> None:
         client.close()
 
 
+def _config(kind: str, build: Callable[[], C]) -> C | None:
+    """A benchmark's config from its options, or None once the reason they are invalid is said."""
+    try:
+        return build()
+    except ValueError as exc:
+        say(f"splitbus bench {kind}: {exc}")
+        return None
+
+
 class _Run:
     """Progress lines stamped with the elapsed time, and the common end of every benchmark:
     machine facts, JSON, PNG, the table, where the files went."""
@@ -162,10 +173,17 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
 
 def run_stagger(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
-    from splitbus.bench.stagger import run_stagger_bench
+    from splitbus.bench.stagger import EmptyTrace, StaggerBenchConfig, run_stagger_bench
 
+    config = _config("stagger", lambda: StaggerBenchConfig(tuple(args.sim_ranks), args.process_ranks, args.duration, args.process_duration, args.seed))
+    if config is None:
+        return 2
     run = _Run("stagger", args.out)
-    result = run_stagger_bench(args.sim_ranks, args.process_ranks, args.duration, args.process_duration, args.seed, progress=run.progress)
+    try:
+        result = run_stagger_bench(config, progress=run.progress)
+    except EmptyTrace as exc:
+        say(f"splitbus bench stagger: {exc}")
+        return 2
     return run.finish(result, report.stagger_plot, report.stagger_table)
 
 
@@ -173,11 +191,9 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.serve import ServeConfig, TargetError, run_serve_bench
 
-    try:
-        config = ServeConfig(tuple(args.request_rate), args.num_prompts, args.max_concurrency, args.input_len, args.output_len,
-                             args.range_ratio, args.model, args.seed)
-    except ValueError as exc:
-        say(f"splitbus bench serve: {exc}")
+    config = _config("serve", lambda: ServeConfig(tuple(args.request_rate), args.num_prompts, args.max_concurrency, args.input_len,
+                                                  args.output_len, args.range_ratio, args.model, args.seed))
+    if config is None:
         return 2
     run = _Run("serve", args.out)
     try:
@@ -192,10 +208,8 @@ def run_scheduler(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.scheduler import SchedulerBenchConfig, SchedulerStalled, run_scheduler_bench
 
-    try:
-        config = SchedulerBenchConfig(args.workers, tuple(args.replicas), args.rate, args.paced_requests, args.flood_requests)
-    except ValueError as exc:
-        say(f"splitbus bench scheduler: {exc}")
+    config = _config("scheduler", lambda: SchedulerBenchConfig(args.workers, tuple(args.replicas), args.rate, args.paced_requests, args.flood_requests))
+    if config is None:
         return 2
     run = _Run("scheduler", args.out)
     try:
@@ -211,10 +225,8 @@ def run_api(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.api_load import ApiBenchConfig, run_api_bench
 
-    try:
-        config = ApiBenchConfig(args.streams, args.tokens, args.step_ms, args.client_processes)
-    except ValueError as exc:
-        say(f"splitbus bench api: {exc}")
+    config = _config("api", lambda: ApiBenchConfig(args.streams, args.tokens, args.step_ms, args.client_processes))
+    if config is None:
         return 2
     run = _Run("api", args.out)
     with _redis(args.redis_url) as url:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 
 import orjson
@@ -100,7 +100,7 @@ class GroupBarrier:
         self.epoch = 0
         self._last_id = "0-0"
         self._seen: dict[int, dict[int, StepPlan]] = {}
-        self._done: dict[int, dict[int, bool]] = {}
+        self._done: dict[int, set[int]] = {}
 
     def begin(self, epoch_ms: int) -> None:
         self.epoch = epoch_ms
@@ -125,12 +125,13 @@ class GroupBarrier:
         for old in [s for s in self._done if s <= step]:
             del self._done[old]
 
-    async def _wait_for_all(self, posts: Mapping[int, Mapping[int, object]], step: int, what: str) -> None:
+    async def _wait_for_all(self, posts: Mapping[int, Collection[int]], step: int, what: str) -> None:
+        """Until every rank has posted for ``step`` (``posts``: step -> the ranks, or their plans by rank)."""
         deadline = time.monotonic() + self.timeout_s
-        while len(posts.get(step, {})) < self.size:
+        while len(posts.get(step, ())) < self.size:
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(self.size)) - set(posts.get(step, {})))
+                missing = sorted(set(range(self.size)) - set(posts.get(step, ())))
                 raise GroupBroken(f"DP group {self.group}: rank(s) {missing} did not {what} step {step} within {self.timeout_s:.0f}s", missing)
             await self._read(min(left, 1.0))
 
@@ -149,7 +150,7 @@ class GroupBarrier:
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode()
                 if int(fields[b"epoch"]) == self.epoch and b"done" in fields:
-                    self._done.setdefault(int(fields[b"done"]), {})[int(fields[b"rank"])] = True
+                    self._done.setdefault(int(fields[b"done"]), set()).add(int(fields[b"rank"]))
                 elif int(fields[b"epoch"]) == self.epoch and b"plan" in fields:
                     plan = StepPlan(**orjson.loads(fields[b"plan"]))
                     self._seen.setdefault(int(fields[b"step"]), {})[plan.rank] = plan

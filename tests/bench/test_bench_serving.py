@@ -120,3 +120,11 @@ async def test_scheduler_bench_reports_a_stall_instead_of_hanging(redis_server: 
             await scheduler_bench._flood(redis, bus, workers, scheduler_bench.SchedulerBenchConfig(workers=2, flood_requests=5))
     finally:
         await redis.aclose()
+
+
+def test_stagger_bench_refuses_bad_options_and_empty_traces(tmp_path: Path) -> None:
+    assert "--duration and --process-duration must be positive" in _bench_fails(tmp_path, "stagger", "--process-duration", "0")
+    assert "--process-ranks >= 0" in _bench_fails(tmp_path, "stagger", "--process-ranks", "-2")
+    out = _bench_fails(tmp_path, "stagger", "--process-ranks", "0", "--sim-ranks", "1", "--duration", "0.001")
+    assert "trace drew no requests in 0.001 s" in out and "Traceback" not in out
+    assert not (tmp_path / "out" / "bench_stagger.json").exists()

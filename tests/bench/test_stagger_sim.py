@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from splitbus.bench import report, stagger_sim
-from splitbus.bench.stagger import MODES, SIM_LOADS, WINDOW_SWEEP, run_stagger_bench, scaled_costs
+from splitbus.bench.stagger import MODES, SIM_LOADS, WINDOW_SWEEP, StaggerBenchConfig, run_stagger_bench, scaled_costs
 from splitbus.bench.stagger_sim import GroupFull, GroupSimulation, TraceRequest, poisson_trace
 
 
@@ -35,7 +35,7 @@ def test_a_request_that_fits_nowhere_is_an_error_not_a_drop(monkeypatch: pytest.
 
 
 def test_the_report_has_the_promised_fields_a_table_and_a_plot(tmp_path: Path) -> None:
-    result = run_stagger_bench([4], process_ranks=0, duration_s=1.0, process_duration_s=1.0, seed=1, progress=lambda _: None)
+    result = run_stagger_bench(StaggerBenchConfig((4,), process_ranks=0, duration_s=1.0, seed=1), progress=lambda _: None)
     assert {(r["load"], r["mode"]) for r in result["results"]} == {(load, mode) for load in SIM_LOADS for mode in MODES}
     for row in result["results"]:
         assert row["backend"] == "simulation" and row["ranks"] == 4 and row["cost_scale"] == 1.0
