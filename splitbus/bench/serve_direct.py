@@ -20,6 +20,7 @@ from splitbus.worker.sequence import Sequence
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
 
+
 class _Pending:
     def __init__(self, seq: Sequence, result: RequestResult) -> None:
         self.seq, self.result = seq, result

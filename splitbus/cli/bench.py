@@ -90,6 +90,7 @@ def _add_api(kinds: argparse._SubParsersAction, env: Env) -> None:
     api.add_argument("--client-processes", type=int, default=2, help="processes holding the streams (default %(default)s)")
     api.set_defaults(run=run_api)
 
+
 @contextlib.contextmanager
 def _redis(url: str | None) -> Iterator[str]:
     if url:
