@@ -100,10 +100,9 @@ def stagger_table(report: dict[str, Any]) -> str:
     for r in report["results"]:
         rows.append(f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} {r['idle_time_ratio']:>9.4f} "
                     f"{r['step_utilization']:>5.2f} {r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}")
-    if report.get("window_sweep"):
-        rows.append("window sweep (simulation, moderate load, staggered): ranks, steps held -> idle fwd, TTFT p50 / p99 ms")
-        for w in report["window_sweep"]:
-            rows.append(f"  {w['ranks']:>3} ranks, {w['steps_held']:>4} steps: {w['idle_forward_ratio']:.4f}, {w['ttft_p50_s'] * 1000:.1f} / {w['ttft_p99_s'] * 1000:.1f}")
+    for r in report["results"]:
+        if r.get("runs_ttft_p50_s"):
+            rows.append(f"  processes {r['load']:<9} {r['mode']:<10} TTFT p50 of each run, ms: {', '.join(f'{p * 1000:.1f}' for p in r['runs_ttft_p50_s'])}")
     return "\n".join(rows)
 
 
@@ -130,21 +129,22 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(f"{metric[:4].upper()} {metric[5:8]}: staggered vs naive (%)", fontsize=9)
-    _window_sweep_plot(axes[4], report.get("window_sweep", []))
+    _process_runs_plot(axes[4], [r for r in report["results"] if r.get("runs_ttft_p50_s")])
     axes[0].legend()
     fig.suptitle(f"splitbus bench stagger: naive vs staggered on the same Poisson trace (seed {report['seed']})", fontsize=10)
     _save(plt, fig, path, dpi=100)
 
 
-def _window_sweep_plot(ax: Any, sweep: list[dict[str, Any]]) -> None:
-    for ranks in sorted({w["ranks"] for w in sweep}):
-        points = [w for w in sweep if w["ranks"] == ranks]
-        ax.plot([w["steps_held"] for w in points], [w["ttft_p50_s"] * 1000 for w in points], marker="o", label=f"{ranks} ranks")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("window length (steps of the group)")
+def _process_runs_plot(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Each run's TTFT p50 on the rank processes: how far one run moves from the next."""
+    loads = [load for load in ("low", "moderate", "high") if any(r["load"] == load for r in rows)]
+    for offset, mode, color in ((-0.1, "naive", "#7f8c8d"), (0.1, "staggered", "#27ae60")):
+        points = [(loads.index(r["load"]) + offset, p * 1000) for r in rows if r["mode"] == mode for p in r["runs_ttft_p50_s"]]
+        ax.scatter([x for x, _ in points], [y for _, y in points], color=color, label=mode, s=18)
+    ax.set_xticks(range(len(loads)), loads, fontsize=8)
     ax.set_ylabel("TTFT p50 (ms)")
-    ax.set_title("simulation, moderate load: staggered TTFT p50 against the window length", fontsize=9)
-    if sweep:
+    ax.set_title("rank processes: TTFT p50 of each run (the table pools all runs' requests)", fontsize=9)
+    if rows:
         ax.legend(fontsize=7)
 
 

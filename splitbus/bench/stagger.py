@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -27,8 +27,9 @@ PROCESS_COST_SCALE = 4.0
 arrivals: the same load, relative to the group's capacity, as the simulation's, at a request
 rate that 2 shared cores keep up with (4 ranks, an API, a scheduler, Redis and the client)."""
 PROCESS_LOADS = {load: rate / PROCESS_COST_SCALE for load, rate in SIM_LOADS.items()}
-WINDOW_SWEEP = (0.25, 0.5, 1.0, 2.0)
-"""Window lengths, in steps of the group, that the simulation compares at moderate load."""
+MAX_WAIT_S = 0.05
+ALIGN_MS = 20.0
+"""The defaults of ``--stagger-max-wait-ms`` and ``--dp-align-ms``; scaled with the costs."""
 MODES = ("naive", "staggered")
 RANK_COUNTERS = ("steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us")
 
@@ -43,10 +44,13 @@ class StaggerBenchConfig:
     process_duration_s: float = 10.0
     """Seconds of arrivals per trace sent to the rank processes."""
     seed: int = 1
+    process_repeats: int = 3
+    """Runs of each trace per mode on the rank processes: one run's TTFT p50 moves by about
+    ±7 % from run to run on 2 shared cores, as much as the effect measured."""
 
     def __post_init__(self) -> None:
-        if any(r < 1 for r in self.sim_ranks) or self.process_ranks < 0:
-            raise ValueError("--sim-ranks must be >= 1 and --process-ranks >= 0")
+        if any(r < 1 for r in self.sim_ranks) or self.process_ranks < 0 or self.process_repeats < 1:
+            raise ValueError("--sim-ranks and --process-repeats must be >= 1 and --process-ranks >= 0")
         if self.duration_s <= 0 or self.process_duration_s <= 0:
             raise ValueError("--duration and --process-duration must be positive")
 
@@ -70,19 +74,10 @@ def scaled_costs(scale: float) -> SimConfig:
 def simulate(ranks: int, load: str, trace: list[TraceRequest], seed: int, cost_scale: float = 1.0) -> list[dict[str, Any]]:
     rows = []
     for mode in MODES:
-        r = GroupSimulation(ranks, staggered=mode == "staggered", seed=seed, costs=scaled_costs(cost_scale)).run(trace)
+        r = GroupSimulation(ranks, staggered=mode == "staggered", seed=seed, costs=scaled_costs(cost_scale), max_wait_s=MAX_WAIT_S * cost_scale,
+                            align_ms=ALIGN_MS * cost_scale).run(trace)
         rows.append(_row("simulation", ranks, load, mode, cost_scale, Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization),
                          r.ttft_p50_s, r.ttft_p99_s, r.throughput_tok_s, r.requests))
-    return rows
-
-
-def sweep_window(ranks: int, trace: list[TraceRequest], seed: int) -> list[dict[str, Any]]:
-    """Staggered runs of one trace with windows of different lengths (in steps of the group)."""
-    rows = []
-    for steps in WINDOW_SWEEP:
-        r = GroupSimulation(ranks, staggered=True, seed=seed, steps_held=steps).run(trace)
-        rows.append({"ranks": ranks, "load": "moderate", "steps_held": steps, "idle_forward_ratio": round(r.idle_forward_ratio, 4),
-                     "ttft_p50_s": round(r.ttft_p50_s, 4), "ttft_p99_s": round(r.ttft_p99_s, 4), "throughput_tok_s": round(r.throughput_tok_s, 1)})
     return rows
 
 
@@ -104,16 +99,18 @@ def _row(backend: str, ranks: int, load: str, mode: str, cost_scale: float, coun
 class _System(LocalSystem):
     """``splitbus up --engine sim --dp N``, naive or staggered."""
 
-    def __init__(self, ranks: int, staggered: bool, costs: SimConfig) -> None:
-        naive = ["--scheduler-arg=--no-stagger", "--worker-arg=--dp-align-ms", "--worker-arg=0"]
-        cost_args = {"--sim-prefill-us-per-token": costs.prefill_s_per_token * 1e6, "--sim-decode-step-ms": costs.decode_step_s * 1e3,
-                     "--sim-decode-us-per-seq": costs.decode_s_per_seq * 1e6}
-        worker_args = [f"--worker-arg={a}" for flag, value in cost_args.items() for a in (flag, f"{value:g}")]
-        super().__init__("--engine", "sim", "--dp", str(ranks), *worker_args, *([] if staggered else naive))
+    def __init__(self, ranks: int, staggered: bool, cost_scale: float) -> None:
+        costs = scaled_costs(cost_scale)
+        worker = {"--sim-prefill-us-per-token": costs.prefill_s_per_token * 1e6, "--sim-decode-step-ms": costs.decode_step_s * 1e3,
+                  "--sim-decode-us-per-seq": costs.decode_s_per_seq * 1e6, "--dp-align-ms": ALIGN_MS * cost_scale if staggered else 0}
+        scheduler = {"--stagger-max-wait-ms": MAX_WAIT_S * 1e3 * cost_scale} if staggered else {"--no-stagger": None}
+        args = [f"--worker-arg={a}" for flag, value in worker.items() for a in (flag, f"{value:g}")]
+        args += [f"--scheduler-arg={a}" for flag, value in scheduler.items() for a in (flag, *([] if value is None else [f"{value:g}"]))]
+        super().__init__("--engine", "sim", "--dp", str(ranks), *args)
 
     def counters(self) -> np.ndarray:
-        """The ranks' cumulative step counters (``RANK_COUNTERS``) summed, as their heartbeats
-        report them."""
+        """The ranks' cumulative step counters (``RANK_COUNTERS``) summed, as the ranks report
+        them with every step plan."""
         import redis
 
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
@@ -125,8 +122,9 @@ class _System(LocalSystem):
         return total
 
 
-async def _replay(base_url: str, trace: list[TraceRequest]) -> tuple[list[float], int, float]:
-    """Send the trace through the API at its arrival times; TTFTs, tokens and seconds taken."""
+async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], np.ndarray]) -> tuple[list[float], int, float, np.ndarray]:
+    """Send the trace through the API at its arrival times; TTFTs, tokens, seconds taken, and
+    what ``at_last_arrival`` returned as the last request went out."""
     import httpx
     import openai
 
@@ -145,50 +143,84 @@ async def _replay(base_url: str, trace: list[TraceRequest]) -> tuple[list[float]
                 tokens += len(chunk.choices[0].text)
         return first or 0.0, tokens
 
-    results = await asyncio.gather(*(one(r) for r in trace))
+    async def snapshot() -> np.ndarray:
+        await asyncio.sleep(max(0.0, trace[-1].arrival_s - (time.perf_counter() - start)))
+        return await asyncio.to_thread(at_last_arrival)
+
+    results, counters = await asyncio.gather(asyncio.gather(*(one(r) for r in trace)), snapshot())
     elapsed = time.perf_counter() - start
     await client.close()
-    return [r[0] for r in results], sum(r[1] for r in results), elapsed
+    return [r[0] for r in results], sum(r[1] for r in results), elapsed, counters
 
 
-def run_processes(ranks: int, duration_s: float, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Naive and staggered with real rank processes, then the simulation of the same traces and
-    costs: the check that the model predicts the processes."""
+@dataclass
+class ProcessRuns:
+    """One mode and load on the rank processes, summed over the repeats."""
+
+    ttfts: list[float] = field(default_factory=list)
+    run_p50s: list[float] = field(default_factory=list)
+    counters: np.ndarray = field(default_factory=lambda: np.zeros(len(RANK_COUNTERS)))
+    tokens: int = 0
+    elapsed_s: float = 0.0
+
+    def add(self, ttfts: list[float], counters: np.ndarray, tokens: int, elapsed_s: float) -> None:
+        self.ttfts += ttfts
+        self.run_p50s.append(float(np.percentile(ttfts, 50)))
+        self.counters += counters
+        self.tokens, self.elapsed_s = self.tokens + tokens, self.elapsed_s + elapsed_s
+
+    def row(self, ranks: int, load: str, mode: str, requests: int) -> dict[str, Any]:
+        """TTFT percentiles of every repeat's requests pooled; counters and throughput over all."""
+        steps, idle, step_us, idle_us, busy_us = self.counters
+        counters = Counters(idle / max(steps, 1), idle_us / max(step_us, 1), busy_us / max(step_us, 1))
+        row = _row("processes", ranks, load, mode, PROCESS_COST_SCALE, counters, float(np.percentile(self.ttfts, 50)), float(np.percentile(self.ttfts, 99)),
+                   self.tokens / self.elapsed_s, requests)
+        return {**row, "runs_ttft_p50_s": [round(p, 4) for p in self.run_p50s]}
+
+
+def run_processes(ranks: int, duration_s: float, seed: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Naive and staggered with real rank processes, each trace ``repeats`` times per mode (the
+    modes take turns going first), then the simulation of the same traces and costs: the check
+    that the model predicts the processes."""
     traces = {load: _trace(rate * ranks, duration_s, seed, f"{load}-load process") for load, rate in PROCESS_LOADS.items()}
-    rows = []
-    for mode in MODES:
-        system = _System(ranks, mode == "staggered", scaled_costs(PROCESS_COST_SCALE))
-        try:
-            for load, trace in traces.items():
-                progress(f"processes: {ranks} ranks, {mode}, {load} load ({PROCESS_LOADS[load] * ranks:.1f} req/s)")
-                rows.append(_measure(system, ranks, load, mode, trace))
-        finally:
-            system.stop()
+    runs = {(mode, load): ProcessRuns() for mode in MODES for load in traces}
+    for repeat in range(repeats):
+        for mode in MODES[::-1] if repeat % 2 else MODES:
+            _run_mode(ranks, mode, traces, runs, lambda load: progress(f"processes: {ranks} ranks, {mode}, {load} load "
+                                                                       f"({PROCESS_LOADS[load] * ranks:.1f} req/s), run {repeat + 1} of {repeats}"))
+    rows = [runs[(mode, load)].row(ranks, load, mode, len(trace)) for mode in MODES for load, trace in traces.items()]
     for load, trace in traces.items():
         rows += simulate(ranks, load, trace, seed, PROCESS_COST_SCALE)
     return rows
 
 
-def _measure(system: _System, ranks: int, load: str, mode: str, trace: list[TraceRequest]) -> dict[str, Any]:
-    time.sleep(1.0)  # let the last load's steps settle into the counters
+def _run_mode(ranks: int, mode: str, traces: dict[str, list[TraceRequest]], runs: dict[tuple[str, str], ProcessRuns], progress: Callable[[str], None]) -> None:
+    system = _System(ranks, mode == "staggered", PROCESS_COST_SCALE)
+    try:
+        for load, trace in traces.items():
+            progress(load)
+            runs[(mode, load)].add(*_measure(system, trace))
+    finally:
+        system.stop()
+
+
+def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], np.ndarray, int, float]:
+    """Replay one trace: its TTFTs, the ranks' counters it moved by its last arrival (as the
+    simulation counts: the drain after it is the same in both modes), its tokens and seconds."""
+    time.sleep(1.0)  # let the last load's drain settle into the counters
     before = system.counters()
-    ttfts, tokens, elapsed = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace))
-    time.sleep(1.0)  # heartbeats publish the counters every 0.5 s
-    steps, idle, step_us, idle_us, busy_us = system.counters() - before
-    counters = Counters(idle / max(steps, 1), idle_us / max(step_us, 1), busy_us / max(step_us, 1))
-    return _row("processes", ranks, load, mode, PROCESS_COST_SCALE, counters, float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99)), tokens / elapsed, len(trace))
+    ttfts, tokens, elapsed, by_last_arrival = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace, system.counters))
+    return ttfts, by_last_arrival - before, tokens, elapsed
 
 
 def run_stagger_bench(config: StaggerBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    results, sweep = [], []
+    results = []
     if config.process_ranks:
-        results += run_processes(config.process_ranks, config.process_duration_s, config.seed, progress)
+        results += run_processes(config.process_ranks, config.process_duration_s, config.seed, config.process_repeats, progress)
     for ranks in config.sim_ranks:
         for load, rate in SIM_LOADS.items():
             progress(f"simulation: {ranks} ranks, {load} load")
             trace = _trace(rate * ranks, config.duration_s, config.seed, f"{load}-load simulated")
             results += simulate(ranks, load, trace, config.seed)
-            if load == "moderate":
-                sweep += sweep_window(ranks, trace, config.seed)
-    return {"seed": config.seed, "duration_s": config.duration_s, "process_duration_s": config.process_duration_s, "sim_loads_per_rank": SIM_LOADS,
-            "process_loads_per_rank": PROCESS_LOADS, "process_cost_scale": PROCESS_COST_SCALE, "results": results, "window_sweep": sweep}
+    return {"seed": config.seed, "duration_s": config.duration_s, "process_duration_s": config.process_duration_s, "process_repeats": config.process_repeats,
+            "sim_loads_per_rank": SIM_LOADS, "process_loads_per_rank": PROCESS_LOADS, "process_cost_scale": PROCESS_COST_SCALE, "results": results}

@@ -62,13 +62,16 @@ class WorkerLoad:
     steps: int = 0
     idle_forwards: int = 0
     step_us: int = 0
-    """DP ranks: recent duration of one group step (an EWMA), for the stagger window."""
+    """DP ranks: recent duration of one group step (an EWMA)."""
     step_time_us: int = 0
     """DP ranks, cumulative: time in group steps (barrier wait included)."""
     idle_time_us: int = 0
     """DP ranks, cumulative: time in steps where this rank ran an idle forward."""
     busy_time_us: int = 0
     """DP ranks, cumulative: time computing this rank's own prefill or decode."""
+    forward_ends_ms: int = 0
+    """DP ranks: when the forward this rank is running should end (its wall clock, ms, from
+    its own estimate; 0 before its first). Stagger windows close just before a group's end."""
 
 
 @dataclass
@@ -211,6 +214,14 @@ class Registry:
             if amount:
                 pipe.hincrby(self._keys.worker(worker_id), name, -amount)
         await pipe.execute()
+
+    async def forward_ends(self, worker_ids: list[str]) -> list[int]:
+        """The ``forward_ends_ms`` the workers announced last (0: none), read fresh: a registry
+        snapshot is up to ``refresh_s`` old, longer than a decode step."""
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id in worker_ids:
+            pipe.hget(self._keys.worker(worker_id), "forward_ends_ms")
+        return [int(v or 0) for v in await pipe.execute()]
 
     def queue_load(self, pipe: Pipeline, worker_id: str, load: WorkerLoad) -> None:
         """Add the load's write to a pipeline that goes out anyway (a DP rank's step plan)."""

@@ -49,6 +49,7 @@ def _add_stagger(kinds: argparse._SubParsersAction, env: Env) -> None:
     stagger.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per simulated trace")
     stagger.add_argument("--process-duration", type=float, default=10.0, help="seconds of arrivals per trace sent to the rank processes")
     stagger.add_argument("--seed", type=int, default=1)
+    stagger.add_argument("--process-repeats", type=int, default=3, help="runs of each trace per mode on the rank processes; TTFTs are pooled (default %(default)s)")
     stagger.set_defaults(run=run_stagger)
 
 
@@ -176,7 +177,7 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.stagger import EmptyTrace, StaggerBenchConfig, run_stagger_bench
 
-    config = _config("stagger", lambda: StaggerBenchConfig(tuple(args.sim_ranks), args.process_ranks, args.duration, args.process_duration, args.seed))
+    config = _config("stagger", lambda: StaggerBenchConfig(tuple(args.sim_ranks), args.process_ranks, args.duration, args.process_duration, args.seed, args.process_repeats))
     if config is None:
         return 2
     run = _Run("stagger", args.out)

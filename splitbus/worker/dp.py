@@ -59,6 +59,14 @@ class StepPlan:
     batch_id: str = ""
     """The scheduler batch of this rank's oldest prefill work ("" when not staggered)."""
     batch_ranks: int = 0
+    held_batches: tuple[str, ...] = ()
+    """Every staggered batch this rank holds prefill work from: a rank still working through
+    an older batch has its part of a newer one too, and must not hold that batch back."""
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> StepPlan:
+        fields = orjson.loads(raw)
+        return cls(**{**fields, "held_batches": tuple(fields.get("held_batches", ()))})
 
 
 def decide(mine: StepPlan, plans: list[StepPlan], align_ms: float) -> str:
@@ -89,7 +97,7 @@ def bind_late(action: str, posted: StepPlan, current: StepPlan, plans: list[Step
 def _batch_arrived(mine: StepPlan, plans: list[StepPlan]) -> bool:
     if not mine.batch_id:
         return True
-    return sum(1 for p in plans if p.prefill and p.batch_id == mine.batch_id) >= mine.batch_ranks
+    return sum(1 for p in plans if p.prefill and mine.batch_id in (p.batch_id, *p.held_batches)) >= mine.batch_ranks
 
 
 class GroupBarrier:
@@ -152,8 +160,35 @@ class GroupBarrier:
                 if int(fields[b"epoch"]) == self.epoch and b"done" in fields:
                     self._done.setdefault(int(fields[b"done"]), set()).add(int(fields[b"rank"]))
                 elif int(fields[b"epoch"]) == self.epoch and b"plan" in fields:
-                    plan = StepPlan(**orjson.loads(fields[b"plan"]))
+                    plan = StepPlan.from_json(fields[b"plan"])
                     self._seen.setdefault(int(fields[b"step"]), {})[plan.rank] = plan
+
+
+@dataclass
+class ForwardClock:
+    """How long this rank's forwards take, learned from those it ran (EWMAs): seconds per
+    prefill token, and seconds per decode or idle forward. Unknown (0) until observed."""
+
+    prefill_s_per_token: float = 0.0
+    decode_s: float = 0.0
+    idle_s: float = 0.0
+
+    def observe(self, action: str, prefill_tokens: int, seconds: float) -> None:
+        if action == "prefill" and prefill_tokens:
+            self.prefill_s_per_token = _ewma(self.prefill_s_per_token, seconds / prefill_tokens)
+        elif action == "decode":
+            self.decode_s = _ewma(self.decode_s, seconds)
+        elif action == "idle":
+            self.idle_s = _ewma(self.idle_s, seconds)
+
+    def estimate(self, action: str, prefill_tokens: int) -> float:
+        if action == "prefill":
+            return self.prefill_s_per_token * prefill_tokens
+        return self.decode_s if action == "decode" else self.idle_s
+
+
+def _ewma(old: float, new: float, weight: float = 0.2) -> float:
+    return new if not old else (1 - weight) * old + weight * new
 
 
 class DpWorker(Worker):
@@ -170,6 +205,7 @@ class DpWorker(Worker):
         it does (the benchmark's processes then behave like the group they stand for)."""
         self.group_idle = False
         """True while the whole group waits for work: new work here must wake the others."""
+        self.clock = ForwardClock()
 
     async def start(self) -> None:
         await super().start()
@@ -201,15 +237,31 @@ class DpWorker(Worker):
         started = time.monotonic()
         plans = await self.barrier.exchange(self.step_no, mine, self.load_report())
         action = bind_late(decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms)
+        tokens = self.prefill_batch_size()[1] if action == "prefill" else 0
+        self.announce_forward(action, tokens)
         acting = time.monotonic()
         await self.act(action)
         acted = time.monotonic()
+        self.clock.observe(action, tokens, acted - acting)
         if action != "none" and self.steps_end_together:
             await self.barrier.finish(self.step_no)
         self.step_no += 1
         self.publish_soon()
         if action != "none":
             self.observe_step(action, time.monotonic() - started, acted - acting)
+
+    def announce_forward(self, action: str, prefill_tokens: int) -> None:
+        """Tell schedulers when this forward should end, so their stagger windows close just
+        before the group's next step: the step's arrivals are then spread together, in time to
+        join it. The load goes with it, written once the forward has taken its prefill batch
+        (a spawned task starts only when this one yields, in the forward)."""
+        if action == "none":
+            return
+        self.counters["forward_ends_ms"] = int((time.time() + self.clock.estimate(action, prefill_tokens)) * 1000)
+        self.spawn(self.report_load_now())
+
+    def batch_taken(self) -> None:
+        """Nothing: ``announce_forward`` reports the load of every step, this one included."""
 
     def load_report(self) -> Pipeline:
         """The rank's load, to go out with its step plan. It changes every step, and the
@@ -230,7 +282,8 @@ class DpWorker(Worker):
             return StepPlan(self.config.dp_rank, False, bool(self.running), 0.0)
         oldest = self.queued[0]
         waited = (time.monotonic() - oldest.queued_at) * 1000
-        return StepPlan(self.config.dp_rank, True, bool(self.running), waited, oldest.task.batch_id, oldest.task.batch_ranks)
+        held = tuple(dict.fromkeys(seq.task.batch_id for seq in self.queued if seq.task.batch_id))
+        return StepPlan(self.config.dp_rank, True, bool(self.running), waited, oldest.task.batch_id, oldest.task.batch_ranks, held)
 
     async def act(self, action: str) -> None:
         if action == "none":

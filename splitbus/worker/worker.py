@@ -70,7 +70,7 @@ class Worker:
         self.stale_reservations: list[tuple[str, str]] = []  # (sb:kv key, task entry) of requests that left
         self._drop_reservation = self.redis.register_script(DROP_RESERVATION)
         self.recently_cancelled: dict[str, float] = {}
-        self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_us", "step_time_us", "idle_time_us", "busy_time_us"), 0)
+        self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_us", "step_time_us", "idle_time_us", "busy_time_us", "forward_ends_ms"), 0)
         self.exit_code = 0
         self.started_ms = 0
         self.wake = asyncio.Event()
@@ -302,12 +302,17 @@ class Worker:
             await self.registry.report_load(self.id, self.load())
 
     def next_prefill_batch(self) -> list[Sequence]:
-        batch, tokens = [], 0
-        while self.queued and (not batch or tokens + len(self.queued[0].all_tokens) <= self.config.max_prefill_tokens):
-            seq = self.queued.popleft()
-            batch.append(seq)
-            tokens += len(seq.all_tokens)
-        return batch
+        count, _ = self.prefill_batch_size()
+        return [self.queued.popleft() for _ in range(count)]
+
+    def prefill_batch_size(self) -> tuple[int, int]:
+        """How many queued sequences the next prefill batch takes, and their tokens."""
+        count = tokens = 0
+        for seq in self.queued:
+            if count and tokens + len(seq.all_tokens) > self.config.max_prefill_tokens:
+                break
+            count, tokens = count + 1, tokens + len(seq.all_tokens)
+        return count, tokens
 
     def after_prefill(self, seq: Sequence) -> None:
         self.counters["prefills_done"] += 1

@@ -125,6 +125,7 @@ async def test_scheduler_bench_reports_a_stall_instead_of_hanging(redis_server: 
 def test_stagger_bench_refuses_bad_options_and_empty_traces(tmp_path: Path) -> None:
     assert "--duration and --process-duration must be positive" in _bench_fails(tmp_path, "stagger", "--process-duration", "0")
     assert "--process-ranks >= 0" in _bench_fails(tmp_path, "stagger", "--process-ranks", "-2")
+    assert "--process-repeats must be >= 1" in _bench_fails(tmp_path, "stagger", "--process-repeats", "0")
     out = _bench_fails(tmp_path, "stagger", "--process-ranks", "0", "--sim-ranks", "1", "--duration", "0.001")
     assert "trace drew no requests in 0.001 s" in out and "Traceback" not in out
     assert not (tmp_path / "out" / "bench_stagger.json").exists()

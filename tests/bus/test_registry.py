@@ -87,3 +87,11 @@ async def test_snapshot_skips_a_partial_record(redis: aioredis.Redis, bus_config
     await registry.register(_record("whole"), lease_ms=5000)
     await registry.heartbeat("partial", WorkerLoad(running=1), lease_ms=5000)  # load only, no role
     assert [w.record.worker_id for w in await registry.snapshot()] == ["whole"]
+
+
+async def test_forward_ends_are_read_fresh_and_zero_when_never_announced(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    for worker_id in ("r0", "r1"):
+        await registry.register(_record(worker_id, "mixed"), lease_ms=5000)
+    await registry.report_load("r0", WorkerLoad(forward_ends_ms=1_700_000_000_123))
+    assert await registry.forward_ends(["r0", "r1", "gone"]) == [1_700_000_000_123, 0, 0]

@@ -25,6 +25,7 @@ def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
     system = start_system(tmp_path, "--dp", "4")
     try:
         client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+        sent_ms = int(time.time() * 1000)
         reply = client.completions.create(model="tiny", prompt="one", max_tokens=30, seed=4)  # one rank busy
         assert reply.choices[0].text == sim_text(4, 30)
         time.sleep(1.2)  # two heartbeats publish the counters
@@ -39,6 +40,8 @@ def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
         for h in ranks.values():  # the step time covers both kinds of step
             assert int(h["busy_time_us"]) + int(h["idle_time_us"]) <= int(h["step_time_us"])
             assert (int(h["idle_time_us"]) > 0) == (int(h["idle_forwards"]) > 0)
+        for h in ranks.values():  # each rank announced when its forwards would end (stagger windows close there)
+            assert sent_ms <= int(h["forward_ends_ms"]) <= time.time() * 1000
         _assert_lock_step(system)
         # The group was idle when the request came: the rank that got it woke the others.
         assert any("wake" in fields for _, fields in system.redis().xrange("sb:dp:{g0}"))

@@ -1,6 +1,11 @@
 """The per-step decision every rank of a DP group makes from the same plans (pure logic)."""
 
-from splitbus.worker.dp import StepPlan, bind_late, decide
+from dataclasses import asdict
+
+import orjson
+import pytest
+
+from splitbus.worker.dp import ForwardClock, StepPlan, bind_late, decide
 
 
 def plan(rank: int, prefill: bool = False, decode: bool = False, waited: float = 0.0, batch: str = "", of: int = 0) -> StepPlan:
@@ -47,3 +52,27 @@ def test_late_binding_keeps_the_group_and_alignment_decisions() -> None:
     others = [plan(0, decode=True), plan(1, decode=True)]
     assert bind_late("decode", others[1], part, others, 20.0) == "decode"  # rank 0's part is not in yet
     assert bind_late("decode", others[1], part, others, 0.0) == "prefill"  # alignment off
+
+
+def test_forward_clock_learns_each_kind_of_forward() -> None:
+    clock = ForwardClock()
+    assert clock.estimate("prefill", 500) == 0.0 and clock.estimate("decode", 0) == 0.0  # nothing seen yet
+    clock.observe("prefill", 1000, 0.2)
+    clock.observe("decode", 0, 0.03)
+    assert clock.estimate("prefill", 500) == pytest.approx(0.1) and clock.estimate("decode", 0) == pytest.approx(0.03)
+    clock.observe("decode", 0, 0.08)  # an EWMA: one slow step moves it a fifth of the way
+    assert clock.estimate("decode", 0) == pytest.approx(0.04)
+    assert clock.estimate("idle", 0) == 0.0
+
+
+def test_a_rank_busy_with_an_older_batch_does_not_hold_back_a_newer_one() -> None:
+    # Rank 1 is still on b1 (its oldest work) but holds its part of b2 as well: b2 has arrived.
+    plans = [plan(0, prefill=True, waited=3, batch="b2", of=2), StepPlan(1, True, False, 40.0, "b1", 2, ("b1", "b2"))]
+    assert [decide(p, plans, 20.0) for p in plans] == ["prefill", "prefill"]
+    without = [plans[0], StepPlan(1, True, False, 40.0, "b1", 2, ("b1",))]
+    assert decide(without[0], without, 20.0) == "idle"  # b2's other part is not in yet
+
+
+def test_a_plan_survives_the_group_stream() -> None:
+    sent = StepPlan(2, True, False, 1.5, "b1", 3, ("b1", "b2"))
+    assert StepPlan.from_json(orjson.dumps(asdict(sent))) == sent

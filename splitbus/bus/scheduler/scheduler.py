@@ -34,7 +34,7 @@ from splitbus.bus.scheduler.policy import (
     queued_prefill,
 )
 from splitbus.bus.scheduler.reaper import Reaper
-from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
+from splitbus.bus.scheduler.stagger import RELEASE_LEAD_S, Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class Scheduler:
         bus: BusConfig = config.bus
         self.redis = connect(bus, max_connections=8, name=config.name)
         self.requests = GroupConsumer(self.redis, bus, bus.keys.requests, SCHEDULER_GROUP, config.name)
-        self.view = RegistryView(Registry(self.redis, bus), config.refresh_s)
+        self.registry = Registry(self.redis, bus)
+        self.view = RegistryView(self.registry, config.refresh_s)
         self.policy = Policy(config.mode)
         self.dispatcher = Dispatcher(self.redis, bus, config.dispatched_ttl_s)
         self.writer = ResultWriter(self.redis, bus)
@@ -65,7 +66,7 @@ class Scheduler:
         self.window: StaggerWindow[Waiting] | None = None
         self._batches = itertools.count()
         if config.mode == "dp" and config.stagger:
-            self.window = StaggerWindow(ranks=1, max_wait_s=config.stagger_max_wait_s)
+            self.window = StaggerWindow(max_wait_s=config.stagger_max_wait_s)
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -103,10 +104,23 @@ class Scheduler:
     async def hold(self, arrivals: list[Waiting]) -> None:
         """dp mode with staggering: arrivals wait in the window, then go out as one batch."""
         assert self.window is not None
+        if arrivals and self.window.opened_at is None:
+            self.window.open(arrivals[0].since, await self.next_boundary())
         for waiting in arrivals:
-            self.window.add(waiting, waiting.since)
+            self.window.add(waiting)
         if self.window.ready(time.monotonic()):
             self.waiting += await self.place_batch(self.window.release())
+
+    async def next_boundary(self) -> float:
+        """When the first DP group's running step ends, less ``RELEASE_LEAD_S`` (this process's
+        monotonic clock), from what its ranks announced; read fresh, as a registry snapshot is
+        older than a decode step. The ranks' wall clocks are taken to agree with this one to
+        within a few ms, as NTP keeps them."""
+        by_group: dict[str, list[int]] = {}
+        ranks = [w for w in self.view.live() if w.record.dp_size > 0]
+        for rank, end_ms in zip(ranks, await self.registry.forward_ends([r.record.worker_id for r in ranks])):
+            by_group.setdefault(rank.record.dp_group, []).append(end_ms)
+        return time.monotonic() + group_boundary_s(by_group) - time.time() - RELEASE_LEAD_S
 
     async def place_batch(self, batch: list[Waiting]) -> list[Waiting]:
         """Water-fill the batch over the DP ranks; returns what it could not place."""
@@ -187,19 +201,10 @@ class Scheduler:
     def _block_ms(self) -> int | None:
         """How long a read may block: until the stagger window is due, or the next registry
         refresh when requests wait for a worker, else the bus default."""
-        if self.window is not None:
-            self._tune_window(self.window)
-            due = self.window.due_at()
-            if due is not None:
-                return max(1, int((due - time.monotonic()) * 1000))
+        due = self.window.due_at() if self.window is not None else None
+        if due is not None:
+            return max(1, int((due - time.monotonic()) * 1000))
         return int(self.config.refresh_s * 1000) if self.waiting else None
-
-    def _tune_window(self, window: StaggerWindow[Waiting]) -> None:
-        """One request per rank closes the window; otherwise it holds half of the ranks' recent step time."""
-        ranks = [w for w in self.view.live() if w.record.dp_size > 0]
-        window.ranks = max(1, len(ranks))
-        steps = [w.record.load.step_us for w in ranks if w.record.load.step_us]
-        window.step_s = (sum(steps) / len(steps) / 1e6) if steps else None
 
     async def decide(self, waiting: Waiting) -> list[Placement] | None:
         """The tasks to write for a request; [] when it is done with (failed to its client, or

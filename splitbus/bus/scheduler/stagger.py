@@ -6,13 +6,15 @@ the others prefill (EP's all-to-all makes every rank step). Instead of placing e
 once, the scheduler holds arrivals in a short window and releases them as one batch, spread
 over the ranks by water-filling on queued prefill tokens, so the ranks' prefills line up.
 
-The window is adaptive: it closes as soon as there is a request for every rank (high load: no
-waiting), else after ``STEPS_HELD`` of the group's recent step time, and never later than
-``max_wait_s`` after its first arrival. Ranks only take work at a step boundary, so an arrival
-waits for the running step anyway; holding it for half a step lets the arrivals of one step be
-placed together, and costs little more than that wait. Held longer (we first held two steps),
-batches grow but TTFT and idle forwards rise: see ``splitbus bench stagger`` in
-docs/benchmarks.md for the sweep.
+The window closes just before the group's running step ends, as its ranks announce it (each DP
+rank writes, as it starts a forward, when it expects the forward to end): the arrivals of the
+whole step are spread together, on the loads the next step starts from, and reach the ranks in
+time for it. Ranks take work only at a step boundary, so an arrival waits for it anyway: the
+hold moves that wait from the rank's queue to the window. A group that is not stepping has no
+boundary to wait for, and the window closes at once. It never holds an arrival longer than
+``max_wait_s``. The first version held arrivals for half of the group's recent step time
+instead; in real processes that released them in the middle of a step, a few at a time, and
+some missed the next step: see ``splitbus bench stagger`` in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Generic, Sequence, TypeVar
 
 T = TypeVar("T")
-STEPS_HELD = 0.5
-STEP_EWMA = 0.2
+RELEASE_LEAD_S = 0.01
+"""How long before the announced end of a step the window closes: time for the batch's tasks to
+reach the ranks (a dispatch, a read) before they plan the next step."""
 
 
 @dataclass
@@ -67,37 +70,39 @@ def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad]) -> dict[str, str]
 class StaggerWindow(Generic[T]):
     """Holds arrivals; ``release`` hands them out as one batch when the window closes."""
 
-    ranks: int
     max_wait_s: float
-    steps_held: float = STEPS_HELD
     held: list[T] = field(default_factory=list)
     opened_at: float | None = None
-    step_s: float | None = None
-    """Recent step time of the group (an EWMA); None until one is observed."""
+    boundary_at: float | None = None
+    """When the group's running step should end, less ``RELEASE_LEAD_S``: set as the window
+    opens. In the past when the group is not stepping: the window closes at once."""
 
-    def observe_step(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s is None else (1 - STEP_EWMA) * self.step_s + STEP_EWMA * seconds
+    def open(self, now: float, boundary_at: float) -> None:
+        self.opened_at, self.boundary_at = now, boundary_at
 
-    @property
-    def hold_s(self) -> float:
-        if self.step_s is None:
-            return self.max_wait_s
-        return min(self.max_wait_s, self.steps_held * self.step_s)
-
-    def add(self, item: T, now: float) -> None:
-        if self.opened_at is None:
-            self.opened_at = now
+    def add(self, item: T) -> None:
+        """Hold an arrival; the window must be open."""
+        assert self.opened_at is not None, "open the window first"
         self.held.append(item)
 
     def due_at(self) -> float | None:
-        """When the window closes at the latest (None when it holds nothing)."""
-        return None if self.opened_at is None else self.opened_at + self.hold_s
+        """When the window closes (None when it is not open)."""
+        if self.opened_at is None or self.boundary_at is None:
+            return None
+        return min(self.opened_at + self.max_wait_s, max(self.opened_at, self.boundary_at))
 
     def ready(self, now: float) -> bool:
-        if not self.held:
-            return False
-        return len(self.held) >= self.ranks or now >= (self.due_at() or now)
+        due = self.due_at()
+        return bool(self.held) and due is not None and now >= due
 
     def release(self) -> list[T]:
-        batch, self.held, self.opened_at = self.held, [], None
+        batch, self.held, self.opened_at, self.boundary_at = self.held, [], None, None
         return batch
+
+
+def group_boundary_s(ends_ms_by_group: dict[str, list[int]]) -> float:
+    """When the first of the DP groups ends its running step (wall clock, seconds): a group's
+    step ends with its slowest rank's forward. 0.0 when there is none to wait for: no group, or
+    a group with a rank that has not stepped yet."""
+    ends = [max(ranks) if ranks and min(ranks) > 0 else 0 for ranks in ends_ms_by_group.values()]
+    return min(ends, default=0) / 1000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
+from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
 
 
 def _ranks(*loads: int, free: int = 100) -> list[RankLoad]:
@@ -41,23 +41,42 @@ def test_kv_blocks_are_respected() -> None:
     assert placed == {"needs10": "r1"}  # r0 is emptier but too full of KV; "huge" fits nowhere
 
 
-def test_window_closes_when_every_rank_has_work_or_at_the_bound() -> None:
-    window: StaggerWindow[str] = StaggerWindow(ranks=4, max_wait_s=0.05)
-    assert not window.ready(0.0)
-    window.add("a", now=1.0)
-    assert not window.ready(1.01) and window.due_at() == 1.05
-    assert window.ready(1.05)  # low load: the bound
-    window.add("b", 1.05)
-    assert window.release() == ["a", "b"] and window.due_at() is None
-    for i, item in enumerate("wxyz"):
-        window.add(item, 2.0 + i * 0.001)
-    assert window.ready(2.003)  # high load: one per rank, no waiting
+def test_window_closes_just_before_the_step_ends_with_every_arrival_of_the_step() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    assert not window.ready(0.0) and window.due_at() is None
+    window.open(1.0, boundary_at=1.03)
+    for item in "abcde":  # more arrivals than ranks: still one batch, at the boundary
+        window.add(item)
+    assert not window.ready(1.02) and window.due_at() == pytest.approx(1.03)
+    assert window.ready(1.03) and window.release() == ["a", "b", "c", "d", "e"]
+    assert window.due_at() is None and not window.ready(2.0)
 
 
-def test_window_holds_half_a_step_once_the_step_time_is_known() -> None:
-    window: StaggerWindow[str] = StaggerWindow(ranks=8, max_wait_s=0.05)
-    window.observe_step(0.03)
-    window.add("a", now=1.0)
-    assert window.due_at() == pytest.approx(1.015)  # half of the group's 30 ms step
-    window.observe_step(0.5)  # long prefill steps: the bound caps the wait
-    assert window.due_at() == pytest.approx(1.05)
+def test_window_bound_caps_a_far_boundary() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window.open(1.0, boundary_at=2.0)  # a long prefill step
+    window.add("a")
+    assert window.due_at() == pytest.approx(1.05) and not window.ready(1.04) and window.ready(1.05)
+
+
+def test_window_of_a_group_that_is_not_stepping_closes_at_once() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window.open(1.0, boundary_at=0.9)  # its last step ended before the arrival
+    window.add("b")
+    assert window.ready(1.0) and window.release() == ["b"]
+
+
+def test_an_empty_window_is_never_ready_and_must_be_opened() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window.open(1.0, boundary_at=0.5)
+    assert not window.ready(2.0)  # open, but holds nothing
+    window.release()
+    with pytest.raises(AssertionError, match="open the window first"):
+        window.add("x")
+
+
+def test_group_boundary_is_the_slowest_rank_of_the_first_group_to_finish() -> None:
+    assert group_boundary_s({"g0": [1000, 1300, 1100], "g1": [1200, 1250]}) == pytest.approx(1.25)
+    # g0 has a rank that never stepped: g0 is not stepping, so there is nothing to wait for.
+    assert group_boundary_s({"g0": [1000, 0], "g1": [1200, 1250]}) == 0.0
+    assert group_boundary_s({}) == 0.0
