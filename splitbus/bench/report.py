@@ -96,10 +96,12 @@ def engine_plot(report: dict[str, Any], path: Path) -> None:
 
 
 def stagger_table(report: dict[str, Any]) -> str:
-    rows = [f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"]
+    rows = [f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'+drain':>7} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"]
     for r in report["results"]:
-        rows.append(f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} {r['idle_time_ratio']:>9.4f} "
+        rows.append(f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} "
+                    f"{r.get('idle_forward_ratio_all_steps', float('nan')):>7.4f} {r['idle_time_ratio']:>9.4f} "
                     f"{r['step_utilization']:>5.2f} {r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}")
+    rows.append("idle fwd, idle time, util: over the steps that start by the last arrival; +drain: idle fwd over all steps")
     for r in report["results"]:
         if r.get("runs_ttft_p50_s"):
             rows.append(f"  processes {r['load']:<9} {r['mode']:<10} TTFT p50 of each run, ms: {', '.join(f'{p * 1000:.1f}' for p in r['runs_ttft_p50_s'])}")

@@ -76,7 +76,7 @@ def simulate(ranks: int, load: str, trace: list[TraceRequest], seed: int, cost_s
     for mode in MODES:
         r = GroupSimulation(ranks, staggered=mode == "staggered", seed=seed, costs=scaled_costs(cost_scale), max_wait_s=MAX_WAIT_S * cost_scale,
                             align_ms=ALIGN_MS * cost_scale).run(trace)
-        rows.append(_row("simulation", ranks, load, mode, cost_scale, Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization),
+        rows.append(_row("simulation", ranks, load, mode, cost_scale, Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization, r.idle_forward_ratio_all_steps),
                          r.ttft_p50_s, r.ttft_p99_s, r.throughput_tok_s, r.requests))
     return rows
 
@@ -89,6 +89,15 @@ class Counters:
     """Share of the ranks' step time spent in idle forwards."""
     step_utilization: float
     """Share of the ranks' step time spent computing their own prefill or decode."""
+    idle_forward_ratio_all_steps: float
+    """Idle forwards per rank-step, the drain after the last arrival included (the others count
+    the steps that start by the last arrival)."""
+
+    @classmethod
+    def of(cls, by_last_arrival: np.ndarray, all_steps: np.ndarray) -> Counters:
+        """From the ranks' summed counters (``RANK_COUNTERS``)."""
+        steps, idle, step_us, idle_us, busy_us = by_last_arrival
+        return cls(idle / max(steps, 1), idle_us / max(step_us, 1), busy_us / max(step_us, 1), all_steps[1] / max(all_steps[0], 1))
 
 
 def _row(backend: str, ranks: int, load: str, mode: str, cost_scale: float, counters: Counters, p50: float, p99: float, tput: float, requests: int) -> dict[str, Any]:
@@ -160,20 +169,22 @@ class ProcessRuns:
     ttfts: list[float] = field(default_factory=list)
     run_p50s: list[float] = field(default_factory=list)
     counters: np.ndarray = field(default_factory=lambda: np.zeros(len(RANK_COUNTERS)))
+    """Moved by each run's last arrival."""
+    all_counters: np.ndarray = field(default_factory=lambda: np.zeros(len(RANK_COUNTERS)))
+    """Moved by each whole run, the drain included."""
     tokens: int = 0
     elapsed_s: float = 0.0
 
-    def add(self, ttfts: list[float], counters: np.ndarray, tokens: int, elapsed_s: float) -> None:
+    def add(self, ttfts: list[float], counters: np.ndarray, all_counters: np.ndarray, tokens: int, elapsed_s: float) -> None:
         self.ttfts += ttfts
         self.run_p50s.append(float(np.percentile(ttfts, 50)))
         self.counters += counters
+        self.all_counters += all_counters
         self.tokens, self.elapsed_s = self.tokens + tokens, self.elapsed_s + elapsed_s
 
     def row(self, ranks: int, load: str, mode: str, requests: int) -> dict[str, Any]:
         """TTFT percentiles of every repeat's requests pooled; counters and throughput over all."""
-        steps, idle, step_us, idle_us, busy_us = self.counters
-        counters = Counters(idle / max(steps, 1), idle_us / max(step_us, 1), busy_us / max(step_us, 1))
-        row = _row("processes", ranks, load, mode, PROCESS_COST_SCALE, counters, float(np.percentile(self.ttfts, 50)), float(np.percentile(self.ttfts, 99)),
+        row = _row("processes", ranks, load, mode, PROCESS_COST_SCALE, Counters.of(self.counters, self.all_counters), float(np.percentile(self.ttfts, 50)), float(np.percentile(self.ttfts, 99)),
                    self.tokens / self.elapsed_s, requests)
         return {**row, "runs_ttft_p50_s": [round(p, 4) for p in self.run_p50s]}
 
@@ -204,13 +215,15 @@ def _run_mode(ranks: int, mode: str, traces: dict[str, list[TraceRequest]], runs
         system.stop()
 
 
-def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], np.ndarray, int, float]:
+def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], np.ndarray, np.ndarray, int, float]:
     """Replay one trace: its TTFTs, the ranks' counters it moved by its last arrival (as the
-    simulation counts: the drain after it is the same in both modes), its tokens and seconds."""
+    simulation counts: the drain after it is the same in both modes) and in all, its tokens and
+    seconds."""
     time.sleep(1.0)  # let the last load's drain settle into the counters
     before = system.counters()
     ttfts, tokens, elapsed, by_last_arrival = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace, system.counters))
-    return ttfts, by_last_arrival - before, tokens, elapsed
+    time.sleep(1.0)  # the last steps' counters reach the registry
+    return ttfts, by_last_arrival - before, system.counters() - before, tokens, elapsed
 
 
 def run_stagger_bench(config: StaggerBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:

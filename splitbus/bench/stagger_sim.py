@@ -83,6 +83,8 @@ class _Rank:
 class SimResult:
     idle_forward_ratio: float
     """Idle forwards per rank-step."""
+    idle_forward_ratio_all_steps: float
+    """The same, the drain after the last arrival included."""
     idle_time_ratio: float
     """Share of the ranks' time spent in idle forwards (a step lasts as long as its slowest rank)."""
     step_utilization: float
@@ -107,8 +109,8 @@ class GroupSimulation:
         """The trace's last arrival: the counters cover the steps that start by then. After it
         the group drains the last requests' decodes, the same in both modes; in a 6 s trace
         that is about half of the steps, and it would swamp the rest."""
-        self.rank_steps = 0
-        self.idle_steps = 0
+        self.rank_steps = self.idle_steps = 0
+        self.all_rank_steps = self.all_idle_steps = 0
         self.batches = 0
         self.rank_time_s = self.idle_time_s = self.busy_time_s = 0.0
         self.rng = random.Random(seed)
@@ -179,6 +181,8 @@ class GroupSimulation:
             return
         costs = [self._cost(rank, action) for rank, action in zip(self.ranks, actions)]
         duration = max(costs)
+        self.all_rank_steps += len(actions)
+        self.all_idle_steps += actions.count("idle")
         if self.now <= self.arrivals_end:
             self._account(actions, costs, duration)
         end = self.now + duration
@@ -241,6 +245,7 @@ class GroupSimulation:
         span = max((r.done_at or 0.0) for r in requests) - min(r.trace.arrival_s for r in requests)
         return SimResult(
             idle_forward_ratio=self.idle_steps / max(self.rank_steps, 1),
+            idle_forward_ratio_all_steps=self.all_idle_steps / max(self.all_rank_steps, 1),
             idle_time_ratio=self.idle_time_s / max(self.rank_time_s, 1e-12),
             step_utilization=self.busy_time_s / max(self.rank_time_s, 1e-12),
             ttft_p50_s=float(np.percentile(ttfts, 50)),

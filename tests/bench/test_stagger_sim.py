@@ -24,10 +24,12 @@ def test_one_request_leaves_the_other_ranks_idle(staggered: bool) -> None:
 
 def test_counters_cover_the_steps_that_start_by_the_last_arrival() -> None:
     trace = [TraceRequest(0.0, 100, 10), TraceRequest(0.00501, 100, 10)]  # the second comes in the first decode step
-    result = GroupSimulation(2, staggered=False).run(trace)
+    result = GroupSimulation(2, staggered=True).run(trace)  # water-filling: the second goes to rank 1
     # Counted: the prefill step (rank 1 idle) and the decode step the second arrival came in
-    # (rank 1 idle again): 2 of 4 rank-steps. Not counted: the second prefill and the drain.
+    # (rank 1 idle again): 2 of 4 rank-steps. Not counted: 10 more steps (rank 1's prefill and
+    # 9 decodes), the last 2 with rank 0 idle: 4 idle of 24 rank-steps in all.
     assert result.idle_forward_ratio == pytest.approx(0.5)
+    assert result.idle_forward_ratio_all_steps == pytest.approx(4 / 24)
 
 
 def test_time_shares_add_up_to_at_most_one() -> None:
@@ -67,12 +69,13 @@ def test_time_scaled_costs_scale_every_time_in_the_simulation(staggered: bool) -
 
 def test_process_runs_pool_every_repeat(tmp_path: Path) -> None:
     runs = ProcessRuns()
-    runs.add([0.1, 0.2, 0.3], np.array([10, 1, 1000, 100, 500]), tokens=30, elapsed_s=1.0)
-    runs.add([0.4, 0.5, 0.6], np.array([10, 3, 1000, 300, 500]), tokens=50, elapsed_s=1.0)
+    runs.add([0.1, 0.2, 0.3], np.array([10, 1, 1000, 100, 500]), np.array([20, 11, 0, 0, 0]), tokens=30, elapsed_s=1.0)
+    runs.add([0.4, 0.5, 0.6], np.array([10, 3, 1000, 300, 500]), np.array([20, 9, 0, 0, 0]), tokens=50, elapsed_s=1.0)
     row = runs.row(4, "moderate", "staggered", requests=3)
     assert row["runs_ttft_p50_s"] == [0.2, 0.5]
     assert row["ttft_p50_s"] == pytest.approx(0.35)  # the pooled six, not the mean of the two medians
     assert row["idle_forward_ratio"] == pytest.approx(4 / 20) and row["idle_time_ratio"] == pytest.approx(400 / 2000)
+    assert row["idle_forward_ratio_all_steps"] == pytest.approx(20 / 40)  # the drains' steps too
     assert row["throughput_tok_s"] == pytest.approx(40.0)
     result = {"seed": 1, "results": [row, {**row, "mode": "naive"}]}
     assert "TTFT p50 of each run, ms: 200.0, 500.0" in report.stagger_table(result)
