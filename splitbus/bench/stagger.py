@@ -217,7 +217,7 @@ def _run_mode(ranks: int, mode: str, traces: dict[str, list[TraceRequest]], runs
 
 def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], np.ndarray, np.ndarray, int, float]:
     """Replay one trace: its TTFTs, the ranks' counters it moved by its last arrival (as the
-    simulation counts: the drain after it is the same in both modes) and in all, its tokens and
+    simulation counts them; see ``GroupSimulation.arrivals_end``) and in all, its tokens and
     seconds."""
     time.sleep(1.0)  # let the last load's drain settle into the counters
     before = system.counters()

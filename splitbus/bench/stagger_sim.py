@@ -107,8 +107,9 @@ class GroupSimulation:
         announce, and where a stagger window closes."""
         self.arrivals_end = 0.0
         """The trace's last arrival: the counters cover the steps that start by then. After it
-        the group drains the last requests' decodes, the same in both modes; in a 6 s trace
-        that is about half of the steps, and it would swamp the rest."""
+        the group drains the last requests' decodes, with fewer and fewer ranks busy, which a
+        group under steady load never does; in a 6 s trace that is about half of the steps, and
+        it would swamp the rest."""
         self.rank_steps = self.idle_steps = 0
         self.all_rank_steps = self.all_idle_steps = 0
         self.batches = 0

@@ -61,8 +61,6 @@ class WorkerLoad:
     decodes_done: int = 0
     steps: int = 0
     idle_forwards: int = 0
-    step_us: int = 0
-    """DP ranks: recent duration of one group step (an EWMA)."""
     step_time_us: int = 0
     """DP ranks, cumulative: time in group steps (barrier wait included)."""
     idle_time_us: int = 0

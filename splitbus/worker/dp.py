@@ -272,8 +272,6 @@ class DpWorker(Worker):
         return pipe
 
     def observe_step(self, action: str, step_s: float, act_s: float) -> None:
-        old = self.counters["step_us"]
-        self.counters["step_us"] = int(step_s * 1e6 if not old else 0.8 * old + 0.2 * step_s * 1e6)
         self.counters["step_time_us"] += int(step_s * 1e6)
         self.counters["idle_time_us" if action == "idle" else "busy_time_us"] += int((step_s if action == "idle" else act_s) * 1e6)
 

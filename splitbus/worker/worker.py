@@ -70,7 +70,7 @@ class Worker:
         self.stale_reservations: list[tuple[str, str]] = []  # (sb:kv key, task entry) of requests that left
         self._drop_reservation = self.redis.register_script(DROP_RESERVATION)
         self.recently_cancelled: dict[str, float] = {}
-        self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_us", "step_time_us", "idle_time_us", "busy_time_us", "forward_ends_ms"), 0)
+        self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us", "forward_ends_ms"), 0)
         self.exit_code = 0
         self.started_ms = 0
         self.wake = asyncio.Event()
