@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import pytest
+import redis as sync_redis
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
@@ -21,6 +22,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_admin(redis_server: EmbeddedRedis) -> Iterator[sync_redis.Redis]:
+    """A sync client with full rights on the session server (CONFIG SET for fault tests)."""
+    client = sync_redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
 
 
 @pytest.fixture

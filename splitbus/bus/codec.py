@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 from typing import Any, ClassVar, Mapping, Protocol, TypeVar
 
@@ -19,6 +20,9 @@ import orjson
 from splitbus.bus.errors import DecodeError
 
 Fields = dict[bytes, bytes]
+MAX_DATA_BYTES = 128 * 1024 * 1024
+"""Largest ``data`` field decoded: a task holding the longest prompt and output the messages
+allow is well under it, and a bigger entry is dead-lettered unparsed."""
 
 
 class Message(Protocol):
@@ -58,6 +62,9 @@ def decode(fields: Mapping[bytes, bytes]) -> Any:
     cls = _REGISTRY.get(fields.get(b"type", b""))
     if cls is None:
         raise DecodeError(f"unknown message type {fields.get(b'type')!r}")
+    raw = fields.get(b"data", b"")
+    if len(raw) > MAX_DATA_BYTES:
+        raise DecodeError(f"{cls.TYPE}: data is {len(raw)} bytes, more than {MAX_DATA_BYTES}")
     try:
         data = orjson.loads(fields[b"data"])
     except (KeyError, orjson.JSONDecodeError) as exc:
@@ -89,6 +96,26 @@ def _shape(cls: type) -> tuple[tuple[str, ...], tuple[tuple[str, type], ...]]:
     """Field names and nested message fields of a class, computed once (decode is hot)."""
     names = tuple(f.name for f in dataclasses.fields(cls))
     return names, tuple(getattr(cls, "NESTED", {}).items())
+
+
+def request_id_of(fields: Mapping[bytes, bytes]) -> str | None:
+    """The request an entry that failed to decode names (``request_id``, or ``request.request_id``
+    for a task), if it names one plainly: its client is then told, instead of waiting for its
+    deadline. None when there is no such id to trust."""
+    raw = fields.get(b"data", b"")
+    try:
+        data = orjson.loads(raw) if len(raw) <= MAX_DATA_BYTES else None
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("request"), dict):
+        data = data["request"]
+    found = data.get("request_id") if isinstance(data, dict) else None
+    return found if isinstance(found, str) and _PLAIN_ID.fullmatch(found) else None
+
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,256}")
+"""Ids this module trusts to name a result stream: no braces (they would move the key's hash
+tag), no spaces or control characters."""
 
 
 def published_us(fields: Mapping[bytes, bytes]) -> int | None:

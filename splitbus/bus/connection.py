@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from typing import AsyncIterator, Callable
+import re
+from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -18,12 +21,26 @@ from splitbus.bus.config import BusConfig
 log = logging.getLogger(__name__)
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError,
+    RedisConnectionError,  # BusyLoadingError (LOADING) is one
     RedisTimeoutError,
     ConnectionError,
     OSError,
+    OutOfMemoryError,  # OOM: at maxmemory with noeviction, writes are refused until memory frees
+    ReadOnlyError,  # READONLY: a replica, or a failover under way
+    ClusterDownError,  # CLUSTERDOWN, and MASTERDOWN (its subclass)
+    TryAgainError,  # TRYAGAIN: a slot migrating
 )
-"""Errors that mean "Redis is unreachable for now": back off and try again."""
+"""Errors that mean "Redis cannot serve this for now": back off and try again. Sites that
+catch errors themselves use this tuple; a loop asks :func:`is_transient`, which also knows the
+codes redis-py has no class for and the same errors raised inside a script."""
+
+TRANSIENT_CODES = ("OOM", "BUSY", "LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
+"""Error codes of refusals that end by themselves: BUSY (a script or module running past its time
+limit), MISCONF (a failed background save stops writes until one succeeds), NOREPLICAS
+(min-replicas-to-write not met), and those with classes above. Redis 6.2 reports a refusal met
+inside a script as ``ERR Error running script (...): @user_script:1: -OOM command not allowed``,
+so the code is looked for after a ``-`` too."""
+_SCRIPT_ERROR = re.compile(r"-(" + "|".join(TRANSIENT_CODES) + r")\b")
 
 
 def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = None) -> aioredis.Redis:
@@ -68,5 +85,57 @@ async def wait_until_reachable(redis: aioredis.Redis, stop: Callable[[], bool] =
         try:
             await redis.ping()
             return
-        except TRANSIENT_ERRORS:
-            continue
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` means Redis refuses or cannot be reached for now (back off, retry), as
+    opposed to an error that retrying cannot fix."""
+    if isinstance(exc, TRANSIENT_ERRORS):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False
+    text = str(exc)
+    return text.split(" ", 1)[0] in TRANSIENT_CODES or _SCRIPT_ERROR.search(text) is not None
+
+
+async def forever(step: Callable[[], Awaitable[object]], stop: Callable[[], bool], name: str) -> None:
+    """Call ``step`` until ``stop()``: the one loop shape of every long-running part, and its one
+    error policy.
+
+    A transient Redis error (:func:`is_transient`: unreachable, LOADING, OOM, BUSY, READONLY...)
+    is waited out with capped, jittered backoff, and the step runs again; the loop never ends on
+    one, and what the step buffers (results, acks, dead letters) stays buffered until Redis takes
+    it. Any other exception propagates: steps contain the failures of the entries they handle
+    (each is dead-lettered and its request failed), so what reaches here is a bug in the loop
+    itself, and the process ends with a non-zero exit code for its supervisor to restart it.
+    """
+    delays: AsyncIterator[float] | None = None
+    while not stop():
+        try:
+            await step()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            if delays is None:
+                log.warning("%s: Redis refuses or is unreachable (%s); backing off", name, exc)
+                delays = backoff_delays()
+            await anext(delays)
+        else:
+            if delays is not None:
+                log.info("%s: Redis is back", name)
+                delays = None
+
+
+@contextlib.contextmanager
+def transient_suppressed(what: str) -> Iterator[None]:
+    """For a write that may wait or be dropped (an advisory report, a last flush on the way
+    out): a transient Redis error is logged and swallowed, any other propagates."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        log.warning("%s skipped: Redis refuses or is unreachable (%s)", what, exc)

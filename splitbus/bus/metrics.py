@@ -30,4 +30,4 @@ PUBLISH_TO_READ = Histogram(
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
 )
 
-DEAD_LETTER_REASONS = ("undecodable", "max_deliveries", "handler_failed", "engine_error")
+DEAD_LETTER_REASONS = ("undecodable", "max_deliveries", "handler_failed", "engine_error", "invalid_task")

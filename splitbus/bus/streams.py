@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -15,6 +15,7 @@ from redis.exceptions import ResponseError
 from splitbus.bus import codec, metrics
 from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import is_transient
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.dead import DeadLetter
 
@@ -103,19 +104,30 @@ class GroupConsumer:
 
     ``read(capacity)`` returns at most ``capacity`` entries and reads nothing when it is 0, so a
     worker never takes work it cannot start. On its first reads it re-delivers its own pending
-    entries (left by a previous run under the same consumer name) before new ones.
+    entries (left by a previous run under the same consumer name) before new ones; each such
+    re-read counts as a delivery (Redis increments the count on a history read too), and an
+    entry past ``max_deliveries`` is dead-lettered instead of handed out, so an entry that kills
+    its consumer every time ends in ``sb:dead`` rather than in a crash loop.
+
+    Entries this consumer dead-letters itself (undecodable, past the delivery bound) are passed
+    to ``on_dead(request_id, reason)`` when they name a request, so its client can be told.
+    A dead letter Redis refuses (OOM, outage) is kept and sent again before the next read.
     """
 
     def __init__(
-        self, redis: aioredis.Redis, config: BusConfig, stream: str, group: str, consumer: str
+        self, redis: aioredis.Redis, config: BusConfig, stream: str, group: str, consumer: str,
+        on_dead: Callable[[str, str], None] | None = None,
     ) -> None:
         self._redis = redis
         self._config = config
         self.stream, self.group, self.consumer = stream, group, consumer
         self._dead = DeadLetters(redis, config)
+        self._on_dead = on_dead
         self._kind = config.keys.kind(stream)
         self._pending_cursor: str | None = "0"  # None once our own backlog is drained
         self._claim_cursor = "0-0"
+        self._graves: list[tuple[str, Mapping[bytes, bytes], str, int]] = []
+        """Dead letters Redis refused: (entry id, fields, reason, deliveries), sent again first."""
 
     async def ensure_group(self, start_id: str = "0") -> None:
         """Create the group (and the stream). An existing group is fine (BUSYGROUP)."""
@@ -133,14 +145,17 @@ class GroupConsumer:
         wait is a non-blocking read and a sleep here (``read_within``), not a short BLOCK."""
         if capacity <= 0:
             return []
+        await self.send_graves()
         block = self._config.block_ms if block_ms is None else block_ms
         cursor = self._pending_cursor or ">"
         raw = await self._xreadgroup(cursor, capacity, block if cursor == ">" and block > 0 else None)
-        if cursor != ">":
-            self._pending_cursor = _text(raw[-1][0]) if raw else None
-            if not raw:
-                return await self.read(capacity, block_ms)
-        return await self._decode_all(raw)
+        if cursor == ">":
+            return await self._decode_all(raw)
+        self._pending_cursor = _text(raw[-1][0]) if raw else None
+        if not raw:
+            return await self.read(capacity, block_ms)
+        kept = await self._decode_all(await self._bury_poison([(_text(i), f) for i, f in raw]))
+        return kept or await self.read(capacity, block_ms)  # all buried: on to the next ones
 
     async def read_within(self, capacity: int, wait_ms: float, poll_ms: float = 5.0) -> list[Delivery]:
         """Up to ``capacity`` entries, waiting at most ``wait_ms`` for them, to within about
@@ -167,9 +182,30 @@ class GroupConsumer:
         return int(acked)
 
     async def dead_letter(self, delivery: Delivery, reason: str, deliveries: int = 1) -> None:
-        """Take an entry that its handler could not process out of circulation."""
-        fields = codec.encode(delivery.message)
-        await self._dead.send(self.stream, self.group, delivery.entry_id, fields, reason, deliveries)
+        """Take an entry that its handler could not process out of circulation, with the reason
+        (the error's text). Never raises for Redis being away: the letter is kept and sent
+        again before the next read (``send_graves``)."""
+        await self._bury(delivery.entry_id, codec.encode(delivery.message), reason, deliveries)
+
+    async def send_graves(self) -> None:
+        """Send the dead letters Redis refused earlier; raises while it still refuses."""
+        while self._graves:
+            await self._dead.send(self.stream, self.group, *self._graves[0])
+            del self._graves[0]
+
+    async def _bury(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str, deliveries: int) -> None:
+        try:
+            await self._dead.send(self.stream, self.group, entry_id, fields, reason, deliveries)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log.warning("dead letter for %s %s refused (%s); kept to send again", self.stream, entry_id, exc)
+            self._graves.append((entry_id, fields, reason, deliveries))
+
+    def _tell(self, fields: Mapping[bytes, bytes] | None, reason: str) -> None:
+        request_id = codec.request_id_of(fields) if fields is not None else None
+        if request_id is not None and self._on_dead is not None:
+            self._on_dead(request_id, reason)
 
     async def claim_idle(self, count: int = 100, min_idle_ms: int | None = None) -> list[Delivery]:
         """Take over entries pending longer than ``min_idle_ms`` with any consumer (XAUTOCLAIM).
@@ -199,18 +235,27 @@ class GroupConsumer:
         keep = []
         for entry_id, fields in entries:
             deliveries = counts.get(entry_id, 1)
-            if deliveries > self._config.max_deliveries:
-                await self._dead.send(self.stream, self.group, entry_id, fields, "max_deliveries", deliveries)
+            if deliveries > self._config.max_deliveries and fields is not None:
+                reason = f"max_deliveries: delivered {deliveries} times (bound {self._config.max_deliveries}) without an ack"
+                await self._bury(entry_id, fields, reason, deliveries)
+                self._tell(fields, reason)
             else:
                 keep.append((entry_id, fields))
         return keep
 
     async def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
-        """Delivery counts of entries this consumer owns, in one XPENDING over their id range."""
-        rows = await self._redis.xpending_range(
-            self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) * 4 + 16, consumername=self.consumer
-        )
-        return {_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        """Delivery counts of entries this consumer owns, in one XPENDING per page of their id
+        range (other consumers' entries in the range are filtered out by Redis)."""
+        counts: dict[str, int] = {}
+        low = ids[0]
+        while True:
+            rows = await self._redis.xpending_range(
+                self.stream, self.group, min=low, max=ids[-1], count=len(ids) + 16, consumername=self.consumer
+            )
+            counts.update({_text(r["message_id"]): int(r["times_delivered"]) for r in rows})
+            if len(rows) < len(ids) + 16:
+                return counts
+            low = "(" + _text(rows[-1]["message_id"])
 
     async def _xreadgroup(self, cursor: str, count: int, block: int | None) -> list[tuple[Any, Any]]:
         args = dict(groupname=self.group, consumername=self.consumer, streams={self.stream: cursor}, count=count, block=block)
@@ -245,7 +290,9 @@ class GroupConsumer:
             return Delivery(self.stream, entry_id, codec.decode(fields), published)
         except DecodeError as exc:
             log.error("undecodable entry %s on %s: %s", entry_id, self.stream, exc)
-            await self._dead.send(self.stream, self.group, entry_id, fields, "undecodable", 1)
+            reason = f"undecodable: {exc}"
+            await self._bury(entry_id, fields, reason, 1)
+            self._tell(fields, reason)
             return None
 
 

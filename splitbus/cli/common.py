@@ -81,9 +81,14 @@ def run_service(service: object) -> int:
         await service.run()  # type: ignore[attr-defined]
 
     try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(main())
+        else:
+            uvloop.run(main())
+    except Exception:
+        # A bug that ended the service: say so, and exit non-zero so a supervisor restarts it.
+        logging.getLogger(__name__).exception("stopped by a fatal error")
+        return max(1, int(getattr(service, "exit_code", 0)))
     return int(getattr(service, "exit_code", 0))

@@ -17,10 +17,11 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
+from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
+from splitbus.bus.scheduler.policy import blocks_needed
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 from splitbus.tokenization import ModelTokenizer
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 KV_TTL_S = 300
 TRIM_EVERY_S = 5.0
 RECENT_CANCELS = 10_000
+EXIT_FATAL = 1
+"""The exit code of a worker stopped by a fatal error (a bug in a loop, never an entry)."""
 DROP_RESERVATION = """
 if redis.call('HGET', KEYS[1], 'task_entry') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -54,7 +57,7 @@ class Worker:
         self.redis = connect(config.bus, max_connections=16, name=self.id)
         self.keys = config.bus.keys
         self.registry = Registry(self.redis, config.bus)
-        self.tasks = GroupConsumer(self.redis, config.bus, self.keys.tasks(self.id), WORKER_GROUP, self.id)
+        self.tasks = GroupConsumer(self.redis, config.bus, self.keys.tasks(self.id), WORKER_GROUP, self.id, on_dead=self.fail_request)
         self.writer = ResultWriter(self.redis, config.bus)
         self.cancels = CancelListener(self.redis, config.bus)
         self.server = TransferServer(self.id, self.import_kv)
@@ -68,6 +71,7 @@ class Worker:
         self.handing_off: dict[str, Sequence] = {}  # prefill: cache on its way to D
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[tuple[str, str]] = []  # (sb:kv key, task entry) of requests that left
+        self.unreturned = Reserved()  # reservations of tasks taken, not given back yet
         self._drop_reservation = self.redis.register_script(DROP_RESERVATION)
         self.recently_cancelled: dict[str, float] = {}
         self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us", "forward_ends_ms"), 0)
@@ -83,20 +87,18 @@ class Worker:
     # ------------------------------------------------------------ main loop
 
     async def run(self) -> None:
+        """The engine loop until stopped. Every loop here, this one and the background ones,
+        runs under ``forever``'s one policy: Redis refusing (down, LOADING, OOM...) is waited
+        out with nothing buffered dropped; an entry that cannot be handled fails its request
+        alone; anything else is a bug, and the worker stops with exit code ``EXIT_FATAL``."""
         await self.start()
         try:
-            while not self.stopping.is_set():
-                await self.step_safely()
+            await forever(self.step, self.stopping.is_set, f"worker {self.id}: engine loop")
+        except Exception:
+            self.exit_code = self.exit_code or EXIT_FATAL
+            raise
         finally:
             await self.close()
-
-    async def step_safely(self) -> None:
-        """A step; while Redis is away, back off and retry (nothing buffered is dropped)."""
-        try:
-            await self.step()
-        except TRANSIENT_ERRORS as exc:
-            log.warning("Redis unavailable (%s); retrying", exc)
-            await wait_until_reachable(self.redis, self.stopping.is_set)
 
     async def step(self) -> None:
         # Results go out after each engine call, written by the publisher task while the
@@ -123,11 +125,11 @@ class Worker:
     async def close(self) -> None:
         self.stopping.set()
         self.room.set()
-        with contextlib.suppress(*TRANSIENT_ERRORS):
+        with transient_suppressed("the last publish"):
             await self.publish()  # what the last steps left
         await cancel_and_wait(self._background)
         self.stop_reporting_load()
-        with contextlib.suppress(*TRANSIENT_ERRORS):
+        with transient_suppressed("deregistering"):
             await self.registry.deregister(self.id)
         await self.server.close()
         await self.links.client.close()
@@ -156,59 +158,81 @@ class Worker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _forever(self, loop: Any) -> None:
-        """Run a background loop; Redis outages are retried, anything else stops the worker."""
-        while not self.stopping.is_set():
-            try:
-                await loop()
-            except TRANSIENT_ERRORS as exc:
-                log.warning("%s: Redis unavailable (%s); retrying", loop.__name__, exc)
-                await asyncio.sleep(0.5)
-            except Exception:
-                log.exception("%s failed; stopping the worker", loop.__name__)
-                self.stopping.set()
-                self.wake.set()
+    async def _forever(self, step: Callable[[], Awaitable[None]]) -> None:
+        """Run a background loop's step under ``forever``; a fatal error stops the worker with a
+        non-zero exit code (it used to exit 0, which supervisors read as a clean stop)."""
+        try:
+            await forever(step, self.stopping.is_set, f"worker {self.id}: {step.__name__}")
+        except Exception:
+            log.exception("%s failed; stopping the worker", step.__name__)
+            self.exit_code = self.exit_code or EXIT_FATAL
+            self.stopping.set()
+            self.wake.set()
+            self.room.set()
 
     # ------------------------------------------------------------ bus edges
 
     async def heartbeat(self) -> None:
         # The whole record each time (~20 small fields): a worker whose record was removed, say
         # by a reaper during a long Redis outage, is whole again at its next beat.
-        while not self.stopping.is_set():
-            await self.registry.register(self.record(), self.config.lease_ms)
-            await asyncio.sleep(self.config.heartbeat_s)
+        await self.registry.register(self.record(), self.config.lease_ms)
+        await asyncio.sleep(self.config.heartbeat_s)
 
     def held(self) -> int:
         return len(self.queued) + len(self.awaiting_kv) + len(self.running) + len(self.handing_off)
 
     async def feed_tasks(self) -> None:
-        """Read tasks only while there is room for them."""
-        while not self.stopping.is_set():
-            room = self.config.max_requests - self.held()
-            if room <= 0:
-                self.room.clear()
-                await self.room.wait()
-                continue
-            deliveries = await self.tasks.read(room)
-            for delivery in deliveries:
-                await self.accept(delivery)
-            await self.work_arrived()  # the engine loop starts on them while the reservations go back
-            await self.release_reservations(deliveries)
+        """Read tasks, only while there is room for them."""
+        room = self.config.max_requests - self.held()
+        if room <= 0:
+            self.room.clear()
+            await self.room.wait()
+            return
+        deliveries = await self.tasks.read(room)
+        for delivery in deliveries:
+            await self.accept_safely(delivery)
+        await self.work_arrived()  # the engine loop starts on them while the reservations go back
+        await self.give_back_reservations()
 
     async def work_arrived(self) -> None:
         self.wake.set()
 
-    async def release_reservations(self, deliveries: list[Delivery]) -> None:
-        """Give back what the scheduler reserved for these tasks, with the load that now counts
-        them: until the next heartbeat the tasks would otherwise be in neither."""
-        tasks = [d.message for d in deliveries if isinstance(d.message, Task)]
-        if tasks:
-            await self.registry.report_load(self.id, self.load(), Reserved(*(sum(column) for column in zip(*(t.reserved for t in tasks)))))
+    async def give_back_reservations(self) -> None:
+        """Give back what the scheduler reserved for the tasks taken, with the load that now
+        counts them: until the next heartbeat the tasks would otherwise be in neither. Kept
+        until Redis takes it (the publisher tries again): a lost give-back would leave this
+        worker looking busier for good."""
+        taken, self.unreturned = self.unreturned, Reserved()
+        if taken == Reserved():
+            return
+        try:
+            await self.registry.report_load(self.id, self.load(), taken)
+        except BaseException:
+            self.unreturned = _add(self.unreturned, taken)
+            raise
+
+    async def accept_safely(self, delivery: Delivery) -> None:
+        """Take one task. One that cannot be handled fails its request alone (an error entry
+        for its client, a dead letter with the reason); the worker goes on."""
+        try:
+            await self.accept(delivery)
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            log.exception("task %s failed as it was taken", delivery.entry_id)
+            await self.reject(delivery, "handler_failed", f"{type(exc).__name__}: {exc}")
 
     async def accept(self, delivery: Delivery) -> None:
         task = delivery.message
         if not isinstance(task, Task):
-            await self.tasks.dead_letter(delivery, "handler_failed")
+            await self.reject(delivery, "handler_failed", f"a {type(task).__name__} entry is not a task")
+            return
+        overdrawn = self.check_reservation(task)
+        if overdrawn is None:
+            self.unreturned = _add(self.unreturned, Reserved(*task.reserved))
+        problem = overdrawn or self.check_task(task)
+        if problem is not None:
+            await self.reject(delivery, "invalid_task", problem)
             return
         seq = Sequence(task, delivery.entry_id, TextStream(self.tokenizer, task.request.sampling.stop))
         if task.request.request_id in self.recently_cancelled:
@@ -236,6 +260,54 @@ class Worker:
         pipe.expire(self.keys.kv(seq.request_id), KV_TTL_S)
         await pipe.execute()
 
+    def check_reservation(self, task: Task) -> str | None:
+        """Why the task's ``reserved`` cannot be given back, or None. A scheduler reserves at
+        most the task's prompt tokens (phases that prefill), one request and the KV blocks of
+        prompt + max_tokens (phases that decode); a task claiming more was not written by one,
+        and giving its numbers back would drive this worker's counters negative."""
+        tokens, blocks = len(task.request.prompt_token_ids), blocks_needed(task.request, self.config.block_size)
+        bound = {"prefill": (tokens, 0, 0), "decode": (0, 1, blocks), "mixed": (tokens, 1, blocks)}[task.phase]
+        if all(r <= b for r, b in zip(task.reserved, bound)):
+            return None
+        return f"reserved {task.reserved} exceeds what a {task.phase} task of this request can reserve, {list(bound)}"
+
+    def check_task(self, task: Task) -> str | None:
+        """Why this worker cannot run the task, or None: its tokens must be in this model's
+        vocabulary (the tokenizer raises on ids it does not know) and fit its context."""
+        request, vocab = task.request, self.tokenizer.vocab_size
+        if request.model != self.config.model_name:
+            return f"the task is for model {request.model!r}; this worker serves {self.config.model_name!r}"
+        for name, ids in (("prompt_token_ids", request.prompt_token_ids), ("output_token_ids", task.output_token_ids)):
+            bad = next((i for i in ids if i >= vocab), None)
+            if bad is not None:
+                return f"{name} holds token id {bad}, outside this model's vocabulary [0, {vocab})"
+        if len(task.output_token_ids) > request.sampling.max_tokens:
+            return f"{len(task.output_token_ids)} output tokens exceed max_tokens {request.sampling.max_tokens}"
+        if len(request.prompt_token_ids) + request.sampling.max_tokens > self.tokenizer.context_length:
+            return f"prompt ({len(request.prompt_token_ids)}) + max_tokens ({request.sampling.max_tokens}) exceed the context ({self.tokenizer.context_length})"
+        return None
+
+    async def reject(self, delivery: Delivery, code: str, reason: str) -> None:
+        """Dead-letter a task this worker cannot handle, and fail its request."""
+        log.warning("task %s rejected: %s", delivery.entry_id, reason)
+        await self.tasks.dead_letter(delivery, f"{code}: {reason}")
+        request_id = getattr(getattr(delivery.message, "request", None), "request_id", None)
+        if isinstance(request_id, str):
+            self.fail_request(request_id, f"{code}: {reason}")
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """End a request whose task was dead-lettered with an error entry, so its client is not
+        left waiting for its deadline; not one this worker still holds (that one answers)."""
+        if any(s.request_id == request_id for s in self.held_sequences()):
+            return
+        code = reason.split(":", 1)[0]
+        self.writer.fail(request_id, code, f"worker {self.id} could not handle this request's task: {reason}", 500)
+        metrics.REQUESTS_FINISHED.labels(code).inc()
+        self.publish_soon()
+
+    def held_sequences(self) -> list[Sequence]:
+        return [*self.queued, *self.running, *self.handing_off.values(), *(entry[0] for entry in self.awaiting_kv.values())]
+
     def take_blocks(self, seq: Sequence) -> bool:
         """KV room for the request: its prompt on a prefill worker, prompt + max_tokens where
         it decodes."""
@@ -250,21 +322,18 @@ class Worker:
 
     async def trim_tasks(self) -> None:
         """Delete this worker's task entries once acked (never an unacked one)."""
-        while not self.stopping.is_set():
-            await asyncio.sleep(TRIM_EVERY_S)
-            await trim_consumed(self.redis, self.keys.tasks(self.id))
+        await asyncio.sleep(TRIM_EVERY_S)
+        await trim_consumed(self.redis, self.keys.tasks(self.id))
 
     async def answer_commands(self) -> None:
-        while not self.stopping.is_set():
-            await self.control.serve_once()
+        await self.control.serve_once()
 
     async def listen_for_cancels(self) -> None:
-        while not self.stopping.is_set():
-            for cancel in await self.cancels.poll():
-                if cancel.entry_id and cancel.worker == self.id:
-                    self.drop_task(cancel.entry_id)
-                elif not cancel.worker:
-                    self.drop(cancel.request_id)
+        for cancel in await self.cancels.poll():
+            if cancel.entry_id and cancel.worker == self.id:
+                self.drop_task(cancel.entry_id)
+            elif not cancel.worker:
+                self.drop(cancel.request_id)
 
     # ------------------------------------------------------------ engine steps
 
@@ -298,7 +367,7 @@ class Worker:
 
     async def report_load_now(self) -> None:
         """Advisory: an outage only leaves it to the next report."""
-        with contextlib.suppress(*TRANSIENT_ERRORS):
+        with transient_suppressed("a load report"):
             await self.registry.report_load(self.id, self.load())
 
     def next_prefill_batch(self) -> list[Sequence]:
@@ -349,17 +418,17 @@ class Worker:
         try:
             with metrics.ENGINE_STEP.labels(getattr(step, "__name__", "step")).time():
                 return list(zip(batch, await step(batch)))
-        except TRANSIENT_ERRORS:
-            raise
         except Exception as exc:
+            if is_transient(exc):
+                raise
             log.error("engine step failed on a batch of %d (%s); running each alone", len(batch), exc)
         done = []
         for seq in batch:
             try:
                 done += list(zip([seq], await step([seq])))
-            except TRANSIENT_ERRORS:
-                raise
             except Exception as exc:
+                if is_transient(exc):
+                    raise
                 await self.poison(seq, exc)
         return done
 
@@ -399,12 +468,11 @@ class Worker:
 
     async def publisher(self) -> None:
         """Writes what the engine loop and the hand-offs leave, one write at a time, so entries
-        keep their order."""
-        while not self.stopping.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.to_publish.wait(), 0.5)
-            self.to_publish.clear()
-            await self.publish()
+        keep their order. While Redis refuses (OOM, outage) everything stays buffered."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.to_publish.wait(), 0.5)
+        self.to_publish.clear()
+        await self.publish()
 
     async def publish(self) -> None:
         """Write the results, then ack finished tasks and drop stale reservations; each list is
@@ -415,6 +483,8 @@ class Worker:
     async def _publish(self) -> None:
         if self.writer.pending:
             await self.writer.flush()
+        await self.tasks.send_graves()
+        await self.give_back_reservations()
         if self.done_entries:
             done = list(self.done_entries)
             await self.tasks.ack(*done)
@@ -549,9 +619,14 @@ class Worker:
 
     async def _expire(self, seq: Sequence) -> None:
         """No KV came: fail the request, unless the reaper moved it (then its new workers answer)."""
-        with contextlib.suppress(*TRANSIENT_ERRORS):
+        with transient_suppressed("checking for a moved request"):
             if await self.redis.exists(self.keys.moved(seq.request_id)):
                 self.retire(seq)
                 return
         self.fail(seq, "kv_transfer_timeout", f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s", 503)
         self.wake.set()
+
+
+def _add(a: Reserved, b: Reserved) -> Reserved:
+    return Reserved(a.reserved_prefill_tokens + b.reserved_prefill_tokens, a.reserved_requests + b.reserved_requests,
+                    a.reserved_kv_blocks + b.reserved_kv_blocks)

@@ -53,7 +53,7 @@ def test_unknown_fields_are_ignored() -> None:
         ({b"type": b"token", b"data": b"[1,2]"}, "JSON object"),
         ({b"type": b"token", b"data": b'{"token_ids":[1]}'}, "seq"),
         ({b"type": b"token", b"data": b'{"seq":"0","token_ids":[1]}'}, "seq must be an integer"),
-        ({b"type": b"token", b"data": b'{"seq":0,"token_ids":[-1]}'}, "non-negative"),
+        ({b"type": b"token", b"data": b'{"seq":0,"token_ids":[-1]}'}, r"integers in \[0, 2147483647\], got -1"),
         ({b"type": b"request", b"data": b'{"request_id":"r"}'}, "missing"),
     ],
 )
@@ -66,3 +66,81 @@ def test_nested_sampling_params_are_validated() -> None:
     data = orjson.dumps(_request()).replace(b'"max_tokens":4', b'"max_tokens":0')
     with pytest.raises(DecodeError, match="max_tokens"):
         codec.decode({b"type": b"request", b"data": data})
+
+
+def _task_data(**overrides: object) -> bytes:
+    from splitbus.bus.messages import Task
+
+    data = orjson.loads(orjson.dumps(Task("mixed", _request())))
+    data.update(overrides)
+    return orjson.dumps(data)
+
+
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        # The attacks of issue 16: a token id the tokenizer cannot convert (OverflowError), and
+        # a reservation that drove the worker's counters to -10**12.
+        ({"output_token_ids": [4294967296]}, r"output_token_ids must hold integers in \[0, 2147483647\], got 4294967296"),
+        ({"reserved": [10**12, 1, 1]}, r"reserved prefill tokens must be <= 4194304, got 1000000000000"),
+        ({"reserved": [1, 2, 1]}, "reserved requests must be <= 1"),
+        ({"reserved": [1, 1, -1]}, "reserved KV blocks must be >= 0"),
+        ({"reserved": [1.0e12, 1, 1]}, "reserved prefill tokens must be an integer"),
+        ({"reserved": [1, 1]}, "reserved must hold 3 numbers"),
+        ({"first_seq": 2**31}, "first_seq must be <="),
+        ({"batch_ranks": 10**9}, "batch_ranks must be <="),
+        ({"peer": "p" * 300}, "peer must be at most 256 characters"),
+        ({"output_token_ids": [1] * (2**22 + 1)}, "output_token_ids must hold at most 4194304 items"),
+    ],
+)
+def test_task_fields_are_bounded(overrides: dict[str, object], why: str) -> None:
+    with pytest.raises(DecodeError, match=why):
+        codec.decode({b"type": b"task", b"data": _task_data(**overrides)})
+
+
+@pytest.mark.parametrize(
+    "sampling, why",
+    [
+        ({"max_tokens": 2**40}, "max_tokens must be <="),
+        ({"temperature": 1e300}, "temperature must be in"),
+        ({"top_k": 2**40}, "top_k must be <="),
+        ({"stop": ["x"] * 17}, "stop must hold at most 16"),
+        ({"stop": ["x" * 5000]}, "at most 4096 characters"),
+        ({"stop_token_ids": [2**33]}, "stop_token_ids must hold integers"),
+        ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
+    ],
+)
+def test_request_fields_are_bounded(sampling: dict[str, object], why: str) -> None:
+    data = orjson.loads(orjson.dumps(_request()))
+    data["sampling"].update(sampling)
+    with pytest.raises(DecodeError, match=why):
+        codec.decode({b"type": b"request", b"data": orjson.dumps(data)})
+
+
+def test_prompt_ids_and_deadline_are_bounded() -> None:
+    for field, value, why in (("prompt_token_ids", [2**31], "prompt_token_ids must hold integers"),
+                              ("deadline_ms", 2**60, "deadline_ms must be <="),
+                              ("request_id", "r" * 257, "request_id must be at most 256")):
+        data = orjson.loads(orjson.dumps(_request()))
+        data[field] = value
+        with pytest.raises(DecodeError, match=why):
+            codec.decode({b"type": b"request", b"data": orjson.dumps(data)})
+
+
+def test_oversized_data_is_refused_unparsed() -> None:
+    with pytest.raises(DecodeError, match="more than"):
+        codec.decode({b"type": b"token", b"data": b" " * (codec.MAX_DATA_BYTES + 1)})
+
+
+@pytest.mark.parametrize(
+    "data, found",
+    [
+        (b'{"request_id":"cmpl-1"}', "cmpl-1"),
+        (b'{"request":{"request_id":"cmpl-2"},"output_token_ids":[4294967296]}', "cmpl-2"),
+        (b'{"request_id":"a}b"}', None),  # would move the result stream's hash tag
+        (b'{"request_id":7}', None),
+        (b"{broken", None),
+    ],
+)
+def test_request_id_of_an_undecodable_entry(data: bytes, found: str | None) -> None:
+    assert codec.request_id_of({b"type": b"task", b"data": data}) == found

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import redis as sync_redis
 import redis.asyncio as aioredis
 
 from splitbus.bus import codec
@@ -77,7 +78,9 @@ async def test_undecodable_entry_is_dead_lettered_and_consumer_goes_on(
     got = await consumer.read(10)
     assert [d.message.request_id for d in got] == ["r1"]
     letters = await _dead_letters(redis, bus_config)
-    assert [(letter.reason, letter.stream) for letter in letters] == [("undecodable", stream)] * 2
+    assert [(letter.reason.split(":")[0], letter.stream) for letter in letters] == [("undecodable", stream)] * 2
+    assert letters[0].reason.startswith("undecodable: cancel: data is not JSON")  # the error, not only in the log
+    assert letters[1].reason == "undecodable: unknown message type None"
     assert letters[0].original_data == "{broken"
     # Dead-lettered entries are acked: only the good one is pending.
     assert (await redis.xpending(stream, GROUP))["pending"] == 1
@@ -131,7 +134,7 @@ async def test_entry_is_dead_lettered_after_max_deliveries(redis: aioredis.Redis
     await asyncio.sleep(0.02)
     assert await consumers[3].claim_idle(min_idle_ms=10) == []  # would be delivery 4
     letters = await _dead_letters(redis, config)
-    assert [(d.reason, d.deliveries) for d in letters] == [("max_deliveries", 4)]
+    assert [(d.reason.split(":")[0], d.deliveries) for d in letters] == [("max_deliveries", 4)]
     assert (await redis.xpending(config.keys.requests, GROUP))["pending"] == 0
 
 
@@ -187,3 +190,55 @@ async def test_trim_survives_acks_between_its_two_reads(redis: aioredis.Redis, b
     await consumer.ack(*[d.entry_id for d in got])
     floor = await streams._group_floor(redis, stream, stale[0])
     assert streams._id_key(floor) > streams._id_key(got[-1].entry_id)
+
+
+async def test_restarted_consumer_dead_letters_its_pending_entry_past_max_deliveries(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    # A consumer that dies on an entry every time (a crash, not an exception) re-reads it from
+    # its pending list at each restart: each re-read counts, and past the bound it is buried.
+    config = dataclasses.replace(bus_config, max_deliveries=3)
+    told: list[tuple[str, str]] = []
+    await Producer(redis, config).send_many([(config.keys.requests, _msg(i)) for i in (1, 2)])
+    runs = []
+    for _ in range(4):  # runs 1-3 read r1 and "crash"; run 4 must not get it
+        consumer = GroupConsumer(redis, config, config.keys.requests, GROUP, "w", on_dead=lambda *a: told.append(a))
+        await consumer.ensure_group()
+        runs.append([d.message.request_id for d in await consumer.read(1)])
+    assert runs == [["r1"], ["r1"], ["r1"], ["r2"]]
+    letters = await _dead_letters(redis, config)
+    assert [(d.reason, d.deliveries) for d in letters] == [
+        ("max_deliveries: delivered 4 times (bound 3) without an ack", 4)]
+    assert [request_id for request_id, _ in told] == ["r1"]  # its client can be told
+    pending = await redis.xpending_range(config.keys.requests, GROUP, "-", "+", 10)
+    assert [p["times_delivered"] for p in pending] == [1]  # only r2, delivered once
+
+
+async def test_undecodable_entry_naming_a_request_is_reported(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    told: list[tuple[str, str]] = []
+    consumer = GroupConsumer(redis, bus_config, bus_config.keys.requests, GROUP, "c", on_dead=lambda *a: told.append(a))
+    await consumer.ensure_group()
+    await redis.xadd(bus_config.keys.requests, {b"type": b"cancel", b"data": b'{"request_id":"r9","reason":7}'})
+    await redis.xadd(bus_config.keys.requests, {b"type": b"cancel", b"data": b'{"request_id":"r{x}","reason":7}'})
+    assert await consumer.read(10) == []
+    assert told == [("r9", "undecodable: cancel: reason must be a string, got int")]  # r{x} is not trusted
+
+
+async def test_dead_letters_refused_at_maxmemory_are_kept_and_sent_later(
+    redis: aioredis.Redis, bus_config: BusConfig, redis_admin: sync_redis.Redis
+) -> None:
+    consumer = await _consumer(redis, bus_config)
+    await redis.xadd(bus_config.keys.requests, {b"type": b"cancel", b"data": b"{broken"})
+    await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(1))
+    redis_admin.config_set("maxmemory-policy", "noeviction")
+    try:
+        redis_admin.config_set("maxmemory", 1)  # every write that needs memory is refused (OOM)
+        got = await consumer.read(10)  # reads are not refused; the dead letter is
+        assert [d.message.request_id for d in got] == ["r1"]  # the good entry is not lost with it
+        assert await redis.exists(bus_config.keys.dead) == 0
+    finally:
+        redis_admin.config_set("maxmemory", 0)
+    assert await consumer.read(10, block_ms=10) == []  # sends the kept letter first
+    letters = await _dead_letters(redis, bus_config)
+    assert [d.reason.split(":")[0] for d in letters] == ["undecodable"]
+    assert (await redis.xpending(bus_config.keys.requests, GROUP))["pending"] == 1  # r1 only

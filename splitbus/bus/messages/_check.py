@@ -1,8 +1,32 @@
-"""Value checks for message ``__post_init__``: a decoded entry must not carry wrong types."""
+"""Value checks for message ``__post_init__``: a decoded entry must not carry wrong types, and
+every number and size is bounded, so no consumer does arithmetic, allocation or a tokenizer call
+on a value it cannot handle (a token id of 2**32 made the tokenizer raise OverflowError; a
+reservation of 10**12 drove a worker's counters to -10**12)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids are non-negative int32 (what tokenizers and engines index with); a worker checks
+them against its own vocabulary as well when it takes a task."""
+MAX_TOKENS = 2**22
+"""Longest token list (prompt, generated tokens) and largest ``max_tokens``: above any context."""
+MAX_KV_BLOCKS = 2 * MAX_TOKENS
+"""Most KV blocks one request can reserve (prompt + max_tokens, blocks of at least 1 token)."""
+MAX_SEQ = 2**31 - 1
+"""Largest result sequence number."""
+MAX_NAME_CHARS = 256
+"""Longest id or name: request, worker, model, API node, batch."""
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 4096
+"""Outer bound of one stop string on the bus; the API node's own bound must not exceed it."""
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TEMPERATURE = 100.0
+MAX_DEADLINE_MS = 2**53
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What JSON carries as an integer (orjson refuses anything wider)."""
 
 
 def is_int(value: Any) -> bool:
@@ -14,27 +38,45 @@ def require(condition: bool, what: str) -> None:
         raise ValueError(what)
 
 
-def require_int(value: Any, name: str, minimum: int | None = None) -> None:
+def require_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> None:
     if type(value) is not int:
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
 
 
-def require_str(value: Any, name: str, nonempty: bool = True) -> None:
+def require_str(value: Any, name: str, nonempty: bool = True, max_chars: int = MAX_NAME_CHARS) -> None:
     require(isinstance(value, str), f"{name} must be a string, got {type(value).__name__}")
     if nonempty:
         require(bool(value), f"{name} must not be empty")
+    require(len(value) <= max_chars, f"{name} must be at most {max_chars} characters, got {len(value)}")
 
 
-def require_int_list(value: Any, name: str) -> None:
+def require_int_list(value: Any, name: str, maximum: int = MAX_TOKEN_ID, max_len: int = MAX_TOKENS) -> None:
+    """A list of at most ``max_len`` integers in [0, ``maximum``]."""
     if type(value) is not list:
         raise ValueError(f"{name} must be a list of integers")
+    require(len(value) <= max_len, f"{name} must hold at most {max_len} items, got {len(value)}")
     for v in value:
-        if type(v) is not int or v < 0:
-            raise ValueError(f"{name} must hold non-negative integers")
+        if type(v) is not int or not 0 <= v <= maximum:
+            raise ValueError(f"{name} must hold integers in [0, {maximum}], got {_short(v)}")
 
 
-def require_number(value: Any, name: str, minimum: float) -> None:
+def require_number(value: Any, name: str, minimum: float, maximum: float = math.inf) -> None:
     require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} must be a number")
-    require(value >= minimum, f"{name} must be >= {minimum}, got {value}")
+    require(math.isfinite(value), f"{name} must be finite")
+    require(minimum <= value <= maximum, f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def require_str_list(value: Any, name: str, max_items: int, max_chars: int) -> None:
+    require(isinstance(value, list) and all(isinstance(s, str) for s in value), f"{name} must be a list of strings")
+    require(len(value) <= max_items, f"{name} must hold at most {max_items} strings, got {len(value)}")
+    longest = max(map(len, value), default=0)
+    require(longest <= max_chars, f"{name}: each must be at most {max_chars} characters, got {longest}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -22,3 +22,5 @@ class Cancel:
     def __post_init__(self) -> None:
         require_str(self.request_id, "request_id")
         require_str(self.reason, "reason")
+        require_str(self.worker, "worker", nonempty=False)
+        require_str(self.entry_id, "entry_id", nonempty=False)

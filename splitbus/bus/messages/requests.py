@@ -7,11 +7,20 @@ from typing import ClassVar
 
 from splitbus.bus.codec import message
 from splitbus.bus.messages._check import (
+    MAX_DEADLINE_MS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MAX_TOKENS,
+    SEED_RANGE,
     require,
     require_int,
     require_int_list,
     require_number,
     require_str,
+    require_str_list,
 )
 
 
@@ -28,15 +37,15 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        require_int(self.max_tokens, "max_tokens", minimum=1)
-        require_number(self.temperature, "temperature", minimum=0.0)
-        require_number(self.top_p, "top_p", minimum=0.0)
-        require(self.top_p <= 1.0, "top_p must be <= 1")
-        require_int(self.top_k, "top_k", minimum=0)
+        require_int(self.max_tokens, "max_tokens", minimum=1, maximum=MAX_TOKENS)
+        require_number(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        require_number(self.top_p, "top_p", 0.0, 1.0)
+        require_int(self.top_k, "top_k", minimum=0, maximum=MAX_TOKEN_ID)
         if self.seed is not None:
-            require_int(self.seed, "seed")
-        require(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop must be a list of strings")
-        require_int_list(self.stop_token_ids, "stop_token_ids")
+            require_int(self.seed, "seed", *SEED_RANGE)
+        require_str_list(self.stop, "stop", MAX_STOP_SEQUENCES, MAX_STOP_CHARS)
+        require_int_list(self.stop_token_ids, "stop_token_ids", max_len=MAX_STOP_TOKEN_IDS)
+        require(type(self.ignore_eos) is bool, "ignore_eos must be a boolean")
 
 
 @message
@@ -62,4 +71,4 @@ class GenerateRequest:
         require(len(self.prompt_token_ids) > 0, "prompt_token_ids must not be empty")
         require(isinstance(self.sampling, SamplingParams), "sampling must be an object")
         require_str(self.api_node, "api_node")
-        require_int(self.deadline_ms, "deadline_ms", minimum=0)
+        require_int(self.deadline_ms, "deadline_ms", minimum=0, maximum=MAX_DEADLINE_MS)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 from splitbus.bus.codec import message
-from splitbus.bus.messages._check import require_int, require_int_list, require_str
+from splitbus.bus.messages._check import MAX_SEQ, MAX_TOKENS, require_int, require_int_list, require_str
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -27,7 +27,7 @@ class TokenDelta:
     text: str = ""
 
     def __post_init__(self) -> None:
-        require_int(self.seq, "seq", minimum=0)
+        require_int(self.seq, "seq", minimum=0, maximum=MAX_SEQ)
         require_int_list(self.token_ids, "token_ids")
 
 
@@ -47,10 +47,11 @@ class Finished:
     token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        require_int(self.seq, "seq", minimum=0)
+        require_int(self.seq, "seq", minimum=0, maximum=MAX_SEQ)
         require_str(self.finish_reason, "finish_reason")
-        require_int(self.prompt_tokens, "prompt_tokens", minimum=0)
-        require_int(self.completion_tokens, "completion_tokens", minimum=0)
+        require_int(self.prompt_tokens, "prompt_tokens", minimum=0, maximum=MAX_TOKENS)
+        require_int(self.completion_tokens, "completion_tokens", minimum=0, maximum=MAX_TOKENS)
+        require_int_list(self.token_ids, "token_ids")
 
 
 @message
@@ -67,9 +68,9 @@ class Failed:
     """The HTTP status an API node answers with, if it has not started streaming."""
 
     def __post_init__(self) -> None:
-        require_int(self.seq, "seq", minimum=0)
+        require_int(self.seq, "seq", minimum=0, maximum=MAX_SEQ)
         require_str(self.code, "code")
-        require_int(self.status, "status", minimum=100)
+        require_int(self.status, "status", minimum=100, maximum=599)
 
 
 Result = Union[TokenDelta, Finished, Failed]

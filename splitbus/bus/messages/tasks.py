@@ -6,10 +6,20 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from splitbus.bus.codec import message
-from splitbus.bus.messages._check import require, require_int, require_int_list, require_str
+from splitbus.bus.messages._check import (
+    MAX_KV_BLOCKS,
+    MAX_SEQ,
+    MAX_TOKENS,
+    require,
+    require_int,
+    require_int_list,
+    require_str,
+)
 from splitbus.bus.messages.requests import GenerateRequest
 
 PHASES = ("prefill", "decode", "mixed")
+RESERVED_NAMES = ("prefill tokens", "requests", "KV blocks")
+MAX_RANKS = 4096
 
 
 @message
@@ -42,10 +52,11 @@ class Task:
     def __post_init__(self) -> None:
         require(self.phase in PHASES, f"phase must be one of {PHASES}")
         require(isinstance(self.request, GenerateRequest), "request must be an object")
-        require(isinstance(self.peer, str), "peer must be a string")
-        if self.phase != "mixed":
-            require_str(self.peer, "peer")
-        require_int(self.first_seq, "first_seq", minimum=0)
+        require_str(self.peer, "peer", nonempty=self.phase != "mixed")
+        require_int(self.first_seq, "first_seq", minimum=0, maximum=MAX_SEQ)
         require_int_list(self.output_token_ids, "output_token_ids")
-        require_int_list(self.reserved, "reserved")
-        require(len(self.reserved) == 3, "reserved must hold 3 numbers")
+        require_str(self.batch_id, "batch_id", nonempty=False)
+        require_int(self.batch_ranks, "batch_ranks", minimum=0, maximum=MAX_RANKS)
+        require(type(self.reserved) is list and len(self.reserved) == 3, "reserved must hold 3 numbers")
+        for value, name, most in zip(self.reserved, RESERVED_NAMES, (MAX_TOKENS, 1, MAX_KV_BLOCKS)):
+            require_int(value, f"reserved {name}", minimum=0, maximum=most)

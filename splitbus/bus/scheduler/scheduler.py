@@ -8,15 +8,15 @@ that no worker can take yet waits (unacked, so a crash does not lose it) up to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
+from splitbus.bus.connection import connect, forever, is_transient
 from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, Reserved
@@ -38,7 +38,10 @@ from splitbus.bus.scheduler.stagger import RELEASE_LEAD_S, Job, RankLoad, Stagge
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TRIM_EVERY_S = 5.0
+EXIT_FATAL = 1
+"""The exit code of a scheduler stopped by a fatal error (a bug in a loop, never an entry)."""
 
 
 @dataclass
@@ -52,7 +55,7 @@ class Scheduler:
         self.config = config
         bus: BusConfig = config.bus
         self.redis = connect(bus, max_connections=8, name=config.name)
-        self.requests = GroupConsumer(self.redis, bus, bus.keys.requests, SCHEDULER_GROUP, config.name)
+        self.requests = GroupConsumer(self.redis, bus, bus.keys.requests, SCHEDULER_GROUP, config.name, on_dead=self.fail_dead)
         self.registry = Registry(self.redis, bus)
         self.view = RegistryView(self.registry, config.refresh_s)
         self.policy = Policy(config.mode)
@@ -68,13 +71,17 @@ class Scheduler:
         if config.mode == "dp" and config.stagger:
             self.window = StaggerWindow(max_wait_s=config.stagger_max_wait_s)
         self.stopping = asyncio.Event()
+        self.exit_code = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     async def run(self) -> None:
+        """The scheduling loop until stopped, under ``forever``'s one policy (as are the
+        background loops): Redis refusing (down, LOADING, OOM...) is waited out; a request that
+        cannot be handled is dead-lettered with the reason and failed to its client, alone;
+        anything else is a bug, and the scheduler stops with exit code ``EXIT_FATAL``."""
         await self.start()
         try:
-            while not self.stopping.is_set():
-                await self.step_safely()
+            await self.background(self.step)
         finally:
             await self.close()
 
@@ -86,6 +93,8 @@ class Scheduler:
         else:
             await self.hold(arrivals)
         self.waiting = await self.place_all(self.waiting)
+        if self.writer.pending:  # errors for requests dead-lettered as they were read
+            await self.writer.flush()
 
     async def place_all(self, waiting: list[Waiting]) -> list[Waiting]:
         """Decide each request in order (each decision sees the earlier ones' reservations),
@@ -93,13 +102,37 @@ class Scheduler:
         the requests still waiting for a worker."""
         left, writes = [], []
         for w in waiting:
-            placements = await self.decide(w)
+            placements = await self.contained(w, self.decide(w))
             if placements is None:
                 left.append(w)
             elif placements:
-                writes.append(self.dispatch(w, w.delivery.message, placements))
+                writes.append(self.contained(w, self.dispatch(w, w.delivery.message, placements)))
         await asyncio.gather(*writes)
         return left
+
+    async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | list[Placement]:
+        """Run one request's decision or dispatch. If it fails for any reason but Redis
+        refusing for now, that request is dead-lettered with the error and failed to its client,
+        and the others go on: one request never stops the scheduler."""
+        try:
+            return await work
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            log.exception("request entry %s failed", waiting.delivery.entry_id)
+            await self.poison(waiting, f"handler_failed: {type(exc).__name__}: {exc}")
+            return []
+
+    async def poison(self, waiting: Waiting, reason: str) -> None:
+        await self.requests.dead_letter(waiting.delivery, reason)
+        request = waiting.delivery.message
+        if isinstance(request, GenerateRequest):
+            self.fail_dead(request.request_id, reason)  # flushed at the end of the step
+
+    def fail_dead(self, request_id: str, reason: str) -> None:
+        """The client of a dead-lettered request entry gets the reason, not a wait until its
+        deadline (the entry is flushed with the step's results)."""
+        self.writer.fail(request_id, reason.split(":", 1)[0], f"the scheduler could not handle this request: {reason}", 500)
 
     async def hold(self, arrivals: list[Waiting]) -> None:
         """dp mode with staggering: arrivals wait in the window, then go out as one batch."""
@@ -148,7 +181,7 @@ class Scheduler:
             request = jobs[key].delivery.message
             placement = dp_placement(ranks[rank_id], request, batch_id, batch_ranks)
             self._reserve_locally(placement)
-            writes.append(self.dispatch(jobs[key], request, [placement]))
+            writes.append(self.contained(jobs[key], self.dispatch(jobs[key], request, [placement])))
         await asyncio.gather(*writes)
         return [w for k, w in jobs.items() if k not in placed]
 
@@ -157,9 +190,9 @@ class Scheduler:
         await self.view.refresh()
         self._tasks = [
             asyncio.create_task(self.view.run()),
-            asyncio.create_task(self.claim_orphans()),
+            asyncio.create_task(self.background(self.claim_orphans)),
             asyncio.create_task(self.reaper.run(self.config.reap_every_s)),
-            asyncio.create_task(self.trim_requests()),
+            asyncio.create_task(self.background(self.trim_requests)),
         ]
         log.info("scheduler %s (%s) started", self.config.name, self.config.mode)
 
@@ -170,12 +203,14 @@ class Scheduler:
         await cancel_and_wait(self._tasks)
         await self.redis.aclose()
 
-    async def step_safely(self) -> None:
+    async def background(self, step: Callable[[], Awaitable[None]]) -> None:
+        """A background loop under ``forever``; a fatal error stops the scheduler, non-zero."""
         try:
-            await self.step()
-        except TRANSIENT_ERRORS as exc:
-            log.warning("Redis unavailable (%s); retrying", exc)
-            await wait_until_reachable(self.redis, self.stopping.is_set)
+            await forever(step, self.stopping.is_set, f"scheduler {self.config.name}: {step.__name__}")
+        except Exception:
+            log.exception("%s failed; stopping the scheduler", step.__name__)
+            self.exit_code = EXIT_FATAL
+            self.stopping.set()
 
     async def read_requests(self) -> list[Waiting]:
         room = self.config.batch - len(self.waiting)
@@ -211,7 +246,7 @@ class Scheduler:
         dead-lettered), None while it waits for a worker with room."""
         request = waiting.delivery.message
         if not isinstance(request, GenerateRequest):
-            await self.requests.dead_letter(waiting.delivery, "handler_failed")
+            await self.poison(waiting, f"handler_failed: a {type(request).__name__} entry is not a request")
             return []
         if request.deadline_ms and time.time() * 1000 > request.deadline_ms:
             await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
@@ -249,17 +284,13 @@ class Scheduler:
 
     async def trim_requests(self) -> None:
         """Delete request entries every replica has acked: the stream stays as long as its backlog."""
-        while not self.stopping.is_set():
-            await asyncio.sleep(TRIM_EVERY_S)
-            with contextlib.suppress(*TRANSIENT_ERRORS):
-                await trim_consumed(self.redis, self.config.bus.keys.requests)
+        await asyncio.sleep(TRIM_EVERY_S)
+        await trim_consumed(self.redis, self.config.bus.keys.requests)
 
     async def claim_orphans(self) -> None:
         """Take over requests that a dead replica read but never dispatched."""
-        while not self.stopping.is_set():
-            await asyncio.sleep(self.config.claim_every_s)
-            with contextlib.suppress(*TRANSIENT_ERRORS):
-                self._claimed += await self.requests.claim_idle()
+        await asyncio.sleep(self.config.claim_every_s)
+        self._claimed += await self.requests.claim_idle()
 
 
 _OUTCOMES = {1: "dispatched", 0: "already_acked", -1: "duplicate"}
