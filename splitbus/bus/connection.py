@@ -34,7 +34,9 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 catch errors themselves use this tuple; a loop asks :func:`is_transient`, which also knows the
 codes redis-py has no class for and the same errors raised inside a script."""
 
-TRANSIENT_CODES = ("OOM", "BUSY", "LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
+TRANSIENT_CODES = (
+    "OOM", "BUSY", "LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS",
+)
 """Error codes of refusals that end by themselves: BUSY (a script or module running past its time
 limit), MISCONF (a failed background save stops writes until one succeeds), NOREPLICAS
 (min-replicas-to-write not met), and those with classes above. Redis 6.2 reports a refusal met

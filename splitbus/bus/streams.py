@@ -236,7 +236,8 @@ class GroupConsumer:
         for entry_id, fields in entries:
             deliveries = counts.get(entry_id, 1)
             if deliveries > self._config.max_deliveries and fields is not None:
-                reason = f"max_deliveries: delivered {deliveries} times (bound {self._config.max_deliveries}) without an ack"
+                bound = self._config.max_deliveries
+                reason = f"max_deliveries: delivered {deliveries} times (bound {bound}) without an ack"
                 await self._bury(entry_id, fields, reason, deliveries)
                 self._tell(fields, reason)
             else:

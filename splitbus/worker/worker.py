@@ -57,7 +57,9 @@ class Worker:
         self.redis = connect(config.bus, max_connections=16, name=self.id)
         self.keys = config.bus.keys
         self.registry = Registry(self.redis, config.bus)
-        self.tasks = GroupConsumer(self.redis, config.bus, self.keys.tasks(self.id), WORKER_GROUP, self.id, on_dead=self.fail_request)
+        self.tasks = GroupConsumer(
+            self.redis, config.bus, self.keys.tasks(self.id), WORKER_GROUP, self.id, on_dead=self.fail_request
+        )
         self.writer = ResultWriter(self.redis, config.bus)
         self.cancels = CancelListener(self.redis, config.bus)
         self.server = TransferServer(self.id, self.import_kv)
@@ -72,6 +74,7 @@ class Worker:
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[tuple[str, str]] = []  # (sb:kv key, task entry) of requests that left
         self.unreturned = Reserved()  # reservations of tasks taken, not given back yet
+        self.unaccepted: deque[Delivery] = deque()  # tasks read, not taken yet
         self._drop_reservation = self.redis.register_script(DROP_RESERVATION)
         self.recently_cancelled: dict[str, float] = {}
         self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us", "forward_ends_ms"), 0)
@@ -182,15 +185,18 @@ class Worker:
         return len(self.queued) + len(self.awaiting_kv) + len(self.running) + len(self.handing_off)
 
     async def feed_tasks(self) -> None:
-        """Read tasks, only while there is room for them."""
-        room = self.config.max_requests - self.held()
-        if room <= 0:
-            self.room.clear()
-            await self.room.wait()
-            return
-        deliveries = await self.tasks.read(room)
-        for delivery in deliveries:
-            await self.accept_safely(delivery)
+        """Read tasks, only while there is room for them. What was read is taken from a backlog,
+        so a Redis refusal while taking one task (a decode worker writes its KV reservation)
+        leaves the tasks read with it to be taken once Redis is back, not dropped."""
+        if not self.unaccepted:
+            room = self.config.max_requests - self.held()
+            if room <= 0:
+                self.room.clear()
+                await self.room.wait()
+                return
+            self.unaccepted.extend(await self.tasks.read(room))
+        while self.unaccepted:
+            await self.accept_safely(self.unaccepted.popleft())
         await self.work_arrived()  # the engine loop starts on them while the reservations go back
         await self.give_back_reservations()
 
@@ -283,8 +289,9 @@ class Worker:
                 return f"{name} holds token id {bad}, outside this model's vocabulary [0, {vocab})"
         if len(task.output_token_ids) > request.sampling.max_tokens:
             return f"{len(task.output_token_ids)} output tokens exceed max_tokens {request.sampling.max_tokens}"
-        if len(request.prompt_token_ids) + request.sampling.max_tokens > self.tokenizer.context_length:
-            return f"prompt ({len(request.prompt_token_ids)}) + max_tokens ({request.sampling.max_tokens}) exceed the context ({self.tokenizer.context_length})"
+        prompt, most = len(request.prompt_token_ids), request.sampling.max_tokens
+        if prompt + most > self.tokenizer.context_length:
+            return f"prompt ({prompt}) + max_tokens ({most}) exceed the context ({self.tokenizer.context_length})"
         return None
 
     async def reject(self, delivery: Delivery, code: str, reason: str) -> None:
@@ -306,7 +313,8 @@ class Worker:
         self.publish_soon()
 
     def held_sequences(self) -> list[Sequence]:
-        return [*self.queued, *self.running, *self.handing_off.values(), *(entry[0] for entry in self.awaiting_kv.values())]
+        waiting = [entry[0] for entry in self.awaiting_kv.values()]
+        return [*self.queued, *self.running, *self.handing_off.values(), *waiting]
 
     def take_blocks(self, seq: Sequence) -> bool:
         """KV room for the request: its prompt on a prefill worker, prompt + max_tokens where

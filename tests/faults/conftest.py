@@ -71,19 +71,21 @@ class Bus:
     parts: list[Part] = field(default_factory=list)
 
     def start(self, *args: str, ready: str) -> Part:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITBUS_PREFIX": self.keys.prefix, "SPLITBUS_REDIS_URL": self.redis_url}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITBUS_PREFIX": self.keys.prefix,
+               "SPLITBUS_REDIS_URL": self.redis_url}
         proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env)
         part = Part(proc)
         self.parts.append(part)
-        part.reader = threading.Thread(target=lambda: part.output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+        part.reader = threading.Thread(target=part.output.extend, args=(proc.stdout,), daemon=True)
         part.reader.start()
         assert part.wait_for_log(ready), part.log()
         return part
 
     def worker(self, worker_id: str, *args: str) -> Part:
         return self.start("worker", "--role", "mixed", "--engine", "sim", "--model", str(self.model),
-                          "--served-model-name", "tiny", "--worker-id", worker_id, *args, ready=f"worker {worker_id} .* ready")
+                          "--served-model-name", "tiny", "--worker-id", worker_id, *args,
+                          ready=f"worker {worker_id} .* ready")
 
     def scheduler(self, *args: str) -> Part:
         return self.start("scheduler", "--mode", "mixed", "--name", f"s-{uuid.uuid4().hex[:6]}", *args, ready="started")
@@ -92,7 +94,8 @@ class Bus:
         return self.r.xadd(stream, codec.encode(msg)).decode()
 
     def send_raw(self, stream: str, type_: str, data: bytes) -> str:
-        return self.r.xadd(stream, {b"type": type_.encode(), b"data": data, b"ts": str(codec.now_us()).encode()}).decode()
+        fields = {b"type": type_.encode(), b"data": data, b"ts": str(codec.now_us()).encode()}
+        return self.r.xadd(stream, fields).decode()
 
     def results(self, request_id: str) -> list[Any]:
         return [codec.decode(f) for _, f in self.r.xrange(self.keys.out(request_id))]
@@ -116,7 +119,8 @@ class Bus:
 
 def request(request_id: str, max_tokens: int = 5, seed: int = 1, prompt: list[int] | None = None) -> GenerateRequest:
     deadline_ms = int((time.time() + 120) * 1000)
-    return GenerateRequest(request_id, "tiny", prompt or [60, 61], SamplingParams(max_tokens=max_tokens, seed=seed), "api-test", deadline_ms)
+    sampling = SamplingParams(max_tokens=max_tokens, seed=seed)
+    return GenerateRequest(request_id, "tiny", prompt or [60, 61], sampling, "api-test", deadline_ms)
 
 
 def task(request_id: str, **kwargs: Any) -> Task:

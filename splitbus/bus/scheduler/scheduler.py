@@ -55,7 +55,9 @@ class Scheduler:
         self.config = config
         bus: BusConfig = config.bus
         self.redis = connect(bus, max_connections=8, name=config.name)
-        self.requests = GroupConsumer(self.redis, bus, bus.keys.requests, SCHEDULER_GROUP, config.name, on_dead=self.fail_dead)
+        self.requests = GroupConsumer(
+            self.redis, bus, bus.keys.requests, SCHEDULER_GROUP, config.name, on_dead=self.fail_dead
+        )
         self.registry = Registry(self.redis, bus)
         self.view = RegistryView(self.registry, config.refresh_s)
         self.policy = Policy(config.mode)
@@ -132,7 +134,8 @@ class Scheduler:
     def fail_dead(self, request_id: str, reason: str) -> None:
         """The client of a dead-lettered request entry gets the reason, not a wait until its
         deadline (the entry is flushed with the step's results)."""
-        self.writer.fail(request_id, reason.split(":", 1)[0], f"the scheduler could not handle this request: {reason}", 500)
+        message = f"the scheduler could not handle this request: {reason}"
+        self.writer.fail(request_id, reason.split(":", 1)[0], message, 500)
 
     async def hold(self, arrivals: list[Waiting]) -> None:
         """dp mode with staggering: arrivals wait in the window, then go out as one batch."""
