@@ -43,6 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--sim-decode-us-per-seq", type=float, default=100.0, help="added to a decode step per running sequence")
     p.add_argument("--sim-kv-bytes-per-token", type=int, default=4096)
     p.add_argument("--sim-poison-token", type=int, default=-1, help="fault injection: fail any step holding a prompt with this token")
+    p.add_argument("--sim-crash-token", type=int, default=-1, help="fault injection: SIGKILL on a prompt with this token")
     add_metrics_arguments(p)
     p.set_defaults(run=run)
 
@@ -52,7 +53,8 @@ def build_config(args: argparse.Namespace, env: Env) -> "WorkerConfig":
     from splitbus.worker.config import SimConfig, WorkerConfig
 
     sim = SimConfig(args.sim_prefill_us_per_token / 1e6, args.sim_decode_step_ms / 1e3, args.sim_decode_us_per_seq / 1e6,
-                    kv_bytes_per_token=args.sim_kv_bytes_per_token, poison_token=args.sim_poison_token)
+                    kv_bytes_per_token=args.sim_kv_bytes_per_token, poison_token=args.sim_poison_token,
+                    crash_token=args.sim_crash_token)
     return WorkerConfig(
         bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix), role=args.role, engine=args.engine,
         model_dir=args.model, model_name=args.served_model_name or args.model.resolve().name,

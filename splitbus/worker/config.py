@@ -28,6 +28,9 @@ class SimConfig:
     """Bytes shipped from P to D per prompt token (Qwen2.5-0.5B in bf16 holds ~12 KiB)."""
     poison_token: int = -1
     """Fault injection: a step that holds a request whose prompt contains this token raises."""
+    crash_token: int = -1
+    """Fault injection: a prefill of a prompt holding this token kills the process (SIGKILL), as
+    a segfault or the kernel's OOM killer would: no exception, nothing acked."""
 
     def __post_init__(self) -> None:
         if min(self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq) < 0 or self.kv_bytes_per_token < 1:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
+import signal
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.tokenization import ModelTokenizer
@@ -60,6 +62,8 @@ class SimEngine:
 
     async def prefill(self, batch: list[Sequence]) -> list[int]:
         self._check_poison(batch)
+        if self.config.crash_token >= 0 and any(self.config.crash_token in s.request.prompt_token_ids for s in batch):
+            os.kill(os.getpid(), signal.SIGKILL)
         await asyncio.sleep(self.config.prefill_s_per_token * sum(len(s.all_tokens) for s in batch))
         for seq in batch:
             seq.kv = self.kv_payload(seq.request)

@@ -17,6 +17,7 @@ from tests.e2e.conftest import start_system, stop_system
 from tests.faults.conftest import Bus, request, task, wait_until
 
 POISON = 7  # a token id the sim engine is told to choke on
+CRASH = 8  # a token id the sim engine is told to die on (SIGKILL)
 
 
 @pytest.mark.timeout(120)
@@ -160,3 +161,26 @@ def test_scheduler_dead_letters_poison_requests_and_goes_on(bus: Bus) -> None:
     assert isinstance(failed, Failed) and "4294967296" in failed.message  # its client is told
     assert scheduler.proc.poll() is None
     assert scheduler.stop() == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_task_that_kills_its_worker_ends_in_dead_letters_after_max_deliveries(bus: Bus) -> None:
+    # The attack as it happened: the worker died on a task, and each restart under the same id
+    # re-read that pending task and died again. Each re-read counts as a delivery: after the
+    # 5th death (the bound), the 6th start buries the task and serves.
+    stream = bus.keys.tasks("w-loop")
+    crash = ["--sim-crash-token", str(CRASH)]
+    bus.worker("w-loop", *crash)
+    killer = bus.send(stream, task("r-killer", prompt=[60, CRASH]))
+    exits = []
+    for _ in range(5):
+        exits.append(bus.parts[-1].wait())
+        bus.worker("w-loop", *crash)
+    assert exits == [-9] * 5  # killed by the task, five times
+    [letter] = bus.wait_for_dead(1)
+    assert (letter.entry_id, letter.reason) == (killer, "max_deliveries: delivered 6 times (bound 5) without an ack")
+    failed = bus.outcome("r-killer")
+    assert isinstance(failed, Failed) and failed.code == "max_deliveries"
+    bus.send(stream, task("r-next", seed=9))
+    assert isinstance(bus.outcome("r-next"), Finished) and bus.text("r-next") == sim_text(9, 5)
+    assert bus.parts[-1].stop() == 0
