@@ -11,6 +11,7 @@ from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task,
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
+from splitbus.worker.handoff import meta_problem
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
@@ -185,3 +186,25 @@ async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConf
         assert worker.stale_reservations == []
     finally:
         await worker.redis.aclose()
+
+
+def continued_task(first_seq: int, tokens: list[int], max_tokens: int = 8) -> Task:
+    request = GenerateRequest("c1", "tiny", [97], SamplingParams(max_tokens=max_tokens), "api", 0)
+    return Task("decode", request, peer="p1", first_seq=first_seq, output_token_ids=tokens)
+
+
+def test_d_takes_exactly_what_p_could_send_for_a_new_or_a_moved_request() -> None:
+    assert meta_problem(continued_task(0, []), {"output_token_ids": [5], "next_seq": 1}, 100) is None
+    moved = continued_task(3, [1, 2, 3])  # 3 entries already streamed before its worker died
+    assert meta_problem(moved, {"output_token_ids": [1, 2, 3, 4], "next_seq": 4}, 100) is None
+    refused = [
+        {"output_token_ids": [1, 2, 3, 4], "next_seq": 1},  # would re-send seq 1..3
+        {"output_token_ids": [9, 9, 9, 4], "next_seq": 4},  # rewrites tokens already streamed
+        {"output_token_ids": [1, 2, 3], "next_seq": 3},  # no new token
+        {"output_token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "next_seq": 8},  # max_tokens reached: P would have finished
+        {"output_token_ids": [1, 2, 3, 100], "next_seq": 4},  # outside the vocabulary
+        {"output_token_ids": [1, 2, 3, True], "next_seq": 4},  # a bool is not a token id
+        {"output_token_ids": [1, 2, 3, 4], "next_seq": 4.0},
+        {"output_token_ids": "1234", "next_seq": 4},
+    ]
+    assert all(meta_problem(moved, meta, 100) for meta in refused)
