@@ -30,7 +30,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 from splitbus.bus.control import call
 from splitbus.bus.keys import WORKER_GROUP
-from splitbus.bus.messages import Failed, Finished, TokenDelta
+from splitbus.bus.messages import Failed, Finished
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.worker.sim import sim_text
 from splitbus.worker.transfer import (ACK, HEADER, HELLO, KV, MAGIC, MAX_PAYLOAD, Refused, TransferClient,
