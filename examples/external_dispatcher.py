@@ -92,7 +92,9 @@ def main() -> int:
         "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": args.seed},
         "deadline_ms": int(time.time() * 1000) + 60_000,
     }
-    # D first: it reserves KV blocks and publishes where P should send the cache (sb:kv:{id}).
+    # D first: it reserves KV blocks and publishes the reservation (sb:kv:{id}) with a secret
+    # that P proves when it sends the cache. Both tasks carry the same request (and, for a
+    # request that continues, the same first_seq and output_token_ids).
     r.xadd(f"{args.prefix}:tasks:{{{decode}}}", task("decode", prefill, request))
     r.xadd(f"{args.prefix}:tasks:{{{prefill}}}", task("prefill", decode, request))
     final = follow(r, args.prefix, request_id, timeout_s=60)

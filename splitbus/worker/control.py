@@ -45,26 +45,31 @@ async def get_metrics() -> dict[str, Any]:
 
 
 async def connect_rdma(worker: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Connect this prefill worker to the decode worker ``args["decode_worker"]`` (its endpoint
-    from the registry unless ``args["endpoint"]`` names one) and record it in
-    ``sb:rdma:{P}:{D}``."""
+    """Connect this prefill worker to the decode worker ``args["decode_worker"]`` and record it
+    in ``sb:rdma:{P}:{D}``. Only to a live decode worker's registered endpoint: an
+    ``args["endpoint"]`` must be that one, so the command cannot make a worker connect (and
+    later send KV) to an address of the caller's choosing."""
     if worker.config.role == "decode":
         raise CommandFailed(f"{worker.id} is a decode worker; send connect_rdma to the prefill worker")
     decode_worker = args.get("decode_worker")
     if not isinstance(decode_worker, str) or not decode_worker:
         raise CommandFailed("connect_rdma needs args.decode_worker, the id of a decode worker")
-    endpoint = args.get("endpoint") or await _endpoint_of(worker, decode_worker)
+    endpoint = await _endpoint_of(worker, decode_worker)
+    asked = args.get("endpoint")
+    if asked not in (None, "", endpoint):
+        raise CommandFailed(f"{asked!r} is not {decode_worker}'s registered KV endpoint ({endpoint}); not connecting")
     try:
         await worker.links.ensure(decode_worker, endpoint)
     except TransferError as exc:
         raise CommandFailed(f"could not connect to {decode_worker} at {endpoint}: {exc}") from exc
-    return {"state": "connected", "decode_worker": decode_worker, "endpoint": endpoint, "key": worker.keys.rdma(worker.id, decode_worker)}
+    return {"state": "connected", "decode_worker": decode_worker, "endpoint": endpoint,
+            "key": worker.keys.rdma(worker.id, decode_worker)}
 
 
 async def _endpoint_of(worker: Worker, decode_worker: str) -> str:
-    record = next((w.record for w in await worker.registry.snapshot() if w.record.worker_id == decode_worker and w.alive), None)
-    if record is None:
+    info = next((w for w in await worker.registry.snapshot() if w.record.worker_id == decode_worker), None)
+    if info is None or not info.alive:
         raise CommandFailed(f"no live worker {decode_worker!r} in the registry")
-    if record.role not in ("decode", "mixed") or not record.transfer_endpoint:
-        raise CommandFailed(f"{decode_worker} is a {record.role} worker with no KV endpoint to connect to")
-    return record.transfer_endpoint
+    if info.record.role not in ("decode", "mixed") or not info.record.transfer_endpoint:
+        raise CommandFailed(f"{decode_worker} is a {info.record.role} worker with no KV endpoint to connect to")
+    return info.record.transfer_endpoint

@@ -10,6 +10,8 @@ from splitbus.worker.sequence import Sequence
 class Engine(Protocol):
     eos_token_ids: tuple[int, ...]
     total_blocks: int
+    vocab_size: int
+    """Token ids the engine can emit are below this (a KV frame's tokens are checked against it)."""
 
     @property
     def free_blocks(self) -> int:
@@ -19,6 +21,10 @@ class Engine(Protocol):
         """Called when a task is accepted: hold blocks for ``tokens`` positions of ``seq``
         (prompt only on a prefill worker; prompt + max_tokens where it decodes). False when
         there is no room; the request is then failed."""
+
+    def kv_capacity(self, seq: Sequence) -> int:
+        """The most KV bytes the blocks reserved for ``seq`` hold: a decode worker refuses a
+        larger frame before reading it."""
 
     def release(self, seq: Sequence) -> None:
         """Called when the request leaves this worker (finished, handed off, cancelled)."""

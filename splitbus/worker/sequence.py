@@ -21,6 +21,8 @@ class Sequence:
     """Positions whose KV is in this worker's cache."""
     output_ids: list[int] = field(default_factory=list)
     kv: bytes | None = None
+    kv_secret: str = ""
+    """Decode side: the secret in this request's reservation, which P must prove it holds."""
     finish_reason: str | None = None
     queued_at: float = field(default_factory=time.monotonic)
 

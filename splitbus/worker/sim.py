@@ -35,6 +35,7 @@ class SimEngine:
     def __init__(self, config: SimConfig, tokenizer: ModelTokenizer, total_blocks: int, block_size: int) -> None:
         self.config = config
         self.token_ids = [tokenizer.encode(c)[0] for c in ALPHABET]
+        self.vocab_size = tokenizer.vocab_size
         self.total_blocks = total_blocks
         self.block_size = block_size
         self._free = total_blocks
@@ -50,6 +51,9 @@ class SimEngine:
         self._free -= needed
         seq.blocks = needed
         return True
+
+    def kv_capacity(self, seq: Sequence) -> int:
+        return seq.blocks * self.block_size * self.config.kv_bytes_per_token
 
     def release(self, seq: Sequence) -> None:
         self._free += seq.blocks

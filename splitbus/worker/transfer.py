@@ -4,20 +4,32 @@ Every frame is a fixed header, then the request id, a small JSON object and the 
 
     magic "SBKV" | kind u8 | id length u16 | meta length u32 | payload length u64 | crc32 u32
 
-Kinds: HELLO (P introduces itself; D acks), KV (one request's cache; D acks after checking its
-CRC and importing it), ACK (``{"ok": bool, "error": str}``). The payload goes to the socket as
-a memoryview, without another copy. Both sides set TCP_NODELAY: acks are small frames.
+Kinds: HELLO (P introduces itself with its worker id as the frame's id; D acks), KV (one
+request's cache; D acks after checking its CRC and importing it), ACK (``{"ok": bool, "error":
+str}``, no payload). The payload goes to the socket as a memoryview, without another copy. Both
+sides set TCP_NODELAY: acks are small frames.
+
+Who may send a request's KV: D writes a random secret into its reservation ``sb:kv:{request}``
+(only readers of Redis learn it); P puts ``proof`` in the KV frame's meta, an HMAC-SHA256 keyed
+by that secret over the sender's id, the request id, the rest of the meta, the payload length
+and the payload's CRC. Every one of those is in the header and meta, so D checks the sender,
+the proof, the size and the meta before it reads (or allocates) a byte of the payload. A frame
+D refuses before its payload ends the connection (its payload is never read), unless the
+payload is small enough to skip.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import secrets
 import socket
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import orjson
 
@@ -28,6 +40,10 @@ HEADER = struct.Struct("!4sBHIQI")
 HELLO, KV, ACK = 1, 2, 3
 MAX_META = 1 << 20
 MAX_PAYLOAD = 1 << 36
+MAX_SKIP = 1 << 20
+"""A refused frame's payload up to this size is read and dropped (the connection stays);
+a larger one is never read: the connection closes instead."""
+PROOF_CONTEXT = "splitbus-kv-proof-v1"
 
 
 class TransferError(Exception):
@@ -35,7 +51,18 @@ class TransferError(Exception):
 
 
 class Refused(TransferError):
-    """The receiver answered, and refused this request's KV; the connection stays usable."""
+    """The receiver answered, and refused this request's KV."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """A frame without its payload: all a receiver checks before it reads the payload."""
+
+    kind: int
+    ident: str
+    meta: dict[str, Any]
+    size: int
+    crc: int
 
 
 @dataclass(frozen=True)
@@ -46,29 +73,74 @@ class Frame:
     payload: bytes
 
 
-async def write_frame(writer: asyncio.StreamWriter, kind: int, ident: str, meta: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+def new_secret() -> str:
+    """A reservation's secret: 256 random bits, hex."""
+    return secrets.token_hex(32)
+
+
+def kv_proof(secret: str, sender: str, ident: str, meta: Mapping[str, Any], size: int, crc: int) -> str:
+    """What proves a KV frame comes from the holder of ``secret``: an HMAC over everything the
+    frame claims. The meta is signed in a canonical form (sorted keys, without ``proof``), so
+    the receiver recomputes it from the JSON it parsed. The payload is covered by its length
+    and CRC, which the receiver checks against the bytes; hashing the bytes themselves (GiBs)
+    would add to every transfer and guards only against someone on the path, whom the KV
+    network is trusted to keep out (docs/security.md)."""
+    signed = {k: v for k, v in meta.items() if k != "proof"}
+    message = orjson.dumps([PROOF_CONTEXT, sender, ident, signed, size, crc], option=orjson.OPT_SORT_KEYS)
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def proof_matches(secret: str, sender: str, header: Header) -> bool:
+    """Whether ``header`` carries the proof for ``secret`` (constant-time compare)."""
+    claimed = header.meta.get("proof")
+    if not secret or not isinstance(claimed, str):
+        return False
+    expected = kv_proof(secret, sender, header.ident, header.meta, header.size, header.crc)
+    return hmac.compare_digest(claimed.encode(), expected.encode())
+
+
+async def write_frame(writer: asyncio.StreamWriter, kind: int, ident: str, meta: dict[str, Any],
+                      payload: bytes | memoryview = b"", crc: int | None = None) -> None:
+    """``crc``: the payload's CRC when the caller has it already (the proof needs it first)."""
     name, info = ident.encode(), orjson.dumps(meta)
     view = memoryview(payload)
-    writer.write(HEADER.pack(MAGIC, kind, len(name), len(info), view.nbytes, zlib.crc32(view)))
+    writer.write(HEADER.pack(MAGIC, kind, len(name), len(info), view.nbytes, zlib.crc32(view) if crc is None else crc))
     writer.write(name + info)
     if view.nbytes:
         writer.write(view)
     await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
+async def read_header(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD) -> Header:
+    """The next frame up to its payload; TransferError for anything that is not one."""
     try:
         magic, kind, name_len, meta_len, size, crc = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if magic != MAGIC or kind not in (HELLO, KV, ACK) or meta_len > MAX_META or size > max_payload:
+            raise TransferError(f"not a splitbus KV frame (or a payload over {max_payload} bytes)")
+        name = (await reader.readexactly(name_len)).decode()
+        meta = orjson.loads(await reader.readexactly(meta_len))
     except asyncio.IncompleteReadError as exc:
         raise TransferError("connection closed") from exc
-    if magic != MAGIC or meta_len > MAX_META or size > MAX_PAYLOAD:
-        raise TransferError("not a splitbus KV frame")
-    name = (await reader.readexactly(name_len)).decode()
-    meta = orjson.loads(await reader.readexactly(meta_len))
-    payload = await reader.readexactly(size)
-    if zlib.crc32(payload) != crc:
-        raise TransferError(f"checksum mismatch for {name}")
-    return Frame(kind, name, meta, payload)
+    except (UnicodeDecodeError, orjson.JSONDecodeError) as exc:
+        raise TransferError(f"unreadable frame id or meta: {exc}") from None
+    if not isinstance(meta, dict):
+        raise TransferError("a frame's meta must be a JSON object")
+    return Header(kind, name, meta, size, crc)
+
+
+async def read_payload(reader: asyncio.StreamReader, header: Header) -> bytes:
+    try:
+        payload = await reader.readexactly(header.size)
+    except asyncio.IncompleteReadError as exc:
+        raise TransferError("connection closed") from exc
+    if zlib.crc32(payload) != header.crc:
+        raise TransferError(f"checksum mismatch for {header.ident}")
+    return payload
+
+
+async def read_frame(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD) -> Frame:
+    header = await read_header(reader, max_payload)
+    return Frame(header.kind, header.ident, header.meta, await read_payload(reader, header))
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
@@ -77,15 +149,19 @@ def _nodelay(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-KvHandler = Callable[[str, dict[str, Any], bytes], Awaitable["str | None"]]
-"""Called with (request id, meta, payload); returns why the KV is refused, or None."""
+KvCheck = Callable[[str, Header], "str | None"]
+"""Called with (the sender's HELLO id, the frame's header) before the payload is read; returns
+why the KV is refused, or None."""
+KvHandler = Callable[[str, Header, bytes], Awaitable["str | None"]]
+"""Called with (sender, header, payload) once the payload is in; returns why it is refused, or None."""
 
 
 class TransferServer:
     """The decode side: accepts connections from prefill workers and imports their KV."""
 
-    def __init__(self, worker_id: str, on_kv: KvHandler) -> None:
+    def __init__(self, worker_id: str, check: KvCheck, on_kv: KvHandler) -> None:
         self.worker_id = worker_id
+        self._check = check
         self._on_kv = on_kv
         self._server: asyncio.Server | None = None
 
@@ -104,21 +180,43 @@ class TransferServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _nodelay(writer)
         try:
-            while True:
-                frame = await read_frame(reader)
-                error = await self._handle(frame)
-                await write_frame(writer, ACK, frame.ident, {"ok": error is None, "error": error or "", "worker": self.worker_id})
-        except (TransferError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            sender = await self._hello(reader, writer)
+            while await self._one_frame(sender, reader, writer):
+                pass
+        except (TransferError, ConnectionError) as exc:
             log.debug("transfer connection ended: %s", exc)
         finally:
             writer.close()
 
-    async def _handle(self, frame: Frame) -> str | None:
-        if frame.kind == HELLO:
-            return None
-        if frame.kind == KV:
-            return await self._on_kv(frame.ident, frame.meta, frame.payload)
-        return f"unexpected frame kind {frame.kind}"
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        """A connection starts with the sender's HELLO; its id is the sender of every frame after."""
+        hello = await read_header(reader, max_payload=0)
+        if hello.kind != HELLO or not hello.ident:
+            raise TransferError("a connection must start with a HELLO naming the sender")
+        await self._ack(writer, hello.ident, None)
+        return hello.ident
+
+    async def _one_frame(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve one KV frame; False when the connection must end."""
+        header = await read_header(reader)
+        refusal = f"unexpected frame kind {header.kind}" if header.kind != KV else self._check(sender, header)
+        if refusal is not None:
+            await self._ack(writer, header.ident, refusal)
+            return await self._skip(reader, header)
+        error = await self._on_kv(sender, header, await read_payload(reader, header))
+        await self._ack(writer, header.ident, error)
+        return True
+
+    @staticmethod
+    async def _skip(reader: asyncio.StreamReader, header: Header) -> bool:
+        """Drop a refused frame's payload if it is small; a large one is never read (False)."""
+        if header.size > MAX_SKIP:
+            return False
+        await read_payload(reader, header)
+        return True
+
+    async def _ack(self, writer: asyncio.StreamWriter, ident: str, error: str | None) -> None:
+        await write_frame(writer, ACK, ident, {"ok": error is None, "error": error or "", "worker": self.worker_id})
 
 
 class _Link:
@@ -150,25 +248,34 @@ class TransferClient:
         await self._exchange(link, endpoint, HELLO, self.worker_id, {})
         self._links[endpoint] = link
 
-    async def send(self, endpoint: str, request_id: str, meta: dict[str, Any], payload: bytes) -> None:
+    async def send(self, endpoint: str, request_id: str, meta: dict[str, Any], payload: bytes | memoryview,
+                   secret: str) -> None:
+        """Send one request's KV with the proof for ``secret``, the one in D's reservation."""
         if not self.connected(endpoint):
             await self.connect(endpoint)
-        await self._exchange(self._links[endpoint], endpoint, KV, request_id, meta, payload)
+        view = memoryview(payload)
+        crc = zlib.crc32(view)
+        signed = {**meta, "proof": kv_proof(secret, self.worker_id, request_id, meta, view.nbytes, crc)}
+        await self._exchange(self._links[endpoint], endpoint, KV, request_id, signed, view, crc)
 
-    async def _exchange(self, link: _Link, endpoint: str, kind: int, ident: str, meta: dict[str, Any], payload: bytes = b"") -> None:
+    async def _exchange(self, link: _Link, endpoint: str, kind: int, ident: str, meta: dict[str, Any],
+                        payload: bytes | memoryview = b"", crc: int | None = None) -> None:
         async with link.lock:
             try:
-                await asyncio.wait_for(self._round_trip(link, kind, ident, meta, payload), self.timeout_s)
+                await asyncio.wait_for(self._round_trip(link, kind, ident, meta, payload, crc), self.timeout_s)
             except Refused:
+                if memoryview(payload).nbytes > MAX_SKIP:  # the receiver closes after refusing a large frame
+                    self._drop(endpoint, link)
                 raise
             except (OSError, asyncio.TimeoutError, TransferError) as exc:
                 self._drop(endpoint, link)
                 raise TransferError(f"transfer to {endpoint} failed: {exc or type(exc).__name__}") from None
 
-    async def _round_trip(self, link: _Link, kind: int, ident: str, meta: dict[str, Any], payload: bytes) -> None:
-        await write_frame(link.writer, kind, ident, meta, payload)
-        ack = await read_frame(link.reader)
-        if ack.kind != ACK or not ack.meta.get("ok"):
+    async def _round_trip(self, link: _Link, kind: int, ident: str, meta: dict[str, Any], payload: bytes | memoryview,
+                          crc: int | None) -> None:
+        await write_frame(link.writer, kind, ident, meta, payload, crc)
+        ack = await read_frame(link.reader, max_payload=0)  # an ack has no payload: never read one
+        if ack.kind != ACK or ack.meta.get("ok") is not True:
             raise Refused(f"{ident} refused: {ack.meta.get('error') or 'no reason'}")
 
     def _drop(self, endpoint: str, link: _Link) -> None:

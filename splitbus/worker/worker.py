@@ -32,7 +32,8 @@ from splitbus.worker.links import PeerLinks
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.engine import Engine
 from splitbus.worker.text import TextStream
-from splitbus.worker.transfer import TransferClient, TransferError, TransferServer
+from splitbus.worker.handoff import meta_problem
+from splitbus.worker.transfer import Header, TransferClient, TransferError, TransferServer, new_secret, proof_matches
 
 log = logging.getLogger(__name__)
 KV_TTL_S = 300
@@ -62,7 +63,7 @@ class Worker:
         )
         self.writer = ResultWriter(self.redis, config.bus)
         self.cancels = CancelListener(self.redis, config.bus)
-        self.server = TransferServer(self.id, self.import_kv)
+        self.server = TransferServer(self.id, self.admit_kv, self.import_kv)
         self.links = PeerLinks(self.redis, config.bus, self.id, TransferClient(self.id, config.transfer_timeout_s))
         self.control = control_server(self)
         self.stop_reporting_load = metrics.watch_load(self.load)
@@ -258,9 +259,12 @@ class Worker:
         superseded = self.awaiting_kv.pop(seq.request_id, None)
         if superseded is not None:  # the request moved here again: its older task is void
             self.retire(superseded[0])
+        # The secret makes the reservation usable only by who can read it from Redis: P proves
+        # it in its KV frame, so knowing a request id (every client does) is not enough to send one.
+        seq.kv_secret = new_secret()
         self.awaiting_kv[seq.request_id] = (seq, time.monotonic() + self.config.kv_wait_s)
         reservation = {"decode_worker": self.id, "endpoint": self.endpoint, "blocks": str(seq.blocks),
-                       "prefill_worker": seq.task.peer, "task_entry": seq.entry_id}
+                       "prefill_worker": seq.task.peer, "task_entry": seq.entry_id, "secret": seq.kv_secret}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.kv(seq.request_id), mapping=reservation)
         pipe.expire(self.keys.kv(seq.request_id), KV_TTL_S)
@@ -510,12 +514,12 @@ class Worker:
     async def hand_off(self, seq: Sequence) -> None:
         """Ship the cache to the decode worker named in the task, then ack (or fail) the task."""
         try:
-            endpoint = await self.wait_for_reservation(seq)
+            endpoint, secret = await self.wait_for_reservation(seq)
             await self.links.ensure(seq.task.peer, endpoint)
-            meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id), "from": self.id}
+            meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id)}
             with metrics.KV_TRANSFER.time():
                 payload = await self.engine.export_kv(seq)
-                await self.links.client.send(endpoint, seq.request_id, meta, payload)
+                await self.links.client.send(endpoint, seq.request_id, meta, payload, secret)
             metrics.KV_TRANSFER_BYTES.inc(len(payload))
         except (TransferError, asyncio.TimeoutError) as exc:
             await self.transfer_failed(seq, exc)
@@ -536,38 +540,89 @@ class Worker:
         self.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
         self.cancel_peer(seq, "kv_transfer_failed")
 
-    async def wait_for_reservation(self, seq: Sequence) -> str:
-        """D's transfer endpoint, once D has reserved blocks for the request."""
+    async def wait_for_reservation(self, seq: Sequence) -> tuple[str, str]:
+        """D's transfer endpoint and the reservation's secret, once D has reserved blocks.
+
+        The endpoint is the one in D's own registry record, never one read from ``sb:kv``
+        alone: a reservation naming another endpoint (forged, or a stale one) would have P send
+        the request's KV to whoever listens there, so it is not taken; P waits on for D's own
+        until ``kv_wait``, then fails the request saying why."""
         deadline = time.monotonic() + self.config.kv_wait_s
-        delay = 0.002
+        delay, mismatch = 0.002, ""
         while time.monotonic() < deadline:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "decode_worker")
-            pipe.exists(self.keys.lease(seq.task.peer))
-            (endpoint, decode_worker), peer_alive = await pipe.execute()
+            (endpoint, decode_worker, secret), registered, peer_alive = await self._read_reservation(seq)
             # Only the peer's own reservation: a request moved off a dead decode worker can
             # still find that worker's reservation here until its new one replaces it.
-            if endpoint and decode_worker and decode_worker.decode() == seq.task.peer:
-                return endpoint.decode()
+            if decode_worker == seq.task.peer and secret:
+                if endpoint and endpoint == registered:
+                    return registered, secret
+                mismatch = mismatch or self._endpoint_mismatch(seq, endpoint, registered)
             if seq.request_id in self.recently_cancelled or not peer_alive:
                 raise TransferError("the request was cancelled" if peer_alive else f"decode worker {seq.task.peer} is gone")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
-        raise TransferError(f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s")
+        waited = f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s"
+        raise TransferError(mismatch or waited)
 
-    async def import_kv(self, request_id: str, meta: dict[str, Any], payload: bytes) -> str | None:
-        """Transfer-server callback on D: take the cache and the tokens P generated."""
-        entry = self.awaiting_kv.pop(request_id, None)
+    async def _read_reservation(self, seq: Sequence) -> tuple[list[str], str, bool]:
+        """(sb:kv's endpoint, decode_worker, secret; D's registered endpoint; whether D is alive)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "decode_worker", "secret")
+        pipe.hget(self.keys.worker(seq.task.peer), "transfer_endpoint")
+        pipe.exists(self.keys.lease(seq.task.peer))
+        reservation, registered, peer_alive = await pipe.execute()
+        text = [(v or b"").decode(errors="replace") for v in (*reservation, registered)]
+        return text[:3], text[3], bool(peer_alive)
+
+    def _endpoint_mismatch(self, seq: Sequence, endpoint: str, registered: str) -> str:
+        why = (f"the KV reservation for {seq.request_id} names endpoint {endpoint!r}, not {registered!r} from "
+               f"{seq.task.peer}'s registry record; nothing was sent there")
+        log.warning("%s (forged or stale reservation); waiting for %s's own", why, seq.task.peer)
+        return why
+
+    def admit_kv(self, sender: str, header: Header) -> str | None:
+        """Transfer-server check on D, before the frame's payload is read. A frame not from the
+        task's P, or without the proof of the reservation's secret, is refused and changes
+        nothing: the reservation waits for the real P (a stranger must not be able to fail
+        someone else's request). A proven frame that is larger than the reserved blocks or
+        whose meta P could not have sent fails the request, freeing its blocks."""
+        entry = self.awaiting_kv.get(header.ident)
         if entry is None:
-            return f"decode worker {self.id} holds no reservation for {request_id}"
+            return f"decode worker {self.id} holds no reservation for {header.ident}"
         seq = entry[0]
+        if sender != seq.task.peer or not proof_matches(seq.kv_secret, sender, header):
+            log.warning("refused a KV frame for %s from %r: not from %s with the reservation's secret",
+                        header.ident, sender, seq.task.peer)
+            return f"{header.ident}: not from its prefill worker with the reservation's secret"
+        problem = self.kv_problem(seq, header)
+        if problem is not None:
+            del self.awaiting_kv[header.ident]
+            self.fail(seq, "kv_rejected", f"the KV frame from {sender} was refused: {problem}", 500)
+            self.wake.set()
+        return problem
+
+    def kv_problem(self, seq: Sequence, header: Header) -> str | None:
+        capacity = self.engine.kv_capacity(seq)
+        if header.size > capacity:
+            return f"a KV payload of {header.size} bytes is more than the {capacity} bytes reserved"
+        return meta_problem(seq.task, header.meta, self.engine.vocab_size)
+
+    async def import_kv(self, sender: str, header: Header, payload: bytes) -> str | None:
+        """Transfer-server callback on D, once the payload is in: take the cache and the tokens
+        P generated."""
+        # Checked again: while the payload came, the request may have been cancelled, or moved
+        # here again under a new task and secret.
+        refusal = self.admit_kv(sender, header)
+        if refusal is not None:
+            return refusal
+        seq = self.awaiting_kv.pop(header.ident)[0]
         error = await self.engine.import_kv(seq, payload)
         if error:
             self.fail(seq, "kv_import_failed", error, 500)
             return error
-        seq.output_ids = list(meta["output_token_ids"])
+        seq.output_ids = list(header.meta["output_token_ids"])
         seq.text.push(seq.output_ids)  # replay: the same text state P had
-        self.writer.open(request_id, first_seq=int(meta["next_seq"]))
+        self.writer.open(seq.request_id, first_seq=header.meta["next_seq"])
         self.running.append(seq)
         self.wake.set()
         return None

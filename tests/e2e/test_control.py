@@ -3,6 +3,7 @@ what an external module in any language sees over Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import redis
 from splitbus.bus.config import BusConfig
 from splitbus.bus.control import call
 from splitbus.bus.connection import connect
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.redis_server import EmbeddedRedis, free_port
 from splitbus.worker.sim import sim_text
 
@@ -99,7 +101,7 @@ async def test_connect_rdma_connects_and_records_the_link(workers: Workers) -> N
     ("d0", {"decode_worker": "p0"}, "d0 is a decode worker; send connect_rdma to the prefill worker"),
     ("p0", {}, "connect_rdma needs args.decode_worker"),
     ("p0", {"decode_worker": "nobody"}, "no live worker 'nobody' in the registry"),
-    ("p0", {"decode_worker": "d9", "endpoint": "127.0.0.1:1"}, "could not connect to d9 at 127.0.0.1:1"),
+    ("p0", {"decode_worker": "p0"}, "p0 is a prefill worker with no KV endpoint to connect to"),
 ])
 async def test_connect_rdma_failures_say_why(workers: Workers, worker: str, args: dict, error: str) -> None:
     reply = await _call(workers, worker, "connect_rdma", args)
@@ -108,9 +110,50 @@ async def test_connect_rdma_failures_say_why(workers: Workers, worker: str, args
     assert after.ok
 
 
-def test_a_refused_connection_is_recorded_as_failed(workers: Workers) -> None:
-    link = redis.Redis.from_url(workers.redis_url, decode_responses=True).hgetall(f"{workers.prefix}:rdma:{{p0}}:{{d9}}")
-    assert link["state"] == "failed" and link["error"]
+class Listener:
+    """Someone else's server on loopback: counts the connections that reach it."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._count, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _count(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        writer.close()
+
+
+@pytest.mark.parametrize("decode_worker", ["d0", "nobody"])
+async def test_connect_rdma_to_an_unregistered_endpoint_is_refused_unconnected(workers: Workers, decode_worker: str) -> None:
+    # The attack: make P connect (and later send KV) to a host:port of the caller's choosing.
+    listener = Listener()
+    endpoint = await listener.start()
+    try:
+        reply = await _call(workers, "p0", "connect_rdma", {"decode_worker": decode_worker, "endpoint": endpoint})
+        assert not reply.ok and listener.connections == 0
+        expected = f"{endpoint!r} is not d0's registered KV endpoint" if decode_worker == "d0" else "no live worker 'nobody'"
+        assert expected in reply.error
+        recorded = redis.Redis.from_url(workers.redis_url, decode_responses=True).hgetall(f"{workers.prefix}:rdma:{{p0}}:{{{decode_worker}}}")
+        assert recorded.get("endpoint") != endpoint  # no link to it was even requested
+    finally:
+        listener.server.close()
+    assert (await _call(workers, "p0", "get_payload")).ok
+
+
+async def test_a_registered_worker_that_refuses_the_connection_is_recorded_as_failed(workers: Workers) -> None:
+    client = connect(workers.bus)
+    try:  # a live decode worker's record whose endpoint nothing listens on
+        record = WorkerRecord(worker_id="d9", role="decode", model="tiny", transfer_endpoint=f"127.0.0.1:{free_port()}")
+        await Registry(client, workers.bus).register(record, lease_ms=30_000)
+        reply = await _call(workers, "p0", "connect_rdma", {"decode_worker": "d9"})
+        assert not reply.ok and f"could not connect to d9 at {record.transfer_endpoint}" in reply.error
+        link = await client.hgetall(workers.bus.keys.rdma("p0", "d9"))
+        assert link[b"state"] == b"failed" and link[b"error"]
+    finally:
+        await Registry(client, workers.bus).deregister("d9")
+        await client.aclose()
 
 
 def test_the_external_dispatcher_example_drives_a_request_through_p_and_d(workers: Workers) -> None:

@@ -1,42 +1,172 @@
-"""The prefill side of the P -> D hand-off, against a real Redis."""
+"""The prefill side of the P -> D hand-off, against a real Redis and real transfer sockets."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
-from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task, TokenDelta
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
+from splitbus.worker.handoff import meta_problem
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
+from splitbus.worker.transfer import Header, TransferServer, proof_matches
 from splitbus.worker.worker import Worker
 
+SECRET = "the-reservations-secret"
 
-async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(bus_config: BusConfig, tiny_model: Path) -> None:
+
+def prefill_worker(bus_config: BusConfig, tiny_model: Path, kv_wait_s: float = 30.0) -> Worker:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p1",
+                          kv_wait_s=kv_wait_s)
+    return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+
+
+def prefilled(worker: Worker, request_id: str, peer: str) -> Sequence:
+    """A request P has prefilled: its first token published, its KV ready to ship."""
+    request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
+    seq = Sequence(Task("prefill", request, peer=peer), "1-0", TextStream(worker.tokenizer, []))
+    worker.writer.open(request_id)
+    worker.emit(seq, 97)
+    return seq
+
+
+async def register_decode(worker: Worker, worker_id: str, endpoint: str) -> None:
+    """A live decode worker's registry record and lease, as the worker writes them."""
+    record = WorkerRecord(worker_id=worker_id, role="decode", model="tiny", transfer_endpoint=endpoint)
+    await Registry(worker.redis, worker.config.bus).register(record, lease_ms=30_000)
+
+
+async def reservation(worker: Worker, request_id: str, decode_worker: str, endpoint: str) -> None:
+    """``sb:kv:{request_id}`` as D writes it (an attacker with Redis access can write the same)."""
+    fields = {"decode_worker": decode_worker, "endpoint": endpoint, "secret": SECRET}
+    await worker.redis.hset(worker.keys.kv(request_id), mapping=fields)
+
+
+class Decoder:
+    """The decode side's real TransferServer, taking frames proven with SECRET."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[str, Header, bytes]] = []
+        self.server = TransferServer("d2", self.check, self.take)
+
+    def check(self, sender: str, header: Header) -> str | None:
+        return None if proof_matches(SECRET, sender, header) else "no proof"
+
+    async def take(self, sender: str, header: Header, payload: bytes) -> str | None:
+        self.frames.append((sender, header, payload))
+        return None
+
+
+class FakeServer:
+    """An attacker's listener: counts the connections and bytes that reach it."""
+
+    def __init__(self) -> None:
+        self.connections = self.received = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._take, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _take(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.received += len(await reader.read())
+        writer.close()
+
+
+async def close(worker: Worker) -> None:
+    await asyncio.gather(*list(worker._background))  # the cancel P publishes for a failed hand-off
+    await worker.links.client.close()
+    await worker.redis.aclose()
+
+
+async def results(worker: Worker, request_id: str) -> list[object]:
+    await worker.publish()
+    return [codec.decode(fields) for _, fields in await worker.redis.xrange(worker.keys.out(request_id))]
+
+
+async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
+        bus_config: BusConfig, tiny_model: Path) -> None:
     # A request moved off a dead decode worker: that worker's reservation is still in sb:kv
     # when the new prefill task runs. P must wait for the new decode worker's, not send there.
-    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
-    config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p1")
-    worker = Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    worker = prefill_worker(bus_config, tiny_model)
     request = GenerateRequest("moved-1", "tiny", [97], SamplingParams(max_tokens=4), "api", 0)
-    seq = Sequence(Task("prefill", request, peer="d2"), "1-0", TextStream(tokenizer, []))
+    seq = Sequence(Task("prefill", request, peer="d2"), "1-0", TextStream(worker.tokenizer, []))
     kv = bus_config.keys.kv("moved-1")
-    await worker.redis.hset(kv, mapping={"decode_worker": "d1-dead", "endpoint": "127.0.0.1:1"})
-    await worker.redis.set(bus_config.keys.lease("d2"), "1", px=10_000)
+    await worker.redis.hset(kv, mapping={"decode_worker": "d1-dead", "endpoint": "127.0.0.1:1", "secret": "old"})
+    await register_decode(worker, "d2", "127.0.0.1:2")
 
     async def new_reservation() -> None:
         await asyncio.sleep(0.2)
-        await worker.redis.hset(kv, mapping={"decode_worker": "d2", "endpoint": "127.0.0.1:2"})
+        await worker.redis.hset(kv, mapping={"decode_worker": "d2", "endpoint": "127.0.0.1:2", "secret": SECRET})
 
     writer = asyncio.create_task(new_reservation())
     try:
-        assert await worker.wait_for_reservation(seq) == "127.0.0.1:2"
+        assert await worker.wait_for_reservation(seq) == ("127.0.0.1:2", SECRET)
     finally:
         await writer
         await worker.redis.aclose()
+
+
+async def test_the_kv_goes_to_the_registered_endpoint_with_the_proof(bus_config: BusConfig, tiny_model: Path) -> None:
+    worker, decoder = prefill_worker(bus_config, tiny_model), Decoder()
+    endpoint = await decoder.server.start("127.0.0.1", 0)
+    try:
+        await register_decode(worker, "d2", endpoint)
+        await reservation(worker, "r-ok", "d2", endpoint)
+        seq = prefilled(worker, "r-ok", "d2")
+        await worker.hand_off(seq)
+        [(sender, header, payload)] = decoder.frames
+        assert (sender, header.ident) == ("p1", "r-ok")
+        assert (header.meta["output_token_ids"], header.meta["next_seq"]) == ([97], 1)
+        assert payload == worker.engine.kv_payload(seq.request) and worker.done_entries == ["1-0"]
+    finally:
+        await decoder.server.close()
+        await close(worker)
+
+
+async def test_a_forged_reservation_endpoint_receives_nothing(bus_config: BusConfig, tiny_model: Path) -> None:
+    # The attack: D's reservation is rewritten to point at the attacker's server. P must not
+    # send there (nor connect); it waits for D's own endpoint, then fails the request saying why.
+    worker, decoder, fake = prefill_worker(bus_config, tiny_model, kv_wait_s=1.0), Decoder(), FakeServer()
+    endpoint, forged = await decoder.server.start("127.0.0.1", 0), await fake.start()
+    try:
+        await register_decode(worker, "d2", endpoint)
+        await reservation(worker, "r-forged", "d2", forged)
+        await worker.hand_off(prefilled(worker, "r-forged", "d2"))
+        assert (fake.connections, fake.received, decoder.frames) == (0, 0, [])
+        assert worker.done_entries == ["1-0"] and worker.handing_off == {}  # the task is acked at the next publish
+        last = (await results(worker, "r-forged"))[-1]
+        assert isinstance(last, Failed) and last.code == "kv_transfer_failed"
+        assert f"names endpoint '{forged}', not '{endpoint}'" in last.message
+    finally:
+        await decoder.server.close()
+        fake.server.close()
+        await close(worker)
+
+
+async def test_a_reservation_for_an_unregistered_decode_worker_is_not_used(
+        bus_config: BusConfig, tiny_model: Path) -> None:
+    # sb:kv alone, with no registry record behind it, sends nothing either.
+    worker, fake = prefill_worker(bus_config, tiny_model, kv_wait_s=0.5), FakeServer()
+    forged = await fake.start()
+    try:
+        await worker.redis.set(bus_config.keys.lease("d-ghost"), "1", px=30_000)
+        await reservation(worker, "r-ghost", "d-ghost", forged)
+        await worker.hand_off(prefilled(worker, "r-ghost", "d-ghost"))
+        assert (fake.connections, fake.received) == (0, 0)
+        entries = await results(worker, "r-ghost")
+        assert isinstance(entries[0], TokenDelta) and isinstance(entries[-1], Failed)
+        assert "names endpoint" in entries[-1].message
+    finally:
+        fake.server.close()
+        await close(worker)
 
 
 async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConfig, tiny_model: Path) -> None:
@@ -56,3 +186,25 @@ async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConf
         assert worker.stale_reservations == []
     finally:
         await worker.redis.aclose()
+
+
+def continued_task(first_seq: int, tokens: list[int], max_tokens: int = 8) -> Task:
+    request = GenerateRequest("c1", "tiny", [97], SamplingParams(max_tokens=max_tokens), "api", 0)
+    return Task("decode", request, peer="p1", first_seq=first_seq, output_token_ids=tokens)
+
+
+def test_d_takes_exactly_what_p_could_send_for_a_new_or_a_moved_request() -> None:
+    assert meta_problem(continued_task(0, []), {"output_token_ids": [5], "next_seq": 1}, 100) is None
+    moved = continued_task(3, [1, 2, 3])  # 3 entries already streamed before its worker died
+    assert meta_problem(moved, {"output_token_ids": [1, 2, 3, 4], "next_seq": 4}, 100) is None
+    refused = [
+        {"output_token_ids": [1, 2, 3, 4], "next_seq": 1},  # would re-send seq 1..3
+        {"output_token_ids": [9, 9, 9, 4], "next_seq": 4},  # rewrites tokens already streamed
+        {"output_token_ids": [1, 2, 3], "next_seq": 3},  # no new token
+        {"output_token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "next_seq": 8},  # max_tokens reached: P would have finished
+        {"output_token_ids": [1, 2, 3, 100], "next_seq": 4},  # outside the vocabulary
+        {"output_token_ids": [1, 2, 3, True], "next_seq": 4},  # a bool is not a token id
+        {"output_token_ids": [1, 2, 3, 4], "next_seq": 4.0},
+        {"output_token_ids": "1234", "next_seq": 4},
+    ]
+    assert all(meta_problem(moved, meta, 100) for meta in refused)

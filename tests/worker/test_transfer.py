@@ -1,56 +1,176 @@
-"""The KV transfer protocol over real loopback sockets."""
+"""The KV transfer protocol over real loopback sockets: frames, proofs, and what a receiver
+refuses before it reads a payload."""
 
 from __future__ import annotations
 
 import asyncio
 import struct
+from typing import Any
 
+import orjson
 import pytest
 
-from splitbus.worker.transfer import HEADER, MAGIC, Refused, TransferClient, TransferError, TransferServer
+from splitbus.redis_server import free_port
+from splitbus.worker.transfer import (ACK, HEADER, HELLO, KV, MAGIC, MAX_PAYLOAD, MAX_SKIP, Header, Refused,
+                                      TransferClient, TransferError, TransferServer, kv_proof, proof_matches,
+                                      read_frame, write_frame)
+
+SECRET = "s3cret"
 
 
-async def test_kv_arrives_intact_and_refusals_keep_the_connection() -> None:
-    received: dict[str, tuple[dict, bytes]] = {}
+class Receiver:
+    """A decode side that takes frames proven with SECRET for requests it knows, up to a size."""
 
-    async def on_kv(rid: str, meta: dict, payload: bytes) -> str | None:
-        if rid == "unknown":
+    def __init__(self, known: set[str], max_size: int = 1 << 24) -> None:
+        self.known, self.max_size = known, max_size
+        self.checked: list[tuple[str, Header]] = []
+        self.received: dict[str, tuple[dict[str, Any], bytes]] = {}
+
+    def check(self, sender: str, header: Header) -> str | None:
+        self.checked.append((sender, header))
+        if header.ident not in self.known:
             return "no reservation"
-        received[rid] = (meta, payload)
+        if not proof_matches(SECRET, sender, header):
+            return "no proof"
+        return "too large" if header.size > self.max_size else None
+
+    async def take(self, sender: str, header: Header, payload: bytes) -> str | None:
+        self.received[header.ident] = (header.meta, payload)
         return None
 
-    server = TransferServer("d1", on_kv)
-    endpoint = await server.start("127.0.0.1", 0)
+
+async def serve(receiver: Receiver) -> tuple[TransferServer, str]:
+    server = TransferServer("d1", receiver.check, receiver.take)
+    return server, await server.start("127.0.0.1", 0)
+
+
+async def open_hello(endpoint: str, sender: str = "p1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = endpoint.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    await write_frame(writer, HELLO, sender, {})
+    assert (await read_frame(reader)).meta["ok"] is True
+    return reader, writer
+
+
+async def closed(reader: asyncio.StreamReader) -> bytes:
+    """What the server sends until it closes the connection (bounded: a server that reads on fails the test)."""
+    return await asyncio.wait_for(reader.read(), 10)
+
+
+async def test_kv_arrives_intact_and_small_refusals_keep_the_connection() -> None:
+    receiver = Receiver({"r1", "r2"})
+    server, endpoint = await serve(receiver)
     client = TransferClient("p1", timeout_s=5)
     payload = bytes(range(256)) * 4096  # 1 MiB
-    await client.send(endpoint, "r1", {"next_seq": 1}, memoryview(payload))
-    assert received["r1"] == ({"next_seq": 1}, payload)
+    await client.send(endpoint, "r1", {"next_seq": 1}, memoryview(payload), SECRET)
+    meta, got = receiver.received["r1"]
+    assert got == payload and meta["next_seq"] == 1 and isinstance(meta["proof"], str)
     with pytest.raises(Refused, match="no reservation"):
-        await client.send(endpoint, "unknown", {}, b"x")
+        await client.send(endpoint, "unknown", {}, b"x", SECRET)
+    with pytest.raises(Refused, match="no proof"):
+        await client.send(endpoint, "r2", {}, b"x", "a guess")
     assert client.connected(endpoint)
-    await client.send(endpoint, "r2", {}, b"")
-    assert "r2" in received
+    await client.send(endpoint, "r2", {}, b"", SECRET)
+    assert "r2" in receiver.received and "unknown" not in receiver.received
     await client.close()
     await server.close()
 
 
-async def test_unreachable_endpoint_is_a_transfer_error() -> None:
-    from splitbus.redis_server import free_port
+def test_the_proof_covers_sender_request_meta_size_and_crc() -> None:
+    meta = {"next_seq": 3, "output_token_ids": [1, 2]}
+    header = Header(KV, "r1", {**meta, "proof": kv_proof(SECRET, "p1", "r1", meta, 10, 99)}, 10, 99)
+    assert proof_matches(SECRET, "p1", header)
+    changed = [
+        Header(KV, "r2", header.meta, 10, 99),
+        Header(KV, "r1", {**header.meta, "next_seq": 4}, 10, 99),
+        Header(KV, "r1", {**header.meta, "output_token_ids": [1, 3]}, 10, 99),
+        Header(KV, "r1", header.meta, 11, 99),
+        Header(KV, "r1", header.meta, 10, 98),
+        Header(KV, "r1", {**meta, "proof": "ü" * 64}, 10, 99),  # not ASCII: refused, not a TypeError
+        Header(KV, "r1", meta, 10, 99),  # no proof at all
+    ]
+    assert not any(proof_matches(SECRET, "p1", h) for h in changed)
+    assert not proof_matches(SECRET, "p2", header) and not proof_matches("other", "p1", header)
+    empty = kv_proof("", "p1", "r1", meta, 10, 99)
+    assert not proof_matches("", "p1", Header(KV, "r1", {**meta, "proof": empty}, 10, 99))  # no secret: nothing matches
 
+
+async def test_unreachable_endpoint_is_a_transfer_error() -> None:
     with pytest.raises(TransferError, match="cannot connect"):
         await TransferClient("p1", timeout_s=2).connect(f"127.0.0.1:{free_port()}")
 
 
 async def test_corrupt_frame_is_rejected() -> None:
-    async def accept_all(*_: object) -> None:
-        return None
-
-    server = TransferServer("d1", accept_all)
-    host, port = (await server.start("127.0.0.1", 0)).split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(HEADER.pack(MAGIC, 2, 1, 2, 3, 12345) + b"r{}" + b"abc")  # wrong CRC
-    await writer.drain()
-    assert await reader.read() == b""  # the server drops a connection that sends garbage
+    receiver = Receiver({"r"})
+    server, endpoint = await serve(receiver)
+    reader, writer = await open_hello(endpoint)
+    meta = {"proof": kv_proof(SECRET, "p1", "r", {}, 3, 12345)}
+    await write_frame(writer, KV, "r", meta, b"abc", crc=12345)  # proven, but the bytes do not match the CRC
+    assert await closed(reader) == b""  # the server drops a connection that sends garbage
+    assert receiver.received == {}
     writer.close()
     await server.close()
     assert struct.calcsize("!4sBHIQI") == HEADER.size
+
+
+@pytest.mark.parametrize("first", [
+    HEADER.pack(MAGIC, KV, 1, 2, 0, 0) + b"r{}",  # KV before any HELLO
+    HEADER.pack(b"HTTP", HELLO, 2, 2, 0, 0) + b"p1{}",
+    HEADER.pack(MAGIC, HELLO, 2, 2, 5, 0) + b"p1{}",  # a HELLO with a payload
+    HEADER.pack(MAGIC, HELLO, 2, 4, 0, 0) + b"p1\xff{}\x00",  # meta that is not JSON
+])
+async def test_a_connection_must_open_with_a_plain_hello(first: bytes) -> None:
+    receiver = Receiver({"r"})
+    server, endpoint = await serve(receiver)
+    host, port = endpoint.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(first)
+    await writer.drain()
+    assert await closed(reader) == b""
+    assert receiver.checked == []
+    writer.close()
+    await server.close()
+
+
+@pytest.mark.parametrize("size", [MAX_PAYLOAD, (1 << 24) + 1])
+async def test_a_huge_declared_payload_is_refused_before_it_is_read(size: int) -> None:
+    # 64 GiB, or just past what the receiver allows: the receiver answers from the header and
+    # closes; it never waits for (or allocates) the payload, which is never sent here.
+    receiver = Receiver({"r"})
+    server, endpoint = await serve(receiver)
+    reader, writer = await open_hello(endpoint)
+    meta = {"proof": kv_proof(SECRET, "p1", "r", {}, size, 0)}
+    name, info = b"r", orjson.dumps(meta)
+    writer.write(HEADER.pack(MAGIC, KV, len(name), len(info), size, 0) + name + info)  # the header only
+    await writer.drain()
+    ack = await asyncio.wait_for(read_frame(reader), 10)
+    assert ack.kind == ACK and ack.meta["ok"] is False and ack.meta["error"] == "too large"
+    assert await closed(reader) == b""
+    assert receiver.checked[-1][1].size == size and receiver.received == {}
+    writer.close()
+    await server.close()
+
+
+async def test_a_payload_over_the_protocol_limit_closes_at_once() -> None:
+    receiver = Receiver({"r"})
+    server, endpoint = await serve(receiver)
+    reader, writer = await open_hello(endpoint)
+    writer.write(HEADER.pack(MAGIC, KV, 1, 2, MAX_PAYLOAD + 1, 0) + b"r{}")
+    await writer.drain()
+    assert await closed(reader) == b""  # not even asked: no frame is that large
+    assert receiver.checked == []
+    writer.close()
+    await server.close()
+
+
+async def test_a_refused_large_frame_drops_the_clients_connection() -> None:
+    receiver = Receiver({"r"}, max_size=10)
+    server, endpoint = await serve(receiver)
+    client = TransferClient("p1", timeout_s=5)
+    with pytest.raises(TransferError):  # Refused, or the reset of a connection closed mid-payload
+        await client.send(endpoint, "r", {}, b"\0" * (MAX_SKIP + 1), SECRET)
+    assert not client.connected(endpoint)
+    await client.send(endpoint, "r", {}, b"12345", SECRET)  # a fresh connection serves the next
+    assert receiver.received["r"][1] == b"12345"
+    await client.close()
+    await server.close()

@@ -28,6 +28,7 @@ class PaddleEngine:
         self.eos_token_ids = eos_token_ids
         self.total_blocks = total_blocks - 1  # block 0 is the cache's scratch block
         self.block_size = block_size
+        self.vocab_size = model.config.vocab_size
         self.cache = model.new_cache(total_blocks, block_size)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
 
@@ -51,6 +52,9 @@ class PaddleEngine:
             return False
         seq.block_table, seq.blocks = table, len(table)
         return True
+
+    def kv_capacity(self, seq: Sequence) -> int:
+        return seq.blocks * self.block_size * self.cache.bytes_per_token()
 
     def release(self, seq: Sequence) -> None:
         self.cache.allocator.release(seq.block_table)
