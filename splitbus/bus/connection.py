@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -16,6 +16,7 @@ from redis.retry import Retry
 from splitbus.bus.config import BusConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,
@@ -70,3 +71,18 @@ async def wait_until_reachable(redis: aioredis.Redis, stop: Callable[[], bool] =
             return
         except TRANSIENT_ERRORS:
             continue
+
+
+async def until_done(action: Callable[[], Awaitable[T]], redis: aioredis.Redis, stop: Callable[[], bool], what: str) -> T:
+    """``action()`` until Redis lets it through: for start-up steps, which run before any loop
+    that would back off. LOADING (a restarted Redis reading its AOF) is a ConnectionError for
+    redis-py, so it waits here like an unreachable server does. Raises the last error once
+    ``stop()`` is true."""
+    while True:
+        try:
+            return await action()
+        except TRANSIENT_ERRORS as exc:
+            if stop():
+                raise
+            log.warning("Redis unavailable at %s (%s); retrying", what, exc)
+            await wait_until_reachable(redis, stop)
