@@ -102,6 +102,14 @@ def _private_child() -> None:
     die_with_parent()
 
 
+def commands_for(version: tuple[int, int, int]) -> tuple[str, ...]:
+    """:data:`SPLITBUS_COMMANDS` as this server takes them: Redis 7.0 and 7.1 refuse an ACL rule
+    naming a subcommand they lack (CLIENT SETINFO came in 7.2; 6.2 does not check)."""
+    if (7, 0) <= version[:2] < (7, 2):
+        return tuple(c for c in SPLITBUS_COMMANDS if c != "client|setinfo")
+    return SPLITBUS_COMMANDS
+
+
 def acl_rule(user: str, password: str, commands: tuple[str, ...] | None) -> str:
     """A ``user`` line for redis.conf; the password as its SHA-256 (``#``), never in clear."""
     digest = hashlib.sha256(password.encode()).hexdigest()
@@ -288,9 +296,10 @@ class EmbeddedRedis:
             "auto-aof-rewrite-min-size": str(AOF_REWRITE_MIN_BYTES), "maxmemory-policy": "noeviction",
             **({"maxmemory": self.maxmemory} if self.maxmemory else {}), **self.extra_config,
         }
+        commands = commands_for(server_version(str(self.executable)))
         lines = [f"{key} {value}" for key, value in settings.items()]
         lines += [acl_rule(ADMIN_USER, self._passwords[ADMIN_USER], None),
-                  acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], SPLITBUS_COMMANDS)]
+                  acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], commands)]
         return "# written by splitbus at each start; edits are lost\n" + "\n".join(lines) + "\n"
 
     def wait_ready(self, timeout_s: float) -> None:
