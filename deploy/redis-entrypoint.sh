@@ -18,6 +18,7 @@ conf=/tmp/redis.conf
 {
   echo "appendonly yes"
   echo "appendfsync everysec"
+  echo "save \"\""
   echo "aof-use-rdb-preamble yes"
   echo "auto-aof-rewrite-min-size 4mb"
   echo "maxmemory ${SPLITBUS_REDIS_MAXMEMORY:-0}"

@@ -258,11 +258,12 @@ class EmbeddedRedis:
     def _spawn(self) -> None:
         self.executable = self.executable or find_redis_server()
         self.port = self.port or free_port(self.host)
-        self._passwords = {SPLITBUS_USER: ensure_secret(self.password_path), ADMIN_USER: ensure_secret(self.admin_password_path)}
+        self._passwords = {SPLITBUS_USER: ensure_secret(self.password_path),
+                           ADMIN_USER: ensure_secret(self.admin_password_path)}
         write_private(self.config_path, self.config_text())
         self._proc = subprocess.Popen(
-            [str(self.executable), str(self.config_path.resolve())], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_private_child,
+            [str(self.executable), str(self.config_path.resolve())], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_private_child,
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:

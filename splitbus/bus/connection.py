@@ -73,7 +73,9 @@ async def wait_until_reachable(redis: aioredis.Redis, stop: Callable[[], bool] =
             continue
 
 
-async def until_done(action: Callable[[], Awaitable[T]], redis: aioredis.Redis, stop: Callable[[], bool], what: str) -> T:
+async def until_done(
+    action: Callable[[], Awaitable[T]], redis: aioredis.Redis, stop: Callable[[], bool], what: str
+) -> T:
     """``action()`` until Redis lets it through: for start-up steps, which run before any loop
     that would back off. LOADING (a restarted Redis reading its AOF) is a ConnectionError for
     redis-py, so it waits here like an unreachable server does. Raises the last error once

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus api: {exc}")
         return 2
     keys = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key: anyone who reaches the port may use it"
-    say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {mask_url(config.bus.redis_url)}, {keys})")
+    redis = mask_url(config.bus.redis_url)
+    say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", loop="auto", http="auto")
     return 0

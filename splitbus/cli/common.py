@@ -21,7 +21,8 @@ def setup_logging(env: Env, part: str) -> None:
     the Redis password and the API keys this process knows are masked in every line."""
     handler = logging.StreamHandler(sys.stderr)
     secrets = (*env.api_keys, url_password(env.redis_url or "") or "")
-    handler.setFormatter(MaskingFormatter(f"%(asctime)s {part:<9} %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S", secrets))
+    line = f"%(asctime)s {part:<9} %(levelname)-7s %(name)s: %(message)s"
+    handler.setFormatter(MaskingFormatter(line, "%H:%M:%S", secrets))
     logging.basicConfig(level=env.log_level, handlers=[handler])
     for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):  # a line per HTTP request
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from splitbus.cli.common import add_metrics_arguments, add_redis_url_argument, redis_url, run_service, say, serve_metrics
+from splitbus.cli.common import (
+    add_metrics_arguments,
+    add_redis_url_argument,
+    redis_url,
+    run_service,
+    say,
+    serve_metrics,
+)
 from splitbus.env import Env
 
 

@@ -36,7 +36,8 @@ class Supervisor:
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitbus.cli.main", *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True, preexec_fn=die_with_parent,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
         child = Child(name, proc)
         self.children.append(child)

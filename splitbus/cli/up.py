@@ -27,7 +27,8 @@ READY_TIMEOUT_S = 60.0
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("up", help="run the whole system (embedded Redis unless --redis-url)")
-    p.add_argument("--redis-url", default=env.redis_url, help="use this Redis instead of starting one (prefer SPLITBUS_REDIS_URL: argv is public)")
+    p.add_argument("--redis-url", default=env.redis_url,
+                   help="use this Redis instead of starting one (prefer SPLITBUS_REDIS_URL: argv is public)")
     p.add_argument("--engine", choices=("paddle", "sim"), default="paddle", help="worker engine (default %(default)s)")
     p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
@@ -37,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
-    p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key (prefer SPLITBUS_API_KEYS: argv is public)")
+    p.add_argument("--api-key", action="append", default=list(env.api_keys),
+                   help="accepted Bearer key (prefer SPLITBUS_API_KEYS: argv is public)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
     p.add_argument("--metrics-port-base", type=int, default=0, help="serve /metrics: schedulers on this port and up, then the workers (default: off)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeatable)")
@@ -164,7 +166,8 @@ def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, mod
     for rank in range(args.dp):
         dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
         supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()], bus_env)
-    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model), "--request-timeout", str(args.request_timeout)]
+    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model),
+           "--request-timeout", str(args.request_timeout)]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
 
 

@@ -6,7 +6,14 @@ import argparse
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from splitbus.cli.common import add_metrics_arguments, add_redis_url_argument, redis_url, run_service, say, serve_metrics
+from splitbus.cli.common import (
+    add_metrics_arguments,
+    add_redis_url_argument,
+    redis_url,
+    run_service,
+    say,
+    serve_metrics,
+)
 from splitbus.env import Env
 
 if TYPE_CHECKING:
