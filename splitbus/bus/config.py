@@ -25,6 +25,9 @@ class BusConfig:
     finished_result_ttl_s: int = 120
     """...and this long after their final entry, so late readers can still replay them."""
     dead_maxlen: int = 10_000
+    dead_worker_keep_s: int = 3600
+    """A worker that died (after the reaper moved its work) or stopped: its record, task and
+    control streams stay this long for operators to look at, then expire."""
     reader_count: int = 256
     """Entries per stream per read in the multiplexed result reader."""
 

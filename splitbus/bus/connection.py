@@ -7,7 +7,7 @@ import contextlib
 import logging
 import random
 import re
-from typing import AsyncIterator, Awaitable, Callable, Iterator
+from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -19,6 +19,7 @@ from redis.retry import Retry
 from splitbus.bus.config import BusConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,  # BusyLoadingError (LOADING) is one
@@ -141,3 +142,20 @@ def transient_suppressed(what: str) -> Iterator[None]:
         if not is_transient(exc):
             raise
         log.warning("%s skipped: Redis refuses or is unreachable (%s)", what, exc)
+
+
+async def until_done(
+    action: Callable[[], Awaitable[T]], redis: aioredis.Redis, stop: Callable[[], bool], what: str
+) -> T:
+    """``action()`` until Redis lets it through: for start-up steps, which run before any loop
+    that would back off. LOADING (a restarted Redis reading its AOF) is a ConnectionError for
+    redis-py, so it waits here like an unreachable server does. Raises the last error once
+    ``stop()`` is true."""
+    while True:
+        try:
+            return await action()
+        except Exception as exc:
+            if not is_transient(exc) or stop():
+                raise
+            log.warning("Redis unavailable at %s (%s); retrying", what, exc)
+            await wait_until_reachable(redis, stop)

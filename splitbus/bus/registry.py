@@ -144,13 +144,24 @@ class Registry:
     def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
         self._redis = redis
         self._keys = config.keys
+        self._keep_s = config.dead_worker_keep_s
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._snapshot = redis.register_script(_SNAPSHOT)
         self._templates = [*self._keys.worker("\0").split("\0"), *self._keys.lease("\0").split("\0")]
 
     async def register(self, record: WorkerRecord, lease_ms: int) -> int:
-        """Publish the whole record and take the lease. Returns the server time (ms)."""
-        return await self._beat(record.worker_id, record.to_hash(), lease_ms)
+        """Publish the whole record and take the lease. Returns the server time (ms). A worker
+        back under the id of a dead or stopped one keeps its keys: their expiry is lifted."""
+        now_ms = await self._beat(record.worker_id, record.to_hash(), lease_ms)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hdel(self._keys.worker(record.worker_id), "state")
+        for key in self._own_keys(record.worker_id):
+            pipe.persist(key)
+        await pipe.execute()
+        return now_ms
+
+    def _own_keys(self, worker_id: str) -> tuple[str, str, str]:
+        return self._keys.worker(worker_id), self._keys.tasks(worker_id), self._keys.ctrl(worker_id)
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad, lease_ms: int) -> int:
         """Renew the lease and publish the current load. Returns the server time (ms)."""
@@ -168,23 +179,31 @@ class Registry:
                 log.warning("skipping unreadable registry record %s: %s", worker_id, exc)
         return infos
 
-    async def mark_dead(self, worker_id: str, keep_s: int = 3600) -> None:
+    async def mark_dead(self, worker_id: str) -> None:
         """A worker whose tasks were taken over: out of the live set, its reservations zeroed,
-        its record kept (``state`` = dead) for ``keep_s`` so operators can see what happened."""
+        its record (``state`` = dead), task and control streams kept ``dead_worker_keep_s`` so
+        operators can see what happened, then gone (worker ids carry a pid: every restart is a
+        new id, and nothing else would ever delete them)."""
         key = self._keys.worker(worker_id)
         pipe = self._redis.pipeline(transaction=False)
         pipe.zrem(self._keys.workers, worker_id)
         pipe.delete(self._keys.lease(worker_id))
         pipe.hset(key, mapping={"state": "dead", **{f.name: "0" for f in dataclasses.fields(Reserved)}})
-        pipe.expire(key, keep_s)
+        self._expire_own(pipe, worker_id)
         await pipe.execute()
 
     async def deregister(self, worker_id: str) -> None:
-        """Remove a worker that is shutting down cleanly (its lease goes at once)."""
+        """Remove a worker that is shutting down cleanly (its lease and record go at once; its
+        streams expire after ``dead_worker_keep_s``, unless it comes back under the same id)."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.delete(self._keys.lease(worker_id), self._keys.worker(worker_id))
         pipe.zrem(self._keys.workers, worker_id)
+        self._expire_own(pipe, worker_id)
         await pipe.execute()
+
+    def _expire_own(self, pipe: Pipeline, worker_id: str) -> None:
+        for key in self._own_keys(worker_id):
+            pipe.expire(key, self._keep_s)
 
     async def _beat(self, worker_id: str, fields: dict[str, str], lease_ms: int) -> int:
         if lease_ms < 1:

@@ -301,6 +301,8 @@ class _Shard:
             log.error("undecodable result entry %s on %s: %s", entry_id, sub.key, exc)
 
     async def close(self) -> None:
+        with contextlib.suppress(*TRANSIENT_ERRORS):  # node names are random: nobody reuses it
+            await self._redis.delete(self.wake_key)
         await self._redis.aclose()
 
 

@@ -6,8 +6,9 @@ import argparse
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from splitbus.cli.common import say
+from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
+from splitbus.masking import mask_url
 
 if TYPE_CHECKING:
     from splitbus.api.config import ApiConfig
@@ -17,11 +18,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("api", help="run one OpenAI-compatible API process")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
-    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    add_redis_url_argument(p)
     p.add_argument("--model", action="append", type=Path, default=[], required=True, metavar="DIR",
                    help="Hugging Face model folder whose tokenizer this API uses (repeatable)")
     p.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name; one --model only)")
-    p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key (repeatable)")
+    p.add_argument("--api-key", action="append", default=list(env.api_keys),
+                   help="accepted Bearer key (repeatable; prefer SPLITBUS_API_KEYS: argv is public)")
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
     p.add_argument("--max-backlog", type=int, default=10_000, help="request-stream entries before 429 (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
@@ -39,7 +41,7 @@ def build_config(args: argparse.Namespace, env: Env) -> "ApiConfig":
         raise ValueError("--served-model-name needs exactly one --model")
     models = tuple((args.served_model_name or folder.resolve().name, folder) for folder in args.model)
     return ApiConfig(
-        bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix),
+        bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
         models=models,
         api_keys=tuple(args.api_key),
         max_inflight=args.max_inflight,
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
     except (ValueError, ModelFilesError) as exc:
         say(f"splitbus api: {exc}")
         return 2
-    say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {config.bus.redis_url})")
+    keys = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key: anyone who reaches the port may use it"
+    redis = mask_url(config.bus.redis_url)
+    say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", loop="auto", http="auto")
     return 0

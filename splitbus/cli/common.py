@@ -1,4 +1,5 @@
-"""Helpers shared by the subcommands: logging, waiting for Ctrl-C / SIGTERM."""
+"""Helpers shared by the subcommands: logging (secrets masked), the Redis URL option, waiting for
+Ctrl-C / SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,18 +11,35 @@ import threading
 from typing import Callable
 
 from splitbus.env import Env
+from splitbus.masking import MaskingFormatter, url_password
+
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 
 
 def setup_logging(env: Env, part: str) -> None:
-    """Log lines prefixed with the part's name, so interleaved output of ``up`` stays legible."""
-    logging.basicConfig(
-        level=env.log_level,
-        format=f"%(asctime)s {part:<9} %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    """Log lines prefixed with the part's name, so interleaved output of ``up`` stays legible;
+    the Redis password and the API keys this process knows are masked in every line."""
+    handler = logging.StreamHandler(sys.stderr)
+    secrets = (*env.api_keys, url_password(env.redis_url or "") or "")
+    line = f"%(asctime)s {part:<9} %(levelname)-7s %(name)s: %(message)s"
+    handler.setFormatter(MaskingFormatter(line, "%H:%M:%S", secrets))
+    logging.basicConfig(level=env.log_level, handlers=[handler])
     for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):  # a line per HTTP request
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=None, metavar="URL",
+                        help="Redis to use (default: SPLITBUS_REDIS_URL, else the embedded Redis last started in "
+                             "SPLITBUS_DATA_DIR, else redis://127.0.0.1:6379/0); prefer the variable: argv is public")
+
+
+def redis_url(args: argparse.Namespace, env: Env) -> str:
+    """--redis-url, else SPLITBUS_REDIS_URL, else the embedded Redis in the data folder (its
+    password read from its file), else a local Redis on the default port."""
+    from splitbus.redis_server import embedded_url
+
+    return args.redis_url or env.redis_url or embedded_url(env.data_dir / "redis") or LOCAL_REDIS
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:

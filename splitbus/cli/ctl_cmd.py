@@ -6,8 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from splitbus.cli.common import say
+from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
+from splitbus.masking import mask_text
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -15,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("worker", help="worker id (see splitbus status)")
     p.add_argument("cmd", help="get_payload, get_metrics or connect_rdma")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="a command argument, e.g. decode_worker=decode-0")
-    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    add_redis_url_argument(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
     p.set_defaults(run=run)
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bus.control import call
 
     async def send() -> Any:
-        config = BusConfig(redis_url=args.redis_url, prefix=env.prefix)
+        config = BusConfig(redis_url=redis_url(args, env), prefix=env.prefix)
         client = connect(config)
         try:
             return await call(client, config, args.worker, args.cmd, parse_args(args.arg), args.timeout)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     try:
         reply = asyncio.run(send())
     except (ValueError, TimeoutError, *TRANSIENT_ERRORS) as exc:
-        say(f"splitbus ctl: {exc}")
+        say(f"splitbus ctl: {mask_text(str(exc))}")
         return 2
     if reply.ok and args.cmd == "get_metrics":
         say(reply.result["text"].rstrip("\n"))

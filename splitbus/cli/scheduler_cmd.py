@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from splitbus.cli.common import add_metrics_arguments, run_service, say, serve_metrics
+from splitbus.cli.common import (
+    add_metrics_arguments,
+    add_redis_url_argument,
+    redis_url,
+    run_service,
+    say,
+    serve_metrics,
+)
 from splitbus.env import Env
 
 
@@ -13,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--mode", choices=("splitwise", "mixed", "dp"), default="splitwise")
     p.add_argument("--no-stagger", action="store_true", help="dp mode: place each arrival at once (the naive policy)")
     p.add_argument("--stagger-max-wait-ms", type=float, default=50.0, help="dp mode: longest hold of an arrival")
-    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    add_redis_url_argument(p)
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
     p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")
     p.add_argument("--claim-idle-ms", type=int, default=30_000, help="take over requests another replica left pending this long")
@@ -27,7 +34,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
 
     try:
         config = SchedulerConfig(
-            bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix, claim_idle_ms=args.claim_idle_ms),
+            bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, claim_idle_ms=args.claim_idle_ms),
             mode=args.mode,
             no_worker_wait_s=args.no_worker_wait,
             stagger=not args.no_stagger,

@@ -12,13 +12,14 @@ from typing import Any
 
 import redis
 
-from splitbus.cli.common import say
+from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
+from splitbus.masking import mask_text, mask_url
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("status", help="workers, queues, pending entries, dead letters, P-D connections")
-    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    add_redis_url_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS", help="refresh every SECONDS (default 2)")
     p.set_defaults(run=run)
@@ -95,7 +96,8 @@ def render(status: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, env: Env) -> int:
-    client = redis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5)
+    url = redis_url(args, env)
+    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
     try:
         while True:
             status = collect(client, env.prefix)
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
             if not args.json:
                 say("\033[2J\033[H")  # clear the screen between refreshes
     except (redis.RedisError, OSError) as exc:
-        say(f"splitbus status: Redis at {args.redis_url} is not reachable: {exc}")
+        say(f"splitbus status: Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}")
         return 1
     except KeyboardInterrupt:
         return 0

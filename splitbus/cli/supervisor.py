@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Mapping
 
 from splitbus.redis_server import die_with_parent
 
@@ -30,11 +30,14 @@ class Supervisor:
         self._print_lock = threading.Lock()
         self._reported: set[str] = set()
 
-    def start(self, name: str, args: list[str]) -> Child:
+    def start(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> Child:
+        """Start ``splitbus ARGS``; ``env`` adds to (or overrides) this process's environment:
+        secrets go there, never in ``args`` (which ``ps`` shows to every user)."""
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitbus.cli.main", *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True, preexec_fn=die_with_parent,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
         child = Child(name, proc)
         self.children.append(child)

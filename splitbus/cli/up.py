@@ -1,5 +1,9 @@
 """``splitbus up``: Redis (embedded unless ``--redis-url``), scheduler, workers and API as
-child processes; prints where to reach them; Ctrl-C or SIGTERM stops everything."""
+child processes; prints where to reach them; Ctrl-C or SIGTERM stops everything.
+
+Secrets stay off every command line (``ps`` shows argv to all users) and out of the banner: the
+children get the Redis URL in ``SPLITBUS_REDIS_URL`` and the API its keys in ``SPLITBUS_API_KEYS``.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,19 @@ import urllib.request
 from pathlib import Path
 
 from splitbus.cli.common import say, wait_for_stop
-from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
+from splitbus.cli.redis_cmd import add_embedded_options, describe, start_embedded
 from splitbus.cli.supervisor import Supervisor
 from splitbus.env import Env
-from splitbus.redis_server import EmbeddedRedis, RedisServerError, find_redis_cli
+from splitbus.masking import mask_key, mask_text, mask_url
+from splitbus.redis_server import EmbeddedRedis, RedisServerError
 
 READY_TIMEOUT_S = 60.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("up", help="run the whole system (embedded Redis unless --redis-url)")
-    p.add_argument("--redis-url", default=env.redis_url, help="use this Redis instead of starting one")
+    p.add_argument("--redis-url", default=env.redis_url,
+                   help="use this Redis instead of starting one (prefer SPLITBUS_REDIS_URL: argv is public)")
     p.add_argument("--engine", choices=("paddle", "sim"), default="paddle", help="worker engine (default %(default)s)")
     p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
@@ -32,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
-    p.add_argument("--api-key", action="append", default=list(env.api_keys), help="accepted Bearer key")
+    p.add_argument("--api-key", action="append", default=list(env.api_keys),
+                   help="accepted Bearer key (prefer SPLITBUS_API_KEYS: argv is public)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
     p.add_argument("--metrics-port-base", type=int, default=0, help="serve /metrics: schedulers on this port and up, then the workers (default: off)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeatable)")
@@ -80,6 +87,7 @@ def default_model(data_dir: Path, engine: str) -> Path:
 def run(args: argparse.Namespace, env: Env) -> int:
     try:
         counts = worker_counts(args)
+        _check_api_keys(args.api_key)
     except ValueError as exc:
         say(f"splitbus up: {exc}")
         return 2
@@ -92,7 +100,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
         _start_parts(supervisor, args, url, model, counts)
         why = _wait_ready(supervisor, args) or _announce(args, url, server) or wait_for_stop(supervisor.failed)
     except (RedisServerError, ValueError, ImportError) as exc:
-        say(f"splitbus up: {exc}")
+        say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
         why = "error"
     finally:
         supervisor.stop()
@@ -108,6 +116,13 @@ def _redis(args: argparse.Namespace) -> tuple[EmbeddedRedis | None, str]:
         return None, args.redis_url
     server = start_embedded(args)
     return server, server.url
+
+
+def _check_api_keys(keys: list[str]) -> None:
+    """Keys travel comma-separated in SPLITBUS_API_KEYS: a comma or a space would split one."""
+    for key in keys:
+        if not key or any(c in key for c in ", \t\n"):
+            raise ValueError("an API key must be non-empty, without commas or white space")
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -129,32 +144,31 @@ def _check_reachable(url: str) -> None:
     try:
         redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
-        raise ValueError(f"Redis at {url} is not reachable: {exc}") from None
+        raise ValueError(f"Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}") from None
 
 
 def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]) -> None:
     prefill, decode, mixed = counts
     mode = "dp" if args.dp else "mixed" if mixed and not prefill else "splitwise"
-    common = ["--redis-url", url]
+    bus_env = {"SPLITBUS_REDIS_URL": url, "SPLITBUS_API_KEYS": ""}  # only the API gets the keys
     ports = itertools.count(args.metrics_port_base)
 
     def metrics() -> list[str]:
         return ["--metrics-port", str(next(ports))] if args.metrics_port_base else []
 
     for i in range(args.schedulers):
-        scheduler = ["scheduler", "--mode", mode, *common, *metrics(), *args.scheduler_arg]
-        supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", scheduler)
-    worker = ["worker", "--engine", args.engine, "--model", str(model), *common, *args.worker_arg]
+        scheduler = ["scheduler", "--mode", mode, *metrics(), *args.scheduler_arg]
+        supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", scheduler, bus_env)
+    worker = ["worker", "--engine", args.engine, "--model", str(model), *args.worker_arg]
     for role, n in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
         for i in range(n):
-            supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()])
+            supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
     for rank in range(args.dp):
         dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
-        supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()])
-    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model), "--request-timeout", str(args.request_timeout), *common]
-    for key in args.api_key:
-        api += ["--api-key", key]
-    supervisor.start("api", api)
+        supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()], bus_env)
+    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model),
+           "--request-timeout", str(args.request_timeout)]
+    supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
 
 
 def _wait_ready(supervisor: Supervisor, args: argparse.Namespace) -> str | None:
@@ -175,11 +189,18 @@ def _wait_ready(supervisor: Supervisor, args: argparse.Namespace) -> str | None:
 
 
 def _announce(args: argparse.Namespace, url: str, server: EmbeddedRedis | None) -> None:
+    """Where everything is, and where the secrets are kept; never a key or a password."""
     base = f"http://{args.host}:{args.port}"
-    auth = f" -H 'Authorization: Bearer {args.api_key[0]}'" if args.api_key else ""
-    cli = find_redis_cli(server.executable if server else None)
-    say(f"splitbus is up: API {base}/v1  Redis {url}")
+    say(f"splitbus is up: API {base}/v1  Redis {mask_url(url)}")
+    if args.api_key:
+        shown = ", ".join(mask_key(k) for k in args.api_key)
+        say(f"  API keys: {len(args.api_key)} ({shown}), from SPLITBUS_API_KEYS or --api-key; send one as $KEY")
+    else:
+        say("  API keys: none: anyone who reaches the port may use the API (set SPLITBUS_API_KEYS)")
+    auth = " -H \"Authorization: Bearer $KEY\"" if args.api_key else ""
     say(f"  try: curl -sN {base}/v1/completions{auth} -H 'Content-Type: application/json' \\")
     say("         -d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}'")
-    say(f"  watch: {cli} -u {url} XINFO GROUPS sb:requests")
+    if server is not None:
+        for line in describe(server, "watch", "XINFO GROUPS sb:requests"):
+            say(line)
     say("Ctrl-C stops everything.")

@@ -6,7 +6,14 @@ import argparse
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from splitbus.cli.common import add_metrics_arguments, run_service, say, serve_metrics
+from splitbus.cli.common import (
+    add_metrics_arguments,
+    add_redis_url_argument,
+    redis_url,
+    run_service,
+    say,
+    serve_metrics,
+)
 from splitbus.env import Env
 
 if TYPE_CHECKING:
@@ -22,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--engine", choices=("sim", "paddle"), default="sim")
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="Hugging Face model folder")
     p.add_argument("--served-model-name", default=None, help="default: the folder name")
-    p.add_argument("--redis-url", default=env.redis_url or "redis://127.0.0.1:6379/0")
+    add_redis_url_argument(p)
     p.add_argument("--worker-id", default=None, help="default: role, host and pid")
     p.add_argument("--max-requests", type=int, default=64, help="requests held at once (default %(default)s)")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks of 16 tokens (default: 8192 for sim; from --kv-cache-mb for paddle)")
@@ -56,7 +63,7 @@ def build_config(args: argparse.Namespace, env: Env) -> "WorkerConfig":
                     kv_bytes_per_token=args.sim_kv_bytes_per_token, poison_token=args.sim_poison_token,
                     crash_token=args.sim_crash_token)
     return WorkerConfig(
-        bus=BusConfig(redis_url=args.redis_url, prefix=env.prefix), role=args.role, engine=args.engine,
+        bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix), role=args.role, engine=args.engine,
         model_dir=args.model, model_name=args.served_model_name or args.model.resolve().name,
         worker_id=args.worker_id or "", max_requests=args.max_requests, total_kv_blocks=args.kv_blocks or 8192,
         transfer_host=args.transfer_host, transfer_port=args.transfer_port, transfer_advertise_host=args.transfer_advertise_host, kv_wait_s=args.kv_wait,

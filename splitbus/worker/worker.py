@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
-from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed
+from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed, until_done
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
@@ -117,14 +117,18 @@ class Worker:
 
     async def start(self) -> None:
         self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port, self.config.advertised_transfer_host)
+        await until_done(self.join_bus, self.redis, self.stopping.is_set, "start-up")
+        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands, self.publisher):
+            self.spawn(self._forever(loop))
+        log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
+
+    async def join_bus(self) -> None:
+        """The start-up steps on Redis; each is safe to repeat (retried while Redis loads)."""
         await self.tasks.ensure_group()
         await self.cancels.start()
         await self.control.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.registry.register(self.record(), self.config.lease_ms)  # now with started_ms
-        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands, self.publisher):
-            self.spawn(self._forever(loop))
-        log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
 
     async def close(self) -> None:
         self.stopping.set()

@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import pytest
+import redis as sync_redis
 import redis.asyncio as aioredis
 
 from splitbus.bus import codec
@@ -94,12 +95,12 @@ async def test_thousand_streams_each_exact_and_in_order(
 
 
 async def test_connections_do_not_grow_with_streams(
-    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader, redis_admin: sync_redis.Redis
 ) -> None:
     for i in range(1000):
         await reader.subscribe(f"c-{i}")
     await asyncio.sleep(0.3)  # let every shard run a read with the full set
-    clients = await redis.client_list()
+    clients = redis_admin.client_list()  # CLIENT LIST: the admin's, not the splitbus user's
     readers = [c for c in clients if c["name"].startswith("api-test.")]
     assert len(readers) == reader.connections == 2  # one per shard, not one per stream
     assert all(c["cmd"] == "xread" for c in readers)

@@ -12,7 +12,9 @@ from typing import Iterator
 
 import pytest
 
-from splitbus.redis_server import find_redis_cli
+import redis
+
+from splitbus.redis_server import embedded_url, find_redis_cli
 from tests.test_redis_server import _wait_gone
 
 SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]
@@ -51,18 +53,22 @@ def _read_until(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
     raise AssertionError(f"{pattern!r} never printed; output:\n{''.join(seen)}")
 
 
-def _redis_pid(url: str) -> int:
-    out = subprocess.run([find_redis_cli(), "-u", url, "INFO", "server"], capture_output=True, text=True, timeout=10)
-    return int(re.search(r"process_id:(\d+)", out.stdout).group(1))  # type: ignore[union-attr]
+def _redis_pid(data_dir: Path) -> int:
+    admin = embedded_url(data_dir / "redis", admin=True)
+    assert admin is not None
+    return int(redis.Redis.from_url(admin).info("server")["process_id"])
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_splitbus_redis_answers_ping_and_stops_without_orphan(tmp_path: Path, stop_signal: signal.Signals) -> None:
     proc = _start(["redis", "--data-dir", str(tmp_path)], tmp_path)
     url = _read_until(proc, r"Redis ready at (redis://\S+)").group(1)
-    pong = subprocess.run([find_redis_cli(), "-u", url, "PING"], capture_output=True, text=True, timeout=10)
+    hint = _read_until(proc, r"try: (.*) PING$").group(1)
+    password = (tmp_path / "redis" / "splitbus.password").read_text().strip()
+    assert url.startswith("redis://splitbus:***@127.0.0.1:") and password not in url + hint
+    pong = subprocess.run(f"{hint} PING", shell=True, capture_output=True, text=True, timeout=10)  # as printed
     assert pong.stdout.strip() == "PONG"
-    redis_pid = _redis_pid(url)
+    redis_pid = _redis_pid(tmp_path)
     proc.send_signal(stop_signal)
     assert proc.wait(15) == 0
     assert _wait_gone(redis_pid), "redis-server left running"
@@ -125,3 +131,24 @@ def test_status_with_unreachable_redis_fails_clearly(tmp_path: Path) -> None:
     proc = _start(["status", "--redis-url", "redis://127.0.0.1:1/0"], tmp_path)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "is not reachable" in out
+
+
+def test_status_and_up_mask_the_password_in_a_url(tmp_path: Path) -> None:
+    for args in (["status"], ["up", "--port", "1"]):
+        proc = _start([*args, "--redis-url", "redis://splitbus:hunter2hunter2@127.0.0.1:1/0"], tmp_path)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "redis://splitbus:***@127.0.0.1:1/0 is not reachable" in out
+        assert "hunter2" not in out
+
+
+def test_status_finds_the_embedded_redis_of_the_data_folder(tmp_path: Path) -> None:
+    server = _start(["redis", "--data-dir", str(tmp_path)], tmp_path)
+    _read_until(server, r"Redis ready at")
+    try:
+        proc = subprocess.run(SPLITBUS + ["status", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                              env={k: v for k, v in os.environ.items() if k != "SPLITBUS_REDIS_URL"} | {"SPLITBUS_DATA_DIR": str(tmp_path)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert '"workers": []' in proc.stdout
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(15)

@@ -4,8 +4,10 @@ parses it without an engine), and the commands it runs work, run here as process
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -16,23 +18,29 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis as redis_client
 import yaml
 
-from splitbus.redis_server import EmbeddedRedis, free_port
+from splitbus.redis_server import SPLITBUS_COMMANDS, EmbeddedRedis, free_port
 from splitbus.worker.sim import sim_text
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("api", "scheduler", "prefill", "decode")
+SECRETS = {"SPLITBUS_API_KEYS": "compose-test-key-0123456789", "SPLITBUS_REDIS_PASSWORD": "compose-redis-pw-0123456789"}
 
 
-def _compose_config(**variables: str) -> dict:
+def _compose(**variables: str) -> subprocess.CompletedProcess[str]:
     if shutil.which("docker-compose") is None:
         if os.environ.get("SPLITBUS_REQUIRE_COMPOSE"):
             pytest.fail("docker-compose is not installed (.ci/run installs Debian's package)")
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITBUS_")} | variables
-    out = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=60, check=False)
+    return subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60, check=False)
+
+
+def _compose_config(**variables: str) -> dict:
+    out = _compose(**(SECRETS | variables))
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -42,14 +50,97 @@ def test_the_compose_file_is_valid_and_complete() -> None:
     services = config["services"]
     assert set(PARTS) | {"redis"} <= set(services)
     redis = services["redis"]
-    assert redis["image"].startswith("redis:") and "--appendonly" in redis["command"]
-    assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
-    for name in ("redis", *PARTS):
+    assert redis["image"].startswith("redis:") and redis["entrypoint"] == ["sh", "/splitbus/redis-entrypoint.sh"]
+    assert "appendonly yes" in ENTRYPOINT.read_text()
+    for name in PARTS:
         assert services[name]["healthcheck"]["test"][0] == "CMD", name
+    assert redis["healthcheck"]["test"][0] == "CMD-SHELL" and "grep -qx PONG" in redis["healthcheck"]["test"][1]
+    url = f"redis://splitbus:{SECRETS['SPLITBUS_REDIS_PASSWORD']}@redis:6379/0"
     for name in PARTS:
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
-        assert services[name]["environment"]["SPLITBUS_REDIS_URL"] == "redis://redis:6379/0"
+        assert services[name]["environment"]["SPLITBUS_REDIS_URL"] == url
     assert services["prefill"]["command"][services["prefill"]["command"].index("--engine") + 1] == "paddle"
+
+
+ENTRYPOINT = ROOT / "deploy" / "redis-entrypoint.sh"
+
+
+def test_nothing_is_published_beyond_this_host_by_default() -> None:
+    services = _compose_config()["services"]
+    published = [(name, port) for name, s in services.items() for port in s.get("ports", [])]
+    assert {name for name, _ in published} == {"api", "prometheus"}  # Redis, workers, metrics: not at all
+    for name, port in published:
+        assert _host_ip(port) == "127.0.0.1", (name, port)
+    opened = _compose_config(SPLITBUS_API_BIND="0.0.0.0")["services"]["api"]["ports"][0]
+    assert _host_ip(opened) == "0.0.0.0"  # only when asked for
+
+
+def _host_ip(port: str | dict) -> str:
+    """docker-compose 1.x prints ``IP:HOST:CONTAINER/tcp``, Compose v2 a mapping."""
+    return port["host_ip"] if isinstance(port, dict) else port.rsplit(":", 2)[0]
+
+
+@pytest.mark.parametrize("missing", sorted(SECRETS))
+def test_the_secrets_are_required(missing: str) -> None:
+    out = _compose(**{k: v for k, v in SECRETS.items() if k != missing})
+    assert out.returncode != 0 and f"set {missing}" in out.stderr
+
+
+def test_secrets_reach_the_parts_by_environment_only() -> None:
+    services = _compose_config()["services"]
+    assert services["api"]["environment"]["SPLITBUS_API_KEYS"] == SECRETS["SPLITBUS_API_KEYS"]
+    for name in ("scheduler", "prefill", "decode"):
+        assert "SPLITBUS_API_KEYS" not in services[name]["environment"], name  # only the API needs them
+    for name, service in services.items():
+        words = " ".join(map(str, [*service.get("command", []), *service.get("entrypoint", [])]))
+        for secret in SECRETS.values():
+            assert secret not in words, name
+
+
+def test_the_compose_redis_acl_is_the_embedded_one() -> None:
+    script = ENTRYPOINT.read_text()
+    listed = re.search(r'COMMANDS="([^"]*)"', script)
+    assert listed is not None
+    assert listed.group(1).replace("\\\n", " ").split() == [f"+{c}" for c in SPLITBUS_COMMANDS]
+    assert "-@all $COMMANDS" in script and 'user default reset off' in script
+    assert "requirepass" not in script and "redis-server \"$conf\"" in script  # no password on argv
+
+
+@pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils")
+def test_the_compose_redis_starts_locked_down(tmp_path: Path) -> None:
+    """The entrypoint script run here, with redis-server and docker-entrypoint.sh stubbed by the
+    embedded binary: the splitbus user works, CONFIG is refused, no password is on argv."""
+    from splitbus.redis_server import find_redis_server
+
+    port = free_port()
+    (tmp_path / "docker-entrypoint.sh").write_text(
+        f'#!/bin/sh\nshift\nsed -i "s#^appendonly yes#appendonly no#" "$1"\necho "port {port}" >> "$1"\n'
+        f'exec {find_redis_server()} "$1"\n')
+    os.chmod(tmp_path / "docker-entrypoint.sh", 0o755)
+    script = ENTRYPOINT.read_text().replace("conf=/tmp/redis.conf", f"conf={tmp_path}/redis.conf")
+    (tmp_path / "entry.sh").write_text(script)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SPLITBUS_REDIS_PASSWORD": SECRETS["SPLITBUS_REDIS_PASSWORD"]}
+    proc = subprocess.Popen(["sh", str(tmp_path / "entry.sh")], env=env, cwd=tmp_path)
+    try:
+        client = redis_client.Redis(port=port, username="splitbus", password=SECRETS["SPLITBUS_REDIS_PASSWORD"])
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis_client.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the compose Redis did not start"
+                time.sleep(0.05)
+        with pytest.raises(redis_client.exceptions.NoPermissionError):
+            client.config_set("dir", "/tmp")
+        with pytest.raises(redis_client.exceptions.AuthenticationError):
+            redis_client.Redis(port=port).ping()  # the default user is off
+        assert SECRETS["SPLITBUS_REDIS_PASSWORD"] not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        assert stat.S_IMODE((tmp_path / "redis.conf").stat().st_mode) == 0o600
+        assert SECRETS["SPLITBUS_REDIS_PASSWORD"] not in (tmp_path / "redis.conf").read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_environment_switches_engine_and_model() -> None:
@@ -78,6 +169,7 @@ class Deployment:
     def __init__(self, services: dict, redis_url: str, prefix: str) -> None:
         self.ports = {name: {"8000": str(free_port()), "9100": str(free_port()), "7000": str(free_port())} for name in PARTS}
         self.env = {**os.environ, **services["api"]["environment"], "SPLITBUS_REDIS_URL": redis_url, "SPLITBUS_PREFIX": prefix}
+        self.api_key = services["api"]["environment"]["SPLITBUS_API_KEYS"]
         self.procs = {name: self._start(name, services[name]["command"]) for name in ("scheduler", "prefill", "decode", "api")}
         self.services = services
 
@@ -136,7 +228,10 @@ def test_the_compose_commands_serve_a_request(deployment: Deployment) -> None:
         time.sleep(0.2)
     for name in PARTS:
         assert deployment.healthy(name), f"{name}'s health check failed"
-    client = openai.OpenAI(base_url=f"{api}/v1", api_key="x", max_retries=0, timeout=60)
+    wrong = openai.OpenAI(base_url=f"{api}/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="compose", max_tokens=6)
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key=deployment.api_key, max_retries=0, timeout=60)
     reply = client.completions.create(model="tiny", prompt="compose", max_tokens=6, seed=3)
     assert reply.choices[0].text == sim_text(3, 6)
     scheduler_metrics = urllib.request.urlopen(f"http://127.0.0.1:{deployment.ports['scheduler']['9100']}/metrics", timeout=5).read().decode()

@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 import redis
 
-from splitbus.redis_server import free_port
+from splitbus.redis_server import embedded_url, free_port
 
 
 @dataclass
@@ -84,6 +84,9 @@ def start_system(data_dir: Path, *args: str) -> System:
     system = System(proc, f"http://127.0.0.1:{port}", "")
     try:
         _wait_until_up(system)
+        # The banner masks the password: the test inspects Redis as its admin, from the data folder.
+        given = args[args.index("--redis-url") + 1] if "--redis-url" in args else None
+        system.redis_url = given or embedded_url(data_dir / "redis", admin=True) or ""
     except BaseException:
         proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
         raise

@@ -129,8 +129,9 @@ def task(request_id: str, **kwargs: Any) -> Task:
 
 
 @pytest.fixture
-def bus(redis_server: EmbeddedRedis, redis_admin: sync_redis.Redis, tiny_model: Path) -> Iterator[Bus]:
-    state = Bus(redis_server.url, Keys(f"t{uuid.uuid4().hex[:10]}"), redis_admin, tiny_model)
+def bus(redis_server: EmbeddedRedis, tiny_model: Path) -> Iterator[Bus]:
+    admin = redis_server.admin_client()  # bytes replies, unlike the shared ``redis_admin``
+    state = Bus(redis_server.url, Keys(f"t{uuid.uuid4().hex[:10]}"), admin, tiny_model)
     try:
         yield state
     finally:
@@ -138,3 +139,4 @@ def bus(redis_server: EmbeddedRedis, redis_admin: sync_redis.Redis, tiny_model: 
             if part.proc.poll() is None:
                 part.proc.kill()
                 part.proc.wait(10)
+        admin.close()

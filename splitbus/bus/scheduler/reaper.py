@@ -12,7 +12,8 @@ worker. For each task left in its stream (unread, or read and never acked):
   drop only that task (a scoped cancel), freeing its blocks;
 - a request moved more than ``max_deliveries`` times fails with a clear error.
 
-The dead worker then leaves the live set; its record stays an hour with ``state`` = dead.
+The dead worker then leaves the live set; its record (``state`` = dead), task and control
+streams stay ``dead_worker_keep_s`` (an hour by default), then expire: nothing of it accumulates.
 """
 
 from __future__ import annotations

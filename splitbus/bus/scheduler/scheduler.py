@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, TypeVar
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect, forever, is_transient
+from splitbus.bus.connection import connect, forever, is_transient, until_done
 from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, Reserved
@@ -189,7 +189,7 @@ class Scheduler:
         return [w for k, w in jobs.items() if k not in placed]
 
     async def start(self) -> None:
-        await self.requests.ensure_group()
+        await until_done(self.requests.ensure_group, self.redis, self.stopping.is_set, "start-up")
         await self.view.refresh()
         self._tasks = [
             asyncio.create_task(self.view.run()),

@@ -1,0 +1,86 @@
+"""The reaper's clean-up of a dead worker's keys, and the registry's of a stopped one: nothing of a
+worker outlives ``dead_worker_keep_s`` (worker ids carry a pid, so every restart is a new id)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.control import ControlServer
+from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.registry import Registry, WorkerRecord
+from splitbus.bus.scheduler.config import SchedulerConfig
+from splitbus.bus.scheduler.scheduler import Scheduler
+from splitbus.bus.streams import GroupConsumer
+
+KEEP_S = 2
+
+
+@pytest.fixture
+def config(bus_config: BusConfig) -> BusConfig:
+    return dataclasses.replace(bus_config, dead_worker_keep_s=KEEP_S)
+
+
+@pytest.fixture
+async def scheduler(config: BusConfig) -> AsyncIterator[Scheduler]:
+    scheduler = Scheduler(SchedulerConfig(config))
+    yield scheduler
+    await scheduler.redis.aclose()
+
+
+async def _join(redis: aioredis.Redis, config: BusConfig, worker_id: str, lease_ms: int) -> Registry:
+    """What a worker does at start: its task and control streams, then its record and lease."""
+    await GroupConsumer(redis, config, config.keys.tasks(worker_id), WORKER_GROUP, worker_id).ensure_group()
+    await ControlServer(redis, config, worker_id, {}).start()
+    registry = Registry(redis, config)
+    await registry.register(WorkerRecord(worker_id=worker_id, role="decode", model="tiny"), lease_ms=lease_ms)
+    return registry
+
+
+def _own(config: BusConfig, worker_id: str) -> list[str]:
+    keys = config.keys
+    return [keys.worker(worker_id), keys.tasks(worker_id), keys.ctrl(worker_id), keys.lease(worker_id)]
+
+
+async def _existing(redis: aioredis.Redis, names: list[str]) -> list[str]:
+    return [name for name in names if await redis.exists(name)]
+
+
+async def test_a_dead_workers_keys_expire_after_the_retention(redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler) -> None:
+    await _join(redis, config, "d-1", lease_ms=50)
+    await asyncio.sleep(0.1)  # the lease runs out: the worker is dead
+    await scheduler.view.refresh()
+    assert [w.alive for w in scheduler.view.workers] == [False]
+    assert await scheduler.reaper.reap("d-1") == 0
+    keys = config.keys
+    assert b"d-1" not in await redis.zrange(keys.workers, 0, -1)
+    assert (await redis.hget(keys.worker("d-1"), "state")) == b"dead"
+    for name in _own(config, "d-1")[:3]:  # kept a while for operators, but not for good
+        assert 0 < await redis.ttl(name) <= KEEP_S, name
+    await asyncio.sleep(KEEP_S + 0.5)
+    assert await _existing(redis, _own(config, "d-1")) == []
+
+
+async def test_a_stopped_worker_leaves_only_expiring_streams(redis: aioredis.Redis, config: BusConfig) -> None:
+    registry = await _join(redis, config, "s-1", lease_ms=5000)
+    await registry.deregister("s-1")
+    worker, tasks, ctrl, lease = _own(config, "s-1")
+    assert await _existing(redis, [worker, lease]) == []
+    assert 0 < await redis.ttl(tasks) <= KEEP_S and 0 < await redis.ttl(ctrl) <= KEEP_S
+
+
+async def test_a_worker_back_under_its_old_id_keeps_its_keys(redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler) -> None:
+    await _join(redis, config, "p-0", lease_ms=50)  # compose names workers prefill-0, decode-0
+    await asyncio.sleep(0.1)
+    await scheduler.reaper.reap("p-0")
+    await _join(redis, config, "p-0", lease_ms=5000)
+    for name in _own(config, "p-0")[:3]:
+        assert await redis.ttl(name) == -1, name  # its record and streams would vanish under it
+    assert await redis.hget(config.keys.worker("p-0"), "state") is None
+    await scheduler.view.refresh()
+    assert [w.alive for w in scheduler.view.workers] == [True]
