@@ -139,7 +139,7 @@ def _stop(value: Any) -> list[str]:
         raise BadRequest("'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise BadRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
-    longest = max(len(s) for s in stops)
+    longest = max((len(s) for s in stops), default=0)
     if longest > MAX_STOP_CHARS:
         raise BadRequest(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     return stops
