@@ -18,5 +18,7 @@ GENERATION_TOKENS = Counter("splitbus_api_generation_tokens_total", "Tokens rela
 CANCELLATIONS = Counter("splitbus_api_cancellations_total", "Requests cancelled on the bus, by reason.", ["reason"])
 TOKENIZING = Gauge("splitbus_api_tokenizing", "Prompts being tokenized (or waiting for a tokenizer thread).")
 BODY_REJECTED = Counter(
-    "splitbus_api_body_reads_rejected_total", "Requests refused (429) because too many bodies were being read.", ["size"]
+    "splitbus_api_body_reads_rejected_total",
+    "Requests refused (429) because too many bodies were being read.",
+    ["size"],
 )

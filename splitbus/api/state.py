@@ -80,10 +80,12 @@ class ApiState:
         event loop keeps answering /health and streaming tokens meanwhile; 429 when too many
         requests already wait for a thread (each waiting one holds its prompt in memory)."""
         if self.tokenizing.statistics().tasks_waiting >= self.config.max_tokenize_queue:
-            raise TooManyRequests(f"more than {self.config.max_tokenize_queue} prompts wait to be tokenized; retry later")
+            waiting = self.config.max_tokenize_queue
+            raise TooManyRequests(f"more than {waiting} prompts wait to be tokenized; retry later")
         metrics.TOKENIZING.inc()
         try:
-            return await anyio.to_thread.run_sync(work, limiter=self.tokenizing)  # not abandoned on cancel: the bound holds
+            # Not abandoned on cancel: a thread that still runs keeps its place, so the bound holds.
+            return await anyio.to_thread.run_sync(work, limiter=self.tokenizing)
         finally:
             metrics.TOKENIZING.dec()
 
@@ -130,7 +132,8 @@ class BodySlots:
         kind = "small" if declared is not None and declared <= self.config.small_body_bytes else "large"
         if self.reading[kind] >= self.limits[kind]:
             metrics.BODY_REJECTED.labels(kind).inc()
-            raise TooManyRequests(f"{self.limits[kind]} {kind} request bodies are being received already; retry later", close=True)
+            busy = f"{self.limits[kind]} {kind} request bodies are being received already; retry later"
+            raise TooManyRequests(busy, close=True)
         self.reading[kind] += 1
         try:
             yield

@@ -25,10 +25,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
     p.add_argument("--max-backlog", type=int, default=10_000, help="request-stream entries before 429 (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body (default %(default)s)")
     p.add_argument("--max-large-bodies", type=int, default=8,
                    help="bodies over 64 KiB (or chunked) received at once before 429 (default %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body before 408 (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds to receive a body before 408 (default %(default)s)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds to receive a request's headers before the connection is closed (default %(default)s)")
     p.add_argument("--max-prompt-chars", type=int, default=None,

@@ -5,6 +5,7 @@ memory and read slots come back. Loopback only; every load is bounded in count a
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -19,7 +20,10 @@ import pytest
 from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from splitbus.redis_server import EmbeddedRedis
 from tests.api.conftest import CONTEXT, ApiProcess, _wait_for_model, start_api, stop_api
+from splitbus.tokenization.byte_level import write_byte_level_tokenizer
+from splitbus.worker.sim import sim_text
 from tests.api.responder import Responder, expected_text
+from tests.e2e.conftest import start_system, stop_system
 
 BIG = 3_900_000  # the attack's prompt / upload size, in bytes
 PROMPT_CHAR_LIMIT = CONTEXT * 16  # context x MAX_CHARS_PER_TOKEN, the default bound
@@ -117,10 +121,36 @@ def test_stop_strings_over_the_bounds_get_400_in_openai_shape(limited: tuple[Api
     _normal_request_works(api)
 
 
+@pytest.mark.timeout(300)
+def test_sixteen_longest_stops_do_not_stall_a_real_worker(tmp_path: Path) -> None:
+    """The attack through `splitbus up --engine sim`: 16 stop strings of the longest allowed
+    length that the generated text keeps matching up to their last character (the most text
+    held back, the most work for a naive check), over 2048 tokens. The request completes with
+    the whole text; the worker keeps its lease (a normal request still works after)."""
+    model = tmp_path / "tiny"
+    write_byte_level_tokenizer(model)
+    config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096}
+    (model / "config.json").write_text(json.dumps(config))
+    fast = ["--worker-arg=--sim-decode-step-ms", "--worker-arg=0.2"]
+    system = start_system(tmp_path / "up", "--model", str(model), *fast)
+    try:
+        client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=120)
+        head = sim_text(7, MAX_STOP_CHARS - 1)
+        stops = [head + chr(0x4E00 + i) for i in range(MAX_STOP_SEQUENCES)]  # never generated: no stop fires
+        out = client.completions.create(model="tiny", prompt="x", max_tokens=2048, seed=7, stop=stops)
+        assert out.choices[0].text == sim_text(7, 2048) and out.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=4, stop=["s" * 200_000] * 16)
+        normal = client.completions.create(model="tiny", prompt="x", max_tokens=4, seed=3)
+        assert normal.choices[0].text == sim_text(3, 4)
+    finally:
+        assert stop_system(system) == []
+
+
 # ---------------------------------------------------------------- big prompts
 
 
-def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(limited: tuple[ApiProcess, Path]) -> None:
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(limited: tuple[ApiProcess, Path]) -> None:
     api, _ = limited
     client = _client(api)
     with pytest.raises(openai.BadRequestError) as info:
@@ -128,7 +158,8 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(
     assert info.value.code == "context_length_exceeded"
     assert f"at most {PROMPT_CHAR_LIMIT}" in info.value.message  # the character check, not the tokenizer's count
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * (PROMPT_CHAR_LIMIT + 1)}])
+        too_long = [{"role": "user", "content": "x" * (PROMPT_CHAR_LIMIT + 1)}]
+        client.chat.completions.create(model="tiny", messages=too_long)  # type: ignore[arg-type]
     assert info.value.code == "context_length_exceeded" and "characters" in info.value.message
     assert _metric(api, "splitbus_api_tokenizing ") == 0
     _normal_request_works(api)
