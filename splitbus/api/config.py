@@ -70,7 +70,8 @@ class ApiConfig:
             raise ValueError(f"served model names must be unique: {names}")
         limits = (
             self.max_body_bytes, self.small_body_bytes, self.max_small_body_reads, self.max_large_body_reads,
-            self.max_header_bytes, self.max_prompt_chars or 1, self.tokenize_threads, self.max_tokenize_queue,
+            self.max_header_bytes, 1 if self.max_prompt_chars is None else self.max_prompt_chars,
+            self.tokenize_threads, self.max_tokenize_queue,
             self.max_inflight, self.max_backlog, self.redis_connections, self.reader_shards,
         )
         if min(limits) < 1:
@@ -81,7 +82,7 @@ class ApiConfig:
 
     def prompt_char_limit(self, context_length: int) -> int:
         """The most prompt characters a model with this context accepts before tokenizing."""
-        return self.max_prompt_chars or context_length * MAX_CHARS_PER_TOKEN
+        return context_length * MAX_CHARS_PER_TOKEN if self.max_prompt_chars is None else self.max_prompt_chars
 
     @property
     def max_redis_connections(self) -> int:
