@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -63,7 +63,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _disconnected(request: Request, exc: Exception) -> Response:
-    return Response(status_code=499)  # nobody reads it; ends the request quietly
+    # Nobody reads it: it ends the request quietly (no traceback), counted as 499 in
+    # splitbus_api_requests_total, as nginx logs a client that closed its connection.
+    return Response(status_code=499)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -75,6 +77,7 @@ _EXCEPTION_HANDLERS = {
     ApiError: _api_error,
     HTTPException: _http_error,
     ClientDisconnected: _disconnected,
+    ClientDisconnect: _disconnected,  # starlette's own, from any other read of the body
     Exception: _unexpected,
 }
 

@@ -8,6 +8,11 @@ from pathlib import Path
 
 from splitbus.bus.config import BusConfig
 
+MAX_CHARS_PER_TOKEN = 16
+"""Characters one token stands for at most, in practice, for the models served: ordinary text
+is 3-5 characters a token; 16 leaves room for code and long whitespace runs. A prompt longer
+than context x this cannot fit, so it is refused before the tokenizer spends time on it."""
+
 
 @dataclass(frozen=True)
 class ApiConfig:
@@ -17,6 +22,34 @@ class ApiConfig:
     api_keys: tuple[str, ...] = ()
     node_id: str = field(default_factory=lambda: f"api-{uuid.uuid4().hex[:8]}")
     max_body_bytes: int = 4 * 1024 * 1024
+    """The largest request body: 413 when Content-Length says more (before reading) or when
+    a body without one grows past it."""
+    small_body_bytes: int = 64 * 1024
+    """Bodies declaring at most this are "small"; larger ones, and bodies of unknown length,
+    are "large" and share their own few read slots (below)."""
+    max_small_body_reads: int = 256
+    """Small bodies being read at once beyond which new requests get 429 (with Retry-After)."""
+    max_large_body_reads: int = 8
+    """Large bodies being read at once beyond which new ones get 429. Bodies being read hold
+    memory: at most max_large_body_reads x max_body_bytes + max_small_body_reads x
+    small_body_bytes (32 + 16 MiB by default), however many uploads stall; and a normal small
+    request still gets a slot while stalled large ones hold all of theirs."""
+    body_timeout_s: float = 30.0
+    """Seconds to receive the whole body once the headers are in; past it, 408 and the
+    connection is closed (a body shorter than its Content-Length no longer waits forever)."""
+    header_timeout_s: float = 10.0
+    """Seconds from the connection's first byte (or from a keep-alive request's first byte)
+    to the end of the request headers; past it the connection is closed (slow-loris).
+    uvicorn has no such timeout of its own: see splitbus/api/server.py."""
+    max_header_bytes: int = 64 * 1024
+    """Bytes of request line and headers beyond which the connection gets 431 and is closed."""
+    max_prompt_chars: int | None = None
+    """Characters of prompt (or of all messages' content) beyond which a request gets 400
+    before it is tokenized. None: each model's context length x MAX_CHARS_PER_TOKEN."""
+    tokenize_threads: int = 2
+    """Threads that tokenize long prompts and render chat templates, off the event loop."""
+    max_tokenize_queue: int = 64
+    """Requests waiting for a tokenizer thread beyond which new ones get 429."""
     max_inflight: int = 1024
     """Requests in flight in this process beyond which new ones get 429."""
     max_backlog: int = 10_000
@@ -35,10 +68,21 @@ class ApiConfig:
         names = [name for name, _ in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")
-        if min(self.max_body_bytes, self.max_inflight, self.max_backlog, self.redis_connections, self.reader_shards) < 1:
+        limits = (
+            self.max_body_bytes, self.small_body_bytes, self.max_small_body_reads, self.max_large_body_reads,
+            self.max_header_bytes, 1 if self.max_prompt_chars is None else self.max_prompt_chars,
+            self.tokenize_threads, self.max_tokenize_queue,
+            self.max_inflight, self.max_backlog, self.redis_connections, self.reader_shards,
+        )
+        if min(limits) < 1:
             raise ValueError("limits must be >= 1")
-        if self.request_timeout_s <= 0 or self.registry_refresh_s <= 0:
+        timeouts = (self.request_timeout_s, self.registry_refresh_s, self.body_timeout_s, self.header_timeout_s)
+        if min(timeouts) <= 0:
             raise ValueError("timeouts must be > 0")
+
+    def prompt_char_limit(self, context_length: int) -> int:
+        """The most prompt characters a model with this context accepts before tokenizing."""
+        return context_length * MAX_CHARS_PER_TOKEN if self.max_prompt_chars is None else self.max_prompt_chars
 
     @property
     def max_redis_connections(self) -> int:

@@ -63,10 +63,26 @@ class MethodNotAllowed(ApiError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(ApiError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}  # the rest of the body may still come: do not parse it as a request
+
+
 class PayloadTooLarge(ApiError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}  # the body is not read: close rather than drain it
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
 
 
 class TooManyRequests(ApiError):
@@ -74,12 +90,14 @@ class TooManyRequests(ApiError):
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+    def __init__(self, message: str, retry_after_s: int = 1, close: bool = False) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.close = close
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
+        closing = {"Connection": "close"} if self.close else {}  # refused before its body was read
+        return {"Retry-After": str(self.retry_after_s), **closing}
 
 
 class ServiceUnavailable(ApiError):

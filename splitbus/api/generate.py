@@ -14,7 +14,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from splitbus.api import metrics, protocol
-from splitbus.api.errors import ApiError, BadRequest, GatewayTimeout, ServiceUnavailable, from_status
+from splitbus.api.errors import (
+    ApiError, BadRequest, ContextLengthExceeded, GatewayTimeout, ServiceUnavailable, from_status,
+)
 from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
 from splitbus.bus.connection import TRANSIENT_ERRORS
@@ -24,6 +26,8 @@ from splitbus.tokenization import ModelTokenizer
 from splitbus.tokenization.tokenizer import ChatTemplateError
 
 T = TypeVar("T")
+INLINE_TOKENIZE_CHARS = 4096
+"""Prompts up to this many characters are tokenized on the event loop (tens of microseconds)."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DEADLINE_GRACE_S = 2.0
 """How long past the deadline the API waits for the worker's own timeout error."""
@@ -36,7 +40,8 @@ class ClientDisconnected(Exception):
 async def generate(request: Request, params: GenerationParams) -> Response:
     state: ApiState = request.state.api
     tokenizer = state.tokenizer(params.model)
-    prompt_ids = tokenize(tokenizer, params)
+    check_prompt_chars(state.config.prompt_char_limit(tokenizer.context_length), params)
+    prompt_ids = await tokenize(state, tokenizer, params)
     max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
     state.admit(params.model)
     generation = Generation(state, params, prompt_ids, max_tokens)
@@ -54,19 +59,50 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     return JSONResponse(await generation.collect(request, first))
 
 
-def tokenize(tokenizer: ModelTokenizer, params: GenerationParams) -> list[int]:
+def check_prompt_chars(limit: int, params: GenerationParams) -> None:
+    """Refuse a prompt that cannot fit before any tokenizing: it is longer, in characters, than
+    the context could hold (config.MAX_CHARS_PER_TOKEN), or than --max-prompt-chars."""
     if params.messages is not None:
-        try:
-            text = tokenizer.render_chat(params.messages)
-        except ChatTemplateError as exc:
-            raise BadRequest(str(exc), "messages") from None
-        return tokenizer.encode(text)
+        chars, param = sum(len(m["content"]) for m in params.messages), "messages"
+    else:
+        chars, param = (len(params.prompt) if isinstance(params.prompt, str) else 0), "prompt"
+    if chars > limit:
+        raise ContextLengthExceeded(
+            f"The {param} has {chars} characters; this server accepts at most {limit} for this model "
+            f"(more cannot fit its context). Please reduce the length of the {param}.",
+            param,
+        )
+
+
+async def tokenize(state: ApiState, tokenizer: ModelTokenizer, params: GenerationParams) -> list[int]:
+    """The prompt's token ids. Text is tokenized in the bounded thread pool unless it is short
+    (a thread hop costs more than encoding a few KB, and such a prompt stalls the loop for
+    microseconds only); the chat template (Python code of the model's) always runs there."""
+    if params.messages is not None:
+        messages = params.messages
+        return await state.off_loop(lambda: _encode(tokenizer, _render(tokenizer, messages)))
     if isinstance(params.prompt, str):
-        return tokenizer.encode(params.prompt)
+        prompt = params.prompt
+        if len(prompt) <= INLINE_TOKENIZE_CHARS:
+            return tokenizer.encode(prompt)
+        return await state.off_loop(lambda: _encode(tokenizer, prompt))
     ids = list(params.prompt or [])
     if ids and (min(ids) < 0 or max(ids) >= tokenizer.vocab_size):
         raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
     return ids
+
+
+def _render(tokenizer: ModelTokenizer, messages: list[dict[str, Any]]) -> str:
+    try:
+        return tokenizer.render_chat(messages)
+    except ChatTemplateError as exc:
+        raise BadRequest(str(exc), "messages") from None
+
+
+def _encode(tokenizer: ModelTokenizer, text: str) -> list[int]:
+    # encode_batch releases the GIL while Rust tokenizes (encode does not): the event loop
+    # thread runs meanwhile, instead of only between the pool thread's GIL switches.
+    return tokenizer.encode_batch([text])[0]
 
 
 def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prompt_len: int) -> int:
@@ -80,7 +116,7 @@ def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prom
             if params.max_tokens is not None
             else f"{prompt_len} tokens in the messages/prompt"
         )
-        raise BadRequest(
+        raise ContextLengthExceeded(
             f"This model's maximum context length is {tokenizer.context_length} tokens. However, you requested "
             f"{asked}. Please reduce the length of the messages/prompt or the completion.",
             "max_tokens" if room > 0 else ("messages" if params.messages else "prompt"),

@@ -16,3 +16,9 @@ E2E = Histogram("splitbus_api_e2e_request_latency_seconds", "Arrival to last ent
 PROMPT_TOKENS = Counter("splitbus_api_prompt_tokens_total", "Prompt tokens of admitted requests.")
 GENERATION_TOKENS = Counter("splitbus_api_generation_tokens_total", "Tokens relayed to clients.")
 CANCELLATIONS = Counter("splitbus_api_cancellations_total", "Requests cancelled on the bus, by reason.", ["reason"])
+TOKENIZING = Gauge("splitbus_api_tokenizing", "Prompts being tokenized (or waiting for a tokenizer thread).")
+BODY_REJECTED = Counter(
+    "splitbus_api_body_reads_rejected_total",
+    "Requests refused (429) because too many bodies were being read.",
+    ["size"],
+)

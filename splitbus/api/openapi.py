@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from splitbus import __version__
+from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 _ERROR = {
     "type": "object",
@@ -35,8 +36,12 @@ _COMMON = {
     "ignore_eos": {"type": ["boolean", "null"]},
     "stop": {
         "oneOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+            {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                "maxItems": MAX_STOP_SEQUENCES,
+            },
             {"type": "null"},
         ]
     },
@@ -118,7 +123,7 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
                     "description": "a JSON body, or server-sent events when stream is true",
                     "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
                 },
-                **_errors(400, 401, 404, 413, 429, 503, 504),
+                **_errors(400, 401, 404, 408, 413, 429, 503, 504),
             },
         }
     }

@@ -13,6 +13,11 @@ from typing import Any, Literal
 from splitbus.api.errors import BadRequest
 
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024
+"""The longest stop string, in characters. The worker's stop check costs O(new text) per token
+whatever this is (worker/text.py), but it holds back up to this many characters per request
+and keeps a table of this many ints per stop: the bound keeps that memory small and catches
+nonsense (real stop strings are a few characters)."""
 # Fields that only their default (or equivalent) value is accepted for.
 UNSUPPORTED = {
     "n": (None, 1),
@@ -134,6 +139,9 @@ def _stop(value: Any) -> list[str]:
         raise BadRequest("'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise BadRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise BadRequest(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     return stops
 
 

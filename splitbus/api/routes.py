@@ -4,33 +4,53 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitbus.api import protocol
-from splitbus.api.errors import BadRequest, PayloadTooLarge, ServiceUnavailable
-from splitbus.api.generate import generate
+from splitbus.api.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable
+from splitbus.api.generate import ClientDisconnected, generate
 from splitbus.api.openapi import openapi_spec
 from splitbus.api.state import ApiState
 from splitbus.bus.connection import TRANSIENT_ERRORS
 
 
 async def read_json(request: Request) -> Any:
-    """The body as JSON, refusing more than the configured size even without Content-Length."""
-    limit = request.state.api.config.max_body_bytes
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+    """The body as JSON. Checked before it is read: its declared size (413), and a free read
+    slot (429); while read: its size even without Content-Length (413), and a deadline (408)."""
+    state: ApiState = request.state.api
+    declared = _content_length(request)
+    if declared is not None and declared > state.config.max_body_bytes:
+        raise PayloadTooLarge(f"the request body is larger than {state.config.max_body_bytes} bytes")
+    with state.bodies.slot(declared):
+        try:
+            with anyio.fail_after(state.config.body_timeout_s):
+                body = await _read_body(request, state.config.max_body_bytes)
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {state.config.body_timeout_s:g}s") from None
+        except ClientDisconnect:
+            raise ClientDisconnected("left during the upload") from None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def _content_length(request: Request) -> int | None:
+    value = request.headers.get("content-length")
+    return int(value) if value is not None and value.isdigit() else None  # the parser rejects bad ones
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
             raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    return bytes(body)
 
 
 async def completions(request: Request) -> Response:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine, Iterator, TypeVar
+
+import anyio
+import anyio.to_thread
 
 from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
@@ -19,6 +22,7 @@ from splitbus.bus.streams import Producer
 from splitbus.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ApiState:
@@ -31,6 +35,8 @@ class ApiState:
         self.workers = RegistryView(Registry(self.redis, config.bus), config.registry_refresh_s)
         self.inflight = 0
         self.backlog = 0
+        self.bodies = BodySlots(config)
+        self.tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -69,6 +75,20 @@ class ApiState:
         except KeyError:
             raise ModelNotFound(f"The model '{model}' does not exist", "model") from None
 
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """Run CPU-bound ``work`` (tokenizing, templating) in the bounded tokenizer pool, so the
+        event loop keeps answering /health and streaming tokens meanwhile; 429 when too many
+        requests already wait for a thread (each waiting one holds its prompt in memory)."""
+        if self.tokenizing.statistics().tasks_waiting >= self.config.max_tokenize_queue:
+            waiting = self.config.max_tokenize_queue
+            raise TooManyRequests(f"more than {waiting} prompts wait to be tokenized; retry later")
+        metrics.TOKENIZING.inc()
+        try:
+            # Not abandoned on cancel: a thread that still runs keeps its place, so the bound holds.
+            return await anyio.to_thread.run_sync(work, limiter=self.tokenizing)
+        finally:
+            metrics.TOKENIZING.dec()
+
     def admit(self, model: str) -> None:
         """Take an in-flight slot, or say why not (429 over the bound, 503 nobody to serve)."""
         if self.inflight >= self.config.max_inflight:
@@ -93,3 +113,29 @@ class ApiState:
     async def _cancel(self, request_id: str, reason: str) -> None:
         with contextlib.suppress(*TRANSIENT_ERRORS):
             await publish_cancel(self.redis, self.config.bus, request_id, reason)
+
+
+class BodySlots:
+    """Bounds the request bodies being read at once, in two classes, so that memory held by
+    uploads in progress is bounded however many stall, and stalled large uploads cannot take
+    the slots that ordinary (small) requests need. Over the bound: 429 at once, never a wait
+    (a waiting request would hold its connection and buffers all the same)."""
+
+    def __init__(self, config: ApiConfig) -> None:
+        self.config = config
+        self.reading = {"small": 0, "large": 0}
+        self.limits = {"small": config.max_small_body_reads, "large": config.max_large_body_reads}
+
+    @contextlib.contextmanager
+    def slot(self, declared: int | None) -> Iterator[None]:
+        """Hold a read slot for a body that declares ``declared`` bytes (None: chunked)."""
+        kind = "small" if declared is not None and declared <= self.config.small_body_bytes else "large"
+        if self.reading[kind] >= self.limits[kind]:
+            metrics.BODY_REJECTED.labels(kind).inc()
+            busy = f"{self.limits[kind]} {kind} request bodies are being received already; retry later"
+            raise TooManyRequests(busy, close=True)
+        self.reading[kind] += 1
+        try:
+            yield
+        finally:
+            self.reading[kind] -= 1

@@ -27,7 +27,16 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
     p.add_argument("--max-backlog", type=int, default=10_000, help="request-stream entries before 429 (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body (default %(default)s)")
+    p.add_argument("--max-large-bodies", type=int, default=8,
+                   help="bodies over 64 KiB (or chunked) received at once before 429 (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds to receive a body before 408 (default %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds to receive a request's headers before the connection is closed (default %(default)s)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="prompt characters refused before tokenizing (default: context length x 16)")
     p.add_argument("--reader-shards", type=int, default=1, help="connections that follow result streams")
     p.add_argument("--node-id", default=None, help="this API's name on the bus (default: random)")
     p.set_defaults(run=run)
@@ -48,6 +57,10 @@ def build_config(args: argparse.Namespace, env: Env) -> "ApiConfig":
         max_backlog=args.max_backlog,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        max_large_body_reads=args.max_large_bodies,
+        body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
+        max_prompt_chars=args.max_prompt_chars,
         reader_shards=args.reader_shards,
         **({"node_id": args.node_id} if args.node_id else {}),
     )
@@ -71,5 +84,21 @@ def run(args: argparse.Namespace, env: Env) -> int:
     keys = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key: anyone who reaches the port may use it"
     redis = mask_url(config.bus.redis_url)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", loop="auto", http="auto")
+    uvicorn.run(create_app(config), host=args.host, port=args.port, **server_options(config))
     return 0
+
+
+def server_options(config: "ApiConfig") -> dict[str, object]:
+    """uvicorn's options: its HTTP protocol with a header deadline (uvicorn has none; see
+    splitbus/api/server.py), idle keep-alive connections closed after 5 s (uvicorn's default,
+    said here because the slow-loris bound relies on it), and a listen backlog that absorbs
+    bursts of new connections."""
+    from splitbus.api.server import guarded_protocol
+
+    return {
+        "log_level": "warning",
+        "loop": "auto",
+        "http": guarded_protocol(config.header_timeout_s, config.max_header_bytes),
+        "timeout_keep_alive": 5,
+        "backlog": 2048,
+    }

@@ -34,7 +34,8 @@ class ApiProcess:
         return self.url + "/v1"
 
 
-def start_api(redis_url: str, prefix: str, models: list[Path], *extra: str) -> ApiProcess:
+def start_api(redis_url: str, prefix: str, models: list[Path], *extra: str, stderr: Path | None = None) -> ApiProcess:
+    """A live API process; its stderr goes to ``stderr`` when given (tests read it)."""
     port = free_port()
     node_id = f"api-{uuid.uuid4().hex[:6]}"
     args = [sys.executable, "-m", "splitbus.cli.main", "api", "--port", str(port), "--redis-url", redis_url, "--node-id", node_id]
@@ -42,7 +43,8 @@ def start_api(redis_url: str, prefix: str, models: list[Path], *extra: str) -> A
         args += ["--model", str(folder)]
     env = {**os.environ, "SPLITBUS_PREFIX": prefix}
     env.pop("SPLITBUS_API_KEYS", None)
-    proc = subprocess.Popen(args + list(extra), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err = stderr.open("wb") if stderr is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(args + list(extra), env=env, stdout=subprocess.DEVNULL, stderr=err)
     api = ApiProcess(f"http://127.0.0.1:{port}", node_id, BusConfig(redis_url=redis_url, prefix=prefix), proc)
     _wait_healthy(api)
     return api

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitbus.api.errors import BadRequest
-from splitbus.api.protocol import parse_completion
+from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, parse_completion
 
 
 def test_ignore_eos_is_taken_as_vllm_does() -> None:
@@ -16,3 +16,32 @@ def test_ignore_eos_is_taken_as_vllm_does() -> None:
 def test_ignore_eos_must_be_a_boolean() -> None:
     with pytest.raises(BadRequest, match="'ignore_eos' must be a boolean"):
         parse_completion({"model": "m", "prompt": "x", "ignore_eos": "yes"})
+
+
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        (None, []),
+        ([], []),
+        ("x" * MAX_STOP_CHARS, ["x" * MAX_STOP_CHARS]),
+        (["ab"] * MAX_STOP_SEQUENCES, ["ab"] * MAX_STOP_SEQUENCES),
+    ],
+)
+def test_stop_strings_within_the_bounds_are_taken(stop: object, expected: list[str]) -> None:
+    assert parse_completion({"model": "m", "prompt": "x", "stop": stop}).stop == expected
+
+
+@pytest.mark.parametrize(
+    "stop, says",
+    [
+        ("x" * (MAX_STOP_CHARS + 1), f"at most {MAX_STOP_CHARS} characters"),
+        (["ok", "s" * 200_000], f"at most {MAX_STOP_CHARS} characters"),
+        (["s"] * (MAX_STOP_SEQUENCES + 1), f"at most {MAX_STOP_SEQUENCES} sequences"),
+        ([""], "non-empty"),
+        ([1], "non-empty"),
+    ],
+)
+def test_stop_strings_over_the_bounds_are_refused(stop: object, says: str) -> None:
+    with pytest.raises(BadRequest, match=says) as info:
+        parse_completion({"model": "m", "prompt": "x", "stop": stop})
+    assert info.value.param == "stop" and info.value.status == 400

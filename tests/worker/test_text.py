@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.text import TextStream
+from splitbus.worker.text import StopMatcher, TextStream
 
 
 def _tokenizer(tiny_model: Path) -> ModelTokenizer:
@@ -58,3 +62,59 @@ def test_flush_sends_bytes_that_never_completed_a_character(tiny_model: Path) ->
     sent = "".join(stream.push([t]) for t in ids)
     assert sent == "ok "
     assert stream.flush() == tok.decode(ids)[len("ok ") :]
+
+
+# ---------------------------------------------------------------- stop strings: cost and correctness
+
+
+class NaiveStops:
+    """The stop check as it was (search held + new text for every stop, try every prefix of
+    every stop): the reference the streaming matcher must agree with."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.held, self.stopped = stops, "", False
+
+    def feed(self, new: str) -> str:
+        text = self.held + new
+        hits = [text.index(s) for s in self.stops if s in text]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[: min(hits)]
+        keep = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=6), min_size=1, max_size=4),
+    chunks=st.lists(st.text(alphabet="abcd", max_size=5), max_size=30),
+)
+def test_streaming_stop_check_agrees_with_the_naive_one(stops: list[str], chunks: list[str]) -> None:
+    fast, naive = StopMatcher(stops), NaiveStops(stops)
+    for chunk in chunks:
+        sent, stopped = fast.feed(chunk)
+        assert sent == naive.feed(chunk)
+        assert stopped == naive.stopped
+        if stopped:
+            return
+        assert "".join(fast.held) == naive.held
+    assert fast.take_held() == naive.held
+
+
+def test_sixteen_longest_stops_cost_linear_work_per_token(tiny_model: Path) -> None:
+    """The CPU-burn attack: 16 stop strings of the longest allowed length, which the text keeps
+    almost matching (so the held tail is as long as it can be). The comparisons the stop check
+    makes stay within 2 per character per stop, and the held text under the longest stop."""
+    tok = _tokenizer(tiny_model)
+    stops = ["a" * (MAX_STOP_CHARS - 1) + chr(ord("b") + i) for i in range(MAX_STOP_SEQUENCES)]
+    stream = TextStream(tok, stops)
+    tokens = 3 * MAX_STOP_CHARS
+    sent = [stream.push(tok.encode("a")) for _ in range(tokens)]
+    assert not stream.stopped and stream.held == MAX_STOP_CHARS - 1
+    assert "".join(sent) == "a" * (tokens - stream.held)
+    assert stream.steps <= 2 * len(stops) * tokens
+    assert stream.push(tok.encode("z")) == "a" * (MAX_STOP_CHARS - 1) + "z"  # a miss releases the whole tail
+    assert stream.held == 0
+    assert stream.push(tok.encode("a" * (MAX_STOP_CHARS - 1) + "q")) == ""  # "...aq" is the 16th stop
+    assert stream.stopped and stream.steps <= 2 * len(stops) * (tokens + 1 + MAX_STOP_CHARS)

@@ -1,0 +1,99 @@
+"""uvicorn's HTTP protocol with a deadline and a size bound on request headers (slow-loris).
+
+uvicorn has no timeout for receiving a request: ``timeout_keep_alive`` covers only the idle
+time between requests and is cancelled by the first byte that arrives (the first line of
+``data_received``), and a new connection that sends nothing has no timer at all. A client that
+opens connections and sends nothing, or one header byte at a time, holds them for good; ASGI
+middleware cannot help, as it runs only once the headers are complete. So the protocol itself
+arms a timer when a connection opens and when a request begins, and disarms it when the
+headers are complete: the body has its own deadline in the app (408, splitbus/api/routes.py),
+and a response, however long it streams, has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol whose request line and headers must arrive within ``header_timeout_s``
+    and ``max_header_bytes``; otherwise the connection is closed (431 for the size)."""
+
+    header_timeout_s = 10.0
+    max_header_bytes = 64 * 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a byte is closed too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # what a refused client still sends is dropped until the connection closes
+        waiting = self._head_timer is not None
+        super().data_received(data)
+        if waiting and self._head_timer is not None:  # the headers are still incomplete
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes:
+                self._refuse()
+
+    def _refuse(self) -> None:
+        """431, then a lingering close: end our side (FIN) and drop what still comes for a
+        second, so the client reads the 431 instead of a reset from closing on unread data."""
+        self._disarm()
+        self._refused = True
+        log.debug("refusing %s: headers over %d bytes", self.client, self.max_header_bytes)
+        self.transport.write(TOO_LARGE)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(1.0, self.transport.close)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:  # a keep-alive connection's next request
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def _arm(self) -> None:
+        self._head_bytes = 0
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            log.debug("closing %s: no headers in %gs", self.client, self.header_timeout_s)
+            self.transport.close()
+
+
+def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to pass as uvicorn's ``http``, with these bounds."""
+    return type(
+        "GuardedHttpTools",
+        (GuardedHttpToolsProtocol,),
+        {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
+    )

@@ -1,0 +1,317 @@
+"""Bounded inputs, checked before work: each test performs one attack from issue 16 against a
+live API process (real redis, the scripted responder) and checks it does no harm: /health and
+a normal request (official openai client) answer meanwhile, the attacker gets a clear error,
+memory and read slots come back. Loopback only; every load is bounded in count and time."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from splitbus.redis_server import EmbeddedRedis
+from tests.api.conftest import CONTEXT, ApiProcess, _wait_for_model, start_api, stop_api
+from splitbus.tokenization.byte_level import write_byte_level_tokenizer
+from splitbus.worker.sim import sim_text
+from tests.api.responder import Responder, expected_text
+from tests.e2e.conftest import start_system, stop_system
+
+BIG = 3_900_000  # the attack's prompt / upload size, in bytes
+PROMPT_CHAR_LIMIT = CONTEXT * 16  # context x MAX_CHARS_PER_TOKEN, the default bound
+
+
+@pytest.fixture(scope="module")
+def limited(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiProcess, Path]]:
+    """An API with short header and body deadlines (so the tests wait little), its stderr kept."""
+    log = tmp_path_factory.mktemp("api") / "stderr.log"
+    api = start_api(redis_server.url, prefix, [tiny_model], "--header-timeout", "2", "--body-timeout", "2", stderr=log)
+    _wait_for_model(api)
+    yield api, log
+    stop_api(api)
+
+
+@pytest.fixture(scope="module")
+def patient(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder) -> Iterator[ApiProcess]:
+    """An API with an 8 s body deadline: long enough to measure stalled uploads while they stall."""
+    api = start_api(redis_server.url, prefix, [tiny_model], "--body-timeout", "8")
+    _wait_for_model(api)
+    yield api
+    stop_api(api)
+
+
+@pytest.fixture(scope="module")
+def roomy(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder) -> Iterator[ApiProcess]:
+    """An API whose operator raised --max-prompt-chars, so 3.9 MB prompts do get tokenized."""
+    api = start_api(redis_server.url, prefix, [tiny_model], "--max-prompt-chars", str(2 * BIG))
+    _wait_for_model(api)
+    yield api
+    stop_api(api)
+
+
+def _client(api: ApiProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api.v1, api_key="none", max_retries=0, timeout=10)
+
+
+def _normal_request_works(api: ApiProcess) -> None:
+    out = _client(api).completions.create(model="tiny", prompt="hello", max_tokens=8)
+    assert out.choices[0].text == expected_text(8)[0]
+    assert httpx.get(api.url + "/health", timeout=5).status_code == 200
+
+
+def _metric(api: ApiProcess, name: str) -> float:
+    """The sum of a metric's samples whose line starts with ``name`` (labels included)."""
+    text = httpx.get(api.url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _rss_bytes(api: ApiProcess, field: str = "VmRSS") -> int:
+    """The API's resident memory now (VmRSS) or at its peak so far (VmHWM)."""
+    status = Path(f"/proc/{api.proc.pid}/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+
+
+def _raw(api: ApiProcess) -> socket.socket:
+    port = int(api.url.rsplit(":", 1)[1])
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _head(length: int) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _response(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return _response(sock) is not None
+    except (ConnectionResetError, TimeoutError):
+        return False
+
+
+# ---------------------------------------------------------------- CPU burn through stop strings
+
+
+def test_stop_strings_over_the_bounds_get_400_in_openai_shape(limited: tuple[ApiProcess, Path]) -> None:
+    api, _ = limited
+    client = _client(api)
+    for stop, says in [(["s" * 200_000] * 16, f"at most {MAX_STOP_CHARS} characters"),
+                       (["s"] * (MAX_STOP_SEQUENCES + 1), f"at most {MAX_STOP_SEQUENCES} sequences")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=4, stop=stop)
+        error = info.value.body
+        assert error["param"] == "stop" and says in error["message"]  # type: ignore[index]
+    longest = ["z" * (MAX_STOP_CHARS - 1) + chr(97 + i) for i in range(MAX_STOP_SEQUENCES)]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=4, stop=longest).choices[0].text
+    _normal_request_works(api)
+
+
+@pytest.mark.timeout(300)
+def test_sixteen_longest_stops_do_not_stall_a_real_worker(tmp_path: Path) -> None:
+    """The attack through `splitbus up --engine sim`: 16 stop strings of the longest allowed
+    length that the generated text keeps matching up to their last character (the most text
+    held back, the most work for a naive check), over 2048 tokens. The request completes with
+    the whole text; the worker keeps its lease (a normal request still works after)."""
+    model = tmp_path / "tiny"
+    write_byte_level_tokenizer(model)
+    config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096}
+    (model / "config.json").write_text(json.dumps(config))
+    fast = ["--worker-arg=--sim-decode-step-ms", "--worker-arg=0.2"]
+    system = start_system(tmp_path / "up", "--model", str(model), *fast)
+    try:
+        client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=120)
+        head = sim_text(7, MAX_STOP_CHARS - 1)
+        stops = [head + chr(0x4E00 + i) for i in range(MAX_STOP_SEQUENCES)]  # never generated: no stop fires
+        out = client.completions.create(model="tiny", prompt="x", max_tokens=2048, seed=7, stop=stops)
+        assert out.choices[0].text == sim_text(7, 2048) and out.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=4, stop=["s" * 200_000] * 16)
+        normal = client.completions.create(model="tiny", prompt="x", max_tokens=4, seed=3)
+        assert normal.choices[0].text == sim_text(3, 4)
+    finally:
+        assert stop_system(system) == []
+
+
+# ---------------------------------------------------------------- big prompts
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(limited: tuple[ApiProcess, Path]) -> None:
+    api, _ = limited
+    client = _client(api)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x" * BIG, max_tokens=4)
+    assert info.value.code == "context_length_exceeded"
+    assert f"at most {PROMPT_CHAR_LIMIT}" in info.value.message  # the character check, not the tokenizer's count
+    with pytest.raises(openai.BadRequestError) as info:
+        too_long = [{"role": "user", "content": "x" * (PROMPT_CHAR_LIMIT + 1)}]
+        client.chat.completions.create(model="tiny", messages=too_long)  # type: ignore[arg-type]
+    assert info.value.code == "context_length_exceeded" and "characters" in info.value.message
+    assert _metric(api, "splitbus_api_tokenizing ") == 0
+    _normal_request_works(api)
+
+
+def test_health_and_requests_answer_while_big_prompts_tokenize(roomy: ApiProcess) -> None:
+    """The prompts pass the character bound (the operator raised it) and are tokenized, in the
+    pool: the loop meanwhile answers /health and a normal request, and each big one then gets
+    the context error."""
+    stop = threading.Event()
+    answers: list[int] = []
+
+    def big_prompts() -> None:
+        while not stop.is_set():
+            body = {"model": "tiny", "prompt": "y" * BIG, "max_tokens": 4}
+            answers.append(httpx.post(roomy.v1 + "/completions", json=body, timeout=120).status_code)
+
+    senders = [threading.Thread(target=big_prompts) for _ in range(2)]
+    for sender in senders:
+        sender.start()
+    try:
+        _wait_until(lambda: _metric(roomy, "splitbus_api_tokenizing ") >= 1, timeout_s=60)
+        for _ in range(3):
+            _normal_request_works(roomy)
+        assert _metric(roomy, "splitbus_api_tokenizing ") >= 1  # they answered while a prompt tokenized
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(120)
+    assert answers and set(answers) == {400}
+
+
+# ---------------------------------------------------------------- uploads
+
+
+def test_stalled_big_uploads_hold_bounded_memory_and_leave_room_for_others(patient: ApiProcess) -> None:
+    """40 uploads declare 3.9 MB, send all but the last bytes and stall. Only 8 are read (429
+    with Retry-After, connection closed, for the rest); memory grows by far less than 40 bodies
+    (it grew by 158 MiB before); a normal request and /health answer meanwhile; the stalled ones
+    get 408 at the body deadline and their slots come back."""
+    api = patient
+    before = _rss_bytes(api)
+    socks = [_raw(api) for _ in range(40)]
+    senders = [threading.Thread(target=_send_quietly, args=(s, _head(BIG) + b"x" * (BIG - 100))) for s in socks]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(10)  # refused ones end at once, read ones when the server took all but 100 bytes
+    statuses = [_peek_status(s) for s in socks]
+    _normal_request_works(api)
+    replies = [_response(s) for s, status in zip(socks, statuses) if status is None]
+    grown = _rss_bytes(api, "VmHWM") - before  # the peak, once the server read all it would read
+    assert grown < 60 * 2**20, f"RSS peaked {grown / 2**20:.0f} MiB above where it was"
+    assert statuses.count(429) == 40 - 8 and statuses.count(None) == 8, statuses
+    assert all(r.startswith(b"HTTP/1.1 408") and b"request_timeout" in r for r in replies)
+    for s in socks:
+        s.close()
+    assert _metric(api, 'splitbus_api_body_reads_rejected_total{size="large"}') >= 32
+    ok = httpx.post(api.v1 + "/completions", content=b"{" + b" " * 200_000 + b"}", timeout=10)  # a slot is free again
+    assert ok.status_code == 400 and ok.json()["error"]["param"] == "model"
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # the server refused it and closed: expected for most
+        pass
+
+
+def _peek_status(sock: socket.socket) -> int | None:
+    """The status of a response already there, left unread (None: the server is still reading)."""
+    sock.settimeout(0.5)
+    try:
+        head = sock.recv(12, socket.MSG_PEEK)
+    except (TimeoutError, ConnectionResetError):
+        return None
+    finally:
+        sock.settimeout(10)
+    return int(head[9:12]) if head.startswith(b"HTTP/1.1 ") else None
+
+
+def test_a_body_shorter_than_its_content_length_gets_408(limited: tuple[ApiProcess, Path]) -> None:
+    api, log = limited
+    with _raw(api) as sock:
+        sock.sendall(_head(1000) + b'{"model": "tiny"')
+        reply = _response(sock)  # the server answers and closes; it waited forever before
+    assert reply.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in reply
+    _normal_request_works(api)
+    assert b"Traceback" not in log.read_bytes()
+
+
+def test_a_client_that_leaves_mid_upload_is_a_quiet_499(limited: tuple[ApiProcess, Path]) -> None:
+    api, log = limited
+    before = _metric(api, 'splitbus_api_requests_total{route="/v1/completions",status="499"}')
+    for _ in range(3):
+        with _raw(api) as sock:
+            sock.sendall(_head(100_000) + b'{"model": "tiny", "prompt": "')
+            time.sleep(0.2)  # the handler is reading the body
+    _wait_until(lambda: _metric(api, 'splitbus_api_requests_total{route="/v1/completions",status="499"}') == before + 3)
+    _normal_request_works(api)
+    assert b"Traceback" not in log.read_bytes()
+
+
+def test_a_body_declared_too_large_is_refused_unread(limited: tuple[ApiProcess, Path]) -> None:
+    api, _ = limited
+    with _raw(api) as sock:
+        sock.sendall(_head(64 * 2**20))  # no byte of the body is sent
+        reply = _response(sock)
+    assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower()
+
+
+# ---------------------------------------------------------------- slow loris
+
+
+def test_a_thousand_slow_loris_connections_are_closed_and_do_not_block_others(limited: tuple[ApiProcess, Path]) -> None:
+    """1000 connections: some send nothing, some half a request line, some drip one header byte
+    at a time (which reset uvicorn's only timer before). Meanwhile a normal request completes;
+    the server closes every one of them past the 2 s header deadline."""
+    api, log = limited
+    socks = [_raw(api) for _ in range(1000)]
+    for i, sock in enumerate(socks):
+        if i % 3:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    dripping = socks[1:30:3]
+    for _ in range(6):  # 3 s of one byte every 0.5 s on each dripping one
+        for sock in dripping:
+            _send_quietly(sock, b"X")
+        time.sleep(0.5)
+    _normal_request_works(api)
+    closed = sum(_closed_by_server(sock) for sock in socks)
+    for sock in socks:
+        sock.close()
+    assert closed == 1000
+    _normal_request_works(api)
+    assert b"Traceback" not in log.read_bytes()
+
+
+def test_headers_over_the_size_bound_get_431(limited: tuple[ApiProcess, Path]) -> None:
+    api, _ = limited
+    with _raw(api) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        _send_quietly(sock, b"X-Pad: " + b"p" * (128 * 1024))
+        reply = _response(sock)
+    assert reply.startswith(b"HTTP/1.1 431")
+    _normal_request_works(api)
+
+
+def _wait_until(condition: object, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
