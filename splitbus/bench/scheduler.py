@@ -12,6 +12,7 @@ do no work, a reader just takes their tasks as they arrive. Two measures per rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -68,6 +69,10 @@ class FakeWorkers:
         self.arrived: dict[str, float] = {}
         """request id -> when its first task was read."""
         self.tasks_read = 0
+        self.stopped = False
+        """Set to end the loops: they stop by themselves within one blocking read, because
+        redis-py can swallow the cancellation of a blocked XREAD and leave a cancelled task
+        running for good (the hang of issue 24)."""
         # From the start: "$" would skip a task written between two reads of a stream still at "$".
         self._cursors = {bus.keys.tasks(r.worker_id): "0-0" for r in self.records}
 
@@ -76,13 +81,13 @@ class FakeWorkers:
             await self.registry.register(record, LEASE_MS)
 
     async def keep_alive(self) -> None:
-        while True:
+        while not self.stopped:
             await asyncio.sleep(0.5)
             for record in self.records:
                 await self.registry.heartbeat(record.worker_id, record.load, LEASE_MS)
 
     async def read_tasks(self) -> None:
-        while True:
+        while not self.stopped:
             reply = await self.redis.xread(self._cursors, count=1000, block=500)
             now = time.time()
             for key, entries in reply or ():
@@ -149,8 +154,9 @@ async def _until(done: Callable[[], bool], timeout_s: float) -> None:
 
 
 def _start_schedulers(url: str, prefix: str, count: int) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "splitbus.cli.main", "scheduler", "--redis-url", url]
+    # The URL (it may hold a password) goes in the environment, never on argv.
+    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_LOG_LEVEL": "WARNING", "SPLITBUS_REDIS_URL": url}
+    cmd = [sys.executable, "-m", "splitbus.cli.main", "scheduler"]
     return [subprocess.Popen([*cmd, "--name", f"bench-scheduler-{i}"], env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent) for i in range(count)]
 
 
@@ -172,11 +178,19 @@ async def _one_setting(url: str, config: SchedulerBenchConfig, replicas: int, pr
             proc.terminate()
         for proc in schedulers:
             proc.wait(30)
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        await redis.aclose()
+        await _stop(workers, background, redis)
     return {"replicas": replicas, "workers": config.workers, "paced": paced, "flood": flood}
+
+
+async def _stop(workers: FakeWorkers, background: list[asyncio.Task[None]], redis: aioredis.Redis) -> None:
+    """End the fake workers' loops and close the client, each within a bound: the benchmark
+    must end even when a loop or the client does not."""
+    workers.stopped = True
+    _, stuck = await asyncio.wait(background, timeout=5.0)
+    for task in stuck:
+        task.cancel()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(redis.aclose(), 5.0)
 
 
 def run_scheduler_bench(url: str, config: SchedulerBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
