@@ -15,7 +15,8 @@ by that secret over the sender's id, the request id, the rest of the meta, the p
 and the payload's CRC. Every one of those is in the header and meta, so D checks the sender,
 the proof, the size and the meta before it reads (or allocates) a byte of the payload. A frame
 D refuses before its payload ends the connection (its payload is never read), unless the
-payload is small enough to skip.
+payload is small enough to skip. A connection that sends no HELLO within ``HELLO_TIMEOUT_S``, or
+that arrives while ``MAX_CONNECTIONS`` are open, is closed.
 """
 
 from __future__ import annotations
@@ -156,14 +157,26 @@ KvHandler = Callable[[str, Header, bytes], Awaitable["str | None"]]
 """Called with (sender, header, payload) once the payload is in; returns why it is refused, or None."""
 
 
+HELLO_TIMEOUT_S = 10.0
+"""A connection to the KV port must name its sender (HELLO) within this."""
+MAX_CONNECTIONS = 512
+"""Connections the KV port keeps open at once: far above the prefill workers of a deployment."""
+
+
 class TransferServer:
     """The decode side: accepts connections from prefill workers and imports their KV."""
 
-    def __init__(self, worker_id: str, check: KvCheck, on_kv: KvHandler) -> None:
+    def __init__(self, worker_id: str, check: KvCheck, on_kv: KvHandler, *, hello_timeout_s: float = HELLO_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.worker_id = worker_id
         self._check = check
         self._on_kv = on_kv
         self._server: asyncio.Server | None = None
+        # Anyone who reaches the port can connect: a connection that names no sender in time, or
+        # one past the cap, is closed, so strangers cannot hold the worker's sockets open.
+        self._hello_timeout_s = hello_timeout_s
+        self._max_connections = max_connections
+        self.open_connections = 0
 
     async def start(self, host: str, port: int, advertise_host: str = "") -> str:
         """Listen; returns the endpoint to publish (``advertise_host``, default ``host``, and the
@@ -178,14 +191,20 @@ class TransferServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open_connections >= self._max_connections:
+            log.warning("KV port: %d connections open, closing a new one", self.open_connections)
+            writer.close()
+            return
+        self.open_connections += 1
         _nodelay(writer)
         try:
-            sender = await self._hello(reader, writer)
+            sender = await asyncio.wait_for(self._hello(reader, writer), self._hello_timeout_s)
             while await self._one_frame(sender, reader, writer):
                 pass
-        except (TransferError, ConnectionError) as exc:
-            log.debug("transfer connection ended: %s", exc)
+        except (TransferError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.debug("transfer connection ended: %s", exc or type(exc).__name__)
         finally:
+            self.open_connections -= 1
             writer.close()
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:

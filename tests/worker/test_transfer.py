@@ -174,3 +174,38 @@ async def test_a_refused_large_frame_drops_the_clients_connection() -> None:
     assert receiver.received["r"][1] == b"12345"
     await client.close()
     await server.close()
+
+
+async def test_a_silent_connection_is_closed() -> None:
+    """A stranger that connects and sends no HELLO in time is closed: it cannot hold a socket."""
+    receiver = Receiver({"r"})
+    server = TransferServer("d1", receiver.check, receiver.take, hello_timeout_s=0.3)
+    host, port = (await server.start("127.0.0.1", 0)).split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    assert await closed(reader) == b""
+    writer.close()
+    await server.close()
+
+
+async def test_a_full_port_closes_new_connections_and_serves_again_once_one_ends() -> None:
+    receiver = Receiver({"r"})
+    server = TransferServer("d1", receiver.check, receiver.take, hello_timeout_s=60, max_connections=2)
+    endpoint = await server.start("127.0.0.1", 0)
+    host, port = endpoint.split(":")
+    silent = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+    extra_reader, extra_writer = await asyncio.open_connection(host, int(port))
+    assert await closed(extra_reader) == b""  # over the cap: closed at once, not after the 60 s timeout
+    extra_writer.close()
+    silent[0][1].close()
+    await asyncio.wait_for(_until(lambda: server.open_connections == 1), 10)
+    client = TransferClient("p1", timeout_s=5)
+    await client.send(endpoint, "r", {}, b"kv", SECRET)
+    assert receiver.received["r"][1] == b"kv"
+    await client.close()
+    silent[1][1].close()
+    await server.close()
+
+
+async def _until(done: Any) -> None:
+    while not done():
+        await asyncio.sleep(0.01)
