@@ -143,12 +143,15 @@ def write_private(path: Path, text: str) -> None:
 
 
 def make_private_folder(folder: Path) -> None:
-    """The folder 0700 and every file in it 0600 (an older splitbus left a world-readable AOF)."""
+    """The folder 0700 and everything in it private: folders 0700, files 0600 (an older splitbus
+    left a world-readable AOF; Redis 7 keeps its AOF parts in ``appendonlydir/``)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
-    for path in folder.iterdir():
-        if path.is_file() and not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) & 0o077:
-            os.chmod(path, 0o600)
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        private = 0o700 if path.is_dir() else 0o600
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            os.chmod(path, private)
 
 
 def url_for(user: str, password: str, host: str, port: int) -> str:

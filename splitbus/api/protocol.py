@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from splitbus.api.errors import BadRequest
+from splitbus.bus.messages._check import MAX_STOP_SEQUENCES  # the bus's bound, the same here
 
-MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 """The longest stop string, in characters. The worker's stop check costs O(new text) per token
 whatever this is (worker/text.py), but it holds back up to this many characters per request
 and keeps a table of this many ints per stop: the bound keeps that memory small and catches
-nonsense (real stop strings are a few characters)."""
+nonsense (real stop strings are a few characters). At most the bus's own bound, or schedulers
+would dead-letter requests the API admitted (tests/api/test_protocol.py checks it)."""
 # Fields that only their default (or equivalent) value is accepted for.
 UNSUPPORTED = {
     "n": (None, 1),

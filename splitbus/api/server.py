@@ -6,8 +6,12 @@ time between requests and is cancelled by the first byte that arrives (the first
 opens connections and sends nothing, or one header byte at a time, holds them for good; ASGI
 middleware cannot help, as it runs only once the headers are complete. So the protocol itself
 arms a timer when a connection opens and when a request begins, and disarms it when the
-headers are complete: the body has its own deadline in the app (408, splitbus/api/routes.py),
-and a response, however long it streams, has none.
+headers are complete. The body has its own deadline in the app (408, splitbus/api/routes.py),
+but only a route that reads the body enforces it: a 401, a 404 or ``/health`` answer without
+reading, and a client could then drip the body it declared for good. So the protocol also arms
+a body timer when the headers are complete (the app's deadline plus a grace, so the app's 408
+goes out first where it reads) and disarms it when the message is complete. A response, however
+long it streams, has no deadline.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
+BODY_GRACE_S = 2.0
+"""How long past the app's body deadline the protocol waits before closing the connection."""
 TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -29,10 +35,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     header_timeout_s = 10.0
     max_header_bytes = 64 * 1024
+    body_timeout_s = 30.0 + BODY_GRACE_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._refused = False
 
@@ -42,6 +50,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -72,7 +81,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        # httptools calls on_message_complete right after this for a request without a body
+        self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm_body()
+        super().on_message_complete()
+
+    def _disarm_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self.transport.is_closing():
+            log.debug("closing %s: its body did not arrive in %gs", self.client, self.body_timeout_s)
+            self.transport.close()
 
     def _arm(self) -> None:
         self._head_bytes = 0
@@ -90,10 +116,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class to pass as uvicorn's ``http``, with these bounds."""
-    return type(
-        "GuardedHttpTools",
-        (GuardedHttpToolsProtocol,),
-        {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
-    )
+def guarded_protocol(
+    header_timeout_s: float, max_header_bytes: int, body_timeout_s: float
+) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to pass as uvicorn's ``http``, with these bounds (``body_timeout_s``:
+    the app's own body deadline, which the protocol's trails by ``BODY_GRACE_S``)."""
+    bounds = {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes,
+              "body_timeout_s": body_timeout_s + BODY_GRACE_S}
+    return type("GuardedHttpTools", (GuardedHttpToolsProtocol,), bounds)

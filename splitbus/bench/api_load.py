@@ -142,8 +142,9 @@ def _api_connections(url: str, node: str) -> int:
 def _start_api(url: str, prefix: str, model_dir: Path, port: int, node: str, streams: int) -> subprocess.Popen[bytes]:
     from splitbus.redis_server import die_with_parent
 
-    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "splitbus.cli.main", "api", "--model", str(model_dir), "--redis-url", url, "--port", str(port),
+    # The URL (it holds a password) goes in the environment, never on argv.
+    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_LOG_LEVEL": "WARNING", "SPLITBUS_REDIS_URL": url}
+    cmd = [sys.executable, "-m", "splitbus.cli.main", "api", "--model", str(model_dir), "--port", str(port),
            "--node-id", node, "--max-inflight", str(streams * 2)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
 

@@ -98,7 +98,7 @@ def server_options(config: "ApiConfig") -> dict[str, object]:
     return {
         "log_level": "warning",
         "loop": "auto",
-        "http": guarded_protocol(config.header_timeout_s, config.max_header_bytes),
+        "http": guarded_protocol(config.header_timeout_s, config.max_header_bytes, config.body_timeout_s),
         "timeout_keep_alive": 5,
         "backlog": 2048,
     }

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from splitbus.cli.common import say
 from splitbus.env import Env
+from splitbus.masking import mask_text, mask_url
 from splitbus.redis_server import EmbeddedRedis
 
 C = TypeVar("C")
@@ -110,7 +111,7 @@ def _check_reachable(url: str) -> None:
     try:
         client.ping()
     except redis.RedisError as exc:
-        say(f"splitbus bench: cannot reach Redis at {url}: {exc}")
+        say(f"splitbus bench: cannot reach Redis at {mask_url(url)}: {mask_text(str(exc))}")
         raise SystemExit(2) from None
     finally:
         client.close()

@@ -96,7 +96,10 @@ def proof_matches(secret: str, sender: str, header: Header) -> bool:
     claimed = header.meta.get("proof")
     if not secret or not isinstance(claimed, str):
         return False
-    expected = kv_proof(secret, sender, header.ident, header.meta, header.size, header.crc)
+    try:
+        expected = kv_proof(secret, sender, header.ident, header.meta, header.size, header.crc)
+    except orjson.JSONEncodeError:  # meta that parsed but cannot be signed (nested past orjson's 254 levels)
+        return False
     return hmac.compare_digest(claimed.encode(), expected.encode())
 
 
@@ -203,6 +206,8 @@ class TransferServer:
                 pass
         except (TransferError, ConnectionError, asyncio.TimeoutError) as exc:
             log.debug("transfer connection ended: %s", exc or type(exc).__name__)
+        except asyncio.CancelledError:
+            pass  # the worker is stopping; asyncio would log a cancelled handler as an error
         finally:
             self.open_connections -= 1
             writer.close()

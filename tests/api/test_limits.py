@@ -5,6 +5,7 @@ memory and read slots come back. Loopback only; every load is bounded in count a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -315,3 +316,25 @@ def _wait_until(condition: object, timeout_s: float = 10) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("condition not reached in time")
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",  # answered without reading the body
+    _head(1_000_000),  # read by the app: its 408 goes out, then the connection is cut off all the same
+])
+def test_a_dripped_body_is_cut_off_even_where_no_route_reads_it(limited: tuple[ApiProcess, Path], head: bytes) -> None:
+    """A route that answers without reading the body (``/health``, a 401, a 404) used to leave
+    the connection to a client dripping the body it declared, for good: the protocol's body
+    deadline (the app's 2 s + 2 s of grace here) closes it."""
+    api, log = limited
+    sock = _raw(api)
+    sock.sendall(head)
+    started = time.monotonic()
+    with contextlib.suppress(OSError):  # the server closing ends the drip
+        while time.monotonic() - started < 8:  # one byte every 0.5 s, for at most 8 s
+            sock.sendall(b"x")
+            time.sleep(0.5)
+    assert _closed_by_server(sock)
+    sock.close()
+    _normal_request_works(api)
+    assert b"Traceback" not in log.read_bytes()

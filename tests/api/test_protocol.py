@@ -45,3 +45,9 @@ def test_stop_strings_over_the_bounds_are_refused(stop: object, says: str) -> No
     with pytest.raises(BadRequest, match=says) as info:
         parse_completion({"model": "m", "prompt": "x", "stop": stop})
     assert info.value.param == "stop" and info.value.status == 400
+
+
+def test_the_api_admits_no_stop_string_the_bus_would_refuse() -> None:
+    from splitbus.bus.messages import _check
+
+    assert MAX_STOP_CHARS <= _check.MAX_STOP_CHARS and MAX_STOP_SEQUENCES <= _check.MAX_STOP_SEQUENCES

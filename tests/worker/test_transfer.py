@@ -209,3 +209,11 @@ async def test_a_full_port_closes_new_connections_and_serves_again_once_one_ends
 async def _until(done: Any) -> None:
     while not done():
         await asyncio.sleep(0.01)
+
+
+def test_meta_too_deep_to_sign_is_no_proof_not_a_crash() -> None:
+    deep: Any = {}
+    for _ in range(300):  # orjson parses 1024 levels but signs only 254
+        deep = {"d": deep}
+    header = Header(KV, "r", {"proof": "x", "deep": deep}, 0, 0)
+    assert proof_matches(SECRET, "p1", header) is False
