@@ -34,6 +34,7 @@ def prefilled(worker: Worker, request_id: str, peer: str) -> Sequence:
     seq = Sequence(Task("prefill", request, peer=peer), "1-0", TextStream(worker.tokenizer, []))
     worker.writer.open(request_id)
     worker.emit(seq, 97)
+    worker.handing_off[request_id] = seq  # as after_prefill leaves it
     return seq
 
 
