@@ -136,6 +136,7 @@ class Worker:
     async def step(self) -> None:
         # Results go out after each engine call, written by the publisher task while the
         # engine goes on: a first token waits neither for the decode nor for Redis.
+        await self.settle_if_lapsed()  # back from a stop: what moved away is dropped before anything
         await self.wait_for_work()
         await self.prefill_queued()
         self.publish_soon()
@@ -213,11 +214,17 @@ class Worker:
         # The whole record each time (~20 small fields): a worker whose record was removed, say
         # by a reaper during a long Redis outage, is whole again at its next beat.
         if self.lapsed():
-            async with self._publishing:  # nothing is written until it knows what moved away
-                await self.rejoin()
+            await self.settle_if_lapsed()
         else:
             await self.beat()
         await asyncio.sleep(self.config.heartbeat_s)
+
+    async def settle_if_lapsed(self) -> None:
+        """Rejoin first if the lease lapsed; under the publish lock, so that nothing is written
+        until the worker knows what moved away. A local check when it did not."""
+        if self.lapsed():
+            async with self._publishing:
+                await self.rejoin()
 
     async def beat(self) -> None:
         before = time.monotonic()
@@ -467,6 +474,7 @@ class Worker:
         self.prefilling = list(batch)
         try:
             results = await self.run_engine(self.engine.prefill, batch)
+            await self.settle_if_lapsed()  # stopped during the step: its moved requests go first
         finally:
             still, self.prefilling = self.prefilling, []
         results = [(seq, token) for seq, token in results if any(s is seq for s in still)]  # not moved away meanwhile
@@ -519,6 +527,7 @@ class Worker:
         # A snapshot: imports and cancellations change self.running while the engine computes.
         batch = list(self.running)
         results = await self.run_engine(self.engine.decode, batch)
+        await self.settle_if_lapsed()
         still_running = set(map(id, self.running))
         emitted = [(seq, token) for seq, token in results if id(seq) in still_running]
         metrics.GENERATION_TOKENS.inc(len(emitted))
@@ -694,6 +703,8 @@ class Worker:
         past the deadline (it holds its lease but takes no connection); else back to retrying."""
         if self.handing_off.get(seq.request_id) is not seq:
             raise Abandoned(seq.request_id)
+        if seq.request_id in self.recently_cancelled:
+            raise TransferError("the request was cancelled")
         gone = await self.peer_gone(seq)
         if gone:
             raise PeerGone(gone)
