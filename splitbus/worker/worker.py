@@ -709,7 +709,8 @@ class Worker:
         if gone:
             raise PeerGone(gone)
         if time.monotonic() > deadline:
-            raise TransferError(f"{exc}; {seq.task.peer} still holds its lease, retried for {self.config.kv_wait_s:.0f}s")
+            waited = f"retried for {self.config.kv_wait_s:.0f}s"
+            raise TransferError(f"{exc}; {seq.task.peer} still holds its lease, {waited}")
         log.info("hand-off of %s to %s failed (%s); retrying while its liveness is undecided",
                  seq.request_id, seq.task.peer, exc)
 

@@ -26,13 +26,14 @@ STOP_S = 5.0
 """Longer than the 3 s lease: the reaper moves the worker's requests while it is stopped."""
 
 
-async def streams(system: System, seeds: range, max_tokens: int, prompt: int, hang_after_s: float, victim: str) -> list[str]:
+async def streams(system: System, seeds: range, max_tokens: int, prompt: int, hang_after_s: float,
+                  victim: str) -> list[str]:
     client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
 
     async def one(seed: int) -> str:
         try:
-            stream = await client.completions.create(model="tiny", prompt=[97] * prompt, max_tokens=max_tokens, seed=seed,
-                                                     stream=True)
+            stream = await client.completions.create(model="tiny", prompt=[97] * prompt, max_tokens=max_tokens,
+                                                     seed=seed, stream=True)
             return "".join([c.choices[0].text async for c in stream])
         except openai.APIError as exc:
             return f"error: {exc}"
@@ -77,6 +78,8 @@ def rejoined_and_serves(system: System, wid: str) -> None:
     assert wait_until(lambda: re.search(rf"worker {wid}: \d+ request\(s\) moved away", "".join(system.output)), 15), \
         "".join(system.output)[-3000:]
     assert wait_until(lambda: f"worker {wid} rejoined the live set" in "".join(system.output), 15)
+    lines = "".join(system.output).splitlines()
+    print(*[line.strip() for line in lines if re.search(r"rejoin|moved away|dead: moved", line)], sep="\n")
     record = f"sb:worker:{{{wid}}}"
     assert wait_until(lambda: r.zscore("sb:workers", wid) is not None and r.hget(record, "state") is None, 10)
     assert wait_until(lambda: r.hget(record, "free_kv_blocks") == r.hget(record, "total_kv_blocks"), 10)

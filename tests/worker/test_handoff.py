@@ -305,3 +305,63 @@ async def test_an_unreachable_decode_worker_that_keeps_its_lease_fails_at_the_kv
         assert "cannot connect" in last.message and "still holds its lease" in last.message
     finally:
         await close(worker)
+
+
+def decode_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="decode", model_dir=tiny_model, model_name="tiny", worker_id="d-hung")
+    return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+
+
+async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
+    """Tasks read from the worker's own stream (pending to it) and decoding, one token buffered each."""
+    await worker.tasks.ensure_group()
+    for request_id in request_ids:
+        request = GenerateRequest(request_id, "tiny", [97], SamplingParams(max_tokens=8), "api", 0)
+        await worker.redis.xadd(worker.keys.tasks(worker.id), codec.encode(Task("decode", request, peer="p1")))
+    seqs = []
+    for delivery in await worker.tasks.read(10, block_ms=0):
+        seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
+        assert worker.engine.reserve(seq, 32)
+        worker.writer.open(seq.request_id, first_seq=1)
+        worker.emit(seq, 97)  # written after the stop, if at all
+        worker.running.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+async def test_a_worker_back_from_a_stop_drops_what_the_reaper_moved_and_rejoins(
+        bus_config: BusConfig, tiny_model: Path) -> None:
+    worker = decode_worker(bus_config, tiny_model)
+    try:
+        moved, kept = await decoding(worker, "r-moved", "r-kept")
+        # While it was stopped: its lease expired, a reaper took it, moved r-moved (acked its
+        # task in this worker's stream, as the redispatch script does) and marked it dead.
+        await worker.redis.set(worker.keys.reaping(worker.id), "scheduler-1", ex=60)
+        await worker.redis.xack(worker.keys.tasks(worker.id), "workers", moved.entry_id)
+        await Registry(worker.redis, bus_config).mark_dead(worker.id)
+        worker.last_beat = time.monotonic() - 5  # stopped 5 s: past the 3 s lease
+        await worker.publish()  # the first write after waking settles first
+        assert worker.running == [kept] and moved.blocks == 0 and kept.blocks > 0
+        assert await worker.redis.xlen(worker.keys.out("r-moved")) == 0  # its late token never went out
+        assert await worker.redis.xlen(worker.keys.out("r-kept")) == 1
+        record = await worker.redis.hgetall(worker.keys.worker(worker.id))
+        assert b"state" not in record and worker.id.encode() in await worker.redis.zrange(worker.keys.workers, 0, -1)
+        assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2  # no reaper takes it again
+    finally:
+        await worker.redis.aclose()
+
+
+async def test_a_worker_back_before_any_reaper_keeps_its_requests(bus_config: BusConfig, tiny_model: Path) -> None:
+    # Its lease lapsed but no reaper started: it takes sb:reaping:{itself} first, so none can.
+    worker = decode_worker(bus_config, tiny_model)
+    try:
+        seqs = await decoding(worker, "r-1", "r-2")
+        worker.last_beat = time.monotonic() - 5
+        await worker.publish()
+        assert worker.running == seqs and not worker.lapsed()
+        assert [await worker.redis.xlen(worker.keys.out(r)) for r in ("r-1", "r-2")] == [1, 1]
+        assert await worker.redis.get(worker.keys.reaping(worker.id)) == b"d-hung:rejoining"
+        assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2
+    finally:
+        await worker.redis.aclose()
