@@ -93,6 +93,13 @@ class ResultWriter:
         if all(rid != request_id for rid, _ in self._buffer):
             self._fresh.discard(request_id)
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request and drop what is buffered for it, unwritten: it moved to other
+        workers while this one was cut off (hung, or away from Redis past its lease), and they
+        continue it from what the stream held then."""
+        self._buffer = [(rid, result) for rid, result in self._buffer if rid != request_id]
+        self.forget(request_id)
+
     @property
     def pending(self) -> int:
         return len(self._buffer)

@@ -55,6 +55,11 @@ class Refused(TransferError):
     """The receiver answered, and refused this request's KV."""
 
 
+class Unreachable(TransferError):
+    """The receiver did not answer: the connection was refused, reset or closed, or timed out.
+    Unlike a refusal, this says the peer may be dead (or hung), not that the request is bad."""
+
+
 @dataclass(frozen=True)
 class Header:
     """A frame without its payload: all a receiver checks before it reads the payload."""
@@ -124,7 +129,7 @@ async def read_header(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLO
         name = (await reader.readexactly(name_len)).decode()
         meta = orjson.loads(await reader.readexactly(meta_len))
     except asyncio.IncompleteReadError as exc:
-        raise TransferError("connection closed") from exc
+        raise Unreachable("connection closed") from exc
     except (UnicodeDecodeError, orjson.JSONDecodeError) as exc:
         raise TransferError(f"unreadable frame id or meta: {exc}") from None
     if not isinstance(meta, dict):
@@ -136,7 +141,7 @@ async def read_payload(reader: asyncio.StreamReader, header: Header) -> bytes:
     try:
         payload = await reader.readexactly(header.size)
     except asyncio.IncompleteReadError as exc:
-        raise TransferError("connection closed") from exc
+        raise Unreachable("connection closed") from exc
     if zlib.crc32(payload) != header.crc:
         raise TransferError(f"checksum mismatch for {header.ident}")
     return payload
@@ -266,7 +271,7 @@ class TransferClient:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.timeout_s)
         except (OSError, asyncio.TimeoutError, ValueError) as exc:
-            raise TransferError(f"cannot connect to {endpoint}: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"cannot connect to {endpoint}: {exc or type(exc).__name__}") from None
         _nodelay(writer)
         link = _Link(reader, writer)
         await self._exchange(link, endpoint, HELLO, self.worker_id, {})
@@ -291,9 +296,15 @@ class TransferClient:
                 if memoryview(payload).nbytes > MAX_SKIP:  # the receiver closes after refusing a large frame
                     self._drop(endpoint, link)
                 raise
-            except (OSError, asyncio.TimeoutError, TransferError) as exc:
+            except (OSError, asyncio.TimeoutError, Unreachable) as exc:  # reset, closed, no answer
                 self._drop(endpoint, link)
-                raise TransferError(f"transfer to {endpoint} failed: {exc or type(exc).__name__}") from None
+                raise Unreachable(f"transfer to {endpoint} failed: {exc or type(exc).__name__}") from None
+            except TransferError as exc:  # an answer that is not a frame
+                self._drop(endpoint, link)
+                raise TransferError(f"transfer to {endpoint} failed: {exc}") from None
+            except BaseException:  # cancelled mid-frame (its peer was found dead): the stream is unusable
+                self._drop(endpoint, link)
+                raise
 
     async def _round_trip(self, link: _Link, kind: int, ident: str, meta: dict[str, Any], payload: bytes | memoryview,
                           crc: int | None) -> None:

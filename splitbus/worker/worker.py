@@ -19,6 +19,7 @@ from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
 from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed, until_done
 from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.scheduler.reaper import REAPING_TTL_S
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.scheduler.policy import blocks_needed
@@ -33,7 +34,15 @@ from splitbus.worker.sequence import Sequence
 from splitbus.worker.engine import Engine
 from splitbus.worker.text import TextStream
 from splitbus.worker.handoff import meta_problem
-from splitbus.worker.transfer import Header, TransferClient, TransferError, TransferServer, new_secret, proof_matches
+from splitbus.worker.transfer import (
+    Header,
+    TransferClient,
+    TransferError,
+    TransferServer,
+    Unreachable,
+    new_secret,
+    proof_matches,
+)
 
 log = logging.getLogger(__name__)
 KV_TTL_S = 300
@@ -47,6 +56,24 @@ return 0
 """
 """Delete a request's KV reservation only if it is still the one this task made: the request
 may have moved here again, and its new task's reservation must stay."""
+RETRY_FIRST_S = 0.02
+RETRY_MAX_S = 0.5
+"""Backoff between hand-off attempts to a decode worker that does not answer (capped)."""
+LIVENESS_POLL_S = 0.25
+"""While a transfer waits on its decode worker, how often P checks whether that worker is gone."""
+REAPED_WAIT_S = 10.0
+"""A worker back from a lapsed lease whose reaper has started waits this long for it to finish."""
+REJOIN_HOLD_S = 2
+"""After a rejoin, ``sb:reaping:{worker}`` is kept this long: a reaper acting on a registry
+snapshot from before the rejoin (100 ms old at most) cannot take the worker again."""
+
+
+class PeerGone(Exception):
+    """The decode worker of a hand-off is dead, or the request moved: the reaper has it."""
+
+
+class Abandoned(Exception):
+    """The hand-off's request left this worker while it was being shipped (it moved)."""
 
 
 class Worker:
@@ -72,6 +99,8 @@ class Worker:
         self.awaiting_kv: dict[str, tuple[Sequence, float]] = {}  # decode: waiting for P's cache
         self.running: list[Sequence] = []  # decoding
         self.handing_off: dict[str, Sequence] = {}  # prefill: cache on its way to D
+        self.prefilling: list[Sequence] = []  # in the engine's prefill step now
+        self.last_beat = 0.0  # monotonic time of the last heartbeat Redis took (before its call)
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[tuple[str, str]] = []  # (sb:kv key, task entry) of requests that left
         self.unreturned = Reserved()  # reservations of tasks taken, not given back yet
@@ -107,6 +136,7 @@ class Worker:
     async def step(self) -> None:
         # Results go out after each engine call, written by the publisher task while the
         # engine goes on: a first token waits neither for the decode nor for Redis.
+        await self.settle_if_lapsed()  # back from a stop: what moved away is dropped before anything
         await self.wait_for_work()
         await self.prefill_queued()
         self.publish_soon()
@@ -128,7 +158,7 @@ class Worker:
         await self.cancels.start()
         await self.control.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
-        await self.registry.register(self.record(), self.config.lease_ms)  # now with started_ms
+        await self.beat()  # now with started_ms
 
     async def close(self) -> None:
         self.stopping.set()
@@ -183,8 +213,79 @@ class Worker:
     async def heartbeat(self) -> None:
         # The whole record each time (~20 small fields): a worker whose record was removed, say
         # by a reaper during a long Redis outage, is whole again at its next beat.
-        await self.registry.register(self.record(), self.config.lease_ms)
+        if self.lapsed():
+            await self.settle_if_lapsed()
+        else:
+            await self.beat()
         await asyncio.sleep(self.config.heartbeat_s)
+
+    async def settle_if_lapsed(self) -> None:
+        """Rejoin first if the lease lapsed; under the publish lock, so that nothing is written
+        until the worker knows what moved away. A local check when it did not."""
+        if self.lapsed():
+            async with self._publishing:
+                await self.rejoin()
+
+    async def beat(self) -> None:
+        before = time.monotonic()
+        await self.registry.register(self.record(), self.config.lease_ms)
+        self.last_beat = before
+
+    def lapsed(self) -> bool:
+        """Whether the lease may have expired: no beat for a lease (the process was stopped,
+        hung, or cut off from Redis). Monotonic time counts while a process is stopped. False
+        before the first beat (nothing is held yet)."""
+        return bool(self.last_beat) and time.monotonic() - self.last_beat > self.config.lease_ms / 1000
+
+    # ------------------------------------------------------------ back from a lapsed lease
+
+    async def rejoin(self) -> None:
+        """Back after the lease lapsed (SIGSTOP, a long pause, an outage): a reaper may have
+        moved this worker's tasks. Whoever takes ``sb:reaping:{worker}`` first decides: if this
+        worker takes it, no reaper can start and it keeps everything; if a reaper has it, the
+        worker waits for it to finish, drops every request whose task the reaper took (no longer
+        pending to this worker), with what it buffered for them unwritten, and joins again.
+        Runs under the publish lock: no late write goes out before this is settled."""
+        if not self.lapsed():
+            return
+        key = self.keys.reaping(self.id)
+        log.warning("worker %s: no heartbeat for %.1f s, more than its lease; rejoining", self.id,
+                    time.monotonic() - self.last_beat)
+        if not await self.redis.set(key, f"{self.id}:rejoining", nx=True, ex=REAPING_TTL_S):
+            await self.wait_until_reaped()
+            await self.drop_moved()
+        await self.beat()
+        await self.redis.expire(key, REJOIN_HOLD_S)
+        log.warning("worker %s rejoined the live set", self.id)
+
+    async def wait_until_reaped(self) -> None:
+        deadline = time.monotonic() + REAPED_WAIT_S
+        while time.monotonic() < deadline:
+            if await self.redis.hget(self.keys.worker(self.id), "state") == b"dead":
+                return
+            await asyncio.sleep(0.05)
+        log.warning("worker %s: its reaper did not finish within %.0f s; dropping what it took", self.id, REAPED_WAIT_S)
+
+    async def drop_moved(self) -> None:
+        """Drop every task the reaper took: those no longer pending to this worker."""
+        rows = await self.redis.xpending_range(self.keys.tasks(self.id), WORKER_GROUP, min="-", max="+",
+                                               count=100_000, consumername=self.id)
+        mine = {_text(row["message_id"]) for row in rows}
+        self.unaccepted = deque(d for d in self.unaccepted if d.entry_id in mine)
+        moved = [seq for seq in [*self.held_sequences(), *self.prefilling] if seq.entry_id not in mine]
+        for seq in moved:
+            self.moved_away(seq)
+        log.warning("worker %s: %d request(s) moved away while it was out: dropped", self.id, len(moved))
+
+    def moved_away(self, seq: Sequence) -> None:
+        """Forget a request the reaper moved: free its blocks, write nothing more for it."""
+        if self.handing_off.get(seq.request_id) is seq:
+            del self.handing_off[seq.request_id]
+        self.prefilling = [s for s in self.prefilling if s is not seq]
+        self._remove(seq.request_id)
+        self.retire(seq)
+        self.writer.discard(seq.request_id)
+        self.wake.set()
 
     def held(self) -> int:
         return len(self.queued) + len(self.awaiting_kv) + len(self.running) + len(self.handing_off)
@@ -250,6 +351,9 @@ class Worker:
             self.done_entries.append(delivery.entry_id)
             return
         if task.phase != "decode":
+            superseded = self.handing_off.pop(seq.request_id, None)
+            if superseded is not None:  # moved here again while its old hand-off retried: void
+                self.retire(superseded)
             self.writer.open(seq.request_id, first_seq=task.first_seq)
             seq.output_ids = list(task.output_token_ids)
             seq.text.push(seq.output_ids)
@@ -367,7 +471,13 @@ class Worker:
             return
         self.batch_taken()
         metrics.PROMPT_TOKENS.inc(sum(len(seq.all_tokens) for seq in batch))
-        results = await self.run_engine(self.engine.prefill, batch)
+        self.prefilling = list(batch)
+        try:
+            results = await self.run_engine(self.engine.prefill, batch)
+            await self.settle_if_lapsed()  # stopped during the step: its moved requests go first
+        finally:
+            still, self.prefilling = self.prefilling, []
+        results = [(seq, token) for seq, token in results if any(s is seq for s in still)]  # not moved away meanwhile
         metrics.GENERATION_TOKENS.inc(len(results))
         for seq, token in results:
             self.emit(seq, token)
@@ -417,6 +527,7 @@ class Worker:
         # A snapshot: imports and cancellations change self.running while the engine computes.
         batch = list(self.running)
         results = await self.run_engine(self.engine.decode, batch)
+        await self.settle_if_lapsed()
         still_running = set(map(id, self.running))
         emitted = [(seq, token) for seq, token in results if id(seq) in still_running]
         metrics.GENERATION_TOKENS.inc(len(emitted))
@@ -497,6 +608,7 @@ class Worker:
             await self._publish()
 
     async def _publish(self) -> None:
+        await self.rejoin()  # back from a lapsed lease: drop what moved away before writing for it
         if self.writer.pending:
             await self.writer.flush()
         await self.tasks.send_graves()
@@ -516,31 +628,115 @@ class Worker:
     # ------------------------------------------------------------ P -> D hand-off
 
     async def hand_off(self, seq: Sequence) -> None:
-        """Ship the cache to the decode worker named in the task, then ack (or fail) the task."""
+        """Ship the cache to the decode worker named in the task, then ack (or fail) the task.
+        A dead or hung decode worker does not fail the request: once it is found gone, the
+        request is the reaper's (it gets a new P/D pair, prefilled again), and P only lets go."""
         try:
-            endpoint, secret = await self.wait_for_reservation(seq)
-            await self.links.ensure(seq.task.peer, endpoint)
-            meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id)}
-            with metrics.KV_TRANSFER.time():
-                payload = await self.engine.export_kv(seq)
-                await self.links.client.send(endpoint, seq.request_id, meta, payload, secret)
-            metrics.KV_TRANSFER_BYTES.inc(len(payload))
+            await self.ship_kv(seq)
+        except Abandoned:
+            pass  # moved away (retired where it was dropped)
+        except PeerGone as exc:
+            if self.handing_off.get(seq.request_id) is seq:
+                log.warning("%s; leaving %s to the reaper", exc, seq.request_id)
+                self.retire(seq)
         except (TransferError, asyncio.TimeoutError) as exc:
-            await self.transfer_failed(seq, exc)
+            if self.handing_off.get(seq.request_id) is seq:
+                await self.transfer_failed(seq, exc)
         else:
             self.retire(seq)
         finally:
-            self.handing_off.pop(seq.request_id, None)
+            if self.handing_off.get(seq.request_id) is seq:
+                del self.handing_off[seq.request_id]
             seq.kv = None
             self.wake.set()
 
+    async def ship_kv(self, seq: Sequence) -> None:
+        """Send the KV; a failure at the connection level (refused, reset, closed, no answer) is
+        tried again with capped backoff while the decode worker's liveness is undecided, until
+        ``kv_wait``. PeerGone once it is decided dead; TransferError for a refusal by a live one."""
+        deadline, delay = time.monotonic() + self.config.kv_wait_s, RETRY_FIRST_S
+        while True:
+            try:
+                endpoint, secret = await self.wait_for_reservation(seq)
+                return await self.watched(seq, self.send_kv(seq, endpoint, secret))
+            except Unreachable as exc:
+                problem: Exception = exc
+            except Exception as exc:
+                if not is_transient(exc):  # Redis refusing for now: the same as no answer
+                    raise
+                problem = exc
+            await self.still_undecided(seq, problem, deadline)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    async def send_kv(self, seq: Sequence, endpoint: str, secret: str) -> None:
+        await self.links.ensure(seq.task.peer, endpoint)
+        meta = {"output_token_ids": seq.output_ids, "next_seq": self.writer.next_seq(seq.request_id)}
+        with metrics.KV_TRANSFER.time():
+            payload = await self.engine.export_kv(seq)
+            self.check_still_mine(seq)  # a worker back from a stop must not ship a moved request
+            await self.links.client.send(endpoint, seq.request_id, meta, payload, secret)
+        metrics.KV_TRANSFER_BYTES.inc(len(payload))
+
+    def check_still_mine(self, seq: Sequence) -> None:
+        if self.handing_off.get(seq.request_id) is not seq:
+            raise Abandoned(seq.request_id)
+        if self.lapsed():
+            raise Unreachable("this worker's own lease lapsed: it sends nothing until it has rejoined")
+
+    async def watched(self, seq: Sequence, work: Awaitable[None]) -> None:
+        """Run ``work`` (a connect and send) while checking that the decode worker lives: a
+        hung one holds the connection open without answering, and the transfer would otherwise
+        wait its whole timeout (10 s) after the reaper has moved the request."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not (await asyncio.wait({task}, timeout=LIVENESS_POLL_S))[0]:
+                gone = await self.peer_gone(seq)
+                if gone:
+                    raise PeerGone(gone)
+            return task.result()
+        finally:
+            await cancel_and_wait({task})
+
+    async def still_undecided(self, seq: Sequence, exc: Exception, deadline: float) -> None:
+        """After a failed attempt: PeerGone if the decode worker is decided gone; TransferError
+        past the deadline (it holds its lease but takes no connection); else back to retrying."""
+        if self.handing_off.get(seq.request_id) is not seq:
+            raise Abandoned(seq.request_id)
+        if seq.request_id in self.recently_cancelled:
+            raise TransferError("the request was cancelled")
+        gone = await self.peer_gone(seq)
+        if gone:
+            raise PeerGone(gone)
+        if time.monotonic() > deadline:
+            waited = f"retried for {self.config.kv_wait_s:.0f}s"
+            raise TransferError(f"{exc}; {seq.task.peer} still holds its lease, {waited}")
+        log.info("hand-off of %s to %s failed (%s); retrying while its liveness is undecided",
+                 seq.request_id, seq.task.peer, exc)
+
+    async def peer_gone(self, seq: Sequence) -> str | None:
+        """Why the request's decode side is decided gone, or None while undecided: a reaper
+        marked the decode worker dead, or moved its task of this request (the mark its
+        redispatch leaves: a worker back from a stop has its lease and record again, but not
+        that task). An expired lease alone is not enough: until a reaper takes the worker, it
+        may come back and keep its tasks (docs/reliability.md). Redis refusing: undecided."""
+        peer = seq.task.peer
+        with transient_suppressed("checking a decode worker's liveness"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hget(self.keys.worker(peer), "state")
+            pipe.hmget(self.keys.kv(seq.request_id), "decode_worker", "task_entry")
+            state, (decode_worker, entry) = await pipe.execute()
+            if state == b"dead":
+                return f"decode worker {peer} is dead (reaped)"
+            if decode_worker == peer.encode() and entry:
+                moved = self.keys.dispatched(f"{seq.request_id}:{entry.decode(errors='replace')}")
+                if await self.redis.exists(moved):
+                    return f"the reaper moved {seq.request_id} off decode worker {peer}"
+        return None
+
     async def transfer_failed(self, seq: Sequence, exc: Exception) -> None:
-        """A dead decode worker's requests are the reaper's to move (failing them here would end
-        streams that can still complete); any other failure ends the request with an error."""
-        if not await self.redis.exists(self.keys.lease(seq.task.peer)) or await self.redis.exists(self.keys.moved(seq.request_id)):
-            log.warning("decode worker %s is gone; leaving %s to the reaper", seq.task.peer, seq.request_id)
-            self.retire(seq)
-            return
+        """A failure not about the decode worker's death (a refusal by a live one, a bad
+        reservation, the kv wait deadline) ends the request with an error, and cancels it."""
         self.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
         self.cancel_peer(seq, "kv_transfer_failed")
 
@@ -561,8 +757,11 @@ class Worker:
                 if endpoint and endpoint == registered:
                     return registered, secret
                 mismatch = mismatch or self._endpoint_mismatch(seq, endpoint, registered)
-            if seq.request_id in self.recently_cancelled or not peer_alive:
-                raise TransferError("the request was cancelled" if peer_alive else f"decode worker {seq.task.peer} is gone")
+            gone = None if peer_alive else await self.peer_gone(seq)
+            if gone:
+                raise PeerGone(gone)
+            if seq.request_id in self.recently_cancelled:
+                raise TransferError("the request was cancelled")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
         waited = f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s"
@@ -692,6 +891,10 @@ class Worker:
                 return
         self.fail(seq, "kv_transfer_timeout", f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s", 503)
         self.wake.set()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _add(a: Reserved, b: Reserved) -> Reserved:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+
+import pytest
 
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.registry import Registry, WorkerRecord
+from splitbus.redis_server import free_port
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.handoff import meta_problem
@@ -34,6 +38,7 @@ def prefilled(worker: Worker, request_id: str, peer: str) -> Sequence:
     seq = Sequence(Task("prefill", request, peer=peer), "1-0", TextStream(worker.tokenizer, []))
     worker.writer.open(request_id)
     worker.emit(seq, 97)
+    worker.handing_off[request_id] = seq  # as after_prefill leaves it
     return seq
 
 
@@ -43,9 +48,9 @@ async def register_decode(worker: Worker, worker_id: str, endpoint: str) -> None
     await Registry(worker.redis, worker.config.bus).register(record, lease_ms=30_000)
 
 
-async def reservation(worker: Worker, request_id: str, decode_worker: str, endpoint: str) -> None:
+async def reservation(worker: Worker, request_id: str, decode_worker: str, endpoint: str, entry: str = "9-0") -> None:
     """``sb:kv:{request_id}`` as D writes it (an attacker with Redis access can write the same)."""
-    fields = {"decode_worker": decode_worker, "endpoint": endpoint, "secret": SECRET}
+    fields = {"decode_worker": decode_worker, "endpoint": endpoint, "secret": SECRET, "task_entry": entry}
     await worker.redis.hset(worker.keys.kv(request_id), mapping=fields)
 
 
@@ -62,6 +67,13 @@ class Decoder:
     async def take(self, sender: str, header: Header, payload: bytes) -> str | None:
         self.frames.append((sender, header, payload))
         return None
+
+
+class Refuser(Decoder):
+    """A live decode side that refuses every frame."""
+
+    def check(self, sender: str, header: Header) -> str | None:
+        return "the frame is refused"
 
 
 class FakeServer:
@@ -208,3 +220,148 @@ def test_d_takes_exactly_what_p_could_send_for_a_new_or_a_moved_request() -> Non
         {"output_token_ids": "1234", "next_seq": 4},
     ]
     assert all(meta_problem(moved, meta, 100) for meta in refused)
+
+
+async def handing_off(worker: Worker, request_id: str, endpoint: str) -> tuple[Sequence, asyncio.Task[None]]:
+    """P's hand-off of ``request_id`` to a registered, leased d2 at ``endpoint``, running."""
+    await register_decode(worker, "d2", endpoint)
+    await reservation(worker, request_id, "d2", endpoint, entry="5-0")
+    seq = prefilled(worker, request_id, "d2")
+    return seq, asyncio.create_task(worker.hand_off(seq))
+
+
+async def reaped(worker: Worker, request_id: str, how: str) -> None:
+    """What a reaper leaves once it has taken d2: its record marked dead, or the mark of its
+    redispatch of d2's task (all a worker back from a stop leaves: its lease and record return)."""
+    if how == "marked_dead":
+        await Registry(worker.redis, worker.config.bus).mark_dead("d2")
+    else:
+        await worker.redis.set(worker.keys.dispatched(f"{request_id}:5-0"), "1")
+
+
+@pytest.mark.parametrize("how", ["marked_dead", "task_moved"])
+async def test_a_dead_decode_workers_request_is_left_to_the_reaper(bus_config: BusConfig, tiny_model: Path,
+                                                                    how: str) -> None:
+    # Issue 17: D was killed, its lease lives on (3 s). P must neither fail nor cancel the
+    # request: it retries while D's fate is undecided, then lets go once a reaper has D.
+    worker = prefill_worker(bus_config, tiny_model)
+    seq, task = await handing_off(worker, "r-dead", f"127.0.0.1:{free_port()}")  # refused: nobody listens
+    try:
+        await asyncio.sleep(0.5)
+        assert not task.done() and worker.handing_off == {"r-dead": seq}  # retrying, undecided
+        await reaped(worker, "r-dead", how)
+        await asyncio.wait_for(task, 5)
+        assert worker.done_entries == ["1-0"] and worker.handing_off == {}
+        assert not any(isinstance(e, Failed) for e in await results(worker, "r-dead"))
+        assert not await worker.redis.exists(worker.keys.cancel)  # nothing cancelled the request
+    finally:
+        await close(worker)
+
+
+async def test_a_hung_decode_worker_is_let_go_once_reaped_not_after_the_transfer_timeout(
+        bus_config: BusConfig, tiny_model: Path) -> None:
+    # A stopped D accepts the connection (its kernel does) and never answers: the send would
+    # wait its 10 s timeout. P watches D while it waits and lets go soon after the reaper.
+    worker = prefill_worker(bus_config, tiny_model)
+    hung = await asyncio.start_server(lambda r, w: asyncio.sleep(0), "127.0.0.1", 0)
+    seq, task = await handing_off(worker, "r-hung", f"127.0.0.1:{hung.sockets[0].getsockname()[1]}")
+    try:
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        reaped_at = time.monotonic()
+        await reaped(worker, "r-hung", "task_moved")
+        await asyncio.wait_for(task, 5)
+        assert time.monotonic() - reaped_at < worker.config.transfer_timeout_s  # a bound: not the timeout
+        assert worker.done_entries == ["1-0"]
+        assert not any(isinstance(e, Failed) for e in await results(worker, "r-hung"))
+    finally:
+        hung.close()
+        await close(worker)
+
+
+async def test_a_live_decode_workers_refusal_ends_the_request(bus_config: BusConfig, tiny_model: Path) -> None:
+    # A refusal is an answer from a live peer, not a sign of death: no retry, a clear error.
+    worker, decoder = prefill_worker(bus_config, tiny_model), Refuser()
+    endpoint = await decoder.server.start("127.0.0.1", 0)
+    try:
+        seq, task = await handing_off(worker, "r-refused", endpoint)
+        await asyncio.wait_for(task, 5)
+        last = (await results(worker, "r-refused"))[-1]
+        assert isinstance(last, Failed) and last.code == "kv_transfer_failed" and "the frame is refused" in last.message
+    finally:
+        await decoder.server.close()
+        await close(worker)
+
+
+async def test_an_unreachable_decode_worker_that_keeps_its_lease_fails_at_the_kv_wait(
+        bus_config: BusConfig, tiny_model: Path) -> None:
+    # Never reaped (it heartbeats, but its KV port takes nothing): bounded by --kv-wait.
+    worker = prefill_worker(bus_config, tiny_model, kv_wait_s=1.0)
+    try:
+        seq, task = await handing_off(worker, "r-cut", f"127.0.0.1:{free_port()}")
+        await asyncio.wait_for(task, 5)
+        last = (await results(worker, "r-cut"))[-1]
+        assert isinstance(last, Failed) and last.code == "kv_transfer_failed"
+        assert "cannot connect" in last.message and "still holds its lease" in last.message
+    finally:
+        await close(worker)
+
+
+def decode_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="decode", model_dir=tiny_model, model_name="tiny", worker_id="d-hung")
+    return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+
+
+async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
+    """Tasks read from the worker's own stream (pending to it) and decoding, one token buffered each."""
+    await worker.tasks.ensure_group()
+    for request_id in request_ids:
+        request = GenerateRequest(request_id, "tiny", [97], SamplingParams(max_tokens=8), "api", 0)
+        await worker.redis.xadd(worker.keys.tasks(worker.id), codec.encode(Task("decode", request, peer="p1")))
+    seqs = []
+    for delivery in await worker.tasks.read(10, block_ms=0):
+        seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
+        assert worker.engine.reserve(seq, 32)
+        worker.writer.open(seq.request_id, first_seq=1)
+        worker.emit(seq, 97)  # written after the stop, if at all
+        worker.running.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+async def test_a_worker_back_from_a_stop_drops_what_the_reaper_moved_and_rejoins(
+        bus_config: BusConfig, tiny_model: Path) -> None:
+    worker = decode_worker(bus_config, tiny_model)
+    try:
+        moved, kept = await decoding(worker, "r-moved", "r-kept")
+        # While it was stopped: its lease expired, a reaper took it, moved r-moved (acked its
+        # task in this worker's stream, as the redispatch script does) and marked it dead.
+        await worker.redis.set(worker.keys.reaping(worker.id), "scheduler-1", ex=60)
+        await worker.redis.xack(worker.keys.tasks(worker.id), "workers", moved.entry_id)
+        await Registry(worker.redis, bus_config).mark_dead(worker.id)
+        worker.last_beat = time.monotonic() - 5  # stopped 5 s: past the 3 s lease
+        await worker.publish()  # the first write after waking settles first
+        assert worker.running == [kept] and moved.blocks == 0 and kept.blocks > 0
+        assert await worker.redis.xlen(worker.keys.out("r-moved")) == 0  # its late token never went out
+        assert await worker.redis.xlen(worker.keys.out("r-kept")) == 1
+        record = await worker.redis.hgetall(worker.keys.worker(worker.id))
+        assert b"state" not in record and worker.id.encode() in await worker.redis.zrange(worker.keys.workers, 0, -1)
+        assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2  # no reaper takes it again
+    finally:
+        await worker.redis.aclose()
+
+
+async def test_a_worker_back_before_any_reaper_keeps_its_requests(bus_config: BusConfig, tiny_model: Path) -> None:
+    # Its lease lapsed but no reaper started: it takes sb:reaping:{itself} first, so none can.
+    worker = decode_worker(bus_config, tiny_model)
+    try:
+        seqs = await decoding(worker, "r-1", "r-2")
+        worker.last_beat = time.monotonic() - 5
+        await worker.publish()
+        assert worker.running == seqs and not worker.lapsed()
+        assert [await worker.redis.xlen(worker.keys.out(r)) for r in ("r-1", "r-2")] == [1, 1]
+        assert await worker.redis.get(worker.keys.reaping(worker.id)) == b"d-hung:rejoining"
+        assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2
+    finally:
+        await worker.redis.aclose()

@@ -12,8 +12,8 @@ import pytest
 
 from splitbus.redis_server import free_port
 from splitbus.worker.transfer import (ACK, HEADER, HELLO, KV, MAGIC, MAX_PAYLOAD, MAX_SKIP, Header, Refused,
-                                      TransferClient, TransferError, TransferServer, kv_proof, proof_matches,
-                                      read_frame, write_frame)
+                                      TransferClient, TransferError, TransferServer, Unreachable, kv_proof,
+                                      proof_matches, read_frame, write_frame)
 
 SECRET = "s3cret"
 
@@ -96,8 +96,27 @@ def test_the_proof_covers_sender_request_meta_size_and_crc() -> None:
 
 
 async def test_unreachable_endpoint_is_a_transfer_error() -> None:
-    with pytest.raises(TransferError, match="cannot connect"):
+    with pytest.raises(Unreachable, match="cannot connect"):  # "the peer may be dead": P retries
         await TransferClient("p1", timeout_s=2).connect(f"127.0.0.1:{free_port()}")
+
+
+async def test_a_peer_that_dies_or_hangs_is_unreachable_and_a_refusal_is_not() -> None:
+    # What P retries (the peer may be dead) and what ends the request (a live peer said no).
+    receiver = Receiver({"r1"})
+    server, endpoint = await serve(receiver)
+    client = TransferClient("p1", timeout_s=0.5)
+    with pytest.raises(Refused) as refused:
+        await client.send(endpoint, "unknown", {}, b"x", SECRET)
+    assert not isinstance(refused.value, Unreachable)
+    reset = await asyncio.start_server(lambda r, w: w.transport.abort(), "127.0.0.1", 0)  # an RST at once
+    closing = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)  # a FIN at once
+    hung = await asyncio.start_server(lambda r, w: asyncio.sleep(0), "127.0.0.1", 0)  # accepts, never answers
+    for stub in (reset, closing, hung):
+        with pytest.raises(Unreachable, match="transfer to .* failed"):
+            await client.send(f"127.0.0.1:{stub.sockets[0].getsockname()[1]}", "r1", {}, b"x", SECRET)
+        stub.close()
+    await client.close()
+    await server.close()
 
 
 async def test_corrupt_frame_is_rejected() -> None:
