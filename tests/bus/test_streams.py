@@ -260,7 +260,8 @@ async def test_claim_from_takes_every_entry_of_one_consumer_once(redis: aioredis
     assert by_name == {"gone": 0, "other": 1, "c1": 2}  # c2 claimed nothing
 
 
-async def test_forget_deletes_only_a_consumer_with_nothing_pending(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_forget_deletes_only_a_consumer_with_nothing_pending(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
     busy, idle = await _consumer(redis, bus_config, "busy"), await _consumer(redis, bus_config, "idle")
     assert await idle.consumers() == []
     await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(1))

@@ -25,6 +25,7 @@ from splitbus.worker.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
 LEASE_S = 3.0
+"""The issue's bound: no request waits more than a lease (a worker's, 3 s; a replica's is 2 s)."""
 MARGIN_S = 3.0
 """A request waits at most the lease, one claim round and one blocked read of the claimer."""
 SCHEDULER = r"splitbus.cli.main scheduler"

@@ -59,11 +59,13 @@ class Dispatcher:
         self._batcher = Batcher(redis)
         self._ttl = dispatched_ttl_s
 
-    async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement], consumer: str = "") -> int:
+    async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement],
+                       consumer: str = "") -> int:
         """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
         pending with it) or DUPLICATE."""
         mark = self._keys.dispatched(request.request_id)
-        return await self._write(self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements, consumer=consumer)
+        return await self._write(self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements,
+                                 consumer=consumer)
 
     async def redispatch(self, dead_worker: str, entry_id: str, request: GenerateRequest, placements: list[Placement], first_seq: int, tokens: list[int]) -> int:
         """Move a dead worker's task: ack it in that worker's stream and write new tasks that

@@ -77,7 +77,9 @@ class Scheduler:
         self.waiting: list[Waiting] = []
         self.local: dict[str, Reserved] = {}
         """Reservations made since the last registry snapshot."""
-        self._claimed: list[Delivery] = []
+        self._placing = asyncio.Lock()
+        """Held while requests are placed: by the scheduling loop, and by the claimer, which
+        places what it claimed at once rather than after the loop's blocked read returns."""
         self.reaper = Reaper(self.redis, bus, config.name, self.view, self.policy, self.dispatcher, self.local)
         self.window: StaggerWindow[Waiting] | None = None
         self._batches = itertools.count()
@@ -101,10 +103,15 @@ class Scheduler:
     async def step(self) -> None:
         """Read what there is room to wait for, then place everything that can be placed."""
         arrivals = await self.read_requests()
-        if self.window is None:
-            self.waiting += arrivals
-        else:
-            await self.hold(arrivals)
+        async with self._placing:
+            if self.window is None:
+                self.waiting += arrivals
+            else:
+                await self.hold(arrivals)
+            await self.place_waiting()
+
+    async def place_waiting(self) -> None:
+        """Place what waits (with the lock held); what cannot be placed yet waits on."""
         self.waiting = await self.place_all(self.waiting)
         if self.writer.pending:  # errors for requests dead-lettered as they were read
             await self.writer.flush()
@@ -247,7 +254,6 @@ class Scheduler:
         if self.view.refreshed.is_set():
             self.view.refreshed.clear()
             self.local.clear()  # the fresh snapshot holds our reservations now
-        deliveries, self._claimed = deliveries + self._claimed, []
         now = time.monotonic()
         return [Waiting(d, now) for d in deliveries]
 
@@ -328,8 +334,12 @@ class Scheduler:
         """Take over requests that a dead or hung replica read but never dispatched: at once
         when its lease is gone, after ``claim_idle_ms`` when it still holds its lease."""
         await asyncio.sleep(self.config.claim_every_s)
-        self._claimed += await self.claim_from_gone()
-        self._claimed += await self.requests.claim_idle()
+        claimed = await self.claim_from_gone() + await self.requests.claim_idle()
+        if claimed:
+            now = time.monotonic()
+            async with self._placing:  # kept in ``waiting`` first: a Redis error loses none of them
+                self.waiting += [Waiting(d, now) for d in claimed]
+                await self.place_waiting()
 
     async def claim_from_gone(self) -> list[Delivery]:
         """The entries pending with replicas whose lease is gone; such a replica with nothing
@@ -341,9 +351,11 @@ class Scheduler:
                 continue
             if consumer.pending:
                 taken = await self.requests.claim_from(consumer.name)
-                log.warning("claimed %d request entr(ies) of scheduler %s (its lease expired)", len(taken), consumer.name)
+                log.warning("claimed %d request entr(ies) of scheduler %s (its lease expired)", len(taken),
+                            consumer.name)
                 claimed += taken
-            elif consumer.idle_ms > self.config.dead_consumer_keep_s * 1000 and await self.requests.forget(consumer.name):
+            elif consumer.idle_ms > self.config.dead_consumer_keep_s * 1000 and await self.requests.forget(
+                    consumer.name):
                 log.info("scheduler %s left the group (no lease, nothing pending)", consumer.name)
         return claimed
 

@@ -63,7 +63,8 @@ def _replica(bus_config: BusConfig, name: str, **kwargs: float) -> Scheduler:
     return Scheduler(SchedulerConfig(bus_config, mode="splitwise", name=name, **kwargs))  # type: ignore[arg-type]
 
 
-async def test_a_replica_claims_what_a_replica_without_lease_holds_at_once(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_a_replica_claims_what_a_replica_without_lease_holds_at_once(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
     entry = await _held_by(redis, bus_config, "hung", lease_ms=None)
     live = _replica(bus_config, "live")
     try:
@@ -86,7 +87,8 @@ async def test_a_replica_that_holds_its_lease_keeps_its_entries(redis: aioredis.
         await live.redis.aclose()
 
 
-async def test_a_gone_replica_with_nothing_pending_leaves_the_group_after_the_keep(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_a_gone_replica_with_nothing_pending_leaves_the_group_after_the_keep(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
     entry = await _held_by(redis, bus_config, "gone", lease_ms=None)
     await redis.xack(bus_config.keys.requests, SCHEDULER_GROUP, entry)
     live = _replica(bus_config, "live", dead_consumer_keep_s=0.2)
@@ -116,7 +118,8 @@ async def test_a_woken_replica_does_not_fail_a_request_it_lost(redis: aioredis.R
         await live.redis.aclose()
 
 
-async def test_the_lease_is_taken_at_start_renewed_apart_and_released_at_stop(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_the_lease_is_taken_at_start_renewed_apart_and_released_at_stop(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
     replica = _replica(bus_config, "s1", lease_ms=400, heartbeat_s=0.1)
     runner = asyncio.create_task(replica.run())
     lease = SchedulerLease(redis, bus_config, "s1", 400)
