@@ -7,7 +7,9 @@ replica wakes, it finds the entry gone and writes nothing for it, and it serves 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -20,7 +22,6 @@ import openai
 import pytest
 import redis
 
-from splitbus.redis_server import free_port
 from splitbus.worker.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
@@ -56,6 +57,20 @@ def replicas(system: System) -> list[Replica]:
             port = int(argv[argv.index("--metrics-port") + 1]) if "--metrics-port" in argv else 0
             found.append(Replica(pid, port))
     return sorted(found, key=lambda r: r.pid)
+
+
+def free_run(count: int) -> int:
+    """A base port with ``count`` free ports from it (``up --metrics-port-base``: schedulers, then
+    workers), checked by binding them all."""
+    while True:
+        base = random.randrange(20_000, 60_000)
+        try:
+            with contextlib.ExitStack() as held:  # all bound at once
+                for port in range(base, base + count):
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+        except OSError:
+            continue
+        return base
 
 
 def dispatches(replica: Replica) -> dict[str, float]:
@@ -121,8 +136,7 @@ def claimed_from(system: System, name: str) -> bool:
 
 @pytest.mark.timeout(180)
 def test_a_hung_scheduler_holds_no_request_past_its_lease(tmp_path: Path) -> None:
-    base = free_port() // 8 * 8  # schedulers and workers serve /metrics on base, base + 1, ...
-    system = start_system(tmp_path, "--schedulers", "2", "--metrics-port-base", str(base))
+    system = start_system(tmp_path, "--schedulers", "2", "--metrics-port-base", str(free_run(4)))
     try:
         r = system.redis()
         a, b = replicas(system)
@@ -153,5 +167,8 @@ def test_a_hung_scheduler_holds_no_request_past_its_lease(tmp_path: Path) -> Non
         assert wait_for(lambda: r.xpending("sb:requests", "schedulers")["pending"] == 0, 5)
         assert dispatches(a).get("dispatched", 0) + dispatches(b).get("dispatched", 0) == sent
         assert [d.get("duplicate", 0) for d in (dispatches(a), dispatches(b))] == [0, 0]
+    except BaseException:
+        print("".join(system.output[-300:]))  # what the parts logged, for the failure's report
+        raise
     finally:
         assert stop_system(system) == []

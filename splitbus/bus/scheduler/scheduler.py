@@ -325,7 +325,7 @@ class Scheduler:
         """Renew this replica's lease, apart from the scheduling loop (a slow step keeps it)."""
         if not await self.lease.renew() and self._leased:
             log.warning("scheduler %s: its lease had lapsed (hung, or cut off from Redis, over %d ms); "
-                        "what was pending with it went to the other replicas; rejoining", self.config.name,
+                        "what was pending with it may be the other replicas' now; rejoining", self.config.name,
                         self.config.lease_ms)
         self._leased = True
         await asyncio.sleep(self.config.heartbeat_s)
