@@ -1,7 +1,8 @@
 """Every Redis key splitbus uses, and nothing else builds key names.
 
 Braces are Redis Cluster hash tags: all keys of one request (``out``, ``kv``) share a slot, and
-so do all keys of one worker (``tasks``, ``worker``, ``lease``, ``ctrl``).
+so do all keys of one worker (``tasks``, ``worker``, ``lease``, ``ctrl``). A scheduler replica's
+lease is tagged by its consumer name, and every script touches one key (or keys of one tag).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class Keys:
     def lease(self, worker: str) -> str:
         """String with a TTL: the worker is alive while it exists."""
         return f"{self.prefix}:lease:{{{worker}}}"
+
+    def scheduler_lease(self, name: str) -> str:
+        """String with a TTL: the scheduler replica (its consumer name in ``schedulers``) is alive
+        while it exists; once it is gone, the other replicas claim the entries pending with it."""
+        return f"{self.prefix}:scheduler-lease:{{{name}}}"
 
     def ctrl(self, worker: str) -> str:
         """Stream of control commands to one worker."""

@@ -282,3 +282,35 @@ class RegistryView:
 
     def serves(self, model: str) -> bool:
         return any(w.record.model == model for w in self.live())
+
+
+class SchedulerLease:
+    """A scheduler replica's lease, ``sb:scheduler-lease:{name}``: a string set with ``PX`` by
+    the replica's heartbeat, expired by Redis on its own clock. Replicas have no record to
+    publish, so the lease is all there is; the ``schedulers`` group's consumer list says which
+    replicas exist."""
+
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, name: str, lease_ms: int) -> None:
+        if lease_ms < 1:
+            raise ValueError("lease_ms must be >= 1")
+        self._redis, self._keys = redis, config.keys
+        self.name, self.lease_ms = name, lease_ms
+
+    async def renew(self) -> bool:
+        """Take or renew the lease; returns whether it was still held (False: it had lapsed, or
+        this is the first)."""
+        before = await self._redis.set(self._keys.scheduler_lease(self.name), "1", px=self.lease_ms, get=True)
+        return before is not None
+
+    async def release(self) -> None:
+        """A replica stopping cleanly: the others take what it leaves pending at once."""
+        await self._redis.delete(self._keys.scheduler_lease(self.name))
+
+    async def held(self, names: list[str]) -> list[bool]:
+        """Whether each named replica's lease exists (one pipeline; one key per command)."""
+        if not names:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self._keys.scheduler_lease(name))
+        return [bool(n) for n in await pipe.execute()]

@@ -26,6 +26,41 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields as a script returns them (a flat list), as redis-py gives them."""
+    return dict(zip(flat[::2], flat[1::2]))
+
+
+# Claims every entry pending with one consumer (ARGV[2]) for another (ARGV[3]), in one step on
+# one key: an entry another claimer took first is no longer the owner's, so it is not taken twice.
+_CLAIM_FROM = """
+local ids = {}
+for _, row in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', ARGV[4], ARGV[2])) do
+  ids[#ids + 1] = row[1]
+end
+if #ids == 0 then return {} end
+return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
+"""
+
+# Deletes a consumer only if nothing is pending with it: it may have read again since it was
+# looked at, and XGROUP DELCONSUMER drops its pending entries.
+_FORGET = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class ConsumerInfo:
+    """One consumer of a group, from ``XINFO CONSUMERS``."""
+
+    name: str
+    pending: int
+    idle_ms: int
+    """Since its last read or claim."""
+
+
 @dataclass(frozen=True)
 class Delivery:
     """One decoded entry handed to a consumer; ack it with its ``entry_id``."""
@@ -229,6 +264,42 @@ class GroupConsumer:
             return []
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
         return await self._decode_all(await self._bury_poison(entries))
+
+    async def consumers(self) -> list[ConsumerInfo]:
+        """The group's consumers (none if the stream or group does not exist yet)."""
+        try:
+            rows = await self._redis.xinfo_consumers(self.stream, self.group)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc) and "no such key" not in str(exc):
+                raise
+            return []
+        return [ConsumerInfo(_text(r["name"]), int(r["pending"]), int(r["idle"])) for r in rows]
+
+    async def claim_from(self, owner: str, count: int = 1000) -> list[Delivery]:
+        """Take over up to ``count`` entries pending with ``owner`` (a consumer known to be gone),
+        however idle they are. Delivered-too-often entries are dead-lettered as in ``claim_idle``."""
+        script = self._redis.register_script(_CLAIM_FROM)
+        reply = await script(keys=[self.stream], args=[self.group, owner, self.consumer, count])
+        entries = [(_text(i), _pairs(f)) for i, f in reply if f]
+        trimmed = [_text(row[0]) for row in reply if not row[1]]
+        if trimmed:  # deleted while pending: nothing is left to deliver
+            await self.ack(*trimmed)
+        if not entries:
+            return []
+        metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
+        return await self._decode_all(await self._bury_poison(entries))
+
+    async def owns(self, entry_id: str) -> bool:
+        """Whether the entry is pending with this consumer now (not acked, not claimed by another)."""
+        rows = await self._redis.xpending_range(
+            self.stream, self.group, min=entry_id, max=entry_id, count=1, consumername=self.consumer
+        )
+        return bool(rows)
+
+    async def forget(self, consumer: str) -> bool:
+        """Delete ``consumer`` from the group if nothing is pending with it; whether it was."""
+        script = self._redis.register_script(_FORGET)
+        return bool(await script(keys=[self.stream], args=[self.group, consumer]))
 
     async def _bury_poison(self, entries: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         counts = await self._delivery_counts([entry_id for entry_id, _ in entries])

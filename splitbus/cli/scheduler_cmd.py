@@ -23,7 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     add_redis_url_argument(p)
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
     p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")
-    p.add_argument("--claim-idle-ms", type=int, default=30_000, help="take over requests another replica left pending this long")
+    p.add_argument("--lease-ms", type=int, default=2000,
+                   help="this replica's lease: not renewed this long (dead, hung), the others take its requests")
+    p.add_argument("--claim-idle-ms", type=int, default=30_000,
+                   help="take over requests pending this long with a replica that holds its lease (alive, stuck)")
+    p.add_argument("--dead-consumer-keep-s", type=float, default=600.0,
+                   help="delete a replica without lease or pending requests from the group after this long idle")
     add_metrics_arguments(p)
     p.set_defaults(run=run)
 
@@ -37,6 +42,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
             bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, claim_idle_ms=args.claim_idle_ms),
             mode=args.mode,
             no_worker_wait_s=args.no_worker_wait,
+            lease_ms=args.lease_ms,
+            dead_consumer_keep_s=args.dead_consumer_keep_s,
             stagger=not args.no_stagger,
             stagger_max_wait_s=args.stagger_max_wait_ms / 1000,
             **({"name": args.name} if args.name else {}),

@@ -10,6 +10,7 @@ def test_default_prefix_and_hash_tags() -> None:
     assert keys.rdma("p1", "d1") == "sb:rdma:{p1}:{d1}"
     assert keys.workers == "sb:workers"
     assert keys.lease("w1") == "sb:lease:{w1}"
+    assert keys.scheduler_lease("s1") == "sb:scheduler-lease:{s1}"
 
 
 def test_kind_is_bounded() -> None:

@@ -9,7 +9,7 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
+from splitbus.bus.registry import Registry, Reserved, SchedulerLease, WorkerLoad, WorkerRecord
 
 
 def _record(worker_id: str, role: str = "decode") -> WorkerRecord:
@@ -96,3 +96,16 @@ async def test_forward_ends_are_read_fresh_and_zero_when_never_announced(redis: 
         await registry.register(_record(worker_id, "mixed"), lease_ms=5000)
     await registry.report_load("r0", WorkerLoad(forward_ends_ms=1_700_000_000_123))
     assert await registry.forward_ends(["r0", "r1", "gone"]) == [1_700_000_000_123, 0, 0]
+
+
+async def test_scheduler_lease_lapses_on_the_servers_clock(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    lease = SchedulerLease(redis, bus_config, "s1", lease_ms=200)
+    assert not await lease.renew()  # the first take: nothing was held
+    assert await lease.renew()
+    assert await lease.held(["s1", "s2"]) == [True, False]
+    assert 0 < await redis.pttl(bus_config.keys.scheduler_lease("s1")) <= 200
+    await asyncio.sleep(0.3)
+    assert await lease.held(["s1"]) == [False]
+    assert not await lease.renew()  # it had lapsed: the replica knows it lost its entries
+    await lease.release()
+    assert await lease.held(["s1"]) == [False] and await lease.held([]) == []

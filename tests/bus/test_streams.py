@@ -242,3 +242,32 @@ async def test_dead_letters_refused_at_maxmemory_are_kept_and_sent_later(
     letters = await _dead_letters(redis, bus_config)
     assert [d.reason.split(":")[0] for d in letters] == ["undecodable"]
     assert (await redis.xpending(bus_config.keys.requests, GROUP))["pending"] == 1  # r1 only
+
+
+async def test_claim_from_takes_every_entry_of_one_consumer_once(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    gone, other = await _consumer(redis, bus_config, "gone"), await _consumer(redis, bus_config, "other")
+    producer = Producer(redis, bus_config)
+    await producer.send_many([(bus_config.keys.requests, _msg(i)) for i in range(3)])
+    held = await gone.read(2)
+    kept = await other.read(1)
+    first, second = await _consumer(redis, bus_config, "c1"), await _consumer(redis, bus_config, "c2")
+    claimed = await first.claim_from("gone")
+    assert [d.entry_id for d in claimed] == [d.entry_id for d in held]  # however fresh: no idle bound
+    assert await second.claim_from("gone") == []  # no longer the gone one's: not taken twice
+    assert await other.owns(kept[0].entry_id) and not await gone.owns(held[0].entry_id)
+    assert all([await first.owns(d.entry_id) for d in held])
+    by_name = {c.name: c.pending for c in await first.consumers()}
+    assert by_name == {"gone": 0, "other": 1, "c1": 2}  # c2 claimed nothing
+
+
+async def test_forget_deletes_only_a_consumer_with_nothing_pending(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    busy, idle = await _consumer(redis, bus_config, "busy"), await _consumer(redis, bus_config, "idle")
+    assert await idle.consumers() == []
+    await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(1))
+    assert len(await busy.read(1)) == 1
+    await idle.read(1, block_ms=0)  # creates the consumer, reads nothing
+    assert not await idle.forget("busy")  # it holds an entry: XGROUP DELCONSUMER would drop it
+    assert await busy.forget("idle")
+    assert [c.name for c in await busy.consumers()] == ["busy"]
+    assert (await redis.xpending(bus_config.keys.requests, GROUP))["pending"] == 1

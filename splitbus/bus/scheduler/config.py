@@ -26,8 +26,19 @@ class SchedulerConfig:
     no_worker_wait_s: float = 10.0
     """How long a request waits for an eligible worker before its client gets a 503."""
     dispatched_ttl_s: int = 3600
-    claim_every_s: float = 1.0
-    """How often this replica takes over requests left pending by a dead replica."""
+    lease_ms: int = 2000
+    """The replica's lease (``sb:scheduler-lease:{name}``): once it has not been renewed for this
+    long (the replica died, hung, or lost Redis), the others claim the entries pending with it."""
+    heartbeat_s: float = 0.5
+    """How often the lease is renewed, by a loop of its own (a slow step does not lose it)."""
+    claim_every_s: float = 0.25
+    """How often this replica looks for replicas whose lease is gone, and for entries pending
+    longer than ``bus.claim_idle_ms`` with any replica (alive but stuck), takes them over and
+    places them at once: a request read by a replica that then hung waits at most ``lease_ms``
+    + one round (2.25 s)."""
+    dead_consumer_keep_s: float = 600.0
+    """A replica whose lease is gone and that has nothing pending is deleted from the group once
+    it has been idle this long (consumer names carry a pid: restarts would pile them up)."""
     reap_every_s: float = 1.0
     """How often this replica looks for workers whose lease expired, to move their tasks."""
     stagger: bool = True
@@ -40,3 +51,7 @@ class SchedulerConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.refresh_s <= 0 or self.no_worker_wait_s <= 0 or self.batch < 1:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
+        if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:
+            raise ValueError("lease_ms must cover at least two heartbeats (heartbeat_s > 0)")
+        if self.claim_every_s <= 0 or self.dead_consumer_keep_s < 0:
+            raise ValueError("claim_every_s must be positive and dead_consumer_keep_s >= 0")

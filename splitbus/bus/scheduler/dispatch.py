@@ -5,6 +5,14 @@ A crash before the script leaves the request pending (another replica claims it)
 everything is written. A retried call finds the entry acked and does nothing, and a duplicate
 request entry (a retried XADD by an API node) finds the dispatched mark and is only acked: each
 request is dispatched exactly once.
+
+The script first checks that the entry is still pending with the calling replica (``XPENDING``
+on that one id and consumer): a replica that hung (SIGSTOP, a GC pause, a frozen VM) while
+holding entries has lost them to another replica once its lease expired, and when it wakes its
+dispatch writes nothing. ``XACK`` alone would not do: it acks an entry whatever consumer owns
+it, so the woken replica would dispatch an entry that the claimer still holds (the claimer's
+later dispatch would find it acked, so still one dispatch, but two replicas would act on one
+request: one could fail it with a 503 while the other dispatched it).
 """
 
 from __future__ import annotations
@@ -24,12 +32,17 @@ from splitbus.bus.scheduler.policy import Placement
 DISPATCHED = 1
 ALREADY_ACKED = 0
 DUPLICATE = -1
+NOT_OURS = ALREADY_ACKED
+"""The entry is not pending with this consumer: acked already, or claimed by another replica."""
 
 _DISPATCH = """
+if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
+  return 0
+end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return -1 end
 for i = 0, tonumber(ARGV[4]) - 1 do
-  local worker, tasks, a = KEYS[3 + 2 * i], KEYS[4 + 2 * i], 5 + 6 * i
+  local worker, tasks, a = KEYS[3 + 2 * i], KEYS[4 + 2 * i], 6 + 6 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
   redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
   redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
@@ -46,10 +59,13 @@ class Dispatcher:
         self._batcher = Batcher(redis)
         self._ttl = dispatched_ttl_s
 
-    async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement]) -> int:
-        """Returns DISPATCHED, ALREADY_ACKED or DUPLICATE."""
+    async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement],
+                       consumer: str = "") -> int:
+        """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
+        pending with it) or DUPLICATE."""
         mark = self._keys.dispatched(request.request_id)
-        return await self._write(self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements)
+        return await self._write(self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements,
+                                 consumer=consumer)
 
     async def redispatch(self, dead_worker: str, entry_id: str, request: GenerateRequest, placements: list[Placement], first_seq: int, tokens: list[int]) -> int:
         """Move a dead worker's task: ack it in that worker's stream and write new tasks that
@@ -59,9 +75,10 @@ class Dispatcher:
         return await self._write(self._keys.tasks(dead_worker), WORKER_GROUP, entry_id, mark, request, placements, first_seq, tokens)
 
     async def _write(self, stream: str, group: str, entry_id: str, mark: str, request: GenerateRequest,
-                     placements: list[Placement], first_seq: int = 0, tokens: list[int] | None = None) -> int:
+                     placements: list[Placement], first_seq: int = 0, tokens: list[int] | None = None,
+                     consumer: str = "") -> int:
         keys = [stream, mark]
-        args: list[object] = [group, entry_id, self._ttl, len(placements)]
+        args: list[object] = [group, entry_id, self._ttl, len(placements), consumer]
         for p in placements:
             worker_id = p.worker.record.worker_id
             keys += [self._keys.worker(worker_id), self._keys.tasks(worker_id)]

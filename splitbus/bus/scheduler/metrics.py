@@ -4,7 +4,8 @@ from prometheus_client import Histogram, Counter
 
 DISPATCHES = Counter(
     "splitbus_scheduler_dispatches_total",
-    "Requests handled, by outcome (dispatched, duplicate, already_acked, no_worker, deadline).",
+    "Requests handled, by outcome (dispatched, duplicate, already_acked: acked, or claimed by another replica; "
+    "no_worker, deadline).",
     ["outcome"],
 )
 QUEUE_WAIT = Histogram(

@@ -3,6 +3,15 @@
 Several replicas share the ``schedulers`` group; each request goes to one of them. A request
 that no worker can take yet waits (unacked, so a crash does not lose it) up to
 ``no_worker_wait_s``, then its client gets a 503.
+
+Each replica holds a lease (``sb:scheduler-lease:{name}``) renewed by a loop of its own. Every
+``claim_every_s`` the live replicas look at the group's consumers: the entries pending with a
+replica whose lease is gone (it died, or hung: a stopped process's blocked read is still served
+by Redis, and what it gets stays pending with it) are claimed at once; entries pending longer
+than ``claim_idle_ms`` with a replica that still holds its lease (alive but stuck) are claimed
+too. A replica acts on an entry only while it is still pending with it: the dispatch script
+checks, and so does ``fail``, so a replica that wakes from a hang writes nothing for what it
+lost.
 """
 
 from __future__ import annotations
@@ -16,14 +25,14 @@ from typing import Awaitable, Callable, TypeVar
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect, forever, is_transient, until_done
+from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed, until_done
 from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, RegistryView, Reserved
+from splitbus.bus.registry import Registry, RegistryView, Reserved, SchedulerLease
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.scheduler import metrics
 from splitbus.bus.scheduler.config import SchedulerConfig
-from splitbus.bus.scheduler.dispatch import DISPATCHED, Dispatcher
+from splitbus.bus.scheduler.dispatch import DISPATCHED, NOT_OURS, Dispatcher
 from splitbus.bus.scheduler.policy import (
     Placement,
     Policy,
@@ -59,6 +68,8 @@ class Scheduler:
             self.redis, bus, bus.keys.requests, SCHEDULER_GROUP, config.name, on_dead=self.fail_dead
         )
         self.registry = Registry(self.redis, bus)
+        self.lease = SchedulerLease(self.redis, bus, config.name, config.lease_ms)
+        self._leased = False
         self.view = RegistryView(self.registry, config.refresh_s)
         self.policy = Policy(config.mode)
         self.dispatcher = Dispatcher(self.redis, bus, config.dispatched_ttl_s)
@@ -66,7 +77,9 @@ class Scheduler:
         self.waiting: list[Waiting] = []
         self.local: dict[str, Reserved] = {}
         """Reservations made since the last registry snapshot."""
-        self._claimed: list[Delivery] = []
+        self._placing = asyncio.Lock()
+        """Held while requests are placed: by the scheduling loop, and by the claimer, which
+        places what it claimed at once rather than after the loop's blocked read returns."""
         self.reaper = Reaper(self.redis, bus, config.name, self.view, self.policy, self.dispatcher, self.local)
         self.window: StaggerWindow[Waiting] | None = None
         self._batches = itertools.count()
@@ -90,10 +103,15 @@ class Scheduler:
     async def step(self) -> None:
         """Read what there is room to wait for, then place everything that can be placed."""
         arrivals = await self.read_requests()
-        if self.window is None:
-            self.waiting += arrivals
-        else:
-            await self.hold(arrivals)
+        async with self._placing:
+            if self.window is None:
+                self.waiting += arrivals
+            else:
+                await self.hold(arrivals)
+            await self.place_waiting()
+
+    async def place_waiting(self) -> None:
+        """Place what waits (with the lock held); what cannot be placed yet waits on."""
         self.waiting = await self.place_all(self.waiting)
         if self.writer.pending:  # errors for requests dead-lettered as they were read
             await self.writer.flush()
@@ -126,6 +144,8 @@ class Scheduler:
             return []
 
     async def poison(self, waiting: Waiting, reason: str) -> None:
+        if not await self.requests.owns(waiting.delivery.entry_id):
+            return  # another replica holds it now, and decides
         await self.requests.dead_letter(waiting.delivery, reason)
         request = waiting.delivery.message
         if isinstance(request, GenerateRequest):
@@ -190,9 +210,12 @@ class Scheduler:
 
     async def start(self) -> None:
         await until_done(self.requests.ensure_group, self.redis, self.stopping.is_set, "start-up")
+        await until_done(self.lease.renew, self.redis, self.stopping.is_set, "start-up")
+        self._leased = True
         await self.view.refresh()
         self._tasks = [
             asyncio.create_task(self.view.run()),
+            asyncio.create_task(self.background(self.renew_lease)),
             asyncio.create_task(self.background(self.claim_orphans)),
             asyncio.create_task(self.reaper.run(self.config.reap_every_s)),
             asyncio.create_task(self.background(self.trim_requests)),
@@ -204,6 +227,8 @@ class Scheduler:
         self.view.stop()
         self.reaper.stopped = True
         await cancel_and_wait(self._tasks)
+        with transient_suppressed("releasing the scheduler lease"):
+            await self.lease.release()  # the others take what is still pending with us at once
         await self.redis.aclose()
 
     async def background(self, step: Callable[[], Awaitable[None]]) -> None:
@@ -229,7 +254,6 @@ class Scheduler:
         if self.view.refreshed.is_set():
             self.view.refreshed.clear()
             self.local.clear()  # the fresh snapshot holds our reservations now
-        deliveries, self._claimed = deliveries + self._claimed, []
         now = time.monotonic()
         return [Waiting(d, now) for d in deliveries]
 
@@ -265,7 +289,10 @@ class Scheduler:
         return placement
 
     async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: list[Placement]) -> None:
-        outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements)
+        outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
+        if outcome == NOT_OURS:
+            log.info("request entry %s is no longer this replica's (acked, or claimed by another): nothing written",
+                     waiting.delivery.entry_id)
         metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
         if outcome == DISPATCHED and waiting.delivery.published_us is not None:
             metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
@@ -277,7 +304,11 @@ class Scheduler:
                                          mine.reserved_requests + add.reserved_requests, mine.reserved_kv_blocks + add.reserved_kv_blocks)
 
     async def fail(self, waiting: Waiting, code: str, message: str, status: int) -> bool:
+        """Fail the request to its client, if its entry is still ours (a replica that hung past
+        its lease lost it to another, which decides)."""
         request = waiting.delivery.message
+        if not await self.requests.owns(waiting.delivery.entry_id):
+            return False
         log.warning("failing %s: %s", request.request_id, message)
         self.writer.fail(request.request_id, code, message, status)
         await self.writer.flush()
@@ -290,10 +321,43 @@ class Scheduler:
         await asyncio.sleep(TRIM_EVERY_S)
         await trim_consumed(self.redis, self.config.bus.keys.requests)
 
+    async def renew_lease(self) -> None:
+        """Renew this replica's lease, apart from the scheduling loop (a slow step keeps it)."""
+        if not await self.lease.renew() and self._leased:
+            log.warning("scheduler %s: its lease had lapsed (hung, or cut off from Redis, over %d ms); "
+                        "what was pending with it may be the other replicas' now; rejoining", self.config.name,
+                        self.config.lease_ms)
+        self._leased = True
+        await asyncio.sleep(self.config.heartbeat_s)
+
     async def claim_orphans(self) -> None:
-        """Take over requests that a dead replica read but never dispatched."""
+        """Take over requests that a dead or hung replica read but never dispatched: at once
+        when its lease is gone, after ``claim_idle_ms`` when it still holds its lease."""
         await asyncio.sleep(self.config.claim_every_s)
-        self._claimed += await self.requests.claim_idle()
+        claimed = await self.claim_from_gone() + await self.requests.claim_idle()
+        if claimed:
+            now = time.monotonic()
+            async with self._placing:  # kept in ``waiting`` first: a Redis error loses none of them
+                self.waiting += [Waiting(d, now) for d in claimed]
+                await self.place_waiting()
+
+    async def claim_from_gone(self) -> list[Delivery]:
+        """The entries pending with replicas whose lease is gone; such a replica with nothing
+        pending, idle past ``dead_consumer_keep_s``, is deleted from the group."""
+        others = [c for c in await self.requests.consumers() if c.name != self.config.name]
+        claimed: list[Delivery] = []
+        for consumer, held in zip(others, await self.lease.held([c.name for c in others])):
+            if held:
+                continue
+            if consumer.pending:
+                taken = await self.requests.claim_from(consumer.name)
+                log.warning("claimed %d request entr(ies) of scheduler %s (its lease expired)", len(taken),
+                            consumer.name)
+                claimed += taken
+            elif consumer.idle_ms > self.config.dead_consumer_keep_s * 1000 and await self.requests.forget(
+                    consumer.name):
+                log.info("scheduler %s left the group (no lease, nothing pending)", consumer.name)
+        return claimed
 
 
 _OUTCOMES = {1: "dispatched", 0: "already_acked", -1: "duplicate"}

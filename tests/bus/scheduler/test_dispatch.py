@@ -8,7 +8,7 @@ from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
-from splitbus.bus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, Dispatcher
+from splitbus.bus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, Dispatcher
 from splitbus.bus.scheduler.policy import Placement
 from splitbus.bus.streams import GroupConsumer, Producer
 from tests.bus.scheduler.test_policy import request, worker
@@ -57,4 +57,27 @@ async def test_duplicate_request_entry_is_acked_not_dispatched(redis: aioredis.R
     assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) == DISPATCHED
     assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
+async def test_a_woken_replica_writes_nothing_for_an_entry_another_claimed(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """A hung replica (s1) read the entry; s2 claimed it when s1's lease expired. Whether s2 has
+    dispatched it yet or not, s1's dispatch finds the entry is not its own and writes nothing
+    (XACK alone would ack s2's entry and dispatch it from s1)."""
+    hung = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    delivery = (await hung.read(1))[0]
+    claimer = GroupConsumer(redis, bus_config, bus_config.keys.requests, SCHEDULER_GROUP, "s2")
+    assert [d.entry_id for d in await claimer.claim_from("s1")] == [delivery.entry_id]
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == NOT_OURS
+    assert await redis.xlen(bus_config.keys.tasks("p")) == 0
+    assert not await redis.exists(bus_config.keys.dispatched("r"))
+    assert await claimer.owns(delivery.entry_id) and not await hung.owns(delivery.entry_id)
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s2") == DISPATCHED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == NOT_OURS
+    assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [1, 1]
+    snap = {w.record.worker_id: w.reserved for w in await Registry(redis, bus_config).snapshot()}
+    assert snap == {"p": Reserved(100, 0, 0), "d": Reserved(0, 1, 8)}  # reserved once
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -9,9 +10,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.registry import Registry, SchedulerLease, WorkerLoad, WorkerRecord
 from splitbus.bus.scheduler.config import SchedulerConfig
-from splitbus.bus.scheduler.scheduler import Scheduler
+from splitbus.bus.scheduler.scheduler import Scheduler, Waiting
+from splitbus.bus.streams import GroupConsumer, Producer
+from tests.bus.scheduler.test_policy import request
 from splitbus.bus.scheduler.stagger import RELEASE_LEAD_S
 
 
@@ -42,3 +46,97 @@ async def test_a_group_that_has_not_stepped_gives_a_boundary_already_past(redis:
     await _ranks(redis, bus_config, [0, 0])  # ranks that have not stepped yet
     await scheduler.view.refresh()
     assert await scheduler.next_boundary() < time.monotonic()
+
+
+async def _held_by(redis: aioredis.Redis, bus_config: BusConfig, name: str, lease_ms: int | None) -> str:
+    """A request entry read (and left pending) by replica ``name``, whose lease is held for
+    ``lease_ms`` (None: it holds none: dead, or hung past it)."""
+    consumer = GroupConsumer(redis, bus_config, bus_config.keys.requests, SCHEDULER_GROUP, name)
+    await consumer.ensure_group()
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    if lease_ms is not None:
+        await SchedulerLease(redis, bus_config, name, lease_ms).renew()
+    return (await consumer.read(1))[0].entry_id
+
+
+def _replica(bus_config: BusConfig, name: str, **kwargs: float) -> Scheduler:
+    return Scheduler(SchedulerConfig(bus_config, mode="splitwise", name=name, **kwargs))  # type: ignore[arg-type]
+
+
+async def test_a_replica_claims_what_a_replica_without_lease_holds_at_once(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    entry = await _held_by(redis, bus_config, "hung", lease_ms=None)
+    live = _replica(bus_config, "live")
+    try:
+        assert [d.entry_id for d in await live.claim_from_gone()] == [entry]  # no idle bound
+        assert await live.requests.owns(entry)
+        assert await live.claim_from_gone() == []
+    finally:
+        await live.redis.aclose()
+
+
+async def test_a_replica_that_holds_its_lease_keeps_its_entries(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    entry = await _held_by(redis, bus_config, "busy", lease_ms=5000)
+    live = _replica(bus_config, "live")
+    try:
+        assert await live.claim_from_gone() == []
+        assert await live.requests.claim_idle() == []  # claim_idle_ms (30 s) is for stuck ones
+        assert [c.pending for c in await live.requests.consumers() if c.name == "busy"] == [1]
+        assert entry
+    finally:
+        await live.redis.aclose()
+
+
+async def test_a_gone_replica_with_nothing_pending_leaves_the_group_after_the_keep(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    entry = await _held_by(redis, bus_config, "gone", lease_ms=None)
+    await redis.xack(bus_config.keys.requests, SCHEDULER_GROUP, entry)
+    live = _replica(bus_config, "live", dead_consumer_keep_s=0.2)
+    try:
+        await live.claim_from_gone()
+        assert [c.name for c in await live.requests.consumers()] == ["gone"]  # idle less than the keep
+        await asyncio.sleep(0.3)
+        await live.claim_from_gone()
+        assert await live.requests.consumers() == []
+    finally:
+        await live.redis.aclose()
+
+
+async def test_a_woken_replica_does_not_fail_a_request_it_lost(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """Its monotonic clock ran while it was stopped, so what it waited on looks overdue; the
+    entry belongs to the claimer now, and the client gets no 503 from the woken one."""
+    await _held_by(redis, bus_config, "woken", lease_ms=None)
+    woken, live = _replica(bus_config, "woken"), _replica(bus_config, "live")
+    try:
+        delivery = (await woken.requests.claim_idle(min_idle_ms=0))[0]  # its view of what it read
+        await live.claim_from_gone()
+        assert not await woken.fail(Waiting(delivery, 0.0), "no_worker", "none", 503)
+        assert not await redis.exists(bus_config.keys.out("r"))
+        assert await live.requests.owns(delivery.entry_id)
+    finally:
+        await woken.redis.aclose()
+        await live.redis.aclose()
+
+
+async def test_the_lease_is_taken_at_start_renewed_apart_and_released_at_stop(
+        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    replica = _replica(bus_config, "s1", lease_ms=400, heartbeat_s=0.1)
+    runner = asyncio.create_task(replica.run())
+    lease = SchedulerLease(redis, bus_config, "s1", 400)
+    try:
+        assert await _eventually(lambda: lease.held(["s1"]), [True])
+        await asyncio.sleep(0.6)  # longer than the lease: renewed meanwhile
+        assert await lease.held(["s1"]) == [True]
+    finally:
+        replica.stopping.set()
+        await asyncio.wait_for(runner, 10)
+    assert await lease.held(["s1"]) == [False]
+
+
+async def _eventually(check, expected, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while await check() != expected:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
