@@ -137,7 +137,6 @@ class Supervisor:
                  f"restarting it in {child.delay_s:.1f}s (restart {child.restarts + 1})")
 
     def _restart(self, child: Child, now: float) -> None:
-        child.proc.wait()  # reaped already by poll(); closes nothing else
         child.proc = self._spawn(child.name, child.args, child.env)
         child.started_s, child.restart_at = now, None
         child.restarts += 1
