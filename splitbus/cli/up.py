@@ -1,5 +1,7 @@
 """``splitbus up``: Redis (embedded unless ``--redis-url``), scheduler, workers and API as
-child processes; prints where to reach them; Ctrl-C or SIGTERM stops everything.
+child processes; prints where to reach them; restarts a part that dies (with backoff: see
+:mod:`splitbus.cli.supervisor`; not the embedded Redis: if it dies, ``up`` stops); Ctrl-C or
+SIGTERM stops everything.
 
 Secrets stay off every command line (``ps`` shows argv to all users) and out of the banner: the
 children get the Redis URL in ``SPLITBUS_REDIS_URL`` and the API its keys in ``SPLITBUS_API_KEYS``.
@@ -14,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, describe, start_embedded
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
         server, url = _redis(args)
         model = args.model or default_model(args.data_dir, args.engine)
         _start_parts(supervisor, args, url, model, counts)
-        why = _wait_ready(supervisor, args) or _announce(args, url, server) or wait_for_stop(supervisor.failed)
+        check = _watcher(supervisor, server)
+        why = _wait_ready(check, args) or _announce(args, url, server) or wait_for_stop(check, poll_s=0.1)
     except (RedisServerError, ValueError, ImportError) as exc:
         say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
         why = "error"
@@ -171,11 +175,25 @@ def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, mod
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
 
 
-def _wait_ready(supervisor: Supervisor, args: argparse.Namespace) -> str | None:
-    """None once the API answers /ready; else why it never will."""
+def _watcher(supervisor: Supervisor, server: EmbeddedRedis | None) -> Callable[[], str | None]:
+    """Called every 0.1 s on the main thread: restarts dead parts; says why to stop, if so."""
+    return lambda: supervisor.watch() or _redis_gone(server)
+
+
+def _redis_gone(server: EmbeddedRedis | None) -> str | None:
+    """The embedded Redis is not restarted: it holds the one copy of the bus, and its children
+    reconnect with backoff only to the same address. ``up`` stops, pointing at its log."""
+    if server is None or server.alive():
+        return None
+    return f"the embedded Redis exited; its log: {server.log_path}"
+
+
+def _wait_ready(check: Callable[[], str | None], args: argparse.Namespace) -> str | None:
+    """None once the API answers /ready; else why it never will. Parts that die meanwhile are
+    restarted (``check``)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        failure = supervisor.failed()
+        failure = check()
         if failure:
             return failure
         try:

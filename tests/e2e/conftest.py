@@ -35,6 +35,19 @@ class System:
     def descendants(self) -> list[int]:
         return _descendants(self.proc.pid)
 
+    def wait_output(self, pattern: str, timeout_s: float = 30.0, start: int = 0) -> re.Match[str]:
+        """The first match of ``pattern`` in what ``up`` printed (from line ``start`` on)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            match = re.search(pattern, "".join(self.output[start:]), re.M)
+            if match:
+                return match
+            assert time.monotonic() < deadline, f"{pattern!r} never printed:\n" + "".join(self.output)
+            time.sleep(0.05)
+
+    def pids_of(self, pattern: str) -> list[int]:
+        return [pid for pid in self.descendants() if re.search(pattern, _cmdline(pid))]
+
     def pid_of(self, pattern: str) -> int:
         for pid in self.descendants():
             if re.search(pattern, _cmdline(pid)):
@@ -73,11 +86,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_system(data_dir: Path, *args: str) -> System:
+def start_system(data_dir: Path, *args: str, environ: dict[str, str] | None = None) -> System:
+    """``environ``: more variables for ``up`` (its secrets: ``SPLITBUS_API_KEYS``)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name in ("SPLITBUS_REDIS_URL", "SPLITBUS_API_KEYS", "SPLITBUS_PREFIX"):
         env.pop(name, None)
+    env.update(environ or {})
     engine = [] if "--engine" in args else ["--engine", "sim"]
     cmd = [sys.executable, "-m", "splitbus.cli.main", "up", *engine, "--port", str(port), "--data-dir", str(data_dir), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

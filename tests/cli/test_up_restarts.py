@@ -1,0 +1,89 @@
+"""`splitbus up` restarts a part that dies (worker, scheduler, API), with a line naming it, its
+signal and the wait; secrets still reach the restarted part through its environment only; Ctrl-C
+still stops everything, even with a restart pending; if the embedded Redis dies, `up` stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from splitbus.worker.sim import sim_text
+from tests.cli.test_secrets import _environ
+from tests.e2e.conftest import System, _cmdline, alive, start_system, stop_system
+
+KEY = "sk-restart-0123456789-secret"
+
+
+def _kill_and_see_restart(system: System, name: str, pattern: str) -> int:
+    old = system.pid_of(pattern)
+    mark = len(system.output)
+    os.kill(old, signal.SIGKILL)
+    system.wait_output(rf"^{name} was killed by SIGKILL after [\d.]+s; restarting it in 0\.5s \(restart 1\)$", 10, mark)
+    new = int(system.wait_output(rf"^{name} restarted \(pid (\d+)\)$", 10, mark).group(1))
+    assert new != old and new in system.pids_of(pattern)
+    return new
+
+
+def _completes(system: System, seed: int, timeout_s: float = 40.0) -> None:
+    """A request succeeds, exactly, within the bound (the API may still be starting)."""
+    client = openai.OpenAI(base_url=system.v1, api_key=KEY, max_retries=0, timeout=30)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            text = client.completions.create(model="tiny", prompt="r", max_tokens=6, seed=seed).choices[0].text
+            assert text == sim_text(seed, 6)
+            return
+        except openai.APIConnectionError:
+            assert time.monotonic() < deadline, "the API never came back"
+            time.sleep(0.2)
+
+
+@pytest.mark.timeout(180)
+def test_up_restarts_each_kind_of_part(tmp_path: Path) -> None:
+    system = start_system(tmp_path, "--request-timeout", "60", environ={"SPLITBUS_API_KEYS": KEY})
+    try:
+        _completes(system, 1)
+        for seed, (name, pattern) in enumerate([("decode0", r"--role decode"), ("prefill0", r"--role prefill"),
+                                                ("scheduler", r"main scheduler "), ("api", r"main api ")], 2):
+            _kill_and_see_restart(system, name, pattern)
+            _completes(system, seed)
+        api = system.pid_of(r"main api ")
+        assert _environ(api)["SPLITBUS_API_KEYS"] == KEY and KEY not in _cmdline(api)
+        assert all(KEY not in _cmdline(pid) for pid in system.descendants())
+        assert KEY not in "".join(system.output)
+    finally:
+        assert stop_system(system) == []
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_with_a_restart_pending_stops_everything(tmp_path: Path) -> None:
+    system = start_system(tmp_path)
+    mark = len(system.output)
+    os.kill(system.pid_of(r"--role decode"), signal.SIGKILL)
+    system.wait_output(r"^decode0 was killed by SIGKILL", 10, mark)  # its restart waits 0.5 s
+    started = time.monotonic()
+    assert stop_system(system) == []
+    assert time.monotonic() - started < 20
+    assert system.proc.returncode == 0
+    time.sleep(0.3)  # the relay threads' last lines
+    out = "".join(system.output[mark:])
+    assert "restarted" not in out[out.index("stopped (SIGINT)"):], out  # nothing started once stopping
+
+
+@pytest.mark.timeout(120)
+def test_up_stops_when_its_embedded_redis_dies(tmp_path: Path) -> None:
+    system = start_system(tmp_path)
+    parts = system.descendants()
+    redis_pid = next(pid for pid in parts if "redis-server" in _cmdline(pid))
+    os.kill(redis_pid, signal.SIGKILL)
+    assert system.proc.wait(30) == 1
+    system.wait_output(r"^stopped \(the embedded Redis exited; its log: .*redis\.log\)$", 5)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in parts) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in parts if alive(p)]
