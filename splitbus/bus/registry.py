@@ -201,6 +201,12 @@ class Registry:
         self._expire_own(pipe, worker_id)
         await pipe.execute()
 
+    async def resign(self, worker_id: str) -> None:
+        """Give up the lease of a worker that stops holding work (a crash, or a stop mid-request):
+        it stays in the live set without a lease, so a reaper's next pass takes it as dead and
+        moves its tasks, instead of their waiting for their deadlines."""
+        await self._redis.delete(self._keys.lease(worker_id))
+
     def _expire_own(self, pipe: Pipeline, worker_id: str) -> None:
         for key in self._own_keys(worker_id):
             pipe.expire(key, self._keep_s)

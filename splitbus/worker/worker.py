@@ -167,8 +167,11 @@ class Worker:
             await self.publish()  # what the last steps left
         await cancel_and_wait(self._background)
         self.stop_reporting_load()
-        with transient_suppressed("deregistering"):
-            await self.registry.deregister(self.id)
+        with transient_suppressed("leaving the registry"):
+            if self.exit_code == 0 and not self.held():
+                await self.registry.deregister(self.id)
+            else:  # what it held must move: deregistered, no reaper would ever look at it
+                await self.registry.resign(self.id)
         await self.server.close()
         await self.links.client.close()
         await self.redis.aclose()
