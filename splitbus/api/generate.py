@@ -141,13 +141,20 @@ class Generation:
         self._closed = False
 
     def message(self) -> GenerateRequest:
+        """The request as the bus carries it. The bus bounds every field itself (a scheduler would
+        dead-letter an entry past them); a value the API's own checks let through but the bus
+        refuses is the client's error, a 400, not a 500."""
         p = self.params
-        sampling = SamplingParams(
-            max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop=p.stop,
-            ignore_eos=p.ignore_eos,
-        )
         deadline_ms = int((time.time() + self.state.config.request_timeout_s) * 1000)
-        return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, self.state.config.node_id, deadline_ms)
+        try:
+            sampling = SamplingParams(
+                max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                stop=p.stop, ignore_eos=p.ignore_eos,
+            )
+            node = self.state.config.node_id
+            return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, node, deadline_ms)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
 
     async def publish(self) -> None:
         """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is

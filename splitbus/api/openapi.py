@@ -31,7 +31,7 @@ _COMMON = {
     "max_tokens": {"type": ["integer", "null"], "minimum": 1},
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
     "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": ["integer", "null"], "minimum": -1, "description": "-1 or 0 disables top-k"},
+    "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 2**31 - 1, "description": "-1 or 0 disables top-k"},
     "seed": {"type": ["integer", "null"]},
     "ignore_eos": {"type": ["boolean", "null"]},
     "stop": {

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from splitbus.api.errors import BadRequest
-from splitbus.bus.messages._check import MAX_STOP_SEQUENCES  # the bus's bound, the same here
+from splitbus.bus.messages._check import MAX_STOP_SEQUENCES, MAX_TOKEN_ID  # the bus's bounds, the same here
 
 MAX_STOP_CHARS = 1024
 """The longest stop string, in characters. The worker's stop check costs O(new text) per token
@@ -85,7 +85,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         max_tokens=_int(body, "max_tokens", minimum=1) if body.get("max_tokens") is not None else None,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, exclusive_min=True),
-        top_k=max(0, _int(body, "top_k", default=0, minimum=-1)),
+        top_k=max(0, _int(body, "top_k", default=0, minimum=-1, maximum=MAX_TOKEN_ID)),
         seed=_int(body, "seed") if body.get("seed") is not None else None,
         stop=_stop(body.get("stop")),
         ignore_eos=_bool(body, "ignore_eos"),
@@ -111,12 +111,15 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _int(body: dict[str, Any], name: str, default: int | None = None, minimum: int | None = None) -> int:
+def _int(body: dict[str, Any], name: str, default: int | None = None, minimum: int | None = None,
+         maximum: int | None = None) -> int:
     value = body.get(name, default)
     if type(value) is not int:
         raise BadRequest(f"'{name}' must be an integer", name)
     if minimum is not None and value < minimum:
         raise BadRequest(f"'{name}' must be >= {minimum}, got {value}", name)
+    if maximum is not None and value > maximum:
+        raise BadRequest(f"'{name}' must be <= {maximum}, got {value}", name)
     return value
 
 

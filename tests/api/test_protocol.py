@@ -51,3 +51,11 @@ def test_the_api_admits_no_stop_string_the_bus_would_refuse() -> None:
     from splitbus.bus.messages import _check
 
     assert MAX_STOP_CHARS <= _check.MAX_STOP_CHARS and MAX_STOP_SEQUENCES <= _check.MAX_STOP_SEQUENCES
+
+
+def test_top_k_past_what_the_bus_carries_is_a_400() -> None:
+    """Found by the fuzz test: top_k 2**31 passed the API and the bus refused it (a 500)."""
+    assert parse_completion({"model": "m", "prompt": "x", "top_k": 2**31 - 1}).top_k == 2**31 - 1
+    with pytest.raises(BadRequest, match="'top_k' must be <= 2147483647") as info:
+        parse_completion({"model": "m", "prompt": "x", "top_k": 2**31})
+    assert info.value.param == "top_k"
