@@ -18,7 +18,7 @@ from redis.asyncio.client import Pipeline
 
 from splitbus import __version__
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS
+from splitbus.bus.connection import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,9 @@ class RegistryView:
         try:
             self.workers = await self._registry.snapshot()
             self.redis_ok = True
-        except TRANSIENT_ERRORS as exc:
+        except Exception as exc:
+            if not is_transient(exc):  # BUSY or a refused script is a ResponseError, not a connection error
+                raise
             if self.redis_ok:
                 log.warning("registry snapshot failed: %s", exc)
             self.redis_ok = False

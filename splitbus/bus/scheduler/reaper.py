@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from splitbus.bus import codec
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS
+from splitbus.bus.connection import is_transient
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished, Task, TokenDelta
@@ -77,11 +77,24 @@ class Reaper:
         self.stopped = False
 
     async def run(self, every_s: float) -> None:
+        """A pass over the dead workers every ``every_s``; the loop never ends on one worker's
+        reap (it used to end, silently, on an OOM inside the result writer's script)."""
         while not self.stopped:
             await asyncio.sleep(every_s)
-            with contextlib.suppress(*TRANSIENT_ERRORS):
-                for worker in [w for w in self.view.workers if not w.alive]:
-                    await self.reap(worker.record.worker_id)
+            for worker in [w for w in self.view.workers if not w.alive]:
+                await self.reap_safely(worker.record.worker_id)
+
+    async def reap_safely(self, worker_id: str) -> None:
+        """Redis refusing (unreachable, OOM, LOADING...) or any other failure is logged and the
+        pass goes on to the next worker; this one is tried again once its ``sb:reaping`` mark
+        expires."""
+        try:
+            await self.reap(worker_id)
+        except Exception as exc:
+            if is_transient(exc):
+                log.warning("reaping %s waits: Redis refuses or is unreachable (%s)", worker_id, exc)
+                return
+            log.exception("reaping %s failed; it is tried again later", worker_id)
 
     async def reap(self, worker_id: str) -> int:
         """Move every task of a dead worker; returns how many there were (0 if another replica

@@ -84,3 +84,36 @@ async def test_a_worker_back_under_its_old_id_keeps_its_keys(redis: aioredis.Red
     assert await redis.hget(config.keys.worker("p-0"), "state") is None
     await scheduler.view.refresh()
     assert [w.alive for w in scheduler.view.workers] == [True]
+
+
+async def test_a_failed_reap_ends_neither_the_pass_nor_the_loop(
+    scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OOM inside the reaper's result write (a ResponseError, not a connection error) used to
+    end the reaper's loop silently, and dead workers were never reaped again."""
+    from types import SimpleNamespace
+
+    from redis.exceptions import ResponseError
+
+    reaped: list[str] = []
+
+    async def reap(worker_id: str) -> int:
+        reaped.append(worker_id)
+        if worker_id == "w-oom":
+            raise ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+        if worker_id == "w-bug":
+            raise RuntimeError("a bug in one reap")
+        return 0
+
+    reaper = scheduler.reaper
+    monkeypatch.setattr(reaper, "reap", reap)
+    dead = [SimpleNamespace(alive=False, record=SimpleNamespace(worker_id=w)) for w in ("w-oom", "w-bug", "w-ok")]
+    monkeypatch.setattr(reaper.view, "workers", dead)
+    loop = asyncio.create_task(reaper.run(0.01))
+    for _ in range(500):
+        if len(reaped) >= 6:
+            break
+        await asyncio.sleep(0.01)
+    reaper.stopped = True
+    await asyncio.wait_for(loop, 5)
+    assert reaped[:6] == ["w-oom", "w-bug", "w-ok"] * 2  # every worker, pass after pass
