@@ -83,6 +83,12 @@ class Keys:
         """String with a TTL: the request was dispatched (a duplicate entry is then skipped)."""
         return f"{self.prefix}:dispatched:{{{request}}}"
 
+    def current(self, request: str) -> str:
+        """String with a TTL: the hand-off id of the request's current dispatch (its tasks carry
+        it). A task with another one is void: a reaper does not move it again and a decode
+        worker does not reserve for it."""
+        return f"{self.prefix}:current:{{{request}}}"
+
     def moved(self, request: str) -> str:
         """Counter with a TTL: how often the reaper moved the request off a dead worker."""
         return f"{self.prefix}:moved:{{{request}}}"

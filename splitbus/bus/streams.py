@@ -265,6 +265,36 @@ class GroupConsumer:
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
         return await self._decode_all(await self._bury_poison(entries))
 
+    async def pending_ids(self) -> set[str]:
+        """The ids of the entries pending with this consumer (XPENDING: no delivery is counted)."""
+        rows = await self._redis.xpending_range(self.stream, self.group, min="-", max="+", count=100_000,
+                                                consumername=self.consumer)
+        return {_text(row["message_id"]) for row in rows}
+
+    async def fetch(self, entry_ids: list[str]) -> list[Delivery]:
+        """Entries pending with this consumer, by id, read again without a new delivery (XRANGE):
+        for a consumer whose read was delivered by Redis but whose reply it never saw (a timeout
+        after a long stop, a dropped connection). One trimmed away meanwhile is acked."""
+        pipe = self._redis.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xrange(self.stream, entry_id, entry_id)
+        found = [(entry_id, rows[0][1] if rows else None) for entry_id, rows in zip(entry_ids, await pipe.execute())]
+        trimmed = [entry_id for entry_id, fields in found if fields is None]
+        if trimmed:
+            await self.ack(*trimmed)
+        present = [(entry_id, fields) for entry_id, fields in found if fields is not None]
+        return await self._decode_all(await self._bury_poison(present))  # the delivery bound holds here too
+
+    @property
+    def rereading_backlog(self) -> bool:
+        """Whether the next reads still re-deliver this consumer's own pending entries (its
+        first reads): everything pending with it comes back by them anyway."""
+        return self._pending_cursor is not None
+
+    def unsent_letters(self) -> set[str]:
+        """Entries this consumer dead-lettered that Redis has not taken yet: still pending."""
+        return {entry_id for entry_id, *_ in self._graves}
+
     async def consumers(self) -> list[ConsumerInfo]:
         """The group's consumers (none if the stream or group does not exist yet)."""
         try:

@@ -22,6 +22,7 @@ from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.scheduler.reaper import REAPING_TTL_S
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
+from splitbus.bus.reservations import Reservations
 from splitbus.bus.scheduler.policy import blocks_needed
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
@@ -45,17 +46,10 @@ from splitbus.worker.transfer import (
 )
 
 log = logging.getLogger(__name__)
-KV_TTL_S = 300
 TRIM_EVERY_S = 5.0
 RECENT_CANCELS = 10_000
 EXIT_FATAL = 1
 """The exit code of a worker stopped by a fatal error (a bug in a loop, never an entry)."""
-DROP_RESERVATION = """
-if redis.call('HGET', KEYS[1], 'task_entry') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-"""Delete a request's KV reservation only if it is still the one this task made: the request
-may have moved here again, and its new task's reservation must stay."""
 RETRY_FIRST_S = 0.02
 RETRY_MAX_S = 0.5
 """Backoff between hand-off attempts to a decode worker that does not answer (capped)."""
@@ -102,10 +96,12 @@ class Worker:
         self.prefilling: list[Sequence] = []  # in the engine's prefill step now
         self.last_beat = 0.0  # monotonic time of the last heartbeat Redis took (before its call)
         self.done_entries: list[str] = []  # task entries to ack at the next publish
-        self.stale_reservations: list[tuple[str, str]] = []  # (sb:kv key, task entry) of requests that left
+        self.stale_reservations: list[tuple[str, str]] = []  # (request, task entry) of decode tasks that left
         self.unreturned = Reserved()  # reservations of tasks taken, not given back yet
         self.unaccepted: deque[Delivery] = deque()  # tasks read, not taken yet
-        self._drop_reservation = self.redis.register_script(DROP_RESERVATION)
+        self.reread_pending = False  # a task read failed: its reply may have held tasks (take_lost)
+        self.seen_entries: dict[str, None] = {}  # task entries taken lately, oldest first (bounded)
+        self.reservations = Reservations(self.redis, self.keys)
         self.recently_cancelled: dict[str, float] = {}
         self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us", "forward_ends_ms"), 0)
         self.exit_code = 0
@@ -270,15 +266,44 @@ class Worker:
         log.warning("worker %s: its reaper did not finish within %.0f s; dropping what it took", self.id, REAPED_WAIT_S)
 
     async def drop_moved(self) -> None:
-        """Drop every task the reaper took: those no longer pending to this worker."""
-        rows = await self.redis.xpending_range(self.keys.tasks(self.id), WORKER_GROUP, min="-", max="+",
-                                               count=100_000, consumername=self.id)
-        mine = {_text(row["message_id"]) for row in rows}
-        self.unaccepted = deque(d for d in self.unaccepted if d.entry_id in mine)
-        moved = [seq for seq in [*self.held_sequences(), *self.prefilling] if seq.entry_id not in mine]
+        """Drop every task the reaper took: those no longer pending to this worker. In place: a
+        read still in flight adds what it brings to this same backlog (a task written while the
+        reaper worked is this worker's)."""
+        before = self.known_entries()  # what arrives while XPENDING is on its way is this worker's
+        mine = await self.tasks.pending_ids()
+        kept = [d for d in self.unaccepted if d.entry_id in mine or d.entry_id not in before]
+        self.unaccepted.clear()
+        self.unaccepted.extend(kept)
+        held = [*self.held_sequences(), *self.prefilling]
+        moved = [seq for seq in held if seq.entry_id not in mine and seq.entry_id in before]
         for seq in moved:
             self.moved_away(seq)
         log.warning("worker %s: %d request(s) moved away while it was out: dropped", self.id, len(moved))
+        await self.take_lost()
+
+    async def take_lost(self) -> None:
+        """Take the tasks pending to this worker that it has never seen: Redis delivered them to
+        a read whose reply was lost (it timed out after a long stop, or its connection dropped).
+        Nobody else would: a live worker's pending entries are not claimed."""
+        if not self.tasks.rereading_backlog:  # else its next reads bring back all that is pending anyway
+            lost = sorted(await self.tasks.pending_ids() - self.known_entries(), key=_entry_order)
+            if lost:
+                log.warning("worker %s: %d task(s) delivered to a read whose reply was lost; taking them",
+                            self.id, len(lost))
+                self.unaccepted.extend(await self.tasks.fetch(lost))
+        self.reread_pending = False  # only now: a Redis error above leaves it to the next feed
+
+    def known_entries(self) -> set[str]:
+        """Task entries this worker has seen: held, in its backlog, taken lately (done, perhaps
+        acked already), or dead-lettered with the letter not sent yet."""
+        held = {s.entry_id for s in [*self.held_sequences(), *self.prefilling]}
+        return held | {d.entry_id for d in self.unaccepted} | set(self.done_entries) | set(self.seen_entries) \
+            | self.tasks.unsent_letters()
+
+    def saw(self, entry_id: str) -> None:
+        self.seen_entries[entry_id] = None
+        while len(self.seen_entries) > RECENT_CANCELS:
+            del self.seen_entries[next(iter(self.seen_entries))]
 
     def moved_away(self, seq: Sequence) -> None:
         """Forget a request the reaper moved: free its blocks, write nothing more for it."""
@@ -297,13 +322,20 @@ class Worker:
         """Read tasks, only while there is room for them. What was read is taken from a backlog,
         so a Redis refusal while taking one task (a decode worker writes its KV reservation)
         leaves the tasks read with it to be taken once Redis is back, not dropped."""
+        if self.reread_pending:
+            await self.take_lost()
         if not self.unaccepted:
             room = self.config.max_requests - self.held()
             if room <= 0:
                 self.room.clear()
                 await self.room.wait()
                 return
-            self.unaccepted.extend(await self.tasks.read(room))
+            try:
+                read = await self.tasks.read(room)
+            except Exception as exc:
+                self.reread_pending = is_transient(exc)  # its reply may have held tasks: look for them
+                raise
+            self.unaccepted.extend(read)
         while self.unaccepted:
             await self.accept_safely(self.unaccepted.popleft())
         await self.work_arrived()  # the engine loop starts on them while the reservations go back
@@ -339,6 +371,9 @@ class Worker:
 
     async def accept(self, delivery: Delivery) -> None:
         task = delivery.message
+        if delivery.entry_id in self.known_entries():  # taken as lost while its read's reply was on its way
+            return
+        self.saw(delivery.entry_id)
         if not isinstance(task, Task):
             await self.reject(delivery, "handler_failed", f"a {type(task).__name__} entry is not a task")
             return
@@ -350,13 +385,14 @@ class Worker:
             await self.reject(delivery, "invalid_task", problem)
             return
         seq = Sequence(task, delivery.entry_id, TextStream(self.tokenizer, task.request.sampling.stop))
+        log.debug("took task %s: %s of %s, peer %s, hand-off %s", delivery.entry_id, task.phase,
+                  task.request.request_id, task.peer or "-", task.handoff or "-")
         if task.request.request_id in self.recently_cancelled:
             self.done_entries.append(delivery.entry_id)
             return
+        for older in [s for s in [*self.held_sequences(), *self.prefilling] if s.request_id == seq.request_id]:
+            self.moved_away(older)  # the request moved here again (its other worker died): its older task is void
         if task.phase != "decode":
-            superseded = self.handing_off.pop(seq.request_id, None)
-            if superseded is not None:  # moved here again while its old hand-off retried: void
-                self.retire(superseded)
             self.writer.open(seq.request_id, first_seq=task.first_seq)
             seq.output_ids = list(task.output_token_ids)
             seq.text.push(seq.output_ids)
@@ -367,19 +403,19 @@ class Worker:
         if seq.task.phase != "decode":
             self.queued.append(seq)
             return
-        superseded = self.awaiting_kv.pop(seq.request_id, None)
-        if superseded is not None:  # the request moved here again: its older task is void
-            self.retire(superseded[0])
         # The secret makes the reservation usable only by who can read it from Redis: P proves
         # it in its KV frame, so knowing a request id (every client does) is not enough to send one.
         seq.kv_secret = new_secret()
         self.awaiting_kv[seq.request_id] = (seq, time.monotonic() + self.config.kv_wait_s)
         reservation = {"decode_worker": self.id, "endpoint": self.endpoint, "blocks": str(seq.blocks),
-                       "prefill_worker": seq.task.peer, "task_entry": seq.entry_id, "secret": seq.kv_secret}
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.kv(seq.request_id), mapping=reservation)
-        pipe.expire(self.keys.kv(seq.request_id), KV_TTL_S)
-        await pipe.execute()
+                       "prefill_worker": seq.task.peer, "task_entry": seq.entry_id, "secret": seq.kv_secret,
+                       "handoff": seq.task.handoff}
+        if not await self.reservations.reserve(seq.request_id, seq.task.handoff, reservation):
+            # The reaper replaced this task's dispatch before it came here: nobody will send its KV.
+            log.info("task %s of %s is void (the request was dispatched again); dropped", seq.entry_id, seq.request_id)
+            if self.awaiting_kv.get(seq.request_id, (None,))[0] is seq:
+                del self.awaiting_kv[seq.request_id]
+                self.retire(seq)
 
     def check_reservation(self, task: Task) -> str | None:
         """Why the task's ``reserved`` cannot be given back, or None. A scheduler reserves at
@@ -589,7 +625,7 @@ class Worker:
         self.done_entries.append(seq.entry_id)
         self.writer.forget(seq.request_id)
         if seq.task.phase == "decode":
-            self.stale_reservations.append((self.keys.kv(seq.request_id), seq.entry_id))
+            self.stale_reservations.append((seq.request_id, seq.entry_id))
         self.room.set()
         self.publish_soon()
 
@@ -623,8 +659,8 @@ class Worker:
         if self.stale_reservations:
             stale = list(self.stale_reservations)
             pipe = self.redis.pipeline(transaction=False)
-            for key, entry_id in stale:
-                await self._drop_reservation(keys=[key], args=[entry_id], client=pipe)
+            for request_id, entry_id in stale:
+                await self.reservations.drop(request_id, entry_id, client=pipe)
             await pipe.execute()
             del self.stale_reservations[: len(stale)]
 
@@ -646,7 +682,8 @@ class Worker:
             if self.handing_off.get(seq.request_id) is seq:
                 await self.transfer_failed(seq, exc)
         else:
-            self.retire(seq)
+            if self.handing_off.get(seq.request_id) is seq:  # else voided meanwhile (retired there)
+                self.retire(seq)
         finally:
             if self.handing_off.get(seq.request_id) is seq:
                 del self.handing_off[seq.request_id]
@@ -719,27 +756,37 @@ class Worker:
 
     async def peer_gone(self, seq: Sequence) -> str | None:
         """Why the request's decode side is decided gone, or None while undecided: a reaper
-        marked the decode worker dead, or moved its task of this request (the mark its
-        redispatch leaves: a worker back from a stop has its lease and record again, but not
-        that task). An expired lease alone is not enough: until a reaper takes the worker, it
-        may come back and keep its tasks (docs/reliability.md). Redis refusing: undecided."""
-        peer = seq.task.peer
+        marked the decode worker dead, or dispatched the request again (a worker back from a
+        stop has its lease and record again, but the request's current dispatch is not this
+        task's). An expired lease alone is not enough: until a reaper takes the worker, it may
+        come back and keep its tasks (docs/reliability.md). Redis refusing: undecided."""
         with transient_suppressed("checking a decode worker's liveness"):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hget(self.keys.worker(peer), "state")
-            pipe.hmget(self.keys.kv(seq.request_id), "decode_worker", "task_entry")
-            state, (decode_worker, entry) = await pipe.execute()
+            pipe.hget(self.keys.worker(seq.task.peer), "state")
+            pipe.get(self.keys.current(seq.request_id))
+            state, current = await pipe.execute()
             if state == b"dead":
-                return f"decode worker {peer} is dead (reaped)"
-            if decode_worker == peer.encode() and entry:
-                moved = self.keys.dispatched(f"{seq.request_id}:{entry.decode(errors='replace')}")
-                if await self.redis.exists(moved):
-                    return f"the reaper moved {seq.request_id} off decode worker {peer}"
+                return f"decode worker {seq.task.peer} is dead (reaped)"
+            return self.dispatched_again(seq, current)
+        return None
+
+    def dispatched_again(self, seq: Sequence, current: bytes | None) -> str | None:
+        """Why this task is void, given its request's current hand-off id: a reaper moved the
+        request to another pair. (No id: a task from before hand-off ids, or a current id that
+        outlived its TTL; nothing newer is known.)"""
+        if seq.task.handoff and current is not None and current != seq.task.handoff.encode():
+            return f"{seq.request_id} was dispatched again (the reaper moved it off {seq.task.peer} or this worker)"
         return None
 
     async def transfer_failed(self, seq: Sequence, exc: Exception) -> None:
         """A failure not about the decode worker's death (a refusal by a live one, a bad
-        reservation, the kv wait deadline) ends the request with an error, and cancels it."""
+        reservation, the kv wait deadline) ends the request with an error, and cancels it;
+        unless the request belongs to a newer dispatch now (its error and cancel would end that
+        one): then P only lets go."""
+        if await self.superseded(seq):
+            log.warning("hand-off of %s failed (%s), but it was dispatched again; leaving it", seq.request_id, exc)
+            self.retire(seq)
+            return
         self.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
         self.cancel_peer(seq, "kv_transfer_failed")
 
@@ -753,14 +800,16 @@ class Worker:
         deadline = time.monotonic() + self.config.kv_wait_s
         delay, mismatch = 0.002, ""
         while time.monotonic() < deadline:
-            (endpoint, decode_worker, secret), registered, peer_alive = await self._read_reservation(seq)
-            # Only the peer's own reservation: a request moved off a dead decode worker can
-            # still find that worker's reservation here until its new one replaces it.
-            if decode_worker == seq.task.peer and secret:
+            (endpoint, secret, *made_by), registered, peer_alive, current = await self._read_reservation(seq)
+            # Only the reservation of this task's own dispatch: a request moved (off a dead
+            # decode worker, or a dead prefill worker) still finds the older dispatch's one
+            # here until its decode worker replaces it, and its secret is not this task's.
+            if self.reserved_for(seq, made_by) and secret:
                 if endpoint and endpoint == registered:
+                    log.debug("found %s's reservation for %s; sending to %s", seq.task.peer, seq.request_id, endpoint)
                     return registered, secret
                 mismatch = mismatch or self._endpoint_mismatch(seq, endpoint, registered)
-            gone = None if peer_alive else await self.peer_gone(seq)
+            gone = self.dispatched_again(seq, current) or (None if peer_alive else await self.peer_gone(seq))
             if gone:
                 raise PeerGone(gone)
             if seq.request_id in self.recently_cancelled:
@@ -770,15 +819,31 @@ class Worker:
         waited = f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s"
         raise TransferError(mismatch or waited)
 
-    async def _read_reservation(self, seq: Sequence) -> tuple[list[str], str, bool]:
-        """(sb:kv's endpoint, decode_worker, secret; D's registered endpoint; whether D is alive)."""
+    async def superseded(self, seq: Sequence) -> bool:
+        """Whether the request now belongs to another dispatch: ``sb:current`` names another, or
+        D's reservation was made for another (D took the newer task first). A reservation gone
+        proves nothing (D may have given up on it); Redis refusing: not known, so no."""
+        with transient_suppressed("reading a KV reservation"):
+            (_, _, _, _, handoff), _, _, current = await self._read_reservation(seq)
+            return bool(self.dispatched_again(seq, current)) or bool(handoff and handoff != seq.task.handoff)
+        return False
+
+    def reserved_for(self, seq: Sequence, made_by: list[str]) -> bool:
+        """Whether a reservation's (decode_worker, prefill_worker, handoff) are this task's."""
+        return made_by == [seq.task.peer, self.id, seq.task.handoff]
+
+    async def _read_reservation(self, seq: Sequence) -> tuple[list[str], str, bool, bytes | None]:
+        """(sb:kv's endpoint, secret, decode_worker, prefill_worker, handoff; D's registered
+        endpoint; whether D is alive; the request's current hand-off id)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "decode_worker", "secret")
+        pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "secret", "decode_worker", "prefill_worker",
+                   "handoff")
         pipe.hget(self.keys.worker(seq.task.peer), "transfer_endpoint")
         pipe.exists(self.keys.lease(seq.task.peer))
-        reservation, registered, peer_alive = await pipe.execute()
+        pipe.get(self.keys.current(seq.request_id))
+        reservation, registered, peer_alive, current = await pipe.execute()
         text = [(v or b"").decode(errors="replace") for v in (*reservation, registered)]
-        return text[:3], text[3], bool(peer_alive)
+        return text[:5], text[5], bool(peer_alive), current
 
     def _endpoint_mismatch(self, seq: Sequence, endpoint: str, registered: str) -> str:
         why = (f"the KV reservation for {seq.request_id} names endpoint {endpoint!r}, not {registered!r} from "
@@ -887,17 +952,23 @@ class Worker:
                 self.spawn(self._expire(seq))
 
     async def _expire(self, seq: Sequence) -> None:
-        """No KV came: fail the request, unless the reaper moved it (then its new workers answer)."""
+        """No KV came: fail the request, unless it was dispatched again (its new workers answer).
+        A task from before hand-off ids: unless the reaper ever moved it."""
         with transient_suppressed("checking for a moved request"):
-            if await self.redis.exists(self.keys.moved(seq.request_id)):
+            if seq.task.handoff:
+                moved = self.dispatched_again(seq, await self.redis.get(self.keys.current(seq.request_id)))
+            else:
+                moved = bool(await self.redis.exists(self.keys.moved(seq.request_id)))
+            if moved:
                 self.retire(seq)
                 return
         self.fail(seq, "kv_transfer_timeout", f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s", 503)
         self.wake.set()
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _add(a: Reserved, b: Reserved) -> Reserved:

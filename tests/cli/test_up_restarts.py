@@ -30,7 +30,8 @@ def _kill_and_see_restart(system: System, name: str, pattern: str) -> int:
 
 
 def _completes(system: System, seed: int, timeout_s: float = 40.0) -> None:
-    """A request succeeds, exactly, within the bound (the API may still be starting)."""
+    """A request succeeds, exactly, within the bound (the API may still be starting: its port
+    refuses connections). One it took and never answered is lost: a failure, not a retry."""
     client = openai.OpenAI(base_url=system.v1, api_key=KEY, max_retries=0, timeout=30)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -38,6 +39,8 @@ def _completes(system: System, seed: int, timeout_s: float = 40.0) -> None:
             text = client.completions.create(model="tiny", prompt="r", max_tokens=6, seed=seed).choices[0].text
             assert text == sim_text(seed, 6)
             return
+        except openai.APITimeoutError:
+            raise AssertionError(f"request {seed} was taken and never answered") from None
         except openai.APIConnectionError:
             assert time.monotonic() < deadline, "the API never came back"
             time.sleep(0.2)
@@ -56,6 +59,9 @@ def test_up_restarts_each_kind_of_part(tmp_path: Path) -> None:
         assert _environ(api)["SPLITBUS_API_KEYS"] == KEY and KEY not in _cmdline(api)
         assert all(KEY not in _cmdline(pid) for pid in system.descendants())
         assert KEY not in "".join(system.output)
+    except BaseException:
+        print("".join(system.output))  # the parts' own lines say what went wrong
+        raise
     finally:
         assert stop_system(system) == []
 

@@ -269,6 +269,22 @@ def traces(log: Log, output: list[str], per_request: int = 4) -> str:
     return "\n".join(lines)
 
 
+def stuck_tasks(admin: redis.Redis, idle_ms: int = 10_000) -> str:
+    """Task entries pending (read, not acked) for longer than ``idle_ms`` at the end of the run,
+    with their consumer: where a request that never finished was left."""
+    lines = []
+    for worker in sorted(w.decode() for w in admin.zrange("sb:workers", 0, -1)):
+        stream = f"sb:tasks:{{{worker}}}"
+        if not admin.exists(stream):
+            continue
+        for row in admin.xpending_range(stream, "workers", min="-", max="+", count=100, idle=idle_ms):
+            entry = admin.xrange(stream, row["message_id"], row["message_id"])
+            data = entry[0][1].get(b"data", b"")[:160].decode(errors="replace") if entry else "(trimmed)"
+            lines.append(f"  stuck: {stream} {row['message_id'].decode()} with {row['consumer'].decode()}, "
+                         f"idle {row['time_since_delivered'] / 1000:.1f}s, {row['times_delivered']} deliveries: {data}")
+    return "\n".join(lines)
+
+
 def notable(output: list[str], limit: int = 30) -> str:
     """The lines of `up`'s output that say something went wrong (to point at the part)."""
     keys = (" WARNING ", " ERROR ", "exited with code", "was killed by", "Error:")

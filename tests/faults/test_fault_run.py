@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from tests.e2e.conftest import start_system, stop_system
-from tests.faults.fault_run import FaultRun, RunConfig, notable, plan, request, summary, traces
+from tests.faults.fault_run import FaultRun, RunConfig, notable, plan, request, stuck_tasks, summary, traces
 
 DEFAULT_SEED = 17
 
@@ -33,8 +33,6 @@ def test_the_plan_and_the_requests_are_the_seeds() -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(os.environ.get("SPLITBUS_FAULT_RUN") != "1",
-                    reason="known to fail (issue 17: 2 of ~350 requests hang on seed 17); run with SPLITBUS_FAULT_RUN=1")
 def test_randomized_fault_run(tmp_path: Path) -> None:
     config = _config()
     print(f"fault run seed {config.seed}", flush=True)
@@ -43,11 +41,12 @@ def test_randomized_fault_run(tmp_path: Path) -> None:
     try:
         admin = redis.Redis.from_url(system.redis_url)
         log = asyncio.run(FaultRun(config, system.v1, admin, system.pids_of).run())
+        stuck = stuck_tasks(admin)
     finally:
         leftovers = stop_system(system)
         (tmp_path / "up.log").write_text("".join(system.output))
     where = f"  the output of splitbus up: {tmp_path / 'up.log'}"
-    report = "\n".join([summary(config, log), traces(log, system.output), notable(system.output), where])
+    report = "\n".join([summary(config, log), traces(log, system.output), stuck, notable(system.output), where])
     print(report, flush=True)
     assert log.injected >= config.faults // 2, report  # the run did what it is for
     assert len(log.outcomes) >= 50, report

@@ -7,9 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
+from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.redis_server import free_port
@@ -32,10 +34,10 @@ def prefill_worker(bus_config: BusConfig, tiny_model: Path, kv_wait_s: float = 3
     return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
 
 
-def prefilled(worker: Worker, request_id: str, peer: str) -> Sequence:
+def prefilled(worker: Worker, request_id: str, peer: str, handoff: str = "h1") -> Sequence:
     """A request P has prefilled: its first token published, its KV ready to ship."""
     request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
-    seq = Sequence(Task("prefill", request, peer=peer), "1-0", TextStream(worker.tokenizer, []))
+    seq = Sequence(Task("prefill", request, peer=peer, handoff=handoff), "1-0", TextStream(worker.tokenizer, []))
     worker.writer.open(request_id)
     worker.emit(seq, 97)
     worker.handing_off[request_id] = seq  # as after_prefill leaves it
@@ -48,9 +50,11 @@ async def register_decode(worker: Worker, worker_id: str, endpoint: str) -> None
     await Registry(worker.redis, worker.config.bus).register(record, lease_ms=30_000)
 
 
-async def reservation(worker: Worker, request_id: str, decode_worker: str, endpoint: str, entry: str = "9-0") -> None:
+async def reservation(worker: Worker, request_id: str, decode_worker: str, endpoint: str, entry: str = "9-0",
+                      handoff: str = "h1", secret: str = SECRET) -> None:
     """``sb:kv:{request_id}`` as D writes it (an attacker with Redis access can write the same)."""
-    fields = {"decode_worker": decode_worker, "endpoint": endpoint, "secret": SECRET, "task_entry": entry}
+    fields = {"decode_worker": decode_worker, "endpoint": endpoint, "secret": secret, "task_entry": entry,
+              "prefill_worker": "p1", "handoff": handoff}
     await worker.redis.hset(worker.keys.kv(request_id), mapping=fields)
 
 
@@ -74,6 +78,25 @@ class Refuser(Decoder):
 
     def check(self, sender: str, header: Header) -> str | None:
         return "the frame is refused"
+
+
+class NewerDispatch(Decoder):
+    """A live decode side that, as the frame comes, takes a newer dispatch of its request (a new
+    reservation, handoff and secret) and so refuses the frame."""
+
+    def __init__(self, bus_config: BusConfig, newer_reservation: bool) -> None:
+        super().__init__()
+        self.redis, self.refused, self.newer_reservation = redis.Redis.from_url(bus_config.redis_url), 0, newer_reservation
+        self.kv, self.current = bus_config.keys.kv, bus_config.keys.current
+
+    def check(self, sender: str, header: Header) -> str | None:
+        if self.newer_reservation:
+            self.redis.hset(self.kv(header.ident), mapping={"handoff": "h2", "secret": "newer"})
+        else:  # voided its task; the new reservation is not written yet, the current dispatch is
+            self.redis.delete(self.kv(header.ident))
+            self.redis.set(self.current(header.ident), "h2")
+        self.refused += 1
+        return f"{header.ident}: not from its prefill worker with the reservation's secret"
 
 
 class FakeServer:
@@ -109,14 +132,13 @@ async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
     # when the new prefill task runs. P must wait for the new decode worker's, not send there.
     worker = prefill_worker(bus_config, tiny_model)
     request = GenerateRequest("moved-1", "tiny", [97], SamplingParams(max_tokens=4), "api", 0)
-    seq = Sequence(Task("prefill", request, peer="d2"), "1-0", TextStream(worker.tokenizer, []))
-    kv = bus_config.keys.kv("moved-1")
-    await worker.redis.hset(kv, mapping={"decode_worker": "d1-dead", "endpoint": "127.0.0.1:1", "secret": "old"})
+    seq = Sequence(Task("prefill", request, peer="d2", handoff="h1"), "1-0", TextStream(worker.tokenizer, []))
+    await reservation(worker, "moved-1", "d1-dead", "127.0.0.1:1", secret="old")
     await register_decode(worker, "d2", "127.0.0.1:2")
 
     async def new_reservation() -> None:
         await asyncio.sleep(0.2)
-        await worker.redis.hset(kv, mapping={"decode_worker": "d2", "endpoint": "127.0.0.1:2", "secret": SECRET})
+        await reservation(worker, "moved-1", "d2", "127.0.0.1:2")
 
     writer = asyncio.create_task(new_reservation())
     try:
@@ -124,6 +146,31 @@ async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
     finally:
         await writer
         await worker.redis.aclose()
+
+
+@pytest.mark.parametrize("older", [{"handoff": "h0"}, {"prefill_worker": "p0-dead"}])
+async def test_prefill_waits_for_its_own_dispatchs_reservation_not_an_older_one(
+        bus_config: BusConfig, tiny_model: Path, older: dict[str, str]) -> None:
+    # The same decode worker's reservation, made for an older dispatch of the request (its P
+    # died, or the request moved and came back to the same pair): its secret is not this task's,
+    # and D would refuse the frame. P waits until D has taken its new task and reserved for it.
+    worker = prefill_worker(bus_config, tiny_model)
+    seq = prefilled(worker, "again-1", "d2")
+    await register_decode(worker, "d2", "127.0.0.1:2")
+    await reservation(worker, "again-1", "d2", "127.0.0.1:2", secret="older-secret")
+    await worker.redis.hset(worker.keys.kv("again-1"), mapping=older)
+    async def new_reservation() -> None:
+        await asyncio.sleep(0.2)
+        await reservation(worker, "again-1", "d2", "127.0.0.1:2")
+
+    writer = asyncio.create_task(new_reservation())
+    try:
+        started = time.monotonic()
+        assert await worker.wait_for_reservation(seq) == ("127.0.0.1:2", SECRET)
+        assert time.monotonic() - started >= 0.2  # not the older one, there from the start
+    finally:
+        await writer
+        await close(worker)
 
 
 async def test_the_kv_goes_to_the_registered_endpoint_with_the_proof(bus_config: BusConfig, tiny_model: Path) -> None:
@@ -191,7 +238,7 @@ async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConf
     try:
         await worker.redis.hset(moved, mapping={"decode_worker": "d1", "task_entry": "2-0"})  # the new task's
         await worker.redis.hset(done, mapping={"decode_worker": "d1", "task_entry": "3-0"})
-        worker.stale_reservations += [(moved, "1-0"), (done, "3-0")]  # the old task of moved-2, and done-3's
+        worker.stale_reservations += [("moved-2", "1-0"), ("done-3", "3-0")]  # the old task of moved-2, and done-3's
         await worker.publish()
         assert await worker.redis.hget(moved, "task_entry") == b"2-0"
         assert not await worker.redis.exists(done)
@@ -231,12 +278,12 @@ async def handing_off(worker: Worker, request_id: str, endpoint: str) -> tuple[S
 
 
 async def reaped(worker: Worker, request_id: str, how: str) -> None:
-    """What a reaper leaves once it has taken d2: its record marked dead, or the mark of its
-    redispatch of d2's task (all a worker back from a stop leaves: its lease and record return)."""
+    """What a reaper leaves once it has taken d2: its record marked dead, or the request's new
+    current dispatch (all a worker back from a stop leaves: its lease and record return)."""
     if how == "marked_dead":
         await Registry(worker.redis, worker.config.bus).mark_dead("d2")
     else:
-        await worker.redis.set(worker.keys.dispatched(f"{request_id}:5-0"), "1")
+        await worker.redis.set(worker.keys.current(request_id), "h-next")
 
 
 @pytest.mark.parametrize("how", ["marked_dead", "task_moved"])
@@ -288,6 +335,45 @@ async def test_a_live_decode_workers_refusal_ends_the_request(bus_config: BusCon
         await asyncio.wait_for(task, 5)
         last = (await results(worker, "r-refused"))[-1]
         assert isinstance(last, Failed) and last.code == "kv_transfer_failed" and "the frame is refused" in last.message
+    finally:
+        await decoder.server.close()
+        await close(worker)
+
+
+@pytest.mark.parametrize("newer_reservation", [True, False])
+async def test_a_refusal_for_a_newer_dispatch_lets_go_without_an_error(
+        bus_config: BusConfig, tiny_model: Path, newer_reservation: bool) -> None:
+    # D refused because, as P sent, it took a newer dispatch of the request (a new reservation
+    # and secret, or not yet written but the newer dispatch current): the request is that
+    # dispatch's now, so P neither fails nor cancels it (its error and cancel would end it).
+    worker, decoder = prefill_worker(bus_config, tiny_model), NewerDispatch(bus_config, newer_reservation)
+    endpoint = await decoder.server.start("127.0.0.1", 0)
+    try:
+        seq, task = await handing_off(worker, "r-newer", endpoint)
+        await asyncio.wait_for(task, 5)
+        assert decoder.refused == 1
+        assert worker.done_entries == ["1-0"] and worker.handing_off == {}
+        assert not any(isinstance(e, Failed) for e in await results(worker, "r-newer"))
+        assert not await worker.redis.exists(worker.keys.cancel)
+    finally:
+        decoder.redis.close()
+        await decoder.server.close()
+        await close(worker)
+
+
+async def test_a_refusal_with_the_reservation_gone_still_ends_the_request(bus_config: BusConfig, tiny_model: Path) -> None:
+    # A reservation gone is no sign of a newer dispatch (D may have given up waiting): with the
+    # request's dispatch still current, the refusal ends it with an error its client sees.
+    worker, decoder = prefill_worker(bus_config, tiny_model), Refuser()
+    endpoint = await decoder.server.start("127.0.0.1", 0)
+    try:
+        await worker.redis.set(worker.keys.current("r-gone"), "h1")
+        seq, task = await handing_off(worker, "r-gone", endpoint)
+        await asyncio.sleep(0)  # the reservation read, the frame on its way
+        await worker.redis.delete(worker.keys.kv("r-gone"))
+        await asyncio.wait_for(task, 5)
+        last = (await results(worker, "r-gone"))[-1]
+        assert isinstance(last, Failed) and last.code == "kv_transfer_failed"
     finally:
         await decoder.server.close()
         await close(worker)
@@ -363,5 +449,31 @@ async def test_a_worker_back_before_any_reaper_keeps_its_requests(bus_config: Bu
         assert [await worker.redis.xlen(worker.keys.out(r)) for r in ("r-1", "r-2")] == [1, 1]
         assert await worker.redis.get(worker.keys.reaping(worker.id)) == b"d-hung:rejoining"
         assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2
+    finally:
+        await worker.redis.aclose()
+
+
+@pytest.mark.parametrize("current", ["h-newer", "h1", None])
+async def test_a_decode_task_of_a_replaced_dispatch_reserves_nothing(
+        bus_config: BusConfig, tiny_model: Path, current: str | None) -> None:
+    # P died and the reaper moved the request to a new pair before D took its task: nobody
+    # will send that task's KV, so D must not hold blocks (and a prefill worker) for it.
+    worker = decode_worker(bus_config, tiny_model)
+    await worker.tasks.ensure_group()
+    request = GenerateRequest("r-void", "tiny", [97], SamplingParams(max_tokens=8), "api", 0)
+    await worker.redis.xadd(worker.keys.tasks(worker.id), codec.encode(Task("decode", request, "p1", handoff="h1")))
+    if current is not None:  # none: its current id outlived its TTL, nothing to compare
+        await worker.redis.set(worker.keys.current("r-void"), current)
+    free = worker.engine.free_blocks
+    try:
+        await worker.feed_tasks()
+        reserved = await worker.redis.hgetall(worker.keys.kv("r-void"))
+        if current == "h-newer":
+            assert reserved == {} and worker.awaiting_kv == {} and worker.engine.free_blocks == free
+            await worker.publish()
+            assert (await worker.redis.xpending(worker.keys.tasks(worker.id), WORKER_GROUP))["pending"] == 0
+            assert await worker.redis.xlen(worker.keys.out("r-void")) == 0  # no error: the request lives on
+        else:
+            assert reserved[b"handoff"] == b"h1" and list(worker.awaiting_kv) == ["r-void"]
     finally:
         await worker.redis.aclose()

@@ -48,6 +48,11 @@ class Task:
     reserved: list[int] = field(default_factory=lambda: [0, 0, 0])
     """What the scheduler reserved on this worker for the task (prefill tokens, requests, KV
     blocks); the worker gives exactly this back when it takes the task."""
+    handoff: str = ""
+    """Random per dispatch, the same in its prefill and decode tasks: D writes it into its KV
+    reservation and P sends only to the reservation of its own dispatch. A request moved to
+    another pair (or the same pair again) has a new one, so a reservation left by an older
+    dispatch is never taken for the new one."""
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, f"phase must be one of {PHASES}")
@@ -58,5 +63,6 @@ class Task:
         require_str(self.batch_id, "batch_id", nonempty=False)
         require_int(self.batch_ranks, "batch_ranks", minimum=0, maximum=MAX_RANKS)
         require(type(self.reserved) is list and len(self.reserved) == 3, "reserved must hold 3 numbers")
+        require_str(self.handoff, "handoff", nonempty=False, max_chars=64)
         for value, name, most in zip(self.reserved, RESERVED_NAMES, (MAX_TOKENS, 1, MAX_KV_BLOCKS)):
             require_int(value, f"reserved {name}", minimum=0, maximum=most)

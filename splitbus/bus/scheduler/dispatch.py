@@ -1,6 +1,12 @@
 """Writing a request's tasks: one script that acks the request, marks it dispatched, reserves
 the chosen workers' load and XADDs every task, atomically.
 
+Every dispatch draws a hand-off id, carried by its tasks and kept as the request's current one
+(``sb:current:{request}``). A prefill worker sends its KV only to the reservation made for its
+own dispatch, and a redispatch (the reaper moving a dead worker's task) is written only while
+the task's dispatch is still the current one: a request whose prefill worker and decode worker
+both die is moved once, not once per worker (twice would give it two live dispatches).
+
 A crash before the script leaves the request pending (another replica claims it); after it,
 everything is written. A retried call finds the entry acked and does nothing, and a duplicate
 request entry (a retried XADD by an API node) finds the dispatched mark and is only acked: each
@@ -18,6 +24,7 @@ request: one could fail it with a 503 while the other dispatched it).
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
@@ -32,6 +39,9 @@ from splitbus.bus.scheduler.policy import Placement
 DISPATCHED = 1
 ALREADY_ACKED = 0
 DUPLICATE = -1
+STALE = -2
+"""A redispatch of a task that is no longer its request's current dispatch (the request moved
+already, off its other worker): the task is only acked."""
 NOT_OURS = ALREADY_ACKED
 """The entry is not pending with this consumer: acked already, or claimed by another replica."""
 
@@ -40,9 +50,12 @@ if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2],
   return 0
 end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local current = redis.call('GET', KEYS[3])
+if ARGV[7] ~= '' and current and current ~= ARGV[7] then return -2 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return -1 end
+redis.call('SET', KEYS[3], ARGV[6], 'EX', ARGV[3])
 for i = 0, tonumber(ARGV[4]) - 1 do
-  local worker, tasks, a = KEYS[3 + 2 * i], KEYS[4 + 2 * i], 6 + 6 * i
+  local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 8 + 6 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
   redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
   redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
@@ -62,28 +75,36 @@ class Dispatcher:
     async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement],
                        consumer: str = "") -> int:
         """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
-        pending with it) or DUPLICATE."""
+        pending with it) or DUPLICATE. The tasks' hand-off id becomes the request's current one."""
         mark = self._keys.dispatched(request.request_id)
         return await self._write(self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements,
                                  consumer=consumer)
 
-    async def redispatch(self, dead_worker: str, entry_id: str, request: GenerateRequest, placements: list[Placement], first_seq: int, tokens: list[int]) -> int:
+    async def redispatch(self, dead_worker: str, entry_id: str, task: Task, placements: list[Placement],
+                         first_seq: int, tokens: list[int]) -> int:
         """Move a dead worker's task: ack it in that worker's stream and write new tasks that
-        continue at ``first_seq`` after the ``tokens`` already sent. The mark is per old entry,
-        so a retried call or a second reaper does nothing."""
-        mark = self._keys.dispatched(f"{request.request_id}:{entry_id}")
-        return await self._write(self._keys.tasks(dead_worker), WORKER_GROUP, entry_id, mark, request, placements, first_seq, tokens)
+        continue at ``first_seq`` after the ``tokens`` already sent; DISPATCHED, ALREADY_ACKED,
+        DUPLICATE (another reaper moved this entry) or STALE (the task's dispatch is not the request's current one: it moved already, from
+        the task's other worker, and only the ack is written). The mark is per old entry, so a
+        retried call or a second reaper does nothing."""
+        mark = self._keys.dispatched(f"{task.request.request_id}:{entry_id}")
+        return await self._write(self._keys.tasks(dead_worker), WORKER_GROUP, entry_id, mark, task.request, placements,
+                                 first_seq, tokens, replaces=task.handoff)
 
     async def _write(self, stream: str, group: str, entry_id: str, mark: str, request: GenerateRequest,
                      placements: list[Placement], first_seq: int = 0, tokens: list[int] | None = None,
-                     consumer: str = "") -> int:
-        keys = [stream, mark]
-        args: list[object] = [group, entry_id, self._ttl, len(placements), consumer]
+                     consumer: str = "", replaces: str = "") -> int:
+        """``replaces``: the hand-off id that must still be the request's current one ("" for a
+        first dispatch, or a task written before hand-off ids)."""
+        handoff = secrets.token_hex(8)  # one per dispatch: P and D find each other's reservation by it
+        keys = [stream, mark, self._keys.current(request.request_id)]
+        args: list[object] = [group, entry_id, self._ttl, len(placements), consumer, handoff, replaces]
         for p in placements:
             worker_id = p.worker.record.worker_id
             keys += [self._keys.worker(worker_id), self._keys.tasks(worker_id)]
             reserved = list(dataclasses.astuple(p.reserve))
-            task = Task(p.phase, request, p.peer, first_seq, list(tokens or []), p.batch_id, p.batch_ranks, reserved)
+            task = Task(p.phase, request, p.peer, first_seq, list(tokens or []), p.batch_id, p.batch_ranks, reserved,
+                        handoff)
             fields = codec.encode(task)
             args += [*reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
         return int(await self._run(keys, args))

@@ -103,7 +103,8 @@ class Reaper:
             return 0
         stream = GroupConsumer(self.redis, self.config, self.keys.tasks(worker_id), WORKER_GROUP, f"reaper.{self.name}")
         await stream.ensure_group()
-        tasks = await stream.read(100_000, block_ms=0) + await stream.claim_idle(100_000, min_idle_ms=0)
+        read = await stream.read(100_000, block_ms=0) + await stream.claim_idle(100_000, min_idle_ms=0)
+        tasks = list({d.entry_id: d for d in read}.values())  # what it read, claimed again too: once
         for delivery in tasks:
             await self.move(worker_id, stream, delivery)
         await self.writer.flush()
@@ -118,15 +119,18 @@ class Reaper:
             return
         request = task.request
         sent = await read_sent(self.redis, self.config, request.request_id)
-        if sent.ended:
+        if sent.ended or await self.superseded(task):
+            log.debug("task %s of %s on %s: %s; acked only", delivery.entry_id, request.request_id, dead,
+                      "ended" if sent.ended else "its dispatch was replaced")
             await stream.ack(delivery.entry_id)
             return
         if task.phase == "prefill":
-            await self.release_decode_side(request.request_id)
+            await self.release_decode_side(task)
         outcome = await self.continue_request(dead, delivery, task, sent)
         if outcome:
             await stream.ack(delivery.entry_id)
-            self.fail_or_finish(request.request_id, sent, outcome)
+            if outcome == "finished" or not await self.superseded(task):  # else it lives on elsewhere
+                self.fail_or_finish(request.request_id, sent, outcome)
 
     async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> str:
         """Write the new tasks; returns "" on success, else why the request ends here."""
@@ -140,8 +144,21 @@ class Reaper:
         placement = self.policy.place(request, self.view.workers, self.local)
         if isinstance(placement, str):
             return f"worker {dead} died and {placement}"
-        await self.dispatcher.redispatch(dead, delivery.entry_id, request, placement, sent.next_seq, sent.tokens)
+        # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
+        outcome = await self.dispatcher.redispatch(dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens)
+        log.debug("moved task %s of %s off %s to %s: outcome %d", delivery.entry_id, request.request_id, dead,
+                  [p.worker.record.worker_id for p in placement], outcome)
         return ""
+
+    async def superseded(self, task: Task) -> bool:
+        """The task's dispatch is no longer its request's current one: the request was moved
+        already (its other worker died first: a decode task whose prefill worker's death
+        released it, but which its dead worker never dropped). Moving it again would give the
+        request two live dispatches. The dispatch script checks this again, atomically."""
+        if not task.handoff:  # written before hand-off ids: nothing to compare
+            return False
+        current = await self.redis.get(self.keys.current(task.request.request_id))
+        return current is not None and current != task.handoff.encode()
 
     def fail_or_finish(self, request_id: str, sent: Sent, outcome: str) -> None:
         self.writer.open(request_id, first_seq=sent.next_seq)
@@ -150,9 +167,11 @@ class Reaper:
         else:
             self.writer.fail(request_id, "worker_died", outcome, 503)
 
-    async def release_decode_side(self, request_id: str) -> None:
-        """The decode worker waiting for this request's KV will not get it: free its task."""
+    async def release_decode_side(self, task: Task) -> None:
+        """The decode worker waiting for this prefill task's KV will not get it: free its task
+        (the reservation of this dispatch only: a newer one's decode side is the request's now)."""
+        request_id = task.request.request_id
         reservation = await self.redis.hgetall(self.keys.kv(request_id))
         worker, entry = reservation.get(b"decode_worker"), reservation.get(b"task_entry")
-        if worker and entry:
+        if worker and entry and reservation.get(b"handoff", b"") == task.handoff.encode():
             await publish_cancel(self.redis, self.config, request_id, "moved", worker.decode(), entry.decode())

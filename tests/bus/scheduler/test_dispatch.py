@@ -6,11 +6,11 @@ import redis.asyncio as aioredis
 
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
-from splitbus.bus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, Dispatcher
+from splitbus.bus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, STALE, Dispatcher
 from splitbus.bus.scheduler.policy import Placement
-from splitbus.bus.streams import GroupConsumer, Producer
+from splitbus.bus.streams import Delivery, GroupConsumer, Producer
 from tests.bus.scheduler.test_policy import request, worker
 
 
@@ -81,3 +81,33 @@ async def test_a_woken_replica_writes_nothing_for_an_entry_another_claimed(
     snap = {w.record.worker_id: w.reserved for w in await Registry(redis, bus_config).snapshot()}
     assert snap == {"p": Reserved(100, 0, 0), "d": Reserved(0, 1, 8)}  # reserved once
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
+async def _pending_tasks(redis: aioredis.Redis, config: BusConfig, worker_id: str) -> list[Delivery]:
+    """The worker's tasks, read (so pending with it) as the worker would."""
+    tasks = GroupConsumer(redis, config, config.keys.tasks(worker_id), WORKER_GROUP, worker_id)
+    await tasks.ensure_group()
+    return await tasks.read(100)
+
+
+async def test_a_request_whose_two_workers_die_is_moved_once(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    # Its prefill worker dies (the reaper moves the prefill task to a new pair), then its decode
+    # worker: that worker's task of the first dispatch is void, and moving it too would give the
+    # request two live dispatches, each waiting for a reservation the other's D made.
+    consumer = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    delivery = (await consumer.read(1))[0]
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    [p_task], [d_task] = await _pending_tasks(redis, bus_config, "p"), await _pending_tasks(redis, bus_config, "d")
+    first = p_task.message.handoff
+    assert first and d_task.message.handoff == first == (await redis.get(bus_config.keys.current("r"))).decode()
+
+    assert await dispatcher.redispatch("p", p_task.entry_id, p_task.message, _plan(), 0, []) == DISPATCHED
+    second = (await redis.get(bus_config.keys.current("r"))).decode()
+    assert second != first
+    assert await dispatcher.redispatch("d", d_task.entry_id, d_task.message, _plan(), 0, []) == STALE
+    assert (await redis.get(bus_config.keys.current("r"))).decode() == second
+    tasks = [codec.decode(f) for _, f in await redis.xrange(bus_config.keys.tasks("d"))]
+    assert [t.handoff for t in tasks] == [first, second]  # nothing written for the void task
+    assert (await redis.xpending(bus_config.keys.tasks("d"), WORKER_GROUP))["pending"] == 0  # only acked

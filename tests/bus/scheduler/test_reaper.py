@@ -10,13 +10,17 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.control import ControlServer
-from splitbus.bus.keys import WORKER_GROUP
-from splitbus.bus.registry import Registry, WorkerRecord
+from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
+from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.scheduler.config import SchedulerConfig
+from splitbus.bus.scheduler.dispatch import DISPATCHED, Dispatcher
+from splitbus.bus.scheduler.policy import Placement
 from splitbus.bus.scheduler.scheduler import Scheduler
-from splitbus.bus.streams import GroupConsumer
+from splitbus.bus.streams import GroupConsumer, Producer
+from tests.bus.scheduler.test_policy import request, worker
 
 KEEP_S = 2
 
@@ -117,3 +121,37 @@ async def test_a_failed_reap_ends_neither_the_pass_nor_the_loop(
     reaper.stopped = True
     await asyncio.wait_for(loop, 5)
     assert reaped[:6] == ["w-oom", "w-bug", "w-ok"] * 2  # every worker, pass after pass
+
+
+async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once(
+        redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler) -> None:
+    # The reaper of P moves the request to a live pair; D's task of the first dispatch is then
+    # void, and the reaper of D only acks it: one live dispatch, and no error for the client.
+    load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
+    # An older entry in d1's stream, so its task's id differs from p1's (written in the same
+    # millisecond, both would be <ms>-0, and the mark per moved entry would hide a second move).
+    await redis.xadd(config.keys.tasks("d1"), {"type": "x"}, id="9999999999999-0")
+    for worker_id, role, lease_ms in (("p1", "prefill", 50), ("d1", "decode", 50), ("p2", "prefill", 30_000),
+                                       ("d2", "decode", 30_000)):
+        tasks = GroupConsumer(redis, config, config.keys.tasks(worker_id), WORKER_GROUP, worker_id)
+        await tasks.ensure_group(start_id="$")
+        await Registry(redis, config).register(WorkerRecord(worker_id=worker_id, role=role, model="m", load=load),
+                                               lease_ms=lease_ms)
+    requests = GroupConsumer(redis, config, config.keys.requests, SCHEDULER_GROUP, "s1")
+    await requests.ensure_group()
+    await Producer(redis, config).send(config.keys.requests, request())
+    (entry,) = await requests.read(1)
+    first = [Placement(worker("d1", "decode"), "decode", "p1", Reserved(0, 1, 8)),
+             Placement(worker("p1", "prefill"), "prefill", "d1", Reserved(100, 0, 0))]
+    assert await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, first) == DISPATCHED
+    await asyncio.sleep(0.1)  # p1 and d1 die
+    await scheduler.view.refresh()
+    assert await scheduler.reaper.reap("p1") == 1
+    assert await scheduler.reaper.reap("d1") == 1
+    tasks = {w: [codec.decode(f) for _, f in await redis.xrange(config.keys.tasks(w))] for w in ("p2", "d2")}
+    assert [(t.phase, t.peer) for t in tasks["p2"]] == [("prefill", "d2")]
+    assert [(t.phase, t.peer) for t in tasks["d2"]] == [("decode", "p2")]
+    assert tasks["p2"][0].handoff == tasks["d2"][0].handoff == (await redis.get(config.keys.current("r"))).decode()
+    for dead in ("p1", "d1"):
+        assert (await redis.xpending(config.keys.tasks(dead), WORKER_GROUP))["pending"] == 0
+    assert await redis.xlen(config.keys.out("r")) == 0  # nothing failed it

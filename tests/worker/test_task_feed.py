@@ -1,0 +1,106 @@
+"""How a worker takes its tasks from its stream, against a real Redis: nothing delivered to it is
+left unseen, whatever happened to the read that brought it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeout
+
+from splitbus.bus import codec
+from splitbus.bus.aio import cancel_and_wait
+from splitbus.bus.config import BusConfig
+from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.sim import SimEngine
+from splitbus.worker.worker import Worker
+
+
+@pytest.fixture
+async def worker(bus_config: BusConfig, tiny_model: Path):  # type: ignore[no-untyped-def]
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p1")
+    worker = Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    await worker.tasks.ensure_group()
+    assert await worker.tasks.read(10, block_ms=0) == []  # running: its own backlog of a past run re-read
+    yield worker
+    await cancel_and_wait(set(worker._background))  # a hand-off started by a test's prefill
+    await worker.redis.aclose()
+
+
+async def _send(worker: Worker, request_id: str) -> str:
+    request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
+    entry = await worker.redis.xadd(worker.keys.tasks(worker.id), codec.encode(Task("prefill", request, "d1")))
+    return entry.decode()
+
+
+def _queued(worker: Worker) -> list[str]:
+    return [seq.request_id for seq in worker.queued]
+
+
+async def test_a_task_read_while_the_worker_settles_a_lapsed_lease_is_taken(worker: Worker) -> None:
+    # Back from a stop, the worker drops what the reaper moved while its task read is still
+    # blocked. A task written meanwhile (a scheduler placed it on the rejoining worker) comes
+    # back on that read: it must be taken, not added to a backlog that was replaced.
+    feeding = asyncio.create_task(worker.feed_tasks())
+    await asyncio.sleep(0.1)  # the read is blocked in XREADGROUP
+    await worker.drop_moved()
+    await _send(worker, "r-during")
+    await asyncio.wait_for(feeding, 5)
+    assert _queued(worker) == ["r-during"]
+
+
+async def test_tasks_delivered_to_a_read_whose_reply_was_lost_are_taken_once(
+        worker: Worker, bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a stop longer than the socket timeout, redis-py drops the reply of the read that
+    # was waiting; Redis has delivered its entries to this worker, and nobody claims a live
+    # worker's entries. The worker finds them pending with it and takes them (each once).
+    first, second = await _send(worker, "r-lost-1"), await _send(worker, "r-lost-2")
+    other = aioredis.Redis.from_url(bus_config.redis_url)
+    await other.xreadgroup(WORKER_GROUP, worker.id, {worker.keys.tasks(worker.id): ">"}, count=10)  # the lost reply
+    await other.aclose()
+    real_read = worker.tasks.read
+
+    async def timed_out(capacity: int, block_ms: int | None = None) -> list[object]:
+        monkeypatch.setattr(worker.tasks, "read", real_read)
+        raise RedisTimeout("Timeout reading from 127.0.0.1")
+
+    monkeypatch.setattr(worker.tasks, "read", timed_out)
+    with pytest.raises(RedisTimeout):
+        await worker.feed_tasks()
+    await worker.feed_tasks()
+    assert _queued(worker) == ["r-lost-1", "r-lost-2"]
+    assert [seq.entry_id for seq in worker.queued] == [first, second]
+    assert worker.known_entries() == {first, second}
+
+
+async def test_a_lost_task_brought_again_by_its_read_is_taken_once(worker: Worker) -> None:
+    # The look for lost tasks can run while a read's reply is still on its way: the same
+    # entry then arrives twice, and only one copy becomes a request.
+    entry = await _send(worker, "r-twice")
+    (delivery,) = await worker.tasks.read(10, block_ms=0)  # delivered; its reply not handled yet
+    await worker.take_lost()  # finds it pending and unseen: takes it
+    assert [d.entry_id for d in worker.unaccepted] == [entry]
+    worker.unaccepted.append(delivery)  # then the reply is handled
+    await worker.feed_tasks()
+    assert _queued(worker) == ["r-twice"] and [s.entry_id for s in worker.queued] == [entry]
+
+
+async def test_a_request_moved_here_again_keeps_only_its_newest_task(worker: Worker) -> None:
+    # Its decode worker died while this worker still had it queued; the reaper gave the
+    # request a new pair with this same prefill worker. The older task is void: kept, it would
+    # prefill twice, and retiring it later would close the newer one's result writer.
+    older = await _send(worker, "r-again")
+    await worker.feed_tasks()
+    free = worker.engine.free_blocks
+    newer = await _send(worker, "r-again")
+    await worker.feed_tasks()
+    assert [(s.request_id, s.entry_id) for s in worker.queued] == [("r-again", newer)]
+    assert worker.done_entries == [older] and worker.engine.free_blocks == free
+    await worker.prefill_queued()
+    assert worker.writer.next_seq("r-again") == 1  # the newer task's writer, open and written to
