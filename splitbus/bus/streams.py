@@ -258,12 +258,8 @@ class GroupConsumer:
         entries = [(_text(i), f) for i, f in reply[1] if f is not None]
         trimmed = [_text(i) for i, f in reply[1] if f is None]
         trimmed += [_text(i) for i in (reply[2] if len(reply) > 2 else [])]
-        if trimmed:  # deleted while pending: nothing is left to deliver
-            await self.ack(*trimmed)
-        if not entries:
-            return []
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
-        return await self._decode_all(await self._bury_poison(entries))
+        return await self._take(entries, trimmed)
 
     async def pending_ids(self) -> set[str]:
         """The ids of the entries pending with this consumer (XPENDING: no delivery is counted)."""
@@ -280,10 +276,16 @@ class GroupConsumer:
             pipe.xrange(self.stream, entry_id, entry_id)
         found = [(entry_id, rows[0][1] if rows else None) for entry_id, rows in zip(entry_ids, await pipe.execute())]
         trimmed = [entry_id for entry_id, fields in found if fields is None]
+        return await self._take([(entry_id, fields) for entry_id, fields in found if fields is not None], trimmed)
+
+    async def _take(self, entries: list[tuple[str, Any]], trimmed: list[str]) -> list[Delivery]:
+        """Entries claimed or fetched again: the trimmed ones are acked (deleted while pending,
+        nothing is left to deliver), those past the delivery bound dead-lettered, the rest decoded."""
         if trimmed:
             await self.ack(*trimmed)
-        present = [(entry_id, fields) for entry_id, fields in found if fields is not None]
-        return await self._decode_all(await self._bury_poison(present))  # the delivery bound holds here too
+        if not entries:
+            return []
+        return await self._decode_all(await self._bury_poison(entries))
 
     @property
     def rereading_backlog(self) -> bool:
@@ -312,12 +314,8 @@ class GroupConsumer:
         reply = await script(keys=[self.stream], args=[self.group, owner, self.consumer, count])
         entries = [(_text(i), _pairs(f)) for i, f in reply if f]
         trimmed = [_text(row[0]) for row in reply if not row[1]]
-        if trimmed:  # deleted while pending: nothing is left to deliver
-            await self.ack(*trimmed)
-        if not entries:
-            return []
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
-        return await self._decode_all(await self._bury_poison(entries))
+        return await self._take(entries, trimmed)
 
     async def owns(self, entry_id: str) -> bool:
         """Whether the entry is pending with this consumer now (not acked, not claimed by another)."""
