@@ -261,10 +261,11 @@ class GroupConsumer:
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
         return await self._take(entries, trimmed)
 
-    async def pending_ids(self) -> set[str]:
-        """The ids of the entries pending with this consumer (XPENDING: no delivery is counted)."""
+    async def pending_ids(self, min_idle_ms: int = 0) -> set[str]:
+        """The ids of the entries pending with this consumer (XPENDING: no delivery is counted),
+        those delivered at least ``min_idle_ms`` ago only if it is set."""
         rows = await self._redis.xpending_range(self.stream, self.group, min="-", max="+", count=100_000,
-                                                consumername=self.consumer)
+                                                consumername=self.consumer, idle=min_idle_ms or None)
         return {_text(row["message_id"]) for row in rows}
 
     async def fetch(self, entry_ids: list[str]) -> list[Delivery]:

@@ -144,7 +144,8 @@ class Worker:
     async def start(self) -> None:
         self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port, self.config.advertised_transfer_host)
         await until_done(self.join_bus, self.redis, self.stopping.is_set, "start-up")
-        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands, self.publisher):
+        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands,
+                     self.publisher, self.find_lost_tasks):
             self.spawn(self._forever(loop))
         log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
 
@@ -281,17 +282,26 @@ class Worker:
         log.warning("worker %s: %d request(s) moved away while it was out: dropped", self.id, len(moved))
         await self.take_lost()
 
-    async def take_lost(self) -> None:
+    async def find_lost_tasks(self) -> None:
+        """Now and then, take tasks lost without an error: redis-py retries a read whose reply
+        timed out (a stop, a stall past the socket timeout) and returns the retry's reply, while
+        Redis had delivered entries to the first. Only entries older than a read and its timeout
+        are looked at, so none that a read in flight is bringing."""
+        await asyncio.sleep(self.config.bus.socket_timeout_s)
+        await self.take_lost(int(self.config.bus.socket_timeout_s * 1000) + self.config.bus.block_ms)
+
+    async def take_lost(self, min_idle_ms: int = 0) -> None:
         """Take the tasks pending to this worker that it has never seen: Redis delivered them to
         a read whose reply was lost (it timed out after a long stop, or its connection dropped).
         Nobody else would: a live worker's pending entries are not claimed."""
         if not self.tasks.rereading_backlog:  # else its next reads bring back all that is pending anyway
-            lost = sorted(await self.tasks.pending_ids() - self.known_entries(), key=_entry_order)
+            lost = sorted(await self.tasks.pending_ids(min_idle_ms) - self.known_entries(), key=_entry_order)
             if lost:
                 log.warning("worker %s: %d task(s) delivered to a read whose reply was lost; taking them",
                             self.id, len(lost))
                 self.unaccepted.extend(await self.tasks.fetch(lost))
-        self.reread_pending = False  # only now: a Redis error above leaves it to the next feed
+        if not min_idle_ms:
+            self.reread_pending = False  # only now: a Redis error above leaves it to the next feed
 
     def known_entries(self) -> set[str]:
         """Task entries this worker has seen: held, in its backlog, taken lately (done, perhaps

@@ -4,19 +4,26 @@ left unseen, whatever happened to the read that brought it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
+import time
+from collections import deque
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from splitbus.bus import codec
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import forever
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.config import WorkerConfig
+from splitbus.worker.config import SimConfig, WorkerConfig
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.worker import Worker
 
@@ -104,3 +111,75 @@ async def test_a_request_moved_here_again_keeps_only_its_newest_task(worker: Wor
     assert worker.done_entries == [older] and worker.engine.free_blocks == free
     await worker.prefill_queued()
     assert worker.writer.next_seq("r-again") == 1  # the newer task's writer, open and written to
+
+
+def _stall_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:
+    """A worker with a 1 s socket timeout and 300 ms reads, so a stall is short."""
+    config = dataclasses.replace(bus_config, socket_timeout_s=1.0, block_ms=300)
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    return Worker(WorkerConfig(bus=config, role="prefill", model_dir=tiny_model, model_name="tiny",
+                               worker_id="p-stall"), tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
+
+
+async def _running(worker: Worker, *steps: Callable[[], Awaitable[None]]) -> list[asyncio.Task[None]]:
+    await worker.tasks.ensure_group()
+    assert await worker.tasks.read(10, block_ms=0) == []  # running: its backlog re-read
+    return [asyncio.create_task(forever(step, lambda: False, "test")) for step in steps]
+
+
+async def _taken_within(worker: Worker, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while not worker.queued and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return _queued(worker)
+
+
+def _task_fields(request_id: str) -> dict[bytes, bytes]:
+    request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
+    return codec.encode(Task("prefill", request, "d1"))
+
+
+async def test_a_task_whose_read_timed_out_in_a_stall_is_taken(bus_config: BusConfig, tiny_model: Path) -> None:
+    # The real thing, not a stand-in: the worker's loop stalls (as under SIGSTOP) past the socket
+    # timeout while its read is blocked, and Redis delivers a task to that read; redis-py times
+    # the read out and drops its reply. The task is pending with the worker, unseen: the worker
+    # looks for it after the failed read.
+    worker = _stall_worker(bus_config, tiny_model)
+    sender = redis.Redis.from_url(bus_config.redis_url)
+    loops = await _running(worker, worker.feed_tasks)
+    try:
+        await asyncio.sleep(0.1)  # the read is blocked in XREADGROUP
+        threading.Timer(0.1, lambda: sender.xadd(bus_config.keys.tasks("p-stall"), _task_fields("r-stall"))).start()
+        time.sleep(2.0)  # the whole loop stalls past the 1 s socket timeout
+        assert await _taken_within(worker, 10) == ["r-stall"]
+    finally:
+        await cancel_and_wait(set(loops) | set(worker._background))
+        sender.close()
+        await worker.redis.aclose()
+
+
+async def test_a_task_lost_without_an_error_is_found_by_the_periodic_look(
+        bus_config: BusConfig, tiny_model: Path) -> None:
+    # A reply lost with no error reaching the worker (redis-py answering a timed-out read with
+    # its retry's reply, as a client with default retries does): delivered to the worker's
+    # consumer, never seen. The periodic look takes it once it is older than a read could be.
+    worker = _stall_worker(bus_config, tiny_model)
+    other = redis.Redis.from_url(bus_config.redis_url)
+    loops = await _running(worker, worker.find_lost_tasks)
+    try:
+        other.xadd(bus_config.keys.tasks("p-stall"), _task_fields("r-silent"))
+        other.xreadgroup(WORKER_GROUP, "p-stall", {bus_config.keys.tasks("p-stall"): ">"}, count=1)  # the lost reply
+        await asyncio.sleep(0.5)
+        assert worker.unaccepted == deque() and not worker.queued  # a read in flight is not raced
+        await asyncio.wait_for(_until_unaccepted(worker), 10)
+        await worker.feed_tasks()
+        assert _queued(worker) == ["r-silent"]
+    finally:
+        await cancel_and_wait(set(loops) | set(worker._background))
+        other.close()
+        await worker.redis.aclose()
+
+
+async def _until_unaccepted(worker: Worker) -> None:
+    while not worker.unaccepted:
+        await asyncio.sleep(0.1)
