@@ -691,6 +691,10 @@ class Worker:
         except (TransferError, asyncio.TimeoutError) as exc:
             if self.handing_off.get(seq.request_id) is seq:
                 await self.transfer_failed(seq, exc)
+        except Exception as exc:  # a bug: this request alone fails (its task acked), the worker goes on
+            log.exception("hand-off of %s failed", seq.request_id)
+            if self.handing_off.get(seq.request_id) is seq:
+                self.fail(seq, "handler_failed", f"the KV hand-off failed: {type(exc).__name__}: {exc}", 500)
         else:
             if self.handing_off.get(seq.request_id) is seq:  # else voided meanwhile (retired there)
                 self.retire(seq)

@@ -477,3 +477,25 @@ async def test_a_decode_task_of_a_replaced_dispatch_reserves_nothing(
             assert reserved[b"handoff"] == b"h1" and list(worker.awaiting_kv) == ["r-void"]
     finally:
         await worker.redis.aclose()
+
+
+async def test_a_bug_in_a_hand_off_fails_that_request_alone(bus_config: BusConfig, tiny_model: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # An unexpected error while shipping (here the engine's export) must not leave the task
+    # unacked and its blocks held forever: the request fails with its reason, the worker goes on.
+    worker, decoder = prefill_worker(bus_config, tiny_model), Decoder()
+    endpoint = await decoder.server.start("127.0.0.1", 0)
+
+    async def broken_export(seq: Sequence) -> bytes:
+        raise RuntimeError("export broke")
+
+    monkeypatch.setattr(worker.engine, "export_kv", broken_export)
+    try:
+        seq, task = await handing_off(worker, "r-bug", endpoint)
+        await asyncio.wait_for(task, 5)
+        last = (await results(worker, "r-bug"))[-1]
+        assert isinstance(last, Failed) and last.code == "handler_failed" and "export broke" in last.message
+        assert worker.done_entries == [] and worker.handing_off == {}  # acked at that publish
+    finally:
+        await decoder.server.close()
+        await close(worker)
