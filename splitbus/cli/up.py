@@ -27,6 +27,8 @@ from splitbus.masking import mask_key, mask_text, mask_url
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
 
 READY_TIMEOUT_S = 60.0
+EXIT_DP_GROUP_BROKEN = 3
+"""A DP rank's exit code when its group broke (``DpWorker.leave`` in splitbus/worker/dp.py)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -168,9 +170,11 @@ def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, mod
     for role, n in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
         for i in range(n):
             supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
+    broken = {EXIT_DP_GROUP_BROKEN: "DP group g0 is broken: a rank died or hung; its requests fail with 503 "
+                                    "until all its ranks are back"}
     for rank in range(args.dp):
         dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
-        supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()], bus_env)
+        supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()], bus_env, exits=broken)
     api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model),
            "--request-timeout", str(args.request_timeout)]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
