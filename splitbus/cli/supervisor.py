@@ -58,6 +58,8 @@ class Child:
     """When the dead child starts again (monotonic); None while it runs."""
     restarts: int = 0
     gave_up: bool = False
+    exits: dict[int, str] = field(default_factory=dict)
+    """What an exit code of this part means, said when it exits with it."""
 
 
 def how_it_ended(code: int) -> str:
@@ -79,10 +81,12 @@ class Supervisor:
         self.stopping = False
         self._print_lock = threading.Lock()
 
-    def start(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> Child:
+    def start(self, name: str, args: list[str], env: Mapping[str, str] | None = None,
+              exits: Mapping[int, str] | None = None) -> Child:
         """Start ``splitbus ARGS``; ``env`` adds to (or overrides) this process's environment:
-        secrets go there, never in ``args`` (which ``ps`` shows to every user)."""
-        child = Child(name, list(args), dict(env or {}), self._spawn(name, args, env or {}))
+        secrets go there, never in ``args`` (which ``ps`` shows to every user). ``exits``: what
+        this part's exit codes mean, for the line that says it ended."""
+        child = Child(name, list(args), dict(env or {}), self._spawn(name, args, env or {}), exits=dict(exits or {}))
         self.children.append(child)
         return child
 
@@ -133,7 +137,8 @@ class Supervisor:
             return
         child.delay_s = self.policy.next_delay(child.delay_s, now - child.started_s)
         child.restart_at = now + child.delay_s
-        self.say(f"{child.name} {how_it_ended(code)} after {now - child.started_s:.1f}s; "
+        meaning = f" ({child.exits[code]})" if code in child.exits else ""
+        self.say(f"{child.name} {how_it_ended(code)}{meaning} after {now - child.started_s:.1f}s; "
                  f"restarting it in {child.delay_s:.1f}s (restart {child.restarts + 1})")
 
     def _restart(self, child: Child, now: float) -> None:

@@ -140,7 +140,8 @@ class GroupBarrier:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.size)) - set(posts.get(step, ())))
-                raise GroupBroken(f"DP group {self.group}: rank(s) {missing} did not {what} step {step} within {self.timeout_s:.0f}s", missing)
+                raise GroupBroken(f"DP group {self.group} is broken: rank(s) {missing} did not {what} step {step} "
+                                  f"within {self.timeout_s:g}s", missing)
             await self._read(min(left, 1.0))
 
     async def nudge(self) -> None:

@@ -124,3 +124,21 @@ def test_stop_during_a_pending_restart_restarts_nothing_and_ends_a_stopped_child
     assert frozen.proc.returncode == -signal.SIGTERM
     time.sleep(0.5)
     assert supervisor.watch() is None and dying.restarts == 0 and dying.proc.poll() is not None
+
+
+@pytest.mark.timeout(60)
+def test_an_exit_code_with_a_meaning_is_said_with_it(capsys: pytest.CaptureFixture[str]) -> None:
+    supervisor = Supervisor(FAST, command=_python("import sys; sys.exit(3)"))
+    supervisor.start("rank0", [], exits={3: "DP group g0 is broken"})
+    supervisor.start("other", [])
+    out, deadline = "", time.monotonic() + 20
+    try:
+        while out.count("exited with code 3") < 2:
+            assert time.monotonic() < deadline, out
+            supervisor.watch()
+            time.sleep(0.02)
+            out += capsys.readouterr().out
+    finally:
+        supervisor.stop()
+    assert re.search(r"^rank0 exited with code 3 \(DP group g0 is broken\) after [\d.]+s; restarting it in", out, re.M), out
+    assert re.search(r"^other exited with code 3 after", out, re.M), out

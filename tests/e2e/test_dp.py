@@ -83,6 +83,7 @@ def test_a_dead_rank_breaks_the_group_with_a_clear_error(tmp_path: Path) -> None
         while not re.search(r"did not (reach|finish) step", output) and time.monotonic() < deadline:
             time.sleep(0.2)
             output = "".join(system.output)
-        assert re.search(r"rank\(s\) \[2\] did not (reach|finish) step", output)
+        assert re.search(r"DP group g0 is broken: rank\(s\) \[2\] did not (reach|finish) step \d+ within 2s", output)
+        system.wait_output(r"^rank[013] exited with code 3 \(DP group g0 is broken: a rank died or hung; ")  # up says so
     finally:
         stop_system(system)
