@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Callable
 
 from splitbus.env import Env
@@ -31,7 +32,14 @@ def setup_logging(env: Env, part: str) -> None:
 def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None, metavar="URL",
                         help="Redis to use (default: SPLITBUS_REDIS_URL, else the embedded Redis last started in "
-                             "SPLITBUS_DATA_DIR, else redis://127.0.0.1:6379/0); prefer the variable: argv is public")
+                             "the data folder, else redis://127.0.0.1:6379/0); prefer the variable: argv is public")
+    parser.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                        help="the data folder of `splitbus up` or `splitbus redis` whose embedded Redis to use "
+                             "(default: SPLITBUS_DATA_DIR, else .splitbus)")
+
+
+def data_dir(args: argparse.Namespace, env: Env) -> Path:
+    return getattr(args, "data_dir", None) or env.data_dir
 
 
 def redis_url(args: argparse.Namespace, env: Env) -> str:
@@ -39,7 +47,7 @@ def redis_url(args: argparse.Namespace, env: Env) -> str:
     password read from its file), else a local Redis on the default port."""
     from splitbus.redis_server import embedded_url
 
-    return args.redis_url or env.redis_url or embedded_url(env.data_dir / "redis") or LOCAL_REDIS
+    return args.redis_url or env.redis_url or embedded_url(data_dir(args, env) / "redis") or LOCAL_REDIS
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:

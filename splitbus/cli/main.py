@@ -7,7 +7,8 @@ import argparse
 import sys
 
 from splitbus import __version__
-from splitbus.cli import api_cmd, bench, ctl_cmd, model_cmd, redis_cmd, scheduler_cmd, status_cmd, up, worker_cmd
+from splitbus.cli import (api_cmd, bench, ctl_cmd, model_cmd, redis_cli_cmd, redis_cmd, scheduler_cmd, status_cmd, up,
+                          worker_cmd)
 from splitbus.cli.common import setup_logging
 from splitbus.env import Env, load_env
 
@@ -18,7 +19,8 @@ def build_parser(env: Env) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"splitbus {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (up, redis_cmd, api_cmd, scheduler_cmd, worker_cmd, status_cmd, ctl_cmd, model_cmd, bench):
+    commands = (up, redis_cmd, api_cmd, scheduler_cmd, worker_cmd, status_cmd, ctl_cmd, redis_cli_cmd, model_cmd, bench)
+    for module in commands:
         module.add_parser(subparsers, env)
     return parser
 
@@ -29,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"splitbus: {exc}", file=sys.stderr)
         return 2
-    args = build_parser(env).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(env)
+    if argv[:1] == [redis_cli_cmd.COMMAND]:  # its ARGS may look like options: kept as given
+        args = redis_cli_cmd.parse(parser, argv[1:])
+    else:
+        args = parser.parse_args(argv)
     setup_logging(env, args.command)
     return int(args.run(args, env))
 
