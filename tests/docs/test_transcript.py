@@ -63,6 +63,7 @@ def test_the_shell_keeps_variables_and_merges_stderr(shell: Shell) -> None:
 def test_the_api_address_is_the_systems_and_prints_as_the_pages(shell: Shell) -> None:
     assert shell.run("echo http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1\n"
     assert shell.run("echo \"$(echo 127.0.0.1:8000 | tr -d .)\"") == "127001:54321\n"
+    assert shell.run("python3 -c \"print(('127.0.0.1', 8000)[1])\"") == "54321\n"
 
 
 def test_a_command_that_hangs_times_out(shell: Shell) -> None:

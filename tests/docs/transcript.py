@@ -13,8 +13,8 @@ The syntax of a checked block (also in README.md, "Docs that are tests"):
   and the blank lines at the end of an output are not compared.
 - ``...`` is the placeholder: it stands for any text, in a line (an id, a port, a timestamp, a
   timing, a secret) or alone on a line (any number of lines).
-- ``127.0.0.1:8000`` is the API of the system under test: its real address in a command, and its
-  real address printed is compared as ``127.0.0.1:8000``.
+- ``127.0.0.1:8000`` (in Python, ``('127.0.0.1', 8000)``) is the API of the system under test: its
+  real address in a command, and its real address printed is compared as ``127.0.0.1:8000``.
 
 A block whose output cannot be checked (a real checkpoint, Docker, a long-running server) has
 Sybil's skip marker above it, ``<!-- skip: next "why" -->`` (or ``skip: start`` ... ``skip: end``),
@@ -34,6 +34,7 @@ from pathlib import Path
 from sybil import Example
 
 DOC_API = "127.0.0.1:8000"
+DOC_API_PAIR = "('127.0.0.1', 8000)"
 SENTINEL = "__splitbus_docs_done__"
 COMMAND_TIMEOUT_S = 30.0
 _HEREDOC = re.compile(r"<<-?\s*'?\"?(\w+)'?\"?")
@@ -104,7 +105,7 @@ class Shell:
     """One bash for a whole page, so a variable set by one command is there for the next."""
 
     def __init__(self, cwd: Path, env: dict[str, str], api_port: int) -> None:
-        self.api = f"127.0.0.1:{api_port}"
+        self.api, self.api_pair = f"127.0.0.1:{api_port}", f"('127.0.0.1', {api_port})"
         self._proc = subprocess.Popen(
             ["bash", "--norc", "--noprofile"], cwd=cwd, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -122,7 +123,7 @@ class Shell:
         """What ``command`` printed, stdout and stderr together; its stdin is empty. Raises
         TimeoutError past ``timeout_s`` (the shell is then closed)."""
         assert self._proc.stdin is not None
-        script = command.replace(DOC_API, self.api)
+        script = command.replace(DOC_API, self.api).replace(DOC_API_PAIR, self.api_pair)
         self._proc.stdin.write(f"{{ {script}\n}} </dev/null 2>&1\nprintf '\\n{SENTINEL}\\n'\n")
         self._proc.stdin.flush()
         return self._collect(timeout_s).replace(self.api, DOC_API)
