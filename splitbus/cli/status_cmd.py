@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -15,6 +17,8 @@ import redis
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
+
+CLEAR_SCREEN = "\033[2J\033[H"  # between refreshes of --watch
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -30,12 +34,23 @@ def collect(client: redis.Redis, prefix: str) -> dict[str, Any]:
 
     keys = Keys(prefix)
     now_ms = _server_ms(client)
+    ids = _worker_ids(client, keys)
     return {
-        "workers": [_worker(client, keys, wid, now_ms) for wid in client.zrange(keys.workers, 0, -1)],
-        "streams": [_stream(client, name, now_ms) for name in _streams(client, keys)],
+        "workers": [_worker(client, keys, wid, now_ms) for wid in ids],
+        "streams": [_stream(client, name, now_ms) for name in _streams(client, keys, ids)],
         "dead_letters": client.xlen(keys.dead) if client.exists(keys.dead) else 0,
         "links": [_link(client, key) for key in sorted(client.scan_iter(match=keys.rdma("*", "*").replace("{*}", "*"), count=1000))],
     }
+
+
+def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
+    """The registry's live set (a worker whose lease lapsed stays there until a reaper takes it),
+    then the workers a reaper marked dead (``state`` = dead, kept an hour). A worker that stopped
+    cleanly has no record left: its task stream, also kept an hour, belongs to an earlier run."""
+    listed = list(client.zrange(keys.workers, 0, -1))
+    records = client.scan_iter(match=keys.worker("*").replace("{*}", "*"), count=1000)
+    dead = sorted(key.partition("{")[2].rstrip("}") for key in records if client.hget(key, "state") == "dead")
+    return listed + [wid for wid in dead if wid not in listed]
 
 
 def _server_ms(client: redis.Redis) -> int:
@@ -54,8 +69,9 @@ def _worker(client: redis.Redis, keys: Any, wid: str, now_ms: int) -> dict[str, 
     return row
 
 
-def _streams(client: redis.Redis, keys: Any) -> list[str]:
-    tasks = sorted(client.scan_iter(match=keys.tasks("*").replace("{*}", "*"), count=1000))
+def _streams(client: redis.Redis, keys: Any, worker_ids: list[str]) -> list[str]:
+    """The request stream, and the task streams of the workers shown (not of earlier runs)."""
+    tasks = sorted(name for name in map(keys.tasks, worker_ids) if client.exists(name))
     return [keys.requests, *tasks]
 
 
@@ -99,14 +115,13 @@ def run(args: argparse.Namespace, env: Env) -> int:
     url = redis_url(args, env)
     client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
     try:
-        while True:
-            status = collect(client, env.prefix)
-            say(json.dumps(status) if args.json else render(status))
+        while _show(_text(collect(client, env.prefix), args.json)):
             if args.watch is None:
                 return 0
             time.sleep(args.watch)
-            if not args.json:
-                say("\033[2J\033[H")  # clear the screen between refreshes
+            if not args.json and not _show(CLEAR_SCREEN):
+                break
+        return 0  # stdout was closed: whoever read it has what they wanted
     except (redis.RedisError, OSError) as exc:
         say(f"splitbus status: Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}")
         return 1
@@ -114,3 +129,21 @@ def run(args: argparse.Namespace, env: Env) -> int:
         return 0
     finally:
         client.close()
+
+
+def _text(status: dict[str, Any], as_json: bool) -> str:
+    return json.dumps(status) if as_json else render(status)
+
+
+def _show(text: str) -> bool:
+    """Print ``text``; False once stdout is closed (``status --watch | head`` has ended). Python
+    ignores SIGPIPE, so that is a BrokenPipeError, not a Redis problem: stdout is pointed at
+    /dev/null, so the flush at exit raises nothing either, and status ends quietly."""
+    try:
+        say(text)
+        return True
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return False

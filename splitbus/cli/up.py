@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from splitbus.cli.common import say, wait_for_stop
-from splitbus.cli.redis_cmd import add_embedded_options, describe, start_embedded
+from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.cli.supervisor import Supervisor
 from splitbus.env import Env
 from splitbus.masking import mask_key, mask_text, mask_url
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
         model = args.model or default_model(args.data_dir, args.engine)
         _start_parts(supervisor, args, url, model, counts)
         check = _watcher(supervisor, server)
-        why = _wait_ready(check, args) or _announce(args, url, server) or wait_for_stop(check, poll_s=0.1)
+        why = _wait_ready(check, args) or _announce(args, env, url, model, server) or wait_for_stop(check, poll_s=0.1)
     except (RedisServerError, ValueError, ImportError) as exc:
         say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
         why = "error"
@@ -206,7 +207,7 @@ def _wait_ready(check: Callable[[], str | None], args: argparse.Namespace) -> st
     return f"the API was not ready within {READY_TIMEOUT_S:.0f}s"
 
 
-def _announce(args: argparse.Namespace, url: str, server: EmbeddedRedis | None) -> None:
+def _announce(args: argparse.Namespace, env: Env, url: str, model: Path, server: EmbeddedRedis | None) -> None:
     """Where everything is, and where the secrets are kept; never a key or a password."""
     base = f"http://{args.host}:{args.port}"
     say(f"splitbus is up: API {base}/v1  Redis {mask_url(url)}")
@@ -216,9 +217,30 @@ def _announce(args: argparse.Namespace, url: str, server: EmbeddedRedis | None) 
     else:
         say("  API keys: none: anyone who reaches the port may use the API (set SPLITBUS_API_KEYS)")
     auth = " -H \"Authorization: Bearer $KEY\"" if args.api_key else ""
+    body = json.dumps({"model": served_name(model), "prompt": "Hello", "max_tokens": 16, "stream": True})
     say(f"  try: curl -sN {base}/v1/completions{auth} -H 'Content-Type: application/json' \\")
-    say("         -d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}'")
+    say(f"         -d {shlex.quote(body)}")
     if server is not None:
-        for line in describe(server, "watch", "XINFO GROUPS sb:requests"):
-            say(line)
+        say(f"  password: {server.password_path} (user splitbus); admin: {server.admin_password_path} (user default)")
+    for line in _tools(args, env, server):
+        say(line)
     say("Ctrl-C stops everything.")
+
+
+def served_name(model: Path) -> str:
+    """The name the API and the workers give the model (``up`` passes no --served-model-name)."""
+    return model.resolve().name
+
+
+def _tools(args: argparse.Namespace, env: Env, server: EmbeddedRedis | None) -> list[str]:
+    """``status`` and ``redis-cli`` as typed in this shell: they find the embedded Redis in the
+    data folder (named if it is not the default one), an external Redis in SPLITBUS_REDIS_URL."""
+    from splitbus.bus.keys import Keys
+
+    moved = server is not None and args.data_dir != env.data_dir
+    where = f" --data-dir {shlex.quote(str(args.data_dir))}" if moved else ""
+    lines = [f"  status: splitbus status{where}",
+             f"  redis:  splitbus redis-cli{where} XINFO GROUPS {Keys(env.prefix).requests}"]
+    if server is None and args.redis_url != env.redis_url:
+        lines.append("          (give them the same URL: SPLITBUS_REDIS_URL or --redis-url)")
+    return lines

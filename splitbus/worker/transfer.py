@@ -169,6 +169,8 @@ HELLO_TIMEOUT_S = 10.0
 """A connection to the KV port must name its sender (HELLO) within this."""
 MAX_CONNECTIONS = 512
 """Connections the KV port keeps open at once: far above the prefill workers of a deployment."""
+CLOSE_TIMEOUT_S = 5.0
+"""How long a stopping KV server waits for a connection's KV import under way to finish."""
 
 
 class TransferServer:
@@ -185,6 +187,8 @@ class TransferServer:
         self._hello_timeout_s = hello_timeout_s
         self._max_connections = max_connections
         self.open_connections = 0
+        self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._closing = False
 
     async def start(self, host: str, port: int, advertise_host: str = "") -> str:
         """Listen; returns the endpoint to publish (``advertise_host``, default ``host``, and the
@@ -193,17 +197,34 @@ class TransferServer:
         bound = self._server.sockets[0].getsockname()
         return f"{advertise_host or host}:{bound[1]}"
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop listening, end the open connections and wait for their handlers. A prefill
+        worker keeps its connection open, so its handler would still be waiting for the next
+        frame when the event loop ends and cancels it, and Python 3.11's asyncio logs a cancelled
+        handler as a CancelledError traceback (its callback calls ``exception()`` on the task).
+        The connections are closed before ``wait_closed``, which on Python 3.12 waits for them."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
+        for writer in self._handlers.values():
+            writer.close()  # the handler's next read finds the connection closed and returns
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=timeout_s)
+        if self._server is not None:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:
+            writer.close()
+            return
         if self.open_connections >= self._max_connections:
             log.warning("KV port: %d connections open, closing a new one", self.open_connections)
             writer.close()
             return
         self.open_connections += 1
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._handlers[handler] = writer
         _nodelay(writer)
         try:
             sender = await asyncio.wait_for(self._hello(reader, writer), self._hello_timeout_s)
@@ -212,9 +233,10 @@ class TransferServer:
         except (TransferError, ConnectionError, asyncio.TimeoutError) as exc:
             log.debug("transfer connection ended: %s", exc or type(exc).__name__)
         except asyncio.CancelledError:
-            pass  # the worker is stopping; asyncio would log a cancelled handler as an error
+            pass  # cancelled anyway (close() timed out): still no traceback, as said in close()
         finally:
             self.open_connections -= 1
+            del self._handlers[handler]
             writer.close()
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:

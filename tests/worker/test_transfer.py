@@ -4,6 +4,7 @@ refuses before it reads a payload."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from typing import Any
 
@@ -223,6 +224,37 @@ async def test_a_full_port_closes_new_connections_and_serves_again_once_one_ends
     await client.close()
     silent[1][1].close()
     await server.close()
+
+
+def test_a_stopping_server_ends_its_connections_and_logs_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A decode worker stopping while prefill workers hold their connections (one idle after its
+    HELLO, one mid-header): the server ends them, and when the event loop ends (asyncio.run, as
+    the worker's) no handler is left for it to cancel. A cancelled handler was logged as an
+    asyncio CancelledError traceback on Ctrl-C of `splitbus up`."""
+
+    async def main() -> None:
+        server, endpoint = await serve(Receiver({"r"}))
+        idle_reader, _idle = await open_hello(endpoint)
+        mid_reader, mid_writer = await open_hello(endpoint, "p2")
+        mid_writer.write(HEADER.pack(MAGIC, KV, 1, 2, 0, 0)[:10])
+        await mid_writer.drain()
+        await _until(lambda: server.open_connections == 2)
+        await server.close()
+        assert server.open_connections == 0
+        assert await _ended(idle_reader) and await _ended(mid_reader)
+        # the clients' writers stay open: the prefill workers have not stopped yet
+
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def _ended(reader: asyncio.StreamReader) -> bool:
+    """The server closed the connection: an end of stream, or a reset if it left bytes unread."""
+    try:
+        return await closed(reader) == b""
+    except ConnectionResetError:
+        return True
 
 
 async def _until(done: Any) -> None:
