@@ -11,18 +11,19 @@ ranks also wait for each other at the end of each step (``GroupBarrier.finish``)
 come out when the group's step ends, as they would with EP. A group with no work blocks on its
 stream; a rank that gets work posts a ``wake`` entry there.
 
-The group starts when all its ranks are live in the registry; its epoch is the latest
-``started_ms`` among them (Redis server time), and only plans of that epoch count. A rank
+The group starts when all its ranks are live in the registry and each has joined the same
+epoch: the latest ``started_ms`` among them (Redis server time); only plans of that epoch count.
+A joining rank asks the registry again until the group has formed, so ranks that come back after
+a break, in any order, end up in one epoch (``GroupBarrier.form``). A rank
 missing from a step for ``dp_barrier_timeout_s`` breaks the group: every rank fails what it
 holds with a reason, leaves the registry and exits, instead of hanging.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 
 import orjson
@@ -40,6 +41,8 @@ from splitbus.worker.worker import Worker
 log = logging.getLogger(__name__)
 PLANS_KEPT = 2000
 IDLE_WAIT_S = 0.5
+FORM_POLL_S = 0.05
+"""How often a forming rank asks the registry for the group's epoch (it wakes sooner on a join)."""
 
 
 class GroupBroken(Exception):
@@ -109,10 +112,37 @@ class GroupBarrier:
         self._last_id = "0-0"
         self._seen: dict[int, dict[int, StepPlan]] = {}
         self._done: dict[int, set[int]] = {}
+        self._joined: set[int] = set()
 
     def begin(self, epoch_ms: int) -> None:
         self.epoch = epoch_ms
         self._last_id = f"{epoch_ms}-0"  # entry ids are Redis server time: older ones are another run
+        self._seen, self._done, self._joined = {}, {}, set()
+
+    async def form(self, group_epoch: Callable[[], Awaitable[int]], timeout_s: float,
+                   stopped: Callable[[], bool] = lambda: False) -> int:
+        """Join the group; return its epoch once every rank has joined that same epoch.
+
+        ``group_epoch`` is the epoch the registry shows now (0 while not every rank is live). It
+        is asked again until the group has formed: a rank restarted while the old group still
+        stepped took an epoch that only it joins, and the others, restarted once the old group
+        broke, take a later one. Fixed once at start, the two waited in different epochs and
+        broke each other at step 0, over and over, until the restart delays happened to line up.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not stopped():
+            epoch = await group_epoch()
+            if epoch and epoch != self.epoch:
+                await self._join(epoch)
+            if self.epoch and len(self._joined) == self.size:
+                return self.epoch
+            await self._read(FORM_POLL_S)
+        raise GroupBroken(f"DP group {self.group}: not all {self.size} ranks came up and joined one epoch "
+                          f"within {timeout_s:g}s")
+
+    async def _join(self, epoch_ms: int) -> None:
+        self.begin(epoch_ms)
+        await self._redis.xadd(self._key, {"epoch": epoch_ms, "join": self.rank}, maxlen=PLANS_KEPT, approximate=True)
 
     async def exchange(self, step: int, plan: StepPlan, pipe: Pipeline | None = None) -> list[StepPlan]:
         """Post this rank's plan (with whatever ``pipe`` already holds) and wait for every rank's."""
@@ -163,6 +193,9 @@ class GroupBarrier:
                 elif int(fields[b"epoch"]) == self.epoch and b"plan" in fields:
                     plan = StepPlan.from_json(fields[b"plan"])
                     self._seen.setdefault(int(fields[b"step"]), {})[plan.rank] = plan
+                elif int(fields[b"epoch"]) == self.epoch and b"join" in fields:
+                    self._joined.add(int(fields[b"join"]))
+                    self._joined &= set(range(self.size))  # a rank this group does not have forms nothing
 
 
 @dataclass
@@ -210,18 +243,20 @@ class DpWorker(Worker):
 
     async def start(self) -> None:
         await super().start()
-        self.barrier.begin(await self.wait_for_group())
+        await self.wait_for_group()
         log.info("DP group %s: rank %d of %d in step with the others", self.config.dp_group, self.config.dp_rank, self.config.dp_size)
 
     async def wait_for_group(self) -> int:
-        """The group's epoch, once every rank is live."""
-        deadline = time.monotonic() + max(60.0, self.config.dp_barrier_timeout_s)
-        while time.monotonic() < deadline and not self.stopping.is_set():
-            ranks = self.group_ranks(await self.registry.snapshot())
-            if len(ranks) == self.config.dp_size and all(r.record.started_ms for r in ranks):
-                return max(r.record.started_ms for r in ranks)
-            await asyncio.sleep(0.05)
-        raise GroupBroken(f"DP group {self.config.dp_group}: not all {self.config.dp_size} ranks came up")
+        """The group's epoch, once every rank is live and has joined it."""
+        timeout_s = max(60.0, self.config.dp_barrier_timeout_s)
+        return await self.barrier.form(self.group_epoch, timeout_s, self.stopping.is_set)
+
+    async def group_epoch(self) -> int:
+        """The latest ``started_ms`` of the group's ranks while all of them are live, else 0."""
+        ranks = self.group_ranks(await self.registry.snapshot())
+        if len(ranks) == self.config.dp_size and all(r.record.started_ms for r in ranks):
+            return max(r.record.started_ms for r in ranks)
+        return 0
 
     def group_ranks(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         return [w for w in workers if w.alive and w.record.dp_group == self.config.dp_group]

@@ -87,3 +87,26 @@ def test_a_dead_rank_breaks_the_group_with_a_clear_error(tmp_path: Path) -> None
         system.wait_output(r"^rank[013] exited with code 3 \(DP group g0 is broken: a rank died or hung; ")  # up says so
     finally:
         stop_system(system)
+
+
+def test_a_group_re_forms_once_its_ranks_are_back(tmp_path: Path) -> None:
+    # With the default barrier timeout (5 s), longer than a worker's lease (3 s), the new rank 2
+    # finds all four ranks live while the survivors still step in the old group: the case that flapped.
+    system = start_system(tmp_path, "--dp", "4")
+    try:
+        client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt="x", max_tokens=3, seed=2)
+        assert reply.choices[0].text == sim_text(2, 3)
+        killed = len(system.output)
+        os.kill(system.pid_of(r"--dp-rank 2"), signal.SIGKILL)
+        for rank in (0, 1, 3):  # the survivors break the old group and come back
+            system.wait_output(rf"^rank{rank} restarted", start=killed)
+        for rank in range(4):  # the restarted rank 2 joins them: it used to break them at step 0, in turns
+            system.wait_output(rf"^rank{rank} .*rank {rank} of 4 in step with the others", start=killed)
+        reply = client.completions.create(model="tiny", prompt="y", max_tokens=3, seed=5)
+        assert reply.choices[0].text == sim_text(5, 3)  # served again
+        since = "".join(system.output[killed:])
+        assert sorted(re.findall(r"^rank(\d) exited with code 3", since, re.M)) == ["0", "1", "3"], since  # each once
+        assert "(restart 2)" not in since, since  # one round of restarts
+    finally:
+        assert stop_system(system) == []

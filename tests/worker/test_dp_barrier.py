@@ -61,3 +61,45 @@ async def test_a_rank_that_never_finishes_breaks_the_group(redis: aioredis.Redis
     message = r"^DP group gone is broken: rank\(s\) \[1\] did not finish step 3 within 0\.3s$"
     with pytest.raises(GroupBroken, match=message):  # the configured timeout, as given
         await alone.finish(3)
+
+
+class RegistryView:
+    """The group's epoch as the registry shows it (0 while not every rank is live), set by the test."""
+
+    def __init__(self, epoch_ms: int) -> None:
+        self.epoch_ms = epoch_ms
+
+    async def __call__(self) -> int:
+        return self.epoch_ms
+
+
+async def test_ranks_that_come_back_in_turns_form_one_epoch(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    # Rank 2 of 4 was killed and restarted while ranks 0, 1 and 3 still stepped in the old group:
+    # the registry showed all four live, rank 2 the newest, so it took its own start as the epoch.
+    view = RegistryView(epoch_ms=1000)
+    new = [GroupBarrier(redis, bus_config, "reform", rank, 4, timeout_s=BOUND_S) for rank in range(4)]
+    first = asyncio.create_task(new[2].form(view, BOUND_S))
+    await asyncio.sleep(0.3)
+    assert not first.done()  # the old ranks never join that epoch
+    view.epoch_ms = 0  # the old group broke: its ranks left the registry
+    await asyncio.sleep(0.2)
+    view.epoch_ms = 2000  # they came back, each newer than rank 2
+    epochs = await asyncio.wait_for(asyncio.gather(first, *(new[r].form(view, BOUND_S) for r in (0, 1, 3))), BOUND_S)
+    assert epochs == [2000] * 4  # one epoch for all four (rank 2 used to stay in 1000 and break them at step 0)
+    plans = [StepPlan(r, False, False, 0.0) for r in range(4)]
+    seen = await asyncio.wait_for(asyncio.gather(*(new[r].exchange(0, plans[r]) for r in range(4))), BOUND_S)
+    assert seen == [plans] * 4  # and they step together
+
+
+async def test_a_group_that_never_forms_fails_with_a_clear_error(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    lonely = GroupBarrier(redis, bus_config, "unformed", 0, 2, timeout_s=BOUND_S)
+    message = r"^DP group unformed: not all 2 ranks came up and joined one epoch within 0\.3s$"
+    with pytest.raises(GroupBroken, match=message):
+        await lonely.form(RegistryView(epoch_ms=1000), 0.3)
+
+
+async def test_a_join_from_a_rank_the_group_lacks_forms_nothing(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    rank0 = GroupBarrier(redis, bus_config, "stray", 0, 2, timeout_s=BOUND_S)
+    await redis.xadd(bus_config.keys.dp("stray"), {"epoch": 1000, "join": 5})  # a bad entry: no rank 5 in a group of 2
+    with pytest.raises(GroupBroken):  # rank 1 never joined: two joins, but not from ranks 0 and 1
+        await rank0.form(RegistryView(epoch_ms=1000), 0.3)
