@@ -155,6 +155,13 @@ class Supervisor:
             return "no scheduler can start"
         return None
 
+    def kill(self) -> None:
+        """SIGKILL to every child still running (a second Ctrl-C while they stop); no restart after."""
+        self.stopping = True
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.kill()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM to every child (API first), SIGKILL to one that lingers; no restart after."""
         self.stopping = True

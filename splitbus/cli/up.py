@@ -10,14 +10,16 @@ children get the Redis URL in ``SPLITBUS_REDIS_URL`` and the API its keys in ``S
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import shlex
+import signal
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
@@ -110,11 +112,28 @@ def run(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
         why = "error"
     finally:
-        supervisor.stop()
-        if server is not None:
-            server.stop()
+        with _hurried_by_a_second_signal(supervisor):
+            supervisor.stop()
+            if server is not None:
+                server.stop()
     say(f"stopped ({why})")
     return 0 if why in ("SIGINT", "SIGTERM") else 1
+
+
+@contextlib.contextmanager
+def _hurried_by_a_second_signal(supervisor: Supervisor) -> Iterator[None]:
+    """While the parts stop (up to 10 s each), a second Ctrl-C or SIGTERM kills them at once
+    instead of ending `up` with a KeyboardInterrupt traceback and the parts left running."""
+    def kill(signum: int, _frame: object) -> None:
+        say(f"{signal.Signals(signum).name} again: killing the parts")
+        supervisor.kill()
+
+    previous = {sig: signal.signal(sig, kill) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _redis(args: argparse.Namespace) -> tuple[EmbeddedRedis | None, str]:

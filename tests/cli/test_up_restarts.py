@@ -93,3 +93,24 @@ def test_up_stops_when_its_embedded_redis_dies(tmp_path: Path) -> None:
     while any(alive(p) for p in parts) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in parts if alive(p)]
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_kills_the_parts_without_a_traceback(tmp_path: Path) -> None:
+    # An impatient operator presses Ctrl-C again while the parts stop: `up` used to end with a
+    # KeyboardInterrupt traceback from inside its stop, the parts left to stop (or not) alone.
+    system = start_system(tmp_path)
+    parts = system.descendants()
+    time.sleep(1.0)  # past the banner, `up` waits for Ctrl-C
+    system.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # the parts are being stopped
+    system.proc.send_signal(signal.SIGINT)
+    assert system.proc.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in parts) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in parts if alive(p)]
+    time.sleep(0.3)  # the relay threads' last lines
+    out = "".join(system.output)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert "SIGINT again: killing the parts" in out and "stopped (SIGINT)" in out
