@@ -90,8 +90,8 @@ class TooManyRequests(ApiError):
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, retry_after_s: int = 1, close: bool = False) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after_s: int = 1, close: bool = False, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
         self.close = close
 

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from splitbus.api.errors import from_status
 from splitbus.redis_server import EmbeddedRedis
 from tests.api.conftest import CONTEXT, ApiProcess, start_api, stop_api
 from tests.api.responder import Responder
@@ -134,3 +135,11 @@ def _until(check: Any, timeout_s: float = 10) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 413, 429, 500, 503, 504, 599])
+def test_every_status_a_worker_can_ask_for_becomes_its_error(status: int) -> None:
+    # A Failed entry carries a status and a code; a 429 used to raise TypeError here
+    # (TooManyRequests took no code), so its client got a 500 instead.
+    error = from_status(status, "why", "the_code")
+    assert error.code == "the_code" and error.status == (status if status != 599 else 500)
