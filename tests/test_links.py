@@ -9,6 +9,7 @@ Anchors (``page.md#heading``) are checked against the page's headings, slugged a
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -18,15 +19,20 @@ from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIPPED_DIRS = {".git", ".venv", "venv", "tests", "node_modules", "bench-results", "build", "dist"}
+SKIPPED_DIRS = {"venv", "tests", "node_modules", "bench-results", "build", "dist"}
 OUTSIDE_NOTES = re.compile(r"(?<![\w/.-])(?:\.\./)*shared/[\w.-]+")
 """A path into the notes kept beside the repository (``../shared/DESIGN.md``, ``shared/NOTES-x.md``)."""
 PARSER = MarkdownIt("commonmark").enable("table")
 
 
 def markdown_files(root: Path = ROOT) -> list[Path]:
-    """The repository's Markdown files, outside virtual environments, build output and tests."""
-    return sorted(p for p in root.rglob("*.md") if not SKIPPED_DIRS & set(p.relative_to(root).parts[:-1]))
+    """The repository's Markdown files, outside hidden folders (``.venv``, ``.git``, data folders),
+    build output and tests; skipped folders are not walked (a venv holds thousands of files)."""
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in SKIPPED_DIRS]
+        found += [Path(folder) / name for name in files if name.endswith(".md")]
+    return sorted(found)
 
 
 def _walk(tokens: list[Token]) -> list[Token]:
@@ -113,6 +119,13 @@ def test_a_dead_end_is_reported(tmp_path: Path, line: str, why: list[str]) -> No
     page = docs / "page.md"
     page.write_text(f"# Page\n\n{line}\n", encoding="utf-8")
     assert page_problems(page, tmp_path / "repo") == why
+
+
+def test_only_the_projects_own_pages_are_read(tmp_path: Path) -> None:
+    for page in ("README.md", "docs/a.md", ".venv/lib/x/README.md", "tests/fixture.md", ".splitbus/n.md"):
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text("# x\n", encoding="utf-8")
+    assert [p.relative_to(tmp_path).as_posix() for p in markdown_files(tmp_path)] == ["README.md", "docs/a.md"]
 
 
 def test_good_links_pass(tmp_path: Path) -> None:
