@@ -101,23 +101,38 @@ def run(args: argparse.Namespace, env: Env) -> int:
         return 2
     server: EmbeddedRedis | None = None
     supervisor = Supervisor()
-    try:
-        _check_port_free(args.host, args.port)
-        server, url = _redis(args)
-        model = args.model or default_model(args.data_dir, args.engine)
-        _start_parts(supervisor, args, url, model, counts)
-        check = _watcher(supervisor, server)
-        why = _wait_ready(check, args) or _announce(args, env, url, model, server) or wait_for_stop(check, poll_s=0.1)
-    except (RedisServerError, ValueError, ImportError) as exc:
-        say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
-        why = "error"
-    finally:
-        with _hurried_by_a_second_signal(supervisor):
-            supervisor.stop()
-            if server is not None:
-                server.stop()
+    noted: list[str] = []
+    with _signals_noted(noted):  # a Ctrl-C before the wait for it (start-up, the banner) stops as one during it
+        try:
+            _check_port_free(args.host, args.port)
+            server, url = _redis(args)
+            model = args.model or default_model(args.data_dir, args.engine)
+            _start_parts(supervisor, args, url, model, counts)
+            check = _watcher(supervisor, server, noted)
+            why = _wait_ready(check, args) or _announce(args, env, url, model, server) or wait_for_stop(check, 0.1)
+        except (RedisServerError, ValueError, ImportError) as exc:
+            say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
+            why = "error"
+        finally:
+            with _hurried_by_a_second_signal(supervisor):
+                supervisor.stop()
+                if server is not None:
+                    server.stop()
     say(f"stopped ({why})")
     return 0 if why in ("SIGINT", "SIGTERM") else 1
+
+
+@contextlib.contextmanager
+def _signals_noted(noted: list[str]) -> Iterator[None]:
+    """SIGINT/SIGTERM are noted in ``noted`` (the watcher then says stop) instead of raising
+    KeyboardInterrupt wherever `up` happens to be (an import, a write of the banner)."""
+    previous = {sig: signal.signal(sig, lambda signum, _: noted.append(signal.Signals(signum).name))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -199,9 +214,10 @@ def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, mod
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
 
 
-def _watcher(supervisor: Supervisor, server: EmbeddedRedis | None) -> Callable[[], str | None]:
-    """Called every 0.1 s on the main thread: restarts dead parts; says why to stop, if so."""
-    return lambda: supervisor.watch() or _redis_gone(server)
+def _watcher(supervisor: Supervisor, server: EmbeddedRedis | None, noted: list[str]) -> Callable[[], str | None]:
+    """Called every 0.1 s on the main thread: restarts dead parts; says why to stop, if so (a
+    signal noted before `wait_for_stop` took them over, first)."""
+    return lambda: (noted[0] if noted else None) or supervisor.watch() or _redis_gone(server)
 
 
 def _redis_gone(server: EmbeddedRedis | None) -> str | None:

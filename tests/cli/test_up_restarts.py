@@ -101,7 +101,7 @@ def test_a_second_ctrl_c_kills_the_parts_without_a_traceback(tmp_path: Path) -> 
     # KeyboardInterrupt traceback from inside its stop, the parts left to stop (or not) alone.
     system = start_system(tmp_path)
     parts = system.descendants()
-    time.sleep(1.0)  # past the banner, `up` waits for Ctrl-C
+    time.sleep(1.0)  # past the banner: `up` waits for Ctrl-C (one before is only noted, see below)
     system.proc.send_signal(signal.SIGINT)
     time.sleep(0.05)  # the parts are being stopped
     system.proc.send_signal(signal.SIGINT)
@@ -114,3 +114,14 @@ def test_a_second_ctrl_c_kills_the_parts_without_a_traceback(tmp_path: Path) -> 
     out = "".join(system.output)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert "SIGINT again: killing the parts" in out and "stopped (SIGINT)" in out
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_the_banner_stops_cleanly(tmp_path: Path) -> None:
+    # Ctrl-C at the first line of the banner, before `up` waits for it: it used to end `up` with
+    # a KeyboardInterrupt traceback from whatever it was doing (an import), the parts left alone.
+    system = start_system(tmp_path)
+    assert stop_system(system) == []
+    time.sleep(0.3)  # the relay threads' last lines
+    out = "".join(system.output)
+    assert system.proc.returncode == 0 and "stopped (SIGINT)" in out and "Traceback" not in out, out
