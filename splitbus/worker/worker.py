@@ -381,7 +381,7 @@ class Worker:
 
     async def accept(self, delivery: Delivery) -> None:
         task = delivery.message
-        if delivery.entry_id in self.known_entries():  # taken as lost while its read's reply was on its way
+        if delivery.entry_id in self.seen_entries:  # taken as lost while its read's reply was on its way
             return
         self.saw(delivery.entry_id)
         if not isinstance(task, Task):

@@ -290,8 +290,9 @@ class Scheduler:
 
     async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: list[Placement]) -> None:
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
-        log.debug("dispatch of %s (entry %s) to %s: outcome %d", request.request_id, waiting.delivery.entry_id,
-                  [p.worker.record.worker_id for p in placements], outcome)
+        if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
+            log.debug("dispatch of %s (entry %s) to %s: outcome %d", request.request_id, waiting.delivery.entry_id,
+                      [p.worker.record.worker_id for p in placements], outcome)
         if outcome == NOT_OURS:
             log.info("request entry %s is no longer this replica's (acked, or claimed by another): nothing written",
                      waiting.delivery.entry_id)
