@@ -7,9 +7,9 @@ Nothing else in the project touches ``os.environ`` for configuration: parts rece
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 DEFAULT_PREFIX = "sb"
 

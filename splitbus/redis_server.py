@@ -28,8 +28,9 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Mapping
+from typing import IO
 
 import redis
 
@@ -39,16 +40,58 @@ SPLITBUS_USER = "splitbus"
 ADMIN_USER = "default"
 SPLITBUS_COMMANDS = (
     # connection set-up (redis-py: AUTH is always allowed; SETINFO fails quietly where absent)
-    "ping", "select", "client|setname", "client|setinfo",
+    "ping",
+    "select",
+    "client|setname",
+    "client|setinfo",
     # streams: requests, tasks, results, control, cancel, dead letters, DP barrier
-    "xadd", "xread", "xreadgroup", "xack", "xautoclaim", "xclaim", "xpending", "xdel", "xtrim", "xlen",
-    "xrange", "xrevrange", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
-    "xinfo|groups", "xinfo|consumers", "xinfo|stream",
+    "xadd",
+    "xread",
+    "xreadgroup",
+    "xack",
+    "xautoclaim",
+    "xclaim",
+    "xpending",
+    "xdel",
+    "xtrim",
+    "xlen",
+    "xrange",
+    "xrevrange",
+    "xgroup|create",
+    "xgroup|createconsumer",
+    "xgroup|delconsumer",
+    "xinfo|groups",
+    "xinfo|consumers",
+    "xinfo|stream",
     # registry, reservations, leases, dispatch marks
-    "hset", "hget", "hmget", "hgetall", "hincrby", "hdel", "zadd", "zrange", "zrem", "zcard",
-    "get", "set", "del", "exists", "incr", "incrby", "expire", "pexpire", "persist", "ttl", "pttl", "scan",
+    "hset",
+    "hget",
+    "hmget",
+    "hgetall",
+    "hincrby",
+    "hdel",
+    "zadd",
+    "zrange",
+    "zrem",
+    "zcard",
+    "get",
+    "set",
+    "del",
+    "exists",
+    "incr",
+    "incrby",
+    "expire",
+    "pexpire",
+    "persist",
+    "ttl",
+    "pttl",
+    "scan",
     # scripts (dispatch, results, heartbeat, snapshot); TIME is called inside the heartbeat
-    "eval", "evalsha", "script|load", "script|exists", "time",
+    "eval",
+    "evalsha",
+    "script|load",
+    "script|exists",
+    "time",
 )
 """Everything splitbus runs, and nothing more: no CONFIG, MODULE, SAVE, BGSAVE, BGREWRITEAOF,
 DEBUG, SHUTDOWN, FLUSHALL, FLUSHDB, MONITOR, KEYS, ACL, CLIENT KILL/LIST, INFO, SLAVEOF/REPLICAOF,
@@ -261,12 +304,18 @@ class EmbeddedRedis:
     def _spawn(self) -> None:
         self.executable = self.executable or find_redis_server()
         self.port = self.port or free_port(self.host)
-        self._passwords = {SPLITBUS_USER: ensure_secret(self.password_path),
-                           ADMIN_USER: ensure_secret(self.admin_password_path)}
+        self._passwords = {
+            SPLITBUS_USER: ensure_secret(self.password_path),
+            ADMIN_USER: ensure_secret(self.admin_password_path),
+        }
         write_private(self.config_path, self.config_text())
         self._proc = subprocess.Popen(
-            [str(self.executable), str(self.config_path.resolve())], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_private_child,
+            [str(self.executable), str(self.config_path.resolve())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_private_child,
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -284,7 +333,7 @@ class EmbeddedRedis:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         self.start()
         return self
 
@@ -293,17 +342,28 @@ class EmbeddedRedis:
 
     def config_text(self) -> str:
         settings = {
-            "bind": self.host, "port": str(self.port), "dir": str(self.data_dir.resolve()),
-            "logfile": str(self.log_path.resolve()), "daemonize": "no", "protected-mode": "yes",
-            "appendonly": "yes" if self.appendonly else "no", "appendfsync": "everysec", "save": '""',
-            "aof-use-rdb-preamble": "yes", "auto-aof-rewrite-percentage": "100",
-            "auto-aof-rewrite-min-size": str(AOF_REWRITE_MIN_BYTES), "maxmemory-policy": "noeviction",
-            **({"maxmemory": self.maxmemory} if self.maxmemory else {}), **self.extra_config,
+            "bind": self.host,
+            "port": str(self.port),
+            "dir": str(self.data_dir.resolve()),
+            "logfile": str(self.log_path.resolve()),
+            "daemonize": "no",
+            "protected-mode": "yes",
+            "appendonly": "yes" if self.appendonly else "no",
+            "appendfsync": "everysec",
+            "save": '""',
+            "aof-use-rdb-preamble": "yes",
+            "auto-aof-rewrite-percentage": "100",
+            "auto-aof-rewrite-min-size": str(AOF_REWRITE_MIN_BYTES),
+            "maxmemory-policy": "noeviction",
+            **({"maxmemory": self.maxmemory} if self.maxmemory else {}),
+            **self.extra_config,
         }
         commands = commands_for(server_version(str(self.executable)))
         lines = [f"{key} {value}" for key, value in settings.items()]
-        lines += [acl_rule(ADMIN_USER, self._passwords[ADMIN_USER], None),
-                  acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], commands)]
+        lines += [
+            acl_rule(ADMIN_USER, self._passwords[ADMIN_USER], None),
+            acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], commands),
+        ]
         return "# written by splitbus at each start; edits are lost\n" + "\n".join(lines) + "\n"
 
     def wait_ready(self, timeout_s: float) -> None:

@@ -5,8 +5,8 @@ so tests never see each other's keys. ``redis_admin`` has every right on that se
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 import pytest
 import redis as sync_redis

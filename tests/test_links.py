@@ -100,18 +100,32 @@ def test_links_stay_in_the_repository_and_resolve(page: Path) -> None:
     assert page_problems(page) == []
 
 
-@pytest.mark.parametrize(("line", "why"), [
-    ("See [notes](../../elsewhere/NOTES.md).", ["link '../../elsewhere/NOTES.md' leaves the repository"]),
-    ("See [root](/../x.md).", ["link '/../x.md' leaves the repository"]),
-    ("![plot](img/missing.png)", ["link 'img/missing.png' names a file that does not exist"]),
-    ("See [gone](gone.md).", ["link 'gone.md' names a file that does not exist"]),
-    ("See [a heading](other.md#no-such-heading).", ["link 'other.md#no-such-heading' names no heading of other.md"]),
-    ("See [here](#nowhere).", ["link '#nowhere' names no heading of page.md"]),
-    ("See [the brief](../shared/DESIGN.md).", ["link '../shared/DESIGN.md' names a file that does not exist",
-                                                "mentions '../shared/DESIGN.md', outside the repository"]),
-    ("The brief (`../shared/DESIGN.md`) says so.", ["mentions '../shared/DESIGN.md', outside the repository"]),
-    ("The notes in `shared/NOTES-redis.md` measured it.", ["mentions 'shared/NOTES-redis.md', outside the repository"]),
-])
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("See [notes](../../elsewhere/NOTES.md).", ["link '../../elsewhere/NOTES.md' leaves the repository"]),
+        ("See [root](/../x.md).", ["link '/../x.md' leaves the repository"]),
+        ("![plot](img/missing.png)", ["link 'img/missing.png' names a file that does not exist"]),
+        ("See [gone](gone.md).", ["link 'gone.md' names a file that does not exist"]),
+        (
+            "See [a heading](other.md#no-such-heading).",
+            ["link 'other.md#no-such-heading' names no heading of other.md"],
+        ),
+        ("See [here](#nowhere).", ["link '#nowhere' names no heading of page.md"]),
+        (
+            "See [the brief](../shared/DESIGN.md).",
+            [
+                "link '../shared/DESIGN.md' names a file that does not exist",
+                "mentions '../shared/DESIGN.md', outside the repository",
+            ],
+        ),
+        ("The brief (`../shared/DESIGN.md`) says so.", ["mentions '../shared/DESIGN.md', outside the repository"]),
+        (
+            "The notes in `shared/NOTES-redis.md` measured it.",
+            ["mentions 'shared/NOTES-redis.md', outside the repository"],
+        ),
+    ],
+)
 def test_a_dead_end_is_reported(tmp_path: Path, line: str, why: list[str]) -> None:
     docs = tmp_path / "repo" / "docs"
     docs.mkdir(parents=True)
@@ -134,7 +148,9 @@ def test_good_links_pass(tmp_path: Path) -> None:
     (docs / "img" / "plot.png").write_bytes(b"")
     (docs / "other.md").write_text("# Other\n\n## A `code` heading: here\n\n## Twice\n\n## Twice\n", encoding="utf-8")
     page = docs / "page.md"
-    page.write_text("# Page\n\n[o](other.md#a-code-heading-here) [t](other.md#twice-1) ![p](img/plot.png) "
-                    "[web](https://example.com/x.md) [self](#page) [up](../docs/other.md) `a shared/ folder`\n",
-                    encoding="utf-8")
+    page.write_text(
+        "# Page\n\n[o](other.md#a-code-heading-here) [t](other.md#twice-1) ![p](img/plot.png) "
+        "[web](https://example.com/x.md) [self](#page) [up](../docs/other.md) `a shared/ folder`\n",
+        encoding="utf-8",
+    )
     assert page_problems(page, tmp_path / "repo") == []

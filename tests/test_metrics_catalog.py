@@ -50,4 +50,6 @@ def test_names_carry_units_and_labels_are_bounded(name: str) -> None:
         assert name.endswith("_seconds"), "histograms measure time, in seconds"
     if kind == "gauge":
         assert not name.endswith("_total"), "_total is for counters"
-    assert not [label for label in labels if UNBOUNDED_LABELS.search(label)], f"{name}: labels {labels} may be unbounded"
+    assert not [label for label in labels if UNBOUNDED_LABELS.search(label)], (
+        f"{name}: labels {labels} may be unbounded"
+    )

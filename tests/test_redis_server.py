@@ -5,10 +5,10 @@ follows its dataset over many restarts."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
-import re
 import sys
 import time
 from pathlib import Path
@@ -123,11 +123,25 @@ def test_the_splitbus_user_cannot_write_files_or_reconfigure(tmp_path: Path) -> 
     target.mkdir()
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = redis.Redis.from_url(server.url)
-        for command in (("CONFIG", "SET", "dir", str(target)), ("SAVE",), ("BGSAVE",), ("BGREWRITEAOF",),
-                        ("CONFIG", "GET", "*"), ("MODULE", "LOAD", "/tmp/x.so"), ("DEBUG", "SLEEP", "0"),
-                        ("SHUTDOWN", "NOSAVE"), ("FLUSHALL",), ("FLUSHDB",), ("MONITOR",), ("KEYS", "*"),
-                        ("ACL", "SETUSER", "splitbus", "+@all"), ("SLAVEOF", "127.0.0.1", "1"),
-                        ("CLIENT", "KILL", "TYPE", "normal"), ("INFO",), ("CLIENT", "LIST")):
+        for command in (
+            ("CONFIG", "SET", "dir", str(target)),
+            ("SAVE",),
+            ("BGSAVE",),
+            ("BGREWRITEAOF",),
+            ("CONFIG", "GET", "*"),
+            ("MODULE", "LOAD", "/tmp/x.so"),
+            ("DEBUG", "SLEEP", "0"),
+            ("SHUTDOWN", "NOSAVE"),
+            ("FLUSHALL",),
+            ("FLUSHDB",),
+            ("MONITOR",),
+            ("KEYS", "*"),
+            ("ACL", "SETUSER", "splitbus", "+@all"),
+            ("SLAVEOF", "127.0.0.1", "1"),
+            ("CLIENT", "KILL", "TYPE", "normal"),
+            ("INFO",),
+            ("CLIENT", "LIST"),
+        ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.execute_command(*command)
         assert client.ping() and server.alive()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException

@@ -69,10 +69,18 @@ class ApiConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")
         limits = (
-            self.max_body_bytes, self.small_body_bytes, self.max_small_body_reads, self.max_large_body_reads,
-            self.max_header_bytes, 1 if self.max_prompt_chars is None else self.max_prompt_chars,
-            self.tokenize_threads, self.max_tokenize_queue,
-            self.max_inflight, self.max_backlog, self.redis_connections, self.reader_shards,
+            self.max_body_bytes,
+            self.small_body_bytes,
+            self.max_small_body_reads,
+            self.max_large_body_reads,
+            self.max_header_bytes,
+            1 if self.max_prompt_chars is None else self.max_prompt_chars,
+            self.tokenize_threads,
+            self.max_tokenize_queue,
+            self.max_inflight,
+            self.max_backlog,
+            self.redis_connections,
+            self.reader_shards,
         )
         if min(limits) < 1:
             raise ValueError("limits must be >= 1")

@@ -118,7 +118,18 @@ class InternalError(ApiError):
     code = "internal_error"
 
 
-_BY_STATUS = {cls.status: cls for cls in (BadRequest, Unauthorized, NotFound, PayloadTooLarge, TooManyRequests, ServiceUnavailable, GatewayTimeout)}
+_BY_STATUS = {
+    cls.status: cls
+    for cls in (
+        BadRequest,
+        Unauthorized,
+        NotFound,
+        PayloadTooLarge,
+        TooManyRequests,
+        ServiceUnavailable,
+        GatewayTimeout,
+    )
+}
 
 
 def from_status(status: int, message: str, code: str | None = None) -> ApiError:

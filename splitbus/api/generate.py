@@ -7,7 +7,8 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -15,7 +16,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from splitbus.api import metrics, protocol
 from splitbus.api.errors import (
-    ApiError, BadRequest, ContextLengthExceeded, GatewayTimeout, ServiceUnavailable, from_status,
+    ApiError,
+    BadRequest,
+    ContextLengthExceeded,
+    GatewayTimeout,
+    ServiceUnavailable,
+    from_status,
 )
 from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
@@ -148,8 +154,13 @@ class Generation:
         deadline_ms = int((time.time() + self.state.config.request_timeout_s) * 1000)
         try:
             sampling = SamplingParams(
-                max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                stop=p.stop, ignore_eos=p.ignore_eos,
+                max_tokens=self.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=p.seed,
+                stop=p.stop,
+                ignore_eos=p.ignore_eos,
             )
             node = self.state.config.node_id
             return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, node, deadline_ms)
@@ -175,7 +186,9 @@ class Generation:
         try:
             result = await self.sub.get()
         except TimeoutError:
-            raise GatewayTimeout(f"the request did not finish within {self.state.config.request_timeout_s:.0f}s") from None
+            raise GatewayTimeout(
+                f"the request did not finish within {self.state.config.request_timeout_s:.0f}s"
+            ) from None
         self._observe(result)
         return result
 
@@ -208,7 +221,9 @@ class Generation:
             texts.append(result.text)
             if isinstance(result, Finished):
                 tokens = protocol.usage(result.prompt_tokens, result.completion_tokens)
-                return protocol.full_response(self.params, self.request_id, self.created, "".join(texts), result.finish_reason, tokens)
+                return protocol.full_response(
+                    self.params, self.request_id, self.created, "".join(texts), result.finish_reason, tokens
+                )
             result = await self.next_result()
 
     async def sse(self, first: Result) -> AsyncIterator[bytes]:
@@ -216,7 +231,11 @@ class Generation:
         reason: str | None = "client_disconnected"  # unless the loop below ends the stream
         try:
             if self.params.kind == "chat":
-                yield _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None))
+                yield _event(
+                    protocol.chat_chunk(
+                        self.request_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None
+                    )
+                )
             result = first
             while True:
                 merged = self._merge_ready(result)
@@ -244,7 +263,9 @@ class Generation:
             if isinstance(ready, TokenDelta):
                 result = TokenDelta(ready.seq, result.token_ids + ready.token_ids, result.text + ready.text)
             elif isinstance(ready, Finished):
-                result = dataclasses.replace(ready, text=result.text + ready.text, token_ids=result.token_ids + ready.token_ids)
+                result = dataclasses.replace(
+                    ready, text=result.text + ready.text, token_ids=result.token_ids + ready.token_ids
+                )
             else:
                 return [result, ready]
         return [result]

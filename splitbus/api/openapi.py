@@ -31,7 +31,12 @@ _COMMON = {
     "max_tokens": {"type": ["integer", "null"], "minimum": 1},
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
     "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 2**31 - 1, "description": "-1 or 0 disables top-k"},
+    "top_k": {
+        "type": ["integer", "null"],
+        "minimum": -1,
+        "maximum": 2**31 - 1,
+        "description": "-1 or 0 disables top-k",
+    },
     "seed": {"type": ["integer", "null"]},
     "ignore_eos": {"type": ["boolean", "null"]},
     "stop": {
@@ -109,7 +114,13 @@ def _with_models(schema: dict[str, Any], models: tuple[str, ...]) -> dict[str, A
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
-    return {str(s): {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}} for s in statuses}
+    return {
+        str(s): {
+            "description": "error",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+        for s in statuses
+    }
 
 
 def _generation(summary: str, schema: str) -> dict[str, Any]:
@@ -117,11 +128,17 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "security": [{"bearer": []}],
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+            },
             "responses": {
                 "200": {
                     "description": "a JSON body, or server-sent events when stream is true",
-                    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
                 },
                 **_errors(400, 401, 404, 408, 413, 429, 503, 504),
             },
@@ -136,7 +153,11 @@ def _get(summary: str, *errors: int) -> dict[str, Any]:
 @functools.cache
 def openapi_spec(models: tuple[str, ...] = ()) -> dict[str, Any]:
     """The document; ``models`` (the names this API serves) become the ``model`` enum."""
-    schemas = {"CompletionRequest": _with_models(_COMPLETION_REQUEST, models), "ChatCompletionRequest": _with_models(_CHAT_REQUEST, models), "Error": _ERROR}
+    schemas = {
+        "CompletionRequest": _with_models(_COMPLETION_REQUEST, models),
+        "ChatCompletionRequest": _with_models(_CHAT_REQUEST, models),
+        "Error": _ERROR,
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "splitbus OpenAI-compatible API", "version": __version__},

@@ -111,8 +111,9 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _int(body: dict[str, Any], name: str, default: int | None = None, minimum: int | None = None,
-         maximum: int | None = None) -> int:
+def _int(
+    body: dict[str, Any], name: str, default: int | None = None, minimum: int | None = None, maximum: int | None = None
+) -> int:
     value = body.get(name, default)
     if type(value) is not int:
         raise BadRequest(f"'{name}' must be an integer", name)
@@ -123,7 +124,9 @@ def _int(body: dict[str, Any], name: str, default: int | None = None, minimum: i
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, exclusive_min: bool = False) -> float:
+def _number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, exclusive_min: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -195,7 +198,9 @@ def _content(content: Any, param: str) -> str:
         return content
     if content is None:
         return ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise BadRequest(f"{param}.content must be a string or a list of text parts", f"{param}.content")
 
@@ -208,7 +213,11 @@ def now_s() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -226,9 +235,16 @@ def usage_chunk(params: GenerationParams, rid: str, created: int, tokens: dict[s
     return {"id": rid, "object": kind, "created": created, "model": params.model, "choices": [], "usage": tokens}
 
 
-def full_response(params: GenerationParams, rid: str, created: int, text: str, finish_reason: str, tokens: dict[str, int]) -> dict[str, Any]:
+def full_response(
+    params: GenerationParams, rid: str, created: int, text: str, finish_reason: str, tokens: dict[str, int]
+) -> dict[str, Any]:
     if params.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
         kind = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

@@ -6,9 +6,9 @@ from typing import Any
 
 import anyio
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitbus.api import protocol
 from splitbus.api.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable

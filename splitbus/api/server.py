@@ -121,6 +121,9 @@ def guarded_protocol(
 ) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to pass as uvicorn's ``http``, with these bounds (``body_timeout_s``:
     the app's own body deadline, which the protocol's trails by ``BODY_GRACE_S``)."""
-    bounds = {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes,
-              "body_timeout_s": body_timeout_s + BODY_GRACE_S}
+    bounds = {
+        "header_timeout_s": header_timeout_s,
+        "max_header_bytes": max_header_bytes,
+        "body_timeout_s": body_timeout_s + BODY_GRACE_S,
+    }
     return type("GuardedHttpTools", (GuardedHttpToolsProtocol,), bounds)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Callable, Coroutine, Iterator, TypeVar
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -40,7 +41,7 @@ class ApiState:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @classmethod
-    async def open(cls, config: ApiConfig) -> "ApiState":
+    async def open(cls, config: ApiConfig) -> ApiState:
         tokenizers = {name: ModelTokenizer.load(folder, name) for name, folder in config.models}
         state = cls(config, tokenizers)
         await state.reader.start()
@@ -94,7 +95,9 @@ class ApiState:
         if self.inflight >= self.config.max_inflight:
             raise TooManyRequests(f"more than {self.config.max_inflight} requests in flight; retry later")
         if self.backlog >= self.config.max_backlog:
-            raise TooManyRequests(f"the request queue holds {self.backlog} entries (bound {self.config.max_backlog}); retry later")
+            raise TooManyRequests(
+                f"the request queue holds {self.backlog} entries (bound {self.config.max_backlog}); retry later"
+            )
         if not self.workers.redis_ok:
             raise ServiceUnavailable("Redis is unreachable")
         if not self.workers.serves(model):

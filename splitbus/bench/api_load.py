@@ -19,9 +19,10 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
@@ -55,7 +56,9 @@ def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
         bus = BusConfig(redis_url=url, prefix=prefix, block_ms=50)
         redis = connect(bus, max_connections=4, name="bench-responder")
         registry, writer = Registry(redis, bus), ResultWriter(redis, bus)
-        record = WorkerRecord("bench-responder", "mixed", "tiny", "sim", load=WorkerLoad(free_kv_blocks=10**9, total_kv_blocks=10**9))
+        record = WorkerRecord(
+            "bench-responder", "mixed", "tiny", "sim", load=WorkerLoad(free_kv_blocks=10**9, total_kv_blocks=10**9)
+        )
         requests = GroupConsumer(redis, bus, bus.keys.requests, SCHEDULER_GROUP, "bench-responder")
         await requests.ensure_group()
         remaining: dict[str, list[int]] = {}  # request id -> [tokens left, tokens in all]
@@ -95,9 +98,19 @@ def _client(base_url: str, streams: int, tokens: int, results: Any) -> None:
     comes back (like wrk, it does not parse each event): an HTTP library's per-chunk work would
     take the CPU that the API process under test needs on a small machine."""
     host, port = base_url.removeprefix("http://").split(":")
-    body = orjson.dumps({"model": "tiny", "prompt": [97], "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}})
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    body = orjson.dumps(
+        {
+            "model": "tiny",
+            "prompt": [97],
+            "max_tokens": tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
 
     async def one() -> tuple[int, str]:
         try:
@@ -118,8 +131,15 @@ def _client(base_url: str, streams: int, tokens: int, results: Any) -> None:
     async def main() -> None:
         started = time.time()
         done = await asyncio.gather(*(one() for _ in range(streams)))
-        results.put({"started": started, "ended": time.time(), "tokens": sum(t for t, _ in done),
-                     "completed": sum(1 for t, _ in done if t == tokens), "errors": sorted({e for _, e in done if e})[:3]})
+        results.put(
+            {
+                "started": started,
+                "ended": time.time(),
+                "tokens": sum(t for t, _ in done),
+                "completed": sum(1 for t, _ in done if t == tokens),
+                "errors": sorted({e for _, e in done if e})[:3],
+            }
+        )
 
     try:
         import uvloop
@@ -144,8 +164,20 @@ def _start_api(url: str, prefix: str, model_dir: Path, port: int, node: str, str
 
     # The URL (it holds a password) goes in the environment, never on argv.
     env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_LOG_LEVEL": "WARNING", "SPLITBUS_REDIS_URL": url}
-    cmd = [sys.executable, "-m", "splitbus.cli.main", "api", "--model", str(model_dir), "--port", str(port),
-           "--node-id", node, "--max-inflight", str(streams * 2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitbus.cli.main",
+        "api",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--node-id",
+        node,
+        "--max-inflight",
+        str(streams * 2),
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
 
@@ -174,9 +206,16 @@ def run_api_bench(url: str, config: ApiBenchConfig, progress: Callable[[str], No
         responder.start()
         try:
             _wait_ready(base_url)
-            progress(f"{config.streams} streams of {config.tokens} tokens through one API process ({config.client_processes} client processes)")
-            per_client = [config.streams // config.client_processes + (i < config.streams % config.client_processes) for i in range(config.client_processes)]
-            clients = [mp.Process(target=_client, args=(base_url, n, config.tokens, results), daemon=True) for n in per_client]
+            progress(
+                f"{config.streams} streams of {config.tokens} tokens through one API process ({config.client_processes} client processes)"
+            )
+            per_client = [
+                config.streams // config.client_processes + (i < config.streams % config.client_processes)
+                for i in range(config.client_processes)
+            ]
+            clients = [
+                mp.Process(target=_client, args=(base_url, n, config.tokens, results), daemon=True) for n in per_client
+            ]
             for c in clients:
                 c.start()
             peak = _sample_connections(url, node, clients)
@@ -200,7 +239,14 @@ def _sample_connections(url: str, node: str, clients: list[Any]) -> int:
 def _summary(config: ApiBenchConfig, reports: list[dict[str, Any]], peak: int) -> dict[str, Any]:
     started, ended = min(r["started"] for r in reports), max(r["ended"] for r in reports)
     tokens = sum(r["tokens"] for r in reports)
-    return {"config": asdict(config), "streams": config.streams, "completed": sum(r["completed"] for r in reports),
-            "tokens": tokens, "seconds": ended - started, "tokens_per_s": tokens / (ended - started),
-            "offered_tokens_per_s": config.streams * 1000 / config.step_ms, "api_redis_connections_peak": peak,
-            "errors": sorted({e for r in reports for e in r["errors"]})}
+    return {
+        "config": asdict(config),
+        "streams": config.streams,
+        "completed": sum(r["completed"] for r in reports),
+        "tokens": tokens,
+        "seconds": ended - started,
+        "tokens_per_s": tokens / (ended - started),
+        "offered_tokens_per_s": config.streams * 1000 / config.step_ms,
+        "api_redis_connections_peak": peak,
+        "errors": sorted({e for r in reports for e in r["errors"]}),
+    }

@@ -20,8 +20,9 @@ import multiprocessing as mp
 import statistics
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any
 
 import redis
 
@@ -83,8 +84,12 @@ class Measurement:
 
 def request_message(i: int, prompt_tokens: int) -> GenerateRequest:
     return GenerateRequest(
-        request_id=f"bench-{i}", model="bench", prompt_token_ids=list(range(prompt_tokens)),
-        sampling=SamplingParams(max_tokens=128, temperature=0.0), api_node="api-bench", deadline_ms=0,
+        request_id=f"bench-{i}",
+        model="bench",
+        prompt_token_ids=list(range(prompt_tokens)),
+        sampling=SamplingParams(max_tokens=128, temperature=0.0),
+        api_node="api-bench",
+        deadline_ms=0,
     )
 
 
@@ -110,7 +115,9 @@ def _in_process(fn: Callable[..., Any], conn: Any, *args: Any) -> None:
         raise
 
 
-def run_pair(consumer: Callable[..., Any], producer: Callable[..., Any], *args: Any, timeout_s: float = 60) -> Measurement:
+def run_pair(
+    consumer: Callable[..., Any], producer: Callable[..., Any], *args: Any, timeout_s: float = 60
+) -> Measurement:
     """Start the consumer, wait until it is ready, start the producer, collect both."""
     ctx = mp.get_context("spawn")
     c_parent, c_child = ctx.Pipe()
@@ -170,7 +177,9 @@ def _bus_config(url: str, prefix: str) -> BusConfig:
 # ---------------------------------------------------------------- request path
 
 
-async def redis_request_consumer(conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig) -> tuple:
+async def redis_request_consumer(
+    conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig
+) -> tuple:
     config = _bus_config(target, prefix)
     redis = connect(config)
     consumer = GroupConsumer(redis, config, config.keys.requests, GROUP, "c1")
@@ -186,7 +195,9 @@ async def redis_request_consumer(conn: Any, target: str, prefix: str, n: int, ra
     return n, codec.now_us(), latencies
 
 
-async def redis_request_producer(conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig) -> int:
+async def redis_request_producer(
+    conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig
+) -> int:
     config = _bus_config(target, prefix)
     redis = connect(config, max_connections=cfg.request_producers + 1)
     producer = Producer(redis, config)
@@ -200,7 +211,9 @@ async def redis_request_producer(conn: Any, target: str, prefix: str, n: int, ra
     return start_us
 
 
-async def zmq_request_consumer(conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig) -> tuple:
+async def zmq_request_consumer(
+    conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig
+) -> tuple:
     import zmq
     import zmq.asyncio
 
@@ -220,7 +233,9 @@ async def zmq_request_consumer(conn: Any, target: str, prefix: str, n: int, rate
     return n, last, latencies
 
 
-async def zmq_request_producer(conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig) -> int:
+async def zmq_request_producer(
+    conn: Any, target: str, prefix: str, n: int, rate: float | None, cfg: BusBenchConfig
+) -> int:
     import zmq
     import zmq.asyncio
 
@@ -255,7 +270,9 @@ async def _drain_subscriptions(subs: list[Subscription], steps: int) -> tuple:
     return len(latencies), codec.now_us(), latencies
 
 
-async def redis_token_consumer(conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig) -> tuple:
+async def redis_token_consumer(
+    conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig
+) -> tuple:
     config = _bus_config(target, prefix)
     redis = connect(config, max_connections=2)
     reader = ResultReader(config, redis, name="bench-api")
@@ -268,7 +285,9 @@ async def redis_token_consumer(conn: Any, target: str, prefix: str, steps: int, 
     return result
 
 
-async def redis_token_producer(conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig) -> int:
+async def redis_token_producer(
+    conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig
+) -> int:
     config = _bus_config(target, prefix)
     redis = connect(config)
     writer = ResultWriter(redis, config)
@@ -285,7 +304,9 @@ async def redis_token_producer(conn: Any, target: str, prefix: str, steps: int, 
     return start_us
 
 
-async def zmq_token_consumer(conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig) -> tuple:
+async def zmq_token_consumer(
+    conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig
+) -> tuple:
     import zmq
     import zmq.asyncio
 
@@ -308,7 +329,9 @@ async def zmq_token_consumer(conn: Any, target: str, prefix: str, steps: int, in
     return result
 
 
-async def zmq_token_producer(conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig) -> int:
+async def zmq_token_producer(
+    conn: Any, target: str, prefix: str, steps: int, interval: float | None, cfg: BusBenchConfig
+) -> int:
     import zmq
     import zmq.asyncio
 

@@ -9,7 +9,8 @@ depend on their values.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -19,9 +20,17 @@ from splitbus.worker.paddle.tiny import tiny_config
 from splitbus.worker.paddle.weights import expected_shapes
 
 QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
 }
 MODELS = {"tiny": tiny_config("llama", 259), "qwen2.5-0.5b-shape": QWEN25_05B}
 BATCHES = (1, 8, 32)
@@ -30,7 +39,9 @@ BATCHES = (1, 8, 32)
 def random_model(raw: dict[str, Any], seed: int = 0) -> CausalLM:
     config = ModelConfig.from_dict(raw)
     rng = np.random.default_rng(seed)
-    tensors = {name: (0.02 * rng.standard_normal(shape, dtype=np.float32)) for name, shape in expected_shapes(config).items()}
+    tensors = {
+        name: (0.02 * rng.standard_normal(shape, dtype=np.float32)) for name, shape in expected_shapes(config).items()
+    }
     return CausalLM(config, tensors)
 
 
@@ -52,8 +63,13 @@ def bench_model(name: str, raw: dict[str, Any], runs: int, progress: Callable[[s
     prompt = list(range(1, 129))
     progress(f"{name}: prefill")
     prefill_s = _best_of(runs, lambda: model.forward([Chunk(prompt, 0)]))
-    result: dict[str, Any] = {"model": name, "params_m": round(_params(model) / 1e6, 1), "prefill_tokens": 128,
-                              "prefill_tok_s": round(128 / prefill_s, 1), "prefill_ms": round(prefill_s * 1000, 1)}
+    result: dict[str, Any] = {
+        "model": name,
+        "params_m": round(_params(model) / 1e6, 1),
+        "prefill_tokens": 128,
+        "prefill_tok_s": round(128 / prefill_s, 1),
+        "prefill_ms": round(prefill_s * 1000, 1),
+    }
     for batch in BATCHES:
         progress(f"{name}: decode at batch {batch}")
         step_s = _decode_step(model, cache, batch, runs)
@@ -86,7 +102,11 @@ def _transfer(model: CausalLM, cache: Any, runs: int) -> dict[str, float]:
     import_s = _best_of(runs, lambda: cache.import_(table, 128, payload))
     cache.allocator.release(table)
     size = len(payload)
-    return {"kv_bytes_128_tokens": size, "kv_export_gb_s": round(size / export_s / 1e9, 2), "kv_import_gb_s": round(size / import_s / 1e9, 2)}
+    return {
+        "kv_bytes_128_tokens": size,
+        "kv_export_gb_s": round(size / export_s / 1e9, 2),
+        "kv_import_gb_s": round(size / import_s / 1e9, 2),
+    }
 
 
 def _params(model: CausalLM) -> int:

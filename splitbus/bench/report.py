@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import platform
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +52,19 @@ def bus_plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     paths = ("request", "token")
     colors = {"redis": "#c0392b", "zeromq": "#2980b9"}
-    for ax, (metric, title) in zip(axes, (("msgs_per_s", "throughput, flat out (msgs/s)"), ("p50_us", "latency p50, paced (µs)"), ("p99_us", "latency p99, paced (µs)"))):
+    for ax, (metric, title) in zip(
+        axes,
+        (
+            ("msgs_per_s", "throughput, flat out (msgs/s)"),
+            ("p50_us", "latency p50, paced (µs)"),
+            ("p99_us", "latency p99, paced (µs)"),
+        ),
+    ):
         for offset, transport in ((-0.2, "redis"), (0.2, "zeromq")):
             values = [report[f"{p}_path"][transport][metric] for p in paths]
-            bars = ax.bar([i + offset for i in range(len(paths))], values, width=0.4, label=transport, color=colors[transport])
+            bars = ax.bar(
+                [i + offset for i in range(len(paths))], values, width=0.4, label=transport, color=colors[transport]
+            )
             ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
         ax.set_xticks(range(len(paths)), [f"{p} path" for p in paths])
         ax.set_title(title)
@@ -73,7 +82,14 @@ def bus_plot(report: dict[str, Any], path: Path) -> None:
 
 
 def engine_table(report: dict[str, Any]) -> str:
-    cols = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "kv_export_gb_s", "kv_import_gb_s")
+    cols = (
+        "prefill_tok_s",
+        "decode_b1_tok_s",
+        "decode_b8_tok_s",
+        "decode_b32_tok_s",
+        "kv_export_gb_s",
+        "kv_import_gb_s",
+    )
     rows = [f"{'model':<20} {'params M':>8} " + " ".join(f"{c:>17}" for c in cols)]
     for r in report["results"]:
         rows.append(f"{r['model']:<20} {r['params_m']:>8} " + " ".join(f"{r[c]:>17,}" for c in cols))
@@ -90,21 +106,32 @@ def engine_plot(report: dict[str, Any], path: Path) -> None:
         values = [r["prefill_tok_s"], r["decode_b1_tok_s"], r["decode_b8_tok_s"], r["decode_b32_tok_s"]]
         bars = ax.bar(labels, values, color=["#8e44ad", "#16a085", "#16a085", "#16a085"])
         ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
-        ax.set_title(f"{r['model']} ({r['params_m']}M params): tokens/s\nKV export {r['kv_export_gb_s']} GB/s, import {r['kv_import_gb_s']} GB/s", fontsize=9)
+        ax.set_title(
+            f"{r['model']} ({r['params_m']}M params): tokens/s\nKV export {r['kv_export_gb_s']} GB/s, import {r['kv_import_gb_s']} GB/s",
+            fontsize=9,
+        )
     fig.suptitle(f"splitbus bench engine on {report['device']} ({report['threads']} thread)", fontsize=10)
     _save(plt, fig, path, dpi=110)
 
 
 def stagger_table(report: dict[str, Any]) -> str:
-    rows = [f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'+drain':>7} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"]
+    rows = [
+        f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'+drain':>7} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"
+    ]
     for r in report["results"]:
-        rows.append(f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} "
-                    f"{r.get('idle_forward_ratio_all_steps', float('nan')):>7.4f} {r['idle_time_ratio']:>9.4f} "
-                    f"{r['step_utilization']:>5.2f} {r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}")
-    rows.append("idle fwd, idle time, util: over the steps that start by the last arrival; +drain: idle fwd over all steps")
+        rows.append(
+            f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} "
+            f"{r.get('idle_forward_ratio_all_steps', float('nan')):>7.4f} {r['idle_time_ratio']:>9.4f} "
+            f"{r['step_utilization']:>5.2f} {r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}"
+        )
+    rows.append(
+        "idle fwd, idle time, util: over the steps that start by the last arrival; +drain: idle fwd over all steps"
+    )
     for r in report["results"]:
         if r.get("runs_ttft_p50_s"):
-            rows.append(f"  processes {r['load']:<9} {r['mode']:<10} TTFT p50 of each run, ms: {', '.join(f'{p * 1000:.1f}' for p in r['runs_ttft_p50_s'])}")
+            rows.append(
+                f"  processes {r['load']:<9} {r['mode']:<10} TTFT p50 of each run, ms: {', '.join(f'{p * 1000:.1f}' for p in r['runs_ttft_p50_s'])}"
+            )
     return "\n".join(rows)
 
 
@@ -116,13 +143,28 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
 
     loads = ["low", "moderate", "high"]
-    keys = sorted({_stagger_key(r) for r in report["results"]}, key=lambda k: (k[2] == 1, k[1], k[0] != "processes", loads.index(k[3])))
+    keys = sorted(
+        {_stagger_key(r) for r in report["results"]},
+        key=lambda k: (k[2] == 1, k[1], k[0] != "processes", loads.index(k[3])),
+    )
     by = {(*_stagger_key(r), r["mode"]): r for r in report["results"]}
     labels = [f"{'proc' if b == 'processes' else 'sim'} {n}r x{scale:g}\n{load}" for b, n, scale, load in keys]
     fig, axes = plt.subplots(5, 1, figsize=(max(10, len(keys) * 0.9), 16))
-    for ax, (metric, title) in zip(axes, (("idle_forward_ratio", "idle forwards per rank-step"), ("idle_time_ratio", "share of rank time in idle forwards"))):
+    for ax, (metric, title) in zip(
+        axes,
+        (
+            ("idle_forward_ratio", "idle forwards per rank-step"),
+            ("idle_time_ratio", "share of rank time in idle forwards"),
+        ),
+    ):
         for offset, mode, color in ((-0.2, "naive", "#7f8c8d"), (0.2, "staggered", "#27ae60")):
-            ax.bar([i + offset for i in range(len(keys))], [by[(*k, mode)][metric] for k in keys], width=0.4, label=mode, color=color)
+            ax.bar(
+                [i + offset for i in range(len(keys))],
+                [by[(*k, mode)][metric] for k in keys],
+                width=0.4,
+                label=mode,
+                color=color,
+            )
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(title, fontsize=9)
     for ax, metric in zip(axes[2:4], ("ttft_p50_s", "ttft_p99_s")):
@@ -133,7 +175,9 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{metric[:4].upper()} {metric[5:8]}: staggered vs naive (%)", fontsize=9)
     _process_runs_plot(axes[4], [r for r in report["results"] if r.get("runs_ttft_p50_s")])
     axes[0].legend()
-    fig.suptitle(f"splitbus bench stagger: naive vs staggered on the same Poisson trace (seed {report['seed']})", fontsize=10)
+    fig.suptitle(
+        f"splitbus bench stagger: naive vs staggered on the same Poisson trace (seed {report['seed']})", fontsize=10
+    )
     _save(plt, fig, path, dpi=100)
 
 
@@ -141,7 +185,9 @@ def _process_runs_plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     """Each run's TTFT p50 on the rank processes: how far one run moves from the next."""
     loads = [load for load in ("low", "moderate", "high") if any(r["load"] == load for r in rows)]
     for offset, mode, color in ((-0.1, "naive", "#7f8c8d"), (0.1, "staggered", "#27ae60")):
-        points = [(loads.index(r["load"]) + offset, p * 1000) for r in rows if r["mode"] == mode for p in r["runs_ttft_p50_s"]]
+        points = [
+            (loads.index(r["load"]) + offset, p * 1000) for r in rows if r["mode"] == mode for p in r["runs_ttft_p50_s"]
+        ]
         ax.scatter([x for x, _ in points], [y for _, y in points], color=color, label=mode, s=18)
     ax.set_xticks(range(len(loads)), loads, fontsize=8)
     ax.set_ylabel("TTFT p50 (ms)")
@@ -151,18 +197,24 @@ def _process_runs_plot(ax: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def serve_table(report: dict[str, Any]) -> str:
-    rows = [f"{'path':<9} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p99':>9}  (ms)"]
+    rows = [
+        f"{'path':<9} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p99':>9}  (ms)"
+    ]
     for r in report["runs"]:
-        rows.append(f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} {r['output_throughput']:>9,.0f} "
-                    f"{_ms(r['median_ttft_ms'], 9)} {_ms(r['p99_ttft_ms'], 9)} {_ms(r['median_tpot_ms'], 9)} {_ms(r['median_itl_ms'], 8)} {_ms(r['p99_itl_ms'], 8)} {_ms(r['p99_e2el_ms'], 9)}")
+        rows.append(
+            f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} {r['output_throughput']:>9,.0f} "
+            f"{_ms(r['median_ttft_ms'], 9)} {_ms(r['p99_ttft_ms'], 9)} {_ms(r['median_tpot_ms'], 9)} {_ms(r['median_itl_ms'], 8)} {_ms(r['p99_itl_ms'], 8)} {_ms(r['p99_e2el_ms'], 9)}"
+        )
         if r["failed"]:
             rows.append(f"          {r['failed']} failed: {'; '.join(r.get('errors', []))}")
     for name, hop in report.get("hops_ms", {}).items():
         rows.append(f"  idle system, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms")
     for o in report.get("overhead", []):
-        rows.append(f"added by the stack at {o['request_rate']} req/s: TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, mean {_ms(o['added_mean_ttft_ms'], 0, '+')}, "
-                    f"p99 {_ms(o['added_p99_ttft_ms'], 0, '+')}; per token (TPOT) p50 {_ms(o['added_median_tpot_ms'], 0, '+')} ms, mean {_ms(o['added_mean_tpot_ms'], 0, '+')}, "
-                    f"p99 {_ms(o['added_p99_tpot_ms'], 0, '+')}; ITL p50 {_ms(o['added_median_itl_ms'], 0, '+')} ms, p99 {_ms(o['added_p99_itl_ms'], 0, '+')}")
+        rows.append(
+            f"added by the stack at {o['request_rate']} req/s: TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, mean {_ms(o['added_mean_ttft_ms'], 0, '+')}, "
+            f"p99 {_ms(o['added_p99_ttft_ms'], 0, '+')}; per token (TPOT) p50 {_ms(o['added_median_tpot_ms'], 0, '+')} ms, mean {_ms(o['added_mean_tpot_ms'], 0, '+')}, "
+            f"p99 {_ms(o['added_p99_tpot_ms'], 0, '+')}; ITL p50 {_ms(o['added_median_itl_ms'], 0, '+')} ms, p99 {_ms(o['added_p99_itl_ms'], 0, '+')}"
+        )
     return "\n".join(rows)
 
 
@@ -176,13 +228,21 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = plt.get_cmap("viridis")
     rates = sorted({str(r["request_rate"]) for r in report["runs"]}, key=lambda x: float(x))
-    for ax, (metric, title) in zip(axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency"))):
+    for ax, (metric, title) in zip(
+        axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency"))
+    ):
         for run in report["runs"]:
             values = run["cdf_ms"][metric]
             if values:
                 color = colors(rates.index(str(run["request_rate"])) / max(1, len(rates) - 1) * 0.85)
                 style = "--" if run["path"] == "direct" else "-"
-                ax.plot(values, [i / (len(values) - 1) for i in range(len(values))], style, color=color, label=f"{run['path']} {run['request_rate']} req/s")
+                ax.plot(
+                    values,
+                    [i / (len(values) - 1) for i in range(len(values))],
+                    style,
+                    color=color,
+                    label=f"{run['path']} {run['request_rate']} req/s",
+                )
         ax.set_xscale("log")
         ax.set_xlabel("ms")
         ax.set_title(f"{title} CDF")
@@ -192,7 +252,9 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
     for path_name, marker in (("splitbus", "o-"), ("direct", "s--"), ("http", "o-")):
         runs = [r for r in report["runs"] if r["path"] == path_name]
         if runs:
-            ax.plot([r["request_throughput"] for r in runs], [r["output_throughput"] for r in runs], marker, label=path_name)
+            ax.plot(
+                [r["request_throughput"] for r in runs], [r["output_throughput"] for r in runs], marker, label=path_name
+            )
             for r in runs:
                 ax.annotate(f"{r['request_rate']}", (r["request_throughput"], r["output_throughput"]), fontsize=7)
     ax.set_xlabel("completed requests/s")
@@ -205,10 +267,14 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
 
 
 def scheduler_table(report: dict[str, Any]) -> str:
-    rows = [f"{'replicas':>8} {'workers':>7} {'paced req/s':>11} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'max ms':>7} {'flood decisions/s':>18}"]
+    rows = [
+        f"{'replicas':>8} {'workers':>7} {'paced req/s':>11} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'max ms':>7} {'flood decisions/s':>18}"
+    ]
     for r in report["results"]:
         p, f = r["paced"], r["flood"]
-        rows.append(f"{r['replicas']:>8} {r['workers']:>7} {p['achieved_rate']:>11.0f} {p['p50_ms']:>7.2f} {p['p90_ms']:>7.2f} {p['p99_ms']:>7.2f} {p['max_ms']:>7.1f} {f['decisions_per_s']:>18,.0f}")
+        rows.append(
+            f"{r['replicas']:>8} {r['workers']:>7} {p['achieved_rate']:>11.0f} {p['p50_ms']:>7.2f} {p['p90_ms']:>7.2f} {p['p99_ms']:>7.2f} {p['max_ms']:>7.1f} {f['decisions_per_s']:>18,.0f}"
+        )
         for phase, counts in (("paced", p), ("flood", f)):
             if counts["placed"] < counts["requests"]:
                 rows.append(f"         {phase}: only {counts['placed']} of {counts['requests']} requests were placed")
@@ -221,7 +287,11 @@ def scheduler_plot(report: dict[str, Any], path: Path) -> None:
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in report["results"]:
         values = r["paced"]["cdf_ms"]
-        cdf.plot(values, [i / (len(values) - 1) for i in range(len(values))], label=f"{r['replicas']} replica(s): p99 {r['paced']['p99_ms']:.2f} ms")
+        cdf.plot(
+            values,
+            [i / (len(values) - 1) for i in range(len(values))],
+            label=f"{r['replicas']} replica(s): p99 {r['paced']['p99_ms']:.2f} ms",
+        )
     cdf.axvline(3.0, color="grey", linestyle=":", label="target p99 3 ms")
     cdf.set_xscale("log")
     cdf.set_xlabel("ms from the request's XADD to its task in a worker's stream")
@@ -241,17 +311,21 @@ def scheduler_plot(report: dict[str, Any], path: Path) -> None:
 
 def api_table(report: dict[str, Any]) -> str:
     r = report
-    return (f"{r['streams']} concurrent streams through one API process: {r['completed']} completed, "
-            f"{r['tokens']:,} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']:,.0f} tokens/s delivered "
-            f"(offered {r['offered_tokens_per_s']:,.0f}); Redis connections held by the API: {r['api_redis_connections_peak']} at peak"
-            + (f"\nerrors: {r['errors']}" if r["errors"] else ""))
+    return (
+        f"{r['streams']} concurrent streams through one API process: {r['completed']} completed, "
+        f"{r['tokens']:,} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']:,.0f} tokens/s delivered "
+        f"(offered {r['offered_tokens_per_s']:,.0f}); Redis connections held by the API: {r['api_redis_connections_peak']} at peak"
+        + (f"\nerrors: {r['errors']}" if r["errors"] else "")
+    )
 
 
 def api_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
 
     fig, (tput, conns) = plt.subplots(1, 2, figsize=(10, 4))
-    bars = tput.bar(["offered", "delivered"], [report["offered_tokens_per_s"], report["tokens_per_s"]], color=["#95a5a6", "#27ae60"])
+    bars = tput.bar(
+        ["offered", "delivered"], [report["offered_tokens_per_s"], report["tokens_per_s"]], color=["#95a5a6", "#27ae60"]
+    )
     tput.bar_label(bars, fmt="{:,.0f}")
     tput.axhline(20000, color="grey", linestyle=":", label="target 20,000")
     tput.set_title("tokens/s")

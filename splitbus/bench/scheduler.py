@@ -18,8 +18,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -98,10 +99,19 @@ class FakeWorkers:
 
 
 def _request(i: int, config: SchedulerBenchConfig) -> GenerateRequest:
-    return GenerateRequest(f"b{i}-{uuid.uuid4().hex[:8]}", "tiny", [97] * config.prompt_tokens, SamplingParams(max_tokens=config.max_tokens), "bench", 0)
+    return GenerateRequest(
+        f"b{i}-{uuid.uuid4().hex[:8]}",
+        "tiny",
+        [97] * config.prompt_tokens,
+        SamplingParams(max_tokens=config.max_tokens),
+        "bench",
+        0,
+    )
 
 
-async def _paced(redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, config: SchedulerBenchConfig) -> dict[str, Any]:
+async def _paced(
+    redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, config: SchedulerBenchConfig
+) -> dict[str, Any]:
     rng = np.random.default_rng(config.seed)
     gaps = rng.exponential(1.0 / config.rate, config.paced_requests)
     sent: dict[str, float] = {}
@@ -117,12 +127,20 @@ async def _paced(redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, co
     latency_ms = np.array([(workers.arrived[r] - t) * 1000 for r, t in sent.items() if r in workers.arrived])
     if not latency_ms.size:
         raise SchedulerStalled(f"none of {len(sent)} paced requests was placed within {_placing_s(len(sent)):.0f} s")
-    return {"requests": len(sent), "placed": len(latency_ms), "offered_rate": config.rate, "achieved_rate": len(sent) / sending_s,
-            **{f"p{p}_ms": float(np.percentile(latency_ms, p)) for p in (50, 90, 99, 99.9)}, "max_ms": float(latency_ms.max()),
-            "cdf_ms": np.percentile(latency_ms, np.linspace(0, 100, 200)).round(3).tolist()}
+    return {
+        "requests": len(sent),
+        "placed": len(latency_ms),
+        "offered_rate": config.rate,
+        "achieved_rate": len(sent) / sending_s,
+        **{f"p{p}_ms": float(np.percentile(latency_ms, p)) for p in (50, 90, 99, 99.9)},
+        "max_ms": float(latency_ms.max()),
+        "cdf_ms": np.percentile(latency_ms, np.linspace(0, 100, 200)).round(3).tolist(),
+    }
 
 
-async def _flood(redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, config: SchedulerBenchConfig) -> dict[str, Any]:
+async def _flood(
+    redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, config: SchedulerBenchConfig
+) -> dict[str, Any]:
     requests = [_request(i, config) for i in range(config.flood_requests)]
     before = len(workers.arrived)
     start = time.time()
@@ -135,9 +153,17 @@ async def _flood(redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, co
     await _until(lambda: len(workers.arrived) - before >= len(requests), _placing_s(len(requests)))
     placed = sum(1 for r in requests if r.request_id in workers.arrived)
     if not placed:
-        raise SchedulerStalled(f"none of {len(requests)} flood requests was placed within {_placing_s(len(requests)):.0f} s")
+        raise SchedulerStalled(
+            f"none of {len(requests)} flood requests was placed within {_placing_s(len(requests)):.0f} s"
+        )
     last = max(workers.arrived[r.request_id] for r in requests if r.request_id in workers.arrived)
-    return {"requests": len(requests), "placed": placed, "write_s": written - start, "elapsed_s": last - start, "decisions_per_s": placed / (last - start)}
+    return {
+        "requests": len(requests),
+        "placed": placed,
+        "write_s": written - start,
+        "elapsed_s": last - start,
+        "decisions_per_s": placed / (last - start),
+    }
 
 
 def _placing_s(requests: int) -> float:
@@ -157,10 +183,17 @@ def _start_schedulers(url: str, prefix: str, count: int) -> list[subprocess.Pope
     # The URL (it may hold a password) goes in the environment, never on argv.
     env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_LOG_LEVEL": "WARNING", "SPLITBUS_REDIS_URL": url}
     cmd = [sys.executable, "-m", "splitbus.cli.main", "scheduler"]
-    return [subprocess.Popen([*cmd, "--name", f"bench-scheduler-{i}"], env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent) for i in range(count)]
+    return [
+        subprocess.Popen(
+            [*cmd, "--name", f"bench-scheduler-{i}"], env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
+        for i in range(count)
+    ]
 
 
-async def _one_setting(url: str, config: SchedulerBenchConfig, replicas: int, progress: Callable[[str], None]) -> dict[str, Any]:
+async def _one_setting(
+    url: str, config: SchedulerBenchConfig, replicas: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
     bus = BusConfig(redis_url=url, prefix=f"bs{uuid.uuid4().hex[:6]}")
     redis = connect(bus, max_connections=8, name="bench-scheduler")
     workers = FakeWorkers(redis, bus, config.workers)
@@ -169,7 +202,9 @@ async def _one_setting(url: str, config: SchedulerBenchConfig, replicas: int, pr
     schedulers = _start_schedulers(url, bus.prefix, replicas)
     try:
         await asyncio.sleep(2.0)  # the schedulers start, create the group and read the registry
-        progress(f"{replicas} scheduler(s), {config.workers} workers: {config.paced_requests} requests at {config.rate:g}/s")
+        progress(
+            f"{replicas} scheduler(s), {config.workers} workers: {config.paced_requests} requests at {config.rate:g}/s"
+        )
         paced = await _paced(redis, bus, workers, config)
         progress(f"{replicas} scheduler(s): flood of {config.flood_requests} requests")
         flood = await _flood(redis, bus, workers, config)

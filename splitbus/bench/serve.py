@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -62,7 +63,10 @@ def make_trace(config: ServeConfig, rate: float) -> list[TraceItem]:
     arrivals = np.cumsum(gaps) - gaps[0]
     inputs = _lengths(rng, config.input_len, config.len_range, n)
     outputs = _lengths(rng, config.output_len, config.len_range, n)
-    return [TraceItem(float(a), rng.integers(FIRST_TOKEN_ID, LAST_TOKEN_ID + 1, i).tolist(), int(o)) for a, i, o in zip(arrivals, inputs, outputs)]
+    return [
+        TraceItem(float(a), rng.integers(FIRST_TOKEN_ID, LAST_TOKEN_ID + 1, i).tolist(), int(o))
+        for a, i, o in zip(arrivals, inputs, outputs)
+    ]
 
 
 def _lengths(rng: np.random.Generator, mean: int, spread: float, n: int) -> np.ndarray:
@@ -97,8 +101,15 @@ class HttpClient:
         await self._client.aclose()
 
     async def send(self, item: TraceItem) -> RequestResult:
-        body = {"model": self.model, "prompt": item.prompt_token_ids, "max_tokens": item.max_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": item.prompt_token_ids,
+            "max_tokens": item.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream_options": {"include_usage": True},
+        }
         result = RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids))
         started = last = time.perf_counter()
         try:
@@ -134,7 +145,9 @@ class HttpClient:
         return now
 
 
-async def replay(send: Callable[[TraceItem], Any], trace: list[TraceItem], max_concurrency: int, progress: Any = None) -> tuple[list[RequestResult], float]:
+async def replay(
+    send: Callable[[TraceItem], Any], trace: list[TraceItem], max_concurrency: int, progress: Any = None
+) -> tuple[list[RequestResult], float]:
     """Send the trace at its arrival times, at most ``max_concurrency`` at once; returns the
     results and the run's duration."""
     gate = asyncio.Semaphore(max_concurrency)
@@ -158,13 +171,22 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
     summary: dict[str, Any] = {
-        "completed": len(done), "failed": len(results) - len(done), "duration": duration_s,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(done) / duration_s, "output_throughput": out_tokens / duration_s,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration": duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
     }
     tpot = [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    series = {"ttft": [r.ttft_s for r in done], "tpot": tpot, "itl": [g for r in done for g in r.itl_s], "e2el": [r.e2el_s for r in done]}
+    series = {
+        "ttft": [r.ttft_s for r in done],
+        "tpot": tpot,
+        "itl": [g for r in done for g in r.itl_s],
+        "e2el": [r.e2el_s for r in done],
+    }
     for name, values in series.items():
         summary.update(_stats(name, values))
     errors = sorted({r.error for r in results if r.error})
@@ -187,12 +209,18 @@ def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
 def cdf_samples(results: list[RequestResult], points: int = 200) -> dict[str, list[float]]:
     """Quantiles of TTFT, ITL and E2EL in ms, for the plot's CDFs (the JSON stays small)."""
     done = [r for r in results if r.ok]
-    series = {"ttft": [r.ttft_s for r in done], "itl": [g for r in done for g in r.itl_s], "e2el": [r.e2el_s for r in done]}
+    series = {
+        "ttft": [r.ttft_s for r in done],
+        "itl": [g for r in done for g in r.itl_s],
+        "e2el": [r.e2el_s for r in done],
+    }
     qs = np.linspace(0, 100, points)
     return {k: (np.percentile(np.array(v) * 1000, qs).round(3).tolist() if v else []) for k, v in series.items()}
 
 
-async def measure_http(base_url: str, config: ServeConfig, rate: float, api_key: str = "") -> tuple[dict[str, Any], dict[str, list[float]]]:
+async def measure_http(
+    base_url: str, config: ServeConfig, rate: float, api_key: str = ""
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
     from tqdm import tqdm
 
     client = HttpClient(base_url, config.model, api_key, config.max_concurrency)
@@ -204,7 +232,9 @@ async def measure_http(base_url: str, config: ServeConfig, rate: float, api_key:
     return summarize(results, duration), cdf_samples(results)
 
 
-def run_serve_bench(config: ServeConfig, base_url: str | None, api_key: str, progress: Callable[[str], None]) -> dict[str, Any]:
+def run_serve_bench(
+    config: ServeConfig, base_url: str | None, api_key: str, progress: Callable[[str], None]
+) -> dict[str, Any]:
     """Measure ``base_url`` (or a ``splitbus up --engine sim`` started here, against the sim
     engine driven directly) at each rate."""
     runs: list[dict[str, Any]] = []
@@ -226,10 +256,18 @@ def run_serve_bench(config: ServeConfig, base_url: str | None, api_key: str, pro
             progress(f"direct (sim engine in-process): {rate:g} req/s, {config.num_prompts} requests")
             runs.append(_run_row("direct", "in-process", rate, *measure_direct(model_dir, config, rate)))
             progress(f"splitbus (API + bus + scheduler + worker): {rate:g} req/s")
-            runs.append(_run_row("splitbus", system.base_url, rate, *asyncio.run(measure_http(system.base_url, config, rate))))
+            runs.append(
+                _run_row("splitbus", system.base_url, rate, *asyncio.run(measure_http(system.base_url, config, rate)))
+            )
     finally:
         system.stop()
-    return {"config": asdict(config), "target": "splitbus up --engine sim --mixed 1", "runs": runs, "overhead": overhead(runs), "hops_ms": hops}
+    return {
+        "config": asdict(config),
+        "target": "splitbus up --engine sim --mixed 1",
+        "runs": runs,
+        "overhead": overhead(runs),
+        "hops_ms": hops,
+    }
 
 
 class TargetError(Exception):
@@ -252,13 +290,31 @@ def check_target(base_url: str, model: str, api_key: str) -> None:
         raise TargetError(f"{base_url} does not serve model {model!r} (it serves {served}); pass --model")
 
 
-def _run_row(path: str, target: str, rate: float, summary: dict[str, Any], cdf: dict[str, list[float]]) -> dict[str, Any]:
-    return {"path": path, "target": target, "request_rate": "inf" if math.isinf(rate) else rate, **summary, "cdf_ms": cdf}
+def _run_row(
+    path: str, target: str, rate: float, summary: dict[str, Any], cdf: dict[str, list[float]]
+) -> dict[str, Any]:
+    return {
+        "path": path,
+        "target": target,
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        **summary,
+        "cdf_ms": cdf,
+    }
 
 
 def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the stack adds over the direct engine, per rate, in ms."""
-    fields = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms")
+    fields = (
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+    )
     direct = {r["request_rate"]: r for r in runs if r["path"] == "direct"}
     rows = []
     for run in (r for r in runs if r["path"] == "splitbus" and r["request_rate"] in direct):
@@ -267,10 +323,18 @@ def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-HOPS = ("client send -> request XADD", "request XADD -> task XADD", "task XADD -> first token XADD", "first token XADD -> client", "TTFT")
+HOPS = (
+    "client send -> request XADD",
+    "request XADD -> task XADD",
+    "task XADD -> first token XADD",
+    "first token XADD -> client",
+    "TTFT",
+)
 
 
-async def hop_breakdown(base_url: str, redis_url: str, model: str, prompt_len: int, count: int = 50) -> dict[str, dict[str, float]]:
+async def hop_breakdown(
+    base_url: str, redis_url: str, model: str, prompt_len: int, count: int = 50
+) -> dict[str, dict[str, float]]:
     """Requests one at a time (an idle system), each timed at every hop by the ``ts`` that its
     request, task and first result entries carry (one machine, one clock)."""
     import redis.asyncio as aioredis
@@ -289,7 +353,13 @@ async def hop_breakdown(base_url: str, redis_url: str, model: str, prompt_len: i
         await client.close()
         await r.aclose()
     rows = rows[5:]  # warm-up
-    return {name: {"p50": float(np.median([row[k] for row in rows])), "p90": float(np.percentile([row[k] for row in rows], 90))} for k, name in enumerate(HOPS)}
+    return {
+        name: {
+            "p50": float(np.median([row[k] for row in rows])),
+            "p90": float(np.percentile([row[k] for row in rows], 90)),
+        }
+        for k, name in enumerate(HOPS)
+    }
 
 
 async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
@@ -301,7 +371,13 @@ async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
     request_id = orjson.loads(request[0][1][b"data"])["request_id"]
     token_ts = int((await r.xrange(keys.out(request_id), count=1))[0][1][b"ts"]) / 1e6
     first = sent + result.ttft_s
-    return [(request_ts - sent) * 1000, (task_ts - request_ts) * 1000, (token_ts - task_ts) * 1000, (first - token_ts) * 1000, result.ttft_s * 1000]
+    return [
+        (request_ts - sent) * 1000,
+        (task_ts - request_ts) * 1000,
+        (token_ts - task_ts) * 1000,
+        (first - token_ts) * 1000,
+        result.ttft_s * 1000,
+    ]
 
 
 def _minus(a: float | None, b: float | None) -> float | None:

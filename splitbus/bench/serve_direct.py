@@ -42,8 +42,18 @@ class DirectLoop:
         self.wake = asyncio.Event()
 
     async def send(self, item: TraceItem) -> RequestResult:
-        request = GenerateRequest(uuid.uuid4().hex, self.tokenizer.name, item.prompt_token_ids, SamplingParams(max_tokens=item.max_tokens, ignore_eos=True), "direct", 0)
-        pending = _Pending(Sequence(Task("mixed", request), "", TextStream(self.tokenizer, [])), RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)))
+        request = GenerateRequest(
+            uuid.uuid4().hex,
+            self.tokenizer.name,
+            item.prompt_token_ids,
+            SamplingParams(max_tokens=item.max_tokens, ignore_eos=True),
+            "direct",
+            0,
+        )
+        pending = _Pending(
+            Sequence(Task("mixed", request), "", TextStream(self.tokenizer, [])),
+            RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)),
+        )
         self.waiting.append(pending)
         self.wake.set()
         return await pending.done
@@ -97,7 +107,9 @@ class DirectLoop:
 
 def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
     async def main() -> tuple[list[RequestResult], float]:
-        worker = WorkerConfig(bus=BusConfig(), role="mixed", model_dir=model_dir, model_name=config.model)  # the defaults `up` uses
+        worker = WorkerConfig(
+            bus=BusConfig(), role="mixed", model_dir=model_dir, model_name=config.model
+        )  # the defaults `up` uses
         loop = DirectLoop(ModelTokenizer.load(model_dir, config.model), worker)
         engine = asyncio.create_task(loop.run())
         try:

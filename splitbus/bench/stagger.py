@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -71,13 +72,33 @@ def scaled_costs(scale: float) -> SimConfig:
     return SimConfig(base.prefill_s_per_token * scale, base.decode_step_s * scale, base.decode_s_per_seq * scale)
 
 
-def simulate(ranks: int, load: str, trace: list[TraceRequest], seed: int, cost_scale: float = 1.0) -> list[dict[str, Any]]:
+def simulate(
+    ranks: int, load: str, trace: list[TraceRequest], seed: int, cost_scale: float = 1.0
+) -> list[dict[str, Any]]:
     rows = []
     for mode in MODES:
-        r = GroupSimulation(ranks, staggered=mode == "staggered", seed=seed, costs=scaled_costs(cost_scale), max_wait_s=MAX_WAIT_S * cost_scale,
-                            align_ms=ALIGN_MS * cost_scale).run(trace)
-        rows.append(_row("simulation", ranks, load, mode, cost_scale, Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization, r.idle_forward_ratio_all_steps),
-                         r.ttft_p50_s, r.ttft_p99_s, r.throughput_tok_s, r.requests))
+        r = GroupSimulation(
+            ranks,
+            staggered=mode == "staggered",
+            seed=seed,
+            costs=scaled_costs(cost_scale),
+            max_wait_s=MAX_WAIT_S * cost_scale,
+            align_ms=ALIGN_MS * cost_scale,
+        ).run(trace)
+        rows.append(
+            _row(
+                "simulation",
+                ranks,
+                load,
+                mode,
+                cost_scale,
+                Counters(r.idle_forward_ratio, r.idle_time_ratio, r.step_utilization, r.idle_forward_ratio_all_steps),
+                r.ttft_p50_s,
+                r.ttft_p99_s,
+                r.throughput_tok_s,
+                r.requests,
+            )
+        )
     return rows
 
 
@@ -97,12 +118,38 @@ class Counters:
     def of(cls, by_last_arrival: np.ndarray, all_steps: np.ndarray) -> Counters:
         """From the ranks' summed counters (``RANK_COUNTERS``)."""
         steps, idle, step_us, idle_us, busy_us = by_last_arrival
-        return cls(idle / max(steps, 1), idle_us / max(step_us, 1), busy_us / max(step_us, 1), all_steps[1] / max(all_steps[0], 1))
+        return cls(
+            idle / max(steps, 1),
+            idle_us / max(step_us, 1),
+            busy_us / max(step_us, 1),
+            all_steps[1] / max(all_steps[0], 1),
+        )
 
 
-def _row(backend: str, ranks: int, load: str, mode: str, cost_scale: float, counters: Counters, p50: float, p99: float, tput: float, requests: int) -> dict[str, Any]:
-    return {"backend": backend, "ranks": ranks, "load": load, "mode": mode, "cost_scale": cost_scale, **{k: round(v, 4) for k, v in asdict(counters).items()},
-            "ttft_p50_s": round(p50, 4), "ttft_p99_s": round(p99, 4), "throughput_tok_s": round(tput, 1), "requests": requests}
+def _row(
+    backend: str,
+    ranks: int,
+    load: str,
+    mode: str,
+    cost_scale: float,
+    counters: Counters,
+    p50: float,
+    p99: float,
+    tput: float,
+    requests: int,
+) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "ranks": ranks,
+        "load": load,
+        "mode": mode,
+        "cost_scale": cost_scale,
+        **{k: round(v, 4) for k, v in asdict(counters).items()},
+        "ttft_p50_s": round(p50, 4),
+        "ttft_p99_s": round(p99, 4),
+        "throughput_tok_s": round(tput, 1),
+        "requests": requests,
+    }
 
 
 class _System(LocalSystem):
@@ -110,11 +157,19 @@ class _System(LocalSystem):
 
     def __init__(self, ranks: int, staggered: bool, cost_scale: float) -> None:
         costs = scaled_costs(cost_scale)
-        worker = {"--sim-prefill-us-per-token": costs.prefill_s_per_token * 1e6, "--sim-decode-step-ms": costs.decode_step_s * 1e3,
-                  "--sim-decode-us-per-seq": costs.decode_s_per_seq * 1e6, "--dp-align-ms": ALIGN_MS * cost_scale if staggered else 0}
+        worker = {
+            "--sim-prefill-us-per-token": costs.prefill_s_per_token * 1e6,
+            "--sim-decode-step-ms": costs.decode_step_s * 1e3,
+            "--sim-decode-us-per-seq": costs.decode_s_per_seq * 1e6,
+            "--dp-align-ms": ALIGN_MS * cost_scale if staggered else 0,
+        }
         scheduler = {"--stagger-max-wait-ms": MAX_WAIT_S * 1e3 * cost_scale} if staggered else {"--no-stagger": None}
         args = [f"--worker-arg={a}" for flag, value in worker.items() for a in (flag, f"{value:g}")]
-        args += [f"--scheduler-arg={a}" for flag, value in scheduler.items() for a in (flag, *([] if value is None else [f"{value:g}"]))]
+        args += [
+            f"--scheduler-arg={a}"
+            for flag, value in scheduler.items()
+            for a in (flag, *([] if value is None else [f"{value:g}"]))
+        ]
         super().__init__("--engine", "sim", "--dp", str(ranks), *args)
 
     def counters(self) -> np.ndarray:
@@ -131,20 +186,29 @@ class _System(LocalSystem):
         return total
 
 
-async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], np.ndarray]) -> tuple[list[float], int, float, np.ndarray]:
+async def _replay(
+    base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], np.ndarray]
+) -> tuple[list[float], int, float, np.ndarray]:
     """Send the trace through the API at its arrival times; TTFTs, tokens, seconds taken, and
     what ``at_last_arrival`` returned as the last request went out."""
     import httpx
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120,
-                                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000)))
+    client = openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key="x",
+        max_retries=0,
+        timeout=120,
+        http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000)),
+    )
     start = time.perf_counter()
 
     async def one(req: TraceRequest) -> tuple[float, int]:
         await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
         sent = time.perf_counter()
-        stream = await client.completions.create(model="tiny", prompt=[97] * req.prompt_tokens, max_tokens=req.output_tokens, stream=True)
+        stream = await client.completions.create(
+            model="tiny", prompt=[97] * req.prompt_tokens, max_tokens=req.output_tokens, stream=True
+        )
         first, tokens = None, 0
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
@@ -175,7 +239,9 @@ class ProcessRuns:
     tokens: int = 0
     elapsed_s: float = 0.0
 
-    def add(self, ttfts: list[float], counters: np.ndarray, all_counters: np.ndarray, tokens: int, elapsed_s: float) -> None:
+    def add(
+        self, ttfts: list[float], counters: np.ndarray, all_counters: np.ndarray, tokens: int, elapsed_s: float
+    ) -> None:
         self.ttfts += ttfts
         self.run_p50s.append(float(np.percentile(ttfts, 50)))
         self.counters += counters
@@ -184,28 +250,56 @@ class ProcessRuns:
 
     def row(self, ranks: int, load: str, mode: str, requests: int) -> dict[str, Any]:
         """TTFT percentiles of every repeat's requests pooled; counters and throughput over all."""
-        row = _row("processes", ranks, load, mode, PROCESS_COST_SCALE, Counters.of(self.counters, self.all_counters), float(np.percentile(self.ttfts, 50)), float(np.percentile(self.ttfts, 99)),
-                   self.tokens / self.elapsed_s, requests)
+        row = _row(
+            "processes",
+            ranks,
+            load,
+            mode,
+            PROCESS_COST_SCALE,
+            Counters.of(self.counters, self.all_counters),
+            float(np.percentile(self.ttfts, 50)),
+            float(np.percentile(self.ttfts, 99)),
+            self.tokens / self.elapsed_s,
+            requests,
+        )
         return {**row, "runs_ttft_p50_s": [round(p, 4) for p in self.run_p50s]}
 
 
-def run_processes(ranks: int, duration_s: float, seed: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_processes(
+    ranks: int, duration_s: float, seed: int, repeats: int, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
     """Naive and staggered with real rank processes, each trace ``repeats`` times per mode (the
     modes take turns going first), then the simulation of the same traces and costs: the check
     that the model predicts the processes."""
-    traces = {load: _trace(rate * ranks, duration_s, seed, f"{load}-load process") for load, rate in PROCESS_LOADS.items()}
+    traces = {
+        load: _trace(rate * ranks, duration_s, seed, f"{load}-load process") for load, rate in PROCESS_LOADS.items()
+    }
     runs = {(mode, load): ProcessRuns() for mode in MODES for load in traces}
     for repeat in range(repeats):
         for mode in MODES[::-1] if repeat % 2 else MODES:
-            _run_mode(ranks, mode, traces, runs, lambda load: progress(f"processes: {ranks} ranks, {mode}, {load} load "
-                                                                       f"({PROCESS_LOADS[load] * ranks:.1f} req/s), run {repeat + 1} of {repeats}"))
+            _run_mode(
+                ranks,
+                mode,
+                traces,
+                runs,
+                lambda load: progress(
+                    f"processes: {ranks} ranks, {mode}, {load} load "
+                    f"({PROCESS_LOADS[load] * ranks:.1f} req/s), run {repeat + 1} of {repeats}"
+                ),
+            )
     rows = [runs[(mode, load)].row(ranks, load, mode, len(trace)) for mode in MODES for load, trace in traces.items()]
     for load, trace in traces.items():
         rows += simulate(ranks, load, trace, seed, PROCESS_COST_SCALE)
     return rows
 
 
-def _run_mode(ranks: int, mode: str, traces: dict[str, list[TraceRequest]], runs: dict[tuple[str, str], ProcessRuns], progress: Callable[[str], None]) -> None:
+def _run_mode(
+    ranks: int,
+    mode: str,
+    traces: dict[str, list[TraceRequest]],
+    runs: dict[tuple[str, str], ProcessRuns],
+    progress: Callable[[str], None],
+) -> None:
     system = _System(ranks, mode == "staggered", PROCESS_COST_SCALE)
     try:
         for load, trace in traces.items():
@@ -221,7 +315,9 @@ def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], n
     seconds."""
     time.sleep(1.0)  # let the last load's drain settle into the counters
     before = system.counters()
-    ttfts, tokens, elapsed, by_last_arrival = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace, system.counters))
+    ttfts, tokens, elapsed, by_last_arrival = asyncio.run(
+        _replay(f"http://127.0.0.1:{system.port}/v1", trace, system.counters)
+    )
     time.sleep(1.0)  # the last steps' counters reach the registry
     return ttfts, by_last_arrival - before, system.counters() - before, tokens, elapsed
 
@@ -229,11 +325,21 @@ def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], n
 def run_stagger_bench(config: StaggerBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     results = []
     if config.process_ranks:
-        results += run_processes(config.process_ranks, config.process_duration_s, config.seed, config.process_repeats, progress)
+        results += run_processes(
+            config.process_ranks, config.process_duration_s, config.seed, config.process_repeats, progress
+        )
     for ranks in config.sim_ranks:
         for load, rate in SIM_LOADS.items():
             progress(f"simulation: {ranks} ranks, {load} load")
             trace = _trace(rate * ranks, config.duration_s, config.seed, f"{load}-load simulated")
             results += simulate(ranks, load, trace, config.seed)
-    return {"seed": config.seed, "duration_s": config.duration_s, "process_duration_s": config.process_duration_s, "process_repeats": config.process_repeats,
-            "sim_loads_per_rank": SIM_LOADS, "process_loads_per_rank": PROCESS_LOADS, "process_cost_scale": PROCESS_COST_SCALE, "results": results}
+    return {
+        "seed": config.seed,
+        "duration_s": config.duration_s,
+        "process_duration_s": config.process_duration_s,
+        "process_repeats": config.process_repeats,
+        "sim_loads_per_rank": SIM_LOADS,
+        "process_loads_per_rank": PROCESS_LOADS,
+        "process_cost_scale": PROCESS_COST_SCALE,
+        "results": results,
+    }

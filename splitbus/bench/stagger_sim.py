@@ -64,7 +64,9 @@ class GroupFull(Exception):
     """A request fits on no rank: the trace asks for more KV than the simulated group has."""
 
     def __init__(self, req: _Req) -> None:
-        super().__init__(f"no rank has KV room for a {req.trace.prompt_tokens}+{req.trace.output_tokens}-token request; shorten the trace")
+        super().__init__(
+            f"no rank has KV room for a {req.trace.prompt_tokens}+{req.trace.output_tokens}-token request; shorten the trace"
+        )
 
 
 @dataclass
@@ -75,7 +77,9 @@ class _Rank:
 
     def load(self) -> RankLoad:
         queued = sum(r.trace.prompt_tokens for r in self.queued)
-        held = sum(math.ceil((r.trace.prompt_tokens + r.trace.output_tokens) / BLOCK) for r in self.queued + self.running)
+        held = sum(
+            math.ceil((r.trace.prompt_tokens + r.trace.output_tokens) / BLOCK) for r in self.queued + self.running
+        )
         return RankLoad(self.name, queued, KV_BLOCKS_PER_RANK - held)
 
 
@@ -96,7 +100,15 @@ class SimResult:
 
 
 class GroupSimulation:
-    def __init__(self, ranks: int, staggered: bool, max_wait_s: float = 0.05, align_ms: float = 20.0, costs: SimConfig | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        ranks: int,
+        staggered: bool,
+        max_wait_s: float = 0.05,
+        align_ms: float = 20.0,
+        costs: SimConfig | None = None,
+        seed: int = 0,
+    ) -> None:
         self.ranks = [_Rank(f"r{i}") for i in range(ranks)]
         self.window: StaggerWindow[_Req] | None = StaggerWindow(max_wait_s) if staggered else None
         self.align_ms = align_ms if staggered else 0.0
@@ -156,7 +168,10 @@ class GroupSimulation:
 
     def _place_batch(self, batch: list[_Req]) -> None:
         by_key = {f"{r.trace.arrival_s:.9f}/{i}": r for i, r in enumerate(batch)}
-        jobs = [Job(k, r.trace.prompt_tokens, math.ceil((r.trace.prompt_tokens + r.trace.output_tokens) / BLOCK)) for k, r in by_key.items()]
+        jobs = [
+            Job(k, r.trace.prompt_tokens, math.ceil((r.trace.prompt_tokens + r.trace.output_tokens) / BLOCK))
+            for k, r in by_key.items()
+        ]
         placed = water_fill(jobs, [rank.load() for rank in self.ranks])
         if len(placed) < len(jobs):
             raise GroupFull(next(r for k, r in by_key.items() if k not in placed))
@@ -204,7 +219,15 @@ class GroupSimulation:
             return StepPlan(index, False, bool(rank.running), 0.0)
         oldest = rank.queued[0]
         held = tuple(dict.fromkeys(r.batch_id for r in rank.queued if r.batch_id))
-        return StepPlan(index, True, bool(rank.running), (self.now - oldest.queued_at) * 1000, oldest.batch_id, oldest.batch_ranks, held)
+        return StepPlan(
+            index,
+            True,
+            bool(rank.running),
+            (self.now - oldest.queued_at) * 1000,
+            oldest.batch_id,
+            oldest.batch_ranks,
+            held,
+        )
 
     def _prefill_batch(self, rank: _Rank) -> list[_Req]:
         batch, tokens = [], 0

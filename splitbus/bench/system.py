@@ -23,8 +23,14 @@ class LocalSystem:
         # Its own embedded Redis, under the default key prefix that the benchmarks read.
         env = {k: v for k, v in os.environ.items() if k not in ("SPLITBUS_REDIS_URL", "SPLITBUS_PREFIX")}
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     preexec_fn=die_with_parent)  # no orphaned system if the benchmark is killed
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitbus.cli.main", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            preexec_fn=die_with_parent,
+        )  # no orphaned system if the benchmark is killed
         self.output: list[str] = []
         self.redis_url = self._wait_up()
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
-async def cancel_and_wait(tasks: Iterable["asyncio.Task[Any]"], timeout_s: float = 2.0) -> None:
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 2.0) -> None:
     """Cancel tasks and wait for them, but not forever.
 
     redis-py 8 can swallow the cancellation of a task that is inside a command (seen on

@@ -17,7 +17,9 @@ CANCEL_MAXLEN = 100_000
 """Approximate length kept: a reader further behind than this misses cancellations."""
 
 
-async def publish_cancel(redis: aioredis.Redis, config: BusConfig, request_id: str, reason: str, worker: str = "", task_entry: str = "") -> str:
+async def publish_cancel(
+    redis: aioredis.Redis, config: BusConfig, request_id: str, reason: str, worker: str = "", task_entry: str = ""
+) -> str:
     """Cancel a request everywhere, or (``worker`` and ``task_entry``) one worker's task of it."""
     cancel = Cancel(request_id, reason, worker, task_entry)
     entry_id = await redis.xadd(config.keys.cancel, codec.encode(cancel), maxlen=CANCEL_MAXLEN, approximate=True)

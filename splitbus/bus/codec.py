@@ -13,7 +13,8 @@ import dataclasses
 import functools
 import re
 import time
-from typing import Any, ClassVar, Mapping, Protocol, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import orjson
 

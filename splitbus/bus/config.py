@@ -35,9 +35,7 @@ class BusConfig:
         if self.block_ms <= 0:
             raise ValueError("block_ms must be > 0 (BLOCK 0 waits forever and hangs on a dead server)")
         if self.block_ms / 1000 >= self.socket_timeout_s:
-            raise ValueError(
-                f"block_ms ({self.block_ms}) must be below socket_timeout_s ({self.socket_timeout_s}s)"
-            )
+            raise ValueError(f"block_ms ({self.block_ms}) must be below socket_timeout_s ({self.socket_timeout_s}s)")
         if self.max_deliveries < 1 or self.claim_idle_ms < 1:
             raise ValueError("max_deliveries and claim_idle_ms must be >= 1")
         if self.finished_result_ttl_s < 1 or self.result_ttl_s < self.finished_result_ttl_s:

@@ -7,7 +7,8 @@ import contextlib
 import logging
 import random
 import re
-from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -36,7 +37,15 @@ catch errors themselves use this tuple; a loop asks :func:`is_transient`, which 
 codes redis-py has no class for and the same errors raised inside a script."""
 
 TRANSIENT_CODES = (
-    "OOM", "BUSY", "LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS",
+    "OOM",
+    "BUSY",
+    "LOADING",
+    "READONLY",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "MISCONF",
+    "NOREPLICAS",
 )
 """Error codes of refusals that end by themselves: BUSY (a script or module running past its time
 limit), MISCONF (a failed background save stops writes until one succeeds), NOREPLICAS

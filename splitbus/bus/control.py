@@ -44,7 +44,9 @@ class CommandFailed(Exception):
 class ControlServer:
     """Answers the commands on one worker's control stream with ``handlers``."""
 
-    def __init__(self, redis: aioredis.Redis, config: BusConfig, worker_id: str, handlers: Mapping[str, Handler]) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, config: BusConfig, worker_id: str, handlers: Mapping[str, Handler]
+    ) -> None:
         self._redis = redis
         self._keys = config.keys
         self.worker_id = worker_id
@@ -82,7 +84,12 @@ class ControlServer:
     async def _run(self, command: ControlCommand) -> ControlReply:
         handler = self.handlers.get(command.cmd)
         if handler is None:
-            return ControlReply(command.task_id, command.cmd, ok=False, error=f"unknown command {command.cmd!r}; known: {', '.join(self.handlers)}")
+            return ControlReply(
+                command.task_id,
+                command.cmd,
+                ok=False,
+                error=f"unknown command {command.cmd!r}; known: {', '.join(self.handlers)}",
+            )
         try:
             return ControlReply(command.task_id, command.cmd, ok=True, result=await handler(command.args))
         except CommandFailed as exc:
@@ -113,7 +120,14 @@ def _task_id_of(fields: Mapping[bytes, bytes]) -> str:
     return task_id if isinstance(task_id, str) and task_id else ""
 
 
-async def call(redis: aioredis.Redis, config: BusConfig, worker: str, cmd: str, args: dict[str, Any] | None = None, timeout_s: float = 5.0) -> ControlReply:
+async def call(
+    redis: aioredis.Redis,
+    config: BusConfig,
+    worker: str,
+    cmd: str,
+    args: dict[str, Any] | None = None,
+    timeout_s: float = 5.0,
+) -> ControlReply:
     """Send one command to ``worker`` and wait for its reply (TimeoutError if none comes)."""
     task_id = uuid.uuid4().hex
     entry_id = await redis.xadd(config.keys.ctrl(worker), codec.encode(ControlCommand(task_id, cmd, args or {})))

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-ENTRIES_PRODUCED = Counter(
-    "splitbus_bus_entries_produced_total", "Stream entries written (XADD).", ["stream"]
-)
-ENTRIES_CONSUMED = Counter(
-    "splitbus_bus_entries_consumed_total", "Stream entries read by consumers.", ["stream"]
-)
+ENTRIES_PRODUCED = Counter("splitbus_bus_entries_produced_total", "Stream entries written (XADD).", ["stream"])
+ENTRIES_CONSUMED = Counter("splitbus_bus_entries_consumed_total", "Stream entries read by consumers.", ["stream"])
 ENTRIES_ACKED = Counter("splitbus_bus_entries_acked_total", "Stream entries acknowledged.", ["stream"])
 ENTRIES_CLAIMED = Counter(
     "splitbus_bus_entries_claimed_total", "Idle pending entries taken over (XAUTOCLAIM).", ["stream"]

@@ -113,10 +113,12 @@ class WorkerRecord:
         return {k: str(v) for k, v in fields.items()}
 
     @classmethod
-    def from_hash(cls, raw: dict[str, str]) -> "WorkerRecord":
+    def from_hash(cls, raw: dict[str, str]) -> WorkerRecord:
         # Field lists are computed once: schedulers parse every record every 100 ms.
         load = WorkerLoad(*[int(raw.get(name, 0)) for name in _LOAD_FIELDS])
-        kwargs: dict[str, Any] = {name: int(raw[name]) if is_int else raw[name] for name, is_int in _RECORD_FIELDS if name in raw}
+        kwargs: dict[str, Any] = {
+            name: int(raw[name]) if is_int else raw[name] for name, is_int in _RECORD_FIELDS if name in raw
+        }
         return cls(load=load, **kwargs)
 
 

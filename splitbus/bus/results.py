@@ -14,8 +14,9 @@ import contextlib
 import logging
 import zlib
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -122,7 +123,12 @@ class ResultWriter:
         for request_id, result in chunk:
             keys.append(self._keys.out(request_id))
             fields = codec.encode(result)
-            args += (fields[b"type"], fields[b"data"], fields[b"ts"], self._ttl_for(request_id, result, request_id not in seen))
+            args += (
+                fields[b"type"],
+                fields[b"data"],
+                fields[b"ts"],
+                self._ttl_for(request_id, result, request_id not in seen),
+            )
             seen.add(request_id)
         return keys, args
 

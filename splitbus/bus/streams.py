@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -150,7 +151,12 @@ class GroupConsumer:
     """
 
     def __init__(
-        self, redis: aioredis.Redis, config: BusConfig, stream: str, group: str, consumer: str,
+        self,
+        redis: aioredis.Redis,
+        config: BusConfig,
+        stream: str,
+        group: str,
+        consumer: str,
         on_dead: Callable[[str, str], None] | None = None,
     ) -> None:
         self._redis = redis
@@ -264,8 +270,15 @@ class GroupConsumer:
     async def pending_ids(self, min_idle_ms: int = 0) -> set[str]:
         """The ids of the entries pending with this consumer (XPENDING: no delivery is counted),
         those delivered at least ``min_idle_ms`` ago only if it is set."""
-        rows = await self._redis.xpending_range(self.stream, self.group, min="-", max="+", count=100_000,
-                                                consumername=self.consumer, idle=min_idle_ms or None)
+        rows = await self._redis.xpending_range(
+            self.stream,
+            self.group,
+            min="-",
+            max="+",
+            count=100_000,
+            consumername=self.consumer,
+            idle=min_idle_ms or None,
+        )
         return {_text(row["message_id"]) for row in rows}
 
     async def fetch(self, entry_ids: list[str]) -> list[Delivery]:
@@ -359,7 +372,9 @@ class GroupConsumer:
             low = "(" + _text(rows[-1]["message_id"])
 
     async def _xreadgroup(self, cursor: str, count: int, block: int | None) -> list[tuple[Any, Any]]:
-        args = dict(groupname=self.group, consumername=self.consumer, streams={self.stream: cursor}, count=count, block=block)
+        args = dict(
+            groupname=self.group, consumername=self.consumer, streams={self.stream: cursor}, count=count, block=block
+        )
         try:
             reply = await self._redis.xreadgroup(**args)
         except ResponseError as exc:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
@@ -19,30 +19,61 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     add_redis_url_argument(p)
-    p.add_argument("--model", action="append", type=Path, default=[], required=True, metavar="DIR",
-                   help="Hugging Face model folder whose tokenizer this API uses (repeatable)")
-    p.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name; one --model only)")
-    p.add_argument("--api-key", action="append", default=list(env.api_keys),
-                   help="accepted Bearer key (repeatable; prefer SPLITBUS_API_KEYS: argv is public)")
+    p.add_argument(
+        "--model",
+        action="append",
+        type=Path,
+        default=[],
+        required=True,
+        metavar="DIR",
+        help="Hugging Face model folder whose tokenizer this API uses (repeatable)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: the folder name; one --model only)"
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=list(env.api_keys),
+        help="accepted Bearer key (repeatable; prefer SPLITBUS_API_KEYS: argv is public)",
+    )
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
-    p.add_argument("--max-backlog", type=int, default=10_000, help="request-stream entries before 429 (default %(default)s)")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                   help="largest request body (default %(default)s)")
-    p.add_argument("--max-large-bodies", type=int, default=8,
-                   help="bodies over 64 KiB (or chunked) received at once before 429 (default %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds to receive a body before 408 (default %(default)s)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds to receive a request's headers before the connection is closed (default %(default)s)")
-    p.add_argument("--max-prompt-chars", type=int, default=None,
-                   help="prompt characters refused before tokenizing (default: context length x 16)")
+    p.add_argument(
+        "--max-backlog", type=int, default=10_000, help="request-stream entries before 429 (default %(default)s)"
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-large-bodies",
+        type=int,
+        default=8,
+        help="bodies over 64 KiB (or chunked) received at once before 429 (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds to receive a body before 408 (default %(default)s)"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to receive a request's headers before the connection is closed (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="prompt characters refused before tokenizing (default: context length x 16)",
+    )
     p.add_argument("--reader-shards", type=int, default=1, help="connections that follow result streams")
     p.add_argument("--node-id", default=None, help="this API's name on the bus (default: random)")
     p.set_defaults(run=run)
 
 
-def build_config(args: argparse.Namespace, env: Env) -> "ApiConfig":
+def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
     from splitbus.api.config import ApiConfig
     from splitbus.bus.config import BusConfig
 
@@ -81,14 +112,18 @@ def run(args: argparse.Namespace, env: Env) -> int:
     except (ValueError, ModelFilesError) as exc:
         say(f"splitbus api: {exc}")
         return 2
-    keys = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key: anyone who reaches the port may use it"
+    keys = (
+        f"{len(config.api_keys)} API key(s)"
+        if config.api_keys
+        else "no API key: anyone who reaches the port may use it"
+    )
     redis = mask_url(config.bus.redis_url)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
     uvicorn.run(create_app(config), host=args.host, port=args.port, **server_options(config))
     return 0
 
 
-def server_options(config: "ApiConfig") -> dict[str, object]:
+def server_options(config: ApiConfig) -> dict[str, object]:
     """uvicorn's options: its HTTP protocol with a header deadline (uvicorn has none; see
     splitbus/api/server.py), idle keep-alive connections closed after 5 s (uvicorn's default,
     said here because the slow-loris bound relies on it), and a listen backlog that absorbs

@@ -6,8 +6,9 @@ import argparse
 import contextlib
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from splitbus.cli.common import say
 from splitbus.env import Env
@@ -37,7 +38,9 @@ def _add_bus(kinds: argparse._SubParsersAction, env: Env) -> None:
 def _add_engine(kinds: argparse._SubParsersAction, env: Env) -> None:
     engine = kinds.add_parser("engine", help="paddle engine: prefill and decode tokens/s, KV export/import GB/s")
     engine.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
-    engine.add_argument("--models", nargs="+", choices=("tiny", "qwen2.5-0.5b-shape"), default=["tiny", "qwen2.5-0.5b-shape"])
+    engine.add_argument(
+        "--models", nargs="+", choices=("tiny", "qwen2.5-0.5b-shape"), default=["tiny", "qwen2.5-0.5b-shape"]
+    )
     engine.add_argument("--runs", type=int, default=3, help="timed runs per figure; the fastest is reported")
     engine.set_defaults(run=run_engine)
 
@@ -48,34 +51,63 @@ def _add_stagger(kinds: argparse._SubParsersAction, env: Env) -> None:
     stagger.add_argument("--sim-ranks", type=int, nargs="*", default=[8, 16, 64], help="simulated group sizes")
     stagger.add_argument("--process-ranks", type=int, default=4, help="rank processes (0: skip)")
     stagger.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per simulated trace")
-    stagger.add_argument("--process-duration", type=float, default=10.0, help="seconds of arrivals per trace sent to the rank processes")
+    stagger.add_argument(
+        "--process-duration", type=float, default=10.0, help="seconds of arrivals per trace sent to the rank processes"
+    )
     stagger.add_argument("--seed", type=int, default=1)
-    stagger.add_argument("--process-repeats", type=int, default=3, help="runs of each trace per mode on the rank processes; TTFTs are pooled (default %(default)s)")
+    stagger.add_argument(
+        "--process-repeats",
+        type=int,
+        default=3,
+        help="runs of each trace per mode on the rank processes; TTFTs are pooled (default %(default)s)",
+    )
     stagger.set_defaults(run=run_stagger)
 
 
 def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
-    serve = kinds.add_parser("serve", help="Poisson arrivals against the HTTP API: TTFT, ITL, E2E latency, throughput (vLLM's field names)")
+    serve = kinds.add_parser(
+        "serve", help="Poisson arrivals against the HTTP API: TTFT, ITL, E2E latency, throughput (vLLM's field names)"
+    )
     serve.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
-    serve.add_argument("--base-url", default=None, help="measure this deployment (default: start splitbus up --engine sim and compare it with the engine driven directly)")
+    serve.add_argument(
+        "--base-url",
+        default=None,
+        help="measure this deployment (default: start splitbus up --engine sim and compare it with the engine driven directly)",
+    )
     serve.add_argument("--api-key", default="", help="Bearer key for --base-url")
     serve.add_argument("--model", default="tiny", help="served model name (default %(default)s)")
-    serve.add_argument("--request-rate", type=float, nargs="+", default=[10.0, 25.0, 50.0], help="requests/s, one run each; inf: all at once")
+    serve.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[10.0, 25.0, 50.0],
+        help="requests/s, one run each; inf: all at once",
+    )
     serve.add_argument("--num-prompts", type=int, default=200, help="requests per run (default %(default)s)")
-    serve.add_argument("--max-concurrency", type=int, default=512, help="requests in flight at most (default %(default)s)")
+    serve.add_argument(
+        "--max-concurrency", type=int, default=512, help="requests in flight at most (default %(default)s)"
+    )
     serve.add_argument("--input-len", type=int, default=128, help="mean prompt tokens (default %(default)s)")
     serve.add_argument("--output-len", type=int, default=64, help="mean output tokens (default %(default)s)")
-    serve.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1±ratio) (default %(default)s)")
+    serve.add_argument(
+        "--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1±ratio) (default %(default)s)"
+    )
     serve.add_argument("--seed", type=int, default=0)
     serve.set_defaults(run=run_serve)
 
 
 def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
-    sched = kinds.add_parser("scheduler", help="scheduler processes placing on many registered sim workers: latency and decisions/s")
+    sched = kinds.add_parser(
+        "scheduler", help="scheduler processes placing on many registered sim workers: latency and decisions/s"
+    )
     sched.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     sched.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
-    sched.add_argument("--workers", type=int, default=64, help="registered workers, half prefill, half decode (default %(default)s)")
-    sched.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="scheduler processes, one run each (default 1 2)")
+    sched.add_argument(
+        "--workers", type=int, default=64, help="registered workers, half prefill, half decode (default %(default)s)"
+    )
+    sched.add_argument(
+        "--replicas", type=int, nargs="+", default=[1, 2], help="scheduler processes, one run each (default 1 2)"
+    )
     sched.add_argument("--rate", type=float, default=500.0, help="paced arrivals, requests/s (default %(default)s)")
     sched.add_argument("--paced-requests", type=int, default=5000)
     sched.add_argument("--flood-requests", type=int, default=20000)
@@ -83,13 +115,19 @@ def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
 
 
 def _add_api(kinds: argparse._SubParsersAction, env: Env) -> None:
-    api = kinds.add_parser("api", help="many concurrent streams through one API process: Redis connections and tokens/s")
+    api = kinds.add_parser(
+        "api", help="many concurrent streams through one API process: Redis connections and tokens/s"
+    )
     api.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     api.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
     api.add_argument("--streams", type=int, default=1000, help="concurrent streaming requests (default %(default)s)")
     api.add_argument("--tokens", type=int, default=256, help="tokens per stream (default %(default)s)")
-    api.add_argument("--step-ms", type=float, default=20.0, help="a token per stream every this many ms (default %(default)s)")
-    api.add_argument("--client-processes", type=int, default=2, help="processes holding the streams (default %(default)s)")
+    api.add_argument(
+        "--step-ms", type=float, default=20.0, help="a token per stream every this many ms (default %(default)s)"
+    )
+    api.add_argument(
+        "--client-processes", type=int, default=2, help="processes holding the streams (default %(default)s)"
+    )
     api.set_defaults(run=run_api)
 
 
@@ -99,7 +137,10 @@ def _redis(url: str | None) -> Iterator[str]:
         _check_reachable(url)
         yield url
         return
-    with tempfile.TemporaryDirectory(prefix="splitbus-bench-") as data, EmbeddedRedis(Path(data), appendonly=False) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="splitbus-bench-") as data,
+        EmbeddedRedis(Path(data), appendonly=False) as server,
+    ):
         yield server.admin_url  # the api bench counts connections with CLIENT LIST, which the splitbus user lacks
 
 
@@ -137,7 +178,12 @@ class _Run:
     def progress(self, line: str) -> None:
         say(f"[{time.monotonic() - self.started:5.1f}s] {line}")
 
-    def finish(self, result: dict[str, Any], plot: Callable[[dict[str, Any], Path], None], table: Callable[[dict[str, Any]], str]) -> int:
+    def finish(
+        self,
+        result: dict[str, Any],
+        plot: Callable[[dict[str, Any], Path], None],
+        table: Callable[[dict[str, Any]], str],
+    ) -> int:
         from splitbus.bench import report
 
         result["machine"] = report.machine()
@@ -155,7 +201,9 @@ def run_bus(args: argparse.Namespace, env: Env) -> int:
 
     cfg = BusBenchConfig(repeat=args.repeat, streams=args.streams)
     if args.quick:
-        cfg = BusBenchConfig(requests=500, paced_requests=200, streams=min(args.streams, 50), steps=5, paced_steps=5, repeat=1)
+        cfg = BusBenchConfig(
+            requests=500, paced_requests=200, streams=min(args.streams, 50), steps=5, paced_steps=5, repeat=1
+        )
     run = _Run("bus", args.out)
     with _redis(args.redis_url) as url:
         result = run_bus_bench(url, cfg, progress=run.progress)
@@ -171,14 +219,26 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench.engine import run_engine_bench
 
     run = _Run("engine", args.out)
-    return run.finish(run_engine_bench(args.models, args.runs, progress=run.progress), report.engine_plot, report.engine_table)
+    return run.finish(
+        run_engine_bench(args.models, args.runs, progress=run.progress), report.engine_plot, report.engine_table
+    )
 
 
 def run_stagger(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.stagger import EmptyTrace, StaggerBenchConfig, run_stagger_bench
 
-    config = _config("stagger", lambda: StaggerBenchConfig(tuple(args.sim_ranks), args.process_ranks, args.duration, args.process_duration, args.seed, args.process_repeats))
+    config = _config(
+        "stagger",
+        lambda: StaggerBenchConfig(
+            tuple(args.sim_ranks),
+            args.process_ranks,
+            args.duration,
+            args.process_duration,
+            args.seed,
+            args.process_repeats,
+        ),
+    )
     if config is None:
         return 2
     run = _Run("stagger", args.out)
@@ -194,8 +254,19 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.serve import ServeConfig, TargetError, run_serve_bench
 
-    config = _config("serve", lambda: ServeConfig(tuple(args.request_rate), args.num_prompts, args.max_concurrency, args.input_len,
-                                                  args.output_len, args.range_ratio, args.model, args.seed))
+    config = _config(
+        "serve",
+        lambda: ServeConfig(
+            tuple(args.request_rate),
+            args.num_prompts,
+            args.max_concurrency,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            args.model,
+            args.seed,
+        ),
+    )
     if config is None:
         return 2
     run = _Run("serve", args.out)
@@ -211,7 +282,12 @@ def run_scheduler(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.scheduler import SchedulerBenchConfig, SchedulerStalled, run_scheduler_bench
 
-    config = _config("scheduler", lambda: SchedulerBenchConfig(args.workers, tuple(args.replicas), args.rate, args.paced_requests, args.flood_requests))
+    config = _config(
+        "scheduler",
+        lambda: SchedulerBenchConfig(
+            args.workers, tuple(args.replicas), args.rate, args.paced_requests, args.flood_requests
+        ),
+    )
     if config is None:
         return 2
     run = _Run("scheduler", args.out)

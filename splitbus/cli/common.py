@@ -8,8 +8,8 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from splitbus.env import Env
 from splitbus.masking import MaskingFormatter, url_password
@@ -30,12 +30,21 @@ def setup_logging(env: Env, part: str) -> None:
 
 
 def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default=None, metavar="URL",
-                        help="Redis to use (default: SPLITBUS_REDIS_URL, else the embedded Redis last started in "
-                             "the data folder, else redis://127.0.0.1:6379/0); prefer the variable: argv is public")
-    parser.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                        help="the data folder of `splitbus up` or `splitbus redis` whose embedded Redis to use "
-                             "(default: SPLITBUS_DATA_DIR, else .splitbus)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        metavar="URL",
+        help="Redis to use (default: SPLITBUS_REDIS_URL, else the embedded Redis last started in "
+        "the data folder, else redis://127.0.0.1:6379/0); prefer the variable: argv is public",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the data folder of `splitbus up` or `splitbus redis` whose embedded Redis to use "
+        "(default: SPLITBUS_DATA_DIR, else .splitbus)",
+    )
 
 
 def data_dir(args: argparse.Namespace, env: Env) -> Path:
@@ -51,7 +60,9 @@ def redis_url(args: argparse.Namespace, env: Env) -> str:
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (default: off)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (default: off)"
+    )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default %(default)s)")
 
 

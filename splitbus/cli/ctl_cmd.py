@@ -15,7 +15,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("ctl", help="send a control command (get_payload, get_metrics, connect_rdma) to a worker")
     p.add_argument("worker", help="worker id (see splitbus status)")
     p.add_argument("cmd", help="get_payload, get_metrics or connect_rdma")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="a command argument, e.g. decode_worker=decode-0")
+    p.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a command argument, e.g. decode_worker=decode-0",
+    )
     add_redis_url_argument(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
     p.set_defaults(run=run)
@@ -58,5 +64,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     if reply.ok and args.cmd == "get_metrics":
         say(reply.result["text"].rstrip("\n"))
     else:
-        say(json.dumps({"ok": reply.ok, "worker": reply.worker, "result": reply.result, "error": reply.error}, indent=2))
+        say(
+            json.dumps({"ok": reply.ok, "worker": reply.worker, "result": reply.result, "error": reply.error}, indent=2)
+        )
     return 0 if reply.ok else 1

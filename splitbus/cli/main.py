@@ -7,16 +7,24 @@ import argparse
 import sys
 
 from splitbus import __version__
-from splitbus.cli import (api_cmd, bench, ctl_cmd, model_cmd, redis_cli_cmd, redis_cmd, scheduler_cmd, status_cmd, up,
-                          worker_cmd)
+from splitbus.cli import (
+    api_cmd,
+    bench,
+    ctl_cmd,
+    model_cmd,
+    redis_cli_cmd,
+    redis_cmd,
+    scheduler_cmd,
+    status_cmd,
+    up,
+    worker_cmd,
+)
 from splitbus.cli.common import setup_logging
 from splitbus.env import Env, load_env
 
 
 def build_parser(env: Env) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="splitbus", description="Disaggregated LLM serving over Redis Streams."
-    )
+    parser = argparse.ArgumentParser(prog="splitbus", description="Disaggregated LLM serving over Redis Streams.")
     parser.add_argument("--version", action="version", version=f"splitbus {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands = (up, redis_cmd, api_cmd, scheduler_cmd, worker_cmd, status_cmd, ctl_cmd, redis_cli_cmd, model_cmd, bench)

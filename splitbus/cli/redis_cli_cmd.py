@@ -11,8 +11,8 @@ import argparse
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from splitbus.cli.common import add_redis_url_argument, data_dir, redis_url
 from splitbus.env import Env
@@ -25,16 +25,26 @@ _VALUED = ("--redis-url", "--data-dir")
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser(
-        COMMAND, help="the shipped redis-cli, pointed at the Redis that status and ctl use", allow_abbrev=False,
+        COMMAND,
+        help="the shipped redis-cli, pointed at the Redis that status and ctl use",
+        allow_abbrev=False,
         add_help=False,  # -h is redis-cli's host option
         description="Runs redis-cli against the Redis that `splitbus status` finds. splitbus's options come first; "
-                    "from the first other argument (or after --) everything goes to redis-cli as given.")
+        "from the first other argument (or after --) everything goes to redis-cli as given.",
+    )
     p.add_argument("--help", action="help", help="show this help message and exit")
     add_redis_url_argument(p)
-    p.add_argument("--admin", action="store_true",
-                   help="as the embedded Redis's admin (user default, every command; its password from admin.password)")
-    p.add_argument("cli_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="redis-cli's options and command, e.g. XINFO GROUPS sb:requests or --no-raw XLEN sb:dead")
+    p.add_argument(
+        "--admin",
+        action="store_true",
+        help="as the embedded Redis's admin (user default, every command; its password from admin.password)",
+    )
+    p.add_argument(
+        "cli_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="redis-cli's options and command, e.g. XINFO GROUPS sb:requests or --no-raw XLEN sb:dead",
+    )
     p.set_defaults(run=run)
 
 
@@ -49,12 +59,12 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
             own.append(arg)
             i += 1
         elif arg in _VALUED:
-            own += argv[i:i + 2]
+            own += argv[i : i + 2]
             i += 2
         else:
             break
     args = parser.parse_args([COMMAND, *own])
-    args.cli_args = argv[i + (i < len(argv) and argv[i] == "--"):]
+    args.cli_args = argv[i + (i < len(argv) and argv[i] == "--") :]
     return args
 
 
@@ -79,8 +89,10 @@ def target_url(args: argparse.Namespace, env: Env) -> str:
     if not args.admin:
         return redis_url(args, env)
     if args.redis_url or env.redis_url:
-        raise ValueError("--admin is the embedded Redis's admin; with --redis-url or SPLITBUS_REDIS_URL, "
-                         "give the admin's user and password in that URL instead")
+        raise ValueError(
+            "--admin is the embedded Redis's admin; with --redis-url or SPLITBUS_REDIS_URL, "
+            "give the admin's user and password in that URL instead"
+        )
     folder = data_dir(args, env) / "redis"
     try:
         url = embedded_url(folder, admin=True)

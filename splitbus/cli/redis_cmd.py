@@ -18,19 +18,29 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
 
 
 def add_embedded_options(p: argparse.ArgumentParser, env: Env) -> None:
-    p.add_argument("--data-dir", type=Path, default=env.data_dir,
-                   help="folder for the AOF and the passwords (default %(default)s)")
+    p.add_argument(
+        "--data-dir", type=Path, default=env.data_dir, help="folder for the AOF and the passwords (default %(default)s)"
+    )
     p.add_argument("--redis-host", default="127.0.0.1", help="address to bind (default %(default)s)")
     p.add_argument("--redis-port", type=int, default=None, help="port (default: a free one)")
-    p.add_argument("--redis-maxmemory", default=None, metavar="SIZE",
-                   help="memory limit such as 512mb; past it writes fail with OOM, nothing is evicted (default: none)")
+    p.add_argument(
+        "--redis-maxmemory",
+        default=None,
+        metavar="SIZE",
+        help="memory limit such as 512mb; past it writes fail with OOM, nothing is evicted (default: none)",
+    )
     p.add_argument("--no-aof", action="store_true", help="no persistence")
 
 
 def start_embedded(args: argparse.Namespace) -> EmbeddedRedis:
     args.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    server = EmbeddedRedis(args.data_dir / "redis", host=args.redis_host, port=args.redis_port,
-                           appendonly=not args.no_aof, maxmemory=args.redis_maxmemory)
+    server = EmbeddedRedis(
+        args.data_dir / "redis",
+        host=args.redis_host,
+        port=args.redis_port,
+        appendonly=not args.no_aof,
+        maxmemory=args.redis_maxmemory,
+    )
     server.start()
     return server
 

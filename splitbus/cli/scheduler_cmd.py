@@ -23,12 +23,24 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     add_redis_url_argument(p)
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
     p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")
-    p.add_argument("--lease-ms", type=int, default=2000,
-                   help="this replica's lease: not renewed this long (dead, hung), the others take its requests")
-    p.add_argument("--claim-idle-ms", type=int, default=30_000,
-                   help="take over requests pending this long with a replica that holds its lease (alive, stuck)")
-    p.add_argument("--dead-consumer-keep-s", type=float, default=600.0,
-                   help="delete a replica without lease or pending requests from the group after this long idle")
+    p.add_argument(
+        "--lease-ms",
+        type=int,
+        default=2000,
+        help="this replica's lease: not renewed this long (dead, hung), the others take its requests",
+    )
+    p.add_argument(
+        "--claim-idle-ms",
+        type=int,
+        default=30_000,
+        help="take over requests pending this long with a replica that holds its lease (alive, stuck)",
+    )
+    p.add_argument(
+        "--dead-consumer-keep-s",
+        type=float,
+        default=600.0,
+        help="delete a replica without lease or pending requests from the group after this long idle",
+    )
     add_metrics_arguments(p)
     p.set_defaults(run=run)
 

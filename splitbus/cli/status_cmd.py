@@ -25,7 +25,15 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("status", help="workers, queues, pending entries, dead letters, P-D connections")
     add_redis_url_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
-    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS", help="refresh every SECONDS (default 2)")
+    p.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2)",
+    )
     p.set_defaults(run=run)
 
 
@@ -39,7 +47,10 @@ def collect(client: redis.Redis, prefix: str) -> dict[str, Any]:
         "workers": [_worker(client, keys, wid, now_ms) for wid in ids],
         "streams": [_stream(client, name, now_ms) for name in _streams(client, keys, ids)],
         "dead_letters": client.xlen(keys.dead) if client.exists(keys.dead) else 0,
-        "links": [_link(client, key) for key in sorted(client.scan_iter(match=keys.rdma("*", "*").replace("{*}", "*"), count=1000))],
+        "links": [
+            _link(client, key)
+            for key in sorted(client.scan_iter(match=keys.rdma("*", "*").replace("{*}", "*"), count=1000))
+        ],
     }
 
 
@@ -62,8 +73,14 @@ def _worker(client: redis.Redis, keys: Any, wid: str, now_ms: int) -> dict[str, 
     h = client.hgetall(keys.worker(wid))
     lease = client.pttl(keys.lease(wid))
     ints = ("running", "waiting", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "dp_rank")
-    row: dict[str, Any] = {"id": wid, "role": h.get("role", "?"), "model": h.get("model", "?"), "alive": lease > 0,
-                           "lease_ms": max(lease, 0), "heartbeat_age_ms": now_ms - int(h.get("heartbeat_ms", now_ms))}
+    row: dict[str, Any] = {
+        "id": wid,
+        "role": h.get("role", "?"),
+        "model": h.get("model", "?"),
+        "alive": lease > 0,
+        "lease_ms": max(lease, 0),
+        "heartbeat_age_ms": now_ms - int(h.get("heartbeat_ms", now_ms)),
+    }
     row.update({k: int(h.get(k, 0)) for k in ints})
     row["dp_group"] = h.get("dp_group", "")
     return row
@@ -77,29 +94,45 @@ def _streams(client: redis.Redis, keys: Any, worker_ids: list[str]) -> list[str]
 
 def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
     row: dict[str, Any] = {"stream": name, "length": client.xlen(name), "groups": []}
-    for group in (client.xinfo_groups(name) if client.exists(name) else []):
+    for group in client.xinfo_groups(name) if client.exists(name) else []:
         pending = int(group["pending"])
         oldest = None
         if pending:
             first = client.xpending_range(name, group["name"], "-", "+", 1)
             oldest = now_ms - int(first[0]["message_id"].split("-")[0]) if first else None
-        row["groups"].append({"group": group["name"], "consumers": int(group["consumers"]), "pending": pending,
-                              "lag": group.get("lag"), "oldest_pending_ms": oldest})
+        row["groups"].append(
+            {
+                "group": group["name"],
+                "consumers": int(group["consumers"]),
+                "pending": pending,
+                "lag": group.get("lag"),
+                "oldest_pending_ms": oldest,
+            }
+        )
     return row
 
 
 def _link(client: redis.Redis, key: str) -> dict[str, Any]:
     h = client.hgetall(key)
-    return {"prefill": h.get("prefill"), "decode": h.get("decode"), "state": h.get("state"), "error": h.get("error", "")}
+    return {
+        "prefill": h.get("prefill"),
+        "decode": h.get("decode"),
+        "state": h.get("state"),
+        "error": h.get("error", ""),
+    }
 
 
 def render(status: dict[str, Any]) -> str:
-    lines = [f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} {'FREE/TOTAL KV':>15}"]
+    lines = [
+        f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} {'FREE/TOTAL KV':>15}"
+    ]
     for w in status["workers"]:
         dp = f"{w['dp_group']}/{w['dp_rank']}" if w["dp_group"] else "-"
         lease = f"{w['lease_ms'] / 1000:.1f}s" if w["alive"] else "DEAD"
-        lines.append(f"{w['id']:<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} {w['queued_prefill_tokens']:>11} "
-                     f"{w['free_kv_blocks']:>7}/{w['total_kv_blocks']:<7}")
+        lines.append(
+            f"{w['id']:<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} {w['queued_prefill_tokens']:>11} "
+            f"{w['free_kv_blocks']:>7}/{w['total_kv_blocks']:<7}"
+        )
     lines += ["", f"{'STREAM':<40} {'LENGTH':>7} {'GROUP':<11} {'PENDING':>7} {'LAG':>5} {'OLDEST PENDING':>14}"]
     for s in status["streams"]:
         for g in s["groups"] or [{"group": "-", "pending": 0, "lag": None, "oldest_pending_ms": None}]:
@@ -107,7 +140,9 @@ def render(status: dict[str, Any]) -> str:
             oldest = "-" if g["oldest_pending_ms"] is None else f"{g['oldest_pending_ms'] / 1000:.1f}s"
             lines.append(f"{s['stream']:<40} {s['length']:>7} {g['group']:<11} {g['pending']:>7} {lag:>5} {oldest:>14}")
     lines += ["", f"dead letters: {status['dead_letters']}", "P-D links:" + ("" if status["links"] else " none")]
-    lines += [f"  {link['prefill']} -> {link['decode']}: {link['state']} {link['error']}".rstrip() for link in status["links"]]
+    lines += [
+        f"  {link['prefill']} -> {link['decode']}: {link['state']} {link['error']}".rstrip() for link in status["links"]
+    ]
     return "\n".join(lines)
 
 

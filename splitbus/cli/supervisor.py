@@ -22,8 +22,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import IO, Mapping
+from typing import IO
 
 from splitbus.redis_server import die_with_parent
 
@@ -81,8 +82,9 @@ class Supervisor:
         self.stopping = False
         self._print_lock = threading.Lock()
 
-    def start(self, name: str, args: list[str], env: Mapping[str, str] | None = None,
-              exits: Mapping[int, str] | None = None) -> Child:
+    def start(
+        self, name: str, args: list[str], env: Mapping[str, str] | None = None, exits: Mapping[int, str] | None = None
+    ) -> Child:
         """Start ``splitbus ARGS``; ``env`` adds to (or overrides) this process's environment:
         secrets go there, never in ``args`` (which ``ps`` shows to every user). ``exits``: what
         this part's exit codes mean, for the line that says it ended."""
@@ -93,8 +95,11 @@ class Supervisor:
     def _spawn(self, name: str, args: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
             [*self.command, *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
             env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
         )
         threading.Thread(target=self._relay, args=(name, proc.stdout), daemon=True).start()
@@ -138,8 +143,10 @@ class Supervisor:
         child.delay_s = self.policy.next_delay(child.delay_s, now - child.started_s)
         child.restart_at = now + child.delay_s
         meaning = f" ({child.exits[code]})" if code in child.exits else ""
-        self.say(f"{child.name} {how_it_ended(code)}{meaning} after {now - child.started_s:.1f}s; "
-                 f"restarting it in {child.delay_s:.1f}s (restart {child.restarts + 1})")
+        self.say(
+            f"{child.name} {how_it_ended(code)}{meaning} after {now - child.started_s:.1f}s; "
+            f"restarting it in {child.delay_s:.1f}s (restart {child.restarts + 1})"
+        )
 
     def _restart(self, child: Child, now: float) -> None:
         child.proc = self._spawn(child.name, child.args, child.env)

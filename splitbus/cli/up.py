@@ -18,8 +18,8 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
@@ -35,10 +35,15 @@ EXIT_DP_GROUP_BROKEN = 3
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("up", help="run the whole system (embedded Redis unless --redis-url)")
-    p.add_argument("--redis-url", default=env.redis_url,
-                   help="use this Redis instead of starting one (prefer SPLITBUS_REDIS_URL: argv is public)")
+    p.add_argument(
+        "--redis-url",
+        default=env.redis_url,
+        help="use this Redis instead of starting one (prefer SPLITBUS_REDIS_URL: argv is public)",
+    )
     p.add_argument("--engine", choices=("paddle", "sim"), default="paddle", help="worker engine (default %(default)s)")
-    p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)"
+    )
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --mixed)")
     p.add_argument("--mixed", type=int, default=0, help="mixed workers (default %(default)s)")
@@ -46,12 +51,25 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
-    p.add_argument("--api-key", action="append", default=list(env.api_keys),
-                   help="accepted Bearer key (prefer SPLITBUS_API_KEYS: argv is public)")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)")
-    p.add_argument("--metrics-port-base", type=int, default=0, help="serve /metrics: schedulers on this port and up, then the workers (default: off)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=list(env.api_keys),
+        help="accepted Bearer key (prefer SPLITBUS_API_KEYS: argv is public)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)"
+    )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="serve /metrics: schedulers on this port and up, then the workers (default: off)",
+    )
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeatable)")
-    p.add_argument("--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)")
+    p.add_argument(
+        "--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)"
+    )
     add_embedded_options(p, env)
     p.set_defaults(run=run)
 
@@ -59,7 +77,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
 def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     if args.dp:
         if args.dp < 1 or args.mixed or args.prefill or args.decode:
-            raise ValueError("--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed")
+            raise ValueError(
+                "--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed"
+            )
         return 0, 0, 0
     mixed = args.mixed
     prefill = args.prefill if args.prefill is not None else (0 if mixed else 1)
@@ -126,8 +146,10 @@ def run(args: argparse.Namespace, env: Env) -> int:
 def _signals_noted(noted: list[str]) -> Iterator[None]:
     """SIGINT/SIGTERM are noted in ``noted`` (the watcher then says stop) instead of raising
     KeyboardInterrupt wherever `up` happens to be (an import, a write of the banner)."""
-    previous = {sig: signal.signal(sig, lambda signum, _: noted.append(signal.Signals(signum).name))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: noted.append(signal.Signals(signum).name))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:
@@ -139,6 +161,7 @@ def _signals_noted(noted: list[str]) -> Iterator[None]:
 def _hurried_by_a_second_signal(supervisor: Supervisor) -> Iterator[None]:
     """While the parts stop (up to 10 s each), a second Ctrl-C or SIGTERM kills them at once
     instead of ending `up` with a KeyboardInterrupt traceback and the parts left running."""
+
     def kill(signum: int, _frame: object) -> None:
         say(f"{signal.Signals(signum).name} again: killing the parts")
         supervisor.kill()
@@ -188,7 +211,9 @@ def _check_reachable(url: str) -> None:
         raise ValueError(f"Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}") from None
 
 
-def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]) -> None:
+def _start_parts(
+    supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]
+) -> None:
     prefill, decode, mixed = counts
     mode = "dp" if args.dp else "mixed" if mixed and not prefill else "splitwise"
     bus_env = {"SPLITBUS_REDIS_URL": url, "SPLITBUS_API_KEYS": ""}  # only the API gets the keys
@@ -204,13 +229,24 @@ def _start_parts(supervisor: Supervisor, args: argparse.Namespace, url: str, mod
     for role, n in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
         for i in range(n):
             supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
-    broken = {EXIT_DP_GROUP_BROKEN: "DP group g0 is broken: a rank died or hung; its requests fail with 503 "
-                                    "until all its ranks are back"}
+    broken = {
+        EXIT_DP_GROUP_BROKEN: "DP group g0 is broken: a rank died or hung; its requests fail with 503 "
+        "until all its ranks are back"
+    }
     for rank in range(args.dp):
         dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
         supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()], bus_env, exits=broken)
-    api = ["api", "--host", args.host, "--port", str(args.port), "--model", str(model),
-           "--request-timeout", str(args.request_timeout)]
+    api = [
+        "api",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--model",
+        str(model),
+        "--request-timeout",
+        str(args.request_timeout),
+    ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
 
 
@@ -255,7 +291,7 @@ def _announce(args: argparse.Namespace, env: Env, url: str, model: Path, server:
         say(f"  API keys: {len(args.api_key)} ({shown}), from SPLITBUS_API_KEYS or --api-key; send one as $KEY")
     else:
         say("  API keys: none: anyone who reaches the port may use the API (set SPLITBUS_API_KEYS)")
-    auth = " -H \"Authorization: Bearer $KEY\"" if args.api_key else ""
+    auth = ' -H "Authorization: Bearer $KEY"' if args.api_key else ""
     body = json.dumps({"model": served_name(model), "prompt": "Hello", "max_tokens": 16, "stream": True})
     say(f"  try: curl -sN {base}/v1/completions{auth} -H 'Content-Type: application/json' \\")
     say(f"         -d {shlex.quote(body)}")
@@ -278,8 +314,10 @@ def _tools(args: argparse.Namespace, env: Env, server: EmbeddedRedis | None) -> 
 
     moved = server is not None and args.data_dir != env.data_dir
     where = f" --data-dir {shlex.quote(str(args.data_dir))}" if moved else ""
-    lines = [f"  status: splitbus status{where}",
-             f"  redis:  splitbus redis-cli{where} XINFO GROUPS {Keys(env.prefix).requests}"]
+    lines = [
+        f"  status: splitbus status{where}",
+        f"  redis:  splitbus redis-cli{where} XINFO GROUPS {Keys(env.prefix).requests}",
+    ]
     if server is None and args.redis_url != env.redis_url:
         lines.append("          (give them the same URL: SPLITBUS_REDIS_URL or --redis-url)")
     return lines

@@ -25,7 +25,7 @@ def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, q_offset: in
     group = heads // kv_heads
     # [S, Hkv, G, D] -> [Hkv, G*S, D]: each KV head serves its G query heads in one matmul.
     qh = q.reshape([seq, kv_heads, group, dim]).transpose([1, 2, 0, 3]).reshape([kv_heads, group * seq, dim])
-    scores = paddle.matmul(qh, k.transpose([1, 0, 2]), transpose_y=True) * (dim ** -0.5)
+    scores = paddle.matmul(qh, k.transpose([1, 0, 2]), transpose_y=True) * (dim**-0.5)
     if seq > 1 or q_offset + 1 < keys:
         mask = np.tile(causal_mask(seq, keys, q_offset), (group, 1))
         scores = scores + paddle.to_tensor(mask).astype(scores.dtype)

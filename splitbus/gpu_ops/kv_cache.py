@@ -34,7 +34,9 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: str = "float32") -> None:
+    def __init__(
+        self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: str = "float32"
+    ) -> None:
         self.layers, self.block_size = layers, block_size
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         shape = [num_blocks * block_size, kv_heads, head_dim]
@@ -62,7 +64,11 @@ class PagedKVCache:
     def export(self, table: list[int], length: int) -> bytes:
         """Positions [0, length) of a request, every layer's K then V, as one byte string."""
         slots = paddle.to_tensor(self.slots(table, 0, length))
-        parts = [paddle.index_select(pool, slots, axis=0).numpy() for layer in range(self.layers) for pool in (self.k[layer], self.v[layer])]
+        parts = [
+            paddle.index_select(pool, slots, axis=0).numpy()
+            for layer in range(self.layers)
+            for pool in (self.k[layer], self.v[layer])
+        ]
         return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
 
     def import_(self, table: list[int], length: int, payload: bytes) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +60,7 @@ class ModelTokenizer:
     context_length: int
 
     @classmethod
-    def load(cls, model_dir: Path | str, name: str | None = None) -> "ModelTokenizer":
+    def load(cls, model_dir: Path | str, name: str | None = None) -> ModelTokenizer:
         """Read ``tokenizer.json``, ``tokenizer_config.json`` and ``config.json``."""
         folder = Path(model_dir)
         if not folder.is_dir():

@@ -28,15 +28,25 @@ async def get_payload(worker: Worker) -> dict[str, Any]:
     """What an external router needs to place work on this worker."""
     load, c = worker.load(), worker.config
     return {
-        "worker_id": worker.id, "role": c.role, "model": c.model_name, "engine": c.engine,
-        "transfer_endpoint": worker.endpoint, "block_size": c.block_size,
-        "free_kv_blocks": load.free_kv_blocks, "total_kv_blocks": load.total_kv_blocks,
-        "running_requests": load.running, "waiting_requests": load.waiting,
+        "worker_id": worker.id,
+        "role": c.role,
+        "model": c.model_name,
+        "engine": c.engine,
+        "transfer_endpoint": worker.endpoint,
+        "block_size": c.block_size,
+        "free_kv_blocks": load.free_kv_blocks,
+        "total_kv_blocks": load.total_kv_blocks,
+        "running_requests": load.running,
+        "waiting_requests": load.waiting,
         "queued_prefill_tokens": load.queued_prefill_tokens,
-        "max_batch_size": c.max_requests, "max_prefill_tokens": c.max_prefill_tokens,
+        "max_batch_size": c.max_requests,
+        "max_prefill_tokens": c.max_prefill_tokens,
         "max_input_length": worker.tokenizer.context_length,
-        "unhandled_requests": await unread(worker.redis, worker.keys.tasks(worker.id), WORKER_GROUP) + len(worker.queued),
-        "dp_group": c.dp_group, "dp_rank": c.dp_rank, "dp_size": c.dp_size,
+        "unhandled_requests": await unread(worker.redis, worker.keys.tasks(worker.id), WORKER_GROUP)
+        + len(worker.queued),
+        "dp_group": c.dp_group,
+        "dp_rank": c.dp_rank,
+        "dp_size": c.dp_size,
     }
 
 
@@ -62,8 +72,12 @@ async def connect_rdma(worker: Worker, args: dict[str, Any]) -> dict[str, Any]:
         await worker.links.ensure(decode_worker, endpoint)
     except TransferError as exc:
         raise CommandFailed(f"could not connect to {decode_worker} at {endpoint}: {exc}") from exc
-    return {"state": "connected", "decode_worker": decode_worker, "endpoint": endpoint,
-            "key": worker.keys.rdma(worker.id, decode_worker)}
+    return {
+        "state": "connected",
+        "decode_worker": decode_worker,
+        "endpoint": endpoint,
+        "key": worker.keys.rdma(worker.id, decode_worker),
+    }
 
 
 async def _endpoint_of(worker: Worker, decode_worker: str) -> str:

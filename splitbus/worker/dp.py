@@ -104,7 +104,9 @@ def _batch_arrived(mine: StepPlan, plans: list[StepPlan]) -> bool:
 
 
 class GroupBarrier:
-    def __init__(self, redis: aioredis.Redis, config: BusConfig, group: str, rank: int, size: int, timeout_s: float) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, config: BusConfig, group: str, rank: int, size: int, timeout_s: float
+    ) -> None:
         self._redis = redis
         self._key = config.keys.dp(group)
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
@@ -119,8 +121,9 @@ class GroupBarrier:
         self._last_id = f"{epoch_ms}-0"  # entry ids are Redis server time: older ones are another run
         self._seen, self._done, self._joined = {}, {}, set()
 
-    async def form(self, group_epoch: Callable[[], Awaitable[int]], timeout_s: float,
-                   stopped: Callable[[], bool] = lambda: False) -> int:
+    async def form(
+        self, group_epoch: Callable[[], Awaitable[int]], timeout_s: float, stopped: Callable[[], bool] = lambda: False
+    ) -> int:
         """Join the group; return its epoch once every rank has joined that same epoch.
 
         ``group_epoch`` is the epoch the registry shows now (0 while not every rank is live). It
@@ -137,8 +140,9 @@ class GroupBarrier:
             if self.epoch and len(self._joined) == self.size:
                 return self.epoch
             await self._read(FORM_POLL_S)
-        raise GroupBroken(f"DP group {self.group}: not all {self.size} ranks came up and joined one epoch "
-                          f"within {timeout_s:g}s")
+        raise GroupBroken(
+            f"DP group {self.group}: not all {self.size} ranks came up and joined one epoch within {timeout_s:g}s"
+        )
 
     async def _join(self, epoch_ms: int) -> None:
         self.begin(epoch_ms)
@@ -147,7 +151,12 @@ class GroupBarrier:
     async def exchange(self, step: int, plan: StepPlan, pipe: Pipeline | None = None) -> list[StepPlan]:
         """Post this rank's plan (with whatever ``pipe`` already holds) and wait for every rank's."""
         pipe = pipe if pipe is not None else self._redis.pipeline(transaction=False)
-        pipe.xadd(self._key, {"epoch": self.epoch, "step": step, "plan": orjson.dumps(asdict(plan))}, maxlen=PLANS_KEPT, approximate=True)
+        pipe.xadd(
+            self._key,
+            {"epoch": self.epoch, "step": step, "plan": orjson.dumps(asdict(plan))},
+            maxlen=PLANS_KEPT,
+            approximate=True,
+        )
         await pipe.execute()
         await self._wait_for_all(self._seen, step, "reach")
         plans = [self._seen[step][r] for r in range(self.size)]
@@ -158,7 +167,9 @@ class GroupBarrier:
     async def finish(self, step: int) -> None:
         """Return once every rank has finished its forward of ``step``: the collective end of a
         step that EP's all-to-all gives real forwards, for engines that have no EP to do it."""
-        await self._redis.xadd(self._key, {"epoch": self.epoch, "done": step, "rank": self.rank}, maxlen=PLANS_KEPT, approximate=True)
+        await self._redis.xadd(
+            self._key, {"epoch": self.epoch, "done": step, "rank": self.rank}, maxlen=PLANS_KEPT, approximate=True
+        )
         await self._wait_for_all(self._done, step, "finish")
         for old in [s for s in self._done if s <= step]:
             del self._done[old]
@@ -170,8 +181,11 @@ class GroupBarrier:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.size)) - set(posts.get(step, ())))
-                raise GroupBroken(f"DP group {self.group} is broken: rank(s) {missing} did not {what} step {step} "
-                                  f"within {self.timeout_s:g}s", missing)
+                raise GroupBroken(
+                    f"DP group {self.group} is broken: rank(s) {missing} did not {what} step {step} "
+                    f"within {self.timeout_s:g}s",
+                    missing,
+                )
             await self._read(min(left, 1.0))
 
     async def nudge(self) -> None:
@@ -244,7 +258,12 @@ class DpWorker(Worker):
     async def start(self) -> None:
         await super().start()
         await self.wait_for_group()
-        log.info("DP group %s: rank %d of %d in step with the others", self.config.dp_group, self.config.dp_rank, self.config.dp_size)
+        log.info(
+            "DP group %s: rank %d of %d in step with the others",
+            self.config.dp_group,
+            self.config.dp_rank,
+            self.config.dp_size,
+        )
 
     async def wait_for_group(self) -> int:
         """The group's epoch, once every rank is live and has joined it."""
@@ -272,7 +291,9 @@ class DpWorker(Worker):
         mine = self.plan()
         started = time.monotonic()
         plans = await self.barrier.exchange(self.step_no, mine, self.load_report())
-        action = bind_late(decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms)
+        action = bind_late(
+            decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms
+        )
         tokens = self.prefill_batch_size()[1] if action == "prefill" else 0
         self.announce_forward(action, tokens)
         acting = time.monotonic()
@@ -309,7 +330,9 @@ class DpWorker(Worker):
 
     def observe_step(self, action: str, step_s: float, act_s: float) -> None:
         self.counters["step_time_us"] += int(step_s * 1e6)
-        self.counters["idle_time_us" if action == "idle" else "busy_time_us"] += int((step_s if action == "idle" else act_s) * 1e6)
+        self.counters["idle_time_us" if action == "idle" else "busy_time_us"] += int(
+            (step_s if action == "idle" else act_s) * 1e6
+        )
 
     def plan(self) -> StepPlan:
         if not self.queued:
@@ -317,7 +340,9 @@ class DpWorker(Worker):
         oldest = self.queued[0]
         waited = (time.monotonic() - oldest.queued_at) * 1000
         held = tuple(dict.fromkeys(seq.task.batch_id for seq in self.queued if seq.task.batch_id))
-        return StepPlan(self.config.dp_rank, True, bool(self.running), waited, oldest.task.batch_id, oldest.task.batch_ranks, held)
+        return StepPlan(
+            self.config.dp_rank, True, bool(self.running), waited, oldest.task.batch_id, oldest.task.batch_ranks, held
+        )
 
     async def act(self, action: str) -> None:
         if action == "none":
@@ -367,7 +392,11 @@ class DpWorker(Worker):
 
     async def fail_orphaned_tasks(self, reason: str, missing: list[int]) -> None:
         """Tasks in the missing ranks' streams would wait forever: answer them with the reason."""
-        dead = [w.record.worker_id for w in await self.registry.snapshot() if w.record.dp_group == self.config.dp_group and w.record.dp_rank in missing]
+        dead = [
+            w.record.worker_id
+            for w in await self.registry.snapshot()
+            if w.record.dp_group == self.config.dp_group and w.record.dp_rank in missing
+        ]
         for worker_id in dead:
             stream = GroupConsumer(self.redis, self.config.bus, self.keys.tasks(worker_id), WORKER_GROUP, self.id)
             orphans = await stream.read(10_000, block_ms=0) + await stream.claim_idle(10_000, min_idle_ms=0)

@@ -11,14 +11,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
 PROMPT_TOKENS = Counter("splitbus_worker_prompt_tokens_total", "Prompt tokens prefilled.")
-GENERATION_TOKENS = Counter("splitbus_worker_generation_tokens_total", "Tokens generated (prefill's first token included).")
-REQUESTS_FINISHED = Counter("splitbus_worker_requests_finished_total", "Requests that ended on this worker, by finish reason or error code.", ["outcome"])
+GENERATION_TOKENS = Counter(
+    "splitbus_worker_generation_tokens_total", "Tokens generated (prefill's first token included)."
+)
+REQUESTS_FINISHED = Counter(
+    "splitbus_worker_requests_finished_total",
+    "Requests that ended on this worker, by finish reason or error code.",
+    ["outcome"],
+)
 ENGINE_STEP = Histogram(
-    "splitbus_worker_engine_step_seconds", "Duration of one engine call.", ["kind"],
+    "splitbus_worker_engine_step_seconds",
+    "Duration of one engine call.",
+    ["kind"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 KV_TRANSFER = Histogram(
-    "splitbus_worker_kv_transfer_seconds", "P -> D KV hand-off: export and send, on the prefill worker.",
+    "splitbus_worker_kv_transfer_seconds",
+    "P -> D KV hand-off: export and send, on the prefill worker.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
 )
 KV_TRANSFER_BYTES = Counter("splitbus_worker_kv_transfer_bytes_total", "KV cache bytes sent to decode workers.")
@@ -32,10 +41,18 @@ GAUGES = {
 }
 COUNTERS = {  # field: (name, help, scale)
     "steps": ("splitbus_worker_dp_steps", "DP ranks: group steps taken.", 1),
-    "idle_forwards": ("splitbus_worker_dp_idle_forwards", "DP ranks: idle forwards run so that the group could step.", 1),
+    "idle_forwards": (
+        "splitbus_worker_dp_idle_forwards",
+        "DP ranks: idle forwards run so that the group could step.",
+        1,
+    ),
     "step_time_us": ("splitbus_worker_dp_step_seconds", "DP ranks: time in group steps, barrier wait included.", 1e-6),
     "idle_time_us": ("splitbus_worker_dp_idle_seconds", "DP ranks: time in steps spent on an idle forward.", 1e-6),
-    "busy_time_us": ("splitbus_worker_dp_busy_seconds", "DP ranks: time computing this rank's own prefill or decode.", 1e-6),
+    "busy_time_us": (
+        "splitbus_worker_dp_busy_seconds",
+        "DP ranks: time computing this rank's own prefill or decode.",
+        1e-6,
+    ),
 }
 
 

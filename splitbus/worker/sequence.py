@@ -54,7 +54,11 @@ class Sequence:
         self.output_ids.append(token_id)
         text = self.text.push([token_id])
         sampling = self.request.sampling
-        if self.text.stopped or token_id in sampling.stop_token_ids or (token_id in eos_ids and not sampling.ignore_eos):
+        if (
+            self.text.stopped
+            or token_id in sampling.stop_token_ids
+            or (token_id in eos_ids and not sampling.ignore_eos)
+        ):
             self.finish_reason = "stop"
         elif len(self.output_ids) >= sampling.max_tokens:
             self.finish_reason = "length"

@@ -29,8 +29,9 @@ import secrets
 import socket
 import struct
 import zlib
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import orjson
 
@@ -108,8 +109,14 @@ def proof_matches(secret: str, sender: str, header: Header) -> bool:
     return hmac.compare_digest(claimed.encode(), expected.encode())
 
 
-async def write_frame(writer: asyncio.StreamWriter, kind: int, ident: str, meta: dict[str, Any],
-                      payload: bytes | memoryview = b"", crc: int | None = None) -> None:
+async def write_frame(
+    writer: asyncio.StreamWriter,
+    kind: int,
+    ident: str,
+    meta: dict[str, Any],
+    payload: bytes | memoryview = b"",
+    crc: int | None = None,
+) -> None:
     """``crc``: the payload's CRC when the caller has it already (the proof needs it first)."""
     name, info = ident.encode(), orjson.dumps(meta)
     view = memoryview(payload)
@@ -176,8 +183,15 @@ CLOSE_TIMEOUT_S = 5.0
 class TransferServer:
     """The decode side: accepts connections from prefill workers and imports their KV."""
 
-    def __init__(self, worker_id: str, check: KvCheck, on_kv: KvHandler, *, hello_timeout_s: float = HELLO_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        check: KvCheck,
+        on_kv: KvHandler,
+        *,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.worker_id = worker_id
         self._check = check
         self._on_kv = on_kv
@@ -299,8 +313,9 @@ class TransferClient:
         await self._exchange(link, endpoint, HELLO, self.worker_id, {})
         self._links[endpoint] = link
 
-    async def send(self, endpoint: str, request_id: str, meta: dict[str, Any], payload: bytes | memoryview,
-                   secret: str) -> None:
+    async def send(
+        self, endpoint: str, request_id: str, meta: dict[str, Any], payload: bytes | memoryview, secret: str
+    ) -> None:
         """Send one request's KV with the proof for ``secret``, the one in D's reservation."""
         if not self.connected(endpoint):
             await self.connect(endpoint)
@@ -309,8 +324,16 @@ class TransferClient:
         signed = {**meta, "proof": kv_proof(secret, self.worker_id, request_id, meta, view.nbytes, crc)}
         await self._exchange(self._links[endpoint], endpoint, KV, request_id, signed, view, crc)
 
-    async def _exchange(self, link: _Link, endpoint: str, kind: int, ident: str, meta: dict[str, Any],
-                        payload: bytes | memoryview = b"", crc: int | None = None) -> None:
+    async def _exchange(
+        self,
+        link: _Link,
+        endpoint: str,
+        kind: int,
+        ident: str,
+        meta: dict[str, Any],
+        payload: bytes | memoryview = b"",
+        crc: int | None = None,
+    ) -> None:
         async with link.lock:
             try:
                 await asyncio.wait_for(self._round_trip(link, kind, ident, meta, payload, crc), self.timeout_s)
@@ -328,8 +351,9 @@ class TransferClient:
                 self._drop(endpoint, link)
                 raise
 
-    async def _round_trip(self, link: _Link, kind: int, ident: str, meta: dict[str, Any], payload: bytes | memoryview,
-                          crc: int | None) -> None:
+    async def _round_trip(
+        self, link: _Link, kind: int, ident: str, meta: dict[str, Any], payload: bytes | memoryview, crc: int | None
+    ) -> None:
         await write_frame(link.writer, kind, ident, meta, payload, crc)
         ack = await read_frame(link.reader, max_payload=0)  # an ack has no payload: never read one
         if ack.kind != ACK or ack.meta.get("ok") is not True:

@@ -13,28 +13,29 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
 from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed, until_done
 from splitbus.bus.keys import WORKER_GROUP
-from splitbus.bus.scheduler.reaper import REAPING_TTL_S
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservations
-from splitbus.bus.scheduler.policy import blocks_needed
 from splitbus.bus.results import ResultWriter
+from splitbus.bus.scheduler.policy import blocks_needed
+from splitbus.bus.scheduler.reaper import REAPING_TTL_S
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 from splitbus.tokenization import ModelTokenizer
+from splitbus.worker import metrics
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.control import control_server
-from splitbus.worker import metrics
+from splitbus.worker.engine import Engine
+from splitbus.worker.handoff import meta_problem
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.engine import Engine
 from splitbus.worker.text import TextStream
-from splitbus.worker.handoff import meta_problem
 from splitbus.worker.transfer import (
     Header,
     TransferClient,
@@ -103,7 +104,19 @@ class Worker:
         self.seen_entries: dict[str, None] = {}  # task entries taken lately, oldest first (bounded)
         self.reservations = Reservations(self.redis, self.keys)
         self.recently_cancelled: dict[str, float] = {}
-        self.counters = dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us", "forward_ends_ms"), 0)
+        self.counters = dict.fromkeys(
+            (
+                "prefills_done",
+                "decodes_done",
+                "steps",
+                "idle_forwards",
+                "step_time_us",
+                "idle_time_us",
+                "busy_time_us",
+                "forward_ends_ms",
+            ),
+            0,
+        )
         self.exit_code = 0
         self.started_ms = 0
         self.wake = asyncio.Event()
@@ -142,10 +155,19 @@ class Worker:
     # ------------------------------------------------------------ life cycle
 
     async def start(self) -> None:
-        self.endpoint = await self.server.start(self.config.transfer_host, self.config.transfer_port, self.config.advertised_transfer_host)
+        self.endpoint = await self.server.start(
+            self.config.transfer_host, self.config.transfer_port, self.config.advertised_transfer_host
+        )
         await until_done(self.join_bus, self.redis, self.stopping.is_set, "start-up")
-        for loop in (self.feed_tasks, self.heartbeat, self.listen_for_cancels, self.trim_tasks, self.answer_commands,
-                     self.publisher, self.find_lost_tasks):
+        for loop in (
+            self.feed_tasks,
+            self.heartbeat,
+            self.listen_for_cancels,
+            self.trim_tasks,
+            self.answer_commands,
+            self.publisher,
+            self.find_lost_tasks,
+        ):
             self.spawn(self._forever(loop))
         log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
 
@@ -175,10 +197,18 @@ class Worker:
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(
-            worker_id=self.id, role=self.config.role, model=self.config.model_name, engine=self.config.engine,
-            transfer_endpoint=self.endpoint, block_size=self.config.block_size,
-            max_model_len=self.tokenizer.context_length, load=self.load(), started_ms=self.started_ms,
-            dp_group=self.config.dp_group, dp_rank=self.config.dp_rank, dp_size=self.config.dp_size,
+            worker_id=self.id,
+            role=self.config.role,
+            model=self.config.model_name,
+            engine=self.config.engine,
+            transfer_endpoint=self.endpoint,
+            block_size=self.config.block_size,
+            max_model_len=self.tokenizer.context_length,
+            load=self.load(),
+            started_ms=self.started_ms,
+            dp_group=self.config.dp_group,
+            dp_rank=self.config.dp_rank,
+            dp_size=self.config.dp_size,
         )
 
     def load(self) -> WorkerLoad:
@@ -249,8 +279,11 @@ class Worker:
         if not self.lapsed():
             return
         key = self.keys.reaping(self.id)
-        log.warning("worker %s: no heartbeat for %.1f s, more than its lease; rejoining", self.id,
-                    time.monotonic() - self.last_beat)
+        log.warning(
+            "worker %s: no heartbeat for %.1f s, more than its lease; rejoining",
+            self.id,
+            time.monotonic() - self.last_beat,
+        )
         if not await self.redis.set(key, f"{self.id}:rejoining", nx=True, ex=REAPING_TTL_S):
             await self.wait_until_reaped()
             await self.drop_moved()
@@ -297,8 +330,9 @@ class Worker:
         if not self.tasks.rereading_backlog:  # else its next reads bring back all that is pending anyway
             lost = sorted(await self.tasks.pending_ids(min_idle_ms) - self.known_entries(), key=_entry_order)
             if lost:
-                log.warning("worker %s: %d task(s) delivered to a read whose reply was lost; taking them",
-                            self.id, len(lost))
+                log.warning(
+                    "worker %s: %d task(s) delivered to a read whose reply was lost; taking them", self.id, len(lost)
+                )
                 self.unaccepted.extend(await self.tasks.fetch(lost))
         if not min_idle_ms:
             self.reread_pending = False  # only now: a Redis error above leaves it to the next feed
@@ -307,8 +341,13 @@ class Worker:
         """Task entries this worker has seen: held, in its backlog, taken lately (done, perhaps
         acked already), or dead-lettered with the letter not sent yet."""
         held = {s.entry_id for s in [*self.held_sequences(), *self.prefilling]}
-        return held | {d.entry_id for d in self.unaccepted} | set(self.done_entries) | set(self.seen_entries) \
+        return (
+            held
+            | {d.entry_id for d in self.unaccepted}
+            | set(self.done_entries)
+            | set(self.seen_entries)
             | self.tasks.unsent_letters()
+        )
 
     def saw(self, entry_id: str) -> None:
         self.seen_entries[entry_id] = None
@@ -395,8 +434,14 @@ class Worker:
             await self.reject(delivery, "invalid_task", problem)
             return
         seq = Sequence(task, delivery.entry_id, TextStream(self.tokenizer, task.request.sampling.stop))
-        log.debug("took task %s: %s of %s, peer %s, hand-off %s", delivery.entry_id, task.phase,
-                  task.request.request_id, task.peer or "-", task.handoff or "-")
+        log.debug(
+            "took task %s: %s of %s, peer %s, hand-off %s",
+            delivery.entry_id,
+            task.phase,
+            task.request.request_id,
+            task.peer or "-",
+            task.handoff or "-",
+        )
         if task.request.request_id in self.recently_cancelled:
             self.done_entries.append(delivery.entry_id)
             return
@@ -417,9 +462,15 @@ class Worker:
         # it in its KV frame, so knowing a request id (every client does) is not enough to send one.
         seq.kv_secret = new_secret()
         self.awaiting_kv[seq.request_id] = (seq, time.monotonic() + self.config.kv_wait_s)
-        reservation = {"decode_worker": self.id, "endpoint": self.endpoint, "blocks": str(seq.blocks),
-                       "prefill_worker": seq.task.peer, "task_entry": seq.entry_id, "secret": seq.kv_secret,
-                       "handoff": seq.task.handoff}
+        reservation = {
+            "decode_worker": self.id,
+            "endpoint": self.endpoint,
+            "blocks": str(seq.blocks),
+            "prefill_worker": seq.task.peer,
+            "task_entry": seq.entry_id,
+            "secret": seq.kv_secret,
+            "handoff": seq.task.handoff,
+        }
         if not await self.reservations.reserve(seq.request_id, seq.task.handoff, reservation):
             # The reaper replaced this task's dispatch before it came here: nobody will send its KV.
             log.info("task %s of %s is void (the request was dispatched again); dropped", seq.entry_id, seq.request_id)
@@ -485,7 +536,12 @@ class Worker:
             tokens = seq.prompt_len + seq.request.sampling.max_tokens
         if not self.engine.reserve(seq, tokens):
             free = self.engine.free_blocks
-            self.fail(seq, "out_of_kv_blocks", f"worker {self.id} has {free} free KV blocks, not enough for {tokens} tokens", 503)
+            self.fail(
+                seq,
+                "out_of_kv_blocks",
+                f"worker {self.id} has {free} free KV blocks, not enough for {tokens} tokens",
+                503,
+            )
             return False
         return True
 
@@ -587,7 +643,9 @@ class Worker:
             self.counters["decodes_done"] += 1
             self.finish(seq)
 
-    async def run_engine(self, step: Callable[[list[Sequence]], Awaitable[list[int]]], batch: list[Sequence]) -> list[tuple[Sequence, int]]:
+    async def run_engine(
+        self, step: Callable[[list[Sequence]], Awaitable[list[int]]], batch: list[Sequence]
+    ) -> list[tuple[Sequence, int]]:
         """One engine call for the batch. If it raises, each sequence runs alone to find the
         one that breaks it: that request is poison and ends with an error and a dead letter,
         and the others go on."""
@@ -765,8 +823,12 @@ class Worker:
         if time.monotonic() > deadline:
             waited = f"retried for {self.config.kv_wait_s:.0f}s"
             raise TransferError(f"{exc}; {seq.task.peer} still holds its lease, {waited}")
-        log.info("hand-off of %s to %s failed (%s); retrying while its liveness is undecided",
-                 seq.request_id, seq.task.peer, exc)
+        log.info(
+            "hand-off of %s to %s failed (%s); retrying while its liveness is undecided",
+            seq.request_id,
+            seq.task.peer,
+            exc,
+        )
 
     async def peer_gone(self, seq: Sequence) -> str | None:
         """Why the request's decode side is decided gone, or None while undecided: a reaper
@@ -850,8 +912,7 @@ class Worker:
         """(sb:kv's endpoint, secret, decode_worker, prefill_worker, handoff; D's registered
         endpoint; whether D is alive; the request's current hand-off id)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "secret", "decode_worker", "prefill_worker",
-                   "handoff")
+        pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "secret", "decode_worker", "prefill_worker", "handoff")
         pipe.hget(self.keys.worker(seq.task.peer), "transfer_endpoint")
         pipe.exists(self.keys.lease(seq.task.peer))
         pipe.get(self.keys.current(seq.request_id))
@@ -860,8 +921,10 @@ class Worker:
         return text[:5], text[5], bool(peer_alive), current
 
     def _endpoint_mismatch(self, seq: Sequence, endpoint: str, registered: str) -> str:
-        why = (f"the KV reservation for {seq.request_id} names endpoint {endpoint!r}, not {registered!r} from "
-               f"{seq.task.peer}'s registry record; nothing was sent there")
+        why = (
+            f"the KV reservation for {seq.request_id} names endpoint {endpoint!r}, not {registered!r} from "
+            f"{seq.task.peer}'s registry record; nothing was sent there"
+        )
         log.warning("%s (forged or stale reservation); waiting for %s's own", why, seq.task.peer)
         return why
 
@@ -876,8 +939,12 @@ class Worker:
             return f"decode worker {self.id} holds no reservation for {header.ident}"
         seq = entry[0]
         if sender != seq.task.peer or not proof_matches(seq.kv_secret, sender, header):
-            log.warning("refused a KV frame for %s from %r: not from %s with the reservation's secret",
-                        header.ident, sender, seq.task.peer)
+            log.warning(
+                "refused a KV frame for %s from %r: not from %s with the reservation's secret",
+                header.ident,
+                sender,
+                seq.task.peer,
+            )
             return f"{header.ident}: not from its prefill worker with the reservation's secret"
         problem = self.kv_problem(seq, header)
         if problem is not None:
@@ -976,7 +1043,12 @@ class Worker:
             if moved:
                 self.retire(seq)
                 return
-        self.fail(seq, "kv_transfer_timeout", f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s", 503)
+        self.fail(
+            seq,
+            "kv_transfer_timeout",
+            f"no KV cache arrived from {seq.task.peer} within {self.config.kv_wait_s:.0f}s",
+            503,
+        )
         self.wake.set()
 
 
@@ -986,5 +1058,8 @@ def _entry_order(entry_id: str) -> tuple[int, int]:
 
 
 def _add(a: Reserved, b: Reserved) -> Reserved:
-    return Reserved(a.reserved_prefill_tokens + b.reserved_prefill_tokens, a.reserved_requests + b.reserved_requests,
-                    a.reserved_kv_blocks + b.reserved_kv_blocks)
+    return Reserved(
+        a.reserved_prefill_tokens + b.reserved_prefill_tokens,
+        a.reserved_requests + b.reserved_requests,
+        a.reserved_kv_blocks + b.reserved_kv_blocks,
+    )

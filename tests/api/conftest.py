@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -38,7 +38,18 @@ def start_api(redis_url: str, prefix: str, models: list[Path], *extra: str, stde
     """A live API process; its stderr goes to ``stderr`` when given (tests read it)."""
     port = free_port()
     node_id = f"api-{uuid.uuid4().hex[:6]}"
-    args = [sys.executable, "-m", "splitbus.cli.main", "api", "--port", str(port), "--redis-url", redis_url, "--node-id", node_id]
+    args = [
+        sys.executable,
+        "-m",
+        "splitbus.cli.main",
+        "api",
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_url,
+        "--node-id",
+        node_id,
+    ]
     for folder in models:
         args += ["--model", str(folder)]
     env = {**os.environ, "SPLITBUS_PREFIX": prefix}

@@ -48,7 +48,7 @@ class Responder:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._stop = asyncio.Event()
 
-    def start(self) -> "Responder":
+    def start(self) -> Responder:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._main(), self._loop)
         return self

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -119,7 +120,9 @@ def test_body_over_the_limit_is_413(api: ApiProcess) -> None:
     _error(httpx.post(api.v1 + "/completions", content=chunks(), timeout=30), 413)
 
 
-def test_model_without_live_worker_is_503(redis_server: EmbeddedRedis, tiny_model: Path, tmp_path: Path, prefix: str, responder: Responder) -> None:
+def test_model_without_live_worker_is_503(
+    redis_server: EmbeddedRedis, tiny_model: Path, tmp_path: Path, prefix: str, responder: Responder
+) -> None:
     lonely = tmp_path / "lonely"
     shutil.copytree(tiny_model, lonely)
     api = start_api(redis_server.url, prefix, [tiny_model, lonely])

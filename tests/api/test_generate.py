@@ -22,16 +22,26 @@ def _merge(*arrived: object) -> list[object]:
 
 
 def test_tokens_that_arrived_together_go_out_as_one_event() -> None:
-    assert _merge(TokenDelta(0, [10], "a"), TokenDelta(1, [11], "b"), TokenDelta(2, [12], "c")) == [TokenDelta(2, [10, 11, 12], "abc")]
+    assert _merge(TokenDelta(0, [10], "a"), TokenDelta(1, [11], "b"), TokenDelta(2, [12], "c")) == [
+        TokenDelta(2, [10, 11, 12], "abc")
+    ]
 
 
 def test_the_final_entry_takes_the_text_before_it() -> None:
     (merged,) = _merge(TokenDelta(0, [10], "a"), TokenDelta(1, [11], "b"), Finished(2, "length", 1, 2, text="!"))
-    assert isinstance(merged, Finished) and merged.text == "ab!" and merged.token_ids == [10, 11] and merged.completion_tokens == 2
+    assert (
+        isinstance(merged, Finished)
+        and merged.text == "ab!"
+        and merged.token_ids == [10, 11]
+        and merged.completion_tokens == 2
+    )
 
 
 def test_an_error_follows_the_text_that_came_before_it() -> None:
-    assert _merge(TokenDelta(0, [10], "a"), Failed(1, "deadline", "too late", 504)) == [TokenDelta(0, [10], "a"), Failed(1, "deadline", "too late", 504)]
+    assert _merge(TokenDelta(0, [10], "a"), Failed(1, "deadline", "too late", 504)) == [
+        TokenDelta(0, [10], "a"),
+        Failed(1, "deadline", "too late", 504),
+    ]
 
 
 def test_nothing_waiting_means_nothing_merged() -> None:

@@ -11,8 +11,8 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
@@ -20,9 +20,9 @@ import pytest
 
 from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from splitbus.redis_server import EmbeddedRedis
-from tests.api.conftest import CONTEXT, ApiProcess, _wait_for_model, start_api, stop_api
 from splitbus.tokenization.byte_level import write_byte_level_tokenizer
 from splitbus.worker.sim import sim_text
+from tests.api.conftest import CONTEXT, ApiProcess, _wait_for_model, start_api, stop_api
 from tests.api.responder import Responder, expected_text
 from tests.e2e.conftest import start_system, stop_system
 
@@ -31,8 +31,13 @@ PROMPT_CHAR_LIMIT = CONTEXT * 16  # context x MAX_CHARS_PER_TOKEN, the default b
 
 
 @pytest.fixture(scope="module")
-def limited(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiProcess, Path]]:
+def limited(
+    redis_server: EmbeddedRedis,
+    tiny_model: Path,
+    prefix: str,
+    responder: Responder,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ApiProcess, Path]]:
     """An API with short header and body deadlines (so the tests wait little), its stderr kept."""
     log = tmp_path_factory.mktemp("api") / "stderr.log"
     api = start_api(redis_server.url, prefix, [tiny_model], "--header-timeout", "2", "--body-timeout", "2", stderr=log)
@@ -87,8 +92,10 @@ def _raw(api: ApiProcess) -> socket.socket:
 
 
 def _head(length: int) -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n\r\n").encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
 
 
 def _response(sock: socket.socket) -> bytes:
@@ -112,8 +119,10 @@ def _closed_by_server(sock: socket.socket) -> bool:
 def test_stop_strings_over_the_bounds_get_400_in_openai_shape(limited: tuple[ApiProcess, Path]) -> None:
     api, _ = limited
     client = _client(api)
-    for stop, says in [(["s" * 200_000] * 16, f"at most {MAX_STOP_CHARS} characters"),
-                       (["s"] * (MAX_STOP_SEQUENCES + 1), f"at most {MAX_STOP_SEQUENCES} sequences")]:
+    for stop, says in [
+        (["s" * 200_000] * 16, f"at most {MAX_STOP_CHARS} characters"),
+        (["s"] * (MAX_STOP_SEQUENCES + 1), f"at most {MAX_STOP_SEQUENCES} sequences"),
+    ]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny", prompt="hi", max_tokens=4, stop=stop)
         error = info.value.body
@@ -318,10 +327,13 @@ def _wait_until(condition: object, timeout_s: float = 10) -> None:
     raise AssertionError("condition not reached in time")
 
 
-@pytest.mark.parametrize("head", [
-    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",  # answered without reading the body
-    _head(1_000_000),  # read by the app: its 408 goes out, then the connection is cut off all the same
-])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",  # answered without reading the body
+        _head(1_000_000),  # read by the app: its 408 goes out, then the connection is cut off all the same
+    ],
+)
 def test_a_dripped_body_is_cut_off_even_where_no_route_reads_it(limited: tuple[ApiProcess, Path], head: bytes) -> None:
     """A route that answers without reading the body (``/health``, a 401, a 404) used to leave
     the connection to a client dripping the body it declared, for good: the protocol's body

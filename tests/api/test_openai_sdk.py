@@ -49,7 +49,9 @@ def test_streamed_completion_with_usage(api: ApiProcess) -> None:
 
 def test_chat_completion(api: ApiProcess) -> None:
     reply = _client(api).chat.completions.create(
-        model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}], max_tokens=9
+        model="tiny",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        max_tokens=9,
     )
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].message.content == expected_text(9)[0]
@@ -94,7 +96,12 @@ async def test_async_client(api: ApiProcess, stream: bool) -> None:
     client = openai.AsyncOpenAI(base_url=api.v1, api_key="unused", max_retries=0, timeout=30)
     messages = [{"role": "user", "content": "async"}]
     if stream:
-        chunks = [c async for c in await client.chat.completions.create(model="tiny", messages=messages, max_tokens=11, stream=True)]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=11, stream=True
+            )
+        ]
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
     else:
         reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=11)

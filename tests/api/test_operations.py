@@ -21,7 +21,9 @@ from tests.api.responder import Responder, expected_text
 from tests.api.test_errors import _error, _post, _until
 
 
-def test_api_keys_guard_v1_only(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder) -> None:
+def test_api_keys_guard_v1_only(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
     api = start_api(redis_server.url, prefix, [tiny_model], "--api-key", "k1", "--api-key", "k2")
     try:
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
@@ -36,11 +38,17 @@ def test_api_keys_guard_v1_only(redis_server: EmbeddedRedis, tiny_model: Path, p
         stop_api(api)
 
 
-def test_over_the_inflight_bound_is_429_and_others_unaffected(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder) -> None:
+def test_over_the_inflight_bound_is_429_and_others_unaffected(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
     api = start_api(redis_server.url, prefix, [tiny_model], "--max-inflight", "1")
     try:
         slow: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: slow.update(r=_post(api, "/completions", {"model": "tiny", "prompt": "[slow]", "max_tokens": 20})))
+        thread = threading.Thread(
+            target=lambda: slow.update(
+                r=_post(api, "/completions", {"model": "tiny", "prompt": "[slow]", "max_tokens": 20})
+            )
+        )
         thread.start()
         _until(lambda: _inflight(api) == 1)
         response = _post(api, "/completions", {"model": "tiny", "prompt": "x"})
@@ -65,7 +73,7 @@ def test_disconnect_mid_stream_publishes_a_cancellation(api: ApiProcess, respond
     with httpx.stream("POST", api.v1 + "/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        rid = codec.orjson.loads(first[len("data: "):])["id"]
+        rid = codec.orjson.loads(first[len("data: ") :])["id"]
     # The client closed the connection after one chunk.
     _until(lambda: rid in responder.cancelled)
     entries = sync_redis.Redis.from_url(api.config.redis_url).xrange(api.config.keys.cancel)
@@ -109,13 +117,20 @@ def test_probes_metrics_and_openapi(api: ApiProcess) -> None:
     assert httpx.get(api.url + "/ready").json() == {"status": "ready", "models": ["tiny"]}
     _post(api, "/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3})
     text = httpx.get(api.url + "/metrics").text
-    for name in ("splitbus_api_requests_total", "splitbus_api_time_to_first_token_seconds_bucket",
-                 "splitbus_api_inter_token_latency_seconds_bucket", "splitbus_api_e2e_request_latency_seconds_bucket",
-                 "splitbus_api_inflight_requests", "splitbus_bus_entries_produced_total"):
+    for name in (
+        "splitbus_api_requests_total",
+        "splitbus_api_time_to_first_token_seconds_bucket",
+        "splitbus_api_inter_token_latency_seconds_bucket",
+        "splitbus_api_e2e_request_latency_seconds_bucket",
+        "splitbus_api_inflight_requests",
+        "splitbus_bus_entries_produced_total",
+    ):
         assert name in text
     assert 'splitbus_api_requests_total{route="/v1/completions",status="200"}' in text
     spec = httpx.get(api.url + "/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"} <= set(spec["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"} <= set(
+        spec["paths"]
+    )
     assert spec["components"]["schemas"]["CompletionRequest"]["required"] == ["model", "prompt"]
 
 
@@ -144,7 +159,9 @@ def test_redis_outage_is_503_and_the_api_recovers(tmp_path: Path, tiny_model: Pa
 
 def test_request_backlog_over_the_bound_is_429(redis_server: EmbeddedRedis, tiny_model: Path) -> None:
     prefix = "backlog"
-    responder = Responder(BusConfig(redis_url=redis_server.url, prefix=prefix), ModelTokenizer.load(tiny_model, "tiny")).start()
+    responder = Responder(
+        BusConfig(redis_url=redis_server.url, prefix=prefix), ModelTokenizer.load(tiny_model, "tiny")
+    ).start()
     api = start_api(redis_server.url, prefix, [tiny_model], "--max-backlog", "3")
     try:
         _wait_for_model(api)

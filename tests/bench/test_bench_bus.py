@@ -12,9 +12,21 @@ from pathlib import Path
 def test_quick_bus_bench_writes_json_and_png(tmp_path: Path, redis_server: object) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "splitbus.cli.main", "bench", "bus", "--quick", "--out", str(out),
-         "--redis-url", redis_server.url],  # type: ignore[attr-defined]
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "splitbus.cli.main",
+            "bench",
+            "bus",
+            "--quick",
+            "--out",
+            str(out),
+            "--redis-url",
+            redis_server.url,
+        ],  # type: ignore[attr-defined]
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "bench_bus.json").read_text())

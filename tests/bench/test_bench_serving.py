@@ -18,15 +18,31 @@ from splitbus.bench.serve import RequestResult, ServeConfig, make_trace, summari
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 
-VLLM_FIELDS = ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-               "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms")
+VLLM_FIELDS = (
+    "completed",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "p99_e2el_ms",
+)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "bench", *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitbus.cli.main", "bench", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = args[0]
     assert (out / f"bench_{name}.png").read_bytes()[:8] == PNG
@@ -34,8 +50,25 @@ def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:
 
 
 def test_serve_compares_the_stack_with_the_engine_driven_directly(tmp_path: Path) -> None:
-    report = _bench(tmp_path, "serve", "--num-prompts", "12", "--request-rate", "20", "inf", "--input-len", "32", "--output-len", "8")
-    assert [(r["path"], r["request_rate"]) for r in report["runs"]] == [("direct", 20.0), ("splitbus", 20.0), ("direct", "inf"), ("splitbus", "inf")]
+    report = _bench(
+        tmp_path,
+        "serve",
+        "--num-prompts",
+        "12",
+        "--request-rate",
+        "20",
+        "inf",
+        "--input-len",
+        "32",
+        "--output-len",
+        "8",
+    )
+    assert [(r["path"], r["request_rate"]) for r in report["runs"]] == [
+        ("direct", 20.0),
+        ("splitbus", 20.0),
+        ("direct", "inf"),
+        ("splitbus", "inf"),
+    ]
     for run in report["runs"]:
         assert run["completed"] == 12 and run["failed"] == 0, run.get("errors")
         assert all(field in run for field in VLLM_FIELDS)
@@ -48,7 +81,18 @@ def test_serve_measures_a_running_deployment(tmp_path: Path) -> None:
 
     system = start_system(tmp_path / "up")
     try:
-        report = _bench(tmp_path, "serve", "--base-url", system.base_url, "--num-prompts", "6", "--request-rate", "inf", "--output-len", "5")
+        report = _bench(
+            tmp_path,
+            "serve",
+            "--base-url",
+            system.base_url,
+            "--num-prompts",
+            "6",
+            "--request-rate",
+            "inf",
+            "--output-len",
+            "5",
+        )
         wrong_model = _bench_fails(tmp_path, "serve", "--base-url", system.base_url, "--model", "nope")
     finally:
         assert stop_system(system) == []
@@ -64,15 +108,35 @@ def test_serve_says_when_the_deployment_is_unreachable(tmp_path: Path) -> None:
 
 
 def _bench_fails(tmp_path: Path, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "bench", *args, "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitbus.cli.main", "bench", *args, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def test_scheduler_bench_places_every_request(tmp_path: Path, redis_server: Any) -> None:
-    report = _bench(tmp_path, "scheduler", "--redis-url", redis_server.url, "--workers", "8", "--replicas", "1", "2",
-                    "--rate", "100", "--paced-requests", "60", "--flood-requests", "300")
+    report = _bench(
+        tmp_path,
+        "scheduler",
+        "--redis-url",
+        redis_server.url,
+        "--workers",
+        "8",
+        "--replicas",
+        "1",
+        "2",
+        "--rate",
+        "100",
+        "--paced-requests",
+        "60",
+        "--flood-requests",
+        "300",
+    )
     assert [r["replicas"] for r in report["results"]] == [1, 2]
     for r in report["results"]:
         assert r["paced"]["placed"] == 60 and r["flood"]["placed"] == 300
@@ -81,7 +145,18 @@ def test_scheduler_bench_places_every_request(tmp_path: Path, redis_server: Any)
 
 def test_api_bench_counts_tokens_and_connections(tmp_path: Path, redis_server: Any) -> None:
     # CLIENT LIST counts the connections: an admin command, beyond the splitbus user
-    report = _bench(tmp_path, "api", "--redis-url", redis_server.admin_url, "--streams", "40", "--tokens", "12", "--client-processes", "2")
+    report = _bench(
+        tmp_path,
+        "api",
+        "--redis-url",
+        redis_server.admin_url,
+        "--streams",
+        "40",
+        "--tokens",
+        "12",
+        "--client-processes",
+        "2",
+    )
     assert report["completed"] == 40 and report["tokens"] == 40 * 12 and not report["errors"]
     assert 1 <= report["api_redis_connections_peak"] <= 8
 
@@ -111,20 +186,26 @@ def test_an_unreachable_redis_is_a_clear_error(tmp_path: Path, bench: str) -> No
     assert "splitbus bench: cannot reach Redis at redis://127.0.0.1:1/0" in out
 
 
-async def test_scheduler_bench_reports_a_stall_instead_of_hanging(redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_scheduler_bench_reports_a_stall_instead_of_hanging(
+    redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(scheduler_bench, "_placing_s", lambda requests: 0.3)
     bus = BusConfig(redis_url=redis_server.url, prefix=f"stall{uuid.uuid4().hex[:6]}")
     redis = connect(bus)
     try:
         workers = scheduler_bench.FakeWorkers(redis, bus, 2)  # and no scheduler to place on them
         with pytest.raises(scheduler_bench.SchedulerStalled, match="none of 5 flood requests was placed"):
-            await scheduler_bench._flood(redis, bus, workers, scheduler_bench.SchedulerBenchConfig(workers=2, flood_requests=5))
+            await scheduler_bench._flood(
+                redis, bus, workers, scheduler_bench.SchedulerBenchConfig(workers=2, flood_requests=5)
+            )
     finally:
         await redis.aclose()
 
 
 def test_stagger_bench_refuses_bad_options_and_empty_traces(tmp_path: Path) -> None:
-    assert "--duration and --process-duration must be positive" in _bench_fails(tmp_path, "stagger", "--process-duration", "0")
+    assert "--duration and --process-duration must be positive" in _bench_fails(
+        tmp_path, "stagger", "--process-duration", "0"
+    )
     assert "--process-ranks >= 0" in _bench_fails(tmp_path, "stagger", "--process-ranks", "-2")
     assert "--process-repeats must be >= 1" in _bench_fails(tmp_path, "stagger", "--process-repeats", "0")
     out = _bench_fails(tmp_path, "stagger", "--process-ranks", "0", "--sim-ranks", "1", "--duration", "0.001")

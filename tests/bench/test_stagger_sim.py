@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from splitbus.bench import report, stagger_sim
-from splitbus.bench.stagger import ALIGN_MS, MAX_WAIT_S, MODES, SIM_LOADS, ProcessRuns, StaggerBenchConfig, run_stagger_bench, scaled_costs
+from splitbus.bench.stagger import (
+    ALIGN_MS,
+    MAX_WAIT_S,
+    MODES,
+    SIM_LOADS,
+    ProcessRuns,
+    StaggerBenchConfig,
+    run_stagger_bench,
+    scaled_costs,
+)
 from splitbus.bench.stagger_sim import GroupFull, GroupSimulation, TraceRequest, poisson_trace
 
 
@@ -47,11 +56,17 @@ def test_a_request_that_fits_nowhere_is_an_error_not_a_drop(monkeypatch: pytest.
 
 
 def test_the_report_has_the_promised_fields_a_table_and_a_plot(tmp_path: Path) -> None:
-    result = run_stagger_bench(StaggerBenchConfig((4,), process_ranks=0, duration_s=1.0, seed=1), progress=lambda _: None)
+    result = run_stagger_bench(
+        StaggerBenchConfig((4,), process_ranks=0, duration_s=1.0, seed=1), progress=lambda _: None
+    )
     assert {(r["load"], r["mode"]) for r in result["results"]} == {(load, mode) for load in SIM_LOADS for mode in MODES}
     for row in result["results"]:
         assert row["backend"] == "simulation" and row["ranks"] == 4 and row["cost_scale"] == 1.0
-        assert 0 <= row["idle_forward_ratio"] <= 1 and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["throughput_tok_s"] > 0
+        assert (
+            0 <= row["idle_forward_ratio"] <= 1
+            and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+            and row["throughput_tok_s"] > 0
+        )
     report.stagger_plot(result, tmp_path / "stagger.png")
     assert (tmp_path / "stagger.png").stat().st_size > 10_000
 
@@ -61,10 +76,14 @@ def test_time_scaled_costs_scale_every_time_in_the_simulation(staggered: bool) -
     trace = poisson_trace(40.0, 2.0, seed=5)
     slow_trace = [TraceRequest(t.arrival_s * 4, t.prompt_tokens, t.output_tokens) for t in trace]
     fast = GroupSimulation(4, staggered=staggered, seed=5).run(trace)
-    slow = GroupSimulation(4, staggered=staggered, seed=5, costs=scaled_costs(4.0), max_wait_s=4 * MAX_WAIT_S, align_ms=4 * ALIGN_MS).run(slow_trace)
+    slow = GroupSimulation(
+        4, staggered=staggered, seed=5, costs=scaled_costs(4.0), max_wait_s=4 * MAX_WAIT_S, align_ms=4 * ALIGN_MS
+    ).run(slow_trace)
     # Costs, gaps and the window's bounds all 4x: the same run, 4x slower (what the process backend
     # relies on), up to the simulation's fixed 1 us tick while only the window holds work.
-    assert slow.ttft_p50_s == pytest.approx(4 * fast.ttft_p50_s, rel=1e-4) and slow.idle_forward_ratio == pytest.approx(fast.idle_forward_ratio)
+    assert slow.ttft_p50_s == pytest.approx(4 * fast.ttft_p50_s, rel=1e-4) and slow.idle_forward_ratio == pytest.approx(
+        fast.idle_forward_ratio
+    )
 
 
 def test_process_runs_pool_every_repeat(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 
 
-async def test_concurrent_commands_share_a_pipeline_and_get_their_own_replies(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_concurrent_commands_share_a_pipeline_and_get_their_own_replies(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     batcher = Batcher(redis)
     key = f"{bus_config.prefix}:n"
     replies = await asyncio.gather(*(batcher.call("incr", key) for _ in range(50)))

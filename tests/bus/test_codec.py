@@ -10,8 +10,12 @@ from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, Sam
 
 def _request(**overrides: object) -> GenerateRequest:
     fields = dict(
-        request_id="r1", model="m", prompt_token_ids=[1, 2, 3],
-        sampling=SamplingParams(max_tokens=4, seed=7, stop=["\n"]), api_node="api-1", deadline_ms=1,
+        request_id="r1",
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=4, seed=7, stop=["\n"]),
+        api_node="api-1",
+        deadline_ms=1,
     )
     fields.update(overrides)
     return GenerateRequest(**fields)  # type: ignore[arg-type]
@@ -118,9 +122,11 @@ def test_request_fields_are_bounded(sampling: dict[str, object], why: str) -> No
 
 
 def test_prompt_ids_and_deadline_are_bounded() -> None:
-    for field, value, why in (("prompt_token_ids", [2**31], "prompt_token_ids must hold integers"),
-                              ("deadline_ms", 2**60, "deadline_ms must be <="),
-                              ("request_id", "r" * 257, "request_id must be at most 256")):
+    for field, value, why in (
+        ("prompt_token_ids", [2**31], "prompt_token_ids must hold integers"),
+        ("deadline_ms", 2**60, "deadline_ms must be <="),
+        ("request_id", "r" * 257, "request_id must be at most 256"),
+    ):
         data = orjson.loads(orjson.dumps(_request()))
         data[field] = value
         with pytest.raises(DecodeError, match=why):

@@ -15,12 +15,21 @@ from splitbus.bus.connection import forever, is_transient
     [
         (OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), True),
         # What Redis 6.2 answers when a script meets maxmemory (measured on the test server).
-        (ResponseError("Error running script (call to f_bd6f): @user_script:1: @user_script: 1: "
-                       "-OOM command not allowed when used memory > 'maxmemory'."), True),
-        (ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT."),
-         True),
-        (ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist"),
-         True),
+        (
+            ResponseError(
+                "Error running script (call to f_bd6f): @user_script:1: @user_script: 1: "
+                "-OOM command not allowed when used memory > 'maxmemory'."
+            ),
+            True,
+        ),
+        (
+            ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT."),
+            True,
+        ),
+        (
+            ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist"),
+            True,
+        ),
         (ResponseError("NOREPLICAS Not enough good replicas to write."), True),
         (BusyLoadingError("Redis is loading the dataset in memory"), True),
         (ReadOnlyError("You can't write against a read only replica."), True),

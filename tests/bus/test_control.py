@@ -47,9 +47,17 @@ async def test_a_command_gets_its_result_on_its_reply_stream(redis: aioredis.Red
     assert 0 < ttl <= REPLY_TTL_S
 
 
-@pytest.mark.parametrize(("cmd", "error"), [("nope", "unknown command 'nope'; known: echo, refuse, crash"),
-                                           ("refuse", "not today"), ("crash", "RuntimeError: boom")])
-async def test_failures_get_an_error_reply_and_the_server_goes_on(redis: aioredis.Redis, bus_config: BusConfig, cmd: str, error: str) -> None:
+@pytest.mark.parametrize(
+    ("cmd", "error"),
+    [
+        ("nope", "unknown command 'nope'; known: echo, refuse, crash"),
+        ("refuse", "not today"),
+        ("crash", "RuntimeError: boom"),
+    ],
+)
+async def test_failures_get_an_error_reply_and_the_server_goes_on(
+    redis: aioredis.Redis, bus_config: BusConfig, cmd: str, error: str
+) -> None:
     _, task = await _serving(redis, bus_config)
     failed = await call(redis, bus_config, "w1", cmd)
     after = await call(redis, bus_config, "w1", "echo")
@@ -58,7 +66,9 @@ async def test_failures_get_an_error_reply_and_the_server_goes_on(redis: aioredi
     assert after.ok
 
 
-async def test_malformed_commands_with_a_task_id_get_an_error_reply(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_malformed_commands_with_a_task_id_get_an_error_reply(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     server, task = await _serving(redis, bus_config)
     await redis.xadd(server.stream, {"type": "command", "data": orjson.dumps({"task_id": "t-bad", "cmd": 7})})
     await redis.xadd(server.stream, {"type": "cancel", "data": orjson.dumps({"task_id": "t-wrong", "request_id": "r"})})

@@ -32,7 +32,9 @@ async def test_register_heartbeat_and_snapshot(redis: aioredis.Redis, bus_config
     assert abs(server_ms - (time_s * 1000 + time_us // 1000)) < 5000  # the server's clock
 
 
-async def test_a_taken_task_moves_from_reserved_to_the_reported_load(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_a_taken_task_moves_from_reserved_to_the_reported_load(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     registry = Registry(redis, bus_config)
     await registry.register(_record("m1", "mixed"), lease_ms=5000)
     for name, amount in (("reserved_prefill_tokens", 300), ("reserved_requests", 2), ("reserved_kv_blocks", 30)):
@@ -44,7 +46,9 @@ async def test_a_taken_task_moves_from_reserved_to_the_reported_load(redis: aior
     assert worker.reserved == Reserved(200, 1, 20)
 
 
-async def test_snapshot_is_one_round_trip(redis: aioredis.Redis, bus_config: BusConfig, redis_admin: sync_redis.Redis) -> None:
+async def test_snapshot_is_one_round_trip(
+    redis: aioredis.Redis, bus_config: BusConfig, redis_admin: sync_redis.Redis
+) -> None:
     registry = Registry(redis, bus_config)
     for i in range(20):
         await registry.register(_record(f"w{i}"), lease_ms=5000)
@@ -90,7 +94,9 @@ async def test_snapshot_skips_a_partial_record(redis: aioredis.Redis, bus_config
     assert [w.record.worker_id for w in await registry.snapshot()] == ["whole"]
 
 
-async def test_forward_ends_are_read_fresh_and_zero_when_never_announced(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_forward_ends_are_read_fresh_and_zero_when_never_announced(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     registry = Registry(redis, bus_config)
     for worker_id in ("r0", "r1"):
         await registry.register(_record(worker_id, "mixed"), lease_ms=5000)

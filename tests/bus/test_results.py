@@ -162,7 +162,9 @@ async def test_subscribing_wakes_a_blocked_reader(redis_server: object, redis: a
         await reader.close()
 
 
-async def test_a_failed_flush_keeps_its_entries(redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader) -> None:
+async def test_a_failed_flush_keeps_its_entries(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
     sub = await reader.subscribe("r-keep")
     writer = ResultWriter(redis, bus_config)
     writer.open("r-keep")

@@ -168,7 +168,9 @@ async def test_read_without_block_and_read_within_a_wait(redis: aioredis.Redis, 
     assert [d.message.request_id for d in got] == ["r1"]
 
 
-async def test_batched_producer_shares_pipelines_between_concurrent_sends(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+async def test_batched_producer_shares_pipelines_between_concurrent_sends(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     producer = Producer(redis, bus_config, batched=True)
     ids = await asyncio.gather(*(producer.send(bus_config.keys.requests, _msg(i)) for i in range(100)))
     assert len(set(ids)) == 100
@@ -208,7 +210,8 @@ async def test_restarted_consumer_dead_letters_its_pending_entry_past_max_delive
     assert runs == [["r1"], ["r1"], ["r1"], ["r2"]]
     letters = await _dead_letters(redis, config)
     assert [(d.reason, d.deliveries) for d in letters] == [
-        ("max_deliveries: delivered 4 times (bound 3) without an ack", 4)]
+        ("max_deliveries: delivered 4 times (bound 3) without an ack", 4)
+    ]
     assert [request_id for request_id, _ in told] == ["r1"]  # its client can be told
     pending = await redis.xpending_range(config.keys.requests, GROUP, "-", "+", 10)
     assert [p["times_delivered"] for p in pending] == [1]  # only r2, delivered once
@@ -261,7 +264,8 @@ async def test_claim_from_takes_every_entry_of_one_consumer_once(redis: aioredis
 
 
 async def test_forget_deletes_only_a_consumer_with_nothing_pending(
-        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     busy, idle = await _consumer(redis, bus_config, "busy"), await _consumer(redis, bus_config, "idle")
     assert await idle.consumers() == []
     await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(1))

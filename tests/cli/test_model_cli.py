@@ -30,7 +30,9 @@ def test_worker_with_a_bad_model_folder_exits_naming_the_problem(tmp_path: Path,
     config = json.loads((folder / "config.json").read_text())
     config["hidden_size"] = 128
     (folder / "config.json").write_text(json.dumps(config))
-    out = _run("worker", "--role", "mixed", "--engine", "paddle", "--model", str(folder), "--redis-url", redis_server.url)  # type: ignore[attr-defined]
+    out = _run(
+        "worker", "--role", "mixed", "--engine", "paddle", "--model", str(folder), "--redis-url", redis_server.url
+    )  # type: ignore[attr-defined]
     assert out.returncode == 2
     assert "tensor model.embed_tokens.weight has shape [259, 256], expected [259, 128]" in out.stdout
 
@@ -40,6 +42,13 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "bench_engine.json").read_text())
     (tiny,) = report["results"]
-    for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "kv_export_gb_s", "kv_import_gb_s"):
+    for key in (
+        "prefill_tok_s",
+        "decode_b1_tok_s",
+        "decode_b8_tok_s",
+        "decode_b32_tok_s",
+        "kv_export_gb_s",
+        "kv_import_gb_s",
+    ):
         assert tiny[key] > 0
     assert (tmp_path / "bench_engine.png").read_bytes()[:4] == b"\x89PNG"

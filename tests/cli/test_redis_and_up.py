@@ -7,14 +7,13 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 import redis
 
-from splitbus.redis_server import embedded_url, find_redis_cli
+from splitbus.redis_server import embedded_url
 from tests.test_redis_server import _wait_gone
 
 SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]
@@ -37,7 +36,9 @@ def _kill_leftovers() -> Iterator[None]:
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("SPLITBUS_REDIS_URL", None)
-    proc = subprocess.Popen(SPLITBUS + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        SPLITBUS + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     _STARTED.append(proc)
     return proc
 
@@ -122,7 +123,9 @@ def test_second_redis_on_same_data_dir_is_refused(tmp_path: Path) -> None:
 
 
 def test_bad_prefix_in_environment_is_a_clear_error() -> None:
-    proc = subprocess.run(SPLITBUS + ["redis"], capture_output=True, text=True, env={**os.environ, "SPLITBUS_PREFIX": "a b"}, timeout=30)
+    proc = subprocess.run(
+        SPLITBUS + ["redis"], capture_output=True, text=True, env={**os.environ, "SPLITBUS_PREFIX": "a b"}, timeout=30
+    )
     assert proc.returncode == 2
     assert "SPLITBUS_PREFIX" in proc.stderr
 
@@ -145,8 +148,15 @@ def test_status_finds_the_embedded_redis_of_the_data_folder(tmp_path: Path) -> N
     server = _start(["redis", "--data-dir", str(tmp_path)], tmp_path)
     _read_until(server, r"Redis ready at")
     try:
-        proc = subprocess.run(SPLITBUS + ["status", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=30,
-                              env={k: v for k, v in os.environ.items() if k != "SPLITBUS_REDIS_URL"} | {"SPLITBUS_DATA_DIR": str(tmp_path)})
+        proc = subprocess.run(
+            SPLITBUS + ["status", "--json"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if k != "SPLITBUS_REDIS_URL"}
+            | {"SPLITBUS_DATA_DIR": str(tmp_path)},
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert '"workers": []' in proc.stdout
     finally:

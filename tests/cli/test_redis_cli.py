@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -36,8 +36,13 @@ def _environment(**extra: str) -> dict[str, str]:
 
 def _cli(server: EmbeddedRedis, *args: str) -> subprocess.CompletedProcess[str]:
     data_dir = str(server.data_dir.parent)
-    return subprocess.run([*SPLITBUS, "redis-cli", *args], capture_output=True, text=True, timeout=30,
-                          env=_environment(SPLITBUS_DATA_DIR=data_dir))
+    return subprocess.run(
+        [*SPLITBUS, "redis-cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_environment(SPLITBUS_DATA_DIR=data_dir),
+    )
 
 
 def test_ping_answers_pong_from_the_data_folder(server: EmbeddedRedis) -> None:
@@ -48,8 +53,9 @@ def test_ping_answers_pong_from_the_data_folder(server: EmbeddedRedis) -> None:
 def test_data_dir_option_and_redis_cli_options_pass_through(server: EmbeddedRedis, tmp_path: Path) -> None:
     server.admin_client().xadd("t-cli:dead", {"f": "v"})
     argv = ["redis-cli", "--data-dir", str(server.data_dir.parent), "--no-raw", "XLEN", "t-cli:dead"]
-    done = subprocess.run([*SPLITBUS, *argv], capture_output=True, text=True, timeout=30, cwd=tmp_path,
-                          env=_environment())
+    done = subprocess.run(
+        [*SPLITBUS, *argv], capture_output=True, text=True, timeout=30, cwd=tmp_path, env=_environment()
+    )
     assert (done.returncode, done.stdout.strip()) == (0, "(integer) 1"), done.stderr
 
 
@@ -63,8 +69,12 @@ def test_admin_command_needs_admin(server: EmbeddedRedis) -> None:
 def test_the_password_goes_in_the_environment_not_argv(server: EmbeddedRedis) -> None:
     password = server.password_path.read_text().strip()
     blocking = ["XREAD", "BLOCK", "0", "STREAMS", "t-cli:never", "$"]  # keeps redis-cli running to be looked at
-    proc = subprocess.Popen([*SPLITBUS, "redis-cli", *blocking], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_environment(SPLITBUS_DATA_DIR=str(server.data_dir.parent)))
+    proc = subprocess.Popen(
+        [*SPLITBUS, "redis-cli", *blocking],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_environment(SPLITBUS_DATA_DIR=str(server.data_dir.parent)),
+    )
     try:
         cmdline = _wait_for_exec(proc.pid)
         assert password not in cmdline
@@ -91,16 +101,26 @@ def test_exit_code_and_errors_are_redis_clis(server: EmbeddedRedis) -> None:
 
 
 def test_no_embedded_redis_for_admin_is_one_clear_line(tmp_path: Path) -> None:
-    done = subprocess.run([*SPLITBUS, "redis-cli", "--admin", "--data-dir", str(tmp_path), "PING"],
-                          capture_output=True, text=True, timeout=30, env=_environment())
+    done = subprocess.run(
+        [*SPLITBUS, "redis-cli", "--admin", "--data-dir", str(tmp_path), "PING"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_environment(),
+    )
     assert done.returncode == 2 and done.stdout == ""
     message = f"no embedded Redis recorded in {tmp_path / 'redis'}: start `splitbus up`, or pass --data-dir"
     assert done.stderr == f"splitbus redis-cli: {message}\n"
 
 
 def test_admin_with_an_explicit_url_is_refused() -> None:
-    done = subprocess.run([*SPLITBUS, "redis-cli", "--admin", "PING"], capture_output=True, text=True, timeout=30,
-                          env=_environment(SPLITBUS_REDIS_URL="redis://u:hunter2hunter2@127.0.0.1:1/0"))
+    done = subprocess.run(
+        [*SPLITBUS, "redis-cli", "--admin", "PING"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_environment(SPLITBUS_REDIS_URL="redis://u:hunter2hunter2@127.0.0.1:1/0"),
+    )
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "--admin" in done.stderr
     assert "hunter2" not in done.stderr
 
@@ -109,24 +129,31 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parse(build_parser(Env()), list(argv))
 
 
-@pytest.mark.parametrize("argv, admin, url, rest", [
-    (["XINFO", "GROUPS", "sb:requests"], False, None, ["XINFO", "GROUPS", "sb:requests"]),
-    (["--admin", "--no-raw", "XLEN", "sb:dead"], True, None, ["--no-raw", "XLEN", "sb:dead"]),
-    (["--redis-url=redis://h:1/0", "-n", "2", "--admin"], False, "redis://h:1/0", ["-n", "2", "--admin"]),
-    (["--redis-url", "redis://h:1/0", "--", "--admin"], False, "redis://h:1/0", ["--admin"]),
-    ([], False, None, []),
-])
-def test_splitbus_options_come_first_the_rest_is_kept(argv: list[str], admin: bool, url: str | None,
-                                                      rest: list[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, admin, url, rest",
+    [
+        (["XINFO", "GROUPS", "sb:requests"], False, None, ["XINFO", "GROUPS", "sb:requests"]),
+        (["--admin", "--no-raw", "XLEN", "sb:dead"], True, None, ["--no-raw", "XLEN", "sb:dead"]),
+        (["--redis-url=redis://h:1/0", "-n", "2", "--admin"], False, "redis://h:1/0", ["-n", "2", "--admin"]),
+        (["--redis-url", "redis://h:1/0", "--", "--admin"], False, "redis://h:1/0", ["--admin"]),
+        ([], False, None, []),
+    ],
+)
+def test_splitbus_options_come_first_the_rest_is_kept(
+    argv: list[str], admin: bool, url: str | None, rest: list[str]
+) -> None:
     args = _parse(*argv)
     assert (args.admin, args.redis_url, args.cli_args) == (admin, url, rest)
 
 
-@pytest.mark.parametrize("url, options, password", [
-    ("redis://splitbus:p%40ss@127.0.0.1:6400/0", ["-h", "127.0.0.1", "-p", "6400", "--user", "splitbus"], "p@ss"),
-    ("rediss://:pw@db.example:7000/3", ["-h", "db.example", "-p", "7000", "--tls", "-n", "3"], "pw"),
-    ("unix:///run/redis.sock", ["-s", "/run/redis.sock"], None),
-    ("redis://localhost", ["-h", "localhost", "-p", "6379"], None),
-])
+@pytest.mark.parametrize(
+    "url, options, password",
+    [
+        ("redis://splitbus:p%40ss@127.0.0.1:6400/0", ["-h", "127.0.0.1", "-p", "6400", "--user", "splitbus"], "p@ss"),
+        ("rediss://:pw@db.example:7000/3", ["-h", "db.example", "-p", "7000", "--tls", "-n", "3"], "pw"),
+        ("unix:///run/redis.sock", ["-s", "/run/redis.sock"], None),
+        ("redis://localhost", ["-h", "localhost", "-p", "6379"], None),
+    ],
+)
 def test_connection_options_from_a_url(url: str, options: list[str], password: str | None) -> None:
     assert connection_options(url) == (options, password)

@@ -45,8 +45,16 @@ def test_two_schedulers_started_while_redis_is_loading_come_up(tmp_path: Path) -
     server.start(wait=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITBUS_")}
     env |= {"SPLITBUS_REDIS_URL": server.url, "SPLITBUS_PREFIX": "loading", "PYTHONUNBUFFERED": "1"}
-    schedulers = [subprocess.Popen(SPLITBUS + ["scheduler", "--name", f"s{i}"], env=env, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    schedulers = [
+        subprocess.Popen(
+            SPLITBUS + ["scheduler", "--name", f"s{i}"],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         assert _saw_loading(server.url, 10), "Redis never answered LOADING: the test would prove nothing"
         server.wait_ready(60)

@@ -29,9 +29,17 @@ def _environ(pid: int) -> dict[str, str]:
 @pytest.mark.timeout(120)
 def test_up_passes_secrets_through_the_environment_only(tmp_path: Path) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITBUS_")} | {"SPLITBUS_API_KEYS": KEY, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(SPLITBUS + ["up", "--engine", "sim", "--port", str(port), "--data-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITBUS_")} | {
+        "SPLITBUS_API_KEYS": KEY,
+        "PYTHONUNBUFFERED": "1",
+    }
+    proc = subprocess.Popen(
+        SPLITBUS + ["up", "--engine", "sim", "--port", str(port), "--data-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     out: list[str] = []
     try:
         assert proc.stdout is not None

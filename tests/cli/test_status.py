@@ -23,8 +23,9 @@ async def _worker_with_tasks(redis: aioredis.Redis, config: BusConfig, registry:
     await redis.xgroup_create(config.keys.tasks(worker_id), WORKER_GROUP, id="0", mkstream=True)
 
 
-async def test_status_lists_this_runs_workers_and_their_task_streams(redis: aioredis.Redis,
-                                                                     bus_config: BusConfig) -> None:
+async def test_status_lists_this_runs_workers_and_their_task_streams(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     registry = Registry(redis, bus_config)
     for worker_id in ("live", "died", "stopped"):
         await _worker_with_tasks(redis, bus_config, registry, worker_id)
@@ -41,8 +42,9 @@ async def test_status_lists_this_runs_workers_and_their_task_streams(redis: aior
 
 def test_status_watch_into_a_pipe_closed_early_ends_quietly(bus_config: BusConfig) -> None:
     env = {**os.environ, "SPLITBUS_REDIS_URL": bus_config.redis_url, "SPLITBUS_PREFIX": bus_config.prefix}
-    proc = subprocess.Popen([*SPLITBUS, "status", "--watch", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [*SPLITBUS, "status", "--watch", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.readline().startswith("WORKER")  # what `| head -1` reads, then it exits
     proc.stdout.close()

@@ -76,7 +76,8 @@ def test_the_wait_resets_after_a_stable_run(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.timeout(60)
 def test_a_killed_child_is_named_with_its_signal_and_comes_back_with_its_environment(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code = "import os, time; print('secret', os.environ['SB_TEST_SECRET'] == 'hush', flush=True); time.sleep(60)"
     supervisor = Supervisor(FAST, command=_python(code))
     child = supervisor.start("worker0", [], {"SB_TEST_SECRET": "hush"})
@@ -97,7 +98,8 @@ def test_a_killed_child_is_named_with_its_signal_and_comes_back_with_its_environ
 
 @pytest.mark.timeout(60)
 def test_exit_code_2_is_not_restarted_and_an_api_that_cannot_start_stops_the_system(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     supervisor = Supervisor(FAST, command=_python("import sys; sys.exit(2)"))
     api = supervisor.start("api", [])
     api.proc.wait(30)
@@ -140,5 +142,7 @@ def test_an_exit_code_with_a_meaning_is_said_with_it(capsys: pytest.CaptureFixtu
             out += capsys.readouterr().out
     finally:
         supervisor.stop()
-    assert re.search(r"^rank0 exited with code 3 \(DP group g0 is broken\) after [\d.]+s; restarting it in", out, re.M), out
+    assert re.search(
+        r"^rank0 exited with code 3 \(DP group g0 is broken\) after [\d.]+s; restarting it in", out, re.M
+    ), out
     assert re.search(r"^other exited with code 3 after", out, re.M), out

@@ -30,8 +30,9 @@ def _run_printed(line: str) -> subprocess.CompletedProcess[str]:
     argv = shlex.split(line)
     assert argv[0] == "splitbus", line
     env = {k: v for k, v in os.environ.items() if k not in ("SPLITBUS_REDIS_URL", "SPLITBUS_DATA_DIR")}
-    return subprocess.run([sys.executable, "-m", "splitbus.cli.main", *argv[1:]], capture_output=True, text=True,
-                          timeout=30, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "splitbus.cli.main", *argv[1:]], capture_output=True, text=True, timeout=30, env=env
+    )
 
 
 @pytest.mark.timeout(150)

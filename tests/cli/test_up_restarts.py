@@ -51,8 +51,15 @@ def test_up_restarts_each_kind_of_part(tmp_path: Path) -> None:
     system = start_system(tmp_path, "--request-timeout", "60", environ={"SPLITBUS_API_KEYS": KEY})
     try:
         _completes(system, 1)
-        for seed, (name, pattern) in enumerate([("decode0", r"--role decode"), ("prefill0", r"--role prefill"),
-                                                ("scheduler", r"main scheduler "), ("api", r"main api ")], 2):
+        for seed, (name, pattern) in enumerate(
+            [
+                ("decode0", r"--role decode"),
+                ("prefill0", r"--role prefill"),
+                ("scheduler", r"main scheduler "),
+                ("api", r"main api "),
+            ],
+            2,
+        ):
             _kill_and_see_restart(system, name, pattern)
             _completes(system, seed)
         api = system.pid_of(r"main api ")
@@ -78,7 +85,7 @@ def test_ctrl_c_with_a_restart_pending_stops_everything(tmp_path: Path) -> None:
     assert system.proc.returncode == 0
     time.sleep(0.3)  # the relay threads' last lines
     out = "".join(system.output[mark:])
-    assert "restarted" not in out[out.index("stopped (SIGINT)"):], out  # nothing started once stopping
+    assert "restarted" not in out[out.index("stopped (SIGINT)") :], out  # nothing started once stopping
 
 
 @pytest.mark.timeout(120)

@@ -35,8 +35,15 @@ def _compose(**variables: str) -> subprocess.CompletedProcess[str]:
             pytest.fail("docker-compose is not installed (.ci/run installs Debian's package)")
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITBUS_")} | variables
-    return subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60, check=False)
+    return subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
 
 
 def _compose_config(**variables: str) -> dict:
@@ -102,8 +109,8 @@ def test_the_compose_redis_acl_is_the_embedded_one() -> None:
     listed = re.search(r'COMMANDS="([^"]*)"', script)
     assert listed is not None
     assert listed.group(1).replace("\\\n", " ").split() == [f"+{c}" for c in SPLITBUS_COMMANDS]
-    assert "-@all $COMMANDS" in script and 'user default reset off' in script
-    assert "requirepass" not in script and "redis-server \"$conf\"" in script  # no password on argv
+    assert "-@all $COMMANDS" in script and "user default reset off" in script
+    assert "requirepass" not in script and 'redis-server "$conf"' in script  # no password on argv
 
 
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils")
@@ -115,7 +122,8 @@ def test_the_compose_redis_starts_locked_down(tmp_path: Path) -> None:
     port = free_port()
     (tmp_path / "docker-entrypoint.sh").write_text(
         f'#!/bin/sh\nshift\nsed -i "s#^appendonly yes#appendonly no#" "$1"\necho "port {port}" >> "$1"\n'
-        f'exec {find_redis_server()} "$1"\n')
+        f'exec {find_redis_server()} "$1"\n'
+    )
     os.chmod(tmp_path / "docker-entrypoint.sh", 0o755)
     script = ENTRYPOINT.read_text().replace("conf=/tmp/redis.conf", f"conf={tmp_path}/redis.conf")
     (tmp_path / "entry.sh").write_text(script)
@@ -144,7 +152,9 @@ def test_the_compose_redis_starts_locked_down(tmp_path: Path) -> None:
 
 
 def test_environment_switches_engine_and_model() -> None:
-    services = _compose_config(SPLITBUS_ENGINE="sim", SPLITBUS_MODEL="/models/qwen", SPLITBUS_MODELS_DIR="/srv/hf")["services"]
+    services = _compose_config(SPLITBUS_ENGINE="sim", SPLITBUS_MODEL="/models/qwen", SPLITBUS_MODELS_DIR="/srv/hf")[
+        "services"
+    ]
     for name in ("prefill", "decode"):
         command = services[name]["command"]
         assert command[command.index("--engine") + 1] == "sim"
@@ -154,7 +164,9 @@ def test_environment_switches_engine_and_model() -> None:
 
 
 def test_the_dockerfile_is_slim_and_runs_as_a_user() -> None:
-    lines = [line.split() for line in (ROOT / "Dockerfile").read_text().splitlines() if line and not line.startswith("#")]
+    lines = [
+        line.split() for line in (ROOT / "Dockerfile").read_text().splitlines() if line and not line.startswith("#")
+    ]
     assert lines[0][0] == "FROM" and lines[0][1].endswith("-slim")
     user = [words[1] for words in lines if words[0] == "USER"]
     assert user and user[-1] != "root"
@@ -167,10 +179,19 @@ class Deployment:
     and every port a free one."""
 
     def __init__(self, services: dict, redis_url: str, prefix: str) -> None:
-        self.ports = {name: {"8000": str(free_port()), "9100": str(free_port()), "7000": str(free_port())} for name in PARTS}
-        self.env = {**os.environ, **services["api"]["environment"], "SPLITBUS_REDIS_URL": redis_url, "SPLITBUS_PREFIX": prefix}
+        self.ports = {
+            name: {"8000": str(free_port()), "9100": str(free_port()), "7000": str(free_port())} for name in PARTS
+        }
+        self.env = {
+            **os.environ,
+            **services["api"]["environment"],
+            "SPLITBUS_REDIS_URL": redis_url,
+            "SPLITBUS_PREFIX": prefix,
+        }
         self.api_key = services["api"]["environment"]["SPLITBUS_API_KEYS"]
-        self.procs = {name: self._start(name, services[name]["command"]) for name in ("scheduler", "prefill", "decode", "api")}
+        self.procs = {
+            name: self._start(name, services[name]["command"]) for name in ("scheduler", "prefill", "decode", "api")
+        }
         self.services = services
 
     def local(self, name: str, words: list[str]) -> list[str]:
@@ -189,8 +210,13 @@ class Deployment:
         args = self.local(name, command)
         if "--transfer-advertise-host" in args:
             args[args.index("--transfer-advertise-host") + 1] = "127.0.0.1"
-        return subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], env=self.env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "splitbus.cli.main", *args],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
 
     def healthy(self, name: str) -> bool:
         test = self.local(name, self.services[name]["healthcheck"]["test"][1:])
@@ -234,7 +260,11 @@ def test_the_compose_commands_serve_a_request(deployment: Deployment) -> None:
     client = openai.OpenAI(base_url=f"{api}/v1", api_key=deployment.api_key, max_retries=0, timeout=60)
     reply = client.completions.create(model="tiny", prompt="compose", max_tokens=6, seed=3)
     assert reply.choices[0].text == sim_text(3, 6)
-    scheduler_metrics = urllib.request.urlopen(f"http://127.0.0.1:{deployment.ports['scheduler']['9100']}/metrics", timeout=5).read().decode()
+    scheduler_metrics = (
+        urllib.request.urlopen(f"http://127.0.0.1:{deployment.ports['scheduler']['9100']}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
     assert 'splitbus_scheduler_dispatches_total{outcome="dispatched"} 1.0' in scheduler_metrics
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 from unittest import SkipTest
 
 import pytest
@@ -101,7 +101,8 @@ def test_every_transcript_is_a_console_block(page: str) -> None:
     document = Document(Path(ROOT / page).read_text(), str(ROOT / page))
     lexer = FencedCodeBlockLexer(language=r"[\w-]*")
     wrong = [
-        document.line_column(region.start) for region in lexer(document)
+        document.line_column(region.start)
+        for region in lexer(document)
         if region.lexemes["language"] != "console" and str(region.lexemes["source"]).startswith("$ ")
     ]
     assert wrong == [], f"{page}: transcripts not tagged console at {wrong}"

@@ -4,8 +4,8 @@ output no longer matches the page (the pages' own run is test_pages.py)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 from unittest import SkipTest
 
 import pytest
@@ -62,7 +62,7 @@ def test_the_shell_keeps_variables_and_merges_stderr(shell: Shell) -> None:
 
 def test_the_api_address_is_the_systems_and_prints_as_the_pages(shell: Shell) -> None:
     assert shell.run("echo http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1\n"
-    assert shell.run("echo \"$(echo 127.0.0.1:8000 | tr -d .)\"") == "127001:54321\n"
+    assert shell.run('echo "$(echo 127.0.0.1:8000 | tr -d .)"') == "127001:54321\n"
     assert shell.run("python3 -c \"print(('127.0.0.1', 8000)[1])\"") == "54321\n"
 
 
@@ -72,11 +72,14 @@ def test_a_command_that_hangs_times_out(shell: Shell) -> None:
 
 
 def test_a_page_block_fails_when_its_output_changed_and_skips_with_its_reason(tmp_path: Path, shell: Shell) -> None:
-    document = _page(tmp_path, (
-        "```console\n$ echo one\none\n```\n\n"
-        "```console\n$ echo two\nthree\n```\n\n"
-        '<!-- skip: next "needs a GPU" -->\n\n```console\n$ false\nnever run\n```\n'
-    ))
+    document = _page(
+        tmp_path,
+        (
+            "```console\n$ echo one\none\n```\n\n"
+            "```console\n$ echo two\nthree\n```\n\n"
+            '<!-- skip: next "needs a GPU" -->\n\n```console\n$ false\nnever run\n```\n'
+        ),
+    )
     examples = list(document)
     for example in examples:
         example.namespace["shell"] = shell

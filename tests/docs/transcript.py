@@ -107,8 +107,13 @@ class Shell:
     def __init__(self, cwd: Path, env: dict[str, str], api_port: int) -> None:
         self.api, self.api_pair = f"127.0.0.1:{api_port}", f"('127.0.0.1', {api_port})"
         self._proc = subprocess.Popen(
-            ["bash", "--norc", "--noprofile"], cwd=cwd, env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            ["bash", "--norc", "--noprofile"],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

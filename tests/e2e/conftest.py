@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import redis
@@ -94,7 +94,18 @@ def start_system(data_dir: Path, *args: str, environ: dict[str, str] | None = No
         env.pop(name, None)
     env.update(environ or {})
     engine = [] if "--engine" in args else ["--engine", "sim"]
-    cmd = [sys.executable, "-m", "splitbus.cli.main", "up", *engine, "--port", str(port), "--data-dir", str(data_dir), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitbus.cli.main",
+        "up",
+        *engine,
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        *args,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     system = System(proc, f"http://127.0.0.1:{port}", "")
     try:

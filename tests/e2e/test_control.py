@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.control import call
 from splitbus.bus.connection import connect
+from splitbus.bus.control import call
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.redis_server import EmbeddedRedis, free_port
 from splitbus.worker.sim import sim_text
@@ -42,19 +42,40 @@ class Workers:
 
 def _worker(role: str, worker_id: str, model: Path, url: str, prefix: str, *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "SPLITBUS_PREFIX": prefix, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "splitbus.cli.main", "worker", "--role", role, "--engine", "sim", "--model", str(model),
-           "--redis-url", url, "--worker-id", worker_id, "--kv-blocks", "512", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitbus.cli.main",
+        "worker",
+        "--role",
+        role,
+        "--engine",
+        "sim",
+        "--model",
+        str(model),
+        "--redis-url",
+        url,
+        "--worker-id",
+        worker_id,
+        "--kv-blocks",
+        "512",
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
 def workers(redis_server: EmbeddedRedis, tiny_model: Path) -> Iterator[Workers]:
     prefix, port = f"c{uuid.uuid4().hex[:8]}", free_port()
-    procs = [_worker("prefill", "p0", tiny_model, redis_server.url, prefix, "--metrics-port", str(port)),
-             _worker("decode", "d0", tiny_model, redis_server.url, prefix)]
+    procs = [
+        _worker("prefill", "p0", tiny_model, redis_server.url, prefix, "--metrics-port", str(port)),
+        _worker("decode", "d0", tiny_model, redis_server.url, prefix),
+    ]
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     deadline = time.monotonic() + 60
-    while client.zcard(f"{prefix}:workers") < 2 or not all(client.exists(f"{prefix}:lease:{{{w}}}") for w in ("p0", "d0")):
+    while client.zcard(f"{prefix}:workers") < 2 or not all(
+        client.exists(f"{prefix}:lease:{{{w}}}") for w in ("p0", "d0")
+    ):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "workers did not register"
         time.sleep(0.1)
     yield Workers(redis_server.url, prefix, port, procs)
@@ -93,16 +114,21 @@ async def test_get_metrics_is_the_workers_prometheus_text(workers: Workers) -> N
 async def test_connect_rdma_connects_and_records_the_link(workers: Workers) -> None:
     reply = await _call(workers, "p0", "connect_rdma", {"decode_worker": "d0"})
     assert reply.ok and reply.result["state"] == "connected"
-    link = redis.Redis.from_url(workers.redis_url, decode_responses=True).hgetall(f"{workers.prefix}:rdma:{{p0}}:{{d0}}")
+    link = redis.Redis.from_url(workers.redis_url, decode_responses=True).hgetall(
+        f"{workers.prefix}:rdma:{{p0}}:{{d0}}"
+    )
     assert link["state"] == "connected" and link["prefill"] == "p0" and link["decode"] == "d0"
 
 
-@pytest.mark.parametrize(("worker", "args", "error"), [
-    ("d0", {"decode_worker": "p0"}, "d0 is a decode worker; send connect_rdma to the prefill worker"),
-    ("p0", {}, "connect_rdma needs args.decode_worker"),
-    ("p0", {"decode_worker": "nobody"}, "no live worker 'nobody' in the registry"),
-    ("p0", {"decode_worker": "p0"}, "p0 is a prefill worker with no KV endpoint to connect to"),
-])
+@pytest.mark.parametrize(
+    ("worker", "args", "error"),
+    [
+        ("d0", {"decode_worker": "p0"}, "d0 is a decode worker; send connect_rdma to the prefill worker"),
+        ("p0", {}, "connect_rdma needs args.decode_worker"),
+        ("p0", {"decode_worker": "nobody"}, "no live worker 'nobody' in the registry"),
+        ("p0", {"decode_worker": "p0"}, "p0 is a prefill worker with no KV endpoint to connect to"),
+    ],
+)
 async def test_connect_rdma_failures_say_why(workers: Workers, worker: str, args: dict, error: str) -> None:
     reply = await _call(workers, worker, "connect_rdma", args)
     assert not reply.ok and error in reply.error
@@ -126,16 +152,22 @@ class Listener:
 
 
 @pytest.mark.parametrize("decode_worker", ["d0", "nobody"])
-async def test_connect_rdma_to_an_unregistered_endpoint_is_refused_unconnected(workers: Workers, decode_worker: str) -> None:
+async def test_connect_rdma_to_an_unregistered_endpoint_is_refused_unconnected(
+    workers: Workers, decode_worker: str
+) -> None:
     # The attack: make P connect (and later send KV) to a host:port of the caller's choosing.
     listener = Listener()
     endpoint = await listener.start()
     try:
         reply = await _call(workers, "p0", "connect_rdma", {"decode_worker": decode_worker, "endpoint": endpoint})
         assert not reply.ok and listener.connections == 0
-        expected = f"{endpoint!r} is not d0's registered KV endpoint" if decode_worker == "d0" else "no live worker 'nobody'"
+        expected = (
+            f"{endpoint!r} is not d0's registered KV endpoint" if decode_worker == "d0" else "no live worker 'nobody'"
+        )
         assert expected in reply.error
-        recorded = redis.Redis.from_url(workers.redis_url, decode_responses=True).hgetall(f"{workers.prefix}:rdma:{{p0}}:{{{decode_worker}}}")
+        recorded = redis.Redis.from_url(workers.redis_url, decode_responses=True).hgetall(
+            f"{workers.prefix}:rdma:{{p0}}:{{{decode_worker}}}"
+        )
         assert recorded.get("endpoint") != endpoint  # no link to it was even requested
     finally:
         listener.server.close()
@@ -157,23 +189,49 @@ async def test_a_registered_worker_that_refuses_the_connection_is_recorded_as_fa
 
 
 def test_the_external_dispatcher_example_drives_a_request_through_p_and_d(workers: Workers) -> None:
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--redis-url", workers.redis_url, "--prefix", workers.prefix,
-                          "--max-tokens", "9", "--seed", "42"], capture_output=True, text=True, timeout=90, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--redis-url",
+            workers.redis_url,
+            "--prefix",
+            workers.prefix,
+            "--max-tokens",
+            "9",
+            "--seed",
+            "42",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "p0 -> d0: connected" in out.stdout
     tokens = [line for line in out.stdout.splitlines() if line.startswith("token ")]
     assert len(tokens) >= 2  # the first token from P, the rest from D
     final = out.stdout.splitlines()[-1]
     assert final.startswith("final ") and '"finish_reason": "length"' in final and '"completion_tokens": 9' in final
-    text = "".join(json.loads(line.split(" ", 1)[1])["text"] for line in out.stdout.splitlines() if line.startswith(("token ", "final ")))
+    text = "".join(
+        json.loads(line.split(" ", 1)[1])["text"]
+        for line in out.stdout.splitlines()
+        if line.startswith(("token ", "final "))
+    )
     assert text == sim_text(42, 9)
 
 
 def test_splitbus_ctl_prints_the_reply_and_exits_by_it(workers: Workers) -> None:
     def ctl(*args: str) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "SPLITBUS_PREFIX": workers.prefix}
-        return subprocess.run([sys.executable, "-m", "splitbus.cli.main", "ctl", *args, "--redis-url", workers.redis_url],
-                              capture_output=True, text=True, timeout=30, env=env, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "splitbus.cli.main", "ctl", *args, "--redis-url", workers.redis_url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+            check=False,
+        )
 
     payload = ctl("p0", "get_payload")
     assert payload.returncode == 0 and json.loads(payload.stdout)["result"]["role"] == "prefill"

@@ -64,11 +64,20 @@ def _assert_lock_step(system) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_a_dead_rank_breaks_the_group_with_a_clear_error(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--dp", "4", "--worker-arg=--dp-barrier-timeout", "--worker-arg=2",
-                          "--scheduler-arg=--no-worker-wait", "--scheduler-arg=2")
+    system = start_system(
+        tmp_path,
+        "--dp",
+        "4",
+        "--worker-arg=--dp-barrier-timeout",
+        "--worker-arg=2",
+        "--scheduler-arg=--no-worker-wait",
+        "--scheduler-arg=2",
+    )
     try:
         client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
-        assert client.completions.create(model="tiny", prompt="x", max_tokens=3, seed=2).choices[0].text == sim_text(2, 3)
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=3, seed=2).choices[0].text == sim_text(
+            2, 3
+        )
         os.kill(system.pid_of(r"--dp-rank 2"), signal.SIGKILL)
         started = time.monotonic()
         try:
@@ -84,7 +93,9 @@ def test_a_dead_rank_breaks_the_group_with_a_clear_error(tmp_path: Path) -> None
             time.sleep(0.2)
             output = "".join(system.output)
         assert re.search(r"DP group g0 is broken: rank\(s\) \[2\] did not (reach|finish) step \d+ within 2s", output)
-        system.wait_output(r"^rank[013] exited with code 3 \(DP group g0 is broken: a rank died or hung; ")  # up says so
+        system.wait_output(
+            r"^rank[013] exited with code 3 \(DP group g0 is broken: a rank died or hung; "
+        )  # up says so
     finally:
         stop_system(system)
 

@@ -33,8 +33,19 @@ from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.worker.sim import sim_text
-from splitbus.worker.transfer import (ACK, HEADER, HELLO, KV, MAGIC, MAX_PAYLOAD, Refused, TransferClient,
-                                      TransferError, read_frame, write_frame)
+from splitbus.worker.transfer import (
+    ACK,
+    HEADER,
+    HELLO,
+    KV,
+    MAGIC,
+    MAX_PAYLOAD,
+    Refused,
+    TransferClient,
+    TransferError,
+    read_frame,
+    write_frame,
+)
 
 PROMPT = [72, 105, 33]
 KV_BYTES_PER_TOKEN = 4096  # the sim engine's default: the KV P sends is len(PROMPT) * this
@@ -48,8 +59,24 @@ class Pair:
 
 def _worker(role: str, worker_id: str, model: Path, bus: BusConfig) -> subprocess.Popen[bytes]:
     env = {**os.environ, "SPLITBUS_PREFIX": bus.prefix, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "splitbus.cli.main", "worker", "--role", role, "--engine", "sim",
-           "--model", str(model), "--redis-url", bus.redis_url, "--worker-id", worker_id, "--kv-blocks", "512"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitbus.cli.main",
+        "worker",
+        "--role",
+        role,
+        "--engine",
+        "sim",
+        "--model",
+        str(model),
+        "--redis-url",
+        bus.redis_url,
+        "--worker-id",
+        worker_id,
+        "--kv-blocks",
+        "512",
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
@@ -79,8 +106,14 @@ async def r(pair: Pair) -> AsyncIterator[aioredis.Redis]:
 
 
 def request(request_id: str, max_tokens: int = 8, seed: int = 5) -> dict[str, Any]:
-    return {"request_id": request_id, "model": "tiny", "prompt_token_ids": PROMPT, "api_node": "test",
-            "sampling": {"max_tokens": max_tokens, "seed": seed, "temperature": 0.0}, "deadline_ms": 0}
+    return {
+        "request_id": request_id,
+        "model": "tiny",
+        "prompt_token_ids": PROMPT,
+        "api_node": "test",
+        "sampling": {"max_tokens": max_tokens, "seed": seed, "temperature": 0.0},
+        "deadline_ms": 0,
+    }
 
 
 async def add_task(r: aioredis.Redis, bus: BusConfig, worker: str, phase: str, peer: str, req: dict[str, Any]) -> None:
@@ -161,14 +194,21 @@ async def inject(endpoint: str, request_id: str, meta: dict[str, Any], payload: 
 
 
 async def test_frames_without_the_reservations_secret_are_refused_and_the_real_p_completes(
-        pair: Pair, r: aioredis.Redis) -> None:
+    pair: Pair, r: aioredis.Redis
+) -> None:
     bus, rid = pair.bus, f"inj-{uuid.uuid4().hex[:8]}"
     reservation = await reserve(r, bus, rid)
     endpoint = await endpoint_of(r, bus)
     sim_kv = b"\0" * (len(PROMPT) * KV_BYTES_PER_TOKEN)
     good = {"output_token_ids": [97], "next_seq": 1}
-    for meta in (good, {**good, "next_seq": -1}, {**good, "next_seq": 1000}, {"next_seq": 1},
-                 {"output_token_ids": [97] * 100_000, "next_seq": 1}, {**good, "proof": "0" * 64}):
+    for meta in (
+        good,
+        {**good, "next_seq": -1},
+        {**good, "next_seq": 1000},
+        {"next_seq": 1},
+        {"output_token_ids": [97] * 100_000, "next_seq": 1},
+        {**good, "proof": "0" * 64},
+    ):
         ack = await inject(endpoint, rid, meta)
         assert ack["ok"] is False and "not from its prefill worker with the reservation's secret" in ack["error"]
     with pytest.raises(Refused, match="reservation's secret"):  # a guessed secret, by the real client
@@ -182,18 +222,22 @@ async def test_frames_without_the_reservations_secret_are_refused_and_the_real_p
     await at_baseline(bus, r)
 
 
-@pytest.mark.parametrize(("meta", "problem"), [
-    ({"output_token_ids": [97], "next_seq": -1}, "next_seq must be 1"),
-    ({"output_token_ids": [97], "next_seq": 1000}, "next_seq must be 1"),
-    ({"output_token_ids": [97], "next_seq": "1"}, "next_seq must be 1"),
-    ({"next_seq": 1}, "output_token_ids must be a non-empty list"),
-    ({"output_token_ids": [], "next_seq": 1}, "output_token_ids must be a non-empty list"),
-    ({"output_token_ids": [97] * 100_000, "next_seq": 100_000}, "holds 100000 tokens; expected 1 to 7"),
-    ({"output_token_ids": [4294967296], "next_seq": 1}, "output_token_ids must hold integers in [0,"),
-    ({"output_token_ids": [-1], "next_seq": 1}, "output_token_ids must hold integers in [0,"),
-])
+@pytest.mark.parametrize(
+    ("meta", "problem"),
+    [
+        ({"output_token_ids": [97], "next_seq": -1}, "next_seq must be 1"),
+        ({"output_token_ids": [97], "next_seq": 1000}, "next_seq must be 1"),
+        ({"output_token_ids": [97], "next_seq": "1"}, "next_seq must be 1"),
+        ({"next_seq": 1}, "output_token_ids must be a non-empty list"),
+        ({"output_token_ids": [], "next_seq": 1}, "output_token_ids must be a non-empty list"),
+        ({"output_token_ids": [97] * 100_000, "next_seq": 100_000}, "holds 100000 tokens; expected 1 to 7"),
+        ({"output_token_ids": [4294967296], "next_seq": 1}, "output_token_ids must hold integers in [0,"),
+        ({"output_token_ids": [-1], "next_seq": 1}, "output_token_ids must hold integers in [0,"),
+    ],
+)
 async def test_a_proven_frame_with_bad_meta_fails_the_request_frees_its_blocks_and_d_serves_on(
-        pair: Pair, r: aioredis.Redis, meta: dict[str, Any], problem: str) -> None:
+    pair: Pair, r: aioredis.Redis, meta: dict[str, Any], problem: str
+) -> None:
     # A buggy or compromised P: it holds the secret, and sends what P never would.
     bus, rid = pair.bus, f"bad-{uuid.uuid4().hex[:8]}"
     reservation = await reserve(r, bus, rid)
@@ -274,8 +318,13 @@ async def test_a_proven_frame_larger_than_the_reserved_blocks_fails_the_request(
     blocks = int(reservation["blocks"])
     client = TransferClient("p0", 10)
     with pytest.raises(TransferError):  # Refused, or the reset of the connection D closed
-        await client.send(await endpoint_of(r, bus), rid, {"output_token_ids": [97], "next_seq": 1},
-                          bytes(blocks * 16 * KV_BYTES_PER_TOKEN + 1), reservation["secret"])
+        await client.send(
+            await endpoint_of(r, bus),
+            rid,
+            {"output_token_ids": [97], "next_seq": 1},
+            bytes(blocks * 16 * KV_BYTES_PER_TOKEN + 1),
+            reservation["secret"],
+        )
     await client.close()
     _, last = await outcome(r, bus, rid)
     assert isinstance(last, Failed) and last.code == "kv_rejected" and "more than the" in last.message

@@ -66,7 +66,10 @@ def _serve(tmp_path: Path, model_dir: Path, *args: str) -> list[str]:
         texts = asyncio.run(_ask_all(system))
         client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
         chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=6, stream=True, seed=1))
-        assert sum(1 for c in chunks if c.choices[0].text) >= 1 and chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert sum(1 for c in chunks if c.choices[0].text) >= 1 and chunks[-1].choices[0].finish_reason in (
+            "length",
+            "stop",
+        )
         return texts
     finally:
         assert stop_system(system) == []

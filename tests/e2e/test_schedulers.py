@@ -15,6 +15,7 @@ from tests.e2e.conftest import start_system, stop_system
 def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path) -> None:
     system = start_system(tmp_path, "--schedulers", "2")
     try:
+
         async def run() -> list[str]:
             client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=120)
             sem = asyncio.Semaphore(64)

@@ -17,19 +17,25 @@ def _client(system: System) -> openai.OpenAI:
 
 
 def test_streamed_chat_and_completion(system: System) -> None:
-    chunks = list(_client(system).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=20, seed=11, stream=True
-    ))
+    chunks = list(
+        _client(system).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=20, seed=11, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == sim_text(11, 20)
     assert chunks[-1].choices[0].finish_reason == "length"
-    completion = list(_client(system).completions.create(model="tiny", prompt="Hello", max_tokens=7, seed=5, stream=True))
+    completion = list(
+        _client(system).completions.create(model="tiny", prompt="Hello", max_tokens=7, seed=5, stream=True)
+    )
     assert "".join(c.choices[0].text for c in completion) == sim_text(5, 7)
 
 
 def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
-        stream = await client.completions.create(model="tiny", prompt=f"request {i}", max_tokens=10 + i, seed=1000 + i, stream=True)
+        stream = await client.completions.create(
+            model="tiny", prompt=f"request {i}", max_tokens=10 + i, seed=1000 + i, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     async def all_of_them() -> list[str]:
@@ -85,7 +91,9 @@ def test_dead_decode_worker_gives_a_clear_error_not_a_hang(tmp_path: Path) -> No
     system = start_system(tmp_path, "--worker-arg=--kv-wait", "--worker-arg=2")
     try:
         client = _client(system)
-        assert client.completions.create(model="tiny", prompt="x", max_tokens=3, seed=1).choices[0].text == sim_text(1, 3)
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=3, seed=1).choices[0].text == sim_text(
+            1, 3
+        )
         import os
         import signal
 
@@ -120,8 +128,12 @@ def test_status_json_against_the_live_system(system: System) -> None:
     import sys
 
     _client(system).completions.create(model="tiny", prompt="status", max_tokens=3)
-    out = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "status", "--json", "--redis-url", system.redis_url],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "splitbus.cli.main", "status", "--json", "--redis-url", system.redis_url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     assert {(w["role"], w["alive"]) for w in status["workers"]} == {("prefill", True), ("decode", True)}
@@ -130,6 +142,10 @@ def test_status_json_against_the_live_system(system: System) -> None:
     assert [(g["group"], g["pending"]) for g in requests["groups"]] == [("schedulers", 0)]
     assert {s["stream"].split(":")[1] for s in status["streams"]} == {"requests", "tasks"}
     assert [link["state"] for link in status["links"]] == ["connected"]
-    text = subprocess.run([sys.executable, "-m", "splitbus.cli.main", "status", "--redis-url", system.redis_url],
-                          capture_output=True, text=True, timeout=30).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "splitbus.cli.main", "status", "--redis-url", system.redis_url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
     assert "P-D links:" in text and "connected" in text and "sb:requests" in text

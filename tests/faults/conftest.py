@@ -12,9 +12,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis as sync_redis
@@ -71,10 +72,19 @@ class Bus:
     parts: list[Part] = field(default_factory=list)
 
     def start(self, *args: str, ready: str) -> Part:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITBUS_PREFIX": self.keys.prefix,
-               "SPLITBUS_REDIS_URL": self.redis_url}
-        proc = subprocess.Popen([sys.executable, "-m", "splitbus.cli.main", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env)
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "SPLITBUS_PREFIX": self.keys.prefix,
+            "SPLITBUS_REDIS_URL": self.redis_url,
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "splitbus.cli.main", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         part = Part(proc)
         self.parts.append(part)
         part.reader = threading.Thread(target=part.output.extend, args=(proc.stdout,), daemon=True)
@@ -83,9 +93,21 @@ class Bus:
         return part
 
     def worker(self, worker_id: str, *args: str) -> Part:
-        return self.start("worker", "--role", "mixed", "--engine", "sim", "--model", str(self.model),
-                          "--served-model-name", "tiny", "--worker-id", worker_id, *args,
-                          ready=f"worker {worker_id} .* ready")
+        return self.start(
+            "worker",
+            "--role",
+            "mixed",
+            "--engine",
+            "sim",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            "tiny",
+            "--worker-id",
+            worker_id,
+            *args,
+            ready=f"worker {worker_id} .* ready",
+        )
 
     def scheduler(self, *args: str) -> Part:
         return self.start("scheduler", "--mode", "mixed", "--name", f"s-{uuid.uuid4().hex[:6]}", *args, ready="started")
@@ -102,8 +124,10 @@ class Bus:
 
     def outcome(self, request_id: str, timeout_s: float = 30) -> Any:
         """The terminal entry of a request (Finished or Failed), waiting for it; None if none came."""
+
         def terminal() -> Any:
             return next((e for e in self.results(request_id) if isinstance(e, (Finished, Failed))), None)
+
         return wait_until(terminal, timeout_s)
 
     def text(self, request_id: str) -> str:

@@ -20,8 +20,8 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import openai
 import redis
@@ -113,8 +113,16 @@ class Log:
 
 def plan(config: RunConfig) -> list[Fault]:
     rng = random.Random(config.seed)
-    return [Fault(rng.uniform(*config.gap_s), rng.choice(("kill", "stop")), rng.choice(tuple(ROLES)),
-                  rng.randrange(2), rng.uniform(*config.stop_s)) for _ in range(config.faults)]
+    return [
+        Fault(
+            rng.uniform(*config.gap_s),
+            rng.choice(("kill", "stop")),
+            rng.choice(tuple(ROLES)),
+            rng.randrange(2),
+            rng.uniform(*config.stop_s),
+        )
+        for _ in range(config.faults)
+    ]
 
 
 def request(seed: int, index: int) -> Request:
@@ -126,8 +134,9 @@ def request(seed: int, index: int) -> Request:
 class FaultRun:
     """``pids_of(pattern)``: the live pids of `up`'s children whose command line matches."""
 
-    def __init__(self, config: RunConfig, base_url: str, admin: redis.Redis,
-                 pids_of: Callable[[str], list[int]]) -> None:
+    def __init__(
+        self, config: RunConfig, base_url: str, admin: redis.Redis, pids_of: Callable[[str], list[int]]
+    ) -> None:
         self.config, self.base_url, self.admin, self.pids_of = config, base_url, admin, pids_of
         self.log = Log()
         self.stopped: set[int] = set()
@@ -170,8 +179,9 @@ class FaultRun:
     @staticmethod
     async def _one(client: openai.AsyncOpenAI, outcome: Outcome) -> str:
         r = outcome.request
-        stream = await client.completions.create(model="tiny", prompt=r.prompt, max_tokens=r.max_tokens, seed=r.seed,
-                                                 stream=True)
+        stream = await client.completions.create(
+            model="tiny", prompt=r.prompt, max_tokens=r.max_tokens, seed=r.seed, stream=True
+        )
         parts = []
         async for chunk in stream:
             outcome.request_id = chunk.id
@@ -210,8 +220,10 @@ class FaultRun:
         deadline = time.monotonic() + self.config.recover_s
         while not self._healthy(role):
             if time.monotonic() > deadline:
-                self.log.problems.append(f"{self.log.now():.2f}s: {role} not back to 2 live members "
-                                         f"within {self.config.recover_s:.0f}s of the fault ({self._census(role)})")
+                self.log.problems.append(
+                    f"{self.log.now():.2f}s: {role} not back to 2 live members "
+                    f"within {self.config.recover_s:.0f}s of the fault ({self._census(role)})"
+                )
                 return
             await asyncio.sleep(0.1)
 
@@ -228,8 +240,13 @@ class FaultRun:
         worker's lease outlives it by up to 3 s and must not count)."""
         pids = {str(p) for p in self.pids_of(ROLES[role])}
         ids = [w.decode() for w in self.admin.zrange("sb:workers", 0, -1)]
-        return sum(1 for w in ids if w.rsplit("-", 1)[-1] in pids and self.admin.exists(f"sb:lease:{{{w}}}")
-                   and self.admin.hget(f"sb:worker:{{{w}}}", "role") == role.encode())
+        return sum(
+            1
+            for w in ids
+            if w.rsplit("-", 1)[-1] in pids
+            and self.admin.exists(f"sb:lease:{{{w}}}")
+            and self.admin.hget(f"sb:worker:{{{w}}}", "role") == role.encode()
+        )
 
     def _wake_all(self) -> None:
         for pid in list(self.stopped):
@@ -247,16 +264,20 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 def summary(config: RunConfig, log: Log) -> str:
     bad = [o for o in log.outcomes if not o.exact]
     slowest = max((o.ended_s - o.started_s for o in log.outcomes), default=0.0)
-    lines = [f"fault run seed {config.seed} (replay: SPLITBUS_FAULT_SEED={config.seed}): "
-             f"{len(log.outcomes)} requests, {len(bad)} not exact, "
-             f"{log.injected} faults, slowest request {slowest:.1f}s",
-             *(f"  {f}" for f in log.faults), *(f"  problem: {p}" for p in log.problems)]
+    lines = [
+        f"fault run seed {config.seed} (replay: SPLITBUS_FAULT_SEED={config.seed}): "
+        f"{len(log.outcomes)} requests, {len(bad)} not exact, "
+        f"{log.injected} faults, slowest request {slowest:.1f}s",
+        *(f"  {f}" for f in log.faults),
+        *(f"  problem: {p}" for p in log.problems),
+    ]
     slow = sorted((o for o in log.outcomes if o.exact and o.ended_s - o.started_s > 5), key=lambda o: o.started_s)
     lines += [f"  slow but exact: request {o.request.index} ({o.started_s:.2f}s-{o.ended_s:.2f}s)" for o in slow[:10]]
     for o in bad[:20]:
         got = o.error or f"text {o.text!r} != expected {o.request.expected!r}"
-        lines.append(f"  request {o.request.index} {o.request_id or '(no chunk)'} "
-                     f"({o.started_s:.2f}s-{o.ended_s:.2f}s): {got}")
+        lines.append(
+            f"  request {o.request.index} {o.request_id or '(no chunk)'} ({o.started_s:.2f}s-{o.ended_s:.2f}s): {got}"
+        )
     return "\n".join(lines)
 
 
@@ -280,8 +301,10 @@ def stuck_tasks(admin: redis.Redis, idle_ms: int = 10_000) -> str:
         for row in admin.xpending_range(stream, "workers", min="-", max="+", count=100, idle=idle_ms):
             entry = admin.xrange(stream, row["message_id"], row["message_id"])
             data = entry[0][1].get(b"data", b"")[:160].decode(errors="replace") if entry else "(trimmed)"
-            lines.append(f"  stuck: {stream} {row['message_id'].decode()} with {row['consumer'].decode()}, "
-                         f"idle {row['time_since_delivered'] / 1000:.1f}s, {row['times_delivered']} deliveries: {data}")
+            lines.append(
+                f"  stuck: {stream} {row['message_id'].decode()} with {row['consumer'].decode()}, "
+                f"idle {row['time_since_delivered'] / 1000:.1f}s, {row['times_delivered']} deliveries: {data}"
+            )
     return "\n".join(lines)
 
 

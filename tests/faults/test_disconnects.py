@@ -43,7 +43,9 @@ def _blocks(system: System) -> list[tuple[str, int, int, int]]:
     rows = []
     for wid in r.zrange("sb:workers", 0, -1):
         h = r.hgetall(f"sb:worker:{{{wid}}}")
-        rows.append((h["role"], int(h["free_kv_blocks"]), int(h["total_kv_blocks"]), int(h["running"]) + int(h["waiting"])))
+        rows.append(
+            (h["role"], int(h["free_kv_blocks"]), int(h["total_kv_blocks"]), int(h["running"]) + int(h["waiting"]))
+        )
     return rows
 
 
@@ -72,7 +74,9 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_blocks(tmp
     system = start_system(tmp_path, "--request-timeout", "2", "--worker-arg=--sim-decode-step-ms", "--worker-arg=20")
     try:
         started = time.monotonic()
-        response = httpx.post(system.v1 + "/completions", json={"model": "tiny", "prompt": "slow", "max_tokens": 400}, timeout=30)
+        response = httpx.post(
+            system.v1 + "/completions", json={"model": "tiny", "prompt": "slow", "max_tokens": 400}, timeout=30
+        )
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "deadline"  # the worker's own error, before the API's grace ran out
         assert time.monotonic() - started < 4

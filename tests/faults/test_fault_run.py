@@ -36,8 +36,19 @@ def test_the_plan_and_the_requests_are_the_seeds() -> None:
 def test_randomized_fault_run(tmp_path: Path) -> None:
     config = _config()
     print(f"fault run seed {config.seed}", flush=True)
-    system = start_system(tmp_path, "--prefill", "2", "--decode", "2", "--schedulers", "2", "--request-timeout", "60",
-                          "--worker-arg=--sim-prefill-us-per-token=20000", "--worker-arg=--sim-decode-step-ms=10")
+    system = start_system(
+        tmp_path,
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--schedulers",
+        "2",
+        "--request-timeout",
+        "60",
+        "--worker-arg=--sim-prefill-us-per-token=20000",
+        "--worker-arg=--sim-decode-step-ms=10",
+    )
     try:
         admin = redis.Redis.from_url(system.redis_url)
         log = asyncio.run(FaultRun(config, system.v1, admin, system.pids_of).run())

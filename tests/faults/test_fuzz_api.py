@@ -22,8 +22,12 @@ EXAMPLES = 25
 def test_fuzzing_finds_no_server_error(tmp_path: Path) -> None:
     model = tmp_path / "tiny"  # a short context keeps every generated request quick
     write_byte_level_tokenizer(model)
-    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256}))
-    system = start_system(tmp_path / "up", "--model", str(model), "--worker-arg=--sim-decode-step-ms", "--worker-arg=0.2")
+    (model / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256})
+    )
+    system = start_system(
+        tmp_path / "up", "--model", str(model), "--worker-arg=--sim-decode-step-ms", "--worker-arg=0.2"
+    )
     try:
         schema = schemathesis.openapi.from_url(system.base_url + "/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
@@ -31,10 +35,14 @@ def test_fuzzing_finds_no_server_error(tmp_path: Path) -> None:
         for operation in operations:
             _fuzz(operation, system.base_url)
         statuses = _statuses(system.base_url)
-        assert statuses.get(("/v1/completions", "200"), 0) > 0 and statuses.get(("/v1/completions", "400"), 0) > 0, statuses
+        assert statuses.get(("/v1/completions", "200"), 0) > 0 and statuses.get(("/v1/completions", "400"), 0) > 0, (
+            statuses
+        )
         # /ready answered 503 while `splitbus up` was starting (its probes): only /v1/* counts here.
         assert sum(n for (route, code), n in statuses.items() if route.startswith("/v1/") and code.startswith("5")) == 0
-        reply = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0).completions.create(model="tiny", prompt="x", max_tokens=4, seed=3)
+        reply = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0).completions.create(
+            model="tiny", prompt="x", max_tokens=4, seed=3
+        )
         assert reply.choices[0].text == sim_text(3, 4)
     finally:
         assert stop_system(system) == []
@@ -57,6 +65,9 @@ def _statuses(base_url: str) -> dict[tuple[str, str], float]:
     import httpx
 
     counts: dict[tuple[str, str], float] = {}
-    for route, status, value in re.findall(r'splitbus_api_requests_total\{route="([^"]+)",status="(\d+)"\} ([\d.e+]+)', httpx.get(base_url + "/metrics").text):
+    for route, status, value in re.findall(
+        r'splitbus_api_requests_total\{route="([^"]+)",status="(\d+)"\} ([\d.e+]+)',
+        httpx.get(base_url + "/metrics").text,
+    ):
         counts[(route, status)] = float(value)
     return counts

@@ -30,8 +30,9 @@ async def stream_all(system: System, kill_after_s: float, victim: str) -> tuple[
     async def one(i: int) -> str:
         nonlocal longest
         try:
-            stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, seed=700 + i,
-                                                     stream=True)
+            stream = await client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, seed=700 + i, stream=True
+            )
             text, last = "", time.monotonic()
             async for chunk in stream:
                 text += chunk.choices[0].text

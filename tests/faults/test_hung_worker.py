@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import socket
-import time
 from pathlib import Path
 
 import openai
@@ -26,14 +25,16 @@ STOP_S = 5.0
 """Longer than the 3 s lease: the reaper moves the worker's requests while it is stopped."""
 
 
-async def streams(system: System, seeds: range, max_tokens: int, prompt: int, hang_after_s: float,
-                  victim: str) -> list[str]:
+async def streams(
+    system: System, seeds: range, max_tokens: int, prompt: int, hang_after_s: float, victim: str
+) -> list[str]:
     client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
 
     async def one(seed: int) -> str:
         try:
-            stream = await client.completions.create(model="tiny", prompt=[97] * prompt, max_tokens=max_tokens,
-                                                     seed=seed, stream=True)
+            stream = await client.completions.create(
+                model="tiny", prompt=[97] * prompt, max_tokens=max_tokens, seed=seed, stream=True
+            )
             return "".join([c.choices[0].text async for c in stream])
         except openai.APIError as exc:
             return f"error: {exc}"
@@ -75,8 +76,9 @@ def same_seq_same_tokens(system: System) -> int:
 def rejoined_and_serves(system: System, wid: str) -> None:
     """The woken worker is live again, its blocks all free, and takes new requests."""
     r = system.redis()
-    assert wait_until(lambda: re.search(rf"worker {wid}: \d+ request\(s\) moved away", "".join(system.output)), 15), \
+    assert wait_until(lambda: re.search(rf"worker {wid}: \d+ request\(s\) moved away", "".join(system.output)), 15), (
         "".join(system.output)[-3000:]
+    )
     assert wait_until(lambda: f"worker {wid} rejoined the live set" in "".join(system.output), 15)
     lines = "".join(system.output).splitlines()
     print(*[line.strip() for line in lines if re.search(r"rejoin|moved away|dead: moved", line)], sep="\n")
@@ -88,8 +90,9 @@ def rejoined_and_serves(system: System, wid: str) -> None:
     before = int(r.hget(record, done_field))
     client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=30)
     for seed in range(900, 916):  # placed by load over both workers of its role
-        assert client.completions.create(model="tiny", prompt="again", max_tokens=4, seed=seed).choices[0].text == \
-            sim_text(seed, 4)
+        assert client.completions.create(model="tiny", prompt="again", max_tokens=4, seed=seed).choices[
+            0
+        ].text == sim_text(seed, 4)
     assert wait_until(lambda: int(r.hget(record, done_field)) > before, 5), "the woken worker served nothing"
 
 

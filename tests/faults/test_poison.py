@@ -22,13 +22,25 @@ CRASH = 8  # a token id the sim engine is told to die on (SIGKILL)
 
 @pytest.mark.timeout(120)
 def test_poison_request_is_isolated(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--mixed", "1", f"--worker-arg=--sim-poison-token={POISON}", "--worker-arg=--sim-decode-step-ms", "--worker-arg=10")
+    system = start_system(
+        tmp_path,
+        "--mixed",
+        "1",
+        f"--worker-arg=--sim-poison-token={POISON}",
+        "--worker-arg=--sim-decode-step-ms",
+        "--worker-arg=10",
+    )
     try:
+
         async def run() -> list[object]:
             client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
 
             async def good(i: int) -> str:
-                return (await client.completions.create(model="tiny", prompt=[60, 61, 62], max_tokens=30, seed=i)).choices[0].text
+                return (
+                    (await client.completions.create(model="tiny", prompt=[60, 61, 62], max_tokens=30, seed=i))
+                    .choices[0]
+                    .text
+                )
 
             async def bad() -> object:
                 try:
@@ -48,13 +60,16 @@ def test_poison_request_is_isolated(tmp_path: Path) -> None:
         assert "the engine failed on this request" in str(failure.body)
         letters = [orjson.loads(f["data"]) for _, f in system.redis().xrange("sb:dead")]
         assert [d["reason"].split(":")[0] for d in letters] == ["engine_error"]
-        after = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0).completions.create(model="tiny", prompt="x", max_tokens=3, seed=1)
+        after = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0).completions.create(
+            model="tiny", prompt="x", max_tokens=3, seed=1
+        )
         assert after.choices[0].text == sim_text(1, 3)  # the worker is still serving
     finally:
         assert stop_system(system) == []
 
 
 # ---------------------------------------------------------------- poison tasks on a real worker
+
 
 def _poison_task_data(request_id: str, **fields: object) -> bytes:
     """A task as a forged or corrupted entry carries it: valid but for ``fields``."""
@@ -134,12 +149,14 @@ def test_overdrawn_reservations_are_dead_lettered_and_counters_stay(bus: Bus) ->
     letters = bus.wait_for_dead(2)
     assert letters[0].reason == "undecodable: task: reserved prefill tokens must be <= 4194304, got 1000000000000"
     assert letters[1].reason == (
-        "invalid_task: reserved [1000, 1, 1] exceeds what a mixed task of this request can reserve, [2, 1, 1]")
+        "invalid_task: reserved [1000, 1, 1] exceeds what a mixed task of this request can reserve, [2, 1, 1]"
+    )
     assert wait_until(lambda: _reserved(bus, "w-res") == [0, 0, 0], 10)  # back to baseline, not below
     assert worker.stop() == 0
 
 
 # ---------------------------------------------------------------- poison requests on a real scheduler
+
 
 @pytest.mark.timeout(120)
 def test_scheduler_dead_letters_poison_requests_and_goes_on(bus: Bus) -> None:

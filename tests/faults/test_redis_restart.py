@@ -21,8 +21,15 @@ DEADLINE_S = 15
 def test_redis_restart_mid_run(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path / "redis")  # AOF on, as the embedded Redis of `splitbus up`
     server.start()
-    system = start_system(tmp_path / "up", "--redis-url", server.url, "--request-timeout", str(DEADLINE_S),
-                          "--worker-arg=--sim-decode-step-ms", "--worker-arg=20")
+    system = start_system(
+        tmp_path / "up",
+        "--redis-url",
+        server.url,
+        "--request-timeout",
+        str(DEADLINE_S),
+        "--worker-arg=--sim-decode-step-ms",
+        "--worker-arg=20",
+    )
     try:
         outcomes = asyncio.run(asyncio.wait_for(_run_through_restart(system.v1, server), DEADLINE_S + 30))
         for i, outcome in enumerate(outcomes):
@@ -38,7 +45,9 @@ async def _run_through_restart(base_url: str, server: EmbeddedRedis) -> list[str
 
     async def one(i: int) -> str:
         try:
-            stream = await client.completions.create(model="tiny", prompt="go", max_tokens=100, seed=700 + i, stream=True)
+            stream = await client.completions.create(
+                model="tiny", prompt="go", max_tokens=100, seed=700 + i, stream=True
+            )
             return "".join([c.choices[0].text async for c in stream])
         except openai.APIError as exc:
             return f"error {exc}"
@@ -63,7 +72,9 @@ def _serves_again(base_url: str) -> bool:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            return client.completions.create(model="tiny", prompt="after", max_tokens=5, seed=9).choices[0].text == sim_text(9, 5)
+            return client.completions.create(model="tiny", prompt="after", max_tokens=5, seed=9).choices[
+                0
+            ].text == sim_text(9, 5)
         except openai.APIError:
             time.sleep(0.5)
     return False

@@ -19,12 +19,17 @@ from tests.e2e.conftest import start_system, stop_system
 def test_a_dead_scheduler_loses_no_request(tmp_path: Path) -> None:
     system = start_system(tmp_path, "--schedulers", "2")  # its lease (2 s) frees what it held, not claim-idle
     try:
+
         async def run() -> list[str]:
             client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
 
             async def one(i: int) -> str:
                 await asyncio.sleep(i * 0.005)
-                return (await client.completions.create(model="tiny", prompt=f"r{i}", max_tokens=4, seed=i)).choices[0].text
+                return (
+                    (await client.completions.create(model="tiny", prompt=f"r{i}", max_tokens=4, seed=i))
+                    .choices[0]
+                    .text
+                )
 
             async def kill() -> None:
                 await asyncio.sleep(0.2)

@@ -85,8 +85,9 @@ def dispatches(replica: Replica) -> dict[str, float]:
 
 def blocked_in_read(r: redis.Redis, name: str) -> bool:
     """Whether the replica's connection is blocked in XREADGROUP now (CLIENT LIST, as admin)."""
-    return any(c.get("name") == name and c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "")
-               for c in r.client_list())
+    return any(
+        c.get("name") == name and c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in r.client_list()
+    )
 
 
 def stop_while_blocked(r: redis.Redis, replica: Replica, timeout_s: float = 10) -> None:

@@ -17,11 +17,15 @@ from splitbus.worker.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
 
-async def _streams(system: System, count: int, max_tokens: int, prompt_tokens: int, kill_after_s: float, victim: str) -> list[str]:
+async def _streams(
+    system: System, count: int, max_tokens: int, prompt_tokens: int, kill_after_s: float, victim: str
+) -> list[str]:
     client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=120)
 
     async def one(i: int) -> str:
-        stream = await client.completions.create(model="tiny", prompt=[97] * prompt_tokens, max_tokens=max_tokens, seed=500 + i, stream=True)
+        stream = await client.completions.create(
+            model="tiny", prompt=[97] * prompt_tokens, max_tokens=max_tokens, seed=500 + i, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     async def killer() -> None:

@@ -8,7 +8,9 @@ import pytest
 from splitbus.worker.dp import ForwardClock, StepPlan, bind_late, decide
 
 
-def plan(rank: int, prefill: bool = False, decode: bool = False, waited: float = 0.0, batch: str = "", of: int = 0) -> StepPlan:
+def plan(
+    rank: int, prefill: bool = False, decode: bool = False, waited: float = 0.0, batch: str = "", of: int = 0
+) -> StepPlan:
     return StepPlan(rank, prefill, decode, waited, batch, of)
 
 
@@ -45,7 +47,9 @@ def test_work_that_arrived_after_the_plan_joins_the_step() -> None:
 
 def test_late_binding_keeps_the_group_and_alignment_decisions() -> None:
     idle_group = [plan(0), plan(1)]
-    assert bind_late("none", idle_group[0], plan(0, prefill=True), idle_group, 20.0) == "none"  # nobody steps: next step
+    assert (
+        bind_late("none", idle_group[0], plan(0, prefill=True), idle_group, 20.0) == "none"
+    )  # nobody steps: next step
     waiting = [plan(0, prefill=True, waited=3, batch="b1", of=2), plan(1, decode=True)]
     assert bind_late("idle", waiting[0], waiting[0], waiting, 20.0) == "idle"  # posted its prefill: alignment decided
     part = plan(1, prefill=True, decode=True, waited=1, batch="b2", of=2)  # rank 1's part came after its plan

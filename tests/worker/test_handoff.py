@@ -29,8 +29,9 @@ SECRET = "the-reservations-secret"
 
 def prefill_worker(bus_config: BusConfig, tiny_model: Path, kv_wait_s: float = 30.0) -> Worker:
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
-    config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p1",
-                          kv_wait_s=kv_wait_s)
+    config = WorkerConfig(
+        bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p1", kv_wait_s=kv_wait_s
+    )
     return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
 
 
@@ -50,11 +51,24 @@ async def register_decode(worker: Worker, worker_id: str, endpoint: str) -> None
     await Registry(worker.redis, worker.config.bus).register(record, lease_ms=30_000)
 
 
-async def reservation(worker: Worker, request_id: str, decode_worker: str, endpoint: str, entry: str = "9-0",
-                      handoff: str = "h1", secret: str = SECRET) -> None:
+async def reservation(
+    worker: Worker,
+    request_id: str,
+    decode_worker: str,
+    endpoint: str,
+    entry: str = "9-0",
+    handoff: str = "h1",
+    secret: str = SECRET,
+) -> None:
     """``sb:kv:{request_id}`` as D writes it (an attacker with Redis access can write the same)."""
-    fields = {"decode_worker": decode_worker, "endpoint": endpoint, "secret": secret, "task_entry": entry,
-              "prefill_worker": "p1", "handoff": handoff}
+    fields = {
+        "decode_worker": decode_worker,
+        "endpoint": endpoint,
+        "secret": secret,
+        "task_entry": entry,
+        "prefill_worker": "p1",
+        "handoff": handoff,
+    }
     await worker.redis.hset(worker.keys.kv(request_id), mapping=fields)
 
 
@@ -86,7 +100,11 @@ class NewerDispatch(Decoder):
 
     def __init__(self, bus_config: BusConfig, newer_reservation: bool) -> None:
         super().__init__()
-        self.redis, self.refused, self.newer_reservation = redis.Redis.from_url(bus_config.redis_url), 0, newer_reservation
+        self.redis, self.refused, self.newer_reservation = (
+            redis.Redis.from_url(bus_config.redis_url),
+            0,
+            newer_reservation,
+        )
         self.kv, self.current = bus_config.keys.kv, bus_config.keys.current
 
     def check(self, sender: str, header: Header) -> str | None:
@@ -127,7 +145,8 @@ async def results(worker: Worker, request_id: str) -> list[object]:
 
 
 async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
-        bus_config: BusConfig, tiny_model: Path) -> None:
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
     # A request moved off a dead decode worker: that worker's reservation is still in sb:kv
     # when the new prefill task runs. P must wait for the new decode worker's, not send there.
     worker = prefill_worker(bus_config, tiny_model)
@@ -150,7 +169,8 @@ async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
 
 @pytest.mark.parametrize("older", [{"handoff": "h0"}, {"prefill_worker": "p0-dead"}])
 async def test_prefill_waits_for_its_own_dispatchs_reservation_not_an_older_one(
-        bus_config: BusConfig, tiny_model: Path, older: dict[str, str]) -> None:
+    bus_config: BusConfig, tiny_model: Path, older: dict[str, str]
+) -> None:
     # The same decode worker's reservation, made for an older dispatch of the request (its P
     # died, or the request moved and came back to the same pair): its secret is not this task's,
     # and D would refuse the frame. P waits until D has taken its new task and reserved for it.
@@ -159,6 +179,7 @@ async def test_prefill_waits_for_its_own_dispatchs_reservation_not_an_older_one(
     await register_decode(worker, "d2", "127.0.0.1:2")
     await reservation(worker, "again-1", "d2", "127.0.0.1:2", secret="older-secret")
     await worker.redis.hset(worker.keys.kv("again-1"), mapping=older)
+
     async def new_reservation() -> None:
         await asyncio.sleep(0.2)
         await reservation(worker, "again-1", "d2", "127.0.0.1:2")
@@ -211,7 +232,8 @@ async def test_a_forged_reservation_endpoint_receives_nothing(bus_config: BusCon
 
 
 async def test_a_reservation_for_an_unregistered_decode_worker_is_not_used(
-        bus_config: BusConfig, tiny_model: Path) -> None:
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
     # sb:kv alone, with no registry record behind it, sends nothing either.
     worker, fake = prefill_worker(bus_config, tiny_model, kv_wait_s=0.5), FakeServer()
     forged = await fake.start()
@@ -287,8 +309,9 @@ async def reaped(worker: Worker, request_id: str, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["marked_dead", "task_moved"])
-async def test_a_dead_decode_workers_request_is_left_to_the_reaper(bus_config: BusConfig, tiny_model: Path,
-                                                                    how: str) -> None:
+async def test_a_dead_decode_workers_request_is_left_to_the_reaper(
+    bus_config: BusConfig, tiny_model: Path, how: str
+) -> None:
     # Issue 17: D was killed, its lease lives on (3 s). P must neither fail nor cancel the
     # request: it retries while D's fate is undecided, then lets go once a reaper has D.
     worker = prefill_worker(bus_config, tiny_model)
@@ -306,7 +329,8 @@ async def test_a_dead_decode_workers_request_is_left_to_the_reaper(bus_config: B
 
 
 async def test_a_hung_decode_worker_is_let_go_once_reaped_not_after_the_transfer_timeout(
-        bus_config: BusConfig, tiny_model: Path) -> None:
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
     # A stopped D accepts the connection (its kernel does) and never answers: the send would
     # wait its 10 s timeout. P watches D while it waits and lets go soon after the reaper.
     worker = prefill_worker(bus_config, tiny_model)
@@ -342,7 +366,8 @@ async def test_a_live_decode_workers_refusal_ends_the_request(bus_config: BusCon
 
 @pytest.mark.parametrize("newer_reservation", [True, False])
 async def test_a_refusal_for_a_newer_dispatch_lets_go_without_an_error(
-        bus_config: BusConfig, tiny_model: Path, newer_reservation: bool) -> None:
+    bus_config: BusConfig, tiny_model: Path, newer_reservation: bool
+) -> None:
     # D refused because, as P sent, it took a newer dispatch of the request (a new reservation
     # and secret, or not yet written but the newer dispatch current): the request is that
     # dispatch's now, so P neither fails nor cancels it (its error and cancel would end it).
@@ -361,7 +386,9 @@ async def test_a_refusal_for_a_newer_dispatch_lets_go_without_an_error(
         await close(worker)
 
 
-async def test_a_refusal_with_the_reservation_gone_still_ends_the_request(bus_config: BusConfig, tiny_model: Path) -> None:
+async def test_a_refusal_with_the_reservation_gone_still_ends_the_request(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
     # A reservation gone is no sign of a newer dispatch (D may have given up waiting): with the
     # request's dispatch still current, the refusal ends it with an error its client sees.
     worker, decoder = prefill_worker(bus_config, tiny_model), Refuser()
@@ -380,7 +407,8 @@ async def test_a_refusal_with_the_reservation_gone_still_ends_the_request(bus_co
 
 
 async def test_an_unreachable_decode_worker_that_keeps_its_lease_fails_at_the_kv_wait(
-        bus_config: BusConfig, tiny_model: Path) -> None:
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
     # Never reaped (it heartbeats, but its KV port takes nothing): bounded by --kv-wait.
     worker = prefill_worker(bus_config, tiny_model, kv_wait_s=1.0)
     try:
@@ -417,7 +445,8 @@ async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
 
 
 async def test_a_worker_back_from_a_stop_drops_what_the_reaper_moved_and_rejoins(
-        bus_config: BusConfig, tiny_model: Path) -> None:
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
     worker = decode_worker(bus_config, tiny_model)
     try:
         moved, kept = await decoding(worker, "r-moved", "r-kept")
@@ -455,7 +484,8 @@ async def test_a_worker_back_before_any_reaper_keeps_its_requests(bus_config: Bu
 
 @pytest.mark.parametrize("current", ["h-newer", "h1", None])
 async def test_a_decode_task_of_a_replaced_dispatch_reserves_nothing(
-        bus_config: BusConfig, tiny_model: Path, current: str | None) -> None:
+    bus_config: BusConfig, tiny_model: Path, current: str | None
+) -> None:
     # P died and the reaper moved the request to a new pair before D took its task: nobody
     # will send that task's KV, so D must not hold blocks (and a prefill worker) for it.
     worker = decode_worker(bus_config, tiny_model)
@@ -479,8 +509,9 @@ async def test_a_decode_task_of_a_replaced_dispatch_reserves_nothing(
         await worker.redis.aclose()
 
 
-async def test_a_bug_in_a_hand_off_fails_that_request_alone(bus_config: BusConfig, tiny_model: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_bug_in_a_hand_off_fails_that_request_alone(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # An unexpected error while shipping (here the engine's export) must not leave the task
     # unacked and its blocks held forever: the request fails with its reason, the worker goes on.
     worker, decoder = prefill_worker(bus_config, tiny_model), Decoder()

@@ -20,8 +20,15 @@ async def test_a_prefill_batch_stops_counting_as_queued_while_it_runs(bus_config
     # Schedulers place new work by queued prefill tokens while the batch runs: counted as
     # queued, it steered new work away from this worker until its next report.
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
-    config = WorkerConfig(bus=bus_config, role="mixed", model_dir=tiny_model, model_name="tiny", worker_id="m1",
-                          sim=SimConfig(prefill_s_per_token=0.002), max_prefill_tokens=300)
+    config = WorkerConfig(
+        bus=bus_config,
+        role="mixed",
+        model_dir=tiny_model,
+        model_name="tiny",
+        worker_id="m1",
+        sim=SimConfig(prefill_s_per_token=0.002),
+        max_prefill_tokens=300,
+    )
     worker = Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
     registry = Registry(worker.redis, bus_config)
     for i, tokens in enumerate((200, 100, 150)):  # the first two fit one batch, the third waits

@@ -8,8 +8,8 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import pytest
 import redis
@@ -63,7 +63,8 @@ async def test_a_task_read_while_the_worker_settles_a_lapsed_lease_is_taken(work
 
 
 async def test_tasks_delivered_to_a_read_whose_reply_was_lost_are_taken_once(
-        worker: Worker, bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    worker: Worker, bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # After a stop longer than the socket timeout, redis-py drops the reply of the read that
     # was waiting; Redis has delivered its entries to this worker, and nobody claims a live
     # worker's entries. The worker finds them pending with it and takes them (each once).
@@ -117,8 +118,11 @@ def _stall_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:
     """A worker with a 1 s socket timeout and 300 ms reads, so a stall is short."""
     config = dataclasses.replace(bus_config, socket_timeout_s=1.0, block_ms=300)
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
-    return Worker(WorkerConfig(bus=config, role="prefill", model_dir=tiny_model, model_name="tiny",
-                               worker_id="p-stall"), tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
+    return Worker(
+        WorkerConfig(bus=config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p-stall"),
+        tokenizer,
+        SimEngine(SimConfig(), tokenizer, 64, 16),
+    )
 
 
 async def _running(worker: Worker, *steps: Callable[[], Awaitable[None]]) -> list[asyncio.Task[None]]:
@@ -159,7 +163,8 @@ async def test_a_task_whose_read_timed_out_in_a_stall_is_taken(bus_config: BusCo
 
 
 async def test_a_task_lost_without_an_error_is_found_by_the_periodic_look(
-        bus_config: BusConfig, tiny_model: Path) -> None:
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
     # A reply lost with no error reaching the worker (redis-py answering a timed-out read with
     # its retry's reply, as a client with default retries does): delivered to the worker's
     # consumer, never seen. The periodic look takes it once it is older than a read could be.

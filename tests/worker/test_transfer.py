@@ -12,9 +12,25 @@ import orjson
 import pytest
 
 from splitbus.redis_server import free_port
-from splitbus.worker.transfer import (ACK, HEADER, HELLO, KV, MAGIC, MAX_PAYLOAD, MAX_SKIP, Header, Refused,
-                                      TransferClient, TransferError, TransferServer, Unreachable, kv_proof,
-                                      proof_matches, read_frame, write_frame)
+from splitbus.worker.transfer import (
+    ACK,
+    HEADER,
+    HELLO,
+    KV,
+    MAGIC,
+    MAX_PAYLOAD,
+    MAX_SKIP,
+    Header,
+    Refused,
+    TransferClient,
+    TransferError,
+    TransferServer,
+    Unreachable,
+    kv_proof,
+    proof_matches,
+    read_frame,
+    write_frame,
+)
 
 SECRET = "s3cret"
 
@@ -133,12 +149,15 @@ async def test_corrupt_frame_is_rejected() -> None:
     assert struct.calcsize("!4sBHIQI") == HEADER.size
 
 
-@pytest.mark.parametrize("first", [
-    HEADER.pack(MAGIC, KV, 1, 2, 0, 0) + b"r{}",  # KV before any HELLO
-    HEADER.pack(b"HTTP", HELLO, 2, 2, 0, 0) + b"p1{}",
-    HEADER.pack(MAGIC, HELLO, 2, 2, 5, 0) + b"p1{}",  # a HELLO with a payload
-    HEADER.pack(MAGIC, HELLO, 2, 4, 0, 0) + b"p1\xff{}\x00",  # meta that is not JSON
-])
+@pytest.mark.parametrize(
+    "first",
+    [
+        HEADER.pack(MAGIC, KV, 1, 2, 0, 0) + b"r{}",  # KV before any HELLO
+        HEADER.pack(b"HTTP", HELLO, 2, 2, 0, 0) + b"p1{}",
+        HEADER.pack(MAGIC, HELLO, 2, 2, 5, 0) + b"p1{}",  # a HELLO with a payload
+        HEADER.pack(MAGIC, HELLO, 2, 4, 0, 0) + b"p1\xff{}\x00",  # meta that is not JSON
+    ],
+)
 async def test_a_connection_must_open_with_a_plain_hello(first: bytes) -> None:
     receiver = Receiver({"r"})
     server, endpoint = await serve(receiver)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import socket
 import os
+import socket
 from dataclasses import dataclass, field
 
 from splitbus.bus.config import BusConfig

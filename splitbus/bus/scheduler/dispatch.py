@@ -72,28 +72,56 @@ class Dispatcher:
         self._batcher = Batcher(redis)
         self._ttl = dispatched_ttl_s
 
-    async def dispatch(self, entry_id: str, request: GenerateRequest, placements: list[Placement],
-                       consumer: str = "") -> int:
+    async def dispatch(
+        self, entry_id: str, request: GenerateRequest, placements: list[Placement], consumer: str = ""
+    ) -> int:
         """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
         pending with it) or DUPLICATE. The tasks' hand-off id becomes the request's current one."""
         mark = self._keys.dispatched(request.request_id)
-        return await self._write(self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements,
-                                 consumer=consumer)
+        return await self._write(
+            self._keys.requests, SCHEDULER_GROUP, entry_id, mark, request, placements, consumer=consumer
+        )
 
-    async def redispatch(self, dead_worker: str, entry_id: str, task: Task, placements: list[Placement],
-                         first_seq: int, tokens: list[int]) -> int:
+    async def redispatch(
+        self,
+        dead_worker: str,
+        entry_id: str,
+        task: Task,
+        placements: list[Placement],
+        first_seq: int,
+        tokens: list[int],
+    ) -> int:
         """Move a dead worker's task: ack it in that worker's stream and write new tasks that
         continue at ``first_seq`` after the ``tokens`` already sent; DISPATCHED, ALREADY_ACKED,
         DUPLICATE (another reaper moved this entry) or STALE (the task's dispatch is not the request's current one: it moved already, from
         the task's other worker, and only the ack is written). The mark is per old entry, so a
         retried call or a second reaper does nothing."""
         mark = self._keys.dispatched(f"{task.request.request_id}:{entry_id}")
-        return await self._write(self._keys.tasks(dead_worker), WORKER_GROUP, entry_id, mark, task.request, placements,
-                                 first_seq, tokens, replaces=task.handoff)
+        return await self._write(
+            self._keys.tasks(dead_worker),
+            WORKER_GROUP,
+            entry_id,
+            mark,
+            task.request,
+            placements,
+            first_seq,
+            tokens,
+            replaces=task.handoff,
+        )
 
-    async def _write(self, stream: str, group: str, entry_id: str, mark: str, request: GenerateRequest,
-                     placements: list[Placement], first_seq: int = 0, tokens: list[int] | None = None,
-                     consumer: str = "", replaces: str = "") -> int:
+    async def _write(
+        self,
+        stream: str,
+        group: str,
+        entry_id: str,
+        mark: str,
+        request: GenerateRequest,
+        placements: list[Placement],
+        first_seq: int = 0,
+        tokens: list[int] | None = None,
+        consumer: str = "",
+        replaces: str = "",
+    ) -> int:
         """``replaces``: the hand-off id that must still be the request's current one ("" for a
         first dispatch, or a task written before hand-off ids)."""
         handoff = secrets.token_hex(8)  # one per dispatch: P and D find each other's reservation by it
@@ -103,8 +131,9 @@ class Dispatcher:
             worker_id = p.worker.record.worker_id
             keys += [self._keys.worker(worker_id), self._keys.tasks(worker_id)]
             reserved = list(dataclasses.astuple(p.reserve))
-            task = Task(p.phase, request, p.peer, first_seq, list(tokens or []), p.batch_id, p.batch_ranks, reserved,
-                        handoff)
+            task = Task(
+                p.phase, request, p.peer, first_seq, list(tokens or []), p.batch_id, p.batch_ranks, reserved, handoff
+            )
             fields = codec.encode(task)
             args += [*reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
         return int(await self._run(keys, args))

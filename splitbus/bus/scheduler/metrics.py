@@ -1,6 +1,6 @@
 """Prometheus metrics of the scheduler."""
 
-from prometheus_client import Histogram, Counter
+from prometheus_client import Counter, Histogram
 
 DISPATCHES = Counter(
     "splitbus_scheduler_dispatches_total",

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
@@ -80,7 +81,9 @@ class Policy:
             self._eligible[key] = eligible(workers, model, role)
         return self._eligible[key]
 
-    def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+    def place(
+        self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]
+    ) -> list[Placement] | str:
         """The tasks for one request, or the reason no placement exists now."""
         if self.mode == "mixed":
             return self._mixed(request, workers, local)
@@ -88,28 +91,42 @@ class Policy:
             return self._dp(request, workers, local)
         return self._splitwise(request, workers, local)
 
-    def _dp(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+    def _dp(
+        self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]
+    ) -> list[Placement] | str:
         """Naive DP: each arrival at once to the rank with the fewest queued prefill tokens."""
-        ranks = [w for w in dp_ranks(workers, request.model) if free_blocks(w, _get(local, w)) >= blocks_needed(request, w.record.block_size)]
+        ranks = [
+            w
+            for w in dp_ranks(workers, request.model)
+            if free_blocks(w, _get(local, w)) >= blocks_needed(request, w.record.block_size)
+        ]
         rank = choose(ranks, lambda w: queued_prefill(w, _get(local, w)), self.rng)
         if rank is None:
             return f"no live DP rank with room serves model '{request.model}'"
         return [dp_placement(rank, request)]
 
-    def _splitwise(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+    def _splitwise(
+        self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]
+    ) -> list[Placement] | str:
         decode = self._decode_worker(request, self.eligible(workers, request.model, "decode"), local)
-        prefill = choose(self.eligible(workers, request.model, "prefill"), lambda w: queued_prefill(w, _get(local, w)), self.rng)
+        prefill = choose(
+            self.eligible(workers, request.model, "prefill"), lambda w: queued_prefill(w, _get(local, w)), self.rng
+        )
         if prefill is None or decode is None:
             missing = "prefill" if prefill is None else "decode"
             return f"no live {missing} worker with room serves model '{request.model}'"
         tokens = len(request.prompt_token_ids)
         blocks = blocks_needed(request, decode.record.block_size)
         return [
-            Placement(decode, "decode", prefill.record.worker_id, Reserved(reserved_requests=1, reserved_kv_blocks=blocks)),
+            Placement(
+                decode, "decode", prefill.record.worker_id, Reserved(reserved_requests=1, reserved_kv_blocks=blocks)
+            ),
             Placement(prefill, "prefill", decode.record.worker_id, Reserved(reserved_prefill_tokens=tokens)),
         ]
 
-    def _mixed(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]) -> list[Placement] | str:
+    def _mixed(
+        self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: dict[str, Reserved]
+    ) -> list[Placement] | str:
         worker = self._decode_worker(request, self.eligible(workers, request.model, "mixed"), local)
         if worker is None:
             return f"no live mixed worker with room serves model '{request.model}'"
@@ -117,7 +134,9 @@ class Policy:
         reserve = Reserved(len(request.prompt_token_ids), 1, blocks)
         return [Placement(worker, "mixed", "", reserve)]
 
-    def _decode_worker(self, request: GenerateRequest, candidates: list[WorkerInfo], local: dict[str, Reserved]) -> WorkerInfo | None:
+    def _decode_worker(
+        self, request: GenerateRequest, candidates: list[WorkerInfo], local: dict[str, Reserved]
+    ) -> WorkerInfo | None:
         free = {id(w): free_blocks(w, _get(local, w)) for w in candidates}
         needs = {size: blocks_needed(request, size) for size in {w.record.block_size for w in candidates}}
         roomy = [w for w in candidates if free[id(w)] >= needs[w.record.block_size]]

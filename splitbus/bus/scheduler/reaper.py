@@ -67,8 +67,16 @@ async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -
 
 
 class Reaper:
-    def __init__(self, redis: aioredis.Redis, config: BusConfig, name: str, view: RegistryView, policy: Policy,
-                 dispatcher: Dispatcher, local: dict[str, Reserved]) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        config: BusConfig,
+        name: str,
+        view: RegistryView,
+        policy: Policy,
+        dispatcher: Dispatcher,
+        local: dict[str, Reserved],
+    ) -> None:
         self.redis, self.config, self.name = redis, config, name
         self.keys = config.keys
         self.view, self.policy, self.dispatcher, self.local = view, policy, dispatcher, local
@@ -120,8 +128,13 @@ class Reaper:
         request = task.request
         sent = await read_sent(self.redis, self.config, request.request_id)
         if sent.ended or await self.superseded(task):
-            log.debug("task %s of %s on %s: %s; acked only", delivery.entry_id, request.request_id, dead,
-                      "ended" if sent.ended else "its dispatch was replaced")
+            log.debug(
+                "task %s of %s on %s: %s; acked only",
+                delivery.entry_id,
+                request.request_id,
+                dead,
+                "ended" if sent.ended else "its dispatch was replaced",
+            )
             await stream.ack(delivery.entry_id)
             return
         if task.phase == "prefill":
@@ -146,8 +159,14 @@ class Reaper:
             return f"worker {dead} died and {placement}"
         # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
         outcome = await self.dispatcher.redispatch(dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens)
-        log.debug("moved task %s of %s off %s to %s: outcome %d", delivery.entry_id, request.request_id, dead,
-                  [p.worker.record.worker_id for p in placement], outcome)
+        log.debug(
+            "moved task %s of %s off %s to %s: outcome %d",
+            delivery.entry_id,
+            request.request_id,
+            dead,
+            [p.worker.record.worker_id for p in placement],
+            outcome,
+        )
         return ""
 
     async def superseded(self, task: Task) -> bool:

@@ -20,8 +20,9 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
@@ -191,12 +192,20 @@ class Scheduler:
 
     async def _fill(self, model: str, group: list[Waiting]) -> list[Waiting]:
         ranks = {r.record.worker_id: r for r in dp_ranks(self.view.workers, model)}
-        loads = [RankLoad(rid, queued_prefill(r, self.local.get(rid, Reserved())), free_blocks(r, self.local.get(rid, Reserved()))) for rid, r in ranks.items()]
+        loads = [
+            RankLoad(
+                rid, queued_prefill(r, self.local.get(rid, Reserved())), free_blocks(r, self.local.get(rid, Reserved()))
+            )
+            for rid, r in ranks.items()
+        ]
         if not ranks:
             return group
         block_size = next(iter(ranks.values())).record.block_size
         jobs = {w.delivery.entry_id: w for w in group}
-        sizes = [Job(k, len(w.delivery.message.prompt_token_ids), blocks_needed(w.delivery.message, block_size)) for k, w in jobs.items()]
+        sizes = [
+            Job(k, len(w.delivery.message.prompt_token_ids), blocks_needed(w.delivery.message, block_size))
+            for k, w in jobs.items()
+        ]
         placed = water_fill(sizes, loads)
         batch_id, batch_ranks = f"{self.config.name}.{next(self._batches)}", len(set(placed.values()))
         writes = []
@@ -291,11 +300,18 @@ class Scheduler:
     async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: list[Placement]) -> None:
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
         if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
-            log.debug("dispatch of %s (entry %s) to %s: outcome %d", request.request_id, waiting.delivery.entry_id,
-                      [p.worker.record.worker_id for p in placements], outcome)
+            log.debug(
+                "dispatch of %s (entry %s) to %s: outcome %d",
+                request.request_id,
+                waiting.delivery.entry_id,
+                [p.worker.record.worker_id for p in placements],
+                outcome,
+            )
         if outcome == NOT_OURS:
-            log.info("request entry %s is no longer this replica's (acked, or claimed by another): nothing written",
-                     waiting.delivery.entry_id)
+            log.info(
+                "request entry %s is no longer this replica's (acked, or claimed by another): nothing written",
+                waiting.delivery.entry_id,
+            )
         metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
         if outcome == DISPATCHED and waiting.delivery.published_us is not None:
             metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
@@ -303,8 +319,11 @@ class Scheduler:
     def _reserve_locally(self, placement: Placement) -> None:
         worker_id = placement.worker.record.worker_id
         mine, add = self.local.get(worker_id, Reserved()), placement.reserve
-        self.local[worker_id] = Reserved(mine.reserved_prefill_tokens + add.reserved_prefill_tokens,
-                                         mine.reserved_requests + add.reserved_requests, mine.reserved_kv_blocks + add.reserved_kv_blocks)
+        self.local[worker_id] = Reserved(
+            mine.reserved_prefill_tokens + add.reserved_prefill_tokens,
+            mine.reserved_requests + add.reserved_requests,
+            mine.reserved_kv_blocks + add.reserved_kv_blocks,
+        )
 
     async def fail(self, waiting: Waiting, code: str, message: str, status: int) -> bool:
         """Fail the request to its client, if its entry is still ours (a replica that hung past
@@ -327,9 +346,12 @@ class Scheduler:
     async def renew_lease(self) -> None:
         """Renew this replica's lease, apart from the scheduling loop (a slow step keeps it)."""
         if not await self.lease.renew() and self._leased:
-            log.warning("scheduler %s: its lease had lapsed (hung, or cut off from Redis, over %d ms); "
-                        "what was pending with it may be the other replicas' now; rejoining", self.config.name,
-                        self.config.lease_ms)
+            log.warning(
+                "scheduler %s: its lease had lapsed (hung, or cut off from Redis, over %d ms); "
+                "what was pending with it may be the other replicas' now; rejoining",
+                self.config.name,
+                self.config.lease_ms,
+            )
         self._leased = True
         await asyncio.sleep(self.config.heartbeat_s)
 
@@ -354,11 +376,13 @@ class Scheduler:
                 continue
             if consumer.pending:
                 taken = await self.requests.claim_from(consumer.name)
-                log.warning("claimed %d request entr(ies) of scheduler %s (its lease expired)", len(taken),
-                            consumer.name)
+                log.warning(
+                    "claimed %d request entr(ies) of scheduler %s (its lease expired)", len(taken), consumer.name
+                )
                 claimed += taken
             elif consumer.idle_ms > self.config.dead_consumer_keep_s * 1000 and await self.requests.forget(
-                    consumer.name):
+                consumer.name
+            ):
                 log.info("scheduler %s left the group (no lease, nothing pending)", consumer.name)
         return claimed
 

@@ -19,8 +19,9 @@ some missed the next step: see ``splitbus bench stagger`` in docs/benchmarks.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 RELEASE_LEAD_S = 0.01

@@ -29,7 +29,7 @@ class ModelConfig:
     qkv_bias: bool
 
     @classmethod
-    def load(cls, folder: Path) -> "ModelConfig":
+    def load(cls, folder: Path) -> ModelConfig:
         path = folder / "config.json"
         try:
             raw = json.loads(path.read_text())
@@ -40,11 +40,13 @@ class ModelConfig:
         return cls.from_dict(raw, path)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], where: Path | str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ModelFilesError(f"{where}: architecture {archs or 'missing'} is not supported; expected one of {sorted(ARCHITECTURES)}")
+            raise ModelFilesError(
+                f"{where}: architecture {archs or 'missing'} is not supported; expected one of {sorted(ARCHITECTURES)}"
+            )
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])

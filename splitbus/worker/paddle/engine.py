@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,7 +34,9 @@ class PaddleEngine:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
 
     @classmethod
-    def load(cls, folder: Path, eos_token_ids: tuple[int, ...], total_blocks: int, block_size: int, threads: int = 1) -> "PaddleEngine":
+    def load(
+        cls, folder: Path, eos_token_ids: tuple[int, ...], total_blocks: int, block_size: int, threads: int = 1
+    ) -> PaddleEngine:
         from splitbus.gpu_ops import device
 
         where = device.select_device(threads)

@@ -55,7 +55,7 @@ class CausalLM:
         self.layers = [self._layer(tensors, i) for i in range(config.layers)]
 
     @classmethod
-    def load(cls, folder: Path) -> "CausalLM":
+    def load(cls, folder: Path) -> CausalLM:
         config = ModelConfig.load(folder)
         return cls(config, dict(weights.load(folder, config)))
 
@@ -65,9 +65,13 @@ class CausalLM:
         bias = np.concatenate([t[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) if self.config.qkv_bias else None
         gate_up = np.concatenate([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], axis=0).T
         return Layer(
-            ln1=_t(t[p + "input_layernorm.weight"]), w_qkv=_t(qkv), b_qkv=_t(bias) if bias is not None else None,
-            w_o=_t(t[p + "self_attn.o_proj.weight"].T), ln2=_t(t[p + "post_attention_layernorm.weight"]),
-            w_gate_up=_t(gate_up), w_down=_t(t[p + "mlp.down_proj.weight"].T),
+            ln1=_t(t[p + "input_layernorm.weight"]),
+            w_qkv=_t(qkv),
+            b_qkv=_t(bias) if bias is not None else None,
+            w_o=_t(t[p + "self_attn.o_proj.weight"].T),
+            ln2=_t(t[p + "post_attention_layernorm.weight"]),
+            w_gate_up=_t(gate_up),
+            w_down=_t(t[p + "mlp.down_proj.weight"].T),
         )
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
@@ -93,7 +97,9 @@ class CausalLM:
         # The LM head only for the last position of each chunk: vocabularies reach 150k.
         return paddle.matmul(rms_norm(last, self.norm, self.config.rms_norm_eps), self.lm_head).numpy()
 
-    def _attend(self, layer: Layer, index: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, plan: "_Plan") -> paddle.Tensor:
+    def _attend(
+        self, layer: Layer, index: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, plan: _Plan
+    ) -> paddle.Tensor:
         c = self.config
         h = rms_norm(x, layer.ln1, c.rms_norm_eps)
         qkv = paddle.matmul(h, layer.w_qkv)
@@ -105,7 +111,10 @@ class CausalLM:
         v = v.reshape([-1, c.kv_heads, c.head_dim])
         if plan.cache is not None:
             plan.cache.write(index, plan.new_slots, k, v)
-        outs = [attention(q[a:b], *plan.keys(index, j, k[a:b], v[a:b]), q_offset=ch.start) for j, (ch, a, b) in enumerate(plan.spans)]
+        outs = [
+            attention(q[a:b], *plan.keys(index, j, k[a:b], v[a:b]), q_offset=ch.start)
+            for j, (ch, a, b) in enumerate(plan.spans)
+        ]
         return paddle.matmul(paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0], layer.w_o)
 
 
@@ -117,8 +126,13 @@ class _Plan:
         self.spans = [(ch, int(a), int(b)) for ch, a, b in zip(chunks, starts, ends)]
         self.cache = cache
         if cache is not None:
-            self.new_slots = paddle.to_tensor(np.concatenate([cache.slots(ch.table or [], ch.start, ch.start + len(ch.tokens)) for ch in chunks]))
-            self.all_slots = [paddle.to_tensor(cache.slots(ch.table or [], 0, ch.start + len(ch.tokens))) if ch.start else None for ch in chunks]
+            self.new_slots = paddle.to_tensor(
+                np.concatenate([cache.slots(ch.table or [], ch.start, ch.start + len(ch.tokens)) for ch in chunks])
+            )
+            self.all_slots = [
+                paddle.to_tensor(cache.slots(ch.table or [], 0, ch.start + len(ch.tokens))) if ch.start else None
+                for ch in chunks
+            ]
 
     def keys(self, layer: int, chunk: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """K and V a chunk attends to: its own when it starts the sequence, else the cache's."""

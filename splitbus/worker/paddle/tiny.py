@@ -15,7 +15,9 @@ from splitbus.worker.paddle.weights import expected_shapes
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-def tiny_config(arch: str, vocab_size: int, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2) -> dict[str, object]:
+def tiny_config(
+    arch: str, vocab_size: int, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2
+) -> dict[str, object]:
     return {
         "architectures": [ARCH_NAMES[arch]],
         "model_type": arch,

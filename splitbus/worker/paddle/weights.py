@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import paddle
@@ -22,19 +22,23 @@ def expected_shapes(c: ModelConfig) -> dict[str, list[int]]:
         shapes["lm_head.weight"] = [c.vocab_size, c.hidden_size]
     for i in range(c.layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": [q, c.hidden_size],
-            p + "self_attn.k_proj.weight": [kv, c.hidden_size],
-            p + "self_attn.v_proj.weight": [kv, c.hidden_size],
-            p + "self_attn.o_proj.weight": [c.hidden_size, q],
-            p + "mlp.gate_proj.weight": [c.intermediate_size, c.hidden_size],
-            p + "mlp.up_proj.weight": [c.intermediate_size, c.hidden_size],
-            p + "mlp.down_proj.weight": [c.hidden_size, c.intermediate_size],
-            p + "input_layernorm.weight": [c.hidden_size],
-            p + "post_attention_layernorm.weight": [c.hidden_size],
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": [q, c.hidden_size],
+                p + "self_attn.k_proj.weight": [kv, c.hidden_size],
+                p + "self_attn.v_proj.weight": [kv, c.hidden_size],
+                p + "self_attn.o_proj.weight": [c.hidden_size, q],
+                p + "mlp.gate_proj.weight": [c.intermediate_size, c.hidden_size],
+                p + "mlp.up_proj.weight": [c.intermediate_size, c.hidden_size],
+                p + "mlp.down_proj.weight": [c.hidden_size, c.intermediate_size],
+                p + "input_layernorm.weight": [c.hidden_size],
+                p + "post_attention_layernorm.weight": [c.hidden_size],
+            }
+        )
         if c.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": [q], p + "self_attn.k_proj.bias": [kv], p + "self_attn.v_proj.bias": [kv]})
+            shapes.update(
+                {p + "self_attn.q_proj.bias": [q], p + "self_attn.k_proj.bias": [kv], p + "self_attn.v_proj.bias": [kv]}
+            )
     return shapes
 
 

@@ -61,7 +61,8 @@ async def test_duplicate_request_entry_is_acked_not_dispatched(redis: aioredis.R
 
 
 async def test_a_woken_replica_writes_nothing_for_an_entry_another_claimed(
-        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     """A hung replica (s1) read the entry; s2 claimed it when s1's lease expired. Whether s2 has
     dispatched it yet or not, s1's dispatch finds the entry is not its own and writes nothing
     (XACK alone would ack s2's entry and dispatch it from s1)."""

@@ -10,8 +10,16 @@ from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.bus.scheduler.policy import Policy, blocks_needed
 
 
-def worker(wid: str, role: str, queued: int = 0, free: int = 1000, running: int = 0, alive: bool = True,
-           model: str = "m", reserved: Reserved | None = None) -> WorkerInfo:
+def worker(
+    wid: str,
+    role: str,
+    queued: int = 0,
+    free: int = 1000,
+    running: int = 0,
+    alive: bool = True,
+    model: str = "m",
+    reserved: Reserved | None = None,
+) -> WorkerInfo:
     load = WorkerLoad(running=running, queued_prefill_tokens=queued, free_kv_blocks=free, total_kv_blocks=1000)
     record = WorkerRecord(worker_id=wid, role=role, model=model, load=load)
     return WorkerInfo(record, 0, 3000 if alive else -2, reserved or Reserved())
@@ -23,8 +31,10 @@ def request(prompt: int = 100, max_tokens: int = 28) -> GenerateRequest:
 
 def test_prefill_by_queued_tokens_and_decode_by_free_blocks() -> None:
     workers = [
-        worker("p-busy", "prefill", queued=5000), worker("p-idle", "prefill", queued=10),
-        worker("d-full", "decode", free=50), worker("d-roomy", "decode", free=900),
+        worker("p-busy", "prefill", queued=5000),
+        worker("p-idle", "prefill", queued=10),
+        worker("d-full", "decode", free=50),
+        worker("d-roomy", "decode", free=900),
     ]
     plan = Policy("splitwise", random.Random(0)).place(request(), workers, {})
     assert not isinstance(plan, str)
@@ -32,11 +42,19 @@ def test_prefill_by_queued_tokens_and_decode_by_free_blocks() -> None:
     assert (decode.worker.record.worker_id, decode.phase, decode.peer) == ("d-roomy", "decode", "p-idle")
     assert (prefill.worker.record.worker_id, prefill.phase, prefill.peer) == ("p-idle", "prefill", "d-roomy")
     assert prefill.reserve == Reserved(reserved_prefill_tokens=100)
-    assert decode.reserve == Reserved(reserved_requests=1, reserved_kv_blocks=blocks_needed(request(), 16)) == Reserved(0, 1, 8)
+    assert (
+        decode.reserve
+        == Reserved(reserved_requests=1, reserved_kv_blocks=blocks_needed(request(), 16))
+        == Reserved(0, 1, 8)
+    )
 
 
 def test_decode_ties_on_blocks_go_to_fewer_running() -> None:
-    workers = [worker("p", "prefill"), worker("d-a", "decode", free=900, running=30), worker("d-b", "decode", free=880, running=2)]
+    workers = [
+        worker("p", "prefill"),
+        worker("d-a", "decode", free=900, running=30),
+        worker("d-b", "decode", free=880, running=2),
+    ]
     plan = Policy("splitwise", random.Random(1)).place(request(), workers, {})
     assert not isinstance(plan, str) and plan[0].worker.record.worker_id == "d-b"
 

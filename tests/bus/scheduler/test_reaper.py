@@ -55,7 +55,9 @@ async def _existing(redis: aioredis.Redis, names: list[str]) -> list[str]:
     return [name for name in names if await redis.exists(name)]
 
 
-async def test_a_dead_workers_keys_expire_after_the_retention(redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler) -> None:
+async def test_a_dead_workers_keys_expire_after_the_retention(
+    redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler
+) -> None:
     await _join(redis, config, "d-1", lease_ms=50)
     await asyncio.sleep(0.1)  # the lease runs out: the worker is dead
     await scheduler.view.refresh()
@@ -78,7 +80,9 @@ async def test_a_stopped_worker_leaves_only_expiring_streams(redis: aioredis.Red
     assert 0 < await redis.ttl(tasks) <= KEEP_S and 0 < await redis.ttl(ctrl) <= KEEP_S
 
 
-async def test_a_worker_back_under_its_old_id_keeps_its_keys(redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler) -> None:
+async def test_a_worker_back_under_its_old_id_keeps_its_keys(
+    redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler
+) -> None:
     await _join(redis, config, "p-0", lease_ms=50)  # compose names workers prefill-0, decode-0
     await asyncio.sleep(0.1)
     await scheduler.reaper.reap("p-0")
@@ -124,25 +128,33 @@ async def test_a_failed_reap_ends_neither_the_pass_nor_the_loop(
 
 
 async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once(
-        redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler) -> None:
+    redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler
+) -> None:
     # The reaper of P moves the request to a live pair; D's task of the first dispatch is then
     # void, and the reaper of D only acks it: one live dispatch, and no error for the client.
     load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
     # An older entry in d1's stream, so its task's id differs from p1's (written in the same
     # millisecond, both would be <ms>-0, and the mark per moved entry would hide a second move).
     await redis.xadd(config.keys.tasks("d1"), {"type": "x"}, id="9999999999999-0")
-    for worker_id, role, lease_ms in (("p1", "prefill", 50), ("d1", "decode", 50), ("p2", "prefill", 30_000),
-                                       ("d2", "decode", 30_000)):
+    for worker_id, role, lease_ms in (
+        ("p1", "prefill", 50),
+        ("d1", "decode", 50),
+        ("p2", "prefill", 30_000),
+        ("d2", "decode", 30_000),
+    ):
         tasks = GroupConsumer(redis, config, config.keys.tasks(worker_id), WORKER_GROUP, worker_id)
         await tasks.ensure_group(start_id="$")
-        await Registry(redis, config).register(WorkerRecord(worker_id=worker_id, role=role, model="m", load=load),
-                                               lease_ms=lease_ms)
+        await Registry(redis, config).register(
+            WorkerRecord(worker_id=worker_id, role=role, model="m", load=load), lease_ms=lease_ms
+        )
     requests = GroupConsumer(redis, config, config.keys.requests, SCHEDULER_GROUP, "s1")
     await requests.ensure_group()
     await Producer(redis, config).send(config.keys.requests, request())
     (entry,) = await requests.read(1)
-    first = [Placement(worker("d1", "decode"), "decode", "p1", Reserved(0, 1, 8)),
-             Placement(worker("p1", "prefill"), "prefill", "d1", Reserved(100, 0, 0))]
+    first = [
+        Placement(worker("d1", "decode"), "decode", "p1", Reserved(0, 1, 8)),
+        Placement(worker("p1", "prefill"), "prefill", "d1", Reserved(100, 0, 0)),
+    ]
     assert await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, first) == DISPATCHED
     await asyncio.sleep(0.1)  # p1 and d1 die
     await scheduler.view.refresh()

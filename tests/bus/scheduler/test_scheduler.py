@@ -14,9 +14,9 @@ from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.registry import Registry, SchedulerLease, WorkerLoad, WorkerRecord
 from splitbus.bus.scheduler.config import SchedulerConfig
 from splitbus.bus.scheduler.scheduler import Scheduler, Waiting
+from splitbus.bus.scheduler.stagger import RELEASE_LEAD_S
 from splitbus.bus.streams import GroupConsumer, Producer
 from tests.bus.scheduler.test_policy import request
-from splitbus.bus.scheduler.stagger import RELEASE_LEAD_S
 
 
 @pytest.fixture
@@ -29,12 +29,22 @@ async def scheduler(bus_config: BusConfig) -> AsyncIterator[Scheduler]:
 async def _ranks(redis: aioredis.Redis, bus_config: BusConfig, ends_ms: list[int]) -> None:
     registry = Registry(redis, bus_config)
     for rank, end_ms in enumerate(ends_ms):
-        record = WorkerRecord(worker_id=f"g0-r{rank}", role="mixed", model="tiny", engine="sim", dp_group="g0", dp_rank=rank, dp_size=len(ends_ms))
+        record = WorkerRecord(
+            worker_id=f"g0-r{rank}",
+            role="mixed",
+            model="tiny",
+            engine="sim",
+            dp_group="g0",
+            dp_rank=rank,
+            dp_size=len(ends_ms),
+        )
         await registry.register(record, lease_ms=5000)
         await registry.report_load(record.worker_id, WorkerLoad(forward_ends_ms=end_ms))
 
 
-async def test_window_closes_just_before_the_slowest_rank_ends(redis: aioredis.Redis, bus_config: BusConfig, scheduler: Scheduler) -> None:
+async def test_window_closes_just_before_the_slowest_rank_ends(
+    redis: aioredis.Redis, bus_config: BusConfig, scheduler: Scheduler
+) -> None:
     now_ms = int(time.time() * 1000)
     await _ranks(redis, bus_config, [now_ms + 30, now_ms + 120])  # a decode and a long prefill
     await scheduler.view.refresh()
@@ -42,7 +52,9 @@ async def test_window_closes_just_before_the_slowest_rank_ends(redis: aioredis.R
     assert await scheduler.next_boundary() == pytest.approx(expected, abs=0.02)
 
 
-async def test_a_group_that_has_not_stepped_gives_a_boundary_already_past(redis: aioredis.Redis, bus_config: BusConfig, scheduler: Scheduler) -> None:
+async def test_a_group_that_has_not_stepped_gives_a_boundary_already_past(
+    redis: aioredis.Redis, bus_config: BusConfig, scheduler: Scheduler
+) -> None:
     await _ranks(redis, bus_config, [0, 0])  # ranks that have not stepped yet
     await scheduler.view.refresh()
     assert await scheduler.next_boundary() < time.monotonic()
@@ -64,7 +76,8 @@ def _replica(bus_config: BusConfig, name: str, **kwargs: float) -> Scheduler:
 
 
 async def test_a_replica_claims_what_a_replica_without_lease_holds_at_once(
-        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     entry = await _held_by(redis, bus_config, "hung", lease_ms=None)
     live = _replica(bus_config, "live")
     try:
@@ -88,7 +101,8 @@ async def test_a_replica_that_holds_its_lease_keeps_its_entries(redis: aioredis.
 
 
 async def test_a_gone_replica_with_nothing_pending_leaves_the_group_after_the_keep(
-        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     entry = await _held_by(redis, bus_config, "gone", lease_ms=None)
     await redis.xack(bus_config.keys.requests, SCHEDULER_GROUP, entry)
     live = _replica(bus_config, "live", dead_consumer_keep_s=0.2)
@@ -119,7 +133,8 @@ async def test_a_woken_replica_does_not_fail_a_request_it_lost(redis: aioredis.R
 
 
 async def test_the_lease_is_taken_at_start_renewed_apart_and_released_at_stop(
-        redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     replica = _replica(bus_config, "s1", lease_ms=400, heartbeat_s=0.1)
     runner = asyncio.create_task(replica.run())
     lease = SchedulerLease(redis, bus_config, "s1", 400)

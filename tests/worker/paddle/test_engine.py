@@ -135,7 +135,9 @@ def _broken(tmp_path: Path, model_dir: Path) -> Path:
         (lambda f: (f / "model.safetensors").write_bytes(b"not a safetensors file"), "cannot be read"),
     ],
 )
-def test_bad_model_folders_fail_at_load_naming_the_problem(tmp_path: Path, model_dir: Path, breakage: object, message: str) -> None:
+def test_bad_model_folders_fail_at_load_naming_the_problem(
+    tmp_path: Path, model_dir: Path, breakage: object, message: str
+) -> None:
     folder = _broken(tmp_path, model_dir)
     breakage(folder)  # type: ignore[operator]
     with pytest.raises(ModelFilesError) as info:
