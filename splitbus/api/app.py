@@ -43,8 +43,10 @@ def create_app(config: ApiConfig) -> Starlette:
             yield {"api": state}
         finally:
             await state.close()
+            app.state.exit_code = state.loops.exit_code  # non-zero: a background loop failed
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS)
+    app.state.exit_code = 0
     app.add_middleware(RequireApiKey, keys=config.api_keys)
     app.add_middleware(CountRequests)
     return app

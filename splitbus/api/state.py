@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -14,9 +14,9 @@ import anyio.to_thread
 from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
-from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.loops import Loops
 from splitbus.bus.registry import Registry, RegistryView
 from splitbus.bus.results import ResultReader
 from splitbus.bus.streams import Producer
@@ -38,7 +38,8 @@ class ApiState:
         self.backlog = 0
         self.bodies = BodySlots(config)
         self.tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # A loop's bug stops the server (SIGTERM: uvicorn's own graceful shutdown), non-zero.
+        self.loops = Loops("api", on_fail=lambda: signal.raise_signal(signal.SIGTERM))
 
     @classmethod
     async def open(cls, config: ApiConfig) -> ApiState:
@@ -46,29 +47,25 @@ class ApiState:
         state = cls(config, tokenizers)
         await state.reader.start()
         await state.workers.refresh()
-        state.spawn(state.workers.run())
-        state.spawn(state.watch_backlog())
+        state.loops.start(state.workers.refresh, every_s=config.registry_refresh_s)
+        state.loops.start(state.read_backlog, every_s=config.registry_refresh_s)
         return state
 
-    async def watch_backlog(self) -> None:
+    async def read_backlog(self) -> None:
         """The request stream's length, read at the registry's pace (never per request)."""
-        while not self.workers.stopped:
-            with contextlib.suppress(*TRANSIENT_ERRORS):
-                self.backlog = int(await self.redis.xlen(self.config.bus.keys.requests))
-            await asyncio.sleep(self.config.registry_refresh_s)
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            self.backlog = int(await self.redis.xlen(self.config.bus.keys.requests))
 
     async def close(self) -> None:
         self.workers.stop()
         await self.reader.close()
-        await cancel_and_wait(self._tasks)
+        await self.loops.close()
         await self.redis.aclose()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run in the background, kept referenced until done (cancellations outlive the
         handler that a client disconnect cancelled)."""
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.loops.spawn(coro)
 
     def tokenizer(self, model: str) -> ModelTokenizer:
         try:

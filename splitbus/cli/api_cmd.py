@@ -119,8 +119,9 @@ def run(args: argparse.Namespace, env: Env) -> int:
     )
     redis = mask_url(config.bus.redis_url)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
-    uvicorn.run(create_app(config), host=args.host, port=args.port, **server_options(config))
-    return 0
+    app = create_app(config)
+    uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
+    return int(app.state.exit_code)
 
 
 def server_options(config: ApiConfig) -> dict[str, object]:
