@@ -3,7 +3,7 @@
 Placement is the scheduler's (naive: each arrival at once to a rank among those with the fewest
 queued prefill tokens, chosen by ``choose`` as ``Policy`` does; staggered: the ``StaggerWindow``'s
 batches, spread by ``water_fill``), and every step each rank acts by ``decide`` on the group's
-plans, exactly as a ``DpWorker`` does. Step costs follow the sim engine's model (``SimConfig``); the
+plans, exactly as a ``DpStepper`` does. Step costs follow the sim engine's model (``SimConfig``); the
 group's step lasts as long as its slowest rank (EP's all-to-all makes them wait).
 
 Time advances a step at a time, and the arrivals of a step are handled at its end: ranks take

@@ -30,7 +30,7 @@ from splitbus.redis_server import EmbeddedRedis, RedisServerError
 
 READY_TIMEOUT_S = 60.0
 EXIT_DP_GROUP_BROKEN = 3
-"""A DP rank's exit code when its group broke (``DpWorker.leave`` in splitbus/worker/dp.py)."""
+"""A DP rank's exit code when its group broke (``DpStepper.leave`` in splitbus/worker/dp.py)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:

@@ -138,7 +138,8 @@ def _blocks_for(model: ModelConfig, megabytes: int, block_size: int) -> int:
 
 def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.tokenization import ModelFilesError, ModelTokenizer
-    from splitbus.worker.dp import DpWorker
+    from splitbus.worker.dp import DpStepper
+    from splitbus.worker.stepper import SoloStepper
     from splitbus.worker.worker import Worker
 
     try:
@@ -150,5 +151,5 @@ def run(args: argparse.Namespace, env: Env) -> int:
         return 2
     if not serve_metrics(args, "worker"):
         return 2
-    worker_class = DpWorker if config.dp_size else Worker
-    return run_service(worker_class(config, tokenizer, engine))
+    stepper = DpStepper if config.dp_size else SoloStepper
+    return run_service(Worker(config, tokenizer, engine, stepper))

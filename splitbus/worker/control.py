@@ -2,20 +2,47 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from splitbus.bus.control import CommandFailed, ControlServer, Handler
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.keys import WORKER_GROUP, Keys
+from splitbus.bus.registry import Registry, WorkerLoad
 from splitbus.bus.streams import unread
+from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.links import PeerLinks
+from splitbus.worker.requests import RequestTable, Status
 from splitbus.worker.transfer import TransferError
 
-if TYPE_CHECKING:
-    from splitbus.worker.worker import Worker
+
+class ControlledWorker(Protocol):
+    """What the commands read of a worker (``splitbus.worker.worker.Worker`` has it)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def config(self) -> WorkerConfig: ...
+    @property
+    def tokenizer(self) -> ModelTokenizer: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def redis(self) -> aioredis.Redis: ...
+    @property
+    def keys(self) -> Keys: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def links(self) -> PeerLinks: ...
+    @property
+    def requests(self) -> RequestTable: ...
+    def load(self) -> WorkerLoad: ...
 
 
-def control_server(worker: Worker) -> ControlServer:
+def control_server(worker: ControlledWorker) -> ControlServer:
     handlers: dict[str, Handler] = {
         "get_payload": lambda args: get_payload(worker),
         "get_metrics": lambda args: get_metrics(),
@@ -24,7 +51,7 @@ def control_server(worker: Worker) -> ControlServer:
     return ControlServer(worker.redis, worker.config.bus, worker.id, handlers)
 
 
-async def get_payload(worker: Worker) -> dict[str, Any]:
+async def get_payload(worker: ControlledWorker) -> dict[str, Any]:
     """What an external router needs to place work on this worker."""
     load, c = worker.load(), worker.config
     return {
@@ -43,7 +70,7 @@ async def get_payload(worker: Worker) -> dict[str, Any]:
         "max_prefill_tokens": c.max_prefill_tokens,
         "max_input_length": worker.tokenizer.context_length,
         "unhandled_requests": await unread(worker.redis, worker.keys.tasks(worker.id), WORKER_GROUP)
-        + len(worker.queued),
+        + worker.requests.count(Status.QUEUED),
         "dp_group": c.dp_group,
         "dp_rank": c.dp_rank,
         "dp_size": c.dp_size,
@@ -54,7 +81,7 @@ async def get_metrics() -> dict[str, Any]:
     return {"content_type": "text/plain; version=0.0.4", "text": generate_latest().decode()}
 
 
-async def connect_rdma(worker: Worker, args: dict[str, Any]) -> dict[str, Any]:
+async def connect_rdma(worker: ControlledWorker, args: dict[str, Any]) -> dict[str, Any]:
     """Connect this prefill worker to the decode worker ``args["decode_worker"]`` and record it
     in ``sb:rdma:{P}:{D}``. Only to a live decode worker's registered endpoint: an
     ``args["endpoint"]`` must be that one, so the command cannot make a worker connect (and
@@ -80,7 +107,7 @@ async def connect_rdma(worker: Worker, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _endpoint_of(worker: Worker, decode_worker: str) -> str:
+async def _endpoint_of(worker: ControlledWorker, decode_worker: str) -> str:
     info = next((w for w in await worker.registry.snapshot() if w.record.worker_id == decode_worker), None)
     if info is None or not info.alive:
         raise CommandFailed(f"no live worker {decode_worker!r} in the registry")

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -36,11 +37,16 @@ from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.streams import GroupConsumer
 from splitbus.worker import metrics
-from splitbus.worker.worker import Worker
+from splitbus.worker.requests import Status
+from splitbus.worker.stepper import StepParts
 
 log = logging.getLogger(__name__)
+StreamReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+"""XREAD's reply on a client that does not decode: [(stream, [(entry id, fields)])]."""
 PLANS_KEPT = 2000
 IDLE_WAIT_S = 0.5
+EXIT_GROUP_BROKEN = 3
+"""The exit code of a rank that left its broken group (``splitbus up`` restarts the group)."""
 FORM_POLL_S = 0.05
 """How often a forming rank asks the registry for the group's epoch (it wakes sooner on a join)."""
 
@@ -199,7 +205,7 @@ class GroupBarrier:
 
     async def _read(self, block_s: float) -> None:
         reply = await self._redis.xread({self._key: self._last_id}, count=1000, block=max(1, int(block_s * 1000)))
-        for _, entries in reply or ():
+        for _, entries in cast(StreamReply, reply or []):  # redis-py types replies loosely; XREAD's shape
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode()
                 if int(fields[b"epoch"]) == self.epoch and b"done" in fields:
@@ -239,13 +245,14 @@ def _ewma(old: float, new: float, weight: float = 0.2) -> float:
     return new if not old else (1 - weight) * old + weight * new
 
 
-class DpWorker(Worker):
-    """A mixed worker that is one rank of a DP group."""
+class DpStepper:
+    """The stepper of a mixed worker that is one rank of a DP group."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, parts: StepParts) -> None:
+        self.parts, self.config, self.steps, self.table = parts, parts.config, parts.steps, parts.table
         c = self.config
-        self.barrier = GroupBarrier(self.redis, c.bus, c.dp_group, c.dp_rank, c.dp_size, c.dp_barrier_timeout_s)
+        self.id = c.worker_id
+        self.barrier = GroupBarrier(parts.redis, c.bus, c.dp_group, c.dp_rank, c.dp_size, c.dp_barrier_timeout_s)
         self.step_no = 0
         self.steps_end_together = self.config.engine == "sim"
         """The sim engine has no EP, so its ranks end each step together as EP's all-to-all makes
@@ -256,8 +263,11 @@ class DpWorker(Worker):
         self.clock = ForwardClock()
 
     async def start(self) -> None:
-        await super().start()
-        await self.wait_for_group()
+        try:
+            await self.wait_for_group()
+        except GroupBroken as exc:
+            await self.leave(str(exc), exc.missing)
+            return
         log.info(
             "DP group %s: rank %d of %d in step with the others",
             self.config.dp_group,
@@ -268,11 +278,11 @@ class DpWorker(Worker):
     async def wait_for_group(self) -> int:
         """The group's epoch, once every rank is live and has joined it."""
         timeout_s = max(60.0, self.config.dp_barrier_timeout_s)
-        return await self.barrier.form(self.group_epoch, timeout_s, self.stopping.is_set)
+        return await self.barrier.form(self.group_epoch, timeout_s, lambda: self.parts.loops.stopped)
 
     async def group_epoch(self) -> int:
         """The latest ``started_ms`` of the group's ranks while all of them are live, else 0."""
-        ranks = self.group_ranks(await self.registry.snapshot())
+        ranks = self.group_ranks(await self.parts.registry.snapshot())
         if len(ranks) == self.config.dp_size and all(r.record.started_ms for r in ranks):
             return max(r.record.started_ms for r in ranks)
         return 0
@@ -280,21 +290,21 @@ class DpWorker(Worker):
     def group_ranks(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         return [w for w in workers if w.alive and w.record.dp_group == self.config.dp_group]
 
-    async def run(self) -> None:
+    async def step(self) -> None:
         try:
-            await super().run()
+            await self.lock_step()
         except GroupBroken as exc:
             await self.leave(str(exc), exc.missing)
 
-    async def step(self) -> None:
-        self.expire_waits()
+    async def lock_step(self) -> None:
+        self.steps.expire()
         mine = self.plan()
         started = time.monotonic()
         plans = await self.barrier.exchange(self.step_no, mine, self.load_report())
         action = bind_late(
             decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms
         )
-        tokens = self.prefill_batch_size()[1] if action == "prefill" else 0
+        tokens = self.table.prefill_batch_size(self.config.max_prefill_tokens)[1] if action == "prefill" else 0
         self.announce_forward(action, tokens)
         acting = time.monotonic()
         await self.act(action)
@@ -303,7 +313,7 @@ class DpWorker(Worker):
         if action != "none" and self.steps_end_together:
             await self.barrier.finish(self.step_no)
         self.step_no += 1
-        self.publish_soon()
+        self.parts.publisher.soon()
         if action != "none":
             self.observe_step(action, time.monotonic() - started, acted - acting)
 
@@ -311,96 +321,95 @@ class DpWorker(Worker):
         """Tell schedulers when this forward should end, so their stagger windows close just
         before the group's next step: the step's arrivals are then spread together, in time to
         join it. The load goes with it, written once the forward has taken its prefill batch
-        (a spawned task starts only when this one yields, in the forward)."""
+        (a spawned task starts only when this one yields, in the forward); it is this rank's
+        one load report per step (a prefill batch taken reports nothing more)."""
         if action == "none":
             return
-        self.counters["forward_ends_ms"] = int((time.time() + self.clock.estimate(action, prefill_tokens)) * 1000)
-        self.spawn(self.report_load_now())
-
-    def batch_taken(self) -> None:
-        """Nothing: ``announce_forward`` reports the load of every step, this one included."""
+        self.steps.counters["forward_ends_ms"] = int((time.time() + self.clock.estimate(action, prefill_tokens)) * 1000)
+        self.steps.report_load_soon()
 
     def load_report(self) -> Pipeline:
         """The rank's load, to go out with its step plan. It changes every step, and the
         scheduler spreads the group's work by it: with heartbeats alone (every 0.5 s), finished
         prefills still counted, so new work piled on the ranks that had reported little."""
-        pipe = self.redis.pipeline(transaction=False)
-        self.registry.queue_load(pipe, self.id, self.load())
+        pipe = self.parts.redis.pipeline(transaction=False)
+        self.parts.registry.queue_load(pipe, self.id, self.steps.load())
         return pipe
 
     def observe_step(self, action: str, step_s: float, act_s: float) -> None:
-        self.counters["step_time_us"] += int(step_s * 1e6)
-        self.counters["idle_time_us" if action == "idle" else "busy_time_us"] += int(
+        self.steps.counters["step_time_us"] += int(step_s * 1e6)
+        self.steps.counters["idle_time_us" if action == "idle" else "busy_time_us"] += int(
             (step_s if action == "idle" else act_s) * 1e6
         )
 
     def plan(self) -> StepPlan:
-        if not self.queued:
-            return StepPlan(self.config.dp_rank, False, bool(self.running), 0.0)
-        oldest = self.queued[0]
+        queued, running = self.table.of(Status.QUEUED), bool(self.table.count(Status.RUNNING))
+        if not queued:
+            return StepPlan(self.config.dp_rank, False, running, 0.0)
+        oldest = queued[0]
         waited = (time.monotonic() - oldest.queued_at) * 1000
-        held = tuple(dict.fromkeys(seq.task.batch_id for seq in self.queued if seq.task.batch_id))
-        return StepPlan(
-            self.config.dp_rank, True, bool(self.running), waited, oldest.task.batch_id, oldest.task.batch_ranks, held
-        )
+        held = tuple(dict.fromkeys(seq.task.batch_id for seq in queued if seq.task.batch_id))
+        return StepPlan(self.config.dp_rank, True, running, waited, oldest.task.batch_id, oldest.task.batch_ranks, held)
 
     async def act(self, action: str) -> None:
         if action == "none":
             await self.wait_for_group_work()
             return
-        self.counters["steps"] += 1
+        self.steps.counters["steps"] += 1
         if action == "prefill":
-            await self.prefill_queued()
+            await self.steps.prefill_queued(report_load=False)
         elif action == "decode":
-            await self.decode_running()
+            await self.steps.decode_running()
         else:
-            self.counters["idle_forwards"] += 1
+            self.steps.counters["idle_forwards"] += 1
             with metrics.ENGINE_STEP.labels("idle").time():
-                await self.engine.idle()
+                await self.steps.engine.idle()
 
     async def wait_for_group_work(self) -> None:
         """The whole group is idle: no forward. Wait until a rank gets work: this one (its
         ``work_arrived`` nudges the group) or another (its nudge or plan reaches the group's
         stream). Each rank used to wait on its own tasks only, so a request that reached one
         rank of an idle group waited for the others' idle timeout."""
-        self.expire_waits()
+        self.steps.expire()
         self.group_idle = True
-        if not (self.queued or self.running):  # work that came before group_idle was set sent no nudge
+        if not self.steps.has_work():  # work that came before group_idle was set sent no nudge
             await self.barrier.wait_for_news(IDLE_WAIT_S)
         self.group_idle = False
 
     async def work_arrived(self) -> None:
-        await super().work_arrived()
+        self.steps.wake.set()
         if self.group_idle:
             self.group_idle = False
             await self.barrier.nudge()
 
     async def leave(self, reason: str, missing: list[int]) -> None:
         """The group is broken: fail what this rank holds (and, on the lowest surviving rank,
-        what the missing ranks were given), leave the registry, stop."""
+        what the missing ranks were given), leave the registry, stop with ``EXIT_GROUP_BROKEN``."""
         log.error("%s; failing held requests and stopping", reason)
-        for seq in [*self.queued, *self.running]:
-            self.fail(seq, "dp_group_broken", reason, 503)
-        self.queued.clear()
-        self.running.clear()
+        for seq in self.table.of(Status.QUEUED, Status.RUNNING):
+            self.table.remove(seq)
+            self.parts.publisher.fail(seq, "dp_group_broken", reason, 503)
         if self.config.dp_rank == min(set(range(self.config.dp_size)) - set(missing), default=-1):
             await self.fail_orphaned_tasks(reason, missing)
-        await self.publish()
-        await self.registry.deregister(self.id)
-        self.exit_code = 3
-        self.stopping.set()
+        await self.parts.publisher.publish()
+        await self.parts.registry.deregister(self.id)
+        self.parts.loops.exit_code = EXIT_GROUP_BROKEN
+        self.parts.loops.stop()
 
     async def fail_orphaned_tasks(self, reason: str, missing: list[int]) -> None:
         """Tasks in the missing ranks' streams would wait forever: answer them with the reason."""
         dead = [
             w.record.worker_id
-            for w in await self.registry.snapshot()
+            for w in await self.parts.registry.snapshot()
             if w.record.dp_group == self.config.dp_group and w.record.dp_rank in missing
         ]
+        redis, bus = self.parts.redis, self.config.bus
         for worker_id in dead:
-            stream = GroupConsumer(self.redis, self.config.bus, self.keys.tasks(worker_id), WORKER_GROUP, self.id)
+            stream = GroupConsumer(redis, bus, bus.keys.tasks(worker_id), WORKER_GROUP, self.id)
             orphans = await stream.read(10_000, block_ms=0) + await stream.claim_idle(10_000, min_idle_ms=0)
             for delivery in orphans:
                 if isinstance(delivery.message, Task):
-                    self.writer.fail(delivery.message.request.request_id, "dp_group_broken", reason, 503)
+                    self.parts.publisher.writer.fail(
+                        delivery.message.request.request_id, "dp_group_broken", reason, 503
+                    )
             await stream.ack(*[d.entry_id for d in orphans])

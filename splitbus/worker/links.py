@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from splitbus.bus.config import BusConfig
 from splitbus.worker.transfer import TransferClient, TransferError
@@ -46,9 +47,10 @@ class PeerLinks:
             await self._redis.expire(key, LINK_TTL_S)
 
     async def _record(self, key: str, decode_worker: str, **fields: str) -> None:
-        fields.update(prefill=self._worker_id, decode=decode_worker, updated_ms=str(int(time.time() * 1000)))
+        mapping: dict[FieldT, EncodableT] = dict(fields.items())
+        mapping.update(prefill=self._worker_id, decode=decode_worker, updated_ms=str(int(time.time() * 1000)))
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=fields)
+        pipe.hset(key, mapping=mapping)
         pipe.expire(key, LINK_TTL_S)
         await pipe.execute()
         self._refreshed[key] = time.monotonic()

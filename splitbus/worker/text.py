@@ -110,7 +110,7 @@ class StopMatcher:
         """Advance every state over ``text`` (which starts at ``base`` in the held deque); the
         held index where the earliest-starting completed stop begins, if any completed."""
         best: int | None = None
-        for i, (stop, fail) in enumerate(zip(self._stops, self._fail)):
+        for i, (stop, fail) in enumerate(zip(self._stops, self._fail, strict=False)):
             end = self._advance(i, stop, fail, text)
             if end is not None:
                 start = base + end + 1 - len(stop)

@@ -18,6 +18,7 @@ from splitbus.redis_server import free_port
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.handoff import meta_problem
+from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
@@ -40,8 +41,8 @@ def prefilled(worker: Worker, request_id: str, peer: str, handoff: str = "h1") -
     request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
     seq = Sequence(Task("prefill", request, peer=peer, handoff=handoff), "1-0", TextStream(worker.tokenizer, []))
     worker.writer.open(request_id)
-    worker.emit(seq, 97)
-    worker.handing_off[request_id] = seq  # as after_prefill leaves it
+    worker.publisher.emit(seq, 97)
+    worker.requests.add(seq, Status.HANDING_OFF)  # as after_prefill leaves it
     return seq
 
 
@@ -134,13 +135,13 @@ class FakeServer:
 
 
 async def close(worker: Worker) -> None:
-    await asyncio.gather(*list(worker._background))  # the cancel P publishes for a failed hand-off
+    await asyncio.gather(*list(worker.loops._tasks))  # the cancel P publishes for a failed hand-off
     await worker.links.client.close()
     await worker.redis.aclose()
 
 
 async def results(worker: Worker, request_id: str) -> list[object]:
-    await worker.publish()
+    await worker.publisher.publish()
     return [codec.decode(fields) for _, fields in await worker.redis.xrange(worker.keys.out(request_id))]
 
 
@@ -161,7 +162,7 @@ async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
 
     writer = asyncio.create_task(new_reservation())
     try:
-        assert await worker.wait_for_reservation(seq) == ("127.0.0.1:2", SECRET)
+        assert await worker.handoff.wait_for_reservation(seq) == ("127.0.0.1:2", SECRET)
     finally:
         await writer
         await worker.redis.aclose()
@@ -187,7 +188,7 @@ async def test_prefill_waits_for_its_own_dispatchs_reservation_not_an_older_one(
     writer = asyncio.create_task(new_reservation())
     try:
         started = time.monotonic()
-        assert await worker.wait_for_reservation(seq) == ("127.0.0.1:2", SECRET)
+        assert await worker.handoff.wait_for_reservation(seq) == ("127.0.0.1:2", SECRET)
         assert time.monotonic() - started >= 0.2  # not the older one, there from the start
     finally:
         await writer
@@ -201,11 +202,11 @@ async def test_the_kv_goes_to_the_registered_endpoint_with_the_proof(bus_config:
         await register_decode(worker, "d2", endpoint)
         await reservation(worker, "r-ok", "d2", endpoint)
         seq = prefilled(worker, "r-ok", "d2")
-        await worker.hand_off(seq)
+        await worker.handoff.hand_off(seq)
         [(sender, header, payload)] = decoder.frames
         assert (sender, header.ident) == ("p1", "r-ok")
         assert (header.meta["output_token_ids"], header.meta["next_seq"]) == ([97], 1)
-        assert payload == worker.engine.kv_payload(seq.request) and worker.done_entries == ["1-0"]
+        assert payload == worker.engine.kv_payload(seq.request) and worker.publisher.done_entries == ["1-0"]
     finally:
         await decoder.server.close()
         await close(worker)
@@ -219,9 +220,11 @@ async def test_a_forged_reservation_endpoint_receives_nothing(bus_config: BusCon
     try:
         await register_decode(worker, "d2", endpoint)
         await reservation(worker, "r-forged", "d2", forged)
-        await worker.hand_off(prefilled(worker, "r-forged", "d2"))
+        await worker.handoff.hand_off(prefilled(worker, "r-forged", "d2"))
         assert (fake.connections, fake.received, decoder.frames) == (0, 0, [])
-        assert worker.done_entries == ["1-0"] and worker.handing_off == {}  # the task is acked at the next publish
+        assert (
+            worker.publisher.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
+        )  # the task is acked at the next publish
         last = (await results(worker, "r-forged"))[-1]
         assert isinstance(last, Failed) and last.code == "kv_transfer_failed"
         assert f"names endpoint '{forged}', not '{endpoint}'" in last.message
@@ -240,7 +243,7 @@ async def test_a_reservation_for_an_unregistered_decode_worker_is_not_used(
     try:
         await worker.redis.set(bus_config.keys.lease("d-ghost"), "1", px=30_000)
         await reservation(worker, "r-ghost", "d-ghost", forged)
-        await worker.hand_off(prefilled(worker, "r-ghost", "d-ghost"))
+        await worker.handoff.hand_off(prefilled(worker, "r-ghost", "d-ghost"))
         assert (fake.connections, fake.received) == (0, 0)
         entries = await results(worker, "r-ghost")
         assert isinstance(entries[0], TokenDelta) and isinstance(entries[-1], Failed)
@@ -260,11 +263,14 @@ async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConf
     try:
         await worker.redis.hset(moved, mapping={"decode_worker": "d1", "task_entry": "2-0"})  # the new task's
         await worker.redis.hset(done, mapping={"decode_worker": "d1", "task_entry": "3-0"})
-        worker.stale_reservations += [("moved-2", "1-0"), ("done-3", "3-0")]  # the old task of moved-2, and done-3's
-        await worker.publish()
+        worker.publisher.stale_reservations += [
+            ("moved-2", "1-0"),
+            ("done-3", "3-0"),
+        ]  # the old task of moved-2, and done-3's
+        await worker.publisher.publish()
         assert await worker.redis.hget(moved, "task_entry") == b"2-0"
         assert not await worker.redis.exists(done)
-        assert worker.stale_reservations == []
+        assert worker.publisher.stale_reservations == []
     finally:
         await worker.redis.aclose()
 
@@ -296,7 +302,7 @@ async def handing_off(worker: Worker, request_id: str, endpoint: str) -> tuple[S
     await register_decode(worker, "d2", endpoint)
     await reservation(worker, request_id, "d2", endpoint, entry="5-0")
     seq = prefilled(worker, request_id, "d2")
-    return seq, asyncio.create_task(worker.hand_off(seq))
+    return seq, asyncio.create_task(worker.handoff.hand_off(seq))
 
 
 async def reaped(worker: Worker, request_id: str, how: str) -> None:
@@ -318,10 +324,10 @@ async def test_a_dead_decode_workers_request_is_left_to_the_reaper(
     seq, task = await handing_off(worker, "r-dead", f"127.0.0.1:{free_port()}")  # refused: nobody listens
     try:
         await asyncio.sleep(0.5)
-        assert not task.done() and worker.handing_off == {"r-dead": seq}  # retrying, undecided
+        assert not task.done() and worker.requests.of(Status.HANDING_OFF) == [seq]  # retrying, undecided
         await reaped(worker, "r-dead", how)
         await asyncio.wait_for(task, 5)
-        assert worker.done_entries == ["1-0"] and worker.handing_off == {}
+        assert worker.publisher.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
         assert not any(isinstance(e, Failed) for e in await results(worker, "r-dead"))
         assert not await worker.redis.exists(worker.keys.cancel)  # nothing cancelled the request
     finally:
@@ -343,7 +349,7 @@ async def test_a_hung_decode_worker_is_let_go_once_reaped_not_after_the_transfer
         await reaped(worker, "r-hung", "task_moved")
         await asyncio.wait_for(task, 5)
         assert time.monotonic() - reaped_at < worker.config.transfer_timeout_s  # a bound: not the timeout
-        assert worker.done_entries == ["1-0"]
+        assert worker.publisher.done_entries == ["1-0"]
         assert not any(isinstance(e, Failed) for e in await results(worker, "r-hung"))
     finally:
         hung.close()
@@ -377,7 +383,7 @@ async def test_a_refusal_for_a_newer_dispatch_lets_go_without_an_error(
         seq, task = await handing_off(worker, "r-newer", endpoint)
         await asyncio.wait_for(task, 5)
         assert decoder.refused == 1
-        assert worker.done_entries == ["1-0"] and worker.handing_off == {}
+        assert worker.publisher.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
         assert not any(isinstance(e, Failed) for e in await results(worker, "r-newer"))
         assert not await worker.redis.exists(worker.keys.cancel)
     finally:
@@ -438,8 +444,8 @@ async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
         seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
         assert worker.engine.reserve(seq, 32)
         worker.writer.open(seq.request_id, first_seq=1)
-        worker.emit(seq, 97)  # written after the stop, if at all
-        worker.running.append(seq)
+        worker.publisher.emit(seq, 97)  # written after the stop, if at all
+        worker.requests.add(seq, Status.RUNNING)
         seqs.append(seq)
     return seqs
 
@@ -455,9 +461,9 @@ async def test_a_worker_back_from_a_stop_drops_what_the_reaper_moved_and_rejoins
         await worker.redis.set(worker.keys.reaping(worker.id), "scheduler-1", ex=60)
         await worker.redis.xack(worker.keys.tasks(worker.id), "workers", moved.entry_id)
         await Registry(worker.redis, bus_config).mark_dead(worker.id)
-        worker.last_beat = time.monotonic() - 5  # stopped 5 s: past the 3 s lease
-        await worker.publish()  # the first write after waking settles first
-        assert worker.running == [kept] and moved.blocks == 0 and kept.blocks > 0
+        worker.lease.last_beat = time.monotonic() - 5  # stopped 5 s: past the 3 s lease
+        await worker.publisher.publish()  # the first write after waking settles first
+        assert worker.requests.of(Status.RUNNING) == [kept] and moved.blocks == 0 and kept.blocks > 0
         assert await worker.redis.xlen(worker.keys.out("r-moved")) == 0  # its late token never went out
         assert await worker.redis.xlen(worker.keys.out("r-kept")) == 1
         record = await worker.redis.hgetall(worker.keys.worker(worker.id))
@@ -472,9 +478,9 @@ async def test_a_worker_back_before_any_reaper_keeps_its_requests(bus_config: Bu
     worker = decode_worker(bus_config, tiny_model)
     try:
         seqs = await decoding(worker, "r-1", "r-2")
-        worker.last_beat = time.monotonic() - 5
-        await worker.publish()
-        assert worker.running == seqs and not worker.lapsed()
+        worker.lease.last_beat = time.monotonic() - 5
+        await worker.publisher.publish()
+        assert worker.requests.of(Status.RUNNING) == seqs and not worker.lease.lapsed()
         assert [await worker.redis.xlen(worker.keys.out(r)) for r in ("r-1", "r-2")] == [1, 1]
         assert await worker.redis.get(worker.keys.reaping(worker.id)) == b"d-hung:rejoining"
         assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2
@@ -496,15 +502,17 @@ async def test_a_decode_task_of_a_replaced_dispatch_reserves_nothing(
         await worker.redis.set(worker.keys.current("r-void"), current)
     free = worker.engine.free_blocks
     try:
-        await worker.feed_tasks()
+        await worker.feed.feed_tasks()
         reserved = await worker.redis.hgetall(worker.keys.kv("r-void"))
         if current == "h-newer":
-            assert reserved == {} and worker.awaiting_kv == {} and worker.engine.free_blocks == free
-            await worker.publish()
+            assert reserved == {} and worker.requests.of(Status.AWAITING_KV) == [] and worker.engine.free_blocks == free
+            await worker.publisher.publish()
             assert (await worker.redis.xpending(worker.keys.tasks(worker.id), WORKER_GROUP))["pending"] == 0
             assert await worker.redis.xlen(worker.keys.out("r-void")) == 0  # no error: the request lives on
         else:
-            assert reserved[b"handoff"] == b"h1" and list(worker.awaiting_kv) == ["r-void"]
+            assert reserved[b"handoff"] == b"h1" and [s.request_id for s in worker.requests.of(Status.AWAITING_KV)] == [
+                "r-void"
+            ]
     finally:
         await worker.redis.aclose()
 
@@ -526,7 +534,9 @@ async def test_a_bug_in_a_hand_off_fails_that_request_alone(
         await asyncio.wait_for(task, 5)
         last = (await results(worker, "r-bug"))[-1]
         assert isinstance(last, Failed) and last.code == "handler_failed" and "export broke" in last.message
-        assert worker.done_entries == [] and worker.handing_off == {}  # acked at that publish
+        assert (
+            worker.publisher.done_entries == [] and worker.requests.of(Status.HANDING_OFF) == []
+        )  # acked at that publish
     finally:
         await decoder.server.close()
         await close(worker)

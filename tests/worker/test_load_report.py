@@ -10,6 +10,7 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.registry import Registry
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import SimConfig, WorkerConfig
+from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
@@ -33,11 +34,11 @@ async def test_a_prefill_batch_stops_counting_as_queued_while_it_runs(bus_config
     registry = Registry(worker.redis, bus_config)
     for i, tokens in enumerate((200, 100, 150)):  # the first two fit one batch, the third waits
         request = GenerateRequest(f"r{i}", "tiny", [97] * tokens, SamplingParams(max_tokens=4), "api", 0)
-        worker.queued.append(Sequence(Task("mixed", request), f"{i}-0", TextStream(tokenizer, [])))
+        worker.requests.add(Sequence(Task("mixed", request), f"{i}-0", TextStream(tokenizer, [])), Status.QUEUED)
         worker.writer.open(request.request_id, first_seq=0)
     try:
         await registry.register(worker.record(), lease_ms=5000)
-        prefill = asyncio.create_task(worker.prefill_queued())  # 300 tokens: 0.6 s
+        prefill = asyncio.create_task(worker.steps.prefill_queued())  # 300 tokens: 0.6 s
         await asyncio.sleep(0.2)
         (info,) = await registry.snapshot()
         assert not prefill.done() and info.record.load.queued_prefill_tokens == 150

@@ -24,6 +24,7 @@ from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import SimConfig, WorkerConfig
+from splitbus.worker.requests import Status
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.worker import Worker
 
@@ -36,7 +37,7 @@ async def worker(bus_config: BusConfig, tiny_model: Path):  # type: ignore[no-un
     await worker.tasks.ensure_group()
     assert await worker.tasks.read(10, block_ms=0) == []  # running: its own backlog of a past run re-read
     yield worker
-    await cancel_and_wait(set(worker._background))  # a hand-off started by a test's prefill
+    await worker.loops.close()  # a hand-off started by a test's prefill
     await worker.redis.aclose()
 
 
@@ -47,16 +48,16 @@ async def _send(worker: Worker, request_id: str) -> str:
 
 
 def _queued(worker: Worker) -> list[str]:
-    return [seq.request_id for seq in worker.queued]
+    return [seq.request_id for seq in worker.requests.of(Status.QUEUED)]
 
 
 async def test_a_task_read_while_the_worker_settles_a_lapsed_lease_is_taken(worker: Worker) -> None:
     # Back from a stop, the worker drops what the reaper moved while its task read is still
     # blocked. A task written meanwhile (a scheduler placed it on the rejoining worker) comes
     # back on that read: it must be taken, not added to a backlog that was replaced.
-    feeding = asyncio.create_task(worker.feed_tasks())
+    feeding = asyncio.create_task(worker.feed.feed_tasks())
     await asyncio.sleep(0.1)  # the read is blocked in XREADGROUP
-    await worker.drop_moved()
+    await worker.feed.drop_moved()
     await _send(worker, "r-during")
     await asyncio.wait_for(feeding, 5)
     assert _queued(worker) == ["r-during"]
@@ -80,11 +81,11 @@ async def test_tasks_delivered_to_a_read_whose_reply_was_lost_are_taken_once(
 
     monkeypatch.setattr(worker.tasks, "read", timed_out)
     with pytest.raises(RedisTimeout):
-        await worker.feed_tasks()
-    await worker.feed_tasks()
+        await worker.feed.feed_tasks()
+    await worker.feed.feed_tasks()
     assert _queued(worker) == ["r-lost-1", "r-lost-2"]
-    assert [seq.entry_id for seq in worker.queued] == [first, second]
-    assert worker.known_entries() == {first, second}
+    assert [seq.entry_id for seq in worker.requests.of(Status.QUEUED)] == [first, second]
+    assert worker.feed.known_entries() == {first, second}
 
 
 async def test_a_lost_task_brought_again_by_its_read_is_taken_once(worker: Worker) -> None:
@@ -92,11 +93,11 @@ async def test_a_lost_task_brought_again_by_its_read_is_taken_once(worker: Worke
     # entry then arrives twice, and only one copy becomes a request.
     entry = await _send(worker, "r-twice")
     (delivery,) = await worker.tasks.read(10, block_ms=0)  # delivered; its reply not handled yet
-    await worker.take_lost()  # finds it pending and unseen: takes it
-    assert [d.entry_id for d in worker.unaccepted] == [entry]
-    worker.unaccepted.append(delivery)  # then the reply is handled
-    await worker.feed_tasks()
-    assert _queued(worker) == ["r-twice"] and [s.entry_id for s in worker.queued] == [entry]
+    await worker.feed.take_lost()  # finds it pending and unseen: takes it
+    assert [d.entry_id for d in worker.feed.unaccepted] == [entry]
+    worker.feed.unaccepted.append(delivery)  # then the reply is handled
+    await worker.feed.feed_tasks()
+    assert _queued(worker) == ["r-twice"] and [s.entry_id for s in worker.requests.of(Status.QUEUED)] == [entry]
 
 
 async def test_a_request_moved_here_again_keeps_only_its_newest_task(worker: Worker) -> None:
@@ -104,13 +105,13 @@ async def test_a_request_moved_here_again_keeps_only_its_newest_task(worker: Wor
     # request a new pair with this same prefill worker. The older task is void: kept, it would
     # prefill twice, and retiring it later would close the newer one's result writer.
     older = await _send(worker, "r-again")
-    await worker.feed_tasks()
+    await worker.feed.feed_tasks()
     free = worker.engine.free_blocks
     newer = await _send(worker, "r-again")
-    await worker.feed_tasks()
-    assert [(s.request_id, s.entry_id) for s in worker.queued] == [("r-again", newer)]
-    assert worker.done_entries == [older] and worker.engine.free_blocks == free
-    await worker.prefill_queued()
+    await worker.feed.feed_tasks()
+    assert [(s.request_id, s.entry_id) for s in worker.requests.of(Status.QUEUED)] == [("r-again", newer)]
+    assert worker.publisher.done_entries == [older] and worker.engine.free_blocks == free
+    await worker.steps.prefill_queued()
     assert worker.writer.next_seq("r-again") == 1  # the newer task's writer, open and written to
 
 
@@ -133,7 +134,7 @@ async def _running(worker: Worker, *steps: Callable[[], Awaitable[None]]) -> lis
 
 async def _taken_within(worker: Worker, seconds: float) -> list[str]:
     deadline = time.monotonic() + seconds
-    while not worker.queued and time.monotonic() < deadline:
+    while not worker.requests.of(Status.QUEUED) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     return _queued(worker)
 
@@ -150,14 +151,14 @@ async def test_a_task_whose_read_timed_out_in_a_stall_is_taken(bus_config: BusCo
     # looks for it after the failed read.
     worker = _stall_worker(bus_config, tiny_model)
     sender = redis.Redis.from_url(bus_config.redis_url)
-    loops = await _running(worker, worker.feed_tasks)
+    loops = await _running(worker, worker.feed.feed_tasks)
     try:
         await asyncio.sleep(0.1)  # the read is blocked in XREADGROUP
         threading.Timer(0.1, lambda: sender.xadd(bus_config.keys.tasks("p-stall"), _task_fields("r-stall"))).start()
         time.sleep(2.0)  # the whole loop stalls past the 1 s socket timeout
         assert await _taken_within(worker, 10) == ["r-stall"]
     finally:
-        await cancel_and_wait(set(loops) | set(worker._background))
+        await cancel_and_wait(set(loops) | set(worker.loops._tasks))
         sender.close()
         await worker.redis.aclose()
 
@@ -170,21 +171,23 @@ async def test_a_task_lost_without_an_error_is_found_by_the_periodic_look(
     # consumer, never seen. The periodic look takes it once it is older than a read could be.
     worker = _stall_worker(bus_config, tiny_model)
     other = redis.Redis.from_url(bus_config.redis_url)
-    loops = await _running(worker, worker.find_lost_tasks)
+    loops = await _running(worker, worker.feed.find_lost_tasks)
     try:
         other.xadd(bus_config.keys.tasks("p-stall"), _task_fields("r-silent"))
         other.xreadgroup(WORKER_GROUP, "p-stall", {bus_config.keys.tasks("p-stall"): ">"}, count=1)  # the lost reply
         await asyncio.sleep(0.5)
-        assert worker.unaccepted == deque() and not worker.queued  # a read in flight is not raced
+        assert worker.feed.unaccepted == deque() and not worker.requests.of(
+            Status.QUEUED
+        )  # a read in flight is not raced
         await asyncio.wait_for(_until_unaccepted(worker), 10)
-        await worker.feed_tasks()
+        await worker.feed.feed_tasks()
         assert _queued(worker) == ["r-silent"]
     finally:
-        await cancel_and_wait(set(loops) | set(worker._background))
+        await cancel_and_wait(set(loops) | set(worker.loops._tasks))
         other.close()
         await worker.redis.aclose()
 
 
 async def _until_unaccepted(worker: Worker) -> None:
-    while not worker.unaccepted:
+    while not worker.feed.unaccepted:
         await asyncio.sleep(0.1)

@@ -1,0 +1,116 @@
+"""What a worker writes for its requests: result entries, task acks and reservation clean-up,
+buffered by the engine loop and the hand-offs and written by one publisher loop, one write at a
+time, so entries keep their order. While Redis refuses (OOM, outage) everything stays buffered;
+each list is cleared only once written."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from splitbus.bus.reservations import Reservations
+from splitbus.bus.results import ResultWriter
+from splitbus.bus.streams import GroupConsumer
+from splitbus.worker import metrics
+from splitbus.worker.engine import Engine
+from splitbus.worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+PUBLISH_IDLE_S = 0.5
+"""With nothing asked, the publisher writes anyway this often (what a retry left)."""
+
+Hook = Callable[[], Awaitable[None]]
+
+
+class Publisher:
+    """``emit``/``finish``/``fail``/``retire`` buffer; ``soon()`` asks for a write; ``publish()``
+    writes. ``before`` runs first in each write under the lock (a worker back from a lapsed lease
+    drops what moved away before writing for it); ``after_results`` runs once the results are
+    out (the task feed gives back the scheduler's reservations)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        writer: ResultWriter,
+        tasks: GroupConsumer,
+        reservations: Reservations,
+        engine: Engine,
+        room: asyncio.Event,
+        hooks: tuple[Hook, Hook],
+    ) -> None:
+        self.redis, self.writer, self.tasks, self.reservations = redis, writer, tasks, reservations
+        self.engine, self.room = engine, room
+        self.before, self.after_results = hooks
+        self.done_entries: list[str] = []  # task entries to ack at the next publish
+        self.stale_reservations: list[tuple[str, str]] = []  # (request, task entry) of decode tasks that left
+        self.lock = asyncio.Lock()
+        self.asked = asyncio.Event()
+
+    # ------------------------------------------------------------ what the engine and hand-offs leave
+
+    def emit(self, seq: Sequence, token_id: int) -> None:
+        self.writer.tokens(seq.request_id, [token_id], seq.add_token(token_id, self.engine.eos_token_ids))
+
+    def finish(self, seq: Sequence) -> None:
+        text = seq.text.flush()
+        metrics.REQUESTS_FINISHED.labels(seq.finish_reason or "stop").inc()
+        self.writer.finish(seq.request_id, seq.finish_reason or "stop", seq.prompt_len, len(seq.output_ids), text)
+        self.retire(seq)
+
+    def fail(self, seq: Sequence, code: str, message: str, status: int) -> None:
+        log.warning("request %s failed: %s", seq.request_id, message)
+        metrics.REQUESTS_FINISHED.labels(code).inc()
+        self.writer.fail(seq.request_id, code, message, status)
+        self.retire(seq)
+
+    def retire(self, seq: Sequence) -> None:
+        """The request leaves this worker: free its blocks, ack its task at the next publish."""
+        self.engine.release(seq)
+        self.done_entries.append(seq.entry_id)
+        self.writer.forget(seq.request_id)
+        if seq.task.phase == "decode":
+            self.stale_reservations.append((seq.request_id, seq.entry_id))
+        self.room.set()
+        self.soon()
+
+    # ------------------------------------------------------------ writing
+
+    def soon(self) -> None:
+        self.asked.set()
+
+    async def publish_when_asked(self) -> None:
+        """The publisher loop's step: a write once asked (or every ``PUBLISH_IDLE_S``)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.asked.wait(), PUBLISH_IDLE_S)
+        self.asked.clear()
+        await self.publish()
+
+    async def publish(self) -> None:
+        """Write the results, then ack finished tasks and drop stale reservations."""
+        async with self.lock:
+            await self.before()
+            if self.writer.pending:
+                await self.writer.flush()
+            await self.tasks.send_graves()
+            await self.after_results()
+            await self._ack()
+            await self._drop_stale_reservations()
+
+    async def _ack(self) -> None:
+        if self.done_entries:
+            done = list(self.done_entries)
+            await self.tasks.ack(*done)
+            del self.done_entries[: len(done)]
+
+    async def _drop_stale_reservations(self) -> None:
+        if self.stale_reservations:
+            stale = list(self.stale_reservations)
+            pipe = self.redis.pipeline(transaction=False)
+            for request_id, entry_id in stale:
+                await self.reservations.drop(request_id, entry_id, client=pipe)
+            await pipe.execute()
+            del self.stale_reservations[: len(stale)]

@@ -1,0 +1,138 @@
+"""The requests a worker holds: one entry per request, with one status (nano-vllm's
+``SequenceStatus``), in one table. No Redis here: what to write when a request changes status is
+the caller's (the publisher's, the hand-off's).
+
+A request leaves the table when it leaves the worker (finished, failed, handed off, moved,
+cancelled); its task is acked at the next publish. Within a status, requests keep the order they
+reached it in: the oldest queued prefill goes first, the running ones decode in arrival order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from splitbus.worker.sequence import Sequence
+
+
+class Status(enum.Enum):
+    QUEUED = "queued"
+    """Taken, its blocks reserved: to prefill (prefill and mixed tasks)."""
+    PREFILLING = "prefilling"
+    """In the engine's prefill step now."""
+    AWAITING_KV = "awaiting_kv"
+    """A decode task: blocks reserved in ``sb:kv``, waiting for its prefill worker's cache."""
+    RUNNING = "running"
+    """Decoding, one token per step."""
+    HANDING_OFF = "handing_off"
+    """Prefilled on a prefill worker: its cache on its way to the decode worker."""
+
+
+HELD = (Status.QUEUED, Status.AWAITING_KV, Status.RUNNING, Status.HANDING_OFF)
+"""What counts against ``max_requests`` and in the load: a batch in the engine's prefill step
+counts in neither (the load is reported without it while it runs)."""
+DROPPABLE = (Status.QUEUED, Status.AWAITING_KV, Status.RUNNING)
+"""What a cancel or a passed deadline takes out at once: a prefill or a hand-off in flight finds
+out itself when it ends (it checks that its request is still its own)."""
+
+
+@dataclass
+class _Entry:
+    seq: Sequence
+    status: Status
+    kv_deadline: float = 0.0
+    """While AWAITING_KV: the monotonic time its KV must have come by."""
+
+
+class RequestTable:
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, seq: Sequence, status: Status, kv_deadline: float = 0.0) -> None:
+        """A request comes in (or back, after its prefill). Its older task, if any, must have
+        left first: one request has one entry."""
+        if seq.request_id in self._entries:
+            raise ValueError(f"{seq.request_id} is held already ({self._entries[seq.request_id].status.value})")
+        self._entries[seq.request_id] = _Entry(seq, status, kv_deadline)
+
+    def move(self, seq: Sequence, status: Status) -> None:
+        """``seq`` changes status; it goes to the end of its new status's order."""
+        if self.status(seq) is None:
+            raise KeyError(f"{seq.request_id}: this task is not held")
+        del self._entries[seq.request_id]
+        self._entries[seq.request_id] = _Entry(seq, status)
+
+    def status(self, seq: Sequence) -> Status | None:
+        """The status of this very task (None if it is not held: another task of its request is)."""
+        entry = self._entries.get(seq.request_id)
+        return entry.status if entry is not None and entry.seq is seq else None
+
+    def holds(self, seq: Sequence, *statuses: Status) -> bool:
+        return self.status(seq) in (statuses or tuple(Status))
+
+    def get(self, request_id: str, *statuses: Status) -> Sequence | None:
+        entry = self._entries.get(request_id)
+        return entry.seq if entry is not None and entry.status in (statuses or tuple(Status)) else None
+
+    def remove(self, seq: Sequence) -> bool:
+        """``seq`` leaves; False if it was not held (a newer task of its request stays)."""
+        if self.status(seq) is None:
+            return False
+        del self._entries[seq.request_id]
+        return True
+
+    def take(self, request_id: str, *statuses: Status) -> Sequence | None:
+        """Remove and return the request's task if it has one of ``statuses`` (any status if none)."""
+        seq = self.get(request_id, *statuses)
+        if seq is not None:
+            del self._entries[request_id]
+        return seq
+
+    def of(self, *statuses: Status) -> list[Sequence]:
+        """The tasks with these statuses (all if none), in order."""
+        return [e.seq for e in self._select(statuses)]
+
+    def count(self, *statuses: Status) -> int:
+        return sum(1 for _ in self._select(statuses))
+
+    def kv_deadline(self, seq: Sequence) -> float:
+        return self._entries[seq.request_id].kv_deadline if self.holds(seq, Status.AWAITING_KV) else 0.0
+
+    def prefill_batch_size(self, max_tokens: int) -> tuple[int, int]:
+        """How many queued requests the next prefill batch takes (the oldest first, at least one),
+        and their tokens: as many as fit in ``max_tokens``."""
+        count = tokens = 0
+        for seq in self.of(Status.QUEUED):
+            if count and tokens + len(seq.all_tokens) > max_tokens:
+                break
+            count, tokens = count + 1, tokens + len(seq.all_tokens)
+        return count, tokens
+
+    def start_prefill(self, max_tokens: int) -> list[Sequence]:
+        """The next prefill batch, now PREFILLING."""
+        count, _ = self.prefill_batch_size(max_tokens)
+        batch = self.of(Status.QUEUED)[:count]
+        for seq in batch:
+            self.move(seq, Status.PREFILLING)
+        return batch
+
+    def end_prefill(self) -> list[Sequence]:
+        """Remove and return what is still PREFILLING (a request that moved meanwhile is not)."""
+        return self._take_all(e for e in self._select((Status.PREFILLING,)))
+
+    def kv_waits_past(self, now: float) -> list[Sequence]:
+        """Remove and return the requests whose KV has not come by its deadline."""
+        return self._take_all(e for e in self._select((Status.AWAITING_KV,)) if now > e.kv_deadline)
+
+    def _select(self, statuses: tuple[Status, ...]) -> Iterable[_Entry]:
+        return [e for e in self._entries.values() if not statuses or e.status in statuses]
+
+    def _take_all(self, entries: Iterable[_Entry]) -> list[Sequence]:
+        taken = [e.seq for e in entries]
+        for seq in taken:
+            del self._entries[seq.request_id]
+        return taken

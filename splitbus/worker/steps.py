@@ -1,0 +1,168 @@
+"""The engine's steps: a prefill of the queued requests, a decode of the running ones, and what
+the worker tells schedulers about its load. A stepper (``splitbus.worker.stepper``) decides
+which step runs when."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from splitbus.bus.connection import is_transient, transient_suppressed
+from splitbus.bus.loops import Loops
+from splitbus.bus.registry import Registry, WorkerLoad
+from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.worker import metrics
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.engine import Engine
+from splitbus.worker.publisher import Publisher
+from splitbus.worker.requests import RequestTable, Status
+from splitbus.worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+WAIT_FOR_WORK_S = 0.5
+"""With nothing to step, the loop looks again this often (kv waits and deadlines to expire)."""
+COUNTERS = (
+    "prefills_done",
+    "decodes_done",
+    "steps",
+    "idle_forwards",
+    "step_time_us",
+    "idle_time_us",
+    "busy_time_us",
+    "forward_ends_ms",
+)
+
+EngineCall = Callable[[list[Sequence]], Awaitable[list[int]]]
+
+
+class EngineSteps:
+    """``expire`` ends what waited too long (kv waits, deadlines); ``settle`` runs after each
+    engine call (a worker stopped during the step drops its moved requests before it writes for
+    them); ``hand_off`` is the one-shot
+    work started for each prefilled request of a prefill worker; ``cancel_peer`` tells a decode
+    worker that its request finished at prefill."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        parts: tuple[Engine, RequestTable, Publisher, GroupConsumer, Registry, Loops],
+        wake: asyncio.Event,
+        hooks: tuple[Callable[[], None], Callable[[], Awaitable[None]]],
+        hand_off: Callable[[Sequence], Coroutine[Any, Any, None]],
+        cancel_peer: Callable[[Sequence, str], None],
+    ) -> None:
+        self.config, self.id = config, config.worker_id
+        self.engine, self.table, self.publisher, self.tasks, self.registry, self.loops = parts
+        self.wake, (self.expire, self.settle) = wake, hooks
+        self.hand_off, self.cancel_peer = hand_off, cancel_peer
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            running=self.table.count(Status.RUNNING, Status.HANDING_OFF),
+            waiting=self.table.count(Status.QUEUED, Status.AWAITING_KV),
+            queued_prefill_tokens=sum(s.prompt_len for s in self.table.of(Status.QUEUED)),
+            free_kv_blocks=self.engine.free_blocks,
+            total_kv_blocks=self.engine.total_blocks,
+            **self.counters,
+        )
+
+    def has_work(self) -> bool:
+        return bool(self.table.count(Status.QUEUED, Status.RUNNING))
+
+    async def wait_for_work(self) -> None:
+        self.expire()
+        if self.has_work():
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), WAIT_FOR_WORK_S)
+        self.wake.clear()
+
+    def report_load_soon(self) -> None:
+        """The engine took a prefill batch: report the load without it, which schedulers place
+        the next work by while the batch runs. Until the next report the batch still counted as
+        queued, so new work avoided the ranks that were prefilling most and piled onto the
+        others, whose next prefill steps grew long (in the 4-rank benchmark, one rank
+        prefilled up to 5 times as long as another in the same step)."""
+        self.loops.spawn(self.report_load_now())
+
+    async def report_load_now(self) -> None:
+        """Advisory: an outage only leaves it to the next report."""
+        with transient_suppressed("a load report"):
+            await self.registry.report_load(self.id, self.load())
+
+    async def prefill_queued(self, report_load: bool = True) -> None:
+        """Prefill the next batch. ``report_load``: once the batch left the queue (a DP rank
+        reports its load with each step instead)."""
+        batch = self.table.start_prefill(self.config.max_prefill_tokens)
+        if not batch:
+            return
+        if report_load:
+            self.report_load_soon()
+        metrics.PROMPT_TOKENS.inc(sum(len(seq.all_tokens) for seq in batch))
+        try:
+            results = await self.run_engine(self.engine.prefill, batch)
+            await self.settle()
+        finally:
+            still = self.table.end_prefill()
+        results = [(seq, token) for seq, token in results if any(s is seq for s in still)]  # not moved away meanwhile
+        metrics.GENERATION_TOKENS.inc(len(results))
+        for seq, token in results:
+            self.publisher.emit(seq, token)
+            self.after_prefill(seq)
+
+    def after_prefill(self, seq: Sequence) -> None:
+        self.counters["prefills_done"] += 1
+        if seq.task.phase == "mixed" and not seq.finished:
+            self.table.add(seq, Status.RUNNING)
+        elif seq.finished:  # done at its first token: D has nothing to decode
+            self.publisher.finish(seq)
+            if seq.task.phase == "prefill":
+                self.cancel_peer(seq, "finished_on_prefill")
+        else:
+            self.table.add(seq, Status.HANDING_OFF)
+            self.loops.spawn(self.hand_off(seq))
+
+    async def decode_running(self) -> None:
+        batch = self.table.of(Status.RUNNING)  # a snapshot: imports and cancellations change the table meanwhile
+        if not batch:
+            return
+        results = await self.run_engine(self.engine.decode, batch)
+        await self.settle()
+        emitted = [(seq, token) for seq, token in results if self.table.holds(seq, Status.RUNNING)]
+        metrics.GENERATION_TOKENS.inc(len(emitted))
+        for seq, token in emitted:
+            self.publisher.emit(seq, token)
+        for seq in [s for s in self.table.of(Status.RUNNING) if s.finished]:
+            self.table.remove(seq)
+            self.counters["decodes_done"] += 1
+            self.publisher.finish(seq)
+
+    async def run_engine(self, step: EngineCall, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """One engine call for the batch. If it raises, each sequence runs alone to find the
+        one that breaks it: that request is poison and ends with an error and a dead letter,
+        and the others go on."""
+        try:
+            with metrics.ENGINE_STEP.labels(getattr(step, "__name__", "step")).time():
+                return list(zip(batch, await step(batch), strict=False))
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            log.error("engine step failed on a batch of %d (%s); running each alone", len(batch), exc)
+        done = []
+        for seq in batch:
+            try:
+                done += list(zip([seq], await step([seq]), strict=False))
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                await self.poison(seq, exc)
+        return done
+
+    async def poison(self, seq: Sequence, exc: Exception) -> None:
+        self.table.remove(seq)
+        await self.tasks.dead_letter(Delivery(self.tasks.stream, seq.entry_id, seq.task), f"engine_error: {exc}")
+        self.publisher.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
