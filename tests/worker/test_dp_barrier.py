@@ -25,7 +25,7 @@ def barriers(redis: aioredis.Redis, bus_config: BusConfig, group: str, size: int
 async def test_every_rank_gets_every_plan_of_a_step(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     ranks = barriers(redis, bus_config, "exchange", 3)
     plans = [StepPlan(r.rank, prefill=r.rank == 1, decode=False, waited_ms=0.0) for r in ranks]
-    seen = await asyncio.gather(*(r.exchange(0, p) for r, p in zip(ranks, plans)))
+    seen = await asyncio.gather(*(r.exchange(0, p) for r, p in zip(ranks, plans, strict=True)))
     assert seen == [plans] * 3
 
 

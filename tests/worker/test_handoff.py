@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task, TokenDelta
@@ -24,6 +23,7 @@ from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
 from splitbus.worker.transfer import Header, TransferServer, proof_matches
 from splitbus.worker.worker import Worker
+from tests.worker.replies import add, decoded
 
 SECRET = "the-reservations-secret"
 
@@ -142,7 +142,7 @@ async def close(worker: Worker) -> None:
 
 async def results(worker: Worker, request_id: str) -> list[object]:
     await worker.publisher.publish()
-    return [codec.decode(fields) for _, fields in await worker.redis.xrange(worker.keys.out(request_id))]
+    return await decoded(worker.redis, worker.keys.out(request_id))
 
 
 async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
@@ -206,6 +206,7 @@ async def test_the_kv_goes_to_the_registered_endpoint_with_the_proof(bus_config:
         [(sender, header, payload)] = decoder.frames
         assert (sender, header.ident) == ("p1", "r-ok")
         assert (header.meta["output_token_ids"], header.meta["next_seq"]) == ([97], 1)
+        assert isinstance(worker.engine, SimEngine)
         assert payload == worker.engine.kv_payload(seq.request) and worker.publisher.done_entries == ["1-0"]
     finally:
         await decoder.server.close()
@@ -438,7 +439,7 @@ async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
     await worker.tasks.ensure_group()
     for request_id in request_ids:
         request = GenerateRequest(request_id, "tiny", [97], SamplingParams(max_tokens=8), "api", 0)
-        await worker.redis.xadd(worker.keys.tasks(worker.id), codec.encode(Task("decode", request, peer="p1")))
+        await add(worker.redis, worker.keys.tasks(worker.id), Task("decode", request, peer="p1"))
     seqs = []
     for delivery in await worker.tasks.read(10, block_ms=0):
         seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
@@ -497,7 +498,7 @@ async def test_a_decode_task_of_a_replaced_dispatch_reserves_nothing(
     worker = decode_worker(bus_config, tiny_model)
     await worker.tasks.ensure_group()
     request = GenerateRequest("r-void", "tiny", [97], SamplingParams(max_tokens=8), "api", 0)
-    await worker.redis.xadd(worker.keys.tasks(worker.id), codec.encode(Task("decode", request, "p1", handoff="h1")))
+    await add(worker.redis, worker.keys.tasks(worker.id), Task("decode", request, "p1", handoff="h1"))
     if current is not None:  # none: its current id outlived its TTL, nothing to compare
         await worker.redis.set(worker.keys.current("r-void"), current)
     free = worker.engine.free_blocks

@@ -15,8 +15,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeout
+from redis.typing import EncodableT, FieldT
 
-from splitbus.bus import codec
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import forever
@@ -27,6 +27,7 @@ from splitbus.worker.config import SimConfig, WorkerConfig
 from splitbus.worker.requests import Status
 from splitbus.worker.sim import SimEngine
 from splitbus.worker.worker import Worker
+from tests.worker.replies import add, fields
 
 
 @pytest.fixture
@@ -43,8 +44,7 @@ async def worker(bus_config: BusConfig, tiny_model: Path):  # type: ignore[no-un
 
 async def _send(worker: Worker, request_id: str) -> str:
     request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
-    entry = await worker.redis.xadd(worker.keys.tasks(worker.id), codec.encode(Task("prefill", request, "d1")))
-    return entry.decode()
+    return await add(worker.redis, worker.keys.tasks(worker.id), Task("prefill", request, "d1"))
 
 
 def _queued(worker: Worker) -> list[str]:
@@ -139,9 +139,9 @@ async def _taken_within(worker: Worker, seconds: float) -> list[str]:
     return _queued(worker)
 
 
-def _task_fields(request_id: str) -> dict[bytes, bytes]:
+def _task_fields(request_id: str) -> dict[FieldT, EncodableT]:
     request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
-    return codec.encode(Task("prefill", request, "d1"))
+    return fields(Task("prefill", request, "d1"))
 
 
 async def test_a_task_whose_read_timed_out_in_a_stall_is_taken(bus_config: BusConfig, tiny_model: Path) -> None:

@@ -1,0 +1,87 @@
+"""The request table on its own (no Redis): one status per request, one entry per request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.requests import DROPPABLE, HELD, RequestTable, Status
+from splitbus.worker.sequence import Sequence
+from splitbus.worker.text import TextStream
+
+Make = Callable[..., Sequence]
+
+
+@pytest.fixture
+def make(tiny_model: Path) -> Make:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+
+    def make(request_id: str, tokens: int = 1, entry: str = "1-0") -> Sequence:
+        request = GenerateRequest(request_id, "tiny", [97] * tokens, SamplingParams(max_tokens=4), "api", 0)
+        return Sequence(Task("mixed", request), entry, TextStream(tokenizer, []))
+
+    return make
+
+
+def test_a_request_has_one_entry_and_a_newer_task_of_it_is_not_the_older(make: Make) -> None:
+    table, older, newer = RequestTable(), make("r1", entry="1-0"), make("r1", entry="2-0")
+    table.add(older, Status.QUEUED)
+    with pytest.raises(ValueError, match="held already"):
+        table.add(newer, Status.QUEUED)  # the older task must leave first
+    assert table.status(newer) is None and not table.remove(newer)  # a task not held changes nothing
+    assert table.remove(older) and len(table) == 0
+    table.add(newer, Status.AWAITING_KV)
+    assert table.status(older) is None and table.get("r1") is newer
+
+
+def test_each_status_keeps_the_order_its_requests_reached_it_in(make: Make) -> None:
+    table = RequestTable()
+    a, b, c = make("a"), make("b"), make("c")
+    for seq in (a, b, c):
+        table.add(seq, Status.QUEUED)
+    table.move(b, Status.RUNNING)
+    table.move(a, Status.RUNNING)
+    assert table.of(Status.RUNNING) == [b, a] and table.of(Status.QUEUED) == [c]
+    assert table.of() == [c, b, a] and table.count(Status.QUEUED, Status.RUNNING) == 3
+    with pytest.raises(KeyError):
+        table.move(make("a"), Status.HANDING_OFF)  # another task of a: not this table's
+
+
+def test_a_prefill_batch_takes_the_oldest_that_fit_and_counts_as_held_no_more(make: Make) -> None:
+    table = RequestTable()
+    big, small, late = make("big", tokens=300), make("small", tokens=100), make("late", tokens=10)
+    for seq in (big, small, late):
+        table.add(seq, Status.QUEUED)
+    assert table.prefill_batch_size(350) == (1, 300)  # small does not fit after big; late waits its turn
+    assert table.prefill_batch_size(200) == (1, 300)  # one at least, however long
+    assert table.start_prefill(400) == [big, small]
+    assert table.of(Status.PREFILLING) == [big, small] and table.count(*HELD) == 1
+    table.remove(small)  # moved away during the step
+    assert table.end_prefill() == [big] and table.of() == [late]
+
+
+def test_a_cancel_takes_only_what_is_not_in_flight(make: Make) -> None:
+    table = RequestTable()
+    shipping, prefilling, waiting = make("ship"), make("pre"), make("wait")
+    table.add(shipping, Status.HANDING_OFF)
+    table.add(prefilling, Status.PREFILLING)
+    table.add(waiting, Status.AWAITING_KV, kv_deadline=5.0)
+    assert table.take("ship", *DROPPABLE) is None and table.take("pre", *DROPPABLE) is None
+    assert table.take("wait", *DROPPABLE) is waiting and table.of() == [shipping, prefilling]
+    assert table.take("unknown") is None
+
+
+def test_kv_waits_past_their_deadline_leave_the_table(make: Make) -> None:
+    table = RequestTable()
+    soon, later, running = make("soon"), make("later"), make("run")
+    table.add(soon, Status.AWAITING_KV, kv_deadline=10.0)
+    table.add(later, Status.AWAITING_KV, kv_deadline=20.0)
+    table.add(running, Status.RUNNING, kv_deadline=1.0)  # a deadline means nothing once running
+    assert table.kv_deadline(later) == 20.0 and table.kv_deadline(running) == 0.0
+    assert table.kv_waits_past(10.0) == []  # not past yet
+    assert table.kv_waits_past(15.0) == [soon] and table.of() == [later, running]
+    assert table.count(Status.AWAITING_KV) == 1

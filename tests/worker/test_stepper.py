@@ -1,0 +1,146 @@
+"""The stepper a worker is given: a worker on its own, or a rank of a DP group, against a real
+Redis; and the loops the worker runs them under."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.messages import Failed, Finished, GenerateRequest, SamplingParams, Task, TokenDelta
+from splitbus.bus.registry import Registry
+from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.dp import EXIT_GROUP_BROKEN, DpStepper, GroupBroken, StepPlan
+from splitbus.worker.requests import Status
+from splitbus.worker.sequence import Sequence
+from splitbus.worker.sim import SimEngine
+from splitbus.worker.stepper import SoloStepper, StepperFactory
+from splitbus.worker.text import TextStream
+from splitbus.worker.worker import Worker
+from tests.worker import replies
+from tests.worker.replies import decoded
+
+
+def mixed_worker(
+    bus_config: BusConfig, tiny_model: Path, stepper: StepperFactory = SoloStepper, dp_size: int = 0
+) -> Worker:
+    """A mixed worker; with ``dp_size``, rank 0 of DP group g0."""
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(
+        bus=bus_config,
+        role="mixed",
+        model_dir=tiny_model,
+        model_name="tiny",
+        worker_id="m0",
+        dp_group="g0" if dp_size else "",
+        dp_rank=0 if dp_size else -1,
+        dp_size=dp_size,
+    )
+    return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16), stepper)
+
+
+def dp_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:
+    return mixed_worker(bus_config, tiny_model, DpStepper, dp_size=2)
+
+
+def queue(worker: Worker, request_id: str, max_tokens: int = 4, batch: str = "", entry: str = "1-0") -> Sequence:
+    """A mixed task taken: its writer open, its blocks reserved, queued to prefill."""
+    request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=max_tokens), "api", 0)
+    task = Task("mixed", request, batch_id=batch, batch_ranks=2 if batch else 0)
+    seq = Sequence(task, entry, TextStream(worker.tokenizer, []))
+    worker.writer.open(request_id)
+    assert worker.engine.reserve(seq, 16)
+    worker.requests.add(seq, Status.QUEUED)
+    return seq
+
+
+async def entries(worker: Worker, request_id: str) -> list[object]:
+    await worker.publisher.publish()
+    return await decoded(worker.redis, worker.keys.out(request_id))
+
+
+async def test_a_solo_step_prefills_then_decodes_and_a_finished_request_leaves(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
+    worker = mixed_worker(bus_config, tiny_model)
+    done, going = queue(worker, "r-two", max_tokens=2, entry="1-0"), queue(worker, "r-four", entry="2-0")
+    free = worker.engine.free_blocks
+    try:
+        await worker.stepper.step()  # one prefill (a token each), then one decode (one more each)
+        assert worker.requests.of() == [going] and worker.requests.status(going) is Status.RUNNING
+        assert worker.publisher.done_entries == ["1-0"] and worker.engine.free_blocks > free
+        got = await entries(worker, "r-two")
+        assert [type(e) for e in got] == [TokenDelta, TokenDelta, Finished]
+        assert len(await entries(worker, "r-four")) == 2 and done.finished
+    finally:
+        await worker.loops.close()
+        await worker.redis.aclose()
+
+
+async def test_a_dp_rank_is_a_worker_given_the_group_stepper(bus_config: BusConfig, tiny_model: Path) -> None:
+    worker = dp_worker(bus_config, tiny_model)
+    try:
+        assert isinstance(worker.stepper, DpStepper) and worker.stepper.table is worker.requests
+        assert worker.stepper.plan() == StepPlan(0, False, False, 0.0)
+        queue(worker, "r-a", batch="b1", entry="1-0")
+        queue(worker, "r-b", batch="b2", entry="2-0")
+        plan = worker.stepper.plan()
+        assert (plan.prefill, plan.decode, plan.batch_id, plan.batch_ranks) == (True, False, "b1", 2)
+        assert plan.held_batches == ("b1", "b2")
+    finally:
+        await worker.redis.aclose()
+
+
+async def test_work_reaching_an_idle_group_wakes_the_other_ranks(bus_config: BusConfig, tiny_model: Path) -> None:
+    worker = dp_worker(bus_config, tiny_model)
+    stepper, stream = worker.stepper, bus_config.keys.dp("g0")
+    assert isinstance(stepper, DpStepper)
+    try:
+        await stepper.work_arrived()  # the group is not idle: nobody to wake
+        assert await worker.redis.xlen(stream) == 0 and worker.wake.is_set()
+        stepper.group_idle = True
+        await stepper.work_arrived()
+        [(_, fields)] = await replies.entries(worker.redis, stream)
+        assert fields[b"wake"] == b"0" and not stepper.group_idle
+    finally:
+        await worker.redis.aclose()
+
+
+async def test_a_broken_group_fails_what_the_rank_holds_and_stops_it_with_its_exit_code(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = dp_worker(bus_config, tiny_model)
+    stepper = worker.stepper
+    assert isinstance(stepper, DpStepper)
+
+    async def broken(*args: object) -> list[StepPlan]:
+        raise GroupBroken("DP group g0 is broken: rank(s) [1] did not reach step 0", [1])
+
+    monkeypatch.setattr(stepper.barrier, "exchange", broken)
+    try:
+        await worker.registry.register(worker.record(), lease_ms=5000)
+        queue(worker, "r-held")
+        await stepper.step()  # contained by the stepper: the loop it runs in sees a stop, not an error
+        assert worker.loops.stopped and worker.exit_code == EXIT_GROUP_BROKEN
+        assert worker.requests.of() == []
+        (last,) = await entries(worker, "r-held")
+        assert isinstance(last, Failed) and last.code == "dp_group_broken" and "rank(s) [1]" in last.message
+        assert await Registry(worker.redis, bus_config).snapshot() == []  # it left the registry
+    finally:
+        await worker.redis.aclose()
+
+
+async def test_a_bug_in_a_background_loop_stops_the_worker_non_zero(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = mixed_worker(bus_config, tiny_model)
+
+    async def buggy() -> None:
+        raise RuntimeError("a bug in the cancel loop")
+
+    monkeypatch.setattr(worker.cancellation, "listen", buggy)
+    await asyncio.wait_for(worker.run(), 10)  # ends by itself, closed
+    assert worker.exit_code == 1 and worker.stopping.is_set()
