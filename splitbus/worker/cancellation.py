@@ -4,18 +4,14 @@ ends a request the decode side waits for."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-import redis.asyncio as aioredis
-
 from splitbus.bus.cancel import CancelListener, publish_cancel
-from splitbus.bus.config import BusConfig
-from splitbus.bus.loops import Loops
 from splitbus.worker.publisher import Publisher
-from splitbus.worker.requests import DROPPABLE, RequestTable, Status
+from splitbus.worker.requests import DROPPABLE, Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.shared import Shared
 
 log = logging.getLogger(__name__)
 RECENT_CANCELS = 10_000
@@ -23,19 +19,11 @@ RECENT_CANCELS = 10_000
 
 
 class Cancellation:
-    def __init__(
-        self,
-        redis: aioredis.Redis,
-        config: BusConfig,
-        worker_id: str,
-        table: RequestTable,
-        publisher: Publisher,
-        loops: Loops,
-        wake: asyncio.Event,
-    ) -> None:
-        self.redis, self.config, self.id = redis, config, worker_id
-        self.table, self.publisher, self.loops, self.wake = table, publisher, loops, wake
-        self.listener = CancelListener(redis, config)
+    def __init__(self, shared: Shared, publisher: Publisher) -> None:
+        self.redis, self.config, self.id = shared.redis, shared.config.bus, shared.id
+        self.table, self.loops, self.wake = shared.table, shared.loops, shared.wake
+        self.publisher = publisher
+        self.listener = CancelListener(self.redis, self.config)
         self.recent: dict[str, float] = {}
 
     def __contains__(self, request_id: str) -> bool:

@@ -10,8 +10,6 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
-
 from splitbus.bus.connection import is_transient
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
@@ -20,12 +18,11 @@ from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
-from splitbus.worker.config import WorkerConfig
-from splitbus.worker.engine import Engine
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.receiver import Receiver
-from splitbus.worker.requests import HELD, RequestTable, Status
+from splitbus.worker.requests import HELD, Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.shared import Shared
 from splitbus.worker.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -41,23 +38,21 @@ class TaskFeed:
 
     def __init__(
         self,
-        config: WorkerConfig,
+        shared: Shared,
         tokenizer: ModelTokenizer,
-        redis: aioredis.Redis,
-        parts: tuple[GroupConsumer, Registry, Engine, RequestTable, Publisher, Cancellation, Receiver],
-        signals: tuple[asyncio.Event, asyncio.Event],
+        tasks: GroupConsumer,
+        registry: Registry,
+        publisher: Publisher,
+        cancellation: Cancellation,
+        receiver: Receiver,
+        *,
         work_arrived: Callable[[], Awaitable[None]],
         load: Callable[[], WorkerLoad],
     ) -> None:
-        self.config, self.id, self.tokenizer, self.redis, self.keys = (
-            config,
-            config.worker_id,
-            tokenizer,
-            redis,
-            config.bus.keys,
-        )
-        self.tasks, self.registry, self.engine, self.table, self.publisher, self.cancellation, self.receiver = parts
-        self.wake, self.room = signals
+        self.config, self.id, self.redis, self.keys = shared.config, shared.id, shared.redis, shared.config.bus.keys
+        self.table, self.engine, self.wake, self.room = shared.table, shared.engine, shared.wake, shared.room
+        self.tokenizer, self.tasks, self.registry = tokenizer, tasks, registry
+        self.publisher, self.cancellation, self.receiver = publisher, cancellation, receiver
         self.work_arrived, self.load = work_arrived, load
         self.unreturned = Reserved()  # reservations of tasks taken, not given back yet
         self.unaccepted: deque[Delivery] = deque()  # tasks read, not taken yet

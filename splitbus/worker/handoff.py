@@ -20,19 +20,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.connection import is_transient, transient_suppressed
 from splitbus.bus.messages import Task
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
-from splitbus.worker.config import WorkerConfig
-from splitbus.worker.engine import Engine
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.publisher import Publisher
-from splitbus.worker.requests import RequestTable, Status
+from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.shared import Shared
 from splitbus.worker.transfer import TransferError, Unreachable
 
 log = logging.getLogger(__name__)
@@ -57,15 +54,15 @@ class HandOff:
 
     def __init__(
         self,
-        config: WorkerConfig,
-        redis: aioredis.Redis,
-        parts: tuple[RequestTable, Publisher, Cancellation, PeerLinks, Engine],
+        shared: Shared,
+        publisher: Publisher,
+        cancellation: Cancellation,
+        links: PeerLinks,
         lapsed: Callable[[], bool],
-        wake: asyncio.Event,
     ) -> None:
-        self.config, self.id, self.redis, self.keys = config, config.worker_id, redis, config.bus.keys
-        self.table, self.publisher, self.cancellation, self.links, self.engine = parts
-        self.lapsed, self.wake = lapsed, wake
+        self.config, self.id, self.redis, self.keys = shared.config, shared.id, shared.redis, shared.config.bus.keys
+        self.table, self.engine, self.wake = shared.table, shared.engine, shared.wake
+        self.publisher, self.cancellation, self.links, self.lapsed = publisher, cancellation, links, lapsed
 
     async def hand_off(self, seq: Sequence) -> None:
         """Ship the cache, then ack (or fail) the task; the request leaves the table."""

@@ -10,14 +10,12 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
-
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import GroupConsumer
 from splitbus.worker import metrics
-from splitbus.worker.engine import Engine
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.shared import Shared
 
 log = logging.getLogger(__name__)
 PUBLISH_IDLE_S = 0.5
@@ -34,17 +32,17 @@ class Publisher:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        shared: Shared,
         writer: ResultWriter,
         tasks: GroupConsumer,
         reservations: Reservations,
-        engine: Engine,
-        room: asyncio.Event,
-        hooks: tuple[Hook, Hook],
+        *,
+        before: Hook,
+        after_results: Hook,
     ) -> None:
-        self.redis, self.writer, self.tasks, self.reservations = redis, writer, tasks, reservations
-        self.engine, self.room = engine, room
-        self.before, self.after_results = hooks
+        self.redis, self.engine, self.room = shared.redis, shared.engine, shared.room
+        self.writer, self.tasks, self.reservations = writer, tasks, reservations
+        self.before, self.after_results = before, after_results
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[tuple[str, str]] = []  # (request, task entry) of decode tasks that left
         self.lock = asyncio.Lock()

@@ -4,21 +4,16 @@ the request if no cache comes in time."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-import redis.asyncio as aioredis
-
 from splitbus.bus.connection import transient_suppressed
-from splitbus.bus.loops import Loops
 from splitbus.bus.reservations import Reservations
-from splitbus.worker.config import WorkerConfig
-from splitbus.worker.engine import Engine
 from splitbus.worker.handoff import dispatched_again, meta_problem
 from splitbus.worker.publisher import Publisher
-from splitbus.worker.requests import RequestTable, Status
+from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.shared import Shared
 from splitbus.worker.transfer import Header, new_secret, proof_matches
 
 log = logging.getLogger(__name__)
@@ -28,17 +23,10 @@ class Receiver:
     """``admit_kv`` and ``import_kv`` are the transfer server's callbacks; ``expect`` is called
     for each decode task taken, ``expire_waits`` by the engine loop."""
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        redis: aioredis.Redis,
-        parts: tuple[RequestTable, Publisher, Reservations, Engine],
-        loops: Loops,
-        wake: asyncio.Event,
-    ) -> None:
-        self.config, self.id, self.redis, self.keys = config, config.worker_id, redis, config.bus.keys
-        self.table, self.publisher, self.reservations, self.engine = parts
-        self.loops, self.wake = loops, wake
+    def __init__(self, shared: Shared, publisher: Publisher, reservations: Reservations) -> None:
+        self.config, self.id, self.redis, self.keys = shared.config, shared.id, shared.redis, shared.config.bus.keys
+        self.table, self.engine, self.loops, self.wake = shared.table, shared.engine, shared.loops, shared.wake
+        self.publisher, self.reservations = publisher, reservations
         self.endpoint = ""
         """This worker's transfer endpoint (set once its server listens), named in each reservation."""
 

@@ -11,15 +11,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from splitbus.bus.connection import is_transient, transient_suppressed
-from splitbus.bus.loops import Loops
 from splitbus.bus.registry import Registry, WorkerLoad
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.worker import metrics
-from splitbus.worker.config import WorkerConfig
-from splitbus.worker.engine import Engine
 from splitbus.worker.publisher import Publisher
-from splitbus.worker.requests import RequestTable, Status
+from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.shared import Shared
 
 log = logging.getLogger(__name__)
 WAIT_FOR_WORK_S = 0.5
@@ -47,17 +45,20 @@ class EngineSteps:
 
     def __init__(
         self,
-        config: WorkerConfig,
-        parts: tuple[Engine, RequestTable, Publisher, GroupConsumer, Registry, Loops],
-        wake: asyncio.Event,
-        hooks: tuple[Callable[[], None], Callable[[], Awaitable[None]]],
+        shared: Shared,
+        publisher: Publisher,
+        tasks: GroupConsumer,
+        registry: Registry,
+        *,
+        expire: Callable[[], None],
+        settle: Callable[[], Awaitable[None]],
         hand_off: Callable[[Sequence], Coroutine[Any, Any, None]],
         cancel_peer: Callable[[Sequence, str], None],
     ) -> None:
-        self.config, self.id = config, config.worker_id
-        self.engine, self.table, self.publisher, self.tasks, self.registry, self.loops = parts
-        self.wake, (self.expire, self.settle) = wake, hooks
-        self.hand_off, self.cancel_peer = hand_off, cancel_peer
+        self.config, self.id, self.engine, self.table = shared.config, shared.id, shared.engine, shared.table
+        self.loops, self.wake = shared.loops, shared.wake
+        self.publisher, self.tasks, self.registry = publisher, tasks, registry
+        self.expire, self.settle, self.hand_off, self.cancel_peer = expire, settle, hand_off, cancel_peer
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     def load(self) -> WorkerLoad:

@@ -37,6 +37,7 @@ from splitbus.worker.links import PeerLinks
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.receiver import Receiver
 from splitbus.worker.requests import RequestTable
+from splitbus.worker.shared import Shared
 from splitbus.worker.stepper import SoloStepper, StepParts, StepperFactory
 from splitbus.worker.steps import EngineSteps
 from splitbus.worker.transfer import TransferClient, TransferServer
@@ -67,41 +68,42 @@ class Worker:
         self.stop_reporting_load = metrics.watch_load(self.load)
 
     def _build_rooms(self, stepper: StepperFactory) -> None:
-        config, redis, table = self.config, self.redis, self.requests
+        config, redis = self.config, self.redis
+        shared = Shared(config, redis, self.requests, self.engine, self.loops, self.wake, self.room)
         self.tasks = GroupConsumer(
             redis, config.bus, self.keys.tasks(self.id), WORKER_GROUP, self.id, on_dead=self._fail_dead_lettered
         )
         self.reservations = Reservations(redis, self.keys)
         self.writer = ResultWriter(redis, config.bus)
         self.publisher = Publisher(
-            redis, self.writer, self.tasks, self.reservations, self.engine, self.room, (self._rejoin, self._give_back)
+            shared, self.writer, self.tasks, self.reservations, before=self._rejoin, after_results=self._give_back
         )
-        self.cancellation = Cancellation(redis, config.bus, self.id, table, self.publisher, self.loops, self.wake)
+        self.cancellation = Cancellation(shared, self.publisher)
         self.links = PeerLinks(redis, config.bus, self.id, TransferClient(self.id, config.transfer_timeout_s))
-        self.receiver = Receiver(
-            config, redis, (table, self.publisher, self.reservations, self.engine), self.loops, self.wake
-        )
-        parts = (table, self.publisher, self.cancellation, self.links, self.engine)
-        self.handoff = HandOff(config, redis, parts, self._lapsed, self.wake)
+        self.receiver = Receiver(shared, self.publisher, self.reservations)
+        self.handoff = HandOff(shared, self.publisher, self.cancellation, self.links, self._lapsed)
         self.steps = EngineSteps(
-            config,
-            (self.engine, table, self.publisher, self.tasks, self.registry, self.loops),
-            self.wake,
-            (self._expire, self._settle),
-            self.handoff.hand_off,
-            self.cancellation.cancel_peer,
+            shared,
+            self.publisher,
+            self.tasks,
+            self.registry,
+            expire=self._expire,
+            settle=self._settle,
+            hand_off=self.handoff.hand_off,
+            cancel_peer=self.cancellation.cancel_peer,
         )
         self.stepper = stepper(
-            StepParts(config, redis, self.registry, table, self.steps, self.publisher, self.loops, self._settle)
+            StepParts(config, redis, self.registry, self.requests, self.steps, self.publisher, self.loops, self._settle)
         )
+        rooms = (self.publisher, self.cancellation, self.receiver)
         self.feed = TaskFeed(
-            config,
+            shared,
             self.tokenizer,
-            redis,
-            (self.tasks, self.registry, self.engine, table, self.publisher, self.cancellation, self.receiver),
-            (self.wake, self.room),
-            self.stepper.work_arrived,
-            self.load,
+            self.tasks,
+            self.registry,
+            *rooms,
+            work_arrived=self.stepper.work_arrived,
+            load=self.load,
         )
         self.lease = Lease(config, redis, self.registry, self.record, self.feed.drop_moved, self.publisher.lock)
 
