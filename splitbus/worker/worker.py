@@ -95,13 +95,14 @@ class Worker:
         self.stepper = stepper(
             StepParts(config, redis, self.registry, self.requests, self.steps, self.publisher, self.loops, self._settle)
         )
-        rooms = (self.publisher, self.cancellation, self.receiver)
         self.feed = TaskFeed(
             shared,
             self.tokenizer,
             self.tasks,
             self.registry,
-            *rooms,
+            self.publisher,
+            self.cancellation,
+            self.receiver,
             work_arrived=self.stepper.work_arrived,
             load=self.load,
         )
