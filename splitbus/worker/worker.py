@@ -31,7 +31,7 @@ from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.control import control_server
-from splitbus.worker.engine import Engine
+from splitbus.worker.engines import Engine
 from splitbus.worker.handoff import meta_problem
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.sequence import Sequence
