@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from splitbus.worker.paddle.config import ModelConfig
-from splitbus.worker.paddle.model import CausalLM, Chunk
-from splitbus.worker.paddle.tiny import tiny_config
-from splitbus.worker.paddle.weights import expected_shapes
+from splitbus.worker.engines.paddle.config import ModelConfig
+from splitbus.worker.engines.paddle.model import CausalLM, Chunk
+from splitbus.worker.engines.paddle.tiny import tiny_config
+from splitbus.worker.engines.paddle.weights import expected_shapes
 
 QWEN25_05B = {
     "architectures": ["Qwen2ForCausalLM"],

@@ -15,9 +15,9 @@ from splitbus.bench.serve import RequestResult, ServeConfig, TraceItem, cdf_samp
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
+from splitbus.worker import engines
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
 
 
@@ -35,7 +35,8 @@ class DirectLoop:
         self.tokenizer = tokenizer
         self.max_requests = config.max_requests
         self.max_prefill_tokens = config.max_prefill_tokens
-        self.engine = SimEngine(config.sim, tokenizer, config.total_kv_blocks, config.block_size)
+        setup = engines.EngineSetup(config.model_dir, tokenizer, block_size=config.block_size)
+        self.engine = engines.create("sim", setup)  # as the worker CLI builds it, with its defaults
         self.waiting: deque[_Pending] = deque()  # not admitted: no room yet
         self.queued: deque[_Pending] = deque()
         self.running: list[_Pending] = []

@@ -18,7 +18,7 @@ import numpy as np
 from splitbus.bench.stagger_sim import GroupSimulation, TraceRequest, poisson_trace
 from splitbus.bench.system import LocalSystem
 from splitbus.bus.keys import Keys
-from splitbus.worker.config import SimConfig
+from splitbus.worker.engines.sim import SimConfig
 
 SIM_LOADS = {"low": 2.0, "moderate": 20.0, "high": 24.0}
 """Arrivals per second per rank for the simulation's cost model (the sim engine's defaults):

@@ -24,8 +24,8 @@ import numpy as np
 
 from splitbus.bus.scheduler.policy import choose
 from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
-from splitbus.worker.config import SimConfig
 from splitbus.worker.dp import StepPlan, decide
+from splitbus.worker.engines.sim import SimConfig
 
 PREFILL_TOKEN_BUDGET = 4096
 KV_BLOCKS_PER_RANK = 8192

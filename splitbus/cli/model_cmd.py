@@ -25,7 +25,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
 
     device.prepare()
     try:
-        from splitbus.worker.paddle.tiny import make_tiny_model
+        from splitbus.worker.engines.paddle.tiny import make_tiny_model
     except ImportError as exc:
         say(f"splitbus make-tiny-model needs the paddle extra: pip install 'splitbus[paddle]' ({exc})")
         return 2

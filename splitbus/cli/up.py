@@ -27,6 +27,7 @@ from splitbus.cli.supervisor import Supervisor
 from splitbus.env import Env
 from splitbus.masking import mask_key, mask_text, mask_url
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
+from splitbus.worker import engines
 
 READY_TIMEOUT_S = 60.0
 EXIT_DP_GROUP_BROKEN = 3
@@ -40,7 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=env.redis_url,
         help="use this Redis instead of starting one (prefer SPLITBUS_REDIS_URL: argv is public)",
     )
-    p.add_argument("--engine", choices=("paddle", "sim"), default="paddle", help="worker engine (default %(default)s)")
+    p.add_argument(
+        "--engine", choices=engines.names(first="paddle"), default="paddle", help="worker engine (default %(default)s)"
+    )
     p.add_argument(
         "--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)"
     )
@@ -92,16 +95,16 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
 
 
 def default_model(data_dir: Path, engine: str) -> Path:
-    """A tiny model made once under the data folder: random weights for the paddle engine, the
-    tokenizer alone for the sim engine (which needs no paddle install)."""
+    """A tiny model made once under the data folder: random weights for an engine that runs
+    weights (paddle), the tokenizer alone for one that does not (sim: no paddle install needed)."""
     from splitbus.tokenization.byte_level import write_byte_level_tokenizer
 
     folder = data_dir / "models" / "tiny"
-    if engine == "paddle" and not (folder / "model.safetensors").exists():
+    if engines.get(engine).capabilities.real_weights and not (folder / "model.safetensors").exists():
         from splitbus.gpu_ops import device
 
         device.prepare()
-        from splitbus.worker.paddle.tiny import make_tiny_model
+        from splitbus.worker.engines.paddle.tiny import make_tiny_model
 
         say(f"making a tiny random llama model in {folder} (first run)")
         make_tiny_model(folder)

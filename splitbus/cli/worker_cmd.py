@@ -15,18 +15,18 @@ from splitbus.cli.common import (
     serve_metrics,
 )
 from splitbus.env import Env
+from splitbus.worker import engines
 
 if TYPE_CHECKING:
     from splitbus.tokenization import ModelTokenizer
     from splitbus.worker.config import WorkerConfig
-    from splitbus.worker.engine import Engine
-    from splitbus.worker.paddle.config import ModelConfig
+    from splitbus.worker.engines import Engine
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("worker", help="run one worker")
     p.add_argument("--role", choices=("prefill", "decode", "mixed"), required=True)
-    p.add_argument("--engine", choices=("sim", "paddle"), default="sim")
+    p.add_argument("--engine", choices=engines.names(first="sim"), default="sim")
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="Hugging Face model folder")
     p.add_argument("--served-model-name", default=None, help="default: the folder name")
     add_redis_url_argument(p)
@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--kv-blocks",
         type=int,
         default=None,
-        help="KV blocks of 16 tokens (default: 8192 for sim; from --kv-cache-mb for paddle)",
+        help=f"KV blocks of 16 tokens (default: {_kv_blocks_defaults('sim')})",
     )
     p.add_argument("--kv-cache-mb", type=int, default=256, help="paddle: memory for the KV cache (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="paddle: math threads on the CPU (default %(default)s)")
@@ -58,37 +58,20 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument(
         "--dp-barrier-timeout", type=float, default=5.0, help="seconds before a missing rank breaks the group"
     )
-    p.add_argument("--sim-prefill-us-per-token", type=float, default=50.0)
-    p.add_argument("--sim-decode-step-ms", type=float, default=4.0)
-    p.add_argument(
-        "--sim-decode-us-per-seq", type=float, default=100.0, help="added to a decode step per running sequence"
-    )
-    p.add_argument("--sim-kv-bytes-per-token", type=int, default=4096)
-    p.add_argument(
-        "--sim-poison-token",
-        type=int,
-        default=-1,
-        help="fault injection: fail any step holding a prompt with this token",
-    )
-    p.add_argument(
-        "--sim-crash-token", type=int, default=-1, help="fault injection: SIGKILL on a prompt with this token"
-    )
+    engines.add_arguments(p)
     add_metrics_arguments(p)
     p.set_defaults(run=run)
 
 
+def _kv_blocks_defaults(first: str) -> str:
+    """How each engine sizes its KV cache without --kv-blocks ("8192 for sim; ...")."""
+    return "; ".join(f"{engines.get(name).kv_blocks_default} for {name}" for name in engines.names(first))
+
+
 def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
     from splitbus.bus.config import BusConfig
-    from splitbus.worker.config import SimConfig, WorkerConfig
+    from splitbus.worker.config import WorkerConfig
 
-    sim = SimConfig(
-        args.sim_prefill_us_per_token / 1e6,
-        args.sim_decode_step_ms / 1e3,
-        args.sim_decode_us_per_seq / 1e6,
-        kv_bytes_per_token=args.sim_kv_bytes_per_token,
-        poison_token=args.sim_poison_token,
-        crash_token=args.sim_crash_token,
-    )
     return WorkerConfig(
         bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
         role=args.role,
@@ -97,14 +80,11 @@ def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
         model_name=args.served_model_name or args.model.resolve().name,
         worker_id=args.worker_id or "",
         max_requests=args.max_requests,
-        total_kv_blocks=args.kv_blocks or 8192,
         transfer_host=args.transfer_host,
         transfer_port=args.transfer_port,
         transfer_advertise_host=args.transfer_advertise_host,
         kv_wait_s=args.kv_wait,
         transfer_timeout_s=args.transfer_timeout,
-        sim=sim,
-        threads=args.threads,
         dp_group=args.dp_group,
         dp_rank=args.dp_rank,
         dp_size=args.dp_size,
@@ -114,26 +94,23 @@ def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
 
 
 def build_engine(config: WorkerConfig, tokenizer: ModelTokenizer, args: argparse.Namespace) -> Engine:
-    """The engine named by the config; paddle is imported only here, after the CPU tuning."""
-    if config.engine == "sim":
-        from splitbus.worker.sim import SimEngine
+    """The engine named by the config, built by its registered type. An engine that imports
+    paddle gets the CPU tuning first: it must come before paddle's import."""
+    engine_type = engines.get(config.engine)
+    if engine_type.capabilities.needs_paddle:
+        from splitbus.gpu_ops import device
 
-        return SimEngine(config.sim, tokenizer, config.total_kv_blocks, config.block_size)
-    from splitbus.gpu_ops import device
-
-    device.prepare(config.threads)
-    try:
-        from splitbus.worker.paddle.config import ModelConfig
-        from splitbus.worker.paddle.engine import PaddleEngine
-    except ImportError as exc:
-        raise ValueError(f"the paddle engine needs PaddlePaddle: pip install 'splitbus[paddle]' ({exc})") from None
-    blocks = args.kv_blocks or _blocks_for(ModelConfig.load(config.model_dir), args.kv_cache_mb, config.block_size)
-    return PaddleEngine.load(config.model_dir, tokenizer.eos_token_ids, blocks, config.block_size, config.threads)
-
-
-def _blocks_for(model: ModelConfig, megabytes: int, block_size: int) -> int:
-    bytes_per_block = 2 * model.layers * model.kv_heads * model.head_dim * 4 * block_size  # K and V, fp32
-    return max(2, megabytes * 1024 * 1024 // bytes_per_block)
+        device.prepare(args.threads)
+    setup = engines.EngineSetup(
+        model_dir=config.model_dir,
+        tokenizer=tokenizer,
+        block_size=config.block_size,
+        kv_blocks=args.kv_blocks or None,
+        kv_cache_bytes=args.kv_cache_mb * 2**20,
+        threads=args.threads,
+        options=engine_type.options_from(args),
+    )
+    return engine_type.create(setup)
 
 
 def run(args: argparse.Namespace, env: Env) -> int:

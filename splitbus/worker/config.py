@@ -4,37 +4,17 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitbus.bus.config import BusConfig
+from splitbus.worker import engines
 
 ROLES = ("prefill", "decode", "mixed")
-ENGINES = ("sim", "paddle")
 
 
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Cost model of the simulated engine (time is slept, not computed)."""
-
-    prefill_s_per_token: float = 0.00005
-    decode_step_s: float = 0.004
-    decode_s_per_seq: float = 0.0001
-    kv_bytes_per_token: int = 4096
-    """Bytes shipped from P to D per prompt token (Qwen2.5-0.5B in bf16 holds ~12 KiB)."""
-    poison_token: int = -1
-    """Fault injection: a step that holds a request whose prompt contains this token raises."""
-    crash_token: int = -1
-    """Fault injection: a prefill of a prompt holding this token kills the process (SIGKILL), as
-    a segfault or the kernel's OOM killer would: no exception, nothing acked."""
-
-    def __post_init__(self) -> None:
-        if min(self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq) < 0 or self.kv_bytes_per_token < 1:
-            raise ValueError("sim costs must be >= 0 and kv_bytes_per_token >= 1")
 
 
 @dataclass(frozen=True)
@@ -44,12 +24,12 @@ class WorkerConfig:
     model_dir: Path
     model_name: str
     engine: str = "sim"
+    """A registered engine's name (``splitbus.worker.engines.names()``)."""
     worker_id: str = ""
     max_requests: int = 64
     """Requests held at once (queued, waiting for KV, running); beyond it the worker reads no task."""
     max_prefill_tokens: int = 4096
     """Prompt tokens in one prefill batch."""
-    total_kv_blocks: int = 8192
     block_size: int = 16
     heartbeat_s: float = 0.5
     lease_ms: int = 3000
@@ -62,9 +42,6 @@ class WorkerConfig:
     transfer_timeout_s: float = 10.0
     kv_wait_s: float = 30.0
     """How long P waits for D's reservation, and D for P's KV, before failing the request."""
-    sim: SimConfig = field(default_factory=SimConfig)
-    threads: int = 1
-    """Math threads of the paddle engine on the CPU (1 when several workers share few cores)."""
     dp_group: str = ""
     dp_rank: int = -1
     dp_size: int = 0
@@ -82,9 +59,10 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if min(self.max_requests, self.max_prefill_tokens, self.total_kv_blocks, self.block_size) < 1:
+        capabilities = engines.get(self.engine).capabilities  # ValueError naming the registered ones
+        if self.role != "mixed" and not capabilities.kv_transfer:
+            raise ValueError(f"the {self.engine} engine cannot ship KV: it runs only as --role mixed")
+        if min(self.max_requests, self.max_prefill_tokens, self.block_size) < 1:
             raise ValueError("capacities must be >= 1")
         if self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats")

@@ -36,7 +36,7 @@ from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.streams import GroupConsumer
-from splitbus.worker import metrics
+from splitbus.worker import engines, metrics
 from splitbus.worker.requests import Status
 from splitbus.worker.stepper import StepParts
 
@@ -254,8 +254,8 @@ class DpStepper:
         self.id = c.worker_id
         self.barrier = GroupBarrier(parts.redis, c.bus, c.dp_group, c.dp_rank, c.dp_size, c.dp_barrier_timeout_s)
         self.step_no = 0
-        self.steps_end_together = self.config.engine == "sim"
-        """The sim engine has no EP, so its ranks end each step together as EP's all-to-all makes
+        self.steps_end_together = engines.get(self.config.engine).capabilities.simulated_group
+        """An engine with no EP (sim) has its ranks end each step together as EP's all-to-all makes
         real ones do: a token is out when the group's step ends, not when this rank's share of
         it does (the benchmark's processes then behave like the group they stand for)."""
         self.group_idle = False

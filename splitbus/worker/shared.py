@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.loops import Loops
 from splitbus.worker.config import WorkerConfig
-from splitbus.worker.engine import Engine
+from splitbus.worker.engines import Engine
 from splitbus.worker.requests import RequestTable
 
 

@@ -29,7 +29,7 @@ from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.control import control_server
-from splitbus.worker.engine import Engine
+from splitbus.worker.engines import Engine
 from splitbus.worker.feed import TaskFeed
 from splitbus.worker.handoff import HandOff
 from splitbus.worker.lease import Lease

@@ -21,7 +21,7 @@ import pytest
 from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.tokenization.byte_level import write_byte_level_tokenizer
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.api.conftest import CONTEXT, ApiProcess, _wait_for_model, start_api, stop_api
 from tests.api.responder import Responder, expected_text
 from tests.e2e.conftest import start_system, stop_system

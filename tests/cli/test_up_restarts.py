@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.cli.test_secrets import _environ
 from tests.e2e.conftest import System, _cmdline, alive, start_system, stop_system
 

@@ -22,7 +22,7 @@ import redis as redis_client
 import yaml
 
 from splitbus.redis_server import SPLITBUS_COMMANDS, EmbeddedRedis, free_port
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("api", "scheduler", "prefill", "decode")

@@ -23,7 +23,7 @@ from splitbus.bus.connection import connect
 from splitbus.bus.control import call
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.redis_server import EmbeddedRedis, free_port
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "external_dispatcher.py"
 

@@ -32,7 +32,7 @@ from splitbus.bus.control import call
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished
 from splitbus.redis_server import EmbeddedRedis
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from splitbus.worker.transfer import (
     ACK,
     HEADER,

@@ -15,8 +15,8 @@ from splitbus.gpu_ops import device
 device.prepare()
 
 from splitbus.tokenization import ModelTokenizer  # noqa: E402
-from splitbus.worker.paddle.model import CausalLM, Chunk  # noqa: E402
-from splitbus.worker.paddle.tiny import make_tiny_model  # noqa: E402
+from splitbus.worker.engines.paddle.model import CausalLM, Chunk  # noqa: E402
+from splitbus.worker.engines.paddle.tiny import make_tiny_model  # noqa: E402
 from splitbus.worker.text import TextStream  # noqa: E402
 from tests.e2e.conftest import System, start_system, stop_system  # noqa: E402
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import openai
 
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 
 

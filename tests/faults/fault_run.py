@@ -4,7 +4,7 @@ replica is killed (SIGKILL) or stopped for a few seconds (SIGSTOP, then SIGCONT)
 
 Everything random comes from the seed: the faults (kind, part, which of the two, delay, stop
 length) and each request (prompt, ``max_tokens``, sampling seed), so the expected text of each
-request is known (:func:`splitbus.worker.sim.sim_text`) and a failing run is replayed with
+request is known (:func:`splitbus.worker.engines.sim.sim_text`) and a failing run is replayed with
 ``SPLITBUS_FAULT_SEED``. Only the timing of the machine is not: a replay lands the same faults
 on the same parts, at about the same moments.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import openai
 import redis
 
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 
 ROLES = {"prefill": r"--role prefill", "decode": r"--role decode", "scheduler": r"splitbus\.cli\.main scheduler "}
 

@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from splitbus.tokenization.byte_level import write_byte_level_tokenizer
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 
 EXAMPLES = 25

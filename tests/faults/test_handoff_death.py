@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
 SLOW_PREFILL = ("--prefill", "2", "--decode", "2", "--schedulers", "2", "--worker-arg=--sim-prefill-us-per-token=20000")

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from splitbus.bus import codec
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.faults.conftest import wait_until
 

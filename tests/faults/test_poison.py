@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from splitbus.bus.messages import Failed, Finished, Task
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 from tests.faults.conftest import Bus, request, task, wait_until
 

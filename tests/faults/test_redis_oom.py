@@ -12,7 +12,7 @@ import pytest
 
 from splitbus.bus import codec
 from splitbus.bus.messages import Finished, TokenDelta
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.faults.conftest import Bus, request, wait_until
 
 OOM_S = 1.5

@@ -22,7 +22,7 @@ import openai
 import pytest
 import redis
 
-from splitbus.worker.sim import sim_text
+from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
 LEASE_S = 3.0

@@ -16,10 +16,10 @@ from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.redis_server import free_port
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
+from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.handoff import meta_problem
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
 from splitbus.worker.transfer import Header, TransferServer, proof_matches
 from splitbus.worker.worker import Worker
@@ -33,7 +33,7 @@ def prefill_worker(bus_config: BusConfig, tiny_model: Path, kv_wait_s: float = 3
     config = WorkerConfig(
         bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p1", kv_wait_s=kv_wait_s
     )
-    return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    return Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
 
 
 def prefilled(worker: Worker, request_id: str, peer: str, handoff: str = "h1") -> Sequence:
@@ -259,7 +259,7 @@ async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConf
     # delete the reservation the new task has just written (P would wait for it forever).
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
     config = WorkerConfig(bus=bus_config, role="decode", model_dir=tiny_model, model_name="tiny", worker_id="d1")
-    worker = Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    worker = Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
     moved, done = bus_config.keys.kv("moved-2"), bus_config.keys.kv("done-3")
     try:
         await worker.redis.hset(moved, mapping={"decode_worker": "d1", "task_entry": "2-0"})  # the new task's
@@ -431,7 +431,7 @@ async def test_an_unreachable_decode_worker_that_keeps_its_lease_fails_at_the_kv
 def decode_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
     config = WorkerConfig(bus=bus_config, role="decode", model_dir=tiny_model, model_name="tiny", worker_id="d-hung")
-    return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    return Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
 
 
 async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:

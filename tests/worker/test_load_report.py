@@ -9,10 +9,10 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.registry import Registry
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.config import SimConfig, WorkerConfig
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.sim import SimEngine
 from splitbus.worker.text import TextStream
 from splitbus.worker.worker import Worker
 
@@ -27,10 +27,9 @@ async def test_a_prefill_batch_stops_counting_as_queued_while_it_runs(bus_config
         model_dir=tiny_model,
         model_name="tiny",
         worker_id="m1",
-        sim=SimConfig(prefill_s_per_token=0.002),
         max_prefill_tokens=300,
     )
-    worker = Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    worker = Worker(config, tokenizer, SimEngine(SimConfig(prefill_s_per_token=0.002), tokenizer, 64, 16))
     registry = Registry(worker.redis, bus_config)
     for i, tokens in enumerate((200, 100, 150)):  # the first two fit one batch, the third waits
         request = GenerateRequest(f"r{i}", "tiny", [97] * tokens, SamplingParams(max_tokens=4), "api", 0)

@@ -16,7 +16,7 @@ from splitbus.worker.config import WorkerConfig
 from splitbus.worker.dp import EXIT_GROUP_BROKEN, DpStepper, GroupBroken, StepPlan
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.sim import SimEngine
+from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.stepper import SoloStepper, StepperFactory
 from splitbus.worker.text import TextStream
 from splitbus.worker.worker import Worker
@@ -39,7 +39,7 @@ def mixed_worker(
         dp_rank=0 if dp_size else -1,
         dp_size=dp_size,
     )
-    return Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16), stepper)
+    return Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16), stepper)
 
 
 def dp_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:

@@ -23,9 +23,9 @@ from splitbus.bus.connection import forever
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.config import SimConfig, WorkerConfig
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.requests import Status
-from splitbus.worker.sim import SimEngine
 from splitbus.worker.worker import Worker
 from tests.worker.replies import add, fields
 
@@ -34,7 +34,7 @@ from tests.worker.replies import add, fields
 async def worker(bus_config: BusConfig, tiny_model: Path):  # type: ignore[no-untyped-def]
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
     config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p1")
-    worker = Worker(config, tokenizer, SimEngine(config.sim, tokenizer, 64, 16))
+    worker = Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
     await worker.tasks.ensure_group()
     assert await worker.tasks.read(10, block_ms=0) == []  # running: its own backlog of a past run re-read
     yield worker

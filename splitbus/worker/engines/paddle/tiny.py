@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from splitbus.tokenization.byte_level import write_byte_level_tokenizer
-from splitbus.worker.paddle.config import ModelConfig
-from splitbus.worker.paddle.weights import expected_shapes
+from splitbus.worker.engines.paddle.config import ModelConfig
+from splitbus.worker.engines.paddle.weights import expected_shapes
 
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -66,4 +66,5 @@ def _save(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
     import paddle
     from safetensors.paddle import save_file as save_paddle
 
-    save_paddle({k: paddle.to_tensor(v).astype(dtype) for k, v in tensors.items()}, str(path))
+    as_dtype = getattr(paddle, dtype)  # paddle.bfloat16: astype's stubs take no plain str
+    save_paddle({k: paddle.to_tensor(v).astype(as_dtype) for k, v in tensors.items()}, str(path))

@@ -17,8 +17,8 @@ import paddle.nn.functional as F
 from splitbus.gpu_ops.attention import attention
 from splitbus.gpu_ops.kv_cache import PagedKVCache
 from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
-from splitbus.worker.paddle import weights
-from splitbus.worker.paddle.config import ModelConfig
+from splitbus.worker.engines.paddle import weights
+from splitbus.worker.engines.paddle.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class _Plan:
 
     def __init__(self, chunks: list[Chunk], ends: np.ndarray, cache: PagedKVCache | None) -> None:
         starts = np.concatenate([[0], ends[:-1]]).astype(int)
-        self.spans = [(ch, int(a), int(b)) for ch, a, b in zip(chunks, starts, ends)]
+        self.spans = [(ch, int(a), int(b)) for ch, a, b in zip(chunks, starts, ends, strict=True)]
         self.cache = cache
         if cache is not None:
             self.new_slots = paddle.to_tensor(
@@ -136,6 +136,6 @@ class _Plan:
 
     def keys(self, layer: int, chunk: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """K and V a chunk attends to: its own when it starts the sequence, else the cache's."""
-        if self.cache is None or self.all_slots[chunk] is None:
+        if self.cache is None or (slots := self.all_slots[chunk]) is None:
             return k, v
-        return self.cache.gather(layer, self.all_slots[chunk])
+        return self.cache.gather(layer, slots)

@@ -12,9 +12,9 @@ import pytest
 
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
-from splitbus.worker.paddle.engine import PaddleEngine
-from splitbus.worker.paddle.model import CausalLM, Chunk
-from splitbus.worker.paddle.tiny import make_tiny_model
+from splitbus.worker.engines.paddle.engine import PaddleEngine
+from splitbus.worker.engines.paddle.model import CausalLM, Chunk
+from splitbus.worker.engines.paddle.tiny import make_tiny_model
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.text import TextStream
 
@@ -51,7 +51,7 @@ def _prompts() -> list[list[int]]:
 
 async def _decode_all(engine: PaddleEngine, batch: list[Sequence]) -> None:
     while len(batch[0].output_ids) < NEW_TOKENS:
-        for seq, token in zip(batch, await engine.decode(batch)):
+        for seq, token in zip(batch, await engine.decode(batch), strict=True):
             seq.output_ids.append(token)
 
 
@@ -60,7 +60,7 @@ async def _mixed(model: CausalLM, tok: ModelTokenizer, **sampling: object) -> li
     batch = [_seq("mixed", p, f"r{i}", tok, **sampling) for i, p in enumerate(_prompts())]
     for seq in batch:
         assert engine.reserve(seq, seq.prompt_len + NEW_TOKENS)
-    for seq, token in zip(batch, await engine.prefill(batch)):
+    for seq, token in zip(batch, await engine.prefill(batch), strict=True):
         seq.output_ids.append(token)
     await _decode_all(engine, batch)
     return [s.output_ids for s in batch]
@@ -71,11 +71,11 @@ async def _split(model: CausalLM, tok: ModelTokenizer, **sampling: object) -> li
     decode.cache.allocator.allocate(7)  # D's block ids differ from P's
     on_p = [_seq("prefill", p, f"r{i}", tok, **sampling) for i, p in enumerate(_prompts())]
     on_d = [_seq("decode", p, f"r{i}", tok, **sampling) for i, p in enumerate(_prompts())]
-    for p_seq, d_seq in zip(on_p, on_d):
+    for p_seq, d_seq in zip(on_p, on_d, strict=True):
         assert prefill.reserve(p_seq, p_seq.prompt_len) and decode.reserve(d_seq, d_seq.prompt_len + NEW_TOKENS)
-    for seq, token in zip(on_p, await prefill.prefill(on_p)):
+    for seq, token in zip(on_p, await prefill.prefill(on_p), strict=True):
         seq.output_ids.append(token)
-    for p_seq, d_seq in zip(on_p, on_d):
+    for p_seq, d_seq in zip(on_p, on_d, strict=True):
         assert await decode.import_kv(d_seq, await prefill.export_kv(p_seq)) is None
         d_seq.output_ids = list(p_seq.output_ids)
     await _decode_all(decode, on_d)
@@ -111,6 +111,7 @@ def test_paged_and_contiguous_logits_agree(model: CausalLM) -> None:
     cache = model.new_cache(64, 16)
     for prompt in _prompts():
         table = cache.allocator.allocate(-(-len(prompt) // 16))
+        assert table is not None
         if len(prompt) > 1:  # all but the last token first, so the last attends over the cache
             model.forward([Chunk(prompt[:-1], 0, table)], cache)
         paged = model.forward([Chunk(prompt[-1:], len(prompt) - 1, table)], cache)

@@ -6,18 +6,45 @@ another worker continues the same sequence, and tests know every token in advanc
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import os
 import random
 import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitbus.bus.messages import GenerateRequest
-from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.config import SimConfig
-from splitbus.worker.sequence import Sequence
+from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, register
+
+if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
+    from splitbus.bus.messages import GenerateRequest
+    from splitbus.tokenization import ModelTokenizer
+    from splitbus.worker.sequence import Sequence
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+DEFAULT_KV_BLOCKS = 8192
+"""Its KV blocks without ``--kv-blocks``: it holds no memory, so no budget sizes them."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cost model of the simulated engine (time is slept, not computed)."""
+
+    prefill_s_per_token: float = 0.00005
+    decode_step_s: float = 0.004
+    decode_s_per_seq: float = 0.0001
+    kv_bytes_per_token: int = 4096
+    """Bytes shipped from P to D per prompt token (Qwen2.5-0.5B in bf16 holds ~12 KiB)."""
+    poison_token: int = -1
+    """Fault injection: a step that holds a request whose prompt contains this token raises."""
+    crash_token: int = -1
+    """Fault injection: a prefill of a prompt holding this token kills the process (SIGKILL), as
+    a segfault or the kernel's OOM killer would: no exception, nothing acked."""
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq) < 0 or self.kv_bytes_per_token < 1:
+            raise ValueError("sim costs must be >= 0 and kv_bytes_per_token >= 1")
 
 
 def _draw(seed: int, position: int) -> int:
@@ -97,3 +124,43 @@ class SimEngine:
         if payload != self.kv_payload(seq.request):
             return f"KV payload of {len(payload)} bytes does not match the request"
         return None
+
+
+@register
+class SimType(EngineType):
+    name = "sim"
+    capabilities = Capabilities(simulated_group=True)
+    kv_blocks_default = str(DEFAULT_KV_BLOCKS)
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--sim-prefill-us-per-token", type=float, default=50.0)
+        parser.add_argument("--sim-decode-step-ms", type=float, default=4.0)
+        parser.add_argument(
+            "--sim-decode-us-per-seq", type=float, default=100.0, help="added to a decode step per running sequence"
+        )
+        parser.add_argument("--sim-kv-bytes-per-token", type=int, default=4096)
+        parser.add_argument(
+            "--sim-poison-token",
+            type=int,
+            default=-1,
+            help="fault injection: fail any step holding a prompt with this token",
+        )
+        parser.add_argument(
+            "--sim-crash-token", type=int, default=-1, help="fault injection: SIGKILL on a prompt with this token"
+        )
+
+    def options_from(self, args: argparse.Namespace) -> SimConfig:
+        return SimConfig(
+            args.sim_prefill_us_per_token / 1e6,
+            args.sim_decode_step_ms / 1e3,
+            args.sim_decode_us_per_seq / 1e6,
+            kv_bytes_per_token=args.sim_kv_bytes_per_token,
+            poison_token=args.sim_poison_token,
+            crash_token=args.sim_crash_token,
+        )
+
+    def create(self, setup: EngineSetup) -> SimEngine:
+        options = setup.options if setup.options is not None else SimConfig()
+        if not isinstance(options, SimConfig):
+            raise TypeError(f"the sim engine takes a SimConfig, not {type(options).__name__}")
+        return SimEngine(options, setup.tokenizer, setup.kv_blocks or DEFAULT_KV_BLOCKS, setup.block_size)

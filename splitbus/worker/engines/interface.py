@@ -1,10 +1,11 @@
-"""What the worker loop needs from an engine (``sim`` or ``paddle``)."""
+"""What the worker loop needs from an engine (``sim``, ``paddle``, any registered one)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from splitbus.worker.sequence import Sequence
+if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
+    from splitbus.worker.sequence import Sequence
 
 
 class Engine(Protocol):

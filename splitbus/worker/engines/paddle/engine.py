@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from splitbus.gpu_ops.sampling import sample
-from splitbus.worker.paddle.model import CausalLM, Chunk
+from splitbus.worker.engines.paddle.model import CausalLM, Chunk
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class PaddleEngine:
     @staticmethod
     def _sample(batch: list[Sequence], logits: np.ndarray) -> list[int]:
         tokens = []
-        for seq, row in zip(batch, logits):
+        for seq, row in zip(batch, logits, strict=True):
             s = seq.request.sampling
             tokens.append(sample(row, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids)))
         return tokens

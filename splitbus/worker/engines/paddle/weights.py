@@ -11,7 +11,7 @@ import paddle
 from safetensors import safe_open
 
 from splitbus.tokenization import ModelFilesError
-from splitbus.worker.paddle.config import ModelConfig
+from splitbus.worker.engines.paddle.config import ModelConfig
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, list[int]]:

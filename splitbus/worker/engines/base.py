@@ -1,0 +1,98 @@
+"""What an engine module builds on: the type it registers (``EngineType``), the capability
+flags that decide what else may rely on it, what it is built from (``EngineSetup``), and the
+arithmetic of KV sizing. The interface the worker loop calls is ``interface.Engine``.
+
+An engine module (one file under ``worker/engines/``) defines an ``EngineType`` subclass and
+decorates it with ``@register`` (see ``worker/engines/__init__.py``); the worker CLI then offers it
+under ``--engine``, adds its options and builds it with ``create``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
+    from splitbus.tokenization import ModelTokenizer
+    from splitbus.worker.engines.interface import Engine
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+"""Bytes per element of the dtypes a KV cache may hold (numpy knows no bfloat16 or float8)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, for the code that used to test its name."""
+
+    real_weights: bool = False
+    """It runs the model folder's weights (``*.safetensors``); False: it needs the folder's
+    tokenizer and ``config.json`` only. ``splitbus up`` makes its default tiny model with
+    random weights only for such an engine."""
+    needs_paddle: bool = False
+    """It imports PaddlePaddle: the worker applies the CPU tuning (``gpu_ops.device.prepare``),
+    which must precede paddle's import, before creating it."""
+    kv_transfer: bool = True
+    """``export_kv`` and ``import_kv`` work: it can be a prefill or a decode worker, not only mixed."""
+    simulated_group: bool = False
+    """It has no EP whose all-to-all would make a DP group's ranks finish each step together,
+    so a group of it ends each step at a barrier instead (``DpWorker.steps_end_together``):
+    tokens come out when the group's step ends, as they would with EP."""
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What every engine is built from: the worker's model and the resources it may use."""
+
+    model_dir: Path
+    tokenizer: ModelTokenizer
+    block_size: int = 16
+    """Tokens per KV block (the scheduler counts reservations in these)."""
+    kv_blocks: int | None = None
+    """KV blocks to allocate (``--kv-blocks``); None: the engine sizes its cache itself, from
+    ``kv_cache_bytes`` and its model, or by its own default."""
+    kv_cache_bytes: int = 256 * 2**20
+    """Memory the KV cache may take (``--kv-cache-mb``) when ``kv_blocks`` is None."""
+    threads: int = 1
+    """Math threads on the CPU (1 when several workers share few cores)."""
+    options: object = None
+    """The engine's own options, as its ``options_from`` made them; None: its defaults."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or (self.kv_blocks is not None and self.kv_blocks < 1):
+            raise ValueError("capacities must be >= 1")
+
+
+class EngineType(ABC):
+    """One kind of engine as the registry knows it: its name, what it can do, its CLI options
+    and how to build it. Called by the worker CLI, in this order: ``add_arguments`` once when
+    the parser is built (for every registered engine), then, for the engine chosen,
+    ``options_from`` and ``create``."""
+
+    name: ClassVar[str]
+    """What ``--engine`` calls it."""
+    capabilities: ClassVar[Capabilities]
+    kv_blocks_default: ClassVar[str]
+    """How it sizes its KV cache without ``--kv-blocks``, for that option's help ("8192")."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add this engine's own options to the worker's parser (named ``--<name>-...``)."""
+        return None  # most engines have none
+
+    def options_from(self, args: argparse.Namespace) -> object:
+        """This engine's options from the parsed arguments; becomes ``EngineSetup.options``."""
+        return None
+
+    @abstractmethod
+    def create(self, setup: EngineSetup) -> Engine:
+        """Build the engine, its KV cache sized from ``setup``. Raises ValueError (or
+        ``ModelFilesError``) with a message for the user when it cannot."""
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes one token takes in a KV cache: K and V of every layer, in ``dtype``."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]

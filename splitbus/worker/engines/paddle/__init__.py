@@ -1,0 +1,46 @@
+"""The PaddlePaddle engine: Llama and Qwen2 from a Hugging Face folder, on gpu_ops.
+
+Importing this package imports no paddle (the registry imports it to learn the engine's name):
+``config`` is plain Python; ``engine``, ``model`` and ``weights`` import paddle and are imported
+by ``PaddleType.create``, after the worker's CPU tuning.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, kv_bytes_per_token, register
+
+if TYPE_CHECKING:  # types only: the registry imports this package to build the CLI's parser
+    from splitbus.worker.engines import Engine
+    from splitbus.worker.engines.paddle.config import ModelConfig
+
+KV_DTYPE = "float32"
+"""The KV cache's dtype: the model computes in float32 (bf16 and fp16 weights are converted as
+they load), so its K and V are float32."""
+
+
+def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str = KV_DTYPE) -> int:
+    """KV blocks of ``block_size`` tokens that ``budget_bytes`` holds for ``model`` in ``dtype``;
+    at least 2 (block 0 is the cache's scratch block)."""
+    per_token = kv_bytes_per_token(model.layers, model.kv_heads, model.head_dim, dtype)
+    return max(2, budget_bytes // (per_token * block_size))
+
+
+@register
+class PaddleType(EngineType):
+    name = "paddle"
+    capabilities = Capabilities(real_weights=True, needs_paddle=True)
+    kv_blocks_default = "from --kv-cache-mb"
+
+    def create(self, setup: EngineSetup) -> Engine:
+        from splitbus.worker.engines.paddle.config import ModelConfig
+
+        try:
+            from splitbus.worker.engines.paddle.engine import PaddleEngine
+        except ImportError as exc:
+            raise ValueError(f"the paddle engine needs PaddlePaddle: pip install 'splitbus[paddle]' ({exc})") from None
+        blocks = setup.kv_blocks or kv_blocks(ModelConfig.load(setup.model_dir), setup.kv_cache_bytes, setup.block_size)
+        return PaddleEngine.load(
+            setup.model_dir, setup.tokenizer.eos_token_ids, blocks, setup.block_size, setup.threads
+        )
