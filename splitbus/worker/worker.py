@@ -19,13 +19,12 @@ from typing import Any
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.cancel import CancelListener, publish_cancel
 from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed, until_done
+from splitbus.bus.dispatch import REAPING_TTL_S, blocks_needed
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.scheduler.policy import blocks_needed
-from splitbus.bus.scheduler.reaper import REAPING_TTL_S
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
