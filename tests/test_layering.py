@@ -10,9 +10,17 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "splitbus"
 FORBIDDEN = {
-    "bus": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.tokenization"),
-    "api": ("splitbus.worker", "splitbus.gpu_ops", "splitbus.cli"),
-    "worker": ("splitbus.api", "splitbus.cli"),
+    "bus": (
+        "splitbus.api",
+        "splitbus.worker",
+        "splitbus.gpu_ops",
+        "splitbus.cli",
+        "splitbus.tokenization",
+        "splitbus.scheduler",
+    ),
+    "api": ("splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.scheduler"),
+    "worker": ("splitbus.api", "splitbus.cli", "splitbus.scheduler"),
+    "scheduler": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.tokenization"),
     "tokenization": ("splitbus.bus", "splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli"),
     "gpu_ops": ("splitbus.",),
 }

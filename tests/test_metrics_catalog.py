@@ -11,7 +11,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 import splitbus.api.metrics
 import splitbus.bus.metrics
-import splitbus.bus.scheduler.metrics
+import splitbus.scheduler.metrics
 import splitbus.worker.metrics  # noqa: F401  (registers the worker's metrics)
 
 CATALOG = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"

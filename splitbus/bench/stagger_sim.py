@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splitbus.bus.scheduler.policy import choose
-from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
+from splitbus.scheduler.placement import choose
+from splitbus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
 from splitbus.worker.dp import StepPlan, decide
 from splitbus.worker.engines.sim import SimConfig
 

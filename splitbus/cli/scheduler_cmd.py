@@ -13,11 +13,17 @@ from splitbus.cli.common import (
     serve_metrics,
 )
 from splitbus.env import Env
+from splitbus.scheduler import policies
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("scheduler", help="run one scheduler replica")
-    p.add_argument("--mode", choices=("splitwise", "mixed", "dp"), default="splitwise")
+    p.add_argument(
+        "--mode",
+        choices=policies.names(),
+        default="splitwise",
+        help="routing policy (dp: staggered batches unless --no-stagger, the same as stagger)",
+    )
     p.add_argument("--no-stagger", action="store_true", help="dp mode: place each arrival at once (the naive policy)")
     p.add_argument("--stagger-max-wait-ms", type=float, default=50.0, help="dp mode: longest hold of an arrival")
     add_redis_url_argument(p)
@@ -47,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
 
 def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bus.config import BusConfig
-    from splitbus.bus.scheduler import Scheduler, SchedulerConfig
+    from splitbus.scheduler.config import SchedulerConfig
+    from splitbus.scheduler.scheduler import Scheduler
 
     try:
         config = SchedulerConfig(

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from splitbus.bus.registry import Registry, WorkerRecord
-from splitbus.bus.scheduler.reaper import REAPING_TTL_S
+from splitbus.bus.dispatch import REAPING_TTL_S
 from splitbus.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)

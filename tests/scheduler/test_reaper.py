@@ -10,17 +10,17 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.control import ControlServer
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
+from splitbus.bus.loops import Loops
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
-from splitbus.bus.scheduler.config import SchedulerConfig
-from splitbus.bus.scheduler.dispatch import DISPATCHED, Dispatcher
-from splitbus.bus.scheduler.policy import Placement
-from splitbus.bus.scheduler.scheduler import Scheduler
 from splitbus.bus.streams import GroupConsumer, Producer
-from tests.bus.scheduler.test_policy import request, worker
+from splitbus.scheduler.config import SchedulerConfig
+from splitbus.scheduler.dispatch import DISPATCHED, Dispatcher
+from splitbus.scheduler.placement import Placement
+from splitbus.scheduler.scheduler import Scheduler
+from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
 
 KEEP_S = 2
 
@@ -117,14 +117,15 @@ async def test_a_failed_reap_ends_neither_the_pass_nor_the_loop(
     monkeypatch.setattr(reaper, "reap", reap)
     dead = [SimpleNamespace(alive=False, record=SimpleNamespace(worker_id=w)) for w in ("w-oom", "w-bug", "w-ok")]
     monkeypatch.setattr(reaper.view, "workers", dead)
-    loop = asyncio.create_task(reaper.run(0.01))
+    loops = Loops("the scheduler")
+    loops.start(reaper.reap_dead, every_s=0.01)  # as the scheduler runs it
     for _ in range(500):
         if len(reaped) >= 6:
             break
         await asyncio.sleep(0.01)
-    reaper.stopped = True
-    await asyncio.wait_for(loop, 5)
+    await asyncio.wait_for(loops.close(), 5)
     assert reaped[:6] == ["w-oom", "w-bug", "w-ok"] * 2  # every worker, pass after pass
+    assert loops.exit_code == 0  # and the loop did not stop the scheduler
 
 
 async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once(
@@ -160,10 +161,10 @@ async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once
     await scheduler.view.refresh()
     assert await scheduler.reaper.reap("p1") == 1
     assert await scheduler.reaper.reap("d1") == 1
-    tasks = {w: [codec.decode(f) for _, f in await redis.xrange(config.keys.tasks(w))] for w in ("p2", "d2")}
-    assert [(t.phase, t.peer) for t in tasks["p2"]] == [("prefill", "d2")]
-    assert [(t.phase, t.peer) for t in tasks["d2"]] == [("decode", "p2")]
-    assert tasks["p2"][0].handoff == tasks["d2"][0].handoff == (await redis.get(config.keys.current("r"))).decode()
+    written = {w: await tasks_in(redis, config.keys.tasks(w)) for w in ("p2", "d2")}
+    assert [(t.phase, t.peer) for t in written["p2"]] == [("prefill", "d2")]
+    assert [(t.phase, t.peer) for t in written["d2"]] == [("decode", "p2")]
+    assert written["p2"][0].handoff == written["d2"][0].handoff == await current_handoff(redis, config, "r")
     for dead in ("p1", "d1"):
         assert (await redis.xpending(config.keys.tasks(dead), WORKER_GROUP))["pending"] == 0
     assert await redis.xlen(config.keys.out("r")) == 0  # nothing failed it

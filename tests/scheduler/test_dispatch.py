@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
-from splitbus.bus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, STALE, Dispatcher
-from splitbus.bus.scheduler.policy import Placement
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
-from tests.bus.scheduler.test_policy import request, worker
+from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, STALE, Dispatcher
+from splitbus.scheduler.placement import Placement
+from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
 
 
 async def _setup(redis: aioredis.Redis, config: BusConfig) -> GroupConsumer:
@@ -38,7 +37,7 @@ async def test_dispatch_writes_tasks_reserves_and_acks_once(redis: aioredis.Redi
     assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
     # A retried call (reply lost) changes nothing.
     assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == ALREADY_ACKED
-    tasks = {w: [codec.decode(f) for _, f in await redis.xrange(bus_config.keys.tasks(w))] for w in ("p", "d")}
+    tasks = {w: await tasks_in(redis, bus_config.keys.tasks(w)) for w in ("p", "d")}
     assert [(t.phase, t.peer, t.request.request_id) for t in tasks["p"]] == [("prefill", "d", "r")]
     assert [(t.phase, t.peer, t.reserved) for t in tasks["d"]] == [("decode", "p", [0, 1, 8])]
     assert tasks["p"][0].reserved == [100, 0, 0]
@@ -102,13 +101,13 @@ async def test_a_request_whose_two_workers_die_is_moved_once(redis: aioredis.Red
     assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
     [p_task], [d_task] = await _pending_tasks(redis, bus_config, "p"), await _pending_tasks(redis, bus_config, "d")
     first = p_task.message.handoff
-    assert first and d_task.message.handoff == first == (await redis.get(bus_config.keys.current("r"))).decode()
+    assert first and d_task.message.handoff == first == await current_handoff(redis, bus_config, "r")
 
     assert await dispatcher.redispatch("p", p_task.entry_id, p_task.message, _plan(), 0, []) == DISPATCHED
-    second = (await redis.get(bus_config.keys.current("r"))).decode()
+    second = await current_handoff(redis, bus_config, "r")
     assert second != first
     assert await dispatcher.redispatch("d", d_task.entry_id, d_task.message, _plan(), 0, []) == STALE
-    assert (await redis.get(bus_config.keys.current("r"))).decode() == second
-    tasks = [codec.decode(f) for _, f in await redis.xrange(bus_config.keys.tasks("d"))]
+    assert await current_handoff(redis, bus_config, "r") == second
+    tasks = await tasks_in(redis, bus_config.keys.tasks("d"))
     assert [t.handoff for t in tasks] == [first, second]  # nothing written for the void task
     assert (await redis.xpending(bus_config.keys.tasks("d"), WORKER_GROUP))["pending"] == 0  # only acked

@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
 
+from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.messages import Failed
 from splitbus.bus.registry import Registry, SchedulerLease, WorkerLoad, WorkerRecord
-from splitbus.bus.scheduler.config import SchedulerConfig
-from splitbus.bus.scheduler.scheduler import Scheduler, Waiting
-from splitbus.bus.scheduler.stagger import RELEASE_LEAD_S
 from splitbus.bus.streams import GroupConsumer, Producer
-from tests.bus.scheduler.test_policy import request
+from splitbus.scheduler.config import SchedulerConfig
+from splitbus.scheduler.policies.stagger import next_boundary
+from splitbus.scheduler.scheduler import Scheduler, Verdict, Waiting
+from splitbus.scheduler.stagger import RELEASE_LEAD_S
+from tests.scheduler.snapshot import request
 
 
 @pytest.fixture
@@ -49,7 +53,7 @@ async def test_window_closes_just_before_the_slowest_rank_ends(
     await _ranks(redis, bus_config, [now_ms + 30, now_ms + 120])  # a decode and a long prefill
     await scheduler.view.refresh()
     expected = time.monotonic() + 0.12 - RELEASE_LEAD_S
-    assert await scheduler.next_boundary() == pytest.approx(expected, abs=0.02)
+    assert await next_boundary(scheduler.view, scheduler.registry) == pytest.approx(expected, abs=0.02)
 
 
 async def test_a_group_that_has_not_stepped_gives_a_boundary_already_past(
@@ -57,7 +61,7 @@ async def test_a_group_that_has_not_stepped_gives_a_boundary_already_past(
 ) -> None:
     await _ranks(redis, bus_config, [0, 0])  # ranks that have not stepped yet
     await scheduler.view.refresh()
-    assert await scheduler.next_boundary() < time.monotonic()
+    assert await next_boundary(scheduler.view, scheduler.registry) < time.monotonic()
 
 
 async def _held_by(redis: aioredis.Redis, bus_config: BusConfig, name: str, lease_ms: int | None) -> str:
@@ -130,6 +134,26 @@ async def test_a_woken_replica_does_not_fail_a_request_it_lost(redis: aioredis.R
     finally:
         await woken.redis.aclose()
         await live.redis.aclose()
+
+
+async def test_a_request_waits_for_a_worker_then_fails_with_the_policys_reason(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    await _held_by(redis, bus_config, "s1", lease_ms=5000)
+    replica = _replica(bus_config, "s1", no_worker_wait_s=1.0)
+    try:
+        delivery = (await replica.requests.claim_idle(min_idle_ms=0))[0]
+        waiting = Waiting(delivery, time.monotonic())
+        assert await replica.decide(waiting) is Verdict.WAIT  # no worker yet: it waits
+        waiting.since -= 2  # waited longer than no_worker_wait_s
+        assert await replica.decide(waiting) is Verdict.DROP
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", await redis.xrange(bus_config.keys.out("r")))
+        [failed] = [codec.decode(fields) for _, fields in entries]
+        assert isinstance(failed, Failed) and (failed.code, failed.status) == ("no_worker", 503)
+        assert failed.message == "no live prefill worker with room serves model 'm'"
+        assert not await replica.requests.owns(delivery.entry_id)  # acked: done with
+    finally:
+        await replica.redis.aclose()
 
 
 async def test_the_lease_is_taken_at_start_renewed_apart_and_released_at_stop(

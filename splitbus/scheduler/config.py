@@ -5,8 +5,7 @@ import socket
 from dataclasses import dataclass, field
 
 from splitbus.bus.config import BusConfig
-
-MODES = ("splitwise", "mixed", "dp")
+from splitbus.scheduler import policies
 
 
 def default_name() -> str:
@@ -17,6 +16,7 @@ def default_name() -> str:
 class SchedulerConfig:
     bus: BusConfig
     mode: str = "splitwise"
+    """The routing policy's name (``policies.names()``); ``dp`` with ``stagger`` is ``stagger``."""
     name: str = field(default_factory=default_name)
     """Consumer name in the ``schedulers`` group; stable across restarts of one replica."""
     refresh_s: float = 0.1
@@ -26,6 +26,7 @@ class SchedulerConfig:
     no_worker_wait_s: float = 10.0
     """How long a request waits for an eligible worker before its client gets a 503."""
     dispatched_ttl_s: int = 3600
+    """How long a request's dispatched mark and current hand-off id are kept."""
     lease_ms: int = 2000
     """The replica's lease (``sb:scheduler-lease:{name}``): once it has not been renewed for this
     long (the replica died, hung, or lost Redis), the others claim the entries pending with it."""
@@ -46,9 +47,18 @@ class SchedulerConfig:
     stagger_max_wait_s: float = 0.05
     """dp mode: the longest an arrival is held (the window closes earlier under load)."""
 
+    @property
+    def policy(self) -> str:
+        """The name of the policy this replica places with: ``--mode dp`` staggers unless told not
+        to (its meaning since staggering was added), any other mode is its policy's name."""
+        return "stagger" if self.mode == "dp" and self.stagger else self.mode
+
+    def policy_options(self) -> policies.PolicyOptions:
+        return policies.PolicyOptions(replica=self.name, stagger_max_wait_s=self.stagger_max_wait_s)
+
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in policies.names():
+            raise ValueError(f"mode must be one of {tuple(policies.names())}, got {self.mode!r}")
         if self.refresh_s <= 0 or self.no_worker_wait_s <= 0 or self.batch < 1:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
         if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:

@@ -17,47 +17,41 @@ lost.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Sequence
+from enum import Enum
 from typing import TypeVar
 
-from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect, forever, is_transient, transient_suppressed, until_done
+from splitbus.bus.connection import connect, is_transient, transient_suppressed, until_done
 from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.loops import EXIT_FATAL, Loops
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, Reserved, SchedulerLease
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.scheduler import metrics
-from splitbus.bus.scheduler.config import SchedulerConfig
-from splitbus.bus.scheduler.dispatch import DISPATCHED, NOT_OURS, Dispatcher
-from splitbus.bus.scheduler.policy import (
-    Placement,
-    Policy,
-    blocks_needed,
-    dp_placement,
-    dp_ranks,
-    free_blocks,
-    queued_prefill,
-)
-from splitbus.bus.scheduler.reaper import Reaper
-from splitbus.bus.scheduler.stagger import RELEASE_LEAD_S, Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
+from splitbus.scheduler import metrics, policies
+from splitbus.scheduler.config import SchedulerConfig
+from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, Dispatcher
+from splitbus.scheduler.placement import Local, Placement, Waiting
+from splitbus.scheduler.policies import Placed, PlacingContext
+from splitbus.scheduler.reaper import Reaper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRIM_EVERY_S = 5.0
-EXIT_FATAL = 1
-"""The exit code of a scheduler stopped by a fatal error (a bug in a loop, never an entry)."""
+
+__all__ = ["EXIT_FATAL", "Scheduler", "Verdict", "Waiting"]
 
 
-@dataclass
-class Waiting:
-    delivery: Delivery
-    since: float
+class Verdict(Enum):
+    """What becomes of a waiting request that gets no tasks now."""
+
+    WAIT = "wait"
+    """No worker has room for it yet: it waits, up to ``no_worker_wait_s``."""
+    DROP = "drop"
+    """Failed to its client, or dead-lettered: the scheduler is done with it."""
 
 
 class Scheduler:
@@ -72,44 +66,96 @@ class Scheduler:
         self.lease = SchedulerLease(self.redis, bus, config.name, config.lease_ms)
         self._leased = False
         self.view = RegistryView(self.registry, config.refresh_s)
-        self.policy = Policy(config.mode)
+        self.policy = policies.create(config.policy, config.policy_options())
         self.dispatcher = Dispatcher(self.redis, bus, config.dispatched_ttl_s)
         self.writer = ResultWriter(self.redis, bus)
         self.waiting: list[Waiting] = []
-        self.local: dict[str, Reserved] = {}
+        self.local: Local = {}
         """Reservations made since the last registry snapshot."""
+        self.context = PlacingContext(self.view, self.registry, self.local)
         self._placing = asyncio.Lock()
         """Held while requests are placed: by the scheduling loop, and by the claimer, which
         places what it claimed at once rather than after the loop's blocked read returns."""
         self.reaper = Reaper(self.redis, bus, config.name, self.view, self.policy, self.dispatcher, self.local)
-        self.window: StaggerWindow[Waiting] | None = None
-        self._batches = itertools.count()
-        if config.mode == "dp" and config.stagger:
-            self.window = StaggerWindow(max_wait_s=config.stagger_max_wait_s)
-        self.stopping = asyncio.Event()
-        self.exit_code = 0
-        self._tasks: list[asyncio.Task[None]] = []
+        self._wake_at: float | None = None
+        """When the policy wants the loop back for arrivals it holds (its last ``admit``)."""
+        self.loops = Loops("the scheduler")
+        """Every loop of this replica, its main one included: a loop's bug stops it, exit code
+        ``EXIT_FATAL``."""
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        """Set to stop the replica (a signal, a loop's bug)."""
+        return self.loops.stopping
+
+    @property
+    def exit_code(self) -> int:
+        return self.loops.exit_code
 
     async def run(self) -> None:
-        """The scheduling loop until stopped, under ``forever``'s one policy (as are the
-        background loops): Redis refusing (down, LOADING, OOM...) is waited out; a request that
-        cannot be handled is dead-lettered with the reason and failed to its client, alone;
-        anything else is a bug, and the scheduler stops with exit code ``EXIT_FATAL``."""
+        """The scheduling loop until stopped, under ``Loops``' one policy (as are the background
+        loops): Redis refusing (down, LOADING, OOM...) is waited out; a request that cannot be
+        handled is dead-lettered with the reason and failed to its client, alone; anything else
+        is a bug, and the scheduler stops with exit code ``EXIT_FATAL``."""
         await self.start()
         try:
-            await self.background(self.step)
+            await self.loops.run(self.step)
         finally:
             await self.close()
 
+    async def start(self) -> None:
+        await until_done(self.requests.ensure_group, self.redis, lambda: self.loops.stopped, "start-up")
+        await until_done(self.lease.renew, self.redis, lambda: self.loops.stopped, "start-up")
+        self._leased = True
+        await self.view.refresh()
+        config = self.config
+        self.loops.start(self.view.refresh, every_s=config.refresh_s, name="registry refresh")
+        self.loops.start(self.renew_lease, every_s=config.heartbeat_s)
+        self.loops.start(self.claim_orphans, every_s=config.claim_every_s)
+        self.loops.start(self.reaper.reap_dead, every_s=config.reap_every_s)
+        self.loops.start(self.trim_requests, every_s=TRIM_EVERY_S)
+        log.info("scheduler %s (%s) started", config.name, config.mode)
+
+    async def close(self) -> None:
+        await self.loops.close()
+        with transient_suppressed("releasing the scheduler lease"):
+            await self.lease.release()  # the others take what is still pending with us at once
+        await self.redis.aclose()
+
     async def step(self) -> None:
-        """Read what there is room to wait for, then place everything that can be placed."""
+        """Read what there is room to wait for, let the policy admit it, then place everything
+        that can be placed."""
         arrivals = await self.read_requests()
         async with self._placing:
-            if self.window is None:
-                self.waiting += arrivals
-            else:
-                await self.hold(arrivals)
+            admitted = await self.policy.admit(arrivals, self.context)
+            self._wake_at = admitted.wake_at
+            await self.write_batch(admitted.placed)
+            self.waiting += admitted.queue
             await self.place_waiting()
+
+    async def read_requests(self) -> list[Waiting]:
+        room = self.config.batch - len(self.waiting)
+        block_ms = self._block_ms()
+        if room > 0 and self._wake_at is not None:
+            assert block_ms is not None
+            deliveries = await self.requests.read_within(room, block_ms)  # the policy's wake-up is due on time
+        elif room > 0:
+            deliveries = await self.requests.read(room, block_ms=block_ms)
+        else:
+            deliveries = []
+            await asyncio.sleep(self.config.refresh_s)
+        if self.view.refreshed.is_set():
+            self.view.refreshed.clear()
+            self.local.clear()  # the fresh snapshot holds our reservations now
+        now = time.monotonic()
+        return [Waiting(d, now) for d in deliveries]
+
+    def _block_ms(self) -> int | None:
+        """How long a read may block: until the policy's wake-up (a batch window closing), or
+        the next registry refresh when requests wait for a worker, else the bus default."""
+        if self._wake_at is not None:
+            return max(1, int((self._wake_at - time.monotonic()) * 1000))
+        return int(self.config.refresh_s * 1000) if self.waiting else None
 
     async def place_waiting(self) -> None:
         """Place what waits (with the lock held); what cannot be placed yet waits on."""
@@ -123,15 +169,21 @@ class Scheduler:
         the requests still waiting for a worker."""
         left, writes = [], []
         for w in waiting:
-            placements = await self.contained(w, self.decide(w))
-            if placements is None:
+            decision = await self.contained(w, self.decide(w))
+            if decision is Verdict.WAIT:
                 left.append(w)
-            elif placements:
-                writes.append(self.contained(w, self.dispatch(w, w.delivery.message, placements)))
+            elif isinstance(decision, Placed):
+                writes.append(self.contained(w, self.dispatch(w, w.delivery.message, decision.placements)))
         await asyncio.gather(*writes)
         return left
 
-    async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | list[Placement]:
+    async def write_batch(self, placed: list[tuple[Waiting, Placement]]) -> None:
+        """Reserve and write what the policy placed as one batch, all at once."""
+        for _, placement in placed:
+            self._reserve_locally(placement)
+        await asyncio.gather(*(self.contained(w, self.dispatch(w, w.delivery.message, [p])) for w, p in placed))
+
+    async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | Verdict:
         """Run one request's decision or dispatch. If it fails for any reason but Redis
         refusing for now, that request is dead-lettered with the error and failed to its client,
         and the others go on: one request never stops the scheduler."""
@@ -142,7 +194,7 @@ class Scheduler:
                 raise
             log.exception("request entry %s failed", waiting.delivery.entry_id)
             await self.poison(waiting, f"handler_failed: {type(exc).__name__}: {exc}")
-            return []
+            return Verdict.DROP
 
     async def poison(self, waiting: Waiting, reason: str) -> None:
         if not await self.requests.owns(waiting.delivery.entry_id):
@@ -158,146 +210,27 @@ class Scheduler:
         message = f"the scheduler could not handle this request: {reason}"
         self.writer.fail(request_id, reason.split(":", 1)[0], message, 500)
 
-    async def hold(self, arrivals: list[Waiting]) -> None:
-        """dp mode with staggering: arrivals wait in the window, then go out as one batch."""
-        assert self.window is not None
-        if arrivals and self.window.opened_at is None:
-            self.window.open(arrivals[0].since, await self.next_boundary())
-        for waiting in arrivals:
-            self.window.add(waiting)
-        if self.window.ready(time.monotonic()):
-            self.waiting += await self.place_batch(self.window.release())
-
-    async def next_boundary(self) -> float:
-        """When the first DP group's running step ends, less ``RELEASE_LEAD_S`` (this process's
-        monotonic clock), from what its ranks announced; read fresh, as a registry snapshot is
-        older than a decode step. The ranks' wall clocks are taken to agree with this one to
-        within a few ms, as NTP keeps them."""
-        by_group: dict[str, list[int]] = {}
-        ranks = [w for w in self.view.live() if w.record.dp_size > 0]
-        for rank, end_ms in zip(ranks, await self.registry.forward_ends([r.record.worker_id for r in ranks])):
-            by_group.setdefault(rank.record.dp_group, []).append(end_ms)
-        return time.monotonic() + group_boundary_s(by_group) - time.time() - RELEASE_LEAD_S
-
-    async def place_batch(self, batch: list[Waiting]) -> list[Waiting]:
-        """Water-fill the batch over the DP ranks; returns what it could not place."""
-        left = [w for w in batch if not isinstance(w.delivery.message, GenerateRequest)]
-        by_model: dict[str, list[Waiting]] = {}
-        for w in batch:
-            if isinstance(w.delivery.message, GenerateRequest):
-                by_model.setdefault(w.delivery.message.model, []).append(w)
-        for model, group in by_model.items():
-            left += await self._fill(model, group)
-        return left
-
-    async def _fill(self, model: str, group: list[Waiting]) -> list[Waiting]:
-        ranks = {r.record.worker_id: r for r in dp_ranks(self.view.workers, model)}
-        loads = [
-            RankLoad(
-                rid, queued_prefill(r, self.local.get(rid, Reserved())), free_blocks(r, self.local.get(rid, Reserved()))
-            )
-            for rid, r in ranks.items()
-        ]
-        if not ranks:
-            return group
-        block_size = next(iter(ranks.values())).record.block_size
-        jobs = {w.delivery.entry_id: w for w in group}
-        sizes = [
-            Job(k, len(w.delivery.message.prompt_token_ids), blocks_needed(w.delivery.message, block_size))
-            for k, w in jobs.items()
-        ]
-        placed = water_fill(sizes, loads)
-        batch_id, batch_ranks = f"{self.config.name}.{next(self._batches)}", len(set(placed.values()))
-        writes = []
-        for key, rank_id in placed.items():
-            request = jobs[key].delivery.message
-            placement = dp_placement(ranks[rank_id], request, batch_id, batch_ranks)
-            self._reserve_locally(placement)
-            writes.append(self.contained(jobs[key], self.dispatch(jobs[key], request, [placement])))
-        await asyncio.gather(*writes)
-        return [w for k, w in jobs.items() if k not in placed]
-
-    async def start(self) -> None:
-        await until_done(self.requests.ensure_group, self.redis, self.stopping.is_set, "start-up")
-        await until_done(self.lease.renew, self.redis, self.stopping.is_set, "start-up")
-        self._leased = True
-        await self.view.refresh()
-        self._tasks = [
-            asyncio.create_task(self.view.run()),
-            asyncio.create_task(self.background(self.renew_lease)),
-            asyncio.create_task(self.background(self.claim_orphans)),
-            asyncio.create_task(self.reaper.run(self.config.reap_every_s)),
-            asyncio.create_task(self.background(self.trim_requests)),
-        ]
-        log.info("scheduler %s (%s) started", self.config.name, self.config.mode)
-
-    async def close(self) -> None:
-        self.stopping.set()
-        self.view.stop()
-        self.reaper.stopped = True
-        await cancel_and_wait(self._tasks)
-        with transient_suppressed("releasing the scheduler lease"):
-            await self.lease.release()  # the others take what is still pending with us at once
-        await self.redis.aclose()
-
-    async def background(self, step: Callable[[], Awaitable[None]]) -> None:
-        """A background loop under ``forever``; a fatal error stops the scheduler, non-zero."""
-        try:
-            await forever(step, self.stopping.is_set, f"scheduler {self.config.name}: {step.__name__}")
-        except Exception:
-            log.exception("%s failed; stopping the scheduler", step.__name__)
-            self.exit_code = EXIT_FATAL
-            self.stopping.set()
-
-    async def read_requests(self) -> list[Waiting]:
-        room = self.config.batch - len(self.waiting)
-        block_ms = self._block_ms()
-        if room > 0 and self._window_due():
-            assert block_ms is not None
-            deliveries = await self.requests.read_within(room, block_ms)  # the window must close on time
-        elif room > 0:
-            deliveries = await self.requests.read(room, block_ms=block_ms)
-        else:
-            deliveries = []
-            await asyncio.sleep(self.config.refresh_s)
-        if self.view.refreshed.is_set():
-            self.view.refreshed.clear()
-            self.local.clear()  # the fresh snapshot holds our reservations now
-        now = time.monotonic()
-        return [Waiting(d, now) for d in deliveries]
-
-    def _window_due(self) -> bool:
-        return self.window is not None and self.window.due_at() is not None
-
-    def _block_ms(self) -> int | None:
-        """How long a read may block: until the stagger window is due, or the next registry
-        refresh when requests wait for a worker, else the bus default."""
-        due = self.window.due_at() if self.window is not None else None
-        if due is not None:
-            return max(1, int((due - time.monotonic()) * 1000))
-        return int(self.config.refresh_s * 1000) if self.waiting else None
-
-    async def decide(self, waiting: Waiting) -> list[Placement] | None:
-        """The tasks to write for a request; [] when it is done with (failed to its client, or
-        dead-lettered), None while it waits for a worker with room."""
+    async def decide(self, waiting: Waiting) -> Placed | Verdict:
+        """The tasks to write for a request, or why there are none now: it waits for a worker
+        with room, or it is done with (failed to its client, or dead-lettered)."""
         request = waiting.delivery.message
         if not isinstance(request, GenerateRequest):
             await self.poison(waiting, f"handler_failed: a {type(request).__name__} entry is not a request")
-            return []
+            return Verdict.DROP
         if request.deadline_ms and time.time() * 1000 > request.deadline_ms:
             await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
-            return []
-        placement = self.policy.place(request, self.view.workers, self.local)
-        if isinstance(placement, str):
-            if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
-                await self.fail(waiting, "no_worker", placement, 503)
-                return []
-            return None
-        for p in placement:  # the next decisions must see this load before it is written
-            self._reserve_locally(p)
-        return placement
+            return Verdict.DROP
+        decision = self.policy.place(request, self.view.workers, self.local)
+        if isinstance(decision, Placed):
+            for p in decision.placements:  # the next decisions must see this load before it is written
+                self._reserve_locally(p)
+            return decision
+        if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
+            await self.fail(waiting, "no_worker", decision.reason, 503)
+            return Verdict.DROP
+        return Verdict.WAIT
 
-    async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: list[Placement]) -> None:
+    async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]) -> None:
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
         if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
             log.debug(
@@ -340,7 +273,6 @@ class Scheduler:
 
     async def trim_requests(self) -> None:
         """Delete request entries every replica has acked: the stream stays as long as its backlog."""
-        await asyncio.sleep(TRIM_EVERY_S)
         await trim_consumed(self.redis, self.config.bus.keys.requests)
 
     async def renew_lease(self) -> None:
@@ -353,12 +285,10 @@ class Scheduler:
                 self.config.lease_ms,
             )
         self._leased = True
-        await asyncio.sleep(self.config.heartbeat_s)
 
     async def claim_orphans(self) -> None:
         """Take over requests that a dead or hung replica read but never dispatched: at once
         when its lease is gone, after ``claim_idle_ms`` when it still holds its lease."""
-        await asyncio.sleep(self.config.claim_every_s)
         claimed = await self.claim_from_gone() + await self.requests.claim_idle()
         if claimed:
             now = time.monotonic()
@@ -371,7 +301,7 @@ class Scheduler:
         pending, idle past ``dead_consumer_keep_s``, is deleted from the group."""
         others = [c for c in await self.requests.consumers() if c.name != self.config.name]
         claimed: list[Delivery] = []
-        for consumer, held in zip(others, await self.lease.held([c.name for c in others])):
+        for consumer, held in zip(others, await self.lease.held([c.name for c in others]), strict=True):
             if held:
                 continue
             if consumer.pending:
@@ -387,4 +317,4 @@ class Scheduler:
         return claimed
 
 
-_OUTCOMES = {1: "dispatched", 0: "already_acked", -1: "duplicate"}
+_OUTCOMES = {DISPATCHED: "dispatched", ALREADY_ACKED: "already_acked", DUPLICATE: "duplicate"}

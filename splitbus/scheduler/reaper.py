@@ -18,10 +18,10 @@ streams stay ``dead_worker_keep_s`` (an hour by default), then expire: nothing o
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -29,18 +29,19 @@ from splitbus.bus import codec
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
+from splitbus.bus.dispatch import REAPING_TTL_S
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished, Task, TokenDelta
-from splitbus.bus.registry import Registry, RegistryView, Reserved
+from splitbus.bus.registry import Registry, RegistryView
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.scheduler.dispatch import Dispatcher
-from splitbus.bus.scheduler.policy import Policy
 from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.scheduler.dispatch import Dispatcher
+from splitbus.scheduler.placement import Local
+from splitbus.scheduler.policies import NoPlacement, Policy
 
 log = logging.getLogger(__name__)
 MOVED_TTL_S = 3600
-REAPING_TTL_S = 60
 
 
 @dataclass
@@ -55,7 +56,9 @@ class Sent:
 async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
     by_seq: dict[int, list[int]] = {}
     sent = Sent()
-    for _, fields in await redis.xrange(config.keys.out(request_id)):
+    # the connection does not decode replies: entry fields are bytes
+    entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", await redis.xrange(config.keys.out(request_id)))
+    for _, fields in entries:
         with contextlib.suppress(DecodeError):
             entry = codec.decode(fields)
             sent.ended = sent.ended or isinstance(entry, (Finished, Failed))
@@ -75,22 +78,20 @@ class Reaper:
         view: RegistryView,
         policy: Policy,
         dispatcher: Dispatcher,
-        local: dict[str, Reserved],
+        local: Local,
     ) -> None:
         self.redis, self.config, self.name = redis, config, name
         self.keys = config.keys
         self.view, self.policy, self.dispatcher, self.local = view, policy, dispatcher, local
         self.registry = Registry(redis, config)
         self.writer = ResultWriter(redis, config)
-        self.stopped = False
 
-    async def run(self, every_s: float) -> None:
-        """A pass over the dead workers every ``every_s``; the loop never ends on one worker's
-        reap (it used to end, silently, on an OOM inside the result writer's script)."""
-        while not self.stopped:
-            await asyncio.sleep(every_s)
-            for worker in [w for w in self.view.workers if not w.alive]:
-                await self.reap_safely(worker.record.worker_id)
+    async def reap_dead(self) -> None:
+        """One pass over the dead workers (the scheduler runs it every ``reap_every_s``); a pass
+        never ends on one worker's reap (the loop used to end, silently, on an OOM inside the
+        result writer's script)."""
+        for worker in [w for w in self.view.workers if not w.alive]:
+            await self.reap_safely(worker.record.worker_id)
 
     async def reap_safely(self, worker_id: str) -> None:
         """Redis refusing (unreachable, OOM, LOADING...) or any other failure is logged and the
@@ -154,9 +155,10 @@ class Reaper:
             return f"the request failed on {moves} workers"
         if len(sent.tokens) >= request.sampling.max_tokens:
             return "finished"
-        placement = self.policy.place(request, self.view.workers, self.local)
-        if isinstance(placement, str):
-            return f"worker {dead} died and {placement}"
+        decision = self.policy.place(request, self.view.workers, self.local)
+        if isinstance(decision, NoPlacement):
+            return f"worker {dead} died and {decision.reason}"
+        placement = decision.placements
         # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
         outcome = await self.dispatcher.redispatch(dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens)
         log.debug(

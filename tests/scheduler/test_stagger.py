@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitbus.bus.scheduler.stagger import Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
+from splitbus.scheduler.stagger import Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
 
 
 def _ranks(*loads: int, free: int = 100) -> list[RankLoad]:

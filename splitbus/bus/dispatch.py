@@ -1,0 +1,159 @@
+"""The dispatch protocol: one script that acks a request (or a dead worker's task), marks it
+dispatched, reserves the chosen workers' load and XADDs every task, atomically. What to write
+(which workers, which phases) is the scheduler's; this module owns the script and its keys.
+
+Every dispatch draws a hand-off id, carried by its tasks and kept as the request's current one
+(``sb:current:{request}``). A prefill worker sends its KV only to the reservation made for its
+own dispatch, and a redispatch (the reaper moving a dead worker's task) is written only while
+the task's dispatch is still the current one: a request whose prefill worker and decode worker
+both die is moved once, not once per worker (twice would give it two live dispatches).
+
+A crash before the script leaves the request pending (another replica claims it); after it,
+everything is written. A retried call finds the entry acked and does nothing, and a duplicate
+request entry (a retried XADD by an API node) finds the dispatched mark and is only acked: each
+request is dispatched exactly once.
+
+The script first checks that the entry is still pending with the calling replica (``XPENDING``
+on that one id and consumer): a replica that hung (SIGSTOP, a GC pause, a frozen VM) while
+holding entries has lost them to another replica once its lease expired, and when it wakes its
+dispatch writes nothing. ``XACK`` alone would not do: it acks an entry whatever consumer owns
+it, so the woken replica would dispatch an entry that the claimer still holds (the claimer's
+later dispatch would find it acked, so still one dispatch, but two replicas would act on one
+request: one could fail it with a 503 while the other dispatched it).
+
+Keys (every one in KEYS, built in ``keys.py``): the stream the entry is acked in, the
+dispatched mark, ``sb:current:{request}``, then per task the worker's hash and task stream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from splitbus.bus import codec
+from splitbus.bus.batching import Batcher
+from splitbus.bus.config import BusConfig
+from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
+from splitbus.bus.messages import GenerateRequest, Task
+
+DISPATCHED = 1
+ALREADY_ACKED = 0
+DUPLICATE = -1
+STALE = -2
+"""A redispatch of a task that is no longer its request's current dispatch (the request moved
+already, off its other worker): the task is only acked."""
+NOT_OURS = ALREADY_ACKED
+"""The entry is not pending with this consumer: acked already, or claimed by another replica."""
+
+Arg = bytes | str | int
+"""A script argument."""
+
+REAPING_TTL_S = 60
+"""How long ``sb:reaping:{worker}`` (``SET NX``) keeps other reapers off a dead worker whose tasks
+one replica redispatches; a worker that rejoins takes the same mark, so no reaper starts then."""
+
+_DISPATCH = """
+if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
+  return 0
+end
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local current = redis.call('GET', KEYS[3])
+if ARGV[7] ~= '' and current and current ~= ARGV[7] then return -2 end
+if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return -1 end
+redis.call('SET', KEYS[3], ARGV[6], 'EX', ARGV[3])
+for i = 0, tonumber(ARGV[4]) - 1 do
+  local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 8 + 6 * i
+  redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
+  redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
+  redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
+  redis.call('XADD', tasks, '*', 'type', ARGV[a + 3], 'data', ARGV[a + 4], 'ts', ARGV[a + 5])
+end
+return 1
+"""
+
+
+def blocks_needed(request: GenerateRequest, block_size: int) -> int:
+    """The KV blocks a dispatch reserves for ``request`` on a worker with ``block_size``: prompt +
+    ``max_tokens``. The worker bounds a task's ``reserved`` by the same number."""
+    return math.ceil((len(request.prompt_token_ids) + request.sampling.max_tokens) / max(block_size, 1))
+
+
+@dataclass(frozen=True)
+class TaskWrite:
+    """One task of a dispatch: the worker it goes to and the task (its ``reserved`` is added to
+    the worker's counters)."""
+
+    worker_id: str
+    task: Task
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The entry a dispatch settles: acked in ``stream`` for ``group``, marked dispatched under
+    ``mark`` (the id that makes a duplicate a duplicate)."""
+
+    stream: str
+    group: str
+    entry_id: str
+    mark: str
+
+
+class DispatchScript:
+    """The dispatch script, sent in the pipeline shared with concurrent dispatches."""
+
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, dispatched_ttl_s: int) -> None:
+        self._keys = config.keys
+        self._script = redis.register_script(_DISPATCH)
+        self._batcher = Batcher(redis)
+        self._ttl = dispatched_ttl_s
+
+    def request_entry(self, entry_id: str, request_id: str) -> Entry:
+        """A request entry of ``sb:requests``: dispatched once per request id."""
+        return Entry(self._keys.requests, SCHEDULER_GROUP, entry_id, self._keys.dispatched(request_id))
+
+    def task_entry(self, dead_worker: str, entry_id: str, request_id: str) -> Entry:
+        """A dead worker's task: moved once per old entry (a retried call or a second reaper does
+        nothing)."""
+        return Entry(
+            self._keys.tasks(dead_worker), WORKER_GROUP, entry_id, self._keys.dispatched(f"{request_id}:{entry_id}")
+        )
+
+    async def write(
+        self,
+        entry: Entry,
+        request_id: str,
+        handoff: str,
+        tasks: Sequence[TaskWrite],
+        consumer: str = "",
+        replaces: str = "",
+    ) -> int:
+        """Settle ``entry`` by writing ``tasks`` (which carry ``handoff``, the request's current
+        one from now). ``consumer``: the entry must still be pending with it ("" for no check);
+        ``replaces``: the hand-off id that must still be the request's current one ("" for a
+        first dispatch). Returns DISPATCHED, ALREADY_ACKED (NOT_OURS), DUPLICATE or STALE."""
+        keys = [entry.stream, entry.mark, self._keys.current(request_id)]
+        args: list[bytes | str | int] = [
+            entry.group,
+            entry.entry_id,
+            self._ttl,
+            len(tasks),
+            consumer,
+            handoff,
+            replaces,
+        ]
+        for write in tasks:
+            keys += [self._keys.worker(write.worker_id), self._keys.tasks(write.worker_id)]
+            fields = codec.encode(write.task)
+            args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
+        return await self._run(keys, args)
+
+    async def _run(self, keys: list[str], args: list[Arg]) -> int:
+        """Loaded again if Redis lost it (a restart)."""
+        try:
+            return int(await self._batcher.call("evalsha", self._script.sha, len(keys), *keys, *args))
+        except NoScriptError:
+            return int(await self._script(keys=keys, args=args))

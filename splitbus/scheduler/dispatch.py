@@ -1,0 +1,87 @@
+"""What a dispatch writes: one task per placement, all with one fresh hand-off id, through the
+bus's dispatch script (``splitbus/bus/dispatch.py``: the protocol, its keys and its guarantees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, STALE, DispatchScript, TaskWrite
+from splitbus.bus.messages import GenerateRequest, Task
+from splitbus.scheduler.placement import Placement
+
+__all__ = ["ALREADY_ACKED", "DISPATCHED", "DUPLICATE", "NOT_OURS", "STALE", "Dispatcher"]
+
+
+class Dispatcher:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, dispatched_ttl_s: int) -> None:
+        self._script = DispatchScript(redis, config, dispatched_ttl_s)
+
+    async def dispatch(
+        self, entry_id: str, request: GenerateRequest, placements: Sequence[Placement], consumer: str = ""
+    ) -> int:
+        """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
+        pending with it) or DUPLICATE. The tasks' hand-off id becomes the request's current one."""
+        entry = self._script.request_entry(entry_id, request.request_id)
+        handoff = _handoff()
+        tasks = _tasks(request, placements, handoff)
+        return await self._script.write(entry, request.request_id, handoff, tasks, consumer=consumer)
+
+    async def redispatch(
+        self,
+        dead_worker: str,
+        entry_id: str,
+        task: Task,
+        placements: Sequence[Placement],
+        first_seq: int,
+        tokens: list[int],
+    ) -> int:
+        """Move a dead worker's task: ack it in that worker's stream and write new tasks that
+        continue at ``first_seq`` after the ``tokens`` already sent; DISPATCHED, ALREADY_ACKED,
+        DUPLICATE (another reaper moved this entry) or STALE (the task's dispatch is not the
+        request's current one: it moved already, from the task's other worker, and only the ack
+        is written). The mark is per old entry, so a retried call or a second reaper does
+        nothing."""
+        request = task.request
+        entry = self._script.task_entry(dead_worker, entry_id, request.request_id)
+        handoff = _handoff()
+        tasks = _tasks(request, placements, handoff, first_seq, tokens)
+        # replaces: the hand-off id that must still be the request's current one ("" for a task
+        # written before hand-off ids)
+        return await self._script.write(entry, request.request_id, handoff, tasks, replaces=task.handoff)
+
+
+def _handoff() -> str:
+    """One per dispatch: P and D find each other's reservation by it."""
+    return secrets.token_hex(8)
+
+
+def _tasks(
+    request: GenerateRequest,
+    placements: Sequence[Placement],
+    handoff: str,
+    first_seq: int = 0,
+    tokens: Sequence[int] = (),
+) -> list[TaskWrite]:
+    return [
+        TaskWrite(
+            p.worker.record.worker_id,
+            Task(
+                p.phase,
+                request,
+                p.peer,
+                first_seq,
+                list(tokens),
+                p.batch_id,
+                p.batch_ranks,
+                list(dataclasses.astuple(p.reserve)),
+                handoff,
+            ),
+        )
+        for p in placements
+    ]

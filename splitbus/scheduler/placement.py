@@ -1,0 +1,124 @@
+"""What every policy places with: pure functions over a registry snapshot, so they are tested on
+hand-made data.
+
+P is chosen by queued prefill tokens, D by free KV blocks then running requests. Among
+candidates within ``NEAR`` of the best, the choice is random, so scheduler replicas working
+from the same snapshot do not all pick the same worker.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from splitbus.bus.dispatch import blocks_needed
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.streams import Delivery
+
+NEAR = 0.1
+"""Relative slack within which candidates count as equally loaded."""
+C = TypeVar("C")
+Local = dict[str, Reserved]
+"""This replica's reservations since the registry snapshot, by worker id."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One task to write: the worker, the phase, the peer, and the load to reserve."""
+
+    worker: WorkerInfo
+    phase: str
+    peer: str
+    reserve: Reserved
+    batch_id: str = ""
+    batch_ranks: int = 0
+
+
+@dataclass
+class Waiting:
+    """A request entry the scheduler holds until it is placed, and since when (monotonic)."""
+
+    delivery: Delivery
+    since: float
+
+
+def reserved(local: Local, worker: WorkerInfo) -> Reserved:
+    """What this replica reserved on ``worker`` since the snapshot."""
+    return local.get(worker.record.worker_id) or Reserved()
+
+
+def free_blocks(worker: WorkerInfo, local: Reserved) -> int:
+    return worker.record.load.free_kv_blocks - worker.reserved.reserved_kv_blocks - local.reserved_kv_blocks
+
+
+def queued_prefill(worker: WorkerInfo, local: Reserved) -> int:
+    load = worker.record.load
+    return load.queued_prefill_tokens + worker.reserved.reserved_prefill_tokens + local.reserved_prefill_tokens
+
+
+def active_requests(worker: WorkerInfo, local: Reserved) -> int:
+    load = worker.record.load
+    return load.running + load.waiting + worker.reserved.reserved_requests + local.reserved_requests
+
+
+def choose(candidates: Sequence[C], cost: Callable[[C], float], rng: random.Random) -> C | None:
+    """A random candidate among those within NEAR of the lowest cost."""
+    if not candidates:
+        return None
+    costs = [cost(w) for w in candidates]
+    best = min(costs)
+    bound = best + abs(best) * NEAR
+    return rng.choice([w for w, c in zip(candidates, costs, strict=True) if c <= bound])
+
+
+def eligible(workers: Sequence[WorkerInfo], model: str, role: str) -> list[WorkerInfo]:
+    return [w for w in workers if w.alive and w.record.model == model and w.record.role == role]
+
+
+class Eligible:
+    """``eligible``, kept per snapshot: a snapshot serves hundreds of decisions."""
+
+    def __init__(self) -> None:
+        self._snapshot: Sequence[WorkerInfo] | None = None
+        self._eligible: dict[tuple[str, str], list[WorkerInfo]] = {}
+
+    def __call__(self, workers: Sequence[WorkerInfo], model: str, role: str) -> list[WorkerInfo]:
+        if workers is not self._snapshot:
+            self._snapshot, self._eligible = workers, {}
+        key = (model, role)
+        if key not in self._eligible:
+            self._eligible[key] = eligible(workers, model, role)
+        return self._eligible[key]
+
+
+def decode_worker(
+    request: GenerateRequest, candidates: list[WorkerInfo], local: Local, rng: random.Random
+) -> WorkerInfo | None:
+    """The worker to decode on: the most free KV blocks (within NEAR), then the fewest active
+    requests; None when none has blocks for the request."""
+    free = {id(w): free_blocks(w, reserved(local, w)) for w in candidates}
+    needs = {size: blocks_needed(request, size) for size in {w.record.block_size for w in candidates}}
+    roomy = [w for w in candidates if free[id(w)] >= needs[w.record.block_size]]
+    most_free = choose(roomy, lambda w: -free[id(w)], rng)
+    if most_free is None:
+        return None
+    floor = free[id(most_free)]
+    tied = [w for w in roomy if free[id(w)] >= floor - abs(floor) * NEAR]
+    return choose(tied, lambda w: active_requests(w, reserved(local, w)), rng)
+
+
+def dp_ranks(workers: Sequence[WorkerInfo], model: str) -> list[WorkerInfo]:
+    """Ranks of complete DP groups only: a group missing a rank cannot step."""
+    ranks = [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0]
+    members: dict[str, int] = {}
+    for w in ranks:
+        members[w.record.dp_group] = members.get(w.record.dp_group, 0) + 1
+    return [w for w in ranks if members[w.record.dp_group] == w.record.dp_size]
+
+
+def dp_placement(rank: WorkerInfo, request: GenerateRequest, batch_id: str = "", batch_ranks: int = 0) -> Placement:
+    blocks = blocks_needed(request, rank.record.block_size)
+    return Placement(rank, "mixed", "", Reserved(len(request.prompt_token_ids), 1, blocks), batch_id, batch_ranks)

@@ -1,0 +1,110 @@
+"""The routing-policy interface: what the scheduler asks a policy, and when.
+
+A policy decides where a request's tasks go, from a registry snapshot and this replica's own
+reservations since it was read. Each scheduler replica makes one policy at start-up
+(``policies.create``); its scheduling loop and its reaper share it. They call it from one event
+loop, under the scheduler's placing lock or between the reaper's awaits, so a policy needs no
+lock of its own.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.registry import Registry, RegistryView, WorkerInfo
+from splitbus.scheduler.placement import Local, Placement, Waiting
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A placement exists: the tasks to write, in order (a decode task before its prefill)."""
+
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class NoPlacement:
+    """No placement exists now, and why: the request waits, and once it has waited
+    ``no_worker_wait_s`` its client gets a 503 that says this."""
+
+    reason: str
+
+
+Decision = Placed | NoPlacement
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What ``admit`` did with the arrivals of one loop step."""
+
+    queue: list[Waiting]
+    """Requests that join the waiting queue now, to be placed one at a time by ``place``."""
+    placed: list[tuple[Waiting, Placement]] = field(default_factory=list)
+    """Requests the policy placed itself, as one batch: the scheduler reserves their load and
+    writes them before it places the queue."""
+    wake_at: float | None = None
+    """When (monotonic seconds) the loop must call ``admit`` again for the requests the policy
+    still holds: the loop's read blocks no longer than that. None when it holds none."""
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """What a policy is made with (``policies.create``); a policy reads the fields it uses."""
+
+    replica: str = "scheduler"
+    """The scheduler replica's consumer name: batch ids start with it, so they are unique."""
+    stagger_max_wait_s: float = 0.05
+    """stagger: the longest an arrival is held."""
+    rng: random.Random | None = None
+    """The source of the random pick among equally loaded candidates (None: a fresh one)."""
+
+
+@dataclass(frozen=True)
+class PlacingContext:
+    """What the scheduler lends ``admit``: made once, at start-up."""
+
+    view: RegistryView
+    """The registry snapshot, kept fresh in the background (``view.workers``)."""
+    registry: Registry
+    """For what a snapshot is too old for (a DP group's running step end, read as it is needed)."""
+    local: Local
+    """This replica's reservations since the snapshot: the same mapping ``place`` is given."""
+
+
+class Policy(ABC):
+    """A routing policy. Implement ``place``; a batch policy also overrides ``admit``."""
+
+    name: ClassVar[str] = ""
+    """Its name in the registry and on the command line (``--mode``); set by ``register``."""
+
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        self.options = options or PolicyOptions()
+        self.rng = self.options.rng or random.Random()
+
+    @abstractmethod
+    def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
+        """Where one request's tasks go now.
+
+        Called by the scheduler for each request in its waiting queue, in arrival order, on
+        every loop step until the request is placed or has waited ``no_worker_wait_s``; and by
+        the reaper for each task of a dead worker that it moves. ``workers`` is the current
+        registry snapshot (dead workers included: check ``alive``); ``local`` holds this
+        replica's reservations since it was read, and the caller adds this decision's before the
+        next call. Pure: no I/O and no change to its arguments, so it is tested on hand-made
+        snapshots."""
+
+    async def admit(self, arrivals: list[Waiting], context: PlacingContext) -> Admitted:
+        """What becomes of the requests one loop step just read (often none).
+
+        Called once per step of the scheduling loop, under its placing lock, after its read and
+        before it places the waiting queue; not for requests claimed from other replicas, which
+        join the queue at once. The default admits every arrival into the queue. A batch policy
+        holds arrivals (``Admitted.wake_at`` says when to call it again, with or without new
+        ones) and places them together (``Admitted.placed``); what it cannot place joins the
+        queue, where ``place`` decides it."""
+        return Admitted(arrivals)

@@ -1,0 +1,37 @@
+"""dp, the naive DP policy: each arrival at once to the rank (of a complete DP group) with the
+fewest queued prefill tokens that has KV blocks for it. ``splitbus scheduler --mode dp
+--no-stagger``; ``stagger`` batches arrivals instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.registry import WorkerInfo
+from splitbus.scheduler.placement import (
+    Local,
+    blocks_needed,
+    choose,
+    dp_placement,
+    dp_ranks,
+    free_blocks,
+    queued_prefill,
+    reserved,
+)
+from splitbus.scheduler.policies import register
+from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy
+
+
+@register("dp")
+class DpPolicy(Policy):
+    def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
+        ranks = [
+            w
+            for w in dp_ranks(workers, request.model)
+            if free_blocks(w, reserved(local, w)) >= blocks_needed(request, w.record.block_size)
+        ]
+        rank = choose(ranks, lambda w: queued_prefill(w, reserved(local, w)), self.rng)
+        if rank is None:
+            return NoPlacement(f"no live DP rank with room serves model '{request.model}'")
+        return Placed((dp_placement(rank, request),))

@@ -1,0 +1,19 @@
+"""Hand-made DP ranks for the dp and stagger policies' tests."""
+
+from __future__ import annotations
+
+from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+
+
+def rank(group: str, index: int, size: int, queued: int = 0, free: int = 1000, model: str = "m") -> WorkerInfo:
+    load = WorkerLoad(queued_prefill_tokens=queued, free_kv_blocks=free, total_kv_blocks=1000)
+    record = WorkerRecord(
+        worker_id=f"{group}-r{index}",
+        role="mixed",
+        model=model,
+        load=load,
+        dp_group=group,
+        dp_rank=index,
+        dp_size=size,
+    )
+    return WorkerInfo(record, 0, 3000, Reserved())
