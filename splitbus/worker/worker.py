@@ -22,7 +22,7 @@ from splitbus.bus.connection import connect, forever, is_transient, transient_su
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
-from splitbus.bus.reservations import Reservations
+from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.scheduler.policy import blocks_needed
 from splitbus.bus.scheduler.reaper import REAPING_TTL_S
@@ -462,16 +462,16 @@ class Worker:
         # it in its KV frame, so knowing a request id (every client does) is not enough to send one.
         seq.kv_secret = new_secret()
         self.awaiting_kv[seq.request_id] = (seq, time.monotonic() + self.config.kv_wait_s)
-        reservation = {
-            "decode_worker": self.id,
-            "endpoint": self.endpoint,
-            "blocks": str(seq.blocks),
-            "prefill_worker": seq.task.peer,
-            "task_entry": seq.entry_id,
-            "secret": seq.kv_secret,
-            "handoff": seq.task.handoff,
-        }
-        if not await self.reservations.reserve(seq.request_id, seq.task.handoff, reservation):
+        reservation = Reservation(
+            decode_worker=self.id,
+            endpoint=self.endpoint,
+            blocks=seq.blocks,
+            prefill_worker=seq.task.peer,
+            task_entry=seq.entry_id,
+            secret=seq.kv_secret,
+            handoff=seq.task.handoff,
+        )
+        if not await self.reservations.reserve(seq.request_id, reservation):
             # The reaper replaced this task's dispatch before it came here: nobody will send its KV.
             log.info("task %s of %s is void (the request was dispatched again); dropped", seq.entry_id, seq.request_id)
             if self.awaiting_kv.get(seq.request_id, (None,))[0] is seq:
@@ -876,11 +876,12 @@ class Worker:
         deadline = time.monotonic() + self.config.kv_wait_s
         delay, mismatch = 0.002, ""
         while time.monotonic() < deadline:
-            (endpoint, secret, *made_by), registered, peer_alive, current = await self._read_reservation(seq)
+            reservation, registered, peer_alive, current = await self._read_reservation(seq)
             # Only the reservation of this task's own dispatch: a request moved (off a dead
             # decode worker, or a dead prefill worker) still finds the older dispatch's one
             # here until its decode worker replaces it, and its secret is not this task's.
-            if self.reserved_for(seq, made_by) and secret:
+            if reservation is not None and self.reserved_for(seq, reservation) and reservation.secret:
+                endpoint, secret = reservation.endpoint, reservation.secret
                 if endpoint and endpoint == registered:
                     log.debug("found %s's reservation for %s; sending to %s", seq.task.peer, seq.request_id, endpoint)
                     return registered, secret
@@ -900,25 +901,26 @@ class Worker:
         D's reservation was made for another (D took the newer task first). A reservation gone
         proves nothing (D may have given up on it); Redis refusing: not known, so no."""
         with transient_suppressed("reading a KV reservation"):
-            (_, _, _, _, handoff), _, _, current = await self._read_reservation(seq)
+            reservation, _, _, current = await self._read_reservation(seq)
+            handoff = reservation.handoff if reservation is not None else ""
             return bool(self.dispatched_again(seq, current)) or bool(handoff and handoff != seq.task.handoff)
         return False
 
-    def reserved_for(self, seq: Sequence, made_by: list[str]) -> bool:
+    def reserved_for(self, seq: Sequence, reservation: Reservation) -> bool:
         """Whether a reservation's (decode_worker, prefill_worker, handoff) are this task's."""
-        return made_by == [seq.task.peer, self.id, seq.task.handoff]
+        return reservation.made_for(seq.task.peer, self.id, seq.task.handoff)
 
-    async def _read_reservation(self, seq: Sequence) -> tuple[list[str], str, bool, bytes | None]:
-        """(sb:kv's endpoint, secret, decode_worker, prefill_worker, handoff; D's registered
-        endpoint; whether D is alive; the request's current hand-off id)."""
+    async def _read_reservation(self, seq: Sequence) -> tuple[Reservation | None, str, bool, bytes | None]:
+        """(sb:kv's reservation, if a valid one; D's registered endpoint; whether D is alive;
+        the request's current hand-off id), in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "secret", "decode_worker", "prefill_worker", "handoff")
+        self.reservations.queue_read(pipe, seq.request_id)
         pipe.hget(self.keys.worker(seq.task.peer), "transfer_endpoint")
         pipe.exists(self.keys.lease(seq.task.peer))
         pipe.get(self.keys.current(seq.request_id))
         reservation, registered, peer_alive, current = await pipe.execute()
-        text = [(v or b"").decode(errors="replace") for v in (*reservation, registered)]
-        return text[:5], text[5], bool(peer_alive), current
+        endpoint = (registered or b"").decode(errors="replace")
+        return self.reservations.parse(seq.request_id, reservation), endpoint, bool(peer_alive), current
 
     def _endpoint_mismatch(self, seq: Sequence, endpoint: str, registered: str) -> str:
         why = (

@@ -33,6 +33,7 @@ from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished, Task, TokenDelta
 from splitbus.bus.registry import Registry, RegistryView, Reserved
+from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.scheduler.dispatch import Dispatcher
 from splitbus.bus.scheduler.policy import Policy
@@ -81,6 +82,7 @@ class Reaper:
         self.keys = config.keys
         self.view, self.policy, self.dispatcher, self.local = view, policy, dispatcher, local
         self.registry = Registry(redis, config)
+        self.reservations = Reservations(redis, config.keys)
         self.writer = ResultWriter(redis, config)
         self.stopped = False
 
@@ -190,7 +192,7 @@ class Reaper:
         """The decode worker waiting for this prefill task's KV will not get it: free its task
         (the reservation of this dispatch only: a newer one's decode side is the request's now)."""
         request_id = task.request.request_id
-        reservation = await self.redis.hgetall(self.keys.kv(request_id))
-        worker, entry = reservation.get(b"decode_worker"), reservation.get(b"task_entry")
-        if worker and entry and reservation.get(b"handoff", b"") == task.handoff.encode():
-            await publish_cancel(self.redis, self.config, request_id, "moved", worker.decode(), entry.decode())
+        reservation = await self.reservations.read(request_id)
+        if reservation is not None and reservation.handoff == task.handoff:
+            worker, entry = reservation.decode_worker, reservation.task_entry
+            await publish_cancel(self.redis, self.config, request_id, "moved", worker, entry)
