@@ -26,6 +26,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,15 @@ STEP_CHUNK = 1000
 # XADD each entry and set its stream's TTL where asked, in one call with one reply. A pipeline
 # of XADDs costs the same in Redis, but redis-py parses each of its replies under its own
 # timeout context: half the writer's CPU at 1000 entries per step.
-_WRITE_STEP = """
+_WRITE_STEP = declare(
+    LuaScript(
+        name="write_step",
+        module=__name__,
+        keys=(),
+        repeated=("sb:out:{request}",),
+        argv="per key: the entry's `type`, `data`, `ts`, and the TTL (s) to set (0: none)",
+        returns="the number of entries written",
+        source="""
 for i, key in ipairs(KEYS) do
   local j = (i - 1) * 4
   redis.call('XADD', key, '*', 'type', ARGV[j + 1], 'data', ARGV[j + 2], 'ts', ARGV[j + 3])
@@ -43,7 +52,9 @@ for i, key in ipairs(KEYS) do
   if ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 return #KEYS
-"""
+""",
+    )
+)
 
 LATENCY_SAMPLE_EVERY = 16
 """Observe publish->read latency on one token entry in this many: a histogram observation
@@ -60,7 +71,7 @@ class ResultWriter:
         self._next_seq: dict[str, int] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
         self._buffer: list[tuple[str, Result]] = []
-        self._write_step = redis.register_script(_WRITE_STEP)
+        self._write_step = _WRITE_STEP.register(redis)
 
     def open(self, request_id: str, first_seq: int = 0) -> None:
         """Start writing a request. A request that moved from another worker continues at

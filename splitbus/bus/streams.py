@@ -19,6 +19,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.dead import DeadLetter
+from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +33,45 @@ def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2]))
 
 
+_GROUP_STREAM = "sb:requests | sb:tasks:{worker} | sb:ctrl:{worker}"
+"""A stream read in a consumer group."""
+
 # Claims every entry pending with one consumer (ARGV[2]) for another (ARGV[3]), in one step on
 # one key: an entry another claimer took first is no longer the owner's, so it is not taken twice.
-_CLAIM_FROM = """
+_CLAIM_FROM = declare(
+    LuaScript(
+        name="claim_from",
+        module=__name__,
+        keys=(_GROUP_STREAM,),
+        argv="the group, the owner (a consumer known to be gone), the claiming consumer, the most entries to take",
+        returns="the claimed entries, as `XCLAIM` returns them (an entry trimmed while pending has no fields)",
+        source="""
 local ids = {}
 for _, row in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', ARGV[4], ARGV[2])) do
   ids[#ids + 1] = row[1]
 end
 if #ids == 0 then return {} end
 return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
-"""
+""",
+    )
+)
 
 # Deletes a consumer only if nothing is pending with it: it may have read again since it was
 # looked at, and XGROUP DELCONSUMER drops its pending entries.
-_FORGET = """
+_FORGET = declare(
+    LuaScript(
+        name="forget_consumer",
+        module=__name__,
+        keys=(_GROUP_STREAM,),
+        argv="the group, the consumer",
+        returns="1: deleted; 0: something is pending with it, kept",
+        source="""
 if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
-"""
+""",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -324,7 +346,7 @@ class GroupConsumer:
     async def claim_from(self, owner: str, count: int = 1000) -> list[Delivery]:
         """Take over up to ``count`` entries pending with ``owner`` (a consumer known to be gone),
         however idle they are. Delivered-too-often entries are dead-lettered as in ``claim_idle``."""
-        script = self._redis.register_script(_CLAIM_FROM)
+        script = _CLAIM_FROM.register(self._redis)
         reply = await script(keys=[self.stream], args=[self.group, owner, self.consumer, count])
         entries = [(_text(i), _pairs(f)) for i, f in reply if f]
         trimmed = [_text(row[0]) for row in reply if not row[1]]
@@ -340,7 +362,7 @@ class GroupConsumer:
 
     async def forget(self, consumer: str) -> bool:
         """Delete ``consumer`` from the group if nothing is pending with it; whether it was."""
-        script = self._redis.register_script(_FORGET)
+        script = _FORGET.register(self._redis)
         return bool(await script(keys=[self.stream], args=[self.group, consumer]))
 
     async def _bury_poison(self, entries: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
