@@ -21,6 +21,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -156,7 +157,8 @@ class Reservations:
 
     async def read(self, request_id: str) -> Reservation | None:
         """The request's reservation; None if there is none, or it is not a valid one."""
-        return self.parse(request_id, await self._redis.hmget(self.keys.kv(request_id), FIELDS))
+        reply = await self._redis.hmget(self.keys.kv(request_id), FIELDS)
+        return self.parse(request_id, cast(list[bytes | None], reply))
 
     def queue_read(self, pipe: Pipeline, request_id: str) -> None:
         """Add the read to a pipeline that goes out anyway (P's poll reads D's record with it);

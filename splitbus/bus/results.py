@@ -16,9 +16,10 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, KeyT, StreamIdT
 
 from splitbus.bus import codec, metrics
 from splitbus.bus.batching import Batcher
@@ -26,6 +27,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+from splitbus.bus.replies import RawEntry, RawXReadReply
 from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
@@ -127,9 +129,9 @@ class ResultWriter:
             self._settle(chunk)
             metrics.ENTRIES_PRODUCED.labels("out").inc(len(chunk))
 
-    def _script_args(self, chunk: list[tuple[str, Result]]) -> tuple[list[str], list[Any]]:
+    def _script_args(self, chunk: list[tuple[str, Result]]) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
-        args: list[Any] = []
+        args: list[EncodableT] = []
         seen: set[str] = set()
         for request_id, result in chunk:
             keys.append(self._keys.out(request_id))
@@ -246,7 +248,8 @@ class Subscription:
                 return
 
 
-def _as_sent(response: Any, **options: Any) -> Any:
+def _as_sent(response: object, **options: object) -> object:
+    """Redis's reply as it came (a RawXReadReply), for XREAD on a shard's connection."""
     return response
 
 
@@ -289,16 +292,16 @@ class _Shard:
                 await asyncio.sleep(0.5)
 
     async def _read_once(self) -> None:
-        streams = {self.wake_key: self._wake_id}
+        streams: dict[KeyT, StreamIdT] = {self.wake_key: self._wake_id}
         streams.update((key, sub.last_id) for key, sub in self.subs.items())
         self.xreads += 1
         self.blocked = True
         reply = await self._redis.xread(streams, count=self._config.reader_count, block=self._config.block_ms)
         self.blocked = False
-        for key, entries in reply or ():
+        for key, entries in cast(RawXReadReply, reply or []):
             self._dispatch(key.decode(), entries)
 
-    def _dispatch(self, key: str, entries: list[tuple[bytes, list[bytes]]]) -> None:
+    def _dispatch(self, key: str, entries: list[RawEntry]) -> None:
         if key == self.wake_key:
             self._wake_id = entries[-1][0].decode()
             return
@@ -313,16 +316,21 @@ class _Shard:
             self.subs.pop(key, None)
 
     def _accept(self, sub: Subscription, entry_id: bytes, flat: list[bytes]) -> None:
-        fields = dict(zip(flat[::2], flat[1::2]))
+        fields = dict(zip(flat[::2], flat[1::2], strict=False))
         self._reads += 1
         if self._reads % LATENCY_SAMPLE_EVERY == 0:
             published = codec.published_us(fields)
             if published is not None:
                 metrics.PUBLISH_TO_READ.labels("out").observe(max(0.0, (codec.now_us() - published) / 1e6))
         try:
-            sub.accept(codec.decode(fields))
+            result = codec.decode(fields)
         except DecodeError as exc:
             log.error("undecodable result entry %s on %s: %s", entry_id, sub.key, exc)
+            return
+        if isinstance(result, (TokenDelta, Finished, Failed)):
+            sub.accept(result)
+        else:
+            log.error("result entry %s on %s is a %s, not a result", entry_id, sub.key, result.TYPE)
 
     async def close(self) -> None:
         with contextlib.suppress(*TRANSIENT_ERRORS):  # node names are random: nobody reuses it

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -33,6 +34,7 @@ from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished, Task, TokenDelta
 from splitbus.bus.registry import Registry, RegistryView, Reserved
+from splitbus.bus.replies import Entry
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.scheduler.dispatch import Dispatcher
@@ -56,9 +58,11 @@ class Sent:
 async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
     by_seq: dict[int, list[int]] = {}
     sent = Sent()
-    for _, fields in await redis.xrange(config.keys.out(request_id)):
+    for _, fields in cast(list[Entry], await redis.xrange(config.keys.out(request_id))):
         with contextlib.suppress(DecodeError):
             entry = codec.decode(fields)
+            if not isinstance(entry, (TokenDelta, Finished, Failed)):
+                continue  # not a result: nothing was sent by it
             sent.ended = sent.ended or isinstance(entry, (Finished, Failed))
             if isinstance(entry, TokenDelta):
                 by_seq[entry.seq] = entry.token_ids
