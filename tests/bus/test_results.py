@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
-from splitbus.bus.messages import Failed, Finished, TokenDelta
+from splitbus.bus.messages import Cancel, Failed, Finished, TokenDelta
 from splitbus.bus.results import ResultReader, ResultWriter, Subscription
 
 
@@ -142,6 +142,20 @@ async def test_undecodable_result_entry_is_skipped(
     await redis.xadd(key, codec.encode(Finished(0, "stop", 1, 0)))
     got = await _collect(sub)
     assert [type(r).__name__ for r in got] == ["Finished"]
+
+
+async def test_an_entry_that_is_not_a_result_is_skipped(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    # A well-formed message of another type (anyone who can write the stream can put one there)
+    # used to reach the subscription, which read its ``seq`` and took the shard's read down.
+    sub = await reader.subscribe("r-foreign")
+    key = bus_config.keys.out("r-foreign")
+    await redis.xadd(key, codec.encode(Cancel("r-foreign")))
+    await redis.xadd(key, codec.encode(TokenDelta(0, [5])))
+    await redis.xadd(key, codec.encode(Finished(1, "stop", 1, 1)))
+    got = await _collect(sub)
+    assert [type(r).__name__ for r in got] == ["TokenDelta", "Finished"]
 
 
 async def test_subscribing_wakes_a_blocked_reader(redis_server: object, redis: aioredis.Redis) -> None:
