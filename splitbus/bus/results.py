@@ -27,7 +27,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
-from splitbus.bus.replies import RawEntry, RawXReadReply
+from splitbus.bus.replies import Entry, RawEntry, RawXReadReply
 from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
@@ -251,6 +251,34 @@ class Subscription:
 def _as_sent(response: object, **options: object) -> object:
     """Redis's reply as it came (a RawXReadReply), for XREAD on a shard's connection."""
     return response
+
+
+@dataclass
+class Sent:
+    """What a request's result stream holds already: where a request that moves to other
+    workers continues (the reaper's redispatch)."""
+
+    next_seq: int = 0
+    tokens: list[int] = field(default_factory=list)
+    ended: bool = False
+
+
+async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
+    """What the request's result stream holds: its tokens in ``seq`` order, the next ``seq``,
+    whether it ended. Entries that are not results (undecodable, or another type) count for nothing."""
+    by_seq: dict[int, list[int]] = {}
+    sent = Sent()
+    for _, fields in cast(list[Entry], await redis.xrange(config.keys.out(request_id))):
+        with contextlib.suppress(DecodeError):
+            entry = codec.decode(fields)
+            if not isinstance(entry, (TokenDelta, Finished, Failed)):
+                continue  # not a result: nothing was sent by it
+            sent.ended = sent.ended or isinstance(entry, (Finished, Failed))
+            if isinstance(entry, TokenDelta):
+                by_seq[entry.seq] = entry.token_ids
+            sent.next_seq = max(sent.next_seq, entry.seq + 1)
+    sent.tokens = [t for seq in sorted(by_seq) for t in by_seq[seq]]
+    return sent
 
 
 class _Shard:

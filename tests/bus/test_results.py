@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import Cancel, Failed, Finished, TokenDelta
-from splitbus.bus.results import ResultReader, ResultWriter, Subscription
+from splitbus.bus.results import ResultReader, ResultWriter, Sent, Subscription, read_sent
 
 
 async def _collect(sub: Subscription, timeout: float = 20.0) -> list[object]:
@@ -198,3 +198,16 @@ async def test_a_failed_flush_keeps_its_entries(
     got = await _collect(sub)
     assert [r.seq for r in got] == [0, 1]
     assert 0 < await redis.ttl(bus_config.keys.out("r-keep")) <= bus_config.finished_result_ttl_s
+
+
+async def test_what_was_sent_is_read_back_in_seq_order(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r-sent")
+    writer.tokens("r-sent", [1, 2])
+    writer.tokens("r-sent", [3])
+    await writer.flush()
+    await redis.xadd(bus_config.keys.out("r-sent"), codec.encode(Cancel("r-sent")))  # not a result
+    assert await read_sent(redis, bus_config, "r-sent") == Sent(next_seq=2, tokens=[1, 2, 3], ended=False)
+    writer.finish("r-sent", "stop", 1, 3)
+    await writer.flush()
+    assert await read_sent(redis, bus_config, "r-sent") == Sent(next_seq=3, tokens=[1, 2, 3], ended=True)

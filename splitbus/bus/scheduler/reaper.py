@@ -19,24 +19,18 @@ streams stay ``dead_worker_keep_s`` (an hour by default), then expire: nothing o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from dataclasses import dataclass, field
-from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
-from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
-from splitbus.bus.messages import Failed, Finished, Task, TokenDelta
+from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, RegistryView, Reserved
-from splitbus.bus.replies import Entry
 from splitbus.bus.reservations import Reservations
-from splitbus.bus.results import ResultWriter
+from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.scheduler.dispatch import Dispatcher
 from splitbus.bus.scheduler.policy import Policy
 from splitbus.bus.streams import Delivery, GroupConsumer
@@ -44,31 +38,6 @@ from splitbus.bus.streams import Delivery, GroupConsumer
 log = logging.getLogger(__name__)
 MOVED_TTL_S = 3600
 REAPING_TTL_S = 60
-
-
-@dataclass
-class Sent:
-    """What a request's result stream holds already."""
-
-    next_seq: int = 0
-    tokens: list[int] = field(default_factory=list)
-    ended: bool = False
-
-
-async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
-    by_seq: dict[int, list[int]] = {}
-    sent = Sent()
-    for _, fields in cast(list[Entry], await redis.xrange(config.keys.out(request_id))):
-        with contextlib.suppress(DecodeError):
-            entry = codec.decode(fields)
-            if not isinstance(entry, (TokenDelta, Finished, Failed)):
-                continue  # not a result: nothing was sent by it
-            sent.ended = sent.ended or isinstance(entry, (Finished, Failed))
-            if isinstance(entry, TokenDelta):
-                by_seq[entry.seq] = entry.token_ids
-            sent.next_seq = max(sent.next_seq, entry.seq + 1)
-    sent.tokens = [t for seq in sorted(by_seq) for t in by_seq[seq]]
-    return sent
 
 
 class Reaper:
