@@ -79,16 +79,16 @@ class Reservation:
 
     decode_worker: str
     """The decode worker that reserved (and waits for the KV)."""
+    endpoint: str
+    """The decode worker's transfer endpoint; P sends only if it is D's registered one."""
+    blocks: int
+    """KV blocks reserved."""
     prefill_worker: str
     """The prefill worker its task names: the only sender it takes the KV from."""
     task_entry: str
     """The decode task's entry id: a clean-up drops only the reservation its own task made."""
-    endpoint: str
-    """The decode worker's transfer endpoint; P sends only if it is D's registered one."""
     secret: str = dataclasses.field(repr=False)
     """Random per reservation; P proves it in the KV frame. Never logged."""
-    blocks: int = 0
-    """KV blocks reserved."""
     handoff: str = ""
     """The dispatch the reservation was made for ("" from a decode worker before hand-off ids)."""
 

@@ -10,7 +10,15 @@ from splitbus.bus.reservations import TTL_S, Reservation, Reservations
 
 
 def made(entry: str = "7-0", handoff: str = "h1", secret: str = "s" * 64) -> Reservation:
-    return Reservation("d1", "p1", entry, "127.0.0.1:9", secret, blocks=12, handoff=handoff)
+    return Reservation(
+        decode_worker="d1",
+        endpoint="127.0.0.1:9",
+        blocks=12,
+        prefill_worker="p1",
+        task_entry=entry,
+        secret=secret,
+        handoff=handoff,
+    )
 
 
 async def test_a_reservation_reads_back_as_it_was_written_with_its_ttl(
@@ -91,9 +99,9 @@ async def test_a_reservation_from_before_hand_off_ids_reads_with_no_handoff(
 
 def test_a_reservation_is_validated_when_made_and_keeps_its_secret_out_of_its_repr() -> None:
     with pytest.raises(ValueError, match="blocks"):
-        Reservation("d1", "p1", "1-0", "", "s", blocks=-1)
+        Reservation("d1", "", -1, "p1", "1-0", "s")
     with pytest.raises(ValueError, match="handoff"):
-        Reservation("d1", "p1", "1-0", "", "s", handoff="h" * 65)
+        Reservation("d1", "", 0, "p1", "1-0", "s", handoff="h" * 65)
     assert "the-secret" not in repr(made(secret="the-secret"))
 
 

@@ -65,7 +65,7 @@ async def reservation(
     prefill_worker: str = "p1",
 ) -> None:
     """``sb:kv:{request_id}`` as D writes it (an attacker with Redis access can write the same)."""
-    made = Reservation(decode_worker, prefill_worker, entry, endpoint, secret, handoff=handoff)
+    made = Reservation(decode_worker, endpoint, 1, prefill_worker, entry, secret, handoff)
     assert await Reservations(worker.redis, worker.keys).reserve(request_id, made)
 
 
@@ -121,7 +121,7 @@ class NewerDispatch(Decoder):
         reservations = Reservations(client, self.bus_config.keys)
         try:
             if self.newer_reservation:
-                await reservations.reserve(request_id, Reservation("d2", "p1", "5-0", "", "newer", handoff="h2"))
+                await reservations.reserve(request_id, Reservation("d2", "", 1, "p1", "5-0", "newer", "h2"))
             else:
                 await reservations.drop(request_id, "5-0")
         finally:

@@ -177,7 +177,7 @@ async def test_a_dead_prefill_workers_decode_side_is_freed_only_for_its_dispatch
 ) -> None:
     # The reaper moves a dead P's prefill task: the D that reserved for that dispatch is told to
     # drop that one task; a reservation made for another dispatch (a newer one's D) is left alone.
-    reservation = Reservation("d-1", "p-0", "7-0", "127.0.0.1:9", "secret", blocks=4, handoff=made_for)
+    reservation = Reservation("d-1", "127.0.0.1:9", 4, "p-0", "7-0", "secret", handoff=made_for)
     await Reservations(redis, config.keys).reserve("r", reservation)
     await scheduler.reaper.release_decode_side(Task("prefill", request(), peer="d-1", handoff="h1"))
     sent = [codec.decode(fields) for _, fields in await redis.xrange(config.keys.cancel)]
