@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -19,6 +19,7 @@ from redis.asyncio.client import Pipeline
 from splitbus import __version__
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
+from splitbus.bus.replies import SnapshotReply
 from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
@@ -198,15 +199,15 @@ class Registry:
         """Every registered worker, alive or not, in ``sb:workers`` order: one round trip (one
         script, atomic) while the set of workers is the one of the last snapshot; workers new
         since then are read in a second round trip (see docs/bus.md, "Worker registry")."""
-        keys = [self._keys.workers, *[key for w in self._known for key in self._own_lease(w)]]
-        listed, rows = await self._snapshot(keys=keys, args=self._known)
+        keys = [self._keys.workers, *[key for w in self._known for key in self._record_and_lease(w)]]
+        listed, rows = cast(SnapshotReply, await self._snapshot(keys=keys, args=self._known))
         ids = [_text(worker_id) for worker_id in listed]
         found = {_text(worker_id): (ttl, _pairs(flat)) for worker_id, ttl, flat in rows}
         found.update(await self._read_new([w for w in ids if w not in found]))
         self._known = ids
         return [info for info in (self._info(w, *found[w]) for w in ids if w in found) if info is not None]
 
-    def _own_lease(self, worker_id: str) -> tuple[str, str]:
+    def _record_and_lease(self, worker_id: str) -> tuple[str, str]:
         return self._keys.worker(worker_id), self._keys.lease(worker_id)
 
     async def _read_new(self, worker_ids: list[str]) -> dict[str, tuple[int, dict[bytes, bytes]]]:
@@ -222,9 +223,10 @@ class Registry:
         pairs = zip(worker_ids, replies[::2], replies[1::2], strict=True)
         return {worker_id: (ttl, record) for worker_id, ttl, record in pairs if record}
 
-    def _info(self, worker_id: str, ttl: int, raw: dict[bytes, bytes]) -> WorkerInfo | None:
+    @staticmethod
+    def _info(worker_id: str, ttl: int, raw: dict[bytes, bytes]) -> WorkerInfo | None:
         try:
-            return self._row(ttl, raw)
+            return Registry._row(ttl, raw)
         except (KeyError, TypeError, ValueError) as exc:  # a partial or foreign record
             log.warning("skipping unreadable registry record %s: %s", worker_id, exc)
             return None
