@@ -48,6 +48,7 @@ def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
     from splitbus.bus.config import BusConfig
     from splitbus.bus.connection import connect
     from splitbus.bus.keys import SCHEDULER_GROUP
+    from splitbus.bus.messages import GenerateRequest
     from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
     from splitbus.bus.results import ResultWriter
     from splitbus.bus.streams import GroupConsumer
@@ -69,9 +70,9 @@ def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
                 await registry.register(record, 3000)
                 next_beat = step_started + 0.5
             deliveries = await requests.read(10_000, block_ms=0)
-            for d in deliveries:
-                writer.open(d.message.request_id)
-                remaining[d.message.request_id] = [d.message.sampling.max_tokens] * 2
+            for request in [d.message for d in deliveries if isinstance(d.message, GenerateRequest)]:
+                writer.open(request.request_id)
+                remaining[request.request_id] = [request.sampling.max_tokens] * 2
             await requests.ack(*[d.entry_id for d in deliveries])
             for request_id in list(remaining):
                 _one_token(writer, remaining, request_id)

@@ -319,7 +319,9 @@ async def zmq_token_consumer(
     async def route() -> None:
         for _ in range(steps * cfg.streams):
             rid, type_, data, ts = await sock.recv_multipart()
-            subs[rid].accept(codec.decode({b"type": type_, b"data": data, b"ts": ts}))
+            result = codec.decode({b"type": type_, b"data": data, b"ts": ts})
+            assert isinstance(result, TokenDelta)  # the bench sends token entries only
+            subs[rid].accept(result)
 
     router = asyncio.create_task(route())
     result = await _drain_subscriptions(list(subs.values()), steps)

@@ -53,7 +53,7 @@ class Batcher:
             replies = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: every command in it failed
             replies = [exc] * len(batch)
-        for (_, _, _, future), reply in zip(batch, replies):
+        for (_, _, _, future), reply in zip(batch, replies, strict=False):
             if future.done():  # its caller was cancelled meanwhile
                 continue
             if isinstance(reply, BaseException):

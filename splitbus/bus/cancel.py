@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -10,6 +11,7 @@ from splitbus.bus import codec, metrics
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.cancel import Cancel
+from splitbus.bus.replies import Entry, XReadReply, for_xadd
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +24,8 @@ async def publish_cancel(
 ) -> str:
     """Cancel a request everywhere, or (``worker`` and ``task_entry``) one worker's task of it."""
     cancel = Cancel(request_id, reason, worker, task_entry)
-    entry_id = await redis.xadd(config.keys.cancel, codec.encode(cancel), maxlen=CANCEL_MAXLEN, approximate=True)
+    fields = for_xadd(codec.encode(cancel))
+    entry_id = cast(bytes, await redis.xadd(config.keys.cancel, fields, maxlen=CANCEL_MAXLEN, approximate=True))
     metrics.ENTRIES_PRODUCED.labels("cancel").inc()
     return entry_id.decode()
 
@@ -38,23 +41,23 @@ class CancelListener:
 
     async def start(self) -> None:
         """Remember the current end of the stream; earlier cancellations do not concern us."""
-        newest = await self._redis.xrevrange(self._config.keys.cancel, count=1)
+        newest = cast(list[Entry], await self._redis.xrevrange(self._config.keys.cancel, count=1))
         self._last_id = newest[0][0].decode() if newest else "0-0"
 
     async def poll(self, block_ms: int | None = None) -> list[Cancel]:
         if self._last_id is None:
             await self.start()
         block = self._config.block_ms if block_ms is None else block_ms
-        reply = await self._redis.xread({self._config.keys.cancel: self._last_id}, count=1000, block=block)
-        cancels = []
-        for _, entries in reply or ():
+        reply = await self._redis.xread({self._config.keys.cancel: self._last_id or "0-0"}, count=1000, block=block)
+        cancels: list[Cancel] = []
+        for _, entries in cast(XReadReply, reply or []):
             self._last_id = entries[-1][0].decode()
             cancels.extend(c for c in map(self._decode, entries) if c is not None)
         metrics.ENTRIES_CONSUMED.labels("cancel").inc(len(cancels))
         return cancels
 
     @staticmethod
-    def _decode(entry: tuple[bytes, dict[bytes, bytes]]) -> Cancel | None:
+    def _decode(entry: Entry) -> Cancel | None:
         try:
             msg = codec.decode(entry[1])
         except DecodeError as exc:

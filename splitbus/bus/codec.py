@@ -10,7 +10,6 @@ An entry has three fields, so ``redis-cli XRANGE`` shows what it carries::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import time
 from collections.abc import Mapping
@@ -32,15 +31,17 @@ class Message(Protocol):
     TYPE: ClassVar[str]
 
 
-M = TypeVar("M")
-_REGISTRY: dict[bytes, type] = {}
+M = TypeVar("M", bound=Message)
+D = TypeVar("D")
+"""A message, or a dataclass nested in one (``NESTED``)."""
+_REGISTRY: dict[bytes, type[Message]] = {}
 
 
 def message(cls: type[M]) -> type[M]:
     """Class decorator: register a message dataclass under its ``TYPE`` tag."""
-    tag = cls.TYPE.encode()  # type: ignore[attr-defined]
+    tag = cls.TYPE.encode()
     if tag in _REGISTRY and _REGISTRY[tag] is not cls:
-        raise ValueError(f"message type {cls.TYPE!r} registered twice")  # type: ignore[attr-defined]
+        raise ValueError(f"message type {cls.TYPE!r} registered twice")
     _REGISTRY[tag] = cls
     return cls
 
@@ -49,7 +50,7 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-def encode(msg: Any) -> Fields:
+def encode(msg: Message) -> Fields:
     """The stream fields for one message."""
     return {
         b"type": msg.TYPE.encode(),
@@ -58,7 +59,7 @@ def encode(msg: Any) -> Fields:
     }
 
 
-def decode(fields: Mapping[bytes, bytes]) -> Any:
+def decode(fields: Mapping[bytes, bytes]) -> Message:
     """The message held by one entry's fields; :class:`DecodeError` says why not."""
     cls = _REGISTRY.get(fields.get(b"type", b""))
     if cls is None:
@@ -75,7 +76,7 @@ def decode(fields: Mapping[bytes, bytes]) -> Any:
     return from_dict(cls, data)
 
 
-def from_dict(cls: type[M], data: Mapping[str, Any]) -> M:
+def from_dict(cls: type[D], data: Mapping[str, Any]) -> D:
     """Build a message from decoded JSON, checking that required fields are there.
 
     Unknown keys are ignored so that newer producers can add fields. Messages validate their
@@ -92,11 +93,17 @@ def from_dict(cls: type[M], data: Mapping[str, Any]) -> M:
         raise DecodeError(f"{getattr(cls, 'TYPE', cls.__name__)}: {exc}") from exc
 
 
-@functools.cache
-def _shape(cls: type) -> tuple[tuple[str, ...], tuple[tuple[str, type], ...]]:
+_Shape = tuple[tuple[str, ...], tuple[tuple[str, type], ...]]
+_SHAPES: dict[type, _Shape] = {}
+
+
+def _shape(cls: type) -> _Shape:
     """Field names and nested message fields of a class, computed once (decode is hot)."""
-    names = tuple(f.name for f in dataclasses.fields(cls))
-    return names, tuple(getattr(cls, "NESTED", {}).items())
+    shape = _SHAPES.get(cls)
+    if shape is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        shape = _SHAPES[cls] = names, tuple(getattr(cls, "NESTED", {}).items())
+    return shape
 
 
 def request_id_of(fields: Mapping[bytes, bytes]) -> str | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -28,6 +28,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import ControlCommand, ControlReply
+from splitbus.bus.replies import XReadReply, for_xadd
 from splitbus.bus.streams import DeadLetters, GroupConsumer, trim_consumed
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class ControlServer:
         answer = await self._run(command) if command else ControlReply(task_id, "", ok=False, error=problem)
         answer.worker = self.worker_id
         pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(self._keys.reply(task_id), codec.encode(answer))
+        pipe.xadd(self._keys.reply(task_id), for_xadd(codec.encode(answer)))
         pipe.expire(self._keys.reply(task_id), REPLY_TTL_S)
         pipe.xack(self.stream, WORKER_GROUP, entry_id)
         await pipe.execute()
@@ -130,11 +131,12 @@ async def call(
 ) -> ControlReply:
     """Send one command to ``worker`` and wait for its reply (TimeoutError if none comes)."""
     task_id = uuid.uuid4().hex
-    entry_id = await redis.xadd(config.keys.ctrl(worker), codec.encode(ControlCommand(task_id, cmd, args or {})))
+    command = for_xadd(codec.encode(ControlCommand(task_id, cmd, args or {})))
+    entry_id = await redis.xadd(config.keys.ctrl(worker), command)
     reply = await redis.xread({config.keys.reply(task_id): "0"}, count=1, block=max(1, int(timeout_s * 1000)))
     if not reply:
         await redis.xdel(config.keys.ctrl(worker), entry_id)  # withdrawn: a worker started later must not run it
         raise TimeoutError(f"worker {worker} did not answer {cmd} within {timeout_s:g} s (is it running?)")
-    answer = codec.decode(reply[0][1][0][1])
+    answer = codec.decode(cast(XReadReply, reply)[0][1][0][1])
     assert isinstance(answer, ControlReply)
     return answer

@@ -39,6 +39,7 @@ from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, Task
+from splitbus.bus.scripts import LuaScript, declare
 
 DISPATCHED = 1
 ALREADY_ACKED = 0
@@ -56,7 +57,19 @@ REAPING_TTL_S = 60
 """How long ``sb:reaping:{worker}`` (``SET NX``) keeps other reapers off a dead worker whose tasks
 one replica redispatches; a worker that rejoins takes the same mark, so no reaper starts then."""
 
-_DISPATCH = """
+_DISPATCH = declare(
+    LuaScript(
+        name="dispatch",
+        module=__name__,
+        keys=("sb:requests | sb:tasks:{worker}", "sb:dispatched:{request}", "sb:current:{request}"),
+        repeated=("sb:worker:{worker}", "sb:tasks:{worker}"),
+        argv=(
+            "the group, the entry id, the mark's TTL (s), the number of tasks, the consumer that must own the entry"
+            ' ("": any), the new hand-off id, the hand-off id that must be current ("": any); per task: its'
+            " reserved prefill tokens, requests, KV blocks, and its entry's `type`, `data`, `ts`"
+        ),
+        returns="1 dispatched; 0 already acked or not the consumer's; -1 duplicate (marked); -2 stale (acked only)",
+        source="""
 if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
   return 0
 end
@@ -73,7 +86,9 @@ for i = 0, tonumber(ARGV[4]) - 1 do
   redis.call('XADD', tasks, '*', 'type', ARGV[a + 3], 'data', ARGV[a + 4], 'ts', ARGV[a + 5])
 end
 return 1
-"""
+""",
+    )
+)
 
 
 def blocks_needed(request: GenerateRequest, block_size: int) -> int:
@@ -107,7 +122,7 @@ class DispatchScript:
 
     def __init__(self, redis: aioredis.Redis, config: BusConfig, dispatched_ttl_s: int) -> None:
         self._keys = config.keys
-        self._script = redis.register_script(_DISPATCH)
+        self._script = _DISPATCH.register(redis)
         self._batcher = Batcher(redis)
         self._ttl = dispatched_ttl_s
 

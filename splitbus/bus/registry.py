@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -19,32 +19,56 @@ from redis.asyncio.client import Pipeline
 from splitbus import __version__
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
+from splitbus.bus.replies import SnapshotReply
+from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
 
-_HEARTBEAT = """
+_HEARTBEAT = declare(
+    LuaScript(
+        name="heartbeat",
+        module=__name__,
+        keys=("sb:worker:{worker}", "sb:lease:{worker}", "sb:workers"),
+        argv="the worker id, the lease (ms), then the record's or load's field, value pairs",
+        returns="the server time (ms), also written as `heartbeat_ms`, the lease's value and the id's score",
+        source="""
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[1], 'heartbeat_ms', now_ms, unpack(ARGV, 3))
 redis.call('SET', KEYS[2], now_ms, 'PX', ARGV[2])
 redis.call('ZADD', KEYS[3], now_ms, ARGV[1])
 return now_ms
-"""
+""",
+    )
+)
 
-# Reads every worker in one round trip. It builds key names from templates that Keys passes
-# in (ARGV), so the naming stays in one module.
-_SNAPSHOT = """
+# Reads the registry in one round trip while its set of workers stays the same: the caller
+# passes the record and lease keys of the workers it knew (its last snapshot's), built by Keys,
+# and reads those of workers new since then in a second step (no key name is built in Lua).
+_SNAPSHOT = declare(
+    LuaScript(
+        name="registry_snapshot",
+        module=__name__,
+        keys=("sb:workers",),
+        repeated=("sb:worker:{worker}", "sb:lease:{worker}"),
+        argv="the ids of the workers whose keys follow, in their order",
+        returns="{every id in `sb:workers`, {id, lease PTTL, record as a flat list} for each passed id still in it}",
+        source="""
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-local out = {}
-for _, id in ipairs(ids) do
-  local rec = redis.call('HGETALL', ARGV[1] .. id .. ARGV[2])
-  local ttl = redis.call('PTTL', ARGV[3] .. id .. ARGV[4])
-  out[#out + 1] = {id, ttl, rec}
+local listed = {}
+for _, id in ipairs(ids) do listed[id] = true end
+local rows = {}
+for i, id in ipairs(ARGV) do
+  if listed[id] then
+    rows[#rows + 1] = {id, redis.call('PTTL', KEYS[2 * i + 1]), redis.call('HGETALL', KEYS[2 * i])}
+  end
 end
-return out
-"""
+return {ids, rows}
+""",
+    )
+)
 
 
 @dataclass
@@ -147,9 +171,10 @@ class Registry:
         self._redis = redis
         self._keys = config.keys
         self._keep_s = config.dead_worker_keep_s
-        self._heartbeat = redis.register_script(_HEARTBEAT)
-        self._snapshot = redis.register_script(_SNAPSHOT)
-        self._templates = [*self._keys.worker("\0").split("\0"), *self._keys.lease("\0").split("\0")]
+        self._heartbeat = _HEARTBEAT.register(redis)
+        self._snapshot = _SNAPSHOT.register(redis)
+        self._known: list[str] = []
+        """The workers of the last snapshot: the next one passes their keys to the script."""
 
     async def register(self, record: WorkerRecord, lease_ms: int) -> int:
         """Publish the whole record and take the lease. Returns the server time (ms). A worker
@@ -171,15 +196,40 @@ class Registry:
         return await self._beat(worker_id, fields, lease_ms)
 
     async def snapshot(self) -> list[WorkerInfo]:
-        """Every registered worker, alive or not, in one round trip."""
-        rows = await self._snapshot(keys=[self._keys.workers], args=self._templates)
-        infos = []
-        for worker_id, ttl, flat in rows:
-            try:
-                infos.append(self._row(worker_id, ttl, flat))
-            except (KeyError, TypeError, ValueError) as exc:  # a partial or foreign record
-                log.warning("skipping unreadable registry record %s: %s", worker_id, exc)
-        return infos
+        """Every registered worker, alive or not, in ``sb:workers`` order: one round trip (one
+        script, atomic) while the set of workers is the one of the last snapshot; workers new
+        since then are read in a second round trip (see docs/bus.md, "Worker registry")."""
+        keys = [self._keys.workers, *[key for w in self._known for key in self._record_and_lease(w)]]
+        listed, rows = cast(SnapshotReply, await self._snapshot(keys=keys, args=self._known))
+        ids = [_text(worker_id) for worker_id in listed]
+        found = {_text(worker_id): (ttl, _pairs(flat)) for worker_id, ttl, flat in rows}
+        found.update(await self._read_new([w for w in ids if w not in found]))
+        self._known = ids
+        return [info for info in (self._info(w, *found[w]) for w in ids if w in found) if info is not None]
+
+    def _record_and_lease(self, worker_id: str) -> tuple[str, str]:
+        return self._keys.worker(worker_id), self._keys.lease(worker_id)
+
+    async def _read_new(self, worker_ids: list[str]) -> dict[str, tuple[int, dict[bytes, bytes]]]:
+        """Records and leases of workers the snapshot script was not given keys for; one that
+        left between the two reads (no record now) is not in the result."""
+        if not worker_ids:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id in worker_ids:
+            pipe.pttl(self._keys.lease(worker_id))
+            pipe.hgetall(self._keys.worker(worker_id))
+        replies = await pipe.execute()
+        pairs = zip(worker_ids, replies[::2], replies[1::2], strict=True)
+        return {worker_id: (ttl, record) for worker_id, ttl, record in pairs if record}
+
+    @staticmethod
+    def _info(worker_id: str, ttl: int, raw: dict[bytes, bytes]) -> WorkerInfo | None:
+        try:
+            return Registry._row(ttl, raw)
+        except (KeyError, TypeError, ValueError) as exc:  # a partial or foreign record
+            log.warning("skipping unreadable registry record %s: %s", worker_id, exc)
+            return None
 
     async def mark_dead(self, worker_id: str) -> None:
         """A worker whose tasks were taken over: out of the live set, its reservations zeroed,
@@ -221,10 +271,10 @@ class Registry:
         return int(await self._heartbeat(keys=keys, args=[worker_id, lease_ms, *flat]))
 
     @staticmethod
-    def _row(worker_id: bytes, ttl: int, flat: list[bytes]) -> WorkerInfo:
-        if not flat:
+    def _row(ttl: int, record: dict[bytes, bytes]) -> WorkerInfo:
+        if not record:
             raise ValueError("empty record")
-        raw = {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2])}
+        raw = {k.decode(): v.decode() for k, v in record.items()}
         heartbeat_ms = int(raw.pop("heartbeat_ms", 0))
         reserved = Reserved(*[int(raw.pop(name, 0)) for name in _RESERVED_FIELDS])
         return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), reserved)
@@ -251,6 +301,15 @@ class Registry:
     def queue_load(self, pipe: Pipeline, worker_id: str, load: WorkerLoad) -> None:
         """Add the load's write to a pipeline that goes out anyway (a DP rank's step plan)."""
         pipe.hset(self._keys.worker(worker_id), mapping={k: str(v) for k, v in dataclasses.asdict(load).items()})
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A hash as a script returns it (a flat list), as redis-py's HGETALL gives it."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 class RegistryView:

@@ -16,9 +16,10 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, KeyT, StreamIdT
 
 from splitbus.bus import codec, metrics
 from splitbus.bus.batching import Batcher
@@ -26,6 +27,8 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+from splitbus.bus.replies import Entry, RawEntry, RawXReadReply
+from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,15 @@ STEP_CHUNK = 1000
 # XADD each entry and set its stream's TTL where asked, in one call with one reply. A pipeline
 # of XADDs costs the same in Redis, but redis-py parses each of its replies under its own
 # timeout context: half the writer's CPU at 1000 entries per step.
-_WRITE_STEP = """
+_WRITE_STEP = declare(
+    LuaScript(
+        name="write_step",
+        module=__name__,
+        keys=(),
+        repeated=("sb:out:{request}",),
+        argv="per key: the entry's `type`, `data`, `ts`, and the TTL (s) to set (0: none)",
+        returns="the number of entries written",
+        source="""
 for i, key in ipairs(KEYS) do
   local j = (i - 1) * 4
   redis.call('XADD', key, '*', 'type', ARGV[j + 1], 'data', ARGV[j + 2], 'ts', ARGV[j + 3])
@@ -43,7 +54,9 @@ for i, key in ipairs(KEYS) do
   if ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 return #KEYS
-"""
+""",
+    )
+)
 
 LATENCY_SAMPLE_EVERY = 16
 """Observe publish->read latency on one token entry in this many: a histogram observation
@@ -60,7 +73,7 @@ class ResultWriter:
         self._next_seq: dict[str, int] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
         self._buffer: list[tuple[str, Result]] = []
-        self._write_step = redis.register_script(_WRITE_STEP)
+        self._write_step = _WRITE_STEP.register(redis)
 
     def open(self, request_id: str, first_seq: int = 0) -> None:
         """Start writing a request. A request that moved from another worker continues at
@@ -116,9 +129,9 @@ class ResultWriter:
             self._settle(chunk)
             metrics.ENTRIES_PRODUCED.labels("out").inc(len(chunk))
 
-    def _script_args(self, chunk: list[tuple[str, Result]]) -> tuple[list[str], list[Any]]:
+    def _script_args(self, chunk: list[tuple[str, Result]]) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
-        args: list[Any] = []
+        args: list[EncodableT] = []
         seen: set[str] = set()
         for request_id, result in chunk:
             keys.append(self._keys.out(request_id))
@@ -235,8 +248,37 @@ class Subscription:
                 return
 
 
-def _as_sent(response: Any, **options: Any) -> Any:
+def _as_sent(response: object, **options: object) -> object:
+    """Redis's reply as it came (a RawXReadReply), for XREAD on a shard's connection."""
     return response
+
+
+@dataclass
+class Sent:
+    """What a request's result stream holds already: where a request that moves to other
+    workers continues (the reaper's redispatch)."""
+
+    next_seq: int = 0
+    tokens: list[int] = field(default_factory=list)
+    ended: bool = False
+
+
+async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
+    """What the request's result stream holds: its tokens in ``seq`` order, the next ``seq``,
+    whether it ended. Entries that are not results (undecodable, or another type) count for nothing."""
+    by_seq: dict[int, list[int]] = {}
+    sent = Sent()
+    for _, fields in cast(list[Entry], await redis.xrange(config.keys.out(request_id))):
+        with contextlib.suppress(DecodeError):
+            entry = codec.decode(fields)
+            if not isinstance(entry, (TokenDelta, Finished, Failed)):
+                continue  # not a result: nothing was sent by it
+            sent.ended = sent.ended or isinstance(entry, (Finished, Failed))
+            if isinstance(entry, TokenDelta):
+                by_seq[entry.seq] = entry.token_ids
+            sent.next_seq = max(sent.next_seq, entry.seq + 1)
+    sent.tokens = [t for seq in sorted(by_seq) for t in by_seq[seq]]
+    return sent
 
 
 class _Shard:
@@ -278,16 +320,16 @@ class _Shard:
                 await asyncio.sleep(0.5)
 
     async def _read_once(self) -> None:
-        streams = {self.wake_key: self._wake_id}
+        streams: dict[KeyT, StreamIdT] = {self.wake_key: self._wake_id}
         streams.update((key, sub.last_id) for key, sub in self.subs.items())
         self.xreads += 1
         self.blocked = True
         reply = await self._redis.xread(streams, count=self._config.reader_count, block=self._config.block_ms)
         self.blocked = False
-        for key, entries in reply or ():
+        for key, entries in cast(RawXReadReply, reply or []):
             self._dispatch(key.decode(), entries)
 
-    def _dispatch(self, key: str, entries: list[tuple[bytes, list[bytes]]]) -> None:
+    def _dispatch(self, key: str, entries: list[RawEntry]) -> None:
         if key == self.wake_key:
             self._wake_id = entries[-1][0].decode()
             return
@@ -302,16 +344,21 @@ class _Shard:
             self.subs.pop(key, None)
 
     def _accept(self, sub: Subscription, entry_id: bytes, flat: list[bytes]) -> None:
-        fields = dict(zip(flat[::2], flat[1::2]))
+        fields = dict(zip(flat[::2], flat[1::2], strict=False))
         self._reads += 1
         if self._reads % LATENCY_SAMPLE_EVERY == 0:
             published = codec.published_us(fields)
             if published is not None:
                 metrics.PUBLISH_TO_READ.labels("out").observe(max(0.0, (codec.now_us() - published) / 1e6))
         try:
-            sub.accept(codec.decode(fields))
+            result = codec.decode(fields)
         except DecodeError as exc:
             log.error("undecodable result entry %s on %s: %s", entry_id, sub.key, exc)
+            return
+        if isinstance(result, (TokenDelta, Finished, Failed)):
+            sub.accept(result)
+        else:
+            log.error("result entry %s on %s is a %s, not a result", entry_id, sub.key, result.TYPE)
 
     async def close(self) -> None:
         with contextlib.suppress(*TRANSIENT_ERRORS):  # node names are random: nobody reuses it

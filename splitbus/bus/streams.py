@@ -8,17 +8,32 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+from redis.typing import KeyT, StreamIdT
 
 from splitbus.bus import codec, metrics
 from splitbus.bus.batching import Batcher
+from splitbus.bus.codec import Message
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.dead import DeadLetter
+from splitbus.bus.replies import (
+    EntryFields,
+    MaybeEntry,
+    ScriptEntries,
+    XInfoConsumer,
+    XInfoGroup,
+    XPendingRow,
+    XPendingSummary,
+    XReadGroupReply,
+    autoclaim_parts,
+    for_xadd,
+)
+from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
@@ -27,29 +42,54 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
-    """A stream entry's fields as a script returns them (a flat list), as redis-py gives them."""
-    return dict(zip(flat[::2], flat[1::2]))
+_Read = tuple[str, EntryFields | None]
+"""An entry read or claimed, its id decoded."""
 
+
+def _pairs(flat: list[bytes]) -> EntryFields:
+    """A stream entry's fields as a script returns them (a flat list), as redis-py gives them."""
+    return dict(zip(flat[::2], flat[1::2], strict=False))
+
+
+_GROUP_STREAM = "sb:requests | sb:tasks:{worker} | sb:ctrl:{worker}"
+"""A stream read in a consumer group."""
 
 # Claims every entry pending with one consumer (ARGV[2]) for another (ARGV[3]), in one step on
 # one key: an entry another claimer took first is no longer the owner's, so it is not taken twice.
-_CLAIM_FROM = """
+_CLAIM_FROM = declare(
+    LuaScript(
+        name="claim_from",
+        module=__name__,
+        keys=(_GROUP_STREAM,),
+        argv="the group, the owner (a consumer known to be gone), the claiming consumer, the most entries to take",
+        returns="the claimed entries, as `XCLAIM` returns them (an entry trimmed while pending has no fields)",
+        source="""
 local ids = {}
 for _, row in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', ARGV[4], ARGV[2])) do
   ids[#ids + 1] = row[1]
 end
 if #ids == 0 then return {} end
 return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
-"""
+""",
+    )
+)
 
 # Deletes a consumer only if nothing is pending with it: it may have read again since it was
 # looked at, and XGROUP DELCONSUMER drops its pending entries.
-_FORGET = """
+_FORGET = declare(
+    LuaScript(
+        name="forget_consumer",
+        module=__name__,
+        keys=(_GROUP_STREAM,),
+        argv="the group, the consumer",
+        returns="1: deleted; 0: something is pending with it, kept",
+        source="""
 if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
-"""
+""",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -62,13 +102,19 @@ class ConsumerInfo:
     """Since its last read or claim."""
 
 
+T = TypeVar("T", covariant=True)
+"""A delivery's message type (covariant: a ``Delivery[Task]`` is a ``Delivery[Message]``)."""
+
+
 @dataclass(frozen=True)
-class Delivery:
-    """One decoded entry handed to a consumer; ack it with its ``entry_id``."""
+class Delivery(Generic[T]):
+    """One decoded entry handed to a consumer; ack it with its ``entry_id``. A consumer gets
+    ``Delivery[Message]``: any registered message, whatever the stream should carry, so its
+    handler checks the type (``isinstance``) before it uses one."""
 
     stream: str
     entry_id: str
-    message: Any
+    message: T
     published_us: int | None = None
     """When the entry was written (publisher's clock, µs since the epoch)."""
 
@@ -82,8 +128,8 @@ class Producer:
         self._keys = config.keys
         self._batcher = Batcher(redis) if batched else None
 
-    async def send(self, stream: str, msg: Any, maxlen: int | None = None) -> str:
-        fields = codec.encode(msg)
+    async def send(self, stream: str, msg: Message, maxlen: int | None = None) -> str:
+        fields = for_xadd(codec.encode(msg))
         if self._batcher is not None:
             entry_id = await self._batcher.call("xadd", stream, fields, maxlen=maxlen, approximate=True)
         else:
@@ -91,13 +137,13 @@ class Producer:
         metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()
         return _text(entry_id)
 
-    async def send_many(self, items: Sequence[tuple[str, Any]]) -> list[str]:
+    async def send_many(self, items: Sequence[tuple[str, Message]]) -> list[str]:
         """XADD each (stream, message) in one pipeline (no MULTI: entries go to many slots)."""
         if not items:
             return []
         pipe = self._redis.pipeline(transaction=False)
         for stream, msg in items:
-            pipe.xadd(stream, codec.encode(msg))
+            pipe.xadd(stream, for_xadd(codec.encode(msg)))
         ids = await pipe.execute()
         for stream, _ in items:
             metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()
@@ -127,7 +173,7 @@ class DeadLetters:
         # Two keys in different cluster slots, so no MULTI: a crash between the two leaves the
         # entry pending and it is dead-lettered again later (a duplicate letter, never a loss).
         pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(self._keys.dead, codec.encode(letter), maxlen=self._config.dead_maxlen, approximate=True)
+        pipe.xadd(self._keys.dead, for_xadd(codec.encode(letter)), maxlen=self._config.dead_maxlen, approximate=True)
         pipe.xack(stream, group, entry_id)
         await pipe.execute()
         label = reason.split(":", 1)[0] if reason.split(":", 1)[0] in metrics.DEAD_LETTER_REASONS else "handler_failed"
@@ -178,7 +224,7 @@ class GroupConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read(self, capacity: int, block_ms: int | None = None) -> list[Delivery]:
+    async def read(self, capacity: int, block_ms: int | None = None) -> list[Delivery[Message]]:
         """Up to ``capacity`` entries; blocks up to ``block_ms`` for new ones (0: not at all).
 
         Redis ends a blocked read's timeout only when its event loop next wakes, which on an
@@ -198,7 +244,7 @@ class GroupConsumer:
         kept = await self._decode_all(await self._bury_poison([(_text(i), f) for i, f in raw]))
         return kept or await self.read(capacity, block_ms)  # all buried: on to the next ones
 
-    async def read_within(self, capacity: int, wait_ms: float, poll_ms: float = 5.0) -> list[Delivery]:
+    async def read_within(self, capacity: int, wait_ms: float, poll_ms: float = 5.0) -> list[Delivery[Message]]:
         """Up to ``capacity`` entries, waiting at most ``wait_ms`` for them, to within about
         ``poll_ms`` (polling without BLOCK, see ``read``)."""
         deadline = time.monotonic() + wait_ms / 1000
@@ -213,7 +259,7 @@ class GroupConsumer:
         """Up to ``count`` new entries, not decoded: for a caller that answers malformed entries
         itself instead of dead-lettering them."""
         raw = await self._xreadgroup(">", count, self._config.block_ms if block_ms is None else block_ms)
-        return [(_text(entry_id), fields) for entry_id, fields in raw]
+        return [(_text(entry_id), fields) for entry_id, fields in raw if fields is not None]  # a new entry has fields
 
     async def ack(self, *entry_ids: str) -> int:
         if not entry_ids:
@@ -222,7 +268,7 @@ class GroupConsumer:
         metrics.ENTRIES_ACKED.labels(self._kind).inc(len(entry_ids))
         return int(acked)
 
-    async def dead_letter(self, delivery: Delivery, reason: str, deliveries: int = 1) -> None:
+    async def dead_letter(self, delivery: Delivery[Message], reason: str, deliveries: int = 1) -> None:
         """Take an entry that its handler could not process out of circulation, with the reason
         (the error's text). Never raises for Redis being away: the letter is kept and sent
         again before the next read (``send_graves``)."""
@@ -248,7 +294,7 @@ class GroupConsumer:
         if request_id is not None and self._on_dead is not None:
             self._on_dead(request_id, reason)
 
-    async def claim_idle(self, count: int = 100, min_idle_ms: int | None = None) -> list[Delivery]:
+    async def claim_idle(self, count: int = 100, min_idle_ms: int | None = None) -> list[Delivery[Message]]:
         """Take over entries pending longer than ``min_idle_ms`` with any consumer (XAUTOCLAIM).
 
         Claimed entries become this consumer's; process and ack them like read ones. An entry
@@ -260,17 +306,17 @@ class GroupConsumer:
         reply = await self._redis.xautoclaim(
             self.stream, self.group, self.consumer, idle, self._claim_cursor, count=count
         )
-        self._claim_cursor = _text(reply[0])
-        entries = [(_text(i), f) for i, f in reply[1] if f is not None]
-        trimmed = [_text(i) for i, f in reply[1] if f is None]
-        trimmed += [_text(i) for i in (reply[2] if len(reply) > 2 else [])]
+        cursor, claimed, deleted = autoclaim_parts(reply)
+        self._claim_cursor = _text(cursor)
+        entries = [(_text(i), f) for i, f in claimed if f is not None]
+        trimmed = [_text(i) for i, f in claimed if f is None] + [_text(i) for i in deleted]
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
         return await self._take(entries, trimmed)
 
     async def pending_ids(self, min_idle_ms: int = 0) -> set[str]:
         """The ids of the entries pending with this consumer (XPENDING: no delivery is counted),
         those delivered at least ``min_idle_ms`` ago only if it is set."""
-        rows = await self._redis.xpending_range(
+        reply = await self._redis.xpending_range(
             self.stream,
             self.group,
             min="-",
@@ -279,20 +325,21 @@ class GroupConsumer:
             consumername=self.consumer,
             idle=min_idle_ms or None,
         )
-        return {_text(row["message_id"]) for row in rows}
+        return {_text(row["message_id"]) for row in cast(list[XPendingRow], reply)}
 
-    async def fetch(self, entry_ids: list[str]) -> list[Delivery]:
+    async def fetch(self, entry_ids: list[str]) -> list[Delivery[Message]]:
         """Entries pending with this consumer, by id, read again without a new delivery (XRANGE):
         for a consumer whose read was delivered by Redis but whose reply it never saw (a timeout
         after a long stop, a dropped connection). One trimmed away meanwhile is acked."""
         pipe = self._redis.pipeline(transaction=False)
         for entry_id in entry_ids:
             pipe.xrange(self.stream, entry_id, entry_id)
-        found = [(entry_id, rows[0][1] if rows else None) for entry_id, rows in zip(entry_ids, await pipe.execute())]
+        replies = cast(list[list[MaybeEntry]], await pipe.execute())
+        found = [(entry_id, rows[0][1] if rows else None) for entry_id, rows in zip(entry_ids, replies, strict=True)]
         trimmed = [entry_id for entry_id, fields in found if fields is None]
         return await self._take([(entry_id, fields) for entry_id, fields in found if fields is not None], trimmed)
 
-    async def _take(self, entries: list[tuple[str, Any]], trimmed: list[str]) -> list[Delivery]:
+    async def _take(self, entries: list[tuple[str, EntryFields]], trimmed: list[str]) -> list[Delivery[Message]]:
         """Entries claimed or fetched again: the trimmed ones are acked (deleted while pending,
         nothing is left to deliver), those past the delivery bound dead-lettered, the rest decoded."""
         if trimmed:
@@ -314,18 +361,18 @@ class GroupConsumer:
     async def consumers(self) -> list[ConsumerInfo]:
         """The group's consumers (none if the stream or group does not exist yet)."""
         try:
-            rows = await self._redis.xinfo_consumers(self.stream, self.group)
+            reply = await self._redis.xinfo_consumers(self.stream, self.group)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc) and "no such key" not in str(exc):
                 raise
             return []
-        return [ConsumerInfo(_text(r["name"]), int(r["pending"]), int(r["idle"])) for r in rows]
+        return [ConsumerInfo(_text(r["name"]), r["pending"], r["idle"]) for r in cast(list[XInfoConsumer], reply)]
 
-    async def claim_from(self, owner: str, count: int = 1000) -> list[Delivery]:
+    async def claim_from(self, owner: str, count: int = 1000) -> list[Delivery[Message]]:
         """Take over up to ``count`` entries pending with ``owner`` (a consumer known to be gone),
         however idle they are. Delivered-too-often entries are dead-lettered as in ``claim_idle``."""
-        script = self._redis.register_script(_CLAIM_FROM)
-        reply = await script(keys=[self.stream], args=[self.group, owner, self.consumer, count])
+        script = _CLAIM_FROM.register(self._redis)
+        reply = cast(ScriptEntries, await script(keys=[self.stream], args=[self.group, owner, self.consumer, count]))
         entries = [(_text(i), _pairs(f)) for i, f in reply if f]
         trimmed = [_text(row[0]) for row in reply if not row[1]]
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
@@ -340,10 +387,10 @@ class GroupConsumer:
 
     async def forget(self, consumer: str) -> bool:
         """Delete ``consumer`` from the group if nothing is pending with it; whether it was."""
-        script = self._redis.register_script(_FORGET)
+        script = _FORGET.register(self._redis)
         return bool(await script(keys=[self.stream], args=[self.group, consumer]))
 
-    async def _bury_poison(self, entries: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    async def _bury_poison(self, entries: Sequence[_Read]) -> list[_Read]:
         counts = await self._delivery_counts([entry_id for entry_id, _ in entries])
         keep = []
         for entry_id, fields in entries:
@@ -363,30 +410,33 @@ class GroupConsumer:
         counts: dict[str, int] = {}
         low = ids[0]
         while True:
-            rows = await self._redis.xpending_range(
+            reply = await self._redis.xpending_range(
                 self.stream, self.group, min=low, max=ids[-1], count=len(ids) + 16, consumername=self.consumer
             )
+            rows = cast(list[XPendingRow], reply)
             counts.update({_text(r["message_id"]): int(r["times_delivered"]) for r in rows})
             if len(rows) < len(ids) + 16:
                 return counts
             low = "(" + _text(rows[-1]["message_id"])
 
-    async def _xreadgroup(self, cursor: str, count: int, block: int | None) -> list[tuple[Any, Any]]:
-        args = dict(
-            groupname=self.group, consumername=self.consumer, streams={self.stream: cursor}, count=count, block=block
-        )
+    async def _xreadgroup(self, cursor: str, count: int, block: int | None) -> list[MaybeEntry]:
         try:
-            reply = await self._redis.xreadgroup(**args)
+            reply = await self._xreadgroup_once(cursor, count, block)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             # The stream or group vanished (e.g. a restart without persistence): recreate, retry.
             log.warning("group %s on %s missing; recreating", self.group, self.stream)
             await self.ensure_group()
-            reply = await self._redis.xreadgroup(**args)
+            reply = await self._xreadgroup_once(cursor, count, block)
         return reply[0][1] if reply else []
 
-    async def _decode_all(self, raw: Iterable[tuple[Any, Any]]) -> list[Delivery]:
+    async def _xreadgroup_once(self, cursor: str, count: int, block: int | None) -> XReadGroupReply:
+        streams: dict[KeyT, StreamIdT] = {self.stream: cursor}
+        reply = await self._redis.xreadgroup(self.group, self.consumer, streams, count=count, block=block)
+        return cast(XReadGroupReply, reply or [])
+
+    async def _decode_all(self, raw: Iterable[MaybeEntry | _Read]) -> list[Delivery[Message]]:
         deliveries = []
         for entry_id, fields in raw:
             delivery = await self._decode_one(_text(entry_id), fields)
@@ -394,7 +444,7 @@ class GroupConsumer:
                 deliveries.append(delivery)
         return deliveries
 
-    async def _decode_one(self, entry_id: str, fields: Mapping[bytes, bytes] | None) -> Delivery | None:
+    async def _decode_one(self, entry_id: str, fields: Mapping[bytes, bytes] | None) -> Delivery[Message] | None:
         metrics.ENTRIES_CONSUMED.labels(self._kind).inc()
         if fields is None:  # Redis 6.2: a pending entry that was trimmed away.
             await self.ack(entry_id)
@@ -417,17 +467,17 @@ async def trim_consumed(redis: aioredis.Redis, stream: str) -> int:
 
     Returns the number of entries deleted. Streams without groups are left alone.
     """
-    groups = await redis.xinfo_groups(stream)
+    groups = cast(list[XInfoGroup], await redis.xinfo_groups(stream))
     if not groups:
         return 0
     floor = min([await _group_floor(redis, stream, g) for g in groups], key=_id_key)
     return int(await redis.xtrim(stream, minid=floor, approximate=False))
 
 
-async def _group_floor(redis: aioredis.Redis, stream: str, group: Mapping[str, Any]) -> str:
+async def _group_floor(redis: aioredis.Redis, stream: str, group: XInfoGroup) -> str:
     """The smallest id this group still needs: its oldest pending entry, else past the last read."""
-    if int(group["pending"]) > 0:
-        summary = await redis.xpending(stream, _text(group["name"]))
+    if group["pending"] > 0:
+        summary = cast(XPendingSummary, await redis.xpending(stream, _text(group["name"])))
         if summary["min"] is not None:  # else all were acked since XINFO: past the last read
             return _text(summary["min"])
     ms, seq = _id_key(_text(group["last-delivered-id"]))
@@ -442,9 +492,10 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 async def unread(redis: aioredis.Redis, stream: str, group: str, limit: int = 100_000) -> int:
     """Entries the group has not read yet (at most ``limit``); Redis 6.2 has no ``lag`` field,
     so they are counted past the group's last-delivered id."""
-    for info in await redis.xinfo_groups(stream):
+    for info in cast(list[XInfoGroup], await redis.xinfo_groups(stream)):
         if _text(info["name"]) == group:
-            if info.get("lag") is not None:
-                return int(info["lag"])
-            return len(await redis.xrange(stream, min="(" + _text(info["last-delivered-id"]), count=limit))
-    return await redis.xlen(stream)
+            lag = info.get("lag")
+            if lag is not None:
+                return int(lag)
+            return len(await redis.xrange(stream, min="(" + _text(info["last-delivered-id"]), count=limit) or [])
+    return int(await redis.xlen(stream))

@@ -18,23 +18,19 @@ streams stay ``dead_worker_keep_s`` (an hour by default), then expire: nothing o
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from dataclasses import dataclass, field
-from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
 from splitbus.bus.dispatch import REAPING_TTL_S
-from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
-from splitbus.bus.messages import Failed, Finished, Task, TokenDelta
+from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, RegistryView
-from splitbus.bus.results import ResultWriter
+from splitbus.bus.reservations import Reservations
+from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.scheduler.dispatch import Dispatcher
 from splitbus.scheduler.placement import Local
@@ -42,31 +38,6 @@ from splitbus.scheduler.policies import NoPlacement, Policy
 
 log = logging.getLogger(__name__)
 MOVED_TTL_S = 3600
-
-
-@dataclass
-class Sent:
-    """What a request's result stream holds already."""
-
-    next_seq: int = 0
-    tokens: list[int] = field(default_factory=list)
-    ended: bool = False
-
-
-async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
-    by_seq: dict[int, list[int]] = {}
-    sent = Sent()
-    # the connection does not decode replies: entry fields are bytes
-    entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", await redis.xrange(config.keys.out(request_id)))
-    for _, fields in entries:
-        with contextlib.suppress(DecodeError):
-            entry = codec.decode(fields)
-            sent.ended = sent.ended or isinstance(entry, (Finished, Failed))
-            if isinstance(entry, TokenDelta):
-                by_seq[entry.seq] = entry.token_ids
-            sent.next_seq = max(sent.next_seq, entry.seq + 1)
-    sent.tokens = [t for seq in sorted(by_seq) for t in by_seq[seq]]
-    return sent
 
 
 class Reaper:
@@ -84,6 +55,7 @@ class Reaper:
         self.keys = config.keys
         self.view, self.policy, self.dispatcher, self.local = view, policy, dispatcher, local
         self.registry = Registry(redis, config)
+        self.reservations = Reservations(redis, config.keys)
         self.writer = ResultWriter(redis, config)
 
     async def reap_dead(self) -> None:
@@ -192,7 +164,7 @@ class Reaper:
         """The decode worker waiting for this prefill task's KV will not get it: free its task
         (the reservation of this dispatch only: a newer one's decode side is the request's now)."""
         request_id = task.request.request_id
-        reservation = await self.redis.hgetall(self.keys.kv(request_id))
-        worker, entry = reservation.get(b"decode_worker"), reservation.get(b"task_entry")
-        if worker and entry and reservation.get(b"handoff", b"") == task.handoff.encode():
-            await publish_cancel(self.redis, self.config, request_id, "moved", worker.decode(), entry.decode())
+        reservation = await self.reservations.read(request_id)
+        if reservation is not None and reservation.handoff == task.handoff:
+            worker, entry = reservation.decode_worker, reservation.task_entry
+            await publish_cancel(self.redis, self.config, request_id, "moved", worker, entry)

@@ -23,6 +23,7 @@ from typing import Any
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.connection import is_transient, transient_suppressed
 from splitbus.bus.messages import Task
+from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
 from splitbus.worker.links import PeerLinks
@@ -63,6 +64,7 @@ class HandOff:
         self.config, self.id, self.redis, self.keys = shared.config, shared.id, shared.redis, shared.config.bus.keys
         self.table, self.engine, self.wake = shared.table, shared.engine, shared.wake
         self.publisher, self.cancellation, self.links, self.lapsed = publisher, cancellation, links, lapsed
+        self.reservations = Reservations(self.redis, self.keys)
 
     async def hand_off(self, seq: Sequence) -> None:
         """Ship the cache, then ack (or fail) the task; the request leaves the table."""
@@ -204,11 +206,12 @@ class HandOff:
         deadline = time.monotonic() + self.config.kv_wait_s
         delay, mismatch = 0.002, ""
         while time.monotonic() < deadline:
-            (endpoint, secret, *made_by), registered, peer_alive, current = await self._read_reservation(seq)
+            reservation, registered, peer_alive, current = await self._read_reservation(seq)
             # Only the reservation of this task's own dispatch: a request moved (off a dead
             # decode worker, or a dead prefill worker) still finds the older dispatch's one
             # here until its decode worker replaces it, and its secret is not this task's.
-            if self.reserved_for(seq, made_by) and secret:
+            if reservation is not None and self.reserved_for(seq, reservation) and reservation.secret:
+                endpoint, secret = reservation.endpoint, reservation.secret
                 if endpoint and endpoint == registered:
                     log.debug("found %s's reservation for %s; sending to %s", seq.task.peer, seq.request_id, endpoint)
                     return registered, secret
@@ -228,25 +231,26 @@ class HandOff:
         D's reservation was made for another (D took the newer task first). A reservation gone
         proves nothing (D may have given up on it); Redis refusing: not known, so no."""
         with transient_suppressed("reading a KV reservation"):
-            (_, _, _, _, handoff), _, _, current = await self._read_reservation(seq)
+            reservation, _, _, current = await self._read_reservation(seq)
+            handoff = reservation.handoff if reservation is not None else ""
             return bool(dispatched_again(seq, current)) or bool(handoff and handoff != seq.task.handoff)
         return False
 
-    def reserved_for(self, seq: Sequence, made_by: list[str]) -> bool:
+    def reserved_for(self, seq: Sequence, reservation: Reservation) -> bool:
         """Whether a reservation's (decode_worker, prefill_worker, handoff) are this task's."""
-        return made_by == [seq.task.peer, self.id, seq.task.handoff]
+        return reservation.made_for(seq.task.peer, self.id, seq.task.handoff)
 
-    async def _read_reservation(self, seq: Sequence) -> tuple[list[str], str, bool, bytes | None]:
-        """(sb:kv's endpoint, secret, decode_worker, prefill_worker, handoff; D's registered
-        endpoint; whether D is alive; the request's current hand-off id)."""
+    async def _read_reservation(self, seq: Sequence) -> tuple[Reservation | None, str, bool, bytes | None]:
+        """(sb:kv's reservation, if a valid one; D's registered endpoint; whether D is alive;
+        the request's current hand-off id), in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.kv(seq.request_id), "endpoint", "secret", "decode_worker", "prefill_worker", "handoff")
+        self.reservations.queue_read(pipe, seq.request_id)
         pipe.hget(self.keys.worker(seq.task.peer), "transfer_endpoint")
         pipe.exists(self.keys.lease(seq.task.peer))
         pipe.get(self.keys.current(seq.request_id))
         reservation, registered, peer_alive, current = await pipe.execute()
-        text = [(v or b"").decode(errors="replace") for v in (*reservation, registered)]
-        return text[:5], text[5], bool(peer_alive), current
+        endpoint = (registered or b"").decode(errors="replace")
+        return self.reservations.parse(seq.request_id, reservation), endpoint, bool(peer_alive), current
 
     def _endpoint_mismatch(self, seq: Sequence, endpoint: str, registered: str) -> str:
         why = (

@@ -8,7 +8,7 @@ import logging
 import time
 
 from splitbus.bus.connection import transient_suppressed
-from splitbus.bus.reservations import Reservations
+from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.worker.handoff import dispatched_again, meta_problem
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.requests import Status
@@ -36,16 +36,16 @@ class Receiver:
         # it in its KV frame, so knowing a request id (every client does) is not enough to send one.
         seq.kv_secret = new_secret()
         self.table.add(seq, Status.AWAITING_KV, kv_deadline=time.monotonic() + self.config.kv_wait_s)
-        reservation = {
-            "decode_worker": self.id,
-            "endpoint": self.endpoint,
-            "blocks": str(seq.blocks),
-            "prefill_worker": seq.task.peer,
-            "task_entry": seq.entry_id,
-            "secret": seq.kv_secret,
-            "handoff": seq.task.handoff,
-        }
-        if not await self.reservations.reserve(seq.request_id, seq.task.handoff, reservation):
+        reservation = Reservation(
+            decode_worker=self.id,
+            endpoint=self.endpoint,
+            blocks=seq.blocks,
+            prefill_worker=seq.task.peer,
+            task_entry=seq.entry_id,
+            secret=seq.kv_secret,
+            handoff=seq.task.handoff,
+        )
+        if not await self.reservations.reserve(seq.request_id, reservation):
             # The reaper replaced this task's dispatch before it came here: nobody will send its KV.
             log.info("task %s of %s is void (the request was dispatched again); dropped", seq.entry_id, seq.request_id)
             if self.table.remove(seq):

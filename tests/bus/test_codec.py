@@ -1,8 +1,13 @@
 """Pure codec logic: no Redis needed."""
 
+import importlib
+import inspect
+import pkgutil
+
 import orjson
 import pytest
 
+import splitbus.bus.messages
 from splitbus.bus import codec
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, SamplingParams, TokenDelta
@@ -150,3 +155,12 @@ def test_oversized_data_is_refused_unparsed() -> None:
 )
 def test_request_id_of_an_undecodable_entry(data: bytes, found: str | None) -> None:
     assert codec.request_id_of({b"type": b"task", b"data": data}) == found
+
+
+def test_every_message_module_registers_its_types() -> None:
+    # A message class without @message would encode, and then no consumer could decode it.
+    for found in pkgutil.iter_modules(splitbus.bus.messages.__path__):
+        module = importlib.import_module(f"splitbus.bus.messages.{found.name}")
+        for cls in [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]:
+            if "TYPE" in vars(cls):
+                assert codec._REGISTRY.get(cls.TYPE.encode()) is cls, f"{cls.__name__} is not registered"

@@ -14,7 +14,7 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams
 
 def test_the_script_builds_no_key_name() -> None:
     """Every key it touches comes in KEYS (Redis Cluster routes a script by them)."""
-    lua = dispatch._DISPATCH
+    lua = dispatch._DISPATCH.source
     assert ".." not in lua and "sb:" not in lua
     touched = re.findall(r"redis\.call\('\w+', (\w+)", lua)
     assert touched and all(name in ("KEYS", "worker", "tasks") for name in touched)

@@ -115,3 +115,17 @@ async def test_scheduler_lease_lapses_on_the_servers_clock(redis: aioredis.Redis
     assert not await lease.renew()  # it had lapsed: the replica knows it lost its entries
     await lease.release()
     assert await lease.held(["s1"]) == [False] and await lease.held([]) == []
+
+
+async def test_snapshot_follows_workers_that_come_and_go(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    # The script reads the workers the last snapshot knew; one new since then is read after it.
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("first"), lease_ms=5000)
+    assert [w.record.worker_id for w in await registry.snapshot()] == ["first"]
+    await registry.register(_record("second"), lease_ms=5000)
+    assert {w.record.worker_id for w in await registry.snapshot()} == {"first", "second"}
+    await registry.deregister("first")
+    (second,) = await registry.snapshot()
+    assert second.record == _record("second") and second.alive
+    await redis.zadd(bus_config.keys.workers, {"left": 1})  # listed, its record gone (it left meanwhile)
+    assert [w.record.worker_id for w in await Registry(redis, bus_config).snapshot()] == ["second"]

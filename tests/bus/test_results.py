@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
-from splitbus.bus.messages import Failed, Finished, TokenDelta
-from splitbus.bus.results import ResultReader, ResultWriter, Subscription
+from splitbus.bus.messages import Cancel, Failed, Finished, TokenDelta
+from splitbus.bus.results import ResultReader, ResultWriter, Sent, Subscription, read_sent
 
 
 async def _collect(sub: Subscription, timeout: float = 20.0) -> list[object]:
@@ -144,6 +144,20 @@ async def test_undecodable_result_entry_is_skipped(
     assert [type(r).__name__ for r in got] == ["Finished"]
 
 
+async def test_an_entry_that_is_not_a_result_is_skipped(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    # A well-formed message of another type (anyone who can write the stream can put one there)
+    # used to reach the subscription, which read its ``seq`` and took the shard's read down.
+    sub = await reader.subscribe("r-foreign")
+    key = bus_config.keys.out("r-foreign")
+    await redis.xadd(key, codec.encode(Cancel("r-foreign")))
+    await redis.xadd(key, codec.encode(TokenDelta(0, [5])))
+    await redis.xadd(key, codec.encode(Finished(1, "stop", 1, 1)))
+    got = await _collect(sub)
+    assert [type(r).__name__ for r in got] == ["TokenDelta", "Finished"]
+
+
 async def test_subscribing_wakes_a_blocked_reader(redis_server: object, redis: aioredis.Redis) -> None:
     # With a 4 s block, a new stream would wait for the in-flight XREAD to time out unless the
     # reader is woken; the 2 s bound below fails without the wake.
@@ -184,3 +198,16 @@ async def test_a_failed_flush_keeps_its_entries(
     got = await _collect(sub)
     assert [r.seq for r in got] == [0, 1]
     assert 0 < await redis.ttl(bus_config.keys.out("r-keep")) <= bus_config.finished_result_ttl_s
+
+
+async def test_what_was_sent_is_read_back_in_seq_order(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r-sent")
+    writer.tokens("r-sent", [1, 2])
+    writer.tokens("r-sent", [3])
+    await writer.flush()
+    await redis.xadd(bus_config.keys.out("r-sent"), codec.encode(Cancel("r-sent")))  # not a result
+    assert await read_sent(redis, bus_config, "r-sent") == Sent(next_seq=2, tokens=[1, 2, 3], ended=False)
+    writer.finish("r-sent", "stop", 1, 3)
+    await writer.flush()
+    assert await read_sent(redis, bus_config, "r-sent") == Sent(next_seq=3, tokens=[1, 2, 3], ended=True)

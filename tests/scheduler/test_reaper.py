@@ -10,11 +10,14 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.control import ControlServer
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.loops import Loops
+from splitbus.bus.messages import Cancel, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
+from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.dispatch import DISPATCHED, Dispatcher
@@ -168,3 +171,16 @@ async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once
     for dead in ("p1", "d1"):
         assert (await redis.xpending(config.keys.tasks(dead), WORKER_GROUP))["pending"] == 0
     assert await redis.xlen(config.keys.out("r")) == 0  # nothing failed it
+
+
+@pytest.mark.parametrize(("made_for", "cancelled"), [("h1", True), ("h0", False)])
+async def test_a_dead_prefill_workers_decode_side_is_freed_only_for_its_dispatch(
+    redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler, made_for: str, cancelled: bool
+) -> None:
+    # The reaper moves a dead P's prefill task: the D that reserved for that dispatch is told to
+    # drop that one task; a reservation made for another dispatch (a newer one's D) is left alone.
+    reservation = Reservation("d-1", "127.0.0.1:9", 4, "p-0", "7-0", "secret", handoff=made_for)
+    await Reservations(redis, config.keys).reserve("r", reservation)
+    await scheduler.reaper.release_decode_side(Task("prefill", request(), peer="d-1", handoff="h1"))
+    sent = [codec.decode(fields) for _, fields in await redis.xrange(config.keys.cancel)]
+    assert sent == ([Cancel("r", "moved", "d-1", "7-0")] if cancelled else [])

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.registry import Registry, WorkerRecord
+from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.redis_server import free_port
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
@@ -60,17 +63,11 @@ async def reservation(
     entry: str = "9-0",
     handoff: str = "h1",
     secret: str = SECRET,
+    prefill_worker: str = "p1",
 ) -> None:
     """``sb:kv:{request_id}`` as D writes it (an attacker with Redis access can write the same)."""
-    fields = {
-        "decode_worker": decode_worker,
-        "endpoint": endpoint,
-        "secret": secret,
-        "task_entry": entry,
-        "prefill_worker": "p1",
-        "handoff": handoff,
-    }
-    await worker.redis.hset(worker.keys.kv(request_id), mapping=fields)
+    made = Reservation(decode_worker, endpoint, 1, prefill_worker, entry, secret, handoff)
+    assert await Reservations(worker.redis, worker.keys).reserve(request_id, made)
 
 
 class Decoder:
@@ -106,16 +103,30 @@ class NewerDispatch(Decoder):
             0,
             newer_reservation,
         )
-        self.kv, self.current = bus_config.keys.kv, bus_config.keys.current
+        self.bus_config, self.current = bus_config, bus_config.keys.current
 
     def check(self, sender: str, header: Header) -> str | None:
-        if self.newer_reservation:
-            self.redis.hset(self.kv(header.ident), mapping={"handoff": "h2", "secret": "newer"})
-        else:  # voided its task; the new reservation is not written yet, the current dispatch is
-            self.redis.delete(self.kv(header.ident))
+        # The reservation API is async and this check is not: the write runs to its end, on a
+        # loop of its own, before the refusal goes out.
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, self.newer_dispatch(header.ident)).result()
+        if (
+            not self.newer_reservation
+        ):  # voided its task; the new reservation is not written yet, the current dispatch is
             self.redis.set(self.current(header.ident), "h2")
         self.refused += 1
         return f"{header.ident}: not from its prefill worker with the reservation's secret"
+
+    async def newer_dispatch(self, request_id: str) -> None:
+        client = aioredis.Redis.from_url(self.bus_config.redis_url)
+        reservations = Reservations(client, self.bus_config.keys)
+        try:
+            if self.newer_reservation:
+                await reservations.reserve(request_id, Reservation("d2", "", 1, "p1", "5-0", "newer", "h2"))
+            else:
+                await reservations.drop(request_id, "5-0")
+        finally:
+            await client.aclose()
 
 
 class FakeServer:
@@ -178,8 +189,7 @@ async def test_prefill_waits_for_its_own_dispatchs_reservation_not_an_older_one(
     worker = prefill_worker(bus_config, tiny_model)
     seq = prefilled(worker, "again-1", "d2")
     await register_decode(worker, "d2", "127.0.0.1:2")
-    await reservation(worker, "again-1", "d2", "127.0.0.1:2", secret="older-secret")
-    await worker.redis.hset(worker.keys.kv("again-1"), mapping=older)
+    await reservation(worker, "again-1", "d2", "127.0.0.1:2", secret="older-secret", **older)
 
     async def new_reservation() -> None:
         await asyncio.sleep(0.2)
@@ -262,8 +272,8 @@ async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConf
     worker = Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
     moved, done = bus_config.keys.kv("moved-2"), bus_config.keys.kv("done-3")
     try:
-        await worker.redis.hset(moved, mapping={"decode_worker": "d1", "task_entry": "2-0"})  # the new task's
-        await worker.redis.hset(done, mapping={"decode_worker": "d1", "task_entry": "3-0"})
+        await reservation(worker, "moved-2", "d1", "", entry="2-0")  # the new task's
+        await reservation(worker, "done-3", "d1", "", entry="3-0")
         worker.publisher.stale_reservations += [
             ("moved-2", "1-0"),
             ("done-3", "3-0"),
@@ -404,7 +414,7 @@ async def test_a_refusal_with_the_reservation_gone_still_ends_the_request(
         await worker.redis.set(worker.keys.current("r-gone"), "h1")
         seq, task = await handing_off(worker, "r-gone", endpoint)
         await asyncio.sleep(0)  # the reservation read, the frame on its way
-        await worker.redis.delete(worker.keys.kv("r-gone"))
+        await Reservations(worker.redis, worker.keys).drop("r-gone", "5-0")  # D gave up on it
         await asyncio.wait_for(task, 5)
         last = (await results(worker, "r-gone"))[-1]
         assert isinstance(last, Failed) and last.code == "kv_transfer_failed"

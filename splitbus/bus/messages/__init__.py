@@ -7,8 +7,12 @@
 - ``control``: anyone -> one worker (``sb:ctrl:{worker}``), and its reply (``sb:reply:{task}``)
 - ``dead``: any consumer -> operators (``sb:dead``)
 
-Importing this package registers every type with the codec.
+Importing this package registers every type with the codec: every module in it is imported, so
+a new message module needs no line here to be decoded (its types are exported from its module).
 """
+
+import importlib
+import pkgutil
 
 from splitbus.bus.messages.cancel import Cancel
 from splitbus.bus.messages.control import ControlCommand, ControlReply
@@ -30,3 +34,6 @@ __all__ = [
     "Task",
     "TokenDelta",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

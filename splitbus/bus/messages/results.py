@@ -7,7 +7,7 @@ continues its numbering), so readers deliver in order and drop duplicates.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar
 
 from splitbus.bus.codec import message
 from splitbus.bus.messages._check import MAX_SEQ, MAX_TOKENS, require_int, require_int_list, require_str
@@ -73,4 +73,4 @@ class Failed:
         require_int(self.status, "status", minimum=100, maximum=599)
 
 
-Result = Union[TokenDelta, Finished, Failed]
+Result = TokenDelta | Finished | Failed

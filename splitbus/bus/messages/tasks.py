@@ -64,5 +64,5 @@ class Task:
         require_int(self.batch_ranks, "batch_ranks", minimum=0, maximum=MAX_RANKS)
         require(type(self.reserved) is list and len(self.reserved) == 3, "reserved must hold 3 numbers")
         require_str(self.handoff, "handoff", nonempty=False, max_chars=64)
-        for value, name, most in zip(self.reserved, RESERVED_NAMES, (MAX_TOKENS, 1, MAX_KV_BLOCKS)):
+        for value, name, most in zip(self.reserved, RESERVED_NAMES, (MAX_TOKENS, 1, MAX_KV_BLOCKS), strict=True):
             require_int(value, f"reserved {name}", minimum=0, maximum=most)

@@ -1,0 +1,51 @@
+"""Every Lua script splitbus runs, declared with the keys it touches.
+
+A script is declared once, at import, in the bus module that owns its keys (``declare``), and run
+from there (``LuaScript.register``). The declaration names every key the script touches, in
+KEYS order, as docs/bus.md names keys: a script builds no key name (every key it touches comes in
+KEYS, built by ``splitbus.bus.keys``), which is what Redis Cluster needs to route it and what
+lets a reader see from the declaration alone which hash slots it spans. docs/bus.md's script
+table is checked against ``SCRIPTS`` (tests/bus/test_scripts.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+
+
+@dataclass(frozen=True)
+class LuaScript:
+    """One script and what it touches."""
+
+    name: str
+    """Unique short name (the first column of docs/bus.md's script table)."""
+    module: str
+    """The module that owns the script's keys, and the only one that runs it (``__name__``)."""
+    keys: tuple[str, ...]
+    """KEYS, in order, named as in docs/bus.md (``sb:kv:{request}``); ``a | b``: either key."""
+    argv: str
+    """What ARGV holds, in order."""
+    returns: str
+    """What the script returns."""
+    source: str
+    repeated: tuple[str, ...] = ()
+    """KEYS after ``keys``, once per item: a script over many streams or workers."""
+
+    def register(self, redis: aioredis.Redis) -> AsyncScript:
+        """The script on one client (``EVALSHA``, loaded again if the server lost it)."""
+        return redis.register_script(self.source)
+
+
+SCRIPTS: dict[str, LuaScript] = {}
+"""Every declared script, by name; filled as the modules that own them are imported."""
+
+
+def declare(script: LuaScript) -> LuaScript:
+    """Add the script to ``SCRIPTS`` (once: a second script under its name is a bug)."""
+    known = SCRIPTS.setdefault(script.name, script)
+    if known != script:
+        raise ValueError(f"two scripts named {script.name!r}: in {known.module} and {script.module}")
+    return script
