@@ -39,7 +39,7 @@ class ApiState:
         self.bodies = BodySlots(config)
         self.tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         # A loop's bug stops the server (SIGTERM: uvicorn's own graceful shutdown), non-zero.
-        self.loops = Loops("api", on_fail=lambda: signal.raise_signal(signal.SIGTERM))
+        self.loops = Loops(f"api {config.node_id}", part="the API", on_fail=lambda: signal.raise_signal(signal.SIGTERM))
 
     @classmethod
     async def open(cls, config: ApiConfig) -> ApiState:

@@ -29,7 +29,8 @@ Step = Callable[[], Awaitable[object]]
 
 
 class Loops:
-    """The background loops of one process (``owner`` names it in logs).
+    """The background loops of one process: ``owner`` names it in logs (``worker p1``), ``part``
+    says what a loop's failure stops (``the worker``).
 
     ``start(step)`` is called once per loop at start-up; ``spawn(work)`` whenever one-shot work
     must run in the background; ``stop()`` when the process stops for any reason, and ``close()``
@@ -38,8 +39,8 @@ class Loops:
     loop has failed: it wakes what the part itself waits on, or stops a server it does not own.
     """
 
-    def __init__(self, owner: str, on_fail: Callable[[], None] = lambda: None) -> None:
-        self.owner = owner
+    def __init__(self, owner: str, *, part: str = "the process", on_fail: Callable[[], None] = lambda: None) -> None:
+        self.owner, self.part = owner, part
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self._on_fail = on_fail
@@ -61,7 +62,7 @@ class Loops:
         try:
             await forever(paced, lambda: self.stopped, what)
         except Exception:
-            log.exception("%s failed; stopping %s", what, self.owner)
+            log.exception("%s failed; stopping %s", what, self.part)
             self.fail()
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:

@@ -79,7 +79,7 @@ class Scheduler:
         self.reaper = Reaper(self.redis, bus, config.name, self.view, self.policy, self.dispatcher, self.local)
         self._wake_at: float | None = None
         """When the policy wants the loop back for arrivals it holds (its last ``admit``)."""
-        self.loops = Loops("the scheduler")
+        self.loops = Loops(f"scheduler {config.name}", part="the scheduler")
         """Every loop of this replica, its main one included: a loop's bug stops it, exit code
         ``EXIT_FATAL``."""
 

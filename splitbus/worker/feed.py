@@ -11,9 +11,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from splitbus.bus.connection import is_transient
+from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
-from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics

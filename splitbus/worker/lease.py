@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.dispatch import REAPING_TTL_S
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ class Worker:
         self.keys = config.bus.keys
         self.registry = Registry(self.redis, config.bus)
         self.wake, self.room = asyncio.Event(), asyncio.Event()
-        self.loops = Loops("the worker", on_fail=self._wake_all)  # "<loop> failed; stopping the worker"
+        self.loops = Loops(f"worker {self.id}", part="the worker", on_fail=self._wake_all)
         self.stopping = self.loops.stopping
         self.requests = RequestTable()
         self.started_ms = 0  # Redis server time of the first registration: the DP group's epoch

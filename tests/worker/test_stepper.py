@@ -14,9 +14,9 @@ from splitbus.bus.registry import Registry
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.dp import EXIT_GROUP_BROKEN, DpStepper, GroupBroken, StepPlan
+from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.stepper import SoloStepper, StepperFactory
 from splitbus.worker.text import TextStream
 from splitbus.worker.worker import Worker

@@ -38,7 +38,7 @@ class Capabilities:
     """``export_kv`` and ``import_kv`` work: it can be a prefill or a decode worker, not only mixed."""
     simulated_group: bool = False
     """It has no EP whose all-to-all would make a DP group's ranks finish each step together,
-    so a group of it ends each step at a barrier instead (``DpWorker.steps_end_together``):
+    so a group of it ends each step at a barrier instead (``DpStepper.steps_end_together``):
     tokens come out when the group's step ends, as they would with EP."""
 
 
