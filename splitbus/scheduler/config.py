@@ -59,6 +59,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.mode not in policies.names():
             raise ValueError(f"mode must be one of {tuple(policies.names())}, got {self.mode!r}")
+        if self.mode == "stagger" and not self.stagger:
+            raise ValueError("--no-stagger contradicts --mode stagger (the naive placement is --mode dp --no-stagger)")
         if self.refresh_s <= 0 or self.no_worker_wait_s <= 0 or self.batch < 1:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
         if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:

@@ -26,6 +26,12 @@ class Placed:
 
     placements: tuple[Placement, ...]
 
+    def __post_init__(self) -> None:
+        # The dispatch acks the request's entry and writes these tasks: with none, the request would be
+        # gone without a task or an error, and its client would wait out its deadline.
+        if not self.placements:
+            raise ValueError("a placement writes at least one task (say NoPlacement(reason) when there is none)")
+
 
 @dataclass(frozen=True)
 class NoPlacement:

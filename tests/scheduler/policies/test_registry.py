@@ -19,7 +19,7 @@ from splitbus.env import load_env
 from splitbus.scheduler import policies
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.placement import Waiting
-from splitbus.scheduler.policies import POLICIES, Placed, Policy, UnknownPolicy, create, names, register
+from splitbus.scheduler.policies import POLICIES, NoPlacement, Placed, Policy, UnknownPolicy, create, names, register
 from splitbus.scheduler.scheduler import Scheduler
 from tests.scheduler.snapshot import request, worker
 
@@ -77,8 +77,8 @@ def test_two_policies_cannot_share_a_name(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(policies, "POLICIES", dict(POLICIES))
 
     class Other(Policy):
-        def place(self, *args: object) -> Placed:
-            return Placed(())
+        def place(self, *args: object) -> NoPlacement:
+            return NoPlacement("a stand-in")
 
     with pytest.raises(ValueError, match="two routing policies are named 'splitwise'"):
         register("splitwise")(Other)
@@ -88,6 +88,17 @@ def test_dp_staggers_unless_told_not_to(bus_config: BusConfig) -> None:
     assert SchedulerConfig(bus_config, mode="dp").policy == "stagger"
     assert SchedulerConfig(bus_config, mode="dp", stagger=False).policy == "dp"
     assert SchedulerConfig(bus_config, mode="splitwise").policy == "splitwise"
+
+
+def test_stagger_told_not_to_stagger_is_refused(bus_config: BusConfig) -> None:
+    with pytest.raises(ValueError, match="--no-stagger"):
+        SchedulerConfig(bus_config, mode="stagger", stagger=False)
+
+
+def test_a_placement_without_tasks_is_refused() -> None:
+    # The dispatch would ack the request and write nothing: it would be lost without an error.
+    with pytest.raises(ValueError, match="NoPlacement"):
+        Placed(())
 
 
 async def test_a_new_policy_is_one_new_file(
