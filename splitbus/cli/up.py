@@ -91,27 +91,20 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
         raise ValueError("need at least one worker, and no negative counts")
     if (prefill == 0) != (decode == 0):
         raise ValueError("prefill and decode workers come together: give both --prefill and --decode, or neither")
+    if prefill and not engines.get(args.engine).capabilities.kv_transfer:
+        raise ValueError(f"the {args.engine} engine cannot ship KV from prefill to decode: run it as --mixed N")
     return prefill, decode, mixed
 
 
 def default_model(data_dir: Path, engine: str) -> Path:
-    """A tiny model made once under the data folder: random weights for an engine that runs
-    weights (paddle), the tokenizer alone for one that does not (sim: no paddle install needed)."""
-    from splitbus.tokenization.byte_level import write_byte_level_tokenizer
-
-    folder = data_dir / "models" / "tiny"
-    if engines.get(engine).capabilities.real_weights and not (folder / "model.safetensors").exists():
-        from splitbus.gpu_ops import device
-
-        device.prepare()
-        from splitbus.worker.engines.paddle.tiny import make_tiny_model
-
-        say(f"making a tiny random llama model in {folder} (first run)")
-        make_tiny_model(folder)
-    elif not (folder / "config.json").exists():
-        vocab = write_byte_level_tokenizer(folder)
-        config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "vocab_size": vocab}
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    """A tiny model made once under the data folder, by the engine: random weights for one that
+    runs weights (paddle), the tokenizer alone for one that does not (sim: no paddle needed)."""
+    engine_type, folder = engines.get(engine), data_dir / "models" / "tiny"
+    made = folder / ("model.safetensors" if engine_type.capabilities.real_weights else "config.json")
+    if not made.exists():
+        if engine_type.capabilities.real_weights:
+            say(f"making a tiny random llama model in {folder} (first run)")
+        engine_type.make_default_model(folder)
     return folder
 
 

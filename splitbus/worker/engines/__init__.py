@@ -53,9 +53,9 @@ def _find() -> dict[str, EngineType]:
     """The registry, once every engine module of this package has been imported (and so registered)."""
     global _found
     if not _found:
-        _found = True
         for module in pkgutil.iter_modules(__path__):
             importlib.import_module(f"{__name__}.{module.name}")
+        _found = True  # only once all imported: a module that failed to import fails the next call too
     return _REGISTRY
 
 

@@ -10,6 +10,7 @@ under ``--engine``, adds its options and builds it with ``create``.
 from __future__ import annotations
 
 import argparse
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,16 @@ class EngineType(ABC):
     def options_from(self, args: argparse.Namespace) -> object:
         """This engine's options from the parsed arguments; becomes ``EngineSetup.options``."""
         return None
+
+    def make_default_model(self, folder: Path) -> None:
+        """Write the model ``splitbus up`` serves when given none, into the empty ``folder``;
+        called once, on the first run. By default a byte-level tokenizer and a ``config.json``,
+        which is all an engine without real weights reads; one with weights writes them too."""
+        from splitbus.tokenization.byte_level import write_byte_level_tokenizer
+
+        vocab = write_byte_level_tokenizer(folder)
+        config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "vocab_size": vocab}
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     @abstractmethod
     def create(self, setup: EngineSetup) -> Engine:

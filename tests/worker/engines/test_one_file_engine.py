@@ -15,7 +15,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import Finished, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.results import ResultReader, Subscription
 from splitbus.bus.streams import Producer
-from splitbus.cli import worker_cmd
+from splitbus.cli import up, worker_cmd
 from splitbus.env import load_env
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import engines
@@ -122,6 +122,16 @@ def test_its_flags_are_what_the_rest_checks(tiny_model: Path, monkeypatch: pytes
     monkeypatch.setattr(EchoType, "capabilities", Capabilities(kv_transfer=False, needs_paddle=True))
     worker_cmd.build_engine(config, ModelTokenizer.load(tiny_model), args)
     assert prepared == [3]
+
+
+def test_up_runs_it_only_where_it_can_and_makes_its_default_model(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers(), load_env({}))
+    with pytest.raises(ValueError, match="the echo engine cannot ship KV from prefill to decode: run it as --mixed N"):
+        up.worker_counts(parser.parse_args(["up", "--engine", "echo"]))  # 1 prefill + 1 decode by default
+    assert up.worker_counts(parser.parse_args(["up", "--engine", "echo", "--mixed", "2"])) == (0, 0, 2)
+    folder = up.default_model(tmp_path, "echo")  # the base type's: a tokenizer and config.json, no weights
+    assert ModelTokenizer.load(folder).vocab_size > 0 and not (folder / "model.safetensors").exists()
 
 
 async def _drain(sub: Subscription) -> list[object]:

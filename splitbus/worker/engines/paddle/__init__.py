@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, kv_bytes_per_token, register
 
 if TYPE_CHECKING:  # types only: the registry imports this package to build the CLI's parser
+    from pathlib import Path
+
     from splitbus.worker.engines import Engine
     from splitbus.worker.engines.paddle.config import ModelConfig
 
-KV_DTYPE = "float32"
-"""The KV cache's dtype: the model computes in float32 (bf16 and fp16 weights are converted as
-they load), so its K and V are float32."""
+from splitbus.worker.engines.paddle.config import KV_DTYPE
 
 
 def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str = KV_DTYPE) -> int:
@@ -32,6 +32,14 @@ class PaddleType(EngineType):
     name = "paddle"
     capabilities = Capabilities(real_weights=True, needs_paddle=True)
     kv_blocks_default = "from --kv-cache-mb"
+
+    def make_default_model(self, folder: Path) -> None:
+        from splitbus.gpu_ops import device
+
+        device.prepare()  # the CPU tuning comes before paddle's import
+        from splitbus.worker.engines.paddle.tiny import make_tiny_model
+
+        make_tiny_model(folder)
 
     def create(self, setup: EngineSetup) -> Engine:
         from splitbus.worker.engines.paddle.config import ModelConfig

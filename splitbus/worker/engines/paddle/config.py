@@ -9,6 +9,10 @@ from typing import Any
 
 from splitbus.tokenization import ModelFilesError
 
+KV_DTYPE = "float32"
+"""The KV cache's dtype: the model computes in float32 (bf16 and fp16 weights are converted as
+they load), so its K and V are float32. Sizing (``kv_blocks``) and the cache (``new_cache``) both
+read it."""
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 

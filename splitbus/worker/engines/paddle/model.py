@@ -18,7 +18,7 @@ from splitbus.gpu_ops.attention import attention
 from splitbus.gpu_ops.kv_cache import PagedKVCache
 from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
 from splitbus.worker.engines.paddle import weights
-from splitbus.worker.engines.paddle.config import ModelConfig
+from splitbus.worker.engines.paddle.config import KV_DTYPE, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class CausalLM:
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
-        return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim)
+        return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, dtype=KV_DTYPE)
 
     @paddle.no_grad()
     def forward(self, chunks: list[Chunk], cache: PagedKVCache | None = None) -> np.ndarray:
