@@ -201,7 +201,8 @@ def run_api_bench(url: str, config: ApiBenchConfig, progress: Callable[[str], No
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="splitbus-bench-api-") as data:
         api = _start_api(url, prefix, default_model(Path(data), "sim"), port, node, config.streams)
-        stop, results = mp.Event(), mp.Queue()
+        stop = mp.Event()
+        results: mp.Queue[dict[str, Any]] = mp.Queue()
         responder = mp.Process(target=_respond, args=(url, prefix, config, stop), daemon=True)
         responder.start()
         try:

@@ -160,7 +160,7 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
         for offset, mode, color in ((-0.2, "naive", "#7f8c8d"), (0.2, "staggered", "#27ae60")):
             ax.bar(
                 [i + offset for i in range(len(keys))],
-                [by[(*k, mode)][metric] for k in keys],
+                [by[k + (mode,)][metric] for k in keys],
                 width=0.4,
                 label=mode,
                 color=color,
@@ -168,7 +168,7 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(title, fontsize=9)
     for ax, metric in zip(axes[2:4], ("ttft_p50_s", "ttft_p99_s")):
-        change = [100 * (by[(*k, "staggered")][metric] / by[(*k, "naive")][metric] - 1) for k in keys]
+        change = [100 * (by[k + ("staggered",)][metric] / by[k + ("naive",)][metric] - 1) for k in keys]
         ax.bar(range(len(keys)), change, color=["#27ae60" if c < 0 else "#c0392b" for c in change])
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xticks(range(len(keys)), labels, fontsize=7)

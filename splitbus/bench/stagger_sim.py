@@ -230,7 +230,8 @@ class GroupSimulation:
         )
 
     def _prefill_batch(self, rank: _Rank) -> list[_Req]:
-        batch, tokens = [], 0
+        batch: list[_Req] = []
+        tokens = 0
         for req in rank.queued:
             if batch and tokens + req.trace.prompt_tokens > PREFILL_TOKEN_BUDGET:
                 break

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
@@ -12,6 +12,7 @@ from splitbus.masking import mask_url
 
 if TYPE_CHECKING:
     from splitbus.api.config import ApiConfig
+    from splitbus.api.server import GuardedHttpToolsProtocol
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -124,7 +125,18 @@ def run(args: argparse.Namespace, env: Env) -> int:
     return int(app.state.exit_code)
 
 
-def server_options(config: ApiConfig) -> dict[str, object]:
+class ServerOptions(TypedDict):
+    """The keyword arguments ``server_options`` gives ``uvicorn.run``, typed so that mypy checks
+    each against uvicorn's own signature."""
+
+    log_level: str
+    loop: str
+    http: type[GuardedHttpToolsProtocol]
+    timeout_keep_alive: int
+    backlog: int
+
+
+def server_options(config: ApiConfig) -> ServerOptions:
     """uvicorn's options: its HTTP protocol with a header deadline (uvicorn has none; see
     splitbus/api/server.py), idle keep-alive connections closed after 5 s (uvicorn's default,
     said here because the slow-loris bound relies on it), and a listen backlog that absorbs

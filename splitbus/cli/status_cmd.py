@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -58,7 +58,7 @@ def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
     """The registry's live set (a worker whose lease lapsed stays there until a reaper takes it),
     then the workers a reaper marked dead (``state`` = dead, kept an hour). A worker that stopped
     cleanly has no record left: its task stream, also kept an hour, belongs to an earlier run."""
-    listed = list(client.zrange(keys.workers, 0, -1))
+    listed = cast("list[str]", client.zrange(keys.workers, 0, -1))  # the client decodes replies
     records = client.scan_iter(match=keys.worker("*").replace("{*}", "*"), count=1000)
     dead = sorted(key.partition("{")[2].rstrip("}") for key in records if client.hget(key, "state") == "dead")
     return listed + [wid for wid in dead if wid not in listed]
@@ -99,7 +99,7 @@ def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
         oldest = None
         if pending:
             first = client.xpending_range(name, group["name"], "-", "+", 1)
-            oldest = now_ms - int(first[0]["message_id"].split("-")[0]) if first else None
+            oldest = now_ms - int(str(first[0]["message_id"]).split("-")[0]) if first else None
         row["groups"].append(
             {
                 "group": group["name"],
