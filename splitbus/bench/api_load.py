@@ -208,7 +208,8 @@ def run_api_bench(url: str, config: ApiBenchConfig, progress: Callable[[str], No
         try:
             _wait_ready(base_url)
             progress(
-                f"{config.streams} streams of {config.tokens} tokens through one API process ({config.client_processes} client processes)"
+                f"{config.streams} streams of {config.tokens} tokens through one API process "
+                f"({config.client_processes} client processes)"
             )
             per_client = [
                 config.streams // config.client_processes + (i < config.streams % config.client_processes)

@@ -65,7 +65,7 @@ def make_trace(config: ServeConfig, rate: float) -> list[TraceItem]:
     outputs = _lengths(rng, config.output_len, config.len_range, n)
     return [
         TraceItem(float(a), rng.integers(FIRST_TOKEN_ID, LAST_TOKEN_ID + 1, i).tolist(), int(o))
-        for a, i, o in zip(arrivals, inputs, outputs)
+        for a, i, o in zip(arrivals, inputs, outputs, strict=True)
     ]
 
 
@@ -203,7 +203,7 @@ def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
         return dict.fromkeys(keys)
     ms = np.array(seconds) * 1000
     values = [np.mean(ms), np.median(ms), np.std(ms), *(np.percentile(ms, p) for p in PERCENTILES)]
-    return {k: float(v) for k, v in zip(keys, values)}
+    return {k: float(v) for k, v in zip(keys, values, strict=True)}
 
 
 def cdf_samples(results: list[RequestResult], points: int = 200) -> dict[str, list[float]]:

@@ -277,20 +277,21 @@ def run_processes(
     runs = {(mode, load): ProcessRuns() for mode in MODES for load in traces}
     for repeat in range(repeats):
         for mode in MODES[::-1] if repeat % 2 else MODES:
-            _run_mode(
-                ranks,
-                mode,
-                traces,
-                runs,
-                lambda load: progress(
-                    f"processes: {ranks} ranks, {mode}, {load} load "
-                    f"({PROCESS_LOADS[load] * ranks:.1f} req/s), run {repeat + 1} of {repeats}"
-                ),
-            )
+            _run_mode(ranks, mode, traces, runs, _run_progress(progress, ranks, mode, repeat, repeats))
     rows = [runs[(mode, load)].row(ranks, load, mode, len(trace)) for mode in MODES for load, trace in traces.items()]
     for load, trace in traces.items():
         rows += simulate(ranks, load, trace, seed, PROCESS_COST_SCALE)
     return rows
+
+
+def _run_progress(
+    progress: Callable[[str], None], ranks: int, mode: str, repeat: int, repeats: int
+) -> Callable[[str], None]:
+    """What one run of ``mode`` says as it starts each load (bound here, not to the loop's variables)."""
+    return lambda load: progress(
+        f"processes: {ranks} ranks, {mode}, {load} load "
+        f"({PROCESS_LOADS[load] * ranks:.1f} req/s), run {repeat + 1} of {repeats}"
+    )
 
 
 def _run_mode(

@@ -72,7 +72,10 @@ def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
     serve.add_argument(
         "--base-url",
         default=None,
-        help="measure this deployment (default: start splitbus up --engine sim and compare it with the engine driven directly)",
+        help=(
+            "measure this deployment "
+            "(default: start splitbus up --engine sim and compare it with the engine driven directly)"
+        ),
     )
     serve.add_argument("--api-key", default="", help="Bearer key for --base-url")
     serve.add_argument("--model", default="tiny", help="served model name (default %(default)s)")

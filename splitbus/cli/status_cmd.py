@@ -124,13 +124,15 @@ def _link(client: redis.Redis, key: str) -> dict[str, Any]:
 
 def render(status: dict[str, Any]) -> str:
     lines = [
-        f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} {'FREE/TOTAL KV':>15}"
+        f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} "
+        f"{'FREE/TOTAL KV':>15}"
     ]
     for w in status["workers"]:
         dp = f"{w['dp_group']}/{w['dp_rank']}" if w["dp_group"] else "-"
         lease = f"{w['lease_ms'] / 1000:.1f}s" if w["alive"] else "DEAD"
         lines.append(
-            f"{w['id']:<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} {w['queued_prefill_tokens']:>11} "
+            f"{w['id']:<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} "
+            f"{w['queued_prefill_tokens']:>11} "
             f"{w['free_kv_blocks']:>7}/{w['total_kv_blocks']:<7}"
         )
     lines += ["", f"{'STREAM':<40} {'LENGTH':>7} {'GROUP':<11} {'PENDING':>7} {'LAG':>5} {'OLDEST PENDING':>14}"]
