@@ -11,7 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from splitbus.bench.serve import RequestResult, ServeConfig, TraceItem, cdf_samples, make_trace, replay, summarize
+from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, cdf_samples, make_trace, replay, summarize
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer

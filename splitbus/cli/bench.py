@@ -255,7 +255,8 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
 
 def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
-    from splitbus.bench.serve import ServeConfig, TargetError, run_serve_bench
+    from splitbus.bench.serve import TargetError, run_serve_bench
+    from splitbus.bench.serve_trace import ServeConfig
 
     config = _config(
         "serve",

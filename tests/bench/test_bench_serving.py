@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from splitbus.bench import scheduler as scheduler_bench
-from splitbus.bench.serve import RequestResult, ServeConfig, make_trace, summarize
+from splitbus.bench.serve_trace import RequestResult, ServeConfig, make_trace, summarize
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 
