@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
@@ -11,6 +14,8 @@ from splitbus.env import Env
 from splitbus.masking import mask_url
 
 if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
     from splitbus.api.config import ApiConfig
     from splitbus.api.server import GuardedHttpToolsProtocol
 
@@ -121,8 +126,29 @@ def run(args: argparse.Namespace, env: Env) -> int:
     redis = mask_url(config.bus.redis_url)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
     app = create_app(config)
-    uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
+    with _failure_exit_kept(app):
+        uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
     return int(app.state.exit_code)
+
+
+@contextlib.contextmanager
+def _failure_exit_kept(app: Starlette) -> Iterator[None]:
+    """uvicorn raises the signal that stopped it again once it has shut down, so that the process
+    ends by it. After a background loop's failure that signal is the API's own SIGTERM (see
+    splitbus/api/state.py): its repeat is dropped here, so that ``run`` returns the exit code the
+    app kept (``EXIT_FATAL``), not death by SIGTERM. A stop from outside (exit code 0) still ends
+    the process by its signal, as it always did."""
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        if not app.state.exit_code:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class ServerOptions(TypedDict):
