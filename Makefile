@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: up test bench clean
+.PHONY: up check test bench clean
 
 $(BIN)/splitbus: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,15 @@ $(BIN)/splitbus: pyproject.toml
 ## Run the whole system (embedded Redis unless SPLITBUS_REDIS_URL is set).
 up: $(BIN)/splitbus
 	$(BIN)/splitbus up
+
+## Static checks (CI runs them before the tests): ruff's lint rules and format, and mypy over splitbus/.
+## Each runs even when one before it failed, so one run shows everything; the target fails if any did.
+check: $(BIN)/splitbus
+	@status=0; \
+	$(BIN)/ruff check splitbus tests || status=1; \
+	$(BIN)/ruff format --check splitbus tests || status=1; \
+	$(BIN)/mypy || status=1; \
+	exit $$status
 
 ## Run the test suite against a real redis-server that the fixtures start.
 test: $(BIN)/splitbus

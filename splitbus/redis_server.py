@@ -257,7 +257,7 @@ class EmbeddedRedis:
         return self._url(ADMIN_USER)
 
     def admin_client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis.from_url(self.admin_url, **kwargs)  # type: ignore[arg-type]
+        return redis.Redis.from_url(self.admin_url, **kwargs)
 
     @property
     def pid(self) -> int | None:

@@ -4,6 +4,7 @@ worker, worker never imports api, gpu_ops imports only paddle and numpy."""
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,102 @@ def test_part_imports_only_what_it_may(part: str) -> None:
         if name.startswith(FORBIDDEN[part]) and not name.startswith(f"splitbus.{part}")
     ]
     assert offenders == []
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_base(node: ast.ImportFrom, package: list[str]) -> str:
+    """The module a ``from ... import`` names, relative ones resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    return ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])])
+
+
+def _internal_imports(path: Path, root: Path, modules: set[str]) -> dict[str, int]:
+    """The splitbus modules ``path`` imports, each with the line of its first import: every
+    import statement, those inside functions and ``if TYPE_CHECKING:`` blocks included (ast.walk
+    sees them all). ``from a import b`` imports module ``a.b`` when there is one, else ``a``."""
+    name = _module_name(path, root).split(".")
+    package = name if path.name == "__init__.py" else name[:-1]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _import_base(node, package)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target in modules:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def _import_graph(root: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """Module -> the modules of the package at ``root`` it imports -> the line of that import."""
+    paths = {_module_name(path, root): path for path in root.rglob("*.py")}
+    return {name: _internal_imports(path, root, set(paths)) for name, path in paths.items()}
+
+
+def _cycle_through(start: str, graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """The shortest import path from ``start`` back to itself (breadth first), if there is one."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier and start not in came_from:
+        reached = []
+        for here in frontier:
+            for there in sorted(set(graph[here]) - set(came_from)):
+                came_from[there] = here
+                reached.append(there)
+        frontier = reached
+    if start not in came_from:
+        return None
+    path = [start, came_from[start]]
+    while path[-1] != start:
+        path.append(came_from[path[-1]])
+    return path[::-1]
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """A cycle through each module that is on one (a module already on a reported cycle starts
+    no search of its own)."""
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        cycle = None if any(start in c for c in cycles) else _cycle_through(start, graph)
+        if cycle:
+            cycles.append(cycle)
+    return cycles
+
+
+def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    hops = [f"{a} (line {graph[a][b]})" for a, b in itertools.pairwise(cycle)]
+    return " -> ".join([*hops, cycle[-1]])
+
+
+def test_no_import_cycle() -> None:
+    # Deferred (in-function) and TYPE_CHECKING imports count: a cycle hidden behind them is still
+    # two modules that each need the other, and one top-level import more between them breaks.
+    graph = _import_graph()
+    assert [_describe(cycle, graph) for cycle in _cycles(graph)] == []
+
+
+def test_cycle_check_sees_relative_deferred_and_type_checking_imports(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/one.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .two import Two\n",
+        "a/two.py": "def later():\n    from splitbus.a import one\n",
+        "a/sub/__init__.py": "",
+        "a/sub/four.py": "import os\nfrom ..one import One\nfrom .. import two\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "splitbus" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "splitbus" / name).write_text(text)
+    graph = _import_graph(tmp_path / "splitbus")
+    assert graph["splitbus.a.sub.four"] == {"splitbus.a.one": 2, "splitbus.a.two": 3}
+    assert _cycles(graph) == [["splitbus.a.one", "splitbus.a.two", "splitbus.a.one"]]
+    assert _describe(_cycles(graph)[0], graph) == "splitbus.a.one (line 4) -> splitbus.a.two (line 2) -> splitbus.a.one"

@@ -9,6 +9,7 @@ Anchors (``page.md#heading``) are checked against the page's headings, slugged a
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from pathlib import Path
@@ -56,7 +57,7 @@ def anchors(text: str) -> set[str]:
     tokens = PARSER.parse(text)
     counts: dict[str, int] = {}
     found = set()
-    for opening, inline in zip(tokens, tokens[1:]):
+    for opening, inline in itertools.pairwise(tokens):
         if opening.type == "heading_open":
             slug = github_slug("".join(c.content for c in inline.children or [] if c.type in ("text", "code_inline")))
             found.add(f"{slug}-{counts[slug]}" if slug in counts else slug)

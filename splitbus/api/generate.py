@@ -118,7 +118,8 @@ def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prom
         raise BadRequest("the prompt is empty after tokenization", "prompt")
     if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
         asked = (
-            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages/prompt, {params.max_tokens} for the completion)"
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages/prompt, {params.max_tokens} for "
+            "the completion)"
             if params.max_tokens is not None
             else f"{prompt_len} tokens in the messages/prompt"
         )

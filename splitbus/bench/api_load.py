@@ -202,13 +202,15 @@ def run_api_bench(url: str, config: ApiBenchConfig, progress: Callable[[str], No
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="splitbus-bench-api-") as data:
         api = _start_api(url, prefix, default_model(Path(data), "sim"), port, node, config.streams)
-        stop, results = mp.Event(), mp.Queue()
+        stop = mp.Event()
+        results: mp.Queue[dict[str, Any]] = mp.Queue()
         responder = mp.Process(target=_respond, args=(url, prefix, config, stop), daemon=True)
         responder.start()
         try:
             _wait_ready(base_url)
             progress(
-                f"{config.streams} streams of {config.tokens} tokens through one API process ({config.client_processes} client processes)"
+                f"{config.streams} streams of {config.tokens} tokens through one API process "
+                f"({config.client_processes} client processes)"
             )
             per_client = [
                 config.streams // config.client_processes + (i < config.streams % config.client_processes)

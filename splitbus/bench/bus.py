@@ -264,6 +264,8 @@ async def _drain_subscriptions(subs: list[Subscription], steps: int) -> tuple:
     async def follow(sub: Subscription) -> None:
         for _ in range(steps):
             result = await sub.get()
+            if not isinstance(result, TokenDelta):  # the producer sends tokens only, never an end
+                raise RuntimeError(f"the benchmark's token stream ended early: {result!r}")
             latencies.append(codec.now_us() - int(result.text))
 
     await asyncio.gather(*(follow(s) for s in subs))
@@ -374,7 +376,7 @@ def measure(path: str, transport: str, redis_url: str, prefix: str, cfg: BusBenc
     return run_pair(consumer, producer, target, prefix, n, pace, cfg)
 
 
-def summarize(flat: list[Measurement], paced: list[Measurement]) -> dict[str, float]:
+def summarize(flat: list[Measurement], paced: list[Measurement]) -> dict[str, float | list[float]]:
     return {
         "msgs_per_s": round(statistics.median(m.msgs_per_s for m in flat), 1),
         "p50_us": round(statistics.median(m.percentile(0.50) for m in paced), 1),

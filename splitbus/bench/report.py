@@ -59,6 +59,7 @@ def bus_plot(report: dict[str, Any], path: Path) -> None:
             ("p50_us", "latency p50, paced (µs)"),
             ("p99_us", "latency p99, paced (µs)"),
         ),
+        strict=True,
     ):
         for offset, transport in ((-0.2, "redis"), (0.2, "zeromq")):
             values = [report[f"{p}_path"][transport][metric] for p in paths]
@@ -101,13 +102,14 @@ def engine_plot(report: dict[str, Any], path: Path) -> None:
 
     results = report["results"]
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, r in zip(axes[0], results):
+    for ax, r in zip(axes[0], results, strict=True):
         labels = ["prefill 128", "decode b1", "decode b8", "decode b32"]
         values = [r["prefill_tok_s"], r["decode_b1_tok_s"], r["decode_b8_tok_s"], r["decode_b32_tok_s"]]
         bars = ax.bar(labels, values, color=["#8e44ad", "#16a085", "#16a085", "#16a085"])
         ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
         ax.set_title(
-            f"{r['model']} ({r['params_m']}M params): tokens/s\nKV export {r['kv_export_gb_s']} GB/s, import {r['kv_import_gb_s']} GB/s",
+            f"{r['model']} ({r['params_m']}M params): tokens/s\nKV export {r['kv_export_gb_s']} GB/s, import "
+            f"{r['kv_import_gb_s']} GB/s",
             fontsize=9,
         )
     fig.suptitle(f"splitbus bench engine on {report['device']} ({report['threads']} thread)", fontsize=10)
@@ -116,13 +118,16 @@ def engine_plot(report: dict[str, Any], path: Path) -> None:
 
 def stagger_table(report: dict[str, Any]) -> str:
     rows = [
-        f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'+drain':>7} {'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"
+        f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'idle fwd':>8} {'+drain':>7} "
+        f"{'idle time':>9} {'util':>5} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'tok/s':>9}"
     ]
     for r in report["results"]:
         rows.append(
-            f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} {r['mode']:<10} {r['idle_forward_ratio']:>8.4f} "
+            f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} "
+            f"{r['mode']:<10} {r['idle_forward_ratio']:>8.4f} "
             f"{r.get('idle_forward_ratio_all_steps', float('nan')):>7.4f} {r['idle_time_ratio']:>9.4f} "
-            f"{r['step_utilization']:>5.2f} {r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} {r['throughput_tok_s']:>9,.0f}"
+            f"{r['step_utilization']:>5.2f} {r['ttft_p50_s'] * 1000:>11.1f} {r['ttft_p99_s'] * 1000:>11.1f} "
+            f"{r['throughput_tok_s']:>9,.0f}"
         )
     rows.append(
         "idle fwd, idle time, util: over the steps that start by the last arrival; +drain: idle fwd over all steps"
@@ -130,7 +135,8 @@ def stagger_table(report: dict[str, Any]) -> str:
     for r in report["results"]:
         if r.get("runs_ttft_p50_s"):
             rows.append(
-                f"  processes {r['load']:<9} {r['mode']:<10} TTFT p50 of each run, ms: {', '.join(f'{p * 1000:.1f}' for p in r['runs_ttft_p50_s'])}"
+                f"  processes {r['load']:<9} {r['mode']:<10} TTFT p50 of each run, ms: "
+                f"{', '.join(f'{p * 1000:.1f}' for p in r['runs_ttft_p50_s'])}"
             )
     return "\n".join(rows)
 
@@ -150,25 +156,27 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
     by = {(*_stagger_key(r), r["mode"]): r for r in report["results"]}
     labels = [f"{'proc' if b == 'processes' else 'sim'} {n}r x{scale:g}\n{load}" for b, n, scale, load in keys]
     fig, axes = plt.subplots(5, 1, figsize=(max(10, len(keys) * 0.9), 16))
+    # The first two of the five axes: the TTFT changes and the runs' spread fill the rest below.
     for ax, (metric, title) in zip(
         axes,
         (
             ("idle_forward_ratio", "idle forwards per rank-step"),
             ("idle_time_ratio", "share of rank time in idle forwards"),
         ),
+        strict=False,
     ):
         for offset, mode, color in ((-0.2, "naive", "#7f8c8d"), (0.2, "staggered", "#27ae60")):
             ax.bar(
                 [i + offset for i in range(len(keys))],
-                [by[(*k, mode)][metric] for k in keys],
+                [by[k + (mode,)][metric] for k in keys],
                 width=0.4,
                 label=mode,
                 color=color,
             )
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(title, fontsize=9)
-    for ax, metric in zip(axes[2:4], ("ttft_p50_s", "ttft_p99_s")):
-        change = [100 * (by[(*k, "staggered")][metric] / by[(*k, "naive")][metric] - 1) for k in keys]
+    for ax, metric in zip(axes[2:4], ("ttft_p50_s", "ttft_p99_s"), strict=True):
+        change = [100 * (by[k + ("staggered",)][metric] / by[k + ("naive",)][metric] - 1) for k in keys]
         ax.bar(range(len(keys)), change, color=["#27ae60" if c < 0 else "#c0392b" for c in change])
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
@@ -198,12 +206,15 @@ def _process_runs_plot(ax: Any, rows: list[dict[str, Any]]) -> None:
 
 def serve_table(report: dict[str, Any]) -> str:
     rows = [
-        f"{'path':<9} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p99':>9}  (ms)"
+        f"{'path':<9} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p99':>9}  (ms)"
     ]
     for r in report["runs"]:
         rows.append(
-            f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} {r['output_throughput']:>9,.0f} "
-            f"{_ms(r['median_ttft_ms'], 9)} {_ms(r['p99_ttft_ms'], 9)} {_ms(r['median_tpot_ms'], 9)} {_ms(r['median_itl_ms'], 8)} {_ms(r['p99_itl_ms'], 8)} {_ms(r['p99_e2el_ms'], 9)}"
+            f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} "
+            f"{r['output_throughput']:>9,.0f} "
+            f"{_ms(r['median_ttft_ms'], 9)} {_ms(r['p99_ttft_ms'], 9)} {_ms(r['median_tpot_ms'], 9)} "
+            f"{_ms(r['median_itl_ms'], 8)} {_ms(r['p99_itl_ms'], 8)} {_ms(r['p99_e2el_ms'], 9)}"
         )
         if r["failed"]:
             rows.append(f"          {r['failed']} failed: {'; '.join(r.get('errors', []))}")
@@ -211,9 +222,12 @@ def serve_table(report: dict[str, Any]) -> str:
         rows.append(f"  idle system, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms")
     for o in report.get("overhead", []):
         rows.append(
-            f"added by the stack at {o['request_rate']} req/s: TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, mean {_ms(o['added_mean_ttft_ms'], 0, '+')}, "
-            f"p99 {_ms(o['added_p99_ttft_ms'], 0, '+')}; per token (TPOT) p50 {_ms(o['added_median_tpot_ms'], 0, '+')} ms, mean {_ms(o['added_mean_tpot_ms'], 0, '+')}, "
-            f"p99 {_ms(o['added_p99_tpot_ms'], 0, '+')}; ITL p50 {_ms(o['added_median_itl_ms'], 0, '+')} ms, p99 {_ms(o['added_p99_itl_ms'], 0, '+')}"
+            f"added by the stack at {o['request_rate']} req/s: TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, "
+            f"mean {_ms(o['added_mean_ttft_ms'], 0, '+')}, "
+            f"p99 {_ms(o['added_p99_ttft_ms'], 0, '+')}; per token (TPOT) p50 {_ms(o['added_median_tpot_ms'], 0, '+')} "
+            f"ms, mean {_ms(o['added_mean_tpot_ms'], 0, '+')}, "
+            f"p99 {_ms(o['added_p99_tpot_ms'], 0, '+')}; ITL p50 {_ms(o['added_median_itl_ms'], 0, '+')} ms, p99 "
+            f"{_ms(o['added_p99_itl_ms'], 0, '+')}"
         )
     return "\n".join(rows)
 
@@ -228,8 +242,9 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = plt.get_cmap("viridis")
     rates = sorted({str(r["request_rate"]) for r in report["runs"]}, key=lambda x: float(x))
+    # Three of the four axes: the fourth, below, plots throughput.
     for ax, (metric, title) in zip(
-        axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency"))
+        axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency")), strict=False
     ):
         for run in report["runs"]:
             values = run["cdf_ms"][metric]
@@ -268,12 +283,14 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
 
 def scheduler_table(report: dict[str, Any]) -> str:
     rows = [
-        f"{'replicas':>8} {'workers':>7} {'paced req/s':>11} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'max ms':>7} {'flood decisions/s':>18}"
+        f"{'replicas':>8} {'workers':>7} {'paced req/s':>11} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'max ms':>7} "
+        f"{'flood decisions/s':>18}"
     ]
     for r in report["results"]:
         p, f = r["paced"], r["flood"]
         rows.append(
-            f"{r['replicas']:>8} {r['workers']:>7} {p['achieved_rate']:>11.0f} {p['p50_ms']:>7.2f} {p['p90_ms']:>7.2f} {p['p99_ms']:>7.2f} {p['max_ms']:>7.1f} {f['decisions_per_s']:>18,.0f}"
+            f"{r['replicas']:>8} {r['workers']:>7} {p['achieved_rate']:>11.0f} {p['p50_ms']:>7.2f} {p['p90_ms']:>7.2f} "
+            f"{p['p99_ms']:>7.2f} {p['max_ms']:>7.1f} {f['decisions_per_s']:>18,.0f}"
         )
         for phase, counts in (("paced", p), ("flood", f)):
             if counts["placed"] < counts["requests"]:
@@ -314,8 +331,8 @@ def api_table(report: dict[str, Any]) -> str:
     return (
         f"{r['streams']} concurrent streams through one API process: {r['completed']} completed, "
         f"{r['tokens']:,} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']:,.0f} tokens/s delivered "
-        f"(offered {r['offered_tokens_per_s']:,.0f}); Redis connections held by the API: {r['api_redis_connections_peak']} at peak"
-        + (f"\nerrors: {r['errors']}" if r["errors"] else "")
+        f"(offered {r['offered_tokens_per_s']:,.0f}); Redis connections held by the API: "
+        f"{r['api_redis_connections_peak']} at peak" + (f"\nerrors: {r['errors']}" if r["errors"] else "")
     )
 
 

@@ -20,11 +20,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import orjson
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
@@ -34,6 +35,8 @@ from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.redis_server import die_with_parent
 
 LEASE_MS = 3000
+TaskReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+"""XREAD's reply on this bench's client (RESP2, bytes): per stream, its name and its entries."""
 
 
 class SchedulerStalled(Exception):
@@ -75,7 +78,7 @@ class FakeWorkers:
         redis-py can swallow the cancellation of a blocked XREAD and leave a cancelled task
         running for good (the hang of issue 24)."""
         # From the start: "$" would skip a task written between two reads of a stream still at "$".
-        self._cursors = {bus.keys.tasks(r.worker_id): "0-0" for r in self.records}
+        self._cursors: dict[KeyT, StreamIdT] = {bus.keys.tasks(r.worker_id): "0-0" for r in self.records}
 
     async def register(self) -> None:
         for record in self.records:
@@ -89,7 +92,7 @@ class FakeWorkers:
 
     async def read_tasks(self) -> None:
         while not self.stopped:
-            reply = await self.redis.xread(self._cursors, count=1000, block=500)
+            reply = cast(TaskReply, await self.redis.xread(self._cursors, count=1000, block=500))
             now = time.time()
             for key, entries in reply or ():
                 self._cursors[key.decode()] = entries[-1][0].decode()
@@ -109,6 +112,13 @@ def _request(i: int, config: SchedulerBenchConfig) -> GenerateRequest:
     )
 
 
+def _entry(request: GenerateRequest) -> tuple[dict[FieldT, EncodableT], float]:
+    """The request's stream entry, as redis-py's XADD is typed to take it, and its ``ts`` (the
+    publish time) in seconds."""
+    fields = codec.encode(request)
+    return dict(fields.items()), int(fields[b"ts"]) / 1e6
+
+
 async def _paced(
     redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, config: SchedulerBenchConfig
 ) -> dict[str, Any]:
@@ -119,8 +129,7 @@ async def _paced(
     for i, at in enumerate(np.cumsum(gaps)):
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
         request = _request(i, config)
-        fields = codec.encode(request)
-        sent[request.request_id] = int(fields[b"ts"]) / 1e6
+        fields, sent[request.request_id] = _entry(request)
         await redis.xadd(bus.keys.requests, fields)
     sending_s = time.perf_counter() - start
     await _until(lambda: all(r in workers.arrived for r in sent), _placing_s(len(sent)))
@@ -147,7 +156,7 @@ async def _flood(
     for chunk in range(0, len(requests), 1000):
         pipe = redis.pipeline(transaction=False)
         for request in requests[chunk : chunk + 1000]:
-            pipe.xadd(bus.keys.requests, codec.encode(request))
+            pipe.xadd(bus.keys.requests, _entry(request)[0])
         await pipe.execute()
     written = time.time()
     await _until(lambda: len(workers.arrived) - before >= len(requests), _placing_s(len(requests)))

@@ -11,7 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from splitbus.bench.serve import RequestResult, ServeConfig, TraceItem, cdf_samples, make_trace, replay, summarize
+from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, cdf_samples, make_trace, replay, summarize
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
@@ -81,13 +81,14 @@ class DirectLoop:
             batch.append(self.queued.popleft())
             tokens += batch[-1].seq.prompt_len
         if batch:
-            for pending, token in zip(batch, await self.engine.prefill([p.seq for p in batch])):
+            for pending, token in zip(batch, await self.engine.prefill([p.seq for p in batch]), strict=True):
                 self.emit(pending, token)
             self.running += [p for p in batch if not p.done.done()]
 
     async def decode_running(self) -> None:
         if self.running:
-            for pending, token in zip(list(self.running), await self.engine.decode([p.seq for p in self.running])):
+            running = list(self.running)
+            for pending, token in zip(running, await self.engine.decode([p.seq for p in running]), strict=True):
                 self.emit(pending, token)
             self.running = [p for p in self.running if not p.done.done()]
 

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -180,7 +180,7 @@ class _System(LocalSystem):
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
         total = np.zeros(len(RANK_COUNTERS))
         keys = Keys()  # the system the benchmark started uses the default prefix
-        for worker in client.zrange(keys.workers, 0, -1):
+        for worker in cast("list[str]", client.zrange(keys.workers, 0, -1)):  # the client decodes replies
             total += [int(v or 0) for v in client.hmget(keys.worker(worker), *RANK_COUNTERS)]
         client.close()
         return total
@@ -191,7 +191,6 @@ async def _replay(
 ) -> tuple[list[float], int, float, np.ndarray]:
     """Send the trace through the API at its arrival times; TTFTs, tokens, seconds taken, and
     what ``at_last_arrival`` returned as the last request went out."""
-    import httpx
     import openai
 
     client = openai.AsyncOpenAI(
@@ -199,7 +198,8 @@ async def _replay(
         api_key="x",
         max_retries=0,
         timeout=120,
-        http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000)),
+        # The Limits class of the httpx openai is built on (httpx or httpx2, by openai's version).
+        http_client=openai.DefaultAsyncHttpxClient(limits=type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=1000)),
     )
     start = time.perf_counter()
 
@@ -277,20 +277,21 @@ def run_processes(
     runs = {(mode, load): ProcessRuns() for mode in MODES for load in traces}
     for repeat in range(repeats):
         for mode in MODES[::-1] if repeat % 2 else MODES:
-            _run_mode(
-                ranks,
-                mode,
-                traces,
-                runs,
-                lambda load: progress(
-                    f"processes: {ranks} ranks, {mode}, {load} load "
-                    f"({PROCESS_LOADS[load] * ranks:.1f} req/s), run {repeat + 1} of {repeats}"
-                ),
-            )
+            _run_mode(ranks, mode, traces, runs, _run_progress(progress, ranks, mode, repeat, repeats))
     rows = [runs[(mode, load)].row(ranks, load, mode, len(trace)) for mode in MODES for load, trace in traces.items()]
     for load, trace in traces.items():
         rows += simulate(ranks, load, trace, seed, PROCESS_COST_SCALE)
     return rows
+
+
+def _run_progress(
+    progress: Callable[[str], None], ranks: int, mode: str, repeat: int, repeats: int
+) -> Callable[[str], None]:
+    """What one run of ``mode`` says as it starts each load (bound here, not to the loop's variables)."""
+    return lambda load: progress(
+        f"processes: {ranks} ranks, {mode}, {load} load "
+        f"({PROCESS_LOADS[load] * ranks:.1f} req/s), run {repeat + 1} of {repeats}"
+    )
 
 
 def _run_mode(

@@ -46,7 +46,7 @@ def poisson_trace(rate_per_s: float, duration_s: float, seed: int) -> list[Trace
     arrivals = np.sort(rng.uniform(0, duration_s, count))
     prompts = rng.integers(64, 1025, count)
     outputs = rng.integers(16, 129, count)
-    return [TraceRequest(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs)]
+    return [TraceRequest(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs, strict=True)]
 
 
 @dataclass
@@ -65,7 +65,8 @@ class GroupFull(Exception):
 
     def __init__(self, req: _Req) -> None:
         super().__init__(
-            f"no rank has KV room for a {req.trace.prompt_tokens}+{req.trace.output_tokens}-token request; shorten the trace"
+            f"no rank has KV room for a {req.trace.prompt_tokens}+{req.trace.output_tokens}-token request; shorten the "
+            "trace"
         )
 
 
@@ -195,7 +196,7 @@ class GroupSimulation:
         if all(a == "none" for a in actions):  # only the window holds work: wait for it
             self.now = max(self.now, (self.window.due_at() if self.window else None) or self.now) + 1e-6
             return
-        costs = [self._cost(rank, action) for rank, action in zip(self.ranks, actions)]
+        costs = [self._cost(rank, action) for rank, action in zip(self.ranks, actions, strict=True)]
         duration = max(costs)
         self.all_rank_steps += len(actions)
         self.all_idle_steps += actions.count("idle")
@@ -203,7 +204,7 @@ class GroupSimulation:
             self._account(actions, costs, duration)
         end = self.now + duration
         self.step_ends = end
-        for rank, action in zip(self.ranks, actions):
+        for rank, action in zip(self.ranks, actions, strict=True):
             self._apply(rank, action, end)
         self.now = end
 
@@ -212,7 +213,7 @@ class GroupSimulation:
         self.idle_steps += actions.count("idle")
         self.rank_time_s += duration * len(actions)
         self.idle_time_s += duration * actions.count("idle")
-        self.busy_time_s += sum(c for c, a in zip(costs, actions) if a in ("prefill", "decode"))
+        self.busy_time_s += sum(c for c, a in zip(costs, actions, strict=True) if a in ("prefill", "decode"))
 
     def _plan(self, index: int, rank: _Rank) -> StepPlan:
         if not rank.queued:
@@ -230,7 +231,8 @@ class GroupSimulation:
         )
 
     def _prefill_batch(self, rank: _Rank) -> list[_Req]:
-        batch, tokens = [], 0
+        batch: list[_Req] = []
+        tokens = 0
         for req in rank.queued:
             if batch and tokens + req.trace.prompt_tokens > PREFILL_TOKEN_BUDGET:
                 break

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
 from splitbus.masking import mask_url
 
 if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
     from splitbus.api.config import ApiConfig
+    from splitbus.api.server import GuardedHttpToolsProtocol
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -120,11 +126,43 @@ def run(args: argparse.Namespace, env: Env) -> int:
     redis = mask_url(config.bus.redis_url)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
     app = create_app(config)
-    uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
+    with _failure_exit_kept(app):
+        uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
     return int(app.state.exit_code)
 
 
-def server_options(config: ApiConfig) -> dict[str, object]:
+@contextlib.contextmanager
+def _failure_exit_kept(app: Starlette) -> Iterator[None]:
+    """uvicorn raises the signal that stopped it again once it has shut down, so that the process
+    ends by it. After a background loop's failure that signal is the API's own SIGTERM (see
+    splitbus/api/state.py): its repeat is dropped here, so that ``run`` returns the exit code the
+    app kept (``EXIT_FATAL``), not death by SIGTERM. A stop from outside (exit code 0) still ends
+    the process by its signal, as it always did."""
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        if not app.state.exit_code:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class ServerOptions(TypedDict):
+    """The keyword arguments ``server_options`` gives ``uvicorn.run``, typed so that mypy checks
+    each against uvicorn's own signature."""
+
+    log_level: str
+    loop: str
+    http: type[GuardedHttpToolsProtocol]
+    timeout_keep_alive: int
+    backlog: int
+
+
+def server_options(config: ApiConfig) -> ServerOptions:
     """uvicorn's options: its HTTP protocol with a header deadline (uvicorn has none; see
     splitbus/api/server.py), idle keep-alive connections closed after 5 s (uvicorn's default,
     said here because the slow-loris bound relies on it), and a listen backlog that absorbs

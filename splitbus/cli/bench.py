@@ -72,7 +72,10 @@ def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
     serve.add_argument(
         "--base-url",
         default=None,
-        help="measure this deployment (default: start splitbus up --engine sim and compare it with the engine driven directly)",
+        help=(
+            "measure this deployment "
+            "(default: start splitbus up --engine sim and compare it with the engine driven directly)"
+        ),
     )
     serve.add_argument("--api-key", default="", help="Bearer key for --base-url")
     serve.add_argument("--model", default="tiny", help="served model name (default %(default)s)")
@@ -252,7 +255,8 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
 
 def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
-    from splitbus.bench.serve import ServeConfig, TargetError, run_serve_bench
+    from splitbus.bench.serve import TargetError, run_serve_bench
+    from splitbus.bench.serve_trace import ServeConfig
 
     config = _config(
         "serve",

@@ -56,9 +56,10 @@ def run(args: argparse.Namespace, env: Env) -> int:
         finally:
             await client.aclose()
 
+    failures: tuple[type[BaseException], ...] = (ValueError, TimeoutError, *TRANSIENT_ERRORS)
     try:
         reply = asyncio.run(send())
-    except (ValueError, TimeoutError, *TRANSIENT_ERRORS) as exc:
+    except failures as exc:
         say(f"splitbus ctl: {mask_text(str(exc))}")
         return 2
     if reply.ok and args.cmd == "get_metrics":

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -58,7 +58,7 @@ def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
     """The registry's live set (a worker whose lease lapsed stays there until a reaper takes it),
     then the workers a reaper marked dead (``state`` = dead, kept an hour). A worker that stopped
     cleanly has no record left: its task stream, also kept an hour, belongs to an earlier run."""
-    listed = list(client.zrange(keys.workers, 0, -1))
+    listed = cast("list[str]", client.zrange(keys.workers, 0, -1))  # the client decodes replies
     records = client.scan_iter(match=keys.worker("*").replace("{*}", "*"), count=1000)
     dead = sorted(key.partition("{")[2].rstrip("}") for key in records if client.hget(key, "state") == "dead")
     return listed + [wid for wid in dead if wid not in listed]
@@ -99,7 +99,7 @@ def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
         oldest = None
         if pending:
             first = client.xpending_range(name, group["name"], "-", "+", 1)
-            oldest = now_ms - int(first[0]["message_id"].split("-")[0]) if first else None
+            oldest = now_ms - int(str(first[0]["message_id"]).split("-")[0]) if first else None
         row["groups"].append(
             {
                 "group": group["name"],
@@ -124,13 +124,15 @@ def _link(client: redis.Redis, key: str) -> dict[str, Any]:
 
 def render(status: dict[str, Any]) -> str:
     lines = [
-        f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} {'FREE/TOTAL KV':>15}"
+        f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} "
+        f"{'FREE/TOTAL KV':>15}"
     ]
     for w in status["workers"]:
         dp = f"{w['dp_group']}/{w['dp_rank']}" if w["dp_group"] else "-"
         lease = f"{w['lease_ms'] / 1000:.1f}s" if w["alive"] else "DEAD"
         lines.append(
-            f"{w['id']:<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} {w['queued_prefill_tokens']:>11} "
+            f"{w['id']:<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} "
+            f"{w['queued_prefill_tokens']:>11} "
             f"{w['free_kv_blocks']:>7}/{w['total_kv_blocks']:<7}"
         )
     lines += ["", f"{'STREAM':<40} {'LENGTH':>7} {'GROUP':<11} {'PENDING':>7} {'LAG':>5} {'OLDEST PENDING':>14}"]

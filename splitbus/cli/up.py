@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
             model = args.model or default_model(args.data_dir, args.engine)
             _start_parts(supervisor, args, url, model, counts)
             check = _watcher(supervisor, server, noted)
-            why = _wait_ready(check, args) or _announce(args, env, url, model, server) or wait_for_stop(check, 0.1)
+            why = _serve(check, args, env, url, model, server)
         except (RedisServerError, ValueError, ImportError) as exc:
             say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
             why = "error"
@@ -258,6 +258,22 @@ def _redis_gone(server: EmbeddedRedis | None) -> str | None:
     if server is None or server.alive():
         return None
     return f"the embedded Redis exited; its log: {server.log_path}"
+
+
+def _serve(
+    check: Callable[[], str | None],
+    args: argparse.Namespace,
+    env: Env,
+    url: str,
+    model: Path,
+    server: EmbeddedRedis | None,
+) -> str:
+    """Wait for the API, say where everything is, then run until told to stop; returns why it stopped."""
+    never_ready = _wait_ready(check, args)
+    if never_ready:
+        return never_ready
+    _announce(args, env, url, model, server)
+    return wait_for_stop(check, 0.1)
 
 
 def _wait_ready(check: Callable[[], str | None], args: argparse.Namespace) -> str | None:

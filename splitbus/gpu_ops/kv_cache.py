@@ -7,8 +7,13 @@ the scratch block that padding may write to.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import paddle
+
+KVDtype = Literal["float32", "float16", "bfloat16"]
+"""Element types a KV pool may hold (paddle's names for them)."""
 
 
 class BlockAllocator:
@@ -35,7 +40,7 @@ class BlockAllocator:
 
 class PagedKVCache:
     def __init__(
-        self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: str = "float32"
+        self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: KVDtype = "float32"
     ) -> None:
         self.layers, self.block_size = layers, block_size
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype

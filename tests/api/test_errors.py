@@ -100,6 +100,15 @@ def test_worker_error_before_any_token_keeps_its_status(api: ApiProcess) -> None
     assert _error(streamed, 500)["code"] == "scripted"
 
 
+def test_worker_429_reaches_the_client_as_429(api: ApiProcess) -> None:
+    # Over HTTP what the unit test below checks in-process: before TooManyRequests took a code,
+    # a worker's 429 raised TypeError in the API and its client got a 500.
+    response = _post(api, "/completions", {"model": "tiny", "prompt": "[fail:429]"})
+    error = _error(response, 429)
+    assert error["type"] == "rate_limit_error" and error["code"] == "scripted"
+    assert response.headers["retry-after"] == "1"
+
+
 def test_request_past_its_deadline_is_504_and_cancelled(api: ApiProcess, responder: Responder) -> None:
     # The module's API runs with --request-timeout 5 (+2 s grace for the worker's own error).
     response = _post(api, "/completions", {"model": "tiny", "prompt": "[silent]"})

@@ -221,7 +221,7 @@ def test_stalled_big_uploads_hold_bounded_memory_and_leave_room_for_others(patie
         sender.join(10)  # refused ones end at once, read ones when the server took all but 100 bytes
     statuses = [_peek_status(s) for s in socks]
     _normal_request_works(api)
-    replies = [_response(s) for s, status in zip(socks, statuses) if status is None]
+    replies = [_response(s) for s, status in zip(socks, statuses, strict=True) if status is None]
     grown = _rss_bytes(api, "VmHWM") - before  # the peak, once the server read all it would read
     assert grown < 60 * 2**20, f"RSS peaked {grown / 2**20:.0f} MiB above where it was"
     assert statuses.count(429) == 40 - 8 and statuses.count(None) == 8, statuses

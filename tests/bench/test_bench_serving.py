@@ -4,6 +4,7 @@ request got, never timings."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from splitbus.bench import scheduler as scheduler_bench
-from splitbus.bench.serve import RequestResult, ServeConfig, make_trace, summarize
+from splitbus.bench.serve_trace import RequestResult, ServeConfig, make_trace, summarize
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 
@@ -166,7 +167,7 @@ def test_the_trace_is_seeded_and_lengths_stay_in_range() -> None:
     trace = make_trace(config, 10.0)
     assert trace == make_trace(config, 10.0)
     assert all(50 <= len(t.prompt_token_ids) <= 150 and 10 <= t.max_tokens <= 30 for t in trace)
-    assert trace[0].arrival_s == 0.0 and all(a.arrival_s <= b.arrival_s for a, b in zip(trace, trace[1:]))
+    assert trace[0].arrival_s == 0.0 and all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(trace))
     assert all(t.arrival_s == 0.0 for t in make_trace(config, float("inf")))
 
 

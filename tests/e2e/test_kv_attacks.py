@@ -137,7 +137,8 @@ async def outcome(r: aioredis.Redis, bus: BusConfig, request_id: str) -> tuple[s
     text, last_id = "", "0"
     for _ in range(60):
         for _, entries in await r.xread({bus.keys.out(request_id): last_id}, block=1000) or []:
-            for last_id, fields in entries:
+            for entry_id, fields in entries:
+                last_id = entry_id  # the next XREAD goes on after it
                 entry = codec.decode(fields)
                 text += getattr(entry, "text", "")
                 if isinstance(entry, (Finished, Failed)):
