@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from splitbus.tokenization import ModelFilesError
 
-KV_DTYPE = "float32"
+KV_DTYPE: Final = "float32"
 """The KV cache's dtype: the model computes in float32 (bf16 and fp16 weights are converted as
 they load), so its K and V are float32. Sizing (``kv_blocks``) and the cache (``new_cache``) both
 read it."""
