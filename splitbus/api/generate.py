@@ -27,6 +27,7 @@ from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
 from splitbus.bus.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
+from splitbus.bus.requests import submit
 from splitbus.bus.results import Subscription
 from splitbus.tokenization import ModelTokenizer
 from splitbus.tokenization.tokenizer import ChatTemplateError
@@ -174,7 +175,7 @@ class Generation:
         self.sub = await self.state.reader.subscribe(self.request_id)
         self.sub.expire_at(asyncio.get_running_loop().time() + self.state.config.request_timeout_s + DEADLINE_GRACE_S)
         try:
-            await self.state.producer.send(self.state.config.bus.keys.requests, self.message())
+            await submit(self.state.producer, self.state.config.bus.keys, self.message())
         except TRANSIENT_ERRORS as exc:
             raise ServiceUnavailable(f"Redis is unreachable: {exc}") from None
         metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))

@@ -18,6 +18,7 @@ from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.loops import Loops
 from splitbus.bus.registry import Registry, RegistryView
+from splitbus.bus.requests import backlog
 from splitbus.bus.results import ResultReader
 from splitbus.bus.streams import Producer
 from splitbus.tokenization import ModelTokenizer
@@ -54,7 +55,7 @@ class ApiState:
     async def read_backlog(self) -> None:
         """The request stream's length, read at the registry's pace (never per request)."""
         with contextlib.suppress(*TRANSIENT_ERRORS):
-            self.backlog = int(await self.redis.xlen(self.config.bus.keys.requests))
+            self.backlog = await backlog(self.redis, self.config.bus.keys)
 
     async def close(self) -> None:
         self.workers.stop()

@@ -32,12 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
 from splitbus.bus import codec
 from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
+from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.scripts import LuaScript, declare
 
@@ -53,9 +54,8 @@ NOT_OURS = ALREADY_ACKED
 Arg = bytes | str | int
 """A script argument."""
 
-REAPING_TTL_S = 60
-"""How long ``sb:reaping:{worker}`` (``SET NX``) keeps other reapers off a dead worker whose tasks
-one replica redispatches; a worker that rejoins takes the same mark, so no reaper starts then."""
+MAX_HANDOFF_BYTES = 4 * 64
+"""A task's hand-off id is at most 64 characters (``Task``), so at most this many bytes."""
 
 _DISPATCH = declare(
     LuaScript(
@@ -172,3 +172,33 @@ class DispatchScript:
             return int(await self._batcher.call("evalsha", self._script.sha, len(keys), *keys, *args))
         except NoScriptError:
             return int(await self._script(keys=keys, args=args))
+
+
+class CurrentDispatch:
+    """Reads of ``sb:current:{request}``, the hand-off id of the request's current dispatch (the
+    script above writes it). The id is only compared with a task's, so it stays bytes."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self._redis = redis
+        self._keys = keys
+
+    async def read(self, request_id: str) -> bytes | None:
+        """The request's current hand-off id; None if none is known (none yet, or its TTL ran out)."""
+        return self.parse(await self._redis.get(self._keys.current(request_id)))
+
+    def queue_read(self, pipe: Pipeline, request_id: str) -> None:
+        """Add the read to a pipeline that goes out anyway; its reply is for ``parse``."""
+        pipe.get(self._keys.current(request_id))
+
+    @staticmethod
+    def parse(reply: object) -> bytes | None:
+        """A GET reply as a hand-off id. A value longer than any task's id is cut just past that
+        length: it still equals no task's id (so it reads as another dispatch's, as uncut), and
+        no caller holds more of it. A client that decodes replies gives str: encoded back."""
+        if reply is None:
+            return None
+        if isinstance(reply, str):
+            reply = reply.encode()
+        if not isinstance(reply, bytes):
+            raise TypeError(f"sb:current holds a {type(reply).__name__}, not a string")
+        return reply[: MAX_HANDOFF_BYTES + 1]

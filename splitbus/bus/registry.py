@@ -19,12 +19,15 @@ from redis.asyncio.client import Pipeline
 from splitbus import __version__
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
+from splitbus.bus.messages._check import MAX_NAME_CHARS
 from splitbus.bus.replies import SnapshotReply
 from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
+MAX_ENDPOINT_BYTES = 4 * MAX_NAME_CHARS
+"""A transfer endpoint a reservation may name is at most ``MAX_NAME_CHARS`` characters."""
 
 _HEARTBEAT = declare(
     LuaScript(
@@ -243,6 +246,34 @@ class Registry:
         pipe.hset(key, mapping={"state": "dead", **{f.name: "0" for f in dataclasses.fields(Reserved)}})
         self._expire_own(pipe, worker_id)
         await pipe.execute()
+
+    async def is_dead(self, worker_id: str) -> bool:
+        """Whether a reaper marked the worker dead (``mark_dead``) and its record is still kept."""
+        return self.dead(await self._redis.hget(self._keys.worker(worker_id), "state"))
+
+    def queue_dead(self, pipe: Pipeline, worker_id: str) -> None:
+        """Add ``is_dead``'s read to a pipeline that goes out anyway; its reply is for ``dead``."""
+        pipe.hget(self._keys.worker(worker_id), "state")
+
+    @staticmethod
+    def dead(reply: object) -> bool:
+        """A ``queue_dead`` reply: the record's ``state`` is ``dead``."""
+        return reply == b"dead"
+
+    def queue_endpoint_and_lease(self, pipe: Pipeline, worker_id: str) -> None:
+        """Add two reads to a pipeline that goes out anyway: the worker's registered transfer
+        endpoint (its reply is for ``endpoint``), then whether it holds its lease (truthy)."""
+        pipe.hget(self._keys.worker(worker_id), "transfer_endpoint")
+        pipe.exists(self._keys.lease(worker_id))
+
+    @staticmethod
+    def endpoint(reply: object) -> str:
+        """A registered transfer endpoint from a ``queue_endpoint_and_lease`` reply; "" if there
+        is none, or it is not one (not a string, or longer than any endpoint a reservation may
+        name, so it could match none)."""
+        if not isinstance(reply, bytes) or len(reply) > MAX_ENDPOINT_BYTES:
+            return ""
+        return reply.decode(errors="replace")
 
     async def deregister(self, worker_id: str) -> None:
         """Remove a worker that is shutting down cleanly (its lease and record go at once; its

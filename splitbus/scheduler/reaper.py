@@ -25,19 +25,19 @@ import redis.asyncio as aioredis
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
-from splitbus.bus.dispatch import REAPING_TTL_S
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.messages import Task
+from splitbus.bus.reaping import Reaping
 from splitbus.bus.registry import Registry, RegistryView
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.bus.tasks import task_consumer
 from splitbus.scheduler.dispatch import Dispatcher
 from splitbus.scheduler.placement import Local
 from splitbus.scheduler.policies import NoPlacement, Policy
 
 log = logging.getLogger(__name__)
-MOVED_TTL_S = 3600
 
 
 class Reaper:
@@ -56,6 +56,8 @@ class Reaper:
         self.view, self.policy, self.dispatcher, self.local = view, policy, dispatcher, local
         self.registry = Registry(redis, config)
         self.reservations = Reservations(redis, config.keys)
+        self.reaping = Reaping(redis, config.keys)
+        self.current = CurrentDispatch(redis, config.keys)
         self.writer = ResultWriter(redis, config)
 
     async def reap_dead(self) -> None:
@@ -80,9 +82,9 @@ class Reaper:
     async def reap(self, worker_id: str) -> int:
         """Move every task of a dead worker; returns how many there were (0 if another replica
         is on it)."""
-        if not await self.redis.set(self.keys.reaping(worker_id), self.name, nx=True, ex=REAPING_TTL_S):
+        if not await self.reaping.take(worker_id, self.name):
             return 0
-        stream = GroupConsumer(self.redis, self.config, self.keys.tasks(worker_id), WORKER_GROUP, f"reaper.{self.name}")
+        stream = task_consumer(self.redis, self.config, worker_id, f"reaper.{self.name}")
         await stream.ensure_group()
         read = await stream.read(100_000, block_ms=0) + await stream.claim_idle(100_000, min_idle_ms=0)
         tasks = list({d.entry_id: d for d in read}.values())  # what it read, claimed again too: once
@@ -121,8 +123,7 @@ class Reaper:
     async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> str:
         """Write the new tasks; returns "" on success, else why the request ends here."""
         request = task.request
-        moves = await self.redis.incr(self.keys.moved(request.request_id))
-        await self.redis.expire(self.keys.moved(request.request_id), MOVED_TTL_S)
+        moves = await self.reaping.count_move(request.request_id)
         if moves > self.config.max_deliveries:
             return f"the request failed on {moves} workers"
         if len(sent.tokens) >= request.sampling.max_tokens:
@@ -150,7 +151,7 @@ class Reaper:
         request two live dispatches. The dispatch script checks this again, atomically."""
         if not task.handoff:  # written before hand-off ids: nothing to compare
             return False
-        current = await self.redis.get(self.keys.current(task.request.request_id))
+        current = await self.current.read(task.request.request_id)
         return current is not None and current != task.handoff.encode()
 
     def fail_or_finish(self, request_id: str, sent: Sent, outcome: str) -> None:

@@ -25,12 +25,12 @@ from typing import TypeVar
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect, is_transient, transient_suppressed, until_done
-from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.loops import EXIT_FATAL, Loops
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, Reserved, SchedulerLease
+from splitbus.bus.requests import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
+from splitbus.bus.streams import Delivery
 from splitbus.scheduler import metrics, policies
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, Dispatcher
@@ -59,9 +59,7 @@ class Scheduler:
         self.config = config
         bus: BusConfig = config.bus
         self.redis = connect(bus, max_connections=8, name=config.name)
-        self.requests = GroupConsumer(
-            self.redis, bus, bus.keys.requests, SCHEDULER_GROUP, config.name, on_dead=self.fail_dead
-        )
+        self.requests = request_consumer(self.redis, bus, config.name, on_dead=self.fail_dead)
         self.registry = Registry(self.redis, bus)
         self.lease = SchedulerLease(self.redis, bus, config.name, config.lease_ms)
         self._leased = False
@@ -273,7 +271,7 @@ class Scheduler:
 
     async def trim_requests(self) -> None:
         """Delete request entries every replica has acked: the stream stays as long as its backlog."""
-        await trim_consumed(self.redis, self.config.bus.keys.requests)
+        await trim_requests(self.redis, self.config.bus.keys)
 
     async def renew_lease(self) -> None:
         """Renew this replica's lease, apart from the scheduling loop (a slow step keeps it)."""

@@ -8,9 +8,9 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from splitbus.bus.control import CommandFailed, ControlServer, Handler
-from splitbus.bus.keys import WORKER_GROUP, Keys
+from splitbus.bus.keys import Keys
 from splitbus.bus.registry import Registry, WorkerLoad
-from splitbus.bus.streams import unread
+from splitbus.bus.tasks import unread_tasks
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.links import PeerLinks
@@ -69,7 +69,7 @@ async def get_payload(worker: ControlledWorker) -> dict[str, Any]:
         "max_batch_size": c.max_requests,
         "max_prefill_tokens": c.max_prefill_tokens,
         "max_input_length": worker.tokenizer.context_length,
-        "unhandled_requests": await unread(worker.redis, worker.keys.tasks(worker.id), WORKER_GROUP)
+        "unhandled_requests": await unread_tasks(worker.redis, worker.keys, worker.id)
         + worker.requests.count(Status.QUEUED),
         "dp_group": c.dp_group,
         "dp_rank": c.dp_rank,
@@ -103,7 +103,7 @@ async def connect_rdma(worker: ControlledWorker, args: dict[str, Any]) -> dict[s
         "state": "connected",
         "decode_worker": decode_worker,
         "endpoint": endpoint,
-        "key": worker.keys.rdma(worker.id, decode_worker),
+        "key": worker.links.records.key(decode_worker),
     }
 
 

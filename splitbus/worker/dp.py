@@ -25,25 +25,21 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
-from typing import cast
 
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.dp import PlanStream
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
-from splitbus.bus.streams import GroupConsumer
+from splitbus.bus.tasks import task_consumer
 from splitbus.worker import engines, metrics
 from splitbus.worker.requests import Status
 from splitbus.worker.stepper import StepParts
 
 log = logging.getLogger(__name__)
-StreamReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
-"""XREAD's reply on a client that does not decode: [(stream, [(entry id, fields)])]."""
-PLANS_KEPT = 2000
 IDLE_WAIT_S = 0.5
 EXIT_GROUP_BROKEN = 3
 """The exit code of a rank that left its broken group (``splitbus up`` restarts the group)."""
@@ -114,7 +110,7 @@ class GroupBarrier:
         self, redis: aioredis.Redis, config: BusConfig, group: str, rank: int, size: int, timeout_s: float
     ) -> None:
         self._redis = redis
-        self._key = config.keys.dp(group)
+        self._stream = PlanStream(redis, config.keys, group)
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
         self.epoch = 0
         self._last_id = "0-0"
@@ -152,17 +148,12 @@ class GroupBarrier:
 
     async def _join(self, epoch_ms: int) -> None:
         self.begin(epoch_ms)
-        await self._redis.xadd(self._key, {"epoch": epoch_ms, "join": self.rank}, maxlen=PLANS_KEPT, approximate=True)
+        await self._stream.join(epoch_ms, self.rank)
 
     async def exchange(self, step: int, plan: StepPlan, pipe: Pipeline | None = None) -> list[StepPlan]:
         """Post this rank's plan (with whatever ``pipe`` already holds) and wait for every rank's."""
         pipe = pipe if pipe is not None else self._redis.pipeline(transaction=False)
-        pipe.xadd(
-            self._key,
-            {"epoch": self.epoch, "step": step, "plan": orjson.dumps(asdict(plan))},
-            maxlen=PLANS_KEPT,
-            approximate=True,
-        )
+        self._stream.queue_plan(pipe, self.epoch, step, orjson.dumps(asdict(plan)))
         await pipe.execute()
         await self._wait_for_all(self._seen, step, "reach")
         plans = [self._seen[step][r] for r in range(self.size)]
@@ -173,9 +164,7 @@ class GroupBarrier:
     async def finish(self, step: int) -> None:
         """Return once every rank has finished its forward of ``step``: the collective end of a
         step that EP's all-to-all gives real forwards, for engines that have no EP to do it."""
-        await self._redis.xadd(
-            self._key, {"epoch": self.epoch, "done": step, "rank": self.rank}, maxlen=PLANS_KEPT, approximate=True
-        )
+        await self._stream.done(self.epoch, step, self.rank)
         await self._wait_for_all(self._done, step, "finish")
         for old in [s for s in self._done if s <= step]:
             del self._done[old]
@@ -196,7 +185,7 @@ class GroupBarrier:
 
     async def nudge(self) -> None:
         """Wake the ranks of an idle group: this one has work."""
-        await self._redis.xadd(self._key, {"epoch": self.epoch, "wake": self.rank}, maxlen=PLANS_KEPT, approximate=True)
+        await self._stream.wake(self.epoch, self.rank)
 
     async def wait_for_news(self, timeout_s: float) -> None:
         """While the group is idle: return when a rank posts to the group (a plan or a nudge),
@@ -204,18 +193,18 @@ class GroupBarrier:
         await self._read(timeout_s)
 
     async def _read(self, block_s: float) -> None:
-        reply = await self._redis.xread({self._key: self._last_id}, count=1000, block=max(1, int(block_s * 1000)))
-        for _, entries in cast(StreamReply, reply or []):  # redis-py types replies loosely; XREAD's shape
-            for entry_id, fields in entries:
-                self._last_id = entry_id.decode()
-                if int(fields[b"epoch"]) == self.epoch and b"done" in fields:
-                    self._done.setdefault(int(fields[b"done"]), set()).add(int(fields[b"rank"]))
-                elif int(fields[b"epoch"]) == self.epoch and b"plan" in fields:
-                    plan = StepPlan.from_json(fields[b"plan"])
-                    self._seen.setdefault(int(fields[b"step"]), {})[plan.rank] = plan
-                elif int(fields[b"epoch"]) == self.epoch and b"join" in fields:
-                    self._joined.add(int(fields[b"join"]))
-                    self._joined &= set(range(self.size))  # a rank this group does not have forms nothing
+        self._last_id, posts = await self._stream.read(self._last_id, block_s)
+        for post in posts:
+            if post.epoch != self.epoch:
+                continue
+            if post.kind == "done":
+                self._done.setdefault(post.step, set()).add(post.rank)
+            elif post.kind == "plan":
+                plan = StepPlan.from_json(post.plan)
+                self._seen.setdefault(post.step, {})[plan.rank] = plan
+            elif post.kind == "join":
+                self._joined.add(post.rank)
+                self._joined &= set(range(self.size))  # a rank this group does not have forms nothing
 
 
 @dataclass
@@ -405,7 +394,7 @@ class DpStepper:
         ]
         redis, bus = self.parts.redis, self.config.bus
         for worker_id in dead:
-            stream = GroupConsumer(redis, bus, bus.keys.tasks(worker_id), WORKER_GROUP, self.id)
+            stream = task_consumer(redis, bus, worker_id, self.id)
             orphans = await stream.read(10_000, block_ms=0) + await stream.claim_idle(10_000, min_idle_ms=0)
             for delivery in orphans:
                 if isinstance(delivery.message, Task):

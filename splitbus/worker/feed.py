@@ -14,7 +14,8 @@ from splitbus.bus.connection import is_transient
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
-from splitbus.bus.streams import Delivery, GroupConsumer, trim_consumed
+from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.bus.tasks import trim_tasks
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
@@ -282,7 +283,7 @@ class TaskFeed:
     async def trim_tasks(self) -> None:
         """Delete this worker's task entries once acked (never an unacked one)."""
         await asyncio.sleep(TRIM_EVERY_S)
-        await trim_consumed(self.redis, self.keys.tasks(self.id))
+        await trim_tasks(self.redis, self.keys, self.id)
 
 
 def _entry_order(entry_id: str) -> tuple[int, int]:

@@ -22,7 +22,9 @@ from typing import Any
 
 from splitbus.bus.aio import cancel_and_wait
 from splitbus.bus.connection import is_transient, transient_suppressed
+from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.messages import Task
+from splitbus.bus.registry import Registry
 from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
@@ -65,6 +67,8 @@ class HandOff:
         self.table, self.engine, self.wake = shared.table, shared.engine, shared.wake
         self.publisher, self.cancellation, self.links, self.lapsed = publisher, cancellation, links, lapsed
         self.reservations = Reservations(self.redis, self.keys)
+        self.registry = Registry(self.redis, shared.config.bus)
+        self.current = CurrentDispatch(self.redis, self.keys)
 
     async def hand_off(self, seq: Sequence) -> None:
         """Ship the cache, then ack (or fail) the task; the request leaves the table."""
@@ -176,12 +180,12 @@ class HandOff:
         come back and keep its tasks (docs/reliability.md). Redis refusing: undecided."""
         with transient_suppressed("checking a decode worker's liveness"):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hget(self.keys.worker(seq.task.peer), "state")
-            pipe.get(self.keys.current(seq.request_id))
+            self.registry.queue_dead(pipe, seq.task.peer)
+            self.current.queue_read(pipe, seq.request_id)
             state, current = await pipe.execute()
-            if state == b"dead":
+            if self.registry.dead(state):
                 return f"decode worker {seq.task.peer} is dead (reaped)"
-            return dispatched_again(seq, current)
+            return dispatched_again(seq, self.current.parse(current))
         return None
 
     async def transfer_failed(self, seq: Sequence, exc: Exception) -> None:
@@ -245,12 +249,16 @@ class HandOff:
         the request's current hand-off id), in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         self.reservations.queue_read(pipe, seq.request_id)
-        pipe.hget(self.keys.worker(seq.task.peer), "transfer_endpoint")
-        pipe.exists(self.keys.lease(seq.task.peer))
-        pipe.get(self.keys.current(seq.request_id))
+        self.registry.queue_endpoint_and_lease(pipe, seq.task.peer)
+        self.current.queue_read(pipe, seq.request_id)
         reservation, registered, peer_alive, current = await pipe.execute()
-        endpoint = (registered or b"").decode(errors="replace")
-        return self.reservations.parse(seq.request_id, reservation), endpoint, bool(peer_alive), current
+        endpoint = self.registry.endpoint(registered)
+        return (
+            self.reservations.parse(seq.request_id, reservation),
+            endpoint,
+            bool(peer_alive),
+            self.current.parse(current),
+        )
 
     def _endpoint_mismatch(self, seq: Sequence, endpoint: str, registered: str) -> str:
         why = (

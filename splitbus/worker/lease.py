@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.dispatch import REAPING_TTL_S
+from splitbus.bus.reaping import Reaping
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.worker.config import WorkerConfig
 
@@ -43,6 +43,7 @@ class Lease:
             registry,
         )
         self.record, self.drop_moved, self.lock = record, drop_moved, lock
+        self.reaping = Reaping(redis, self.keys)
         self.last_beat = 0.0  # monotonic time of the last heartbeat Redis took (before its call)
 
     async def heartbeat(self) -> None:
@@ -80,23 +81,22 @@ class Lease:
         again. Runs under the publish lock: no late write goes out before this is settled."""
         if not self.lapsed():
             return
-        key = self.keys.reaping(self.id)
         log.warning(
             "worker %s: no heartbeat for %.1f s, more than its lease; rejoining",
             self.id,
             time.monotonic() - self.last_beat,
         )
-        if not await self.redis.set(key, f"{self.id}:rejoining", nx=True, ex=REAPING_TTL_S):
+        if not await self.reaping.take(self.id, f"{self.id}:rejoining"):
             await self.wait_until_reaped()
             await self.drop_moved()
         await self.beat()
-        await self.redis.expire(key, REJOIN_HOLD_S)
+        await self.reaping.hold(self.id, REJOIN_HOLD_S)
         log.warning("worker %s rejoined the live set", self.id)
 
     async def wait_until_reaped(self) -> None:
         deadline = time.monotonic() + REAPED_WAIT_S
         while time.monotonic() < deadline:
-            if await self.redis.hget(self.keys.worker(self.id), "state") == b"dead":
+            if await self.registry.is_dead(self.id):
                 return
             await asyncio.sleep(0.05)
         log.warning("worker %s: its reaper did not finish within %.0f s; dropping what it took", self.id, REAPED_WAIT_S)

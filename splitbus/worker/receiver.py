@@ -8,6 +8,8 @@ import logging
 import time
 
 from splitbus.bus.connection import transient_suppressed
+from splitbus.bus.dispatch import CurrentDispatch
+from splitbus.bus.reaping import Reaping
 from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.worker.handoff import dispatched_again, meta_problem
 from splitbus.worker.publisher import Publisher
@@ -27,6 +29,7 @@ class Receiver:
         self.config, self.id, self.redis, self.keys = shared.config, shared.id, shared.redis, shared.config.bus.keys
         self.table, self.engine, self.loops, self.wake = shared.table, shared.engine, shared.loops, shared.wake
         self.publisher, self.reservations = publisher, reservations
+        self.current, self.reaping = CurrentDispatch(self.redis, self.keys), Reaping(self.redis, self.keys)
         self.endpoint = ""
         """This worker's transfer endpoint (set once its server listens), named in each reservation."""
 
@@ -112,9 +115,9 @@ class Receiver:
         A task from before hand-off ids: unless the reaper ever moved it."""
         with transient_suppressed("checking for a moved request"):
             if seq.task.handoff:
-                moved = bool(dispatched_again(seq, await self.redis.get(self.keys.current(seq.request_id))))
+                moved = bool(dispatched_again(seq, await self.current.read(seq.request_id)))
             else:
-                moved = bool(await self.redis.exists(self.keys.moved(seq.request_id)))
+                moved = await self.reaping.ever_moved(seq.request_id)
             if moved:
                 self.publisher.retire(seq)
                 return

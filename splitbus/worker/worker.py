@@ -18,12 +18,11 @@ import asyncio
 import logging
 
 from splitbus.bus.connection import connect, transient_suppressed, until_done
-from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.loops import Loops
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.streams import GroupConsumer
+from splitbus.bus.tasks import task_consumer
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
@@ -70,9 +69,7 @@ class Worker:
     def _build_rooms(self, stepper: StepperFactory) -> None:
         config, redis = self.config, self.redis
         shared = Shared(config, redis, self.requests, self.engine, self.loops, self.wake, self.room)
-        self.tasks = GroupConsumer(
-            redis, config.bus, self.keys.tasks(self.id), WORKER_GROUP, self.id, on_dead=self._fail_dead_lettered
-        )
+        self.tasks = task_consumer(redis, config.bus, self.id, self.id, on_dead=self._fail_dead_lettered)
         self.reservations = Reservations(redis, self.keys)
         self.writer = ResultWriter(redis, config.bus)
         self.publisher = Publisher(

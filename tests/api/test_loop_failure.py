@@ -37,7 +37,7 @@ def test_api_exits_non_zero_when_a_background_loop_fails(
         redis_admin.delete(api.config.keys.requests)
     text = log.read_text()
     assert code == EXIT_FATAL, text
-    assert "api: read_backlog failed; stopping api" in text and "WRONGTYPE" in text, text
+    assert ": read_backlog failed; stopping the API" in text and "WRONGTYPE" in text, text
 
 
 def test_api_stopped_from_outside_still_ends_by_its_signal(redis_server: EmbeddedRedis, tiny_model: Path) -> None:

@@ -1,0 +1,110 @@
+"""A DP group's plan stream, ``sb:dp:{group}``: the ranks' lock-step barrier (worker/dp.py
+decides what a rank posts and when it steps; this module owns the stream and its entries).
+
+Every entry carries the group's ``epoch`` (the ms its ranks formed at) and one of: ``join``
+(a rank joined that epoch), ``step`` + ``plan`` (a rank's plan for a step, JSON), ``done`` +
+``rank`` (a rank finished a step's forward), ``wake`` (a rank of an idle group has work). The
+stream keeps the last ``PLANS_KEPT`` entries (approximately). An entry read is untrusted: one
+that is not of these shapes is skipped (logged), and its id still moves the cursor on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.typing import EncodableT, FieldT
+
+from splitbus.bus.keys import Keys
+from splitbus.bus.replies import XReadReply
+
+log = logging.getLogger(__name__)
+PLANS_KEPT = 2000
+MAX_PLAN_BYTES = 1 << 20
+"""A plan is a few small fields and the ids of the batches a rank holds: far less than this."""
+_MAX_INT_DIGITS = 19
+"""Epochs (ms), steps and ranks are non-negative and below 2**63."""
+
+Kind = Literal["join", "plan", "done", "wake"]
+
+
+@dataclass(frozen=True)
+class Post:
+    """One entry of the stream. ``rank``: for ``join``, ``done`` and ``wake``; ``step``: for
+    ``plan`` and ``done``; ``plan``: the plan's JSON (its rank is inside)."""
+
+    entry_id: str
+    epoch: int
+    kind: Kind
+    rank: int = -1
+    step: int = -1
+    plan: bytes = b""
+
+
+class PlanStream:
+    """``sb:dp:{group}``: what a rank posts, and the posts it reads."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, group: str) -> None:
+        self._redis = redis
+        self._key = keys.dp(group)
+
+    async def join(self, epoch: int, rank: int) -> None:
+        await self._add({"epoch": epoch, "join": rank})
+
+    def queue_plan(self, pipe: Pipeline, epoch: int, step: int, plan: bytes) -> None:
+        """Add the plan to a pipeline the caller sends (a rank's load report goes with it)."""
+        pipe.xadd(self._key, {"epoch": epoch, "step": step, "plan": plan}, maxlen=PLANS_KEPT, approximate=True)
+
+    async def done(self, epoch: int, step: int, rank: int) -> None:
+        await self._add({"epoch": epoch, "done": step, "rank": rank})
+
+    async def wake(self, epoch: int, rank: int) -> None:
+        await self._add({"epoch": epoch, "wake": rank})
+
+    async def _add(self, fields: dict[FieldT, EncodableT]) -> None:
+        await self._redis.xadd(self._key, fields, maxlen=PLANS_KEPT, approximate=True)
+
+    async def read(self, after: str, block_s: float) -> tuple[str, list[Post]]:
+        """Posts after entry id ``after``, waiting up to ``block_s`` for one (at most 1000);
+        returns the id to read after next time, and the readable posts."""
+        reply = await self._redis.xread({self._key: after}, count=1000, block=max(1, int(block_s * 1000)))
+        posts = []
+        for _, entries in cast(XReadReply, reply or []):  # redis-py types replies loosely; XREAD's shape
+            for entry_id, fields in entries:
+                after = entry_id.decode()
+                post = _post(after, fields)
+                if post is not None:
+                    posts.append(post)
+        return after, posts
+
+
+def _post(entry_id: str, fields: Mapping[bytes, bytes]) -> Post | None:
+    try:
+        return _parse(entry_id, fields)
+    except (KeyError, ValueError) as exc:
+        log.warning("skipping unreadable DP plan entry %s: %s", entry_id, exc)
+        return None
+
+
+def _parse(entry_id: str, fields: Mapping[bytes, bytes]) -> Post:
+    """The post in an entry's fields, tried in this order (as the barrier always read them)."""
+    epoch = _int(fields[b"epoch"])
+    if b"done" in fields:
+        return Post(entry_id, epoch, "done", rank=_int(fields[b"rank"]), step=_int(fields[b"done"]))
+    if b"plan" in fields:
+        if len(fields[b"plan"]) > MAX_PLAN_BYTES:
+            raise ValueError(f"a plan of {len(fields[b'plan'])} bytes")
+        return Post(entry_id, epoch, "plan", step=_int(fields[b"step"]), plan=fields[b"plan"])
+    if b"join" in fields:
+        return Post(entry_id, epoch, "join", rank=_int(fields[b"join"]))
+    return Post(entry_id, epoch, "wake", rank=_int(fields[b"wake"]))
+
+
+def _int(value: bytes) -> int:
+    if not value.isdigit() or len(value) > _MAX_INT_DIGITS:
+        raise ValueError(f"{value[:24]!r} is not a non-negative integer")
+    return int(value)
