@@ -23,18 +23,22 @@ class Status(enum.Enum):
     """In the engine's prefill step now."""
     AWAITING_KV = "awaiting_kv"
     """A decode task: blocks reserved in ``sb:kv``, waiting for its prefill worker's cache."""
+    IMPORTING = "importing"
+    """A decode task whose KV frame came: the engine takes the cache into its blocks now. Not
+    droppable: what takes it out of the table (its request moved here again) leaves the blocks
+    to the import, which lets the task go when it ends."""
     RUNNING = "running"
     """Decoding, one token per step."""
     HANDING_OFF = "handing_off"
     """Prefilled on a prefill worker: its cache on its way to the decode worker."""
 
 
-HELD = (Status.QUEUED, Status.AWAITING_KV, Status.RUNNING, Status.HANDING_OFF)
-"""What counts against ``max_requests`` and in the load: a batch in the engine's prefill step
-counts in neither (the load is reported without it while it runs)."""
+HELD = (Status.QUEUED, Status.AWAITING_KV, Status.IMPORTING, Status.RUNNING, Status.HANDING_OFF)
+"""What counts against ``max_requests``: a batch in the engine's prefill step does not (the load
+is reported without it while it runs)."""
 DROPPABLE = (Status.QUEUED, Status.AWAITING_KV, Status.RUNNING)
-"""What a cancel or a passed deadline takes out at once: a prefill or a hand-off in flight finds
-out itself when it ends (it checks that its request is still its own)."""
+"""What a cancel or a passed deadline takes out at once: a prefill, a hand-off or an import in
+flight finds out itself when it ends (it checks that its request is still its own)."""
 
 
 @dataclass
