@@ -128,6 +128,13 @@ class RequestTable:
         """Remove and return what is still PREFILLING (a request that moved meanwhile is not)."""
         return self._take_all(e for e in self._select((Status.PREFILLING,)))
 
+    def abort_prefill(self) -> list[Sequence]:
+        """The prefill did not end (Redis refused during it, or the worker stops): what is still
+        PREFILLING is QUEUED again, first in line, to be prefilled again (its blocks kept)."""
+        batch = {e.seq.request_id: _Entry(e.seq, Status.QUEUED) for e in self._select((Status.PREFILLING,))}
+        self._entries = {**batch, **{rid: e for rid, e in self._entries.items() if rid not in batch}}
+        return [e.seq for e in batch.values()]
+
     def kv_waits_past(self, now: float) -> list[Sequence]:
         """Remove and return the requests whose KV has not come by its deadline."""
         return self._take_all(e for e in self._select((Status.AWAITING_KV,)) if now > e.kv_deadline)

@@ -107,8 +107,10 @@ class EngineSteps:
         try:
             results = await self.run_engine(self.engine.prefill, batch)
             await self.settle()
-        finally:
-            still = self.table.end_prefill()
+        except BaseException:  # Redis refused (the loop waits it out): dropped here, the batch would be lost
+            self.table.abort_prefill()
+            raise
+        still = self.table.end_prefill()
         results = [(seq, token) for seq, token in results if any(s is seq for s in still)]  # not moved away meanwhile
         metrics.GENERATION_TOKENS.inc(len(results))
         for seq, token in results:
@@ -164,6 +166,8 @@ class EngineSteps:
         return done
 
     async def poison(self, seq: Sequence, exc: Exception) -> None:
-        self.table.remove(seq)
+        # The dead letter first: should it raise, the request is still held (prefilled or
+        # decoded again later), not out of the table with nothing written for it.
         await self.tasks.dead_letter(Delivery(self.tasks.stream, seq.entry_id, seq.task), f"engine_error: {exc}")
-        self.publisher.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
+        if self.table.remove(seq):  # else it left during the engine call (cancelled, moved)
+            self.publisher.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
