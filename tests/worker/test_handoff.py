@@ -146,7 +146,7 @@ class FakeServer:
 
 
 async def close(worker: Worker) -> None:
-    await asyncio.gather(*list(worker.loops._tasks))  # the cancel P publishes for a failed hand-off
+    await worker.loops.drain()  # the cancel P publishes for a failed hand-off
     await worker.links.client.close()
     await worker.redis.aclose()
 
@@ -482,6 +482,7 @@ async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
         await add(worker.redis, worker.keys.tasks(worker.id), Task("decode", request, peer="p1"))
     seqs = []
     for delivery in await worker.tasks.read(10, block_ms=0):
+        assert isinstance(delivery.message, Task)
         seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
         assert worker.engine.reserve(seq, 32)
         worker.writer.open(seq.request_id, first_seq=1)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
@@ -86,7 +85,6 @@ async def test_a_request_moved_here_again_during_its_import_goes_to_the_newer_ta
     assert worker.requests.of() == [newer] and worker.requests.status(newer) is Status.AWAITING_KV
     assert worker.engine.free_blocks == total - newer.blocks  # the older task's blocks are free
     await worker.publisher.publish()
-    pending = await worker.redis.xpending_range(worker.keys.tasks(worker.id), WORKER_GROUP, "-", "+", 10)
-    assert [p["message_id"].decode() for p in pending] == [newer.entry_id]  # the older task acked
+    assert await worker.tasks.pending_ids() == {newer.entry_id}  # the older task acked
     reservation = await worker.reservations.read(REQUEST.request_id)
     assert reservation is not None and reservation.handoff == "h2"  # the newer task's reservation stays
