@@ -44,7 +44,8 @@ class Loops:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self._on_fail = on_fail
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: dict[asyncio.Task[Any], None] = {}  # every task still running, in start order
+        self._loops: set[asyncio.Task[Any]] = set()  # those of them that are loops (``start``)
 
     @property
     def stopped(self) -> bool:
@@ -53,7 +54,10 @@ class Loops:
     def start(self, step: Step, *, every_s: float = 0.0, name: str | None = None) -> None:
         """Run ``step`` until the process stops, ``every_s`` apart (0: again at once; a step that
         blocks on Redis sets its own pace)."""
-        self._keep(asyncio.create_task(self.run(step, every_s=every_s, name=name)))
+        task = asyncio.create_task(self.run(step, every_s=every_s, name=name))
+        self._loops.add(task)
+        task.add_done_callback(self._loops.discard)
+        self._keep(task)
 
     async def run(self, step: Step, *, every_s: float = 0.0, name: str | None = None) -> None:
         """``step`` under the policy, in the caller's task: for a part's main loop."""
@@ -83,9 +87,23 @@ class Loops:
         self.stopping.set()
 
     async def close(self) -> None:
-        """Stop, then cancel what still runs and wait for it (bounded: see ``cancel_and_wait``)."""
+        """Stop, then cancel what still runs and wait for it (bounded: see ``cancel_and_wait``).
+
+        Called on the way out, and by a part that must stop its loops before it does its last
+        work itself (a DP rank leaving its broken group). The caller's own task is never
+        cancelled: neither a ``run()`` in it nor one-shot work that calls ``close()``."""
         self.stop()
-        await cancel_and_wait(list(self._tasks))
+        await cancel_and_wait([task for task in self.pending() if task is not asyncio.current_task()])
+
+    def pending(self) -> list[asyncio.Task[Any]]:
+        """The loops and one-shot work still running (a snapshot), oldest first."""
+        return [task for task in self._tasks if not task.done()]
+
+    async def drain(self) -> None:
+        """Wait until the one-shot work spawned so far has ended, without cancelling it (the
+        loops started run until ``close()``; one-shot work spawned meanwhile is waited for too)."""
+        while work := [t for t in self.pending() if t not in self._loops and t is not asyncio.current_task()]:
+            await asyncio.wait(work)
 
     def _paced(self, step: Step, every_s: float) -> Step:
         async def paced() -> None:
@@ -97,8 +115,8 @@ class Loops:
         return paced
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = None
+        task.add_done_callback(lambda done: self._tasks.pop(done, None))
 
     def _log_failure(self, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and task.exception() is not None:

@@ -19,6 +19,14 @@ RECENT_CANCELS = 10_000
 
 
 class Cancellation:
+    """``listen`` is the cancel loop's step; it calls ``drop`` for a request's cancel and
+    ``drop_task`` for a cancel naming one of this worker's task entries (the reaper moved its
+    request). ``expire_deadlines`` is called by the engine loop before each step. ``cancel_peer``
+    is called on a prefill worker when a request its decode side waits for ends here (finished
+    at its first token, or its hand-off failed). ``request_id in cancellation`` is asked by the
+    task feed (a task of a request cancelled lately is not taken) and the hand-off (it stops
+    retrying)."""
+
     def __init__(self, shared: Shared, publisher: Publisher) -> None:
         self.redis, self.config, self.id = shared.redis, shared.config.bus, shared.id
         self.table, self.loops, self.wake = shared.table, shared.loops, shared.wake

@@ -373,8 +373,17 @@ class DpStepper:
 
     async def leave(self, reason: str, missing: list[int]) -> None:
         """The group is broken: fail what this rank holds (and, on the lowest surviving rank,
-        what the missing ranks were given), leave the registry, stop with ``EXIT_GROUP_BROKEN``."""
+        what the missing ranks were given), leave the registry, stop with ``EXIT_GROUP_BROKEN``.
+
+        Called by the engine loop (or at start-up) when the group broke, in the caller's task:
+        the worker's background loops are stopped before anything else."""
         log.error("%s; failing held requests and stopping", reason)
+        # The other loops stop first, as they did when the group's break ended the worker: a
+        # task read after the sweep below would be queued with nobody to fail it (the reaper
+        # never looks at a deregistered worker), and a heartbeat or a reservation give-back
+        # written after the deregister would leave a ghost record (or lease) behind.
+        self.parts.loops.exit_code = EXIT_GROUP_BROKEN
+        await self.parts.loops.close()
         for seq in self.table.of(Status.QUEUED, Status.RUNNING):
             self.table.remove(seq)
             self.parts.publisher.fail(seq, "dp_group_broken", reason, 503)
@@ -382,8 +391,6 @@ class DpStepper:
             await self.fail_orphaned_tasks(reason, missing)
         await self.parts.publisher.publish()
         await self.parts.registry.deregister(self.id)
-        self.parts.loops.exit_code = EXIT_GROUP_BROKEN
-        self.parts.loops.stop()
 
     async def fail_orphaned_tasks(self, reason: str, missing: list[int]) -> None:
         """Tasks in the missing ranks' streams would wait forever: answer them with the reason."""

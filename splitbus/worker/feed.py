@@ -116,11 +116,15 @@ class TaskFeed:
             del self.seen_entries[next(iter(self.seen_entries))]
 
     def moved_away(self, seq: Sequence) -> None:
-        """Forget a request the reaper moved: free its blocks, write nothing more for it."""
+        """Forget a request the reaper moved: free its blocks, write nothing more for it. One
+        being imported only leaves the table: the engine still writes its blocks, and the import
+        lets the task go when it ends."""
+        importing = self.table.holds(seq, Status.IMPORTING)
         self.table.remove(seq)
-        self.publisher.retire(seq)
-        self.publisher.writer.discard(seq.request_id)
         self.wake.set()
+        if not importing:
+            self.publisher.retire(seq)
+            self.publisher.writer.discard(seq.request_id)
 
     def held(self) -> int:
         return self.table.count(*HELD)
@@ -198,7 +202,7 @@ class TaskFeed:
             task.handoff or "-",
         )
         if task.request.request_id in self.cancellation:
-            self.publisher.done_entries.append(delivery.entry_id)
+            self.publisher.ack_later(delivery.entry_id)
             return
         for older in [s for s in self.table.of() if s.request_id == seq.request_id]:
             self.moved_away(older)  # the request moved here again (its other worker died): its older task is void

@@ -193,7 +193,10 @@ class HandOff:
         reservation, the kv wait deadline) ends the request with an error, and cancels it;
         unless the request belongs to a newer dispatch now (its error and cancel would end that
         one): then P only lets go."""
-        if await self.superseded(seq):
+        superseded = await self.superseded(seq)
+        if not self.table.holds(seq, Status.HANDING_OFF):
+            return  # moved away while Redis answered: retired there
+        if superseded:
             log.warning("hand-off of %s failed (%s), but it was dispatched again; leaving it", seq.request_id, exc)
             self.publisher.retire(seq)
             return

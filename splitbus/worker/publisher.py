@@ -67,13 +67,23 @@ class Publisher:
 
     def retire(self, seq: Sequence) -> None:
         """The request leaves this worker: free its blocks, ack its task at the next publish."""
-        self.engine.release(seq)
-        self.done_entries.append(seq.entry_id)
         self.writer.forget(seq.request_id)
+        self.let_go(seq)
+
+    def let_go(self, seq: Sequence) -> None:
+        """A task leaves this worker: free its blocks, ack it at the next publish, drop its own
+        reservation. Its request's writer is left alone: called as is when a newer task of the
+        request is held here and writes for it (``retire`` otherwise)."""
+        self.engine.release(seq)
+        self.ack_later(seq.entry_id)
         if seq.task.phase == "decode":
             self.stale_reservations.append((seq.request_id, seq.entry_id))
         self.room.set()
         self.soon()
+
+    def ack_later(self, entry_id: str) -> None:
+        """Ack this task entry at the next publish (it is done with here)."""
+        self.done_entries.append(entry_id)
 
     # ------------------------------------------------------------ writing
 

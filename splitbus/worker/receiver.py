@@ -92,9 +92,13 @@ class Receiver:
         refusal = self.admit_kv(sender, header)
         if refusal is not None:
             return refusal
-        seq = self.table.take(header.ident, Status.AWAITING_KV)
+        seq = self.table.get(header.ident, Status.AWAITING_KV)
         assert seq is not None  # admitted just now, with no await between
+        self.table.move(seq, Status.IMPORTING)  # held through the import: one entry per request
         error = await self.engine.import_kv(seq, payload)
+        if not self.table.remove(seq):  # the request moved here again meanwhile: a newer task has it
+            self.publisher.let_go(seq)
+            return f"{seq.request_id} moved: a newer task of it is held by decode worker {self.id}"
         if error:
             self.publisher.fail(seq, "kv_import_failed", error, 500)
             return error

@@ -23,18 +23,22 @@ class Status(enum.Enum):
     """In the engine's prefill step now."""
     AWAITING_KV = "awaiting_kv"
     """A decode task: blocks reserved in ``sb:kv``, waiting for its prefill worker's cache."""
+    IMPORTING = "importing"
+    """A decode task whose KV frame came: the engine takes the cache into its blocks now. Not
+    droppable: what takes it out of the table (its request moved here again) leaves the blocks
+    to the import, which lets the task go when it ends."""
     RUNNING = "running"
     """Decoding, one token per step."""
     HANDING_OFF = "handing_off"
     """Prefilled on a prefill worker: its cache on its way to the decode worker."""
 
 
-HELD = (Status.QUEUED, Status.AWAITING_KV, Status.RUNNING, Status.HANDING_OFF)
-"""What counts against ``max_requests`` and in the load: a batch in the engine's prefill step
-counts in neither (the load is reported without it while it runs)."""
+HELD = (Status.QUEUED, Status.AWAITING_KV, Status.IMPORTING, Status.RUNNING, Status.HANDING_OFF)
+"""What counts against ``max_requests``: a batch in the engine's prefill step does not (the load
+is reported without it while it runs)."""
 DROPPABLE = (Status.QUEUED, Status.AWAITING_KV, Status.RUNNING)
-"""What a cancel or a passed deadline takes out at once: a prefill or a hand-off in flight finds
-out itself when it ends (it checks that its request is still its own)."""
+"""What a cancel or a passed deadline takes out at once: a prefill, a hand-off or an import in
+flight finds out itself when it ends (it checks that its request is still its own)."""
 
 
 @dataclass
@@ -46,6 +50,11 @@ class _Entry:
 
 
 class RequestTable:
+    """Every room reads and changes it, from the one event loop: the task feed adds what it
+    takes, the engine's steps move requests through prefill and decode, the hand-off and the
+    receiver hold theirs while they ship or import, and whatever ends a request (a finish, a
+    cancel, a deadline, a move) takes it out. Each method says who calls it when."""
+
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
 
@@ -54,57 +63,77 @@ class RequestTable:
 
     def add(self, seq: Sequence, status: Status, kv_deadline: float = 0.0) -> None:
         """A request comes in (or back, after its prefill). Its older task, if any, must have
-        left first: one request has one entry."""
+        left first: one request has one entry.
+
+        Called when the task feed takes a task (QUEUED; a decode task AWAITING_KV, through the
+        receiver), after a prefill (RUNNING on a mixed worker, HANDING_OFF on a prefill worker)
+        and once an import ends (RUNNING)."""
         if seq.request_id in self._entries:
             raise ValueError(f"{seq.request_id} is held already ({self._entries[seq.request_id].status.value})")
         self._entries[seq.request_id] = _Entry(seq, status, kv_deadline)
 
     def move(self, seq: Sequence, status: Status) -> None:
-        """``seq`` changes status; it goes to the end of its new status's order."""
+        """``seq`` changes status; it goes to the end of its new status's order. Called when a
+        prefill batch starts and when a KV frame's import starts (AWAITING_KV -> IMPORTING)."""
         if self.status(seq) is None:
             raise KeyError(f"{seq.request_id}: this task is not held")
         del self._entries[seq.request_id]
         self._entries[seq.request_id] = _Entry(seq, status)
 
     def status(self, seq: Sequence) -> Status | None:
-        """The status of this very task (None if it is not held: another task of its request is)."""
+        """The status of this very task (None if it is not held: another task of its request is).
+        Asked after an await by whoever holds ``seq``: is it still its own?"""
         entry = self._entries.get(seq.request_id)
         return entry.status if entry is not None and entry.seq is seq else None
 
     def holds(self, seq: Sequence, *statuses: Status) -> bool:
+        """Whether this very task is held (with one of ``statuses``): asked by the hand-off and
+        the engine's steps after each await, before they write for it."""
         return self.status(seq) in (statuses or tuple(Status))
 
     def get(self, request_id: str, *statuses: Status) -> Sequence | None:
+        """The request's task if it has one of ``statuses`` (any if none): asked by the receiver
+        for a KV frame (AWAITING_KV) and by the task feed before it fails a dead-lettered task's
+        request (not one it holds)."""
         entry = self._entries.get(request_id)
         return entry.seq if entry is not None and entry.status in (statuses or tuple(Status)) else None
 
     def remove(self, seq: Sequence) -> bool:
-        """``seq`` leaves; False if it was not held (a newer task of its request stays)."""
+        """``seq`` leaves; False if it was not held (a newer task of its request stays). Called by
+        whatever ends it: a finished decode, a poison, a failed or let-go hand-off or import, a
+        move, a deadline, a broken DP group. The caller retires it (``Publisher.retire``)."""
         if self.status(seq) is None:
             return False
         del self._entries[seq.request_id]
         return True
 
     def take(self, request_id: str, *statuses: Status) -> Sequence | None:
-        """Remove and return the request's task if it has one of ``statuses`` (any status if none)."""
+        """Remove and return the request's task if it has one of ``statuses`` (any status if none).
+        Called for a cancel, with ``DROPPABLE``."""
         seq = self.get(request_id, *statuses)
         if seq is not None:
             del self._entries[request_id]
         return seq
 
     def of(self, *statuses: Status) -> list[Sequence]:
-        """The tasks with these statuses (all if none), in order."""
+        """The tasks with these statuses (all if none), in order: a snapshot, safe to change the
+        table while going through it. Asked for each decode batch, a DP rank's plan, a deadline
+        pass, a task feed's look for what moved away."""
         return [e.seq for e in self._select(statuses)]
 
     def count(self, *statuses: Status) -> int:
+        """How many tasks have these statuses (all if none): for the load, ``max_requests`` and
+        whether the engine loop has work."""
         return sum(1 for _ in self._select(statuses))
 
     def kv_deadline(self, seq: Sequence) -> float:
+        """When an AWAITING_KV task's KV must have come (monotonic; 0 in any other status)."""
         return self._entries[seq.request_id].kv_deadline if self.holds(seq, Status.AWAITING_KV) else 0.0
 
     def prefill_batch_size(self, max_tokens: int) -> tuple[int, int]:
         """How many queued requests the next prefill batch takes (the oldest first, at least one),
-        and their tokens: as many as fit in ``max_tokens``."""
+        and their tokens: as many as fit in ``max_tokens``. Asked by ``start_prefill`` and by a
+        DP rank that announces how long its prefill will take."""
         count = tokens = 0
         for seq in self.of(Status.QUEUED):
             if count and tokens + len(seq.all_tokens) > max_tokens:
@@ -113,7 +142,8 @@ class RequestTable:
         return count, tokens
 
     def start_prefill(self, max_tokens: int) -> list[Sequence]:
-        """The next prefill batch, now PREFILLING."""
+        """The next prefill batch, now PREFILLING. Called by the engine's prefill step, before the
+        engine call."""
         count, _ = self.prefill_batch_size(max_tokens)
         batch = self.of(Status.QUEUED)[:count]
         for seq in batch:
@@ -121,11 +151,20 @@ class RequestTable:
         return batch
 
     def end_prefill(self) -> list[Sequence]:
-        """Remove and return what is still PREFILLING (a request that moved meanwhile is not)."""
+        """Remove and return what is still PREFILLING (a request that moved meanwhile is not).
+        Called once the engine's prefill call has ended; the caller adds each back as it goes on."""
         return self._take_all(e for e in self._select((Status.PREFILLING,)))
 
+    def abort_prefill(self) -> list[Sequence]:
+        """The prefill did not end (Redis refused during it, or the worker stops): what is still
+        PREFILLING is QUEUED again, first in line, to be prefilled again (its blocks kept)."""
+        batch = {e.seq.request_id: _Entry(e.seq, Status.QUEUED) for e in self._select((Status.PREFILLING,))}
+        self._entries = {**batch, **{rid: e for rid, e in self._entries.items() if rid not in batch}}
+        return [e.seq for e in batch.values()]
+
     def kv_waits_past(self, now: float) -> list[Sequence]:
-        """Remove and return the requests whose KV has not come by its deadline."""
+        """Remove and return the requests whose KV has not come by its deadline. Called by the
+        engine loop before each step (``Receiver.expire_waits``)."""
         return self._take_all(e for e in self._select((Status.AWAITING_KV,)) if now > e.kv_deadline)
 
     def _select(self, statuses: tuple[Status, ...]) -> Iterable[_Entry]:

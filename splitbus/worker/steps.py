@@ -96,8 +96,13 @@ class EngineSteps:
             await self.registry.report_load(self.id, self.load())
 
     async def prefill_queued(self, report_load: bool = True) -> None:
-        """Prefill the next batch. ``report_load``: once the batch left the queue (a DP rank
-        reports its load with each step instead)."""
+        """Prefill the next batch, then send each request on: RUNNING here (mixed), to its
+        decode worker (prefill: a hand-off), or finished at its first token. ``report_load``:
+        once the batch left the queue (a DP rank reports its load with each step instead).
+
+        Called by the stepper once per turn: a worker on its own before each decode, a DP rank
+        when the group's plans say this rank prefills. Redis refusing during it (the lease
+        check after the engine call) leaves the batch QUEUED, first in line, for the next turn."""
         batch = self.table.start_prefill(self.config.max_prefill_tokens)
         if not batch:
             return
@@ -107,8 +112,10 @@ class EngineSteps:
         try:
             results = await self.run_engine(self.engine.prefill, batch)
             await self.settle()
-        finally:
-            still = self.table.end_prefill()
+        except BaseException:  # Redis refused (the loop waits it out): dropped here, the batch would be lost
+            self.table.abort_prefill()
+            raise
+        still = self.table.end_prefill()
         results = [(seq, token) for seq, token in results if any(s is seq for s in still)]  # not moved away meanwhile
         metrics.GENERATION_TOKENS.inc(len(results))
         for seq, token in results:
@@ -128,6 +135,11 @@ class EngineSteps:
             self.loops.spawn(self.hand_off(seq))
 
     async def decode_running(self) -> None:
+        """One decode step for every RUNNING request: a token each, and the finished ones leave.
+
+        Called by the stepper once per turn: a worker on its own after each prefill, a DP rank
+        when the group's plans say this rank decodes. Requests that left during the engine call
+        (cancelled, moved) get no token: only those still RUNNING after it are written for."""
         batch = self.table.of(Status.RUNNING)  # a snapshot: imports and cancellations change the table meanwhile
         if not batch:
             return
@@ -164,6 +176,8 @@ class EngineSteps:
         return done
 
     async def poison(self, seq: Sequence, exc: Exception) -> None:
-        self.table.remove(seq)
+        # The dead letter first: should it raise, the request is still held (prefilled or
+        # decoded again later), not out of the table with nothing written for it.
         await self.tasks.dead_letter(Delivery(self.tasks.stream, seq.entry_id, seq.task), f"engine_error: {exc}")
-        self.publisher.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
+        if self.table.remove(seq):  # else it left during the engine call (cancelled, moved)
+            self.publisher.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)

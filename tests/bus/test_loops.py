@@ -70,3 +70,48 @@ async def test_close_cancels_what_still_runs() -> None:
     task = loops.spawn(asyncio.sleep(3600))
     await asyncio.wait_for(loops.close(), 3)
     assert task.cancelled()
+
+
+async def test_close_from_one_shot_work_cancels_the_others_but_not_itself() -> None:
+    # A part that stops its loops before its own last work (a DP rank leaving its group) calls
+    # close() from inside that work: the loops end, the caller goes on to its last writes.
+    loops, after = Loops("worker w3"), list[str]()
+    loop_ran = asyncio.Event()
+
+    async def feed() -> None:
+        loop_ran.set()
+        await asyncio.sleep(3600)
+
+    async def leave() -> None:
+        await loop_ran.wait()
+        await loops.close()
+        after.append("still running")
+
+    loops.start(feed)
+    leaving = loops.spawn(leave())
+    await asyncio.wait_for(leaving, 3)
+    assert after == ["still running"] and not leaving.cancelled()
+    assert loops.stopped and loops.pending() == []
+
+
+async def test_pending_lists_what_runs_and_drain_waits_for_one_shot_work_alone() -> None:
+    loops, release = Loops("worker w4"), asyncio.Event()
+
+    async def heartbeat() -> None:
+        await asyncio.sleep(3600)
+
+    async def hand_off() -> None:
+        await release.wait()
+
+    loops.start(heartbeat)
+    work = loops.spawn(hand_off())
+    await asyncio.sleep(0)
+    assert len(loops.pending()) == 2 and work in loops.pending()
+    draining = asyncio.create_task(loops.drain())
+    await asyncio.sleep(0)
+    assert not draining.done()  # the hand-off still runs
+    release.set()
+    await asyncio.wait_for(draining, 3)  # returns although the heartbeat loop runs on
+    assert work.done() and len(loops.pending()) == 1
+    await loops.close()
+    assert loops.pending() == []

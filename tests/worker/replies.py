@@ -9,17 +9,18 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from splitbus.bus import codec
+from splitbus.bus.codec import Message
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 """XRANGE's reply on a client that does not decode: [(entry id, fields)]."""
 
 
-def fields(message: object) -> dict[FieldT, EncodableT]:
+def fields(message: Message) -> dict[FieldT, EncodableT]:
     """``message`` as the fields of a stream entry."""
     return dict(codec.encode(message).items())
 
 
-async def add(redis: aioredis.Redis, stream: str, message: object) -> str:
+async def add(redis: aioredis.Redis, stream: str, message: Message) -> str:
     """XADD ``message``; its entry id."""
     return cast(bytes, await redis.xadd(stream, fields(message))).decode()
 

@@ -146,7 +146,7 @@ class FakeServer:
 
 
 async def close(worker: Worker) -> None:
-    await asyncio.gather(*list(worker.loops._tasks))  # the cancel P publishes for a failed hand-off
+    await worker.loops.drain()  # the cancel P publishes for a failed hand-off
     await worker.links.client.close()
     await worker.redis.aclose()
 
@@ -403,6 +403,36 @@ async def test_a_refusal_for_a_newer_dispatch_lets_go_without_an_error(
         await close(worker)
 
 
+@pytest.mark.parametrize("newer_dispatch", [True, False])
+async def test_a_request_moved_away_while_a_refusal_is_looked_into_is_retired_once(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, newer_dispatch: bool
+) -> None:
+    # After D's refusal, P reads Redis to learn whether the request was dispatched again. If it
+    # moved away meanwhile (a worker back from a stop drops what the reaper took), it was retired
+    # there: retired again, its task would be acked twice and an error written for a request
+    # that is no longer this worker's.
+    worker, decoder = prefill_worker(bus_config, tiny_model), Refuser()
+    endpoint = await decoder.server.start("127.0.0.1", 0)
+    real_superseded = worker.handoff.superseded
+
+    async def moved_meanwhile(seq: Sequence) -> bool:
+        answer = await real_superseded(seq)
+        worker.feed.moved_away(seq)
+        return answer or newer_dispatch
+
+    monkeypatch.setattr(worker.handoff, "superseded", moved_meanwhile)
+    try:
+        await worker.redis.set(worker.keys.current("r-away"), "h1")
+        seq, task = await handing_off(worker, "r-away", endpoint)
+        await asyncio.wait_for(task, 5)
+        assert worker.publisher.done_entries == [seq.entry_id] and worker.requests.of() == []
+        assert not any(isinstance(e, Failed) for e in await results(worker, "r-away"))
+        assert not await worker.redis.exists(worker.keys.cancel)
+    finally:
+        await decoder.server.close()
+        await close(worker)
+
+
 async def test_a_refusal_with_the_reservation_gone_still_ends_the_request(
     bus_config: BusConfig, tiny_model: Path
 ) -> None:
@@ -452,6 +482,7 @@ async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
         await add(worker.redis, worker.keys.tasks(worker.id), Task("decode", request, peer="p1"))
     seqs = []
     for delivery in await worker.tasks.read(10, block_ms=0):
+        assert isinstance(delivery.message, Task)
         seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
         assert worker.engine.reserve(seq, 32)
         worker.writer.open(seq.request_id, first_seq=1)

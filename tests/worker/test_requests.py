@@ -85,3 +85,23 @@ def test_kv_waits_past_their_deadline_leave_the_table(make: Make) -> None:
     assert table.kv_waits_past(10.0) == []  # not past yet
     assert table.kv_waits_past(15.0) == [soon] and table.of() == [later, running]
     assert table.count(Status.AWAITING_KV) == 1
+
+
+def test_an_aborted_prefill_queues_its_batch_again_first_in_line(make: Make) -> None:
+    table = RequestTable()
+    a, b, c, d = make("a", tokens=4), make("b", tokens=4), make("c", tokens=4), make("d")
+    for seq in (a, b, c):
+        table.add(seq, Status.QUEUED)
+    assert table.start_prefill(max_tokens=8) == [a, b]
+    table.add(d, Status.QUEUED)  # taken while the batch ran
+    table.remove(b)  # left during the prefill (moved away): not queued again
+    assert table.abort_prefill() == [a]
+    assert table.of(Status.QUEUED) == [a, c, d] and table.count(Status.PREFILLING) == 0
+
+
+def test_an_import_in_flight_is_held_but_not_dropped_by_a_cancel(make: Make) -> None:
+    table, importing = RequestTable(), make("imp")
+    table.add(importing, Status.AWAITING_KV, kv_deadline=5.0)
+    table.move(importing, Status.IMPORTING)  # its KV frame came: the engine writes its blocks
+    assert table.take("imp", *DROPPABLE) is None and table.count(*HELD) == 1
+    assert table.kv_waits_past(10.0) == [] and table.status(importing) is Status.IMPORTING

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitbus.bus.config import BusConfig
+from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.registry import Registry
 from splitbus.tokenization import ModelTokenizer
@@ -131,6 +132,44 @@ async def test_a_broken_group_fails_what_the_rank_holds_and_stops_it_with_its_ex
         assert await Registry(worker.redis, bus_config).snapshot() == []  # it left the registry
     finally:
         await worker.redis.aclose()
+
+
+async def test_a_rank_leaving_its_broken_group_stops_its_loops_first_and_leaves_no_record(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The break is handled in the engine loop's step, while the other loops run: they must stop
+    # before the rank fails what it holds. A task the feed took after that would be queued with
+    # nobody to fail it (the reaper never looks at a deregistered worker), and a heartbeat or a
+    # give-back after the deregister would write the worker's record again.
+    worker = dp_worker(bus_config, tiny_model)
+    stepper, stream = worker.stepper, bus_config.keys.tasks("m0")
+    assert isinstance(stepper, DpStepper)
+
+    async def broken(*args: object) -> list[StepPlan]:
+        raise GroupBroken("DP group g0 is broken: rank(s) [1] did not reach step 0", [1])
+
+    async def task_comes_during_the_sweep(reason: str, missing: list[int]) -> None:
+        request = GenerateRequest("r-late", "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
+        await replies.add(worker.redis, stream, Task("mixed", request))
+        for _ in range(40):  # a live task feed takes it at once; give it the chance
+            if (await worker.redis.xpending(stream, WORKER_GROUP))["pending"]:
+                break
+            await asyncio.sleep(0.05)
+
+    async def no_group_to_form() -> None:
+        pass
+
+    monkeypatch.setattr(stepper, "start", no_group_to_form)
+    monkeypatch.setattr(stepper.barrier, "exchange", broken)
+    monkeypatch.setattr(stepper, "fail_orphaned_tasks", task_comes_during_the_sweep)
+    try:
+        await worker.start()  # every background loop runs: the feed, the heartbeat, the publisher
+        await stepper.step()
+        assert worker.requests.of() == [] and (await worker.redis.xpending(stream, WORKER_GROUP))["pending"] == 0
+        assert await worker.redis.exists(bus_config.keys.worker("m0"), bus_config.keys.lease("m0")) == 0
+        assert worker.exit_code == EXIT_GROUP_BROKEN and worker.loops.pending() == []  # nothing writes after it
+    finally:
+        await worker.close()
 
 
 async def test_a_bug_in_a_background_loop_stops_the_worker_non_zero(

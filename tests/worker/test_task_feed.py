@@ -158,7 +158,7 @@ async def test_a_task_whose_read_timed_out_in_a_stall_is_taken(bus_config: BusCo
         time.sleep(2.0)  # the whole loop stalls past the 1 s socket timeout
         assert await _taken_within(worker, 10) == ["r-stall"]
     finally:
-        await cancel_and_wait(set(loops) | set(worker.loops._tasks))
+        await cancel_and_wait(set(loops) | set(worker.loops.pending()))
         sender.close()
         await worker.redis.aclose()
 
@@ -183,7 +183,7 @@ async def test_a_task_lost_without_an_error_is_found_by_the_periodic_look(
         await worker.feed.feed_tasks()
         assert _queued(worker) == ["r-silent"]
     finally:
-        await cancel_and_wait(set(loops) | set(worker.loops._tasks))
+        await cancel_and_wait(set(loops) | set(worker.loops.pending()))
         other.close()
         await worker.redis.aclose()
 

@@ -1,0 +1,68 @@
+"""The engine's steps (splitbus/worker/steps.py), against a real Redis: what a step does when
+Redis refuses in the middle of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.messages import TokenDelta
+from splitbus.worker.requests import Status
+from tests.worker.test_stepper import entries, mixed_worker, queue
+
+
+async def test_a_prefill_that_redis_interrupts_keeps_its_batch_to_prefill_again(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A transient Redis error inside the prefill step (here the lease check after the engine
+    # call) goes to the loop, which waits it out. The batch must still be held: taken out of the
+    # table it was lost, its blocks never freed, its tasks never acked or failed.
+    worker = mixed_worker(bus_config, tiny_model)
+    first, second, later = queue(worker, "r-1", entry="1-0"), queue(worker, "r-2", entry="2-0"), None
+    free = worker.engine.free_blocks
+
+    async def redis_refuses() -> None:
+        raise RedisConnectionError("Redis restarting")
+
+    monkeypatch.setattr(worker.lease, "settle_if_lapsed", redis_refuses)
+    try:
+        with pytest.raises(RedisConnectionError):
+            await worker.steps.prefill_queued()
+        later = queue(worker, "r-3", entry="3-0")  # taken while the loop waited Redis out
+        assert worker.requests.of(Status.QUEUED) == [first, second, later]  # the batch first, as before
+        assert worker.engine.free_blocks == free - later.blocks  # its blocks kept
+        monkeypatch.undo()
+        await worker.steps.prefill_queued()
+        assert [worker.requests.status(s) for s in (first, second, later)] == [Status.RUNNING] * 3
+        assert [type(e) for e in await entries(worker, "r-1")] == [TokenDelta]  # one first token, not two
+    finally:
+        await worker.loops.close()
+        await worker.redis.aclose()
+
+
+async def test_a_poisoned_request_whose_dead_letter_raises_stays_held(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine fails on one request: it is dead-lettered and failed. Should the dead letter
+    # raise, the request stays queued (prefilled again), not out of the table with no answer.
+    worker = mixed_worker(bus_config, tiny_model)
+    seq = queue(worker, "r-poison")
+
+    async def engine_fails(batch: object) -> list[int]:
+        raise ValueError("bad request")
+
+    async def letter_refused(*args: object) -> None:
+        raise RedisConnectionError("Redis restarting")
+
+    monkeypatch.setattr(worker.engine, "prefill", engine_fails)
+    monkeypatch.setattr(worker.tasks, "dead_letter", letter_refused)
+    try:
+        with pytest.raises(RedisConnectionError):
+            await worker.steps.prefill_queued()
+        assert worker.requests.of(Status.QUEUED) == [seq] and seq.blocks
+    finally:
+        await worker.loops.close()
+        await worker.redis.aclose()
