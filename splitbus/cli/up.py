@@ -50,6 +50,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --mixed)")
     p.add_argument("--mixed", type=int, default=0, help="mixed workers (default %(default)s)")
+    p.add_argument(
+        "--prefill-dp", type=int, default=1, help="ranks per prefill worker: >1 makes each a DP group (default 1)"
+    )
+    p.add_argument(
+        "--decode-dp", type=int, default=1, help="ranks per decode worker: >1 makes each a DP group (default 1)"
+    )
     p.add_argument("--dp", type=int, default=0, help="one DP group of this many mixed ranks, scheduler in dp mode")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
@@ -78,8 +84,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
 
 
 def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    """How many prefill, decode and mixed workers to start (a prefill or decode "worker" is a DP
+    group of ``--prefill-dp`` / ``--decode-dp`` ranks when that is more than 1)."""
+    if min(args.prefill_dp, args.decode_dp) < 1:
+        raise ValueError("--prefill-dp and --decode-dp count the ranks of each group: at least 1")
     if args.dp:
-        if args.dp < 1 or args.mixed or args.prefill or args.decode:
+        if args.dp < 1 or args.mixed or args.prefill or args.decode or max(args.prefill_dp, args.decode_dp) > 1:
             raise ValueError(
                 "--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed"
             )
@@ -222,16 +232,18 @@ def _start_parts(
         scheduler = ["scheduler", "--mode", mode, *metrics(), *args.scheduler_arg]
         supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", scheduler, bus_env)
     worker = ["worker", "--engine", args.engine, "--model", str(model), *args.worker_arg]
-    for role, n in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
+    for role, n, ranks in (
+        ("prefill", prefill, args.prefill_dp),
+        ("decode", decode, args.decode_dp),
+        ("mixed", mixed, 1),
+    ):
         for i in range(n):
-            supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
-    broken = {
-        EXIT_DP_GROUP_BROKEN: "DP group g0 is broken: a rank died or hung; its requests fail with 503 "
-        "until all its ranks are back"
-    }
-    for rank in range(args.dp):
-        dp = ["--role", "mixed", "--dp-group", "g0", "--dp-rank", str(rank), "--dp-size", str(args.dp)]
-        supervisor.start(f"rank{rank}", [*worker, *dp, *metrics()], bus_env, exits=broken)
+            if ranks > 1:
+                _start_group(supervisor, [*worker, "--role", role], f"{role[0]}{i}", ranks, bus_env, metrics)
+            else:
+                supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
+    if args.dp:
+        _start_group(supervisor, [*worker, "--role", "mixed"], "g0", args.dp, bus_env, metrics, part="rank{rank}")
     api = [
         "api",
         "--host",
@@ -244,6 +256,28 @@ def _start_parts(
         str(args.request_timeout),
     ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
+
+
+def _start_group(
+    supervisor: Supervisor,
+    worker: list[str],
+    group: str,
+    size: int,
+    env: dict[str, str],
+    metrics: Callable[[], list[str]],
+    part: str = "{group}-r{rank}",
+) -> None:
+    """The ranks of DP group ``group``: parts ``p0-r0``, ``p0-r1``... (``rank0``... for ``--dp``'s
+    g0). A rank that leaves its broken group exits with code 3 and is restarted like any part,
+    so the group re-forms once all its ranks are back."""
+    broken = {
+        EXIT_DP_GROUP_BROKEN: f"DP group {group} is broken: a rank died or hung; its requests fail with 503 "
+        "until all its ranks are back"
+    }
+    for rank in range(size):
+        dp = ["--dp-group", group, "--dp-rank", str(rank), "--dp-size", str(size)]
+        name = part.format(group=group, rank=rank)
+        supervisor.start(name, [*worker, *dp, *metrics()], env, exits=broken)
 
 
 def _watcher(supervisor: Supervisor, server: EmbeddedRedis | None, noted: list[str]) -> Callable[[], str | None]:

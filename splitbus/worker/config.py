@@ -43,6 +43,8 @@ class WorkerConfig:
     kv_wait_s: float = 30.0
     """How long P waits for D's reservation, and D for P's KV, before failing the request."""
     dp_group: str = ""
+    """The DP group this worker is a rank of ("" for a worker on its own). A group's ranks share one
+    role: mixed, prefill (each step a prefill or an idle forward) or decode (a decode or an idle one)."""
     dp_rank: int = -1
     dp_size: int = 0
     dp_align_ms: float = 20.0
@@ -66,7 +68,9 @@ class WorkerConfig:
             raise ValueError("capacities must be >= 1")
         if self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats")
-        if self.dp_size and not (self.dp_group and 0 <= self.dp_rank < self.dp_size and self.role == "mixed"):
-            raise ValueError("a DP rank needs --dp-group, 0 <= --dp-rank < --dp-size, and --role mixed")
+        if self.dp_size and not (self.dp_group and 0 <= self.dp_rank < self.dp_size):
+            raise ValueError("a DP rank needs --dp-group and 0 <= --dp-rank < --dp-size")
+        if not self.dp_size and (self.dp_group or self.dp_rank != -1):
+            raise ValueError("--dp-group and --dp-rank need --dp-size (the group's ranks)")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", default_worker_id(self.role))

@@ -21,6 +21,7 @@ holds with a reason, leaves the registry and exits, instead of hanging.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -95,8 +96,14 @@ def bind_late(action: str, posted: StepPlan, current: StepPlan, plans: list[Step
     arrives meanwhile. Safe for the lock-step: the group steps anyway, and the prefill is this
     rank's forward instead of an idle one or a decode."""
     if action not in ("idle", "decode") or posted.prefill or not current.prefill:
-        return action
+        return _kv_came_late(action, posted, current)
     return decide(current, [current if p.rank == current.rank else p for p in plans], align_ms)
+
+
+def _kv_came_late(action: str, posted: StepPlan, current: StepPlan) -> str:
+    """A decode rank whose KV came after it posted its plan decodes in this step instead of its
+    idle forward (a mixed rank's decode work never comes between its plan and its step)."""
+    return "decode" if action == "idle" and current.decode and not posted.decode else action
 
 
 def _batch_arrived(mine: StepPlan, plans: list[StepPlan]) -> bool:
@@ -235,7 +242,10 @@ def _ewma(old: float, new: float, weight: float = 0.2) -> float:
 
 
 class DpStepper:
-    """The stepper of a mixed worker that is one rank of a DP group."""
+    """The stepper of a worker that is one rank of a DP group. The ranks of a group share a role:
+    a mixed rank prefills or decodes in a step, a prefill rank prefills (its KV then goes to a
+    decode worker, as a prefill worker's does), and a decode rank decodes what its KV came for;
+    each runs an idle forward in a step it has nothing for (a decode rank waiting for its KV too)."""
 
     def __init__(self, parts: StepParts) -> None:
         self.parts, self.config, self.steps, self.table = parts, parts.config, parts.steps, parts.table
@@ -362,11 +372,38 @@ class DpStepper:
         self.steps.expire()
         self.group_idle = True
         if not self.steps.has_work():  # work that came before group_idle was set sent no nudge
-            await self.barrier.wait_for_news(IDLE_WAIT_S)
+            await self.wait_for_news()
         self.group_idle = False
+
+    async def wait_for_news(self) -> None:
+        """Until a rank posts to the group's stream, or about ``IDLE_WAIT_S``. A decode rank's work
+        comes with a KV cache, not with its task: while it waits here, the cache's arrival wakes
+        the group too (else its first decode would wait for the idle timeout)."""
+        if self.config.role != "decode":
+            await self.barrier.wait_for_news(IDLE_WAIT_S)
+            return
+        watcher = asyncio.ensure_future(self.wake_group_when_kv_comes())
+        try:
+            await self.barrier.wait_for_news(IDLE_WAIT_S)
+        finally:
+            watcher.cancel()
+
+    async def wake_group_when_kv_comes(self) -> None:
+        """Once an import has made a request RUNNING here (the receiver sets ``wake``). The nudge
+        is spawned: this watcher is cancelled as the wait ends, and a nudge cut off mid-write
+        would cost the connection."""
+        while not self.steps.has_work():
+            self.steps.wake.clear()
+            await self.steps.wake.wait()
+        self.parts.loops.spawn(self.wake_group())
 
     async def work_arrived(self) -> None:
         self.steps.wake.set()
+        if self.config.role != "decode" or self.steps.has_work():  # a decode task's work comes with its KV
+            await self.wake_group()
+
+    async def wake_group(self) -> None:
+        """Wake the ranks of an idle group: this one has work."""
         if self.group_idle:
             self.group_idle = False
             await self.barrier.nudge()
