@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     )
     p.add_argument("--kv-wait", type=float, default=30.0, help="seconds to wait for the peer's KV or reservation")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
-    p.add_argument("--dp-group", default="", help="DP group name (with --dp-rank and --dp-size; its ranks share one --role)")
+    p.add_argument("--dp-group", default="", help="DP group name (with --dp-rank, --dp-size; its ranks share a --role)")
     p.add_argument("--dp-rank", type=int, default=-1)
     p.add_argument("--dp-size", type=int, default=0)
     p.add_argument(

@@ -1,4 +1,5 @@
-"""DP groups: the ranks of a group step together, as EP's all-to-all forces.
+"""DP groups: the ranks of a group step together, as EP's all-to-all forces. A group's ranks
+share a role: mixed, prefill or decode (``DpStepper``).
 
 Before each step every rank posts its plan (has prefill work, has decode work, how long its
 oldest prefill has waited) to ``sb:dp:{group}`` and reads the others'. From the same plans every

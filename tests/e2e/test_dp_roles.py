@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import openai
 import orjson
@@ -24,14 +25,16 @@ def _streamed(system: System, seed: int) -> str:
 
 
 def _records(system: System) -> list[dict[str, str]]:
-    r = system.redis()
-    return [r.hgetall(f"sb:worker:{{{w}}}") for w in r.zrange("sb:workers", 0, -1)]
+    r = system.redis()  # decodes: every reply is str
+    return [
+        cast(dict[str, str], r.hgetall(f"sb:worker:{{{w}}}")) for w in cast(list[str], r.zrange("sb:workers", 0, -1))
+    ]
 
 
 def _assert_lock_step(system: System, group: str) -> None:
     """In the group's stream, no rank posts step s+1 before both posted step s."""
     posted: dict[int, set[int]] = defaultdict(set)
-    for _, fields in system.redis().xrange(f"sb:dp:{{{group}}}"):
+    for _, fields in cast(list[tuple[str, dict[str, str]]], system.redis().xrange(f"sb:dp:{{{group}}}")):
         if "plan" in fields:
             step, rank = int(fields["step"]), orjson.loads(fields["plan"])["rank"]
             assert step == 0 or posted[step - 1] == {0, 1}, f"{group}: rank {rank} ran ahead to step {step}"
