@@ -122,7 +122,8 @@ def complete_groups(workers: Sequence[WorkerInfo], model: str, role: str) -> dic
 
 
 def _complete(ranks: list[WorkerInfo]) -> bool:
-    size = ranks[0].record.dp_size
+    # The sizes come from the registry: compared with the ranks seen before anything is built from them.
+    size = len(ranks)
     return all(r.record.dp_size == size for r in ranks) and {r.record.dp_rank for r in ranks} == set(range(size))
 
 

@@ -47,6 +47,10 @@ def test_only_complete_groups_of_the_role_count() -> None:
 def test_a_group_whose_ranks_disagree_on_its_size_is_not_complete() -> None:
     workers = [rank("d0", 0, 2, role="decode"), rank("d0", 1, 3, role="decode")]
     assert complete_groups(workers, "m", "decode") == {}
+    claims_a_huge_group = [
+        rank("d1", 0, 10**15, role="decode")
+    ]  # a record's size is untrusted: nothing is built from it
+    assert complete_groups(claims_a_huge_group, "m", "decode") == {}
 
 
 def test_step_cost_is_the_groups_busiest_rank_with_the_request_added() -> None:

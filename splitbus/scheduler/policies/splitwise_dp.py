@@ -45,6 +45,8 @@ class SplitwiseDpPolicy(Policy):
         self.units = UnitsCache()
         self.windows: dict[str, StaggerWindow[Waiting]] = {}
         """Open windows, by prefill group."""
+        self.held_tokens: dict[str, int] = {}
+        """The prompt tokens each open window holds: part of its group's level."""
         self._batches = itertools.count()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
@@ -70,7 +72,7 @@ class SplitwiseDpPolicy(Policy):
         queue, placed = await self._hold(arrivals, context, scratch)
         now = time.monotonic()
         for group in [g for g, window in self.windows.items() if window.ready(now)]:
-            left, filled = self.place_batch(group, self.windows.pop(group).release(), context.view.workers, scratch)
+            left, filled = self.place_batch(group, self._release(group), context.view.workers, scratch)
             queue += left
             placed += filled
         dues = [due for window in self.windows.values() if (due := window.due_at()) is not None]
@@ -92,21 +94,28 @@ class SplitwiseDpPolicy(Policy):
 
     async def _hold_one(self, waiting: Waiting, context: PlacingContext, scratch: Local) -> Pairs | None:
         """[] when the arrival is held in a window, its placements when it went to a single prefill
-        worker, None when it joins the queue (not a request, no prefill unit, no decode room)."""
+        worker, None when it joins the queue (not a request, no prefill group for its model, no
+        decode room)."""
         request = waiting.delivery.message
         if not isinstance(request, GenerateRequest):
             return None
         workers = context.view.workers
         prefill = self.units(workers, request.model, "prefill")
-        held = {group: sum(_tokens(w) for w in window.held) for group, window in self.windows.items()}
-        unit = prefill_unit(prefill, held, scratch, self.rng)
+        if not prefill.groups:
+            return None  # no window to hold it in: ``place`` decides, as splitwise does
+        unit = prefill_unit(prefill, self.held_tokens, scratch, self.rng)
         if isinstance(unit, str):
             window = self.windows.setdefault(unit, StaggerWindow(max_wait_s=self.options.stagger_max_wait_s))
             if window.opened_at is None:
                 window.open(waiting.since, await group_boundary(context.registry, prefill.groups[unit]))
             window.add(waiting)
+            self.held_tokens[unit] = self.held_tokens.get(unit, 0) + len(request.prompt_token_ids)
             return []
         return None if unit is None else self._pair(waiting, request, unit, workers, scratch)
+
+    def _release(self, group: str) -> list[Waiting]:
+        self.held_tokens.pop(group, None)
+        return self.windows.pop(group).release()
 
     def place_batch(
         self, group: str, batch: list[Waiting], workers: Sequence[WorkerInfo], local: Local
@@ -165,10 +174,6 @@ def _reserve(local: Local, placements: Sequence[Placement]) -> None:
             mine.reserved_requests + add.reserved_requests,
             mine.reserved_kv_blocks + add.reserved_kv_blocks,
         )
-
-
-def _tokens(waiting: Waiting) -> int:
-    return len(_request(waiting).prompt_token_ids)
 
 
 def _request(waiting: Waiting) -> GenerateRequest:

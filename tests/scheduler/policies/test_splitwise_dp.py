@@ -141,3 +141,25 @@ async def test_without_staggering_every_arrival_joins_the_queue(redis: aioredis.
     context = await _context(redis, bus_config, _groups(), int(time.time() * 1000) + 5000)
     arrivals = _arrivals(3)
     assert await _policy(stagger=False).admit(arrivals, context) == Admitted(arrivals)
+
+
+async def test_with_no_prefill_group_arrivals_join_the_queue_for_place(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    workers = [worker("p-single", "prefill"), *_groups(prefill=0)]
+    context = await _context(redis, bus_config, workers, 0)
+    arrivals = _arrivals(2)
+    assert await _policy().admit(arrivals, context) == Admitted(arrivals)
+
+
+async def test_each_prefill_group_has_its_own_window(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    groups = [rank(g, i, 2, role="prefill") for g in ("p0", "p1") for i in range(2)]
+    context = await _context(redis, bus_config, [*groups, *_groups(prefill=0)], int(time.time() * 1000) + 5000)
+    policy = _policy()
+    await policy.admit(_arrivals(4), context)
+    assert {g: len(w.held) for g, w in policy.windows.items()} == {"p0": 2, "p1": 2}  # levels water-filled
+    assert policy.held_tokens == {"p0": 200, "p1": 200}
+    policy.windows["p0"].boundary_at = time.monotonic()  # p0's step ended, p1's goes on
+    released = await policy.admit([], context)
+    prefills = {p.worker.record.worker_id for _, p in released.placed if p.phase == "prefill"}
+    assert prefills == {"p0-r0", "p0-r1"} and list(policy.windows) == ["p1"] and released.wake_at is not None
