@@ -22,16 +22,11 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--mode",
         choices=policies.names(),
         default="splitwise",
-        help="routing policy (dp: staggered batches unless --no-stagger, the same as stagger; splitwise_dp: "
-        "splitwise over prefill and decode DP groups, staggered unless --no-stagger)",
+        help="routing policy (dp, splitwise_dp: staggered batches unless --no-stagger; dp with them is stagger)",
     )
+    p.add_argument("--no-stagger", action="store_true", help="dp, splitwise_dp: place each arrival at once (naive)")
     p.add_argument(
-        "--no-stagger",
-        action="store_true",
-        help="dp, splitwise_dp modes: place each arrival at once (the naive policy)",
-    )
-    p.add_argument(
-        "--stagger-max-wait-ms", type=float, default=50.0, help="dp, splitwise_dp modes: longest hold of an arrival"
+        "--stagger-max-wait-ms", type=float, default=50.0, help="dp, splitwise_dp: longest hold of an arrival"
     )
     add_redis_url_argument(p)
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
