@@ -22,10 +22,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--mode",
         choices=policies.names(),
         default="splitwise",
-        help="routing policy (dp: staggered batches unless --no-stagger, the same as stagger)",
+        help="routing policy (dp, splitwise_dp: staggered batches unless --no-stagger; dp with them is stagger)",
     )
-    p.add_argument("--no-stagger", action="store_true", help="dp mode: place each arrival at once (the naive policy)")
-    p.add_argument("--stagger-max-wait-ms", type=float, default=50.0, help="dp mode: longest hold of an arrival")
+    p.add_argument("--no-stagger", action="store_true", help="dp, splitwise_dp: place each arrival at once (naive)")
+    p.add_argument(
+        "--stagger-max-wait-ms", type=float, default=50.0, help="dp, splitwise_dp: longest hold of an arrival"
+    )
     add_redis_url_argument(p)
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")
     p.add_argument("--no-worker-wait", type=float, default=10.0, help="seconds a request waits for a worker before 503")

@@ -43,9 +43,11 @@ class SchedulerConfig:
     reap_every_s: float = 1.0
     """How often this replica looks for workers whose lease expired, to move their tasks."""
     stagger: bool = True
-    """dp mode: hold arrivals and release them as one batch spread over the ranks."""
+    """dp and splitwise_dp modes: hold (prefill) arrivals and release them as one batch spread
+    over a group's ranks."""
     stagger_max_wait_s: float = 0.05
-    """dp mode: the longest an arrival is held (the window closes earlier under load)."""
+    """dp and splitwise_dp modes: the longest an arrival is held (the window closes earlier under
+    load)."""
 
     @property
     def policy(self) -> str:
@@ -54,7 +56,9 @@ class SchedulerConfig:
         return "stagger" if self.mode == "dp" and self.stagger else self.mode
 
     def policy_options(self) -> policies.PolicyOptions:
-        return policies.PolicyOptions(replica=self.name, stagger_max_wait_s=self.stagger_max_wait_s)
+        return policies.PolicyOptions(
+            replica=self.name, stagger_max_wait_s=self.stagger_max_wait_s, stagger=self.stagger
+        )
 
     def __post_init__(self) -> None:
         if self.mode not in policies.names():

@@ -110,13 +110,27 @@ def decode_worker(
     return choose(tied, lambda w: active_requests(w, reserved(local, w)), rng)
 
 
+def complete_groups(workers: Sequence[WorkerInfo], model: str, role: str) -> dict[str, list[WorkerInfo]]:
+    """The live DP ranks of ``role`` serving ``model``, by group, for complete groups only (every
+    rank 0..dp_size-1 live, all agreeing on dp_size): a group missing a rank cannot step. Ranks
+    keep their snapshot order."""
+    groups: dict[str, list[WorkerInfo]] = {}
+    for w in eligible(workers, model, role):
+        if w.record.dp_size > 0:
+            groups.setdefault(w.record.dp_group, []).append(w)
+    return {g: ranks for g, ranks in groups.items() if _complete(ranks)}
+
+
+def _complete(ranks: list[WorkerInfo]) -> bool:
+    # The sizes come from the registry: compared with the ranks seen before anything is built from them.
+    size = len(ranks)
+    return all(r.record.dp_size == size for r in ranks) and {r.record.dp_rank for r in ranks} == set(range(size))
+
+
 def dp_ranks(workers: Sequence[WorkerInfo], model: str) -> list[WorkerInfo]:
-    """Ranks of complete DP groups only: a group missing a rank cannot step."""
-    ranks = [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0]
-    members: dict[str, int] = {}
-    for w in ranks:
-        members[w.record.dp_group] = members.get(w.record.dp_group, 0) + 1
-    return [w for w in ranks if members[w.record.dp_group] == w.record.dp_size]
+    """Ranks of complete ``mixed`` DP groups only, in snapshot order."""
+    groups = complete_groups(workers, model, "mixed")
+    return [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0 and w.record.dp_group in groups]
 
 
 def dp_placement(rank: WorkerInfo, request: GenerateRequest, batch_id: str = "", batch_ranks: int = 0) -> Placement:

@@ -176,10 +176,13 @@ class Scheduler:
         return left
 
     async def write_batch(self, placed: list[tuple[Waiting, Placement]]) -> None:
-        """Reserve and write what the policy placed as one batch, all at once."""
-        for _, placement in placed:
+        """Reserve and write what the policy placed as one batch, all at once: one dispatch per
+        request, of its placements in order."""
+        tasks: dict[int, tuple[Waiting, list[Placement]]] = {}
+        for waiting, placement in placed:
             self._reserve_locally(placement)
-        await asyncio.gather(*(self.contained(w, self.dispatch(w, w.delivery.message, [p])) for w, p in placed))
+            tasks.setdefault(id(waiting), (waiting, []))[1].append(placement)
+        await asyncio.gather(*(self.contained(w, self.dispatch(w, w.delivery.message, ps)) for w, ps in tasks.values()))
 
     async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | Verdict:
         """Run one request's decision or dispatch. If it fails for any reason but Redis

@@ -1,8 +1,10 @@
-"""The dp-mode scheduler's stagger window against a real Redis: where it reads the group's step end."""
+"""The scheduler against a real Redis: the stagger windows (dp and splitwise_dp modes), where they read a
+group's step end, and the replicas' leases and claims."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import cast
@@ -20,7 +22,7 @@ from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.policies.stagger import next_boundary
 from splitbus.scheduler.scheduler import Scheduler, Verdict, Waiting
 from splitbus.scheduler.stagger import RELEASE_LEAD_S
-from tests.scheduler.snapshot import request
+from tests.scheduler.snapshot import request, tasks_in
 
 
 @pytest.fixture
@@ -181,3 +183,36 @@ async def _eventually(check, expected, timeout_s: float = 5.0) -> bool:  # type:
             return False
         await asyncio.sleep(0.02)
     return True
+
+
+async def test_splitwise_dp_sends_a_windows_batch_rank_to_rank_one_dispatch_per_request(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A prefill group of 2 and a decode group of 2 that have not stepped: the window closes at once,
+    and each request's decode and prefill tasks go out in one dispatch, naming each other."""
+    registry = Registry(redis, bus_config)
+    for role, group in (("prefill", "p0"), ("decode", "d0")):
+        for i in range(2):
+            record = WorkerRecord(f"{group}-r{i}", role, "m", engine="sim", dp_group=group, dp_rank=i, dp_size=2)
+            await registry.register(record, lease_ms=5000)
+            await registry.report_load(record.worker_id, WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000))
+    scheduler = Scheduler(SchedulerConfig(bus_config, mode="splitwise_dp", name="s1"))
+    try:
+        await scheduler.requests.ensure_group()
+        await scheduler.view.refresh()
+        for i in range(2):
+            await Producer(redis, bus_config).send(
+                bus_config.keys.requests, dataclasses.replace(request(), request_id=f"r{i}")
+            )
+        await scheduler.step()
+        tasks = {w: await tasks_in(redis, bus_config.keys.tasks(w)) for w in ("p0-r0", "p0-r1", "d0-r0", "d0-r1")}
+    finally:
+        await scheduler.redis.aclose()
+    assert [len(t) for t in tasks.values()] == [1, 1, 1, 1]  # water-filled and balanced over the ranks
+    by_request = {t.request.request_id: {} for ts in tasks.values() for t in ts}
+    for worker_id, [task] in tasks.items():
+        by_request[task.request.request_id][task.phase] = (worker_id, task.peer, task.batch_id, task.batch_ranks)
+    for placed in by_request.values():
+        (p, p_peer, batch_id, ranks), (d, d_peer, _, _) = placed["prefill"], placed["decode"]
+        assert (p_peer, d_peer, ranks) == (d, p, 2) and batch_id.startswith("s1.")
+    assert scheduler.waiting == []

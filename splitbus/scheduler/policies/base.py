@@ -52,7 +52,8 @@ class Admitted:
     """Requests that join the waiting queue now, to be placed one at a time by ``place``."""
     placed: list[tuple[Waiting, Placement]] = field(default_factory=list)
     """Requests the policy placed itself, as one batch: the scheduler reserves their load and
-    writes them before it places the queue."""
+    writes them before it places the queue. A request with several tasks (splitwise: decode, then
+    prefill) has one pair per task, in order; its pairs make one dispatch."""
     wake_at: float | None = None
     """When (monotonic seconds) the loop must call ``admit`` again for the requests the policy
     still holds: the loop's read blocks no longer than that. None when it holds none."""
@@ -65,7 +66,10 @@ class PolicyOptions:
     replica: str = "scheduler"
     """The scheduler replica's consumer name: batch ids start with it, so they are unique."""
     stagger_max_wait_s: float = 0.05
-    """stagger: the longest an arrival is held."""
+    """stagger, splitwise_dp: the longest an arrival is held."""
+    stagger: bool = True
+    """splitwise_dp: hold prefill arrivals per prefill group and release them as batches (False:
+    place each at once). The dp policies have one policy per choice (``dp``, ``stagger``)."""
     rng: random.Random | None = None
     """The source of the random pick among equally loaded candidates (None: a fresh one)."""
 

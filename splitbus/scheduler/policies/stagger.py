@@ -83,12 +83,12 @@ class StaggerPolicy(DpPolicy):
 
 
 async def next_boundary(view: RegistryView, registry: Registry) -> float:
-    """When the first DP group's running step ends, less ``RELEASE_LEAD_S`` (this process's
+    """When the first mixed DP group's running step ends, less ``RELEASE_LEAD_S`` (this process's
     monotonic clock), from what its ranks announced; read fresh, as a registry snapshot is
     older than a decode step. The ranks' wall clocks are taken to agree with this one to
     within a few ms, as NTP keeps them."""
     by_group: dict[str, list[int]] = {}
-    ranks = [w for w in view.live() if w.record.dp_size > 0]
+    ranks = [w for w in view.live() if w.record.dp_size > 0 and w.record.role == "mixed"]  # not P or D groups
     for rank, end_ms in zip(ranks, await registry.forward_ends([r.record.worker_id for r in ranks]), strict=True):
         by_group.setdefault(rank.record.dp_group, []).append(end_ms)
     return time.monotonic() + group_boundary_s(by_group) - time.time() - RELEASE_LEAD_S

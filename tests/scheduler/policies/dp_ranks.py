@@ -1,19 +1,29 @@
-"""Hand-made DP ranks for the dp and stagger policies' tests."""
+"""Hand-made DP ranks for the dp, stagger and splitwise_dp policies' tests (any role)."""
 
 from __future__ import annotations
 
 from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
 
 
-def rank(group: str, index: int, size: int, queued: int = 0, free: int = 1000, model: str = "m") -> WorkerInfo:
-    load = WorkerLoad(queued_prefill_tokens=queued, free_kv_blocks=free, total_kv_blocks=1000)
+def rank(
+    group: str,
+    index: int,
+    size: int,
+    queued: int = 0,
+    free: int = 1000,
+    model: str = "m",
+    role: str = "mixed",
+    running: int = 0,
+    alive: bool = True,
+) -> WorkerInfo:
+    load = WorkerLoad(running=running, queued_prefill_tokens=queued, free_kv_blocks=free, total_kv_blocks=1000)
     record = WorkerRecord(
         worker_id=f"{group}-r{index}",
-        role="mixed",
+        role=role,
         model=model,
         load=load,
         dp_group=group,
         dp_rank=index,
         dp_size=size,
     )
-    return WorkerInfo(record, 0, 3000, Reserved())
+    return WorkerInfo(record, 0, 3000 if alive else -2, Reserved())

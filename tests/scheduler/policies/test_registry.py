@@ -23,7 +23,7 @@ from splitbus.scheduler.policies import POLICIES, NoPlacement, Placed, Policy, U
 from splitbus.scheduler.scheduler import Scheduler
 from tests.scheduler.snapshot import request, worker
 
-BUILT_IN = {"splitwise", "mixed", "dp", "stagger"}
+BUILT_IN = {"splitwise", "mixed", "dp", "stagger", "splitwise_dp"}
 
 NEW_POLICY = '''
 from splitbus.bus.registry import Reserved
