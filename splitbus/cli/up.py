@@ -217,11 +217,20 @@ def _check_reachable(url: str) -> None:
         raise ValueError(f"Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}") from None
 
 
+def _scheduler_mode(args: argparse.Namespace, prefill: int, mixed: int) -> str:
+    """The policy the parts need: rank-level splitwise once a prefill or decode DP group exists."""
+    if args.dp:
+        return "dp"
+    if mixed and not prefill:
+        return "mixed"
+    return "splitwise_dp" if max(args.prefill_dp, args.decode_dp) > 1 else "splitwise"
+
+
 def _start_parts(
     supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]
 ) -> None:
     prefill, decode, mixed = counts
-    mode = "dp" if args.dp else "mixed" if mixed and not prefill else "splitwise"
+    mode = _scheduler_mode(args, prefill, mixed)
     bus_env = {"SPLITBUS_REDIS_URL": url, "SPLITBUS_API_KEYS": ""}  # only the API gets the keys
     ports = itertools.count(args.metrics_port_base)
 

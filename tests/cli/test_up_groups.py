@@ -49,13 +49,14 @@ def test_groups_of_each_role_are_started_rank_by_rank() -> None:
         assert (_flag(args, "--dp-group"), _flag(args, "--dp-rank")) == (group, rank)
         assert _flag(args, "--dp-size") == ("2" if group.startswith("p") else "3")
         assert exits[up.EXIT_DP_GROUP_BROKEN].startswith(f"DP group {group} is broken")  # said, then restarted
-    assert _flag(parts["scheduler"][0], "--mode") == "splitwise"
+    assert _flag(parts["scheduler"][0], "--mode") == "splitwise_dp"  # rank-level placement once groups exist
 
 
 def test_a_group_size_of_one_is_todays_single_workers_and_the_roles_mix() -> None:
     parts = started("--prefill", "2", "--decode", "1", "--decode-dp", "2", "--mixed", "1")
     assert sorted(parts) == ["api", "d0-r0", "d0-r1", "mixed0", "prefill0", "prefill1", "scheduler"]
     assert "--dp-group" not in parts["prefill0"][0] and parts["prefill0"][1] == {}
+    assert _flag(started("--prefill", "2", "--decode", "1")["scheduler"][0], "--mode") == "splitwise"  # no group
 
 
 def test_dp_mixed_groups_are_started_as_before() -> None:
