@@ -21,6 +21,7 @@ holds with a reason, leaves the registry and exits, instead of hanging.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -36,6 +37,7 @@ from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.tasks import task_consumer
 from splitbus.worker import engines, metrics
+from splitbus.worker.engines.interface import SimulatedGroup
 from splitbus.worker.requests import Status
 from splitbus.worker.stepper import StepParts
 
@@ -67,11 +69,22 @@ class StepPlan:
     held_batches: tuple[str, ...] = ()
     """Every staggered batch this rank holds prefill work from: a rank still working through
     an older batch has its part of a newer one too, and must not hold that batch back."""
+    prefill_tokens: int = 0
+    """The tokens of the prefill batch it would run in the step; with ``decode_seqs``, what an
+    engine that simulates EP sizes the step's all-to-all by (``forwards``)."""
+    decode_seqs: int = 0
+    """The sequences it would decode in the step."""
 
     @classmethod
     def from_json(cls, raw: bytes) -> StepPlan:
         fields = orjson.loads(raw)
-        return cls(**{**fields, "held_batches": tuple(fields.get("held_batches", ()))})
+        counts = {k: _count(fields.get(k, 0)) for k in ("prefill_tokens", "decode_seqs")}
+        return cls(**{**fields, "held_batches": tuple(fields.get("held_batches", ())), **counts})
+
+
+def _count(value: object) -> int:
+    """A token or sequence count from another rank's plan (untrusted): a non-negative int, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else 0
 
 
 def decide(mine: StepPlan, plans: list[StepPlan], align_ms: float) -> str:
@@ -97,6 +110,17 @@ def bind_late(action: str, posted: StepPlan, current: StepPlan, plans: list[Step
     if action not in ("idle", "decode") or posted.prefill or not current.prefill:
         return action
     return decide(current, [current if p.rank == current.rank else p for p in plans], align_ms)
+
+
+def forwards(plans: list[StepPlan], align_ms: float) -> list[tuple[str, int]]:
+    """Every rank's forward in a step, as every rank decides it from the same plans: what it
+    does (``decide``) and the tokens it puts through (its prefill batch's tokens, its decode
+    batch size, 0 in an idle forward). EP's all-to-all waits for the rank with the most."""
+    return [_forward(decide(p, plans, align_ms), p) for p in plans]
+
+
+def _forward(action: str, plan: StepPlan) -> tuple[str, int]:
+    return action, plan.prefill_tokens if action == "prefill" else plan.decode_seqs if action == "decode" else 0
 
 
 def _batch_arrived(mine: StepPlan, plans: list[StepPlan]) -> bool:
@@ -250,6 +274,9 @@ class DpStepper:
         self.group_idle = False
         """True while the whole group waits for work: new work here must wake the others."""
         self.clock = ForwardClock()
+        self.step_s = 0.0
+        """How long the last step lasted for the whole group, as its engine decided it
+        (``decided_step_s``); 0: as long as the ranks' forwards took."""
 
     async def start(self) -> None:
         try:
@@ -294,17 +321,33 @@ class DpStepper:
             decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms
         )
         tokens = self.table.prefill_batch_size(self.config.max_prefill_tokens)[1] if action == "prefill" else 0
+        self.step_s = self.decided_step_s(plans, action, tokens)
         self.announce_forward(action, tokens)
         acting = time.monotonic()
         await self.act(action)
         acted = time.monotonic()
         self.clock.observe(action, tokens, acted - acting)
         if action != "none" and self.steps_end_together:
+            await asyncio.sleep(acting + self.step_s - time.monotonic())  # the rest of the group's step
             await self.barrier.finish(self.step_no)
         self.step_no += 1
         self.parts.publisher.soon()
         if action != "none":
             self.observe_step(action, time.monotonic() - started, acted - acting)
+
+    def decided_step_s(self, plans: list[StepPlan], action: str, prefill_tokens: int) -> float:
+        """The group step's duration where the engine decides it (the sim engine, which stands
+        for EP: the slowest rank's compute plus the all-to-all, from every rank's plan, this
+        rank's forward as it is bound); 0 for any other engine."""
+        engine = self.steps.engine
+        if not self.steps_end_together or not isinstance(engine, SimulatedGroup):
+            return 0.0
+        decode_seqs = self.table.count(Status.RUNNING) if action == "decode" else 0
+        mine = (action, prefill_tokens if action == "prefill" else decode_seqs)
+        ranks = forwards(plans, self.config.dp_align_ms)
+        return engine.group_step_s(
+            mine if p.rank == self.config.dp_rank else f for p, f in zip(plans, ranks, strict=True)
+        )
 
     def announce_forward(self, action: str, prefill_tokens: int) -> None:
         """Tell schedulers when this forward should end, so their stagger windows close just
@@ -314,7 +357,8 @@ class DpStepper:
         one load report per step (a prefill batch taken reports nothing more)."""
         if action == "none":
             return
-        self.steps.counters["forward_ends_ms"] = int((time.time() + self.clock.estimate(action, prefill_tokens)) * 1000)
+        ends_in = self.step_s or self.clock.estimate(action, prefill_tokens)
+        self.steps.counters["forward_ends_ms"] = int((time.time() + ends_in) * 1000)
         self.steps.report_load_soon()
 
     def load_report(self) -> Pipeline:
@@ -332,13 +376,15 @@ class DpStepper:
         )
 
     def plan(self) -> StepPlan:
-        queued, running = self.table.of(Status.QUEUED), bool(self.table.count(Status.RUNNING))
+        queued, running = self.table.of(Status.QUEUED), self.table.count(Status.RUNNING)
         if not queued:
-            return StepPlan(self.config.dp_rank, False, running, 0.0)
+            return StepPlan(self.config.dp_rank, False, bool(running), 0.0, decode_seqs=running)
         oldest = queued[0]
         waited = (time.monotonic() - oldest.queued_at) * 1000
         held = tuple(dict.fromkeys(seq.task.batch_id for seq in queued if seq.task.batch_id))
-        return StepPlan(self.config.dp_rank, True, running, waited, oldest.task.batch_id, oldest.task.batch_ranks, held)
+        tokens = self.table.prefill_batch_size(self.config.max_prefill_tokens)[1]
+        batch = oldest.task.batch_id, oldest.task.batch_ranks
+        return StepPlan(self.config.dp_rank, True, bool(running), waited, *batch, held, tokens, running)
 
     async def act(self, action: str) -> None:
         if action == "none":
