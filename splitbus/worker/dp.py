@@ -8,8 +8,9 @@ batch and how many ranks it went to, and a rank waits (up to ``dp_align_ms``) un
 have their part, so the batch's prefills share a step. Prefill work that comes after a rank
 posted its plan still joins the step (``bind_late``). With the sim engine, which has no EP, the
 ranks also wait for each other at the end of each step (``GroupBarrier.finish``), so tokens
-come out when the group's step ends, as they would with EP. A group with no work blocks on its
-stream; a rank that gets work posts a ``wake`` entry there.
+come out when the group's step ends, as they would with EP; the engine says how long the step
+lasts, EP's all-to-all included, from every rank's plan (``forwards``, ``decided_step_s``).
+A group with no work blocks on its stream; a rank that gets work posts a ``wake`` entry there.
 
 The group starts when all its ranks are live in the registry and each has joined the same
 epoch: the latest ``started_ms`` among them (Redis server time); only plans of that epoch count.
