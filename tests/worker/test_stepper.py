@@ -213,8 +213,8 @@ async def test_a_sim_group_step_lasts_its_slowest_ranks_compute_plus_the_all_to_
 ) -> None:
     costs = SimConfig(prefill_s_per_token=1e-4, decode_step_s=0.006, a2a_s=0.002, a2a_s_per_token=1e-5)
     first, second = ranks = [ep_rank(bus_config, tiny_model, r, costs) for r in (0, 1)]
-    steppers = [w.stepper for w in ranks]
-    assert all(isinstance(s, DpStepper) for s in steppers)
+    steppers = [w.stepper for w in ranks if isinstance(w.stepper, DpStepper)]
+    assert len(steppers) == 2
     try:
         queue(first, "r-long", prompt=300)
         await asyncio.gather(*(s.step() for s in steppers))  # rank 0 prefills 300 tokens, rank 1 idles

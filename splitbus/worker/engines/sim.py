@@ -49,12 +49,13 @@ class SimConfig:
     a segfault or the kernel's OOM killer would: no exception, nothing acked."""
     a2a_s: float = 0.015
     """DP groups only: the fixed part of a group step's EP all-to-all (dispatch and combine of
-    every MoE layer). A worker on its own has none. The default is about two thirds of a decode
-    group step, as DeepEP's decode kernels are of DeepSeek-V3's (docs/dp.md, "EP cost model")."""
+    every MoE layer); a worker on its own has none. The default is about two thirds of a group's
+    decode step (32 sequences a rank): the large-EP end of what DeepEP's published decode kernels
+    take of a DeepSeek-V3 decode step (docs/dp.md, "EP cost model")."""
     a2a_s_per_token: float = 0.000005
     """DP groups only: the all-to-all's part per token of the rank that puts the most through
-    the step (every rank waits for the largest): a tenth of a prefill token's compute, what the
-    overlap of two micro-batches leaves exposed in the model of docs/dp.md."""
+    the step (every rank waits for the largest). The default, a tenth of a prefill token's
+    compute, is an assumption for what the overlap of two micro-batches leaves exposed."""
 
     def __post_init__(self) -> None:
         costs = (self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq, self.a2a_s, self.a2a_s_per_token)
