@@ -3,8 +3,9 @@
 Placement is the scheduler's (naive: each arrival at once to a rank among those with the fewest
 queued prefill tokens, chosen by ``choose`` as ``Policy`` does; staggered: the ``StaggerWindow``'s
 batches, spread by ``water_fill``), and every step each rank acts by ``decide`` on the group's
-plans, exactly as a ``DpStepper`` does. Step costs follow the sim engine's model (``SimConfig``); the
-group's step lasts as long as its slowest rank (EP's all-to-all makes them wait).
+plans, exactly as a ``DpStepper`` does. Step costs are the sim engine's model (``SimConfig``): the
+group's step lasts as long as its slowest rank's compute plus EP's all-to-all
+(``SimConfig.group_step_s``), which ``NO_EP``, the default, leaves out.
 
 Time advances a step at a time, and the arrivals of a step are handled at its end: ranks take
 work only there, so placing an arrival earlier would change nothing, and a stagger window, which
@@ -27,6 +28,9 @@ from splitbus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
 from splitbus.worker.dp import StepPlan, decide
 from splitbus.worker.engines.sim import SimConfig
 
+NO_EP = SimConfig(a2a_s=0.0, a2a_s_per_token=0.0)
+"""The sim engine's costs without the all-to-all: what ``bench stagger`` measured its published
+tables with (docs/benchmarks.md); pass ``SimConfig()`` for the EP cost model."""
 PREFILL_TOKEN_BUDGET = 4096
 KV_BLOCKS_PER_RANK = 8192
 BLOCK = 16
@@ -113,7 +117,7 @@ class GroupSimulation:
         self.ranks = [_Rank(f"r{i}") for i in range(ranks)]
         self.window: StaggerWindow[_Req] | None = StaggerWindow(max_wait_s) if staggered else None
         self.align_ms = align_ms if staggered else 0.0
-        self.costs = costs or SimConfig()
+        self.costs = costs or NO_EP
         self.now = 0.0
         self.step_ends = 0.0
         """When the running step ends (the last one, while the group is idle): what the ranks
@@ -196,8 +200,9 @@ class GroupSimulation:
         if all(a == "none" for a in actions):  # only the window holds work: wait for it
             self.now = max(self.now, (self.window.due_at() if self.window else None) or self.now) + 1e-6
             return
-        costs = [self._cost(rank, action) for rank, action in zip(self.ranks, actions, strict=True)]
-        duration = max(costs)
+        forwards = [(action, self._tokens(rank, action)) for rank, action in zip(self.ranks, actions, strict=True)]
+        costs = [self.costs.forward_s(action, tokens) for action, tokens in forwards]
+        duration = self.costs.group_step_s(forwards)
         self.all_rank_steps += len(actions)
         self.all_idle_steps += actions.count("idle")
         if self.now <= self.arrivals_end:
@@ -240,13 +245,11 @@ class GroupSimulation:
             tokens += req.trace.prompt_tokens
         return batch
 
-    def _cost(self, rank: _Rank, action: str) -> float:
-        c = self.costs
+    def _tokens(self, rank: _Rank, action: str) -> int:
+        """What the rank puts through its forward: prompt tokens, or sequences decoded."""
         if action == "prefill":
-            return c.prefill_s_per_token * sum(r.trace.prompt_tokens for r in self._prefill_batch(rank))
-        if action == "decode":
-            return c.decode_step_s + c.decode_s_per_seq * len(rank.running)
-        return c.decode_step_s  # an idle forward still joins the collective
+            return sum(r.trace.prompt_tokens for r in self._prefill_batch(rank))
+        return len(rank.running) if action == "decode" else 0
 
     def _apply(self, rank: _Rank, action: str, end: float) -> None:
         if action == "prefill":

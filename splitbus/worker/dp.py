@@ -9,8 +9,9 @@ batch and how many ranks it went to, and a rank waits (up to ``dp_align_ms``) un
 have their part, so the batch's prefills share a step. Prefill work that comes after a rank
 posted its plan still joins the step (``bind_late``). With the sim engine, which has no EP, the
 ranks also wait for each other at the end of each step (``GroupBarrier.finish``), so tokens
-come out when the group's step ends, as they would with EP. A group with no work blocks on its
-stream; a rank that gets work posts a ``wake`` entry there.
+come out when the group's step ends, as they would with EP; the engine says how long the step
+lasts, EP's all-to-all included, from every rank's plan (``forwards``, ``decided_step_s``).
+A group with no work blocks on its stream; a rank that gets work posts a ``wake`` entry there.
 
 The group starts when all its ranks are live in the registry and each has joined the same
 epoch: the latest ``started_ms`` among them (Redis server time); only plans of that epoch count.
@@ -38,6 +39,7 @@ from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.tasks import task_consumer
 from splitbus.worker import engines, metrics
+from splitbus.worker.engines.interface import SimulatedGroup
 from splitbus.worker.requests import Status
 from splitbus.worker.stepper import StepParts
 
@@ -69,11 +71,22 @@ class StepPlan:
     held_batches: tuple[str, ...] = ()
     """Every staggered batch this rank holds prefill work from: a rank still working through
     an older batch has its part of a newer one too, and must not hold that batch back."""
+    prefill_tokens: int = 0
+    """The tokens of the prefill batch it would run in the step; with ``decode_seqs``, what an
+    engine that simulates EP sizes the step's all-to-all by (``forwards``)."""
+    decode_seqs: int = 0
+    """The sequences it would decode in the step."""
 
     @classmethod
     def from_json(cls, raw: bytes) -> StepPlan:
         fields = orjson.loads(raw)
-        return cls(**{**fields, "held_batches": tuple(fields.get("held_batches", ()))})
+        counts = {k: _count(fields.get(k, 0)) for k in ("prefill_tokens", "decode_seqs")}
+        return cls(**{**fields, "held_batches": tuple(fields.get("held_batches", ())), **counts})
+
+
+def _count(value: object) -> int:
+    """A token or sequence count from another rank's plan (untrusted): a non-negative int, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else 0
 
 
 def decide(mine: StepPlan, plans: list[StepPlan], align_ms: float) -> str:
@@ -105,6 +118,17 @@ def _kv_came_late(action: str, posted: StepPlan, current: StepPlan) -> str:
     """A decode rank whose KV came after it posted its plan decodes in this step instead of its
     idle forward (a mixed rank's decode work never comes between its plan and its step)."""
     return "decode" if action == "idle" and current.decode and not posted.decode else action
+
+
+def forwards(plans: list[StepPlan], align_ms: float) -> list[tuple[str, int]]:
+    """Every rank's forward in a step, as every rank decides it from the same plans: what it
+    does (``decide``) and the tokens it puts through (its prefill batch's tokens, its decode
+    batch size, 0 in an idle forward). EP's all-to-all waits for the rank with the most."""
+    return [_forward(decide(p, plans, align_ms), p) for p in plans]
+
+
+def _forward(action: str, plan: StepPlan) -> tuple[str, int]:
+    return action, plan.prefill_tokens if action == "prefill" else plan.decode_seqs if action == "decode" else 0
 
 
 def _batch_arrived(mine: StepPlan, plans: list[StepPlan]) -> bool:
@@ -261,6 +285,9 @@ class DpStepper:
         self.group_idle = False
         """True while the whole group waits for work: new work here must wake the others."""
         self.clock = ForwardClock()
+        self.step_s = 0.0
+        """How long the last step lasted for the whole group, as its engine decided it
+        (``decided_step_s``); 0: as long as the ranks' forwards took."""
 
     async def start(self) -> None:
         try:
@@ -305,17 +332,33 @@ class DpStepper:
             decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms
         )
         tokens = self.table.prefill_batch_size(self.config.max_prefill_tokens)[1] if action == "prefill" else 0
+        self.step_s = self.decided_step_s(plans, action, tokens)
         self.announce_forward(action, tokens)
         acting = time.monotonic()
         await self.act(action)
         acted = time.monotonic()
         self.clock.observe(action, tokens, acted - acting)
         if action != "none" and self.steps_end_together:
+            await asyncio.sleep(acting + self.step_s - time.monotonic())  # the rest of the group's step
             await self.barrier.finish(self.step_no)
         self.step_no += 1
         self.parts.publisher.soon()
         if action != "none":
             self.observe_step(action, time.monotonic() - started, acted - acting)
+
+    def decided_step_s(self, plans: list[StepPlan], action: str, prefill_tokens: int) -> float:
+        """The group step's duration where the engine decides it (the sim engine, which stands
+        for EP: the slowest rank's compute plus the all-to-all, from every rank's plan, this
+        rank's forward as it is bound); 0 for any other engine."""
+        engine = self.steps.engine
+        if not self.steps_end_together or not isinstance(engine, SimulatedGroup):
+            return 0.0
+        decode_seqs = self.table.count(Status.RUNNING) if action == "decode" else 0
+        mine = (action, prefill_tokens if action == "prefill" else decode_seqs)
+        ranks = forwards(plans, self.config.dp_align_ms)
+        return engine.group_step_s(
+            mine if p.rank == self.config.dp_rank else f for p, f in zip(plans, ranks, strict=True)
+        )
 
     def announce_forward(self, action: str, prefill_tokens: int) -> None:
         """Tell schedulers when this forward should end, so their stagger windows close just
@@ -325,7 +368,8 @@ class DpStepper:
         one load report per step (a prefill batch taken reports nothing more)."""
         if action == "none":
             return
-        self.steps.counters["forward_ends_ms"] = int((time.time() + self.clock.estimate(action, prefill_tokens)) * 1000)
+        ends_in = self.step_s or self.clock.estimate(action, prefill_tokens)
+        self.steps.counters["forward_ends_ms"] = int((time.time() + ends_in) * 1000)
         self.steps.report_load_soon()
 
     def load_report(self) -> Pipeline:
@@ -343,13 +387,15 @@ class DpStepper:
         )
 
     def plan(self) -> StepPlan:
-        queued, running = self.table.of(Status.QUEUED), bool(self.table.count(Status.RUNNING))
+        queued, running = self.table.of(Status.QUEUED), self.table.count(Status.RUNNING)
         if not queued:
-            return StepPlan(self.config.dp_rank, False, running, 0.0)
+            return StepPlan(self.config.dp_rank, False, bool(running), 0.0, decode_seqs=running)
         oldest = queued[0]
         waited = (time.monotonic() - oldest.queued_at) * 1000
         held = tuple(dict.fromkeys(seq.task.batch_id for seq in queued if seq.task.batch_id))
-        return StepPlan(self.config.dp_rank, True, running, waited, oldest.task.batch_id, oldest.task.batch_ranks, held)
+        tokens = self.table.prefill_batch_size(self.config.max_prefill_tokens)[1]
+        batch = oldest.task.batch_id, oldest.task.batch_ranks
+        return StepPlan(self.config.dp_rank, True, bool(running), waited, *batch, held, tokens, running)
 
     async def act(self, action: str) -> None:
         if action == "none":

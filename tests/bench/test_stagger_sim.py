@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,8 @@ from splitbus.bench.stagger import (
     run_stagger_bench,
     scaled_costs,
 )
-from splitbus.bench.stagger_sim import GroupFull, GroupSimulation, TraceRequest, poisson_trace
+from splitbus.bench.stagger_sim import NO_EP, GroupFull, GroupSimulation, TraceRequest, poisson_trace
+from splitbus.worker.engines.sim import SimConfig
 
 
 @pytest.mark.parametrize("staggered", [False, True])
@@ -100,3 +102,20 @@ def test_process_runs_pool_every_repeat(tmp_path: Path) -> None:
     assert "TTFT p50 of each run, ms: 200.0, 500.0" in report.stagger_table(result)
     report.stagger_plot(result, tmp_path / "stagger.png")
     assert (tmp_path / "stagger.png").stat().st_size > 10_000
+
+
+def test_with_the_ep_cost_model_a_step_adds_the_all_to_all_of_the_largest_rank() -> None:
+    costs = SimConfig()  # the sim engine's defaults: EP's all-to-all included
+    result = GroupSimulation(2, staggered=False, costs=costs).run([TraceRequest(0.0, 100, 1)])
+    # One step: rank 0 prefills 100 tokens (the request's only token), rank 1 idles; both wait
+    # for the all-to-all, sized by rank 0's 100 tokens.
+    assert result.ttft_p50_s == pytest.approx(costs.group_step_s([("prefill", 100), ("idle", 0)]))
+    assert result.ttft_p50_s == pytest.approx(costs.forward_s("prefill", 100) + costs.all_to_all_s([100]))
+    no_ep = GroupSimulation(2, staggered=False).run([TraceRequest(0.0, 100, 1)])  # bench stagger's model
+    assert no_ep.ttft_p50_s == pytest.approx(costs.forward_s("prefill", 100))
+
+
+def test_scaled_costs_scale_every_cost_and_leave_the_all_to_all_out_by_default() -> None:
+    assert scaled_costs(4.0) == replace(NO_EP, prefill_s_per_token=2e-4, decode_step_s=0.016, decode_s_per_seq=4e-4)
+    ep = scaled_costs(2.0, SimConfig())
+    assert (ep.a2a_s, ep.a2a_s_per_token) == pytest.approx((2 * SimConfig().a2a_s, 2 * SimConfig().a2a_s_per_token))

@@ -5,7 +5,7 @@ from dataclasses import asdict
 import orjson
 import pytest
 
-from splitbus.worker.dp import ForwardClock, StepPlan, bind_late, decide
+from splitbus.worker.dp import ForwardClock, StepPlan, bind_late, decide, forwards
 
 
 def plan(
@@ -80,3 +80,23 @@ def test_a_rank_busy_with_an_older_batch_does_not_hold_back_a_newer_one() -> Non
 def test_a_plan_survives_the_group_stream() -> None:
     sent = StepPlan(2, True, False, 1.5, "b1", 3, ("b1", "b2"))
     assert StepPlan.from_json(orjson.dumps(asdict(sent))) == sent
+
+
+def test_every_ranks_forward_and_its_tokens_come_from_the_same_plans() -> None:
+    plans = [
+        StepPlan(0, True, True, 0.0, prefill_tokens=300, decode_seqs=5),
+        StepPlan(1, False, True, 0.0, decode_seqs=7),
+        StepPlan(2, False, False, 0.0),
+        StepPlan(3, True, False, 3.0, "b1", 2, prefill_tokens=900),  # waits for b1's other part
+    ]
+    assert forwards(plans, 20.0) == [("prefill", 300), ("decode", 7), ("idle", 0), ("idle", 0)]
+    assert forwards(plans[2:3], 20.0) == [("none", 0)]
+
+
+def test_token_counts_in_a_plan_read_from_the_stream_are_checked() -> None:
+    sent = StepPlan(1, True, True, 2.0, prefill_tokens=64, decode_seqs=3)
+    assert StepPlan.from_json(orjson.dumps(asdict(sent))) == sent
+    bad = {**asdict(sent), "prefill_tokens": "many", "decode_seqs": -4}
+    assert StepPlan.from_json(orjson.dumps(bad)) == StepPlan(1, True, True, 2.0)
+    old = {k: v for k, v in asdict(sent).items() if k not in ("prefill_tokens", "decode_seqs")}
+    assert StepPlan.from_json(orjson.dumps(old)) == StepPlan(1, True, True, 2.0)  # a rank of the previous version

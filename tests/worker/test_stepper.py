@@ -47,13 +47,36 @@ def dp_worker(bus_config: BusConfig, tiny_model: Path) -> Worker:
     return mixed_worker(bus_config, tiny_model, DpStepper, dp_size=2)
 
 
-def queue(worker: Worker, request_id: str, max_tokens: int = 4, batch: str = "", entry: str = "1-0") -> Sequence:
-    """A mixed task taken: its writer open, its blocks reserved, queued to prefill."""
-    request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=max_tokens), "api", 0)
+def ep_rank(bus_config: BusConfig, tiny_model: Path, rank: int, costs: SimConfig) -> Worker:
+    """Rank ``rank`` of DP group g-ep (2 ranks), its group formed (epoch 1), on a sim engine."""
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(
+        bus=bus_config,
+        role="mixed",
+        model_dir=tiny_model,
+        model_name="tiny",
+        worker_id=f"ep{rank}",
+        dp_group="g-ep",
+        dp_rank=rank,
+        dp_size=2,
+    )
+    worker = Worker(config, tokenizer, SimEngine(costs, tokenizer, 64, 16), DpStepper)
+    assert isinstance(worker.stepper, DpStepper)
+    worker.stepper.barrier.begin(epoch_ms=1)
+    return worker
+
+
+def queue(
+    worker: Worker, request_id: str, max_tokens: int = 4, batch: str = "", entry: str = "1-0", prompt: int = 2
+) -> Sequence:
+    """A mixed task taken (a ``prompt``-token prompt): its writer open, its blocks reserved, queued to prefill."""
+    request = GenerateRequest(
+        request_id, "tiny", [97, 98] * (prompt // 2), SamplingParams(max_tokens=max_tokens), "api", 0
+    )
     task = Task("mixed", request, batch_id=batch, batch_ranks=2 if batch else 0)
     seq = Sequence(task, entry, TextStream(worker.tokenizer, []))
     worker.writer.open(request_id)
-    assert worker.engine.reserve(seq, 16)
+    assert worker.engine.reserve(seq, prompt + max_tokens)
     worker.requests.add(seq, Status.QUEUED)
     return seq
 
@@ -183,3 +206,28 @@ async def test_a_bug_in_a_background_loop_stops_the_worker_non_zero(
     monkeypatch.setattr(worker.cancellation, "listen", buggy)
     await asyncio.wait_for(worker.run(), 10)  # ends by itself, closed
     assert worker.exit_code == 1 and worker.stopping.is_set()
+
+
+async def test_a_sim_group_step_lasts_its_slowest_ranks_compute_plus_the_all_to_all_of_its_largest(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
+    costs = SimConfig(prefill_s_per_token=1e-4, decode_step_s=0.006, a2a_s=0.002, a2a_s_per_token=1e-5)
+    first, second = ranks = [ep_rank(bus_config, tiny_model, r, costs) for r in (0, 1)]
+    steppers = [w.stepper for w in ranks if isinstance(w.stepper, DpStepper)]
+    assert len(steppers) == 2
+    try:
+        queue(first, "r-long", prompt=300)
+        await asyncio.gather(*(s.step() for s in steppers))  # rank 0 prefills 300 tokens, rank 1 idles
+        step = costs.forward_s("prefill", 300) + costs.a2a_s + 300 * costs.a2a_s_per_token
+        assert [s.step_s for s in steppers] == [pytest.approx(step)] * 2
+        assert second.steps.counters["idle_forwards"] == 1 and first.requests.count(Status.RUNNING) == 1
+
+        queue(second, "r-short", prompt=40, entry="2-0")
+        await asyncio.gather(*(s.step() for s in steppers))  # rank 0 decodes its 1 sequence, rank 1 prefills 40
+        # The slowest compute is rank 0's decode (6.1 ms > 4 ms); the all-to-all is sized by rank 1's 40 tokens.
+        step = costs.forward_s("decode", 1) + costs.a2a_s + 40 * costs.a2a_s_per_token
+        assert costs.forward_s("decode", 1) > costs.forward_s("prefill", 40)
+        assert [s.step_s for s in steppers] == [pytest.approx(step)] * 2
+    finally:
+        for worker in ranks:
+            await worker.redis.aclose()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
     from splitbus.worker.sequence import Sequence
@@ -47,3 +48,14 @@ class Engine(Protocol):
     async def idle(self) -> None:
         """Called on a DP rank with nothing to do while its group steps: a dummy forward, as
         EP's collective all-to-all needs every rank."""
+
+
+@runtime_checkable
+class SimulatedGroup(Protocol):
+    """An engine whose DP group steps are simulated (``Capabilities.simulated_group``, the sim
+    engine): it says how long a group step lasts, EP's all-to-all included, and its ranks end
+    each step then, together."""
+
+    def group_step_s(self, forwards: Iterable[tuple[str, int]]) -> float:
+        """The group step's duration, given each rank's forward: (``prefill``, prompt tokens),
+        (``decode``, batch size), (``idle``, 0) or (``none``, 0)."""

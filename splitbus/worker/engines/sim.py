@@ -2,6 +2,11 @@
 
 A token depends only on the request's seed and its position, so a request that moves to
 another worker continues the same sequence, and tests know every token in advance.
+
+Its cost model (``SimConfig``) also stands for EP when its workers are the ranks of a DP group:
+a group step lasts as long as the slowest rank's compute plus an all-to-all that grows with
+the most tokens any rank puts through the step (``group_step_s``); docs/dp.md, "EP cost model".
+The simulation behind ``splitbus bench stagger`` uses the same functions.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import hashlib
 import os
 import random
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,10 +47,44 @@ class SimConfig:
     crash_token: int = -1
     """Fault injection: a prefill of a prompt holding this token kills the process (SIGKILL), as
     a segfault or the kernel's OOM killer would: no exception, nothing acked."""
+    a2a_s: float = 0.015
+    """DP groups only: the fixed part of a group step's EP all-to-all (dispatch and combine of
+    every MoE layer); a worker on its own has none. The default is about two thirds of a group's
+    decode step (32 sequences a rank): the large-EP end of what DeepEP's published decode kernels
+    take of a DeepSeek-V3 decode step (docs/dp.md, "EP cost model")."""
+    a2a_s_per_token: float = 0.000005
+    """DP groups only: the all-to-all's part per token of the rank that puts the most through
+    the step (every rank waits for the largest). The default, a tenth of a prefill token's
+    compute, is an assumption for what the overlap of two micro-batches leaves exposed."""
 
     def __post_init__(self) -> None:
-        if min(self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq) < 0 or self.kv_bytes_per_token < 1:
+        costs = (self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq, self.a2a_s, self.a2a_s_per_token)
+        if min(costs) < 0 or self.kv_bytes_per_token < 1:
             raise ValueError("sim costs must be >= 0 and kv_bytes_per_token >= 1")
+
+    def forward_s(self, action: str, tokens: int) -> float:
+        """One rank's compute in a step, by what it does there (``worker.dp.decide``): a prefill of
+        ``tokens`` prompt tokens, a decode of ``tokens`` sequences, an idle forward (it still
+        joins the collective) or nothing (``none``: the group does not step)."""
+        if action == "prefill":
+            return self.prefill_s_per_token * tokens
+        if action == "decode":
+            return self.decode_step_s + self.decode_s_per_seq * tokens
+        return self.decode_step_s if action == "idle" else 0.0
+
+    def all_to_all_s(self, tokens_by_rank: Iterable[int]) -> float:
+        """The all-to-all of a group step whose ranks put these tokens through it: every rank
+        sends to and receives from every other, so all wait for the rank with the most."""
+        return self.a2a_s + self.a2a_s_per_token * max(tokens_by_rank, default=0)
+
+    def group_step_s(self, forwards: Iterable[tuple[str, int]]) -> float:
+        """How long a DP group's step lasts, for every rank: the slowest rank's compute plus the
+        all-to-all. ``forwards``: each rank's (action, tokens), tokens being its prefill tokens
+        or its decode batch size (0 for an idle forward). 0 when no rank steps."""
+        stepping = [(action, tokens) for action, tokens in forwards if action != "none"]
+        if not stepping:
+            return 0.0
+        return max(self.forward_s(a, t) for a, t in stepping) + self.all_to_all_s(t for _, t in stepping)
 
 
 def _draw(seed: int, position: int) -> int:
@@ -95,18 +135,22 @@ class SimEngine:
         self._check_poison(batch)
         if self.config.crash_token >= 0 and any(self.config.crash_token in s.request.prompt_token_ids for s in batch):
             os.kill(os.getpid(), signal.SIGKILL)
-        await asyncio.sleep(self.config.prefill_s_per_token * sum(len(s.all_tokens) for s in batch))
+        await asyncio.sleep(self.config.forward_s("prefill", sum(len(s.all_tokens) for s in batch)))
         for seq in batch:
             seq.kv = self.kv_payload(seq.request)
         return [self._next(seq) for seq in batch]
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
         self._check_poison(batch)
-        await asyncio.sleep(self.config.decode_step_s + self.config.decode_s_per_seq * len(batch))
+        await asyncio.sleep(self.config.forward_s("decode", len(batch)))
         return [self._next(seq) for seq in batch]
 
     async def idle(self) -> None:
-        await asyncio.sleep(self.config.decode_step_s)
+        await asyncio.sleep(self.config.forward_s("idle", 0))
+
+    def group_step_s(self, forwards: Iterable[tuple[str, int]]) -> float:
+        """How long the step of a DP group of sim ranks lasts (``SimConfig.group_step_s``)."""
+        return self.config.group_step_s(forwards)
 
     def _next(self, seq: Sequence) -> int:
         return self.token_ids[_draw(seq.seed, len(seq.output_ids))]
@@ -140,6 +184,18 @@ class SimType(EngineType):
         )
         parser.add_argument("--sim-kv-bytes-per-token", type=int, default=4096)
         parser.add_argument(
+            "--sim-ep-a2a-ms",
+            type=float,
+            default=SimConfig.a2a_s * 1e3,
+            help="DP groups only: the fixed part of a group step's EP all-to-all",
+        )
+        parser.add_argument(
+            "--sim-ep-a2a-us-per-token",
+            type=float,
+            default=SimConfig.a2a_s_per_token * 1e6,
+            help="DP groups only: added to the all-to-all per token of the rank with the most in the step",
+        )
+        parser.add_argument(
             "--sim-poison-token",
             type=int,
             default=-1,
@@ -157,6 +213,8 @@ class SimType(EngineType):
             kv_bytes_per_token=args.sim_kv_bytes_per_token,
             poison_token=args.sim_poison_token,
             crash_token=args.sim_crash_token,
+            a2a_s=args.sim_ep_a2a_ms / 1e3,
+            a2a_s_per_token=args.sim_ep_a2a_us_per_token / 1e6,
         )
 
     def create(self, setup: EngineSetup) -> SimEngine:
