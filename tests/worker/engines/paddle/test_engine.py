@@ -99,6 +99,36 @@ def test_greedy_tokens_match_across_paths(model: CausalLM, model_dir: Path) -> N
     assert split == mixed == _recompute(model)
 
 
+def test_idle_forwards_between_steps_change_no_request(model: CausalLM, model_dir: Path) -> None:
+    """A DP rank runs idle forwards while its group steps (before its work comes, between its
+    decodes): they touch only the scratch block, so no request's tokens or blocks change."""
+    tok = ModelTokenizer.load(model_dir)
+    engine = _engine(model)
+    free = engine.free_blocks
+    asyncio.run(engine.idle())
+    assert engine.free_blocks == free == engine.total_blocks
+    batch = [_seq("mixed", p, f"r{i}", tok, temperature=0.0) for i, p in enumerate(_prompts())]
+    for seq in batch:
+        assert engine.reserve(seq, seq.prompt_len + NEW_TOKENS)
+    held = engine.free_blocks
+
+    async def steps_with_idles() -> None:
+        await engine.idle()
+        for seq, token in zip(batch, await engine.prefill(batch), strict=True):
+            seq.output_ids.append(token)
+        while len(batch[0].output_ids) < NEW_TOKENS:
+            await engine.idle()
+            for seq, token in zip(batch, await engine.decode(batch), strict=True):
+                seq.output_ids.append(token)
+
+    asyncio.run(steps_with_idles())
+    assert [s.output_ids for s in batch] == asyncio.run(_mixed(model, tok, temperature=0.0))
+    assert engine.free_blocks == held
+    for seq in batch:
+        engine.release(seq)
+    assert engine.free_blocks == free
+
+
 def test_seeded_sampling_survives_the_move(model: CausalLM, model_dir: Path) -> None:
     tok = ModelTokenizer.load(model_dir)
     params = dict(temperature=0.9, top_k=40, top_p=0.95, seed=123)
