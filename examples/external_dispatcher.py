@@ -250,13 +250,14 @@ def follow_all(r: redis.Redis, prefix: str, request_ids: list[str], timeout_s: f
 
 def dp(r: redis.Redis, args: argparse.Namespace) -> int:
     """``--requests`` requests, each through a prefill rank and a decode rank picked here."""
-    workers = live_workers(r, args.prefix)
+    live = live_workers(r, args.prefix)
+    model = args.model or next((record.get("model", "") for record in live.values()), "")
+    workers = {w: record for w, record in live.items() if record.get("model") == model}
     prefill, decode = ranks_of(r, args, workers, "prefill"), ranks_of(r, args, workers, "decode")
     run = uuid.uuid4().hex[:8]
     pairs = []
     for i in range(args.requests):
-        d_model = workers[next(iter(decode.values()))[0].worker]["model"]
-        request = new_request(d_model, args, f"ext-{run}-{i}", args.seed + i)
+        request = new_request(model, args, f"ext-{run}-{i}", args.seed + i)
         p, d = prefill_rank(prefill, request), decode_rank(decode, request)
         print(f"{request['request_id']}: seed {args.seed + i}, prefill {p.worker} -> decode {d.worker}")
         pairs.append((request, p, d))
@@ -276,6 +277,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1, help="the first request's seed (--dp: request i has seed + i)")
     parser.add_argument("--dp", action="store_true", help="rank-level dispatch over prefill and decode DP groups")
+    parser.add_argument("--model", default="", help="--dp: the served model (default: the first live worker's)")
     parser.add_argument("--requests", type=int, default=4, help="--dp: how many requests to spread over the ranks")
     args = parser.parse_args()
     r = redis.Redis.from_url(args.redis_url, decode_responses=True)
