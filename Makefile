@@ -19,8 +19,8 @@ up: $(BIN)/splitbus
 ## Each runs even when one before it failed, so one run shows everything; the target fails if any did.
 check: $(BIN)/splitbus
 	@status=0; \
-	$(BIN)/ruff check splitbus tests || status=1; \
-	$(BIN)/ruff format --check splitbus tests || status=1; \
+	$(BIN)/ruff check splitbus tests examples || status=1; \
+	$(BIN)/ruff format --check splitbus tests examples || status=1; \
 	$(BIN)/mypy || status=1; \
 	exit $$status
 
