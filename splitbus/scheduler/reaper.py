@@ -98,6 +98,7 @@ class Reaper:
         waiting = [d for d in tasks if not await self.move(worker_id, stream, d)]
         await self.writer.flush()
         if waiting:  # the next pass takes the worker again, for these alone (the rest are acked)
+            await stream.kept_waiting(*[d.entry_id for d in waiting])
             await self.reaping.release(worker_id)
             log.warning("worker %s is dead: %d task(s) wait for its DP group to re-form", worker_id, len(waiting))
             return len(tasks) - len(waiting)

@@ -26,7 +26,7 @@ GROUPS = ("--prefill", "2", "--prefill-dp", "2", "--decode", "2", "--decode-dp",
 async def _streams(
     system: System, count: int, max_tokens: int, prompt_tokens: int, victim: str, after_s: float
 ) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=30)
 
     async def one(i: int) -> str:
         stream = await client.completions.create(
@@ -96,5 +96,19 @@ def test_a_decode_rank_killed_mid_stream_migrates_its_groups_streams_exactly(tmp
         assert _moved(system) > 0
         system.wait_output(r"^d0-r0 .*DP group d0 is broken", 5, start=since)
         _assert_reformed(system, "d0", since)
+    finally:
+        stop_system(system)
+
+
+@pytest.mark.timeout(120)
+def test_with_no_other_prefill_group_a_broken_groups_prefills_wait_for_it_to_re_form(tmp_path: Path) -> None:
+    args = ("--prefill", "1", "--prefill-dp", "2", "--decode", "1", "--decode-dp", "2")
+    system = start_system(tmp_path, *args, "--worker-arg=--sim-prefill-us-per-token", "--worker-arg=2000")
+    try:
+        since = len(system.output)
+        texts = asyncio.run(_streams(system, 8, 16, 100, r"--dp-group p0 --dp-rank 1", after_s=0.3))
+        assert texts == [sim_text(700 + i, 16) for i in range(8)]  # they waited, then ran on the re-formed p0
+        system.wait_output(r"task\(s\) wait for its DP group to re-form", 5, start=since)
+        _assert_reformed(system, "p0", since)
     finally:
         stop_system(system)
