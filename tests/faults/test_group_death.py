@@ -39,15 +39,17 @@ async def _streams(
         os.kill(system.pid_of(victim), signal.SIGKILL)
 
     try:
-        results = await asyncio.gather(*(one(i) for i in range(count)), killer())
-        return list(results[:count])
+        kill = asyncio.ensure_future(killer())
+        texts = await asyncio.gather(*(one(i) for i in range(count)))
+        await kill
+        return list(texts)
     finally:
         await client.close()
 
 
 def _moved(system: System) -> int:
     """Tasks the reaper moved, from the scheduler's log (one line per dead worker it took)."""
-    return sum(map(int, re.findall(r"is dead: moved (\d+) task", "".join(system.output))))
+    return sum(int(n) for n in re.findall(r"is dead: moved (\d+) task", "".join(system.output)))
 
 
 def _live_ranks(system: System, group: str) -> list[str]:

@@ -16,7 +16,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.control import ControlServer
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.loops import Loops
-from splitbus.bus.messages import Cancel, Failed, Task
+from splitbus.bus.messages import Cancel, Failed, GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.streams import GroupConsumer, Producer
@@ -25,6 +25,7 @@ from splitbus.scheduler.dispatch import DISPATCHED, Dispatcher
 from splitbus.scheduler.placement import Placement
 from splitbus.scheduler.scheduler import Scheduler
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
+from tests.worker.replies import decoded
 
 KEEP_S = 2
 
@@ -208,6 +209,7 @@ async def _dispatch_to_p0(redis: aioredis.Redis, config: BusConfig, deadline_ms:
     await requests.ensure_group()
     await Producer(redis, config).send(config.keys.requests, dataclasses.replace(request(), deadline_ms=deadline_ms))
     (entry,) = await requests.read(1)
+    assert isinstance(entry.message, GenerateRequest)
     placements = [
         Placement(worker("d2", "decode"), "decode", "pa", Reserved(0, 1, 8)),
         Placement(worker("pa", "prefill"), "prefill", "d2", Reserved(100, 0, 0)),
@@ -246,7 +248,7 @@ async def test_a_broken_prefill_groups_task_fails_with_503_once_its_deadline_pas
     assert await scheduler.reaper.reap("pa") == 0  # waits: the deadline has not passed yet
     await asyncio.sleep(0.2)
     assert await scheduler.reaper.reap("pa") == 1
-    (failed,) = [codec.decode(fields) for _, fields in await redis.xrange(config.keys.out("r"))]
+    (failed,) = await decoded(redis, config.keys.out("r"))
     assert isinstance(failed, Failed) and failed.code == "worker_died" and failed.status == 503
     assert "its DP group did not re-form before the request's deadline" in failed.message
     assert (await redis.xpending(config.keys.tasks("pa"), WORKER_GROUP))["pending"] == 0
