@@ -35,6 +35,10 @@ class Reaping:
         """Keep the mark (taken already) only ``seconds`` more."""
         await self._redis.expire(self._keys.reaping(worker_id), seconds)
 
+    async def release(self, worker_id: str) -> None:
+        """Let go of the mark (taken already): the next reaper pass may take the worker again."""
+        await self._redis.delete(self._keys.reaping(worker_id))
+
     async def count_move(self, request_id: str) -> int:
         """One more move of the request; how many it has had (within ``MOVED_TTL_S``)."""
         key = self._keys.moved(request_id)

@@ -268,6 +268,15 @@ class GroupConsumer:
         metrics.ENTRIES_ACKED.labels(self._kind).inc(len(entry_ids))
         return int(acked)
 
+    async def kept_waiting(self, *entry_ids: str) -> None:
+        """Pending entries this consumer keeps, unprocessed, to take again later (a reaper's
+        tasks that wait for their DP group): their delivery count goes back to one (XCLAIM
+        RETRYCOUNT, JUSTID), so being read again pass after pass never makes them poison."""
+        if entry_ids:
+            await self._redis.xclaim(
+                self.stream, self.group, self.consumer, 0, list(entry_ids), retrycount=1, justid=True
+            )
+
     async def dead_letter(self, delivery: Delivery[Message], reason: str, deliveries: int = 1) -> None:
         """Take an entry that its handler could not process out of circulation, with the reason
         (the error's text). Never raises for Redis being away: the letter is kept and sent

@@ -277,12 +277,14 @@ def _start_group(
     part: str = "{group}-r{rank}",
 ) -> None:
     """The ranks of DP group ``group``: parts ``p0-r0``, ``p0-r1``... (``rank0``... for ``--dp``'s
-    g0). A rank that leaves its broken group exits with code 3 and is restarted like any part,
-    so the group re-forms once all its ranks are back."""
-    broken = {
-        EXIT_DP_GROUP_BROKEN: f"DP group {group} is broken: a rank died or hung; its requests fail with 503 "
-        "until all its ranks are back"
-    }
+    g0); ``worker`` ends with ``--role`` and the role. A rank that leaves its broken group exits
+    with code 3 and is restarted like any part, so the group re-forms once all its ranks are back."""
+    held = (
+        "its requests fail with 503 until all its ranks are back"
+        if worker[-1] == "mixed"
+        else "its requests move to another group of its role, or wait for it to re-form"
+    )
+    broken = {EXIT_DP_GROUP_BROKEN: f"DP group {group} is broken: a rank died or hung; {held}"}
     for rank in range(size):
         dp = ["--dp-group", group, "--dp-rank", str(rank), "--dp-size", str(size)]
         name = part.format(group=group, rank=rank)

@@ -10,7 +10,11 @@ worker. For each task left in its stream (unread, or read and never acked):
   duplicate;
 - a decode worker that still waits for that request's KV (its prefill worker died) is told to
   drop only that task (a scoped cancel), freeing its blocks;
-- a request moved more than ``max_deliveries`` times fails with a clear error.
+- a request moved more than ``max_deliveries`` times fails with a clear error;
+- a task of a prefill or decode DP group's rank that no worker can take now (no other complete
+  group or single worker of the role) waits: it stays unacked, the dead rank is not marked dead,
+  and the next pass tries again, until its group re-forms or the request's deadline passes (then
+  a 503 ``worker_died`` saying so). A single worker's task fails at once, as before.
 
 The dead worker then leaves the live set; its record (``state`` = dead), task and control
 streams stay ``dead_worker_keep_s`` (an hour by default), then expire: nothing of it accumulates.
@@ -19,6 +23,7 @@ streams stay ``dead_worker_keep_s`` (an hour by default), then expire: nothing o
 from __future__ import annotations
 
 import logging
+import time
 
 import redis.asyncio as aioredis
 
@@ -38,6 +43,8 @@ from splitbus.scheduler.placement import Local
 from splitbus.scheduler.policies import NoPlacement, Policy
 
 log = logging.getLogger(__name__)
+WAIT = "wait"
+"""``continue_request``'s outcome for a task kept for its broken group to re-form."""
 
 
 class Reaper:
@@ -88,18 +95,23 @@ class Reaper:
         await stream.ensure_group()
         read = await stream.read(100_000, block_ms=0) + await stream.claim_idle(100_000, min_idle_ms=0)
         tasks = list({d.entry_id: d for d in read}.values())  # what it read, claimed again too: once
-        for delivery in tasks:
-            await self.move(worker_id, stream, delivery)
+        waiting = [d for d in tasks if not await self.move(worker_id, stream, d)]
         await self.writer.flush()
+        if waiting:  # the next pass takes the worker again, for these alone (the rest are acked)
+            await stream.kept_waiting(*[d.entry_id for d in waiting])
+            await self.reaping.release(worker_id)
+            log.warning("worker %s is dead: %d task(s) wait for its DP group to re-form", worker_id, len(waiting))
+            return len(tasks) - len(waiting)
         await self.registry.mark_dead(worker_id)
         log.warning("worker %s is dead: moved %d task(s)", worker_id, len(tasks))
         return len(tasks)
 
-    async def move(self, dead: str, stream: GroupConsumer, delivery: Delivery) -> None:
+    async def move(self, dead: str, stream: GroupConsumer, delivery: Delivery) -> bool:
+        """Move, finish or fail one task of the dead worker; False if it waits for its group."""
         task = delivery.message
         if not isinstance(task, Task):
             await stream.ack(delivery.entry_id)
-            return
+            return True
         request = task.request
         sent = await read_sent(self.redis, self.config, request.request_id)
         if sent.ended or await self.superseded(task):
@@ -111,26 +123,33 @@ class Reaper:
                 "ended" if sent.ended else "its dispatch was replaced",
             )
             await stream.ack(delivery.entry_id)
-            return
+            return True
         if task.phase == "prefill":
             await self.release_decode_side(task)
         outcome = await self.continue_request(dead, delivery, task, sent)
+        if outcome == WAIT:
+            return False
         if outcome:
             await stream.ack(delivery.entry_id)
             if outcome == "finished" or not await self.superseded(task):  # else it lives on elsewhere
                 self.fail_or_finish(request.request_id, sent, outcome)
+        return True
 
     async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> str:
-        """Write the new tasks; returns "" on success, else why the request ends here."""
+        """Write the new tasks; returns "" on success, ``WAIT`` if the task waits for its group,
+        else why the request ends here."""
         request = task.request
+        finished = len(sent.tokens) >= request.sampling.max_tokens
+        decision = self.policy.place(request, self.view.workers, self.local)
+        if isinstance(decision, NoPlacement) and not finished and self.group_may_reform(dead, request.deadline_ms):
+            return WAIT  # not a move yet: a wait counts none
         moves = await self.reaping.count_move(request.request_id)
         if moves > self.config.max_deliveries:
             return f"the request failed on {moves} workers"
-        if len(sent.tokens) >= request.sampling.max_tokens:
+        if finished:
             return "finished"
-        decision = self.policy.place(request, self.view.workers, self.local)
         if isinstance(decision, NoPlacement):
-            return f"worker {dead} died and {decision.reason}"
+            return self.no_placement(dead, decision.reason)
         placement = decision.placements
         # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
         outcome = await self.dispatcher.redispatch(dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens)
@@ -143,6 +162,25 @@ class Reaper:
             outcome,
         )
         return ""
+
+    def group_may_reform(self, dead: str, deadline_ms: int) -> bool:
+        """Whether a task of ``dead`` with nothing to take it should wait: ``dead`` was a rank of
+        a prefill or decode DP group (``splitbus up`` restarts its ranks, and the group comes back
+        complete), and the request's deadline has not passed. A request with no deadline (0: a
+        bus-level client's) does not wait: nothing would bound it."""
+        return self.pd_group_rank(dead) and time.time() * 1000 < deadline_ms
+
+    def pd_group_rank(self, worker_id: str) -> bool:
+        """Whether the worker was a rank of a prefill or decode DP group (a mixed group's ranks
+        fail what they hold when it breaks: nothing of theirs waits)."""
+        record = next((w.record for w in self.view.workers if w.record.worker_id == worker_id), None)
+        return record is not None and record.dp_size > 0 and record.role in ("prefill", "decode")
+
+    def no_placement(self, dead: str, reason: str) -> str:
+        """Why a task of ``dead`` ends unplaced; for a rank of a broken group, that it waited."""
+        if self.pd_group_rank(dead):
+            return f"worker {dead} died, its DP group did not re-form before the request's deadline, and {reason}"
+        return f"worker {dead} died and {reason}"
 
     async def superseded(self, task: Task) -> bool:
         """The task's dispatch is no longer its request's current one: the request was moved

@@ -17,8 +17,10 @@ The group starts when all its ranks are live in the registry and each has joined
 epoch: the latest ``started_ms`` among them (Redis server time); only plans of that epoch count.
 A joining rank asks the registry again until the group has formed, so ranks that come back after
 a break, in any order, end up in one epoch (``GroupBarrier.form``). A rank
-missing from a step for ``dp_barrier_timeout_s`` breaks the group: every rank fails what it
-holds with a reason, leaves the registry and exits, instead of hanging.
+missing from a step for ``dp_barrier_timeout_s`` breaks the group and every rank exits, instead of
+hanging: a mixed rank fails what it holds with a reason and leaves the registry; a prefill or decode
+rank gives up its lease, so the scheduler's reaper moves what it holds to another group of the role
+(``DpStepper.hand_over``).
 """
 
 from __future__ import annotations
@@ -456,18 +458,23 @@ class DpStepper:
             await self.barrier.nudge()
 
     async def leave(self, reason: str, missing: list[int]) -> None:
-        """The group is broken: fail what this rank holds (and, on the lowest surviving rank,
-        what the missing ranks were given), leave the registry, stop with ``EXIT_GROUP_BROKEN``.
+        """The group is broken: stop with ``EXIT_GROUP_BROKEN`` (``splitbus up`` restarts the rank,
+        and the group re-forms once all its ranks are back). A mixed rank fails what it holds
+        (and, on the lowest surviving rank, what the missing ranks were given) and leaves the
+        registry; a prefill or decode rank hands what it holds over (``hand_over``).
 
         Called by the engine loop (or at start-up) when the group broke, in the caller's task:
         the worker's background loops are stopped before anything else."""
-        log.error("%s; failing held requests and stopping", reason)
+        log.error("%s; %s held requests and stopping", reason, "failing" if self.config.role == "mixed" else "moving")
         # The other loops stop first, as they did when the group's break ended the worker: a
         # task read after the sweep below would be queued with nobody to fail it (the reaper
         # never looks at a deregistered worker), and a heartbeat or a reservation give-back
         # written after the deregister would leave a ghost record (or lease) behind.
         self.parts.loops.exit_code = EXIT_GROUP_BROKEN
         await self.parts.loops.close()
+        if self.config.role != "mixed":
+            await self.hand_over()
+            return
         for seq in self.table.of(Status.QUEUED, Status.RUNNING):
             self.table.remove(seq)
             self.parts.publisher.fail(seq, "dp_group_broken", reason, 503)
@@ -475,6 +482,17 @@ class DpStepper:
             await self.fail_orphaned_tasks(reason, missing)
         await self.parts.publisher.publish()
         await self.parts.registry.deregister(self.id)
+
+    async def hand_over(self) -> None:
+        """A prefill or decode rank's requests must not be lost with its group: what its steps
+        made goes out, then the rank gives up its lease (``Registry.resign``) with its tasks
+        still unacked in its stream. A reaper takes it as dead and moves them, as a dead
+        worker's, to another group of the role (the scheduler places only on complete groups),
+        each continuing at the next ``seq`` from the tokens already sent; with no other group it
+        keeps them until this one re-forms, within their deadline. The missing ranks' tasks move
+        the same way once their leases lapse: nothing is swept here."""
+        await self.parts.publisher.publish()
+        await self.parts.registry.resign(self.id)
 
     async def fail_orphaned_tasks(self, reason: str, missing: list[int]) -> None:
         """Tasks in the missing ranks' streams would wait forever: answer them with the reason."""

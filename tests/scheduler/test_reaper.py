@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,7 +16,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.control import ControlServer
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.loops import Loops
-from splitbus.bus.messages import Cancel, Task
+from splitbus.bus.messages import Cancel, Failed, GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.streams import GroupConsumer, Producer
@@ -24,6 +25,7 @@ from splitbus.scheduler.dispatch import DISPATCHED, Dispatcher
 from splitbus.scheduler.placement import Placement
 from splitbus.scheduler.scheduler import Scheduler
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
+from tests.worker.replies import decoded
 
 KEEP_S = 2
 
@@ -184,3 +186,69 @@ async def test_a_dead_prefill_workers_decode_side_is_freed_only_for_its_dispatch
     await scheduler.reaper.release_decode_side(Task("prefill", request(), peer="d-1", handoff="h1"))
     sent = [codec.decode(fields) for _, fields in await redis.xrange(config.keys.cancel)]
     assert sent == ([Cancel("r", "moved", "d-1", "7-0")] if cancelled else [])
+
+
+async def _group_rank(redis: aioredis.Redis, config: BusConfig, worker_id: str, rank: int, lease_ms: int) -> None:
+    """A rank of prefill group p0 (2 ranks) joins: its task stream, its record and lease."""
+    await GroupConsumer(redis, config, config.keys.tasks(worker_id), WORKER_GROUP, worker_id).ensure_group("$")
+    load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
+    record = WorkerRecord(
+        worker_id=worker_id, role="prefill", model="m", load=load, dp_group="p0", dp_rank=rank, dp_size=2
+    )
+    await Registry(redis, config).register(record, lease_ms=lease_ms)
+
+
+async def _dispatch_to_p0(redis: aioredis.Redis, config: BusConfig, deadline_ms: int) -> None:
+    """The only prefill group, p0 (ranks pa, pb), and decode worker d2; request r goes to pa and d2."""
+    await _group_rank(redis, config, "pa", 0, 50)
+    await _group_rank(redis, config, "pb", 1, 50)
+    await GroupConsumer(redis, config, config.keys.tasks("d2"), WORKER_GROUP, "d2").ensure_group("$")
+    load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
+    await Registry(redis, config).register(WorkerRecord(worker_id="d2", role="decode", model="m", load=load), 30_000)
+    requests = GroupConsumer(redis, config, config.keys.requests, SCHEDULER_GROUP, "s1")
+    await requests.ensure_group()
+    await Producer(redis, config).send(config.keys.requests, dataclasses.replace(request(), deadline_ms=deadline_ms))
+    (entry,) = await requests.read(1)
+    assert isinstance(entry.message, GenerateRequest)
+    placements = [
+        Placement(worker("d2", "decode"), "decode", "pa", Reserved(0, 1, 8)),
+        Placement(worker("pa", "prefill"), "prefill", "d2", Reserved(100, 0, 0)),
+    ]
+    assert await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, placements) == DISPATCHED
+    await asyncio.sleep(0.1)  # the group breaks: both ranks' leases lapse
+
+
+async def test_a_broken_prefill_groups_task_waits_for_the_group_to_re_form_then_moves_to_it(
+    redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler
+) -> None:
+    await _dispatch_to_p0(redis, config, deadline_ms=int((time.time() + 60) * 1000))
+    await scheduler.view.refresh()
+    for _ in range(config.max_deliveries + 1):  # pass after pass: kept, never dead-lettered as delivered too often
+        assert await scheduler.reaper.reap("pa") == 0  # no complete prefill group: it waits
+        assert (await redis.xpending(config.keys.tasks("pa"), WORKER_GROUP))["pending"] == 1
+    assert await redis.xlen(config.keys.dead) == 0
+    assert await redis.hget(config.keys.worker("pa"), "state") != b"dead"  # not marked: reaped again
+    assert await redis.xlen(config.keys.out("r")) == 0  # no error for the client
+    await _group_rank(redis, config, "pc", 0, 30_000)  # the group re-forms: its ranks restarted
+    await _group_rank(redis, config, "pd", 1, 30_000)
+    await scheduler.view.refresh()
+    assert await scheduler.reaper.reap("pa") == 1  # the next pass takes it again and moves it
+    moved = [*await tasks_in(redis, config.keys.tasks("pc")), *await tasks_in(redis, config.keys.tasks("pd"))]
+    assert [t.phase for t in moved] == ["prefill"] and moved[0].handoff == await current_handoff(redis, config, "r")
+    assert (await redis.xpending(config.keys.tasks("pa"), WORKER_GROUP))["pending"] == 0
+    assert await redis.hget(config.keys.worker("pa"), "state") == b"dead"
+    assert await redis.xlen(config.keys.out("r")) == 0
+
+
+async def test_a_broken_prefill_groups_task_fails_with_503_once_its_deadline_passes(
+    redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler
+) -> None:
+    await _dispatch_to_p0(redis, config, deadline_ms=int(time.time() * 1000) + 150)
+    await scheduler.view.refresh()
+    assert await scheduler.reaper.reap("pa") == 0  # waits: the deadline has not passed yet
+    await asyncio.sleep(0.2)
+    assert await scheduler.reaper.reap("pa") == 1
+    (failed,) = await decoded(redis, config.keys.out("r"))
+    assert isinstance(failed, Failed) and failed.code == "worker_died" and failed.status == 503
+    assert "its DP group did not re-form before the request's deadline" in failed.message
+    assert (await redis.xpending(config.keys.tasks("pa"), WORKER_GROUP))["pending"] == 0

@@ -195,6 +195,48 @@ async def test_a_rank_leaving_its_broken_group_stops_its_loops_first_and_leaves_
         await worker.close()
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_prefill_or_decode_rank_leaving_its_broken_group_hands_what_it_holds_to_the_reaper(
+    bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, role: str
+) -> None:
+    # Issue 20: the requests of a broken prefill or decode group move to another group (the
+    # reaper's exact continuation) instead of failing: the rank fails nothing, and its record
+    # stays without a lease, for a reaper to take as dead (a deregistered one it never looks at).
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(
+        bus=bus_config,
+        role=role,
+        model_dir=tiny_model,
+        model_name="tiny",
+        worker_id="w0",
+        dp_group="g0",
+        dp_rank=0,
+        dp_size=2,
+    )
+    worker = Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16), DpStepper)
+    stepper = worker.stepper
+    assert isinstance(stepper, DpStepper)
+
+    async def broken(*args: object) -> list[StepPlan]:
+        raise GroupBroken("DP group g0 is broken: rank(s) [1] did not reach step 0", [1])
+
+    async def swept(*args: object) -> None:
+        raise AssertionError("a prefill or decode rank sweeps no stream: the reaper moves the missing rank's tasks")
+
+    monkeypatch.setattr(stepper.barrier, "exchange", broken)
+    monkeypatch.setattr(stepper, "fail_orphaned_tasks", swept)
+    try:
+        await worker.registry.register(worker.record(), lease_ms=5000)
+        queue(worker, "r-held")
+        await stepper.step()
+        assert worker.loops.stopped and worker.exit_code == EXIT_GROUP_BROKEN
+        assert await entries(worker, "r-held") == []  # not failed: it moves
+        (info,) = await Registry(worker.redis, bus_config).snapshot()
+        assert info.record.worker_id == "w0" and not info.alive  # in the live set, lease given up: reaped
+    finally:
+        await worker.redis.aclose()
+
+
 async def test_a_bug_in_a_background_loop_stops_the_worker_non_zero(
     bus_config: BusConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
