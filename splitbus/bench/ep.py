@@ -132,6 +132,8 @@ class ProcessRuns:
     """The ranks' counters moved by each run's last arrival, by role."""
     tokens: int = 0
     elapsed_s: float = 0.0
+    failed: int = 0
+    """Requests that got no complete answer (left out of the TTFT and TPOT percentiles)."""
     run_p50s: list[float] = field(default_factory=list)
 
     def result(self, requests: int) -> EpResult:
@@ -154,7 +156,7 @@ def _topology(ranks: int) -> tuple[str, ...]:
     return ("--prefill", "1", "--prefill-dp", str(ranks), "--decode", "1", "--decode-dp", str(ranks))
 
 
-def _measure(system: _System, trace: list[TraceRequest], runs: ProcessRuns) -> None:
+def _measure(system: _System, trace: list[TraceRequest], runs: ProcessRuns, progress: Callable[[str], None]) -> None:
     time.sleep(1.0)  # let the last load's drain settle into the counters
     before = system.counters("prefill"), system.counters("decode")
     done = asyncio.run(
@@ -162,6 +164,11 @@ def _measure(system: _System, trace: list[TraceRequest], runs: ProcessRuns) -> N
             f"http://127.0.0.1:{system.port}/v1", trace, lambda: (system.counters("prefill"), system.counters("decode"))
         )
     )
+    if done.failed:
+        progress(f"  {len(done.failed)} of {len(trace)} requests failed; the first: {done.failed[0]}")
+        runs.failed += len(done.failed)
+        for line in [o for o in system.output if "ERROR" in o or "WARNING" in o][-10:]:
+            progress(f"  system: {line.rstrip()}")
     runs.ttfts += done.ttfts
     runs.tpots += done.tpots
     runs.run_p50s.append(float(np.percentile(done.ttfts, 50)))
@@ -185,7 +192,7 @@ def run_processes(config: EpBenchConfig, progress: Callable[[str], None]) -> lis
             try:
                 for load, trace in traces.items():
                     progress(f"processes: {ranks}+{ranks} ranks, {mode}, {load} load, run {run + 1} of {config.runs}")
-                    _measure(system, trace, pooled[(mode, load)])
+                    _measure(system, trace, pooled[(mode, load)], progress)
             finally:
                 system.stop()
     rows = []
@@ -194,6 +201,7 @@ def run_processes(config: EpBenchConfig, progress: Callable[[str], None]) -> lis
             {
                 **row("processes", ranks, load, mode, PROCESS_COST_SCALE, runs.result(len(traces[load]))),
                 "runs": config.runs,
+                "failed": runs.failed,
                 "runs_ttft_p50_s": [round(p, 4) for p in runs.run_p50s],
             }
         )

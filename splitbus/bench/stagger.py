@@ -205,6 +205,8 @@ class Replayed:
     elapsed_s: float
     at_last_arrival: Any
     """What the callback returned as the last request went out."""
+    failed: list[str]
+    """Why each request that got no complete answer failed (the others' numbers are above)."""
 
 
 async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], Any]) -> Replayed:
@@ -222,7 +224,13 @@ async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Cal
     )
     start = time.perf_counter()
 
-    async def one(req: TraceRequest) -> tuple[float, int, float | None]:
+    async def one(req: TraceRequest) -> tuple[float, int, float | None] | str:
+        try:
+            return await stream(req)
+        except openai.APIError as exc:  # counted and reported: one failure does not void the run
+            return f"{type(exc).__name__}: {exc}"
+
+    async def stream(req: TraceRequest) -> tuple[float, int, float | None]:
         await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
         sent = time.perf_counter()
         stream = await client.completions.create(
@@ -244,8 +252,10 @@ async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Cal
     results, counters = await asyncio.gather(asyncio.gather(*(one(r) for r in trace)), snapshot())
     elapsed = time.perf_counter() - start
     await client.close()
-    tpots = [r[2] for r in results if r[2] is not None]
-    return Replayed([r[0] for r in results], tpots, sum(r[1] for r in results), elapsed, counters)
+    answered = [r for r in results if not isinstance(r, str)]
+    tpots = [r[2] for r in answered if r[2] is not None]
+    failed = [r for r in results if isinstance(r, str)]
+    return Replayed([r[0] for r in answered], tpots, sum(r[1] for r in answered), elapsed, counters, failed)
 
 
 @dataclass
@@ -339,6 +349,8 @@ def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], n
     time.sleep(1.0)  # let the last load's drain settle into the counters
     before = system.counters()
     done = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace, system.counters))
+    if done.failed:
+        raise RuntimeError(f"{len(done.failed)} requests failed, the first: {done.failed[0]}")
     time.sleep(1.0)  # the last steps' counters reach the registry
     return done.ttfts, done.at_last_arrival - before, system.counters() - before, done.tokens, done.elapsed_s
 
