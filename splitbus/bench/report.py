@@ -353,3 +353,44 @@ def api_plot(report: dict[str, Any], path: Path) -> None:
     conns.legend(fontsize=8)
     fig.suptitle(f"splitbus bench api: {report['streams']} concurrent streams, one API process", fontsize=10)
     _save(plt, fig, path, dpi=100)
+
+
+def ep_table(report: dict[str, Any]) -> str:
+    rows = [
+        f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'TTFT p50':>8} {'TTFT p99':>8} "
+        f"{'TPOT p50':>8} {'P idle':>6} {'D idle':>6} {'D imbal':>7} {'out tok/s':>9}"
+    ]
+    for r in report["results"]:
+        imbalance = "-" if r["decode_step_imbalance"] is None else f"{r['decode_step_imbalance']:.3f}"
+        rows.append(
+            f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} "
+            f"{r['mode']:<10} {r['ttft_p50_s'] * 1000:>8.1f} {r['ttft_p99_s'] * 1000:>8.1f} "
+            f"{r['tpot_p50_s'] * 1000:>8.2f} {r['prefill_idle_forward_ratio']:>6.3f} "
+            f"{r['decode_idle_forward_ratio']:>6.3f} {imbalance:>7} {r['output_throughput']:>9,.0f}"
+        )
+    rows.append(
+        "ms; P/D idle: idle forwards per prefill/decode rank-step; D imbal: busiest/mean decode rank compute per step"
+    )
+    return "\n".join(rows)
+
+
+def ep_plot(report: dict[str, Any], path: Path) -> None:
+    """Staggered vs naive, per configuration: the change (%) of each headline metric."""
+    plt = _pyplot()
+    keys = sorted(
+        {_stagger_key(r) for r in report["results"]},
+        key=lambda k: (k[0] != "processes", k[2] == 1, k[1], ("low", "moderate", "high").index(k[3])),
+    )
+    by = {(*_stagger_key(r), r["mode"]): r for r in report["results"]}
+    labels = [f"{'proc' if b == 'processes' else 'sim'} {n}+{n} x{scale:g}\n{load}" for b, n, scale, load in keys]
+    metrics = ("ttft_p50_s", "ttft_p99_s", "prefill_idle_forward_ratio", "output_throughput")
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(max(10, len(keys) * 0.9), 3.2 * len(metrics)))
+    for ax, metric in zip(axes, metrics, strict=True):
+        change = [100 * (by[k + ("staggered",)][metric] / max(by[k + ("naive",)][metric], 1e-12) - 1) for k in keys]
+        good = [c < 0 if metric != "output_throughput" else c > 0 for c in change]
+        ax.bar(range(len(keys)), change, color=["#27ae60" if g else "#c0392b" for g in good])
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xticks(range(len(keys)), labels, fontsize=7)
+        ax.set_title(f"{metric}: staggered vs naive (%)", fontsize=9)
+    fig.suptitle(f"splitbus bench ep: EP + PD, naive vs staggered prefill (seed {report['seed']})", fontsize=10)
+    _save(plt, fig, path, dpi=100)

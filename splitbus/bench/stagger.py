@@ -155,10 +155,12 @@ def _row(
 
 
 class _System(LocalSystem):
-    """``splitbus up --engine sim --dp N``, naive or staggered."""
+    """``splitbus up --engine sim --dp N`` (or the ``topology`` given), naive or staggered."""
 
-    def __init__(self, ranks: int, staggered: bool, cost_scale: float) -> None:
-        costs = scaled_costs(cost_scale)
+    def __init__(
+        self, ranks: int, staggered: bool, cost_scale: float, base: SimConfig = NO_EP, topology: tuple[str, ...] = ()
+    ) -> None:
+        costs = scaled_costs(cost_scale, base)
         worker = {
             "--sim-prefill-us-per-token": costs.prefill_s_per_token * 1e6,
             "--sim-decode-step-ms": costs.decode_step_s * 1e3,
@@ -174,27 +176,42 @@ class _System(LocalSystem):
             for flag, value in scheduler.items()
             for a in (flag, *([] if value is None else [f"{value:g}"]))
         ]
-        super().__init__("--engine", "sim", "--dp", str(ranks), *args)
+        super().__init__("--engine", "sim", *(topology or ("--dp", str(ranks))), *args)
 
-    def counters(self) -> np.ndarray:
+    def counters(self, role: str | None = None) -> np.ndarray:
         """The ranks' cumulative step counters (``RANK_COUNTERS``) summed, as the ranks report
-        them with every step plan."""
+        them with every step plan; only the ranks of ``role`` when given."""
         import redis
 
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
         total = np.zeros(len(RANK_COUNTERS))
         keys = Keys()  # the system the benchmark started uses the default prefix
         for worker in cast("list[str]", client.zrange(keys.workers, 0, -1)):  # the client decodes replies
-            total += [int(v or 0) for v in client.hmget(keys.worker(worker), *RANK_COUNTERS)]
+            values = cast("list[str | None]", client.hmget(keys.worker(worker), "role", *RANK_COUNTERS))
+            if role is None or values[0] == role:
+                total += [int(v or 0) for v in values[1:]]
         client.close()
         return total
 
 
-async def _replay(
-    base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], np.ndarray]
-) -> tuple[list[float], int, float, np.ndarray]:
-    """Send the trace through the API at its arrival times; TTFTs, tokens, seconds taken, and
-    what ``at_last_arrival`` returned as the last request went out."""
+@dataclass(frozen=True)
+class Replayed:
+    """One trace sent through the API."""
+
+    ttfts: list[float]
+    tpots: list[float]
+    """Seconds per output token after the first, of each request with more than one."""
+    tokens: int
+    elapsed_s: float
+    at_last_arrival: Any
+    """What the callback returned as the last request went out."""
+    failed: list[str]
+    """Why each request that got no complete answer failed (the others' numbers are above)."""
+
+
+async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], Any]) -> Replayed:
+    """Send the trace through the API at its arrival times; TTFTs, TPOTs, tokens, seconds taken,
+    and what ``at_last_arrival`` returned as the last request went out."""
     import openai
 
     client = openai.AsyncOpenAI(
@@ -207,27 +224,38 @@ async def _replay(
     )
     start = time.perf_counter()
 
-    async def one(req: TraceRequest) -> tuple[float, int]:
+    async def one(req: TraceRequest) -> tuple[float, int, float | None] | str:
+        try:
+            return await stream(req)
+        except openai.APIError as exc:  # counted and reported: one failure does not void the run
+            return f"{type(exc).__name__}: {exc}"
+
+    async def stream(req: TraceRequest) -> tuple[float, int, float | None]:
         await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
         sent = time.perf_counter()
         stream = await client.completions.create(
             model="tiny", prompt=[97] * req.prompt_tokens, max_tokens=req.output_tokens, stream=True
         )
-        first, tokens = None, 0
+        first, last, tokens = None, 0.0, 0
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
-                first = first or time.perf_counter() - sent
+                last = time.perf_counter() - sent
+                first = first or last
                 tokens += len(chunk.choices[0].text)
-        return first or 0.0, tokens
+        tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+        return first or 0.0, tokens, tpot
 
-    async def snapshot() -> np.ndarray:
+    async def snapshot() -> Any:
         await asyncio.sleep(max(0.0, trace[-1].arrival_s - (time.perf_counter() - start)))
         return await asyncio.to_thread(at_last_arrival)
 
     results, counters = await asyncio.gather(asyncio.gather(*(one(r) for r in trace)), snapshot())
     elapsed = time.perf_counter() - start
     await client.close()
-    return [r[0] for r in results], sum(r[1] for r in results), elapsed, counters
+    answered = [r for r in results if not isinstance(r, str)]
+    tpots = [r[2] for r in answered if r[2] is not None]
+    failed = [r for r in results if isinstance(r, str)]
+    return Replayed([r[0] for r in answered], tpots, sum(r[1] for r in answered), elapsed, counters, failed)
 
 
 @dataclass
@@ -320,11 +348,11 @@ def _measure(system: _System, trace: list[TraceRequest]) -> tuple[list[float], n
     seconds."""
     time.sleep(1.0)  # let the last load's drain settle into the counters
     before = system.counters()
-    ttfts, tokens, elapsed, by_last_arrival = asyncio.run(
-        _replay(f"http://127.0.0.1:{system.port}/v1", trace, system.counters)
-    )
+    done = asyncio.run(_replay(f"http://127.0.0.1:{system.port}/v1", trace, system.counters))
+    if done.failed:
+        raise RuntimeError(f"{len(done.failed)} requests failed, the first: {done.failed[0]}")
     time.sleep(1.0)  # the last steps' counters reach the registry
-    return ttfts, by_last_arrival - before, system.counters() - before, tokens, elapsed
+    return done.ttfts, done.at_last_arrival - before, system.counters() - before, done.tokens, done.elapsed_s
 
 
 def run_stagger_bench(config: StaggerBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``splitbus bench bus|engine|stagger|serve|scheduler|api``: each prints a table and writes JSON + PNG."""
+"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api``: each prints a table and writes JSON + PNG."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ C = TypeVar("C")
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (table, JSON and PNG)")
     kinds = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_bus, _add_engine, _add_stagger, _add_serve, _add_scheduler, _add_api):
+    for add in (_add_bus, _add_engine, _add_stagger, _add_ep, _add_serve, _add_scheduler, _add_api):
         add(kinds, env)
 
 
@@ -62,6 +62,24 @@ def _add_stagger(kinds: argparse._SubParsersAction, env: Env) -> None:
         help="runs of each trace per mode on the rank processes; TTFTs are pooled (default %(default)s)",
     )
     stagger.set_defaults(run=run_stagger)
+
+
+def _add_ep(kinds: argparse._SubParsersAction, env: Env) -> None:
+    ep = kinds.add_parser("ep", help="EP + PD: naive vs staggered prefill groups with decode groups")
+    ep.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    ep.add_argument(
+        "--backend", choices=("simulation", "processes", "both"), default="both", help="what to run (default both)"
+    )
+    ep.add_argument("--sim-ranks", type=int, nargs="+", default=[8, 16, 64], help="simulated group sizes (P and D)")
+    ep.add_argument("--process-ranks", type=int, default=4, help="ranks of the prefill group and of the decode group")
+    ep.add_argument("--loads", nargs="+", choices=("low", "moderate", "high"), default=["low", "moderate", "high"])
+    ep.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per simulated trace")
+    ep.add_argument(
+        "--process-duration", type=float, default=10.0, help="seconds of arrivals per trace sent to the processes"
+    )
+    ep.add_argument("--runs", type=int, default=3, help="runs per mode on the processes, pooled (default %(default)s)")
+    ep.add_argument("--seed", type=int, default=1)
+    ep.set_defaults(run=run_ep)
 
 
 def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
@@ -251,6 +269,34 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus bench stagger: {exc}")
         return 2
     return run.finish(result, report.stagger_plot, report.stagger_table)
+
+
+def run_ep(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.ep import BACKENDS, EmptyTrace, EpBenchConfig, run_ep_bench
+
+    config = _config(
+        "ep",
+        lambda: EpBenchConfig(
+            BACKENDS if args.backend == "both" else (args.backend,),
+            tuple(args.sim_ranks),
+            args.process_ranks,
+            args.duration,
+            args.process_duration,
+            args.runs,
+            tuple(args.loads),
+            args.seed,
+        ),
+    )
+    if config is None:
+        return 2
+    run = _Run("ep", args.out)
+    try:
+        result = run_ep_bench(config, progress=run.progress)
+    except EmptyTrace as exc:
+        say(f"splitbus bench ep: {exc}")
+        return 2
+    return run.finish(result, report.ep_plot, report.ep_table)
 
 
 def run_serve(args: argparse.Namespace, env: Env) -> int:
