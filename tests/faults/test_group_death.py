@@ -7,44 +7,22 @@ the group re-forms: both its ranks are live in the registry again, in step with 
 from __future__ import annotations
 
 import asyncio
-import os
+import functools
 import re
-import signal
 import time
 from pathlib import Path
 from typing import cast
 
-import openai
 import pytest
 
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
+from tests.faults.kills import streams_with_a_kill
 
 GROUPS = ("--prefill", "2", "--prefill-dp", "2", "--decode", "2", "--decode-dp", "2")
 
 
-async def _streams(
-    system: System, count: int, max_tokens: int, prompt_tokens: int, victim: str, after_s: float
-) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=30)
-
-    async def one(i: int) -> str:
-        stream = await client.completions.create(
-            model="tiny", prompt=[97] * prompt_tokens, max_tokens=max_tokens, seed=700 + i, stream=True
-        )
-        return "".join([c.choices[0].text async for c in stream])
-
-    async def killer() -> None:
-        await asyncio.sleep(after_s)
-        os.kill(system.pid_of(victim), signal.SIGKILL)
-
-    try:
-        kill = asyncio.ensure_future(killer())
-        texts = await asyncio.gather(*(one(i) for i in range(count)))
-        await kill
-        return list(texts)
-    finally:
-        await client.close()
+_streams = functools.partial(streams_with_a_kill, first_seed=700, timeout_s=30)
 
 
 def _moved(system: System) -> int:

@@ -4,39 +4,18 @@ so the expected text is known), with no duplicate and no gap."""
 from __future__ import annotations
 
 import asyncio
-import os
+import functools
 import re
-import signal
 import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
+from tests.faults.kills import streams_with_a_kill
 
-
-async def _streams(
-    system: System, count: int, max_tokens: int, prompt_tokens: int, kill_after_s: float, victim: str
-) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=120)
-
-    async def one(i: int) -> str:
-        stream = await client.completions.create(
-            model="tiny", prompt=[97] * prompt_tokens, max_tokens=max_tokens, seed=500 + i, stream=True
-        )
-        return "".join([c.choices[0].text async for c in stream])
-
-    async def killer() -> None:
-        await asyncio.sleep(kill_after_s)
-        os.kill(system.pid_of(victim), signal.SIGKILL)
-
-    try:
-        results = await asyncio.gather(*(one(i) for i in range(count)), killer())
-        return list(results[:count])
-    finally:
-        await client.close()
+_streams = functools.partial(streams_with_a_kill, first_seed=500)
 
 
 def _moved(system: System) -> int:
@@ -56,7 +35,7 @@ def test_decode_worker_killed_mid_stream(tmp_path: Path) -> None:
     system = start_system(tmp_path, "--decode", "2", "--worker-arg=--sim-decode-step-ms", "--worker-arg=25")
     try:
         started = time.monotonic()
-        texts = asyncio.run(_streams(system, 40, 120, 8, kill_after_s=1.0, victim=r"--role decode"))
+        texts = asyncio.run(_streams(system, 40, 120, 8, after_s=1.0, victim=r"--role decode"))
         assert texts == [sim_text(500 + i, 120) for i in range(40)]
         assert time.monotonic() - started < 60
         assert _moved(system) > 0
@@ -74,7 +53,7 @@ def test_prefill_worker_killed_mid_prefill(tmp_path: Path) -> None:
     # 2 ms per prompt token: each prefill worker's batch of 100-token prompts takes ~1 s.
     system = start_system(tmp_path, "--prefill", "2", "--worker-arg=--sim-prefill-us-per-token", "--worker-arg=2000")
     try:
-        texts = asyncio.run(_streams(system, 10, 20, 100, kill_after_s=0.4, victim=r"--role prefill"))
+        texts = asyncio.run(_streams(system, 10, 20, 100, after_s=0.4, victim=r"--role prefill"))
         assert texts == [sim_text(500 + i, 20) for i in range(10)]
         assert _moved(system) > 0
     finally:
