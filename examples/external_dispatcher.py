@@ -147,10 +147,12 @@ def number(value: object, default: int = 0) -> int:
 
 def complete_groups(workers: dict[str, dict], role: str) -> dict[str, list[str]]:
     """Live ranks of ``role`` by group, for the groups whose ranks 0..size-1 are all live and agree
-    on the size (a group one rank short cannot step: work sent to it waits or fails). A worker
-    outside any group is a group of one, named by its id."""
+    on the size and on the epoch they formed (``dp_epoch``; 0 while forming): a group one rank short,
+    or with a restarted rank not yet stepping with the others, cannot step, and work sent to it waits
+    or fails. A worker outside any group is a group of one, named by its id."""
     ranks: dict[str, dict[int, str]] = {}
     sizes: dict[str, set[int]] = {}
+    epochs: dict[str, set[int]] = {}
     for worker, record in sorted(workers.items()):
         size = number(record.get("dp_size"))
         if record.get("role") != role or size > 1024:
@@ -159,7 +161,12 @@ def complete_groups(workers: dict[str, dict], role: str) -> dict[str, list[str]]
         taken = rank in ranks.setdefault(group, {})  # two workers claiming one rank: not a group to trust
         ranks[group][rank] = worker
         sizes.setdefault(group, set()).add(-1 if taken else max(size, 1))
-    whole = {g: by_rank for g, by_rank in ranks.items() if [sorted(by_rank)] == [list(range(n)) for n in sizes[g]]}
+        epochs.setdefault(group, set()).add(number(record.get("dp_epoch")) if size > 0 else 1)
+    whole = {
+        g: by_rank
+        for g, by_rank in ranks.items()
+        if [sorted(by_rank)] == [list(range(n)) for n in sizes[g]] and len(epochs[g]) == 1 and 0 not in epochs[g]
+    }
     return {g: [by_rank[i] for i in sorted(by_rank)] for g, by_rank in whole.items()}
 
 

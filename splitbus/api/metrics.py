@@ -22,3 +22,8 @@ BODY_REJECTED = Counter(
     "Requests refused (429) because too many bodies were being read.",
     ["size"],
 )
+CONNECTIONS_CLOSED = Counter(
+    "splitbus_api_connections_closed_total",
+    "Connections the API closed before reading a request: headers too slow, too large, or a body too slow.",
+    ["reason"],
+)

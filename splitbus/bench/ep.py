@@ -10,7 +10,9 @@ generation, process orchestration and the replay are ``bench stagger``'s.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -134,6 +136,11 @@ class ProcessRuns:
     elapsed_s: float = 0.0
     failed: int = 0
     """Requests that got no complete answer (left out of the TTFT and TPOT percentiles)."""
+    failures: Counter[str] = field(default_factory=Counter)
+    """Why they failed (``stagger.failure``: the error, the transport error under it, when),
+    with the seconds rounded so that one cause counts once."""
+    client_lag_s: float = 0.0
+    """The client's worst event-loop lag in any run (``Replayed.client_lag_s``)."""
     run_p50s: list[float] = field(default_factory=list)
 
     def result(self, requests: int) -> EpResult:
@@ -164,9 +171,13 @@ def _measure(system: _System, trace: list[TraceRequest], runs: ProcessRuns, prog
             f"http://127.0.0.1:{system.port}/v1", trace, lambda: (system.counters("prefill"), system.counters("decode"))
         )
     )
+    runs.client_lag_s = max(runs.client_lag_s, done.client_lag_s)
+    if done.client_lag_s > 1.0:
+        progress(f"  the client's event loop lagged up to {done.client_lag_s:.1f}s: it is starved of CPU")
     if done.failed:
         progress(f"  {len(done.failed)} of {len(trace)} requests failed; the first: {done.failed[0]}")
         runs.failed += len(done.failed)
+        runs.failures.update(re.sub(r"\d+\.\d+s after", "…s after", f) for f in done.failed)
         for line in [o for o in system.output if "ERROR" in o or "WARNING" in o][-10:]:
             progress(f"  system: {line.rstrip()}")
     runs.ttfts += done.ttfts
@@ -202,6 +213,8 @@ def run_processes(config: EpBenchConfig, progress: Callable[[str], None]) -> lis
                 **row("processes", ranks, load, mode, PROCESS_COST_SCALE, runs.result(len(traces[load]))),
                 "runs": config.runs,
                 "failed": runs.failed,
+                "failures": dict(runs.failures.most_common(5)),
+                "client_lag_max_s": round(runs.client_lag_s, 3),
                 "runs_ttft_p50_s": [round(p, 4) for p in runs.run_p50s],
             }
         )

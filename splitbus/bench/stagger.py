@@ -207,6 +207,10 @@ class Replayed:
     """What the callback returned as the last request went out."""
     failed: list[str]
     """Why each request that got no complete answer failed (the others' numbers are above)."""
+    client_lag_s: float = 0.0
+    """The client's own event-loop lag, at its worst: how late a 50 ms tick woke. Over a second,
+    the client was starved of CPU, and what it measured includes its own delay (and an API's
+    header deadline may have closed connections it was too slow to write a request on)."""
 
 
 async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], Any]) -> Replayed:
@@ -225,14 +229,16 @@ async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Cal
     start = time.perf_counter()
 
     async def one(req: TraceRequest) -> tuple[float, int, float | None] | str:
+        progress = [0.0, 0]  # seconds since sent, tokens received: where a failure happened
         try:
-            return await stream(req)
+            return await stream(req, progress)
         except openai.APIError as exc:  # counted and reported: one failure does not void the run
-            return f"{type(exc).__name__}: {exc}"
+            return failure(exc, progress)
 
-    async def stream(req: TraceRequest) -> tuple[float, int, float | None]:
+    async def stream(req: TraceRequest, progress: list[Any]) -> tuple[float, int, float | None]:
         await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
         sent = time.perf_counter()
+        progress[0] = sent
         stream = await client.completions.create(
             model="tiny", prompt=[97] * req.prompt_tokens, max_tokens=req.output_tokens, stream=True
         )
@@ -242,6 +248,7 @@ async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Cal
                 last = time.perf_counter() - sent
                 first = first or last
                 tokens += len(chunk.choices[0].text)
+                progress[1] = tokens
         tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
         return first or 0.0, tokens, tpot
 
@@ -249,13 +256,40 @@ async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Cal
         await asyncio.sleep(max(0.0, trace[-1].arrival_s - (time.perf_counter() - start)))
         return await asyncio.to_thread(at_last_arrival)
 
+    meter = LagMeter()
+    lag = asyncio.ensure_future(meter.run())
     results, counters = await asyncio.gather(asyncio.gather(*(one(r) for r in trace)), snapshot())
     elapsed = time.perf_counter() - start
+    lag.cancel()
     await client.close()
     answered = [r for r in results if not isinstance(r, str)]
     tpots = [r[2] for r in answered if r[2] is not None]
     failed = [r for r in results if isinstance(r, str)]
-    return Replayed([r[0] for r in answered], tpots, sum(r[1] for r in answered), elapsed, counters, failed)
+    return Replayed(
+        [r[0] for r in answered], tpots, sum(r[1] for r in answered), elapsed, counters, failed, meter.worst_s
+    )
+
+
+class LagMeter:
+    """How late the client's event loop wakes a ``tick_s`` sleep, at worst, while ``run`` runs."""
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self.tick_s, self.worst_s = tick_s, 0.0
+
+    async def run(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(self.tick_s)
+            self.worst_s = max(self.worst_s, time.perf_counter() - before - self.tick_s)
+
+
+def failure(exc: BaseException, progress: list[Any]) -> str:
+    """What a failed request says: the client's error, the transport error under it (openai's
+    "Connection error." alone names no cause), when it failed and how many tokens it had got."""
+    cause = exc.__cause__ or exc.__context__
+    under = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    since = f"{time.perf_counter() - progress[0]:.1f}s after sending" if progress[0] else "before sending"
+    return f"{type(exc).__name__}: {exc}{under}, {since}, {progress[1]} tokens in"
 
 
 @dataclass

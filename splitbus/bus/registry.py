@@ -97,6 +97,10 @@ class WorkerLoad:
     forward_ends_ms: int = 0
     """DP ranks: when the forward this rank is running should end (its wall clock, ms, from
     its own estimate; 0 before its first). Stagger windows close just before a group's end."""
+    dp_epoch: int = 0
+    """DP ranks: the epoch (ms) of the group this rank steps in, written as the group forms; 0
+    while it forms. Schedulers place on a group only while all its ranks show one epoch: a rank
+    restarted after a kill shows 0 until the survivors, who still show the old one, re-form with it."""
 
 
 @dataclass

@@ -112,8 +112,8 @@ def decode_worker(
 
 def complete_groups(workers: Sequence[WorkerInfo], model: str, role: str) -> dict[str, list[WorkerInfo]]:
     """The live DP ranks of ``role`` serving ``model``, by group, for complete groups only (every
-    rank 0..dp_size-1 live, all agreeing on dp_size): a group missing a rank cannot step. Ranks
-    keep their snapshot order."""
+    rank 0..dp_size-1 live, all agreeing on dp_size and on one formed epoch): a group missing a rank
+    cannot step. Ranks keep their snapshot order."""
     groups: dict[str, list[WorkerInfo]] = {}
     for w in eligible(workers, model, role):
         if w.record.dp_size > 0:
@@ -122,8 +122,13 @@ def complete_groups(workers: Sequence[WorkerInfo], model: str, role: str) -> dic
 
 
 def _complete(ranks: list[WorkerInfo]) -> bool:
+    """Every rank 0..size-1 live, all agreeing on the size and on a formed epoch (``dp_epoch``): a
+    rank restarted after a kill, beside survivors that have not yet found the group broken, has all
+    the ranks live but steps with nobody."""
     # The sizes come from the registry: compared with the ranks seen before anything is built from them.
-    size = len(ranks)
+    size, epoch = len(ranks), ranks[0].record.load.dp_epoch
+    if epoch == 0 or any(r.record.load.dp_epoch != epoch for r in ranks):
+        return False
     return all(r.record.dp_size == size for r in ranks) and {r.record.dp_rank for r in ranks} == set(range(size))
 
 

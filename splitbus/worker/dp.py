@@ -293,10 +293,11 @@ class DpStepper:
 
     async def start(self) -> None:
         try:
-            await self.wait_for_group()
+            self.steps.counters["dp_epoch"] = await self.wait_for_group()
         except GroupBroken as exc:
             await self.leave(str(exc), exc.missing)
             return
+        self.steps.report_load_soon()  # schedulers place on the group once every rank shows its epoch
         log.info(
             "DP group %s: rank %d of %d in step with the others",
             self.config.dp_group,

@@ -31,7 +31,10 @@ COUNTERS = (
     "idle_time_us",
     "busy_time_us",
     "forward_ends_ms",
+    "dp_epoch",
 )
+"""What the worker's load report carries from its steps: counters, and two DP values a rank sets
+(``forward_ends_ms``, ``dp_epoch``; see ``WorkerLoad``)."""
 
 EngineCall = Callable[[list[Sequence]], Awaitable[list[int]]]
 

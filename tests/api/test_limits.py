@@ -288,8 +288,11 @@ def test_a_body_declared_too_large_is_refused_unread(limited: tuple[ApiProcess, 
 def test_a_thousand_slow_loris_connections_are_closed_and_do_not_block_others(limited: tuple[ApiProcess, Path]) -> None:
     """1000 connections: some send nothing, some half a request line, some drip one header byte
     at a time (which reset uvicorn's only timer before). Meanwhile a normal request completes;
-    the server closes every one of them past the 2 s header deadline."""
+    the server closes every one of them past the 2 s header deadline, counts each close, and says
+    so in a few batched warnings (not one line per connection)."""
     api, log = limited
+    before = _metric(api, 'splitbus_api_connections_closed_total{reason="header_timeout"}')
+    warned = _warnings(log, "that sent no complete headers")
     socks = [_raw(api) for _ in range(1000)]
     for i, sock in enumerate(socks):
         if i % 3:
@@ -306,16 +309,26 @@ def test_a_thousand_slow_loris_connections_are_closed_and_do_not_block_others(li
     assert closed == 1000
     _normal_request_works(api)
     assert b"Traceback" not in log.read_bytes()
+    assert _metric(api, 'splitbus_api_connections_closed_total{reason="header_timeout"}') - before == 1000
+    batches = _warnings(log, "that sent no complete headers")[len(warned) :]
+    assert 1 <= len(batches) <= 5, batches
+    assert sum(int(re.search(r"closed (\d+) connection", line)[1]) for line in batches) <= 1000  # type: ignore[index]
+
+
+def _warnings(log: Path, what: str) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "WARNING" in line and what in line]
 
 
 def test_headers_over_the_size_bound_get_431(limited: tuple[ApiProcess, Path]) -> None:
     api, _ = limited
+    before = _metric(api, 'splitbus_api_connections_closed_total{reason="header_too_large"}')
     with _raw(api) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         _send_quietly(sock, b"X-Pad: " + b"p" * (128 * 1024))
         reply = _response(sock)
     assert reply.startswith(b"HTTP/1.1 431")
     _normal_request_works(api)
+    assert _metric(api, 'splitbus_api_connections_closed_total{reason="header_too_large"}') - before == 1
 
 
 def _wait_until(condition: object, timeout_s: float = 10) -> None:

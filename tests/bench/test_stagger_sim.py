@@ -119,3 +119,21 @@ def test_scaled_costs_scale_every_cost_and_leave_the_all_to_all_out_by_default()
     assert scaled_costs(4.0) == replace(NO_EP, prefill_s_per_token=2e-4, decode_step_s=0.016, decode_s_per_seq=4e-4)
     ep = scaled_costs(2.0, SimConfig())
     assert (ep.a2a_s, ep.a2a_s_per_token) == pytest.approx((2 * SimConfig().a2a_s, 2 * SimConfig().a2a_s_per_token))
+
+
+def test_a_failed_requests_reason_names_the_transport_error_under_openais() -> None:
+    """openai says only "Connection error."; the cause under it (a reset: ReadError) and where the
+    request was are what tell a closed-before-read connection from a stream cut mid-way."""
+    import httpx
+    import openai
+
+    from splitbus.bench.stagger import failure
+
+    try:
+        try:
+            raise httpx.ReadError("")
+        except httpx.ReadError as cause:
+            raise openai.APIConnectionError(request=httpx.Request("POST", "http://x")) from cause
+    except openai.APIConnectionError as exc:
+        said = failure(exc, [0.0, 0])
+    assert said == "APIConnectionError: Connection error. (ReadError: ), before sending, 0 tokens in"

@@ -115,8 +115,8 @@ def _entries(ranks: Ranks, key: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def test_the_dispatcher_takes_complete_groups_only() -> None:
-    def rank(role: str, group: str, rank: object, size: object) -> dict[str, object]:
-        return {"role": role, "dp_group": group, "dp_rank": rank, "dp_size": size}
+    def rank(role: str, group: str, rank: object, size: object, epoch: str = "5") -> dict[str, object]:
+        return {"role": role, "dp_group": group, "dp_rank": rank, "dp_size": size, "dp_epoch": epoch}
 
     workers = {
         "a0": rank("prefill", "a", "0", "2"),
@@ -127,6 +127,10 @@ def test_the_dispatcher_takes_complete_groups_only() -> None:
         "e0": rank("prefill", "e", "0", "2"),
         "e0bis": rank("prefill", "e", "0", "2"),  # two workers claim one rank
         "f0": rank("prefill", "f", "x", "2"),  # not a number
+        "g0": rank("prefill", "g", "0", "2"),
+        "g1": rank("prefill", "g", "1", "2", epoch="0"),  # restarted, not stepping with g0 yet
+        "h0": rank("prefill", "h", "0", "2"),
+        "h1": rank("prefill", "h", "1", "2", epoch="6"),  # the ranks formed different epochs
         "solo": {"role": "prefill", "dp_group": "", "dp_rank": "-1", "dp_size": "0"},
         "d0": rank("decode", "d", "0", "1"),
     }

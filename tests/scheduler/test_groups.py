@@ -53,6 +53,18 @@ def test_a_group_whose_ranks_disagree_on_its_size_is_not_complete() -> None:
     assert complete_groups(claims_a_huge_group, "m", "decode") == {}
 
 
+def test_a_group_is_complete_only_once_all_its_ranks_formed_one_epoch() -> None:
+    """A rank killed and restarted shows epoch 0 beside survivors still in the old epoch (they
+    have not yet found the group broken): all ranks are live, but nobody steps with the new one."""
+    formed = [rank("d0", i, 3, role="decode", epoch=7) for i in range(3)]
+    assert list(complete_groups(formed, "m", "decode")) == ["d0"]
+    restarted = [*formed[:2], rank("d0", 2, 3, role="decode", epoch=0)]
+    assert complete_groups(restarted, "m", "decode") == {}
+    half_re_formed = [*formed[:2], rank("d0", 2, 3, role="decode", epoch=9)]
+    assert complete_groups(half_re_formed, "m", "decode") == {}
+    assert complete_groups([rank("d0", i, 3, role="decode", epoch=0) for i in range(3)], "m", "decode") == {}
+
+
 def test_step_cost_is_the_groups_busiest_rank_with_the_request_added() -> None:
     loads = [DecodeLoad(3, 900), DecodeLoad(4, 100), DecodeLoad(5, 200)]
     costs = step_cost(loads, [8, 8, 8])

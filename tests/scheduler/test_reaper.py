@@ -191,7 +191,7 @@ async def test_a_dead_prefill_workers_decode_side_is_freed_only_for_its_dispatch
 async def _group_rank(redis: aioredis.Redis, config: BusConfig, worker_id: str, rank: int, lease_ms: int) -> None:
     """A rank of prefill group p0 (2 ranks) joins: its task stream, its record and lease."""
     await GroupConsumer(redis, config, config.keys.tasks(worker_id), WORKER_GROUP, worker_id).ensure_group("$")
-    load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
+    load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000, dp_epoch=1)
     record = WorkerRecord(
         worker_id=worker_id, role="prefill", model="m", load=load, dp_group="p0", dp_rank=rank, dp_size=2
     )

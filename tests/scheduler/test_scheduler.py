@@ -45,7 +45,7 @@ async def _ranks(redis: aioredis.Redis, bus_config: BusConfig, ends_ms: list[int
             dp_size=len(ends_ms),
         )
         await registry.register(record, lease_ms=5000)
-        await registry.report_load(record.worker_id, WorkerLoad(forward_ends_ms=end_ms))
+        await registry.report_load(record.worker_id, WorkerLoad(forward_ends_ms=end_ms, dp_epoch=1))
 
 
 async def test_window_closes_just_before_the_slowest_rank_ends(
@@ -195,7 +195,9 @@ async def test_splitwise_dp_sends_a_windows_batch_rank_to_rank_one_dispatch_per_
         for i in range(2):
             record = WorkerRecord(f"{group}-r{i}", role, "m", engine="sim", dp_group=group, dp_rank=i, dp_size=2)
             await registry.register(record, lease_ms=5000)
-            await registry.report_load(record.worker_id, WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000))
+            await registry.report_load(
+                record.worker_id, WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000, dp_epoch=1)
+            )
     scheduler = Scheduler(SchedulerConfig(bus_config, mode="splitwise_dp", name="s1"))
     try:
         await scheduler.requests.ensure_group()

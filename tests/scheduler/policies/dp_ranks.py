@@ -15,8 +15,12 @@ def rank(
     role: str = "mixed",
     running: int = 0,
     alive: bool = True,
+    epoch: int = 1,
 ) -> WorkerInfo:
-    load = WorkerLoad(running=running, queued_prefill_tokens=queued, free_kv_blocks=free, total_kv_blocks=1000)
+    """A live rank that has formed its group in ``epoch`` (0: still forming)."""
+    load = WorkerLoad(
+        running=running, queued_prefill_tokens=queued, free_kv_blocks=free, total_kv_blocks=1000, dp_epoch=epoch
+    )
     record = WorkerRecord(
         worker_id=f"{group}-r{index}",
         role=role,

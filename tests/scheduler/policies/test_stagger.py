@@ -48,7 +48,7 @@ async def test_arrivals_wait_for_the_groups_step_to_end(redis: aioredis.Redis, b
     [r] = [rank("g0", 0, 1)]
     await registry.register(r.record, lease_ms=5000)
     ends_ms = int(time.time() * 1000) + 5000
-    await registry.report_load(r.record.worker_id, WorkerLoad(free_kv_blocks=1000, forward_ends_ms=ends_ms))
+    await registry.report_load(r.record.worker_id, WorkerLoad(free_kv_blocks=1000, forward_ends_ms=ends_ms, dp_epoch=1))
     view = RegistryView(registry, 1.0)
     await view.refresh()
     policy, arrivals = _policy(), _arrivals(2)
