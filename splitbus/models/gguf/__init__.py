@@ -1,0 +1,1 @@
+"""GGUF checkpoints, converted once into a cached Hugging Face folder."""
