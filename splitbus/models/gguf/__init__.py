@@ -116,10 +116,19 @@ def _convert(path: Path, source: Source, parent: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _write_tokenizer(reader, tmp, path)
         (tmp / "source.json").write_text(json.dumps(asdict(source), indent=2) + "\n")
+        _readable(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tmp
+
+
+def _readable(tmp: Path) -> None:
+    """mkdtemp and safetensors create owner-only entries; the cache is read by every process
+    that serves the model (a container's other user, too)."""
+    tmp.chmod(0o755)
+    for file in tmp.iterdir():
+        file.chmod(0o644)
 
 
 def _write_tokenizer(reader: GGUFReader, tmp: Path, path: Path) -> None:

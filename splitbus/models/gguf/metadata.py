@@ -147,15 +147,15 @@ def _vocab_size(fields: Fields, arch: str) -> int:
 
 
 def _head_dim(fields: Fields, arch: str, hidden: int, heads: int) -> int:
-    """``attention.key_length``, else ``rope.dimension_count``, else hidden / heads; the engine
-    rotates the whole head, so a partial RoPE (fewer rotated dimensions) is refused."""
-    rotated = fields.integer(Keys.Rope.DIMENSION_COUNT.format(arch=arch), 2, MAX_HEAD_DIM, default=0)
-    fallback = rotated or (hidden // heads if hidden % heads == 0 else 0)
-    head_dim = fields.integer(Keys.Attention.KEY_LENGTH.format(arch=arch), 2, MAX_HEAD_DIM, default=fallback or None)
+    """``attention.key_length``, else hidden / heads (llama.cpp's defaults). The engine rotates
+    the whole head, so ``rope.dimension_count``, when there, must equal it (no partial RoPE)."""
+    fallback = hidden // heads if hidden % heads == 0 else None
+    head_dim = fields.integer(Keys.Attention.KEY_LENGTH.format(arch=arch), 2, MAX_HEAD_DIM, default=fallback)
     value_dim = fields.integer(Keys.Attention.VALUE_LENGTH.format(arch=arch), 2, MAX_HEAD_DIM, default=head_dim)
-    if head_dim % 2 or value_dim != head_dim or rotated not in (0, head_dim):
+    rotated = fields.integer(Keys.Rope.DIMENSION_COUNT.format(arch=arch), 2, MAX_HEAD_DIM, default=head_dim)
+    if head_dim % 2 or value_dim != head_dim or rotated != head_dim:
         raise fields.fail(
-            f"head dimensions (key {head_dim}, value {value_dim}, rotated {rotated or head_dim}) are not supported: "
+            f"head dimensions (key {head_dim}, value {value_dim}, rotated {rotated}) are not supported: "
             "the engine needs equal, even key and value dimensions with RoPE on all of them"
         )
     return head_dim

@@ -37,14 +37,16 @@ def write_gguf(
     tensor_types: dict[str, str] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     drop: frozenset[str] = frozenset(),
+    hparams: dict[str, Any] | None = None,
     vocab: bool = True,
 ) -> Path:
     """Write ``out``; ``arch`` overrides ``general.architecture`` (for a wrong-architecture file),
     ``tensor_types`` a GGUF tensor's type ("I8" writes it as int8, a type nothing dequantizes),
-    ``extra_tensors`` adds tensors under GGUF names, ``drop`` leaves GGUF tensors out."""
+    ``extra_tensors`` adds tensors under GGUF names, ``drop`` leaves GGUF tensors out, ``hparams``
+    replaces config.json values in the metadata only (a file whose metadata lies)."""
     config = json.loads((hf_folder / "config.json").read_text())
     writer = GGUFWriter(out, arch or config["model_type"])
-    _add_hparams(writer, config)
+    _add_hparams(writer, config | (hparams or {}))
     if vocab and add_vocab is not None:
         add_vocab(writer, hf_folder)
     for name, array in _gguf_tensors(hf_folder, config):
