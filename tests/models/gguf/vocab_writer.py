@@ -37,7 +37,8 @@ def vocab_base(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[i
     ``[PAD<id>]`` (UNUSED); added tokens are CONTROL when special or when they look special, else USER_DEFINED."""
     by_id = {i: token for token, i in tokenizer.get_vocab(with_added_tokens=True).items()}
     added = tokenizer.get_added_tokens_decoder()
-    tokens, types = [], []
+    tokens: list[str] = []
+    types: list[int] = []
     for i in range(vocab_size):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
