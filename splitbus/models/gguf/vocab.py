@@ -152,7 +152,7 @@ def _source(reader: gguf.GGUFReader) -> str:
     return str(getattr(reader.data, "filename", None) or "GGUF file")
 
 
-ARRAY = gguf.GGUFValueType.ARRAY
+_ARRAY = gguf.GGUFValueType.ARRAY
 _INTEGER_TYPES = frozenset(
     {
         gguf.GGUFValueType.UINT8,
@@ -188,7 +188,7 @@ class _Fields:
 
     def _array(self, key: str, item: gguf.GGUFValueType) -> gguf.ReaderField | None:
         # An empty array has no item type in the reader's view: types is [ARRAY] alone.
-        field = self._field(key, f"an array of {item.name}", lambda t: t in ([ARRAY], [ARRAY, item]))
+        field = self._field(key, f"an array of {item.name}", lambda t: t in ([_ARRAY], [_ARRAY, item]))
         if field is not None and len(field.data) > MAX_TOKENS:
             raise self.error(key, f"has {len(field.data)} entries, more than {MAX_TOKENS}")
         return field
@@ -215,7 +215,7 @@ class _Fields:
 
     def _decode(self, key: str, part: Any) -> str:
         try:
-            return bytes(part.tobytes()).decode("utf-8")
+            return part.tobytes().decode("utf-8")
         except UnicodeDecodeError as exc:
             raise self.error(key, f"holds text that is not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
@@ -296,7 +296,9 @@ def _merges(fields: _Fields, tokens: tuple[str, ...]) -> tuple[tuple[str, str], 
     for index, merge in enumerate(merges):
         # llama.cpp splits at the first space after the first character (a part may be a lone space).
         cut = merge.find(" ", 1)
-        left, right = (merge[:cut], merge[cut + 1 :]) if cut > 0 else (merge, "")
+        if cut < 0:
+            raise fields.error(KEYS.MERGES, f"entry {index} ({merge!r}) is not two tokens joined by a space")
+        left, right = merge[:cut], merge[cut + 1 :]
         missing = next((t for t in (left, right, left + right) if t not in ids), None)
         if missing is not None:
             raise fields.error(KEYS.MERGES, f"entry {index} ({merge!r}) needs {missing!r}, which is not a token")
