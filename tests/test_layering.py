@@ -24,6 +24,14 @@ FORBIDDEN = {
     "scheduler": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.tokenization"),
     "tokenization": ("splitbus.bus", "splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli"),
     "gpu_ops": ("splitbus.",),
+    "models": (
+        "splitbus.bus",
+        "splitbus.api",
+        "splitbus.worker",
+        "splitbus.gpu_ops",
+        "splitbus.cli",
+        "splitbus.scheduler",
+    ),
 }
 
 

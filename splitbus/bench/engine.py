@@ -2,14 +2,15 @@
 
 Prefill tokens/s (one 128-token prompt), decode tokens/s at batch 1, 8 and 32 (16-token prompts,
 then steps of the whole batch), and KV export/import GB/s, for the tiny test model and for a
-random model of Qwen2.5-0.5B's shape. Weights are random and built in memory: speed does not
-depend on their values.
+random model of Qwen2.5-0.5B's shape, or for real models (``--model``: a folder or a .gguf file,
+resolved by the CLI). Random weights are built in memory: speed does not depend on their values.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,9 +57,9 @@ def _best_of(runs: int, work: Callable[[], Any]) -> float:
     return min(times)
 
 
-def bench_model(name: str, raw: dict[str, Any], runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    progress(f"{name}: building a random model")
-    model = random_model(raw)
+def bench_model(name: str, build: Callable[[], CausalLM], runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    progress(f"{name}: building the model")
+    model = build()
     cache = model.new_cache(2 + 40 * 3, 16)
     prompt = list(range(1, 129))
     progress(f"{name}: prefill")
@@ -113,8 +114,16 @@ def _params(model: CausalLM) -> int:
     return sum(int(np.prod(shape)) for shape in expected_shapes(model.config).values())
 
 
-def run_engine_bench(models: list[str], runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
+def run_engine_bench(
+    models: list[str],
+    runs: int,
+    progress: Callable[[str], None],
+    folders: Sequence[tuple[str, Path]] = (),
+) -> dict[str, Any]:
+    """``models``: names of random models (``MODELS``); ``folders``: (name, folder) of real ones."""
     from splitbus.gpu_ops import device
 
     where = device.select_device(1)
-    return {"device": where, "threads": 1, "results": [bench_model(m, MODELS[m], runs, progress) for m in models]}
+    builds = [(m, lambda raw=MODELS[m]: random_model(raw)) for m in models]
+    builds += [(name, lambda folder=folder: CausalLM.load(folder)) for name, folder in folders]
+    return {"device": where, "threads": 1, "results": [bench_model(n, b, runs, progress) for n, b in builds]}

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from splitbus.cli.common import add_redis_url_argument, redis_url, say
+from splitbus.cli.common import add_redis_url_argument, data_dir, redis_url, say
 from splitbus.env import Env
 from splitbus.masking import mask_url
 
@@ -31,11 +31,14 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         type=Path,
         default=[],
         required=True,
-        metavar="DIR",
-        help="Hugging Face model folder whose tokenizer this API uses (repeatable)",
+        metavar="PATH",
+        help="Hugging Face model folder, or a .gguf file (converted once into a folder under DATA_DIR/models), "
+        "whose tokenizer this API uses (repeatable)",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="name clients use (default: the folder name; one --model only)"
+        "--served-model-name",
+        default=None,
+        help="name clients use (default: a .gguf file's stem, or the folder name; one --model only)",
     )
     p.add_argument(
         "--api-key",
@@ -82,10 +85,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
 def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
     from splitbus.api.config import ApiConfig
     from splitbus.bus.config import BusConfig
+    from splitbus.models.resolve import resolve_model, served_name
 
     if args.served_model_name and len(args.model) != 1:
         raise ValueError("--served-model-name needs exactly one --model")
-    models = tuple((args.served_model_name or folder.resolve().name, folder) for folder in args.model)
+    where = data_dir(args, env)
+    models = tuple((served_name(path, args.served_model_name), resolve_model(path, where, say)) for path in args.model)
     return ApiConfig(
         bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
         models=models,

@@ -39,7 +39,28 @@ def _add_engine(kinds: argparse._SubParsersAction, env: Env) -> None:
     engine = kinds.add_parser("engine", help="paddle engine: prefill and decode tokens/s, KV export/import GB/s")
     engine.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     engine.add_argument(
-        "--models", nargs="+", choices=("tiny", "qwen2.5-0.5b-shape"), default=["tiny", "qwen2.5-0.5b-shape"]
+        "--models",
+        nargs="+",
+        choices=("tiny", "qwen2.5-0.5b-shape"),
+        default=None,
+        help="random models to measure (default: both, unless --model is given)",
+    )
+    engine.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a real model to measure: Hugging Face folder or .gguf file (repeatable)",
+    )
+    engine.add_argument(
+        "--served-model-name", default=None, help="its name in the table (default: a .gguf file's stem, or the folder)"
+    )
+    engine.add_argument(
+        "--data-dir",
+        type=Path,
+        default=env.data_dir,
+        help="where a .gguf file's converted folder is cached (default: SPLITBUS_DATA_DIR, else .splitbus)",
     )
     engine.add_argument("--runs", type=int, default=3, help="timed runs per figure; the fastest is reported")
     engine.set_defaults(run=run_engine)
@@ -239,10 +260,24 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.engine import run_engine_bench
 
+    try:
+        folders = _engine_folders(args)
+    except ValueError as exc:  # ModelFilesError among them: the path, and what is wrong with it
+        say(f"splitbus bench engine: {exc}")
+        return 2
+    randoms = args.models if args.models is not None else ([] if args.model else ["tiny", "qwen2.5-0.5b-shape"])
     run = _Run("engine", args.out)
-    return run.finish(
-        run_engine_bench(args.models, args.runs, progress=run.progress), report.engine_plot, report.engine_table
-    )
+    result = run_engine_bench(randoms, args.runs, progress=run.progress, folders=folders)
+    return run.finish(result, report.engine_plot, report.engine_table)
+
+
+def _engine_folders(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(served name, folder to load) of each --model: a .gguf file converted (or found in the cache)."""
+    from splitbus.models.resolve import resolve_model, served_name
+
+    if args.served_model_name and len(args.model) != 1:
+        raise ValueError("--served-model-name needs exactly one --model")
+    return [(served_name(path, args.served_model_name), resolve_model(path, args.data_dir, say)) for path in args.model]
 
 
 def run_stagger(args: argparse.Namespace, env: Env) -> int:

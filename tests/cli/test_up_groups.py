@@ -29,8 +29,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def started(*argv: str) -> dict[str, tuple[list[str], dict[int, str]]]:
-    args, supervisor = parse(*argv), Recorded()
-    up._start_parts(supervisor, args, "redis://x", Path("model"), up.worker_counts(args))  # type: ignore[arg-type]  # a recorder
+    args, supervisor, model = parse(*argv), Recorded(), up.ServedModel(Path("model"), "model")
+    up._start_parts(supervisor, args, "redis://x", model, up.worker_counts(args))  # type: ignore[arg-type]  # a recorder
     return supervisor.parts
 
 

@@ -21,6 +21,7 @@ import pytest
 import redis as redis_client
 import yaml
 
+from splitbus.models.fetch import DEFAULT, SOURCES, fetched_path
 from splitbus.redis_server import SPLITBUS_COMMANDS, EmbeddedRedis, free_port
 from splitbus.worker.engines.sim import sim_text
 
@@ -161,6 +162,19 @@ def test_environment_switches_engine_and_model() -> None:
         assert command[command.index("--model") + 1] == "/models/qwen"
         assert any(str(v).startswith("/srv/hf:/models") for v in services[name]["volumes"])
     assert services["api"]["command"][services["api"]["command"].index("--model") + 1] == "/models/qwen"
+
+
+def test_the_parts_serve_the_model_the_image_bakes_in() -> None:
+    """The default --model is where `splitbus fetch-model` puts SmolLM2 in the image's data folder,
+    and the Dockerfile fetches and converts it there at build time."""
+    baked = fetched_path(SOURCES[DEFAULT], Path("/opt/splitbus/models"))
+    services = _compose_config()["services"]
+    for name in ("api", "prefill", "decode"):
+        command = services[name]["command"]
+        assert command[command.index("--model") + 1] == str(baked), name
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ENV SPLITBUS_DATA_DIR=/opt/splitbus" in dockerfile
+    assert f"splitbus fetch-model {DEFAULT} --convert" in dockerfile
 
 
 def test_the_dockerfile_is_slim_and_runs_as_a_user() -> None:

@@ -87,9 +87,10 @@ def alive(pid: int) -> bool:
 
 
 def start_system(data_dir: Path, *args: str, environ: dict[str, str] | None = None) -> System:
-    """``environ``: more variables for ``up`` (its secrets: ``SPLITBUS_API_KEYS``)."""
+    """``environ``: more variables for ``up`` (its secrets: ``SPLITBUS_API_KEYS``). SPLITBUS_OFFLINE:
+    no test reaches a package index; without ``--model`` the paddle engine serves the tiny model."""
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITBUS_OFFLINE": "1"}
     for name in ("SPLITBUS_REDIS_URL", "SPLITBUS_API_KEYS", "SPLITBUS_PREFIX"):
         env.pop(name, None)
     env.update(environ or {})

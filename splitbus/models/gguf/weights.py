@@ -1,0 +1,144 @@
+"""A GGUF file's tensors -> Hugging Face names, layout and float32, checked before any is converted.
+
+Names come from the gguf package's own map (``TensorNameMap``: Hugging Face name -> GGUF name,
+the table llama.cpp's converter writes with), dequantization from ``gguf.quants.dequantize``.
+llama.cpp's converter permutes the rows of a Llama model's Q and K projections so that its RoPE
+kernel can rotate adjacent pairs (``LLAMA_ROPE_TYPE_NORM``); the engine rotates halves, as the
+Hugging Face model does, so those rows are put back. Qwen2 runs with NeoX RoPE (halves) in
+llama.cpp too, and its converter leaves the rows alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, ReaderTensor, TensorNameMap
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+
+from splitbus.tokenization import ModelFilesError
+
+
+def hf_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor the engine loads, Hugging Face names and layout (Linear weights are [out, in]).
+
+    The same set as the paddle engine's ``weights.expected_shapes`` (a test holds them equal);
+    repeated here because this package must not import paddle.
+    """
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    biases = config["model_type"] == "qwen2" or config["attention_bias"]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+        if biases:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
+            shapes |= {p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def gguf_names(arch: str, layers: int, hf_names: list[str]) -> dict[str, str]:
+    """GGUF name -> Hugging Face name, for the names the engine loads."""
+    model_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
+    table = TensorNameMap(model_arch, layers)
+    names = {}
+    for hf in hf_names:
+        name = table.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None:  # a gguf package whose table lost a Llama name: a bug here, not in the file
+            raise RuntimeError(f"the gguf package has no GGUF name for {hf}")
+        names[name] = hf
+    return names
+
+
+@functools.cache
+def dequantizable() -> frozenset[GGMLQuantizationType]:
+    """The tensor types ``gguf.quants.dequantize`` handles, found by asking it (one zero block
+    each): the package grows types between releases, and a hand list would go stale."""
+    found = set()
+    for qtype, (block, type_size) in GGML_QUANT_SIZES.items():
+        size = block * type_size if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else type_size
+        try:
+            dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        found.add(qtype)
+    return frozenset(found)
+
+
+def plan(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> dict[str, ReaderTensor]:
+    """Hugging Face name -> the GGUF tensor that holds it, every name, type and shape checked."""
+    shapes = hf_shapes(config)
+    names = gguf_names(config["model_type"], config["num_hidden_layers"], list(shapes))
+    found = {t.name: t for t in reader.tensors}
+    problems = [
+        f"unexpected tensor {name} (not part of a {config['model_type']} model)" for name in found if name not in names
+    ]
+    problems += [f"missing tensor {name} ({hf})" for name, hf in names.items() if name not in found]
+    problems += [_problem(t, shapes[names[t.name]]) for t in found.values() if t.name in names]
+    problems = [p for p in problems if p]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ModelFilesError(f"{where}: " + "; ".join(problems[:5]) + more)
+    return {hf: found[name] for name, hf in names.items()}
+
+
+def _problem(tensor: ReaderTensor, expected: tuple[int, ...]) -> str:
+    if tensor.tensor_type not in dequantizable():
+        supported = ", ".join(sorted(t.name for t in dequantizable()))
+        return f"tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be dequantized ({supported} can)"
+    shape = hf_shape(tensor)
+    if shape != expected:
+        return f"tensor {tensor.name} has shape {list(shape)}, expected {list(expected)} from the metadata"
+    return ""
+
+
+def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    """GGUF lists dimensions innermost first; numpy and Hugging Face outermost first."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def tensors(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> Iterator[tuple[str, np.ndarray]]:
+    """Each tensor as float32 in Hugging Face layout, one at a time (the file is memory-mapped)."""
+    for hf, tensor in plan(reader, config, where).items():
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape(tensor))
+        if config["model_type"] == "llama":
+            array = _unpermute(hf, array, config)
+        yield hf, np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _unpermute(name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """Undo ``LlamaModel.permute`` of convert_hf_to_gguf.py: within each head, GGUF rows come in
+    (first half, second half) pairs; the Hugging Face layout has the two halves one after the
+    other. Applies to Q's and K's weights and biases (K with the KV head count)."""
+    if ".self_attn.q_proj." in name:
+        heads = config["num_attention_heads"]
+    elif ".self_attn.k_proj." in name:
+        heads = config["num_key_value_heads"]
+    else:
+        return array
+    rows = array.shape[0]
+    return array.reshape(heads, rows // heads // 2, 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+
+
+def write(reader: GGUFReader, config: dict[str, Any], path: Path, where: Path | str) -> None:
+    """``model.safetensors`` in float32. safetensors writes from the arrays' memory without a
+    copy, so the peak is one float32 copy of the model (the GGUF itself is memory-mapped)."""
+    save_file(dict(tensors(reader, config, where)), str(path))

@@ -1,0 +1,101 @@
+"""GGUF metadata -> config.json: the engine reads the same model from it as from the original
+Hugging Face config; a value of the wrong type, out of bounds or missing fails naming the key."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gguf import GGUFWriter, RopeScalingType
+
+from splitbus.models.gguf import metadata, open_reader
+from splitbus.tokenization import ModelFilesError
+from splitbus.worker.engines.paddle.config import ModelConfig
+from tests.models.gguf.writer import write_gguf
+
+BASE: dict[str, Any] = {
+    "llama.vocab_size": 300,
+    "llama.block_count": 2,
+    "llama.context_length": 64,
+    "llama.embedding_length": 64,
+    "llama.feed_forward_length": 128,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.attention.layer_norm_rms_epsilon": 1e-6,
+}
+
+
+def _config(path: Path) -> dict[str, Any]:
+    return metadata.hf_config(open_reader(path), path)
+
+
+def _metadata_only(path: Path, changes: dict[str, Any]) -> Path:
+    """A llama GGUF without tensors; a value None leaves the key out, a str/float/int sets its type."""
+    writer = GGUFWriter(path, "llama")
+    for key, value in (BASE | changes).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_config_describes_the_same_model_as_the_original(hf_folder: Path, tmp_path: Path) -> None:
+    original = json.loads((hf_folder / "config.json").read_text())
+    config = _config(write_gguf(hf_folder, tmp_path / "m.gguf", "Q8_0"))
+    assert ModelConfig.from_dict(config) == ModelConfig.from_dict(original)
+    assert config["tie_word_embeddings"] == original["tie_word_embeddings"]
+    assert config["eos_token_id"] == original["eos_token_id"]
+    assert config["rms_norm_eps"] == original["rms_norm_eps"]  # 1e-06, not float32's 9.99999997e-07
+    json.dumps(config)  # plain JSON types only
+
+
+def test_metadata_only_file_gives_defaults(tmp_path: Path) -> None:
+    config = _config(_metadata_only(tmp_path / "m.gguf", {}))
+    assert config["head_dim"] == 16 and config["rope_theta"] == metadata.DEFAULT_ROPE_THETA
+    assert config["tie_word_embeddings"] is True and "eos_token_id" not in config
+    # An explicit head size (not hidden / heads), as Hugging Face's head_dim allows.
+    assert _config(_metadata_only(tmp_path / "k.gguf", {"llama.attention.key_length": 32}))["head_dim"] == 32
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"general.architecture": None}, "general.architecture is missing"),
+        ({"llama.block_count": None}, "metadata key llama.block_count is missing"),
+        ({"llama.vocab_size": None}, "metadata key llama.vocab_size is missing"),
+        ({"llama.block_count": "2"}, r"llama.block_count has type STRING, expected one of \["),
+        ({"llama.attention.head_count": 0}, r"llama.attention.head_count = 0 is outside \[1, 1024\]"),
+        ({"llama.attention.head_count_kv": 3}, "4 attention heads are not a multiple of 3 KV heads"),
+        ({"llama.embedding_length": 1 << 30}, "llama.embedding_length = 1073741824 is outside"),
+        ({"llama.attention.layer_norm_rms_epsilon": 0.0}, "layer_norm_rms_epsilon = 0.0 is outside"),
+        ({"llama.rope.freq_base": float("nan")}, "llama.rope.freq_base = nan is outside"),
+        ({"llama.rope.dimension_count": 8}, r"head dimensions \(key 16, value 16, rotated 8\) are not supported"),
+        ({"llama.attention.key_length": 15}, r"\(key 15, value 15, rotated 15\)"),
+        ({"llama.rope.scaling.type": RopeScalingType.LINEAR.value}, "RoPE scaling 'linear' is not supported"),
+    ],
+)
+def test_bad_metadata_fails_naming_the_key(tmp_path: Path, changes: dict[str, Any], problem: str) -> None:
+    path = tmp_path / "m.gguf"
+    if changes == {"general.architecture": None}:  # GGUFWriter always writes it: rename the key in place
+        written = _metadata_only(tmp_path / "x.gguf", {}).read_bytes()
+        path.write_bytes(written.replace(b"general.architecture", b"general.architectur_"))
+    else:
+        _metadata_only(path, changes)
+    with pytest.raises(ModelFilesError, match=problem) as info:
+        _config(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_other_architecture_fails(tiny_hf: Callable[[str], Path], tmp_path: Path) -> None:
+    path = write_gguf(tiny_hf("llama"), tmp_path / "m.gguf", arch="phi2")
+    with pytest.raises(ModelFilesError, match=r"m\.gguf: architecture 'phi2' is not supported; expected one of"):
+        _config(path)

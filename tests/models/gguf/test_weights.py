@@ -1,0 +1,108 @@
+"""GGUF tensors -> Hugging Face float32: exact for F32, within each quantization's error otherwise;
+a type, shape or name the engine cannot use fails naming the tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from splitbus.models.gguf import metadata, open_reader, weights
+from splitbus.tokenization import ModelFilesError
+from tests.models.gguf.writer import permute, write_gguf
+
+BLOCK = 32
+BOUNDS = {
+    # Largest error per element, as a fraction of the largest |value| in its block of 32, from
+    # gguf.quants' quantizers; the last term covers the block scale's rounding to float16.
+    "F32": 0.0,
+    "F16": 2**-11,  # round to nearest, 11-bit significand
+    "Q8_0": 1 / 254 + 2**-10,  # scale amax/127, round to nearest: half a step
+    "Q4_0": 1 / 8 + 2**-10,  # scale amax/8; the top level (+8) is clipped to +7: one step
+    "Q4_1": 1 / 15 + 2**-9,  # 16 levels over [min, max]: half a step of (max - min)/15 <= 2 amax/15
+}
+
+
+def _convert(gguf_file: Path) -> dict[str, np.ndarray]:
+    reader = open_reader(gguf_file)
+    return dict(weights.tensors(reader, metadata.hf_config(reader, gguf_file), gguf_file))
+
+
+@pytest.mark.parametrize("qtype", sorted(BOUNDS))
+def test_tensors_match_the_source_within_the_quantization_error(hf_folder: Path, tmp_path: Path, qtype: str) -> None:
+    source = load_file(str(hf_folder / "model.safetensors"))
+    converted = _convert(write_gguf(hf_folder, tmp_path / "m.gguf", qtype))
+    assert sorted(converted) == sorted(source)
+    for name, expected in source.items():
+        got = converted[name]
+        assert got.dtype == np.float32 and got.shape == expected.shape, name
+        if qtype == "F32" or expected.ndim == 1:  # 1-D tensors (norms, biases) stay F32 in the file
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+            continue
+        err = np.abs(got - expected).reshape(-1, BLOCK)
+        amax = np.abs(expected).reshape(-1, BLOCK).max(axis=1, keepdims=True)
+        assert (err <= BOUNDS[qtype] * amax + 1e-12).all(), name
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    q = np.arange(4 * 16 * 3, dtype=np.float32).reshape(64, 3)
+    k = np.arange(2 * 16 * 3, dtype=np.float32).reshape(32, 3)
+    for name, array in (("model.layers.0.self_attn.q_proj.weight", q), ("model.layers.0.self_attn.k_proj.bias", k)):
+        permuted = permute(name, array, config)
+        assert not np.array_equal(permuted, array)
+        np.testing.assert_array_equal(weights._unpermute(name, permuted, config), array)
+    v = np.ones((32, 3), dtype=np.float32)
+    assert weights._unpermute("model.layers.0.self_attn.v_proj.weight", v, config) is v
+
+
+def test_unsupported_type_names_tensor_and_type(tiny_hf: Callable[[str], Path], tmp_path: Path) -> None:
+    path = write_gguf(tiny_hf("llama"), tmp_path / "m.gguf", tensor_types={"blk.1.attn_v.weight": "I8"})
+    with pytest.raises(ModelFilesError, match=r"m\.gguf: tensor blk\.1\.attn_v\.weight has type I8, which cannot be"):
+        _convert(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"drop": frozenset({"blk.1.ffn_up.weight"})}, r"missing tensor blk\.1\.ffn_up\.weight"),
+        (
+            {"extra_tensors": {"blk.0.attn_q_norm.weight": np.ones(16, np.float32)}},
+            "unexpected tensor blk.0.attn_q_norm",
+        ),
+        (
+            {"hparams": {"intermediate_size": 96}},
+            r"blk\.0\.ffn_gate\.weight has shape \[128, 64\], expected \[96, 64\]",
+        ),
+    ],
+)
+def test_tensors_that_do_not_fit_the_metadata_fail(
+    tiny_hf: Callable[[str], Path], tmp_path: Path, change: dict[str, Any], problem: str
+) -> None:
+    path = write_gguf(tiny_hf("llama"), tmp_path / "m.gguf", "Q8_0", **change)
+    with pytest.raises(ModelFilesError, match=problem):
+        _convert(path)
+
+
+def test_dequantizable_holds_the_asked_for_types() -> None:
+    names = {t.name for t in weights.dequantizable()}
+    assert {
+        "F32",
+        "F16",
+        "BF16",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+    } <= names
+    assert "I8" not in names
