@@ -163,6 +163,8 @@ class Generation:
                 seed=p.seed,
                 stop=p.stop,
                 ignore_eos=p.ignore_eos,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens,
             )
             node = self.state.config.node_id
             return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, node, deadline_ms)

@@ -39,6 +39,8 @@ _COMMON = {
     },
     "seed": {"type": ["integer", "null"]},
     "ignore_eos": {"type": ["boolean", "null"]},
+    "skip_special_tokens": {"type": ["boolean", "null"], "description": "default true"},
+    "spaces_between_special_tokens": {"type": ["boolean", "null"], "description": "default true"},
     "stop": {
         "oneOf": [
             {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},

@@ -49,6 +49,10 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     """vLLM's extension: generate ``max_tokens`` even past an end-of-sequence token."""
+    skip_special_tokens: bool = True
+    """vLLM's extension: special tokens generated mid-text print nothing; false prints them."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's extension: false prints an added token that follows another without a separator."""
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
@@ -89,6 +93,8 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         seed=_int(body, "seed") if body.get("seed") is not None else None,
         stop=_stop(body.get("stop")),
         ignore_eos=_bool(body, "ignore_eos"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", default=True),
+        spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens", default=True),
         stream=stream,
         include_usage=_stream_options(body, stream),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
@@ -102,10 +108,10 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
             raise BadRequest(f"'{name}' = {value!r} is not supported by this server", name)
 
 
-def _bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be a boolean", name)
     return value

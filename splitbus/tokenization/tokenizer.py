@@ -4,29 +4,29 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from splitbus.tokenization.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
+
+__all__ = ["ChatTemplateError", "ModelFilesError", "ModelTokenizer"]
 
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-"""ChatML, used when the model's tokenizer_config.json has no ``chat_template``."""
+"""ChatML, used when the model folder has no chat template."""
 
 DEFAULT_CONTEXT = 2048
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest EOS id taken from a config file (the bus's bound on token ids)."""
 
 
 class ModelFilesError(ValueError):
     """A model folder lacks a file or holds one that cannot be read; the message names it."""
-
-
-class ChatTemplateError(ValueError):
-    """The chat template could not render these messages."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -41,6 +41,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _read_optional_json(path: Path) -> dict[str, Any] | None:
+    return _read_json(path) if path.exists() else None
+
+
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
     if isinstance(value, dict):
@@ -53,15 +57,25 @@ class ModelTokenizer:
     name: str
     tokenizer: Tokenizer
     chat_template: str
+    """The Jinja source: ``chat_template.jinja`` if the folder has one (transformers prefers it),
+    else tokenizer_config.json's ``chat_template`` (a string, or the one named "default" of a
+    list), else :data:`FALLBACK_CHAT_TEMPLATE`."""
     has_own_chat_template: bool
     eos_token_ids: tuple[int, ...]
+    """Ids that end generation: generation_config.json's ``eos_token_id`` if the folder has the
+    file (as transformers and vLLM read it), else config.json's, plus the id of tokenizer_config's
+    ``eos_token`` (ChatML models end a turn on ``<|im_end|>`` whatever config.json says)."""
     bos_token: str | None
     eos_token: str | None
     context_length: int
+    special_tokens: dict[str, Any] = field(default_factory=dict)
+    """The special tokens the config sets, by transformers' names (``bos_token``, ...,
+    ``additional_special_tokens``): the chat template gets them as variables."""
 
     @classmethod
     def load(cls, model_dir: Path | str, name: str | None = None) -> ModelTokenizer:
-        """Read ``tokenizer.json``, ``tokenizer_config.json`` and ``config.json``."""
+        """Read ``tokenizer.json``, ``tokenizer_config.json``, ``config.json`` and, when there,
+        ``generation_config.json``, ``special_tokens_map.json`` and ``chat_template.jinja``."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelFilesError(f"model folder {folder} does not exist")
@@ -71,17 +85,19 @@ class ModelTokenizer:
             raise ModelFilesError(f"{folder / 'tokenizer.json'} cannot be loaded: {exc}") from None
         tok_config = _read_json(folder / "tokenizer_config.json")
         config = _read_json(folder / "config.json")
-        template = tok_config.get("chat_template")
-        eos = _token_text(tok_config.get("eos_token"))
+        specials = _special_tokens(tok_config, _read_optional_json(folder / "special_tokens_map.json"))
+        template = _chat_template(folder, tok_config)
+        eos = specials.get("eos_token")
         return cls(
             name=name or folder.resolve().name,
             tokenizer=tokenizer,
-            chat_template=template if isinstance(template, str) else FALLBACK_CHAT_TEMPLATE,
-            has_own_chat_template=isinstance(template, str),
-            eos_token_ids=_eos_ids(tokenizer, config, eos),
-            bos_token=_token_text(tok_config.get("bos_token")),
+            chat_template=template or FALLBACK_CHAT_TEMPLATE,
+            has_own_chat_template=template is not None,
+            eos_token_ids=_eos_ids(folder, tokenizer, config, eos),
+            bos_token=specials.get("bos_token"),
             eos_token=eos,
             context_length=int(config.get("max_position_embeddings") or DEFAULT_CONTEXT),
+            special_tokens=specials,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -91,38 +107,72 @@ class ModelTokenizer:
         """As encode, for several texts; the Rust tokenizer releases the GIL while it runs."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of these ids; special tokens (added tokens marked special) print nothing unless
+        ``skip_special_tokens`` is false, as in transformers and vLLM."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @functools.cached_property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Id -> text of the tokens added to the vocabulary (special or not), such as ``<|im_end|>``."""
+        return {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+
+    @functools.cached_property
+    def _template(self) -> ChatTemplate:
+        return ChatTemplate(self.chat_template, self.special_tokens)  # compiled once, on first use
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt ``apply_chat_template(messages, tokenize=False)`` returns; ChatTemplateError
+        when the template fails on these messages."""
+        return self._template.render(messages, add_generation_prompt)
+
+
+def _special_tokens(tok_config: dict[str, Any], token_map: dict[str, Any] | None) -> dict[str, Any]:
+    """transformers' ``special_tokens_map``: tokenizer_config.json's values, else
+    special_tokens_map.json's (older folders keep them there)."""
+    found: dict[str, Any] = {}
+    for source in (token_map or {}, tok_config):
+        for key in SPECIAL_TOKEN_NAMES:
+            text = _token_text(source.get(key))
+            if text is not None:
+                found[key] = text
+        extra = source.get("additional_special_tokens")
+        if isinstance(extra, list) and extra:
+            found["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
+    return found
+
+
+def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
         try:
-            template = _JINJA.from_string(self.chat_template)
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except TemplateError as exc:
-            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+            return jinja.read_text()
+        except (OSError, ValueError) as exc:
+            raise ModelFilesError(f"{jinja} cannot be read: {exc}") from None
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
-def _raise_exception(message: str) -> None:
-    # Hugging Face chat templates call raise_exception() to reject messages they cannot format.
-    raise TemplateError(message)
+def _eos_ids(folder: Path, tokenizer: Tokenizer, config: dict[str, Any], eos_token: str | None) -> tuple[int, ...]:
+    generation = _read_optional_json(folder / "generation_config.json")
+    source, file = (generation, "generation_config.json") if generation is not None else (config, "config.json")
+    found = _id_list(source.get("eos_token_id"), folder / file)
+    eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
+    if eos_id is not None:
+        found.append(eos_id)
+    return tuple(dict.fromkeys(found))
 
 
-_JINJA = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-_JINJA.globals["raise_exception"] = _raise_exception
-
-
-def _eos_ids(tokenizer: Tokenizer, config: dict[str, Any], eos_token: str | None) -> tuple[int, ...]:
-    ids = config.get("eos_token_id")
-    found = ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
-    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
-        found.append(tokenizer.token_to_id(eos_token))
-    return tuple(dict.fromkeys(i for i in found if isinstance(i, int)))
+def _id_list(value: Any, path: Path) -> list[int]:
+    """``eos_token_id`` is null, one id, or a list of ids (most instruct models)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in ids):
+        raise ModelFilesError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(ids)

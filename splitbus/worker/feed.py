@@ -192,7 +192,7 @@ class TaskFeed:
         if problem is not None:
             await self.reject(delivery, "invalid_task", problem)
             return
-        seq = Sequence(task, delivery.entry_id, TextStream(self.tokenizer, task.request.sampling.stop))
+        seq = Sequence(task, delivery.entry_id, TextStream.for_request(self.tokenizer, task.request.sampling))
         log.debug(
             "took task %s: %s of %s, peer %s, hand-off %s",
             delivery.entry_id,

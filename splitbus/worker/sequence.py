@@ -52,13 +52,11 @@ class Sequence:
     def add_token(self, token_id: int, eos_ids: tuple[int, ...]) -> str:
         """Append a generated token; returns the text it releases and sets ``finish_reason``."""
         self.output_ids.append(token_id)
-        text = self.text.push([token_id])
         sampling = self.request.sampling
-        if (
-            self.text.stopped
-            or token_id in sampling.stop_token_ids
-            or (token_id in eos_ids and not sampling.ignore_eos)
-        ):
+        # The token that ends the request is never printed, special or not (as vLLM).
+        ends = token_id in sampling.stop_token_ids or (token_id in eos_ids and not sampling.ignore_eos)
+        text = "" if ends else self.text.push([token_id])
+        if ends or self.text.stopped:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= sampling.max_tokens:
             self.finish_reason = "length"

@@ -1,9 +1,12 @@
-"""Token ids -> text deltas, with stop strings held back until they can no longer match."""
+"""Token ids -> text deltas, with stop strings held back until they can no longer match, and
+special tokens printed or not as the request asks (vLLM's ``skip_special_tokens`` and
+``spaces_between_special_tokens``)."""
 
 from __future__ import annotations
 
 from collections import deque
 
+from splitbus.bus.messages import SamplingParams
 from splitbus.tokenization import ModelTokenizer
 
 
@@ -15,13 +18,30 @@ class TextStream:
     fresh TextStream and reaches the same state: no text state travels with the KV cache.
     """
 
-    def __init__(self, tokenizer: ModelTokenizer, stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._stops = StopMatcher([s for s in stop if s])
+        self._skip = skip_special_tokens
+        # As vLLM's detokenizer for fast tokenizers: with special tokens printed and this off, an
+        # added token right after another prints as its bare text, without the separator the
+        # tokenizer's decoder puts between tokens (WordPiece and decoder-less tokenizers do).
+        self._bare_added = not (skip_special_tokens or spaces_between_special_tokens)
+        self._after_added = False
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens whose text is out of the window
         self.stopped = False
+
+    @classmethod
+    def for_request(cls, tokenizer: ModelTokenizer, sampling: SamplingParams) -> TextStream:
+        """The stream for one request's sampling parameters (stop strings, special tokens)."""
+        return cls(tokenizer, sampling.stop, sampling.skip_special_tokens, sampling.spaces_between_special_tokens)
 
     @property
     def held(self) -> int:
@@ -35,23 +55,41 @@ class TextStream:
 
     def push(self, token_ids: list[int]) -> str:
         """The text these tokens add that can be sent now; sets ``stopped`` on a stop string."""
-        self._ids += token_ids
-        return self._release(self._new_text())
+        if not self._bare_added:
+            self._ids += token_ids
+            return self._release(self._new_text())
+        return "".join(self._release(self._push_one(t)) for t in token_ids)
 
     def flush(self) -> str:
         """Everything not sent yet, when the request ends for another reason: text held for a
         possible stop string, and bytes that never completed a character."""
         if self.stopped:
             return ""
-        full = self._tokenizer.decode(self._ids[self._prefix :])
-        window = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        window = self._decode(self._ids[self._prefix : self._read])
         self._prefix = self._read = len(self._ids)
         text = self._release(full[len(window) :])
         return text + ("" if self.stopped else self._stops.take_held())
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip)
+
+    def _push_one(self, token_id: int) -> str:
+        """One token, when consecutive added tokens print bare: such a token's text is its own,
+        and the window restarts at it (the text after it is decoded against it, as usual)."""
+        bare = self._tokenizer.added_tokens.get(token_id)
+        follows_added, self._after_added = self._after_added, bare is not None
+        if bare is None or not follows_added:
+            self._ids.append(token_id)
+            return self._new_text()
+        pending = self._new_text()
+        self._ids.append(token_id)
+        self._prefix, self._read = len(self._ids) - 1, len(self._ids)
+        return pending + bare
+
     def _new_text(self) -> str:
-        window = self._tokenizer.decode(self._ids[self._prefix : self._read])
-        full = self._tokenizer.decode(self._ids[self._prefix :])
+        window = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
         if len(full) <= len(window) or full.endswith("\ufffd"):
             return ""  # an incomplete character: wait for its next byte
         self._prefix, self._read = self._read, len(self._ids)

@@ -46,3 +46,12 @@ def test_an_error_follows_the_text_that_came_before_it() -> None:
 
 def test_nothing_waiting_means_nothing_merged() -> None:
     assert _merge(TokenDelta(0, [10], "a")) == [TokenDelta(0, [10], "a")]
+
+
+def test_the_special_token_options_travel_in_the_bus_message() -> None:
+    state = SimpleNamespace(config=SimpleNamespace(request_timeout_s=60, node_id="api-1"))
+    body = {"model": "m", "prompt": "x", "skip_special_tokens": False, "spaces_between_special_tokens": False}
+    sampling = Generation(state, parse_completion(body), [1], 8).message().sampling  # type: ignore[arg-type]
+    assert sampling.skip_special_tokens is False and sampling.spaces_between_special_tokens is False
+    default = Generation(state, parse_completion({"model": "m", "prompt": "x"}), [1], 8).message().sampling  # type: ignore[arg-type]
+    assert default.skip_special_tokens is True and default.spaces_between_special_tokens is True

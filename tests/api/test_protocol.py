@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitbus.api.errors import BadRequest
-from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, parse_completion
+from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, parse_chat, parse_completion
 
 
 def test_ignore_eos_is_taken_as_vllm_does() -> None:
@@ -16,6 +16,24 @@ def test_ignore_eos_is_taken_as_vllm_does() -> None:
 def test_ignore_eos_must_be_a_boolean() -> None:
     with pytest.raises(BadRequest, match="'ignore_eos' must be a boolean"):
         parse_completion({"model": "m", "prompt": "x", "ignore_eos": "yes"})
+
+
+SPECIAL_OPTIONS = ("skip_special_tokens", "spaces_between_special_tokens")
+
+
+@pytest.mark.parametrize("name", SPECIAL_OPTIONS)
+def test_special_token_options_default_to_true_as_vllm(name: str) -> None:
+    assert getattr(parse_completion({"model": "m", "prompt": "x"}), name) is True
+    assert getattr(parse_completion({"model": "m", "prompt": "x", name: None}), name) is True
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], name: False})
+    assert getattr(chat, name) is False
+
+
+@pytest.mark.parametrize("name", SPECIAL_OPTIONS)
+@pytest.mark.parametrize("value", ["false", 0, 1, [], {}])
+def test_special_token_options_must_be_booleans(name: str, value: object) -> None:
+    with pytest.raises(BadRequest, match=f"'{name}' must be a boolean"):
+        parse_completion({"model": "m", "prompt": "x", name: value})
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,8 @@ def test_task_fields_are_bounded(overrides: dict[str, object], why: str) -> None
         ({"stop": ["x" * 5000]}, "at most 4096 characters"),
         ({"stop_token_ids": [2**33]}, "stop_token_ids must hold integers"),
         ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens must be a boolean"),
+        ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens must be a boolean"),
     ],
 )
 def test_request_fields_are_bounded(sampling: dict[str, object], why: str) -> None:
@@ -124,6 +126,13 @@ def test_request_fields_are_bounded(sampling: dict[str, object], why: str) -> No
     data["sampling"].update(sampling)
     with pytest.raises(DecodeError, match=why):
         codec.decode({b"type": b"request", b"data": orjson.dumps(data)})
+
+
+def test_a_request_from_an_older_api_gets_the_special_token_defaults() -> None:
+    data = orjson.loads(orjson.dumps(_request()))
+    del data["sampling"]["skip_special_tokens"], data["sampling"]["spaces_between_special_tokens"]
+    sampling = codec.decode({b"type": b"request", b"data": orjson.dumps(data)}).sampling  # type: ignore[attr-defined]
+    assert sampling.skip_special_tokens is True and sampling.spaces_between_special_tokens is True
 
 
 def test_prompt_ids_and_deadline_are_bounded() -> None:

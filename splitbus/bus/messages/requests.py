@@ -35,6 +35,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    """Special tokens generated mid-text print nothing (vLLM's default); false prints their text.
+    EOS and ``stop_token_ids`` end the request and never print either way."""
+    spaces_between_special_tokens: bool = True
+    """With special tokens printed: false prints an added token that follows another bare, without
+    the separator the tokenizer's decoder puts between them (vLLM's meaning)."""
 
     def __post_init__(self) -> None:
         require_int(self.max_tokens, "max_tokens", minimum=1, maximum=MAX_TOKENS)
@@ -46,6 +52,8 @@ class SamplingParams:
         require_str_list(self.stop, "stop", MAX_STOP_SEQUENCES, MAX_STOP_CHARS)
         require_int_list(self.stop_token_ids, "stop_token_ids", max_len=MAX_STOP_TOKEN_IDS)
         require(type(self.ignore_eos) is bool, "ignore_eos must be a boolean")
+        require(type(self.skip_special_tokens) is bool, "skip_special_tokens must be a boolean")
+        require(type(self.spaces_between_special_tokens) is bool, "spaces_between_special_tokens must be a boolean")
 
 
 @message
