@@ -13,9 +13,9 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ CONVERTER_VERSION: Final = 1
 MAGIC: Final = b"GGUF"
 CHUNK: Final = 1 << 20
 TOKENIZER_FILES: Final = frozenset({"tokenizer.json", "tokenizer_config.json"})
+FILES: Final = TOKENIZER_FILES | {"config.json", "model.safetensors", "source.json"}
+"""What a complete cached folder holds."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,11 @@ def prepare(path: Path, cache_root: Path) -> Path:
 
 
 def _is_current(folder: Path, source: Source) -> bool:
+    """Converted from these bytes by this version, and whole (a user may have deleted a file)."""
     found = Source.read(folder)
-    return found is not None and (found.sha256, found.converter) == (source.sha256, CONVERTER_VERSION)
+    if found is None or (found.sha256, found.converter) != (source.sha256, CONVERTER_VERSION):
+        return False
+    return all((folder / name).is_file() for name in FILES)
 
 
 @contextlib.contextmanager
@@ -141,7 +146,7 @@ def _write_tokenizer(reader: GGUFReader, tmp: Path, path: Path) -> None:
 
 def _install(tmp: Path, folder: Path) -> None:
     """Rename ``tmp`` to ``folder``; a stale folder there is moved aside first, then removed."""
-    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex}")
     if folder.exists():
         folder.rename(old)
     tmp.rename(folder)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from gguf import GGUFWriter, RopeScalingType
 
-from splitbus.models.gguf import metadata, open_reader
+from splitbus.models.gguf import metadata, open_reader, weights
 from splitbus.tokenization import ModelFilesError
 from splitbus.worker.engines.paddle.config import ModelConfig
 from tests.models.gguf.writer import write_gguf
@@ -99,3 +99,21 @@ def test_other_architecture_fails(tiny_hf: Callable[[str], Path], tmp_path: Path
     path = write_gguf(tiny_hf("llama"), tmp_path / "m.gguf", arch="phi2")
     with pytest.raises(ModelFilesError, match=r"m\.gguf: architecture 'phi2' is not supported; expected one of"):
         _config(path)
+
+
+# The real model, where `splitbus fetch-model smollm2` puts it under the default data folder.
+SMOLLM2_GGUF = Path(__file__).resolve().parents[3] / ".splitbus/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_smollm2_config_and_tensor_plan() -> None:
+    """The published shape of SmolLM2-135M-Instruct, and every one of its 272 tensors (Q4_1,
+    Q8_0, F32) accepted by name, type and shape (nothing is dequantized here)."""
+    if not SMOLLM2_GGUF.is_file():
+        pytest.skip(f"{SMOLLM2_GGUF} is absent: `splitbus fetch-model smollm2` puts it there")
+    reader = open_reader(SMOLLM2_GGUF)
+    config = metadata.hf_config(reader, SMOLLM2_GGUF)
+    shape = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    assert [config[k] for k in shape] == [30, 576, 9, 3, 64]
+    assert (config["vocab_size"], config["rope_theta"], config["max_position_embeddings"]) == (49152, 100000.0, 8192)
+    assert (config["tie_word_embeddings"], config["bos_token_id"], config["eos_token_id"]) == (True, 1, 2)
+    assert len(weights.plan(reader, config, SMOLLM2_GGUF)) == len(reader.tensors) == 272

@@ -15,12 +15,10 @@ import pytest
 from safetensors.numpy import load_file
 
 import splitbus.models.gguf as gguf_models
-from splitbus.models.gguf import CONVERTER_VERSION, prepare
+from splitbus.models.gguf import CONVERTER_VERSION, FILES, prepare
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from splitbus.worker.engines.paddle.config import ModelConfig
 from tests.models.gguf.writer import write_gguf
-
-FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "source.json"}
 
 
 @pytest.fixture
@@ -74,7 +72,7 @@ def test_second_prepare_reuses_the_folder(gguf_file: Path, tmp_path: Path, conve
     assert (again.st_ino, again.st_mtime_ns) == (stamp.st_ino, stamp.st_mtime_ns)
 
 
-@pytest.mark.parametrize("stale", ["older converter", "no source.json", "other file's hash"])
+@pytest.mark.parametrize("stale", ["older converter", "no source.json", "other file's hash", "a file deleted"])
 def test_a_stale_folder_is_converted_again(
     gguf_file: Path, tmp_path: Path, conversions: list[Path], stale: str
 ) -> None:
@@ -82,6 +80,8 @@ def test_a_stale_folder_is_converted_again(
     source = json.loads((folder / "source.json").read_text())
     if stale == "no source.json":
         (folder / "source.json").unlink()
+    elif stale == "a file deleted":
+        (folder / "tokenizer.json").unlink()
     else:
         key = "converter" if stale == "older converter" else "sha256"
         (folder / "source.json").write_text(json.dumps(source | {key: 0 if key == "converter" else "0" * 64}))
