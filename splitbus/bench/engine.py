@@ -1,9 +1,10 @@
 """``splitbus bench engine``: the paddle engine's speed on this machine.
 
-Prefill tokens/s (one 128-token prompt), decode tokens/s at batch 1, 8 and 32 (16-token prompts,
-then steps of the whole batch), and KV export/import GB/s, for the tiny test model and for a
-random model of Qwen2.5-0.5B's shape, or for real models (``--model``: a folder or a .gguf file,
-resolved by the CLI). Random weights are built in memory: speed does not depend on their values.
+Prefill tokens/s (one forward of 1, or of each ``--prefill-batches`` count of, 128-token
+prompts), decode tokens/s at batch 1, 8 and 32 (16-token prompts, then steps of the whole batch),
+and KV export/import GB/s, for the tiny test model and for a random model of Qwen2.5-0.5B's
+shape, or for real models (``--model``: a folder or a .gguf file, resolved by the CLI). Random
+weights are built in memory: speed does not depend on their values.
 """
 
 from __future__ import annotations
@@ -57,20 +58,23 @@ def _best_of(runs: int, work: Callable[[], Any]) -> float:
     return min(times)
 
 
-def bench_model(name: str, build: Callable[[], CausalLM], runs: int, progress: Callable[[str], None]) -> dict[str, Any]:
+def bench_model(
+    name: str,
+    build: Callable[[], CausalLM],
+    runs: int,
+    progress: Callable[[str], None],
+    prefill_batches: Sequence[int] = (1,),
+) -> dict[str, Any]:
     progress(f"{name}: building the model")
     model = build()
     cache = model.new_cache(2 + 40 * 3, 16)
-    prompt = list(range(1, 129))
-    progress(f"{name}: prefill")
-    prefill_s = _best_of(runs, lambda: model.forward([Chunk(prompt, 0)]))
-    result: dict[str, Any] = {
-        "model": name,
-        "params_m": round(_params(model) / 1e6, 1),
-        "prefill_tokens": 128,
-        "prefill_tok_s": round(128 / prefill_s, 1),
-        "prefill_ms": round(prefill_s * 1000, 1),
-    }
+    result: dict[str, Any] = {"model": name, "params_m": round(_params(model) / 1e6, 1), "prefill_tokens": 128}
+    for batch in prefill_batches:
+        progress(f"{name}: prefill at batch {batch}")
+        prefill_s = _best_of(runs, lambda batch=batch: model.forward([Chunk(list(range(1, 129)), 0)] * batch))
+        key = "prefill" if batch == 1 else f"prefill_b{batch}"
+        result[f"{key}_tok_s"] = round(128 * batch / prefill_s, 1)
+        result[f"{key}_ms"] = round(prefill_s * 1000, 1)
     for batch in BATCHES:
         progress(f"{name}: decode at batch {batch}")
         step_s = _decode_step(model, cache, batch, runs)
@@ -119,11 +123,15 @@ def run_engine_bench(
     runs: int,
     progress: Callable[[str], None],
     folders: Sequence[tuple[str, Path]] = (),
+    prefill_batches: Sequence[int] = (1,),
 ) -> dict[str, Any]:
-    """``models``: names of random models (``MODELS``); ``folders``: (name, folder) of real ones."""
+    """``models``: names of random models (``MODELS``); ``folders``: (name, folder) of real ones;
+    ``prefill_batches``: how many 128-token prompts each timed prefill forward takes (one forward
+    of the batch, as the engine prefills; 32 x 128 is the engine's default 4096-token bound)."""
     from splitbus.gpu_ops import device
 
     where = device.select_device(1)
     builds = [(m, lambda raw=MODELS[m]: random_model(raw)) for m in models]
     builds += [(name, lambda folder=folder: CausalLM.load(folder)) for name, folder in folders]
-    return {"device": where, "threads": 1, "results": [bench_model(n, b, runs, progress) for n, b in builds]}
+    results = [bench_model(n, b, runs, progress, prefill_batches) for n, b in builds]
+    return {"device": where, "threads": 1, "prefill_batches": list(prefill_batches), "results": results}

@@ -83,8 +83,10 @@ def bus_plot(report: dict[str, Any], path: Path) -> None:
 
 
 def engine_table(report: dict[str, Any]) -> str:
+    extra = tuple(f"prefill_b{b}_tok_s" for b in report.get("prefill_batches", [1]) if b != 1)
     cols = (
         "prefill_tok_s",
+        *extra,
         "decode_b1_tok_s",
         "decode_b8_tok_s",
         "decode_b32_tok_s",

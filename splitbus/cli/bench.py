@@ -63,6 +63,14 @@ def _add_engine(kinds: argparse._SubParsersAction, env: Env) -> None:
         help="where a .gguf file's converted folder is cached (default: SPLITBUS_DATA_DIR, else .splitbus)",
     )
     engine.add_argument("--runs", type=int, default=3, help="timed runs per figure; the fastest is reported")
+    engine.add_argument(
+        "--prefill-batches",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="N",
+        help="128-token prompts per timed prefill forward, 1-32 (default 1; e.g. 1 8 32)",
+    )
     engine.set_defaults(run=run_engine)
 
 
@@ -260,6 +268,9 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.engine import run_engine_bench
 
+    if any(not 1 <= b <= 32 for b in args.prefill_batches):
+        say("splitbus bench engine: --prefill-batches must be between 1 and 32 (32 x 128 tokens: the engine's bound)")
+        return 2
     try:
         folders = _engine_folders(args)
     except ValueError as exc:  # ModelFilesError among them: the path, and what is wrong with it
@@ -267,7 +278,8 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
         return 2
     randoms = args.models if args.models is not None else ([] if args.model else ["tiny", "qwen2.5-0.5b-shape"])
     run = _Run("engine", args.out)
-    result = run_engine_bench(randoms, args.runs, progress=run.progress, folders=folders)
+    batches = list(dict.fromkeys(args.prefill_batches))
+    result = run_engine_bench(randoms, args.runs, progress=run.progress, folders=folders, prefill_batches=batches)
     return run.finish(result, report.engine_plot, report.engine_table)
 
 

@@ -56,7 +56,15 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path) -> None:
 
 def test_bench_engine_measures_a_given_model_folder(tmp_path: Path) -> None:
     assert _run("make-tiny-model", str(tmp_path / "my-model"), "--hidden", "64", "--layers", "2").returncode == 0
-    out = _run("bench", "engine", "--model", str(tmp_path / "my-model"), "--runs", "1", "--out", str(tmp_path / "o"))
+    model, o = str(tmp_path / "my-model"), str(tmp_path / "o")
+    out = _run("bench", "engine", "--model", model, "--runs", "1", "--out", o, "--prefill-batches", "1", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     (result,) = json.loads((tmp_path / "o" / "bench_engine.json").read_text())["results"]  # not the random ones
     assert result["model"] == "my-model" and result["decode_b32_tok_s"] > 0
+    assert result["prefill_tok_s"] > 0 and result["prefill_b8_tok_s"] > 0 and "prefill_b32_tok_s" not in result
+    assert "prefill_b8_tok_s" in out.stdout  # the table has the column
+
+
+def test_bench_engine_refuses_a_prefill_batch_over_the_engines_bound(tmp_path: Path) -> None:
+    out = _run("bench", "engine", "--models", "tiny", "--prefill-batches", "33", "--out", str(tmp_path))
+    assert out.returncode == 2 and "--prefill-batches must be between 1 and 32" in out.stdout
