@@ -354,6 +354,13 @@ class TransferClient:
     async def _round_trip(
         self, link: _Link, kind: int, ident: str, meta: dict[str, Any], payload: bytes | memoryview, crc: int | None
     ) -> None:
+        # Two hand-offs to one endpoint take the same link and queue on its lock; when the first
+        # fails, it drops (closes) the link, and the second then wrote on a closed transport, which
+        # uvloop refuses with a RuntimeError that no handler took for a connection failure (the
+        # request failed instead of being retried on a new connection). Nothing can close the link
+        # between this check and the writes: they run without yielding.
+        if link.writer.is_closing():
+            raise ConnectionResetError("the connection was closed (dropped after another transfer on it failed)")
         await write_frame(link.writer, kind, ident, meta, payload, crc)
         ack = await read_frame(link.reader, max_payload=0)  # an ack has no payload: never read one
         if ack.kind != ACK or ack.meta.get("ok") is not True:

@@ -287,3 +287,24 @@ def test_meta_too_deep_to_sign_is_no_proof_not_a_crash() -> None:
         deep = {"d": deep}
     header = Header(KV, "r", {"proof": "x", "deep": deep}, 0, 0)
     assert proof_matches(SECRET, "p1", header) is False
+
+
+def test_transfers_queued_on_a_link_that_fails_are_unreachable_not_a_crash() -> None:
+    """Two hand-offs to one decode worker share its link; the first finds it dead and drops it,
+    and the second, queued on the link's lock, used to write on the closed transport: uvloop (the
+    workers' loop) raised a RuntimeError, and the request failed instead of being retried."""
+    import uvloop
+
+    async def main() -> list[BaseException | None]:
+        receiver = Receiver({"r1", "r2", "r3"})
+        server, endpoint = await serve(receiver)
+        client = TransferClient("p1", timeout_s=2)
+        await client.send(endpoint, "r1", {}, b"x", SECRET)
+        await server.close()  # the decode worker goes away with the link open on P's side
+        sends = (client.send(endpoint, r, {}, b"x" * 1024, SECRET) for r in ("r2", "r3"))
+        outcomes = await asyncio.gather(*sends, return_exceptions=True)
+        await client.close()
+        return list(outcomes)
+
+    outcomes = uvloop.run(main())
+    assert [type(o) for o in outcomes] == [Unreachable, Unreachable], outcomes
