@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from gguf import GGUFWriter, RopeScalingType
 
+from splitbus.env import load_env
+from splitbus.models.fetch import SOURCES, fetched_path
 from splitbus.models.gguf import metadata, open_reader, weights
 from splitbus.tokenization import ModelFilesError
 from splitbus.worker.engines.paddle.config import ModelConfig
@@ -101,8 +103,8 @@ def test_other_architecture_fails(tiny_hf: Callable[[str], Path], tmp_path: Path
         _config(path)
 
 
-# The real model, where `splitbus fetch-model smollm2` puts it under the default data folder.
-SMOLLM2_GGUF = Path(__file__).resolve().parents[3] / ".splitbus/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The real model, where `splitbus fetch-model smollm2` puts it (SPLITBUS_DATA_DIR, else .splitbus where pytest runs).
+SMOLLM2_GGUF = fetched_path(SOURCES["smollm2"], load_env().data_dir / "models")
 
 
 def test_smollm2_config_and_tensor_plan() -> None:

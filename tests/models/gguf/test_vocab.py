@@ -13,6 +13,8 @@ import gguf
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from splitbus.env import load_env
+from splitbus.models.fetch import SOURCES, fetched_path
 from splitbus.models.gguf.vocab import LLAMA3_PATTERN, PRE_TOKENIZERS, QWEN2_PATTERN, read_vocab, tokenizer_files
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from splitbus.tokenization.byte_level import CHATML_TEMPLATE, write_byte_level_tokenizer
@@ -40,9 +42,8 @@ CORPUS = [
 ]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# The real model, where `splitbus fetch-model smollm2` puts it under the default data folder.
-# TODO(lead): take this path from the fetch helper's function once it lands.
-SMOLLM2_GGUF = Path(__file__).resolve().parents[3] / ".splitbus/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The real model, where `splitbus fetch-model smollm2` puts it (SPLITBUS_DATA_DIR, else .splitbus where pytest runs).
+SMOLLM2_GGUF = fetched_path(SOURCES["smollm2"], load_env().data_dir / "models")
 
 
 # ---- Hugging Face tokenizers to convert
