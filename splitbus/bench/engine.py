@@ -9,6 +9,7 @@ weights are built in memory: speed does not depend on their values.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,7 +72,8 @@ def bench_model(
     result: dict[str, Any] = {"model": name, "params_m": round(_params(model) / 1e6, 1), "prefill_tokens": 128}
     for batch in prefill_batches:
         progress(f"{name}: prefill at batch {batch}")
-        prefill_s = _best_of(runs, lambda batch=batch: model.forward([Chunk(list(range(1, 129)), 0)] * batch))
+        chunks = [Chunk(list(range(1, 129)), 0)] * batch
+        prefill_s = _best_of(runs, functools.partial(model.forward, chunks))
         key = "prefill" if batch == 1 else f"prefill_b{batch}"
         result[f"{key}_tok_s"] = round(128 * batch / prefill_s, 1)
         result[f"{key}_ms"] = round(prefill_s * 1000, 1)
