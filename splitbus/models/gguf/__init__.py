@@ -9,26 +9,29 @@ by another converter version is made again.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from gguf import GGUFReader
+from safetensors import SafetensorError
 
 from splitbus.models.gguf import metadata, weights
-from splitbus.models.gguf.vocab import tokenizer_files
+from splitbus.models.gguf.vocab import GGUFVocab, read_vocab, vocab_files
+from splitbus.models.locking import exclusive, remove_leftovers
 from splitbus.tokenization import ModelFilesError
 
-CONVERTER_VERSION: Final = 1
-"""Raised whenever the folder this package writes changes: older cached folders are redone."""
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION: Final = 2
+"""Raised whenever the folder this package writes changes: older cached folders are redone.
+2: config.json's ``eos_token_id`` lists EOT and EOM too."""
 
 MAGIC: Final = b"GGUF"
 CHUNK: Final = 1 << 20
@@ -86,10 +89,20 @@ def prepare(path: Path, cache_root: Path) -> Path:
     if _is_current(folder, source):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(folder):
+    with exclusive(folder.parent / f".{folder.name}.lock"):
         if not _is_current(folder, source):  # another process may have converted it while we waited
+            _remove_leftovers(folder)
             _install(_convert(path, source, folder.parent), folder)
     return folder
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """A run killed while converting (SIGKILL, the OOM killer) leaves its temporary folder, up
+    to a whole float32 copy; under the lock nobody else is writing one, so they go."""
+    for left in remove_leftovers(folder.parent, f".{folder.name}.tmp-*") + remove_leftovers(
+        folder.parent, f".{folder.name}.old-*"
+    ):
+        logger.info("removed %s, left by a conversion that did not finish", left)
 
 
 def _is_current(folder: Path, source: Source) -> bool:
@@ -100,32 +113,68 @@ def _is_current(folder: Path, source: Source) -> bool:
     return all((folder / name).is_file() for name in FILES)
 
 
-@contextlib.contextmanager
-def _lock(folder: Path) -> Iterator[None]:
-    """One converter per file at a time across processes; the others wait, then find it done."""
-    with (folder.parent / f".{folder.name}.lock").open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _convert(path: Path, source: Source, parent: Path) -> Path:
-    """A complete folder under a temporary name in ``parent``; ``source.json`` is written last."""
+    """A complete folder under a temporary name in ``parent``; ``source.json`` is written last.
+    Everything is read and checked, and the free space too, before the first byte is written."""
+    reader = open_reader(path)
+    config = metadata.hf_config(reader, path)
+    vocab = read_vocab(reader)
+    config |= _end_ids(vocab)
+    check_vocab_size(reader, config, len(vocab.tokens), path)
+    files = _tokenizer_files(vocab, path)
+    files["config.json"] = json.dumps(config, indent=2) + "\n"
+    files["source.json"] = json.dumps(asdict(source), indent=2) + "\n"
+    need = weights.float32_bytes(reader, config, path) + sum(len(t.encode()) for t in files.values())
+    _check_free_space(path, parent, need)
     tmp = Path(tempfile.mkdtemp(prefix=f".{source.sha256[:16]}.tmp-", dir=parent))
     try:
-        reader = open_reader(path)
-        config = metadata.hf_config(reader, path)
         weights.write(reader, config, tmp / "model.safetensors", path)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _write_tokenizer(reader, tmp, path)
-        (tmp / "source.json").write_text(json.dumps(asdict(source), indent=2) + "\n")
+        for name, text in files.items():  # source.json last (dicts keep their order)
+            (tmp / name).write_text(text)
         _readable(tmp)
+    except (OSError, SafetensorError) as exc:  # a full disk, a file size limit, a read-only cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelFilesError(
+            f"{path}: cannot write its converted folder in {parent} (it needs {_gb(need)}): {exc}"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tmp
+
+
+def _end_ids(vocab: GGUFVocab) -> dict[str, Any]:
+    """config.json's ``eos_token_id``: every id that ends generation, as llama.cpp ends on EOS,
+    EOT and EOM (an instruct GGUF may name ``<|eot_id|>`` only as EOT)."""
+    ids = vocab.end_ids
+    if not ids:
+        return {}
+    return {"eos_token_id": ids[0] if len(ids) == 1 else list(ids)}
+
+
+def check_vocab_size(reader: GGUFReader, config: dict[str, Any], n_tokens: int, where: Path | str) -> None:
+    """The token list, the metadata's vocabulary size and the rows of the embedding and output
+    matrices must agree (llama.cpp requires it): a token past the rows would index out of range."""
+    rows = {"the metadata's vocab_size": int(config["vocab_size"])}
+    for tensor in reader.tensors:
+        if tensor.name in ("token_embd.weight", "output.weight"):
+            rows[f"{tensor.name}'s rows"] = weights.hf_shape(tensor)[0]
+    for what, count in rows.items():
+        if count != n_tokens:
+            raise ModelFilesError(f"{where}: the tokenizer has {n_tokens} tokens but {what} is {count}")
+
+
+def _check_free_space(path: Path, parent: Path, need: int) -> None:
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise ModelFilesError(
+            f"{path}: converting it writes {_gb(need)} (float32 weights and the tokenizer) into {parent}, "
+            f"which has {_gb(free)} free; free some space or give another --data-dir"
+        )
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB"
 
 
 def _readable(tmp: Path) -> None:
@@ -136,12 +185,11 @@ def _readable(tmp: Path) -> None:
         file.chmod(0o644)
 
 
-def _write_tokenizer(reader: GGUFReader, tmp: Path, path: Path) -> None:
-    files = tokenizer_files(reader)
+def _tokenizer_files(vocab: GGUFVocab, path: Path) -> dict[str, str]:
+    files = vocab_files(vocab, str(path))
     if set(files) != TOKENIZER_FILES:
         raise ModelFilesError(f"{path}: the tokenizer gave files {sorted(files)}, expected {sorted(TOKENIZER_FILES)}")
-    for name, text in files.items():
-        (tmp / name).write_text(text)
+    return files
 
 
 def _install(tmp: Path, folder: Path) -> None:

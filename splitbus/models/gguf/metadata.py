@@ -62,7 +62,10 @@ class Fields:
         if len(field.types) != 1 or field.types[0] not in kinds:
             names = "/".join(t.name for t in field.types)
             raise self.fail(f"metadata {key} has type {names}, expected one of {sorted(k.name for k in kinds)}")
-        return field.contents()
+        try:
+            return field.contents()
+        except UnicodeDecodeError as exc:  # the reader decodes strings as UTF-8 only when asked
+            raise self.fail(f"metadata {key} holds text that is not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
     def string(self, key: str) -> str | None:
         value = self._scalar(key, frozenset({GGUFValueType.STRING}))

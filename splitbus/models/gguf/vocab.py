@@ -137,9 +137,13 @@ def tokenizer_files(reader: gguf.GGUFReader) -> dict[str, str]:
 
     Raises ModelFilesError naming the file and the key when the metadata is missing, of the wrong type, out of
     range, or describes a tokenizer other than byte-level BPE with a known pre-tokenizer."""
-    vocab = read_vocab(reader)
+    return vocab_files(read_vocab(reader), _source(reader))
+
+
+def vocab_files(vocab: GGUFVocab, source: str) -> dict[str, str]:
+    """As :func:`tokenizer_files`, from a vocabulary already read; ``source`` names the file in errors."""
     return {
-        "tokenizer.json": build_tokenizer(vocab, _source(reader)).to_str(),
+        "tokenizer.json": build_tokenizer(vocab, source).to_str(),
         "tokenizer_config.json": json.dumps(tokenizer_config(vocab), indent=2, ensure_ascii=False) + "\n",
     }
 

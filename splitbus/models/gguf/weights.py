@@ -138,6 +138,11 @@ def _unpermute(name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarr
     return array.reshape(heads, rows // heads // 2, 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
 
 
+def float32_bytes(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> int:
+    """The size of the tensors :func:`write` writes (every planned tensor as float32)."""
+    return sum(int(t.n_elements) * 4 for t in plan(reader, config, where).values())
+
+
 def write(reader: GGUFReader, config: dict[str, Any], path: Path, where: Path | str) -> None:
     """``model.safetensors`` in float32. safetensors writes from the arrays' memory without a
     copy, so the peak is one float32 copy of the model (the GGUF itself is memory-mapped)."""

@@ -14,6 +14,7 @@ file laid out as llama.cpp's convert_hf_to_gguf.py lays one out.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +40,20 @@ def write_gguf(
     drop: frozenset[str] = frozenset(),
     hparams: dict[str, Any] | None = None,
     vocab: bool = True,
+    metadata: Callable[[GGUFWriter], None] | None = None,
 ) -> Path:
     """Write ``out``; ``arch`` overrides ``general.architecture`` (for a wrong-architecture file),
     ``tensor_types`` a GGUF tensor's type ("I8" writes it as int8, a type nothing dequantizes),
     ``extra_tensors`` adds tensors under GGUF names, ``drop`` leaves GGUF tensors out, ``hparams``
-    replaces config.json values in the metadata only (a file whose metadata lies)."""
+    replaces config.json values in the metadata only (a file whose metadata lies), ``metadata``
+    adds keys of its own (called with the writer after the vocabulary)."""
     config = json.loads((hf_folder / "config.json").read_text())
     writer = GGUFWriter(out, arch or config["model_type"])
     _add_hparams(writer, config | (hparams or {}))
     if vocab and add_vocab is not None:
         add_vocab(writer, hf_folder)
+    if metadata is not None:
+        metadata(writer)
     for name, array in _gguf_tensors(hf_folder, config):
         if name in drop:
             continue
