@@ -392,17 +392,28 @@ class EmbeddedCluster:
         return self._role_problems()
 
     def _role_problems(self) -> list[str]:
-        rows = parse_nodes(self.live_nodes()[0].cluster("NODES"))
-        serving = [row for row in rows if row.primary and row.slot_count and not row.failed]
+        """Roles as each running node sees itself (its own line of ``CLUSTER NODES``: a node
+        knows at once that it was promoted or whom it follows; the others learn it by gossip)."""
+        views = self._self_views()
+        serving = [view for view in views.values() if view.primary and view.slot_count]
         if len(serving) != self.primaries:
             return [f"{len(serving)} primaries serve slots, not {self.primaries}"]
-        live = {int(node.port or 0) for node in self.live_nodes()}
+        if len(views) < self.size:  # a node is down: its primary is short of a replica, knowingly
+            return []
         found = []
         for primary in serving:
-            followers = [r for r in rows if r.primary_id == primary.node_id and not r.failed and r.port in live]
-            if len(followers) < self.replicas and len(live) == self.size:
+            followers = [view for view in views.values() if view.primary_id == primary.node_id]
+            if len(followers) != self.replicas:
                 found.append(f"primary {primary.port} has {len(followers)} replicas, not {self.replicas}")
         return found
+
+    def _self_views(self) -> dict[int, NodeView]:
+        """Each running node's line about itself, by port."""
+        views = {}
+        for node in self.live_nodes():
+            view = next(row for row in parse_nodes(node.cluster("NODES")) if "myself" in row.flags)
+            views[view.port] = view
+        return views
 
     def live_nodes(self) -> list[ClusterNodeServer]:
         nodes = [node for node in self.nodes if node.alive()]
@@ -412,18 +423,42 @@ class EmbeddedCluster:
 
     def primary_of(self, key: str) -> ClusterNodeServer:
         """The running node that serves ``key``'s slot now (after a failover, the new primary)."""
-        slot = key_slot(key.encode())
-        for row in parse_nodes(self.live_nodes()[0].cluster("NODES")):
-            if row.primary and not row.failed and row.serves(slot):
-                return self._by_port(row.port)
-        raise RedisServerError(f"no running primary serves slot {slot}")
+        return self.primary_of_slot(key_slot(key.encode()))
 
     def replicas_of(self, primary: ClusterNodeServer) -> list[ClusterNodeServer]:
-        """The running nodes that replicate ``primary``."""
+        """The running nodes that replicate ``primary``, as they see themselves."""
         primary_id = primary.cluster("MYID")
-        rows = parse_nodes(primary.cluster("NODES"))
-        ports = {row.port for row in rows if row.primary_id == primary_id}
+        ports = {port for port, view in self._self_views().items() if view.primary_id == primary_id}
         return [node for node in self.live_nodes() if node.port in ports]
+
+    def begin_slot_move(self, slot: int, target: ClusterNodeServer) -> ClusterNodeServer:
+        """Start moving ``slot`` to ``target`` (a reshard, for tests of ``MOVED`` and ``ASK``):
+        the two primaries mark it importing and migrating. Returns the slot's primary now."""
+        source = self.primary_of_slot(slot)
+        target.cluster("SETSLOT", str(slot), "IMPORTING", source.cluster("MYID"))
+        source.cluster("SETSLOT", str(slot), "MIGRATING", target.cluster("MYID"))
+        return source
+
+    def migrate_keys(self, source: ClusterNodeServer, target: ClusterNodeServer, keys: list[str]) -> None:
+        """Move keys of a migrating slot (``MIGRATE``, as the admin): ``source`` answers ``ASK``
+        for them from now on."""
+        source.admin().migrate(target.host, int(target.port or 0), keys, 0, 5000, auth=self.admin_password)
+
+    def end_slot_move(self, slot: int, target: ClusterNodeServer) -> None:
+        """Give ``slot`` to ``target`` on every primary (``SETSLOT NODE``): others answer ``MOVED``."""
+        target_id = target.cluster("MYID")
+        primaries = {row.port for row in parse_nodes(target.cluster("NODES")) if row.primary and not row.failed}
+        others = [node for node in self.live_nodes() if node.port in primaries and node is not target]
+        for node in [target, *others]:  # the importing side first, as Redis's guide orders it
+            node.cluster("SETSLOT", str(slot), "NODE", target_id)
+
+    def primary_of_slot(self, slot: int) -> ClusterNodeServer:
+        """The running node that serves ``slot`` now, by its own account (right after a failover
+        the other nodes may not know yet)."""
+        for port, view in self._self_views().items():
+            if view.primary and view.serves(slot):
+                return self._by_port(port)
+        raise RedisServerError(f"no running primary serves slot {slot}")
 
     def _by_port(self, port: int) -> ClusterNodeServer:
         return next(node for node in self.nodes if node.port == port)

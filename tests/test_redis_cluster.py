@@ -6,12 +6,16 @@ its replica takes over and the writes it had replicated are all there. The outag
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.crc import key_slot
 from redis.exceptions import NoPermissionError, RedisClusterException
 from redis.retry import Retry
 
@@ -58,11 +62,11 @@ def test_a_cluster_of_impossible_shape_is_refused(tmp_path: Path, primaries: int
 
 def test_the_cluster_comes_up_healthy(redis_cluster: EmbeddedCluster) -> None:
     assert redis_cluster.problems() == []
-    rows = parse_nodes(redis_cluster.nodes[0].cluster("NODES"))
-    primaries = [row for row in rows if row.primary]
-    assert len(primaries) == 3 and sum(row.slot_count for row in primaries) == SLOTS
-    for primary in primaries:
-        assert [row.primary_id for row in rows].count(primary.node_id) == 1  # one replica each
+    primaries = {redis_cluster.primary_of_slot(low) for low, _ in slot_ranges(3)}
+    assert len(primaries) == 3
+    assert {len(redis_cluster.replicas_of(primary)) for primary in primaries} == {1}
+    replicas = {replica for primary in primaries for replica in redis_cluster.replicas_of(primary)}
+    assert primaries | replicas == set(redis_cluster.nodes)
     for node in redis_cluster.nodes:
         assert node.admin().config_get("appendonly") == {"appendonly": "yes"}
         assert node.admin().config_get("cluster-node-timeout") == {"cluster-node-timeout": "1000"}
@@ -102,6 +106,35 @@ def test_redis_py_refuses_cross_slot_keys_before_they_reach_a_server(redis_clust
         assert pipe.execute() == [1, 1]  # by name, a script in a cluster pipeline is routed by its keys
     finally:
         client.close()
+
+
+def test_a_cluster_client_follows_a_slot_that_moves_ask_then_moved(redis_cluster: EmbeddedCluster) -> None:
+    """A reshard as the splitbus user sees it: keys of a migrating slot answer ASK (redis-py sends
+    ASKING, which that user may run), then MOVED once the slot has moved; no error reaches us."""
+    client = redis_cluster.client()
+    moved, kept = "t-mv:{slot}:a", "t-mv:{slot}:b"
+    slot = key_slot(moved.encode())
+    source = redis_cluster.primary_of_slot(slot)
+    target = next(node for node in redis_cluster.nodes if node.port != source.port and _serves_slots(node))
+    try:
+        client.set(moved, "1")
+        client.set(kept, "2")
+        redis_cluster.begin_slot_move(slot, target)
+        redis_cluster.migrate_keys(source, target, [moved])
+        assert client.get(moved) == b"1"  # ASK: on the target now
+        assert "cmdstat_asking" in target.admin().info("commandstats")  # redis-py sent ASKING there
+        assert client.get(kept) == b"2"  # still on the source
+        redis_cluster.migrate_keys(source, target, [kept])
+        redis_cluster.end_slot_move(slot, target)
+        assert client.get(kept) == b"2" and client.set(moved, "3")  # MOVED: the slot is the target's
+        assert redis_cluster.primary_of_slot(slot) is target
+    finally:
+        client.close()
+    redis_cluster.wait_healthy(FAILOVER_BOUND_S)
+
+
+def _serves_slots(node: ClusterNodeServer) -> bool:
+    return any(row.slot_count for row in parse_nodes(node.cluster("NODES")) if "myself" in row.flags)
 
 
 def test_the_splitbus_user_is_locked_down_on_every_node(redis_cluster: EmbeddedCluster) -> None:
@@ -145,47 +178,61 @@ def _wait_replicated(primary: ClusterNodeServer, replica: ClusterNodeServer) -> 
         time.sleep(0.01)
 
 
-def _write_until_served(client: redis.RedisCluster, key: str, other: str) -> tuple[float, int]:
+def _async_client(cluster: EmbeddedCluster) -> AsyncRedisCluster:
+    """An asyncio cluster client as the bus's clients are set (RESP2, 5 s socket timeout, two
+    quick retries: ``bus.connection.connect``), as the ``splitbus`` user."""
+    return AsyncRedisCluster(
+        startup_nodes=[AsyncClusterNode(host, port) for host, port in cluster.startup_nodes],
+        username="splitbus",
+        password=cluster.password,
+        protocol=2,
+        socket_timeout=5.0,
+        socket_connect_timeout=2.0,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries=2),
+    )
+
+
+async def _write_until_served(client: AsyncRedisCluster, key: str, other: str) -> tuple[float, int]:
     """Write ``key`` until a write succeeds; (seconds it took, writes to ``other`` refused meanwhile)."""
     start = time.monotonic()
     refused = 0
     while time.monotonic() - start < FAILOVER_BOUND_S:
         try:
-            client.set(key, "after")
+            await client.set(key, "after")
             return time.monotonic() - start, refused
         except (redis.RedisError, OSError):
-            time.sleep(0.02)
+            await asyncio.sleep(0.02)
         try:
-            client.set(other, "meanwhile")
+            await client.set(other, "meanwhile")
         except (redis.RedisError, OSError):
             refused += 1
     raise AssertionError(f"no replica took over within {FAILOVER_BOUND_S} s")
 
 
-def test_a_killed_primary_is_replaced_by_its_replica_with_its_replicated_writes(
+async def test_a_killed_primary_is_replaced_by_its_replica_with_its_replicated_writes(
     tmp_path: Path, record_property: pytest.RecordProperty
 ) -> None:
+    """The bus's kind of client (asyncio), made before the kill, finds the new primary by itself."""
     cluster = EmbeddedCluster(tmp_path, primaries=3, replicas=1, node_timeout_ms=1000)
     cluster.start()
-    quick = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5, "retry": Retry(NoBackoff(), 1)}
+    client = _async_client(cluster)
     try:
         victim = cluster.primary_of("t-fo:{v}")
         (replica,) = cluster.replicas_of(victim)
         other = next(f"t-fo:{{o{i}}}" for i in range(100) if cluster.primary_of(f"t-fo:{{o{i}}}") is not victim)
-        client = cluster.client(**quick)
         keys = [f"t-fo:{{v}}:{i}" for i in range(200)]
         for i, key in enumerate(keys):
-            client.set(key, i)
+            await client.set(key, i)
         _wait_replicated(victim, replica)
         victim.kill()
-        outage_s, refused = _write_until_served(client, "t-fo:{v}", other)
+        outage_s, refused = await _write_until_served(client, "t-fo:{v}", other)
         print(f"\nfailover: writes to the primary's slots refused {outage_s:.2f} s, {refused} to other slots refused")
         record_property("failover_outage_s", round(outage_s, 3))
         assert cluster.primary_of("t-fo:{v}") is replica
-        assert [int(client.get(key)) for key in keys] == list(range(200))
+        assert [int(await client.get(key)) for key in keys] == list(range(200))
         victim.start()  # back as a replica of the node that took its place
         cluster.wait_healthy(FAILOVER_BOUND_S)
         assert cluster.replicas_of(replica) == [victim]
-        client.close()
     finally:
+        await client.aclose()
         cluster.stop()
