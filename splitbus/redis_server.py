@@ -358,13 +358,17 @@ class EmbeddedRedis:
             **({"maxmemory": self.maxmemory} if self.maxmemory else {}),
             **self.extra_config,
         }
-        commands = commands_for(server_version(str(self.executable)))
         lines = [f"{key} {value}" for key, value in settings.items()]
-        lines += [
-            acl_rule(ADMIN_USER, self._passwords[ADMIN_USER], None),
-            acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], commands),
-        ]
+        lines += self.acl_lines(server_version(str(self.executable)))
         return "# written by splitbus at each start; edits are lost\n" + "\n".join(lines) + "\n"
+
+    def acl_lines(self, version: tuple[int, int, int]) -> list[str]:
+        """The ``user`` lines of redis.conf: the admin, and the ``splitbus`` user with
+        :func:`commands_for` (a cluster node adds what a cluster client and replication need)."""
+        return [
+            acl_rule(ADMIN_USER, self._passwords[ADMIN_USER], None),
+            acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], commands_for(version)),
+        ]
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the server, our child, has loaded its dataset: it answers LOADING to every

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
+from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
 
 
@@ -23,6 +24,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
+    """A loopback Redis Cluster for the session: 3 primaries with a replica each, AOF on, the
+    same passwords and ACL rules as ``redis_server`` (started only by the tests that ask for it,
+    in ~1-2 s). A test that kills or restarts nodes starts a cluster of its own instead."""
+    cluster = EmbeddedCluster(tmp_path_factory.mktemp("redis-cluster"), primaries=3, replicas=1)
+    cluster.start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture
