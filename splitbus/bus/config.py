@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
 from splitbus.bus.keys import Keys
 from splitbus.env import DEFAULT_PREFIX
 
@@ -11,6 +12,8 @@ from splitbus.env import DEFAULT_PREFIX
 @dataclass(frozen=True)
 class BusConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """One Redis (any URL redis-py reads), or a Redis Cluster:
+    ``redis+cluster://user:password@host:port,host:port,...`` (``splitbus.bus.cluster``)."""
     prefix: str = DEFAULT_PREFIX
     block_ms: int = 1000
     """How long one blocking read waits. Kept well under ``socket_timeout_s``: redis-py 8
@@ -40,6 +43,8 @@ class BusConfig:
             raise ValueError("max_deliveries and claim_idle_ms must be >= 1")
         if self.finished_result_ttl_s < 1 or self.result_ttl_s < self.finished_result_ttl_s:
             raise ValueError("need 1 <= finished_result_ttl_s <= result_ttl_s")
+        if is_cluster_url(self.redis_url):
+            parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
 
     @property
     def keys(self) -> Keys:

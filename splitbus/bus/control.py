@@ -23,7 +23,7 @@ from typing import Any, cast
 import orjson
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
+from splitbus.bus import cluster, codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
@@ -133,7 +133,7 @@ async def call(
     task_id = uuid.uuid4().hex
     command = for_xadd(codec.encode(ControlCommand(task_id, cmd, args or {})))
     entry_id = await redis.xadd(config.keys.ctrl(worker), command)
-    reply = await redis.xread({config.keys.reply(task_id): "0"}, count=1, block=max(1, int(timeout_s * 1000)))
+    reply = await cluster.xread(redis, {config.keys.reply(task_id): "0"}, 1, max(1, int(timeout_s * 1000)))
     if not reply:
         await redis.xdel(config.keys.ctrl(worker), entry_id)  # withdrawn: a worker started later must not run it
         raise TimeoutError(f"worker {worker} did not answer {cmd} within {timeout_s:g} s (is it running?)")

@@ -26,6 +26,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from splitbus.bus.cluster import as_cluster
 from splitbus.bus.keys import Keys
 from splitbus.bus.messages._check import MAX_KV_BLOCKS, MAX_NAME_CHARS, require_int, require_str
 from splitbus.bus.scripts import LuaScript, declare
@@ -179,5 +180,9 @@ class Reservations:
 
     async def drop(self, request_id: str, task_entry: str, client: aioredis.Redis | None = None) -> None:
         """Delete the reservation only if it is still the one the task ``task_entry`` made: the
-        request may have moved here again, and its new task's reservation must stay."""
+        request may have moved here again, and its new task's reservation must stay. ``client``:
+        a pipeline to queue it in; on a cluster it runs at once instead (a cluster pipeline
+        refuses ``evalsha``, and the script call here loads the script where it is missing)."""
+        if as_cluster(self._redis) is not None:
+            client = None
         await self._drop(keys=[self.keys.kv(request_id)], args=[task_entry], client=client)

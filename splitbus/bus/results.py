@@ -21,7 +21,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, KeyT, StreamIdT
 
-from splitbus.bus import codec, metrics
+from splitbus.bus import cluster, codec, metrics
 from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
@@ -57,6 +57,9 @@ return #KEYS
 """,
     )
 )
+
+_ARGS_PER_ENTRY = 4
+"""ARGV items per entry in ``write_step``: type, data, ts, TTL."""
 
 LATENCY_SAMPLE_EVERY = 16
 """Observe publish->read latency on one token entry in this many: a histogram observation
@@ -121,13 +124,28 @@ class ResultWriter:
     async def flush(self) -> None:
         """Write everything buffered since the last flush: one round trip per STEP_CHUNK entries.
         A chunk leaves the buffer only once written, so a failed flush (Redis away) loses
-        nothing: the next flush writes it again, and readers drop any duplicate by seq."""
+        nothing: the next flush writes it again, and readers drop any duplicate by seq (on a
+        cluster, the slots that took their part of a chunk before another failed get it twice)."""
         while self._buffer:
             chunk = self._buffer[:STEP_CHUNK]
-            await self._write_step(*self._script_args(chunk))
+            await self._write(*self._script_args(chunk))
             del self._buffer[: len(chunk)]
             self._settle(chunk)
             metrics.ENTRIES_PRODUCED.labels("out").inc(len(chunk))
+
+    async def _write(self, keys: list[str], args: list[EncodableT]) -> None:
+        """One script for the chunk on a single Redis; on a cluster one per slot (a script's
+        keys must share one), all in one pipeline."""
+        client = cluster.as_cluster(self._redis)
+        if client is None:
+            await self._write_step(keys, args)
+            return
+        by_slot: dict[int, tuple[list[str], list[EncodableT]]] = {}
+        for i, key in enumerate(keys):
+            slot_keys, slot_args = by_slot.setdefault(client.keyslot(key), ([], []))
+            slot_keys.append(key)
+            slot_args += args[i * _ARGS_PER_ENTRY : (i + 1) * _ARGS_PER_ENTRY]
+        await cluster.evalsha_by_slot(client, self._write_step, list(by_slot.values()))
 
     def _script_args(self, chunk: list[tuple[str, Result]]) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
@@ -324,7 +342,8 @@ class _Shard:
         streams.update((key, sub.last_id) for key, sub in self.subs.items())
         self.xreads += 1
         self.blocked = True
-        reply = await self._redis.xread(streams, count=self._config.reader_count, block=self._config.block_ms)
+        # On a cluster, to the primary of the shard's slot (its wake stream's): no COMMAND GETKEYS.
+        reply = await cluster.xread(self._redis, streams, self._config.reader_count, self._config.block_ms)
         self.blocked = False
         for key, entries in cast(RawXReadReply, reply or []):
             self._dispatch(key.decode(), entries)

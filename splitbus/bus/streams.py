@@ -12,9 +12,8 @@ from typing import Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
-from redis.typing import KeyT, StreamIdT
 
-from splitbus.bus import codec, metrics
+from splitbus.bus import cluster, codec, metrics
 from splitbus.bus.batching import Batcher
 from splitbus.bus.codec import Message
 from splitbus.bus.config import BusConfig
@@ -441,8 +440,7 @@ class GroupConsumer:
         return reply[0][1] if reply else []
 
     async def _xreadgroup_once(self, cursor: str, count: int, block: int | None) -> XReadGroupReply:
-        streams: dict[KeyT, StreamIdT] = {self.stream: cursor}
-        reply = await self._redis.xreadgroup(self.group, self.consumer, streams, count=count, block=block)
+        reply = await cluster.xreadgroup(self._redis, self.group, self.consumer, self.stream, cursor, count, block)
         return cast(XReadGroupReply, reply or [])
 
     async def _decode_all(self, raw: Iterable[MaybeEntry | _Read]) -> list[Delivery[Message]]:

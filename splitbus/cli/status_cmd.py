@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import redis
 
+from splitbus.bus.connection import connect_sync
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
@@ -150,7 +151,7 @@ def render(status: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, env: Env) -> int:
     url = redis_url(args, env)
-    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    client = connect_sync(url, decode_responses=True, socket_timeout=5)
     try:
         while _show(_text(collect(client, env.prefix), args.json)):
             if args.watch is None:

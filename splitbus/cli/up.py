@@ -270,8 +270,10 @@ def _check_port_free(host: str, port: int) -> None:
 def _check_reachable(url: str) -> None:
     import redis
 
+    from splitbus.bus.connection import connect_sync
+
     try:
-        redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3).ping()
+        connect_sync(url, socket_timeout=3, socket_connect_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
         raise ValueError(f"Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}") from None
 

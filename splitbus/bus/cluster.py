@@ -1,0 +1,152 @@
+"""Redis Cluster on the bus: the ``redis+cluster://`` URL, and the few commands that a cluster
+client sends differently (docs/cluster.md).
+
+The same code runs on a single Redis and on a cluster. Where the two clients differ, the bus asks
+:func:`as_cluster` and takes the cluster path only on a cluster, so a single Redis gets exactly
+the commands it got before:
+
+- blocking reads (``XREAD``, ``XREADGROUP``) name the primary of their slot: routed by redis-py,
+  each costs two ``COMMAND GETKEYS`` round trips (their keys move with their arguments);
+- scripts in pipelines go by name (``EVALSHA``): a cluster pipeline refuses ``pipe.evalsha``;
+- a script over many slots' keys is sent once per slot (:func:`evalsha_by_slot`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, SlotNotCoveredError
+from redis.typing import EncodableT, KeyT, StreamIdT
+
+SCHEME = "redis+cluster"
+MAX_NODES = 1000
+"""Startup nodes one URL may name (a bound on what an environment variable makes us hold)."""
+_HOST = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)$")
+"""A host name, an IPv4 address or a bracketed IPv6 one."""
+DEFAULT_PORT = 6379
+
+
+@dataclass(frozen=True)
+class ClusterUrl:
+    """``redis+cluster://[user[:password]@]host:port[,host:port...][/0]``, parsed."""
+
+    nodes: tuple[tuple[str, int], ...]
+    """Startup nodes (host without brackets, port): any one that answers is enough for the
+    client to read the slot map and find every other node."""
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    """Never in ``repr``: a parsed URL may end up in a log line or a traceback."""
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (else it is a redis-py URL for one server)."""
+    return url[: len(SCHEME) + 3].lower() == f"{SCHEME}://"
+
+
+def parse_cluster_url(url: str) -> ClusterUrl:
+    """Read a cluster URL; ValueError (whose text never holds the password) if it is not one."""
+    if not is_cluster_url(url):
+        raise ValueError(f"not a {SCHEME}:// URL")
+    userinfo, _, location = url[len(SCHEME) + 3 :].rpartition("@")
+    hosts, _, path = location.partition("/")
+    if path not in ("", "0") or any(c in location for c in "?#"):
+        raise ValueError(f"a {SCHEME} URL takes no path but /0, and no query: a cluster has one database")
+    user, has_password, password = userinfo.partition(":")
+    return ClusterUrl(
+        nodes=_nodes(hosts),
+        username=unquote(user) or None,
+        password=unquote(password) if has_password and password else None,
+    )
+
+
+def _nodes(hosts: str) -> tuple[tuple[str, int], ...]:
+    parts = [part.strip() for part in hosts.split(",")]
+    if not hosts or any(not part for part in parts):
+        raise ValueError(f"a {SCHEME} URL needs host:port[,host:port...] after its user and password")
+    if len(parts) > MAX_NODES:
+        raise ValueError(f"a {SCHEME} URL names at most {MAX_NODES} nodes (got {len(parts)})")
+    return tuple(_node(part) for part in parts)
+
+
+def _node(text: str) -> tuple[str, int]:
+    host, colon, port = text.rpartition(":") if not text.endswith("]") else (text, "", "")
+    if not colon:
+        host, port = text, str(DEFAULT_PORT)
+    if not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not a host:port in a {SCHEME} URL: {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def as_cluster(redis: aioredis.Redis) -> aioredis.RedisCluster | None:
+    """The client as a cluster client if it is one (``connect`` gave it for a cluster URL)."""
+    return redis if isinstance(redis, aioredis.RedisCluster) else None
+
+
+def _target(cluster: aioredis.RedisCluster, key: KeyT) -> dict[str, Any]:
+    """``target_nodes`` for a command on ``key``'s slot: its primary in the client's slot map,
+    looked up at each call, so once redis-py has read the map again (after a MOVED, or a
+    connection error on a node that failed over) the next call goes to the new primary. An
+    uncovered slot: no target, redis-py routes (and raises) as it would."""
+    name = key.decode() if isinstance(key, bytes) else str(key)
+    try:
+        return {"target_nodes": cluster.get_node_from_key(name)}
+    except SlotNotCoveredError:
+        return {}
+
+
+async def xread(redis: aioredis.Redis, streams: dict[KeyT, StreamIdT], count: int, block: int) -> Any:
+    """``XREAD COUNT count BLOCK block STREAMS ...``; on a cluster sent to the primary of the
+    streams' slot (they must share one: the server answers CROSSSLOT otherwise)."""
+    cluster = as_cluster(redis)
+    if cluster is None:
+        return await redis.xread(streams, count=count, block=block)
+    args: tuple[EncodableT, ...] = ("COUNT", count, "BLOCK", block, "STREAMS", *streams.keys(), *streams.values())
+    return await cluster.execute_command("XREAD", *args, **_target(cluster, next(iter(streams))))
+
+
+async def xreadgroup(
+    redis: aioredis.Redis, group: str, consumer: str, stream: str, cursor: str, count: int, block: int | None
+) -> Any:
+    """``XREADGROUP`` of one stream, on a cluster sent to the primary of its slot."""
+    cluster = as_cluster(redis)
+    if cluster is None:
+        return await redis.xreadgroup(group, consumer, {stream: cursor}, count=count, block=block)
+    blocking = ("BLOCK", block) if block is not None else ()
+    args = ("GROUP", group, consumer, "COUNT", count, *blocking, "STREAMS", stream, cursor)
+    return await cluster.execute_command("XREADGROUP", *args, **_target(cluster, stream))
+
+
+ScriptCall = tuple[Sequence[str], Sequence[EncodableT]]
+"""One run of a script: its KEYS and its ARGV."""
+
+
+async def evalsha_by_slot(cluster: aioredis.RedisCluster, script: AsyncScript, calls: Sequence[ScriptCall]) -> None:
+    """Run ``script`` once per call, all in one cluster pipeline (each node's calls in one
+    round trip, the nodes in parallel). Every call's keys must share a slot. A node that lost
+    the script (NOSCRIPT: a restart, a replica promoted before it had it) gets it from
+    ``SCRIPT LOAD`` (sent to every primary) and those calls run again; any other error is raised
+    after the rest have run, so a caller that retries them all sends some twice."""
+    failed = await _evalsha_all(cluster, script.sha, calls)
+    missing = [calls[i] for i, error in failed if isinstance(error, NoScriptError)]
+    if missing:
+        await cluster.script_load(script.script)
+        failed = [(i, error) for i, error in failed if not isinstance(error, NoScriptError)]
+        failed += await _evalsha_all(cluster, script.sha, missing)
+    if failed:
+        raise failed[0][1]
+
+
+async def _evalsha_all(
+    cluster: aioredis.RedisCluster, sha: str, calls: Sequence[ScriptCall]
+) -> list[tuple[int, BaseException]]:
+    pipe = cluster.pipeline(transaction=False)
+    for keys, args in calls:
+        pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+    replies = await pipe.execute(raise_on_error=False)
+    return [(i, reply) for i, reply in enumerate(replies) if isinstance(reply, BaseException)]
