@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
 from splitbus.bus.keys import Keys
@@ -11,9 +11,10 @@ from splitbus.env import DEFAULT_PREFIX
 
 @dataclass(frozen=True)
 class BusConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     """One Redis (any URL redis-py reads), or a Redis Cluster:
-    ``redis+cluster://user:password@host:port,host:port,...`` (``splitbus.bus.cluster``)."""
+    ``redis+cluster://user:password@host:port,host:port,...`` (``splitbus.bus.cluster``). Not in
+    ``repr``: it carries the password, and a config can end up in a log line or a test report."""
     prefix: str = DEFAULT_PREFIX
     block_ms: int = 1000
     """How long one blocking read waits. Kept well under ``socket_timeout_s``: redis-py 8

@@ -29,7 +29,7 @@ from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
 from tests.test_redis_cluster import _wait_replicated
 
-SECRET = "s3cr%40t/x"  # percent-encoded '@' and a '/': the URL form of "s3cr@t/x"
+SECRET = "s3cr%40t%2Fx"  # the URL form of "s3cr@t/x": "@" and "/" percent-encoded
 
 
 # --- the URL --------------------------------------------------------------------------------
@@ -67,7 +67,8 @@ def test_a_malformed_cluster_url_is_refused_without_its_password(url: str) -> No
 def test_the_bus_config_refuses_a_malformed_cluster_url_at_once() -> None:
     with pytest.raises(ValueError, match="host:port"):
         BusConfig(redis_url="redis+cluster://u:pw@h:1,h:x")
-    assert BusConfig(redis_url="redis+cluster://u:pw@h:1").redis_url.endswith("@h:1")
+    config = BusConfig(redis_url=f"redis+cluster://u:{SECRET}@h:1")
+    assert config.redis_url.endswith("@h:1") and SECRET not in repr(config)
 
 
 def test_the_password_of_a_cluster_url_is_masked() -> None:
@@ -234,7 +235,7 @@ async def test_blocking_reads_go_to_their_primary_without_command_getkeys(
 async def test_a_read_across_slots_is_refused_by_the_server(
     cluster_config: BusConfig, cluster_redis: aioredis.Redis
 ) -> None:
-    with pytest.raises(redis.ResponseError, match="CROSSSLOT"):
+    with pytest.raises(redis.ResponseError, match="same slot"):  # CROSSSLOT
         await cluster.xread(cluster_redis, {f"{cluster_config.prefix}:{{a}}": "0", "other:{b}": "0"}, 1, 10)
 
 
