@@ -7,21 +7,19 @@ the commands it got before:
 
 - blocking reads (``XREAD``, ``XREADGROUP``) name the primary of their slot: routed by redis-py,
   each costs two ``COMMAND GETKEYS`` round trips (their keys move with their arguments);
-- scripts in pipelines go by name (``EVALSHA``): a cluster pipeline refuses ``pipe.evalsha``;
-- a script over many slots' keys is sent once per slot (:func:`evalsha_by_slot`).
+- scripts in pipelines go by name (``EVALSHA``): a cluster pipeline refuses ``pipe.evalsha``
+  (``Batcher``, ``ResultWriter``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, SlotNotCoveredError
+from redis.exceptions import SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
 SCHEME = "redis+cluster"
@@ -120,33 +118,3 @@ async def xreadgroup(
     blocking = ("BLOCK", block) if block is not None else ()
     args = ("GROUP", group, consumer, "COUNT", count, *blocking, "STREAMS", stream, cursor)
     return await cluster.execute_command("XREADGROUP", *args, **_target(cluster, stream))
-
-
-ScriptCall = tuple[Sequence[str], Sequence[EncodableT]]
-"""One run of a script: its KEYS and its ARGV."""
-
-
-async def evalsha_by_slot(cluster: aioredis.RedisCluster, script: AsyncScript, calls: Sequence[ScriptCall]) -> None:
-    """Run ``script`` once per call, all in one cluster pipeline (each node's calls in one
-    round trip, the nodes in parallel). Every call's keys must share a slot. A node that lost
-    the script (NOSCRIPT: a restart, a replica promoted before it had it) gets it from
-    ``SCRIPT LOAD`` (sent to every primary) and those calls run again; any other error is raised
-    after the rest have run, so a caller that retries them all sends some twice."""
-    failed = await _evalsha_all(cluster, script.sha, calls)
-    missing = [calls[i] for i, error in failed if isinstance(error, NoScriptError)]
-    if missing:
-        await cluster.script_load(script.script)
-        failed = [(i, error) for i, error in failed if not isinstance(error, NoScriptError)]
-        failed += await _evalsha_all(cluster, script.sha, missing)
-    if failed:
-        raise failed[0][1]
-
-
-async def _evalsha_all(
-    cluster: aioredis.RedisCluster, sha: str, calls: Sequence[ScriptCall]
-) -> list[tuple[int, BaseException]]:
-    pipe = cluster.pipeline(transaction=False)
-    for keys, args in calls:
-        pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-    replies = await pipe.execute(raise_on_error=False)
-    return [(i, reply) for i, reply in enumerate(replies) if isinstance(reply, BaseException)]

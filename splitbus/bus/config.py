@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
 from splitbus.bus.keys import Keys
-from splitbus.env import DEFAULT_PREFIX
+from splitbus.env import DEFAULT_CELL, DEFAULT_PREFIX, valid_tag
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,9 @@ class BusConfig:
     ``redis+cluster://user:password@host:port,host:port,...`` (``splitbus.bus.cluster``). Not in
     ``repr``: it carries the password, and a config can end up in a log line or a test report."""
     prefix: str = DEFAULT_PREFIX
+    cell: str = DEFAULT_CELL
+    """The cell this process belongs to (``SPLITBUS_CELL``): the hash tag of its control-plane
+    keys (docs/bus.md, "Keys"). Every scheduler, worker and API node of a cell shares it."""
     block_ms: int = 1000
     """How long one blocking read waits. Kept well under ``socket_timeout_s``: redis-py 8
     retries a read that outlives its socket timeout and can then raise after a minute."""
@@ -36,6 +39,8 @@ class BusConfig:
     """Entries per stream per read in the multiplexed result reader."""
 
     def __post_init__(self) -> None:
+        if not valid_tag(self.cell):
+            raise ValueError(f"cell must be non-empty, without braces, colons or spaces: {self.cell!r}")
         if self.block_ms <= 0:
             raise ValueError("block_ms must be > 0 (BLOCK 0 waits forever and hangs on a dead server)")
         if self.block_ms / 1000 >= self.socket_timeout_s:
@@ -49,4 +54,4 @@ class BusConfig:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.prefix)
+        return Keys(self.prefix, self.cell)

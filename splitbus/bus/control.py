@@ -1,7 +1,7 @@
 """Control commands, for operators and external modules: ``get_payload``, ``get_metrics``,
 ``connect_rdma``.
 
-A caller writes a ``ControlCommand`` to ``sb:ctrl:{worker}`` with a fresh ``task_id`` and reads
+A caller writes a ``ControlCommand`` to ``sb:ctrl:{cell}:<worker>`` with a fresh ``task_id`` and reads
 the ``ControlReply`` from ``sb:reply:{task_id}``, which expires ``REPLY_TTL_S`` after it is
 written. The worker reads its control stream in the ``workers`` group, so a command written
 while it restarts is answered when it is back. Commands run at most once: one that was being
@@ -9,7 +9,7 @@ handled when the worker died stays pending and is not run again; callers time ou
 with a new ``task_id``.
 
 Every command gets a reply, an error reply for an unknown command, bad arguments or a failure.
-An entry with no ``task_id`` to answer goes to ``sb:dead`` instead. Either way the worker goes
+An entry with no ``task_id`` to answer goes to ``sb:dead:{cell}`` instead. Either way the worker goes
 on.
 """
 

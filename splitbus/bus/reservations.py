@@ -1,10 +1,10 @@
-"""A request's KV reservation, ``sb:kv:{request}``: written by the decode worker that reserved
+"""A request's KV reservation, ``sb:kv:{cell}:<request>``: written by the decode worker that reserved
 blocks for it, read by the prefill worker that sends it the KV and by a reaper that frees the
 decode side of a dead prefill worker's request (docs/protocol.md). This module is the only one
 that names the key or runs its scripts.
 
 A reservation is made for one dispatch of the request (its tasks' hand-off id) and only while
-that dispatch is the request's current one (``sb:current:{request}``): a decode task that the
+that dispatch is the request's current one (``sb:current:{cell}:<request>``): a decode task that the
 reaper already replaced (its prefill worker died, and the request went to a new pair) reserves
 nothing, so it cannot hold blocks, or a prefill worker, for a dispatch that no longer exists.
 Both keys carry the request's hash tag.
@@ -46,7 +46,7 @@ _RESERVE = declare(
     LuaScript(
         name="reserve_kv",
         module=__name__,
-        keys=("sb:kv:{request}", "sb:current:{request}"),
+        keys=("sb:kv:{cell}:<request>", "sb:current:{cell}:<request>"),
         argv='the task\'s hand-off id ("" for none), the TTL (s), then field, value pairs',
         returns="1: written (HSET, EXPIRE); 0: the request's current dispatch is another, nothing written",
         source="""
@@ -63,7 +63,7 @@ _DROP = declare(
     LuaScript(
         name="drop_kv",
         module=__name__,
-        keys=("sb:kv:{request}",),
+        keys=("sb:kv:{cell}:<request>",),
         argv="the task entry id that made the reservation",
         returns="1: deleted; 0: the reservation is another task's (or gone), left alone",
         source="""
@@ -76,7 +76,7 @@ return 0
 
 @dataclass(frozen=True)
 class Reservation:
-    """What a decode worker writes in ``sb:kv:{request}`` once it holds the request's blocks."""
+    """What a decode worker writes in ``sb:kv:{cell}:<request>`` once it holds the request's blocks."""
 
     decode_worker: str
     """The decode worker that reserved (and waits for the KV)."""

@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "cli_args",
         nargs=argparse.REMAINDER,
         metavar="ARGS",
-        help="redis-cli's options and command, e.g. XINFO GROUPS sb:requests or --no-raw XLEN sb:dead",
+        help="redis-cli's options and command, e.g. XINFO GROUPS sb:requests:{main} or --no-raw XLEN sb:dead:{main}",
     )
     p.set_defaults(run=run)
 

@@ -429,7 +429,7 @@ def _tools(args: argparse.Namespace, env: Env, server: EmbeddedRedis | None) -> 
     where = f" --data-dir {shlex.quote(str(args.data_dir))}" if moved else ""
     lines = [
         f"  status: splitbus status{where}",
-        f"  redis:  splitbus redis-cli{where} XINFO GROUPS {Keys(env.prefix).requests}",
+        f"  redis:  splitbus redis-cli{where} XINFO GROUPS {Keys(env.prefix, env.cell).requests}",
     ]
     if server is None and args.redis_url != env.redis_url:
         lines.append("          (give them the same URL: SPLITBUS_REDIS_URL or --redis-url)")

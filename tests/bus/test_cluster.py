@@ -165,38 +165,42 @@ async def test_a_batcher_runs_scripts_on_single_slot_keys_and_reports_noscript(
     assert [int(await either.get(keys[1])) for keys in calls] == [-i for i in range(12)]
 
 
-async def test_a_result_writer_step_over_many_slots_is_written_exactly(
+async def test_a_result_writer_step_over_many_readers_is_written_exactly(
     either_config: BusConfig, either: aioredis.Redis
 ) -> None:
+    """One step for requests of six readers (six slots, on every primary of the cluster): one
+    ``write_step`` per reader, in one pipeline."""
     writer = ResultWriter(either, either_config)
-    requests = [f"r{i}" for i in range(20)]  # today's keys: one slot per request's stream
-    for rid in requests:
-        writer.open(rid)
+    requests = [(f"api-{i % 6}.out.0", f"r{i}") for i in range(24)]
+    for reader, rid in requests:
+        writer.open(rid, reader=reader)
         writer.tokens(rid, [1, 2])
         writer.tokens(rid, [3])
         writer.finish(rid, "stop", 4, 3)
     await writer.flush()
     assert writer.pending == 0
-    for rid in requests:
-        sent = await read_sent(either, either_config, rid)
+    assert writer.scripts in (6, 12)  # 12: the server had not got the script yet (NOSCRIPT, loaded, sent again)
+    for reader, rid in requests:
+        sent = await read_sent(either, either_config, reader, rid)
         assert (sent.tokens, sent.next_seq, sent.ended) == ([1, 2, 3], 3, True)
-        assert 0 < await either.ttl(either_config.keys.out(rid)) <= either_config.finished_result_ttl_s
+        assert 0 < await either.ttl(either_config.keys.out(reader, rid)) <= either_config.finished_result_ttl_s
 
 
 async def test_a_cluster_that_lost_its_scripts_gets_them_again_on_the_next_flush(
     redis_cluster: EmbeddedCluster, cluster_config: BusConfig, cluster_redis: aioredis.Redis
 ) -> None:
     writer = ResultWriter(cluster_redis, cluster_config)
-    writer.open("before")
-    writer.tokens("before", [1])
-    await writer.flush()
+    readers = [f"api-{i}.out.0" for i in range(6)]
+    assert len({redis_cluster.primary_of(cluster_config.keys.out(reader, "x")).port for reader in readers}) == 3
     with redis_cluster.client(admin=True) as admin:
-        admin.script_flush()  # every primary: as after a restart without persistence of scripts
-        writer.open("after")
-        writer.tokens("after", [2])
+        admin.script_flush()  # every primary: as after a restart that lost them
+        for reader in readers:
+            writer.open(f"after-{reader}", reader=reader)
+            writer.tokens(f"after-{reader}", [2])
         await writer.flush()
         assert all(admin.script_exists(writer._write_step.sha))  # loaded on every primary again
-    assert (await read_sent(cluster_redis, cluster_config, "after")).tokens == [2]
+    for reader in readers:
+        assert (await read_sent(cluster_redis, cluster_config, reader, f"after-{reader}")).tokens == [2]
 
 
 # --- blocking reads at their slot's primary -------------------------------------------------
@@ -230,13 +234,6 @@ async def test_blocking_reads_go_to_their_primary_without_command_getkeys(
     deliveries = await consumer.read(5, block_ms=50) + await consumer.read(5, block_ms=50)
     assert [type(d.message) for d in deliveries] == [ControlCommand]
     assert _command_calls(redis_cluster) == before
-
-
-async def test_a_read_across_slots_is_refused_by_the_server(
-    cluster_config: BusConfig, cluster_redis: aioredis.Redis
-) -> None:
-    with pytest.raises(redis.ResponseError, match="same slot"):  # CROSSSLOT
-        await cluster.xread(cluster_redis, {f"{cluster_config.prefix}:{{a}}": "0", "other:{b}": "0"}, 1, 10)
 
 
 # --- a failover -----------------------------------------------------------------------------
