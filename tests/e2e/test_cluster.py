@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -19,6 +23,17 @@ def test_a_streamed_completion_on_a_redis_cluster(redis_cluster: EmbeddedCluster
         chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=7, seed=5, stream=True))
         assert "".join(c.choices[0].text for c in chunks) == sim_text(5, 7)
         assert chunks[-1].choices[0].finish_reason == "length"
-        assert redis_cluster.password not in "".join(system.output)  # the banner masks the URL
+        printed = "".join(system.output)
+        assert "Redis redis+cluster://splitbus:***@" in printed and redis_cluster.password not in printed
+        status = subprocess.run(
+            [sys.executable, "-m", "splitbus.cli.main", "status", "--json"],
+            env={**os.environ, "SPLITBUS_REDIS_URL": redis_cluster.url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        workers = json.loads(status.stdout)["workers"]
+        assert sorted(w["role"] for w in workers if w["alive"]) == ["decode", "prefill"]
     finally:
         assert stop_system(system) == []  # no part outlives up
