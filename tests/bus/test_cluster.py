@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
 from splitbus.bus import cluster
@@ -25,7 +26,7 @@ from splitbus.bus.results import ResultWriter, read_sent
 from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.cli.redis_cli_cmd import connection_options
 from splitbus.masking import mask_url
-from splitbus.redis_cluster import EmbeddedCluster
+from splitbus.redis_cluster import ClusterNodeServer, EmbeddedCluster, parse_nodes
 from splitbus.redis_server import EmbeddedRedis
 from tests.test_redis_cluster import _wait_replicated
 
@@ -234,6 +235,33 @@ async def test_blocking_reads_go_to_their_primary_without_command_getkeys(
     deliveries = await consumer.read(5, block_ms=50) + await consumer.read(5, block_ms=50)
     assert [type(d.message) for d in deliveries] == [ControlCommand]
     assert _command_calls(redis_cluster) == before
+
+
+async def test_a_read_at_the_primary_follows_a_slot_that_moved(
+    redis_cluster: EmbeddedCluster, cluster_config: BusConfig, cluster_redis: aioredis.Redis
+) -> None:
+    """The client's slot map says the old primary: it answers MOVED, redis-py follows it and
+    patches the map, so the read succeeds and the next one goes to the new primary directly."""
+    stream = f"{cluster_config.prefix}:{{moving}}:out"
+    await cluster_redis.xadd(stream, {"n": "1"})
+    await cluster.xread(cluster_redis, {stream: "0-0"}, 10, 10)
+    slot = key_slot(stream.encode())
+    source = redis_cluster.primary_of_slot(slot)
+    target = next(node for node in redis_cluster.nodes if node.port != source.port and _serves_slots(node))
+    redis_cluster.begin_slot_move(slot, target)
+    redis_cluster.migrate_keys(source, target, [stream])
+    redis_cluster.end_slot_move(slot, target)
+    try:
+        for _ in range(2):
+            reply = await cluster.xread(cluster_redis, {stream: "0-0"}, 10, 10)
+            assert [fields for _, fields in reply[0][1]] == [{b"n": b"1"}]
+        assert cluster_redis.get_node_from_key(stream).port == target.port  # type: ignore[attr-defined]
+    finally:
+        redis_cluster.wait_healthy(30)
+
+
+def _serves_slots(node: ClusterNodeServer) -> bool:
+    return any(row.slot_count for row in parse_nodes(node.cluster("NODES")) if "myself" in row.flags)
 
 
 # --- a failover -----------------------------------------------------------------------------
