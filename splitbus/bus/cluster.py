@@ -13,12 +13,14 @@ the commands it got before:
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterPipeline
 from redis.exceptions import SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
@@ -79,6 +81,46 @@ def _node(text: str) -> tuple[str, int]:
     if not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"not a host:port in a {SCHEME} URL: {text!r}")
     return host.strip("[]"), int(port)
+
+
+class GatedCluster(aioredis.RedisCluster):
+    """A cluster client whose commands and pipelines wait for one of ``max_connections``
+    places, as the single-Redis client waits for a connection of its blocking pool.
+
+    redis-py's cluster client has no blocking pool: a node's full pool raises
+    MaxConnectionsError at once, and a pipeline that meets it (a ConnectionError) closes every
+    connection of the client before it retries, blocking reads of other tasks included (measured:
+    50 concurrent hand-offs on a worker's 16-connection client failed that way). With at most
+    ``max_connections`` commands or pipelines in flight, no node's pool can fill: each holds at
+    most one connection per node at a time."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate = asyncio.Semaphore(int(kwargs.get("max_connections", 100)))
+
+    async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
+        async with self._gate:
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise ValueError("shard_hint is not supported in cluster mode")
+        # redis-py's typing marks ``_event_dispatcher`` abstract on a base class; ClusterPipeline
+        # sets it in __init__, and RedisCluster.pipeline() makes its own the same way.
+        return _GatedPipeline(self, transaction)  # type: ignore[abstract]
+
+    @property
+    def gate(self) -> asyncio.Semaphore:
+        """The places: one per command or pipeline in flight."""
+        return self._gate
+
+
+class _GatedPipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        client = self.cluster_client
+        assert isinstance(client, GatedCluster)
+        async with client.gate:
+            return await super().execute(raise_on_error, allow_redirections)
 
 
 def as_cluster(redis: aioredis.Redis) -> aioredis.RedisCluster | None:

@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
+from splitbus.bus.cluster import GatedCluster, is_cluster_url, parse_cluster_url
 from splitbus.bus.config import BusConfig
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,7 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
     cluster: per node).
 
     A full pool makes callers wait for a connection (redis-py's default pool raises at once;
-    a cluster client has no blocking pool, so there a full node pool raises MaxConnectionsError,
-    a ConnectionError the loops back off from). RESP2 keeps reply shapes identical on Redis 6.2
+    on a cluster, commands wait for a place instead: ``GatedCluster``). RESP2 keeps reply shapes identical on Redis 6.2
     and 7. Retries are few and short: the bus's loops own reconnection (with backoff), so a dead
     server surfaces in seconds, not the minute that redis-py 8's defaults take. ``name`` is set
     with CLIENT SETNAME, so ``redis-cli CLIENT LIST`` shows which part holds which connection.
@@ -92,7 +91,7 @@ def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str |
     ``require_full_coverage`` off, as on the embedded cluster: while one primary fails over,
     the others' slots stay served."""
     url = parse_cluster_url(config.redis_url)
-    return aioredis.RedisCluster(
+    return GatedCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
         username=url.username,
         password=url.password,

@@ -130,6 +130,25 @@ async def test_a_cluster_client_writes_and_reads_keys_on_every_primary(
     assert await cluster_redis.delete(*keys) == 30  # a multi-key DEL outside a pipeline: split by slot
 
 
+async def test_commands_beyond_the_pool_wait_for_a_connection_as_on_a_single_redis(
+    cluster_config: BusConfig,
+) -> None:
+    """Two connections per node, eight blocking reads and eight pipelines on one node at once:
+    they wait their turn (redis-py alone raises MaxConnectionsError for the third, and a pipeline
+    that meets it closes every connection of the client)."""
+    client = connect(cluster_config, max_connections=2)
+    tag = f"{cluster_config.prefix}:{{crowd}}"
+    try:
+        await client.xadd(f"{tag}:s", {"n": "1"})
+        pipes = [client.pipeline(transaction=False).incr(f"{tag}:n").xlen(f"{tag}:s") for _ in range(8)]
+        reads = [cluster.xread(client, {f"{tag}:s": "$"}, 1, 50) for _ in range(8)]
+        replies = await asyncio.gather(*reads, *(pipe.execute() for pipe in pipes))
+        assert replies[:8] == [[]] * 8  # nothing new: each waited its 50 ms
+        assert sorted(n for n, _ in replies[8:]) == list(range(1, 9))
+    finally:
+        await client.aclose()
+
+
 def test_the_sync_factory_reads_a_cluster_url(redis_cluster: EmbeddedCluster, redis_server: EmbeddedRedis) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}"
     names = [f"{prefix}:{{k{i}}}" for i in range(12)]  # on every primary
