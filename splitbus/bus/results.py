@@ -139,10 +139,11 @@ class ResultWriter:
         return len(self._buffer)
 
     async def flush(self) -> None:
-        """Write everything buffered since the last flush: one pipeline of scripts, one per reader
-        shard and STEP_CHUNK entries. An entry leaves the buffer only once written, so a failed
-        flush (Redis away) loses nothing: the next flush writes it again, and readers drop any
-        duplicate by seq. A script Redis lost (a restart) is loaded again once."""
+        """Write everything buffered since the last flush in one round trip: a script per reader
+        shard and STEP_CHUNK entries (several go in one pipeline). An entry leaves the buffer
+        only once written, so a failed flush (Redis away) loses nothing: the next flush writes it
+        again, and readers drop any duplicate by seq. A script Redis lost (a restart) is loaded
+        again once."""
         loaded = False
         while self._buffer:
             pending = self._buffer[:]
