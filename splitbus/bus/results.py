@@ -139,10 +139,11 @@ class ResultWriter:
         return len(self._buffer)
 
     async def flush(self) -> None:
-        """Write everything buffered since the last flush: one pipeline of scripts, one per reader
-        shard and STEP_CHUNK entries. An entry leaves the buffer only once written, so a failed
-        flush (Redis away) loses nothing: the next flush writes it again, and readers drop any
-        duplicate by seq. A script Redis lost (a restart) is loaded again once."""
+        """Write everything buffered since the last flush in one round trip: a script per reader
+        shard and STEP_CHUNK entries (several go in one pipeline). An entry leaves the buffer
+        only once written, so a failed flush (Redis away) loses nothing: the next flush writes it
+        again, and readers drop any duplicate by seq. A script Redis lost (a restart) is loaded
+        again once."""
         loaded = False
         while self._buffer:
             pending = self._buffer[:]
@@ -176,14 +177,23 @@ class ResultWriter:
     async def _send(self, pending: list[_Pending], batches: list[list[int]]) -> list[BaseException | None]:
         """Run one script per batch, in one pipeline; None for each that ran, else its error (an
         exception is always true)."""
+        self.scripts += len(batches)
+        if len(batches) == 1:  # the common step (one API reader): no pipeline to build and parse
+            return [await self._run(*self._script_args([pending[i] for i in batches[0]]))]
         pipe = self._redis.pipeline(transaction=False)
         for batch in batches:
             keys, args = self._script_args([pending[i] for i in batch])
             # By name, not pipe.evalsha: a cluster pipeline refuses evalsha (docs/cluster.md).
             pipe.execute_command("EVALSHA", self._write_step.sha, len(keys), *keys, *args)
-        self.scripts += len(batches)
         replies = await pipe.execute(raise_on_error=False)
         return [reply if isinstance(reply, BaseException) else None for reply in replies]
+
+    async def _run(self, keys: list[str], args: list[EncodableT]) -> NoScriptError | None:
+        try:
+            await self._redis.execute_command("EVALSHA", self._write_step.sha, len(keys), *keys, *args)
+        except NoScriptError as exc:
+            return exc
+        return None
 
     def _script_args(self, chunk: list[_Pending]) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
