@@ -17,8 +17,9 @@ group steps together, so its step lasts as long as that rank's). The prefill tas
 one group carry a batch id and the number of its ranks they went to, so those ranks prefill
 them in the same step. Then it prints every request's result stream until its final entry.
 
-``--redis-url`` (default: ``SPLITBUS_REDIS_URL``, then redis://127.0.0.1:6379/0) and
-``--prefix`` (default: ``SPLITBUS_PREFIX``, then ``sb``): give a URL with a password through
+``--redis-url`` (default: ``SPLITBUS_REDIS_URL``, then redis://127.0.0.1:6379/0),
+``--prefix`` (default: ``SPLITBUS_PREFIX``, then ``sb``) and ``--cell`` (default:
+``SPLITBUS_CELL``, then ``main``): give a URL with a password through
 the environment, never on the command line, which other users of the machine can read.
 """
 
@@ -35,15 +36,35 @@ from dataclasses import dataclass
 
 import redis
 
+READER = "external-dispatcher"
+"""The API node the requests name, and so the hash tag of their result streams."""
+
+
+@dataclass(frozen=True)
+class Names:
+    """The key names of docs/bus.md: the control plane under the cell's tag, result streams
+    under their reader's."""
+
+    prefix: str
+    cell: str
+
+    def control(self, kind: str, name: str = "") -> str:
+        """``sb:<kind>:{cell}``, then ``:<name>`` (a worker's id) if given."""
+        key = f"{self.prefix}:{kind}:{{{self.cell}}}"
+        return f"{key}:{name}" if name else key
+
+    def out(self, request_id: str) -> str:
+        return f"{self.prefix}:out:{{{READER}}}:{request_id}"
+
 
 def command(
-    r: redis.Redis, prefix: str, worker: str, cmd: str, args: dict | None = None, timeout_s: float = 5.0
+    r: redis.Redis, names: Names, worker: str, cmd: str, args: dict | None = None, timeout_s: float = 5.0
 ) -> dict:
     """Send a control command; return its reply's data (raises if the worker refused it)."""
     task_id = uuid.uuid4().hex
     data = {"task_id": task_id, "cmd": cmd, "args": args or {}}
-    r.xadd(f"{prefix}:ctrl:{{{worker}}}", {"type": "command", "data": json.dumps(data)})
-    reply = r.xread({f"{prefix}:reply:{{{task_id}}}": "0"}, count=1, block=int(timeout_s * 1000))
+    r.xadd(names.control("ctrl", worker), {"type": "command", "data": json.dumps(data)})
+    reply = r.xread({f"{names.prefix}:reply:{{{task_id}}}": "0"}, count=1, block=int(timeout_s * 1000))
     if not reply:
         raise TimeoutError(f"{worker} did not answer {cmd}")
     answer = json.loads(reply[0][1][0][1]["data"])
@@ -52,12 +73,12 @@ def command(
     return answer["result"]
 
 
-def live_workers(r: redis.Redis, prefix: str) -> dict[str, dict]:
+def live_workers(r: redis.Redis, names: Names) -> dict[str, dict]:
     """Registered workers whose lease has not expired, by id."""
     found = {}
-    for worker in r.zrange(f"{prefix}:workers", 0, -1):
-        record = r.hgetall(f"{prefix}:worker:{{{worker}}}")
-        if record and r.exists(f"{prefix}:lease:{{{worker}}}") and record.get("state") != "dead":
+    for worker in r.zrange(names.control("workers"), 0, -1):
+        record = r.hgetall(names.control("worker", worker))
+        if record and r.exists(names.control("lease", worker)) and record.get("state") != "dead":
             found[worker] = record
     return found
 
@@ -77,16 +98,16 @@ def new_request(model: str, args: argparse.Namespace, request_id: str, seed: int
     return {
         "request_id": request_id,
         "model": model,
-        "api_node": "external-dispatcher",
+        "api_node": READER,  # no "reader": the result stream is tagged by the api_node
         "prompt_token_ids": [int(t) for t in args.prompt_ids.split(",")],
         "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": seed},
         "deadline_ms": int(time.time() * 1000) + 60_000,
     }
 
 
-def follow(r: redis.Redis, prefix: str, request_id: str, timeout_s: float) -> dict:
+def follow(r: redis.Redis, names: Names, request_id: str, timeout_s: float) -> dict:
     """Print the result stream's entries in order; return the final (or error) entry."""
-    key, last, deadline = f"{prefix}:out:{{{request_id}}}", "0", time.monotonic() + timeout_s
+    key, last, deadline = names.out(request_id), "0", time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for _, entries in r.xread({key: last}, block=1000) or []:
             for entry_id, fields in entries:
@@ -100,23 +121,23 @@ def follow(r: redis.Redis, prefix: str, request_id: str, timeout_s: float) -> di
 
 def one_pair(r: redis.Redis, args: argparse.Namespace) -> int:
     """The request through one prefill and one decode worker."""
-    workers = live_workers(r, args.prefix)
+    workers = live_workers(r, args.names)
     prefill, decode = pick(workers, "prefill"), pick(workers, "decode")
     for worker in (prefill, decode):
-        p = command(r, args.prefix, worker, "get_payload")
+        p = command(r, args.names, worker, "get_payload")
         blocks = f"{p['free_kv_blocks']}/{p['total_kv_blocks']}"
         print(f"{worker}: {p['role']}, {blocks} KV blocks free, {p['running_requests']} running")
-    link = command(r, args.prefix, prefill, "connect_rdma", {"decode_worker": decode})
+    link = command(r, args.names, prefill, "connect_rdma", {"decode_worker": decode})
     print(f"{prefill} -> {decode}: {link['state']} ({link['endpoint']})")
 
     request_id = f"ext-{uuid.uuid4().hex[:12]}"
     request = new_request(workers[decode]["model"], args, request_id, args.seed)
-    # D first: it reserves KV blocks and publishes the reservation (sb:kv:{id}) with a secret
+    # D first: it reserves KV blocks and publishes the reservation (sb:kv:{cell}:<id>) with a secret
     # that P proves when it sends the cache. Both tasks carry the same request (and, for a
     # request that continues, the same first_seq and output_token_ids).
-    r.xadd(f"{args.prefix}:tasks:{{{decode}}}", task("decode", prefill, request))
-    r.xadd(f"{args.prefix}:tasks:{{{prefill}}}", task("prefill", decode, request))
-    final = follow(r, args.prefix, request_id, timeout_s=60)
+    r.xadd(args.names.control("tasks", decode), task("decode", prefill, request))
+    r.xadd(args.names.control("tasks", prefill), task("prefill", decode, request))
+    final = follow(r, args.names, request_id, timeout_s=60)
     return 0 if "finish_reason" in final else 1
 
 
@@ -170,9 +191,9 @@ def complete_groups(workers: dict[str, dict], role: str) -> dict[str, list[str]]
     return {g: [by_rank[i] for i in sorted(by_rank)] for g, by_rank in whole.items()}
 
 
-def payload_rank(r: redis.Redis, prefix: str, worker: str, group: str) -> Rank:
+def payload_rank(r: redis.Redis, names: Names, worker: str, group: str) -> Rank:
     """The rank's load to the moment (``get_payload``), checked against the group it is listed in."""
-    p = command(r, prefix, worker, "get_payload")
+    p = command(r, names, worker, "get_payload")
     if p["dp_size"] > 0 and p["dp_group"] != group:
         raise RuntimeError(f"{worker} says it is in group {p['dp_group']!r}, the registry says {group!r}")
     size, rank = max(p["dp_size"], 1), max(p["dp_rank"], 0)
@@ -185,7 +206,7 @@ def ranks_of(r: redis.Redis, args: argparse.Namespace, workers: dict[str, dict],
     groups = complete_groups(workers, role)
     if not groups:
         sys.exit(f"no complete {role} group (or single {role} worker) is live")
-    found = {g: [payload_rank(r, args.prefix, w, g) for w in ids] for g, ids in groups.items()}
+    found = {g: [payload_rank(r, args.names, w, g) for w in ids] for g, ids in groups.items()}
     for rank in (rank for ranks in found.values() for rank in ranks):
         print(
             f"{rank.worker}: {role} rank {rank.rank} of {rank.group} ({rank.size}), {rank.queued_tokens} queued "
@@ -220,7 +241,7 @@ def decode_rank(groups: dict[str, list[Rank]], request: dict) -> Rank:
     return best
 
 
-def write_dp(r: redis.Redis, prefix: str, pairs: list[tuple[dict, Rank, Rank]], batch: str) -> None:
+def write_dp(r: redis.Redis, names: Names, pairs: list[tuple[dict, Rank, Rank]], batch: str) -> None:
     """All decode tasks first (each D reserves the KV and publishes the reservation), then the
     prefill tasks, each with its group's batch id and how many of the group's ranks the batch
     went to: those ranks wait for each other's part and prefill it in one step."""
@@ -229,21 +250,21 @@ def write_dp(r: redis.Redis, prefix: str, pairs: list[tuple[dict, Rank, Rank]], 
         ranks_in.setdefault(p.group, set()).add(p.worker)
     handoffs = [uuid.uuid4().hex[:16] for _ in pairs]  # one per dispatch, the same in both tasks
     for (request, p, d), handoff in zip(pairs, handoffs, strict=True):
-        r.xadd(f"{prefix}:tasks:{{{d.worker}}}", task("decode", p.worker, request, handoff=handoff))
+        r.xadd(names.control("tasks", d.worker), task("decode", p.worker, request, handoff=handoff))
     for (request, p, d), handoff in zip(pairs, handoffs, strict=True):
         batch_fields = {"batch_id": f"{batch}.{p.group}", "batch_ranks": len(ranks_in[p.group])}
-        r.xadd(f"{prefix}:tasks:{{{p.worker}}}", task("prefill", d.worker, request, handoff=handoff, **batch_fields))
+        r.xadd(names.control("tasks", p.worker), task("prefill", d.worker, request, handoff=handoff, **batch_fields))
 
 
-def follow_all(r: redis.Redis, prefix: str, request_ids: list[str], timeout_s: float) -> dict[str, dict]:
+def follow_all(r: redis.Redis, names: Names, request_ids: list[str], timeout_s: float) -> dict[str, dict]:
     """Print every result stream's entries as they come, with the request id; return each
     request's final (or error) entry."""
-    last = {f"{prefix}:out:{{{rid}}}": "0" for rid in request_ids}
+    last = {names.out(rid): "0" for rid in request_ids}
     ends: dict[str, dict] = {}
     deadline = time.monotonic() + timeout_s
     while last and time.monotonic() < deadline:
         for key, entries in r.xread(last, block=1000) or []:
-            rid = key[len(f"{prefix}:out:{{") : -1]
+            rid = key.split("}:", 1)[1]  # the id follows the tag
             for entry_id, fields in entries:
                 last[key] = entry_id
                 print(f"{fields['type']:<6} {rid} {fields['data']}", flush=True)
@@ -257,7 +278,7 @@ def follow_all(r: redis.Redis, prefix: str, request_ids: list[str], timeout_s: f
 
 def dp(r: redis.Redis, args: argparse.Namespace) -> int:
     """``--requests`` requests, each through a prefill rank and a decode rank picked here."""
-    live = live_workers(r, args.prefix)
+    live = live_workers(r, args.names)
     model = args.model or next((record.get("model", "") for record in live.values()), "")
     workers = {w: record for w, record in live.items() if record.get("model") == model}
     prefill, decode = ranks_of(r, args, workers, "prefill"), ranks_of(r, args, workers, "decode")
@@ -269,10 +290,10 @@ def dp(r: redis.Redis, args: argparse.Namespace) -> int:
         print(f"{request['request_id']}: seed {args.seed + i}, prefill {p.worker} -> decode {d.worker}")
         pairs.append((request, p, d))
     for p_worker, d_worker in dict.fromkeys((p.worker, d.worker) for _, p, d in pairs):
-        link = command(r, args.prefix, p_worker, "connect_rdma", {"decode_worker": d_worker})
+        link = command(r, args.names, p_worker, "connect_rdma", {"decode_worker": d_worker})
         print(f"{p_worker} -> {d_worker}: {link['state']}")
-    write_dp(r, args.prefix, pairs, f"ext-{run}")
-    ends = follow_all(r, args.prefix, [request["request_id"] for request, _, _ in pairs], timeout_s=60)
+    write_dp(r, args.names, pairs, f"ext-{run}")
+    ends = follow_all(r, args.names, [request["request_id"] for request, _, _ in pairs], timeout_s=60)
     return 0 if all("finish_reason" in end for end in ends.values()) else 1
 
 
@@ -280,6 +301,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", default=os.environ.get("SPLITBUS_REDIS_URL") or "redis://127.0.0.1:6379/0")
     parser.add_argument("--prefix", default=os.environ.get("SPLITBUS_PREFIX") or "sb")
+    parser.add_argument("--cell", default=os.environ.get("SPLITBUS_CELL") or "main")
     parser.add_argument("--prompt-ids", default="72,101,108,108,111", help="comma-separated prompt token ids")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1, help="the first request's seed (--dp: request i has seed + i)")
@@ -287,6 +309,7 @@ def main() -> int:
     parser.add_argument("--model", default="", help="--dp: the served model (default: the first live worker's)")
     parser.add_argument("--requests", type=int, default=4, help="--dp: how many requests to spread over the ranks")
     args = parser.parse_args()
+    args.names = Names(args.prefix, args.cell)
     r = redis.Redis.from_url(args.redis_url, decode_responses=True)
     return dp(r, args) if args.dp else one_pair(r, args)
 

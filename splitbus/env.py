@@ -12,6 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PREFIX = "sb"
+DEFAULT_CELL = "main"
+
+
+def valid_tag(value: str) -> bool:
+    """Whether ``value`` can be a Redis Cluster hash tag in a key (``{value}``): non-empty, and
+    without braces (an empty or cut-short tag would move the key's slot), colons (they separate a
+    key's parts) or whitespace (``redis-cli`` and ``SCAN MATCH`` patterns stay plain)."""
+    return bool(value) and not any(c in "{}:" or c.isspace() for c in value)
 
 
 def _split_csv(value: str) -> tuple[str, ...]:
@@ -28,6 +36,10 @@ class Env:
     """``SPLITBUS_API_KEYS``: comma-separated Bearer keys; empty means no authentication."""
     prefix: str = DEFAULT_PREFIX
     """``SPLITBUS_PREFIX``: the prefix of every Redis key."""
+    cell: str = DEFAULT_CELL
+    """``SPLITBUS_CELL``: the hash tag of this cell's control plane (requests, task streams, the
+    worker registry): the schedulers and workers of one cell, and the API nodes that submit to it,
+    share it."""
     data_dir: Path = Path(".splitbus")
     """``SPLITBUS_DATA_DIR``: where the embedded Redis keeps its AOF, and other local state."""
     log_level: str = "INFO"
@@ -39,6 +51,8 @@ class Env:
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in " {}"):
             raise ValueError(f"SPLITBUS_PREFIX must be non-empty, without spaces or braces: {self.prefix!r}")
+        if not valid_tag(self.cell):
+            raise ValueError(f"SPLITBUS_CELL must be non-empty, without braces, colons or spaces: {self.cell!r}")
 
 
 def load_env(environ: Mapping[str, str] | None = None) -> Env:
@@ -48,6 +62,7 @@ def load_env(environ: Mapping[str, str] | None = None) -> Env:
         redis_url=environ.get("SPLITBUS_REDIS_URL") or None,
         api_keys=_split_csv(environ.get("SPLITBUS_API_KEYS", "")),
         prefix=environ.get("SPLITBUS_PREFIX", DEFAULT_PREFIX),
+        cell=environ.get("SPLITBUS_CELL") or DEFAULT_CELL,
         data_dir=Path(environ.get("SPLITBUS_DATA_DIR", ".splitbus")),
         log_level=environ.get("SPLITBUS_LOG_LEVEL", "INFO").upper(),
         offline=_flag(environ.get("SPLITBUS_OFFLINE", "")),

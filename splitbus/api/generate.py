@@ -166,8 +166,8 @@ class Generation:
                 skip_special_tokens=p.skip_special_tokens,
                 spaces_between_special_tokens=p.spaces_between_special_tokens,
             )
-            node = self.state.config.node_id
-            return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, node, deadline_ms)
+            node, reader = self.state.config.node_id, self.state.reader.reader_of(self.request_id)
+            return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, node, deadline_ms, reader)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 

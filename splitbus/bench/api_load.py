@@ -1,7 +1,7 @@
 """``splitbus bench api``: many concurrent streaming requests through one API process.
 
 One ``splitbus api`` process; a responder process stands in for scheduler and workers (it takes
-requests from ``sb:requests`` and writes one token per request every ``step_ms`` through the
+requests from ``sb:requests:{cell}`` and writes one token per request every ``step_ms`` through the
 ``ResultWriter``, as a worker does); client processes hold the streams open over HTTP. Measured:
 the Redis connections the API process holds (``CLIENT LIST``, by client name, sampled during
 the run) and the tokens per second the clients receive.
@@ -71,7 +71,7 @@ def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
                 next_beat = step_started + 0.5
             deliveries = await requests.read(10_000, block_ms=0)
             for request in [d.message for d in deliveries if isinstance(d.message, GenerateRequest)]:
-                writer.open(request.request_id)
+                writer.open(request.request_id, reader=request.reader)
                 remaining[request.request_id] = [request.sampling.max_tokens] * 2
             await requests.ack(*[d.entry_id for d in deliveries])
             for request_id in list(remaining):

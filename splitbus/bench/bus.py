@@ -30,7 +30,7 @@ from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 from splitbus.bus.messages import GenerateRequest, SamplingParams, TokenDelta
-from splitbus.bus.results import ResultReader, ResultWriter, Subscription
+from splitbus.bus.results import ResultReader, ResultWriter, Subscription, shard_name
 from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.redis_server import free_port
 
@@ -91,6 +91,10 @@ def request_message(i: int, prompt_tokens: int) -> GenerateRequest:
         api_node="api-bench",
         deadline_ms=0,
     )
+
+
+BENCH_READER = "bench-api"
+"""The token consumer's result reader (one shard): the producer writes into its slot."""
 
 
 def request_id(i: int) -> str:
@@ -277,7 +281,7 @@ async def redis_token_consumer(
 ) -> tuple:
     config = _bus_config(target, prefix)
     redis = connect(config, max_connections=2)
-    reader = ResultReader(config, redis, name="bench-api")
+    reader = ResultReader(config, redis, name=BENCH_READER)
     await reader.start()
     subs = [await reader.subscribe(request_id(i)) for i in range(cfg.streams)]
     conn.send(("ok", "ready"))
@@ -294,7 +298,7 @@ async def redis_token_producer(
     redis = connect(config)
     writer = ResultWriter(redis, config)
     for i in range(cfg.streams):
-        writer.open(request_id(i))
+        writer.open(request_id(i), reader=shard_name(BENCH_READER, 0))
     start_us, start = codec.now_us(), time.perf_counter()
     for step in range(steps):
         await _pace(step, start, 1 / interval if interval else None)

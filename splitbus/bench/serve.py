@@ -241,8 +241,9 @@ async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
     workers = [w.decode() for w in await r.zrange(keys.workers, 0, -1)]
     tasks = [e for w in workers for e in await r.xrevrange(keys.tasks(w), count=1)]
     request_ts, task_ts = int(request[0][1][b"ts"]) / 1e6, max(int(e[1][b"ts"]) for e in tasks) / 1e6
-    request_id = orjson.loads(request[0][1][b"data"])["request_id"]
-    token_ts = int((await r.xrange(keys.out(request_id), count=1))[0][1][b"ts"]) / 1e6
+    data = orjson.loads(request[0][1][b"data"])
+    out = keys.out(data.get("reader") or data["api_node"], data["request_id"])
+    token_ts = int((await r.xrange(out, count=1))[0][1][b"ts"]) / 1e6
     first = sent + result.ttft_s
     return [
         (request_ts - sent) * 1000,

@@ -28,7 +28,10 @@ class Batcher:
 
     def call(self, command: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         """Queue one command (a redis-py method name and its arguments); the future gets its
-        reply, or the error that the command or the pipeline raised."""
+        reply, or the error that the command or the pipeline raised. ``"evalsha"`` (sha,
+        numkeys, keys..., args...) works on a cluster client too; a NOSCRIPT comes back as
+        the future's NoScriptError, for the caller to load the script (``AsyncScript``) and run
+        it again."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((command, args, kwargs, future))
         if not self._flushing:
@@ -47,7 +50,10 @@ class Batcher:
     async def _send(self, batch: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for command, args, kwargs, _ in batch:
-            getattr(pipe, command)(*args, **kwargs)
+            if command == "evalsha":  # by name: a cluster pipeline refuses pipe.evalsha, and routes this by its keys
+                pipe.execute_command("EVALSHA", *args, **kwargs)
+            else:
+                getattr(pipe, command)(*args, **kwargs)
         self.pipelines += 1
         try:
             replies = await pipe.execute(raise_on_error=False)

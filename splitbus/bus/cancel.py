@@ -7,7 +7,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec, metrics
+from splitbus.bus import cluster, codec, metrics
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.cancel import Cancel
@@ -48,7 +48,7 @@ class CancelListener:
         if self._last_id is None:
             await self.start()
         block = self._config.block_ms if block_ms is None else block_ms
-        reply = await self._redis.xread({self._config.keys.cancel: self._last_id or "0-0"}, count=1000, block=block)
+        reply = await cluster.xread(self._redis, {self._config.keys.cancel: self._last_id or "0-0"}, 1000, block)
         cancels: list[Cancel] = []
         for _, entries in cast(XReadReply, reply or []):
             self._last_id = entries[-1][0].decode()

@@ -13,7 +13,7 @@ import dataclasses
 import re
 import time
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeGuard, TypeVar
 
 import orjson
 
@@ -106,10 +106,19 @@ def _shape(cls: type) -> _Shape:
     return shape
 
 
-def request_id_of(fields: Mapping[bytes, bytes]) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class NamedRequest:
+    """A request an undecodable entry names plainly: whom to tell it failed."""
+
+    request_id: str
+    reader: str
+    """The reader shard of its result stream (``reader``, else ``api_node``: its tag)."""
+
+
+def request_named_by(fields: Mapping[bytes, bytes]) -> NamedRequest | None:
     """The request an entry that failed to decode names (``request_id``, or ``request.request_id``
-    for a task), if it names one plainly: its client is then told, instead of waiting for its
-    deadline. None when there is no such id to trust."""
+    for a task, with its ``reader`` or ``api_node``), if it names one plainly: its client is then
+    told, instead of waiting for its deadline. None when there is no such id to trust."""
     raw = fields.get(b"data", b"")
     try:
         data = orjson.loads(raw) if len(raw) <= MAX_DATA_BYTES else None
@@ -117,13 +126,21 @@ def request_id_of(fields: Mapping[bytes, bytes]) -> str | None:
         return None
     if isinstance(data, dict) and isinstance(data.get("request"), dict):
         data = data["request"]
-    found = data.get("request_id") if isinstance(data, dict) else None
-    return found if isinstance(found, str) and _PLAIN_ID.fullmatch(found) else None
+    if not isinstance(data, dict):
+        return None
+    request_id, reader = data.get("request_id"), data.get("reader") or data.get("api_node")
+    if _plain(request_id) and _plain(reader) and ":" not in reader:
+        return NamedRequest(request_id, reader)
+    return None
+
+
+def _plain(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and _PLAIN_ID.fullmatch(value) is not None
 
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,256}")
 """Ids this module trusts to name a result stream: no braces (they would move the key's hash
-tag), no spaces or control characters."""
+tag), no spaces or control characters (and no colon in a reader: it is a tag)."""
 
 
 def published_us(fields: Mapping[bytes, bytes]) -> int | None:

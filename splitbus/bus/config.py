@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
 from splitbus.bus.keys import Keys
-from splitbus.env import DEFAULT_PREFIX
+from splitbus.env import DEFAULT_CELL, DEFAULT_PREFIX, valid_tag
 
 
 @dataclass(frozen=True)
 class BusConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
+    """One Redis (any URL redis-py reads), or a Redis Cluster:
+    ``redis+cluster://user:password@host:port,host:port,...`` (``splitbus.bus.cluster``). Not in
+    ``repr``: it carries the password, and a config can end up in a log line or a test report."""
     prefix: str = DEFAULT_PREFIX
+    cell: str = DEFAULT_CELL
+    """The cell this process belongs to (``SPLITBUS_CELL``): the hash tag of its control-plane
+    keys (docs/bus.md, "Keys"). Every scheduler, worker and API node of a cell shares it."""
     block_ms: int = 1000
     """How long one blocking read waits. Kept well under ``socket_timeout_s``: redis-py 8
     retries a read that outlives its socket timeout and can then raise after a minute."""
@@ -32,6 +39,8 @@ class BusConfig:
     """Entries per stream per read in the multiplexed result reader."""
 
     def __post_init__(self) -> None:
+        if not valid_tag(self.cell):
+            raise ValueError(f"cell must be non-empty, without braces, colons or spaces: {self.cell!r}")
         if self.block_ms <= 0:
             raise ValueError("block_ms must be > 0 (BLOCK 0 waits forever and hangs on a dead server)")
         if self.block_ms / 1000 >= self.socket_timeout_s:
@@ -40,7 +49,9 @@ class BusConfig:
             raise ValueError("max_deliveries and claim_idle_ms must be >= 1")
         if self.finished_result_ttl_s < 1 or self.result_ttl_s < self.finished_result_ttl_s:
             raise ValueError("need 1 <= finished_result_ttl_s <= result_ttl_s")
+        if is_cluster_url(self.redis_url):
+            parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.prefix)
+        return Keys(self.prefix, self.cell)

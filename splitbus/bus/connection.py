@@ -8,15 +8,18 @@ import logging
 import random
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
+import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from splitbus.bus.cluster import GatedCluster, is_cluster_url, parse_cluster_url
 from splitbus.bus.config import BusConfig
 
 log = logging.getLogger(__name__)
@@ -56,27 +59,76 @@ _SCRIPT_ERROR = re.compile(r"-(" + "|".join(TRANSIENT_CODES) + r")\b")
 
 
 def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = None) -> aioredis.Redis:
-    """A client for ``config.redis_url`` holding at most ``max_connections`` connections.
+    """A client for ``config.redis_url`` holding at most ``max_connections`` connections (on a
+    cluster: per node).
 
-    A full pool makes callers wait for a connection (redis-py's default pool raises at once).
-    RESP2 keeps reply shapes identical on Redis 6.2 and 7. Retries are few and short: the
-    bus's loops own reconnection (with backoff), so a dead server surfaces in seconds, not the
-    minute that redis-py 8's defaults take. ``name`` is set with CLIENT SETNAME, so
-    ``redis-cli CLIENT LIST`` shows which part holds which connection.
+    A full pool makes callers wait for a connection (redis-py's default pool raises at once;
+    on a cluster, commands wait for a place instead: ``GatedCluster``). RESP2 keeps reply shapes identical on Redis 6.2
+    and 7. Retries are few and short: the bus's loops own reconnection (with backoff), so a dead
+    server surfaces in seconds, not the minute that redis-py 8's defaults take. ``name`` is set
+    with CLIENT SETNAME, so ``redis-cli CLIENT LIST`` shows which part holds which connection.
+    A ``redis+cluster://`` URL gives a ``RedisCluster`` with the same settings (see
+    :func:`connect_cluster`).
     """
+    if is_cluster_url(config.redis_url):
+        # The cluster client has the command methods of a single-Redis one (they share their
+        # command mixins), which is all the bus calls on it; the few places where the two differ
+        # ask splitbus.bus.cluster.as_cluster. One cast here, not a union in every signature.
+        return cast(aioredis.Redis, connect_cluster(config, max_connections=max_connections, name=name))
     pool = aioredis.BlockingConnectionPool.from_url(
         config.redis_url,
         max_connections=max_connections,
         timeout=config.socket_timeout_s,
-        client_name=name,
-        protocol=2,
-        decode_responses=False,
-        socket_timeout=config.socket_timeout_s,
-        socket_connect_timeout=min(config.socket_timeout_s, 2.0),
-        health_check_interval=15,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries=2),
+        **_client_settings(config, name),
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
+
+
+def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str | None = None) -> aioredis.RedisCluster:
+    """A cluster client for a ``redis+cluster://`` URL, with the bus's timeouts and retries. It
+    follows MOVED and ASK itself, and after a connection error reads the slot map again before
+    its next command, so after a failover the next command finds the new primary.
+    ``require_full_coverage`` off, as on the embedded cluster: while one primary fails over,
+    the others' slots stay served."""
+    url = parse_cluster_url(config.redis_url)
+    return GatedCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
+        username=url.username,
+        password=url.password,
+        max_connections=max_connections,
+        require_full_coverage=False,
+        **_client_settings(config, name),
+    )
+
+
+def _client_settings(config: BusConfig, name: str | None) -> dict[str, Any]:
+    """What every bus client, single or cluster, connects with."""
+    return {
+        "client_name": name,
+        "protocol": 2,
+        "decode_responses": False,
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": min(config.socket_timeout_s, 2.0),
+        "health_check_interval": 15,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries=2),
+    }
+
+
+def connect_sync(url: str, **settings: Any) -> redis.Redis:
+    """A synchronous client for ``url`` (the CLI's and benchmarks' short-lived clients):
+    ``redis.Redis.from_url`` as before, or a ``redis.RedisCluster`` for a ``redis+cluster://``
+    URL. ``settings`` are redis-py's (``socket_timeout``, ``decode_responses``, ...)."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, **settings)
+    parsed = parse_cluster_url(url)
+    cluster = redis.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode(host, port) for host, port in parsed.nodes],
+        username=parsed.username,
+        password=parsed.password,
+        require_full_coverage=False,
+        **settings,
+    )
+    return cast(redis.Redis, cluster)  # as in connect(): the same command methods
 
 
 async def backoff_delays(base: float = 0.05, cap: float = 2.0) -> AsyncIterator[float]:

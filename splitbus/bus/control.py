@@ -1,7 +1,7 @@
 """Control commands, for operators and external modules: ``get_payload``, ``get_metrics``,
 ``connect_rdma``.
 
-A caller writes a ``ControlCommand`` to ``sb:ctrl:{worker}`` with a fresh ``task_id`` and reads
+A caller writes a ``ControlCommand`` to ``sb:ctrl:{cell}:<worker>`` with a fresh ``task_id`` and reads
 the ``ControlReply`` from ``sb:reply:{task_id}``, which expires ``REPLY_TTL_S`` after it is
 written. The worker reads its control stream in the ``workers`` group, so a command written
 while it restarts is answered when it is back. Commands run at most once: one that was being
@@ -9,7 +9,7 @@ handled when the worker died stays pending and is not run again; callers time ou
 with a new ``task_id``.
 
 Every command gets a reply, an error reply for an unknown command, bad arguments or a failure.
-An entry with no ``task_id`` to answer goes to ``sb:dead`` instead. Either way the worker goes
+An entry with no ``task_id`` to answer goes to ``sb:dead:{cell}`` instead. Either way the worker goes
 on.
 """
 
@@ -23,7 +23,7 @@ from typing import Any, cast
 import orjson
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
+from splitbus.bus import cluster, codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
@@ -133,7 +133,7 @@ async def call(
     task_id = uuid.uuid4().hex
     command = for_xadd(codec.encode(ControlCommand(task_id, cmd, args or {})))
     entry_id = await redis.xadd(config.keys.ctrl(worker), command)
-    reply = await redis.xread({config.keys.reply(task_id): "0"}, count=1, block=max(1, int(timeout_s * 1000)))
+    reply = await cluster.xread(redis, {config.keys.reply(task_id): "0"}, 1, max(1, int(timeout_s * 1000)))
     if not reply:
         await redis.xdel(config.keys.ctrl(worker), entry_id)  # withdrawn: a worker started later must not run it
         raise TimeoutError(f"worker {worker} did not answer {cmd} within {timeout_s:g} s (is it running?)")

@@ -3,7 +3,7 @@ dispatched, reserves the chosen workers' load and XADDs every task, atomically. 
 (which workers, which phases) is the scheduler's; this module owns the script and its keys.
 
 Every dispatch draws a hand-off id, carried by its tasks and kept as the request's current one
-(``sb:current:{request}``). A prefill worker sends its KV only to the reservation made for its
+(``sb:current:{cell}:<request>``). A prefill worker sends its KV only to the reservation made for its
 own dispatch, and a redispatch (the reaper moving a dead worker's task) is written only while
 the task's dispatch is still the current one: a request whose prefill worker and decode worker
 both die is moved once, not once per worker (twice would give it two live dispatches).
@@ -22,7 +22,7 @@ later dispatch would find it acked, so still one dispatch, but two replicas woul
 request: one could fail it with a 503 while the other dispatched it).
 
 Keys (every one in KEYS, built in ``keys.py``): the stream the entry is acked in, the
-dispatched mark, ``sb:current:{request}``, then per task the worker's hash and task stream.
+dispatched mark, ``sb:current:{cell}:<request>``, then per task the worker's hash and task stream.
 """
 
 from __future__ import annotations
@@ -61,8 +61,12 @@ _DISPATCH = declare(
     LuaScript(
         name="dispatch",
         module=__name__,
-        keys=("sb:requests | sb:tasks:{worker}", "sb:dispatched:{request}", "sb:current:{request}"),
-        repeated=("sb:worker:{worker}", "sb:tasks:{worker}"),
+        keys=(
+            "sb:requests:{cell} | sb:tasks:{cell}:<worker>",
+            "sb:dispatched:{cell}:<request>",
+            "sb:current:{cell}:<request>",
+        ),
+        repeated=("sb:worker:{cell}:<worker>", "sb:tasks:{cell}:<worker>"),
         argv=(
             "the group, the entry id, the mark's TTL (s), the number of tasks, the consumer that must own the entry"
             ' ("": any), the new hand-off id, the hand-off id that must be current ("": any); per task: its'
@@ -127,7 +131,7 @@ class DispatchScript:
         self._ttl = dispatched_ttl_s
 
     def request_entry(self, entry_id: str, request_id: str) -> Entry:
-        """A request entry of ``sb:requests``: dispatched once per request id."""
+        """A request entry of ``sb:requests:{cell}``: dispatched once per request id."""
         return Entry(self._keys.requests, SCHEDULER_GROUP, entry_id, self._keys.dispatched(request_id))
 
     def task_entry(self, dead_worker: str, entry_id: str, request_id: str) -> Entry:
@@ -175,7 +179,7 @@ class DispatchScript:
 
 
 class CurrentDispatch:
-    """Reads of ``sb:current:{request}``, the hand-off id of the request's current dispatch (the
+    """Reads of ``sb:current:{cell}:<request>``, the hand-off id of the request's current dispatch (the
     script above writes it). The id is only compared with a task's, so it stays bytes."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:

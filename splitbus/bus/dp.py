@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
+from splitbus.bus import cluster
 from splitbus.bus.keys import Keys
 from splitbus.bus.replies import XReadReply
 
@@ -71,7 +72,7 @@ class PlanStream:
     async def read(self, after: str, block_s: float) -> tuple[str, list[Post]]:
         """Posts after entry id ``after``, waiting up to ``block_s`` for one (at most 1000);
         returns the id to read after next time, and the readable posts."""
-        reply = await self._redis.xread({self._key: after}, count=1000, block=max(1, int(block_s * 1000)))
+        reply = await cluster.xread(self._redis, {self._key: after}, 1000, max(1, int(block_s * 1000)))
         posts = []
         for _, entries in cast(XReadReply, reply or []):  # redis-py types replies loosely; XREAD's shape
             for entry_id, fields in entries:

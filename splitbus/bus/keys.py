@@ -1,15 +1,25 @@
 """Every Redis key splitbus uses, and nothing else builds key names.
 
-Braces are Redis Cluster hash tags: all keys of one request (``out``, ``kv``) share a slot, and
-so do all keys of one worker (``tasks``, ``worker``, ``lease``, ``ctrl``). A scheduler replica's
-lease is tagged by its consumer name, and every script touches one key (or keys of one tag).
+Braces are Redis Cluster hash tags (a cluster hashes only the part between the first ``{`` and
+the next ``}``), and the tags are chosen so that whatever one script or multi-key command
+touches lies in one slot (docs/bus.md, "Slots"):
+
+- the **cell** tag ``{cell}`` (``SPLITBUS_CELL``, default ``main``) holds the control plane of one
+  cell of schedulers and workers: requests, task streams, worker records and leases, dispatch
+  marks, reservations, cancellations (``sb:tasks:{main}:<worker>``);
+- a **reader** tag ``{reader}`` (a result-reader shard of an API process) holds the result
+  streams that shard follows and its wake-up stream (``sb:out:{api-1.out.0}:<request>``);
+- a DP group's barrier, a P/D link and a control reply are single-key and keep a tag of their own.
+
+The entity's id follows the tag, written without braces: only the first ``{...}`` is a tag. On a
+single Redis the braces are only characters: the same code runs on both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitbus.env import DEFAULT_PREFIX
+from splitbus.env import DEFAULT_CELL, DEFAULT_PREFIX, valid_tag
 
 SCHEDULER_GROUP = "schedulers"
 """Consumer group of the scheduler replicas on the request stream."""
@@ -22,91 +32,106 @@ STREAM_KINDS = ("requests", "tasks", "out", "ctrl", "reply", "cancel", "dead", "
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names under one prefix (``SPLITBUS_PREFIX``, default ``sb``)."""
+    """Key names under one prefix (``SPLITBUS_PREFIX``, default ``sb``) for one cell
+    (``SPLITBUS_CELL``, default ``main``)."""
 
     prefix: str = DEFAULT_PREFIX
+    cell: str = DEFAULT_CELL
+    """The control plane's hash tag: one slot per cell."""
+
+    def __post_init__(self) -> None:
+        if not valid_tag(self.cell):
+            raise ValueError(f"the cell must be non-empty, without braces, colons or spaces: {self.cell!r}")
+
+    def _control(self, kind: str, name: str | None = None) -> str:
+        """A control-plane key: ``<prefix>:<kind>:{<cell>}`` (``:<name>`` after it)."""
+        key = f"{self.prefix}:{kind}:{{{self.cell}}}"
+        return key if name is None else f"{key}:{name}"
 
     @property
     def requests(self) -> str:
         """Stream of new requests from API nodes (group ``schedulers``)."""
-        return f"{self.prefix}:requests"
+        return self._control("requests")
 
     @property
     def workers(self) -> str:
         """Sorted set of worker ids, scored by last heartbeat (server time, ms)."""
-        return f"{self.prefix}:workers"
+        return self._control("workers")
 
     @property
     def cancel(self) -> str:
-        """Stream of cancellations, read by every worker and scheduler."""
-        return f"{self.prefix}:cancel"
+        """Stream of cancellations, read by every worker and scheduler of the cell."""
+        return self._control("cancel")
 
     @property
     def dead(self) -> str:
         """Stream of dead letters: entries that could not be delivered or decoded."""
-        return f"{self.prefix}:dead"
+        return self._control("dead")
 
     def tasks(self, worker: str) -> str:
         """Stream of tasks for one worker (group ``workers``)."""
-        return f"{self.prefix}:tasks:{{{worker}}}"
+        return self._control("tasks", worker)
 
     def worker(self, worker: str) -> str:
         """Hash: one worker's record and load."""
-        return f"{self.prefix}:worker:{{{worker}}}"
+        return self._control("worker", worker)
 
     def lease(self, worker: str) -> str:
         """String with a TTL: the worker is alive while it exists."""
-        return f"{self.prefix}:lease:{{{worker}}}"
+        return self._control("lease", worker)
 
     def scheduler_lease(self, name: str) -> str:
         """String with a TTL: the scheduler replica (its consumer name in ``schedulers``) is alive
         while it exists; once it is gone, the other replicas claim the entries pending with it."""
-        return f"{self.prefix}:scheduler-lease:{{{name}}}"
+        return self._control("scheduler-lease", name)
 
     def ctrl(self, worker: str) -> str:
         """Stream of control commands to one worker."""
-        return f"{self.prefix}:ctrl:{{{worker}}}"
+        return self._control("ctrl", worker)
 
     def reply(self, task: str) -> str:
-        """Stream holding the reply to one control command."""
+        """Stream holding the reply to one control command (single-key: a slot of its own)."""
         return f"{self.prefix}:reply:{{{task}}}"
 
-    def out(self, request: str) -> str:
-        """Result stream of one request: token deltas, then a final or error entry."""
-        return f"{self.prefix}:out:{{{request}}}"
+    def out(self, reader: str, request: str) -> str:
+        """Result stream of one request, tagged by the reader shard that follows it: token
+        deltas, then a final or error entry."""
+        return f"{self.prefix}:out:{{{reader}}}:{request}"
 
     def kv(self, request: str) -> str:
         """Hash: the decode side's KV reservation for one request."""
-        return f"{self.prefix}:kv:{{{request}}}"
+        return self._control("kv", request)
 
     def dispatched(self, request: str) -> str:
         """String with a TTL: the request was dispatched (a duplicate entry is then skipped)."""
-        return f"{self.prefix}:dispatched:{{{request}}}"
+        return self._control("dispatched", request)
 
     def current(self, request: str) -> str:
         """String with a TTL: the hand-off id of the request's current dispatch (its tasks carry
         it). A task with another one is void: a reaper does not move it again and a decode
         worker does not reserve for it."""
-        return f"{self.prefix}:current:{{{request}}}"
+        return self._control("current", request)
 
     def moved(self, request: str) -> str:
         """Counter with a TTL: how often the reaper moved the request off a dead worker."""
-        return f"{self.prefix}:moved:{{{request}}}"
+        return self._control("moved", request)
 
     def reaping(self, worker: str) -> str:
         """String with a TTL: the scheduler replica that is taking over a dead worker's tasks."""
-        return f"{self.prefix}:reaping:{{{worker}}}"
+        return self._control("reaping", worker)
 
     def rdma(self, prefill: str, decode: str) -> str:
-        """Hash: connection state between a prefill and a decode worker."""
+        """Hash: connection state between a prefill and a decode worker (tagged by the first)."""
         return f"{self.prefix}:rdma:{{{prefill}}}:{{{decode}}}"
 
     def dp(self, group: str) -> str:
-        """Stream of one DP group's step plans: the ranks' lock-step barrier."""
+        """Stream of one DP group's step plans: the ranks' lock-step barrier (every rank posts
+        every step: a slot of its own, off the cell's)."""
         return f"{self.prefix}:dp:{{{group}}}"
 
     def wake(self, reader: str) -> str:
-        """Stream that wakes one multiplexed result reader when its set of streams changes."""
+        """Stream that wakes one multiplexed result reader shard when its set of streams changes
+        (in the reader's slot: read in the same XREAD as its result streams)."""
         return f"{self.prefix}:wake:{{{reader}}}"
 
     def kind(self, key: str) -> str:

@@ -1,8 +1,8 @@
 """The reaping protocol: who takes over a dead worker's tasks, and how often a request moved.
 
-``sb:reaping:{worker}`` (``SET NX`` with a TTL) is the mark one scheduler replica takes before it
+``sb:reaping:{cell}:<worker>`` (``SET NX`` with a TTL) is the mark one scheduler replica takes before it
 moves a dead worker's tasks; a worker back from a lapsed lease takes the same mark, so whoever
-takes it first decides (docs/reliability.md). ``sb:moved:{request}`` counts how often a reaper
+takes it first decides (docs/reliability.md). ``sb:moved:{cell}:<request>`` counts how often a reaper
 moved a request off a dead worker: past ``max_deliveries`` the request fails, and a decode worker
 whose KV never came asks it (for a task from before hand-off ids) whether its request moved.
 """
@@ -14,14 +14,14 @@ import redis.asyncio as aioredis
 from splitbus.bus.keys import Keys
 
 REAPING_TTL_S = 60
-"""How long ``sb:reaping:{worker}`` (``SET NX``) keeps other reapers off a dead worker whose tasks
+"""How long ``sb:reaping:{cell}:<worker>`` (``SET NX``) keeps other reapers off a dead worker whose tasks
 one replica redispatches; a worker that rejoins takes the same mark, so no reaper starts then."""
 MOVED_TTL_S = 3600
-"""How long ``sb:moved:{request}`` counts a request's moves after the last one."""
+"""How long ``sb:moved:{cell}:<request>`` counts a request's moves after the last one."""
 
 
 class Reaping:
-    """``sb:reaping:{worker}`` and ``sb:moved:{request}``: one command each, as before the move."""
+    """``sb:reaping:{cell}:<worker>`` and ``sb:moved:{cell}:<request>``: one command each, as before the move."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self._redis = redis

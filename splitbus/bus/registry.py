@@ -33,7 +33,7 @@ _HEARTBEAT = declare(
     LuaScript(
         name="heartbeat",
         module=__name__,
-        keys=("sb:worker:{worker}", "sb:lease:{worker}", "sb:workers"),
+        keys=("sb:worker:{cell}:<worker>", "sb:lease:{cell}:<worker>", "sb:workers:{cell}"),
         argv="the worker id, the lease (ms), then the record's or load's field, value pairs",
         returns="the server time (ms), also written as `heartbeat_ms`, the lease's value and the id's score",
         source="""
@@ -54,10 +54,12 @@ _SNAPSHOT = declare(
     LuaScript(
         name="registry_snapshot",
         module=__name__,
-        keys=("sb:workers",),
-        repeated=("sb:worker:{worker}", "sb:lease:{worker}"),
+        keys=("sb:workers:{cell}",),
+        repeated=("sb:worker:{cell}:<worker>", "sb:lease:{cell}:<worker>"),
         argv="the ids of the workers whose keys follow, in their order",
-        returns="{every id in `sb:workers`, {id, lease PTTL, record as a flat list} for each passed id still in it}",
+        returns=(
+            "{every id in `sb:workers:{cell}`, {id, lease PTTL, record as a flat list} for each passed id still in it}"
+        ),
         source="""
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 local listed = {}
@@ -116,7 +118,7 @@ class Reserved:
 
 @dataclass
 class WorkerRecord:
-    """What a worker publishes about itself in ``sb:worker:{id}`` (flat, for HGETALL)."""
+    """What a worker publishes about itself in ``sb:worker:{cell}:<id>`` (flat, for HGETALL)."""
 
     worker_id: str
     role: str
@@ -203,7 +205,7 @@ class Registry:
         return await self._beat(worker_id, fields, lease_ms)
 
     async def snapshot(self) -> list[WorkerInfo]:
-        """Every registered worker, alive or not, in ``sb:workers`` order: one round trip (one
+        """Every registered worker, alive or not, in ``sb:workers:{cell}`` order: one round trip (one
         script, atomic) while the set of workers is the one of the last snapshot; workers new
         since then are read in a second round trip (see docs/bus.md, "Worker registry")."""
         keys = [self._keys.workers, *[key for w in self._known for key in self._record_and_lease(w)]]
@@ -389,7 +391,7 @@ class RegistryView:
 
 
 class SchedulerLease:
-    """A scheduler replica's lease, ``sb:scheduler-lease:{name}``: a string set with ``PX`` by
+    """A scheduler replica's lease, ``sb:scheduler-lease:{cell}:<name>``: a string set with ``PX`` by
     the replica's heartbeat, expired by Redis on its own clock. Replicas have no record to
     publish, so the lease is all there is; the ``schedulers`` group's consumer list says which
     replicas exist."""

@@ -1,4 +1,4 @@
-"""The request stream, ``sb:requests`` (group ``schedulers``): API nodes submit, the scheduler
+"""The request stream, ``sb:requests:{cell}`` (group ``schedulers``): API nodes submit, the scheduler
 replicas read. Reads and writes are bus/streams.py's; this module names the stream for them."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
+from splitbus.bus.codec import NamedRequest
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import SCHEDULER_GROUP, Keys
 from splitbus.bus.messages import GenerateRequest
@@ -24,7 +25,7 @@ async def backlog(redis: aioredis.Redis, keys: Keys) -> int:
 
 
 def request_consumer(
-    redis: aioredis.Redis, config: BusConfig, name: str, on_dead: Callable[[str, str], None] | None = None
+    redis: aioredis.Redis, config: BusConfig, name: str, on_dead: Callable[[NamedRequest, str], None] | None = None
 ) -> GroupConsumer:
     """Scheduler replica ``name`` in group ``schedulers``."""
     return GroupConsumer(redis, config, config.keys.requests, SCHEDULER_GROUP, name, on_dead=on_dead)

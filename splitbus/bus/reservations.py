@@ -1,10 +1,10 @@
-"""A request's KV reservation, ``sb:kv:{request}``: written by the decode worker that reserved
+"""A request's KV reservation, ``sb:kv:{cell}:<request>``: written by the decode worker that reserved
 blocks for it, read by the prefill worker that sends it the KV and by a reaper that frees the
 decode side of a dead prefill worker's request (docs/protocol.md). This module is the only one
 that names the key or runs its scripts.
 
 A reservation is made for one dispatch of the request (its tasks' hand-off id) and only while
-that dispatch is the request's current one (``sb:current:{request}``): a decode task that the
+that dispatch is the request's current one (``sb:current:{cell}:<request>``): a decode task that the
 reaper already replaced (its prefill worker died, and the request went to a new pair) reserves
 nothing, so it cannot hold blocks, or a prefill worker, for a dispatch that no longer exists.
 Both keys carry the request's hash tag.
@@ -26,6 +26,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from splitbus.bus.cluster import as_cluster
 from splitbus.bus.keys import Keys
 from splitbus.bus.messages._check import MAX_KV_BLOCKS, MAX_NAME_CHARS, require_int, require_str
 from splitbus.bus.scripts import LuaScript, declare
@@ -45,7 +46,7 @@ _RESERVE = declare(
     LuaScript(
         name="reserve_kv",
         module=__name__,
-        keys=("sb:kv:{request}", "sb:current:{request}"),
+        keys=("sb:kv:{cell}:<request>", "sb:current:{cell}:<request>"),
         argv='the task\'s hand-off id ("" for none), the TTL (s), then field, value pairs',
         returns="1: written (HSET, EXPIRE); 0: the request's current dispatch is another, nothing written",
         source="""
@@ -62,7 +63,7 @@ _DROP = declare(
     LuaScript(
         name="drop_kv",
         module=__name__,
-        keys=("sb:kv:{request}",),
+        keys=("sb:kv:{cell}:<request>",),
         argv="the task entry id that made the reservation",
         returns="1: deleted; 0: the reservation is another task's (or gone), left alone",
         source="""
@@ -75,7 +76,7 @@ return 0
 
 @dataclass(frozen=True)
 class Reservation:
-    """What a decode worker writes in ``sb:kv:{request}`` once it holds the request's blocks."""
+    """What a decode worker writes in ``sb:kv:{cell}:<request>`` once it holds the request's blocks."""
 
     decode_worker: str
     """The decode worker that reserved (and waits for the KV)."""
@@ -179,5 +180,9 @@ class Reservations:
 
     async def drop(self, request_id: str, task_entry: str, client: aioredis.Redis | None = None) -> None:
         """Delete the reservation only if it is still the one the task ``task_entry`` made: the
-        request may have moved here again, and its new task's reservation must stay."""
+        request may have moved here again, and its new task's reservation must stay. ``client``:
+        a pipeline to queue it in; on a cluster it runs at once instead (a cluster pipeline
+        refuses ``evalsha``, and the script call here loads the script where it is missing)."""
+        if as_cluster(self._redis) is not None:
+            client = None
         await self._drop(keys=[self.keys.kv(request_id)], args=[task_entry], client=client)

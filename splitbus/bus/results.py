@@ -1,9 +1,10 @@
 """Per-request result streams: a writer for workers and a multiplexed reader for API nodes.
 
 The writer stamps every entry of a request with the next sequence number and writes one engine
-step's entries, for all requests, in one pipeline. The reader follows many result streams with
-one XREAD per shard connection, so an API process holds a fixed number of connections whatever
-the number of concurrent requests; it delivers each request's entries in ``seq`` order and drops
+step's entries, for all requests, in one round trip (one script per reader shard: a request's
+stream is tagged by the shard that reads it, ``sb:out:{reader}:<request>``). The reader follows
+many result streams with one XREAD per shard connection, so an API process holds a fixed number
+of connections whatever the number of concurrent requests; it delivers each request's entries in ``seq`` order and drops
 duplicates (a retried XADD, or two workers around a migration).
 """
 
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
-from splitbus.bus import codec, metrics
+from splitbus.bus import cluster, codec, metrics
 from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
@@ -29,6 +31,7 @@ from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
 from splitbus.bus.replies import Entry, RawEntry, RawXReadReply
 from splitbus.bus.scripts import LuaScript, declare
+from splitbus.env import valid_tag
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ _WRITE_STEP = declare(
         name="write_step",
         module=__name__,
         keys=(),
-        repeated=("sb:out:{request}",),
+        repeated=("sb:out:{reader}:<request>",),
         argv="per key: the entry's `type`, `data`, `ts`, and the TTL (s) to set (0: none)",
         returns="the number of entries written",
         source="""
@@ -63,22 +66,38 @@ LATENCY_SAMPLE_EVERY = 16
 costs about as much as decoding the entry."""
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """One buffered entry: the request, the reader shard whose slot its stream is in, the entry."""
+
+    request_id: str
+    reader: str
+    result: Result
+
+
 class ResultWriter:
-    """Buffers one step's result entries for many requests and writes them in one pipeline."""
+    """Buffers one step's result entries for many requests and writes them in one round trip:
+    one script per reader shard (a result stream lies in its reader's slot, and a script's keys
+    must share one), all in one pipeline."""
 
     def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
         self._redis = redis
         self._config = config
         self._keys = config.keys
         self._next_seq: dict[str, int] = {}
+        self._readers: dict[str, str] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
-        self._buffer: list[tuple[str, Result]] = []
+        self._buffer: list[_Pending] = []
         self._write_step = _WRITE_STEP.register(redis)
+        self.scripts = 0
+        """Write scripts sent so far (one per reader shard per flush)."""
 
-    def open(self, request_id: str, first_seq: int = 0) -> None:
-        """Start writing a request. A request that moved from another worker continues at
-        ``first_seq`` (the number of entries already sent), so its stream stays gap-free."""
+    def open(self, request_id: str, *, reader: str, first_seq: int = 0) -> None:
+        """Start writing a request, whose results ``reader`` (``GenerateRequest.reader``) follows.
+        A request that moved from another worker continues at ``first_seq`` (the number of entries
+        already sent), so its stream stays gap-free."""
         self._next_seq[request_id] = first_seq
+        self._readers[request_id] = reader
         self._fresh.add(request_id)
 
     def tokens(self, request_id: str, token_ids: list[int], text: str = "") -> None:
@@ -90,11 +109,11 @@ class ResultWriter:
         seq = self._take_seq(request_id)
         self._append(request_id, Finished(seq, finish_reason, prompt_tokens, completion_tokens, text))
 
-    def fail(self, request_id: str, code: str, message: str, status: int = 500) -> None:
+    def fail(self, request_id: str, code: str, message: str, status: int = 500, *, reader: str) -> None:
         """End a request with an error. Allowed without ``open``: readers accept an error
         entry whatever its sequence number, since any party may have to fail a request."""
         if request_id not in self._next_seq:
-            self.open(request_id)
+            self.open(request_id, reader=reader)
         self._append(request_id, Failed(self._take_seq(request_id), code, message, status))
 
     def next_seq(self, request_id: str) -> int:
@@ -104,14 +123,15 @@ class ResultWriter:
     def forget(self, request_id: str) -> None:
         """Stop writing a request without ending it (another worker continues it)."""
         self._next_seq.pop(request_id, None)
-        if all(rid != request_id for rid, _ in self._buffer):
+        self._readers.pop(request_id, None)
+        if all(p.request_id != request_id for p in self._buffer):
             self._fresh.discard(request_id)
 
     def discard(self, request_id: str) -> None:
         """Forget a request and drop what is buffered for it, unwritten: it moved to other
         workers while this one was cut off (hung, or away from Redis past its lease), and they
         continue it from what the stream held then."""
-        self._buffer = [(rid, result) for rid, result in self._buffer if rid != request_id]
+        self._buffer = [p for p in self._buffer if p.request_id != request_id]
         self.forget(request_id)
 
     @property
@@ -119,30 +139,76 @@ class ResultWriter:
         return len(self._buffer)
 
     async def flush(self) -> None:
-        """Write everything buffered since the last flush: one round trip per STEP_CHUNK entries.
-        A chunk leaves the buffer only once written, so a failed flush (Redis away) loses
-        nothing: the next flush writes it again, and readers drop any duplicate by seq."""
+        """Write everything buffered since the last flush in one round trip: a script per reader
+        shard and STEP_CHUNK entries (several go in one pipeline). An entry leaves the buffer
+        only once written, so a failed flush (Redis away) loses nothing: the next flush writes it
+        again, and readers drop any duplicate by seq. A script Redis lost (a restart) is loaded
+        again once."""
+        loaded = False
         while self._buffer:
-            chunk = self._buffer[:STEP_CHUNK]
-            await self._write_step(*self._script_args(chunk))
-            del self._buffer[: len(chunk)]
-            self._settle(chunk)
-            metrics.ENTRIES_PRODUCED.labels("out").inc(len(chunk))
+            pending = self._buffer[:]
+            batches = self._batches(pending)
+            replies = await self._send(pending, batches)
+            failed = {id(pending[i]) for batch, error in zip(batches, replies, strict=True) if error for i in batch}
+            self._settle([p for p in pending if id(p) not in failed])
+            self._requeue(pending, failed)
+            errors = [reply for reply in replies if reply is not None]
+            if errors and not loaded and all(isinstance(e, NoScriptError) for e in errors):
+                await self._redis.script_load(_WRITE_STEP.source)
+                loaded = True
+            elif errors:
+                raise errors[0]
 
-    def _script_args(self, chunk: list[tuple[str, Result]]) -> tuple[list[str], list[EncodableT]]:
+    def _requeue(self, sent: list[_Pending], failed: set[int]) -> None:
+        """Keep what failed, in order, ahead of what was buffered during the write (unless it was
+        discarded meanwhile)."""
+        held, tried = {id(p) for p in self._buffer}, {id(p) for p in sent}
+        again = [p for p in sent if id(p) in failed and id(p) in held]
+        self._buffer = again + [p for p in self._buffer if id(p) not in tried]
+
+    def _batches(self, pending: list[_Pending]) -> list[list[int]]:
+        """The buffer's indexes, grouped by reader (each request's entries keep their order),
+        at most STEP_CHUNK to a script."""
+        by_reader: dict[str, list[int]] = {}
+        for i, p in enumerate(pending):
+            by_reader.setdefault(p.reader, []).append(i)
+        return [ids[at : at + STEP_CHUNK] for ids in by_reader.values() for at in range(0, len(ids), STEP_CHUNK)]
+
+    async def _send(self, pending: list[_Pending], batches: list[list[int]]) -> list[BaseException | None]:
+        """Run one script per batch, in one pipeline; None for each that ran, else its error (an
+        exception is always true)."""
+        self.scripts += len(batches)
+        if len(batches) == 1:  # the common step (one API reader): no pipeline to build and parse
+            return [await self._run(*self._script_args([pending[i] for i in batches[0]]))]
+        pipe = self._redis.pipeline(transaction=False)
+        for batch in batches:
+            keys, args = self._script_args([pending[i] for i in batch])
+            # By name, not pipe.evalsha: a cluster pipeline refuses evalsha (docs/cluster.md).
+            pipe.execute_command("EVALSHA", self._write_step.sha, len(keys), *keys, *args)
+        replies = await pipe.execute(raise_on_error=False)
+        return [reply if isinstance(reply, BaseException) else None for reply in replies]
+
+    async def _run(self, keys: list[str], args: list[EncodableT]) -> NoScriptError | None:
+        try:
+            await self._redis.execute_command("EVALSHA", self._write_step.sha, len(keys), *keys, *args)
+        except NoScriptError as exc:
+            return exc
+        return None
+
+    def _script_args(self, chunk: list[_Pending]) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
         args: list[EncodableT] = []
         seen: set[str] = set()
-        for request_id, result in chunk:
-            keys.append(self._keys.out(request_id))
-            fields = codec.encode(result)
+        for p in chunk:
+            keys.append(self._keys.out(p.reader, p.request_id))
+            fields = codec.encode(p.result)
             args += (
                 fields[b"type"],
                 fields[b"data"],
                 fields[b"ts"],
-                self._ttl_for(request_id, result, request_id not in seen),
+                self._ttl_for(p.request_id, p.result, p.request_id not in seen),
             )
-            seen.add(request_id)
+            seen.add(p.request_id)
         return keys, args
 
     def _ttl_for(self, request_id: str, result: Result, first_in_chunk: bool) -> int:
@@ -153,11 +219,14 @@ class ResultWriter:
             return self._config.result_ttl_s
         return 0
 
-    def _settle(self, chunk: list[tuple[str, Result]]) -> None:
-        for request_id, result in chunk:
-            self._fresh.discard(request_id)
-            if result.terminal:
-                self._next_seq.pop(request_id, None)
+    def _settle(self, written: list[_Pending]) -> None:
+        for p in written:
+            self._fresh.discard(p.request_id)
+            if p.result.terminal:
+                self._next_seq.pop(p.request_id, None)
+                self._readers.pop(p.request_id, None)
+        if written:
+            metrics.ENTRIES_PRODUCED.labels("out").inc(len(written))
 
     def _take_seq(self, request_id: str) -> int:
         try:
@@ -168,7 +237,7 @@ class ResultWriter:
         return seq
 
     def _append(self, request_id: str, result: Result) -> None:
-        self._buffer.append((request_id, result))
+        self._buffer.append(_Pending(request_id, self._readers[request_id], result))
 
 
 @dataclass(eq=False)
@@ -263,12 +332,12 @@ class Sent:
     ended: bool = False
 
 
-async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -> Sent:
+async def read_sent(redis: aioredis.Redis, config: BusConfig, reader: str, request_id: str) -> Sent:
     """What the request's result stream holds: its tokens in ``seq`` order, the next ``seq``,
     whether it ended. Entries that are not results (undecodable, or another type) count for nothing."""
     by_seq: dict[int, list[int]] = {}
     sent = Sent()
-    for _, fields in cast(list[Entry], await redis.xrange(config.keys.out(request_id))):
+    for _, fields in cast(list[Entry], await redis.xrange(config.keys.out(reader, request_id))):
         with contextlib.suppress(DecodeError):
             entry = codec.decode(fields)
             if not isinstance(entry, (TokenDelta, Finished, Failed)):
@@ -286,6 +355,8 @@ class _Shard:
 
     def __init__(self, config: BusConfig, name: str) -> None:
         self._config = config
+        self.name = name
+        """The shard's reader tag: its wake stream and the result streams it follows share it."""
         # One connection: a shard runs one XREAD at a time. (Not redis-py's single_connection_client,
         # whose lock can hang aclose() after a cancelled read.)
         self._redis = connect(config, max_connections=1, name=name)
@@ -324,7 +395,8 @@ class _Shard:
         streams.update((key, sub.last_id) for key, sub in self.subs.items())
         self.xreads += 1
         self.blocked = True
-        reply = await self._redis.xread(streams, count=self._config.reader_count, block=self._config.block_ms)
+        # On a cluster, to the primary of the shard's slot (its wake stream's): no COMMAND GETKEYS.
+        reply = await cluster.xread(self._redis, streams, self._config.reader_count, self._config.block_ms)
         self.blocked = False
         for key, entries in cast(RawXReadReply, reply or []):
             self._dispatch(key.decode(), entries)
@@ -372,6 +444,11 @@ def _log_wake_failure(reply: asyncio.Future[Any]) -> None:
         log.warning("result reader: wake-up failed (%s)", reply.exception())
 
 
+def shard_name(reader: str, shard: int) -> str:
+    """The name of a reader's shard ``shard``: the tag of the result streams it follows."""
+    return f"{reader}.{shard}"
+
+
 _OUT_CONSUMED = metrics.ENTRIES_CONSUMED.labels("out")  # per read: look the child up once
 
 
@@ -382,9 +459,11 @@ class ResultReader:
     def __init__(self, config: BusConfig, redis: aioredis.Redis, name: str, shards: int = 1) -> None:
         if shards < 1:
             raise ValueError("shards must be >= 1")
+        if not valid_tag(shard_name(name, shards - 1)):
+            raise ValueError(f"a reader's name must fit a hash tag: no braces, colons or spaces, got {name!r}")
         self._config = config
         self._keys = config.keys
-        self._shards = [_Shard(config, f"{name}.{i}") for i in range(shards)]
+        self._shards = [_Shard(config, shard_name(name, i)) for i in range(shards)]
         self._waker = Batcher(redis)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -412,11 +491,17 @@ class ResultReader:
             await shard.close()  # closing the connection also ends a read that ignored cancel
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def reader_of(self, request_id: str) -> str:
+        """The shard that follows the request's results: what its ``GenerateRequest.reader`` says,
+        so that its workers write its stream in the shard's slot."""
+        return self._shard_of(request_id).name
+
     async def subscribe(self, request_id: str, from_id: str = "0-0") -> Subscription:
-        """Follow a request's results. Subscribe before the request is published: reading
-        starts at the stream's beginning, so nothing written in between is missed."""
-        key = self._keys.out(request_id)
+        """Follow a request's results (its stream is ``sb:out:{reader_of(request_id)}:<id>``).
+        Subscribe before the request is published: reading starts at the stream's beginning, so
+        nothing written in between is missed."""
         shard = self._shard_of(request_id)
+        key = self._keys.out(shard.name, request_id)
         sub = Subscription(request_id, key, last_id=from_id)
         shard.subs[key] = sub
         if shard.blocked and shard.woken_xread != shard.xreads:

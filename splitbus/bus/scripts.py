@@ -25,7 +25,7 @@ class LuaScript:
     module: str
     """The module that owns the script's keys, and the only one that runs it (``__name__``)."""
     keys: tuple[str, ...]
-    """KEYS, in order, named as in docs/bus.md (``sb:kv:{request}``); ``a | b``: either key."""
+    """KEYS, in order, named as in docs/bus.md (``sb:kv:{cell}:<request>``); ``a | b``: either key."""
     argv: str
     """What ARGV holds, in order."""
     returns: str

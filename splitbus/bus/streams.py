@@ -12,9 +12,8 @@ from typing import Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
-from redis.typing import KeyT, StreamIdT
 
-from splitbus.bus import codec, metrics
+from splitbus.bus import cluster, codec, metrics
 from splitbus.bus.batching import Batcher
 from splitbus.bus.codec import Message
 from splitbus.bus.config import BusConfig
@@ -51,7 +50,7 @@ def _pairs(flat: list[bytes]) -> EntryFields:
     return dict(zip(flat[::2], flat[1::2], strict=False))
 
 
-_GROUP_STREAM = "sb:requests | sb:tasks:{worker} | sb:ctrl:{worker}"
+_GROUP_STREAM = "sb:requests:{cell} | sb:tasks:{cell}:<worker> | sb:ctrl:{cell}:<worker>"
 """A stream read in a consumer group."""
 
 # Claims every entry pending with one consumer (ARGV[2]) for another (ARGV[3]), in one step on
@@ -151,7 +150,7 @@ class Producer:
 
 
 class DeadLetters:
-    """Moves entries out of circulation into ``sb:dead``, then acks them where they were."""
+    """Moves entries out of circulation into ``sb:dead:{cell}``, then acks them where they were."""
 
     def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
         self._redis = redis
@@ -189,10 +188,10 @@ class GroupConsumer:
     entries (left by a previous run under the same consumer name) before new ones; each such
     re-read counts as a delivery (Redis increments the count on a history read too), and an
     entry past ``max_deliveries`` is dead-lettered instead of handed out, so an entry that kills
-    its consumer every time ends in ``sb:dead`` rather than in a crash loop.
+    its consumer every time ends in ``sb:dead:{cell}`` rather than in a crash loop.
 
     Entries this consumer dead-letters itself (undecodable, past the delivery bound) are passed
-    to ``on_dead(request_id, reason)`` when they name a request, so its client can be told.
+    to ``on_dead(named, reason)`` when they name a request, so its client can be told.
     A dead letter Redis refuses (OOM, outage) is kept and sent again before the next read.
     """
 
@@ -203,7 +202,7 @@ class GroupConsumer:
         stream: str,
         group: str,
         consumer: str,
-        on_dead: Callable[[str, str], None] | None = None,
+        on_dead: Callable[[codec.NamedRequest, str], None] | None = None,
     ) -> None:
         self._redis = redis
         self._config = config
@@ -299,9 +298,9 @@ class GroupConsumer:
             self._graves.append((entry_id, fields, reason, deliveries))
 
     def _tell(self, fields: Mapping[bytes, bytes] | None, reason: str) -> None:
-        request_id = codec.request_id_of(fields) if fields is not None else None
-        if request_id is not None and self._on_dead is not None:
-            self._on_dead(request_id, reason)
+        named = codec.request_named_by(fields) if fields is not None else None
+        if named is not None and self._on_dead is not None:
+            self._on_dead(named, reason)
 
     async def claim_idle(self, count: int = 100, min_idle_ms: int | None = None) -> list[Delivery[Message]]:
         """Take over entries pending longer than ``min_idle_ms`` with any consumer (XAUTOCLAIM).
@@ -441,8 +440,7 @@ class GroupConsumer:
         return reply[0][1] if reply else []
 
     async def _xreadgroup_once(self, cursor: str, count: int, block: int | None) -> XReadGroupReply:
-        streams: dict[KeyT, StreamIdT] = {self.stream: cursor}
-        reply = await self._redis.xreadgroup(self.group, self.consumer, streams, count=count, block=block)
+        reply = await cluster.xreadgroup(self._redis, self.group, self.consumer, self.stream, cursor, count, block)
         return cast(XReadGroupReply, reply or [])
 
     async def _decode_all(self, raw: Iterable[MaybeEntry | _Read]) -> list[Delivery[Message]]:

@@ -1,4 +1,4 @@
-"""A worker's task stream, ``sb:tasks:{worker}`` (group ``workers``): the dispatch script writes
+"""A worker's task stream, ``sb:tasks:{cell}:<worker>`` (group ``workers``): the dispatch script writes
 it (bus/dispatch.py); the worker reads it, and so do a reaper that moves a dead worker's tasks
 and the ranks of a broken DP group that answer a missing rank's. Reads and writes are
 bus/streams.py's; this module names the stream for them."""
@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
+from splitbus.bus.codec import NamedRequest
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import WORKER_GROUP, Keys
 from splitbus.bus.streams import GroupConsumer, trim_consumed, unread
@@ -19,7 +20,7 @@ def task_consumer(
     config: BusConfig,
     worker_id: str,
     consumer: str,
-    on_dead: Callable[[str, str], None] | None = None,
+    on_dead: Callable[[NamedRequest, str], None] | None = None,
 ) -> GroupConsumer:
     """``consumer`` in group ``workers`` on ``worker_id``'s task stream (the worker itself, or
     whoever takes over its tasks)."""

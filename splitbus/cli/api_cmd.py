@@ -92,7 +92,7 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
     where = data_dir(args, env)
     models = tuple((served_name(path, args.served_model_name), resolve_model(path, where, say)) for path in args.model)
     return ApiConfig(
-        bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
+        bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, cell=env.cell),
         models=models,
         api_keys=tuple(args.api_key),
         max_inflight=args.max_inflight,

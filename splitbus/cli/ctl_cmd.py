@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bus.control import call
 
     async def send() -> Any:
-        config = BusConfig(redis_url=redis_url(args, env), prefix=env.prefix)
+        config = BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, cell=env.cell)
         client = connect(config)
         try:
             return await call(client, config, args.worker, args.cmd, parse_args(args.arg), args.timeout)

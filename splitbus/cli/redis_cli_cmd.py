@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "cli_args",
         nargs=argparse.REMAINDER,
         metavar="ARGS",
-        help="redis-cli's options and command, e.g. XINFO GROUPS sb:requests or --no-raw XLEN sb:dead",
+        help="redis-cli's options and command, e.g. XINFO GROUPS sb:requests:{main} or --no-raw XLEN sb:dead:{main}",
     )
     p.set_defaults(run=run)
 
@@ -107,6 +107,10 @@ def connection_options(url: str) -> tuple[list[str], str | None]:
     """redis-cli's options for ``url``, and the password, which goes in REDISCLI_AUTH."""
     from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
+    from splitbus.bus.cluster import is_cluster_url
+
+    if is_cluster_url(url):
+        return cluster_options(url)
     parts = parse_url(url)  # ValueError for a URL it cannot read
     kind = parts.get("connection_class")
     if kind is UnixDomainSocketConnection:
@@ -117,6 +121,18 @@ def connection_options(url: str) -> tuple[list[str], str | None]:
     options += ["-n", str(parts["db"])] if parts.get("db") else []
     options += ["--user", str(parts["username"])] if parts.get("username") else []
     return options, parts.get("password")
+
+
+def cluster_options(url: str) -> tuple[list[str], str | None]:
+    """For a ``redis+cluster://`` URL: its first node, in cluster mode (``-c``: redis-cli
+    follows MOVED and ASK to the node that serves a key)."""
+    from splitbus.bus.cluster import parse_cluster_url
+
+    parsed = parse_cluster_url(url)
+    host, port = parsed.nodes[0]
+    options = ["-c", "-h", host, "-p", str(port)]
+    options += ["--user", parsed.username] if parsed.username else []
+    return options, parsed.password
 
 
 def child_environment(environ: Mapping[str, str], password: str | None) -> dict[str, str]:

@@ -60,7 +60,9 @@ def run(args: argparse.Namespace, env: Env) -> int:
 
     try:
         config = SchedulerConfig(
-            bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, claim_idle_ms=args.claim_idle_ms),
+            bus=BusConfig(
+                redis_url=redis_url(args, env), prefix=env.prefix, cell=env.cell, claim_idle_ms=args.claim_idle_ms
+            ),
             mode=args.mode,
             no_worker_wait_s=args.no_worker_wait,
             lease_ms=args.lease_ms,

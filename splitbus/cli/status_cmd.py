@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import redis
 
+from splitbus.bus.connection import connect_sync
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
 from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
@@ -37,10 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.set_defaults(run=run)
 
 
-def collect(client: redis.Redis, prefix: str) -> dict[str, Any]:
+def collect(client: redis.Redis, prefix: str, cell: str) -> dict[str, Any]:
     from splitbus.bus.keys import Keys
 
-    keys = Keys(prefix)
+    keys = Keys(prefix, cell)
     now_ms = _server_ms(client)
     ids = _worker_ids(client, keys)
     return {
@@ -59,8 +60,8 @@ def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
     then the workers a reaper marked dead (``state`` = dead, kept an hour). A worker that stopped
     cleanly has no record left: its task stream, also kept an hour, belongs to an earlier run."""
     listed = cast("list[str]", client.zrange(keys.workers, 0, -1))  # the client decodes replies
-    records = client.scan_iter(match=keys.worker("*").replace("{*}", "*"), count=1000)
-    dead = sorted(key.partition("{")[2].rstrip("}") for key in records if client.hget(key, "state") == "dead")
+    records = client.scan_iter(match=keys.worker("*"), count=1000)  # braces are plain in a MATCH pattern
+    dead = sorted(key.partition("}:")[2] for key in records if client.hget(key, "state") == "dead")
     return listed + [wid for wid in dead if wid not in listed]
 
 
@@ -150,9 +151,9 @@ def render(status: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, env: Env) -> int:
     url = redis_url(args, env)
-    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    client = connect_sync(url, decode_responses=True, socket_timeout=5)
     try:
-        while _show(_text(collect(client, env.prefix), args.json)):
+        while _show(_text(collect(client, env.prefix, env.cell), args.json)):
             if args.watch is None:
                 return 0
             time.sleep(args.watch)

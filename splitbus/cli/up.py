@@ -270,8 +270,10 @@ def _check_port_free(host: str, port: int) -> None:
 def _check_reachable(url: str) -> None:
     import redis
 
+    from splitbus.bus.connection import connect_sync
+
     try:
-        redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3).ping()
+        connect_sync(url, socket_timeout=3, socket_connect_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
         raise ValueError(f"Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}") from None
 
@@ -427,7 +429,7 @@ def _tools(args: argparse.Namespace, env: Env, server: EmbeddedRedis | None) -> 
     where = f" --data-dir {shlex.quote(str(args.data_dir))}" if moved else ""
     lines = [
         f"  status: splitbus status{where}",
-        f"  redis:  splitbus redis-cli{where} XINFO GROUPS {Keys(env.prefix).requests}",
+        f"  redis:  splitbus redis-cli{where} XINFO GROUPS {Keys(env.prefix, env.cell).requests}",
     ]
     if server is None and args.redis_url != env.redis_url:
         lines.append("          (give them the same URL: SPLITBUS_REDIS_URL or --redis-url)")

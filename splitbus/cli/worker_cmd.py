@@ -81,7 +81,7 @@ def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
     from splitbus.worker.config import WorkerConfig
 
     return WorkerConfig(
-        bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix),
+        bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, cell=env.cell),
         role=args.role,
         engine=args.engine,
         model_dir=resolve_model(args.model, data_dir(args, env), say),

@@ -28,7 +28,7 @@ class SchedulerConfig:
     dispatched_ttl_s: int = 3600
     """How long a request's dispatched mark and current hand-off id are kept."""
     lease_ms: int = 2000
-    """The replica's lease (``sb:scheduler-lease:{name}``): once it has not been renewed for this
+    """The replica's lease (``sb:scheduler-lease:{cell}:<name>``): once it has not been renewed for this
     long (the replica died, hung, or lost Redis), the others claim the entries pending with it."""
     heartbeat_s: float = 0.5
     """How often the lease is renewed, by a loop of its own (a slow step does not lose it)."""

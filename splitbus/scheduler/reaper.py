@@ -1,10 +1,10 @@
 """The reaper: when a worker's lease expires, its tasks move to live workers.
 
-Runs in every scheduler replica; ``SET sb:reaping:{worker} NX`` lets one of them take a dead
+Runs in every scheduler replica; ``SET sb:reaping:{cell}:<worker> NX`` lets one of them take a dead
 worker. For each task left in its stream (unread, or read and never acked):
 
 - if the request's result stream has ended, the task is simply acked;
-- otherwise what was already sent (entries, and their tokens) is read from ``sb:out:{id}``, and
+- otherwise what was already sent (entries, and their tokens) is read from ``sb:out:{reader}:<id>``, and
   new tasks continue at the next ``seq`` from prompt + those tokens — a request that sent no
   token starts again, one mid-stream migrates, and the client's stream has no gap and no
   duplicate;
@@ -31,7 +31,7 @@ from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import is_transient
 from splitbus.bus.dispatch import CurrentDispatch
-from splitbus.bus.messages import Task
+from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.reaping import Reaping
 from splitbus.bus.registry import Registry, RegistryView
 from splitbus.bus.reservations import Reservations
@@ -113,7 +113,7 @@ class Reaper:
             await stream.ack(delivery.entry_id)
             return True
         request = task.request
-        sent = await read_sent(self.redis, self.config, request.request_id)
+        sent = await read_sent(self.redis, self.config, request.reader, request.request_id)
         if sent.ended or await self.superseded(task):
             log.debug(
                 "task %s of %s on %s: %s; acked only",
@@ -132,7 +132,7 @@ class Reaper:
         if outcome:
             await stream.ack(delivery.entry_id)
             if outcome == "finished" or not await self.superseded(task):  # else it lives on elsewhere
-                self.fail_or_finish(request.request_id, sent, outcome)
+                self.fail_or_finish(request, sent, outcome)
         return True
 
     async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> str:
@@ -192,12 +192,13 @@ class Reaper:
         current = await self.current.read(task.request.request_id)
         return current is not None and current != task.handoff.encode()
 
-    def fail_or_finish(self, request_id: str, sent: Sent, outcome: str) -> None:
-        self.writer.open(request_id, first_seq=sent.next_seq)
+    def fail_or_finish(self, request: GenerateRequest, sent: Sent, outcome: str) -> None:
+        request_id = request.request_id
+        self.writer.open(request_id, reader=request.reader, first_seq=sent.next_seq)
         if outcome == "finished":
             self.writer.finish(request_id, "length", 0, len(sent.tokens))
         else:
-            self.writer.fail(request_id, "worker_died", outcome, 503)
+            self.writer.fail(request_id, "worker_died", outcome, 503, reader=request.reader)
 
     async def release_decode_side(self, task: Task) -> None:
         """The decode worker waiting for this prefill task's KV will not get it: free its task

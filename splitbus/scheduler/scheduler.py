@@ -4,7 +4,7 @@ Several replicas share the ``schedulers`` group; each request goes to one of the
 that no worker can take yet waits (unacked, so a crash does not lose it) up to
 ``no_worker_wait_s``, then its client gets a 503.
 
-Each replica holds a lease (``sb:scheduler-lease:{name}``) renewed by a loop of its own. Every
+Each replica holds a lease (``sb:scheduler-lease:{cell}:<name>``) renewed by a loop of its own. Every
 ``claim_every_s`` the live replicas look at the group's consumers: the entries pending with a
 replica whose lease is gone (it died, or hung: a stopped process's blocked read is still served
 by Redis, and what it gets stays pending with it) are claimed at once; entries pending longer
@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Sequence
 from enum import Enum
 from typing import TypeVar
 
+from splitbus.bus.codec import NamedRequest
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect, is_transient, transient_suppressed, until_done
 from splitbus.bus.loops import EXIT_FATAL, Loops
@@ -203,13 +204,13 @@ class Scheduler:
         await self.requests.dead_letter(waiting.delivery, reason)
         request = waiting.delivery.message
         if isinstance(request, GenerateRequest):
-            self.fail_dead(request.request_id, reason)  # flushed at the end of the step
+            self.fail_dead(NamedRequest(request.request_id, request.reader), reason)  # flushed with the step
 
-    def fail_dead(self, request_id: str, reason: str) -> None:
+    def fail_dead(self, named: NamedRequest, reason: str) -> None:
         """The client of a dead-lettered request entry gets the reason, not a wait until its
         deadline (the entry is flushed with the step's results)."""
         message = f"the scheduler could not handle this request: {reason}"
-        self.writer.fail(request_id, reason.split(":", 1)[0], message, 500)
+        self.writer.fail(named.request_id, reason.split(":", 1)[0], message, 500, reader=named.reader)
 
     async def decide(self, waiting: Waiting) -> Placed | Verdict:
         """The tasks to write for a request, or why there are none now: it waits for a worker
@@ -266,7 +267,7 @@ class Scheduler:
         if not await self.requests.owns(waiting.delivery.entry_id):
             return False
         log.warning("failing %s: %s", request.request_id, message)
-        self.writer.fail(request.request_id, code, message, status)
+        self.writer.fail(request.request_id, code, message, status, reader=request.reader)
         await self.writer.flush()
         await self.requests.ack(waiting.delivery.entry_id)
         metrics.DISPATCHES.labels(code).inc()

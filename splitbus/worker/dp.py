@@ -508,7 +508,8 @@ class DpStepper:
             orphans = await stream.read(10_000, block_ms=0) + await stream.claim_idle(10_000, min_idle_ms=0)
             for delivery in orphans:
                 if isinstance(delivery.message, Task):
+                    request = delivery.message.request
                     self.parts.publisher.writer.fail(
-                        delivery.message.request.request_id, "dp_group_broken", reason, 503
+                        request.request_id, "dp_group_broken", reason, 503, reader=request.reader
                     )
             await stream.ack(*[d.entry_id for d in orphans])

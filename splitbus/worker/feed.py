@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from splitbus.bus.connection import is_transient
 from splitbus.bus.dispatch import blocks_needed
-from splitbus.bus.messages import Task
+from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.bus.tasks import trim_tasks
@@ -207,7 +207,7 @@ class TaskFeed:
         for older in [s for s in self.table.of() if s.request_id == seq.request_id]:
             self.moved_away(older)  # the request moved here again (its other worker died): its older task is void
         if task.phase != "decode":
-            self.publisher.writer.open(seq.request_id, first_seq=task.first_seq)
+            self.publisher.writer.open(seq.request_id, reader=task.request.reader, first_seq=task.first_seq)
             seq.output_ids = list(task.output_token_ids)
             seq.text.push(seq.output_ids)
         if self.take_blocks(seq):
@@ -251,18 +251,18 @@ class TaskFeed:
         """Dead-letter a task this worker cannot handle, and fail its request."""
         log.warning("task %s rejected: %s", delivery.entry_id, reason)
         await self.tasks.dead_letter(delivery, f"{code}: {reason}")
-        request_id = getattr(getattr(delivery.message, "request", None), "request_id", None)
-        if isinstance(request_id, str):
-            self.fail_request(request_id, f"{code}: {reason}")
+        request = getattr(delivery.message, "request", None)
+        if isinstance(request, GenerateRequest):
+            self.fail_request(request.request_id, f"{code}: {reason}", reader=request.reader)
 
-    def fail_request(self, request_id: str, reason: str) -> None:
+    def fail_request(self, request_id: str, reason: str, *, reader: str) -> None:
         """End a request whose task was dead-lettered with an error entry, so its client is not
         left waiting for its deadline; not one this worker still holds (that one answers)."""
         if self.table.get(request_id, *HELD) is not None:
             return
         code = reason.split(":", 1)[0]
         self.publisher.writer.fail(
-            request_id, code, f"worker {self.id} could not handle this request's task: {reason}", 500
+            request_id, code, f"worker {self.id} could not handle this request's task: {reason}", 500, reader=reader
         )
         metrics.REQUESTS_FINISHED.labels(code).inc()
         self.publisher.soon()

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 REAPED_WAIT_S = 10.0
 """A worker back from a lapsed lease whose reaper has started waits this long for it to finish."""
 REJOIN_HOLD_S = 2
-"""After a rejoin, ``sb:reaping:{worker}`` is kept this long: a reaper acting on a registry
+"""After a rejoin, ``sb:reaping:{cell}:<worker>`` is kept this long: a reaper acting on a registry
 snapshot from before the rejoin (100 ms old at most) cannot take the worker again."""
 
 
@@ -74,7 +74,7 @@ class Lease:
                 await self.rejoin()
 
     async def rejoin(self) -> None:
-        """Back after the lease lapsed: whoever takes ``sb:reaping:{worker}`` first decides. If
+        """Back after the lease lapsed: whoever takes ``sb:reaping:{cell}:<worker>`` first decides. If
         this worker takes it, no reaper can start and it keeps everything; if a reaper has it,
         the worker waits for it to finish, drops every request whose task the reaper took (no
         longer pending to this worker), with what it buffered for them unwritten, and joins

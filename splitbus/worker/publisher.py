@@ -62,7 +62,7 @@ class Publisher:
     def fail(self, seq: Sequence, code: str, message: str, status: int) -> None:
         log.warning("request %s failed: %s", seq.request_id, message)
         metrics.REQUESTS_FINISHED.labels(code).inc()
-        self.writer.fail(seq.request_id, code, message, status)
+        self.writer.fail(seq.request_id, code, message, status, reader=seq.request.reader)
         self.retire(seq)
 
     def retire(self, seq: Sequence) -> None:

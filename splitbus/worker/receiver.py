@@ -104,7 +104,7 @@ class Receiver:
             return error
         seq.output_ids = list(header.meta["output_token_ids"])
         seq.text.push(seq.output_ids)  # replay: the same text state P had
-        self.publisher.writer.open(seq.request_id, first_seq=header.meta["next_seq"])
+        self.publisher.writer.open(seq.request_id, reader=seq.request.reader, first_seq=header.meta["next_seq"])
         self.table.add(seq, Status.RUNNING)
         self.wake.set()
         return None

@@ -9,7 +9,7 @@ request's cache; D acks after checking its CRC and importing it), ACK (``{"ok": 
 str}``, no payload). The payload goes to the socket as a memoryview, without another copy. Both
 sides set TCP_NODELAY: acks are small frames.
 
-Who may send a request's KV: D writes a random secret into its reservation ``sb:kv:{request}``
+Who may send a request's KV: D writes a random secret into its reservation ``sb:kv:{cell}:<request>``
 (only readers of Redis learn it); P puts ``proof`` in the KV frame's meta, an HMAC-SHA256 keyed
 by that secret over the sender's id, the request id, the rest of the meta, the payload length
 and the payload's CRC. Every one of those is in the header and meta, so D checks the sender,

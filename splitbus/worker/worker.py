@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from splitbus.bus.codec import NamedRequest
 from splitbus.bus.connection import connect, transient_suppressed, until_done
 from splitbus.bus.loops import Loops
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
@@ -193,8 +194,8 @@ class Worker:
         self.wake.set()
         self.room.set()
 
-    def _fail_dead_lettered(self, request_id: str, reason: str) -> None:
-        self.feed.fail_request(request_id, reason)
+    def _fail_dead_lettered(self, named: NamedRequest, reason: str) -> None:
+        self.feed.fail_request(named.request_id, reason, reader=named.reader)
 
     async def _rejoin(self) -> None:
         await self.lease.rejoin()

@@ -110,7 +110,9 @@ class Responder:
             return
         failure = re.search(r"\[fail:(\d+)\]", prompt)
         if failure:
-            writer.fail(request.request_id, "scripted", "scripted failure", int(failure.group(1)))
+            writer.fail(
+                request.request_id, "scripted", "scripted failure", int(failure.group(1)), reader=request.reader
+            )
             await writer.flush()
             return
         await self._stream(writer, request, delay=0.05 if "[slow]" in prompt else 0.0)
@@ -118,7 +120,7 @@ class Responder:
     async def _stream(self, writer: ResultWriter, request: GenerateRequest, delay: float) -> None:
         text, reason = expected_text(request.sampling.max_tokens, request.sampling.stop)
         rid = request.request_id
-        writer.open(rid)
+        writer.open(rid, reader=request.reader)
         for char in text:
             if rid in self.cancelled:
                 return

@@ -49,9 +49,12 @@ def test_nothing_waiting_means_nothing_merged() -> None:
 
 
 def test_the_special_token_options_travel_in_the_bus_message() -> None:
-    state = SimpleNamespace(config=SimpleNamespace(request_timeout_s=60, node_id="api-1"))
+    reader = SimpleNamespace(reader_of=lambda request_id: "api-1.out.0")
+    state = SimpleNamespace(config=SimpleNamespace(request_timeout_s=60, node_id="api-1"), reader=reader)
     body = {"model": "m", "prompt": "x", "skip_special_tokens": False, "spaces_between_special_tokens": False}
     sampling = Generation(state, parse_completion(body), [1], 8).message().sampling  # type: ignore[arg-type]
     assert sampling.skip_special_tokens is False and sampling.spaces_between_special_tokens is False
     default = Generation(state, parse_completion({"model": "m", "prompt": "x"}), [1], 8).message().sampling  # type: ignore[arg-type]
     assert default.skip_special_tokens is True and default.spaces_between_special_tokens is True
+    message = Generation(state, parse_completion(body), [1], 8).message()  # type: ignore[arg-type]
+    assert (message.api_node, message.reader) == ("api-1", "api-1.out.0")  # its workers write in the shard's slot

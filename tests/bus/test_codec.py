@@ -30,6 +30,7 @@ def _request(**overrides: object) -> GenerateRequest:
     "msg",
     [
         _request(),
+        _request(reader="api-1.out.3"),
         TokenDelta(seq=3, token_ids=[5, 6], text="hi"),
         Finished(seq=4, finish_reason="length", prompt_tokens=3, completion_tokens=2),
         Failed(seq=0, code="no_worker", message="none", status=503),
@@ -69,6 +70,21 @@ def test_unknown_fields_are_ignored() -> None:
 def test_bad_entries_raise_decode_error(fields: dict[bytes, bytes], why: str) -> None:
     with pytest.raises(DecodeError, match=why):
         codec.decode(fields)
+
+
+def test_a_requests_reader_is_its_api_node_unless_named() -> None:
+    assert _request().reader == "api-1"
+    data = orjson.dumps(_request(reader="api-1.out.2"))
+    assert orjson.loads(data)["reader"] == "api-1.out.2"  # the JSON carries it: workers build the key from it
+    old = {k: v for k, v in orjson.loads(data).items() if k != "reader"}  # a producer that never names one
+    assert codec.decode({b"type": b"request", b"data": orjson.dumps(old)}).reader == "api-1"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("reader", ["a{b", "a}b", "a:b", "a b", "x" * 257, 7])
+def test_a_reader_that_is_no_hash_tag_is_refused(reader: object) -> None:
+    data = orjson.dumps({**orjson.loads(orjson.dumps(_request())), "reader": reader})
+    with pytest.raises(DecodeError, match="reader"):
+        codec.decode({b"type": b"request", b"data": data})
 
 
 def test_nested_sampling_params_are_validated() -> None:
@@ -155,15 +171,19 @@ def test_oversized_data_is_refused_unparsed() -> None:
 @pytest.mark.parametrize(
     "data, found",
     [
-        (b'{"request_id":"cmpl-1"}', "cmpl-1"),
-        (b'{"request":{"request_id":"cmpl-2"},"output_token_ids":[4294967296]}', "cmpl-2"),
-        (b'{"request_id":"a}b"}', None),  # would move the result stream's hash tag
-        (b'{"request_id":7}', None),
+        (b'{"request_id":"cmpl-1","api_node":"api-1"}', ("cmpl-1", "api-1")),
+        (b'{"request_id":"cmpl-1","api_node":"api-1","reader":"api-1.out.0"}', ("cmpl-1", "api-1.out.0")),
+        (b'{"request":{"request_id":"cmpl-2","reader":"a.0"},"output_token_ids":[4294967296]}', ("cmpl-2", "a.0")),
+        (b'{"request_id":"a}b","api_node":"api-1"}', None),  # would move the result stream's hash tag
+        (b'{"request_id":"cmpl-3","reader":"a:b"}', None),  # a colon: no tag
+        (b'{"request_id":"cmpl-3"}', None),  # no reader: no stream to name
+        (b'{"request_id":7,"api_node":"api-1"}', None),
         (b"{broken", None),
     ],
 )
-def test_request_id_of_an_undecodable_entry(data: bytes, found: str | None) -> None:
-    assert codec.request_id_of({b"type": b"task", b"data": data}) == found
+def test_the_request_an_undecodable_entry_names(data: bytes, found: tuple[str, str] | None) -> None:
+    named = codec.request_named_by({b"type": b"task", b"data": data})
+    assert (named and (named.request_id, named.reader)) == found
 
 
 def test_every_message_module_registers_its_types() -> None:

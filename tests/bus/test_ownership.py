@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 import pkgutil
 import re
 from collections.abc import Iterator
@@ -17,8 +16,8 @@ import pytest
 
 import splitbus
 import splitbus.bus
-from splitbus.bus.keys import Keys
 from splitbus.bus.scripts import SCRIPTS
+from tests.bus.slots import key_names
 
 ROOT = Path(splitbus.__file__).parent
 DOCS = ROOT.parent / "docs" / "bus.md"
@@ -32,19 +31,8 @@ RECEIVER = re.compile(r"(^|\.)_?keys$")
 """How code holds a ``Keys``: ``keys``, ``self._keys``, ``config.bus.keys``..."""
 
 
-def _members() -> dict[str, str]:
-    """Every key builder of ``Keys`` and the name docs/bus.md gives its key (each argument named
-    by its parameter: ``kv(request)`` -> ``sb:kv:{request}``)."""
-    keys, names = Keys(), {}
-    for name, member in inspect.getmembers(Keys):
-        if isinstance(member, property):
-            names[name] = getattr(keys, name)
-        elif inspect.isfunction(member) and not name.startswith("_") and name != "kind":
-            names[name] = getattr(keys, name)(*list(inspect.signature(member).parameters)[1:])
-    return names
-
-
-MEMBERS = _members()
+MEMBERS = key_names()
+"""Every key builder of ``Keys`` and the name docs/bus.md gives its key."""
 
 
 def key_uses(source: str) -> Iterator[tuple[int, str]]:

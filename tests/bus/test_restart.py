@@ -47,7 +47,7 @@ async def test_parts_reconnect_after_restart(tmp_path: Path, appendonly: bool) -
         expected = ["before", "after"] if appendonly else ["after"]  # AOF kept the entry
         assert [d.message.request_id for d in got] == expected
         writer = ResultWriter(redis, config)
-        writer.open("req")
+        writer.open("req", reader=reader.reader_of("req"))
         writer.tokens("req", [1])
         writer.finish("req", "stop", 1, 1)
         await writer.flush()

@@ -14,6 +14,9 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import Cancel, Failed, Finished, TokenDelta
 from splitbus.bus.results import ResultReader, ResultWriter, Sent, Subscription, read_sent
 
+R = "api-test.0"
+"""The reader shard of the streams a test writes without following them."""
+
 
 async def _collect(sub: Subscription, timeout: float = 20.0) -> list[object]:
     async def drain() -> list[object]:
@@ -32,11 +35,11 @@ async def reader(bus_config: BusConfig, redis: aioredis.Redis) -> ResultReader:
 
 async def test_writer_stamps_sequence_and_sets_ttl(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     writer = ResultWriter(redis, bus_config)
-    writer.open("r1")
+    writer.open("r1", reader=R)
     writer.tokens("r1", [10])
     writer.tokens("r1", [11, 12], "ab")
     await writer.flush()
-    key = bus_config.keys.out("r1")
+    key = bus_config.keys.out(R, "r1")
     assert 0 < await redis.ttl(key) <= bus_config.result_ttl_s
     writer.finish("r1", "length", prompt_tokens=3, completion_tokens=3)
     await writer.flush()
@@ -57,13 +60,13 @@ async def test_migrated_request_continues_its_sequence(
 ) -> None:
     sub = await reader.subscribe("r1")
     first, second = ResultWriter(redis, bus_config), ResultWriter(redis, bus_config)
-    first.open("r1")
+    first.open("r1", reader=reader.reader_of("r1"))
     for t in range(3):
         first.tokens("r1", [t])
     await first.flush()
     # The first worker dies after sending seq 0..2 (seq 2 possibly twice, by a retried XADD).
-    await redis.xadd(bus_config.keys.out("r1"), codec.encode(TokenDelta(seq=2, token_ids=[2])))
-    second.open("r1", first_seq=3)
+    await redis.xadd(sub.key, codec.encode(TokenDelta(seq=2, token_ids=[2])))
+    second.open("r1", reader=reader.reader_of("r1"), first_seq=3)
     second.tokens("r1", [3])
     second.finish("r1", "length", 1, 4)
     await second.flush()
@@ -79,7 +82,7 @@ async def test_thousand_streams_each_exact_and_in_order(
     subs = [await reader.subscribe(f"req-{i}") for i in range(n_requests)]
     writer = ResultWriter(redis, bus_config)
     for i in range(n_requests):
-        writer.open(f"req-{i}")
+        writer.open(f"req-{i}", reader=reader.reader_of(f"req-{i}"))
     for step in range(n_steps):
         for i in range(n_requests):
             writer.tokens(f"req-{i}", [i * 100 + step])
@@ -121,12 +124,12 @@ async def test_error_entry_ends_the_stream_whatever_its_seq(
 ) -> None:
     sub = await reader.subscribe("r-err")
     writer = ResultWriter(redis, bus_config)
-    writer.open("r-err")
+    writer.open("r-err", reader=reader.reader_of("r-err"))
     writer.tokens("r-err", [1])
     await writer.flush()
     # A scheduler that never saw the worker's tokens fails the request with seq 0.
     other = ResultWriter(redis, bus_config)
-    other.fail("r-err", "no_worker", "no decode worker is alive", status=503)
+    other.fail("r-err", "no_worker", "no decode worker is alive", status=503, reader=reader.reader_of("r-err"))
     await other.flush()
     got = await _collect(sub)
     assert isinstance(got[-1], Failed) and got[-1].status == 503
@@ -137,7 +140,7 @@ async def test_undecodable_result_entry_is_skipped(
     redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
 ) -> None:
     sub = await reader.subscribe("r-bad")
-    key = bus_config.keys.out("r-bad")
+    key = sub.key
     await redis.xadd(key, {b"type": b"token", b"data": b"nonsense"})
     await redis.xadd(key, codec.encode(Finished(0, "stop", 1, 0)))
     got = await _collect(sub)
@@ -150,7 +153,7 @@ async def test_an_entry_that_is_not_a_result_is_skipped(
     # A well-formed message of another type (anyone who can write the stream can put one there)
     # used to reach the subscription, which read its ``seq`` and took the shard's read down.
     sub = await reader.subscribe("r-foreign")
-    key = bus_config.keys.out("r-foreign")
+    key = sub.key
     await redis.xadd(key, codec.encode(Cancel("r-foreign")))
     await redis.xadd(key, codec.encode(TokenDelta(0, [5])))
     await redis.xadd(key, codec.encode(Finished(1, "stop", 1, 1)))
@@ -168,7 +171,7 @@ async def test_subscribing_wakes_a_blocked_reader(redis_server: object, redis: a
         await asyncio.sleep(0.2)  # the shard is now blocked with no streams
         sub = await reader.subscribe("late")
         writer = ResultWriter(redis, config)
-        writer.fail("late", "x", "y")
+        writer.fail("late", "x", "y", reader=reader.reader_of("late"))
         await writer.flush()
         got = await _collect(sub, timeout=2.0)
         assert isinstance(got[0], Failed)
@@ -181,33 +184,89 @@ async def test_a_failed_flush_keeps_its_entries(
 ) -> None:
     sub = await reader.subscribe("r-keep")
     writer = ResultWriter(redis, bus_config)
-    writer.open("r-keep")
+    writer.open("r-keep", reader=reader.reader_of("r-keep"))
     writer.tokens("r-keep", [1])
 
     async def redis_is_away(*args: object, **kwargs: object) -> None:
         raise ConnectionError("Redis is restarting")
 
-    working = writer._write_step
-    writer._write_step = redis_is_away  # type: ignore[assignment]
+    working = writer._send
+    writer._send = redis_is_away  # type: ignore[assignment,method-assign]
     with pytest.raises(ConnectionError):
         await writer.flush()
     assert writer.pending == 1  # nothing was dropped
-    writer._write_step = working  # type: ignore[method-assign]
+    writer._send = working  # type: ignore[method-assign]
     writer.finish("r-keep", "length", 1, 1)
     await writer.flush()
     got = await _collect(sub)
     assert [r.seq for r in got] == [0, 1]
-    assert 0 < await redis.ttl(bus_config.keys.out("r-keep")) <= bus_config.finished_result_ttl_s
+    assert 0 < await redis.ttl(sub.key) <= bus_config.finished_result_ttl_s
 
 
 async def test_what_was_sent_is_read_back_in_seq_order(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     writer = ResultWriter(redis, bus_config)
-    writer.open("r-sent")
+    writer.open("r-sent", reader=R)
     writer.tokens("r-sent", [1, 2])
     writer.tokens("r-sent", [3])
     await writer.flush()
-    await redis.xadd(bus_config.keys.out("r-sent"), codec.encode(Cancel("r-sent")))  # not a result
-    assert await read_sent(redis, bus_config, "r-sent") == Sent(next_seq=2, tokens=[1, 2, 3], ended=False)
+    await redis.xadd(bus_config.keys.out(R, "r-sent"), codec.encode(Cancel("r-sent")))  # not a result
+    assert await read_sent(redis, bus_config, R, "r-sent") == Sent(next_seq=2, tokens=[1, 2, 3], ended=False)
     writer.finish("r-sent", "stop", 1, 3)
     await writer.flush()
-    assert await read_sent(redis, bus_config, "r-sent") == Sent(next_seq=3, tokens=[1, 2, 3], ended=True)
+    assert await read_sent(redis, bus_config, R, "r-sent") == Sent(next_seq=3, tokens=[1, 2, 3], ended=True)
+    assert await read_sent(redis, bus_config, "api-other.0", "r-sent") == Sent()  # another reader's slot
+
+
+async def test_a_step_is_one_script_per_reader_shard_in_one_round_trip(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    # Two shards: a step over 40 requests goes out as two scripts, each over one shard's streams
+    # (the suite's slot check fails any script whose keys span slots), in one pipeline.
+    rids = [f"s-{i}" for i in range(40)]
+    subs = [await reader.subscribe(rid) for rid in rids]
+    assert {reader.reader_of(rid) for rid in rids} == {"api-test.0", "api-test.1"}
+    writer, pipelines = ResultWriter(redis, bus_config), []
+    execute = type(redis.pipeline()).execute
+
+    async def counted(pipe: object, *args: object, **kwargs: object) -> object:
+        names = [command[0][0] for command in pipe.command_stack]  # type: ignore[attr-defined]
+        if "EVALSHA" in names:  # not the reader's wake-ups, which share the client
+            pipelines.append(len(names))
+        return await execute(pipe, *args, **kwargs)  # type: ignore[arg-type]
+
+    for rid in rids:
+        writer.open(rid, reader=reader.reader_of(rid))
+        writer.tokens(rid, [7])
+        writer.finish(rid, "length", 1, 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(redis.pipeline()), "execute", counted)
+        await writer.flush()
+    assert pipelines == [2] and writer.scripts == 2
+    for sub, got in zip(subs, await asyncio.gather(*(_collect(s) for s in subs)), strict=True):
+        assert [type(r).__name__ for r in got] == ["TokenDelta", "Finished"], sub.key
+        assert sub.key.startswith(f"{bus_config.prefix}:out:{{{reader.reader_of(sub.request_id)}}}:")
+
+
+async def test_a_script_redis_lost_is_loaded_again(
+    redis: aioredis.Redis, bus_config: BusConfig, redis_admin: sync_redis.Redis
+) -> None:
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r-lost", reader=R)
+    writer.tokens("r-lost", [1])
+    await writer.flush()
+    redis_admin.script_flush()  # what a restarted Redis without its AOF'd scripts looks like
+    writer.tokens("r-lost", [2])
+    writer.open("r-other", reader="api-test.1")
+    writer.tokens("r-other", [3])
+    await writer.flush()
+    assert writer.pending == 0
+    redis_admin.script_flush()
+    writer.tokens("r-lost", [4])  # one reader: the script goes alone, not in a pipeline
+    await writer.flush()
+    assert await read_sent(redis, bus_config, R, "r-lost") == Sent(next_seq=3, tokens=[1, 2, 4])
+    assert await read_sent(redis, bus_config, "api-test.1", "r-other") == Sent(next_seq=1, tokens=[3])
+
+
+def test_a_reader_name_must_fit_a_hash_tag(bus_config: BusConfig) -> None:
+    with pytest.raises(ValueError, match="hash tag"):
+        ResultReader(bus_config, aioredis.Redis(), name="api{1}")

@@ -1,11 +1,12 @@
-"""Every Lua script is declared in the bus module that owns its keys, builds no key name, and is
-listed, as declared, in docs/bus.md's script table (what Redis Cluster support will need)."""
+"""Every Lua script is declared in the bus module that owns its keys, builds no key name, stays in
+one hash slot (what Redis Cluster needs), and is listed, as declared, in docs/bus.md's script
+table. That every script the suite runs is called with keys of one slot is checked on each
+command sent (``one_slot_per_command`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 import pkgutil
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ import splitbus
 import splitbus.bus
 from splitbus.bus.keys import Keys
 from splitbus.bus.scripts import SCRIPTS, LuaScript
+from tests.bus.slots import key_names, keys_of, sample, slots
 
 ROOT = Path(splitbus.__file__).parent
 DOCS = ROOT.parent / "docs" / "bus.md"
@@ -37,31 +39,23 @@ def _lua_in_sources() -> dict[str, str]:
     return found
 
 
-def _key_names() -> set[str]:
-    """Every key name keys.py builds, as docs/bus.md writes it: each argument named by its
-    parameter (``kv(request)`` -> ``sb:kv:{request}``)."""
-    keys, names = Keys(), set()
-    for name, member in inspect.getmembers(Keys):
-        if isinstance(member, property):
-            names.add(getattr(keys, name))
-        elif inspect.isfunction(member) and not name.startswith("_") and name != "kind":
-            params = list(inspect.signature(member).parameters)[1:]
-            names.add(getattr(keys, name)(*params))
-    return names
-
-
 def _tag(key: str) -> str:
     """What Redis Cluster hashes a key by: its hash tag, or the whole name without one."""
     tag = re.search(r"\{[^}]*\}", key)
     return tag.group(0) if tag else key
 
 
+def _alternatives(keys: tuple[str, ...]) -> list[str]:
+    return [alt for key in keys for alt in key.split(" | ")]
+
+
 def _slots(script: LuaScript) -> str:
-    """The hash slots one run touches: ``one`` (the tag) or ``many`` (a cross-slot script)."""
+    """The hash slots one run touches: ``one``, ``one (`{tag}`)`` where its keys share a tag, or
+    ``many`` (a cross-slot script)."""
     if len(script.keys) == 1 and not script.repeated:
         return "one"
-    tags = {_tag(alt) for key in script.keys for alt in key.split(" | ")}
-    return f"one (`{tags.pop()}`)" if len(tags) == 1 and not script.repeated else "many"
+    tags = {_tag(key) for key in _alternatives((*script.keys, *script.repeated))}
+    return f"one (`{tags.pop()}`)" if len(tags) == 1 else "many"
 
 
 def _row(script: LuaScript) -> str:
@@ -85,7 +79,7 @@ def test_every_script_in_splitbus_is_declared_in_the_bus_module_it_lives_in() ->
 
 @pytest.mark.parametrize("name", sorted(_import_bus()))
 def test_a_script_builds_no_key_name_and_touches_only_declared_keys(name: str) -> None:
-    script, known = SCRIPTS[name], _key_names()
+    script, known = SCRIPTS[name], set(key_names().values())
     assert ".." not in script.source, "builds a string (a key name?) in Lua: pass the key in KEYS"
     assert not re.search(r"'[^']*:[^']*'", script.source), "a key name in the script's text"
     assert not re.search(r"redis\.call\('\w+',\s*ARGV", script.source), "a key taken from ARGV"
@@ -102,3 +96,45 @@ def test_the_script_table_in_docs_bus_md_is_the_declared_scripts() -> None:
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     expected = [_row(s) for s in sorted(_import_bus().values(), key=lambda s: (s.module, s.name))]
     assert rows == expected, "\n".join(["docs/bus.md's script table should read:", *expected])
+
+
+SAMPLE_IDS = [
+    {"worker": "prefill-0", "request": "cmpl-7f3a", "reader": "api-1a2b.out.0"},
+    {"worker": "decode-3", "request": "cmpl-0c9e:1796121154658-0", "reader": "api-1a2b.out.0"},
+    {"worker": "dp-g0-r1", "request": "chatcmpl-42", "reader": "api-1a2b.out.0"},
+]
+"""Ids for the keys of one run: several workers and requests (a dispatch's tasks, a snapshot's
+workers, a step's requests) of one cell, and one reader shard (what one write_step covers)."""
+
+
+@pytest.mark.parametrize("name", sorted(_import_bus()))
+@pytest.mark.parametrize("cell", ["main", "eu-west.2"])
+def test_the_keys_a_script_is_called_with_lie_in_one_slot(name: str, cell: str) -> None:
+    script, keys = SCRIPTS[name], Keys(cell=cell)
+    names = [sample(k, keys, SAMPLE_IDS[0]) for k in _alternatives(script.keys)]
+    names += [sample(k, keys, ids) for ids in SAMPLE_IDS for k in _alternatives(script.repeated)]
+    assert len(slots(names)) == 1, f"{name}: {names} span slots {slots(names)}"
+
+
+@pytest.mark.parametrize(
+    ("command", "keys"),
+    [
+        (
+            ["EVALSHA", "f00", 2, "sb:kv:{main}:r", "sb:current:{main}:r", "a", 1],
+            [b"sb:kv:{main}:r", b"sb:current:{main}:r"],
+        ),
+        ([b"EVAL", b"return 1", b"0"], []),
+        (["XREAD", "COUNT", 5, "BLOCK", 1000, "STREAMS", "a", "b", "0-0", "0-0"], [b"a", b"b"]),
+        (["XREADGROUP", "GROUP", "g", "c", "COUNT", 1, "streams", "s", ">"], [b"s"]),
+        (["XADD", "sb:out:{x}:r", "*", "type", "token"], None),
+    ],
+)
+def test_the_slot_check_finds_the_keys_a_command_must_keep_in_one_slot(
+    command: list[object], keys: list[bytes] | None
+) -> None:
+    assert keys_of(command) == keys
+
+
+def test_the_slot_check_tells_a_cross_slot_script() -> None:
+    cross = ["EVALSHA", "f00", 2, "sb:out:{api-1.out.0}:r1", "sb:out:{api-2.out.0}:r2"]
+    assert len(slots(keys_of(cross) or [])) == 2

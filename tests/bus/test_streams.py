@@ -9,8 +9,9 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 from splitbus.bus import codec
+from splitbus.bus.codec import NamedRequest
 from splitbus.bus.config import BusConfig
-from splitbus.bus.messages import Cancel, DeadLetter
+from splitbus.bus.messages import Cancel, DeadLetter, GenerateRequest, SamplingParams
 from splitbus.bus.streams import GroupConsumer, Producer, trim_consumed
 
 GROUP = "g"
@@ -200,8 +201,9 @@ async def test_restarted_consumer_dead_letters_its_pending_entry_past_max_delive
     # A consumer that dies on an entry every time (a crash, not an exception) re-reads it from
     # its pending list at each restart: each re-read counts, and past the bound it is buried.
     config = dataclasses.replace(bus_config, max_deliveries=3)
-    told: list[tuple[str, str]] = []
-    await Producer(redis, config).send_many([(config.keys.requests, _msg(i)) for i in (1, 2)])
+    told: list[tuple[NamedRequest, str]] = []
+    requests = [GenerateRequest(f"r{i}", "m", [1], SamplingParams(), "api-1", 0, "api-1.out.0") for i in (1, 2)]
+    await Producer(redis, config).send_many([(config.keys.requests, r) for r in requests])
     runs = []
     for _ in range(4):  # runs 1-3 read r1 and "crash"; run 4 must not get it
         consumer = GroupConsumer(redis, config, config.keys.requests, GROUP, "w", on_dead=lambda *a: told.append(a))
@@ -212,19 +214,23 @@ async def test_restarted_consumer_dead_letters_its_pending_entry_past_max_delive
     assert [(d.reason, d.deliveries) for d in letters] == [
         ("max_deliveries: delivered 4 times (bound 3) without an ack", 4)
     ]
-    assert [request_id for request_id, _ in told] == ["r1"]  # its client can be told
+    assert [named for named, _ in told] == [NamedRequest("r1", "api-1.out.0")]  # its client can be told
     pending = await redis.xpending_range(config.keys.requests, GROUP, "-", "+", 10)
     assert [p["times_delivered"] for p in pending] == [1]  # only r2, delivered once
 
 
 async def test_undecodable_entry_naming_a_request_is_reported(redis: aioredis.Redis, bus_config: BusConfig) -> None:
-    told: list[tuple[str, str]] = []
+    told: list[tuple[NamedRequest, str]] = []
     consumer = GroupConsumer(redis, bus_config, bus_config.keys.requests, GROUP, "c", on_dead=lambda *a: told.append(a))
     await consumer.ensure_group()
-    await redis.xadd(bus_config.keys.requests, {b"type": b"cancel", b"data": b'{"request_id":"r9","reason":7}'})
-    await redis.xadd(bus_config.keys.requests, {b"type": b"cancel", b"data": b'{"request_id":"r{x}","reason":7}'})
+    for data in (
+        b'{"request_id":"r9","reason":7,"api_node":"api-1"}',
+        b'{"request_id":"r{x}","reason":7,"api_node":"api-1"}',  # r{x} is not trusted
+        b'{"request_id":"r8","reason":7}',  # no reader: no result stream to write to
+    ):
+        await redis.xadd(bus_config.keys.requests, {b"type": b"cancel", b"data": data})
     assert await consumer.read(10) == []
-    assert told == [("r9", "undecodable: cancel: reason must be a string, got int")]  # r{x} is not trusted
+    assert told == [(NamedRequest("r9", "api-1"), "undecodable: cancel: reason must be a string, got int")]
 
 
 async def test_dead_letters_refused_at_maxmemory_are_kept_and_sent_later(

@@ -32,7 +32,7 @@ async def test_status_lists_this_runs_workers_and_their_task_streams(
     await registry.mark_dead("died")  # a reaper took its work: its record stays, state = dead
     await registry.deregister("stopped")  # a clean stop (an earlier run): only its task stream is left, for an hour
     with sync_redis.Redis.from_url(bus_config.redis_url, decode_responses=True) as client:
-        status = collect(client, bus_config.prefix)
+        status = collect(client, bus_config.prefix, bus_config.cell)
     assert [(w["id"], w["alive"]) for w in status["workers"]] == [("live", True), ("died", False)]
     keys = bus_config.keys
     assert [s["stream"] for s in status["streams"]] == [keys.requests, keys.tasks("died"), keys.tasks("live")]

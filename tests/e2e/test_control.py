@@ -21,6 +21,7 @@ import redis
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 from splitbus.bus.control import call
+from splitbus.bus.keys import Keys
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.redis_server import EmbeddedRedis, free_port
 from splitbus.worker.engines.sim import sim_text
@@ -73,9 +74,7 @@ def workers(redis_server: EmbeddedRedis, tiny_model: Path) -> Iterator[Workers]:
     ]
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     deadline = time.monotonic() + 60
-    while client.zcard(f"{prefix}:workers") < 2 or not all(
-        client.exists(f"{prefix}:lease:{{{w}}}") for w in ("p0", "d0")
-    ):
+    while client.zcard(Keys(prefix).workers) < 2 or not all(client.exists(Keys(prefix).lease(w)) for w in ("p0", "d0")):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "workers did not register"
         time.sleep(0.1)
     yield Workers(redis_server.url, prefix, port, procs)

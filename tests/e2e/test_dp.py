@@ -12,13 +12,14 @@ from pathlib import Path
 import openai
 import orjson
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 
 
 def _ranks(system) -> dict[int, dict[str, str]]:  # type: ignore[no-untyped-def]
     r = system.redis()
-    return {int(h["dp_rank"]): h for h in (r.hgetall(f"sb:worker:{{{w}}}") for w in r.zrange("sb:workers", 0, -1))}
+    return {int(h["dp_rank"]): h for h in (r.hgetall(Keys().worker(w)) for w in r.zrange(Keys().workers, 0, -1))}
 
 
 def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:

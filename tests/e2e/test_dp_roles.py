@@ -12,6 +12,7 @@ from typing import cast
 import openai
 import orjson
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
@@ -26,9 +27,7 @@ def _streamed(system: System, seed: int) -> str:
 
 def _records(system: System) -> list[dict[str, str]]:
     r = system.redis()  # decodes: every reply is str
-    return [
-        cast(dict[str, str], r.hgetall(f"sb:worker:{{{w}}}")) for w in cast(list[str], r.zrange("sb:workers", 0, -1))
-    ]
+    return [cast(dict[str, str], r.hgetall(Keys().worker(w))) for w in cast(list[str], r.zrange(Keys().workers, 0, -1))]
 
 
 def _assert_lock_step(system: System, group: str) -> None:

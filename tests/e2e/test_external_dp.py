@@ -19,6 +19,7 @@ from typing import cast
 import pytest
 import redis
 
+from splitbus.bus.keys import Keys
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.worker.engines.sim import sim_text
 
@@ -53,7 +54,7 @@ def ranks(redis_server: EmbeddedRedis, tiny_model: Path) -> Iterator[Ranks]:
     running = Ranks(redis_server.url, prefix)
     client, deadline = running.client(), time.monotonic() + 60
     try:
-        while not all(client.exists(f"{prefix}:lease:{{{w}}}") for w in RANKS):
+        while not all(client.exists(Keys(prefix).lease(w)) for w in RANKS):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "ranks did not register"
             time.sleep(0.1)
         yield running
@@ -75,7 +76,7 @@ def _counters(ranks: Ranks, name: str) -> dict[str, int]:
     """``name`` per rank once the ranks' heartbeats add up to the 4 requests (bounded wait)."""
     client, deadline = ranks.client(), time.monotonic() + 10
     while True:
-        found = {w: int(client.hget(f"{ranks.prefix}:worker:{{{w}}}", name) or 0) for w in RANKS}
+        found = {w: int(client.hget(Keys(ranks.prefix).worker(w), name) or 0) for w in RANKS}
         if sum(found.values()) >= 4 or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
@@ -100,7 +101,9 @@ def test_the_dispatcher_spreads_requests_over_prefill_and_decode_ranks(ranks: Ra
     assert decodes == {"p0-r0": 0, "p0-r1": 0, "d0-r0": 2, "d0-r1": 2}
     # The tasks as written: a prefill task carries its group's batch id and how many ranks the batch
     # went to (so the ranks prefill it in one step), the two tasks of a request one hand-off id.
-    tasks = {w: [json.loads(fields["data"]) for _, fields in _entries(ranks, f"tasks:{{{w}}}")] for w in RANKS}
+    tasks = {
+        w: [json.loads(fields["data"]) for _, fields in _entries(ranks, Keys(ranks.prefix).tasks(w))] for w in RANKS
+    }
     prefill_tasks = tasks["p0-r0"] + tasks["p0-r1"]
     assert {(t["phase"], t["batch_ranks"]) for t in prefill_tasks} == {("prefill", 2)}
     assert len({t["batch_id"] for t in prefill_tasks}) == 1 and prefill_tasks[0]["batch_id"].endswith(".p0")
@@ -111,7 +114,7 @@ def test_the_dispatcher_spreads_requests_over_prefill_and_decode_ranks(ranks: Ra
 
 
 def _entries(ranks: Ranks, key: str) -> list[tuple[str, dict[str, str]]]:
-    return cast(list[tuple[str, dict[str, str]]], ranks.client().xrange(f"{ranks.prefix}:{key}"))
+    return cast(list[tuple[str, dict[str, str]]], ranks.client().xrange(key))
 
 
 def test_the_dispatcher_takes_complete_groups_only() -> None:

@@ -136,7 +136,7 @@ async def outcome(r: aioredis.Redis, bus: BusConfig, request_id: str) -> tuple[s
     """The request's streamed text and its last entry (Finished or Failed)."""
     text, last_id = "", "0"
     for _ in range(60):
-        for _, entries in await r.xread({bus.keys.out(request_id): last_id}, block=1000) or []:
+        for _, entries in await r.xread({bus.keys.out("test", request_id): last_id}, block=1000) or []:
             for entry_id, fields in entries:
                 last_id = entry_id  # the next XREAD goes on after it
                 entry = codec.decode(fields)
@@ -218,7 +218,7 @@ async def test_frames_without_the_reservations_secret_are_refused_and_the_real_p
         await TransferClient("p-evil", 10).send(endpoint, rid, good, sim_kv, reservation["secret"])
     assert (await payload(bus, r))["waiting_requests"] == 1  # the reservation still waits for the real P
     assert (await r.hget(bus.keys.kv(rid), "secret")).decode() == reservation["secret"]
-    assert not await r.exists(bus.keys.out(rid))  # nothing reached the client's stream
+    assert not await r.exists(bus.keys.out("test", rid))  # nothing reached the client's stream
     await completes_by_the_real_p(r, bus, rid)
     await at_baseline(bus, r)
 

@@ -13,6 +13,7 @@ import numpy as np
 import openai
 import pytest
 
+from splitbus.bus.keys import Keys
 from splitbus.gpu_ops import device
 
 device.prepare()  # the CPU tuning comes before paddle's import
@@ -90,7 +91,7 @@ async def _ask_all(system: System) -> tuple[list[str], list[str]]:
 def _ranks(system: System) -> dict[tuple[str, str], dict[str, str]]:
     r = system.redis()  # decodes: every reply is str
     records = [
-        cast(dict[str, str], r.hgetall(f"sb:worker:{{{w}}}")) for w in cast(list[str], r.zrange("sb:workers", 0, -1))
+        cast(dict[str, str], r.hgetall(Keys().worker(w))) for w in cast(list[str], r.zrange(Keys().workers, 0, -1))
     ]
     return {(h["dp_group"], h["dp_rank"]): h for h in records}
 

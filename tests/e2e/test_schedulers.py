@@ -8,6 +8,7 @@ from pathlib import Path
 
 import openai
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 
@@ -33,8 +34,8 @@ def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path) -> None
         assert asyncio.run(run()) == [sim_text(i, 4) for i in range(200)]
         r = system.redis()
         tasks: Counter[tuple[str, str]] = Counter()
-        for worker in r.zrange("sb:workers", 0, -1):
-            for _, fields in r.xrange(f"sb:tasks:{{{worker}}}"):
+        for worker in r.zrange(Keys().workers, 0, -1):
+            for _, fields in r.xrange(Keys().tasks(worker)):
                 import orjson
 
                 task = orjson.loads(fields["data"])
@@ -42,7 +43,7 @@ def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path) -> None
         requests = {rid for rid, _ in tasks}
         assert len(requests) == 200
         assert all(tasks[(rid, phase)] == 1 for rid in requests for phase in ("prefill", "decode"))
-        consumers = r.xinfo_consumers("sb:requests", "schedulers")
+        consumers = r.xinfo_consumers(Keys().requests, "schedulers")
         assert len(consumers) == 2 and all(c["pending"] == 0 for c in consumers)
     finally:
         assert stop_system(system) == []

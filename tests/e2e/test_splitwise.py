@@ -8,6 +8,7 @@ from pathlib import Path
 
 import openai
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
@@ -49,7 +50,7 @@ def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System)
 
     def work_done() -> tuple[int, int]:  # as the workers' heartbeats (every 0.5 s) report it
         r = system.redis()
-        by_role = {w["role"]: w for w in (r.hgetall(f"sb:worker:{{{wid}}}") for wid in r.zrange("sb:workers", 0, -1))}
+        by_role = {w["role"]: w for w in (r.hgetall(Keys().worker(wid)) for wid in r.zrange(Keys().workers, 0, -1))}
         return int(by_role["prefill"]["prefills_done"]), int(by_role["decode"]["decodes_done"])
 
     deadline = time.monotonic() + 5
@@ -58,8 +59,8 @@ def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System)
     prefills, decodes = work_done()
     assert prefills >= 50 and decodes >= 50
     r = system.redis()
-    for wid in r.zrange("sb:workers", 0, -1):  # every reservation was given back
-        reserved = r.hmget(f"sb:worker:{{{wid}}}", "reserved_prefill_tokens", "reserved_requests", "reserved_kv_blocks")
+    for wid in r.zrange(Keys().workers, 0, -1):  # every reservation was given back
+        reserved = r.hmget(Keys().worker(wid), "reserved_prefill_tokens", "reserved_requests", "reserved_kv_blocks")
         assert [int(x or 0) for x in reserved] == [0, 0, 0], (wid, reserved)
 
 
@@ -81,7 +82,7 @@ def test_mixed_worker_serves_the_same_requests(tmp_path: Path) -> None:
         for seed in (1, 2, 3):
             reply = client.completions.create(model="tiny", prompt="x", max_tokens=15, seed=seed)
             assert reply.choices[0].text == sim_text(seed, 15)
-        roles = {system.redis().hget(f"sb:worker:{{{w}}}", "role") for w in system.redis().zrange("sb:workers", 0, -1)}
+        roles = {system.redis().hget(Keys().worker(w), "role") for w in system.redis().zrange(Keys().workers, 0, -1)}
         assert roles == {"mixed"}
     finally:
         assert stop_system(system) == []
@@ -115,7 +116,7 @@ def test_consumed_entries_are_trimmed(system: System) -> None:
     for i in range(5):
         client.completions.create(model="tiny", prompt="trim", max_tokens=2, seed=i)
     r = system.redis()
-    streams = ["sb:requests"] + [f"sb:tasks:{{{w}}}" for w in r.zrange("sb:workers", 0, -1)]
+    streams = [Keys().requests] + [Keys().tasks(w) for w in r.zrange(Keys().workers, 0, -1)]
     deadline = time.monotonic() + 12  # the scheduler and the workers trim every 5 s
     while any(r.xlen(s) for s in streams) and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -138,7 +139,7 @@ def test_status_json_against_the_live_system(system: System) -> None:
     status = json.loads(out.stdout)
     assert {(w["role"], w["alive"]) for w in status["workers"]} == {("prefill", True), ("decode", True)}
     assert all(w["free_kv_blocks"] <= w["total_kv_blocks"] == 8192 for w in status["workers"])
-    requests = next(s for s in status["streams"] if s["stream"] == "sb:requests")
+    requests = next(s for s in status["streams"] if s["stream"] == Keys().requests)
     assert [(g["group"], g["pending"]) for g in requests["groups"]] == [("schedulers", 0)]
     assert {s["stream"].split(":")[1] for s in status["streams"]} == {"requests", "tasks"}
     assert [link["state"] for link in status["links"]] == ["connected"]
@@ -148,4 +149,4 @@ def test_status_json_against_the_live_system(system: System) -> None:
         text=True,
         timeout=30,
     ).stdout
-    assert "P-D links:" in text and "connected" in text and "sb:requests" in text
+    assert "P-D links:" in text and "connected" in text and Keys().requests in text

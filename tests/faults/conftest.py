@@ -120,7 +120,7 @@ class Bus:
         return self.r.xadd(stream, fields).decode()
 
     def results(self, request_id: str) -> list[Any]:
-        return [codec.decode(f) for _, f in self.r.xrange(self.keys.out(request_id))]
+        return [codec.decode(f) for _, f in self.r.xrange(self.keys.out(READER, request_id))]
 
     def outcome(self, request_id: str, timeout_s: float = 30) -> Any:
         """The terminal entry of a request (Finished or Failed), waiting for it; None if none came."""
@@ -141,10 +141,14 @@ class Bus:
         return self.dead_letters()
 
 
+READER = "api-test"
+"""The API node the fault tests' requests name: their result streams are in its slot."""
+
+
 def request(request_id: str, max_tokens: int = 5, seed: int = 1, prompt: list[int] | None = None) -> GenerateRequest:
     deadline_ms = int((time.time() + 120) * 1000)
     sampling = SamplingParams(max_tokens=max_tokens, seed=seed)
-    return GenerateRequest(request_id, "tiny", prompt or [60, 61], sampling, "api-test", deadline_ms)
+    return GenerateRequest(request_id, "tiny", prompt or [60, 61], sampling, READER, deadline_ms)
 
 
 def task(request_id: str, **kwargs: Any) -> Task:

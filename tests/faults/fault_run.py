@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import openai
 import redis
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 
 ROLES = {"prefill": r"--role prefill", "decode": r"--role decode", "scheduler": r"splitbus\.cli\.main scheduler "}
@@ -239,13 +240,13 @@ class FaultRun:
         """Members holding a lease whose process runs (a worker id ends in its pid: a killed
         worker's lease outlives it by up to 3 s and must not count)."""
         pids = {str(p) for p in self.pids_of(ROLES[role])}
-        ids = [w.decode() for w in self.admin.zrange("sb:workers", 0, -1)]
+        ids = [w.decode() for w in self.admin.zrange(Keys().workers, 0, -1)]
         return sum(
             1
             for w in ids
             if w.rsplit("-", 1)[-1] in pids
-            and self.admin.exists(f"sb:lease:{{{w}}}")
-            and self.admin.hget(f"sb:worker:{{{w}}}", "role") == role.encode()
+            and self.admin.exists(Keys().lease(w))
+            and self.admin.hget(Keys().worker(w), "role") == role.encode()
         )
 
     def _wake_all(self) -> None:
@@ -294,8 +295,8 @@ def stuck_tasks(admin: redis.Redis, idle_ms: int = 10_000) -> str:
     """Task entries pending (read, not acked) for longer than ``idle_ms`` at the end of the run,
     with their consumer: where a request that never finished was left."""
     lines = []
-    for worker in sorted(w.decode() for w in admin.zrange("sb:workers", 0, -1)):
-        stream = f"sb:tasks:{{{worker}}}"
+    for worker in sorted(w.decode() for w in admin.zrange(Keys().workers, 0, -1)):
+        stream = Keys().tasks(worker)
         if not admin.exists(stream):
             continue
         for row in admin.xpending_range(stream, "workers", min="-", max="+", count=100, idle=idle_ms):

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from splitbus.bus.keys import Keys
 from tests.e2e.conftest import System, start_system, stop_system
 
 
@@ -41,8 +42,8 @@ async def _connect_then_leave(system: System, count: int) -> list[tuple[str, int
 def _blocks(system: System) -> list[tuple[str, int, int, int]]:
     r = system.redis()
     rows = []
-    for wid in r.zrange("sb:workers", 0, -1):
-        h = r.hgetall(f"sb:worker:{{{wid}}}")
+    for wid in r.zrange(Keys().workers, 0, -1):
+        h = r.hgetall(Keys().worker(wid))
         rows.append(
             (h["role"], int(h["free_kv_blocks"]), int(h["total_kv_blocks"]), int(h["running"]) + int(h["waiting"]))
         )
@@ -64,7 +65,7 @@ def test_fifty_disconnects_free_every_kv_block(tmp_path: Path) -> None:
         during = asyncio.run(_connect_then_leave(system, 50))
         assert any(free < total for role, free, total, _ in during if role == "decode"), during  # they held blocks
         _assert_blocks_return(system, within_s=10)
-        assert len(system.redis().xrange("sb:cancel")) >= 50
+        assert len(system.redis().xrange(Keys().cancel)) >= 50
     finally:
         stop_system(system)
 

@@ -15,6 +15,7 @@ from typing import cast
 
 import pytest
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.faults.kills import streams_with_a_kill
@@ -34,9 +35,9 @@ def _live_ranks(system: System, group: str) -> list[str]:
     """The ranks of ``group`` live in the registry (leased), by rank."""
     r = system.redis()
     ranks = []
-    for worker in cast(list[str], r.zrange("sb:workers", 0, -1)):
-        record = cast(dict[str, str], r.hgetall(f"sb:worker:{{{worker}}}"))
-        if record.get("dp_group") == group and r.exists(f"sb:lease:{{{worker}}}"):
+    for worker in cast(list[str], r.zrange(Keys().workers, 0, -1)):
+        record = cast(dict[str, str], r.hgetall(Keys().worker(worker)))
+        if record.get("dp_group") == group and r.exists(Keys().lease(worker)):
             ranks.append(record["dp_rank"])
     return sorted(ranks)
 

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from splitbus.bus import codec
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.faults.conftest import wait_until
@@ -82,8 +83,8 @@ def rejoined_and_serves(system: System, wid: str) -> None:
     assert wait_until(lambda: f"worker {wid} rejoined the live set" in "".join(system.output), 15)
     lines = "".join(system.output).splitlines()
     print(*[line.strip() for line in lines if re.search(r"rejoin|moved away|dead: moved", line)], sep="\n")
-    record = f"sb:worker:{{{wid}}}"
-    assert wait_until(lambda: r.zscore("sb:workers", wid) is not None and r.hget(record, "state") is None, 10)
+    record = Keys().worker(wid)
+    assert wait_until(lambda: r.zscore(Keys().workers, wid) is not None and r.hget(record, "state") is None, 10)
     assert wait_until(lambda: r.hget(record, "free_kv_blocks") == r.hget(record, "total_kv_blocks"), 10)
     role = r.hget(record, "role")
     done_field = "prefills_done" if role == "prefill" else "decodes_done"

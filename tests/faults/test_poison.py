@@ -11,6 +11,7 @@ import openai
 import orjson
 import pytest
 
+from splitbus.bus.keys import Keys
 from splitbus.bus.messages import Failed, Finished, Task
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
@@ -58,7 +59,7 @@ def test_poison_request_is_isolated(tmp_path: Path) -> None:
         assert texts == [sim_text(i, 30) for i in range(6)]  # batched with the poison, unharmed
         assert isinstance(failure, openai.APIStatusError) and failure.status_code == 500
         assert "the engine failed on this request" in str(failure.body)
-        letters = [orjson.loads(f["data"]) for _, f in system.redis().xrange("sb:dead")]
+        letters = [orjson.loads(f["data"]) for _, f in system.redis().xrange(Keys().dead)]
         assert [d["reason"].split(":")[0] for d in letters] == ["engine_error"]
         after = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0).completions.create(
             model="tiny", prompt="x", max_tokens=3, seed=1

@@ -13,7 +13,7 @@ import pytest
 from splitbus.bus import codec
 from splitbus.bus.messages import Finished, TokenDelta
 from splitbus.worker.engines.sim import sim_text
-from tests.faults.conftest import Bus, request, wait_until
+from tests.faults.conftest import READER, Bus, request, wait_until
 
 OOM_S = 1.5
 """How long Redis refuses writes: under the worker's lease (3 s), so the reaper has no cause to
@@ -37,10 +37,10 @@ def test_worker_and_scheduler_wait_out_oom_and_finish_the_work(bus: Bus) -> None
         pipe.xadd(bus.keys.requests, {b"type": b"request", b"data": orjson.dumps(poison)})
         pipe.config_set("maxmemory", 1)  # below what is used: every write needing memory is refused
         pipe.execute()
-        written = bus.r.xlen(bus.keys.out("r-long"))
+        written = bus.r.xlen(bus.keys.out(READER, "r-long"))
         time.sleep(OOM_S)
         assert worker.proc.poll() is None and scheduler.proc.poll() is None  # neither stopped
-        assert bus.r.xlen(bus.keys.out("r-long")) == written  # Redis did refuse the results...
+        assert bus.r.xlen(bus.keys.out(READER, "r-long")) == written  # Redis did refuse the results...
         assert not bus.r.exists(bus.keys.dead)  # ...and the dead letter
     finally:
         bus.r.config_set("maxmemory", 0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 
@@ -43,6 +44,6 @@ def test_a_dead_scheduler_loses_no_request(tmp_path: Path) -> None:
         started = time.monotonic()
         assert asyncio.run(run()) == [sim_text(i, 4) for i in range(100)]
         assert time.monotonic() - started < 30
-        assert system.redis().xpending("sb:requests", "schedulers")["pending"] == 0
+        assert system.redis().xpending(Keys().requests, "schedulers")["pending"] == 0
     finally:
         stop_system(system)

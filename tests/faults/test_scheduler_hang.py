@@ -22,6 +22,7 @@ import openai
 import pytest
 import redis
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
@@ -157,7 +158,7 @@ def test_a_hung_scheduler_holds_no_request_past_its_lease(tmp_path: Path) -> Non
                 break
         assert claimed_from(system, a.name), "the stopped replica was never handed a request"
         # Woken: it renews its lease and serves, alone while the other one hangs.
-        assert wait_for(lambda: r.exists(f"sb:scheduler-lease:{{{a.name}}}"), 5)
+        assert wait_for(lambda: r.exists(Keys().scheduler_lease(a.name)), 5)
         # It went on with the entry it read while stopped: not its own any more, so nothing written.
         assert wait_for(lambda: dispatches(a).get("already_acked", 0) >= 1, 5), dispatches(a)
         woken = dispatches(a)
@@ -167,8 +168,8 @@ def test_a_hung_scheduler_holds_no_request_past_its_lease(tmp_path: Path) -> Non
         assert max(second.took_s) < LEASE_S + MARGIN_S, second.took_s
         assert dispatches(a).get("dispatched", 0) - woken.get("dispatched", 0) == 6  # all of them, alone
         # Nothing was dispatched twice: one dispatch per request over both replicas.
-        assert wait_for(lambda: r.exists(f"sb:scheduler-lease:{{{b.name}}}"), 5)
-        assert wait_for(lambda: r.xpending("sb:requests", "schedulers")["pending"] == 0, 5)
+        assert wait_for(lambda: r.exists(Keys().scheduler_lease(b.name)), 5)
+        assert wait_for(lambda: r.xpending(Keys().requests, "schedulers")["pending"] == 0, 5)
         assert dispatches(a).get("dispatched", 0) + dispatches(b).get("dispatched", 0) == sent
         assert [d.get("duplicate", 0) for d in (dispatches(a), dispatches(b))] == [0, 0]
     except BaseException:

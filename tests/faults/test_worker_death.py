@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.faults.kills import streams_with_a_kill
@@ -40,7 +41,7 @@ def test_decode_worker_killed_mid_stream(tmp_path: Path) -> None:
         assert time.monotonic() - started < 60
         assert _moved(system) > 0
         r = system.redis()
-        live = {r.hget(f"sb:worker:{{{w}}}", "role") for w in r.zrange("sb:workers", 0, -1)}
+        live = {r.hget(Keys().worker(w), "role") for w in r.zrange(Keys().workers, 0, -1)}
         assert sorted(live) == ["decode", "prefill"]  # the dead one left the live set...
         dead = [k for k in r.scan_iter("sb:worker:*") if r.hget(k, "state") == "dead"]
         assert len(dead) == 1 and r.hget(dead[0], "reserved_kv_blocks") == "0" and 0 < r.ttl(dead[0]) <= 3600

@@ -172,7 +172,7 @@ async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once
     assert written["p2"][0].handoff == written["d2"][0].handoff == await current_handoff(redis, config, "r")
     for dead in ("p1", "d1"):
         assert (await redis.xpending(config.keys.tasks(dead), WORKER_GROUP))["pending"] == 0
-    assert await redis.xlen(config.keys.out("r")) == 0  # nothing failed it
+    assert await redis.xlen(config.keys.out("api", "r")) == 0  # nothing failed it
 
 
 @pytest.mark.parametrize(("made_for", "cancelled"), [("h1", True), ("h0", False)])
@@ -228,7 +228,7 @@ async def test_a_broken_prefill_groups_task_waits_for_the_group_to_re_form_then_
         assert (await redis.xpending(config.keys.tasks("pa"), WORKER_GROUP))["pending"] == 1
     assert await redis.xlen(config.keys.dead) == 0
     assert await redis.hget(config.keys.worker("pa"), "state") != b"dead"  # not marked: reaped again
-    assert await redis.xlen(config.keys.out("r")) == 0  # no error for the client
+    assert await redis.xlen(config.keys.out("api", "r")) == 0  # no error for the client
     await _group_rank(redis, config, "pc", 0, 30_000)  # the group re-forms: its ranks restarted
     await _group_rank(redis, config, "pd", 1, 30_000)
     await scheduler.view.refresh()
@@ -237,7 +237,7 @@ async def test_a_broken_prefill_groups_task_waits_for_the_group_to_re_form_then_
     assert [t.phase for t in moved] == ["prefill"] and moved[0].handoff == await current_handoff(redis, config, "r")
     assert (await redis.xpending(config.keys.tasks("pa"), WORKER_GROUP))["pending"] == 0
     assert await redis.hget(config.keys.worker("pa"), "state") == b"dead"
-    assert await redis.xlen(config.keys.out("r")) == 0
+    assert await redis.xlen(config.keys.out("api", "r")) == 0
 
 
 async def test_a_broken_prefill_groups_task_fails_with_503_once_its_deadline_passes(
@@ -248,7 +248,7 @@ async def test_a_broken_prefill_groups_task_fails_with_503_once_its_deadline_pas
     assert await scheduler.reaper.reap("pa") == 0  # waits: the deadline has not passed yet
     await asyncio.sleep(0.2)
     assert await scheduler.reaper.reap("pa") == 1
-    (failed,) = await decoded(redis, config.keys.out("r"))
+    (failed,) = await decoded(redis, config.keys.out("api", "r"))
     assert isinstance(failed, Failed) and failed.code == "worker_died" and failed.status == 503
     assert "its DP group did not re-form before the request's deadline" in failed.message
     assert (await redis.xpending(config.keys.tasks("pa"), WORKER_GROUP))["pending"] == 0

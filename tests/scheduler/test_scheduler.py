@@ -133,7 +133,7 @@ async def test_a_woken_replica_does_not_fail_a_request_it_lost(redis: aioredis.R
         delivery = (await woken.requests.claim_idle(min_idle_ms=0))[0]  # its view of what it read
         await live.claim_from_gone()
         assert not await woken.fail(Waiting(delivery, 0.0), "no_worker", "none", 503)
-        assert not await redis.exists(bus_config.keys.out("r"))
+        assert not await redis.exists(bus_config.keys.out("api", "r"))
         assert await live.requests.owns(delivery.entry_id)
     finally:
         await woken.redis.aclose()
@@ -151,7 +151,7 @@ async def test_a_request_waits_for_a_worker_then_fails_with_the_policys_reason(
         assert await replica.decide(waiting) is Verdict.WAIT  # no worker yet: it waits
         waiting.since -= 2  # waited longer than no_worker_wait_s
         assert await replica.decide(waiting) is Verdict.DROP
-        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", await redis.xrange(bus_config.keys.out("r")))
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", await redis.xrange(bus_config.keys.out("api", "r")))
         [failed] = [codec.decode(fields) for _, fields in entries]
         assert isinstance(failed, Failed) and (failed.code, failed.status) == ("no_worker", 503)
         assert failed.message == "no live prefill worker with room serves model 'm'"

@@ -78,7 +78,7 @@ async def close(ranks: list[Worker]) -> None:
 def queue_prefill(worker: Worker, request_id: str) -> Sequence:
     """A prefill task taken: its writer open, its blocks reserved, queued to prefill."""
     seq = Sequence(Task("prefill", request(request_id), peer="d0-r0"), "1-0", TextStream(worker.tokenizer, []))
-    worker.writer.open(request_id)
+    worker.writer.open(request_id, reader="api")
     assert worker.engine.reserve(seq, 16)
     worker.requests.add(seq, Status.QUEUED)
     return seq
@@ -126,7 +126,9 @@ async def test_a_prefill_group_steps_together_one_rank_prefilling_the_other_idle
         await asyncio.sleep(0)  # the spawned hand-off runs
         assert handed == ["r-p"]
         await busy.publisher.publish()
-        assert [type(e) for e in await decoded(busy.redis, busy.keys.out("r-p"))] == [TokenDelta]  # the first token
+        assert [type(e) for e in await decoded(busy.redis, busy.keys.out("api", "r-p"))] == [
+            TokenDelta
+        ]  # the first token
         plans = [e for _, e in await replies.entries(busy.redis, bus_config.keys.dp("p0")) if b"plan" in e]
         assert sorted(StepPlan.from_json(e[b"plan"]).rank for e in plans) == [0, 1]  # both posted step 0
     finally:

@@ -43,7 +43,7 @@ def prefilled(worker: Worker, request_id: str, peer: str, handoff: str = "h1") -
     """A request P has prefilled: its first token published, its KV ready to ship."""
     request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
     seq = Sequence(Task("prefill", request, peer=peer, handoff=handoff), "1-0", TextStream(worker.tokenizer, []))
-    worker.writer.open(request_id)
+    worker.writer.open(request_id, reader=request.reader)
     worker.publisher.emit(seq, 97)
     worker.requests.add(seq, Status.HANDING_OFF)  # as after_prefill leaves it
     return seq
@@ -153,7 +153,7 @@ async def close(worker: Worker) -> None:
 
 async def results(worker: Worker, request_id: str) -> list[object]:
     await worker.publisher.publish()
-    return await decoded(worker.redis, worker.keys.out(request_id))
+    return await decoded(worker.redis, worker.keys.out("api", request_id))
 
 
 async def test_prefill_waits_for_its_peers_reservation_not_a_dead_workers(
@@ -485,7 +485,7 @@ async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
         assert isinstance(delivery.message, Task)
         seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
         assert worker.engine.reserve(seq, 32)
-        worker.writer.open(seq.request_id, first_seq=1)
+        worker.writer.open(seq.request_id, reader=seq.request.reader, first_seq=1)
         worker.publisher.emit(seq, 97)  # written after the stop, if at all
         worker.requests.add(seq, Status.RUNNING)
         seqs.append(seq)
@@ -506,8 +506,8 @@ async def test_a_worker_back_from_a_stop_drops_what_the_reaper_moved_and_rejoins
         worker.lease.last_beat = time.monotonic() - 5  # stopped 5 s: past the 3 s lease
         await worker.publisher.publish()  # the first write after waking settles first
         assert worker.requests.of(Status.RUNNING) == [kept] and moved.blocks == 0 and kept.blocks > 0
-        assert await worker.redis.xlen(worker.keys.out("r-moved")) == 0  # its late token never went out
-        assert await worker.redis.xlen(worker.keys.out("r-kept")) == 1
+        assert await worker.redis.xlen(worker.keys.out("api", "r-moved")) == 0  # its late token never went out
+        assert await worker.redis.xlen(worker.keys.out("api", "r-kept")) == 1
         record = await worker.redis.hgetall(worker.keys.worker(worker.id))
         assert b"state" not in record and worker.id.encode() in await worker.redis.zrange(worker.keys.workers, 0, -1)
         assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2  # no reaper takes it again
@@ -523,7 +523,7 @@ async def test_a_worker_back_before_any_reaper_keeps_its_requests(bus_config: Bu
         worker.lease.last_beat = time.monotonic() - 5
         await worker.publisher.publish()
         assert worker.requests.of(Status.RUNNING) == seqs and not worker.lease.lapsed()
-        assert [await worker.redis.xlen(worker.keys.out(r)) for r in ("r-1", "r-2")] == [1, 1]
+        assert [await worker.redis.xlen(worker.keys.out("api", r)) for r in ("r-1", "r-2")] == [1, 1]
         assert await worker.redis.get(worker.keys.reaping(worker.id)) == b"d-hung:rejoining"
         assert 0 < await worker.redis.ttl(worker.keys.reaping(worker.id)) <= 2
     finally:
@@ -550,7 +550,7 @@ async def test_a_decode_task_of_a_replaced_dispatch_reserves_nothing(
             assert reserved == {} and worker.requests.of(Status.AWAITING_KV) == [] and worker.engine.free_blocks == free
             await worker.publisher.publish()
             assert (await worker.redis.xpending(worker.keys.tasks(worker.id), WORKER_GROUP))["pending"] == 0
-            assert await worker.redis.xlen(worker.keys.out("r-void")) == 0  # no error: the request lives on
+            assert await worker.redis.xlen(worker.keys.out("api", "r-void")) == 0  # no error: the request lives on
         else:
             assert reserved[b"handoff"] == b"h1" and [s.request_id for s in worker.requests.of(Status.AWAITING_KV)] == [
                 "r-void"

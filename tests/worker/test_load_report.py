@@ -34,7 +34,7 @@ async def test_a_prefill_batch_stops_counting_as_queued_while_it_runs(bus_config
     for i, tokens in enumerate((200, 100, 150)):  # the first two fit one batch, the third waits
         request = GenerateRequest(f"r{i}", "tiny", [97] * tokens, SamplingParams(max_tokens=4), "api", 0)
         worker.requests.add(Sequence(Task("mixed", request), f"{i}-0", TextStream(tokenizer, [])), Status.QUEUED)
-        worker.writer.open(request.request_id, first_seq=0)
+        worker.writer.open(request.request_id, reader=request.reader, first_seq=0)
     try:
         await registry.register(worker.record(), lease_ms=5000)
         prefill = asyncio.create_task(worker.steps.prefill_queued())  # 300 tokens: 0.6 s

@@ -75,7 +75,7 @@ def queue(
     )
     task = Task("mixed", request, batch_id=batch, batch_ranks=2 if batch else 0)
     seq = Sequence(task, entry, TextStream(worker.tokenizer, []))
-    worker.writer.open(request_id)
+    worker.writer.open(request_id, reader=request.reader)
     assert worker.engine.reserve(seq, prompt + max_tokens)
     worker.requests.add(seq, Status.QUEUED)
     return seq
@@ -83,7 +83,7 @@ def queue(
 
 async def entries(worker: Worker, request_id: str) -> list[object]:
     await worker.publisher.publish()
-    return await decoded(worker.redis, worker.keys.out(request_id))
+    return await decoded(worker.redis, worker.keys.out("api", request_id))
 
 
 async def test_a_solo_step_prefills_then_decodes_and_a_finished_request_leaves(

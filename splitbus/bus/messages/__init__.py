@@ -1,11 +1,11 @@
 """Message types, one module per direction (who writes -> who reads).
 
-- ``requests``: API node -> scheduler (``sb:requests``)
-- ``tasks``: scheduler -> worker (``sb:tasks:{worker}``)
-- ``results``: worker -> API node (``sb:out:{request}``)
-- ``cancel``: anyone -> every worker and scheduler (``sb:cancel``)
-- ``control``: anyone -> one worker (``sb:ctrl:{worker}``), and its reply (``sb:reply:{task}``)
-- ``dead``: any consumer -> operators (``sb:dead``)
+- ``requests``: API node -> scheduler (``sb:requests:{cell}``)
+- ``tasks``: scheduler -> worker (``sb:tasks:{cell}:<worker>``)
+- ``results``: worker -> API node (``sb:out:{reader}:<request>``)
+- ``cancel``: anyone -> every worker and scheduler (``sb:cancel:{cell}``)
+- ``control``: anyone -> one worker (``sb:ctrl:{cell}:<worker>``), and its reply (``sb:reply:{task}``)
+- ``dead``: any consumer -> operators (``sb:dead:{cell}``)
 
 Importing this package registers every type with the codec: every module in it is imported, so
 a new message module needs no line here to be decoded (its types are exported from its module).

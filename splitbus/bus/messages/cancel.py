@@ -1,4 +1,4 @@
-"""Anyone -> every worker and scheduler, on ``sb:cancel``."""
+"""Anyone -> every worker and scheduler, on ``sb:cancel:{cell}``."""
 
 from __future__ import annotations
 

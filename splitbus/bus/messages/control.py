@@ -1,4 +1,4 @@
-"""Anyone -> one worker on ``sb:ctrl:{worker}``, and the worker's answer on ``sb:reply:{task}``.
+"""Anyone -> one worker on ``sb:ctrl:{cell}:<worker>``, and the worker's answer on ``sb:reply:{task}``.
 
 A caller (an operator, ``splitbus ctl``, someone's own router) names a fresh ``task_id``, writes
 the command, and reads the reply stream named after that id; the reply expires after a while.

@@ -1,4 +1,4 @@
-"""Any consumer -> operators, on ``sb:dead``: an entry taken out of circulation, and why."""
+"""Any consumer -> operators, on ``sb:dead:{cell}``: an entry taken out of circulation, and why."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""API node -> scheduler, on ``sb:requests``."""
+"""API node -> scheduler, on ``sb:requests:{cell}``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from splitbus.bus.messages._check import (
     require_str,
     require_str_list,
 )
+from splitbus.env import valid_tag
 
 
 @dataclass
@@ -59,7 +60,7 @@ class SamplingParams:
 @message
 @dataclass
 class GenerateRequest:
-    """One admitted request. The API node reads its results from ``sb:out:{request_id}``."""
+    """One admitted request. The API node reads its results from ``sb:out:{reader}:<request_id>``."""
 
     TYPE: ClassVar[str] = "request"
     NESTED: ClassVar[dict[str, type]] = {"sampling": SamplingParams}
@@ -71,12 +72,20 @@ class GenerateRequest:
     api_node: str
     deadline_ms: int
     """Wall-clock deadline, milliseconds since the epoch; past it the request fails."""
+    reader: str = ""
+    """The API's result-reader shard that follows the request's result stream: the stream's hash
+    tag (``sb:out:{reader}:<request_id>``), which every writer of its results uses. Absent or
+    empty: ``api_node`` (a producer with one reader of its own, such as an external dispatcher)."""
 
     def __post_init__(self) -> None:
+        if self.reader == "" and isinstance(self.api_node, str):
+            self.reader = self.api_node
         require_str(self.request_id, "request_id")
         require_str(self.model, "model")
         require_int_list(self.prompt_token_ids, "prompt_token_ids")
         require(len(self.prompt_token_ids) > 0, "prompt_token_ids must not be empty")
         require(isinstance(self.sampling, SamplingParams), "sampling must be an object")
         require_str(self.api_node, "api_node")
+        require_str(self.reader, "reader")
+        require(valid_tag(self.reader), f"reader must be a hash tag: no braces, colons or spaces, got {self.reader!r}")
         require_int(self.deadline_ms, "deadline_ms", minimum=0, maximum=MAX_DEADLINE_MS)

@@ -1,4 +1,4 @@
-"""Worker -> API node, on ``sb:out:{request}``.
+"""Worker -> API node, on ``sb:out:{reader}:<request>``.
 
 Every entry carries ``seq``: 0, 1, 2, ... per request, across workers (a migrated request
 continues its numbering), so readers deliver in order and drop duplicates.

@@ -1,4 +1,4 @@
-"""Scheduler -> worker, on ``sb:tasks:{worker}``."""
+"""Scheduler -> worker, on ``sb:tasks:{cell}:<worker>``."""
 
 from __future__ import annotations
 

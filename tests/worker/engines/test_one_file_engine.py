@@ -148,7 +148,8 @@ async def test_a_worker_serves_a_request_with_it(bus_config: BusConfig, tiny_mod
     reader = ResultReader(bus_config, worker.redis, name="api-echo")
     await reader.start()
     prompt = tokenizer.encode("echo")
-    request = GenerateRequest("r-echo", "tiny", prompt, SamplingParams(max_tokens=6, ignore_eos=True), "api", 0)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    request = GenerateRequest("r-echo", "tiny", prompt, params, "api", 0, reader=reader.reader_of("r-echo"))
     try:
         sub = await reader.subscribe("r-echo")
         await Producer(worker.redis, bus_config).send(bus_config.keys.tasks("e1"), Task("mixed", request))

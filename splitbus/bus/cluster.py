@@ -1,0 +1,162 @@
+"""Redis Cluster on the bus: the ``redis+cluster://`` URL, and the few commands that a cluster
+client sends differently (docs/cluster.md).
+
+The same code runs on a single Redis and on a cluster. Where the two clients differ, the bus asks
+:func:`as_cluster` and takes the cluster path only on a cluster, so a single Redis gets exactly
+the commands it got before:
+
+- blocking reads (``XREAD``, ``XREADGROUP``) name the primary of their slot: routed by redis-py,
+  each costs two ``COMMAND GETKEYS`` round trips (their keys move with their arguments);
+- scripts in pipelines go by name (``EVALSHA``): a cluster pipeline refuses ``pipe.evalsha``
+  (``Batcher``, ``ResultWriter``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterPipeline
+from redis.exceptions import SlotNotCoveredError
+from redis.typing import EncodableT, KeyT, StreamIdT
+
+SCHEME = "redis+cluster"
+MAX_NODES = 1000
+"""Startup nodes one URL may name (a bound on what an environment variable makes us hold)."""
+_HOST = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)$")
+"""A host name, an IPv4 address or a bracketed IPv6 one."""
+DEFAULT_PORT = 6379
+
+
+@dataclass(frozen=True)
+class ClusterUrl:
+    """``redis+cluster://[user[:password]@]host:port[,host:port...][/0]``, parsed."""
+
+    nodes: tuple[tuple[str, int], ...]
+    """Startup nodes (host without brackets, port): any one that answers is enough for the
+    client to read the slot map and find every other node."""
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    """Never in ``repr``: a parsed URL may end up in a log line or a traceback."""
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (else it is a redis-py URL for one server)."""
+    return url[: len(SCHEME) + 3].lower() == f"{SCHEME}://"
+
+
+def parse_cluster_url(url: str) -> ClusterUrl:
+    """Read a cluster URL; ValueError (whose text never holds the password) if it is not one."""
+    if not is_cluster_url(url):
+        raise ValueError(f"not a {SCHEME}:// URL")
+    userinfo, _, location = url[len(SCHEME) + 3 :].rpartition("@")
+    hosts, _, path = location.partition("/")
+    if path not in ("", "0") or any(c in location for c in "?#"):
+        raise ValueError(f"a {SCHEME} URL takes no path but /0, and no query: a cluster has one database")
+    user, has_password, password = userinfo.partition(":")
+    return ClusterUrl(
+        nodes=_nodes(hosts),
+        username=unquote(user) or None,
+        password=unquote(password) if has_password and password else None,
+    )
+
+
+def _nodes(hosts: str) -> tuple[tuple[str, int], ...]:
+    parts = [part.strip() for part in hosts.split(",")]
+    if not hosts or any(not part for part in parts):
+        raise ValueError(f"a {SCHEME} URL needs host:port[,host:port...] after its user and password")
+    if len(parts) > MAX_NODES:
+        raise ValueError(f"a {SCHEME} URL names at most {MAX_NODES} nodes (got {len(parts)})")
+    return tuple(_node(part) for part in parts)
+
+
+def _node(text: str) -> tuple[str, int]:
+    host, colon, port = text.rpartition(":") if not text.endswith("]") else (text, "", "")
+    if not colon:
+        host, port = text, str(DEFAULT_PORT)
+    if not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not a host:port in a {SCHEME} URL: {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class GatedCluster(aioredis.RedisCluster):
+    """A cluster client whose commands and pipelines wait for one of ``max_connections``
+    places, as the single-Redis client waits for a connection of its blocking pool.
+
+    redis-py's cluster client has no blocking pool: a node's full pool raises
+    MaxConnectionsError at once, and a pipeline that meets it (a ConnectionError) closes every
+    connection of the client before it retries, blocking reads of other tasks included (measured:
+    50 concurrent hand-offs on a worker's 16-connection client failed that way). With at most
+    ``max_connections`` commands or pipelines in flight, no node's pool can fill: each holds at
+    most one connection per node at a time."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate = asyncio.Semaphore(int(kwargs.get("max_connections", 100)))
+
+    async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
+        async with self._gate:
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise ValueError("shard_hint is not supported in cluster mode")
+        # redis-py's typing marks ``_event_dispatcher`` abstract on a base class; ClusterPipeline
+        # sets it in __init__, and RedisCluster.pipeline() makes its own the same way.
+        return _GatedPipeline(self, transaction)  # type: ignore[abstract]
+
+    @property
+    def gate(self) -> asyncio.Semaphore:
+        """The places: one per command or pipeline in flight."""
+        return self._gate
+
+
+class _GatedPipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        client = self.cluster_client
+        assert isinstance(client, GatedCluster)
+        async with client.gate:
+            return await super().execute(raise_on_error, allow_redirections)
+
+
+def as_cluster(redis: aioredis.Redis) -> aioredis.RedisCluster | None:
+    """The client as a cluster client if it is one (``connect`` gave it for a cluster URL)."""
+    return redis if isinstance(redis, aioredis.RedisCluster) else None
+
+
+def _target(cluster: aioredis.RedisCluster, key: KeyT) -> dict[str, Any]:
+    """``target_nodes`` for a command on ``key``'s slot: its primary in the client's slot map,
+    looked up at each call, so once redis-py has read the map again (after a MOVED, or a
+    connection error on a node that failed over) the next call goes to the new primary. An
+    uncovered slot: no target, redis-py routes (and raises) as it would."""
+    name = key.decode() if isinstance(key, bytes) else str(key)
+    try:
+        return {"target_nodes": cluster.get_node_from_key(name)}
+    except SlotNotCoveredError:
+        return {}
+
+
+async def xread(redis: aioredis.Redis, streams: dict[KeyT, StreamIdT], count: int, block: int) -> Any:
+    """``XREAD COUNT count BLOCK block STREAMS ...``; on a cluster sent to the primary of the
+    streams' slot (they must share one: the server answers CROSSSLOT otherwise)."""
+    cluster = as_cluster(redis)
+    if cluster is None:
+        return await redis.xread(streams, count=count, block=block)
+    args: tuple[EncodableT, ...] = ("COUNT", count, "BLOCK", block, "STREAMS", *streams.keys(), *streams.values())
+    return await cluster.execute_command("XREAD", *args, **_target(cluster, next(iter(streams))))
+
+
+async def xreadgroup(
+    redis: aioredis.Redis, group: str, consumer: str, stream: str, cursor: str, count: int, block: int | None
+) -> Any:
+    """``XREADGROUP`` of one stream, on a cluster sent to the primary of its slot."""
+    cluster = as_cluster(redis)
+    if cluster is None:
+        return await redis.xreadgroup(group, consumer, {stream: cursor}, count=count, block=block)
+    blocking = ("BLOCK", block) if block is not None else ()
+    args = ("GROUP", group, consumer, "COUNT", count, *blocking, "STREAMS", stream, cursor)
+    return await cluster.execute_command("XREADGROUP", *args, **_target(cluster, stream))
