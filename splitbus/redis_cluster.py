@@ -294,10 +294,12 @@ class EmbeddedCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, timeout_s: float = 30.0) -> str:
+    def start(self, timeout_s: float = 30.0, progress: Callable[[str], None] | None = None) -> str:
         """Start every node, join them into a cluster (unless they were one already: a restart),
-        and wait until it is healthy (:meth:`problems` is empty). Returns :attr:`url`."""
+        and wait until it is healthy (:meth:`problems` is empty). Returns :attr:`url`.
+        ``progress`` is told each step, and what is still missing about once a second."""
         deadline = time.monotonic() + timeout_s
+        tell = progress or (lambda _: None)
         make_private_folder(self.data_dir)
         ensure_secret(self.data_dir / "splitbus.password")
         ensure_secret(self.data_dir / "admin.password")
@@ -305,9 +307,11 @@ class EmbeddedCluster:
             restart = self._make_nodes()
             for node in self.nodes:
                 node.start(timeout_s=max(1.0, deadline - time.monotonic()))
+            tell(f"{self.size} nodes running" + (", as the cluster they were in (restart)" if restart else ""))
             if not restart:
                 self._create(deadline)
-            self.wait_healthy(max(0.0, deadline - time.monotonic()))
+                tell(f"slots assigned to {self.primaries} primaries, nodes met, replicas following")
+            self.wait_healthy(max(0.0, deadline - time.monotonic()), progress)
         except BaseException:
             self.stop()
             raise
@@ -367,9 +371,11 @@ class EmbeddedCluster:
                 raise RedisServerError(f"the cluster in {self.data_dir}: timed out waiting for {what}")
             time.sleep(0.02)
 
-    def wait_healthy(self, timeout_s: float = 30.0) -> None:
-        """Until :meth:`problems` is empty (RedisServerError with the last problems if not)."""
+    def wait_healthy(self, timeout_s: float = 30.0, progress: Callable[[str], None] | None = None) -> None:
+        """Until :meth:`problems` is empty (RedisServerError with the last problems if not);
+        ``progress`` hears what is still missing, about once a second."""
         deadline = time.monotonic() + timeout_s
+        told = time.monotonic()
         last: list[str] = []
         while True:
             last = self.problems()
@@ -377,6 +383,9 @@ class EmbeddedCluster:
                 return
             if time.monotonic() > deadline:
                 raise RedisServerError(f"the cluster in {self.data_dir} is not healthy: {'; '.join(last)}")
+            if progress is not None and time.monotonic() - told >= 1.0:
+                told = time.monotonic()
+                progress("waiting for " + "; ".join(last[:3]) + ("; ..." if len(last) > 3 else ""))
             time.sleep(0.02)
 
     def problems(self) -> list[str]:

@@ -13,8 +13,10 @@ import time
 from typing import Any, cast
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
+from splitbus.cli.embedded import SyncClient, sync_client
 from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
 
@@ -37,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.set_defaults(run=run)
 
 
-def collect(client: redis.Redis, prefix: str) -> dict[str, Any]:
+def collect(client: SyncClient, prefix: str) -> dict[str, Any]:
     from splitbus.bus.keys import Keys
 
     keys = Keys(prefix)
@@ -54,7 +56,7 @@ def collect(client: redis.Redis, prefix: str) -> dict[str, Any]:
     }
 
 
-def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
+def _worker_ids(client: SyncClient, keys: Any) -> list[str]:
     """The registry's live set (a worker whose lease lapsed stays there until a reaper takes it),
     then the workers a reaper marked dead (``state`` = dead, kept an hour). A worker that stopped
     cleanly has no record left: its task stream, also kept an hour, belongs to an earlier run."""
@@ -64,12 +66,12 @@ def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
     return listed + [wid for wid in dead if wid not in listed]
 
 
-def _server_ms(client: redis.Redis) -> int:
+def _server_ms(client: SyncClient) -> int:
     seconds, micros = client.time()
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def _worker(client: redis.Redis, keys: Any, wid: str, now_ms: int) -> dict[str, Any]:
+def _worker(client: SyncClient, keys: Any, wid: str, now_ms: int) -> dict[str, Any]:
     h = client.hgetall(keys.worker(wid))
     lease = client.pttl(keys.lease(wid))
     ints = ("running", "waiting", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "dp_rank")
@@ -86,13 +88,13 @@ def _worker(client: redis.Redis, keys: Any, wid: str, now_ms: int) -> dict[str, 
     return row
 
 
-def _streams(client: redis.Redis, keys: Any, worker_ids: list[str]) -> list[str]:
+def _streams(client: SyncClient, keys: Any, worker_ids: list[str]) -> list[str]:
     """The request stream, and the task streams of the workers shown (not of earlier runs)."""
     tasks = sorted(name for name in map(keys.tasks, worker_ids) if client.exists(name))
     return [keys.requests, *tasks]
 
 
-def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
+def _stream(client: SyncClient, name: str, now_ms: int) -> dict[str, Any]:
     row: dict[str, Any] = {"stream": name, "length": client.xlen(name), "groups": []}
     for group in client.xinfo_groups(name) if client.exists(name) else []:
         pending = int(group["pending"])
@@ -112,7 +114,7 @@ def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
     return row
 
 
-def _link(client: redis.Redis, key: str) -> dict[str, Any]:
+def _link(client: SyncClient, key: str) -> dict[str, Any]:
     h = client.hgetall(key)
     return {
         "prefill": h.get("prefill"),
@@ -148,9 +150,18 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_UNREACHABLE = (redis.RedisError, RedisClusterException, OSError)
+
+
 def run(args: argparse.Namespace, env: Env) -> int:
     url = redis_url(args, env)
-    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    try:
+        client = sync_client(url, decode_responses=True, socket_timeout=5)  # a cluster's client connects here
+    except ValueError as exc:  # a cluster URL that does not read
+        say(f"splitbus status: {exc}")
+        return 2
+    except _UNREACHABLE as exc:
+        return _unreachable(url, exc)
     try:
         while _show(_text(collect(client, env.prefix), args.json)):
             if args.watch is None:
@@ -159,13 +170,17 @@ def run(args: argparse.Namespace, env: Env) -> int:
             if not args.json and not _show(CLEAR_SCREEN):
                 break
         return 0  # stdout was closed: whoever read it has what they wanted
-    except (redis.RedisError, OSError) as exc:
-        say(f"splitbus status: Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}")
-        return 1
+    except _UNREACHABLE as exc:
+        return _unreachable(url, exc)
     except KeyboardInterrupt:
         return 0
     finally:
         client.close()
+
+
+def _unreachable(url: str, exc: BaseException) -> int:
+    say(f"splitbus status: Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}")
+    return 1
 
 
 def _text(status: dict[str, Any], as_json: bool) -> str:
