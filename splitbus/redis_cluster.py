@@ -202,14 +202,31 @@ def slot_ranges(primaries: int) -> list[tuple[int, int]]:
 
 
 def free_cluster_port(host: str, taken: set[int], attempts: int = 200) -> int:
-    """A port that is free on ``host`` and whose bus port (+10000) is free too."""
+    """A port that is free on ``host`` and whose bus port (+10000) is free too, both below the
+    kernel's ephemeral range where it leaves room: a cluster restarted from its folder needs
+    its old ports again, and an outgoing connection may hold a port of that range (measured:
+    ``up --redis-cluster`` restarted on its folder found a node's old port in use)."""
+    low, high = _PORT_FLOOR, min(_ephemeral_start(), 65536) - 1 - BUS_PORT_OFFSET
+    if high - low < 1000:
+        low, high = 20000, 65535 - BUS_PORT_OFFSET
     for _ in range(attempts):
-        port = random.randint(20000, 65535 - BUS_PORT_OFFSET)
+        port = random.randint(low, high)
         if port in taken or port + BUS_PORT_OFFSET in taken:
             continue
         if _bindable(host, port) and _bindable(host, port + BUS_PORT_OFFSET):
             return port
     raise RedisServerError(f"found no free port pair (port, port + {BUS_PORT_OFFSET}) on {host}")
+
+
+_PORT_FLOOR = 10000
+"""Cluster ports start here (below: well-known and registered services, more often in use)."""
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux; else 32768)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
 
 
 def _bindable(host: str, port: int) -> bool:

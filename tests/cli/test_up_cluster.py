@@ -67,7 +67,7 @@ def test_redis_cli_runs_in_cluster_mode_on_a_cluster_url() -> None:
 
 
 def _fake_server(folder: Path, port: int, started: float) -> None:
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "redis.conf").write_text(f"bind 127.0.0.1\nport {port}\n")
     os.utime(folder / "redis.conf", (started, started))
 
