@@ -145,9 +145,27 @@ def test_a_node_that_keeps_exiting_stops_up_naming_its_log(capsys: pytest.Captur
     watch = ClusterUp(cluster)  # type: ignore[arg-type]  # only what check() uses
     assert [watch.check() for _ in range(MAX_NODE_RESTARTS)] == [None] * MAX_NODE_RESTARTS
     assert node.starts == MAX_NODE_RESTARTS
-    assert capsys.readouterr().out.count("Redis Cluster node 0 (port 7000) exited: starting it again") == 3
+    out = capsys.readouterr().out
+    assert out.count("Redis Cluster node 0 (port 7000) exited: starting it again") == MAX_NODE_RESTARTS
     assert watch.check() == f"Redis Cluster node 0 exited {MAX_NODE_RESTARTS + 1} times; its log: /nowhere/redis.log"
     assert node.starts == MAX_NODE_RESTARTS
+
+
+def test_the_banner_shows_the_cluster_url_masked_and_its_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "redis-cluster"
+    url = cluster_url("splitbus", PASSWORD, [("127.0.0.1", 7000 + i) for i in range(6)])
+    cluster = type("Cluster", (), {"data_dir": folder, "primaries": 3, "replicas": 1, "url": url, "size": 6})()
+    args = build_parser(Env()).parse_args(
+        ["up", "--engine", "sim", "--data-dir", str(tmp_path), "--redis-cluster", "3"]
+    )
+    up._announce(args, Env(), url, up.ServedModel(tmp_path, "tiny"), ClusterUp(cluster))  # type: ignore[arg-type]
+    banner = capsys.readouterr().out
+    assert PASSWORD not in banner
+    assert "Redis redis+cluster://splitbus:***@127.0.0.1:7000,127.0.0.1:7001," in banner
+    assert f"  cluster: 3 primaries + 3 replicas in {folder}" in banner
+    assert f"password: {folder / 'splitbus.password'} (user splitbus)" in banner
 
 
 class Up:
