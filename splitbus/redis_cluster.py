@@ -202,14 +202,31 @@ def slot_ranges(primaries: int) -> list[tuple[int, int]]:
 
 
 def free_cluster_port(host: str, taken: set[int], attempts: int = 200) -> int:
-    """A port that is free on ``host`` and whose bus port (+10000) is free too."""
+    """A port that is free on ``host`` and whose bus port (+10000) is free too, both below the
+    kernel's ephemeral range where it leaves room: a cluster restarted from its folder needs
+    its old ports again, and an outgoing connection may hold a port of that range (measured:
+    ``up --redis-cluster`` restarted on its folder found a node's old port in use)."""
+    low, high = _PORT_FLOOR, min(_ephemeral_start(), 65536) - 1 - BUS_PORT_OFFSET
+    if high - low < 1000:
+        low, high = 20000, 65535 - BUS_PORT_OFFSET
     for _ in range(attempts):
-        port = random.randint(20000, 65535 - BUS_PORT_OFFSET)
+        port = random.randint(low, high)
         if port in taken or port + BUS_PORT_OFFSET in taken:
             continue
         if _bindable(host, port) and _bindable(host, port + BUS_PORT_OFFSET):
             return port
     raise RedisServerError(f"found no free port pair (port, port + {BUS_PORT_OFFSET}) on {host}")
+
+
+_PORT_FLOOR = 10000
+"""Cluster ports start here (below: well-known and registered services, more often in use)."""
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux; else 32768)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -294,10 +311,12 @@ class EmbeddedCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, timeout_s: float = 30.0) -> str:
+    def start(self, timeout_s: float = 30.0, progress: Callable[[str], None] | None = None) -> str:
         """Start every node, join them into a cluster (unless they were one already: a restart),
-        and wait until it is healthy (:meth:`problems` is empty). Returns :attr:`url`."""
+        and wait until it is healthy (:meth:`problems` is empty). Returns :attr:`url`.
+        ``progress`` is told each step, and what is still missing about once a second."""
         deadline = time.monotonic() + timeout_s
+        tell = progress or (lambda _: None)
         make_private_folder(self.data_dir)
         ensure_secret(self.data_dir / "splitbus.password")
         ensure_secret(self.data_dir / "admin.password")
@@ -305,9 +324,11 @@ class EmbeddedCluster:
             restart = self._make_nodes()
             for node in self.nodes:
                 node.start(timeout_s=max(1.0, deadline - time.monotonic()))
+            tell(f"{self.size} nodes running" + (", as the cluster they were in (restart)" if restart else ""))
             if not restart:
                 self._create(deadline)
-            self.wait_healthy(max(0.0, deadline - time.monotonic()))
+                tell(f"slots assigned to {self.primaries} primaries, nodes met, replicas following")
+            self.wait_healthy(max(0.0, deadline - time.monotonic()), progress)
         except BaseException:
             self.stop()
             raise
@@ -367,9 +388,11 @@ class EmbeddedCluster:
                 raise RedisServerError(f"the cluster in {self.data_dir}: timed out waiting for {what}")
             time.sleep(0.02)
 
-    def wait_healthy(self, timeout_s: float = 30.0) -> None:
-        """Until :meth:`problems` is empty (RedisServerError with the last problems if not)."""
+    def wait_healthy(self, timeout_s: float = 30.0, progress: Callable[[str], None] | None = None) -> None:
+        """Until :meth:`problems` is empty (RedisServerError with the last problems if not);
+        ``progress`` hears what is still missing, about once a second."""
         deadline = time.monotonic() + timeout_s
+        told = time.monotonic()
         last: list[str] = []
         while True:
             last = self.problems()
@@ -377,6 +400,9 @@ class EmbeddedCluster:
                 return
             if time.monotonic() > deadline:
                 raise RedisServerError(f"the cluster in {self.data_dir} is not healthy: {'; '.join(last)}")
+            if progress is not None and time.monotonic() - told >= 1.0:
+                told = time.monotonic()
+                progress("waiting for " + "; ".join(last[:3]) + ("; ..." if len(last) > 3 else ""))
             time.sleep(0.02)
 
     def problems(self) -> list[str]:

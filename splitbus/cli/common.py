@@ -42,8 +42,8 @@ def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="the data folder of `splitbus up` or `splitbus redis` whose embedded Redis to use, and whose "
-        "models/ caches converted .gguf files (default: SPLITBUS_DATA_DIR, else .splitbus)",
+        help="the data folder of `splitbus up` or `splitbus redis` whose embedded Redis (or cluster) to use, "
+        "and whose models/ caches converted .gguf files (default: SPLITBUS_DATA_DIR, else .splitbus)",
     )
 
 
@@ -52,11 +52,12 @@ def data_dir(args: argparse.Namespace, env: Env) -> Path:
 
 
 def redis_url(args: argparse.Namespace, env: Env) -> str:
-    """--redis-url, else SPLITBUS_REDIS_URL, else the embedded Redis in the data folder (its
-    password read from its file), else a local Redis on the default port."""
-    from splitbus.redis_server import embedded_url
+    """--redis-url, else SPLITBUS_REDIS_URL, else the embedded Redis or Redis Cluster in the data
+    folder, whichever started last (its password read from its file), else a local Redis on the
+    default port."""
+    from splitbus.cli.embedded import embedded_bus_url
 
-    return args.redis_url or env.redis_url or embedded_url(data_dir(args, env) / "redis") or LOCAL_REDIS
+    return args.redis_url or env.redis_url or embedded_bus_url(data_dir(args, env)) or LOCAL_REDIS
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:

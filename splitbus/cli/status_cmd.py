@@ -13,9 +13,11 @@ import time
 from typing import Any, cast
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from splitbus.bus.connection import connect_sync
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
+from splitbus.cli.embedded import SyncClient, sync_client
 from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
 
@@ -38,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.set_defaults(run=run)
 
 
-def collect(client: redis.Redis, prefix: str, cell: str) -> dict[str, Any]:
+def collect(client: SyncClient, prefix: str, cell: str) -> dict[str, Any]:
     from splitbus.bus.keys import Keys
 
     keys = Keys(prefix, cell)
@@ -55,7 +57,7 @@ def collect(client: redis.Redis, prefix: str, cell: str) -> dict[str, Any]:
     }
 
 
-def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
+def _worker_ids(client: SyncClient, keys: Any) -> list[str]:
     """The registry's live set (a worker whose lease lapsed stays there until a reaper takes it),
     then the workers a reaper marked dead (``state`` = dead, kept an hour). A worker that stopped
     cleanly has no record left: its task stream, also kept an hour, belongs to an earlier run."""
@@ -65,12 +67,12 @@ def _worker_ids(client: redis.Redis, keys: Any) -> list[str]:
     return listed + [wid for wid in dead if wid not in listed]
 
 
-def _server_ms(client: redis.Redis) -> int:
+def _server_ms(client: SyncClient) -> int:
     seconds, micros = client.time()
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def _worker(client: redis.Redis, keys: Any, wid: str, now_ms: int) -> dict[str, Any]:
+def _worker(client: SyncClient, keys: Any, wid: str, now_ms: int) -> dict[str, Any]:
     h = client.hgetall(keys.worker(wid))
     lease = client.pttl(keys.lease(wid))
     ints = ("running", "waiting", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "dp_rank")
@@ -87,13 +89,13 @@ def _worker(client: redis.Redis, keys: Any, wid: str, now_ms: int) -> dict[str, 
     return row
 
 
-def _streams(client: redis.Redis, keys: Any, worker_ids: list[str]) -> list[str]:
+def _streams(client: SyncClient, keys: Any, worker_ids: list[str]) -> list[str]:
     """The request stream, and the task streams of the workers shown (not of earlier runs)."""
     tasks = sorted(name for name in map(keys.tasks, worker_ids) if client.exists(name))
     return [keys.requests, *tasks]
 
 
-def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
+def _stream(client: SyncClient, name: str, now_ms: int) -> dict[str, Any]:
     row: dict[str, Any] = {"stream": name, "length": client.xlen(name), "groups": []}
     for group in client.xinfo_groups(name) if client.exists(name) else []:
         pending = int(group["pending"])
@@ -113,7 +115,7 @@ def _stream(client: redis.Redis, name: str, now_ms: int) -> dict[str, Any]:
     return row
 
 
-def _link(client: redis.Redis, key: str) -> dict[str, Any]:
+def _link(client: SyncClient, key: str) -> dict[str, Any]:
     h = client.hgetall(key)
     return {
         "prefill": h.get("prefill"),
@@ -149,9 +151,18 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_UNREACHABLE = (redis.RedisError, RedisClusterException, OSError)
+
+
 def run(args: argparse.Namespace, env: Env) -> int:
     url = redis_url(args, env)
-    client = connect_sync(url, decode_responses=True, socket_timeout=5)
+    try:
+        client = connect_sync(url, decode_responses=True, socket_timeout=5)  # a cluster's client connects here
+    except ValueError as exc:  # a cluster URL that does not read
+        say(f"splitbus status: {exc}")
+        return 2
+    except _UNREACHABLE as exc:
+        return _unreachable(url, exc)
     try:
         while _show(_text(collect(client, env.prefix, env.cell), args.json)):
             if args.watch is None:
@@ -160,13 +171,17 @@ def run(args: argparse.Namespace, env: Env) -> int:
             if not args.json and not _show(CLEAR_SCREEN):
                 break
         return 0  # stdout was closed: whoever read it has what they wanted
-    except (redis.RedisError, OSError) as exc:
-        say(f"splitbus status: Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}")
-        return 1
+    except _UNREACHABLE as exc:
+        return _unreachable(url, exc)
     except KeyboardInterrupt:
         return 0
     finally:
         client.close()
+
+
+def _unreachable(url: str, exc: BaseException) -> int:
+    say(f"splitbus status: Redis at {mask_url(url)} is not reachable: {mask_text(str(exc))}")
+    return 1
 
 
 def _text(status: dict[str, Any], as_json: bool) -> str:

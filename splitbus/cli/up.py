@@ -1,4 +1,5 @@
-"""``splitbus up``: Redis (embedded unless ``--redis-url``), scheduler, workers and API as
+"""``splitbus up``: Redis (embedded unless ``--redis-url``; an embedded Redis Cluster with
+``--redis-cluster N``: :mod:`splitbus.cli.cluster_up`), scheduler, workers and API as
 child processes; prints where to reach them; restarts a part that dies (with backoff: see
 :mod:`splitbus.cli.supervisor`; not the embedded Redis: if it dies, ``up`` stops); Ctrl-C or
 SIGTERM stops everything.
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitbus.cli.cluster_up import ClusterUp, add_cluster_option, check_cluster_options, start_cluster
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.cli.supervisor import Supervisor
@@ -32,6 +34,8 @@ from splitbus.models.resolve import resolve_model, served_name
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
 from splitbus.worker import engines
 
+Embedded = EmbeddedRedis | ClusterUp
+"""What ``up`` started for the bus: the single embedded Redis, or the embedded cluster."""
 READY_TIMEOUT_S = 60.0
 EXIT_DP_GROUP_BROKEN = 3
 """A DP rank's exit code when its group broke (``DpStepper.leave`` in splitbus/worker/dp.py)."""
@@ -92,6 +96,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)"
     )
     add_embedded_options(p, env)
+    add_cluster_option(p)
     p.set_defaults(run=run)
 
 
@@ -167,10 +172,11 @@ def run(args: argparse.Namespace, env: Env) -> int:
     try:
         counts = worker_counts(args)
         _check_api_keys(args.api_key)
+        check_cluster_options(args)
     except ValueError as exc:
-        say(f"splitbus up: {exc}")
+        say(f"splitbus up: {mask_text(str(exc))}")
         return 2
-    server: EmbeddedRedis | None = None
+    server: Embedded | None = None
     supervisor = Supervisor()
     noted: list[str] = []
     with _signals_noted(noted):  # a Ctrl-C before the wait for it (start-up, the banner) stops as one during it
@@ -195,7 +201,7 @@ def _start_and_serve(
     args: argparse.Namespace,
     env: Env,
     url: str,
-    server: EmbeddedRedis | None,
+    server: Embedded | None,
     counts: tuple[int, int, int],
     noted: list[str],
 ) -> str:
@@ -239,10 +245,13 @@ def _hurried_by_a_second_signal(supervisor: Supervisor) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _redis(args: argparse.Namespace) -> tuple[EmbeddedRedis | None, str]:
+def _redis(args: argparse.Namespace) -> tuple[Embedded | None, str]:
     if args.redis_url:
         _check_reachable(args.redis_url)
         return None, args.redis_url
+    if args.redis_cluster:
+        cluster = start_cluster(args)
+        return cluster, cluster.url
     server = start_embedded(args)
     return server, server.url
 
@@ -352,15 +361,18 @@ def _start_group(
         supervisor.start(name, [*worker, *dp, *metrics()], env, exits=broken)
 
 
-def _watcher(supervisor: Supervisor, server: EmbeddedRedis | None, noted: list[str]) -> Callable[[], str | None]:
+def _watcher(supervisor: Supervisor, server: Embedded | None, noted: list[str]) -> Callable[[], str | None]:
     """Called every 0.1 s on the main thread: restarts dead parts; says why to stop, if so (a
     signal noted before `wait_for_stop` took them over, first)."""
     return lambda: (noted[0] if noted else None) or supervisor.watch() or _redis_gone(server)
 
 
-def _redis_gone(server: EmbeddedRedis | None) -> str | None:
+def _redis_gone(server: Embedded | None) -> str | None:
     """The embedded Redis is not restarted: it holds the one copy of the bus, and its children
-    reconnect with backoff only to the same address. ``up`` stops, pointing at its log."""
+    reconnect with backoff only to the same address. ``up`` stops, pointing at its log. A node
+    of the embedded cluster is (:meth:`ClusterUp.check`): its replica holds its data."""
+    if isinstance(server, ClusterUp):
+        return server.check()
     if server is None or server.alive():
         return None
     return f"the embedded Redis exited; its log: {server.log_path}"
@@ -372,7 +384,7 @@ def _serve(
     env: Env,
     url: str,
     model: ServedModel,
-    server: EmbeddedRedis | None,
+    server: Embedded | None,
 ) -> str:
     """Wait for the API, say where everything is, then run until told to stop; returns why it stopped."""
     never_ready = _wait_ready(check, args)
@@ -400,7 +412,7 @@ def _wait_ready(check: Callable[[], str | None], args: argparse.Namespace) -> st
     return f"the API was not ready within {READY_TIMEOUT_S:.0f}s"
 
 
-def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, server: EmbeddedRedis | None) -> None:
+def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, server: Embedded | None) -> None:
     """Where everything is, and where the secrets are kept; never a key or a password."""
     base = f"http://{args.host}:{args.port}"
     say(f"splitbus is up: API {base}/v1  Redis {mask_url(url)}")
@@ -413,6 +425,8 @@ def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, 
     body = json.dumps({"model": model.name, "prompt": "Hello", "max_tokens": 16, "stream": True})
     say(f"  try: curl -sN {base}/v1/completions{auth} -H 'Content-Type: application/json' \\")
     say(f"         -d {shlex.quote(body)}")
+    if isinstance(server, ClusterUp):
+        say(server.describe())
     if server is not None:
         say(f"  password: {server.password_path} (user splitbus); admin: {server.admin_password_path} (user default)")
     for line in _tools(args, env, server):
@@ -420,7 +434,7 @@ def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, 
     say("Ctrl-C stops everything.")
 
 
-def _tools(args: argparse.Namespace, env: Env, server: EmbeddedRedis | None) -> list[str]:
+def _tools(args: argparse.Namespace, env: Env, server: Embedded | None) -> list[str]:
     """``status`` and ``redis-cli`` as typed in this shell: they find the embedded Redis in the
     data folder (named if it is not the default one), an external Redis in SPLITBUS_REDIS_URL."""
     from splitbus.bus.keys import Keys

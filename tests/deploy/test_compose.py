@@ -30,14 +30,14 @@ PARTS = ("api", "scheduler", "prefill", "decode")
 SECRETS = {"SPLITBUS_API_KEYS": "compose-test-key-0123456789", "SPLITBUS_REDIS_PASSWORD": "compose-redis-pw-0123456789"}
 
 
-def _compose(**variables: str) -> subprocess.CompletedProcess[str]:
+def _compose(*profiles: str, **variables: str) -> subprocess.CompletedProcess[str]:
     if shutil.which("docker-compose") is None:
         if os.environ.get("SPLITBUS_REQUIRE_COMPOSE"):
             pytest.fail("docker-compose is not installed (.ci/run installs Debian's package)")
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITBUS_")} | variables
     return subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), *(f"--profile={p}" for p in profiles), "config"],
         capture_output=True,
         text=True,
         env=env,
@@ -47,8 +47,8 @@ def _compose(**variables: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _compose_config(**variables: str) -> dict:
-    out = _compose(**(SECRETS | variables))
+def _compose_config(*profiles: str, **variables: str) -> dict:
+    out = _compose(*profiles, **(SECRETS | variables))
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -162,6 +162,134 @@ def test_environment_switches_engine_and_model() -> None:
         assert command[command.index("--model") + 1] == "/models/qwen"
         assert any(str(v).startswith("/srv/hf:/models") for v in services[name]["volumes"])
     assert services["api"]["command"][services["api"]["command"].index("--model") + 1] == "/models/qwen"
+
+
+CLUSTER_NODES = [f"redis-node-{i}" for i in range(6)]
+CLUSTER_ADDRESS = ",".join(f"{node}:6379" for node in CLUSTER_NODES)
+
+
+def test_the_cluster_profile_forms_six_nodes_and_points_the_parts_at_them() -> None:
+    from splitbus.cli.embedded import parse_cluster_url
+
+    pointed = {"SPLITBUS_REDIS_SCHEME": "redis+cluster", "SPLITBUS_REDIS_ADDRESS": CLUSTER_ADDRESS}
+    services = _compose_config("cluster", SPLITBUS_REDIS_ADMIN_PASSWORD="compose-admin-pw-0123456789", **pointed)[
+        "services"
+    ]
+    for node in CLUSTER_NODES:
+        service = services[node]
+        assert service["profiles"] == ["cluster"] and service["entrypoint"] == ["sh", "/splitbus/redis-entrypoint.sh"]
+        assert service["environment"]["SPLITBUS_REDIS_CLUSTER"] == "yes", node
+        assert any(str(v).startswith(f"{node}-data:") or f"{node}-data" in str(v) for v in service["volumes"]), node
+        assert "ports" not in service, node
+    init = services["redis-cluster-init"]
+    assert init["profiles"] == ["cluster"] and init["restart"] == "no"
+    assert {node: dep["condition"] for node, dep in init["depends_on"].items()} == dict.fromkeys(
+        CLUSTER_NODES, "service_healthy"
+    )
+    assert init["environment"]["SPLITBUS_REDIS_NODES"].split() == CLUSTER_ADDRESS.split(",")
+    for name in PARTS:
+        url = parse_cluster_url(services[name]["environment"]["SPLITBUS_REDIS_URL"])
+        assert url.nodes == tuple((node, 6379) for node in CLUSTER_NODES), name
+        assert (url.username, url.password) == ("splitbus", SECRETS["SPLITBUS_REDIS_PASSWORD"])
+
+
+def _compose_node(tmp_path: Path, name: str, port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The compose entrypoint run here in ``tmp_path/name`` (its config and nodes.conf there),
+    with docker-entrypoint.sh stubbed by the embedded binary on ``port``."""
+    from splitbus.redis_server import find_redis_server
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "docker-entrypoint.sh").write_text(
+        f'#!/bin/sh\nshift\nsed -i "s#^appendonly yes#appendonly no#" "$1"\necho "port {port}" >> "$1"\n'
+        f'exec {find_redis_server()} "$1"\n'
+    )
+    os.chmod(folder / "docker-entrypoint.sh", 0o755)
+    script = ENTRYPOINT.read_text().replace("conf=/tmp/redis.conf", f"conf={folder}/redis.conf")
+    (folder / "entry.sh").write_text(script)
+    environment = {"PATH": f"{folder}:{os.environ['PATH']}", **env}
+    return subprocess.Popen(["sh", str(folder / "entry.sh")], env=environment, cwd=folder)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("sha256sum") is None or shutil.which("getent") is None, reason="needs coreutils")
+def test_the_compose_cluster_forms_here(tmp_path: Path) -> None:
+    """Six nodes from the compose entrypoint in cluster mode, formed by the init script (with
+    the redis-cli beside the embedded server): every primary gets a replica that syncs as the
+    replicator user, and the splitbus user reads and writes through a cluster client."""
+    from splitbus.cli.embedded import cluster_url, sync_client
+    from splitbus.cli.redis_cli_cmd import find_cli
+    from splitbus.redis_cluster import free_cluster_port, parse_nodes
+
+    admin = "compose-admin-pw-0123456789"
+    env = {**SECRETS, "SPLITBUS_REDIS_CLUSTER": "yes", "SPLITBUS_REDIS_ADMIN_PASSWORD": admin}
+    taken: set[int] = set()
+    ports = []
+    for _ in range(6):
+        ports.append(free_cluster_port("127.0.0.1", taken))
+        taken |= {ports[-1], ports[-1] + 10000}
+    nodes = [_compose_node(tmp_path, f"node-{i}", port, env) for i, port in enumerate(ports)]
+    try:
+        clients = [redis_client.Redis(port=port, password=admin) for port in ports]
+        for client in clients:
+            _wait_for_ping(client)
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "redis-cli").symlink_to(find_cli())
+        (bin_dir / "getent").write_text('#!/bin/sh\necho "127.0.0.1 $2"\n')  # the nodes' names resolve here
+        os.chmod(bin_dir / "getent", 0o755)
+        init_env = {
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "REDISCLI_AUTH": admin,
+            "SPLITBUS_REDIS_NODES": " ".join(f"localhost:{port}" for port in ports),
+        }
+        init = ROOT / "deploy" / "redis-cluster-init.sh"
+        done = subprocess.run(["sh", str(init)], env=init_env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "the cluster is healthy" in done.stdout, done.stdout + done.stderr
+        _wait_for_replicas(clients)
+        rows = parse_nodes(clients[0].execute_command("CLUSTER", "NODES").decode())
+        assert sum(row.primary for row in rows) == 3 and len(rows) == 6
+        again = subprocess.run(["sh", str(init)], env=init_env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "formed already" in again.stdout, again.stdout + again.stderr
+        url = cluster_url("splitbus", SECRETS["SPLITBUS_REDIS_PASSWORD"], [("127.0.0.1", port) for port in ports])
+        cluster = sync_client(url, decode_responses=True)
+        try:
+            for i in range(30):
+                cluster.set(f"compose-cluster:{i}", i)
+            assert cluster.get("compose-cluster:7") == "7"
+        finally:
+            cluster.close()
+        for folder in tmp_path.glob("node-*"):
+            text = (folder / "redis.conf").read_text()
+            assert admin not in text and SECRETS["SPLITBUS_REDIS_PASSWORD"] not in text
+    finally:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            node.wait(10)
+
+
+def _wait_for_ping(client: redis_client.Redis, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            assert client.ping()
+            return
+        except redis_client.ConnectionError:
+            assert time.monotonic() < deadline, "a compose Redis node did not start"
+            time.sleep(0.05)
+
+
+def _wait_for_replicas(clients: list[redis_client.Redis], timeout_s: float = 30) -> None:
+    """Until every replica's link to its primary is up (it logged in as the replicator)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = [client.info("replication") for client in clients]
+        replicas = [info for info in infos if info["role"] == "slave"]
+        if len(replicas) == 3 and all(info["master_link_status"] == "up" for info in replicas):
+            return
+        assert time.monotonic() < deadline, f"replicas not in sync: {infos}"
+        time.sleep(0.1)
 
 
 def test_the_parts_serve_the_model_the_image_bakes_in() -> None:
