@@ -81,6 +81,31 @@ def _node(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class BusCluster(aioredis.RedisCluster):
+    """redis-py 8.1's asyncio cluster client, but for how it drops its connections after a node
+    fails.
+
+    redis-py calls :meth:`aclose` itself when a pipeline meets a ``ConnectionError`` (before it
+    retries) and on ``CLUSTERDOWN``: that disconnects every connection to every node, including
+    those other tasks are using at that moment, which then fail with ``AttributeError`` or
+    ``RuntimeError`` (a closed transport), not a ``ConnectionError`` the bus would back off on.
+    Measured (tests/faults/test_cluster_failover.py): a kill -9 of a result stream's primary
+    failed KV hand-offs on the live control-plane primary that way. Here connections in use are
+    only marked, and closed when their command is done (redis-py's own path for a node that
+    failed), and the slot map is read again before the next command; with none in use, it
+    closes as redis-py does."""
+
+    async def aclose(self) -> None:
+        nodes = list(self.nodes_manager.nodes_cache.values())
+        if not any(set(node._connections) - set(node._free) for node in nodes):
+            await super().aclose()
+            return
+        self._initialize = True  # the next command reads the slot map again first
+        for node in nodes:
+            node.update_active_connections_for_reconnect()
+            await node.disconnect_free_connections()
+
+
 def as_cluster(redis: aioredis.Redis) -> aioredis.RedisCluster | None:
     """The client as a cluster client if it is one (``connect`` gave it for a cluster URL)."""
     return redis if isinstance(redis, aioredis.RedisCluster) else None

@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
+from splitbus.bus.cluster import BusCluster, is_cluster_url, parse_cluster_url
 from splitbus.bus.config import BusConfig
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str |
     ``require_full_coverage`` off, as on the embedded cluster: while one primary fails over,
     the others' slots stay served."""
     url = parse_cluster_url(config.redis_url)
-    return aioredis.RedisCluster(
+    return BusCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
         username=url.username,
         password=url.password,
