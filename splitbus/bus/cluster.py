@@ -13,13 +13,15 @@ the commands it got before:
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 import redis.asyncio as aioredis
-from redis.exceptions import SlotNotCoveredError
+from redis.exceptions import MaxConnectionsError, SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
 SCHEME = "redis+cluster"
@@ -94,6 +96,26 @@ class BusCluster(aioredis.RedisCluster):
     only marked, and closed when their command is done (redis-py's own path for a node that
     failed), and the slot map is read again before the next command; with none in use, it
     closes as redis-py does."""
+
+    pool_wait_s: float = 5.0
+    """How long a command waits for a connection of a full node pool (a single Redis's blocking
+    pool waits ``socket_timeout_s``, what :func:`~splitbus.bus.connection.connect` sets this to)."""
+
+    async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
+        """As redis-py's, but a full node pool makes the command wait, as a single Redis's blocking
+        pool does: redis-py raises ``MaxConnectionsError`` at once, before anything is sent (so
+        sending again is safe), and a burst of commands (the API's cancellations of 50
+        disconnected clients) lost all but the pool's size of them."""
+        deadline = time.monotonic() + self.pool_wait_s
+        delay = 0.002
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except MaxConnectionsError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
 
     async def aclose(self) -> None:
         nodes = list(self.nodes_manager.nodes_cache.values())

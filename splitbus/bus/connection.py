@@ -92,7 +92,7 @@ def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str |
     ``require_full_coverage`` off, as on the embedded cluster: while one primary fails over,
     the others' slots stay served."""
     url = parse_cluster_url(config.redis_url)
-    return BusCluster(
+    client = BusCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
         username=url.username,
         password=url.password,
@@ -100,6 +100,8 @@ def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str |
         require_full_coverage=False,
         **_client_settings(config, name),
     )
+    client.pool_wait_s = config.socket_timeout_s  # as the single Redis's blocking pool waits
+    return client
 
 
 def _client_settings(config: BusConfig, name: str | None) -> dict[str, Any]:

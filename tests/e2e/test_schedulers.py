@@ -1,4 +1,5 @@
-"""Scheduler replicas share the request stream: each request is dispatched exactly once."""
+"""Scheduler replicas share the request stream: each request is dispatched exactly once (on a
+single Redis and on a cluster)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from pathlib import Path
 
 import openai
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 
 
-def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--schedulers", "2")
+def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    system = start_system(tmp_path, "--schedulers", "2", environ=bus_environ)
     try:
 
         async def run() -> list[str]:
@@ -33,8 +35,8 @@ def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path) -> None
         assert asyncio.run(run()) == [sim_text(i, 4) for i in range(200)]
         r = system.redis()
         tasks: Counter[tuple[str, str]] = Counter()
-        for worker in r.zrange("sb:workers", 0, -1):
-            for _, fields in r.xrange(f"sb:tasks:{{{worker}}}"):
+        for worker in r.zrange(Keys().workers, 0, -1):
+            for _, fields in r.xrange(Keys().tasks(worker)):
                 import orjson
 
                 task = orjson.loads(fields["data"])
@@ -42,7 +44,7 @@ def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path) -> None
         requests = {rid for rid, _ in tasks}
         assert len(requests) == 200
         assert all(tasks[(rid, phase)] == 1 for rid in requests for phase in ("prefill", "decode"))
-        consumers = r.xinfo_consumers("sb:requests", "schedulers")
+        consumers = r.xinfo_consumers(Keys().requests, "schedulers")
         assert len(consumers) == 2 and all(c["pending"] == 0 for c in consumers)
     finally:
         assert stop_system(system) == []
