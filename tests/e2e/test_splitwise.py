@@ -8,6 +8,7 @@ from pathlib import Path
 
 import openai
 
+from splitbus.bus.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
@@ -31,7 +32,15 @@ def test_streamed_chat_and_completion(system: System) -> None:
     assert "".join(c.choices[0].text for c in completion) == sim_text(5, 7)
 
 
-def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System) -> None:
+def test_fifty_concurrent_requests_are_exact_and_both_roles_work(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    system = start_system(tmp_path, environ=bus_environ)  # on a single Redis and on a cluster
+    try:
+        _fifty_concurrent_requests(system)
+    finally:
+        assert stop_system(system) == []
+
+
+def _fifty_concurrent_requests(system: System) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
         stream = await client.completions.create(
             model="tiny", prompt=f"request {i}", max_tokens=10 + i, seed=1000 + i, stream=True
@@ -49,7 +58,7 @@ def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System)
 
     def work_done() -> tuple[int, int]:  # as the workers' heartbeats (every 0.5 s) report it
         r = system.redis()
-        by_role = {w["role"]: w for w in (r.hgetall(f"sb:worker:{{{wid}}}") for wid in r.zrange("sb:workers", 0, -1))}
+        by_role = {w["role"]: w for w in (r.hgetall(Keys().worker(wid)) for wid in r.zrange(Keys().workers, 0, -1))}
         return int(by_role["prefill"]["prefills_done"]), int(by_role["decode"]["decodes_done"])
 
     deadline = time.monotonic() + 5
@@ -58,8 +67,8 @@ def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System)
     prefills, decodes = work_done()
     assert prefills >= 50 and decodes >= 50
     r = system.redis()
-    for wid in r.zrange("sb:workers", 0, -1):  # every reservation was given back
-        reserved = r.hmget(f"sb:worker:{{{wid}}}", "reserved_prefill_tokens", "reserved_requests", "reserved_kv_blocks")
+    for wid in r.zrange(Keys().workers, 0, -1):  # every reservation was given back
+        reserved = r.hmget(Keys().worker(wid), "reserved_prefill_tokens", "reserved_requests", "reserved_kv_blocks")
         assert [int(x or 0) for x in reserved] == [0, 0, 0], (wid, reserved)
 
 
