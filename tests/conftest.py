@@ -59,6 +59,22 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
     cluster.stop()
 
 
+@pytest.fixture(params=["redis", "cluster"])
+def bus_environ(request: pytest.FixtureRequest) -> dict[str, str]:
+    """For an end-to-end test that runs on both: ``start_system``'s ``environ``, empty for
+    ``up``'s own single embedded Redis, or the session cluster's ``SPLITBUS_REDIS_URL`` (its
+    keys flushed first, so that the test sees only its own system's)."""
+    if request.param == "redis":
+        return {}
+    cluster: EmbeddedCluster = request.getfixturevalue("redis_cluster")
+    admin = cluster.client(admin=True)
+    try:
+        admin.flushall(target_nodes=admin.PRIMARIES)
+    finally:
+        admin.close()
+    return {"SPLITBUS_REDIS_URL": cluster.url}
+
+
 @pytest.fixture
 def redis_admin(redis_server: EmbeddedRedis) -> Iterator[sync_redis.Redis]:
     """A sync client as the session server's admin (``default`` user: CONFIG, INFO, ...). A test

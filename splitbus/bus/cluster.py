@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline
-from redis.exceptions import SlotNotCoveredError
+from redis.exceptions import MaxConnectionsError, SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
 SCHEME = "redis+cluster"
@@ -83,16 +84,33 @@ def _node(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class GatedCluster(aioredis.RedisCluster):
-    """A cluster client whose commands and pipelines wait for one of ``max_connections``
-    places, as the single-Redis client waits for a connection of its blocking pool.
+class BusCluster(aioredis.RedisCluster):
+    """redis-py 8.1's asyncio cluster client, but for two things it does unlike the single-Redis
+    client under concurrency.
 
-    redis-py's cluster client has no blocking pool: a node's full pool raises
-    MaxConnectionsError at once, and a pipeline that meets it (a ConnectionError) closes every
-    connection of the client before it retries, blocking reads of other tasks included (measured:
-    50 concurrent hand-offs on a worker's 16-connection client failed that way). With at most
-    ``max_connections`` commands or pipelines in flight, no node's pool can fill: each holds at
-    most one connection per node at a time."""
+    **A full node pool.** redis-py's cluster client has no blocking pool: a node's full pool
+    raises ``MaxConnectionsError`` at once, and a pipeline that meets it (a ``ConnectionError``)
+    closes every connection of the client before it retries, blocking reads of other tasks
+    included (measured: 50 concurrent hand-offs on a worker's 16-connection client failed that
+    way; a burst of the API's cancellations of 50 disconnected clients lost all but the pool's
+    size of them). So commands and pipelines wait for one of ``max_connections`` places, as the
+    single-Redis client waits for a connection of its blocking pool; each holds at most one
+    connection per node at a time, so no node's pool fills. Should one fill all the same, a
+    command waits up to ``pool_wait_s`` for a connection (nothing was sent: sending again is safe).
+
+    **Dropping connections after a node fails.** redis-py calls :meth:`aclose` itself when a
+    pipeline meets a ``ConnectionError`` (before it retries) and on ``CLUSTERDOWN``: that
+    disconnects every connection to every node, including those other tasks are using at that
+    moment, which then fail with ``AttributeError`` or ``RuntimeError`` (a closed transport), not
+    a ``ConnectionError`` the bus would back off on (measured in tests/faults/test_cluster_failover.py:
+    a kill -9 of a result stream's primary failed KV hand-offs on the live control-plane primary).
+    Here connections in use are only marked, and closed when their command is done (redis-py's own
+    path for a node that failed), and the slot map is read again before the next command; with none
+    in use, it closes as redis-py does."""
+
+    pool_wait_s: float = 5.0
+    """How long a command waits for a connection of a full node pool (a single Redis's blocking
+    pool waits ``socket_timeout_s``, what :func:`~splitbus.bus.connection.connect` sets this to)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -100,7 +118,18 @@ class GatedCluster(aioredis.RedisCluster):
 
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
         async with self._gate:
-            return await super().execute_command(*args, **kwargs)
+            return await self._until_a_connection(*args, **kwargs)
+
+    async def _until_a_connection(self, *args: EncodableT, **kwargs: Any) -> Any:
+        deadline, delay = time.monotonic() + self.pool_wait_s, 0.002
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except MaxConnectionsError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if shard_hint:
@@ -114,11 +143,21 @@ class GatedCluster(aioredis.RedisCluster):
         """The places: one per command or pipeline in flight."""
         return self._gate
 
+    async def aclose(self) -> None:
+        nodes = list(self.nodes_manager.nodes_cache.values())
+        if not any(set(node._connections) - set(node._free) for node in nodes):
+            await super().aclose()
+            return
+        self._initialize = True  # the next command reads the slot map again first
+        for node in nodes:
+            node.update_active_connections_for_reconnect()
+            await node.disconnect_free_connections()
+
 
 class _GatedPipeline(ClusterPipeline):
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
         client = self.cluster_client
-        assert isinstance(client, GatedCluster)
+        assert isinstance(client, BusCluster)
         async with client.gate:
             return await super().execute(raise_on_error, allow_redirections)
 

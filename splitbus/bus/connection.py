@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from splitbus.bus.cluster import GatedCluster, is_cluster_url, parse_cluster_url
+from splitbus.bus.cluster import BusCluster, is_cluster_url, parse_cluster_url
 from splitbus.bus.config import BusConfig
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
     cluster: per node).
 
     A full pool makes callers wait for a connection (redis-py's default pool raises at once;
-    on a cluster, commands wait for a place instead: ``GatedCluster``). RESP2 keeps reply shapes identical on Redis 6.2
+    on a cluster, commands wait for a place instead: ``BusCluster``). RESP2 keeps reply shapes identical on Redis 6.2
     and 7. Retries are few and short: the bus's loops own reconnection (with backoff), so a dead
     server surfaces in seconds, not the minute that redis-py 8's defaults take. ``name`` is set
     with CLIENT SETNAME, so ``redis-cli CLIENT LIST`` shows which part holds which connection.
@@ -91,7 +91,7 @@ def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str |
     ``require_full_coverage`` off, as on the embedded cluster: while one primary fails over,
     the others' slots stay served."""
     url = parse_cluster_url(config.redis_url)
-    return GatedCluster(
+    client = BusCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
         username=url.username,
         password=url.password,
@@ -99,6 +99,8 @@ def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str |
         require_full_coverage=False,
         **_client_settings(config, name),
     )
+    client.pool_wait_s = config.socket_timeout_s  # as the single Redis's blocking pool waits
+    return client
 
 
 def _client_settings(config: BusConfig, name: str | None) -> dict[str, Any]:

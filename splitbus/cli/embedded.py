@@ -18,7 +18,8 @@ from urllib.parse import quote
 import redis
 
 from splitbus.bus.cluster import SCHEME as CLUSTER_SCHEME
-from splitbus.bus.cluster import ClusterUrl, is_cluster_url, parse_cluster_url
+from splitbus.bus.cluster import ClusterUrl as ClusterUrl  # re-exported for the CLI
+from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
 from splitbus.redis_server import ADMIN_USER, SPLITBUS_USER, embedded_url, read_secret
 
 SINGLE_FOLDER = "redis"

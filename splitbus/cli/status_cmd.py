@@ -17,7 +17,7 @@ from redis.exceptions import RedisClusterException
 
 from splitbus.bus.connection import connect_sync
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
-from splitbus.cli.embedded import SyncClient, sync_client
+from splitbus.cli.embedded import SyncClient
 from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
 

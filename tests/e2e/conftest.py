@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from splitbus.bus.connection import connect_sync
 from splitbus.redis_server import embedded_url, free_port
 
 
@@ -30,7 +31,8 @@ class System:
         return self.base_url + "/v1"
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+        """A client for the system's Redis: a ``redis.RedisCluster`` for a ``redis+cluster://`` URL."""
+        return connect_sync(self.redis_url, decode_responses=True)
 
     def descendants(self) -> list[int]:
         return _descendants(self.proc.pid)
@@ -112,7 +114,7 @@ def start_system(data_dir: Path, *args: str, environ: dict[str, str] | None = No
     try:
         _wait_until_up(system)
         # The banner masks the password: the test inspects Redis as its admin, from the data folder.
-        given = args[args.index("--redis-url") + 1] if "--redis-url" in args else None
+        given = args[args.index("--redis-url") + 1] if "--redis-url" in args else env.get("SPLITBUS_REDIS_URL")
         system.redis_url = given or embedded_url(data_dir / "redis", admin=True) or ""
     except BaseException:
         proc.kill()  # its children die with it (PR_SET_PDEATHSIG)

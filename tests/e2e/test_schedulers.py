@@ -1,4 +1,5 @@
-"""Scheduler replicas share the request stream: each request is dispatched exactly once."""
+"""Scheduler replicas share the request stream: each request is dispatched exactly once (on a
+single Redis and on a cluster)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 
 
-def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--schedulers", "2")
+def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    system = start_system(tmp_path, "--schedulers", "2", environ=bus_environ)
     try:
 
         async def run() -> list[str]:

@@ -32,7 +32,15 @@ def test_streamed_chat_and_completion(system: System) -> None:
     assert "".join(c.choices[0].text for c in completion) == sim_text(5, 7)
 
 
-def test_fifty_concurrent_requests_are_exact_and_both_roles_work(system: System) -> None:
+def test_fifty_concurrent_requests_are_exact_and_both_roles_work(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    system = start_system(tmp_path, environ=bus_environ)  # on a single Redis and on a cluster
+    try:
+        _fifty_concurrent_requests(system)
+    finally:
+        assert stop_system(system) == []
+
+
+def _fifty_concurrent_requests(system: System) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
         stream = await client.completions.create(
             model="tiny", prompt=f"request {i}", max_tokens=10 + i, seed=1000 + i, stream=True

@@ -1,5 +1,6 @@
 """Clients that disconnect mid-stream: their requests are cancelled on every worker and the KV
-blocks come back (read from the registry, as an operator would)."""
+blocks come back (read from the registry, as an operator would); the first test on a single Redis
+and on a cluster."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def _assert_blocks_return(system: System, within_s: float) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_fifty_disconnects_free_every_kv_block(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--worker-arg=--sim-decode-step-ms", "--worker-arg=20")
+def test_fifty_disconnects_free_every_kv_block(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    system = start_system(tmp_path, "--worker-arg=--sim-decode-step-ms", "--worker-arg=20", environ=bus_environ)
     try:
         during = asyncio.run(_connect_then_leave(system, 50))
         assert any(free < total for role, free, total, _ in during if role == "decode"), during  # they held blocks

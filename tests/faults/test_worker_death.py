@@ -31,9 +31,10 @@ def _moved(system: System) -> int:
 
 
 @pytest.mark.timeout(180)
-def test_decode_worker_killed_mid_stream(tmp_path: Path) -> None:
-    # 25 ms per decode step: 120 tokens take ~3 s, and the kill lands 1 s in.
-    system = start_system(tmp_path, "--decode", "2", "--worker-arg=--sim-decode-step-ms", "--worker-arg=25")
+def test_decode_worker_killed_mid_stream(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    # 25 ms per decode step: 120 tokens take ~3 s, and the kill lands 1 s in. On a single Redis and on a cluster.
+    args = ("--decode", "2", "--worker-arg=--sim-decode-step-ms", "--worker-arg=25")
+    system = start_system(tmp_path, *args, environ=bus_environ)
     try:
         started = time.monotonic()
         texts = asyncio.run(_streams(system, 40, 120, 8, after_s=1.0, victim=r"--role decode"))
