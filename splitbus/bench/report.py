@@ -396,3 +396,54 @@ def ep_plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{metric}: staggered vs naive (%)", fontsize=9)
     fig.suptitle(f"splitbus bench ep: EP + PD, naive vs staggered prefill (seed {report['seed']})", fontsize=10)
     _save(plt, fig, path, dpi=100)
+
+
+def bus_cluster_table(report: dict[str, Any]) -> str:
+    rows = [
+        f"{'setup':<28} {'tokens/s':>10} {'cmds/token':>10} {'busiest':>8}  shares by primary (reader tag -> primary)"
+    ]
+    for s in report["setups"]:
+        shares = " ".join(f"{share:.0%}" for share in s["primary_shares"])
+        tags = ", ".join(f"{r['tag']}->{r['primary']}" for r in s["readers"])
+        rows.append(
+            f"{s['name']:<28} {s['tokens_per_s']:>10,.0f} {s['commands_per_token']:>10.3f} "
+            f"{s['busiest_share']:>8.0%}  {shares} ({tags})"
+        )
+    verdict = "met" if report["target_met"] else "not met"
+    rows.append(f"target: busiest primary <= {report['target_busiest_share']:.0%} of commands (placed tags): {verdict}")
+    return "\n".join(rows)
+
+
+def bus_cluster_plot(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+
+    setups = report["setups"]
+    names = [s["name"].replace(", ", "\n") for s in setups]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    bars = left.bar(range(len(setups)), [s["tokens_per_s"] for s in setups], color="#c0392b")
+    left.bar_label(bars, fmt="{:,.0f}", fontsize=8)
+    left.set_xticks(range(len(setups)), names, fontsize=8)
+    left.set_title("token path, flat out (tokens/s)")
+    for i, s in enumerate(setups):  # one stacked bar per setup: each primary's share
+        bottom = 0.0
+        for p, share in enumerate(s["primary_shares"]):
+            right.bar(
+                i,
+                share,
+                bottom=bottom,
+                color=f"C{p}",
+                edgecolor="white",
+                label=f"primary {p}" if i == len(setups) - 1 else None,
+            )
+            bottom += share
+    right.axhline(report["target_busiest_share"], color="black", linestyle="--", linewidth=1, label="target (busiest)")
+    right.set_xticks(range(len(setups)), names, fontsize=8)
+    right.set_title("each primary's share of the commands")
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    cfg = report["config"]
+    fig.suptitle(
+        f"splitbus bench bus --redis-cluster {cfg['primaries']}: {cfg['streams']} streams, "
+        f"{cfg['api_nodes']} API nodes, {cfg['steps']} steps x {cfg['repeat']} runs",
+        fontsize=10,
+    )
+    _save(plt, fig, path, dpi=110)

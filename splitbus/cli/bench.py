@@ -32,6 +32,18 @@ def _add_bus(kinds: argparse._SubParsersAction, env: Env) -> None:
     bus.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported")
     bus.add_argument("--streams", type=int, default=1000, help="concurrent result streams (token path)")
     bus.add_argument("--quick", action="store_true", help="small counts, one run: checks that it works")
+    bus.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help=(
+            "instead: the token path on one Redis vs an embedded cluster of N primaries (a replica each), "
+            "both started here (--redis-url unused); writes bench_bus_cluster.json/png"
+        ),
+    )
+    bus.add_argument("--api-nodes", type=int, default=3, help="with --redis-cluster: API processes (reader tags)")
+    bus.add_argument("--steps", type=int, default=40, help="with --redis-cluster: engine steps per run")
     bus.set_defaults(run=run_bus)
 
 
@@ -249,6 +261,8 @@ def run_bus(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.bus import BusBenchConfig, run_bus_bench
 
+    if args.redis_cluster:
+        return run_bus_cluster(args)
     cfg = BusBenchConfig(repeat=args.repeat, streams=args.streams)
     if args.quick:
         cfg = BusBenchConfig(
@@ -259,6 +273,20 @@ def run_bus(args: argparse.Namespace, env: Env) -> int:
         result = run_bus_bench(url, cfg, progress=run.progress)
     result["redis"] = "external" if args.redis_url else "embedded"
     return run.finish(result, report.bus_plot, report.bus_table)
+
+
+def run_bus_cluster(args: argparse.Namespace) -> int:
+    """``bench bus --redis-cluster N``: its own servers (one Redis, then a cluster), its own files."""
+    from splitbus.bench import report
+    from splitbus.bench.bus_cluster import ClusterBenchConfig, run_cluster_bench
+
+    streams, steps, repeat = (min(args.streams, 30), 3, 1) if args.quick else (args.streams, args.steps, args.repeat)
+    config = _config("bus", lambda: ClusterBenchConfig(args.redis_cluster, streams, steps, args.api_nodes, repeat))
+    if config is None:
+        return 2
+    run = _Run("bus_cluster", args.out)
+    result = run_cluster_bench(config, progress=run.progress)
+    return run.finish(result, report.bus_cluster_plot, report.bus_cluster_table)
 
 
 def run_engine(args: argparse.Namespace, env: Env) -> int:

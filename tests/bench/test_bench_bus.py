@@ -43,3 +43,39 @@ def test_quick_bus_bench_writes_json_and_png(tmp_path: Path, redis_server: objec
     import redis
 
     assert not list(redis.Redis.from_url(redis_server.url).scan_iter(match="bench-*"))  # type: ignore[attr-defined]
+
+
+def test_quick_cluster_bench_reports_each_primarys_share(tmp_path: Path) -> None:
+    """`bench bus --redis-cluster 3 --quick` on a few streams: one Redis and a 3+3 cluster it
+    starts itself, the documented fields, shares that add up, the tags placed one per primary."""
+    out = tmp_path / "out"
+    argv = ["bench", "bus", "--redis-cluster", "3", "--quick", "--streams", "6", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitbus.cli.main", *argv], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "bench_bus_cluster.json").read_text())
+    assert report["target_busiest_share"] == round(1 / 3 + 0.1, 4)
+    single, hashed, placed = report["setups"]
+    assert [s["primaries"] for s in report["setups"]] == [1, 3, 3]
+    for s in report["setups"]:
+        assert s["tokens"] == 6 * 3  # every token of every stream arrived (3 steps in --quick)
+        assert s["tokens_per_s"] > 0
+        assert s["commands"] == sum(sum(calls.values()) for calls in s["commands_by_primary"])
+        assert s["commands_per_token"] == round(s["commands"] / s["tokens"], 4)
+        assert abs(sum(s["primary_shares"]) - 1) < 0.01
+        assert s["busiest_share"] == max(s["primary_shares"])
+        assert sum(calls.get("evalsha", 0) for calls in s["commands_by_primary"]) >= 3  # the engine's steps
+    assert [r["primary"] for r in placed["readers"]] == [0, 1, 2]
+    assert [r["tag"] for r in hashed["readers"]] == ["bench-api-0.0", "bench-api-1.0", "bench-api-2.0"]
+    assert single["primary_shares"] == [1.0]
+    assert report["target_met"] == (placed["busiest_share"] <= report["target_busiest_share"])
+    assert (out / "bench_bus_cluster.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "busiest primary" in proc.stdout
+
+
+def test_cluster_bench_refuses_a_one_primary_cluster(tmp_path: Path) -> None:
+    argv = ["bench", "bus", "--redis-cluster", "1", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "splitbus.cli.main", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "between 2 and 16" in proc.stdout + proc.stderr

@@ -1,0 +1,297 @@
+"""``splitbus bench bus --redis-cluster N``: the token path on one Redis against a cluster of N.
+
+The token path of ``bench bus`` (one engine writing one entry per stream per step through
+``ResultWriter``), with the streams split over several API nodes, each a process with its own
+``ResultReader`` (one shard: one reader tag), run side by side on:
+
+- ``1 primary``: one embedded Redis;
+- ``N primaries, hashed tags``: an embedded cluster of N primaries with a replica each, the API
+  nodes named ``bench-api-<k>`` (where such a name's tag lands is up to CRC16);
+- ``N primaries, placed tags``: the same cluster, API node ``k`` named so that its tag lands on
+  primary ``k mod N`` (the placement docs/cluster.md designs for the API).
+
+Each setup reports tokens/s (flat out, median of the runs), every primary's share of the
+commands it served during the runs (the delta of its ``INFO commandstats``, read as the admin
+user; commands a script runs count, as Redis counts them) and commands per token. The issue's
+target: the busiest primary's share at most ``1/N + 10 %``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import statistics
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.crc import key_slot
+
+from splitbus.bench.bus import _bus_config, _drain_subscriptions, _expect, _in_process, request_id
+from splitbus.bus import codec
+from splitbus.bus.connection import connect
+from splitbus.bus.results import ResultReader, ResultWriter, shard_name
+from splitbus.redis_cluster import ClusterNodeServer, EmbeddedCluster, slot_ranges
+from splitbus.redis_server import EmbeddedRedis
+
+API_NODE = "bench-api"
+"""API nodes are ``bench-api-<k>`` (hashed tags) or ``bench-api-<k>-<j>`` (placed tags)."""
+SPREAD_MARGIN = 0.10
+"""The target: the busiest primary serves at most ``1/N`` + this share of the commands."""
+
+
+@dataclass(frozen=True)
+class ClusterBenchConfig:
+    primaries: int = 3
+    """Primaries of the cluster (each with one replica), against one Redis."""
+    streams: int = 1000
+    """Concurrent result streams, split round-robin over the API nodes."""
+    steps: int = 40
+    """Engine steps, sent flat out (one token per stream per step)."""
+    api_nodes: int = 3
+    """API processes, each following its streams with one reader shard (one reader tag)."""
+    repeat: int = 3
+    """Runs per setup: tokens/s is their median, command counts their sum."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.primaries <= 16:
+            raise ValueError("--redis-cluster must be between 2 and 16 primaries")
+        if min(self.streams, self.steps, self.api_nodes, self.repeat) < 1:
+            raise ValueError("streams, steps, API nodes and repeat must be >= 1")
+        if self.api_nodes > min(self.streams, 16):
+            raise ValueError("API nodes must be at most 16 and at most the number of streams")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One column of the comparison: where the bus runs and what the API nodes are named."""
+
+    name: str
+    url: str
+    """The ``splitbus`` user's URL (``redis://`` or ``redis+cluster://``)."""
+    readers: tuple[str, ...]
+    """Each API node's reader tag (``ResultReader`` name + ``.0``)."""
+    primaries: tuple[Callable[[], redis.Redis], ...]
+    """Admin clients of the primaries, in slot order."""
+    owner: Callable[[int], int]
+    """The primary (index) that serves a slot."""
+
+
+@dataclass(frozen=True)
+class Run:
+    tokens: int
+    seconds: float
+    calls: list[dict[str, int]]
+    """Per primary: commands served during the run, by name."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+# ---------------------------------------------------------------- roles (child processes)
+
+
+async def api_node(conn: Any, url: str, prefix: str, name: str, rids: list[str], steps: int) -> tuple:
+    """An API process: one reader shard follows its streams, one task per request."""
+    config = _bus_config(url, prefix)
+    client = connect(config, max_connections=2)
+    reader = ResultReader(config, client, name=name)
+    await reader.start()
+    subs = [await reader.subscribe(rid) for rid in rids]
+    conn.send(("ok", "ready"))
+    count, last_us, _ = await _drain_subscriptions(subs, steps)
+    await reader.close()
+    await client.aclose()
+    return count, last_us
+
+
+async def engine(conn: Any, url: str, prefix: str, streams: list[tuple[str, str]], steps: int) -> int:
+    """An engine: one entry per (request, reader tag) per step, one ``flush`` per step."""
+    config = _bus_config(url, prefix)
+    client = connect(config)
+    writer = ResultWriter(client, config)
+    for rid, tag in streams:
+        writer.open(rid, reader=tag)
+    start_us = codec.now_us()
+    for step in range(steps):
+        stamp = str(codec.now_us())
+        for rid, _ in streams:
+            writer.tokens(rid, [step], stamp)
+        await writer.flush()
+    await client.aclose()
+    return start_us
+
+
+# ---------------------------------------------------------------- one run
+
+
+def assignment(cfg: ClusterBenchConfig) -> list[list[str]]:
+    """The request ids each API node follows: stream ``i`` goes to node ``i mod api_nodes``."""
+    return [[request_id(i) for i in range(k, cfg.streams, cfg.api_nodes)] for k in range(cfg.api_nodes)]
+
+
+def run_once(setup: Setup, prefix: str, cfg: ClusterBenchConfig, timeout_s: float = 120) -> Run:
+    """Start the API nodes, wait until each follows its streams, run the engine flat out,
+    and count what every primary served meanwhile."""
+    ctx = mp.get_context("spawn")
+    groups = assignment(cfg)
+    names = [tag.removesuffix(".0") for tag in setup.readers]
+    streams = [(rid, shard_name(names[k], 0)) for k, rids in enumerate(groups) for rid in rids]
+    procs, pipes = [], []
+    for name, rids in zip(names, groups, strict=True):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_in_process, args=(api_node, child, setup.url, prefix, name, rids, cfg.steps))
+        procs.append(proc)
+        pipes.append(parent)
+        proc.start()
+    e_parent, e_child = ctx.Pipe()
+    producer = ctx.Process(target=_in_process, args=(engine, e_child, setup.url, prefix, streams, cfg.steps))
+    try:
+        for pipe in pipes:
+            _expect(pipe, "ready", timeout_s)
+        before = [commandstats(client()) for client in setup.primaries]
+        producer.start()
+        start_us = _expect(e_parent, None, timeout_s)
+        ends = [_expect(pipe, None, timeout_s) for pipe in pipes]
+        after = [commandstats(client()) for client in setup.primaries]
+    finally:
+        for proc in (*procs, producer):
+            if proc.pid is None:  # the engine never started: an API node failed first
+                continue
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    tokens = sum(count for count, _ in ends)
+    seconds = (max(last for _, last in ends) - start_us) / 1e6
+    return Run(tokens, seconds, [delta(b, a) for b, a in zip(before, after, strict=True)])
+
+
+def commandstats(client: redis.Redis) -> dict[str, int]:
+    """Calls so far by command name (``INFO commandstats``), without the ``INFO`` that asks."""
+    info = client.info("commandstats")
+    calls = {key.removeprefix("cmdstat_"): int(value["calls"]) for key, value in info.items()}
+    calls.pop("info", None)
+    return calls
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    diff = {name: calls - before.get(name, 0) for name, calls in after.items()}
+    return {name: calls for name, calls in sorted(diff.items()) if calls > 0}
+
+
+# ---------------------------------------------------------------- setups
+
+
+def hashed_readers(cfg: ClusterBenchConfig) -> tuple[str, ...]:
+    return tuple(shard_name(f"{API_NODE}-{k}", 0) for k in range(cfg.api_nodes))
+
+
+def placed_readers(cfg: ClusterBenchConfig, owner: Callable[[int], int], primaries: int) -> tuple[str, ...]:
+    """API node ``k``'s tag on primary ``k mod primaries``: the first of ``bench-api-<k>``,
+    ``bench-api-<k>-1``, ... whose tag hashes there (about ``primaries`` tries each)."""
+    tags = []
+    for k in range(cfg.api_nodes):
+        for j in range(64 * primaries):
+            tag = shard_name(f"{API_NODE}-{k}" + (f"-{j}" if j else ""), 0)
+            if owner(key_slot(tag.encode())) == k % primaries:
+                tags.append(tag)
+                break
+        else:  # 1 - (1 - 1/N)^(64 N) ~ 1: CRC16 never gets here
+            raise RuntimeError(f"no name for API node {k} hashes to primary {k % primaries}")
+    return tuple(tags)
+
+
+@contextlib.contextmanager
+def single_redis(folder: Path, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]:
+    with EmbeddedRedis(folder, appendonly=False) as server:
+        admin = server.admin_client()
+        try:
+            yield [Setup("1 primary", server.url, hashed_readers(cfg), (lambda: admin,), lambda slot: 0)]
+        finally:
+            admin.close()
+
+
+@contextlib.contextmanager
+def cluster(folder: Path, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]:
+    with EmbeddedCluster(folder, primaries=cfg.primaries, replicas=1, appendonly=False) as embedded:
+        nodes: list[ClusterNodeServer] = [embedded.primary_of_slot(low) for low, _ in slot_ranges(cfg.primaries)]
+        ranges = slot_ranges(cfg.primaries)
+
+        def owner(slot: int) -> int:
+            return next(i for i, (low, high) in enumerate(ranges) if low <= slot <= high)
+
+        admins = tuple(node.admin for node in nodes)
+        n = cfg.primaries
+        yield [
+            Setup(f"{n} primaries, hashed tags", embedded.url, hashed_readers(cfg), admins, owner),
+            Setup(f"{n} primaries, placed tags", embedded.url, placed_readers(cfg, owner, n), admins, owner),
+        ]
+
+
+# ---------------------------------------------------------------- report
+
+
+def summarize(setup: Setup, runs: list[Run]) -> dict[str, Any]:
+    primaries = len(setup.primaries)
+    by_primary = [_sum([run.calls[p] for run in runs]) for p in range(primaries)]
+    totals = [sum(calls.values()) for calls in by_primary]
+    commands, tokens = sum(totals), sum(run.tokens for run in runs)
+    shares = [round(t / commands, 4) if commands else 0.0 for t in totals]
+    return {
+        "name": setup.name,
+        "primaries": primaries,
+        "readers": [
+            {"tag": tag, "slot": key_slot(tag.encode()), "primary": setup.owner(key_slot(tag.encode()))}
+            for tag in setup.readers
+        ],
+        "tokens_per_s": round(statistics.median(run.tokens_per_s for run in runs), 1),
+        "runs_tokens_per_s": [round(run.tokens_per_s, 1) for run in runs],
+        "tokens": tokens,
+        "commands": commands,
+        "commands_per_token": round(commands / tokens, 4) if tokens else 0.0,
+        "primary_shares": shares,
+        "busiest_share": max(shares),
+        "commands_by_primary": by_primary,
+    }
+
+
+def _sum(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for calls in counts:
+        for name, n in calls.items():
+            total[name] = total.get(name, 0) + n
+    return dict(sorted(total.items()))
+
+
+def run_cluster_bench(cfg: ClusterBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Every setup, side by side: one Redis, then the cluster (started and stopped here)."""
+    report: dict[str, Any] = {
+        "config": asdict(cfg),
+        "target_busiest_share": round(1 / cfg.primaries + SPREAD_MARGIN, 4),
+    }
+    results = []
+    with tempfile.TemporaryDirectory(prefix="splitbus-bench-cluster-") as data:
+        for start in (single_redis, cluster):
+            progress(
+                "starting " + ("one Redis" if start is single_redis else f"a {cfg.primaries}+{cfg.primaries} cluster")
+            )
+            with start(Path(data) / start.__name__, cfg) as setups:
+                for setup in setups:
+                    results.append(summarize(setup, _runs(setup, cfg, progress)))
+    report["setups"] = results
+    placed = results[-1]
+    report["target_met"] = placed["busiest_share"] <= report["target_busiest_share"]
+    return report
+
+
+def _runs(setup: Setup, cfg: ClusterBenchConfig, progress: Callable[[str], None]) -> list[Run]:
+    runs = []
+    for r in range(cfg.repeat):
+        progress(f"{setup.name}: run {r + 1}/{cfg.repeat}")
+        runs.append(run_once(setup, f"bench-{uuid.uuid4().hex[:8]}", cfg))
+    return runs

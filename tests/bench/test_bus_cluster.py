@@ -1,0 +1,53 @@
+"""The pieces of `bench bus --redis-cluster` that need no servers: which API node follows which
+streams, the tags placed one per primary, and the command counts' arithmetic."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from redis.crc import key_slot
+
+from splitbus.bench.bus_cluster import ClusterBenchConfig, assignment, delta, hashed_readers, placed_readers
+from splitbus.redis_cluster import slot_ranges
+
+
+def owner_of(primaries: int) -> Callable[[int], int]:
+    ranges = slot_ranges(primaries)
+    return lambda slot: next(i for i, (low, high) in enumerate(ranges) if low <= slot <= high)
+
+
+def test_every_stream_goes_to_exactly_one_api_node() -> None:
+    groups = assignment(ClusterBenchConfig(streams=10, api_nodes=3))
+    assert [len(g) for g in groups] == [4, 3, 3]
+    assert sorted(rid for g in groups for rid in g) == sorted(f"tok-{i}" for i in range(10))
+
+
+@pytest.mark.parametrize("primaries, api_nodes", [(3, 3), (3, 6), (5, 4)])
+def test_placed_tags_land_on_primary_k_mod_n(primaries: int, api_nodes: int) -> None:
+    cfg = ClusterBenchConfig(primaries=primaries, api_nodes=api_nodes)
+    owner = owner_of(primaries)
+    tags = placed_readers(cfg, owner, primaries)
+    assert [owner(key_slot(tag.encode())) for tag in tags] == [k % primaries for k in range(api_nodes)]
+    assert len(set(tags)) == api_nodes
+    assert all(tag.startswith(f"bench-api-{k}") and tag.endswith(".0") for k, tag in enumerate(tags))
+
+
+def test_hashed_tags_are_the_plain_names() -> None:
+    # Where these land is CRC16's choice: on 3 primaries, bench-api-1 and -2 share one.
+    tags = hashed_readers(ClusterBenchConfig(api_nodes=3))
+    assert tags == ("bench-api-0.0", "bench-api-1.0", "bench-api-2.0")
+    assert [owner_of(3)(key_slot(t.encode())) for t in tags] == [1, 2, 2]
+
+
+def test_delta_keeps_the_commands_that_ran() -> None:
+    before = {"xadd": 10, "xread": 4, "auth": 1}
+    after = {"xadd": 1010, "xread": 4, "auth": 2, "evalsha": 3}
+    assert delta(before, after) == {"auth": 1, "evalsha": 3, "xadd": 1000}
+
+
+def test_a_cluster_of_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="between 2 and 16"):
+        ClusterBenchConfig(primaries=1)
+    with pytest.raises(ValueError, match="at most the number of streams"):
+        ClusterBenchConfig(streams=2, api_nodes=3)
