@@ -43,6 +43,7 @@ def test_a_cluster_url_reads_back_what_it_names() -> None:
     assert parsed.nodes == (("127.0.0.1", 7000), ("::1", 7001))
     assert (parsed.username, parsed.password) == ("splitbus", PASSWORD)
     assert parse_cluster_url("redis+cluster://h:1/0").nodes == (("h", 1),)
+    assert parse_cluster_url("redis+cluster://h").nodes == (("h", 6379),)  # Redis's port, as redis:// URLs
 
 
 @pytest.mark.parametrize(
@@ -50,7 +51,6 @@ def test_a_cluster_url_reads_back_what_it_names() -> None:
     [
         f"redis://splitbus:{PASSWORD}@127.0.0.1:7000/0",
         f"redis+cluster://splitbus:{PASSWORD}@127.0.0.1:7000/2",
-        f"redis+cluster://splitbus:{PASSWORD}@127.0.0.1",
         f"redis+cluster://splitbus:{PASSWORD}@127.0.0.1:0,127.0.0.1:7001",
         f"redis+cluster://splitbus:{PASSWORD}@127.0.0.1:7000,",
     ],
