@@ -15,6 +15,7 @@ import openai
 import pytest
 import redis
 
+from splitbus.bus.keys import Keys
 from splitbus.redis_server import EmbeddedRedis, embedded_url
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.test_redis_server import write_plain_aof
@@ -75,8 +76,9 @@ def test_two_schedulers_started_while_redis_is_loading_come_up(tmp_path: Path) -
 
 def _consumers(admin: redis.Redis) -> list[dict]:
     try:
-        admin.xadd("loading:requests", {"probe": "1"})  # a consumer shows once it has read
-        return admin.xinfo_consumers("loading:requests", "schedulers")
+        requests = Keys("loading").requests
+        admin.xadd(requests, {"probe": "1"})  # a consumer shows once it has read
+        return admin.xinfo_consumers(requests, "schedulers")
     except redis.ResponseError:
         return []
 
