@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from splitbus.bus.keys import Keys
 from splitbus.env import load_env
 from splitbus.models.fetch import SOURCES, fetched_path
 from tests.e2e.conftest import System, start_system, stop_system
@@ -60,8 +61,8 @@ def _ask(system: System) -> tuple[str, str | None, int]:
 
 def _work_done(system: System) -> dict[str, tuple[int, int]]:
     """Per role, (prefills_done, decodes_done) as the workers' heartbeats (every 0.5 s) report them."""
-    r = system.redis()
-    records = [r.hgetall(f"sb:worker:{{{wid}}}") for wid in r.zrange("sb:workers", 0, -1)]
+    r, keys = system.redis(), Keys()  # the system uses the default prefix and cell
+    records = [r.hgetall(keys.worker(wid)) for wid in r.zrange(keys.workers, 0, -1)]
     return {h["role"]: (int(h["prefills_done"]), int(h["decodes_done"])) for h in records}
 
 
