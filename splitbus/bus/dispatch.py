@@ -23,11 +23,20 @@ request: one could fail it with a 503 while the other dispatched it).
 
 Keys (every one in KEYS, built in ``keys.py``): the stream the entry is acked in, the
 dispatched mark, ``sb:current:{request}``, then per task the worker's hash and task stream.
+
+Both strings are per request, so both are kept no longer than their purpose needs (under load,
+what each finished request leaves is what Redis holds). The mark only has to outlive the moment a
+duplicate entry of the request is dispatched (the caller's window: seconds, see
+``SchedulerConfig.dispatched_ttl_s``); a redispatch's mark never matters, since its entry is
+acked first. The hand-off id must outlive the request itself: it is kept until the request's
+deadline, when nothing acts on the request any more (the scheduler fails it, workers drop it), and
+one mark window more.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +66,10 @@ Arg = bytes | str | int
 MAX_HANDOFF_BYTES = 4 * 64
 """A task's hand-off id is at most 64 characters (``Task``), so at most this many bytes."""
 
+MAX_CURRENT_TTL_S = 3600
+"""The longest a request's hand-off id is kept: that of a request without a deadline (0: a
+bus-level client's), or one whose deadline is further off."""
+
 _DISPATCH = declare(
     LuaScript(
         name="dispatch",
@@ -65,8 +78,9 @@ _DISPATCH = declare(
         repeated=("sb:worker:{worker}", "sb:tasks:{worker}"),
         argv=(
             "the group, the entry id, the mark's TTL (s), the number of tasks, the consumer that must own the entry"
-            ' ("": any), the new hand-off id, the hand-off id that must be current ("": any); per task: its'
-            " reserved prefill tokens, requests, KV blocks, and its entry's `type`, `data`, `ts`"
+            ' ("": any), the new hand-off id, the hand-off id that must be current ("": any), the hand-off'
+            " id's TTL (s); per task: its reserved prefill tokens, requests, KV blocks, and its entry's `type`,"
+            " `data`, `ts`"
         ),
         returns="1 dispatched; 0 already acked or not the consumer's; -1 duplicate (marked); -2 stale (acked only)",
         source="""
@@ -77,9 +91,9 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local current = redis.call('GET', KEYS[3])
 if ARGV[7] ~= '' and current and current ~= ARGV[7] then return -2 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return -1 end
-redis.call('SET', KEYS[3], ARGV[6], 'EX', ARGV[3])
+redis.call('SET', KEYS[3], ARGV[6], 'EX', ARGV[8])
 for i = 0, tonumber(ARGV[4]) - 1 do
-  local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 8 + 6 * i
+  local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 9 + 6 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
   redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
   redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
@@ -145,11 +159,13 @@ class DispatchScript:
         tasks: Sequence[TaskWrite],
         consumer: str = "",
         replaces: str = "",
+        deadline_ms: int = 0,
     ) -> int:
         """Settle ``entry`` by writing ``tasks`` (which carry ``handoff``, the request's current
         one from now). ``consumer``: the entry must still be pending with it ("" for no check);
         ``replaces``: the hand-off id that must still be the request's current one ("" for a
-        first dispatch). Returns DISPATCHED, ALREADY_ACKED (NOT_OURS), DUPLICATE or STALE."""
+        first dispatch); ``deadline_ms``: the request's (0: none), which bounds how long the
+        hand-off id is kept. Returns DISPATCHED, ALREADY_ACKED (NOT_OURS), DUPLICATE or STALE."""
         keys = [entry.stream, entry.mark, self._keys.current(request_id)]
         args: list[bytes | str | int] = [
             entry.group,
@@ -159,12 +175,21 @@ class DispatchScript:
             consumer,
             handoff,
             replaces,
+            self.current_ttl_s(deadline_ms),
         ]
         for write in tasks:
             keys += [self._keys.worker(write.worker_id), self._keys.tasks(write.worker_id)]
             fields = codec.encode(write.task)
             args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
         return await self._run(keys, args)
+
+    def current_ttl_s(self, deadline_ms: int) -> int:
+        """How long the hand-off id of a request with ``deadline_ms`` (epoch ms, 0: none) is
+        kept: to its deadline and one mark window more, at least 1 s, at most MAX_CURRENT_TTL_S."""
+        if deadline_ms <= 0:
+            return MAX_CURRENT_TTL_S
+        left_s = math.ceil(deadline_ms / 1000 - time.time())
+        return max(1, min(MAX_CURRENT_TTL_S, left_s + self._ttl))
 
     async def _run(self, keys: list[str], args: list[Arg]) -> int:
         """Loaded again if Redis lost it (a restart)."""

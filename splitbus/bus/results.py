@@ -14,7 +14,7 @@ import contextlib
 import logging
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -282,10 +282,12 @@ async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -
 
 
 class _Shard:
-    """One connection and one XREAD loop over a subset of the subscribed streams."""
+    """One connection and one XREAD loop over a subset of the subscribed streams; ``retire`` is
+    called with each stream whose final entry it read."""
 
-    def __init__(self, config: BusConfig, name: str) -> None:
+    def __init__(self, config: BusConfig, name: str, retire: Callable[[str], None]) -> None:
         self._config = config
+        self._retire = retire
         # One connection: a shard runs one XREAD at a time. (Not redis-py's single_connection_client,
         # whose lock can hang aclose() after a cancelled read.)
         self._redis = connect(config, max_connections=1, name=name)
@@ -342,6 +344,7 @@ class _Shard:
             self._accept(sub, entry_id, fields)
         if sub.done:
             self.subs.pop(key, None)
+            self._retire(key)
 
     def _accept(self, sub: Subscription, entry_id: bytes, flat: list[bytes]) -> None:
         fields = dict(zip(flat[::2], flat[1::2], strict=False))
@@ -372,6 +375,12 @@ def _log_wake_failure(reply: asyncio.Future[Any]) -> None:
         log.warning("result reader: wake-up failed (%s)", reply.exception())
 
 
+def _log_retire_failure(reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled() and reply.exception() is not None:
+        # The stream still expires finished_result_ttl_s after its final entry.
+        log.warning("result reader: could not shorten a finished stream's TTL (%s)", reply.exception())
+
+
 _OUT_CONSUMED = metrics.ENTRIES_CONSUMED.labels("out")  # per read: look the child up once
 
 
@@ -384,8 +393,9 @@ class ResultReader:
             raise ValueError("shards must be >= 1")
         self._config = config
         self._keys = config.keys
-        self._shards = [_Shard(config, f"{name}.{i}") for i in range(shards)]
+        self._shards = [_Shard(config, f"{name}.{i}", self._retire) for i in range(shards)]
         self._waker = Batcher(redis)
+        self._grace_ms = round(config.result_grace_s * 1000)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -433,6 +443,16 @@ class ResultReader:
             self._waker.call("xadd", shard.wake_key, {b"w": b"1"}, maxlen=16, approximate=True),
             self._waker.call("expire", shard.wake_key, self._config.result_ttl_s),
         ]
+
+    def _retire(self, key: str) -> None:
+        """This reader has the stream's final entry, and nothing needs the stream after it: it
+        goes ``result_grace_s`` from now (at once for 0), not ``finished_result_ttl_s`` after
+        the entry. Not awaited: one command per finished request, sent with the wake-ups."""
+        if self._grace_ms:
+            reply = self._waker.call("pexpire", key, self._grace_ms)
+        else:
+            reply = self._waker.call("delete", key)  # DEL: a few KB (and UNLINK is not in the ACL)
+        reply.add_done_callback(_log_retire_failure)
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.stop_timer()

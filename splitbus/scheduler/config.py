@@ -25,8 +25,14 @@ class SchedulerConfig:
     """Requests read per XREADGROUP."""
     no_worker_wait_s: float = 10.0
     """How long a request waits for an eligible worker before its client gets a 503."""
-    dispatched_ttl_s: int = 3600
-    """How long a request's dispatched mark and current hand-off id are kept."""
+    dispatched_ttl_s: int = 60
+    """How long a request's dispatched mark is kept: the window in which a duplicate request entry
+    is still found a duplicate (it is only acked). A duplicate exists because an API's XADD was
+    retried after its reply was lost (redis-py retries twice, each after up to the 5 s socket
+    timeout: ~16 s), and it is dispatched after the original by at most that, plus one replica
+    stuck while it holds it (claimed after ``bus.claim_idle_ms``, 30 s; a dead one's after
+    ``lease_ms``), plus the wait for a worker (``no_worker_wait_s``, 10 s): ~56 s. It must cover
+    at least the last two (checked). The hand-off id is kept to the request's deadline instead."""
     lease_ms: int = 2000
     """The replica's lease (``sb:scheduler-lease:{name}``): once it has not been renewed for this
     long (the replica died, hung, or lost Redis), the others claim the entries pending with it."""
@@ -71,3 +77,8 @@ class SchedulerConfig:
             raise ValueError("lease_ms must cover at least two heartbeats (heartbeat_s > 0)")
         if self.claim_every_s <= 0 or self.dead_consumer_keep_s < 0:
             raise ValueError("claim_every_s must be positive and dead_consumer_keep_s >= 0")
+        if self.dispatched_ttl_s * 1000 < self.bus.claim_idle_ms + self.no_worker_wait_s * 1000:
+            raise ValueError(
+                "dispatched_ttl_s must cover claim_idle_ms + no_worker_wait_s: a duplicate request entry "
+                "held that long by a stuck replica would be dispatched again"
+            )

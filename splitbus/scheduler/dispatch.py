@@ -30,7 +30,9 @@ class Dispatcher:
         entry = self._script.request_entry(entry_id, request.request_id)
         handoff = _handoff()
         tasks = _tasks(request, placements, handoff)
-        return await self._script.write(entry, request.request_id, handoff, tasks, consumer=consumer)
+        return await self._script.write(
+            entry, request.request_id, handoff, tasks, consumer=consumer, deadline_ms=request.deadline_ms
+        )
 
     async def redispatch(
         self,
@@ -53,7 +55,9 @@ class Dispatcher:
         tasks = _tasks(request, placements, handoff, first_seq, tokens)
         # replaces: the hand-off id that must still be the request's current one ("" for a task
         # written before hand-off ids)
-        return await self._script.write(entry, request.request_id, handoff, tasks, replaces=task.handoff)
+        return await self._script.write(
+            entry, request.request_id, handoff, tasks, replaces=task.handoff, deadline_ms=request.deadline_ms
+        )
 
 
 def _handoff() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -211,3 +212,59 @@ async def test_what_was_sent_is_read_back_in_seq_order(redis: aioredis.Redis, bu
     writer.finish("r-sent", "stop", 1, 3)
     await writer.flush()
     assert await read_sent(redis, bus_config, "r-sent") == Sent(next_seq=3, tokens=[1, 2, 3], ended=True)
+
+
+async def _gone(redis: aioredis.Redis, key: str, within_s: float = 10.0) -> bool:
+    """Whether ``key`` is deleted within ``within_s`` (a bound on the wait, not a timing check)."""
+    for _ in range(int(within_s / 0.05)):
+        if not await redis.exists(key):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 0.2])
+async def test_a_stream_read_to_its_end_goes_after_the_grace(
+    redis: aioredis.Redis, bus_config: BusConfig, grace_s: float
+) -> None:
+    """Once the reader has the final entry nothing needs the stream: it is deleted after the
+    grace (at once for 0), not kept finished_result_ttl_s."""
+    config = dataclasses.replace(bus_config, result_grace_s=grace_s)
+    reader = ResultReader(config, redis, name="api-grace")
+    await reader.start()
+    try:
+        sub = await reader.subscribe("r-done")
+        writer = ResultWriter(redis, config)
+        writer.open("r-done")
+        writer.tokens("r-done", [1])
+        writer.finish("r-done", "length", 1, 1)
+        await writer.flush()
+        assert [r.seq for r in await _collect(sub)] == [0, 1]
+        assert await _gone(redis, config.keys.out("r-done"))
+    finally:
+        await reader.close()
+
+
+async def test_a_stream_nobody_read_to_its_end_still_expires_after_its_final_entry(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    """A client that went away (unsubscribed before the end), or no reader at all: the stream
+    keeps the backstop TTL from its final entry, and the reader's grace does not apply."""
+    left = await reader.subscribe("r-left")
+    reader.unsubscribe(left)
+    writer = ResultWriter(redis, bus_config)
+    for request_id in ("r-left", "r-unread"):
+        writer.open(request_id)
+        writer.tokens(request_id, [1])
+        writer.finish(request_id, "length", 1, 1)
+    await writer.flush()
+    for request_id in ("r-left", "r-unread"):
+        ttl = await redis.ttl(bus_config.keys.out(request_id))
+        assert bus_config.result_grace_s < ttl <= bus_config.finished_result_ttl_s
+
+
+def test_the_grace_is_at_most_the_backstop() -> None:
+    with pytest.raises(ValueError, match="result_grace_s"):
+        BusConfig(result_grace_s=-1)
+    with pytest.raises(ValueError, match="result_grace_s"):
+        BusConfig(result_grace_s=121, finished_result_ttl_s=120)

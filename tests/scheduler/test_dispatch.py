@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
+import pytest
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
+from splitbus.bus.dispatch import MAX_CURRENT_TTL_S
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
+from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, STALE, Dispatcher
 from splitbus.scheduler.placement import Placement
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
@@ -57,6 +63,43 @@ async def test_duplicate_request_entry_is_acked_not_dispatched(redis: aioredis.R
     assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
+async def test_the_mark_is_kept_for_the_duplicate_window_and_the_handoff_id_to_the_deadline(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """What a dispatched request leaves is short-lived: the mark for the window in which a
+    duplicate entry can still arrive (a duplicate within it is still only acked), the hand-off id
+    until the request's deadline (and one window more), not an hour each."""
+    consumer = await _setup(redis, bus_config)
+    window = SchedulerConfig(bus=bus_config).dispatched_ttl_s
+    deadline_ms = int((time.time() + 300) * 1000)
+    message = dataclasses.replace(request(), deadline_ms=deadline_ms)
+    producer = Producer(redis, bus_config)
+    await producer.send(bus_config.keys.requests, message)
+    await producer.send(bus_config.keys.requests, message)  # an API's retried XADD
+    first, second = await consumer.read(2)
+    dispatcher = Dispatcher(redis, bus_config, window)
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) == DISPATCHED
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
+    assert 0 < await redis.ttl(bus_config.keys.dispatched("r")) <= window <= 60
+    assert 300 < await redis.ttl(bus_config.keys.current("r")) <= 300 + window
+
+
+async def test_the_handoff_id_of_a_request_without_a_deadline_is_kept_an_hour(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    consumer = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())  # deadline_ms 0
+    delivery = (await consumer.read(1))[0]
+    assert await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    assert 60 < await redis.ttl(bus_config.keys.current("r")) <= MAX_CURRENT_TTL_S
+
+
+def test_the_mark_must_outlast_a_stuck_replica_and_the_wait_for_a_worker(bus_config: BusConfig) -> None:
+    with pytest.raises(ValueError, match="dispatched_ttl_s must cover"):
+        SchedulerConfig(bus=bus_config, dispatched_ttl_s=35, no_worker_wait_s=10.0)
+    SchedulerConfig(bus=bus_config, dispatched_ttl_s=40, no_worker_wait_s=10.0)  # 30 s claim idle + 10 s
 
 
 async def test_a_woken_replica_writes_nothing_for_an_entry_another_claimed(
