@@ -28,17 +28,20 @@ Both strings are per request, so both are kept no longer than their purpose need
 what each finished request leaves is what Redis holds). The mark only has to outlive the moment a
 duplicate entry of the request is dispatched (the caller's window: seconds, see
 ``SchedulerConfig.dispatched_ttl_s``); a redispatch's mark never matters, since its entry is
-acked first. The hand-off id must outlive the request itself: it is kept until the request's
-deadline, when nothing acts on the request any more (the scheduler fails it, workers drop it), and
-one mark window more.
+acked first. The hand-off id must outlive the request itself: the API's result reader deletes
+it once it has the request's final entry (``CurrentDispatch.forget``), and its TTL runs to the
+request's deadline, when nothing acts on the request any more (the scheduler fails it, workers
+drop it), and one mark window more, for a request whose final entry nobody read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -214,6 +217,12 @@ class CurrentDispatch:
     def queue_read(self, pipe: Pipeline, request_id: str) -> None:
         """Add the read to a pipeline that goes out anyway; its reply is for ``parse``."""
         pipe.get(self._keys.current(request_id))
+
+    def forget(self, batcher: Batcher, request_id: str) -> asyncio.Future[Any]:
+        """Delete the request's hand-off id, in ``batcher``'s next pipeline: its client has the
+        final entry, so the request is over, and nothing compares the id any more (a reaper
+        that finds one of its tasks later reads the stream, ended, first)."""
+        return batcher.call("delete", self._keys.current(request_id))
 
     @staticmethod
     def parse(reply: object) -> bytes | None:

@@ -25,6 +25,7 @@ from splitbus.bus import codec, metrics
 from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
+from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
 from splitbus.bus.replies import Entry, RawEntry, RawXReadReply
@@ -283,9 +284,9 @@ async def read_sent(redis: aioredis.Redis, config: BusConfig, request_id: str) -
 
 class _Shard:
     """One connection and one XREAD loop over a subset of the subscribed streams; ``retire`` is
-    called with each stream whose final entry it read."""
+    called with each subscription whose final entry it read."""
 
-    def __init__(self, config: BusConfig, name: str, retire: Callable[[str], None]) -> None:
+    def __init__(self, config: BusConfig, name: str, retire: Callable[[Subscription], None]) -> None:
         self._config = config
         self._retire = retire
         # One connection: a shard runs one XREAD at a time. (Not redis-py's single_connection_client,
@@ -344,7 +345,7 @@ class _Shard:
             self._accept(sub, entry_id, fields)
         if sub.done:
             self.subs.pop(key, None)
-            self._retire(key)
+            self._retire(sub)
 
     def _accept(self, sub: Subscription, entry_id: bytes, flat: list[bytes]) -> None:
         fields = dict(zip(flat[::2], flat[1::2], strict=False))
@@ -377,8 +378,9 @@ def _log_wake_failure(reply: asyncio.Future[Any]) -> None:
 
 def _log_retire_failure(reply: asyncio.Future[Any]) -> None:
     if not reply.cancelled() and reply.exception() is not None:
-        # The stream still expires finished_result_ttl_s after its final entry.
-        log.warning("result reader: could not shorten a finished stream's TTL (%s)", reply.exception())
+        # The stream still expires finished_result_ttl_s after its final entry, the hand-off id
+        # after the request's deadline.
+        log.warning("result reader: could not retire a finished request's keys (%s)", reply.exception())
 
 
 _OUT_CONSUMED = metrics.ENTRIES_CONSUMED.labels("out")  # per read: look the child up once
@@ -396,6 +398,7 @@ class ResultReader:
         self._shards = [_Shard(config, f"{name}.{i}", self._retire) for i in range(shards)]
         self._waker = Batcher(redis)
         self._grace_ms = round(config.result_grace_s * 1000)
+        self._current = CurrentDispatch(redis, config.keys)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -444,15 +447,17 @@ class ResultReader:
             self._waker.call("expire", shard.wake_key, self._config.result_ttl_s),
         ]
 
-    def _retire(self, key: str) -> None:
-        """This reader has the stream's final entry, and nothing needs the stream after it: it
-        goes ``result_grace_s`` from now (at once for 0), not ``finished_result_ttl_s`` after
-        the entry. Not awaited: one command per finished request, sent with the wake-ups."""
+    def _retire(self, sub: Subscription) -> None:
+        """This reader has the request's final entry, and nothing needs its stream after it: the
+        stream goes ``result_grace_s`` from now (at once for 0), not ``finished_result_ttl_s``
+        after the entry, and the request's hand-off id at once. Not awaited: two commands per
+        finished request, sent in the pipeline of the wake-ups."""
         if self._grace_ms:
-            reply = self._waker.call("pexpire", key, self._grace_ms)
+            stream = self._waker.call("pexpire", sub.key, self._grace_ms)
         else:
-            reply = self._waker.call("delete", key)  # DEL: a few KB (and UNLINK is not in the ACL)
-        reply.add_done_callback(_log_retire_failure)
+            stream = self._waker.call("delete", sub.key)  # DEL: a few KB (and UNLINK is not in the ACL)
+        for reply in (stream, self._current.forget(self._waker, sub.request_id)):
+            reply.add_done_callback(_log_retire_failure)
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.stop_timer()

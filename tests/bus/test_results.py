@@ -228,12 +228,13 @@ async def test_a_stream_read_to_its_end_goes_after_the_grace(
     redis: aioredis.Redis, bus_config: BusConfig, grace_s: float
 ) -> None:
     """Once the reader has the final entry nothing needs the stream: it is deleted after the
-    grace (at once for 0), not kept finished_result_ttl_s."""
+    grace (at once for 0), not kept finished_result_ttl_s; the request's hand-off id goes too."""
     config = dataclasses.replace(bus_config, result_grace_s=grace_s)
     reader = ResultReader(config, redis, name="api-grace")
     await reader.start()
     try:
         sub = await reader.subscribe("r-done")
+        await redis.set(config.keys.current("r-done"), "a-handoff", ex=600)  # as a dispatch leaves it
         writer = ResultWriter(redis, config)
         writer.open("r-done")
         writer.tokens("r-done", [1])
@@ -241,6 +242,7 @@ async def test_a_stream_read_to_its_end_goes_after_the_grace(
         await writer.flush()
         assert [r.seq for r in await _collect(sub)] == [0, 1]
         assert await _gone(redis, config.keys.out("r-done"))
+        assert await _gone(redis, config.keys.current("r-done"))
     finally:
         await reader.close()
 
@@ -250,6 +252,7 @@ async def test_a_stream_nobody_read_to_its_end_still_expires_after_its_final_ent
 ) -> None:
     """A client that went away (unsubscribed before the end), or no reader at all: the stream
     keeps the backstop TTL from its final entry, and the reader's grace does not apply."""
+    await redis.set(bus_config.keys.current("r-left"), "a-handoff", ex=600)
     left = await reader.subscribe("r-left")
     reader.unsubscribe(left)
     writer = ResultWriter(redis, bus_config)
@@ -261,6 +264,7 @@ async def test_a_stream_nobody_read_to_its_end_still_expires_after_its_final_ent
     for request_id in ("r-left", "r-unread"):
         ttl = await redis.ttl(bus_config.keys.out(request_id))
         assert bus_config.result_grace_s < ttl <= bus_config.finished_result_ttl_s
+    assert await redis.exists(bus_config.keys.current("r-left"))  # kept to the deadline: it may still move
 
 
 def test_the_grace_is_at_most_the_backstop() -> None:
