@@ -45,13 +45,17 @@ _WRITE_STEP = declare(
         module=__name__,
         keys=(),
         repeated=("sb:out:{request}",),
-        argv="per key: the entry's `type`, `data`, `ts`, and the TTL (s) to set (0: none)",
+        argv=(
+            "per key: the entry's `type`, `data`, `ts`, and the TTL (s) to set (> 0), or minus the TTL to set"
+            " only if this entry created the stream (0: none)"
+        ),
         returns="the number of entries written",
         source="""
 for i, key in ipairs(KEYS) do
   local j = (i - 1) * 4
   redis.call('XADD', key, '*', 'type', ARGV[j + 1], 'data', ARGV[j + 2], 'ts', ARGV[j + 3])
   local ttl = tonumber(ARGV[j + 4])
+  if ttl < 0 and redis.call('XLEN', key) == 1 then ttl = -ttl end
   if ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 return #KEYS
@@ -147,12 +151,15 @@ class ResultWriter:
         return keys, args
 
     def _ttl_for(self, request_id: str, result: Result, first_in_chunk: bool) -> int:
-        """The TTL to set with this entry: on a request's first and last entries, else 0."""
+        """The TTL to set with this entry: on a request's first and last entries; on the others,
+        only if the entry creates the stream (negative): the API's reader deleted it, having
+        the request's end, while this worker still writes (a run nobody follows any more), and a
+        stream without a TTL would stay for ever; it is kept as a finished one is."""
         if result.terminal:
             return self._config.finished_result_ttl_s
         if first_in_chunk and request_id in self._fresh:
             return self._config.result_ttl_s
-        return 0
+        return -self._config.finished_result_ttl_s
 
     def _settle(self, chunk: list[tuple[str, Result]]) -> None:
         for request_id, result in chunk:

@@ -267,6 +267,27 @@ async def test_a_stream_nobody_read_to_its_end_still_expires_after_its_final_ent
     assert await redis.exists(bus_config.keys.current("r-left"))  # kept to the deadline: it may still move
 
 
+async def test_a_stream_written_again_after_it_was_deleted_expires(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A worker still writing a run whose stream the API retired (a run nobody follows any more)
+    recreates the stream: it gets a TTL, as a finished one does, not none for ever. A stream that
+    exists keeps the TTL it has (no EXPIRE per entry)."""
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r")
+    writer.tokens("r", [1])
+    await writer.flush()
+    assert await redis.ttl(bus_config.keys.out("r")) > bus_config.finished_result_ttl_s  # the first entry's
+    await redis.delete(bus_config.keys.out("r"))  # retired by the reader
+    writer.tokens("r", [2])
+    await writer.flush()
+    assert 0 < await redis.ttl(bus_config.keys.out("r")) <= bus_config.finished_result_ttl_s
+    await redis.expire(bus_config.keys.out("r"), 1000)
+    writer.tokens("r", [3])
+    await writer.flush()
+    assert 120 < await redis.ttl(bus_config.keys.out("r")) <= 1000
+
+
 def test_the_grace_is_at_most_the_backstop() -> None:
     with pytest.raises(ValueError, match="result_grace_s"):
         BusConfig(result_grace_s=-1)
