@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +77,7 @@ MAX_HANDOFF_BYTES = 4 * 64
 
 MAX_CURRENT_TTL_S = 3600
 """The longest a request's hand-off id is kept: that of a request without a deadline (0: a
-bus-level client's), or one whose deadline is further off."""
+bus-level client's), or one whose deadline is further off (the dispatch script's 3600000 ms)."""
 
 _DISPATCH = declare(
     LuaScript(
@@ -89,7 +88,8 @@ _DISPATCH = declare(
         argv=(
             "the group, the entry id, the mark's TTL (s), the number of tasks, the consumer that must own the entry"
             ' ("": any), the new hand-off id, the hand-off id that must be current ("": none may be, a request'
-            " entry's; \"*\": any, a task written before hand-off ids), the hand-off id's TTL (s); per task: its"
+            ' entry\'s; "*": any, a task written before hand-off ids), when the hand-off id expires (epoch ms:'
+            " its deadline + the mark's window; 0: none; at most 1 h from now by Redis's clock); per task: its"
             " reserved prefill tokens, requests, KV blocks, and its entry's `type`, `data`, `ts`"
         ),
         returns="1 dispatched; 0 already acked or not the consumer's; -1 duplicate (acked only); -2 stale (acked only)",
@@ -105,7 +105,11 @@ elseif ARGV[7] ~= '*' and current ~= ARGV[7] then return -2 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) and redis.call('GET', KEYS[2]) ~= ARGV[2] then
   return -1
 end
-redis.call('SET', KEYS[3], ARGV[6], 'EX', ARGV[8])
+local now = redis.call('TIME')
+local at = tonumber(ARGV[8])
+local cap = now[1] * 1000 + math.floor(now[2] / 1000) + 3600000
+if at <= 0 or at > cap then at = cap end
+redis.call('SET', KEYS[3], ARGV[6], 'PXAT', string.format('%.0f', at))
 for i = 0, tonumber(ARGV[4]) - 1 do
   local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 9 + 6 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
@@ -225,7 +229,7 @@ class DispatchScript:
             consumer,
             handoff,
             replaces,
-            self.current_ttl_s(deadline_ms),
+            self.current_expiry_ms(deadline_ms),
         ]
         for write in tasks:
             keys += [self._keys.worker(write.worker_id), self._keys.tasks(write.worker_id)]
@@ -242,13 +246,12 @@ class DispatchScript:
         args: list[Arg] = [SCHEDULER_GROUP, entry_id, consumer, self._ttl]
         return await self._run(keys, args, self._settle)
 
-    def current_ttl_s(self, deadline_ms: int) -> int:
-        """How long the hand-off id of a request with ``deadline_ms`` (epoch ms, 0: none) is
-        kept: to its deadline and one mark window more, at least 1 s, at most MAX_CURRENT_TTL_S."""
-        if deadline_ms <= 0:
-            return MAX_CURRENT_TTL_S
-        left_s = math.ceil(deadline_ms / 1000 - time.time())
-        return max(1, min(MAX_CURRENT_TTL_S, left_s + self._ttl))
+    def current_expiry_ms(self, deadline_ms: int) -> int:
+        """When the hand-off id of a request with ``deadline_ms`` (epoch ms, 0: none) expires: at
+        its deadline and one mark window more (0 for none). The script caps it at
+        MAX_CURRENT_TTL_S from now by Redis's clock, and no local clock is read: a scheduler
+        whose clock runs ahead of the API's does not cut the id's life short."""
+        return deadline_ms + self._ttl * 1000 if deadline_ms > 0 else 0
 
     async def _run(self, keys: list[str], args: list[Arg], script: AsyncScript) -> int:
         """Loaded again if Redis lost it (a restart)."""

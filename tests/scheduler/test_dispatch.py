@@ -151,6 +151,29 @@ async def test_a_failed_request_is_not_dispatched_by_its_copy(redis: aioredis.Re
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
 
 
+@pytest.mark.parametrize(("skew_s", "deadline_in_s", "low", "high"), [(250, 300, 300, 360), (0, 7200, 3500, 3600)])
+async def test_the_handoff_ids_life_comes_from_the_deadline_not_the_schedulers_clock(
+    redis: aioredis.Redis,
+    bus_config: BusConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    skew_s: float,
+    deadline_in_s: float,
+    low: int,
+    high: int,
+) -> None:
+    """A scheduler whose clock runs ahead of the API's still keeps the id to the deadline (+ the
+    window), by Redis's clock; a deadline further off than an hour is kept an hour at most."""
+    consumer = await _setup(redis, bus_config)
+    message = dataclasses.replace(request(), deadline_ms=int((time.time() + deadline_in_s) * 1000))
+    await Producer(redis, bus_config).send(bus_config.keys.requests, message)
+    delivery = (await consumer.read(1))[0]
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)
+    assert await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    monkeypatch.setattr(time, "time", real)
+    assert low < await redis.ttl(bus_config.keys.current("r")) <= high
+
+
 def test_the_mark_must_outlast_a_stuck_replica_and_the_wait_for_a_worker(bus_config: BusConfig) -> None:
     """The documented bound, all of it: 3 x 5 s XADD retries + 30 s claim idle + 0.25 s claim pass
     + 10 s wait for a worker + 0.1 s refresh."""
