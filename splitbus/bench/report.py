@@ -240,7 +240,7 @@ def _redis_memory_row(run: dict[str, Any]) -> str:
     start, end = run["redis_used_memory_start_bytes"], run["redis_used_memory_end_bytes"]
     return (
         f"          Redis used_memory: {start / 2**20:.1f} MiB at the start, {end / 2**20:.1f} MiB at the end, "
-        f"{run['redis_memory_per_request_bytes']:+,.0f} B per request"
+        f"{run['redis_memory_per_request_bytes']:+,.0f} B per request still held at the end"
     )
 
 

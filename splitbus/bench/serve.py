@@ -110,7 +110,9 @@ async def measure_http(base_url: str, config: ServeConfig, rate: float, api_key:
 
 MEMORY_FIELDS = ("redis_used_memory_start_bytes", "redis_used_memory_end_bytes", "redis_memory_per_request_bytes")
 """Redis's ``used_memory`` before and after a run, and their difference per request sent (None
-in a run without Redis: the direct path's)."""
+in a run without Redis: the direct path's). The difference is what is still held at the end
+(streams in their grace, marks in their window) spread over the requests, not what each request
+leaves for good: it shrinks as the run grows longer than those windows."""
 
 
 def redis_memory(url: str | None) -> int | None:

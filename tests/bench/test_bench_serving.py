@@ -226,3 +226,17 @@ def test_stagger_bench_refuses_bad_options_and_empty_traces(tmp_path: Path) -> N
     out = _bench_fails(tmp_path, "stagger", "--process-ranks", "0", "--sim-ranks", "1", "--duration", "0.001")
     assert "trace drew no requests in 0.001 s" in out and "Traceback" not in out
     assert not (tmp_path / "out" / "bench_stagger.json").exists()
+
+
+def test_the_memory_row_says_the_difference_is_what_is_still_held() -> None:
+    """(end - start) / requests is what Redis still holds at the end (streams in their grace, marks
+    in their window), not what each request leaves for good: the row says so."""
+    from splitbus.bench.report import _redis_memory_row
+
+    run = {
+        "redis_used_memory_start_bytes": 2**20,
+        "redis_used_memory_end_bytes": 3 * 2**20,
+        "redis_memory_per_request_bytes": 349.5,
+    }
+    row = _redis_memory_row(run)
+    assert "1.0 MiB at the start, 3.0 MiB at the end, +350 B per request still held at the end" in row
