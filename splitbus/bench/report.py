@@ -220,6 +220,8 @@ def serve_table(report: dict[str, Any]) -> str:
         )
         if r["failed"]:
             rows.append(f"          {r['failed']} failed: {'; '.join(r.get('errors', []))}")
+        if r.get("redis_memory_per_request_bytes") is not None:
+            rows.append(_redis_memory_row(r))
     for name, hop in report.get("hops_ms", {}).items():
         rows.append(f"  idle system, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms")
     for o in report.get("overhead", []):
@@ -232,6 +234,14 @@ def serve_table(report: dict[str, Any]) -> str:
             f"{_ms(o['added_p99_itl_ms'], 0, '+')}"
         )
     return "\n".join(rows)
+
+
+def _redis_memory_row(run: dict[str, Any]) -> str:
+    start, end = run["redis_used_memory_start_bytes"], run["redis_used_memory_end_bytes"]
+    return (
+        f"          Redis used_memory: {start / 2**20:.1f} MiB at the start, {end / 2**20:.1f} MiB at the end, "
+        f"{run['redis_memory_per_request_bytes']:+,.0f} B per request still held at the end"
+    )
 
 
 def _ms(value: float | None, width: int, sign: str = "") -> str:

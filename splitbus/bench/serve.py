@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict
 from typing import Any
 
@@ -30,6 +30,7 @@ from splitbus.bench.serve_trace import (
     summarize,
 )
 from splitbus.bus.keys import Keys
+from splitbus.redis_server import embedded_url
 
 
 class HttpClient:
@@ -91,9 +92,11 @@ class HttpClient:
         return now
 
 
-async def measure_http(
-    base_url: str, config: ServeConfig, rate: float, api_key: str = ""
-) -> tuple[dict[str, Any], dict[str, list[float]]]:
+Row = tuple[dict[str, Any], dict[str, list[float]]]
+"""A run's summary and its CDF samples."""
+
+
+async def measure_http(base_url: str, config: ServeConfig, rate: float, api_key: str = "") -> Row:
     from tqdm import tqdm
 
     client = HttpClient(base_url, config.model, api_key, config.max_concurrency)
@@ -105,22 +108,63 @@ async def measure_http(
     return summarize(results, duration), cdf_samples(results)
 
 
+MEMORY_FIELDS = ("redis_used_memory_start_bytes", "redis_used_memory_end_bytes", "redis_memory_per_request_bytes")
+"""Redis's ``used_memory`` before and after a run, and their difference per request sent (None
+in a run without Redis: the direct path's). The difference is what is still held at the end
+(streams in their grace, marks in their window) spread over the requests, not what each request
+leaves for good: it shrinks as the run grows longer than those windows."""
+
+
+def redis_memory(url: str | None) -> int | None:
+    """Redis's ``used_memory`` (INFO memory) in bytes; None without a URL, or if Redis does not
+    answer it (the embedded Redis gives INFO to its admin user only)."""
+    if not url:
+        return None
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        used = client.info("memory").get("used_memory")
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    return used if isinstance(used, int) and used >= 0 else None
+
+
+def measure_memory(redis_url: str | None, requests: int, measure: Coroutine[Any, Any, Row]) -> Row:
+    """Run ``measure`` between two reads of Redis's memory; the row gains the start, the end and
+    their difference per request (all None where Redis's memory cannot be read)."""
+    start = redis_memory(redis_url)
+    summary, cdf = asyncio.run(measure)
+    end = redis_memory(redis_url)
+    per_request = None if start is None or end is None else (end - start) / requests
+    return {**summary, **dict(zip(MEMORY_FIELDS, (start, end, per_request), strict=True))}, cdf
+
+
 def run_serve_bench(
-    config: ServeConfig, base_url: str | None, api_key: str, progress: Callable[[str], None]
+    config: ServeConfig,
+    base_url: str | None,
+    api_key: str,
+    progress: Callable[[str], None],
+    redis_url: str | None = None,
 ) -> dict[str, Any]:
     """Measure ``base_url`` (or a ``splitbus up --engine sim`` started here, against the sim
-    engine driven directly) at each rate."""
+    engine driven directly) at each rate; Redis's memory through ``redis_url`` (with
+    ``base_url``: the deployment's Redis, if given) before and after each run."""
     runs: list[dict[str, Any]] = []
     if base_url:
         check_target(base_url, config.model, api_key)
         for rate in config.rates:
             progress(f"{base_url}: {rate:g} req/s, {config.num_prompts} requests")
-            runs.append(_run_row("http", base_url, rate, *asyncio.run(measure_http(base_url, config, rate, api_key))))
+            row = measure_memory(redis_url, config.num_prompts, measure_http(base_url, config, rate, api_key))
+            runs.append(_run_row("http", base_url, rate, *row))
         return {"config": asdict(config), "target": base_url, "runs": runs}
     from splitbus.bench.serve_direct import measure_direct
     from splitbus.bench.system import LocalSystem
 
     system = LocalSystem("--engine", "sim", "--mixed", "1")
+    admin_url = embedded_url(system.data_dir / "redis", admin=True)
     try:
         model_dir = system.data_dir / "models" / "tiny"
         progress("where the time to first token goes: 50 requests one at a time, timed at each hop")
@@ -129,9 +173,8 @@ def run_serve_bench(
             progress(f"direct (sim engine in-process): {rate:g} req/s, {config.num_prompts} requests")
             runs.append(_run_row("direct", "in-process", rate, *measure_direct(model_dir, config, rate)))
             progress(f"splitbus (API + bus + scheduler + worker): {rate:g} req/s")
-            runs.append(
-                _run_row("splitbus", system.base_url, rate, *asyncio.run(measure_http(system.base_url, config, rate)))
-            )
+            row = measure_memory(admin_url, config.num_prompts, measure_http(system.base_url, config, rate))
+            runs.append(_run_row("splitbus", system.base_url, rate, *row))
     finally:
         system.stop()
     return {
@@ -170,6 +213,7 @@ def _run_row(
         "path": path,
         "target": target,
         "request_rate": "inf" if math.isinf(rate) else rate,
+        **dict.fromkeys(MEMORY_FIELDS),
         **summary,
         "cdf_ms": cdf,
     }

@@ -30,7 +30,13 @@ class BusConfig:
     result_ttl_s: int = 3600
     """Result streams expire this long after their first entry (a bound on leaks)."""
     finished_result_ttl_s: int = 120
-    """...and this long after their final entry, so late readers can still replay them."""
+    """...and this long after their final entry: the backstop for a stream nobody reads to its
+    end (its client went away, its API node died), which a late reader can still replay."""
+    result_grace_s: float = 5.0
+    """Once an API node's reader has a request's final entry, the stream is kept this long more
+    (for ``redis-cli`` inspection; a worker that died between its final entry and its ack is then
+    still seen as done by the reaper), then deleted; 0: deleted at once. Finished streams are most
+    of what Redis holds under load: this bounds them to ``result_grace_s`` x the request rate."""
     dead_maxlen: int = 10_000
     dead_worker_keep_s: int = 3600
     """A worker that died (after the reaper moved its work) or stopped: its record, task and
@@ -51,6 +57,8 @@ class BusConfig:
             raise ValueError("need 1 <= finished_result_ttl_s <= result_ttl_s")
         if is_cluster_url(self.redis_url):
             parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
+        if not 0 <= self.result_grace_s <= self.finished_result_ttl_s:
+            raise ValueError("need 0 <= result_grace_s <= finished_result_ttl_s")
 
     @property
     def keys(self) -> Keys:

@@ -10,8 +10,11 @@ both die is moved once, not once per worker (twice would give it two live dispat
 
 A crash before the script leaves the request pending (another replica claims it); after it,
 everything is written. A retried call finds the entry acked and does nothing, and a duplicate
-request entry (a retried XADD by an API node) finds the dispatched mark and is only acked: each
-request is dispatched exactly once.
+request entry (a retried XADD by an API node) finds the request's hand-off id (or the dispatched
+mark) and is only acked: each request is dispatched exactly once while it runs. The hand-off id
+lives as long as the request (below), so a copy read however late finds it; the mark covers the
+short time after the API deleted it, and a copy later still runs for nobody (its client has the
+answer). A redispatch whose hand-off id is gone is the move of a finished request: only acked.
 
 The script first checks that the entry is still pending with the calling replica (``XPENDING``
 on that one id and consumer): a replica that hung (SIGSTOP, a GC pause, a frozen VM) while
@@ -23,16 +26,28 @@ request: one could fail it with a 503 while the other dispatched it).
 
 Keys (every one in KEYS, built in ``keys.py``): the stream the entry is acked in, the
 dispatched mark, ``sb:current:{cell}:<request>``, then per task the worker's hash and task stream.
+
+Both strings are per request, so both are kept no longer than their purpose needs (under load,
+what each finished request leaves is what Redis holds). The mark only has to outlive the moment a
+duplicate entry of the request is dispatched (the caller's window: seconds, see
+``SchedulerConfig.dispatched_ttl_s``); a redispatch's mark never matters, since its entry is
+acked first. The hand-off id must outlive the request itself: the API's result reader deletes
+it once it has the request's final entry (``CurrentDispatch.forget``), and its TTL runs to the
+request's deadline, when nothing acts on the request any more (the scheduler fails it, workers
+drop it), and one mark window more, for a request whose final entry nobody read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from splitbus.bus import codec
@@ -51,11 +66,18 @@ already, off its other worker): the task is only acked."""
 NOT_OURS = ALREADY_ACKED
 """The entry is not pending with this consumer: acked already, or claimed by another replica."""
 
+ANY_HANDOFF = "*"
+"""``replaces`` for a task written before hand-off ids: whatever dispatch is current."""
+
 Arg = bytes | str | int
 """A script argument."""
 
 MAX_HANDOFF_BYTES = 4 * 64
 """A task's hand-off id is at most 64 characters (``Task``), so at most this many bytes."""
+
+MAX_CURRENT_TTL_S = 3600
+"""The longest a request's hand-off id is kept: that of a request without a deadline (0: a
+bus-level client's), or one whose deadline is further off (the dispatch script's 3600000 ms)."""
 
 _DISPATCH = declare(
     LuaScript(
@@ -69,21 +91,31 @@ _DISPATCH = declare(
         repeated=("sb:worker:{cell}:<worker>", "sb:tasks:{cell}:<worker>"),
         argv=(
             "the group, the entry id, the mark's TTL (s), the number of tasks, the consumer that must own the entry"
-            ' ("": any), the new hand-off id, the hand-off id that must be current ("": any); per task: its'
+            ' ("": any), the new hand-off id, the hand-off id that must be current ("": none may be, a request'
+            ' entry\'s; "*": any, a task written before hand-off ids), when the hand-off id expires (epoch ms:'
+            " its deadline + the mark's window; 0: none; at most 1 h from now by Redis's clock); per task: its"
             " reserved prefill tokens, requests, KV blocks, and its entry's `type`, `data`, `ts`"
         ),
-        returns="1 dispatched; 0 already acked or not the consumer's; -1 duplicate (marked); -2 stale (acked only)",
+        returns="1 dispatched; 0 already acked or not the consumer's; -1 duplicate (acked only); -2 stale (acked only)",
         source="""
 if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
   return 0
 end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local current = redis.call('GET', KEYS[3])
-if ARGV[7] ~= '' and current and current ~= ARGV[7] then return -2 end
-if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return -1 end
-redis.call('SET', KEYS[3], ARGV[6], 'EX', ARGV[3])
+if ARGV[7] == '' then
+  if current then return -1 end
+elseif ARGV[7] ~= '*' and current ~= ARGV[7] then return -2 end
+if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) and redis.call('GET', KEYS[2]) ~= ARGV[2] then
+  return -1
+end
+local now = redis.call('TIME')
+local at = tonumber(ARGV[8])
+local cap = now[1] * 1000 + math.floor(now[2] / 1000) + 3600000
+if at <= 0 or at > cap then at = cap end
+redis.call('SET', KEYS[3], ARGV[6], 'PXAT', string.format('%.0f', at))
 for i = 0, tonumber(ARGV[4]) - 1 do
-  local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 8 + 6 * i
+  local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 9 + 6 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
   redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
   redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
@@ -93,6 +125,39 @@ return 1
 """,
     )
 )
+
+
+FAIL_IT = 1
+"""``settle_failed``: the request is not dispatched; its client may be failed (now marked)."""
+
+_SETTLE_FAILED = declare(
+    LuaScript(
+        name="settle_failed",
+        module=__name__,
+        keys=("sb:requests:{cell}", "sb:dispatched:{cell}:<request>", "sb:current:{cell}:<request>"),
+        argv=(
+            'the group, the entry id ("": dead-lettered, acked already), the consumer that must own the entry'
+            ' ("": any), the mark\'s TTL (s)'
+        ),
+        returns="1 not dispatched (marked: fail it); 0 not the consumer's; -1 dispatched or failed already (acked)",
+        source="""
+if ARGV[3] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3]) == 0 then
+  return 0
+end
+local mark = redis.call('GET', KEYS[2])
+if redis.call('EXISTS', KEYS[3]) == 1 or (mark and mark ~= ARGV[2]) then
+  if ARGV[2] ~= '' then redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) end
+  return -1
+end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+return 1
+""",
+    )
+)
+"""Before a scheduler fails a request entry (no worker, its deadline, dead-lettered): a copy of
+a request that is dispatched (a retried XADD) must not end the live run's stream with an error,
+and once failed, no copy is dispatched (it finds the mark). The caller writes the error, then
+acks the entry: a crash between leaves it pending, and the claimer finds its own mark."""
 
 
 def blocks_needed(request: GenerateRequest, block_size: int) -> int:
@@ -127,6 +192,7 @@ class DispatchScript:
     def __init__(self, redis: aioredis.Redis, config: BusConfig, dispatched_ttl_s: int) -> None:
         self._keys = config.keys
         self._script = _DISPATCH.register(redis)
+        self._settle = _SETTLE_FAILED.register(redis)
         self._batcher = Batcher(redis)
         self._ttl = dispatched_ttl_s
 
@@ -149,11 +215,15 @@ class DispatchScript:
         tasks: Sequence[TaskWrite],
         consumer: str = "",
         replaces: str = "",
+        deadline_ms: int = 0,
     ) -> int:
         """Settle ``entry`` by writing ``tasks`` (which carry ``handoff``, the request's current
         one from now). ``consumer``: the entry must still be pending with it ("" for no check);
         ``replaces``: the hand-off id that must still be the request's current one ("" for a
-        first dispatch). Returns DISPATCHED, ALREADY_ACKED (NOT_OURS), DUPLICATE or STALE."""
+        first dispatch, which none may be: a request dispatched already is a duplicate;
+        ``ANY_HANDOFF``: a task written before hand-off ids); ``deadline_ms``: the request's (0:
+        none), which bounds how long the hand-off id is kept. Returns DISPATCHED, ALREADY_ACKED
+        (NOT_OURS), DUPLICATE or STALE."""
         keys = [entry.stream, entry.mark, self._keys.current(request_id)]
         args: list[bytes | str | int] = [
             entry.group,
@@ -163,19 +233,36 @@ class DispatchScript:
             consumer,
             handoff,
             replaces,
+            self.current_expiry_ms(deadline_ms),
         ]
         for write in tasks:
             keys += [self._keys.worker(write.worker_id), self._keys.tasks(write.worker_id)]
             fields = codec.encode(write.task)
             args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
-        return await self._run(keys, args)
+        return await self._run(keys, args, self._script)
 
-    async def _run(self, keys: list[str], args: list[Arg]) -> int:
+    async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> int:
+        """Whether the request of a request entry that is to be failed may be: FAIL_IT (marked
+        now), NOT_OURS (with ``consumer``: the entry is not pending with it) or DUPLICATE (the
+        request is dispatched or failed already: the entry is acked, nothing is to be written).
+        ``entry_id`` "": a dead-lettered entry, acked already."""
+        keys = [self._keys.requests, self._keys.dispatched(request_id), self._keys.current(request_id)]
+        args: list[Arg] = [SCHEDULER_GROUP, entry_id, consumer, self._ttl]
+        return await self._run(keys, args, self._settle)
+
+    def current_expiry_ms(self, deadline_ms: int) -> int:
+        """When the hand-off id of a request with ``deadline_ms`` (epoch ms, 0: none) expires: at
+        its deadline and one mark window more (0 for none). The script caps it at
+        MAX_CURRENT_TTL_S from now by Redis's clock, and no local clock is read: a scheduler
+        whose clock runs ahead of the API's does not cut the id's life short."""
+        return deadline_ms + self._ttl * 1000 if deadline_ms > 0 else 0
+
+    async def _run(self, keys: list[str], args: list[Arg], script: AsyncScript) -> int:
         """Loaded again if Redis lost it (a restart)."""
         try:
-            return int(await self._batcher.call("evalsha", self._script.sha, len(keys), *keys, *args))
+            return int(await self._batcher.call("evalsha", script.sha, len(keys), *keys, *args))
         except NoScriptError:
-            return int(await self._script(keys=keys, args=args))
+            return int(await script(keys=keys, args=args))
 
 
 class CurrentDispatch:
@@ -193,6 +280,12 @@ class CurrentDispatch:
     def queue_read(self, pipe: Pipeline, request_id: str) -> None:
         """Add the read to a pipeline that goes out anyway; its reply is for ``parse``."""
         pipe.get(self._keys.current(request_id))
+
+    def forget(self, batcher: Batcher, request_id: str) -> asyncio.Future[Any]:
+        """Delete the request's hand-off id, in ``batcher``'s next pipeline: its client has the
+        final entry, so the request is over, and nothing compares the id any more (a reaper
+        that finds one of its tasks later reads the stream, ended, first)."""
+        return batcher.call("delete", self._keys.current(request_id))
 
     @staticmethod
     def parse(reply: object) -> bytes | None:

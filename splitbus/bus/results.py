@@ -15,7 +15,7 @@ import contextlib
 import logging
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,6 +27,7 @@ from splitbus.bus import cluster, codec, metrics
 from splitbus.bus.batching import Batcher
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
+from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
 from splitbus.bus.replies import Entry, RawEntry, RawXReadReply
@@ -47,13 +48,17 @@ _WRITE_STEP = declare(
         module=__name__,
         keys=(),
         repeated=("sb:out:{reader}:<request>",),
-        argv="per key: the entry's `type`, `data`, `ts`, and the TTL (s) to set (0: none)",
+        argv=(
+            "per key: the entry's `type`, `data`, `ts`, and the TTL (s) to set (> 0), or minus the TTL to set"
+            " only if this entry created the stream (0: none)"
+        ),
         returns="the number of entries written",
         source="""
 for i, key in ipairs(KEYS) do
   local j = (i - 1) * 4
   redis.call('XADD', key, '*', 'type', ARGV[j + 1], 'data', ARGV[j + 2], 'ts', ARGV[j + 3])
   local ttl = tonumber(ARGV[j + 4])
+  if ttl < 0 and redis.call('XLEN', key) == 1 then ttl = -ttl end
   if ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 return #KEYS
@@ -212,12 +217,15 @@ class ResultWriter:
         return keys, args
 
     def _ttl_for(self, request_id: str, result: Result, first_in_chunk: bool) -> int:
-        """The TTL to set with this entry: on a request's first and last entries, else 0."""
+        """The TTL to set with this entry: on a request's first and last entries; on the others,
+        only if the entry creates the stream (negative): the API's reader deleted it, having
+        the request's end, while this worker still writes (a run nobody follows any more), and a
+        stream without a TTL would stay for ever; it is kept as a finished one is."""
         if result.terminal:
             return self._config.finished_result_ttl_s
         if first_in_chunk and request_id in self._fresh:
             return self._config.result_ttl_s
-        return 0
+        return -self._config.finished_result_ttl_s
 
     def _settle(self, written: list[_Pending]) -> None:
         for p in written:
@@ -351,12 +359,14 @@ async def read_sent(redis: aioredis.Redis, config: BusConfig, reader: str, reque
 
 
 class _Shard:
-    """One connection and one XREAD loop over a subset of the subscribed streams."""
+    """One connection and one XREAD loop over a subset of the subscribed streams; ``retire`` is
+    called with each subscription whose final entry it read."""
 
-    def __init__(self, config: BusConfig, name: str) -> None:
+    def __init__(self, config: BusConfig, name: str, retire: Callable[[Subscription], None]) -> None:
         self._config = config
         self.name = name
         """The shard's reader tag: its wake stream and the result streams it follows share it."""
+        self._retire = retire
         # One connection: a shard runs one XREAD at a time. (Not redis-py's single_connection_client,
         # whose lock can hang aclose() after a cancelled read.)
         self._redis = connect(config, max_connections=1, name=name)
@@ -414,6 +424,7 @@ class _Shard:
             self._accept(sub, entry_id, fields)
         if sub.done:
             self.subs.pop(key, None)
+            self._retire(sub)
 
     def _accept(self, sub: Subscription, entry_id: bytes, flat: list[bytes]) -> None:
         fields = dict(zip(flat[::2], flat[1::2], strict=False))
@@ -449,6 +460,13 @@ def shard_name(reader: str, shard: int) -> str:
     return f"{reader}.{shard}"
 
 
+def _log_retire_failure(reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled() and reply.exception() is not None:
+        # The stream still expires finished_result_ttl_s after its final entry, the hand-off id
+        # after the request's deadline.
+        log.warning("result reader: could not retire a finished request's keys (%s)", reply.exception())
+
+
 _OUT_CONSUMED = metrics.ENTRIES_CONSUMED.labels("out")  # per read: look the child up once
 
 
@@ -463,8 +481,10 @@ class ResultReader:
             raise ValueError(f"a reader's name must fit a hash tag: no braces, colons or spaces, got {name!r}")
         self._config = config
         self._keys = config.keys
-        self._shards = [_Shard(config, shard_name(name, i)) for i in range(shards)]
+        self._shards = [_Shard(config, shard_name(name, i), self._retire) for i in range(shards)]
         self._waker = Batcher(redis)
+        self._grace_ms = round(config.result_grace_s * 1000)
+        self._current = CurrentDispatch(redis, config.keys)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -518,6 +538,18 @@ class ResultReader:
             self._waker.call("xadd", shard.wake_key, {b"w": b"1"}, maxlen=16, approximate=True),
             self._waker.call("expire", shard.wake_key, self._config.result_ttl_s),
         ]
+
+    def _retire(self, sub: Subscription) -> None:
+        """This reader has the request's final entry, and nothing needs its stream after it: the
+        stream goes ``result_grace_s`` from now (at once for 0), not ``finished_result_ttl_s``
+        after the entry, and the request's hand-off id at once. Not awaited: two commands per
+        finished request, sent in the pipeline of the wake-ups."""
+        if self._grace_ms:
+            stream = self._waker.call("pexpire", sub.key, self._grace_ms)
+        else:
+            stream = self._waker.call("delete", sub.key)  # DEL: a few KB (and UNLINK is not in the ACL)
+        for reply in (stream, self._current.forget(self._waker, sub.request_id)):
+            reply.add_done_callback(_log_retire_failure)
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.stop_timer()

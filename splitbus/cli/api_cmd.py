@@ -78,6 +78,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         help="prompt characters refused before tokenizing (default: context length x 16)",
     )
     p.add_argument("--reader-shards", type=int, default=1, help="connections that follow result streams")
+    p.add_argument(
+        "--result-grace",
+        type=float,
+        default=5.0,
+        help="seconds a result stream is kept once this API read its final entry, for inspection; 0: deleted "
+        "at once (default %(default)s)",
+    )
     p.add_argument("--node-id", default=None, help="this API's name on the bus (default: random)")
     p.set_defaults(run=run)
 
@@ -92,7 +99,9 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
     where = data_dir(args, env)
     models = tuple((served_name(path, args.served_model_name), resolve_model(path, where, say)) for path in args.model)
     return ApiConfig(
-        bus=BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, cell=env.cell),
+        bus=BusConfig(
+            redis_url=redis_url(args, env), prefix=env.prefix, cell=env.cell, result_grace_s=args.result_grace
+        ),
         models=models,
         api_keys=tuple(args.api_key),
         max_inflight=args.max_inflight,

@@ -137,6 +137,13 @@ def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
         ),
     )
     serve.add_argument("--api-key", default="", help="Bearer key for --base-url")
+    serve.add_argument(
+        "--redis-url",
+        default=None,
+        help="--base-url's Redis, whose memory (INFO memory) is reported; a user allowed INFO (default: "
+        "SPLITBUS_REDIS_URL, else the admin of the embedded Redis in --data-dir)",
+    )
+    serve.add_argument("--data-dir", type=Path, default=env.data_dir, help="splitbus up's data folder")
     serve.add_argument("--model", default="tiny", help="served model name (default %(default)s)")
     serve.add_argument(
         "--request-rate",
@@ -396,11 +403,20 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
         return 2
     run = _Run("serve", args.out)
     try:
-        result = run_serve_bench(config, args.base_url, args.api_key, progress=run.progress)
+        result = run_serve_bench(config, args.base_url, args.api_key, run.progress, _serve_redis(args, env))
     except TargetError as exc:
         say(f"splitbus bench serve: {exc}")
         return 2
     return run.finish(result, report.serve_plot, report.serve_table)
+
+
+def _serve_redis(args: argparse.Namespace, env: Env) -> str | None:
+    """The Redis whose memory ``bench serve --base-url`` reports (None: not reported)."""
+    from splitbus.redis_server import embedded_url
+
+    if not args.base_url:
+        return None  # it starts its own system and reads that one's
+    return args.redis_url or env.redis_url or embedded_url(args.data_dir / "redis", admin=True)
 
 
 def run_scheduler(args: argparse.Namespace, env: Env) -> int:

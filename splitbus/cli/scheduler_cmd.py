@@ -49,6 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=600.0,
         help="delete a replica without lease or pending requests from the group after this long idle",
     )
+    p.add_argument(
+        "--dispatched-mark-ttl",
+        type=int,
+        default=60,
+        help="seconds a request's dispatched mark is kept: a duplicate request entry within it is only acked "
+        "(default %(default)s; at least claim idle + no-worker wait)",
+    )
     add_metrics_arguments(p)
     p.set_defaults(run=run)
 
@@ -67,6 +74,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
             no_worker_wait_s=args.no_worker_wait,
             lease_ms=args.lease_ms,
             dead_consumer_keep_s=args.dead_consumer_keep_s,
+            dispatched_ttl_s=args.dispatched_mark_ttl,
             stagger=not args.no_stagger,
             stagger_max_wait_s=args.stagger_max_wait_ms / 1000,
             **({"name": args.name} if args.name else {}),

@@ -86,6 +86,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)"
     )
     p.add_argument(
+        "--result-grace",
+        type=float,
+        default=5.0,
+        help="seconds a result stream is kept once the API read its final entry, for inspection; 0: deleted at "
+        "once (default %(default)s)",
+    )
+    p.add_argument(
         "--metrics-port-base",
         type=int,
         default=0,
@@ -333,6 +340,8 @@ def _start_parts(
         *served,
         "--request-timeout",
         str(args.request_timeout),
+        "--result-grace",
+        str(args.result_grace),
     ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
 

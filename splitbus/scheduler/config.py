@@ -25,8 +25,15 @@ class SchedulerConfig:
     """Requests read per XREADGROUP."""
     no_worker_wait_s: float = 10.0
     """How long a request waits for an eligible worker before its client gets a 503."""
-    dispatched_ttl_s: int = 3600
-    """How long a request's dispatched mark and current hand-off id are kept."""
+    dispatched_ttl_s: int = 60
+    """How long a request's dispatched mark is kept: the window in which a duplicate request entry
+    is still found a duplicate (it is only acked). A duplicate exists because an API's XADD was
+    retried after its reply was lost (redis-py retries twice, each after up to the 5 s socket
+    timeout: ~16 s), and it is dispatched after the original by at most that, plus one replica
+    stuck while it holds it (claimed after ``bus.claim_idle_ms``, 30 s; a dead one's after
+    ``lease_ms``), plus the wait for a worker (``no_worker_wait_s``, 10 s), plus one claim pass
+    and one registry refresh: ~56 s (checked, ``duplicate_window_s``). It matters only once the
+    request ended: while it runs, its hand-off id (kept until then) makes any copy a duplicate."""
     lease_ms: int = 2000
     """The replica's lease (``sb:scheduler-lease:{cell}:<name>``): once it has not been renewed for this
     long (the replica died, hung, or lost Redis), the others claim the entries pending with it."""
@@ -60,6 +67,15 @@ class SchedulerConfig:
             replica=self.name, stagger_max_wait_s=self.stagger_max_wait_s, stagger=self.stagger
         )
 
+    def duplicate_window_s(self) -> float:
+        """How long after the first copy of a request entry another copy may still be dispatched
+        (``dispatched_ttl_s``): the API's XADD retries (3 socket timeouts), a stuck replica's copy
+        claimed after ``claim_idle_ms`` (at the next claim pass), then its wait for a worker (seen
+        at a registry refresh)."""
+        bus = self.bus
+        retries_s = 3 * bus.socket_timeout_s
+        return retries_s + bus.claim_idle_ms / 1000 + self.claim_every_s + self.no_worker_wait_s + self.refresh_s
+
     def __post_init__(self) -> None:
         if self.mode not in policies.names():
             raise ValueError(f"mode must be one of {tuple(policies.names())}, got {self.mode!r}")
@@ -71,3 +87,9 @@ class SchedulerConfig:
             raise ValueError("lease_ms must cover at least two heartbeats (heartbeat_s > 0)")
         if self.claim_every_s <= 0 or self.dead_consumer_keep_s < 0:
             raise ValueError("claim_every_s must be positive and dead_consumer_keep_s >= 0")
+        if self.dispatched_ttl_s < self.duplicate_window_s():
+            raise ValueError(
+                f"dispatched_ttl_s must cover the XADD retries, claim_idle_ms, no_worker_wait_s, one claim pass and"
+                f" one refresh ({self.duplicate_window_s():.1f} s): a duplicate request entry held that long"
+                " by a stuck replica would be dispatched again"
+            )

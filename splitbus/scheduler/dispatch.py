@@ -11,11 +11,21 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, STALE, DispatchScript, TaskWrite
+from splitbus.bus.dispatch import (
+    ALREADY_ACKED,
+    ANY_HANDOFF,
+    DISPATCHED,
+    DUPLICATE,
+    FAIL_IT,
+    NOT_OURS,
+    STALE,
+    DispatchScript,
+    TaskWrite,
+)
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.scheduler.placement import Placement
 
-__all__ = ["ALREADY_ACKED", "DISPATCHED", "DUPLICATE", "NOT_OURS", "STALE", "Dispatcher"]
+__all__ = ["ALREADY_ACKED", "DISPATCHED", "DUPLICATE", "FAIL_IT", "NOT_OURS", "STALE", "Dispatcher"]
 
 
 class Dispatcher:
@@ -26,11 +36,14 @@ class Dispatcher:
         self, entry_id: str, request: GenerateRequest, placements: Sequence[Placement], consumer: str = ""
     ) -> int:
         """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
-        pending with it) or DUPLICATE. The tasks' hand-off id becomes the request's current one."""
+        pending with it) or DUPLICATE (the request is dispatched already: the entry is acked).
+        The tasks' hand-off id becomes the request's current one."""
         entry = self._script.request_entry(entry_id, request.request_id)
         handoff = _handoff()
         tasks = _tasks(request, placements, handoff)
-        return await self._script.write(entry, request.request_id, handoff, tasks, consumer=consumer)
+        return await self._script.write(
+            entry, request.request_id, handoff, tasks, consumer=consumer, deadline_ms=request.deadline_ms
+        )
 
     async def redispatch(
         self,
@@ -51,9 +64,18 @@ class Dispatcher:
         entry = self._script.task_entry(dead_worker, entry_id, request.request_id)
         handoff = _handoff()
         tasks = _tasks(request, placements, handoff, first_seq, tokens)
-        # replaces: the hand-off id that must still be the request's current one ("" for a task
-        # written before hand-off ids)
-        return await self._script.write(entry, request.request_id, handoff, tasks, replaces=task.handoff)
+        # replaces: the hand-off id that must still be the request's current one (none left: the
+        # request ended, STALE); a task written before hand-off ids has none to compare
+        replaces = task.handoff or ANY_HANDOFF
+        return await self._script.write(
+            entry, request.request_id, handoff, tasks, replaces=replaces, deadline_ms=request.deadline_ms
+        )
+
+    async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> int:
+        """Before failing a request entry: FAIL_IT (the request is not dispatched, and now no copy
+        will be), NOT_OURS, or DUPLICATE (it is dispatched or failed already: acked, write
+        nothing). ``entry_id`` "": a dead-lettered entry."""
+        return await self._script.settle_failed(entry_id, request_id, consumer)
 
 
 def _handoff() -> str:

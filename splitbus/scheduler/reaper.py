@@ -3,7 +3,8 @@
 Runs in every scheduler replica; ``SET sb:reaping:{cell}:<worker> NX`` lets one of them take a dead
 worker. For each task left in its stream (unread, or read and never acked):
 
-- if the request's result stream has ended, the task is simply acked;
+- if the request's result stream has ended, or its hand-off id (``sb:current``) is no longer
+  the task's (moved already) or is gone (the request ended), the task is simply acked;
 - otherwise what was already sent (entries, and their tokens) is read from ``sb:out:{reader}:<id>``, and
   new tasks continue at the next ``seq`` from prompt + those tokens — a request that sent no
   token starts again, one mid-stream migrates, and the client's stream has no gap and no
@@ -120,7 +121,7 @@ class Reaper:
                 delivery.entry_id,
                 request.request_id,
                 dead,
-                "ended" if sent.ended else "its dispatch was replaced",
+                "ended" if sent.ended else "its dispatch was replaced, or it ended",
             )
             await stream.ack(delivery.entry_id)
             return True
@@ -185,12 +186,13 @@ class Reaper:
     async def superseded(self, task: Task) -> bool:
         """The task's dispatch is no longer its request's current one: the request was moved
         already (its other worker died first: a decode task whose prefill worker's death
-        released it, but which its dead worker never dropped). Moving it again would give the
-        request two live dispatches. The dispatch script checks this again, atomically."""
+        released it, but which its dead worker never dropped), or it is over (no current one:
+        the API deleted it with the final entry, which its stream may no longer show once its
+        grace passed). Moving it would give the request two live dispatches, or run a finished
+        one again from the start. The dispatch script checks this again, atomically."""
         if not task.handoff:  # written before hand-off ids: nothing to compare
             return False
-        current = await self.current.read(task.request.request_id)
-        return current is not None and current != task.handoff.encode()
+        return await self.current.read(task.request.request_id) != task.handoff.encode()
 
     def fail_or_finish(self, request: GenerateRequest, sent: Sent, outcome: str) -> None:
         request_id = request.request_id

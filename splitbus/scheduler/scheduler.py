@@ -34,7 +34,7 @@ from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery
 from splitbus.scheduler import metrics, policies
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, Dispatcher
+from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, FAIL_IT, NOT_OURS, Dispatcher
 from splitbus.scheduler.placement import Local, Placement, Waiting
 from splitbus.scheduler.policies import Placed, PlacingContext
 from splitbus.scheduler.reaper import Reaper
@@ -68,6 +68,8 @@ class Scheduler:
         self.policy = policies.create(config.policy, config.policy_options())
         self.dispatcher = Dispatcher(self.redis, bus, config.dispatched_ttl_s)
         self.writer = ResultWriter(self.redis, bus)
+        self.dead_letters: list[tuple[NamedRequest, str]] = []
+        """(the request and its reader, reason) of entries dead-lettered since the last step: failed then."""
         self.waiting: list[Waiting] = []
         self.local: Local = {}
         """Reservations made since the last registry snapshot."""
@@ -159,7 +161,8 @@ class Scheduler:
     async def place_waiting(self) -> None:
         """Place what waits (with the lock held); what cannot be placed yet waits on."""
         self.waiting = await self.place_all(self.waiting)
-        if self.writer.pending:  # errors for requests dead-lettered as they were read
+        await self.fail_dead_letters()  # requests dead-lettered as they were read
+        if self.writer.pending:
             await self.writer.flush()
 
     async def place_all(self, waiting: list[Waiting]) -> list[Waiting]:
@@ -208,9 +211,19 @@ class Scheduler:
 
     def fail_dead(self, named: NamedRequest, reason: str) -> None:
         """The client of a dead-lettered request entry gets the reason, not a wait until its
-        deadline (the entry is flushed with the step's results)."""
-        message = f"the scheduler could not handle this request: {reason}"
-        self.writer.fail(named.request_id, reason.split(":", 1)[0], message, 500, reader=named.reader)
+        deadline (written with the step's results, ``fail_dead_letters``)."""
+        self.dead_letters.append((named, reason))
+
+    async def fail_dead_letters(self) -> None:
+        """Fail the requests of the entries dead-lettered since the last step, unless the request
+        is dispatched (the letter was a duplicate copy: its live run's stream is left alone) or
+        failed already."""
+        while self.dead_letters:
+            named, reason = self.dead_letters[0]
+            if await self.dispatcher.settle_failed("", named.request_id) == FAIL_IT:
+                message = f"the scheduler could not handle this request: {reason}"
+                self.writer.fail(named.request_id, reason.split(":", 1)[0], message, 500, reader=named.reader)
+            del self.dead_letters[0]
 
     async def decide(self, waiting: Waiting) -> Placed | Verdict:
         """The tasks to write for a request, or why there are none now: it waits for a worker
@@ -262,9 +275,14 @@ class Scheduler:
 
     async def fail(self, waiting: Waiting, code: str, message: str, status: int) -> bool:
         """Fail the request to its client, if its entry is still ours (a replica that hung past
-        its lease lost it to another, which decides)."""
+        its lease lost it to another, which decides) and the request is not dispatched (this
+        entry is a copy, a retried XADD: the live run's client must not get the error)."""
         request = waiting.delivery.message
-        if not await self.requests.owns(waiting.delivery.entry_id):
+        settled = await self.dispatcher.settle_failed(waiting.delivery.entry_id, request.request_id, self.config.name)
+        if settled == DUPLICATE:  # a copy of a request dispatched (or failed) already: acked, nothing written
+            log.info("request entry %s of %s: a duplicate, not failed", waiting.delivery.entry_id, request.request_id)
+            metrics.DISPATCHES.labels("duplicate").inc()
+        if settled != FAIL_IT:
             return False
         log.warning("failing %s: %s", request.request_id, message)
         self.writer.fail(request.request_id, code, message, status, reader=request.reader)

@@ -74,7 +74,18 @@ def test_serve_compares_the_stack_with_the_engine_driven_directly(tmp_path: Path
         assert run["completed"] == 12 and run["failed"] == 0, run.get("errors")
         assert all(field in run for field in VLLM_FIELDS)
         assert 0 < run["median_ttft_ms"] <= run["p99_ttft_ms"] <= run["p99_e2el_ms"]
+        _check_redis_memory(run, 12, measured=run["path"] == "splitbus")
     assert [o["request_rate"] for o in report["overhead"]] == [20.0, "inf"]
+
+
+def _check_redis_memory(run: dict[str, Any], requests: int, measured: bool) -> None:
+    """Redis's used_memory at the start and end of the run, and per request (None: no Redis)."""
+    start, end = run["redis_used_memory_start_bytes"], run["redis_used_memory_end_bytes"]
+    if not measured:
+        assert (start, end, run["redis_memory_per_request_bytes"]) == (None, None, None)
+        return
+    assert isinstance(start, int) and isinstance(end, int) and start > 0 and end > 0
+    assert run["redis_memory_per_request_bytes"] == pytest.approx((end - start) / requests)
 
 
 def test_serve_measures_a_running_deployment(tmp_path: Path) -> None:
@@ -93,12 +104,15 @@ def test_serve_measures_a_running_deployment(tmp_path: Path) -> None:
             "inf",
             "--output-len",
             "5",
+            "--data-dir",  # its embedded Redis's admin, who may read INFO memory
+            str(tmp_path / "up"),
         )
         wrong_model = _bench_fails(tmp_path, "serve", "--base-url", system.base_url, "--model", "nope")
     finally:
         assert stop_system(system) == []
     (run,) = report["runs"]
     assert run["path"] == "http" and run["completed"] == 6 and "overhead" not in report
+    _check_redis_memory(run, 6, measured=True)
     assert "does not serve model 'nope' (it serves ['tiny']); pass --model" in wrong_model
 
 
@@ -212,3 +226,17 @@ def test_stagger_bench_refuses_bad_options_and_empty_traces(tmp_path: Path) -> N
     out = _bench_fails(tmp_path, "stagger", "--process-ranks", "0", "--sim-ranks", "1", "--duration", "0.001")
     assert "trace drew no requests in 0.001 s" in out and "Traceback" not in out
     assert not (tmp_path / "out" / "bench_stagger.json").exists()
+
+
+def test_the_memory_row_says_the_difference_is_what_is_still_held() -> None:
+    """(end - start) / requests is what Redis still holds at the end (streams in their grace, marks
+    in their window), not what each request leaves for good: the row says so."""
+    from splitbus.bench.report import _redis_memory_row
+
+    run = {
+        "redis_used_memory_start_bytes": 2**20,
+        "redis_used_memory_end_bytes": 3 * 2**20,
+        "redis_memory_per_request_bytes": 349.5,
+    }
+    row = _redis_memory_row(run)
+    assert "1.0 MiB at the start, 3.0 MiB at the end, +350 B per request still held at the end" in row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -270,3 +271,84 @@ async def test_a_script_redis_lost_is_loaded_again(
 def test_a_reader_name_must_fit_a_hash_tag(bus_config: BusConfig) -> None:
     with pytest.raises(ValueError, match="hash tag"):
         ResultReader(bus_config, aioredis.Redis(), name="api{1}")
+
+
+async def _gone(redis: aioredis.Redis, key: str, within_s: float = 10.0) -> bool:
+    """Whether ``key`` is deleted within ``within_s`` (a bound on the wait, not a timing check)."""
+    for _ in range(int(within_s / 0.05)):
+        if not await redis.exists(key):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 0.2])
+async def test_a_stream_read_to_its_end_goes_after_the_grace(
+    redis: aioredis.Redis, bus_config: BusConfig, grace_s: float
+) -> None:
+    """Once the reader has the final entry nothing needs the stream: it is deleted after the
+    grace (at once for 0), not kept finished_result_ttl_s; the request's hand-off id goes too."""
+    config = dataclasses.replace(bus_config, result_grace_s=grace_s)
+    reader = ResultReader(config, redis, name="api-grace")
+    await reader.start()
+    try:
+        sub = await reader.subscribe("r-done")
+        await redis.set(config.keys.current("r-done"), "a-handoff", ex=600)  # as a dispatch leaves it
+        writer = ResultWriter(redis, config)
+        writer.open("r-done", reader="api-grace.0")
+        writer.tokens("r-done", [1])
+        writer.finish("r-done", "length", 1, 1)
+        await writer.flush()
+        assert [r.seq for r in await _collect(sub)] == [0, 1]
+        assert await _gone(redis, config.keys.out("api-grace.0", "r-done"))
+        assert await _gone(redis, config.keys.current("r-done"))
+    finally:
+        await reader.close()
+
+
+async def test_a_stream_nobody_read_to_its_end_still_expires_after_its_final_entry(
+    redis: aioredis.Redis, bus_config: BusConfig, reader: ResultReader
+) -> None:
+    """A client that went away (unsubscribed before the end), or no reader at all: the stream
+    keeps the backstop TTL from its final entry, and the reader's grace does not apply."""
+    await redis.set(bus_config.keys.current("r-left"), "a-handoff", ex=600)
+    left = await reader.subscribe("r-left")
+    reader.unsubscribe(left)
+    writer = ResultWriter(redis, bus_config)
+    for request_id in ("r-left", "r-unread"):
+        writer.open(request_id, reader=reader.reader_of(request_id))
+        writer.tokens(request_id, [1])
+        writer.finish(request_id, "length", 1, 1)
+    await writer.flush()
+    for request_id in ("r-left", "r-unread"):
+        ttl = await redis.ttl(bus_config.keys.out(reader.reader_of(request_id), request_id))
+        assert bus_config.result_grace_s < ttl <= bus_config.finished_result_ttl_s
+    assert await redis.exists(bus_config.keys.current("r-left"))  # kept to the deadline: it may still move
+
+
+async def test_a_stream_written_again_after_it_was_deleted_expires(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A worker still writing a run whose stream the API retired (a run nobody follows any more)
+    recreates the stream: it gets a TTL, as a finished one does, not none for ever. A stream that
+    exists keeps the TTL it has (no EXPIRE per entry)."""
+    writer = ResultWriter(redis, bus_config)
+    writer.open("r", reader=R)
+    writer.tokens("r", [1])
+    await writer.flush()
+    assert await redis.ttl(bus_config.keys.out(R, "r")) > bus_config.finished_result_ttl_s  # the first entry's
+    await redis.delete(bus_config.keys.out(R, "r"))  # retired by the reader
+    writer.tokens("r", [2])
+    await writer.flush()
+    assert 0 < await redis.ttl(bus_config.keys.out(R, "r")) <= bus_config.finished_result_ttl_s
+    await redis.expire(bus_config.keys.out(R, "r"), 1000)
+    writer.tokens("r", [3])
+    await writer.flush()
+    assert 120 < await redis.ttl(bus_config.keys.out(R, "r")) <= 1000
+
+
+def test_the_grace_is_at_most_the_backstop() -> None:
+    with pytest.raises(ValueError, match="result_grace_s"):
+        BusConfig(result_grace_s=-1)
+    with pytest.raises(ValueError, match="result_grace_s"):
+        BusConfig(result_grace_s=121, finished_result_ttl_s=120)

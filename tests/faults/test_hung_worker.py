@@ -100,7 +100,8 @@ def rejoined_and_serves(system: System, wid: str) -> None:
 @pytest.mark.timeout(180)
 def test_a_decode_worker_stopped_past_its_lease(tmp_path: Path) -> None:
     # 25 ms per decode step: 120 tokens take ~3 s; the stop lands 1 s in and lasts 5 s.
-    system = start_system(tmp_path, "--decode", "2", "--worker-arg=--sim-decode-step-ms=25")
+    # --result-grace: same_seq_same_tokens reads the finished streams after the run
+    system = start_system(tmp_path, "--decode", "2", "--worker-arg=--sim-decode-step-ms=25", "--result-grace", "120")
     try:
         victim = r"--role decode"
         wid = worker_id(system, victim)
@@ -115,7 +116,9 @@ def test_a_decode_worker_stopped_past_its_lease(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_a_prefill_worker_stopped_mid_prefill(tmp_path: Path) -> None:
     # 2 ms per prompt token: each prefill worker's batch of 100-token prompts takes ~1 s.
-    system = start_system(tmp_path, "--prefill", "2", "--worker-arg=--sim-prefill-us-per-token=2000")
+    system = start_system(
+        tmp_path, "--prefill", "2", "--worker-arg=--sim-prefill-us-per-token=2000", "--result-grace", "120"
+    )
     try:
         victim = r"--role prefill"
         wid = worker_id(system, victim)

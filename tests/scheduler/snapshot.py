@@ -40,7 +40,7 @@ async def tasks_in(redis: aioredis.Redis, stream: str) -> list[Task]:
 
 
 async def current_handoff(redis: aioredis.Redis, config: BusConfig, request_id: str) -> str:
-    """The hand-off id of the request's current dispatch (``sb:current:{request}``)."""
+    """The hand-off id of the request's current dispatch (``sb:current:{cell}:<request>``)."""
     value = await redis.get(config.keys.current(request_id))
     assert isinstance(value, bytes), value
     return value.decode()

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
+import pytest
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
+from splitbus.bus.dispatch import MAX_CURRENT_TTL_S
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
-from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, NOT_OURS, STALE, Dispatcher
+from splitbus.scheduler.config import SchedulerConfig
+from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, FAIL_IT, NOT_OURS, STALE, Dispatcher
 from splitbus.scheduler.placement import Placement
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
 
@@ -57,6 +63,125 @@ async def test_duplicate_request_entry_is_acked_not_dispatched(redis: aioredis.R
     assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
+async def test_the_mark_is_kept_for_the_duplicate_window_and_the_handoff_id_to_the_deadline(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """What a dispatched request leaves is short-lived: the mark for the window in which a
+    duplicate entry can still arrive (a duplicate within it is still only acked), the hand-off id
+    until the request's deadline (and one window more), not an hour each."""
+    consumer = await _setup(redis, bus_config)
+    window = SchedulerConfig(bus=bus_config).dispatched_ttl_s
+    deadline_ms = int((time.time() + 300) * 1000)
+    message = dataclasses.replace(request(), deadline_ms=deadline_ms)
+    producer = Producer(redis, bus_config)
+    await producer.send(bus_config.keys.requests, message)
+    await producer.send(bus_config.keys.requests, message)  # an API's retried XADD
+    first, second = await consumer.read(2)
+    dispatcher = Dispatcher(redis, bus_config, window)
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) == DISPATCHED
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
+    assert 0 < await redis.ttl(bus_config.keys.dispatched("r")) <= window <= 60
+    assert 300 < await redis.ttl(bus_config.keys.current("r")) <= 300 + window
+
+
+async def test_the_handoff_id_of_a_request_without_a_deadline_is_kept_an_hour(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    consumer = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())  # deadline_ms 0
+    delivery = (await consumer.read(1))[0]
+    assert await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    assert 60 < await redis.ttl(bus_config.keys.current("r")) <= MAX_CURRENT_TTL_S
+
+
+async def test_a_duplicate_read_after_the_mark_expired_is_still_a_duplicate(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """One replica read both copies of a request (a retried XADD), dispatched the first, then
+    stalled past the mark's window (SIGSTOP, Redis away) holding the second: the request's
+    hand-off id, kept for as long as it runs, still makes the second a duplicate."""
+    consumer = await _setup(redis, bus_config)
+    message = dataclasses.replace(request(), deadline_ms=int((time.time() + 600) * 1000))
+    producer = Producer(redis, bus_config)
+    await producer.send(bus_config.keys.requests, message)
+    await producer.send(bus_config.keys.requests, message)
+    first, second = await consumer.read(2)
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") == DISPATCHED
+    handoff = await current_handoff(redis, bus_config, "r")
+    await redis.delete(bus_config.keys.dispatched("r"))  # the window passed
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan(), "s1") == DUPLICATE
+    assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [1, 1]
+    assert await current_handoff(redis, bus_config, "r") == handoff
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
+async def test_a_copy_of_a_dispatched_request_is_not_failed(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """Before a replica fails a request entry (no worker, deadline, dead letter), the script
+    tells it whether the request is dispatched: a copy of a running request is acked only."""
+    consumer = await _setup(redis, bus_config)
+    producer = Producer(redis, bus_config)
+    await producer.send(bus_config.keys.requests, request())
+    await producer.send(bus_config.keys.requests, request())
+    first, second = await consumer.read(2)
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") == DISPATCHED
+    await redis.delete(bus_config.keys.dispatched("r"))  # however late: the hand-off id tells
+    assert await dispatcher.settle_failed(second.entry_id, "r", "s2") == NOT_OURS
+    assert await dispatcher.settle_failed(second.entry_id, "r", "s1") == DUPLICATE
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
+    assert await dispatcher.settle_failed("", "r") == DUPLICATE  # a dead letter of it
+
+
+async def test_a_failed_request_is_not_dispatched_by_its_copy(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """Failing marks the request: a copy read later is a duplicate (its client has the error).
+    The failing entry itself may still be dispatched (its replica died before writing the error)."""
+    consumer = await _setup(redis, bus_config)
+    producer = Producer(redis, bus_config)
+    await producer.send(bus_config.keys.requests, request())
+    await producer.send(bus_config.keys.requests, request())
+    first, second = await consumer.read(2)
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.settle_failed(first.entry_id, "r", "s1") == FAIL_IT
+    assert await dispatcher.settle_failed(first.entry_id, "r", "s1") == FAIL_IT  # retried: still its own
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan(), "s1") == DUPLICATE
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") == DISPATCHED
+    assert await redis.xlen(bus_config.keys.tasks("p")) == 1
+
+
+@pytest.mark.parametrize(("skew_s", "deadline_in_s", "low", "high"), [(250, 300, 300, 360), (0, 7200, 3500, 3600)])
+async def test_the_handoff_ids_life_comes_from_the_deadline_not_the_schedulers_clock(
+    redis: aioredis.Redis,
+    bus_config: BusConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    skew_s: float,
+    deadline_in_s: float,
+    low: int,
+    high: int,
+) -> None:
+    """A scheduler whose clock runs ahead of the API's still keeps the id to the deadline (+ the
+    window), by Redis's clock; a deadline further off than an hour is kept an hour at most."""
+    consumer = await _setup(redis, bus_config)
+    message = dataclasses.replace(request(), deadline_ms=int((time.time() + deadline_in_s) * 1000))
+    await Producer(redis, bus_config).send(bus_config.keys.requests, message)
+    delivery = (await consumer.read(1))[0]
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)
+    assert await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    monkeypatch.setattr(time, "time", real)
+    assert low < await redis.ttl(bus_config.keys.current("r")) <= high
+
+
+def test_the_mark_must_outlast_a_stuck_replica_and_the_wait_for_a_worker(bus_config: BusConfig) -> None:
+    """The documented bound, all of it: 3 x 5 s XADD retries + 30 s claim idle + 0.25 s claim pass
+    + 10 s wait for a worker + 0.1 s refresh."""
+    config = dataclasses.replace(bus_config, socket_timeout_s=5.0, claim_idle_ms=30_000)
+    assert SchedulerConfig(bus=config).duplicate_window_s() == pytest.approx(55.35)
+    with pytest.raises(ValueError, match="dispatched_ttl_s must cover"):
+        SchedulerConfig(bus=config, dispatched_ttl_s=55, no_worker_wait_s=10.0)
+    SchedulerConfig(bus=config, dispatched_ttl_s=56, no_worker_wait_s=10.0)
 
 
 async def test_a_woken_replica_writes_nothing_for_an_entry_another_claimed(
@@ -111,3 +236,21 @@ async def test_a_request_whose_two_workers_die_is_moved_once(redis: aioredis.Red
     tasks = await tasks_in(redis, bus_config.keys.tasks("d"))
     assert [t.handoff for t in tasks] == [first, second]  # nothing written for the void task
     assert (await redis.xpending(bus_config.keys.tasks("d"), WORKER_GROUP))["pending"] == 0  # only acked
+
+
+async def test_a_task_of_a_request_that_ended_is_not_moved(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """The API deleted the request's hand-off id with its final entry: a redispatch of its task
+    (the worker died before its ack) is only acked, not a run from the start for nobody. A task
+    written before hand-off ids has nothing to compare and moves as before."""
+    consumer = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    delivery = (await consumer.read(1))[0]
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    [p_task], [d_task] = await _pending_tasks(redis, bus_config, "p"), await _pending_tasks(redis, bus_config, "d")
+    await redis.delete(bus_config.keys.current("r"))  # the reader had the final entry
+    assert await dispatcher.redispatch("d", d_task.entry_id, d_task.message, _plan(), 0, []) == STALE
+    assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [1, 1]
+    assert (await redis.xpending(bus_config.keys.tasks("d"), WORKER_GROUP))["pending"] == 0
+    old = dataclasses.replace(p_task.message, handoff="")
+    assert await dispatcher.redispatch("p", p_task.entry_id, old, _plan(), 0, []) == DISPATCHED

@@ -16,9 +16,10 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.control import ControlServer
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.loops import Loops
-from splitbus.bus.messages import Cancel, Failed, GenerateRequest, Task
+from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservation, Reservations
+from splitbus.bus.results import ResultReader, ResultWriter
 from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.dispatch import DISPATCHED, Dispatcher
@@ -173,6 +174,57 @@ async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once
     for dead in ("p1", "d1"):
         assert (await redis.xpending(config.keys.tasks(dead), WORKER_GROUP))["pending"] == 0
     assert await redis.xlen(config.keys.out("api", "r")) == 0  # nothing failed it
+
+
+async def test_a_finished_requests_task_is_only_acked_once_its_stream_is_gone(
+    redis: aioredis.Redis, config: BusConfig
+) -> None:
+    """D wrote the final entry, the API read it (and retired the stream and the hand-off id), D
+    died before its ack, and the reaper gets there after the grace: the stream shows nothing sent,
+    but the missing hand-off id says the request is over. Its task is acked; nothing runs again."""
+    config = dataclasses.replace(config, result_grace_s=0.0)
+    load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
+    for worker_id, role, lease_ms in (("d1", "decode", 50), ("p2", "prefill", 30_000), ("d2", "decode", 30_000)):
+        await GroupConsumer(redis, config, config.keys.tasks(worker_id), WORKER_GROUP, worker_id).ensure_group("$")
+        await Registry(redis, config).register(
+            WorkerRecord(worker_id=worker_id, role=role, model="m", load=load), lease_ms=lease_ms
+        )
+    requests = GroupConsumer(redis, config, config.keys.requests, SCHEDULER_GROUP, "s1")
+    await requests.ensure_group()
+    await Producer(redis, config).send(config.keys.requests, request())
+    (entry,) = await requests.read(1)
+    only_d1 = [Placement(worker("d1", "decode"), "decode", "p1", Reserved(0, 1, 8))]
+    assert await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, only_d1) == DISPATCHED
+    d1 = GroupConsumer(redis, config, config.keys.tasks("d1"), WORKER_GROUP, "d1")
+    assert len(await d1.read(10, block_ms=0)) == 1
+    reader = ResultReader(config, redis, name="api")
+    await reader.start()
+    try:
+        sub = await reader.subscribe("r")
+        writer = ResultWriter(redis, config)
+        out = config.keys.out(reader.reader_of("r"), "r")
+        writer.open("r", reader=reader.reader_of("r"))
+        writer.tokens("r", [1, 2])
+        writer.finish("r", "length", 4, 2)
+        await writer.flush()
+        assert isinstance([r async for r in sub][-1], Finished)
+        for _ in range(200):  # the reader retires both (grace 0), in its next pipeline
+            if not await redis.exists(out, config.keys.current("r")):
+                break
+            await asyncio.sleep(0.01)
+        assert not await redis.exists(out, config.keys.current("r"))
+    finally:
+        await reader.close()
+    await asyncio.sleep(0.1)  # d1 dies before its ack
+    scheduler = Scheduler(SchedulerConfig(config))
+    try:
+        await scheduler.view.refresh()
+        assert await scheduler.reaper.reap("d1") == 1
+    finally:
+        await scheduler.redis.aclose()
+    assert [await redis.xlen(config.keys.tasks(w)) for w in ("p2", "d2")] == [0, 0]
+    assert (await redis.xpending(config.keys.tasks("d1"), WORKER_GROUP))["pending"] == 0
+    assert not await redis.exists(out, config.keys.out("api", "r"))  # no error written either
 
 
 @pytest.mark.parametrize(("made_for", "cancelled"), [("h1", True), ("h0", False)])

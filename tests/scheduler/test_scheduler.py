@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from splitbus.bus import codec
+from splitbus.bus.codec import NamedRequest
 from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import Failed
@@ -156,6 +157,46 @@ async def test_a_request_waits_for_a_worker_then_fails_with_the_policys_reason(
         assert isinstance(failed, Failed) and (failed.code, failed.status) == ("no_worker", 503)
         assert failed.message == "no live prefill worker with room serves model 'm'"
         assert not await replica.requests.owns(delivery.entry_id)  # acked: done with
+    finally:
+        await replica.redis.aclose()
+
+
+async def test_a_copy_of_a_running_request_that_waits_for_a_worker_is_not_failed(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A retried XADD's copy waits past no_worker_wait_s while the request runs (its hand-off id
+    is set): the copy is acked only, and the live run's stream gets no 503."""
+    await _held_by(redis, bus_config, "s1", lease_ms=5000)
+    await redis.set(bus_config.keys.current("r"), "h1", ex=600)  # dispatched from the first copy
+    replica = _replica(bus_config, "s1", no_worker_wait_s=1.0)
+    try:
+        delivery = (await replica.requests.claim_idle(min_idle_ms=0))[0]
+        assert await replica.decide(Waiting(delivery, time.monotonic() - 2)) is Verdict.DROP
+        assert not await redis.exists(bus_config.keys.out("api", "r"))
+        assert not await replica.requests.owns(delivery.entry_id)  # acked: a duplicate
+    finally:
+        await replica.redis.aclose()
+
+
+async def test_a_dead_lettered_copy_of_a_running_request_is_not_failed(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A copy dead-lettered (here: not decodable as placed) while the request runs leaves the
+    live run's stream alone; one of a request nobody dispatched is failed with the reason."""
+    await _held_by(redis, bus_config, "s1", lease_ms=5000)
+    replica = _replica(bus_config, "s1")
+    try:
+        delivery = (await replica.requests.claim_idle(min_idle_ms=0))[0]
+        await redis.set(bus_config.keys.current("r"), "h1", ex=600)
+        await replica.poison(Waiting(delivery, time.monotonic()), "handler_failed: boom")
+        await replica.place_waiting()
+        assert not await redis.exists(bus_config.keys.out("api", "r"))
+        await redis.delete(bus_config.keys.current("r"))
+        replica.fail_dead(NamedRequest("r2", "api"), "handler_failed: boom")  # a request never dispatched
+        await replica.place_waiting()
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", await redis.xrange(bus_config.keys.out("api", "r2")))
+        [failed] = [codec.decode(fields) for _, fields in entries]
+        assert isinstance(failed, Failed) and (failed.code, failed.status) == ("handler_failed", 500)
     finally:
         await replica.redis.aclose()
 
