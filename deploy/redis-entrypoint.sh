@@ -17,7 +17,7 @@ COMMANDS="+ping +select +client|setname +client|setinfo +xadd +xread +xreadgroup
 +xpending +xdel +xtrim +xlen +xrange +xrevrange +xgroup|create +xgroup|createconsumer \
 +xgroup|delconsumer +xinfo|groups +xinfo|consumers +xinfo|stream +hset +hget +hmget +hgetall \
 +hincrby +hdel +zadd +zrange +zrem +zcard +get +set +del +exists +incr +incrby +expire +pexpire \
-+persist +ttl +pttl +scan +eval +evalsha +script|load +script|exists +time"
++persist +ttl +pttl +scan +eval +evalsha +script|load +script|exists +time +info|server"
 CLUSTER_COMMANDS="+cluster|slots +cluster|shards +command +asking +readonly +readwrite"
 cluster="${SPLITBUS_REDIS_CLUSTER:-no}"
 if [ "$cluster" = yes ]; then

@@ -92,9 +92,12 @@ SPLITBUS_COMMANDS = (
     "script|load",
     "script|exists",
     "time",
+    # the server's run id (splitbus.bus.runs): a restart or failover that may have lost writes
+    "info|server",
 )
 """Everything splitbus runs, and nothing more: no CONFIG, MODULE, SAVE, BGSAVE, BGREWRITEAOF,
-DEBUG, SHUTDOWN, FLUSHALL, FLUSHDB, MONITOR, KEYS, ACL, CLIENT KILL/LIST, INFO, SLAVEOF/REPLICAOF,
+DEBUG, SHUTDOWN, FLUSHALL, FLUSHDB, MONITOR, KEYS, ACL, CLIENT KILL/LIST, INFO (but its ``server`` section),
+SLAVEOF/REPLICAOF,
 MIGRATE, RESTORE, SYNC..."""
 AOF_REWRITE_MIN_BYTES = 4 * 1024 * 1024
 """Redis rewrites the AOF on its own once it doubles past this (its default, 64 MB, let a 47 MB AOF

@@ -1,0 +1,88 @@
+"""Which Redis process serves the bus: a new run id on a primary means the server restarted (from
+its AOF, or empty) or a replica took over, and writes the old process had acknowledged may be gone
+(``appendfsync everysec`` fsyncs once a second; replication is asynchronous).
+
+Redis keeps the writes it replays or replicates in order, so what survives is a prefix of what was
+written: each party that holds state (the API its requests, a worker its tasks and results, the
+scheduler its dispatches) can tell what it lost by checking its own latest writes, and re-publish
+them, once it has seen a new run (docs/reliability.md, "Writes Redis loses"). This module only
+sees the runs: ``INFO server``'s ``run_id`` on every primary (``+info|server`` in the ACL).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError, ResponseError
+
+from splitbus.bus.cluster import as_cluster
+
+log = logging.getLogger(__name__)
+
+
+class Runs(enum.Enum):
+    """What :meth:`ServerRuns.poll` saw."""
+
+    FIRST = "first"
+    """The first poll: the runs are recorded, nothing to compare them with."""
+    SAME = "same"
+    """Every primary is a process seen before."""
+    NEW = "new"
+    """A primary is a process not seen before: a restart or a failover; writes may be lost."""
+    UNKNOWN = "unknown"
+    """Redis refused ``INFO server`` (an ACL without ``+info|server``): no restart can be seen."""
+
+
+class ServerRuns:
+    """Polls the run id of each primary. Called from a loop the party runs anyway (a heartbeat):
+    one ``INFO server`` per primary per poll."""
+
+    def __init__(self, redis: aioredis.Redis, name: str) -> None:
+        self._redis = redis
+        self._name = name
+        self._seen: set[str] = set()
+        self._refused = False
+
+    async def poll(self) -> Runs:
+        """Compare the primaries' run ids with those seen before. A transient Redis error is the
+        caller's (its loop backs off); a refused ``INFO`` is logged once and then ``UNKNOWN``."""
+        if self._refused:
+            return Runs.UNKNOWN
+        try:
+            runs = await self._run_ids()
+        except (NoPermissionError, ResponseError) as exc:
+            if "NOPERM" not in str(exc) and not isinstance(exc, NoPermissionError):
+                raise
+            self._refused = True
+            log.warning("%s: Redis refused INFO server (%s): a restart that lost writes cannot be seen", self._name, exc)
+            return Runs.UNKNOWN
+        return self._compare(runs)
+
+    def _compare(self, runs: set[str]) -> Runs:
+        if not self._seen:
+            self._seen = runs
+            return Runs.FIRST
+        new = runs - self._seen
+        self._seen |= runs
+        if new:
+            log.warning("%s: Redis has a new server run (%s): it may have lost writes", self._name, ", ".join(new))
+            return Runs.NEW
+        return Runs.SAME
+
+    async def _run_ids(self) -> set[str]:
+        cluster = as_cluster(self._redis)
+        if cluster is None:
+            return {_run_id(await self._redis.info("server"))}
+        replies = await cluster.info("server", target_nodes=aioredis.RedisCluster.PRIMARIES)
+        return {_run_id(info) for info in replies.values()}
+
+
+def _run_id(info: Any) -> str:
+    """The ``run_id`` of an ``INFO server`` reply (a dict), checked: 40 hex digits."""
+    run = info.get("run_id") if isinstance(info, dict) else None
+    if not isinstance(run, str) or len(run) != 40:
+        raise ResponseError(f"INFO server gave no run_id: {str(info)[:80]!r}")
+    return run
