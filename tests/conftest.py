@@ -15,6 +15,7 @@ from redis.asyncio.connection import AbstractConnection
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
+from splitbus.bus.runs import CellRun
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
 from tests.bus.slots import keys_of, slots
@@ -91,7 +92,10 @@ def bus_config(redis_server: EmbeddedRedis) -> BusConfig:
 
 @pytest.fixture
 async def redis(bus_config: BusConfig) -> AsyncIterator[aioredis.Redis]:
+    """The bus's asyncio client, its cell settled on the server's run (as a scheduler does on a
+    fresh bus), so that a test's dispatches go out."""
     client = connect(bus_config)
+    await CellRun(client, bus_config.keys).settle()
     yield client
     await client.aclose()
 

@@ -27,7 +27,6 @@ from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
 from splitbus.bus.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
-from splitbus.bus.requests import submit
 from splitbus.bus.results import Subscription
 from splitbus.tokenization import ModelTokenizer
 from splitbus.tokenization.tokenizer import ChatTemplateError
@@ -177,7 +176,7 @@ class Generation:
         self.sub = await self.state.reader.subscribe(self.request_id)
         self.sub.expire_at(asyncio.get_running_loop().time() + self.state.config.request_timeout_s + DEADLINE_GRACE_S)
         try:
-            await submit(self.state.producer, self.state.config.bus.keys, self.message())
+            await self.state.submissions.submit(self.message())
         except TRANSIENT_ERRORS as exc:
             raise ServiceUnavailable(f"Redis is unreachable: {exc}") from None
         metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))
@@ -298,6 +297,8 @@ class Generation:
         return _event(protocol.completion_chunk(self.request_id, self.created, self.params.model, text, finish))
 
     def _observe(self, result: Result) -> None:
+        if self._last_token_at is None:  # it runs on a worker: a lost entry is not the API's to publish again
+            self.state.submissions.started(self.request_id)
         now = time.monotonic()
         if isinstance(result, TokenDelta) or (isinstance(result, Finished) and result.token_ids):
             metrics.GENERATION_TOKENS.inc(len(result.token_ids))
@@ -315,6 +316,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self.state.submissions.started(self.request_id)
         if self.sub is not None:
             self.state.reader.unsubscribe(self.sub)
             if cancel is not None:

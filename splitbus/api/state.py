@@ -18,13 +18,16 @@ from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.loops import Loops
 from splitbus.bus.registry import Registry, RegistryView
-from splitbus.bus.requests import backlog
+from splitbus.bus.requests import Submissions, backlog
 from splitbus.bus.results import ResultReader
+from splitbus.bus.runs import Runs, ServerRuns
 from splitbus.bus.streams import Producer
 from splitbus.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RUNS_EVERY_S = 0.5
+"""How often the API looks for a new Redis server run (one ``INFO server`` per primary)."""
 
 
 class ApiState:
@@ -34,6 +37,9 @@ class ApiState:
         self.redis = connect(config.bus, max_connections=config.redis_connections, name=config.node_id)
         self.reader = ResultReader(config.bus, self.redis, name=f"{config.node_id}.out", shards=config.reader_shards)
         self.producer = Producer(self.redis, config.bus, batched=True)  # concurrent requests share XADD pipelines
+        self.submissions = Submissions(self.redis, self.producer, config.bus.keys)
+        self.runs = ServerRuns(self.redis, f"api {config.node_id}")
+        self._resubmit_owed = False
         self.workers = RegistryView(Registry(self.redis, config.bus), config.registry_refresh_s)
         self.inflight = 0
         self.backlog = 0
@@ -50,7 +56,24 @@ class ApiState:
         await state.workers.refresh()
         state.loops.start(state.workers.refresh, every_s=config.registry_refresh_s)
         state.loops.start(state.read_backlog, every_s=config.registry_refresh_s)
+        state.loops.start(state.watch_runs, every_s=RUNS_EVERY_S)
         return state
+
+    async def watch_runs(self) -> None:
+        """After a new Redis server run, submit again the requests whose entries it lost (owed
+        until done: a Redis error on the way leaves it to the next step)."""
+        if await self.runs.poll() is Runs.NEW:
+            self._resubmit_owed = True
+        if self._resubmit_owed:
+            again = await self.submissions.resubmit_lost()
+            self._resubmit_owed = False
+            log.log(
+                logging.WARNING if again else logging.INFO,
+                "api %s: after a new Redis run, %d of %d request(s) not yet started had lost their entry: sent again",
+                self.config.node_id,
+                again,
+                len(self.submissions),
+            )
 
     async def read_backlog(self) -> None:
         """The request stream's length, read at the registry's pace (never per request)."""

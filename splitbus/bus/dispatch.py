@@ -24,8 +24,14 @@ it, so the woken replica would dispatch an entry that the claimer still holds (t
 later dispatch would find it acked, so still one dispatch, but two replicas would act on one
 request: one could fail it with a 503 while the other dispatched it).
 
+The script writes nothing (RECOVERING) while the server is a run the cell has not settled on
+(``sb:run:{cell}``, ``splitbus.bus.runs``): after a restart or failover that may have lost the
+latest writes, the workers first re-assert the dispatches they hold, so that a request whose
+dispatch was lost but runs on a worker is not dispatched a second time.
+
 Keys (every one in KEYS, built in ``keys.py``): the stream the entry is acked in, the
-dispatched mark, ``sb:current:{cell}:<request>``, then per task the worker's hash and task stream.
+dispatched mark, ``sb:current:{cell}:<request>``, ``sb:run:{cell}``, then per task the worker's
+hash and task stream.
 
 Both strings are per request, so both are kept no longer than their purpose needs (under load,
 what each finished request leaves is what Redis holds). The mark only has to outlive the moment a
@@ -63,6 +69,10 @@ DUPLICATE = -1
 STALE = -2
 """A redispatch of a task that is no longer its request's current dispatch (the request moved
 already, off its other worker): the task is only acked."""
+RECOVERING = -3
+"""The server is a run the cell has not settled on (a restart or failover that may have lost
+writes, ``splitbus.bus.runs``): nothing is written, the entry stays pending; dispatch again once
+the cell is settled."""
 NOT_OURS = ALREADY_ACKED
 """The entry is not pending with this consumer: acked already, or claimed by another replica."""
 
@@ -87,6 +97,7 @@ _DISPATCH = declare(
             "sb:requests:{cell} | sb:tasks:{cell}:<worker>",
             "sb:dispatched:{cell}:<request>",
             "sb:current:{cell}:<request>",
+            "sb:run:{cell}",
         ),
         repeated=("sb:worker:{cell}:<worker>", "sb:tasks:{cell}:<worker>"),
         argv=(
@@ -96,8 +107,15 @@ _DISPATCH = declare(
             " its deadline + the mark's window; 0: none; at most 1 h from now by Redis's clock); per task: its"
             " reserved prefill tokens, requests, KV blocks, and its entry's `type`, `data`, `ts`"
         ),
-        returns="1 dispatched; 0 already acked or not the consumer's; -1 duplicate (acked only); -2 stale (acked only)",
+        returns=(
+            "1 dispatched; 0 already acked or not the consumer's; -1 duplicate (acked only); -2 stale (acked only);"
+            " -3 recovering (the server's run is not the cell's settled one: nothing written)"
+        ),
         source="""
+local info = redis.pcall('INFO', 'server')
+if type(info) == 'string' and redis.call('GET', KEYS[4]) ~= string.match(info, 'run_id.(%x+)') then
+  return -3
+end
 if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
   return 0
 end
@@ -115,7 +133,7 @@ local cap = now[1] * 1000 + math.floor(now[2] / 1000) + 3600000
 if at <= 0 or at > cap then at = cap end
 redis.call('SET', KEYS[3], ARGV[6], 'PXAT', string.format('%.0f', at))
 for i = 0, tonumber(ARGV[4]) - 1 do
-  local worker, tasks, a = KEYS[4 + 2 * i], KEYS[5 + 2 * i], 9 + 6 * i
+  local worker, tasks, a = KEYS[5 + 2 * i], KEYS[6 + 2 * i], 9 + 6 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
   redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
   redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
@@ -223,8 +241,9 @@ class DispatchScript:
         first dispatch, which none may be: a request dispatched already is a duplicate;
         ``ANY_HANDOFF``: a task written before hand-off ids); ``deadline_ms``: the request's (0:
         none), which bounds how long the hand-off id is kept. Returns DISPATCHED, ALREADY_ACKED
-        (NOT_OURS), DUPLICATE or STALE."""
-        keys = [entry.stream, entry.mark, self._keys.current(request_id)]
+        (NOT_OURS), DUPLICATE, STALE or RECOVERING (nothing written: the cell is not settled on
+        the server's run, ``splitbus.bus.runs``)."""
+        keys = [entry.stream, entry.mark, self._keys.current(request_id), self._keys.run]
         args: list[bytes | str | int] = [
             entry.group,
             entry.entry_id,

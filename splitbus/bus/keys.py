@@ -68,6 +68,12 @@ class Keys:
         """Stream of dead letters: entries that could not be delivered or decoded."""
         return self._control("dead")
 
+    @property
+    def run(self) -> str:
+        """String: the run id of the Redis server process the cell's state was last settled on
+        (``splitbus.bus.runs``): dispatches wait while the server's differs."""
+        return self._control("run")
+
     def tasks(self, worker: str) -> str:
         """Stream of tasks for one worker (group ``workers``)."""
         return self._control("tasks", worker)

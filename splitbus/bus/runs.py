@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from splitbus.bus.cluster import as_cluster
+from splitbus.bus.keys import Keys
+from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class ServerRuns:
             if "NOPERM" not in str(exc) and not isinstance(exc, NoPermissionError):
                 raise
             self._refused = True
-            log.warning("%s: Redis refused INFO server (%s): a restart that lost writes cannot be seen", self._name, exc)
+            log.warning("%s: Redis refused INFO server (%s): a restart losing writes cannot be seen", self._name, exc)
             return Runs.UNKNOWN
         return self._compare(runs)
 
@@ -86,3 +88,44 @@ def _run_id(info: Any) -> str:
     if not isinstance(run, str) or len(run) != 40:
         raise ResponseError(f"INFO server gave no run_id: {str(info)[:80]!r}")
     return run
+
+
+SETTLED = 1
+RECOVERING = 0
+
+_SETTLE_RUN = declare(
+    LuaScript(
+        name="settle_run",
+        module=__name__,
+        keys=("sb:run:{cell}",),
+        argv="1 to settle the cell on the server's run now, 0 only to ask whether it is",
+        returns="1 settled (or no run id to compare: INFO refused); 0 not settled",
+        source="""
+local info = redis.pcall('INFO', 'server')
+if type(info) ~= 'string' then return 1 end
+local run = string.match(info, 'run_id.(%x+)')
+if redis.call('GET', KEYS[1]) == run then return 1 end
+if ARGV[1] ~= '1' then return 0 end
+redis.call('SET', KEYS[1], run)
+return 1
+""",
+    )
+)
+
+
+class CellRun:
+    """``sb:run:{cell}``: the server run the cell's state was settled on. The dispatch script
+    writes nothing while the server's run differs; a scheduler settles the cell once the workers
+    have had their grace to re-assert what they hold (``splitbus.scheduler.recovery``)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self._key = keys.run
+        self._script = _SETTLE_RUN.register(redis)
+
+    async def settled(self) -> bool:
+        """Whether the cell is settled on the server's current run."""
+        return int(await self._script(keys=[self._key], args=[0])) == SETTLED
+
+    async def settle(self) -> None:
+        """Settle the cell on the server's current run: dispatches go out again."""
+        await self._script(keys=[self._key], args=[1])

@@ -477,7 +477,7 @@ async def trim_consumed(redis: aioredis.Redis, stream: str) -> int:
     groups = cast(list[XInfoGroup], await redis.xinfo_groups(stream))
     if not groups:
         return 0
-    floor = min([await _group_floor(redis, stream, g) for g in groups], key=_id_key)
+    floor = min([await _group_floor(redis, stream, g) for g in groups], key=entry_order)
     return int(await redis.xtrim(stream, minid=floor, approximate=False))
 
 
@@ -487,11 +487,12 @@ async def _group_floor(redis: aioredis.Redis, stream: str, group: XInfoGroup) ->
         summary = cast(XPendingSummary, await redis.xpending(stream, _text(group["name"])))
         if summary["min"] is not None:  # else all were acked since XINFO: past the last read
             return _text(summary["min"])
-    ms, seq = _id_key(_text(group["last-delivered-id"]))
+    ms, seq = entry_order(_text(group["last-delivered-id"]))
     return f"{ms}-{seq + 1}"
 
 
-def _id_key(entry_id: str) -> tuple[int, int]:
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """An entry id as a sort key: (ms, seq)."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
 

@@ -47,6 +47,10 @@ class SchedulerConfig:
     dead_consumer_keep_s: float = 600.0
     """A replica whose lease is gone and that has nothing pending is deleted from the group once
     it has been idle this long (consumer names carry a pid: restarts would pile them up)."""
+    recovery_grace_s: float = 3.0
+    """After the Redis server's run changed (a restart or failover: the latest writes may be lost),
+    how long this replica dispatches nothing, so that the workers re-assert the dispatches they
+    hold first (each looks at every heartbeat, 0.5 s; docs/reliability.md, "Writes Redis loses")."""
     reap_every_s: float = 1.0
     """How often this replica looks for workers whose lease expired, to move their tasks."""
     stagger: bool = True
@@ -85,6 +89,8 @@ class SchedulerConfig:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
         if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats (heartbeat_s > 0)")
+        if self.recovery_grace_s < 0:
+            raise ValueError("recovery_grace_s must be >= 0")
         if self.claim_every_s <= 0 or self.dead_consumer_keep_s < 0:
             raise ValueError("claim_every_s must be positive and dead_consumer_keep_s >= 0")
         if self.dispatched_ttl_s < self.duplicate_window_s():

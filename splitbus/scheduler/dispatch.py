@@ -18,6 +18,7 @@ from splitbus.bus.dispatch import (
     DUPLICATE,
     FAIL_IT,
     NOT_OURS,
+    RECOVERING,
     STALE,
     DispatchScript,
     TaskWrite,
@@ -25,7 +26,7 @@ from splitbus.bus.dispatch import (
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.scheduler.placement import Placement
 
-__all__ = ["ALREADY_ACKED", "DISPATCHED", "DUPLICATE", "FAIL_IT", "NOT_OURS", "STALE", "Dispatcher"]
+__all__ = ["ALREADY_ACKED", "DISPATCHED", "DUPLICATE", "FAIL_IT", "NOT_OURS", "RECOVERING", "STALE", "Dispatcher"]
 
 
 class Dispatcher:

@@ -31,13 +31,14 @@ from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, Reserved, SchedulerLease
 from splitbus.bus.requests import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.streams import Delivery
+from splitbus.bus.streams import Delivery, entry_order
 from splitbus.scheduler import metrics, policies
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, FAIL_IT, NOT_OURS, Dispatcher
+from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, FAIL_IT, NOT_OURS, RECOVERING, Dispatcher
 from splitbus.scheduler.placement import Local, Placement, Waiting
 from splitbus.scheduler.policies import Placed, PlacingContext
 from splitbus.scheduler.reaper import Reaper
+from splitbus.scheduler.recovery import Recovery
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +79,7 @@ class Scheduler:
         """Held while requests are placed: by the scheduling loop, and by the claimer, which
         places what it claimed at once rather than after the loop's blocked read returns."""
         self.reaper = Reaper(self.redis, bus, config.name, self.view, self.policy, self.dispatcher, self.local)
+        self.recovery = Recovery(self.redis, bus.keys, config.recovery_grace_s, config.name)
         self._wake_at: float | None = None
         """When the policy wants the loop back for arrivals it holds (its last ``admit``)."""
         self.loops = Loops(f"scheduler {config.name}", part="the scheduler")
@@ -109,11 +111,14 @@ class Scheduler:
         await until_done(self.lease.renew, self.redis, lambda: self.loops.stopped, "start-up")
         self._leased = True
         await self.view.refresh()
+        holding = sum(w.alive and w.record.load.running + w.record.load.waiting > 0 for w in self.view.workers)
+        await until_done(lambda: self.recovery.start(holding), self.redis, lambda: self.loops.stopped, "start-up")
         config = self.config
         self.loops.start(self.view.refresh, every_s=config.refresh_s, name="registry refresh")
         self.loops.start(self.renew_lease, every_s=config.heartbeat_s)
         self.loops.start(self.claim_orphans, every_s=config.claim_every_s)
-        self.loops.start(self.reaper.reap_dead, every_s=config.reap_every_s)
+        self.loops.start(self.reap_dead, every_s=config.reap_every_s)
+        self.loops.start(self.recover, every_s=config.heartbeat_s)
         self.loops.start(self.trim_requests, every_s=TRIM_EVERY_S)
         log.info("scheduler %s (%s) started", config.name, config.mode)
 
@@ -128,6 +133,9 @@ class Scheduler:
         that can be placed."""
         arrivals = await self.read_requests()
         async with self._placing:
+            if self.recovery.recovering:  # placed once the cell is settled on the new Redis run
+                self.waiting += arrivals
+                return
             admitted = await self.policy.admit(arrivals, self.context)
             self._wake_at = admitted.wake_at
             await self.write_batch(admitted.placed)
@@ -169,14 +177,15 @@ class Scheduler:
         """Decide each request in order (each decision sees the earlier ones' reservations),
         then write all their tasks at once: the dispatch scripts share one pipeline. Returns
         the requests still waiting for a worker."""
-        left, writes = [], []
+        left, writes, placed = [], [], []
         for w in waiting:
             decision = await self.contained(w, self.decide(w))
             if decision is Verdict.WAIT:
                 left.append(w)
             elif isinstance(decision, Placed):
+                placed.append(w)
                 writes.append(self.contained(w, self.dispatch(w, w.delivery.message, decision.placements)))
-        await asyncio.gather(*writes)
+        left += [w for w, outcome in zip(placed, await asyncio.gather(*writes), strict=True) if outcome == RECOVERING]
         return left
 
     async def write_batch(self, placed: list[tuple[Waiting, Placement]]) -> None:
@@ -186,7 +195,11 @@ class Scheduler:
         for waiting, placement in placed:
             self._reserve_locally(placement)
             tasks.setdefault(id(waiting), (waiting, []))[1].append(placement)
-        await asyncio.gather(*(self.contained(w, self.dispatch(w, w.delivery.message, ps)) for w, ps in tasks.values()))
+        batch = list(tasks.values())
+        outcomes = await asyncio.gather(
+            *(self.contained(w, self.dispatch(w, w.delivery.message, ps)) for w, ps in batch)
+        )
+        self.waiting += [w for (w, _), outcome in zip(batch, outcomes, strict=True) if outcome == RECOVERING]
 
     async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | Verdict:
         """Run one request's decision or dispatch. If it fails for any reason but Redis
@@ -245,7 +258,8 @@ class Scheduler:
             return Verdict.DROP
         return Verdict.WAIT
 
-    async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]) -> None:
+    async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]) -> int:
+        """Write the request's tasks; the outcome (RECOVERING: nothing written, it waits)."""
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
         if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
             log.debug(
@@ -263,6 +277,9 @@ class Scheduler:
         metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
         if outcome == DISPATCHED and waiting.delivery.published_us is not None:
             metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
+        if outcome == RECOVERING:
+            self.recovery.begin()
+        return outcome
 
     def _reserve_locally(self, placement: Placement) -> None:
         worker_id = placement.worker.record.worker_id
@@ -309,12 +326,40 @@ class Scheduler:
     async def claim_orphans(self) -> None:
         """Take over requests that a dead or hung replica read but never dispatched: at once
         when its lease is gone, after ``claim_idle_ms`` when it still holds its lease."""
+        if self.recovery.recovering:
+            return
         claimed = await self.claim_from_gone() + await self.requests.claim_idle()
         if claimed:
             now = time.monotonic()
             async with self._placing:  # kept in ``waiting`` first: a Redis error loses none of them
                 self.waiting += [Waiting(d, now) for d in claimed]
                 await self.place_waiting()
+
+    async def reap_dead(self) -> None:
+        """Move dead workers' tasks (not while recovering: a worker's lease may be lost with the
+        rest, and it re-asserts what it holds)."""
+        if not self.recovery.recovering:
+            await self.reaper.reap_dead()
+
+    async def recover(self) -> None:
+        """See a new Redis server run; once its grace is over, settle the cell and place again
+        the entries pending with this replica that it does not hold: their dispatch was lost."""
+        await self.recovery.check()
+        if await self.recovery.step():
+            await self.retake_pending()
+
+    async def retake_pending(self) -> None:
+        async with self._placing:
+            lost = await self.requests.pending_ids() - {w.delivery.entry_id for w in self.waiting}
+            if lost:
+                log.warning(
+                    "scheduler %s: %d request entr(ies) pending with it, not held: placing them",
+                    self.config.name,
+                    len(lost),
+                )
+                now = time.monotonic()
+                self.waiting += [Waiting(d, now) for d in await self.requests.fetch(sorted(lost, key=entry_order))]
+            await self.place_waiting()
 
     async def claim_from_gone(self) -> list[Delivery]:
         """The entries pending with replicas whose lease is gone; such a replica with nothing
@@ -337,4 +382,4 @@ class Scheduler:
         return claimed
 
 
-_OUTCOMES = {DISPATCHED: "dispatched", ALREADY_ACKED: "already_acked", DUPLICATE: "duplicate"}
+_OUTCOMES = {DISPATCHED: "dispatched", ALREADY_ACKED: "already_acked", DUPLICATE: "duplicate", RECOVERING: "recovering"}

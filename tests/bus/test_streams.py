@@ -192,7 +192,7 @@ async def test_trim_survives_acks_between_its_two_reads(redis: aioredis.Redis, b
     stale = [{**g, "pending": 3} for g in await redis.xinfo_groups(stream)]
     await consumer.ack(*[d.entry_id for d in got])
     floor = await streams._group_floor(redis, stream, stale[0])
-    assert streams._id_key(floor) > streams._id_key(got[-1].entry_id)
+    assert streams.entry_order(floor) > streams.entry_order(got[-1].entry_id)
 
 
 async def test_restarted_consumer_dead_letters_its_pending_entry_past_max_deliveries(
