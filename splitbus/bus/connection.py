@@ -7,7 +7,7 @@ import contextlib
 import logging
 import random
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
 import redis
@@ -58,6 +58,26 @@ so the code is looked for after a ``-`` too."""
 _SCRIPT_ERROR = re.compile(r"-(" + "|".join(TRANSIENT_CODES) + r")\b")
 
 
+class BusConnection(aioredis.Connection):
+    """redis-py's connection, but a write that meets a transport closed under it (uvloop raises
+    ``RuntimeError: unable to perform operation on <TCPTransport closed=True ...>; the handler is
+    closed``, seen when the server died while the connection was being set up) is the
+    ``ConnectionError`` it is: redis-py retries it, and the bus backs off, as after a reset."""
+
+    async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except RuntimeError as exc:
+            if not closed_transport(exc):
+                raise
+            raise RedisConnectionError(f"the connection closed under a write ({exc})") from None
+
+
+def closed_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` is uvloop's error for a write to a closed transport (a lost connection)."""
+    return isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
+
+
 def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = None) -> aioredis.Redis:
     """A client for ``config.redis_url`` holding at most ``max_connections`` connections (on a
     cluster: per node).
@@ -81,6 +101,7 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
         config.redis_url,
         max_connections=max_connections,
         timeout=config.socket_timeout_s,
+        connection_class=BusConnection,
         **_client_settings(config, name),
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
@@ -161,7 +182,7 @@ async def wait_until_reachable(redis: aioredis.Redis, stop: Callable[[], bool] =
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` means Redis refuses or cannot be reached for now (back off, retry), as
     opposed to an error that retrying cannot fix."""
-    if isinstance(exc, TRANSIENT_ERRORS):
+    if isinstance(exc, TRANSIENT_ERRORS) or closed_transport(exc):  # the latter: a cluster node's connection
         return True
     if not isinstance(exc, ResponseError):
         return False

@@ -1,7 +1,7 @@
 """``splitbus up``: Redis (embedded unless ``--redis-url``; an embedded Redis Cluster with
 ``--redis-cluster N``: :mod:`splitbus.cli.cluster_up`), scheduler, workers and API as
 child processes; prints where to reach them; restarts a part that dies (with backoff: see
-:mod:`splitbus.cli.supervisor`; not the embedded Redis: if it dies, ``up`` stops); Ctrl-C or
+:mod:`splitbus.cli.supervisor`; the embedded Redis too, at most 3 times, from its data); Ctrl-C or
 SIGTERM stops everything.
 
 Secrets stay off every command line (``ps`` shows argv to all users) and out of the banner: the
@@ -23,7 +23,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitbus.cli.cluster_up import ClusterUp, add_cluster_option, check_cluster_options, start_cluster
+from splitbus.cli.cluster_up import (
+    MAX_NODE_RESTARTS,
+    ClusterUp,
+    add_cluster_option,
+    check_cluster_options,
+    start_cluster,
+)
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.cli.supervisor import Supervisor
@@ -373,18 +379,32 @@ def _start_group(
 def _watcher(supervisor: Supervisor, server: Embedded | None, noted: list[str]) -> Callable[[], str | None]:
     """Called every 0.1 s on the main thread: restarts dead parts; says why to stop, if so (a
     signal noted before `wait_for_stop` took them over, first)."""
-    return lambda: (noted[0] if noted else None) or supervisor.watch() or _redis_gone(server)
+    restarts = [0]
+    return lambda: (noted[0] if noted else None) or supervisor.watch() or _redis_gone(server, restarts)
 
 
-def _redis_gone(server: Embedded | None) -> str | None:
-    """The embedded Redis is not restarted: it holds the one copy of the bus, and its children
-    reconnect with backoff only to the same address. ``up`` stops, pointing at its log. A node
-    of the embedded cluster is (:meth:`ClusterUp.check`): its replica holds its data."""
+def _redis_gone(server: Embedded | None, restarts: list[int]) -> str | None:
+    """Start again an embedded Redis that exited (a node of the embedded cluster:
+    :meth:`ClusterUp.check`), at most MAX_NODE_RESTARTS times; then ``up`` stops, pointing at its
+    log. The single one comes back on its port from its AOF (all it had acknowledged, but for a
+    write it had postponed behind a slow fsync; empty with ``--no-aof``), and the parts, which
+    reconnect with backoff, re-publish whatever it lost (docs/reliability.md, "Writes Redis loses")."""
     if isinstance(server, ClusterUp):
         return server.check()
     if server is None or server.alive():
         return None
-    return f"the embedded Redis exited; its log: {server.log_path}"
+    if restarts[0] >= MAX_NODE_RESTARTS:
+        return f"the embedded Redis exited {restarts[0] + 1} times; its log: {server.log_path}"
+    restarts[0] += 1
+    say(f"the embedded Redis (port {server.port}) exited: starting it again from its data; its log: {server.log_path}")
+    server.stop()  # releases its folder's lock
+    try:
+        server.start()
+    except RedisServerError as exc:  # it died again while loading: the next watch tries again, within the bound
+        say(f"the embedded Redis did not start again: {exc}")
+        return None
+    say(f"the embedded Redis is back on port {server.port}")
+    return None
 
 
 def _serve(

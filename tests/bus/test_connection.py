@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from splitbus.bus.connection import forever, is_transient
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import BusConnection, connect, forever, is_transient
 
 
 @pytest.mark.parametrize(
@@ -37,6 +39,14 @@ from splitbus.bus.connection import forever, is_transient
         (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False),
         (ResponseError("ERR Error running script: @user_script:1: WRONGTYPE"), False),
         (ValueError("a bug"), False),
+        # uvloop's error for a write to a transport closed under it (a server killed mid-connect)
+        (
+            RuntimeError(
+                "unable to perform operation on <TCPTransport closed=True reading=False>; the handler is closed"
+            ),
+            True,
+        ),
+        (RuntimeError("a bug"), False),
     ],
 )
 def test_is_transient(exc: BaseException, transient: bool) -> None:
@@ -65,3 +75,27 @@ async def test_forever_ends_when_told() -> None:
         stop.set()
 
     await asyncio.wait_for(forever(step, stop.is_set, "test"), 5)
+
+
+async def test_a_write_to_a_transport_closed_under_it_is_a_connection_error(
+    bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What uvloop raises then (a RuntimeError) is a ConnectionError, which every bus loop and
+    the KV hand-off back off on (a RuntimeError failed hand-offs: tests/faults/test_redis_crash.py);
+    the next command connects again."""
+    redis = connect(bus_config)
+    failures = [RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")]
+    send = BusConnection._send_packed_command
+
+    async def closed_once(self: BusConnection, command: list[bytes]) -> None:
+        if failures:
+            raise failures.pop()
+        await send(self, command)
+
+    monkeypatch.setattr(BusConnection, "_send_packed_command", closed_once)
+    try:
+        with pytest.raises(RedisConnectionError, match="closed under a write"):
+            await redis.set(bus_config.keys.dead + ":probe", "1")
+        assert await redis.set(bus_config.keys.dead + ":probe", "1")
+    finally:
+        await redis.aclose()

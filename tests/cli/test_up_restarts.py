@@ -11,7 +11,9 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 
+from splitbus.cli.cluster_up import MAX_NODE_RESTARTS
 from splitbus.worker.engines.sim import sim_text
 from tests.cli.test_secrets import _environ
 from tests.e2e.conftest import System, _cmdline, alive, start_system, stop_system
@@ -89,17 +91,38 @@ def test_ctrl_c_with_a_restart_pending_stops_everything(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_up_stops_when_its_embedded_redis_dies(tmp_path: Path) -> None:
+def test_up_starts_its_embedded_redis_again_then_stops_when_it_keeps_dying(tmp_path: Path) -> None:
     system = start_system(tmp_path)
     parts = system.descendants()
-    redis_pid = next(pid for pid in parts if "redis-server" in _cmdline(pid))
-    os.kill(redis_pid, signal.SIGKILL)
+    for restart in range(MAX_NODE_RESTARTS):
+        mark = len(system.output)
+        os.kill(system.pid_of(r"redis-server"), signal.SIGKILL)
+        system.wait_output(r"^the embedded Redis \(port \d+\) exited: starting it again from its data", 10, mark)
+        system.wait_output(r"^the embedded Redis is back on port \d+$", 10, mark)
+        assert system.proc.poll() is None, f"up stopped at restart {restart + 1}"
+        _until_redis_answers(system.redis_url)  # on its port and password
+    os.kill(system.pid_of(r"redis-server"), signal.SIGKILL)
     assert system.proc.wait(30) == 1
-    system.wait_output(r"^stopped \(the embedded Redis exited; its log: .*redis\.log\)$", 5)
+    system.wait_output(
+        rf"^stopped \(the embedded Redis exited {MAX_NODE_RESTARTS + 1} times; its log: .*redis\.log\)$", 5
+    )
     deadline = time.monotonic() + 10
     while any(alive(p) for p in parts) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in parts if alive(p)]
+
+
+def _until_redis_answers(url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with redis.Redis.from_url(url, socket_timeout=1) as client:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
 
 @pytest.mark.timeout(120)

@@ -12,9 +12,19 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.dispatch import MAX_CURRENT_TTL_S
 from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
+from splitbus.bus.runs import CellRun
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, FAIL_IT, NOT_OURS, STALE, Dispatcher
+from splitbus.scheduler.dispatch import (
+    ALREADY_ACKED,
+    DISPATCHED,
+    DUPLICATE,
+    FAIL_IT,
+    NOT_OURS,
+    RECOVERING,
+    STALE,
+    Dispatcher,
+)
 from splitbus.scheduler.placement import Placement
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
 
@@ -254,3 +264,25 @@ async def test_a_task_of_a_request_that_ended_is_not_moved(redis: aioredis.Redis
     assert (await redis.xpending(bus_config.keys.tasks("d"), WORKER_GROUP))["pending"] == 0
     old = dataclasses.replace(p_task.message, handoff="")
     assert await dispatcher.redispatch("p", p_task.entry_id, old, _plan(), 0, []) == DISPATCHED
+
+
+async def test_nothing_is_dispatched_until_the_cell_is_settled_on_the_servers_run(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """After a new Redis run (here: the cell's settled run removed, as a restart without it would
+    leave it) the script writes nothing and leaves the entry pending; once settled it dispatches."""
+    consumer = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    delivery = (await consumer.read(1))[0]
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    cell = CellRun(redis, bus_config.keys)
+    await redis.set(bus_config.keys.run, "0" * 40)  # settled on another server's run
+    assert not await cell.settled()
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == RECOVERING
+    assert await redis.xlen(bus_config.keys.tasks("p")) == 0
+    assert await redis.get(bus_config.keys.current("r")) is None
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 1
+    await cell.settle()
+    assert await cell.settled()
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == DISPATCHED
+    assert await redis.xlen(bus_config.keys.tasks("p")) == 1

@@ -1,0 +1,91 @@
+"""A new Redis server run is seen (``ServerRuns``), what an API lost is submitted again
+(``Submissions``), and a refused ``INFO`` turns the check off rather than failing."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import redis as sync_redis
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.messages import GenerateRequest, SamplingParams
+from splitbus.bus.requests import Submissions, last_entry_id
+from splitbus.bus.runs import CellRun, Runs, ServerRuns
+from splitbus.bus.streams import Producer
+from splitbus.redis_server import EmbeddedRedis
+
+
+def _request(i: int) -> GenerateRequest:
+    return GenerateRequest(f"r{i}", "m", [1, 2], SamplingParams(max_tokens=4), "api", 0, "api.out.0")
+
+
+async def _restarted(server: EmbeddedRedis, runs: ServerRuns) -> Runs:
+    """Restart the server; the first poll that gets through (the pool's connections are dead:
+    the first commands fail, as a part's loop would see and back off on)."""
+    server.stop()
+    server.start()
+    for _ in range(50):
+        try:
+            return await runs.poll()
+        except TRANSIENT_ERRORS:
+            await asyncio.sleep(0.05)
+    raise AssertionError("Redis did not come back")
+
+
+async def test_a_restart_is_a_new_run_and_lost_requests_are_submitted_again(tmp_path: Path) -> None:
+    """A server restarted without persistence lost every entry: the requests not yet started
+    are submitted again, the started one is not."""
+    server = EmbeddedRedis(tmp_path, appendonly=False)
+    server.start()
+    config = BusConfig(redis_url=server.url, block_ms=200, socket_timeout_s=1.0)
+    redis = connect(config)
+    try:
+        runs, submissions = ServerRuns(redis, "test"), Submissions(redis, Producer(redis, config), config.keys)
+        assert await runs.poll() is Runs.FIRST
+        for i in range(3):
+            await submissions.submit(_request(i))
+        submissions.started("r1")
+        assert await runs.poll() is Runs.SAME
+        assert await submissions.resubmit_lost() == 0  # nothing lost: nothing sent again
+        assert await redis.xlen(config.keys.requests) == 3
+        assert await _restarted(server, runs) is Runs.NEW
+        assert await runs.poll() is Runs.SAME
+        assert await submissions.resubmit_lost() == 2
+        entries = await redis.xrange(config.keys.requests)
+        assert sorted(f[b"data"].count(b'"r0"') + 2 * f[b"data"].count(b'"r2"') for _, f in entries) == [1, 2]
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+async def test_an_entry_past_the_streams_last_id_was_lost(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """Redis keeps a prefix of its writes: the stream's last generated id says which entries
+    survived, even when later ones were deleted (a trimmed entry is not a lost one)."""
+    producer, keys = Producer(redis, bus_config), bus_config.keys
+    assert await last_entry_id(redis, keys.requests) is None
+    submissions = Submissions(redis, producer, keys)
+    first = await submissions.submit(_request(0))
+    await redis.xdel(keys.requests, first)
+    assert await last_entry_id(redis, keys.requests) == first
+    assert await submissions.resubmit_lost() == 0
+
+
+async def test_a_refused_info_turns_the_check_off(
+    redis_server: EmbeddedRedis, redis_admin: sync_redis.Redis, bus_config: BusConfig
+) -> None:
+    user, password = f"noinfo{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    redis_admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all", "-info"])
+    client = aioredis.Redis(port=redis_server.port, username=user, password=password)
+    try:
+        runs = ServerRuns(client, "test")
+        assert await runs.poll() is Runs.UNKNOWN
+        assert await runs.poll() is Runs.UNKNOWN
+        # and the dispatch gate is off, not failing: the cell counts as settled
+        assert await CellRun(client, bus_config.keys).settled()
+    finally:
+        await client.aclose()
+        redis_admin.acl_deluser(user)
