@@ -36,9 +36,9 @@ LATE = STREAMS
 """The index (seed) of the request sent at the kill."""
 LOSS_NOTE = (
     "A stream cut short, or a 504 after DEADLINE_S, after a failover is an entry the killed primary had "
-    "acknowledged but not yet sent to its replica (replication is asynchronous; issue 22 item 5, re-publishing "
-    "what Redis lost, is not built). An error naming a part (a KV hand-off, a dead worker) is the bus's own "
-    "handling of the failover. The parts' log:\n"
+    "acknowledged but not yet sent to its replica (replication is asynchronous) that the parts did not "
+    "re-publish (docs/reliability.md, \"Writes Redis loses\"). An error naming a part (a KV hand-off, a dead "
+    "worker) is the bus's own handling of the failover. The parts' log:\n"
 )
 Record = Callable[[str, object], None]
 """pytest's ``record_property``."""

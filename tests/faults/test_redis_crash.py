@@ -165,7 +165,7 @@ def _check(system: System, run: Run, back: float | None, name: str, record: Reco
         for i, s in enumerate(burst)
         if s.error is not None or s.text != sim_text(FIRST_SEED + LATE + 1 + i, TOKENS)
     ]
-    assert wrong == [], "".join(system.output[-300:])
+    assert wrong == [], "\n".join(wrong[:5]) + "\n" + "".join(system.output[-int(os.environ.get("SB_TAIL", "300")) :])
 
 
 @pytest.mark.timeout(240)
