@@ -56,6 +56,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         help="seconds a request's dispatched mark is kept: a duplicate request entry within it is only acked "
         "(default %(default)s; at least claim idle + no-worker wait)",
     )
+    p.add_argument(
+        "--recovery-grace",
+        type=float,
+        default=3.0,
+        help="after a Redis restart or failover, seconds to dispatch nothing while workers re-assert what they hold"
+        " (default %(default)s)",
+    )
     add_metrics_arguments(p)
     p.set_defaults(run=run)
 
@@ -75,6 +82,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
             lease_ms=args.lease_ms,
             dead_consumer_keep_s=args.dead_consumer_keep_s,
             dispatched_ttl_s=args.dispatched_mark_ttl,
+            recovery_grace_s=args.recovery_grace,
             stagger=not args.no_stagger,
             stagger_max_wait_s=args.stagger_max_wait_ms / 1000,
             **({"name": args.name} if args.name else {}),
