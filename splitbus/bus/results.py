@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -78,6 +79,18 @@ class _Pending:
     request_id: str
     reader: str
     result: Result
+    ends: bool = True
+    """Whether writing it ends the request on this writer (a terminal entry buffered by
+    ``finish``/``fail``); not a replayed entry's, nor the ``results_lost`` error's: the request may
+    still be open here, and writes go on."""
+
+
+REPLAY_TOP_COUNT = 16
+"""Entries read from a stream's end (``XREVRANGE + - COUNT``) for its highest ``seq`` on replay:
+the last results, with room for entries that are not results."""
+
+RESULTS_LOST = "results_lost"
+"""The error code a replay writes where Redis lost more of a stream than the replay window held."""
 
 
 class ResultWriter:
@@ -85,14 +98,19 @@ class ResultWriter:
     one script per reader shard (a result stream lies in its reader's slot, and a script's keys
     must share one), all in one pipeline."""
 
-    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._redis = redis
         self._config = config
+        self._clock = clock
+        """What the replay window is measured with (a test's own clock)."""
         self._keys = config.keys
         self._next_seq: dict[str, int] = {}
         self._readers: dict[str, str] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
         self._buffer: list[_Pending] = []
+        # What was written within the replay window, one (monotonic time, entries) per flush
+        # round, oldest first: a new Redis run may have lost any of it (``replay``).
+        self._retained: deque[tuple[float, list[_Pending]]] = deque()
         self._write_step = _WRITE_STEP.register(redis)
         self.scripts = 0
         """Write scripts sent so far (one per reader shard per flush)."""
@@ -137,6 +155,9 @@ class ResultWriter:
         workers while this one was cut off (hung, or away from Redis past its lease), and they
         continue it from what the stream held then."""
         self._buffer = [p for p in self._buffer if p.request_id != request_id]
+        self._retained = deque(
+            (at, [p for p in written if p.request_id != request_id]) for at, written in self._retained
+        )
         self.forget(request_id)
 
     @property
@@ -230,11 +251,87 @@ class ResultWriter:
     def _settle(self, written: list[_Pending]) -> None:
         for p in written:
             self._fresh.discard(p.request_id)
-            if p.result.terminal:
+            if p.ends and p.result.terminal:
                 self._next_seq.pop(p.request_id, None)
                 self._readers.pop(p.request_id, None)
         if written:
             metrics.ENTRIES_PRODUCED.labels("out").inc(len(written))
+            self._retain(written)
+
+    def _retain(self, written: list[_Pending]) -> None:
+        """Keep what was just written for the replay window, and let go of what left it: one
+        append per flush round, and whole rounds drop off the front (the token path pays this on
+        every flush)."""
+        window = self._config.replay_window_s
+        if window <= 0:
+            return
+        now = self._clock()
+        self._retained.append((now, written))
+        while self._retained and self._retained[0][0] < now - window:
+            self._retained.popleft()
+
+    @property
+    def retained(self) -> int:
+        """Entries kept for a replay now."""
+        return sum(len(written) for _, written in self._retained)
+
+    async def replay(self) -> int:
+        """Write again what a new Redis run lost (``splitbus.bus.runs``): Redis keeps a prefix of
+        what was written, so per request with entries kept from the replay window, the entries
+        above its stream's highest ``seq`` are buffered again, in ``seq`` order, and flushed.
+        Where the stream lost more than the window holds (its top ``seq`` + 1 is below the oldest
+        one kept), a ``Failed`` (``results_lost``, 503) is written instead: its client gets an
+        error now, not a timeout at its deadline. Readers drop duplicates by ``seq``, so an entry
+        written again that was not lost costs only bytes. Returns the entries buffered again
+        (errors included). Redis errors are the caller's: nothing is dropped, call it again."""
+        again: list[_Pending] = []
+        for request_id, kept in self._retained_by_request().items():
+            again += self._replayable(request_id, kept, await self._top_seq(kept[0].reader, request_id))
+        for p in again:
+            if p.request_id in self._next_seq:
+                self._fresh.add(p.request_id)  # a stream recreated for a running request: its long TTL
+        self._buffer = again + self._buffer
+        await self.flush()
+        return len(again)
+
+    def _retained_by_request(self) -> dict[str, list[_Pending]]:
+        """The kept entries of each request, one per ``seq`` (a replay retains its copies too),
+        in ``seq`` order."""
+        by_request: dict[str, dict[int, _Pending]] = {}
+        for _, written in self._retained:
+            for p in written:
+                by_request.setdefault(p.request_id, {})[p.result.seq] = p
+        return {rid: [kept[s] for s in sorted(kept)] for rid, kept in by_request.items()}
+
+    def _replayable(self, request_id: str, kept: list[_Pending], top: int) -> list[_Pending]:
+        """What to write again for one request whose stream's highest ``seq`` is ``top`` (-1: none)."""
+        lost = [_Pending(p.request_id, p.reader, p.result, ends=False) for p in kept if p.result.seq > top]
+        if not lost or top + 1 >= kept[0].result.seq:
+            return lost
+        if top < 0:
+            # No stream, and its start is older than the window (older than any write a new run
+            # loses): it was deleted on purpose (its reader had the final entry) or expired.
+            return []
+        message = (
+            f"Redis lost results of {request_id} beyond the replay window ({self._config.replay_window_s:g} s):"
+            f" its stream ends at seq {top}, the oldest entry kept to write again is seq {kept[0].result.seq}"
+        )
+        log.error("%s", message)
+        failed = Failed(kept[-1].result.seq + 1, RESULTS_LOST, message, 503)
+        return [_Pending(request_id, kept[0].reader, failed, ends=False)]
+
+    async def _top_seq(self, reader: str, request_id: str) -> int:
+        """The highest ``seq`` among the last results of the request's stream (-1: none there)."""
+        top = -1
+        entries = cast(
+            list[Entry], await self._redis.xrevrange(self._keys.out(reader, request_id), count=REPLAY_TOP_COUNT)
+        )
+        for _, fields in entries:
+            with contextlib.suppress(DecodeError):
+                entry = codec.decode(fields)
+                if isinstance(entry, (TokenDelta, Finished, Failed)):
+                    top = max(top, entry.seq)
+        return top
 
     def _take_seq(self, request_id: str) -> int:
         try:
