@@ -204,6 +204,17 @@ class TaskFeed:
         if task.request.request_id in self.cancellation:
             self.publisher.ack_later(delivery.entry_id)
             return
+        if self.holds_dispatch(task):
+            # A copy its peer sent again after a new Redis run (``recovery``): the task is held
+            # already, its hand-off under way; taking the copy would void it.
+            log.info(
+                "task %s: a copy of the held task of %s (hand-off %s); acked",
+                delivery.entry_id,
+                seq.request_id,
+                task.handoff,
+            )
+            self.publisher.ack_later(delivery.entry_id)
+            return
         for older in [s for s in self.table.of() if s.request_id == seq.request_id]:
             self.moved_away(older)  # the request moved here again (its other worker died): its older task is void
         if task.phase != "decode":
@@ -212,6 +223,20 @@ class TaskFeed:
             seq.text.push(seq.output_ids)
         if self.take_blocks(seq):
             await self.accept_with_blocks(seq)
+
+    def holds_dispatch(self, task: Task) -> bool:
+        """Whether this worker holds the request's task of this very dispatch and phase (a new
+        dispatch has a new hand-off id)."""
+        held = self.table.get(task.request.request_id)
+        return (
+            bool(task.handoff)
+            and held is not None
+            and (held.task.handoff, held.task.phase)
+            == (
+                task.handoff,
+                task.phase,
+            )
+        )
 
     async def accept_with_blocks(self, seq: Sequence) -> None:
         if seq.task.phase == "decode":

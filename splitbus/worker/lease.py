@@ -34,6 +34,7 @@ class Lease:
         record: Callable[[], WorkerRecord],
         drop_moved: Callable[[], Awaitable[None]],
         lock: asyncio.Lock,
+        after_beat: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config, self.id, self.redis, self.keys, self.registry = (
             config,
@@ -43,6 +44,8 @@ class Lease:
             registry,
         )
         self.record, self.drop_moved, self.lock = record, drop_moved, lock
+        self.after_beat = after_beat
+        """Run after each heartbeat: the worker's recovery after a new Redis run (``recovery``)."""
         self.reaping = Reaping(redis, self.keys)
         self.last_beat = 0.0  # monotonic time of the last heartbeat Redis took (before its call)
 
@@ -54,6 +57,8 @@ class Lease:
             await self.settle_if_lapsed()
         else:
             await self.beat()
+        if self.after_beat is not None:
+            await self.after_beat()
 
     async def beat(self) -> None:
         before = time.monotonic()
