@@ -17,7 +17,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -83,11 +83,16 @@ class _Pending:
     """Whether writing it ends the request on this writer (a terminal entry buffered by
     ``finish``/``fail``); not a replayed entry's, nor the ``results_lost`` error's: the request may
     still be open here, and writes go on."""
+    first: bool = False
+    """The first entry this writer wrote for the request since ``open``: what precedes it is
+    another writer's (the prefill worker's first token, a dead worker's entries), which that
+    writer replays, so a replay does not count it as lost beyond the window."""
 
 
 REPLAY_TOP_COUNT = 16
-"""Entries read from a stream's end (``XREVRANGE + - COUNT``) for its highest ``seq`` on replay:
-the last results, with room for entries that are not results."""
+"""On replay, entries read from a stream's end (``XREVRANGE + - COUNT``) beyond as many as the
+writer kept for it: room for what another writer of the stream replayed after them, and for
+entries that are not results."""
 
 RESULTS_LOST = "results_lost"
 """The error code a replay writes where Redis lost more of a stream than the replay window held."""
@@ -105,6 +110,7 @@ class ResultWriter:
         """What the replay window is measured with (a test's own clock)."""
         self._keys = config.keys
         self._next_seq: dict[str, int] = {}
+        self._first_seq: dict[str, int] = {}  # where each open request started on this writer
         self._readers: dict[str, str] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
         self._buffer: list[_Pending] = []
@@ -120,6 +126,7 @@ class ResultWriter:
         A request that moved from another worker continues at ``first_seq`` (the number of entries
         already sent), so its stream stays gap-free."""
         self._next_seq[request_id] = first_seq
+        self._first_seq[request_id] = first_seq
         self._readers[request_id] = reader
         self._fresh.add(request_id)
 
@@ -146,6 +153,7 @@ class ResultWriter:
     def forget(self, request_id: str) -> None:
         """Stop writing a request without ending it (another worker continues it)."""
         self._next_seq.pop(request_id, None)
+        self._first_seq.pop(request_id, None)
         self._readers.pop(request_id, None)
         if all(p.request_id != request_id for p in self._buffer):
             self._fresh.discard(request_id)
@@ -253,6 +261,7 @@ class ResultWriter:
             self._fresh.discard(p.request_id)
             if p.ends and p.result.terminal:
                 self._next_seq.pop(p.request_id, None)
+                self._first_seq.pop(p.request_id, None)
                 self._readers.pop(p.request_id, None)
         if written:
             metrics.ENTRIES_PRODUCED.labels("out").inc(len(written))
@@ -276,17 +285,17 @@ class ResultWriter:
         return sum(len(written) for _, written in self._retained)
 
     async def replay(self) -> int:
-        """Write again what a new Redis run lost (``splitbus.bus.runs``): Redis keeps a prefix of
-        what was written, so per request with entries kept from the replay window, the entries
-        above its stream's highest ``seq`` are buffered again, in ``seq`` order, and flushed.
-        Where the stream lost more than the window holds (its top ``seq`` + 1 is below the oldest
-        one kept), a ``Failed`` (``results_lost``, 503) is written instead: its client gets an
-        error now, not a timeout at its deadline. Readers drop duplicates by ``seq``, so an entry
+        """Write again what a new Redis run lost (``splitbus.bus.runs``): per request with entries
+        kept from the replay window, those its stream's last entries do not hold are buffered
+        again, in ``seq`` order, and flushed. Where the stream lost more than the window holds
+        (its top ``seq`` + 1 is below the oldest one kept, which is not the first this writer
+        wrote), a ``Failed`` (``results_lost``, 503) is written instead: its client gets an error
+        now, not a timeout at its deadline. Readers drop duplicates by ``seq``, so an entry
         written again that was not lost costs only bytes. Returns the entries buffered again
         (errors included). Redis errors are the caller's: nothing is dropped, call it again."""
         again: list[_Pending] = []
         for request_id, kept in self._retained_by_request().items():
-            again += self._replayable(request_id, kept, await self._top_seq(kept[0].reader, request_id))
+            again += self._replayable(request_id, kept, await self._seqs_present(kept[0].reader, request_id, len(kept)))
         for p in again:
             if p.request_id in self._next_seq:
                 self._fresh.add(p.request_id)  # a stream recreated for a running request: its long TTL
@@ -303,11 +312,16 @@ class ResultWriter:
                 by_request.setdefault(p.request_id, {})[p.result.seq] = p
         return {rid: [kept[s] for s in sorted(kept)] for rid, kept in by_request.items()}
 
-    def _replayable(self, request_id: str, kept: list[_Pending], top: int) -> list[_Pending]:
-        """What to write again for one request whose stream's highest ``seq`` is ``top`` (-1: none)."""
-        lost = [_Pending(p.request_id, p.reader, p.result, ends=False) for p in kept if p.result.seq > top]
-        if not lost or top + 1 >= kept[0].result.seq:
-            return lost
+    def _replayable(self, request_id: str, kept: list[_Pending], present: set[int]) -> list[_Pending]:
+        """What to write again for one request whose stream's last entries hold ``present``.
+
+        Not "everything above the stream's top": two writers of one stream (P's first token, D's
+        rest) replay independently, and D's replay may come first. An entry of this writer older
+        than what was read is written again too (a duplicate, unless lost)."""
+        lost = [replace(p, ends=False) for p in kept if p.result.seq not in present]
+        top = max(present, default=-1)
+        if not lost or top + 1 >= kept[0].result.seq or kept[0].first:
+            return lost  # (what precedes this writer's first entry is its other writer's to replay)
         if top < 0:
             # No stream, and its start is older than the window (older than any write a new run
             # loses): it was deleted on purpose (its reader had the final entry) or expired.
@@ -320,18 +334,18 @@ class ResultWriter:
         failed = Failed(kept[-1].result.seq + 1, RESULTS_LOST, message, 503)
         return [_Pending(request_id, kept[0].reader, failed, ends=False)]
 
-    async def _top_seq(self, reader: str, request_id: str) -> int:
-        """The highest ``seq`` among the last results of the request's stream (-1: none there)."""
-        top = -1
-        entries = cast(
-            list[Entry], await self._redis.xrevrange(self._keys.out(reader, request_id), count=REPLAY_TOP_COUNT)
-        )
+    async def _seqs_present(self, reader: str, request_id: str, kept: int) -> set[int]:
+        """The ``seq`` of each result among the stream's last ``kept`` + REPLAY_TOP_COUNT entries
+        (this writer's entries, if not lost, and what another writer replayed after them)."""
+        key = self._keys.out(reader, request_id)
+        entries = cast(list[Entry], await self._redis.xrevrange(key, count=kept + REPLAY_TOP_COUNT))
+        present: set[int] = set()
         for _, fields in entries:
             with contextlib.suppress(DecodeError):
                 entry = codec.decode(fields)
                 if isinstance(entry, (TokenDelta, Finished, Failed)):
-                    top = max(top, entry.seq)
-        return top
+                    present.add(entry.seq)
+        return present
 
     def _take_seq(self, request_id: str) -> int:
         try:
@@ -342,7 +356,8 @@ class ResultWriter:
         return seq
 
     def _append(self, request_id: str, result: Result) -> None:
-        self._buffer.append(_Pending(request_id, self._readers[request_id], result))
+        first = result.seq == self._first_seq.get(request_id)
+        self._buffer.append(_Pending(request_id, self._readers[request_id], result, first=first))
 
 
 @dataclass(eq=False)

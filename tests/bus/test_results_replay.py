@@ -178,3 +178,28 @@ async def test_window_zero_keeps_nothing(redis: aioredis.Redis, bus_config: BusC
 def test_replay_window_is_validated(window: float) -> None:
     with pytest.raises(ValueError, match="replay_window_s"):
         BusConfig(replay_window_s=window)
+
+
+async def test_two_writers_of_one_stream_each_replay_their_own_part(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """P wrote the first token, D the rest (from first_seq 1); the run lost the whole stream.
+    D replays first: what precedes its part is P's, not lost beyond D's window."""
+    prefill, decode = ResultWriter(redis, bus_config), ResultWriter(redis, bus_config)
+    prefill.open("r7", reader=R)
+    await _write(prefill, "r7", range(1))
+    prefill.forget("r7")  # handed off
+    decode.open("r7", reader=R, first_seq=1)
+    await _write(decode, "r7", range(1, 4), finish=True)
+    key = bus_config.keys.out(R, "r7")
+    await redis.delete(key)
+    assert await decode.replay() == 4
+    assert await prefill.replay() == 1
+    reader = ResultReader(bus_config, redis, name="api-replay")
+    await reader.start()
+    try:
+        results = await _collect(await reader.subscribe("r7"))
+    finally:
+        await reader.close()
+    assert [r.seq for r in results] == [0, 1, 2, 3, 4]  # type: ignore[attr-defined]
+    assert not any(isinstance(r, Failed) for r in results)
