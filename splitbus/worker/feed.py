@@ -15,7 +15,7 @@ from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
 from splitbus.bus.streams import Delivery, GroupConsumer
-from splitbus.bus.tasks import trim_tasks
+from splitbus.bus.tasks import missing_entries, trim_tasks
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
@@ -59,6 +59,9 @@ class TaskFeed:
         self.unaccepted: deque[Delivery] = deque()  # tasks read, not taken yet
         self.reread_pending = False  # a task read failed: its reply may have held tasks (take_lost)
         self.seen_entries: dict[str, None] = {}  # task entries taken lately, oldest first (bounded)
+        self.after_new_run = False
+        """Redis has a new server run whose recovery is not done (``recovery``): a held task's
+        entry missing from the stream was lost with the run, not moved by a reaper."""
 
     async def drop_moved(self) -> None:
         """Drop every task the reaper took: those no longer pending to this worker. In place: a
@@ -71,6 +74,9 @@ class TaskFeed:
         self.unaccepted.extend(kept)
         held = self.table.of()
         moved = [seq for seq in held if seq.entry_id not in mine and seq.entry_id in before]
+        if self.after_new_run:  # a moved task's entry is still in the stream (claimed, or acked)
+            lost = await missing_entries(self.redis, self.keys, self.id, [seq.entry_id for seq in moved])
+            moved = [seq for seq in moved if seq.entry_id not in lost]
         for seq in moved:
             self.moved_away(seq)
         log.warning("worker %s: %d request(s) moved away while it was out: dropped", self.id, len(moved))

@@ -55,8 +55,8 @@ class Recovered:
 
 
 class Recovery:
-    """``watch`` records a new run (at start-up and every beat); ``after_beat`` is the heartbeat's:
-    it watches, then recovers while a recovery is owed."""
+    """``watch`` records a new run (at start-up and before every beat); ``recover_if_owed`` runs
+    after every beat."""
 
     def __init__(
         self,
@@ -79,14 +79,13 @@ class Recovery:
 
     async def watch(self) -> None:
         if await self.runs.poll() is Runs.NEW:
-            self.owed = True
+            self.owed = self.feed.after_new_run = True
 
-    async def after_beat(self) -> None:
-        await self.watch()
+    async def recover_if_owed(self) -> None:
         if self.owed:
             async with self.lock:  # nothing is written for a request until its dispatch is settled
                 done = await self.recover()
-            self.owed = False
+            self.owed = self.feed.after_new_run = False
             log.warning(
                 "worker %s: after a new Redis run, re-published %d dispatch(es) (%d dropped: dispatched again),"
                 " %d KV reservation(s), %d peer task(s), %d result entr(ies)",

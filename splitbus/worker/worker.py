@@ -106,7 +106,14 @@ class Worker:
             load=self.load,
         )
         self.lease = Lease(
-            config, redis, self.registry, self.record, self.feed.drop_moved, self.publisher.lock, self._after_beat
+            config,
+            redis,
+            self.registry,
+            self.record,
+            self.feed.drop_moved,
+            self.publisher.lock,
+            before_beat=self._watch_runs,
+            after_beat=self._recover,
         )
         self.recovery = Recovery(
             shared, self.tasks, self.feed, self.receiver, self.writer, beat=self.lease.beat, lock=self.publisher.lock
@@ -207,8 +214,11 @@ class Worker:
     async def _rejoin(self) -> None:
         await self.lease.rejoin()
 
-    async def _after_beat(self) -> None:
-        await self.recovery.after_beat()
+    async def _watch_runs(self) -> None:
+        await self.recovery.watch()
+
+    async def _recover(self) -> None:
+        await self.recovery.recover_if_owed()
 
     async def _give_back(self) -> None:
         await self.feed.give_back_reservations()

@@ -15,6 +15,7 @@ import pytest
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS
+from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.reservations import Reservations
 from splitbus.redis_server import EmbeddedRedis
@@ -70,10 +71,17 @@ async def _take(worker: Worker, task: Task) -> str:
     return entry_id
 
 
+async def _lose(worker: Worker, entry_id: str) -> None:
+    """What a run that kept a prefix leaves of a task just dispatched: neither the entry nor its
+    delivery to the worker (XDEL alone leaves it pending)."""
+    await worker.redis.xack(worker.keys.tasks(worker.id), WORKER_GROUP, entry_id)
+    await worker.redis.xdel(worker.keys.tasks(worker.id), entry_id)
+
+
 async def test_a_lost_dispatch_is_written_again_with_the_peers_task(prefill: Worker) -> None:
     entry_id = await _take(prefill, _task("prefill", "d1"))
     assert [s.request_id for s in prefill.requests.of(Status.QUEUED)] == ["r1"]
-    await prefill.redis.xdel(prefill.keys.tasks("p1"), entry_id)  # lost with its dispatch
+    await _lose(prefill, entry_id)  # lost with its dispatch
     done = await prefill.recovery.recover()
     assert (done.dispatches, done.dropped, done.peer_tasks) == (1, 0, 1)
     assert await prefill.redis.get(prefill.keys.current("r1")) == b"h1"
@@ -140,3 +148,14 @@ async def _beat_until_it_takes(worker: Worker) -> None:
         except TRANSIENT_ERRORS:
             await asyncio.sleep(0.1)
     raise AssertionError("no heartbeat went through after the restart")
+
+
+@pytest.mark.parametrize("new_run", [True, False])
+async def test_a_rejoin_after_a_new_run_keeps_the_tasks_whose_entries_it_lost(prefill: Worker, new_run: bool) -> None:
+    """A lease that lapsed in the outage: what is no longer pending to the worker moved away,
+    unless its entry is gone from the stream after a new run (lost: no reaper can take it)."""
+    entry_id = await _take(prefill, _task("prefill", "d1"))
+    await _lose(prefill, entry_id)
+    prefill.feed.after_new_run = new_run
+    await prefill.feed.drop_moved()
+    assert [s.request_id for s in prefill.requests.of()] == (["r1"] if new_run else [])
