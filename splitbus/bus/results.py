@@ -117,6 +117,9 @@ class ResultWriter:
         # What was written within the replay window, one (monotonic time, entries) per flush
         # round, oldest first: a new Redis run may have lost any of it (``replay``).
         self._retained: deque[tuple[float, list[_Pending]]] = deque()
+        # Requests discarded (moved to other workers), by when: what was kept of them before is
+        # not replayed. In time order, pruned with the window.
+        self._discarded: dict[str, float] = {}
         self._write_step = _WRITE_STEP.register(redis)
         self.scripts = 0
         """Write scripts sent so far (one per reader shard per flush)."""
@@ -163,9 +166,9 @@ class ResultWriter:
         workers while this one was cut off (hung, or away from Redis past its lease), and they
         continue it from what the stream held then."""
         self._buffer = [p for p in self._buffer if p.request_id != request_id]
-        self._retained = deque(
-            (at, [p for p in written if p.request_id != request_id]) for at, written in self._retained
-        )
+        if self._retained:
+            self._discarded.pop(request_id, None)  # to the end: the dict stays in time order
+            self._discarded[request_id] = self._clock()
         self.forget(request_id)
 
     @property
@@ -278,11 +281,14 @@ class ResultWriter:
         self._retained.append((now, written))
         while self._retained and self._retained[0][0] < now - window:
             self._retained.popleft()
+        while self._discarded and next(iter(self._discarded.values())) < now - window:
+            del self._discarded[next(iter(self._discarded))]
 
     @property
     def retained(self) -> int:
-        """Entries kept for a replay now."""
-        return sum(len(written) for _, written in self._retained)
+        """Entries kept for a replay now (those of requests discarded since they were written
+        are not counted: they are not replayed)."""
+        return sum(len(kept) for kept in self._retained_by_request().values())
 
     async def replay(self) -> int:
         """Write again what a new Redis run lost (``splitbus.bus.runs``): per request with entries
@@ -307,9 +313,10 @@ class ResultWriter:
         """The kept entries of each request, one per ``seq`` (a replay retains its copies too),
         in ``seq`` order."""
         by_request: dict[str, dict[int, _Pending]] = {}
-        for _, written in self._retained:
+        for at, written in self._retained:
             for p in written:
-                by_request.setdefault(p.request_id, {})[p.result.seq] = p
+                if at > self._discarded.get(p.request_id, -1.0):
+                    by_request.setdefault(p.request_id, {})[p.result.seq] = p
         return {rid: [kept[s] for s in sorted(kept)] for rid, kept in by_request.items()}
 
     def _replayable(self, request_id: str, kept: list[_Pending], present: set[int]) -> list[_Pending]:
