@@ -37,6 +37,11 @@ class BusConfig:
     (for ``redis-cli`` inspection; a worker that died between its final entry and its ack is then
     still seen as done by the reaper), then deleted; 0: deleted at once. Finished streams are most
     of what Redis holds under load: this bounds them to ``result_grace_s`` x the request rate."""
+    replay_window_s: float = 5.0
+    """A worker keeps the result entries it wrote this long (and a finished request's, this long
+    after its final entry), to write again what a new Redis run lost (a restart from an AOF
+    fsynced once a second, a failover to a replica that was behind: ``ResultWriter.replay``).
+    Longer than what such a run loses (~1 s) and the time to see the run (a heartbeat); 0: off."""
     dead_maxlen: int = 10_000
     dead_worker_keep_s: int = 3600
     """A worker that died (after the reaper moved its work) or stopped: its record, task and
@@ -59,6 +64,8 @@ class BusConfig:
             parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
         if not 0 <= self.result_grace_s <= self.finished_result_ttl_s:
             raise ValueError("need 0 <= result_grace_s <= finished_result_ttl_s")
+        if not 0 <= self.replay_window_s <= self.finished_result_ttl_s:
+            raise ValueError("need 0 <= replay_window_s <= finished_result_ttl_s (0: no replay)")
 
     @property
     def keys(self) -> Keys:

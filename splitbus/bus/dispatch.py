@@ -178,6 +178,56 @@ and once failed, no copy is dispatched (it finds the mark). The caller writes th
 acks the entry: a crash between leaves it pending, and the claimer finds its own mark."""
 
 
+REASSERTED = 1
+"""``reassert``: the task's dispatch is its request's current one (written again, or it was)."""
+SUPERSEDED = 0
+"""``reassert``: another dispatch of the request is current (it was dispatched again meanwhile)."""
+OVER = -1
+"""``reassert``: no hand-off id, but another's dispatched mark: the request ended (its reader
+deleted the id on its final entry) or a scheduler failed it. Nothing is written."""
+
+REASSERT_MARK_TTL_S = 60
+"""The dispatched mark a worker writes again lives this long: the scheduler's default
+``dispatched_ttl_s`` (the mark outlives a duplicate request entry's window; the hand-off id,
+written with it, is what a re-processed request entry finds while the request runs)."""
+
+_REASSERT = declare(
+    LuaScript(
+        name="reassert",
+        module=__name__,
+        keys=("sb:current:{cell}:<request>", "sb:dispatched:{cell}:<request>"),
+        argv=(
+            "the task's hand-off id, the mark's TTL (s), when the hand-off id expires (epoch ms: the request's"
+            " deadline + the mark's window; 0: none; at most 1 h from now by Redis's clock)"
+        ),
+        returns=(
+            "1 the task's dispatch is current (written again: the id and the mark, or it was); 0 another dispatch"
+            " is current; -1 no id but another's mark (the request ended or was failed): nothing written"
+        ),
+        source="""
+local current = redis.call('GET', KEYS[1])
+if current then
+  if current == ARGV[1] then return 1 end
+  return 0
+end
+local mark = redis.call('GET', KEYS[2])
+if mark and mark ~= ARGV[1] then return -1 end
+local now = redis.call('TIME')
+local at = tonumber(ARGV[3])
+local cap = now[1] * 1000 + math.floor(now[2] / 1000) + 3600000
+if at <= 0 or at > cap then at = cap end
+redis.call('SET', KEYS[1], ARGV[1], 'PXAT', string.format('%.0f', at))
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+return 1
+""",
+    )
+)
+"""After a new Redis run (``splitbus.bus.runs``), a worker writes again the dispatch of each task
+it holds, which the run may have lost with the tasks' dispatch script: a scheduler that
+re-processes the request entry then finds it dispatched (a duplicate, only acked), not a request
+to dispatch a second time. The mark holds the hand-off id, which no entry id equals."""
+
+
 def blocks_needed(request: GenerateRequest, block_size: int) -> int:
     """The KV blocks a dispatch reserves for ``request`` on a worker with ``block_size``: prompt +
     ``max_tokens``. The worker bounds a task's ``reserved`` by the same number."""
@@ -270,11 +320,8 @@ class DispatchScript:
         return await self._run(keys, args, self._settle)
 
     def current_expiry_ms(self, deadline_ms: int) -> int:
-        """When the hand-off id of a request with ``deadline_ms`` (epoch ms, 0: none) expires: at
-        its deadline and one mark window more (0 for none). The script caps it at
-        MAX_CURRENT_TTL_S from now by Redis's clock, and no local clock is read: a scheduler
-        whose clock runs ahead of the API's does not cut the id's life short."""
-        return deadline_ms + self._ttl * 1000 if deadline_ms > 0 else 0
+        """When the hand-off id of a request with ``deadline_ms`` expires (``current_expiry_ms``)."""
+        return current_expiry_ms(deadline_ms, self._ttl)
 
     async def _run(self, keys: list[str], args: list[Arg], script: AsyncScript) -> int:
         """Loaded again if Redis lost it (a restart)."""
@@ -282,6 +329,30 @@ class DispatchScript:
             return int(await self._batcher.call("evalsha", script.sha, len(keys), *keys, *args))
         except NoScriptError:
             return int(await script(keys=keys, args=args))
+
+
+def current_expiry_ms(deadline_ms: int, mark_ttl_s: int) -> int:
+    """When the hand-off id of a request with ``deadline_ms`` (epoch ms, 0: none) expires: at its
+    deadline and one mark window more (0 for none). The scripts cap it at MAX_CURRENT_TTL_S from
+    now by Redis's clock, and no local clock is read: a scheduler whose clock runs ahead of the
+    API's does not cut the id's life short."""
+    return deadline_ms + mark_ttl_s * 1000 if deadline_ms > 0 else 0
+
+
+class Reassertion:
+    """The ``reassert`` script, for a worker that saw a new Redis run: one call per held task."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, mark_ttl_s: int = REASSERT_MARK_TTL_S) -> None:
+        self._keys = keys
+        self._script = _REASSERT.register(redis)
+        self._ttl = mark_ttl_s
+
+    async def reassert(self, request_id: str, handoff: str, deadline_ms: int) -> int:
+        """Make the dispatch ``handoff`` its request's current one again if the request has none:
+        REASSERTED (it is current now), SUPERSEDED (another is: drop the task) or OVER."""
+        keys = [self._keys.current(request_id), self._keys.dispatched(request_id)]
+        args: list[Arg] = [handoff, self._ttl, current_expiry_ms(deadline_ms, self._ttl)]
+        return int(await self._script(keys=keys, args=args))
 
 
 class CurrentDispatch:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -78,6 +79,23 @@ class _Pending:
     request_id: str
     reader: str
     result: Result
+    ends: bool = True
+    """Whether writing it ends the request on this writer (a terminal entry buffered by
+    ``finish``/``fail``); not a replayed entry's, nor the ``results_lost`` error's: the request may
+    still be open here, and writes go on."""
+    first: bool = False
+    """The first entry this writer wrote for the request since ``open``: what precedes it is
+    another writer's (the prefill worker's first token, a dead worker's entries), which that
+    writer replays, so a replay does not count it as lost beyond the window."""
+
+
+REPLAY_TOP_COUNT = 16
+"""On replay, entries read from a stream's end (``XREVRANGE + - COUNT``) beyond as many as the
+writer kept for it: room for what another writer of the stream replayed after them, and for
+entries that are not results."""
+
+RESULTS_LOST = "results_lost"
+"""The error code a replay writes where Redis lost more of a stream than the replay window held."""
 
 
 class ResultWriter:
@@ -85,14 +103,23 @@ class ResultWriter:
     one script per reader shard (a result stream lies in its reader's slot, and a script's keys
     must share one), all in one pipeline."""
 
-    def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:
+    def __init__(self, redis: aioredis.Redis, config: BusConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._redis = redis
         self._config = config
+        self._clock = clock
+        """What the replay window is measured with (a test's own clock)."""
         self._keys = config.keys
         self._next_seq: dict[str, int] = {}
+        self._first_seq: dict[str, int] = {}  # where each open request started on this writer
         self._readers: dict[str, str] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
         self._buffer: list[_Pending] = []
+        # What was written within the replay window, one (monotonic time, entries) per flush
+        # round, oldest first: a new Redis run may have lost any of it (``replay``).
+        self._retained: deque[tuple[float, list[_Pending]]] = deque()
+        # Requests discarded (moved to other workers), by when: what was kept of them before is
+        # not replayed. In time order, pruned with the window.
+        self._discarded: dict[str, float] = {}
         self._write_step = _WRITE_STEP.register(redis)
         self.scripts = 0
         """Write scripts sent so far (one per reader shard per flush)."""
@@ -102,6 +129,7 @@ class ResultWriter:
         A request that moved from another worker continues at ``first_seq`` (the number of entries
         already sent), so its stream stays gap-free."""
         self._next_seq[request_id] = first_seq
+        self._first_seq[request_id] = first_seq
         self._readers[request_id] = reader
         self._fresh.add(request_id)
 
@@ -128,6 +156,7 @@ class ResultWriter:
     def forget(self, request_id: str) -> None:
         """Stop writing a request without ending it (another worker continues it)."""
         self._next_seq.pop(request_id, None)
+        self._first_seq.pop(request_id, None)
         self._readers.pop(request_id, None)
         if all(p.request_id != request_id for p in self._buffer):
             self._fresh.discard(request_id)
@@ -137,6 +166,9 @@ class ResultWriter:
         workers while this one was cut off (hung, or away from Redis past its lease), and they
         continue it from what the stream held then."""
         self._buffer = [p for p in self._buffer if p.request_id != request_id]
+        if self._retained:
+            self._discarded.pop(request_id, None)  # to the end: the dict stays in time order
+            self._discarded[request_id] = self._clock()
         self.forget(request_id)
 
     @property
@@ -230,11 +262,97 @@ class ResultWriter:
     def _settle(self, written: list[_Pending]) -> None:
         for p in written:
             self._fresh.discard(p.request_id)
-            if p.result.terminal:
+            if p.ends and p.result.terminal:
                 self._next_seq.pop(p.request_id, None)
+                self._first_seq.pop(p.request_id, None)
                 self._readers.pop(p.request_id, None)
         if written:
             metrics.ENTRIES_PRODUCED.labels("out").inc(len(written))
+            self._retain(written)
+
+    def _retain(self, written: list[_Pending]) -> None:
+        """Keep what was just written for the replay window, and let go of what left it: one
+        append per flush round, and whole rounds drop off the front (the token path pays this on
+        every flush)."""
+        window = self._config.replay_window_s
+        if window <= 0:
+            return
+        now = self._clock()
+        self._retained.append((now, written))
+        while self._retained and self._retained[0][0] < now - window:
+            self._retained.popleft()
+        while self._discarded and next(iter(self._discarded.values())) < now - window:
+            del self._discarded[next(iter(self._discarded))]
+
+    @property
+    def retained(self) -> int:
+        """Entries kept for a replay now (those of requests discarded since they were written
+        are not counted: they are not replayed)."""
+        return sum(len(kept) for kept in self._retained_by_request().values())
+
+    async def replay(self) -> int:
+        """Write again what a new Redis run lost (``splitbus.bus.runs``): per request with entries
+        kept from the replay window, those its stream's last entries do not hold are buffered
+        again, in ``seq`` order, and flushed. Where the stream lost more than the window holds
+        (its top ``seq`` + 1 is below the oldest one kept, which is not the first this writer
+        wrote), a ``Failed`` (``results_lost``, 503) is written instead: its client gets an error
+        now, not a timeout at its deadline. Readers drop duplicates by ``seq``, so an entry
+        written again that was not lost costs only bytes. Returns the entries buffered again
+        (errors included). Redis errors are the caller's: nothing is dropped, call it again."""
+        again: list[_Pending] = []
+        for request_id, kept in self._retained_by_request().items():
+            again += self._replayable(request_id, kept, await self._seqs_present(kept[0].reader, request_id, len(kept)))
+        for p in again:
+            if p.request_id in self._next_seq:
+                self._fresh.add(p.request_id)  # a stream recreated for a running request: its long TTL
+        self._buffer = again + self._buffer
+        await self.flush()
+        return len(again)
+
+    def _retained_by_request(self) -> dict[str, list[_Pending]]:
+        """The kept entries of each request, one per ``seq`` (a replay retains its copies too),
+        in ``seq`` order."""
+        by_request: dict[str, dict[int, _Pending]] = {}
+        for at, written in self._retained:
+            for p in written:
+                if at > self._discarded.get(p.request_id, -1.0):
+                    by_request.setdefault(p.request_id, {})[p.result.seq] = p
+        return {rid: [kept[s] for s in sorted(kept)] for rid, kept in by_request.items()}
+
+    def _replayable(self, request_id: str, kept: list[_Pending], present: set[int]) -> list[_Pending]:
+        """What to write again for one request whose stream's last entries hold ``present``.
+
+        Not "everything above the stream's top": two writers of one stream (P's first token, D's
+        rest) replay independently, and D's replay may come first. An entry of this writer older
+        than what was read is written again too (a duplicate, unless lost)."""
+        lost = [replace(p, ends=False) for p in kept if p.result.seq not in present]
+        top = max(present, default=-1)
+        if not lost or top + 1 >= kept[0].result.seq or kept[0].first:
+            return lost  # (what precedes this writer's first entry is its other writer's to replay)
+        if top < 0:
+            # No stream, and its start is older than the window (older than any write a new run
+            # loses): it was deleted on purpose (its reader had the final entry) or expired.
+            return []
+        message = (
+            f"Redis lost results of {request_id} beyond the replay window ({self._config.replay_window_s:g} s):"
+            f" its stream ends at seq {top}, the oldest entry kept to write again is seq {kept[0].result.seq}"
+        )
+        log.error("%s", message)
+        failed = Failed(kept[-1].result.seq + 1, RESULTS_LOST, message, 503)
+        return [_Pending(request_id, kept[0].reader, failed, ends=False)]
+
+    async def _seqs_present(self, reader: str, request_id: str, kept: int) -> set[int]:
+        """The ``seq`` of each result among the stream's last ``kept`` + REPLAY_TOP_COUNT entries
+        (this writer's entries, if not lost, and what another writer replayed after them)."""
+        key = self._keys.out(reader, request_id)
+        entries = cast(list[Entry], await self._redis.xrevrange(key, count=kept + REPLAY_TOP_COUNT))
+        present: set[int] = set()
+        for _, fields in entries:
+            with contextlib.suppress(DecodeError):
+                entry = codec.decode(fields)
+                if isinstance(entry, (TokenDelta, Finished, Failed)):
+                    present.add(entry.seq)
+        return present
 
     def _take_seq(self, request_id: str) -> int:
         try:
@@ -245,7 +363,8 @@ class ResultWriter:
         return seq
 
     def _append(self, request_id: str, result: Result) -> None:
-        self._buffer.append(_Pending(request_id, self._readers[request_id], result))
+        first = result.seq == self._first_seq.get(request_id)
+        self._buffer.append(_Pending(request_id, self._readers[request_id], result, first=first))
 
 
 @dataclass(eq=False)

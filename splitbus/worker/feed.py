@@ -15,7 +15,7 @@ from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
 from splitbus.bus.streams import Delivery, GroupConsumer
-from splitbus.bus.tasks import trim_tasks
+from splitbus.bus.tasks import missing_entries, trim_tasks
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
@@ -59,6 +59,9 @@ class TaskFeed:
         self.unaccepted: deque[Delivery] = deque()  # tasks read, not taken yet
         self.reread_pending = False  # a task read failed: its reply may have held tasks (take_lost)
         self.seen_entries: dict[str, None] = {}  # task entries taken lately, oldest first (bounded)
+        self.after_new_run = False
+        """Redis has a new server run whose recovery is not done (``recovery``): a held task's
+        entry missing from the stream was lost with the run, not moved by a reaper."""
 
     async def drop_moved(self) -> None:
         """Drop every task the reaper took: those no longer pending to this worker. In place: a
@@ -71,6 +74,9 @@ class TaskFeed:
         self.unaccepted.extend(kept)
         held = self.table.of()
         moved = [seq for seq in held if seq.entry_id not in mine and seq.entry_id in before]
+        if self.after_new_run:  # a moved task's entry is still in the stream (claimed, or acked)
+            lost = await missing_entries(self.redis, self.keys, self.id, [seq.entry_id for seq in moved])
+            moved = [seq for seq in moved if seq.entry_id not in lost]
         for seq in moved:
             self.moved_away(seq)
         log.warning("worker %s: %d request(s) moved away while it was out: dropped", self.id, len(moved))
@@ -204,6 +210,17 @@ class TaskFeed:
         if task.request.request_id in self.cancellation:
             self.publisher.ack_later(delivery.entry_id)
             return
+        if self.holds_dispatch(task):
+            # A copy its peer sent again after a new Redis run (``recovery``): the task is held
+            # already, its hand-off under way; taking the copy would void it.
+            log.info(
+                "task %s: a copy of the held task of %s (hand-off %s); acked",
+                delivery.entry_id,
+                seq.request_id,
+                task.handoff,
+            )
+            self.publisher.ack_later(delivery.entry_id)
+            return
         for older in [s for s in self.table.of() if s.request_id == seq.request_id]:
             self.moved_away(older)  # the request moved here again (its other worker died): its older task is void
         if task.phase != "decode":
@@ -212,6 +229,20 @@ class TaskFeed:
             seq.text.push(seq.output_ids)
         if self.take_blocks(seq):
             await self.accept_with_blocks(seq)
+
+    def holds_dispatch(self, task: Task) -> bool:
+        """Whether this worker holds the request's task of this very dispatch and phase (a new
+        dispatch has a new hand-off id)."""
+        held = self.table.get(task.request.request_id)
+        return (
+            bool(task.handoff)
+            and held is not None
+            and (held.task.handoff, held.task.phase)
+            == (
+                task.handoff,
+                task.phase,
+            )
+        )
 
     async def accept_with_blocks(self, seq: Sequence) -> None:
         if seq.task.phase == "decode":

@@ -34,6 +34,8 @@ class Lease:
         record: Callable[[], WorkerRecord],
         drop_moved: Callable[[], Awaitable[None]],
         lock: asyncio.Lock,
+        before_beat: Callable[[], Awaitable[None]] | None = None,
+        after_beat: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config, self.id, self.redis, self.keys, self.registry = (
             config,
@@ -43,6 +45,9 @@ class Lease:
             registry,
         )
         self.record, self.drop_moved, self.lock = record, drop_moved, lock
+        self.before_beat, self.after_beat = before_beat, after_beat
+        """Run before and after each heartbeat: the worker's watch for a new Redis run, and its
+        recovery after one (``recovery``). Before: a rejoin must know of the new run."""
         self.reaping = Reaping(redis, self.keys)
         self.last_beat = 0.0  # monotonic time of the last heartbeat Redis took (before its call)
 
@@ -50,10 +55,14 @@ class Lease:
         """The heartbeat loop's step (every ``heartbeat_s``)."""
         # The whole record each time (~20 small fields): a worker whose record was removed, say
         # by a reaper during a long Redis outage, is whole again at its next beat.
+        if self.before_beat is not None:
+            await self.before_beat()
         if self.lapsed():
             await self.settle_if_lapsed()
         else:
             await self.beat()
+        if self.after_beat is not None:
+            await self.after_beat()
 
     async def beat(self) -> None:
         before = time.monotonic()

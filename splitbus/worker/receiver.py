@@ -39,7 +39,15 @@ class Receiver:
         # it in its KV frame, so knowing a request id (every client does) is not enough to send one.
         seq.kv_secret = new_secret()
         self.table.add(seq, Status.AWAITING_KV, kv_deadline=time.monotonic() + self.config.kv_wait_s)
-        reservation = Reservation(
+        if not await self.reservations.reserve(seq.request_id, self.reservation_of(seq)):
+            # The reaper replaced this task's dispatch before it came here: nobody will send its KV.
+            log.info("task %s of %s is void (the request was dispatched again); dropped", seq.entry_id, seq.request_id)
+            if self.table.remove(seq):
+                self.publisher.retire(seq)
+
+    def reservation_of(self, seq: Sequence) -> Reservation:
+        """The reservation of a decode task that holds its blocks (``expect`` gave it its secret)."""
+        return Reservation(
             decode_worker=self.id,
             endpoint=self.endpoint,
             blocks=seq.blocks,
@@ -48,11 +56,16 @@ class Receiver:
             secret=seq.kv_secret,
             handoff=seq.task.handoff,
         )
-        if not await self.reservations.reserve(seq.request_id, reservation):
-            # The reaper replaced this task's dispatch before it came here: nobody will send its KV.
-            log.info("task %s of %s is void (the request was dispatched again); dropped", seq.entry_id, seq.request_id)
-            if self.table.remove(seq):
-                self.publisher.retire(seq)
+
+    async def reserve_again(self, seq: Sequence) -> bool:
+        """After a new Redis run: write the reservation of a task still waiting for its KV again
+        if the run lost it (the same secret: a frame P sends for the old one is still taken).
+        Whether it was written."""
+        if await self.reservations.read(seq.request_id) is not None:
+            return False
+        if not self.table.holds(seq, Status.AWAITING_KV):  # its KV came, or it left, during the read
+            return False
+        return await self.reservations.reserve(seq.request_id, self.reservation_of(seq))
 
     def admit_kv(self, sender: str, header: Header) -> str | None:
         """Transfer-server check on D, before the frame's payload is read. A frame not from the

@@ -36,6 +36,7 @@ from splitbus.worker.lease import Lease
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.receiver import Receiver
+from splitbus.worker.recovery import Recovery
 from splitbus.worker.requests import RequestTable
 from splitbus.worker.shared import Shared
 from splitbus.worker.stepper import SoloStepper, StepParts, StepperFactory
@@ -104,7 +105,19 @@ class Worker:
             work_arrived=self.stepper.work_arrived,
             load=self.load,
         )
-        self.lease = Lease(config, redis, self.registry, self.record, self.feed.drop_moved, self.publisher.lock)
+        self.lease = Lease(
+            config,
+            redis,
+            self.registry,
+            self.record,
+            self.feed.drop_moved,
+            self.publisher.lock,
+            before_beat=self._watch_runs,
+            after_beat=self._recover,
+        )
+        self.recovery = Recovery(
+            shared, self.tasks, self.feed, self.receiver, self.writer, beat=self.lease.beat, lock=self.publisher.lock
+        )
 
     # ------------------------------------------------------------ the loop
 
@@ -151,6 +164,7 @@ class Worker:
         await self.control.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.lease.beat()  # now with started_ms
+        await self.recovery.watch()  # the run it joined (a restart from here on is a new run)
 
     async def close(self) -> None:
         self.loops.stop()
@@ -199,6 +213,12 @@ class Worker:
 
     async def _rejoin(self) -> None:
         await self.lease.rejoin()
+
+    async def _watch_runs(self) -> None:
+        await self.recovery.watch()
+
+    async def _recover(self) -> None:
+        await self.recovery.recover_if_owed()
 
     async def _give_back(self) -> None:
         await self.feed.give_back_reservations()
