@@ -37,7 +37,7 @@ LATE = STREAMS
 LOSS_NOTE = (
     "A stream cut short, or a 504 after DEADLINE_S, after a failover is an entry the killed primary had "
     "acknowledged but not yet sent to its replica (replication is asynchronous) that the parts did not "
-    "re-publish (docs/reliability.md, \"Writes Redis loses\"). An error naming a part (a KV hand-off, a dead "
+    're-publish (docs/reliability.md, "Writes Redis loses"). An error naming a part (a KV hand-off, a dead '
     "worker) is the bus's own handling of the failover. The parts' log:\n"
 )
 Record = Callable[[str, object], None]
