@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import threading
@@ -49,6 +50,8 @@ from tests.faults.test_cluster_failover import (
 )
 
 Record = Callable[[str, object], None]
+RECOVERY_LOG = re.compile(r"new Redis run|re-published|sent again|settled|starting it again|is back")
+"""The parts' lines about the crash, printed with ``-s``."""
 LOST_S = 1.0
 """How much of the AOF's end the second crash loses: ``appendfsync everysec``'s window."""
 BURST = 20
@@ -152,8 +155,11 @@ def _aof(system: System, data_dir: Path) -> Path:
 def _check(system: System, run: Run, back: float | None, name: str, record: Record, burst: list[Stream]) -> None:
     outage = float("inf") if back is None else back - run.killed_at
     pause = _longest_pause_after(run.seen, run.killed_at)
+    for line in system.output:
+        if RECOVERY_LOG.search(line):
+            print(line, end="")
     print(
-        f"\n{name} ({run.running} of {STREAMS} streams running):"
+        f"\n{name} ({run.running} requests running at the kill):"
         f" Redis back after {outage:.2f} s, token pause {pause:.2f} s"
     )
     record("redis_back_s", round(outage, 3))
