@@ -45,14 +45,14 @@ def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
             assert sent_ms <= int(h["forward_ends_ms"]) <= time.time() * 1000
         _assert_lock_step(system)
         # The group was idle when the request came: the rank that got it woke the others.
-        assert any("wake" in fields for _, fields in system.redis().xrange("sb:dp:{g0}"))
+        assert any("wake" in fields for _, fields in system.redis().xrange(Keys().dp("g0")))
     finally:
         assert stop_system(system) == []
 
 
 def _assert_lock_step(system) -> None:  # type: ignore[no-untyped-def]
     """In the barrier stream, no rank posts step s+1 before every rank posted step s."""
-    entries = system.redis().xrange("sb:dp:{g0}")
+    entries = system.redis().xrange(Keys().dp("g0"))
     posted: dict[int, set[int]] = defaultdict(set)
     for _, fields in entries:
         if "plan" not in fields:  # a nudge that woke the idle group

@@ -33,7 +33,7 @@ def _records(system: System) -> list[dict[str, str]]:
 def _assert_lock_step(system: System, group: str) -> None:
     """In the group's stream, no rank posts step s+1 before both posted step s."""
     posted: dict[int, set[int]] = defaultdict(set)
-    for _, fields in cast(list[tuple[str, dict[str, str]]], system.redis().xrange(f"sb:dp:{{{group}}}")):
+    for _, fields in cast(list[tuple[str, dict[str, str]]], system.redis().xrange(Keys().dp(group))):
         if "plan" in fields:
             step, rank = int(fields["step"]), orjson.loads(fields["plan"])["rank"]
             assert step == 0 or posted[step - 1] == {0, 1}, f"{group}: rank {rank} ran ahead to step {step}"
@@ -41,8 +41,10 @@ def _assert_lock_step(system: System, group: str) -> None:
     assert posted, f"{group} never stepped"
 
 
-def test_prefill_and_decode_groups_serve_streamed_requests(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--prefill", "1", "--prefill-dp", "2", "--decode", "1", "--decode-dp", "2")
+def test_prefill_and_decode_groups_serve_streamed_requests(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    # On a single Redis and on a cluster (each group's barrier stream in a slot of its own, off the cell's).
+    args = ("--prefill", "1", "--prefill-dp", "2", "--decode", "1", "--decode-dp", "2")
+    system = start_system(tmp_path, *args, environ=bus_environ)
     try:
         with ThreadPoolExecutor(len(SEEDS)) as pool:
             texts = list(pool.map(lambda seed: _streamed(system, seed), SEEDS))

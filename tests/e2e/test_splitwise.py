@@ -83,8 +83,9 @@ def test_prefill_and_decode_are_linked_through_rdma_keys(system: System) -> None
     assert 0 < r.ttl(keys[0]) <= 60
 
 
-def test_mixed_worker_serves_the_same_requests(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--mixed", "1", "--prefill", "0", "--decode", "0")
+def test_mixed_worker_serves_the_same_requests(tmp_path: Path, bus_environ: dict[str, str]) -> None:
+    # On a single Redis and on a cluster: one worker prefills and decodes each request.
+    system = start_system(tmp_path, "--mixed", "1", "--prefill", "0", "--decode", "0", environ=bus_environ)
     try:
         client = _client(system)
         for seed in (1, 2, 3):
