@@ -19,9 +19,9 @@ def test_two_replicas_dispatch_each_of_200_requests_once(tmp_path: Path, bus_env
     start of its own: a CI-time cut; every other test's ``stop_system`` checks that no part
     outlives `up` as well)."""
     system = start_system(tmp_path, "--schedulers", "2", environ=bus_environ)
-    # the embedded Redis (not on a cluster), 2 schedulers, a prefill and a decode worker, the API
-    assert len(system.descendants()) >= (5 if bus_environ else 6)
     try:
+        # the embedded Redis (not on a cluster), 2 schedulers, a prefill and a decode worker, the API
+        assert len(system.descendants()) >= (5 if bus_environ else 6)
 
         async def run() -> list[str]:
             client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=120)
