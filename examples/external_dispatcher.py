@@ -1,5 +1,5 @@
 """Drive prefill and decode workers through requests, with no scheduler running, using only the
-documented Redis protocol (docs/protocol.md) and plain redis-py.
+documented Redis protocol (docs/protocol.md) and redis-py (on a single Redis or a cluster).
 
     export SPLITBUS_REDIS_URL=redis://splitbus:PASSWORD@127.0.0.1:6379/0   # not on argv: it holds the password
     python examples/external_dispatcher.py --prompt-ids 72,105 --max-tokens 8
@@ -17,7 +17,10 @@ group steps together, so its step lasts as long as that rank's). The prefill tas
 one group carry a batch id and the number of its ranks they went to, so those ranks prefill
 them in the same step. Then it prints every request's result stream until its final entry.
 
-``--redis-url`` (default: ``SPLITBUS_REDIS_URL``, then redis://127.0.0.1:6379/0),
+``--redis-url`` (default: ``SPLITBUS_REDIS_URL``, then redis://127.0.0.1:6379/0; a Redis Cluster
+as ``redis+cluster://user:PASSWORD@host:port,host:port,...``: the client comes from splitbus's
+``connect_sync``, a ``redis.RedisCluster`` for such a URL, which sends each command to the
+node that serves its key; what one command names shares a hash tag, so it needs no more),
 ``--prefix`` (default: ``SPLITBUS_PREFIX``, then ``sb``) and ``--cell`` (default:
 ``SPLITBUS_CELL``, then ``main``): give a URL with a password through
 the environment, never on the command line, which other users of the machine can read.
@@ -35,6 +38,8 @@ import uuid
 from dataclasses import dataclass
 
 import redis
+
+from splitbus.bus.connection import connect_sync
 
 READER = "external-dispatcher"
 """The API node the requests name, and so the hash tag of their result streams."""
@@ -310,7 +315,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4, help="--dp: how many requests to spread over the ranks")
     args = parser.parse_args()
     args.names = Names(args.prefix, args.cell)
-    r = redis.Redis.from_url(args.redis_url, decode_responses=True)
+    r = connect_sync(args.redis_url, decode_responses=True)  # redis.Redis, or RedisCluster for redis+cluster://
     return dp(r, args) if args.dp else one_pair(r, args)
 
 

@@ -1,9 +1,11 @@
 """`splitbus up --engine sim` served from a Redis Cluster (``SPLITBUS_REDIS_URL`` =
-``redis+cluster://...``): a request goes in over HTTP, P prefills, D decodes, tokens stream back."""
+``redis+cluster://...``): a request goes in over HTTP, P prefills, D decodes, tokens stream back;
+the banner masks the password, and `splitbus status` reads the cluster. Fifty concurrent streams
+on it (more commands in flight than the API's pool holds per node) are
+tests/e2e/test_splitwise.py::test_fifty_concurrent_requests_are_exact_and_both_roles_work[cluster]."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -15,22 +17,6 @@ import openai
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
-
-
-async def _fifty(base_url: str) -> list[str]:
-    """Fifty concurrent streams: more commands in flight than the API's pool holds per node."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
-
-    async def one(i: int) -> str:
-        stream = await client.completions.create(
-            model="tiny", prompt=f"request {i}", max_tokens=10 + i, seed=1000 + i, stream=True
-        )
-        return "".join([c.choices[0].text async for c in stream])
-
-    try:
-        return await asyncio.gather(*(one(i) for i in range(50)))
-    finally:
-        await client.close()
 
 
 def test_a_streamed_completion_on_a_redis_cluster(redis_cluster: EmbeddedCluster, tmp_path: Path) -> None:
@@ -52,6 +38,5 @@ def test_a_streamed_completion_on_a_redis_cluster(redis_cluster: EmbeddedCluster
         assert status.returncode == 0, status.stderr
         workers = json.loads(status.stdout)["workers"]
         assert sorted(w["role"] for w in workers if w["alive"]) == ["decode", "prefill"]
-        assert asyncio.run(_fifty(system.v1)) == [sim_text(1000 + i, 10 + i) for i in range(50)]
     finally:
         assert stop_system(system) == []  # no part outlives up

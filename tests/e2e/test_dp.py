@@ -22,6 +22,19 @@ def _ranks(system) -> dict[int, dict[str, str]]:  # type: ignore[no-untyped-def]
     return {int(h["dp_rank"]): h for h in (r.hgetall(Keys().worker(w)) for w in r.zrange(Keys().workers, 0, -1))}
 
 
+def _settled(system) -> dict[int, dict[str, str]]:  # type: ignore[no-untyped-def]
+    """The ranks once the heartbeats (every 0.5 s) have published the 30 steps on all four, idle
+    forwards counted; as they are after 5 s otherwise. A bounded wait, not a fixed sleep."""
+    deadline = time.monotonic() + 5
+    while True:
+        ranks = _ranks(system)
+        steps = {int(h["steps"]) for h in ranks.values()}
+        idle = sorted(int(h["idle_forwards"]) for h in ranks.values())
+        if (len(ranks) == 4 and len(steps) == 1 and min(steps) >= 30 and idle[1] >= 29) or time.monotonic() > deadline:
+            return ranks
+        time.sleep(0.1)
+
+
 def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
     system = start_system(tmp_path, "--dp", "4")
     try:
@@ -29,8 +42,7 @@ def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
         sent_ms = int(time.time() * 1000)
         reply = client.completions.create(model="tiny", prompt="one", max_tokens=30, seed=4)  # one rank busy
         assert reply.choices[0].text == sim_text(4, 30)
-        time.sleep(1.2)  # two heartbeats publish the counters
-        ranks = _ranks(system)
+        ranks = _settled(system)
         assert sorted(ranks) == [0, 1, 2, 3]
         steps = {int(h["steps"]) for h in ranks.values()}
         assert len(steps) == 1 and steps.pop() >= 30  # the same number of steps on every rank
@@ -45,14 +57,14 @@ def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
             assert sent_ms <= int(h["forward_ends_ms"]) <= time.time() * 1000
         _assert_lock_step(system)
         # The group was idle when the request came: the rank that got it woke the others.
-        assert any("wake" in fields for _, fields in system.redis().xrange("sb:dp:{g0}"))
+        assert any("wake" in fields for _, fields in system.redis().xrange(Keys().dp("g0")))
     finally:
         assert stop_system(system) == []
 
 
 def _assert_lock_step(system) -> None:  # type: ignore[no-untyped-def]
     """In the barrier stream, no rank posts step s+1 before every rank posted step s."""
-    entries = system.redis().xrange("sb:dp:{g0}")
+    entries = system.redis().xrange(Keys().dp("g0"))
     posted: dict[int, set[int]] = defaultdict(set)
     for _, fields in entries:
         if "plan" not in fields:  # a nudge that woke the idle group

@@ -1,6 +1,8 @@
 """The external dispatcher example in DP mode against real rank processes and no scheduler: a
 prefill group of 2 sim ranks and a decode group of 2. The example reads each rank's payload,
-picks the ranks itself, writes the tasks and reads the result streams (docs/protocol.md)."""
+picks the ranks itself, writes the tasks and reads the result streams (docs/protocol.md). On a
+single Redis and on a cluster (``redis+cluster://`` in ``SPLITBUS_REDIS_URL``, which the example
+opens with the project's ``connect_sync``)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import cast
 import pytest
 import redis
 
+from splitbus.bus.connection import connect_sync
 from splitbus.bus.keys import Keys
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.worker.engines.sim import sim_text
@@ -35,7 +38,7 @@ class Ranks:
     prefix: str
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+        return connect_sync(self.redis_url, decode_responses=True)  # a RedisCluster for a cluster URL
 
 
 def _rank(worker_id: str, model: Path, url: str, prefix: str) -> subprocess.Popen[str]:
@@ -48,10 +51,11 @@ def _rank(worker_id: str, model: Path, url: str, prefix: str) -> subprocess.Pope
 
 
 @pytest.fixture
-def ranks(redis_server: EmbeddedRedis, tiny_model: Path) -> Iterator[Ranks]:
-    prefix = f"x{uuid.uuid4().hex[:8]}"
-    procs = [_rank(w, tiny_model, redis_server.url, prefix) for w in RANKS]
-    running = Ranks(redis_server.url, prefix)
+def ranks(redis_server: EmbeddedRedis, bus_environ: dict[str, str], tiny_model: Path) -> Iterator[Ranks]:
+    """The four ranks on the session's single Redis, then on the session cluster."""
+    url, prefix = bus_environ.get("SPLITBUS_REDIS_URL", redis_server.url), f"x{uuid.uuid4().hex[:8]}"
+    procs = [_rank(w, tiny_model, url, prefix) for w in RANKS]
+    running = Ranks(url, prefix)
     client, deadline = running.client(), time.monotonic() + 60
     try:
         while not all(client.exists(Keys(prefix).lease(w)) for w in RANKS):

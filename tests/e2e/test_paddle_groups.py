@@ -96,6 +96,20 @@ def _ranks(system: System) -> dict[tuple[str, str], dict[str, str]]:
     return {(h["dp_group"], h["dp_rank"]): h for h in records}
 
 
+def _settled(system: System) -> dict[tuple[str, str], dict[str, str]]:
+    """The ranks once the heartbeats (every 0.5 s) have published every request and each group's
+    ranks agree on their steps; as they are after 5 s otherwise. A bounded wait, not a sleep."""
+    deadline = time.monotonic() + 5
+    while True:
+        ranks = _ranks(system)
+        by_role = {role: [h for h in ranks.values() if h["role"] == role] for role in ("prefill", "decode")}
+        done = [sum(int(h[f"{role}s_done"]) for h in records) for role, records in by_role.items()]
+        agree = all(len({h["steps"] for h in records}) == 1 for records in by_role.values())
+        if (done == [2 * len(LENGTHS)] * 2 and agree) or time.monotonic() > deadline:
+            return ranks
+        time.sleep(0.1)
+
+
 def test_prefill_and_decode_groups_match_a_mixed_worker(tmp_path: Path, model_dir: Path) -> None:
     reference = asyncio.run(_mixed_engine(model_dir))
     groups = ("--prefill", "1", "--prefill-dp", "2", "--decode", "1", "--decode-dp", "2")
@@ -104,8 +118,7 @@ def test_prefill_and_decode_groups_match_a_mixed_worker(tmp_path: Path, model_di
         whole, streamed = asyncio.run(_ask_all(system))
         assert whole == reference
         assert streamed == reference
-        time.sleep(1.2)  # two heartbeats publish the counters
-        ranks = _ranks(system)
+        ranks = _settled(system)
         assert sorted(ranks) == [("d0", "0"), ("d0", "1"), ("p0", "0"), ("p0", "1")]
         for group, role, done in (("p0", "prefill", "prefills_done"), ("d0", "decode", "decodes_done")):
             records = [ranks[group, rank] for rank in "01"]

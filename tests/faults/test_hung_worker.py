@@ -10,7 +10,8 @@ import os
 import re
 import signal
 import socket
-from pathlib import Path
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -90,41 +91,46 @@ def rejoined_and_serves(system: System, wid: str) -> None:
     done_field = "prefills_done" if role == "prefill" else "decodes_done"
     before = int(r.hget(record, done_field))
     client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=30)
-    for seed in range(900, 916):  # placed by load over both workers of its role
-        assert client.completions.create(model="tiny", prompt="again", max_tokens=4, seed=seed).choices[
-            0
-        ].text == sim_text(seed, 4)
+
+    def ask(seed: int) -> str:
+        return client.completions.create(model="tiny", prompt="again", max_tokens=4, seed=seed).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:  # at once, placed by load over both workers of its role
+        assert list(pool.map(ask, range(900, 916))) == [sim_text(seed, 4) for seed in range(900, 916)]
     assert wait_until(lambda: int(r.hget(record, done_field)) > before, 5), "the woken worker served nothing"
 
 
-@pytest.mark.timeout(180)
-def test_a_decode_worker_stopped_past_its_lease(tmp_path: Path) -> None:
-    # 25 ms per decode step: 120 tokens take ~3 s; the stop lands 1 s in and lasts 5 s.
-    # --result-grace: same_seq_same_tokens reads the finished streams after the run
-    system = start_system(tmp_path, "--decode", "2", "--worker-arg=--sim-decode-step-ms=25", "--result-grace", "120")
-    try:
-        victim = r"--role decode"
-        wid = worker_id(system, victim)
-        texts = asyncio.run(streams(system, range(600, 620), 120, 8, hang_after_s=1.0, victim=victim))
-        assert texts == [sim_text(s, 120) for s in range(600, 620)]
-        rejoined_and_serves(system, wid)
-        print(f"entries repeating a seq: {same_seq_same_tokens(system)}")
-    finally:
-        stop_system(system)
+@pytest.fixture(scope="module")
+def two_of_each(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    """One `up` with two prefill and two decode workers for both tests (a CI-time cut: one start,
+    not two). 2 ms per prompt token: a prefill worker's batch of 100-token prompts takes ~1 s;
+    25 ms per decode step: 120 tokens take ~3 s. ``--result-grace``: same_seq_same_tokens reads
+    the finished streams after the run. Each test ends once its woken worker has rejoined, its
+    blocks free, and served again, so the other finds every worker live, in either order."""
+    args = ("--prefill", "2", "--decode", "2", "--result-grace", "120")
+    slow = ("--worker-arg=--sim-prefill-us-per-token=2000", "--worker-arg=--sim-decode-step-ms=25")
+    system = start_system(tmp_path_factory.mktemp("up"), *args, *slow)
+    yield system
+    stop_system(system)
 
 
 @pytest.mark.timeout(180)
-def test_a_prefill_worker_stopped_mid_prefill(tmp_path: Path) -> None:
-    # 2 ms per prompt token: each prefill worker's batch of 100-token prompts takes ~1 s.
-    system = start_system(
-        tmp_path, "--prefill", "2", "--worker-arg=--sim-prefill-us-per-token=2000", "--result-grace", "120"
-    )
-    try:
-        victim = r"--role prefill"
-        wid = worker_id(system, victim)
-        texts = asyncio.run(streams(system, range(800, 810), 20, 100, hang_after_s=0.4, victim=victim))
-        assert texts == [sim_text(s, 20) for s in range(800, 810)]
-        rejoined_and_serves(system, wid)
-        print(f"entries repeating a seq: {same_seq_same_tokens(system)}")
-    finally:
-        stop_system(system)
+def test_a_decode_worker_stopped_past_its_lease(two_of_each: System) -> None:
+    # 120 tokens take ~3 s; the stop lands 1 s in and lasts 5 s.
+    system, victim = two_of_each, r"--role decode"
+    wid = worker_id(system, victim)
+    texts = asyncio.run(streams(system, range(600, 620), 120, 8, hang_after_s=1.0, victim=victim))
+    assert texts == [sim_text(s, 120) for s in range(600, 620)]
+    rejoined_and_serves(system, wid)
+    print(f"entries repeating a seq: {same_seq_same_tokens(system)}")
+
+
+@pytest.mark.timeout(180)
+def test_a_prefill_worker_stopped_mid_prefill(two_of_each: System) -> None:
+    # The stop lands 0.4 s into the prefills of 100-token prompts (~1 s a batch).
+    system, victim = two_of_each, r"--role prefill"
+    wid = worker_id(system, victim)
+    texts = asyncio.run(streams(system, range(800, 810), 20, 100, hang_after_s=0.4, victim=victim))
+    assert texts == [sim_text(s, 20) for s in range(800, 810)]
+    rejoined_and_serves(system, wid)
+    print(f"entries repeating a seq: {same_seq_same_tokens(system)}")
