@@ -72,13 +72,13 @@ def _up(tmp_path: Path) -> System:
     )
 
 
-def _prefills(system: System) -> int:
-    """Prefills done by the prefill worker(s), as their records say (the heartbeat writes it)."""
-    time.sleep(1.0)  # a heartbeat after the last one
+def _records(system: System) -> dict[str, dict[str, str]]:
+    """Every live worker's record, a heartbeat after the last request ended."""
+    time.sleep(1.0)
     client = redis.Redis.from_url(system.redis_url, decode_responses=True)
     try:
         keys = Keys()
-        return sum(int(client.hget(keys.worker(w), "prefills_done") or 0) for w in client.zrange(keys.workers, 0, -1))
+        return {w: client.hgetall(keys.worker(w)) for w in client.zrange(keys.workers, 0, -1)}
     finally:
         client.close()
 
@@ -208,6 +208,12 @@ def test_a_redis_that_lost_its_last_second_is_made_whole_by_the_parts(tmp_path: 
     try:
         run, burst, back = asyncio.run(_streams_through(system, Crash(kill, copy, BURST)))
         _check(system, run, back, f"crash losing the last {LOST_S:.0f} s", record_property, burst)
-        assert _prefills(system) == STREAMS + BURST + 1, "a request was dispatched twice (or not at all)"
+        records = _records(system)
+        prefills = sum(int(r.get("prefills_done", 0)) for r in records.values())
+        assert prefills == STREAMS + BURST + 1, "a request was dispatched twice (or not at all)"
+        reserved = {
+            w: [r.get(f"reserved_{n}") for n in ("prefill_tokens", "requests", "kv_blocks")] for w, r in records.items()
+        }
+        assert all(v == ["0", "0", "0"] for v in reserved.values()), f"reservations left counted: {reserved}"
     finally:
         stop_system(system)
