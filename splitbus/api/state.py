@@ -60,20 +60,19 @@ class ApiState:
         return state
 
     async def watch_runs(self) -> None:
-        """After a new Redis server run, submit again the requests whose entries it lost (owed
-        until done: a Redis error on the way leaves it to the next step)."""
+        """After a new Redis run, submit again the requests not yet started (owed until done: a
+        Redis error on the way leaves it to the next step)."""
         if await self.runs.poll() is Runs.NEW:
             self._resubmit_owed = True
         if self._resubmit_owed:
-            again = await self.submissions.resubmit_lost()
+            again = await self.submissions.resubmit()
             self._resubmit_owed = False
-            log.log(
-                logging.WARNING if again else logging.INFO,
-                "api %s: after a new Redis run, %d of %d request(s) not yet started had lost their entry: sent again",
-                self.config.node_id,
-                again,
-                len(self.submissions),
-            )
+            if again:
+                log.warning(
+                    "api %s: after a new Redis run, %d request(s) not yet started: submitted again",
+                    self.config.node_id,
+                    again,
+                )
 
     async def read_backlog(self) -> None:
         """The request stream's length, read at the registry's pace (never per request)."""

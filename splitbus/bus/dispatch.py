@@ -113,9 +113,8 @@ _DISPATCH = declare(
         ),
         source="""
 local info = redis.pcall('INFO', 'server')
-if type(info) == 'string' and redis.call('GET', KEYS[4]) ~= string.match(info, 'run_id.(%x+)') then
-  return -3
-end
+local run = type(info) == 'string' and string.match(info, 'run_id.(%x+)')
+if run and redis.call('GET', KEYS[4]) ~= run then return -3 end
 if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
   return 0
 end

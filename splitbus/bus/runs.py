@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from splitbus.bus.cluster import as_cluster
+from splitbus.bus.connection import is_transient
 from splitbus.bus.keys import Keys
 from splitbus.bus.scripts import LuaScript, declare
 
@@ -45,30 +47,38 @@ class ServerRuns:
     def __init__(self, redis: aioredis.Redis, name: str) -> None:
         self._redis = redis
         self._name = name
-        self._seen: set[str] = set()
+        self._previous: set[str] | None = None
         self._refused = False
+        self._warned = False
 
     async def poll(self) -> Runs:
-        """Compare the primaries' run ids with those seen before. A transient Redis error is the
-        caller's (its loop backs off); a refused ``INFO`` is logged once and then ``UNKNOWN``."""
+        """Compare the primaries' run ids with the previous poll's: a primary that was not one
+        then is a new run, even a process seen before (a former primary promoted back has been
+        re-synced from the one that replaced it). A transient Redis error is the caller's (its
+        loop backs off); anything else (a refused or renamed ``INFO``, a reply without a run id)
+        turns the check off rather than the caller's loop: logged once, then ``UNKNOWN``."""
         if self._refused:
             return Runs.UNKNOWN
         try:
             runs = await self._run_ids()
-        except (NoPermissionError, ResponseError) as exc:
-            if "NOPERM" not in str(exc) and not isinstance(exc, NoPermissionError):
+        except Exception as exc:
+            if is_transient(exc):
                 raise
-            self._refused = True
-            log.warning("%s: Redis refused INFO server (%s): a restart losing writes cannot be seen", self._name, exc)
-            return Runs.UNKNOWN
+            return self._unknown(exc)
         return self._compare(runs)
 
+    def _unknown(self, exc: Exception) -> Runs:
+        self._refused = isinstance(exc, NoPermissionError) or "NOPERM" in str(exc)
+        if not self._warned:
+            self._warned = True
+            log.warning("%s: no run id from INFO server (%s): a restart losing writes cannot be seen", self._name, exc)
+        return Runs.UNKNOWN
+
     def _compare(self, runs: set[str]) -> Runs:
-        if not self._seen:
-            self._seen = runs
+        previous, self._previous = self._previous, runs
+        if previous is None:
             return Runs.FIRST
-        new = runs - self._seen
-        self._seen |= runs
+        new = runs - previous
         if new:
             log.warning("%s: Redis has a new server run (%s): it may have lost writes", self._name, ", ".join(new))
             return Runs.NEW
@@ -79,15 +89,22 @@ class ServerRuns:
         if cluster is None:
             return {_run_id(await self._redis.info("server"))}
         replies = await cluster.info("server", target_nodes=aioredis.RedisCluster.PRIMARIES)
+        if isinstance(replies, dict) and "run_id" in replies:  # one primary: redis-py gives its reply bare
+            return {_run_id(replies)}
+        if not isinstance(replies, dict) or not replies:
+            raise ResponseError(f"INFO server gave no replies: {str(replies)[:80]!r}")
         return {_run_id(info) for info in replies.values()}
 
 
 def _run_id(info: Any) -> str:
     """The ``run_id`` of an ``INFO server`` reply (a dict), checked: 40 hex digits."""
     run = info.get("run_id") if isinstance(info, dict) else None
-    if not isinstance(run, str) or len(run) != 40:
+    if not isinstance(run, str) or not _RUN_ID.fullmatch(run):
         raise ResponseError(f"INFO server gave no run_id: {str(info)[:80]!r}")
     return run
+
+
+_RUN_ID = re.compile(r"[0-9a-f]{40}")
 
 
 SETTLED = 1
@@ -99,12 +116,11 @@ _SETTLE_RUN = declare(
         module=__name__,
         keys=("sb:run:{cell}",),
         argv="1 to settle the cell on the server's run now, 0 only to ask whether it is",
-        returns="1 settled (or no run id to compare: INFO refused); 0 not settled",
+        returns="1 settled (or no run id to compare: INFO refused, or without one); 0 not settled",
         source="""
 local info = redis.pcall('INFO', 'server')
-if type(info) ~= 'string' then return 1 end
-local run = string.match(info, 'run_id.(%x+)')
-if redis.call('GET', KEYS[1]) == run then return 1 end
+local run = type(info) == 'string' and string.match(info, 'run_id.(%x+)')
+if not run or redis.call('GET', KEYS[1]) == run then return 1 end
 if ARGV[1] ~= '1' then return 0 end
 redis.call('SET', KEYS[1], run)
 return 1

@@ -338,6 +338,7 @@ class Scheduler:
     async def reap_dead(self) -> None:
         """Move dead workers' tasks (not while recovering: a worker's lease may be lost with the
         rest, and it re-asserts what it holds)."""
+        await self.recovery.check()  # a new run this loop has not seen yet: no move until it is settled
         if not self.recovery.recovering:
             await self.reaper.reap_dead()
 

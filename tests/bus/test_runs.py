@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
+from typing import cast
 
+import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.requests import Submissions, last_entry_id
+from splitbus.bus.requests import Submissions
 from splitbus.bus.runs import CellRun, Runs, ServerRuns
 from splitbus.bus.streams import Producer
 from splitbus.redis_server import EmbeddedRedis
@@ -38,7 +42,8 @@ async def _restarted(server: EmbeddedRedis, runs: ServerRuns) -> Runs:
 
 async def test_a_restart_is_a_new_run_and_lost_requests_are_submitted_again(tmp_path: Path) -> None:
     """A server restarted without persistence lost every entry: the requests not yet started
-    are submitted again, the started one is not."""
+    are submitted again, the started one is not (copies of entries not lost are only acked:
+    tests/scheduler/test_dispatch.py)."""
     server = EmbeddedRedis(tmp_path, appendonly=False)
     server.start()
     config = BusConfig(redis_url=server.url, block_ms=200, socket_timeout_s=1.0)
@@ -50,28 +55,14 @@ async def test_a_restart_is_a_new_run_and_lost_requests_are_submitted_again(tmp_
             await submissions.submit(_request(i))
         submissions.started("r1")
         assert await runs.poll() is Runs.SAME
-        assert await submissions.resubmit_lost() == 0  # nothing lost: nothing sent again
-        assert await redis.xlen(config.keys.requests) == 3
         assert await _restarted(server, runs) is Runs.NEW
         assert await runs.poll() is Runs.SAME
-        assert await submissions.resubmit_lost() == 2
+        assert await submissions.resubmit() == 2
         entries = await redis.xrange(config.keys.requests)
         assert sorted(f[b"data"].count(b'"r0"') + 2 * f[b"data"].count(b'"r2"') for _, f in entries) == [1, 2]
     finally:
         await redis.aclose()
         server.stop()
-
-
-async def test_an_entry_past_the_streams_last_id_was_lost(redis: aioredis.Redis, bus_config: BusConfig) -> None:
-    """Redis keeps a prefix of its writes: the stream's last generated id says which entries
-    survived, even when later ones were deleted (a trimmed entry is not a lost one)."""
-    producer, keys = Producer(redis, bus_config), bus_config.keys
-    assert await last_entry_id(redis, keys.requests) is None
-    submissions = Submissions(redis, producer, keys)
-    first = await submissions.submit(_request(0))
-    await redis.xdel(keys.requests, first)
-    assert await last_entry_id(redis, keys.requests) == first
-    assert await submissions.resubmit_lost() == 0
 
 
 async def test_a_refused_info_turns_the_check_off(
@@ -89,3 +80,28 @@ async def test_a_refused_info_turns_the_check_off(
     finally:
         await client.aclose()
         redis_admin.acl_deluser(user)
+
+
+class _Replies:
+    """A client whose INFO answers what a test gives (an INFO renamed, a reply without run id)."""
+
+    def __init__(self, *replies: object) -> None:
+        self.replies = list(replies)
+
+    async def info(self, section: str) -> object:
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+async def test_runs_are_compared_with_the_previous_poll_and_an_odd_reply_turns_the_check_off() -> None:
+    a, b = "a" * 40, "b" * 40
+    runs = ServerRuns(cast(aioredis.Redis, _Replies({"run_id": a}, {"run_id": b}, {"run_id": a})), "test")
+    assert [await runs.poll() for _ in range(3)] == [Runs.FIRST, Runs.NEW, Runs.NEW]  # a again: a new run too
+    odd = ServerRuns(cast(aioredis.Redis, _Replies({"redis_version": "6.2.14"}, ResponseError("unknown command"))), "t")
+    assert await odd.poll() is Runs.UNKNOWN
+    assert await odd.poll() is Runs.UNKNOWN  # and the caller's loop goes on
+    down = ServerRuns(cast(aioredis.Redis, _Replies(RedisConnectionError("down"))), "t")
+    with pytest.raises(RedisConnectionError):  # transient: the caller's loop backs off
+        await down.poll()
