@@ -68,6 +68,12 @@ class Keys:
         """Stream of dead letters: entries that could not be delivered or decoded."""
         return self._control("dead")
 
+    @property
+    def readers(self) -> str:
+        """Counter: result-reader shards that the cell's API processes placed on a cluster so far;
+        the next API process's shards go to the primaries after them (one ``INCRBY`` per start)."""
+        return self._control("readers")
+
     def tasks(self, worker: str) -> str:
         """Stream of tasks for one worker (group ``workers``)."""
         return self._control("tasks", worker)
