@@ -60,8 +60,10 @@ class ApiConfig:
     redis_connections: int = 7
     """Connections of the shared pool (XADD, cancellations, registry, wake-ups); with the
     reader's one, 8 in all by default, however many streams are open."""
-    reader_shards: int = 1
-    """Connections that follow result streams; each multiplexes any number of streams."""
+    reader_shards: int | None = None
+    """Connections that follow result streams; each multiplexes any number of streams, and on a
+    cluster is one reader tag, placed on a primary of its own (docs/cluster.md). None: one per
+    primary on a cluster, 1 on a single Redis."""
     registry_refresh_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -80,7 +82,7 @@ class ApiConfig:
             self.max_inflight,
             self.max_backlog,
             self.redis_connections,
-            self.reader_shards,
+            1 if self.reader_shards is None else self.reader_shards,
         )
         if min(limits) < 1:
             raise ValueError("limits must be >= 1")
@@ -94,5 +96,6 @@ class ApiConfig:
 
     @property
     def max_redis_connections(self) -> int:
-        """The most Redis connections this process holds, whatever the number of streams."""
-        return self.redis_connections + self.reader_shards
+        """The most Redis connections this process holds, whatever the number of streams (on a
+        single Redis: with ``reader_shards`` None, one shard)."""
+        return self.redis_connections + (1 if self.reader_shards is None else self.reader_shards)

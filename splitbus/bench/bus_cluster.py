@@ -6,9 +6,11 @@ The token path of ``bench bus`` (one engine writing one entry per stream per ste
 
 - ``1 primary``: one embedded Redis;
 - ``N primaries, hashed tags``: an embedded cluster of N primaries with a replica each, the API
-  nodes named ``bench-api-<k>`` (where such a name's tag lands is up to CRC16);
-- ``N primaries, placed tags``: the same cluster, API node ``k`` named so that its tag lands on
-  primary ``k mod N`` (the placement docs/cluster.md designs for the API).
+  nodes named ``bench-api-<k>`` and their reader tags left as named (``ResultReader(placed=False)``:
+  where such a tag lands is up to CRC16), the comparison;
+- ``N primaries, placed tags``: the same cluster, each API node's ``ResultReader`` placing its tag
+  itself, as the API does (one ``INCRBY`` for its turn, then a tag on primary ``turn mod N``:
+  docs/cluster.md), so the nodes' tags land on distinct primaries.
 
 Each setup reports tokens/s (flat out, median of the runs), every primary's share of the
 commands it served during the runs (the delta of its ``INFO commandstats``, read as the admin
@@ -39,7 +41,8 @@ from splitbus.redis_cluster import ClusterNodeServer, EmbeddedCluster, slot_rang
 from splitbus.redis_server import EmbeddedRedis
 
 API_NODE = "bench-api"
-"""API nodes are ``bench-api-<k>`` (hashed tags) or ``bench-api-<k>-<j>`` (placed tags)."""
+"""API nodes are ``bench-api-<k>``: reader tags ``bench-api-<k>.0`` (hashed), or the first
+``bench-api-<k>.0-<j>`` on the node's primary (placed)."""
 SPREAD_MARGIN = 0.10
 """The target: the busiest primary serves at most ``1/N`` + this share of the commands."""
 
@@ -68,13 +71,13 @@ class ClusterBenchConfig:
 
 @dataclass(frozen=True)
 class Setup:
-    """One column of the comparison: where the bus runs and what the API nodes are named."""
+    """One column of the comparison: where the bus runs and whether the API nodes place their tags."""
 
     name: str
     url: str
     """The ``splitbus`` user's URL (``redis://`` or ``redis+cluster://``)."""
-    readers: tuple[str, ...]
-    """Each API node's reader tag (``ResultReader`` name + ``.0``)."""
+    placed: bool
+    """Whether each API node's ``ResultReader`` places its tag on a primary (on a cluster)."""
     primaries: tuple[Callable[[], redis.Redis], ...]
     """Admin clients of the primaries, in slot order."""
     owner: Callable[[int], int]
@@ -87,6 +90,8 @@ class Run:
     seconds: float
     calls: list[dict[str, int]]
     """Per primary: commands served during the run, by name."""
+    readers: tuple[str, ...]
+    """Each API node's reader tag, as its ``ResultReader`` named its shard."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -96,14 +101,15 @@ class Run:
 # ---------------------------------------------------------------- roles (child processes)
 
 
-async def api_node(conn: Any, url: str, prefix: str, name: str, rids: list[str], steps: int) -> tuple:
-    """An API process: one reader shard follows its streams, one task per request."""
+async def api_node(conn: Any, url: str, prefix: str, name: str, rids: list[str], steps: int, placed: bool) -> tuple:
+    """An API process: one reader shard (placed on a primary as the API places it, or hashed)
+    follows its streams, one task per request; tells the parent its tag once it follows them."""
     config = _bus_config(url, prefix)
     client = connect(config, max_connections=2)
-    reader = ResultReader(config, client, name=name)
+    reader = ResultReader(config, client, name=name, placed=placed)
     await reader.start()
     subs = [await reader.subscribe(rid) for rid in rids]
-    conn.send(("ok", "ready"))
+    conn.send(("ok", ("ready", reader.names[0])))
     count, last_us, _ = await _drain_subscriptions(subs, steps)
     await reader.close()
     await client.aclose()
@@ -140,27 +146,26 @@ def run_once(setup: Setup, prefix: str, cfg: ClusterBenchConfig, timeout_s: floa
     and count what every primary served meanwhile."""
     ctx = mp.get_context("spawn")
     groups = assignment(cfg)
-    names = [tag.removesuffix(".0") for tag in setup.readers]
-    streams = [(rid, shard_name(names[k], 0)) for k, rids in enumerate(groups) for rid in rids]
     procs, pipes = [], []
-    for name, rids in zip(names, groups, strict=True):
+    for name, rids in zip(api_names(cfg), groups, strict=True):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_in_process, args=(api_node, child, setup.url, prefix, name, rids, cfg.steps))
-        procs.append(proc)
+        args = (api_node, child, setup.url, prefix, name, rids, cfg.steps, setup.placed)
+        procs.append(ctx.Process(target=_in_process, args=args))
         pipes.append(parent)
-        proc.start()
+        procs[-1].start()
     e_parent, e_child = ctx.Pipe()
-    producer = ctx.Process(target=_in_process, args=(engine, e_child, setup.url, prefix, streams, cfg.steps))
+    producer: mp.process.BaseProcess | None = None
     try:
-        for pipe in pipes:
-            _expect(pipe, "ready", timeout_s)
+        readers = tuple(_ready(pipe, timeout_s) for pipe in pipes)
+        streams = [(rid, readers[k]) for k, rids in enumerate(groups) for rid in rids]
+        producer = ctx.Process(target=_in_process, args=(engine, e_child, setup.url, prefix, streams, cfg.steps))
         before = [commandstats(client()) for client in setup.primaries]
         producer.start()
         start_us = _expect(e_parent, None, timeout_s)
         ends = [_expect(pipe, None, timeout_s) for pipe in pipes]
         after = [commandstats(client()) for client in setup.primaries]
     finally:
-        for proc in (*procs, producer):
+        for proc in (*procs, *([producer] if producer else [])):
             if proc.pid is None:  # the engine never started: an API node failed first
                 continue
             proc.join(5)
@@ -168,7 +173,15 @@ def run_once(setup: Setup, prefix: str, cfg: ClusterBenchConfig, timeout_s: floa
                 proc.kill()
     tokens = sum(count for count, _ in ends)
     seconds = (max(last for _, last in ends) - start_us) / 1e6
-    return Run(tokens, seconds, [delta(b, a) for b, a in zip(before, after, strict=True)])
+    return Run(tokens, seconds, [delta(b, a) for b, a in zip(before, after, strict=True)], readers)
+
+
+def _ready(pipe: Any, timeout_s: float) -> str:
+    """An API node's reader tag, once it follows its streams."""
+    what, tag = _expect(pipe, None, timeout_s)
+    if what != "ready" or not isinstance(tag, str):
+        raise RuntimeError(f"expected an API node's reader tag, got {(what, tag)!r}")
+    return tag
 
 
 def commandstats(client: redis.Redis) -> dict[str, int]:
@@ -187,23 +200,14 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 # ---------------------------------------------------------------- setups
 
 
+def api_names(cfg: ClusterBenchConfig) -> tuple[str, ...]:
+    """The API nodes' reader names; each one's shard is ``<name>.0`` unless it places it."""
+    return tuple(f"{API_NODE}-{k}" for k in range(cfg.api_nodes))
+
+
 def hashed_readers(cfg: ClusterBenchConfig) -> tuple[str, ...]:
-    return tuple(shard_name(f"{API_NODE}-{k}", 0) for k in range(cfg.api_nodes))
-
-
-def placed_readers(cfg: ClusterBenchConfig, owner: Callable[[int], int], primaries: int) -> tuple[str, ...]:
-    """API node ``k``'s tag on primary ``k mod primaries``: the first of ``bench-api-<k>``,
-    ``bench-api-<k>-1``, ... whose tag hashes there (about ``primaries`` tries each)."""
-    tags = []
-    for k in range(cfg.api_nodes):
-        for j in range(64 * primaries):
-            tag = shard_name(f"{API_NODE}-{k}" + (f"-{j}" if j else ""), 0)
-            if owner(key_slot(tag.encode())) == k % primaries:
-                tags.append(tag)
-                break
-        else:  # 1 - (1 - 1/N)^(64 N) ~ 1: CRC16 never gets here
-            raise RuntimeError(f"no name for API node {k} hashes to primary {k % primaries}")
-    return tuple(tags)
+    """The API nodes' tags left as named: where they land is CRC16's choice."""
+    return tuple(shard_name(name, 0) for name in api_names(cfg))
 
 
 @contextlib.contextmanager
@@ -211,7 +215,7 @@ def single_redis(folder: Path, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]
     with EmbeddedRedis(folder, appendonly=False) as server:
         admin = server.admin_client()
         try:
-            yield [Setup("1 primary", server.url, hashed_readers(cfg), (lambda: admin,), lambda slot: 0)]
+            yield [Setup("1 primary", server.url, False, (lambda: admin,), lambda slot: 0)]
         finally:
             admin.close()
 
@@ -228,8 +232,8 @@ def cluster(folder: Path, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]:
         admins = tuple(node.admin for node in nodes)
         n = cfg.primaries
         yield [
-            Setup(f"{n} primaries, hashed tags", embedded.url, hashed_readers(cfg), admins, owner),
-            Setup(f"{n} primaries, placed tags", embedded.url, placed_readers(cfg, owner, n), admins, owner),
+            Setup(f"{n} primaries, hashed tags", embedded.url, False, admins, owner),
+            Setup(f"{n} primaries, placed tags", embedded.url, True, admins, owner),
         ]
 
 
@@ -247,8 +251,9 @@ def summarize(setup: Setup, runs: list[Run]) -> dict[str, Any]:
         "primaries": primaries,
         "readers": [
             {"tag": tag, "slot": key_slot(tag.encode()), "primary": setup.owner(key_slot(tag.encode()))}
-            for tag in setup.readers
+            for tag in runs[0].readers
         ],
+        "runs_primaries": [[setup.owner(key_slot(tag.encode())) for tag in run.readers] for run in runs],
         "tokens_per_s": round(statistics.median(run.tokens_per_s for run in runs), 1),
         "runs_tokens_per_s": [round(run.tokens_per_s, 1) for run in runs],
         "tokens": tokens,

@@ -8,7 +8,9 @@ the commands it got before:
 - blocking reads (``XREAD``, ``XREADGROUP``) name the primary of their slot: routed by redis-py,
   each costs two ``COMMAND GETKEYS`` round trips (their keys move with their arguments);
 - scripts in pipelines go by name (``EVALSHA``): a cluster pipeline refuses ``pipe.evalsha``
-  (``Batcher``, ``ResultWriter``).
+  (``Batcher``, ``ResultWriter``);
+- result-reader tags are picked per primary from the slot map (:class:`SlotMap`), not hashed
+  wherever they land.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from urllib.parse import unquote
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import MaxConnectionsError, SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
@@ -199,3 +202,55 @@ async def xreadgroup(
     blocking = ("BLOCK", block) if block is not None else ()
     args = ("GROUP", group, consumer, "COUNT", count, *blocking, "STREAMS", stream, cursor)
     return await cluster.execute_command("XREADGROUP", *args, **_target(cluster, stream))
+
+
+TAG_TRIES = 4096
+"""Suffixes :meth:`SlotMap.tag_on` tries before it gives up: a primary serving a share ``f`` of
+the slots is missed ``(1 - f)^4096`` of the time (``f`` = 1/16: never, in practice)."""
+
+
+@dataclass(frozen=True)
+class SlotMap:
+    """Which primary serves each hash slot, the primaries numbered in slot order (the one that
+    serves the lowest slot is 0): every process that reads the same map numbers them alike."""
+
+    owners: tuple[int, ...]
+    """Per slot, the number of its primary; -1 where no primary serves it."""
+    primaries: int
+    """Primaries that serve at least one slot."""
+
+    @classmethod
+    def of(cls, slots: dict[int, list[Any]]) -> SlotMap:
+        """From redis-py's ``slots_cache`` (slot -> its nodes, the primary first)."""
+        first: dict[str, int] = {}
+        for slot in sorted(slots):
+            if slots[slot]:
+                first.setdefault(slots[slot][0].name, slot)
+        number = {name: i for i, name in enumerate(sorted(first, key=first.__getitem__))}
+        owners = tuple(number[slots[s][0].name] if slots.get(s) else -1 for s in range(REDIS_CLUSTER_HASH_SLOTS))
+        return cls(owners, len(number))
+
+    def owner(self, tag: str) -> int:
+        """The primary that serves the keys tagged ``{tag}`` (a tag has no braces, so its slot is
+        the CRC16 of the tag itself, what ``key_slot`` computes of it)."""
+        return self.owners[key_slot(tag.encode())]
+
+    def tag_on(self, name: str, primary: int) -> str:
+        """The first of ``name``, ``name-1``, ``name-2``, ... whose slot ``primary`` serves (about
+        ``primaries`` tries); ``name`` itself if none of TAG_TRIES is (a primary left with few
+        slots: the tag is then hashed as it would be without a map)."""
+        for j in range(TAG_TRIES):
+            tag = f"{name}-{j}" if j else name
+            if self.owner(tag) == primary:
+                return tag
+        return name
+
+
+async def slot_map(redis: aioredis.Redis) -> SlotMap | None:
+    """The cluster's slot map as the client holds it (read from the cluster first if the client
+    has not yet); None on a single Redis."""
+    cluster = as_cluster(redis)
+    if cluster is None:
+        return None
+    await cluster.initialize()
+    return SlotMap.of(cluster.nodes_manager.slots_cache)

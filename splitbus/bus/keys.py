@@ -74,6 +74,12 @@ class Keys:
         (``splitbus.bus.runs``): dispatches wait while the server's differs."""
         return self._control("run")
 
+    @property
+    def readers(self) -> str:
+        """Counter: result-reader shards that the cell's API processes placed on a cluster so far;
+        the next API process's shards go to the primaries after them (one ``INCRBY`` per start)."""
+        return self._control("readers")
+
     def tasks(self, worker: str) -> str:
         """Stream of tasks for one worker (group ``workers``)."""
         return self._control("tasks", worker)

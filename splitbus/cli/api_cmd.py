@@ -77,7 +77,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=None,
         help="prompt characters refused before tokenizing (default: context length x 16)",
     )
-    p.add_argument("--reader-shards", type=int, default=1, help="connections that follow result streams")
+    p.add_argument(
+        "--reader-shards",
+        type=int,
+        default=None,
+        help="connections that follow result streams, each a reader tag placed on its own primary on a cluster "
+        "(default: one per primary on a cluster, 1 on a single Redis)",
+    )
     p.add_argument(
         "--result-grace",
         type=float,

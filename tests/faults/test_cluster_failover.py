@@ -185,7 +185,8 @@ def _report(name: str, run: Run, probe: Probe, shared: bool, record: Record) -> 
         "failover_token_pause_s": _longest_pause_after(run.seen, run.killed_at),
         "failover_new_request_first_token_s": _since(run.killed_at, run.late.chunks[0] if run.late.chunks else None),
     }
-    where = "the API reader's slot on the same primary" if shared else "the API reader's slot on another primary"
+    # The API's shards are placed one per primary: the killed primary holds one shard's streams either way.
+    where = "the probe tag on the cell's primary" if shared else "the probe tag on another primary"
     print(
         f"\n{name} ({where}; {run.running} of {STREAMS} streams running at the kill -9): "
         + ", ".join(f"{key.removeprefix('failover_')} {value:.2f}" for key, value in figures.items())
@@ -210,7 +211,9 @@ def _wrong(run: Run) -> list[str]:
 
 
 def _reader_tag(system: System) -> str:
-    """The tag of the API's one reader shard (``<node>.out.0``), from the node id ``up`` prints."""
+    """``<node>.out.0``, from the node id ``up`` prints: a tag whose slot moves with the node id.
+    On a cluster the API places its reader shards one per primary (docs/cluster.md), so whichever
+    primary serves this tag also serves one shard's result streams (under a placed name)."""
     node = system.wait_output(r"API on \S+ \(node (\S+),").group(1)
     return shard_name(f"{node}.out", 0)
 
