@@ -12,7 +12,8 @@ from splitbus.bus.results import Subscription
 
 def _merge(*arrived: object) -> list[object]:
     """The first result as the stream loop holds it, the rest already arrived."""
-    generation = Generation(SimpleNamespace(), parse_completion({"model": "m", "prompt": "x", "stream": True}), [1], 8)  # type: ignore[arg-type]
+    state = SimpleNamespace(submissions=SimpleNamespace(started=lambda request_id: None))
+    generation = Generation(state, parse_completion({"model": "m", "prompt": "x", "stream": True}), [1], 8)  # type: ignore[arg-type]
     generation.sub = Subscription("r", "k")
     for result in arrived:
         generation.sub.accept(result)  # type: ignore[arg-type]
