@@ -24,13 +24,17 @@ def _ranks(system) -> dict[int, dict[str, str]]:  # type: ignore[no-untyped-def]
 
 def _settled(system) -> dict[int, dict[str, str]]:  # type: ignore[no-untyped-def]
     """The ranks once the heartbeats (every 0.5 s) have published the 30 steps on all four, idle
-    forwards counted; as they are after 5 s otherwise. A bounded wait, not a fixed sleep."""
+    forwards counted, and no rank is inside a forward (its announced end has passed); as they are
+    after 5 s otherwise. A bounded wait, not a fixed sleep."""
     deadline = time.monotonic() + 5
     while True:
         ranks = _ranks(system)
         steps = {int(h["steps"]) for h in ranks.values()}
         idle = sorted(int(h["idle_forwards"]) for h in ranks.values())
-        if (len(ranks) == 4 and len(steps) == 1 and min(steps) >= 30 and idle[1] >= 29) or time.monotonic() > deadline:
+        ended = all(int(h.get("forward_ends_ms", 0)) <= time.time() * 1000 for h in ranks.values())  # none mid-forward
+        if (len(ranks) == 4 and len(steps) == 1 and min(steps) >= 30 and idle[1] >= 29 and ended) or (
+            time.monotonic() > deadline
+        ):
             return ranks
         time.sleep(0.1)
 
