@@ -103,13 +103,13 @@ def _back_at(url: str, deadline: float) -> float | None:
 
 
 async def _admitted(client: openai.AsyncOpenAI, i: int, seen: Stream) -> None:
-    """Request ``i``, sent again while the API refuses it with a 503 before its first token (a
+    """Request ``i``, sent again while the API refuses it (503 "Redis is unreachable": its XADD failed) (a
     burst request sent as the server stops is not admitted: a client retries it)."""
     deadline = time.monotonic() + 30
     while True:
         attempt = Stream()
         await _one(client, i, attempt, asyncio.Semaphore(0))
-        refused = attempt.error is not None and not attempt.chunks and "503" in attempt.error
+        refused = attempt.error is not None and not attempt.chunks and "Redis is unreachable" in attempt.error
         if not refused or time.monotonic() > deadline:
             seen.text, seen.chunks, seen.error = attempt.text, attempt.chunks, attempt.error
             return
