@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from pathlib import Path
@@ -220,6 +221,8 @@ def serve_table(report: dict[str, Any]) -> str:
         )
         if r["failed"]:
             rows.append(f"          {r['failed']} failed: {'; '.join(r.get('errors', []))}")
+        if "prefix_hit_ratio" in r:
+            rows.append(_cache_row(r))
         if r.get("redis_memory_per_request_bytes") is not None:
             rows.append(_redis_memory_row(r))
     for name, hop in report.get("hops_ms", {}).items():
@@ -236,6 +239,14 @@ def serve_table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _cache_row(run: dict[str, Any]) -> str:
+    """The prefix hit ratio beside the workload's ideal, and the goodput where bounds were given."""
+    row = f"          prefix hit ratio {run['prefix_hit_ratio']:.1%} (ideal {run['ideal_prefix_hit_ratio']:.1%})"
+    if run.get("request_goodput") is not None:
+        row += f", goodput {run['request_goodput']:.2f} req/s"
+    return row
+
+
 def _redis_memory_row(run: dict[str, Any]) -> str:
     start, end = run["redis_used_memory_start_bytes"], run["redis_used_memory_end_bytes"]
     return (
@@ -248,12 +259,20 @@ def _ms(value: float | None, width: int, sign: str = "") -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{sign}{width}.2f}"
 
 
+def _rate_order(rate: str) -> float:
+    """Offered rates in order, ``inf`` last; a trace's run (its own times) after them."""
+    try:
+        return float(rate)
+    except ValueError:
+        return math.inf
+
+
 def serve_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = plt.get_cmap("viridis")
-    rates = sorted({str(r["request_rate"]) for r in report["runs"]}, key=lambda x: float(x))
+    rates = sorted({str(r["request_rate"]) for r in report["runs"]}, key=_rate_order)
     # Three of the four axes: the fourth, below, plots throughput.
     for ax, (metric, title) in zip(
         axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency")), strict=False
@@ -276,7 +295,8 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
     ax = axes.flat[3]
-    for path_name, marker in (("splitbus", "o-"), ("direct", "s--"), ("http", "o-")):
+    for path_name in dict.fromkeys(r["path"] for r in report["runs"]):  # splitbus, direct, http, splitbus:<policy>
+        marker = "s--" if path_name == "direct" else "o-"
         runs = [r for r in report["runs"] if r["path"] == path_name]
         if runs:
             ax.plot(

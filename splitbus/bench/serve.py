@@ -25,10 +25,10 @@ from splitbus.bench.serve_trace import (
     ServeConfig,
     TraceItem,
     cdf_samples,
-    make_trace,
     replay,
     summarize,
 )
+from splitbus.bench.workloads import ideal_for, make_items
 from splitbus.bus.keys import Keys
 from splitbus.redis_server import embedded_url
 
@@ -80,6 +80,7 @@ class HttpClient:
         chunk = orjson.loads(line[6:])
         if chunk.get("usage"):
             result.output_tokens = chunk["usage"]["completion_tokens"]
+            result.cached_tokens = cached_tokens(chunk["usage"])
         if "error" in chunk:
             result.error = str(chunk["error"].get("message"))
         if not chunk.get("choices") or not chunk["choices"][0].get("text"):
@@ -92,6 +93,14 @@ class HttpClient:
         return now
 
 
+def cached_tokens(usage: Any) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``, OpenAI's field; 0 where the server does
+    not report it (or reports something that is not a count)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int and cached >= 0 else 0
+
+
 Row = tuple[dict[str, Any], dict[str, list[float]]]
 """A run's summary and its CDF samples."""
 
@@ -99,13 +108,19 @@ Row = tuple[dict[str, Any], dict[str, list[float]]]
 async def measure_http(base_url: str, config: ServeConfig, rate: float, api_key: str = "") -> Row:
     from tqdm import tqdm
 
+    items = make_items(config, rate)
     client = HttpClient(base_url, config.model, api_key, config.max_concurrency)
     try:
-        with tqdm(total=config.num_prompts, desc=f"{rate:g} req/s", unit="req", leave=False, disable=None) as bar:
-            results, duration = await replay(client.send, make_trace(config, rate), config.max_concurrency, bar)
+        with tqdm(total=len(items), desc=f"{rate:g} req/s", unit="req", leave=False, disable=None) as bar:
+            results, duration = await replay(client.send, items, config.max_concurrency, bar)
     finally:
         await client.close()
-    return summarize(results, duration), cdf_samples(results)
+    return with_ideal(summarize(results, duration, dict(config.goodput)), config, items), cdf_samples(results)
+
+
+def with_ideal(summary: dict[str, Any], config: ServeConfig, items: list[TraceItem]) -> dict[str, Any]:
+    """The summary with the workload's ideal prefix hit ratio beside the measured one."""
+    return {**summary, "ideal_prefix_hit_ratio": ideal_for(config, items)}
 
 
 MEMORY_FIELDS = ("redis_used_memory_start_bytes", "redis_used_memory_end_bytes", "redis_memory_per_request_bytes")
@@ -132,12 +147,13 @@ def redis_memory(url: str | None) -> int | None:
     return used if isinstance(used, int) and used >= 0 else None
 
 
-def measure_memory(redis_url: str | None, requests: int, measure: Coroutine[Any, Any, Row]) -> Row:
+def measure_memory(redis_url: str | None, measure: Coroutine[Any, Any, Row]) -> Row:
     """Run ``measure`` between two reads of Redis's memory; the row gains the start, the end and
-    their difference per request (all None where Redis's memory cannot be read)."""
+    their difference per request sent (all None where Redis's memory cannot be read)."""
     start = redis_memory(redis_url)
     summary, cdf = asyncio.run(measure)
     end = redis_memory(redis_url)
+    requests = max(1, summary["completed"] + summary["failed"])
     per_request = None if start is None or end is None else (end - start) / requests
     return {**summary, **dict(zip(MEMORY_FIELDS, (start, end, per_request), strict=True))}, cdf
 
@@ -156,10 +172,12 @@ def run_serve_bench(
     if base_url:
         check_target(base_url, config.model, api_key)
         for rate in config.rates:
-            progress(f"{base_url}: {rate:g} req/s, {config.num_prompts} requests")
-            row = measure_memory(redis_url, config.num_prompts, measure_http(base_url, config, rate, api_key))
-            runs.append(_run_row("http", base_url, rate, *row))
+            progress(f"{base_url}: {rate:g} req/s, {config.workload.dataset} requests")
+            row = measure_memory(redis_url, measure_http(base_url, config, rate, api_key))
+            runs.append(_run_row("http", base_url, _rate(config, rate), *row))
         return {"config": asdict(config), "target": base_url, "runs": runs}
+    if config.policies:
+        return compare_policies(config, progress)
     from splitbus.bench.serve_direct import measure_direct
     from splitbus.bench.system import LocalSystem
 
@@ -170,11 +188,11 @@ def run_serve_bench(
         progress("where the time to first token goes: 50 requests one at a time, timed at each hop")
         hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.model, config.input_len))
         for rate in config.rates:
-            progress(f"direct (sim engine in-process): {rate:g} req/s, {config.num_prompts} requests")
-            runs.append(_run_row("direct", "in-process", rate, *measure_direct(model_dir, config, rate)))
+            progress(f"direct (sim engine in-process): {rate:g} req/s, {config.workload.dataset} requests")
+            runs.append(_run_row("direct", "in-process", _rate(config, rate), *measure_direct(model_dir, config, rate)))
             progress(f"splitbus (API + bus + scheduler + worker): {rate:g} req/s")
-            row = measure_memory(admin_url, config.num_prompts, measure_http(system.base_url, config, rate))
-            runs.append(_run_row("splitbus", system.base_url, rate, *row))
+            row = measure_memory(admin_url, measure_http(system.base_url, config, rate))
+            runs.append(_run_row("splitbus", system.base_url, _rate(config, rate), *row))
     finally:
         system.stop()
     return {
@@ -184,6 +202,34 @@ def run_serve_bench(
         "overhead": overhead(runs),
         "hops_ms": hops,
     }
+
+
+def policy_up_args(policy: str, up_args: tuple[str, ...]) -> list[str]:
+    """``splitbus up``'s arguments for one ``MODE[:ARG...]`` of ``--policy``: the scheduler's
+    ``--mode`` and arguments come after the ones ``up`` gives it, so they win."""
+    mode, *extra = policy.split(":")
+    scheduler = [f"--scheduler-arg={arg}" for arg in ("--mode", mode, *extra)]
+    return ["--engine", "sim", *up_args, *scheduler]
+
+
+def compare_policies(config: ServeConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Each policy on its own fresh ``splitbus up`` (an empty cache), the same requests at each
+    rate: rows ``splitbus:<policy>``."""
+    from splitbus.bench.system import LocalSystem
+
+    runs: list[dict[str, Any]] = []
+    for policy in config.policies:
+        system = LocalSystem(*policy_up_args(policy, config.up_args))
+        admin_url = embedded_url(system.data_dir / "redis", admin=True)
+        try:
+            for rate in config.rates:
+                progress(f"policy {policy}: {rate:g} req/s, {config.workload.dataset} requests")
+                row = measure_memory(admin_url, measure_http(system.base_url, config, rate))
+                runs.append(_run_row(f"splitbus:{policy}", system.base_url, _rate(config, rate), *row))
+        finally:
+            system.stop()
+    target = " ".join(["splitbus up --engine sim", *config.up_args])
+    return {"config": asdict(config), "target": target, "runs": runs}
 
 
 class TargetError(Exception):
@@ -206,13 +252,20 @@ def check_target(base_url: str, model: str, api_key: str) -> None:
         raise TargetError(f"{base_url} does not serve model {model!r} (it serves {served}); pass --model")
 
 
+def _rate(config: ServeConfig, rate: float) -> float | str:
+    """A run's ``request_rate`` field: a trace's own times set the rate."""
+    if config.workload.dataset == "trace":
+        return "trace"
+    return "inf" if math.isinf(rate) else rate
+
+
 def _run_row(
-    path: str, target: str, rate: float, summary: dict[str, Any], cdf: dict[str, list[float]]
+    path: str, target: str, rate: float | str, summary: dict[str, Any], cdf: dict[str, list[float]]
 ) -> dict[str, Any]:
     return {
         "path": path,
         "target": target,
-        "request_rate": "inf" if math.isinf(rate) else rate,
+        "request_rate": rate,
         **dict.fromkeys(MEMORY_FIELDS),
         **summary,
         "cdf_ms": cdf,

@@ -11,7 +11,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, cdf_samples, make_trace, replay, summarize
+from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, cdf_samples, replay, summarize
+from splitbus.bench.workloads import ideal_for, make_items
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
@@ -115,12 +116,14 @@ def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[d
         loop = DirectLoop(ModelTokenizer.load(model_dir, config.model), worker)
         engine = asyncio.create_task(loop.run())
         try:
-            return await replay(loop.send, make_trace(config, rate), config.max_concurrency)
+            return await replay(loop.send, items, config.max_concurrency)
         finally:
             engine.cancel()
 
+    items = make_items(config, rate)
     results, duration = run_like_a_worker(main())
-    return summarize(results, duration), cdf_samples(results)
+    summary = summarize(results, duration, dict(config.goodput))
+    return {**summary, "ideal_prefix_hit_ratio": ideal_for(config, items)}, cdf_samples(results)
 
 
 def run_like_a_worker(coro: Any) -> Any:

@@ -8,12 +8,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from splitbus.cli.common import say
 from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
 from splitbus.redis_server import EmbeddedRedis
+
+if TYPE_CHECKING:
+    from splitbus.bench.serve_trace import ServeConfig
 
 C = TypeVar("C")
 
@@ -162,7 +165,36 @@ def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
         "--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1±ratio) (default %(default)s)"
     )
     serve.add_argument("--seed", type=int, default=0)
+    _add_serve_workloads(serve)
     serve.set_defaults(run=run_serve)
+
+
+def _add_serve_workloads(serve: argparse.ArgumentParser) -> None:
+    """``bench serve``'s ``--dataset`` and its settings, ``--goodput`` and ``--policy``."""
+    serve.add_argument(
+        "--dataset",
+        nargs="+",
+        default=["random"],
+        metavar="KIND",
+        help="random (default), prefix, multiturn, or trace FILE (a Mooncake JSONL trace)",
+    )
+    add = serve.add_argument
+    add("--prefix-groups", type=int, default=8, help="prefix: groups, each with its own prefix (default %(default)s)")
+    add("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens per group (default %(default)s)")
+    add("--questions-per-group", type=int, default=8, help="prefix: requests per group (default %(default)s)")
+    add("--question-len", type=int, default=64, help="prefix: tokens of each question (default %(default)s)")
+    add("--conversations", type=int, default=8, help="multiturn: conversations (default %(default)s)")
+    add("--turns", type=int, default=4, help="multiturn: turns per conversation (default %(default)s)")
+    add("--turn-len", type=int, default=64, help="multiturn: new prompt tokens per turn (default %(default)s)")
+    add("--time-scale", type=float, default=1.0, help="trace: arrival times × this (default %(default)s)")
+    add("--block-size", type=int, default=16, help="KV block tokens for the ideal hit ratio (default %(default)s)")
+    add("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="bounds: ttft:MS tpot:MS e2el:MS")
+    add(
+        "--policy",
+        default="",
+        help="compare scheduler policies, MODE[:ARG...] comma-separated, one splitbus up each (sim engine)",
+    )
+    add("--up-arg", action="append", default=[], help="with --policy: an argument for splitbus up (repeatable)")
 
 
 def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
@@ -384,30 +416,47 @@ def run_ep(args: argparse.Namespace, env: Env) -> int:
 def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.serve import TargetError, run_serve_bench
-    from splitbus.bench.serve_trace import ServeConfig
+    from splitbus.bench.workloads import TraceError
 
-    config = _config(
-        "serve",
-        lambda: ServeConfig(
-            tuple(args.request_rate),
-            args.num_prompts,
-            args.max_concurrency,
-            args.input_len,
-            args.output_len,
-            args.range_ratio,
-            args.model,
-            args.seed,
-        ),
-    )
+    config = _config("serve", lambda: _serve_config(args))
     if config is None:
+        return 2
+    if args.policy and args.base_url:
+        say("splitbus bench serve: --policy starts its own splitbus up for each policy; it does not take --base-url")
         return 2
     run = _Run("serve", args.out)
     try:
         result = run_serve_bench(config, args.base_url, args.api_key, run.progress, _serve_redis(args, env))
-    except TargetError as exc:
+    except (TargetError, TraceError) as exc:
         say(f"splitbus bench serve: {exc}")
         return 2
     return run.finish(result, report.serve_plot, report.serve_table)
+
+
+def _serve_config(args: argparse.Namespace) -> ServeConfig:
+    from splitbus.bench.serve_trace import ServeConfig, Workload
+    from splitbus.bench.workloads import parse_goodput, read_trace
+    from splitbus.scheduler import policies
+
+    unknown = [p for p in args.policy.split(",") if p and p.split(":")[0] not in policies.names()]
+    if unknown:
+        raise ValueError(f"--policy {', '.join(unknown)}: a policy is one of {', '.join(policies.names())}")
+
+    dataset, *files = args.dataset
+    if len(files) != (dataset == "trace"):
+        raise ValueError("--dataset takes random, prefix, multiturn or trace FILE")
+    workload = Workload(
+        dataset, args.prefix_groups, args.prefix_len, args.questions_per_group, args.question_len,
+        args.conversations, args.turns, args.turn_len, files[0] if files else None, args.time_scale, args.block_size,
+    )  # fmt: skip
+    if files:
+        read_trace(Path(files[0]))  # a bad line is reported before anything starts
+    rates = tuple(args.request_rate)[: 1 if dataset == "trace" else None]  # a trace sets its own times
+    return ServeConfig(
+        rates, args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args.range_ratio,
+        args.model, args.seed, workload, tuple(parse_goodput(args.goodput).items()),
+        tuple(p for p in args.policy.split(",") if p), tuple(args.up_arg),
+    )  # fmt: skip
 
 
 def _serve_redis(args: argparse.Namespace, env: Env) -> str | None:

@@ -116,6 +116,39 @@ def test_serve_measures_a_running_deployment(tmp_path: Path) -> None:
     assert "does not serve model 'nope' (it serves ['tiny']); pass --model" in wrong_model
 
 
+def _trace_file(tmp_path: Path, *lines: str) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_serve_replays_a_trace_on_each_policy_with_the_ideal_hit_ratio(tmp_path: Path) -> None:
+    """Two requests sharing their first 512-token block, on one fresh `up` per --policy."""
+    trace = _trace_file(
+        tmp_path,
+        '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [7, 8]}',
+        '{"timestamp": 50, "input_length": 520, "output_length": 2, "hash_ids": [7, 9]}',
+    )
+    report = _bench(
+        tmp_path, "serve", "--dataset", "trace", trace, "--policy", "mixed", "--up-arg=--mixed=1",
+        "--goodput", "e2el:600000",
+    )  # fmt: skip
+    (run,) = report["runs"]
+    assert (run["path"], run["request_rate"], run["completed"], run["failed"]) == ("splitbus:mixed", "trace", 2, 0)
+    assert run["total_input_tokens"] == 1120 and run["total_output_tokens"] == 5
+    assert run["ideal_prefix_hit_ratio"] == 512 / 1120 and 0 <= run["prefix_hit_ratio"] <= 1
+    assert run["request_goodput"] == run["request_throughput"]  # a bound every request meets
+    assert report["config"]["policies"] == ["mixed"] and "overhead" not in report
+
+
+def test_serve_names_a_bad_trace_line_before_starting_anything(tmp_path: Path) -> None:
+    trace = _trace_file(tmp_path, '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "{oops")
+    out = _bench_fails(tmp_path, "serve", "--dataset", "trace", trace)
+    assert f"splitbus bench serve: {trace}:2: not JSON" in out
+    assert not (tmp_path / "out").exists()
+    assert "--policy nope: a policy is one of" in _bench_fails(tmp_path, "serve", "--policy", "nope")
+
+
 def test_serve_says_when_the_deployment_is_unreachable(tmp_path: Path) -> None:
     out = _bench_fails(tmp_path, "serve", "--base-url", "http://127.0.0.1:1")
     assert "splitbus bench serve: cannot reach http://127.0.0.1:1" in out
