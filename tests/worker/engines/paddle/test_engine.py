@@ -68,7 +68,7 @@ async def _mixed(model: CausalLM, tok: ModelTokenizer, **sampling: object) -> li
 
 async def _split(model: CausalLM, tok: ModelTokenizer, **sampling: object) -> list[list[int]]:
     prefill, decode = _engine(model), _engine(model)
-    decode.cache.allocator.allocate(7)  # D's block ids differ from P's
+    decode.pool.allocate(7)  # D's block ids differ from P's
     on_p = [_seq("prefill", p, f"r{i}", tok, **sampling) for i, p in enumerate(_prompts())]
     on_d = [_seq("decode", p, f"r{i}", tok, **sampling) for i, p in enumerate(_prompts())]
     for p_seq, d_seq in zip(on_p, on_d, strict=True):
