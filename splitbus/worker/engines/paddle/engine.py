@@ -69,7 +69,10 @@ class PaddleEngine:
         seq.block_table, seq.blocks = [], 0
 
     async def prefill(self, batch: list[Sequence]) -> list[int]:
-        return await self._run(lambda: self._prefill(batch))
+        tokens = await self._run(lambda: self._prefill(batch))
+        for seq in batch:  # on the event loop, as reserve and release: the pool has one thread
+            self.pool.store(seq.block_table, seq.all_tokens)
+        return tokens
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
         return await self._run(lambda: self._decode(batch))
@@ -97,7 +100,6 @@ class PaddleEngine:
         logits = self.model.forward(chunks, self.cache)
         for seq in batch:
             seq.cached = len(seq.all_tokens)
-            self.pool.store(seq.block_table, seq.all_tokens)
         return self._sample(batch, logits)
 
     def _decode(self, batch: list[Sequence]) -> list[int]:
