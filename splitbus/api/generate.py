@@ -223,7 +223,7 @@ class Generation:
                 raise from_status(result.status, result.message, result.code)
             texts.append(result.text)
             if isinstance(result, Finished):
-                tokens = protocol.usage(result.prompt_tokens, result.completion_tokens)
+                tokens = protocol.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
                 return protocol.full_response(
                     self.params, self.request_id, self.created, "".join(texts), result.finish_reason, tokens
                 )
@@ -286,7 +286,7 @@ class Generation:
         finish = result.finish_reason if isinstance(result, Finished) else None
         events = [self._chunk(result.text, finish)] if result.text or finish else []
         if isinstance(result, Finished) and self.params.include_usage:
-            tokens = protocol.usage(result.prompt_tokens, result.completion_tokens)
+            tokens = protocol.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
             events.append(_event(protocol.usage_chunk(self.params, self.request_id, self.created, tokens)))
         return events
 

@@ -146,10 +146,17 @@ class ResultWriter:
         self._append(request_id, TokenDelta(self._take_seq(request_id), token_ids, text))
 
     def finish(
-        self, request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, text: str = ""
+        self,
+        request_id: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        text: str = "",
+        cached_tokens: int = 0,
     ) -> None:
         seq = self._take_seq(request_id)
-        self._append(request_id, Finished(seq, finish_reason, prompt_tokens, completion_tokens, text))
+        done = Finished(seq, finish_reason, prompt_tokens, completion_tokens, text, cached_tokens=cached_tokens)
+        self._append(request_id, done)
 
     def fail(self, request_id: str, code: str, message: str, status: int = 500, *, reader: str) -> None:
         """End a request with an error. Allowed without ``open``: readers accept an error

@@ -56,7 +56,8 @@ class Publisher:
     def finish(self, seq: Sequence) -> None:
         text = seq.text.flush()
         metrics.REQUESTS_FINISHED.labels(seq.finish_reason or "stop").inc()
-        self.writer.finish(seq.request_id, seq.finish_reason or "stop", seq.prompt_len, len(seq.output_ids), text)
+        reason, cached = seq.finish_reason or "stop", min(seq.prompt_cached, seq.prompt_len)
+        self.writer.finish(seq.request_id, reason, seq.prompt_len, len(seq.output_ids), text, cached_tokens=cached)
         self.retire(seq)
 
     def fail(self, seq: Sequence, code: str, message: str, status: int) -> None:

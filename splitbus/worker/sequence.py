@@ -19,6 +19,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     cached: int = 0
     """Positions whose KV is in this worker's cache."""
+    prompt_cached: int = 0
+    """Prompt tokens whose KV a prefix cache held when the request came (not computed here)."""
     output_ids: list[int] = field(default_factory=list)
     kv: bytes | None = None
     kv_secret: str = ""

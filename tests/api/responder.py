@@ -6,6 +6,8 @@ each request with a known text, one token per step. Prompts steer it:
 - ``[fail:STATUS]`` -> an error entry with that status before any token
 - ``[slow]`` -> 50 ms between tokens (for disconnect tests)
 - ``[silent]`` -> no answer at all (for timeout tests)
+
+Its usage reports half of every prompt as cached (``cached_tokens``), as a prefix cache would.
 """
 
 from __future__ import annotations
@@ -127,5 +129,6 @@ class Responder:
             writer.tokens(rid, self.tokenizer.encode(char), char)
             await writer.flush()
             await asyncio.sleep(delay)
-        writer.finish(rid, reason, len(request.prompt_token_ids), len(text))
+        prompt = len(request.prompt_token_ids)
+        writer.finish(rid, reason, prompt, len(text), cached_tokens=prompt // 2)
         await writer.flush()

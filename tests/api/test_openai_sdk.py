@@ -21,6 +21,8 @@ def test_completion(api: ApiProcess) -> None:
     assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
     assert reply.usage is not None
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len("Say something"), 12)
+    assert reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens == len("Say something") // 2
 
 
 def test_completion_default_max_tokens_is_16(api: ApiProcess) -> None:
@@ -44,6 +46,8 @@ def test_streamed_completion_with_usage(api: ApiProcess) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 20
+    details = chunks[-1].usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == len("Stream it") // 2
     assert len({c.id for c in chunks}) == 1
 
 

@@ -45,12 +45,16 @@ class Finished:
     text: str = ""
     """Text held back until now (e.g. a partial stop string that did not match)."""
     token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from a prefix cache (OpenAI's ``prompt_tokens_details.
+    cached_tokens``); 0 from a worker that predates it (readers ignore unknown fields)."""
 
     def __post_init__(self) -> None:
         require_int(self.seq, "seq", minimum=0, maximum=MAX_SEQ)
         require_str(self.finish_reason, "finish_reason")
         require_int(self.prompt_tokens, "prompt_tokens", minimum=0, maximum=MAX_TOKENS)
         require_int(self.completion_tokens, "completion_tokens", minimum=0, maximum=MAX_TOKENS)
+        require_int(self.cached_tokens, "cached_tokens", minimum=0, maximum=self.prompt_tokens)
         require_int_list(self.token_ids, "token_ids")
 
 

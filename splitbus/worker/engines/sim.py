@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, register
+from splitbus.worker.engines.prefix import BlockPool, reuses_prefix
 
 if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
     from splitbus.bus.messages import GenerateRequest
@@ -105,26 +106,28 @@ class SimEngine:
         self.vocab_size = tokenizer.vocab_size
         self.total_blocks = total_blocks
         self.block_size = block_size
-        self._free = total_blocks
+        self.pool = BlockPool(range(total_blocks), block_size)
 
     @property
     def free_blocks(self) -> int:
-        return self._free
+        return self.pool.free
 
     def reserve(self, seq: Sequence, tokens: int) -> bool:
-        needed = -(-tokens // self.block_size)
-        if needed > self._free:
+        prompt = seq.all_tokens if reuses_prefix(seq) else []
+        got = self.pool.allocate(-(-tokens // self.block_size), prompt)
+        if got is None:
             return False
-        self._free -= needed
-        seq.blocks = needed
+        seq.block_table, seq.blocks = got.table, len(got.table)
+        seq.cached = seq.prompt_cached = got.cached_tokens
         return True
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.config.kv_bytes_per_token
 
     def release(self, seq: Sequence) -> None:
-        self._free += seq.blocks
-        seq.blocks = 0
+        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached])
+        self.pool.release(seq.block_table)
+        seq.block_table, seq.blocks = [], 0
 
     def _check_poison(self, batch: list[Sequence]) -> None:
         poison = self.config.poison_token
@@ -135,14 +138,19 @@ class SimEngine:
         self._check_poison(batch)
         if self.config.crash_token >= 0 and any(self.config.crash_token in s.request.prompt_token_ids for s in batch):
             os.kill(os.getpid(), signal.SIGKILL)
-        await asyncio.sleep(self.config.forward_s("prefill", sum(len(s.all_tokens) for s in batch)))
+        # Only the uncached suffix is computed (``reserve`` found the cached prefix).
+        await asyncio.sleep(self.config.forward_s("prefill", sum(len(s.all_tokens) - s.cached for s in batch)))
         for seq in batch:
             seq.kv = self.kv_payload(seq.request)
+            seq.cached = len(seq.all_tokens)
+            self.pool.store(seq.block_table, seq.all_tokens)
         return [self._next(seq) for seq in batch]
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
         self._check_poison(batch)
         await asyncio.sleep(self.config.forward_s("decode", len(batch)))
+        for seq in batch:
+            seq.cached += 1  # the token fed now has its KV
         return [self._next(seq) for seq in batch]
 
     async def idle(self) -> None:
@@ -167,6 +175,7 @@ class SimEngine:
     async def import_kv(self, seq: Sequence, payload: bytes) -> str | None:
         if payload != self.kv_payload(seq.request):
             return f"KV payload of {len(payload)} bytes does not match the request"
+        seq.cached = seq.prompt_len
         return None
 
 

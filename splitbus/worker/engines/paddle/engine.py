@@ -17,6 +17,7 @@ import numpy as np
 
 from splitbus.gpu_ops.sampling import sample
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk
+from splitbus.worker.engines.prefix import BlockPool, reuses_prefix
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class PaddleEngine:
         self.block_size = block_size
         self.vocab_size = model.config.vocab_size
         self.cache = model.new_cache(total_blocks, block_size)
+        self.pool = BlockPool(range(1, total_blocks), block_size)  # block 0 is scratch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
 
     @classmethod
@@ -47,24 +49,30 @@ class PaddleEngine:
 
     @property
     def free_blocks(self) -> int:
-        return self.cache.allocator.free
+        return self.pool.free
 
     def reserve(self, seq: Sequence, tokens: int) -> bool:
-        table = self.cache.allocator.allocate(-(-tokens // self.block_size))
-        if table is None:
+        prompt = seq.all_tokens if reuses_prefix(seq) else []
+        got = self.pool.allocate(-(-tokens // self.block_size), prompt)
+        if got is None:
             return False
-        seq.block_table, seq.blocks = table, len(table)
+        seq.block_table, seq.blocks = got.table, len(got.table)
+        seq.cached = seq.prompt_cached = got.cached_tokens
         return True
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.cache.bytes_per_token()
 
     def release(self, seq: Sequence) -> None:
-        self.cache.allocator.release(seq.block_table)
+        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached])
+        self.pool.release(seq.block_table)
         seq.block_table, seq.blocks = [], 0
 
     async def prefill(self, batch: list[Sequence]) -> list[int]:
-        return await self._run(lambda: self._prefill(batch))
+        tokens = await self._run(lambda: self._prefill(batch))
+        for seq in batch:  # on the event loop, as reserve and release: the pool has one thread
+            self.pool.store(seq.block_table, seq.all_tokens)
+        return tokens
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
         return await self._run(lambda: self._decode(batch))
@@ -86,7 +94,9 @@ class PaddleEngine:
         return None
 
     def _prefill(self, batch: list[Sequence]) -> list[int]:
-        chunks = [Chunk(seq.all_tokens, 0, seq.block_table) for seq in batch]
+        # Only the uncached suffix: positions [0, seq.cached) came from the prefix cache, and the
+        # attention reads them from the block table (its mask is aligned for a query offset).
+        chunks = [Chunk(seq.all_tokens[seq.cached :], seq.cached, seq.block_table) for seq in batch]
         logits = self.model.forward(chunks, self.cache)
         for seq in batch:
             seq.cached = len(seq.all_tokens)

@@ -68,7 +68,7 @@ async def _mixed(model: CausalLM, tok: ModelTokenizer, **sampling: object) -> li
 
 async def _split(model: CausalLM, tok: ModelTokenizer, **sampling: object) -> list[list[int]]:
     prefill, decode = _engine(model), _engine(model)
-    decode.cache.allocator.allocate(7)  # D's block ids differ from P's
+    decode.pool.allocate(7)  # D's block ids differ from P's
     on_p = [_seq("prefill", p, f"r{i}", tok, **sampling) for i, p in enumerate(_prompts())]
     on_d = [_seq("decode", p, f"r{i}", tok, **sampling) for i, p in enumerate(_prompts())]
     for p_seq, d_seq in zip(on_p, on_d, strict=True):
@@ -180,3 +180,25 @@ def _edit_config(folder: Path, **changes: object) -> None:
     config = json.loads((folder / "config.json").read_text())
     config.update(changes)
     (folder / "config.json").write_text(json.dumps(config))
+
+
+async def _greedy_pair(engine: PaddleEngine, tok: ModelTokenizer, prompts: list[list[int]]) -> list[Sequence]:
+    done = []
+    for i, prompt in enumerate(prompts):
+        seq = _seq("mixed", prompt, f"p{i}", tok, temperature=0.0)
+        assert engine.reserve(seq, seq.prompt_len + NEW_TOKENS)
+        seq.output_ids.append((await engine.prefill([seq]))[0])
+        await _decode_all(engine, [seq])
+        engine.release(seq)
+        done.append(seq)
+    return done
+
+
+def test_prefix_reuse_gives_the_same_greedy_tokens(model: CausalLM, model_dir: Path) -> None:
+    tok = ModelTokenizer.load(model_dir, "m")
+    shared = _prompts()[-1][:40]
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    cached = asyncio.run(_greedy_pair(_engine(model), tok, prompts))
+    fresh = [asyncio.run(_greedy_pair(_engine(model), tok, [p]))[0] for p in prompts]
+    assert [s.output_ids for s in cached] == [s.output_ids for s in fresh]
+    assert cached[1].prompt_cached == 32 and fresh[1].prompt_cached == 0  # only the suffix was prefilled

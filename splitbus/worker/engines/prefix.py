@@ -1,0 +1,122 @@
+"""Prefix caching: a pool of KV block ids with reference counts and an LRU of cached free blocks.
+
+Both engines hold their blocks in a ``BlockPool`` (the sim engine's are ids only). A full block
+whose KV is computed is registered under its hash (``splitbus.bus.blocks``); when no sequence
+holds it any more it stays cached in an LRU of free blocks, and is evicted (its hash forgotten)
+only when an allocation finds no plain free block. A new sequence takes the cached blocks of
+its prompt's leading full blocks (shared, ref-counted) and computes only the rest; at least its
+last prompt token is always computed, for its logits. Pure: no paddle.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from splitbus.bus.blocks import block_hashes
+
+if TYPE_CHECKING:
+    from splitbus.worker.sequence import Sequence as SequenceState
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What ``BlockPool.allocate`` gave a sequence."""
+
+    table: list[int]
+    """Its block table: the cached blocks first, then new ones."""
+    cached_tokens: int
+    """Leading positions whose KV was already cached (a multiple of the block size)."""
+
+
+class BlockPool:
+    def __init__(self, block_ids: Sequence[int], block_size: int, extra: str = "") -> None:
+        self.block_size, self.extra = block_size, extra
+        self.total = len(block_ids)
+        self._plain = list(reversed(block_ids))  # free, holding nothing; popped from the end
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free but cached, oldest first
+        self._refs: dict[int, int] = {}
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self.evicted: list[int] = []
+        """Hashes evicted since the caller last cleared it (for KV events)."""
+
+    @property
+    def free(self) -> int:
+        """Blocks an allocation may take: plain free ones and cached ones no sequence holds."""
+        return len(self._plain) + len(self._lru)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._by_hash)
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """Cached blocks of the leading full blocks of ``tokens``, leaving its last token uncached."""
+        usable = max(len(tokens) - 1, 0)
+        found: list[int] = []
+        for h in block_hashes(tokens[:usable], self.block_size, self.extra):
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def allocate(self, count: int, prompt: Sequence[int] = ()) -> Allocation | None:
+        """``count`` blocks for a sequence, the first ones cached blocks of ``prompt`` where they
+        match; None (nothing taken) when there is no room."""
+        hits = self.match(prompt)[:count]
+        fresh = count - len(hits)
+        if fresh > len(self._plain) + sum(1 for b in self._lru if b not in hits):
+            return None
+        for block in hits:
+            self._hold(block)
+        table = hits + [self._take() for _ in range(fresh)]
+        for block in table[len(hits) :]:
+            self._refs[block] = 1
+        return Allocation(table, len(hits) * self.block_size)
+
+    def store(self, table: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """Register the full blocks of ``tokens`` (positions whose KV is computed, under
+        ``table``) by hash; returns the hashes newly stored. A block whose hash another block
+        already holds stays unregistered (it is freed plain)."""
+        stored = []
+        for block, h in zip(table, block_hashes(tokens, self.block_size, self.extra), strict=False):
+            if h in self._by_hash or block in self._hash_of:
+                continue
+            self._by_hash[h], self._hash_of[block] = block, h
+            stored.append(h)
+        return stored
+
+    def release(self, table: Sequence[int]) -> None:
+        """A sequence lets go of its blocks; cached ones join the LRU (the last block freed is
+        the newest, so a prefix's later blocks go before its first)."""
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            del self._refs[block]
+            if block in self._hash_of:
+                self._lru[block] = None
+            else:
+                self._plain.append(block)
+
+    def _hold(self, block: int) -> None:
+        self._lru.pop(block, None)
+        self._refs[block] = self._refs.get(block, 0) + 1
+
+    def _take(self) -> int:
+        if self._plain:
+            return self._plain.pop()
+        block, _ = self._lru.popitem(last=False)
+        h = self._hash_of.pop(block)
+        del self._by_hash[h]
+        self.evicted.append(h)
+        return block
+
+
+def reuses_prefix(seq: SequenceState) -> bool:
+    """Whether a sequence may take cached blocks: not a decode task, whose KV comes whole from
+    its prefill worker and is written over its blocks."""
+    return seq.task.phase != "decode"

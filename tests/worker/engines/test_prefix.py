@@ -1,0 +1,60 @@
+"""The block pool: prefix reuse, reference counts, LRU eviction only when room is needed."""
+
+from __future__ import annotations
+
+from splitbus.worker.engines.prefix import BlockPool
+
+PROMPT = list(range(40))  # two full blocks of 16 and 8 tokens
+
+
+def _finish(pool: BlockPool, tokens: list[int]) -> list[int]:
+    got = pool.allocate(-(-len(tokens) // 16), tokens)
+    assert got is not None
+    pool.store(got.table, tokens)
+    pool.release(got.table)
+    return got.table
+
+
+def test_a_second_prompt_takes_the_cached_full_blocks() -> None:
+    pool = BlockPool(range(1, 11), 16)
+    first = _finish(pool, PROMPT)
+    got = pool.allocate(3, PROMPT + [99])
+    assert got is not None and got.cached_tokens == 32
+    assert got.table[:2] == first[:2] and got.table[2] not in first[:2]
+
+
+def test_the_last_token_is_always_computed() -> None:
+    pool = BlockPool(range(1, 11), 16)
+    _finish(pool, PROMPT[:32])
+    got = pool.allocate(2, PROMPT[:32])
+    assert got is not None and got.cached_tokens == 16
+
+
+def test_shared_blocks_are_counted_and_stay_held() -> None:
+    pool = BlockPool(range(1, 5), 16)
+    _finish(pool, PROMPT)
+    a, b = pool.allocate(3, PROMPT), pool.allocate(1, PROMPT)
+    assert a is not None and b is not None and b.table == a.table[:1]
+    pool.release(b.table)
+    assert pool.allocate(2) is None  # a still holds its 3 blocks: one is free
+    pool.release(a.table)
+    assert pool.free == 4
+
+
+def test_cached_blocks_are_evicted_only_when_needed_and_oldest_first() -> None:
+    pool = BlockPool(range(1, 5), 16)
+    _finish(pool, PROMPT[:32])  # caches 2 blocks
+    got = pool.allocate(2)
+    assert got is not None and pool.cached_blocks == 2  # the plain free blocks went first
+    pool.release(got.table)
+    got = pool.allocate(3)
+    assert got is not None and pool.cached_blocks == 1 and len(pool.evicted) == 1
+    # the prefix's later block went first: its first block still matches
+    assert len(pool.match(PROMPT)) == 1
+
+
+def test_a_failed_allocation_takes_nothing() -> None:
+    pool = BlockPool(range(1, 4), 16)
+    _finish(pool, PROMPT)
+    assert pool.allocate(5, PROMPT) is None
+    assert pool.free == 3 and pool.cached_blocks == 2
