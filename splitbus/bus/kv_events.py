@@ -43,7 +43,7 @@ a replica that falls further behind resyncs from the snapshot."""
 SNAPSHOT_EVERY_S = 30.0
 """A publisher writes its snapshot at least this often (also when asked)."""
 REQUEST_POLL_S = 0.5
-"""How often a publisher looks for a scheduler's request for a snapshot (one ``HEXISTS``)."""
+"""How often a publisher looks for a scheduler's request for a snapshot (one ``HGET``)."""
 KEYS_TTL_S = 3600
 """Both keys expire this long after the publisher's last refresh: a dead worker's go."""
 REQUESTED = b"requested"
@@ -166,7 +166,7 @@ class KvEventPublisher:
         due = now - self._snapshot_at >= self._every_s
         if not due and now - self._polled_at >= REQUEST_POLL_S:
             self._polled_at = now
-            due = bool(await self._redis.hexists(self.snapshot_key, REQUESTED.decode()))
+            due = await self._redis.hget(self.snapshot_key, REQUESTED.decode()) is not None
         if due:
             await self.write_snapshot()
         return due
