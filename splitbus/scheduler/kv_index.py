@@ -151,10 +151,11 @@ class KvIndex:
         return found
 
     def decided(self, worker: str, block_hashes: Sequence[str]) -> int:
-        """A policy routed a request to ``worker``: its overlap, counted in the overlap histogram,
-        and the time noted for the silent-worker alarm."""
+        """A policy routed a request to ``worker``: its overlap, counted in the scheduler's overlap
+        metrics (blocks, decisions by bucket), and the time noted for the silent-worker alarm."""
         n = self.overlap(worker, block_hashes)
-        metrics.KV_OVERLAP_BLOCKS.observe(n)
+        metrics.KV_OVERLAP_BLOCKS.inc(n)
+        metrics.KV_DECISIONS.labels(metrics.overlap_bucket(n)).inc()
         self._state(worker).routed_at = self._clock()
         return n
 

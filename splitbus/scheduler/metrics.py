@@ -20,11 +20,24 @@ KV_EVENTS = Counter(
     "missed: resync), resync (a snapshot loaded), stale (already applied, or awaiting a snapshot).",
     ["status"],
 )
-KV_OVERLAP_BLOCKS = Histogram(
+KV_OVERLAP_BLOCKS = Counter(
     "splitbus_scheduler_kv_overlap_blocks",
-    "Leading blocks of a request's chain the chosen worker holds, per routing decision.",
-    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+    "Leading blocks of the request's chain the chosen worker holds, summed over routing decisions.",
 )
+KV_DECISIONS = Counter(
+    "splitbus_scheduler_kv_decisions",
+    "Routing decisions by the chosen worker's overlap with the request's chain, in blocks (0, 1-7, 8-63, 64+): "
+    "a histogram in blocks, as counters (histograms here measure seconds).",
+    ["overlap"],
+)
+OVERLAP_BUCKETS = ((64, "64+"), (8, "8-63"), (1, "1-7"), (0, "0"))
+
+
+def overlap_bucket(blocks: int) -> str:
+    """The ``overlap`` label of a decision with ``blocks`` blocks of overlap."""
+    return next(label for floor, label in OVERLAP_BUCKETS if blocks >= floor)
+
+
 KV_SILENT_WORKERS = Gauge(
     "splitbus_scheduler_kv_silent_workers",
     "Workers routed to that sent no KV events since, for 10 s or more (events not published: the index is blind).",
