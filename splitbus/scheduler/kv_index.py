@@ -23,6 +23,7 @@ Status = Literal["applied", "gap", "resync", "stale"]
 """What became of a batch or snapshot: ``applied``; ``gap`` (an id was missed: the worker is
 resynced); ``resync`` (a snapshot replaced the worker's blocks); ``stale`` (already applied, or
 read while the worker waits for a snapshot that will cover it)."""
+_NOBODY: frozenset[str] = frozenset()
 SILENT_AFTER_S = 10.0
 """A worker routed to that sent no batch for this long (since it was routed to) is silent."""
 
@@ -140,14 +141,16 @@ class KvIndex:
         """Every worker holding the chain's first block -> its overlap, in one walk of the chain."""
         found: dict[str, int] = {}
         holding = set(self._holders.get(block_hashes[0], ())) if block_hashes else set()
-        for depth, block in enumerate(block_hashes):
-            holders = self._holders.get(block, set())
-            for worker in holding - holders:
-                found[worker] = depth
-            holding &= holders
-            if not holding:
-                break
-        found.update(dict.fromkeys(holding, len(block_hashes)))
+        depth = 0
+        for block in block_hashes:
+            holders = self._holders.get(block, _NOBODY)
+            if not holding <= holders:  # someone's chain ends here (the usual case skips two set builds)
+                found.update(dict.fromkeys(holding - holders, depth))
+                holding &= holders
+                if not holding:
+                    return found
+            depth += 1
+        found.update(dict.fromkeys(holding, depth))
         return found
 
     def decided(self, worker: str, block_hashes: Sequence[str]) -> int:
