@@ -26,7 +26,7 @@ SCHEDULER_GROUP = "schedulers"
 WORKER_GROUP = "workers"
 """Consumer group on each worker's task stream."""
 
-STREAM_KINDS = ("requests", "tasks", "out", "ctrl", "reply", "cancel", "dead", "wake", "dp")
+STREAM_KINDS = ("requests", "tasks", "out", "ctrl", "reply", "cancel", "dead", "wake", "dp", "kv-events")
 """Bounded label values for metrics: a key's kind, never its full name."""
 
 
@@ -127,6 +127,17 @@ class Keys:
     def moved(self, request: str) -> str:
         """Counter with a TTL: how often the reaper moved the request off a dead worker."""
         return self._control("moved", request)
+
+    def kv_events(self, worker: str) -> str:
+        """Stream of one worker's KV cache events, one batch per engine step (``MAXLEN ~``);
+        every scheduler replica reads it without a group. Under the cell's tag, so that one
+        ``XREAD`` follows every worker's stream (docs/routing.md, "KV events")."""
+        return self._control("kv-events", worker)
+
+    def kv_snapshot(self, worker: str) -> str:
+        """Hash: one worker's whole set of cached blocks after a given event id (a codec entry's
+        ``type``, ``data``, ``ts``), and ``requested`` while a scheduler asks for a fresh one."""
+        return self._control("kv-snapshot", worker)
 
     def reaping(self, worker: str) -> str:
         """String with a TTL: the scheduler replica that is taking over a dead worker's tasks."""

@@ -1,0 +1,249 @@
+"""Which workers hold which KV blocks: a scheduler replica's index, fed by the workers' events.
+
+:class:`KvIndex` is a pure data structure (no Redis): block hash -> the workers that hold it, and
+per worker the last event id applied and its stream cursor. Blocks are named by a chained hash
+(a block's hash covers every token before it), so a flat map answers prefix questions: a request's
+chain of hashes is held by a worker as far as its leading hashes are. :class:`KvIndexFeeder` moves
+the bus's batches and snapshots (``splitbus.bus.kv_events``) into it. See docs/routing.md,
+"The index".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from splitbus.bus.kv_events import KvEventReader, ReadBatch
+from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
+from splitbus.scheduler import metrics
+
+Status = Literal["applied", "gap", "resync", "stale"]
+"""What became of a batch or snapshot: ``applied``; ``gap`` (an id was missed: the worker is
+resynced); ``resync`` (a snapshot replaced the worker's blocks); ``stale`` (already applied, or
+read while the worker waits for a snapshot that will cover it)."""
+_NOBODY: frozenset[str] = frozenset()
+SILENT_AFTER_S = 10.0
+"""A worker routed to that sent no batch for this long (since it was routed to) is silent."""
+
+
+@dataclass
+class _Worker:
+    """What the index knows of one worker's stream."""
+
+    instance: str = ""
+    """The publisher lifetime applied ("": none yet)."""
+    event_id: int = 0
+    cursor: str = "0"
+    """The stream id of the last entry read: the next read starts after it."""
+    resync: bool = True
+    """Waiting for a snapshot (a gap, or nothing known yet): batches are not applied."""
+    loaded: tuple[str, int] | None = None
+    """The snapshot just loaded, until a batch follows it cleanly."""
+    bad: tuple[str, int] | None = None
+    """A snapshot that was followed by a gap (its stream was trimmed past it): not loaded again."""
+    blocks: set[str] = field(default_factory=set)
+    dp_rank: int = -1
+    heard_at: float = -float("inf")
+    routed_at: float = -float("inf")
+
+
+class KvIndex:
+    """Block hash -> workers, per worker its event id; pure and single-threaded (asyncio)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._holders: dict[str, set[str]] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._clock = clock
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def cursor(self, worker: str) -> str:
+        return self._state(worker).cursor
+
+    def needs_resync(self, worker: str) -> bool:
+        return self._state(worker).resync
+
+    def usable(self, worker: str, snapshot: KvSnapshot) -> bool:
+        """Whether loading ``snapshot`` can end the worker's resync: not the one that was
+        followed by a gap (a fresh one must be asked for)."""
+        return (snapshot.instance, snapshot.event_id) != self._state(worker).bad
+
+    def blocks(self, worker: str) -> int:
+        w = self._workers.get(worker)
+        return len(w.blocks) if w else 0
+
+    def dp_rank(self, worker: str) -> int:
+        w = self._workers.get(worker)
+        return w.dp_rank if w else -1
+
+    def apply(self, worker: str, entry_id: str, batch: KvEventBatch) -> Status:
+        """One batch read from ``worker``'s stream at ``entry_id``."""
+        w = self._state(worker)
+        w.cursor, w.heard_at, w.dp_rank = entry_id, self._clock(), batch.dp_rank
+        if batch.event_id == 1 and batch.instance != w.instance:
+            self._replace(worker, w, batch.instance, 0, ())  # a new publisher: its whole history follows
+        elif w.resync or (batch.instance == w.instance and batch.event_id <= w.event_id):
+            return "stale"
+        elif batch.instance != w.instance or batch.event_id != w.event_id + 1:
+            return self.lost(worker)
+        w.event_id, w.loaded = batch.event_id, None
+        self._fold(worker, w, batch.events)
+        return "applied"
+
+    def lost(self, worker: str) -> Status:
+        """Events of ``worker`` were lost (an id jumped, an entry was unreadable): resync it. Its
+        blocks stay until the snapshot replaces them (approximate beats blind meanwhile)."""
+        w = self._state(worker)
+        w.resync, w.bad = True, w.loaded or w.bad
+        return "gap"
+
+    def load(self, worker: str, snapshot: KvSnapshot) -> Status:
+        """Replace ``worker``'s blocks by its snapshot; reading resumes after the snapshot's entry."""
+        w = self._state(worker)
+        self._replace(worker, w, snapshot.instance, snapshot.event_id, snapshot.block_hashes)
+        w.cursor, w.loaded, w.dp_rank, w.heard_at = (
+            snapshot.stream_id,
+            (snapshot.instance, snapshot.event_id),
+            snapshot.dp_rank,
+            self._clock(),
+        )
+        return "resync"
+
+    def drop(self, worker: str) -> None:
+        """Forget ``worker`` and every block it held (its lease is gone)."""
+        w = self._workers.pop(worker, None)
+        for block in w.blocks if w else ():
+            self._unhold(block, worker)
+
+    def retain(self, alive: Collection[str]) -> list[str]:
+        """Drop every worker not in ``alive``; returns the dropped."""
+        gone = [worker for worker in self._workers if worker not in alive]
+        for worker in gone:
+            self.drop(worker)
+        return gone
+
+    def overlap(self, worker: str, block_hashes: Sequence[str]) -> int:
+        """How many leading blocks of a request's chain ``worker`` holds."""
+        w = self._workers.get(worker)
+        if w is None:
+            return 0
+        n = 0
+        for block in block_hashes:
+            if block not in w.blocks:
+                break
+            n += 1
+        return n
+
+    def overlaps(self, block_hashes: Sequence[str]) -> dict[str, int]:
+        """Every worker holding the chain's first block -> its overlap, in one walk of the chain."""
+        found: dict[str, int] = {}
+        holding = set(self._holders.get(block_hashes[0], ())) if block_hashes else set()
+        depth = 0
+        for block in block_hashes:
+            holders = self._holders.get(block, _NOBODY)
+            if not holding <= holders:  # someone's chain ends here (the usual case skips two set builds)
+                found.update(dict.fromkeys(holding - holders, depth))
+                holding &= holders
+                if not holding:
+                    return found
+            depth += 1
+        found.update(dict.fromkeys(holding, depth))
+        return found
+
+    def decided(self, worker: str, block_hashes: Sequence[str]) -> int:
+        """A policy routed a request to ``worker``: its overlap, counted in the scheduler's overlap
+        metrics (blocks, decisions by bucket), and the time noted for the silent-worker alarm."""
+        n = self.overlap(worker, block_hashes)
+        metrics.KV_OVERLAP_BLOCKS.inc(n)
+        metrics.KV_DECISIONS.labels(metrics.overlap_bucket(n)).inc()
+        self._state(worker).routed_at = self._clock()
+        return n
+
+    def silent(self, after_s: float = SILENT_AFTER_S) -> list[str]:
+        """Workers routed to that sent no batch since, for ``after_s`` or longer."""
+        now = self._clock()
+        return [
+            worker for worker, w in self._workers.items() if w.routed_at > w.heard_at and now - w.routed_at >= after_s
+        ]
+
+    def _state(self, worker: str) -> _Worker:
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _Worker()
+        return w
+
+    def _replace(self, worker: str, w: _Worker, instance: str, event_id: int, blocks: Sequence[str]) -> None:
+        for block in w.blocks - set(blocks):
+            self._unhold(block, worker)
+        for block in set(blocks) - w.blocks:
+            self._holders.setdefault(block, set()).add(worker)
+        w.blocks = set(blocks)
+        w.instance, w.event_id, w.resync, w.bad = instance, event_id, False, None
+
+    def _fold(self, worker: str, w: _Worker, events: Sequence[KvEvent]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                for block in event.block_hashes:
+                    w.blocks.add(block)
+                    self._holders.setdefault(block, set()).add(worker)
+            elif isinstance(event, BlockRemoved):
+                for block in event.block_hashes:
+                    w.blocks.discard(block)
+                    self._unhold(block, worker)
+            else:
+                self._replace(worker, w, w.instance, w.event_id, ())
+
+    def _unhold(self, block: str, worker: str) -> None:
+        holders = self._holders.get(block)
+        if holders is not None:
+            holders.discard(worker)
+            if not holders:
+                del self._holders[block]
+
+
+REQUEST_EVERY_S = 2.0
+"""A feeder asks a worker for a fresh snapshot at most this often while it waits for one."""
+
+
+class KvIndexFeeder:
+    """Keeps a :class:`KvIndex` up to date with the bus: call :meth:`poll` in a loop with the
+    workers the registry says are alive (``WorkerInfo.alive``)."""
+
+    def __init__(self, index: KvIndex, reader: KvEventReader, clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = index
+        self._reader = reader
+        self._clock = clock
+        self._asked: dict[str, float] = {}
+
+    async def poll(self, alive: Collection[str], count: int = 1000, block_ms: int | None = None) -> int:
+        """Drop dead workers, resync those that need it, read and apply every worker's new
+        batches (one ``XREAD``); returns how many entries were read."""
+        self.index.retain(alive)
+        for worker in list(self._asked):
+            if worker not in alive:
+                del self._asked[worker]
+        await self._resync([w for w in alive if self.index.needs_resync(w)])
+        read = await self._reader.read({w: self.index.cursor(w) for w in alive}, count, block_ms)
+        for entry in read:
+            metrics.KV_EVENTS.labels(self._apply(entry)).inc()
+        metrics.KV_SILENT_WORKERS.set(len(self.index.silent()))
+        return len(read)
+
+    def _apply(self, entry: ReadBatch) -> Status:
+        if entry.batch is None:
+            return self.index.lost(entry.worker)
+        return self.index.apply(entry.worker, entry.entry_id, entry.batch)
+
+    async def _resync(self, workers: list[str]) -> None:
+        if not workers:
+            return
+        for worker, snapshot in (await self._reader.snapshots(workers)).items():
+            if snapshot is not None and self.index.usable(worker, snapshot):
+                metrics.KV_EVENTS.labels(self.index.load(worker, snapshot)).inc()
+                self._asked.pop(worker, None)
+            elif self._clock() - self._asked.get(worker, -float("inf")) >= REQUEST_EVERY_S:
+                self._asked[worker] = self._clock()
+                await self._reader.request_snapshot(worker)

@@ -1,0 +1,125 @@
+"""KV event messages (validation, bounds) and the publisher/reader round trip on a real Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from splitbus.bus import codec
+from splitbus.bus.config import BusConfig
+from splitbus.bus.errors import DecodeError
+from splitbus.bus.kv_events import KvEventPublisher, KvEventReader, split_batches
+from splitbus.bus.messages.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    KvSnapshot,
+    block_hash,
+)
+from splitbus.bus.replies import for_xadd
+
+
+def _batch(**data: Any) -> dict[bytes, bytes]:
+    import orjson
+
+    base: dict[str, Any] = {"worker": "w0", "instance": "i1", "event_id": 1, "events": []}
+    return {b"type": b"kv_events", b"data": orjson.dumps(base | data)}
+
+
+def test_a_batch_round_trips_through_the_codec() -> None:
+    batch = KvEventBatch("w0", "i1", 3, [BlockStored(["a1", "b2"], "ff", 16), BlockRemoved(["c3"]), AllBlocksCleared()])
+    assert codec.decode(codec.encode(batch)) == batch
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"event_id": 0},
+        {"event_id": True},
+        {"event_id": 2**60},
+        {"worker": ""},
+        {"dp_rank": -2},
+        {"events": "stored"},
+        {"events": [{"kind": "moved", "block_hashes": []}]},
+        {"events": [{"kind": "stored", "block_hashes": ["XYZ"]}]},
+        {"events": [{"kind": "stored", "block_hashes": ["a" * 65]}]},
+        {"events": [{"kind": "stored", "block_hashes": [12]}]},
+        {"events": [{"kind": "stored", "block_hashes": ["ab"], "block_size": 0}]},
+        {"events": [{"kind": "stored", "block_hashes": ["ab"], "parent_block_hash": "g"}]},
+        {"events": [{"kind": "removed"}]},
+        {"events": [{"kind": "cleared"}] * 4097},
+        {"events": [{"kind": "removed", "block_hashes": ["ab"] * 2**16}] * 3},
+    ],
+)
+def test_a_bad_batch_is_refused(data: dict[str, Any]) -> None:
+    with pytest.raises(DecodeError):
+        codec.decode(_batch(**data))
+
+
+def test_a_snapshot_is_validated() -> None:
+    assert KvSnapshot("w0", "i1", 0, "0").block_hashes == []
+    for bad in ({"stream_id": "x"}, {"event_id": -1}, {"block_hashes": ["A"]}):
+        with pytest.raises(ValueError):
+            KvSnapshot(**({"worker": "w0", "instance": "i1", "event_id": 1, "stream_id": "1-0"} | bad))
+
+
+def test_block_hash_takes_ints_bytes_and_hex() -> None:
+    assert block_hash(255) == "ff"
+    assert block_hash(b"\x00\x01") == "0001"
+    assert block_hash("abc") == "abc"
+    for bad in (-1, 2**256, b"", b"x" * 33, "ABC", "", True):
+        with pytest.raises(ValueError):
+            block_hash(bad)  # type: ignore[arg-type]  # True: a bool is refused too
+
+
+def test_a_big_step_is_split_into_chained_batches() -> None:
+    hashes = [format(i, "x") for i in range(1, 11)]
+    batches = split_batches([BlockStored(hashes, "", 16), BlockRemoved(["aa"])], max_hashes=4)
+    assert [len(b) for b in batches] == [1, 1, 2]
+    pieces = [e for b in batches for e in b]
+    assert [e.parent_block_hash for e in pieces[:3] if isinstance(e, BlockStored)] == ["", "4", "8"]
+    assert split_batches([BlockStored(["a"]), BlockRemoved(["b"])]) == [[BlockStored(["a"]), BlockRemoved(["b"])]]
+    assert split_batches([]) == []
+
+
+async def test_published_steps_are_read_in_order_with_one_entry_per_step(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    publisher = KvEventPublisher(redis, bus_config, "w0", dp_rank=2)
+    await publisher.start()
+    await publisher.publish([BlockStored(["a1", "a2"], "", 16)])
+    await publisher.publish([])  # nothing changed: nothing sent
+    await publisher.publish([BlockRemoved(["a2"]), BlockStored(["b1"], "a1", 16)])
+    assert await redis.xlen(bus_config.keys.kv_events("w0")) == 3
+    await redis.xadd(bus_config.keys.kv_events("w1"), for_xadd(_batch(worker="w0")))  # names another worker
+    read = await KvEventReader(redis, bus_config).read({"w0": "0", "w1": "0"})
+    ours = [r.batch for r in read if r.worker == "w0"]
+    assert [b.event_id for b in ours if b] == [1, 2, 3]
+    assert all(b and b.dp_rank == 2 and b.instance == publisher.instance for b in ours)
+    assert [(r.worker, r.batch) for r in read if r.worker == "w1"] == [("w1", None)]
+    assert publisher.cached == {"a1", "b1"}
+
+
+async def test_the_snapshot_is_written_when_asked_and_names_its_entry(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    now = [0.0]
+    publisher = KvEventPublisher(redis, bus_config, "w0", snapshot_every_s=1000, clock=lambda: now[0])
+    reader = KvEventReader(redis, bus_config)
+    assert await reader.snapshots(["w0"]) == {"w0": None}
+    await publisher.start()
+    await publisher.publish([BlockStored(["a1"], "", 16)])
+    now[0] = 1.0
+    assert not await publisher.maybe_snapshot()  # not due, not asked
+    await reader.request_snapshot("w0")
+    now[0] = 2.0
+    assert await publisher.maybe_snapshot()
+    snapshot = (await reader.snapshots(["w0"]))["w0"]
+    assert snapshot is not None and snapshot.event_id == 2 and snapshot.block_hashes == ["a1"]
+    (last,) = await redis.xrevrange(bus_config.keys.kv_events("w0"), count=1)
+    assert snapshot.stream_id == last[0].decode()
+    assert await redis.hget(bus_config.keys.kv_snapshot("w0"), "requested") is None
+    assert 0 < await redis.ttl(bus_config.keys.kv_snapshot("w0")) <= 3600

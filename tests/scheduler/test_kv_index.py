@@ -1,0 +1,105 @@
+"""The scheduler's KV index: events applied in order, gap and trimmed stream -> resync from the
+snapshot, a dead worker's entries dropped, overlap counting, the silent-worker alarm."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.kv_events import KvEventPublisher, KvEventReader
+from splitbus.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
+from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
+
+
+def _stored(event_id: int, *hashes: str, instance: str = "i1") -> KvEventBatch:
+    return KvEventBatch("w0", instance, event_id, [BlockStored(list(hashes))])
+
+
+def test_batches_in_order_are_applied_and_overlap_counts_leading_blocks() -> None:
+    index = KvIndex()
+    assert index.apply("w0", "1-0", KvEventBatch("w0", "i1", 1, [AllBlocksCleared()])) == "applied"
+    assert index.apply("w0", "2-0", _stored(2, "a", "b", "c")) == "applied"
+    assert index.apply("w1", "1-0", KvEventBatch("w1", "j", 1, [BlockStored(["a"])])) == "applied"
+    assert index.overlap("w0", ["a", "b", "e", "c"]) == 2
+    assert index.overlap("w1", ["a", "b"]) == 1 and index.overlap("nobody", ["a"]) == 0
+    assert index.overlaps(["a", "b", "c"]) == {"w0": 3, "w1": 1}
+    assert index.overlaps(["9"]) == {} and index.overlaps([]) == {}
+    assert index.apply("w0", "2-0", _stored(2, "f")) == "stale"
+    assert index.apply("w0", "3-0", KvEventBatch("w0", "i1", 3, [BlockRemoved(["b"])])) == "applied"
+    assert index.overlaps(["a", "b", "c"]) == {"w0": 1, "w1": 1}
+    assert index.cursor("w0") == "3-0"
+
+
+def test_a_gap_waits_for_the_snapshot_which_replaces_the_blocks() -> None:
+    index = KvIndex()
+    index.apply("w0", "1-0", _stored(1, "a"))
+    assert index.apply("w0", "3-0", _stored(3, "c")) == "gap"
+    assert index.needs_resync("w0") and index.overlap("w0", ["a"]) == 1  # kept meanwhile
+    assert index.apply("w0", "4-0", _stored(4, "d")) == "stale"
+    assert index.load("w0", KvSnapshot("w0", "i1", 3, "3-0", ["a", "b", "c"])) == "resync"
+    assert index.cursor("w0") == "3-0" and not index.needs_resync("w0")
+    assert index.apply("w0", "4-0", _stored(4, "d")) == "applied"
+    assert index.overlap("w0", ["a", "b", "c", "d"]) == 4
+
+
+def test_a_stream_trimmed_past_the_snapshot_asks_for_a_fresh_one() -> None:
+    index = KvIndex()
+    old = KvSnapshot("w0", "i1", 2, "2-0", ["a"])
+    index.load("w0", old)
+    assert index.apply("w0", "9-0", _stored(9, "9")) == "gap"  # batches 3..8 were trimmed
+    assert not index.usable("w0", old)
+    assert index.usable("w0", KvSnapshot("w0", "i1", 9, "9-0", ["a", "9"]))
+
+
+def test_a_restarted_worker_starts_over_and_a_dead_one_goes() -> None:
+    index = KvIndex()
+    index.apply("w0", "1-0", _stored(1, "a", "b"))
+    assert index.apply("w0", "5-0", KvEventBatch("w0", "i2", 1, [AllBlocksCleared()])) == "applied"
+    assert index.overlap("w0", ["a"]) == 0
+    index.apply("w0", "6-0", _stored(2, "c", instance="i2"))
+    index.apply("w1", "1-0", KvEventBatch("w1", "j", 1, [BlockStored(["c"])]))
+    assert index.retain({"w1"}) == ["w0"]
+    assert index.overlaps(["c"]) == {"w1": 1} and index.workers() == ["w1"]
+
+
+def test_a_worker_routed_to_without_events_is_silent() -> None:
+    now = [0.0]
+    index = KvIndex(clock=lambda: now[0])
+    index.apply("w0", "1-0", _stored(1, "a"))
+    now[0] = 1.0
+    assert index.decided("w0", ["a", "b"]) == 1
+    now[0] = 5.0
+    assert index.silent(after_s=10) == []
+    now[0] = 12.0
+    assert index.silent(after_s=10) == ["w0"]
+    index.apply("w0", "2-0", _stored(2, "b"))
+    assert index.silent(after_s=10) == []
+
+
+async def test_the_feeder_follows_the_bus_and_resyncs_after_a_trim(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    publisher = KvEventPublisher(redis, bus_config, "w0", maxlen=1)
+    await publisher.start()
+    for i in range(1, 40):
+        await publisher.publish([BlockStored([format(i, "x")], format(i - 1, "x") if i > 1 else "")])
+    index = KvIndex()
+    feeder = KvIndexFeeder(index, KvEventReader(redis, bus_config))
+    await feeder.poll(["w0"])  # its snapshot is of event 1: the batches after it were trimmed
+    assert index.needs_resync("w0")
+    await feeder.poll(["w0"])  # asked for a fresh one
+    assert await publisher.maybe_snapshot()
+    await feeder.poll(["w0"])
+    assert not index.needs_resync("w0")
+    assert index.overlap("w0", [format(i, "x") for i in range(1, 40)]) == 39
+    await publisher.publish([BlockRemoved(["1"])])
+    await feeder.poll(["w0"])
+    assert index.overlap("w0", ["1"]) == 0 and index.overlap("w0", ["2"]) == 1
+    await feeder.poll([])  # the lease went
+    assert index.workers() == [] and index.overlaps(["2"]) == {}
+
+
+def test_overlap_buckets_are_bounded() -> None:
+    from splitbus.scheduler.metrics import overlap_bucket
+
+    assert [overlap_bucket(n) for n in (0, 1, 7, 8, 63, 64, 10**6)] == ["0", "1-7", "1-7", "8-63", "8-63", "64+", "64+"]
