@@ -14,7 +14,7 @@ from splitbus.bus.connection import is_transient
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
-from splitbus.bus.streams import Delivery, GroupConsumer
+from splitbus.bus.streams import Delivery, GroupConsumer, entry_order
 from splitbus.bus.tasks import missing_entries, trim_tasks
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics
@@ -95,7 +95,7 @@ class TaskFeed:
         a read whose reply was lost (it timed out after a long stop, or its connection dropped).
         Nobody else would: a live worker's pending entries are not claimed."""
         if not self.tasks.rereading_backlog:  # else its next reads bring back all that is pending anyway
-            lost = sorted(await self.tasks.pending_ids(min_idle_ms) - self.known_entries(), key=_entry_order)
+            lost = sorted(await self.tasks.pending_ids(min_idle_ms) - self.known_entries(), key=entry_order)
             if lost:
                 log.warning(
                     "worker %s: %d task(s) delivered to a read whose reply was lost; taking them", self.id, len(lost)
@@ -319,11 +319,6 @@ class TaskFeed:
         """Delete this worker's task entries once acked (never an unacked one)."""
         await asyncio.sleep(TRIM_EVERY_S)
         await trim_tasks(self.redis, self.keys, self.id)
-
-
-def _entry_order(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _add(a: Reserved, b: Reserved) -> Reserved:
