@@ -84,6 +84,8 @@ async def ready(request: Request) -> Response:
         await state.redis.ping()
     except TRANSIENT_ERRORS as exc:
         raise ServiceUnavailable(f"Redis is unreachable: {exc}") from None
+    if not state.workers.redis_ok:  # admission's view: back only once its registry snapshot is too
+        raise ServiceUnavailable("Redis is reachable again; the registry view is not refreshed yet")
     live = state.workers.live_models()
     if not live:
         raise ServiceUnavailable("no live worker")

@@ -150,7 +150,9 @@ def test_redis_outage_is_503_and_the_api_recovers(tmp_path: Path, tiny_model: Pa
         assert "Redis" in error["message"]
         server.start()  # same port and data folder
         _until(lambda: httpx.get(api.url + "/ready").status_code == 200, timeout_s=20)
-        assert _post(api, "/completions", body).json()["choices"][0]["text"] == expected_text(4)[0]
+        last = _post(api, "/completions", body)
+        assert last.status_code == 200, last.text
+        assert last.json()["choices"][0]["text"] == expected_text(4)[0]
     finally:
         stop_api(api)
         responder.stop()
