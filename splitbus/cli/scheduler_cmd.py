@@ -63,13 +63,57 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         help="after a Redis restart or failover, seconds to dispatch nothing while workers re-assert what they hold"
         " (default %(default)s)",
     )
+    add_routing_arguments(p)
     add_metrics_arguments(p)
     p.set_defaults(run=run)
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    """The cache-aware cost and conditional disaggregation (docs/routing.md)."""
+    g = p.add_argument_group("routing by KV cache (docs/routing.md)")
+    g.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=1.0,
+        help="prompt tokens of credit per prompt token a worker holds cached; 0 places by load alone"
+        " (default %(default)s)",
+    )
+    g.add_argument(
+        "--overlap-load-cap",
+        type=int,
+        default=16384,
+        help="no credit for a worker whose queued prefill tokens exceed the least loaded one's by more than this"
+        " (default %(default)s)",
+    )
+    g.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="splitwise: prefill on the decode worker when it would compute at most this many prompt tokens"
+        " (default %(default)s: never for this reason)",
+    )
+    g.add_argument(
+        "--prefill-queue-bound",
+        type=int,
+        default=0,
+        help="splitwise: prefill on the decode worker when every prefill worker has more prompt tokens queued"
+        " (default %(default)s: never for this reason)",
+    )
+    g.add_argument(
+        "--local-prefill-min-free-kv",
+        type=float,
+        default=0.1,
+        help="splitwise: never prefill on a decode worker left with less than this share of its KV blocks free"
+        " (default %(default)s)",
+    )
+    g.add_argument("--no-kv-events", action="store_true", help="do not follow the workers' KV events (load only)")
 
 
 def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bus.config import BusConfig
     from splitbus.scheduler.config import SchedulerConfig
+    from splitbus.scheduler.disagg import Disaggregation
+    from splitbus.scheduler.placement import CacheCost
     from splitbus.scheduler.scheduler import Scheduler
 
     try:
@@ -85,6 +129,11 @@ def run(args: argparse.Namespace, env: Env) -> int:
             recovery_grace_s=args.recovery_grace,
             stagger=not args.no_stagger,
             stagger_max_wait_s=args.stagger_max_wait_ms / 1000,
+            cost=CacheCost(args.overlap_weight, args.overlap_load_cap),
+            disagg=Disaggregation(
+                args.local_prefill_max_tokens, args.prefill_queue_bound, args.local_prefill_min_free_kv
+            ),
+            kv_events=not args.no_kv_events,
             **({"name": args.name} if args.name else {}),
         )
     except ValueError as exc:

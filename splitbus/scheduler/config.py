@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from splitbus.bus.config import BusConfig
 from splitbus.scheduler import policies
+from splitbus.scheduler.disagg import Disaggregation
+from splitbus.scheduler.placement import DEFAULT_COST, CacheCost
 
 
 def default_name() -> str:
@@ -60,6 +62,22 @@ class SchedulerConfig:
     """dp and splitwise_dp modes: the longest an arrival is held (the window closes earlier under
     load)."""
 
+    cost: CacheCost = DEFAULT_COST
+    """How a worker's cached prompt tokens weigh against its load (``--overlap-weight``,
+    ``--overlap-load-cap``; docs/routing.md, "The cost")."""
+    disagg: Disaggregation = Disaggregation()
+    """splitwise: when a request prefills on its decode worker (``--local-prefill-max-tokens``,
+    ``--prefill-queue-bound``, ``--local-prefill-min-free-kv``; off by default)."""
+    kv_events: bool = True
+    """Follow the workers' KV events into this replica's index (``--no-kv-events``: place as if no
+    worker cached anything)."""
+
+    @property
+    def uses_kv_index(self) -> bool:
+        """Whether the index is fed: it is read only by a cost that credits cached tokens or by
+        conditional disaggregation."""
+        return self.kv_events and (self.cost.overlap_weight > 0 or self.disagg.enabled)
+
     @property
     def policy(self) -> str:
         """The name of the policy this replica places with: ``--mode dp`` staggers unless told not
@@ -68,7 +86,11 @@ class SchedulerConfig:
 
     def policy_options(self) -> policies.PolicyOptions:
         return policies.PolicyOptions(
-            replica=self.name, stagger_max_wait_s=self.stagger_max_wait_s, stagger=self.stagger
+            replica=self.name,
+            stagger_max_wait_s=self.stagger_max_wait_s,
+            stagger=self.stagger,
+            cost=self.cost,
+            disagg=self.disagg,
         )
 
     def duplicate_window_s(self) -> float:

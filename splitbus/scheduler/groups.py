@@ -23,18 +23,21 @@ prefill rank and a decode rank, each of its own group.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
 from splitbus.scheduler.placement import (
+    DEFAULT_COST,
+    CacheCost,
     Local,
     Placement,
     active_requests,
     blocks_needed,
     choose,
     complete_groups,
+    credit,
     decode_worker,
     eligible,
     free_blocks,
@@ -153,18 +156,23 @@ def prefill_unit(
 
 
 def fill_group(
-    requests: dict[str, GenerateRequest], ranks: Sequence[WorkerInfo], local: Local
+    requests: dict[str, GenerateRequest],
+    ranks: Sequence[WorkerInfo],
+    local: Local,
+    cached: Callable[[GenerateRequest], dict[str, int]] = lambda _: {},
+    cost: CacheCost = DEFAULT_COST,
 ) -> dict[str, WorkerInfo]:
-    """A prefill group's batch water-filled over its ranks on queued prefill tokens (``water_fill``):
-    request key -> rank. A prefill rank's KV room is not checked, as splitwise does not check a
-    prefill worker's: it queues what it cannot hold yet."""
+    """A prefill group's batch water-filled over its ranks on queued prefill tokens (``water_fill``),
+    each request's tokens cached on a rank (``cached``) credited by ``cost``: request key -> rank.
+    A prefill rank's KV room is not checked, as splitwise does not check a prefill worker's: it
+    queues what it cannot hold yet."""
     by_id = {r.record.worker_id: r for r in ranks}
     loads = [
         RankLoad(rid, queued_prefill(r, reserved(local, r)), free_blocks(r, reserved(local, r)))
         for rid, r in by_id.items()
     ]
-    jobs = [Job(key, len(request.prompt_token_ids), 0) for key, request in requests.items()]
-    return {key: by_id[rank_id] for key, rank_id in water_fill(jobs, loads).items()}
+    jobs = [Job(key, len(request.prompt_token_ids), 0, cached(request)) for key, request in requests.items()]
+    return {key: by_id[rank_id] for key, rank_id in water_fill(jobs, loads, credit(cost)).items()}
 
 
 def pd_placements(

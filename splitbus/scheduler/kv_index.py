@@ -44,13 +44,21 @@ class _Worker:
     bad: tuple[str, int] | None = None
     """A snapshot that was followed by a gap (its stream was trimmed past it): not loaded again."""
     blocks: set[str] = field(default_factory=set)
+    predicted: dict[str, float] = field(default_factory=dict)
+    """Blocks this replica routed a request's prompt to the worker for, not yet in its events:
+    block -> when the prediction lapses (``KvIndex.predict``)."""
     dp_rank: int = -1
     heard_at: float = -float("inf")
     routed_at: float = -float("inf")
 
 
 class KvIndex:
-    """Block hash -> workers, per worker its event id; pure and single-threaded (asyncio)."""
+    """Block hash -> workers, per worker its event id; pure and single-threaded (asyncio).
+
+    A worker holds a block when its events say so, or when this replica predicted it: a request
+    routed to the worker will store its prompt's blocks there, and its siblings (requests with
+    the same prefix that arrive before the worker's events do) should follow it. A prediction
+    lapses after its time unless an event confirmed the block first."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._holders: dict[str, set[str]] = {}
@@ -115,7 +123,7 @@ class KvIndex:
     def drop(self, worker: str) -> None:
         """Forget ``worker`` and every block it held (its lease is gone)."""
         w = self._workers.pop(worker, None)
-        for block in w.blocks if w else ():
+        for block in w.blocks | w.predicted.keys() if w else ():
             self._unhold(block, worker)
 
     def retain(self, alive: Collection[str]) -> list[str]:
@@ -132,7 +140,7 @@ class KvIndex:
             return 0
         n = 0
         for block in block_hashes:
-            if block not in w.blocks:
+            if block not in w.blocks and block not in w.predicted:
                 break
             n += 1
         return n
@@ -162,6 +170,28 @@ class KvIndex:
         self._state(worker).routed_at = self._clock()
         return n
 
+    def predict(self, worker: str, block_hashes: Sequence[str], for_s: float) -> None:
+        """A request with this chain was routed to ``worker``: count it as holding the blocks for
+        ``for_s`` (until its events confirm them, or the time runs out)."""
+        w = self._state(worker)
+        until = self._clock() + for_s
+        for block in block_hashes:
+            if block not in w.blocks:
+                w.predicted[block] = until
+                self._holders.setdefault(block, set()).add(worker)
+
+    def expire(self) -> int:
+        """Drop the predictions whose time ran out; returns how many."""
+        now, dropped = self._clock(), 0
+        for worker, w in self._workers.items():
+            lapsed = [block for block, until in w.predicted.items() if until <= now]
+            for block in lapsed:
+                del w.predicted[block]
+                if block not in w.blocks:
+                    self._unhold(block, worker)
+            dropped += len(lapsed)
+        return dropped
+
     def silent(self, after_s: float = SILENT_AFTER_S) -> list[str]:
         """Workers routed to that sent no batch since, for ``after_s`` or longer."""
         now = self._clock()
@@ -177,7 +207,8 @@ class KvIndex:
 
     def _replace(self, worker: str, w: _Worker, instance: str, event_id: int, blocks: Sequence[str]) -> None:
         for block in w.blocks - set(blocks):
-            self._unhold(block, worker)
+            if block not in w.predicted:
+                self._unhold(block, worker)
         for block in set(blocks) - w.blocks:
             self._holders.setdefault(block, set()).add(worker)
         w.blocks = set(blocks)
@@ -188,11 +219,13 @@ class KvIndex:
             if isinstance(event, BlockStored):
                 for block in event.block_hashes:
                     w.blocks.add(block)
+                    w.predicted.pop(block, None)  # confirmed
                     self._holders.setdefault(block, set()).add(worker)
             elif isinstance(event, BlockRemoved):
                 for block in event.block_hashes:
                     w.blocks.discard(block)
-                    self._unhold(block, worker)
+                    if block not in w.predicted:
+                        self._unhold(block, worker)
             else:
                 self._replace(worker, w, w.instance, w.event_id, ())
 
@@ -222,6 +255,7 @@ class KvIndexFeeder:
         """Drop dead workers, resync those that need it, read and apply every worker's new
         batches (one ``XREAD``); returns how many entries were read."""
         self.index.retain(alive)
+        self.index.expire()
         for worker in list(self._asked):
             if worker not in alive:
                 del self._asked[worker]

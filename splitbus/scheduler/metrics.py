@@ -42,3 +42,10 @@ KV_SILENT_WORKERS = Gauge(
     "splitbus_scheduler_kv_silent_workers",
     "Workers routed to that sent no KV events since, for 10 s or more (events not published: the index is blind).",
 )
+DISAGG_DECISIONS = Counter(
+    "splitbus_scheduler_disagg_decisions_total",
+    "splitwise decisions on where a request prefills: decision local (on its decode worker) or disaggregated "
+    "(on a prefill worker), by reason (short_prompt, prefill_busy, no_prefill_worker; off, decode_kv_full, "
+    "long_prompt).",
+    ["decision", "reason"],
+)

@@ -1,9 +1,10 @@
 """What every policy places with: pure functions over a registry snapshot, so they are tested on
 hand-made data.
 
-P is chosen by queued prefill tokens, D by free KV blocks then running requests. Among
-candidates within ``NEAR`` of the best, the choice is random, so scheduler replicas working
-from the same snapshot do not all pick the same worker.
+P is chosen by its prefill cost: queued prefill tokens plus the request's prompt tokens it does
+not hold cached (``prefill_cost``); D by free KV blocks then running requests; a mixed worker by
+both (``mixed_cost``). Among candidates within ``NEAR`` of the best, the choice is random, so
+scheduler replicas working from the same snapshot do not all pick the same worker.
 """
 
 from __future__ import annotations
@@ -17,12 +18,40 @@ from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
 from splitbus.bus.streams import Delivery
+from splitbus.scheduler.stagger import Credit
 
 NEAR = 0.1
 """Relative slack within which candidates count as equally loaded."""
 C = TypeVar("C")
 Local = dict[str, Reserved]
 """This replica's reservations since the registry snapshot, by worker id."""
+
+
+@dataclass(frozen=True)
+class CacheCost:
+    """How a policy weighs the prompt tokens a worker holds cached against its load
+    (docs/routing.md, "The cost")."""
+
+    overlap_weight: float = 1.0
+    """Tokens of credit per cached prompt token: 1 counts a cached token as one the worker need not
+    compute; 0 places by load alone."""
+    load_cap_tokens: int = 16384
+    """A worker whose queued prefill tokens exceed the least loaded candidate's by more than this
+    gets no credit: the owner of a hot prefix cannot pile up work while others idle (it spills to
+    them, and they cache the prefix too)."""
+
+    def __post_init__(self) -> None:
+        if self.overlap_weight < 0 or self.load_cap_tokens < 0:
+            raise ValueError("overlap_weight and load_cap_tokens must be >= 0")
+
+
+DEFAULT_COST = CacheCost()
+LOAD_ONLY = CacheCost(overlap_weight=0.0)
+
+
+def credit(cost: CacheCost) -> Credit:
+    """The cost's knobs as water-filling takes them."""
+    return Credit(cost.overlap_weight, cost.load_cap_tokens)
 
 
 @dataclass(frozen=True)
@@ -64,6 +93,38 @@ def active_requests(worker: WorkerInfo, local: Reserved) -> int:
     return load.running + load.waiting + worker.reserved.reserved_requests + local.reserved_requests
 
 
+def prefill_cost(
+    candidates: Sequence[WorkerInfo], request: GenerateRequest, cached: dict[str, int], local: Local, cost: CacheCost
+) -> Callable[[WorkerInfo], float]:
+    """A candidate's prefill cost for ``request``: its queued prefill tokens, plus the prompt's
+    tokens, less ``overlap_weight`` per prompt token it holds cached (``cached``, by worker id),
+    unless its queue is over the least loaded candidate's by more than ``load_cap_tokens``."""
+    queued = {id(w): queued_prefill(w, reserved(local, w)) for w in candidates}
+    floor = min(queued.values(), default=0)
+    prompt = len(request.prompt_token_ids)
+
+    def of(w: WorkerInfo) -> float:
+        mine = queued[id(w)] if id(w) in queued else queued_prefill(w, reserved(local, w))
+        credit = cached.get(w.record.worker_id, 0) if mine - floor <= cost.load_cap_tokens else 0
+        return mine + prompt - cost.overlap_weight * credit
+
+    return of
+
+
+def used_blocks(worker: WorkerInfo, local: Reserved) -> int:
+    """KV blocks held by requests, reserved ones included (cached free blocks count as free)."""
+    return worker.record.load.total_kv_blocks - free_blocks(worker, local)
+
+
+def mixed_cost(
+    candidates: Sequence[WorkerInfo], request: GenerateRequest, cached: dict[str, int], local: Local, cost: CacheCost
+) -> Callable[[WorkerInfo], float]:
+    """A worker that prefills and decodes: its prefill cost in blocks plus the KV blocks its
+    requests hold (the decode load), as Dynamo's KV router weighs them."""
+    prefill = prefill_cost(candidates, request, cached, local, cost)
+    return lambda w: prefill(w) / w.record.block_size + used_blocks(w, reserved(local, w))
+
+
 def choose(candidates: Sequence[C], cost: Callable[[C], float], rng: random.Random) -> C | None:
     """A random candidate among those within NEAR of the lowest cost."""
     if not candidates:
@@ -94,19 +155,24 @@ class Eligible:
         return self._eligible[key]
 
 
+def roomy(request: GenerateRequest, candidates: Sequence[WorkerInfo], local: Local) -> list[WorkerInfo]:
+    """The candidates with free KV blocks for the request's prompt and output."""
+    needs = {size: blocks_needed(request, size) for size in {w.record.block_size for w in candidates}}
+    return [w for w in candidates if free_blocks(w, reserved(local, w)) >= needs[w.record.block_size]]
+
+
 def decode_worker(
     request: GenerateRequest, candidates: list[WorkerInfo], local: Local, rng: random.Random
 ) -> WorkerInfo | None:
     """The worker to decode on: the most free KV blocks (within NEAR), then the fewest active
     requests; None when none has blocks for the request."""
-    free = {id(w): free_blocks(w, reserved(local, w)) for w in candidates}
-    needs = {size: blocks_needed(request, size) for size in {w.record.block_size for w in candidates}}
-    roomy = [w for w in candidates if free[id(w)] >= needs[w.record.block_size]]
-    most_free = choose(roomy, lambda w: -free[id(w)], rng)
+    room = roomy(request, candidates, local)
+    free = {id(w): free_blocks(w, reserved(local, w)) for w in room}
+    most_free = choose(room, lambda w: -free[id(w)], rng)
     if most_free is None:
         return None
     floor = free[id(most_free)]
-    tied = [w for w in roomy if free[id(w)] >= floor - abs(floor) * NEAR]
+    tied = [w for w in room if free[id(w)] >= floor - abs(floor) * NEAR]
     return choose(tied, lambda w: active_requests(w, reserved(local, w)), rng)
 
 

@@ -26,6 +26,7 @@ from typing import TypeVar
 from splitbus.bus.codec import NamedRequest
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect, is_transient, transient_suppressed, until_done
+from splitbus.bus.kv_events import KvEventReader
 from splitbus.bus.loops import EXIT_FATAL, Loops
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, Reserved, SchedulerLease
@@ -35,14 +36,18 @@ from splitbus.bus.streams import Delivery, entry_order
 from splitbus.scheduler import metrics, policies
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, FAIL_IT, NOT_OURS, RECOVERING, Dispatcher
+from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
 from splitbus.scheduler.placement import Local, Placement, Waiting
 from splitbus.scheduler.policies import Placed, PlacingContext
+from splitbus.scheduler.prefixes import NO_PREFIXES, IndexPrefixes
 from splitbus.scheduler.reaper import Reaper
 from splitbus.scheduler.recovery import Recovery
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRIM_EVERY_S = 5.0
+KV_EVENTS_BLOCK_MS = 100
+"""How long one read of the workers' KV event streams waits for a new batch."""
 
 __all__ = ["EXIT_FATAL", "Scheduler", "Verdict", "Waiting"]
 
@@ -66,7 +71,11 @@ class Scheduler:
         self.lease = SchedulerLease(self.redis, bus, config.name, config.lease_ms)
         self._leased = False
         self.view = RegistryView(self.registry, config.refresh_s)
-        self.policy = policies.create(config.policy, config.policy_options())
+        self.kv_index = KvIndex()
+        """Which worker holds which prefix blocks, from their KV events (docs/routing.md)."""
+        self.kv_feeder = KvIndexFeeder(self.kv_index, KvEventReader(self.redis, bus))
+        self.prefixes = IndexPrefixes(self.kv_index) if config.uses_kv_index else NO_PREFIXES
+        self.policy = policies.create(config.policy, config.policy_options(), self.prefixes)
         self.dispatcher = Dispatcher(self.redis, bus, config.dispatched_ttl_s)
         self.writer = ResultWriter(self.redis, bus)
         self.dead_letters: list[tuple[NamedRequest, str]] = []
@@ -120,6 +129,8 @@ class Scheduler:
         self.loops.start(self.reap_dead, every_s=config.reap_every_s)
         self.loops.start(self.recover, every_s=config.heartbeat_s)
         self.loops.start(self.trim_requests, every_s=TRIM_EVERY_S)
+        if config.uses_kv_index:
+            self.loops.start(self.follow_kv_events, name="KV events")
         log.info("scheduler %s (%s) started", config.name, config.mode)
 
     async def close(self) -> None:
@@ -195,6 +206,8 @@ class Scheduler:
         for waiting, placement in placed:
             self._reserve_locally(placement)
             tasks.setdefault(id(waiting), (waiting, []))[1].append(placement)
+            if isinstance(request := waiting.delivery.message, GenerateRequest):
+                self.routed(request, [placement])
         batch = list(tasks.values())
         outcomes = await asyncio.gather(
             *(self.contained(w, self.dispatch(w, w.delivery.message, ps)) for w, ps in batch)
@@ -252,6 +265,7 @@ class Scheduler:
         if isinstance(decision, Placed):
             for p in decision.placements:  # the next decisions must see this load before it is written
                 self._reserve_locally(p)
+            self.routed(request, decision.placements)
             return decision
         if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
             await self.fail(waiting, "no_worker", decision.reason, 503)
@@ -307,6 +321,20 @@ class Scheduler:
         await self.requests.ack(waiting.delivery.entry_id)
         metrics.DISPATCHES.labels(code).inc()
         return True
+
+    async def follow_kv_events(self) -> None:
+        """Apply the live workers' new KV events to the index (a blocking read of all their
+        streams at once; a worker whose lease is gone is dropped from the index)."""
+        alive = [w.record.worker_id for w in self.view.workers if w.alive]
+        if not alive:
+            await asyncio.sleep(KV_EVENTS_BLOCK_MS / 1000)
+        await self.kv_feeder.poll(alive, block_ms=KV_EVENTS_BLOCK_MS)
+
+    def routed(self, request: GenerateRequest, placements: Sequence[Placement]) -> None:
+        """Tell the prefix view where a decision sends the request's prefill: its siblings follow."""
+        for p in placements:
+            if p.phase != "decode":
+                self.prefixes.routed(request, p.worker)
 
     async def trim_requests(self) -> None:
         """Delete request entries every replica has acked: the stream stays as long as its backlog."""

@@ -19,7 +19,7 @@ some missed the next step: see ``splitbus bench stagger`` in docs/benchmarks.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -45,14 +45,29 @@ class Job:
     key: str
     tokens: int
     blocks: int
+    cached: Mapping[str, int] = field(default_factory=dict)
+    """Its prompt tokens each rank holds cached, by rank id: computed nowhere else."""
 
 
-def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad]) -> dict[str, str]:
+@dataclass(frozen=True)
+class Credit:
+    """How water-filling credits a rank's cached tokens (``placement.CacheCost``'s two knobs)."""
+
+    overlap_weight: float = 1.0
+    load_cap_tokens: int = 16384
+
+
+NO_CREDIT = Credit(overlap_weight=0.0)
+
+
+def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad], credit: Credit = NO_CREDIT) -> dict[str, str]:
     """Assign jobs to ranks, largest first, each to the rank with the lowest level of queued
-    prefill tokens that has KV blocks for it. Ties go to the rank with the most free blocks:
-    the one decoding least, which would otherwise be the next to run idle forwards (a batch
-    smaller than the group would else always land on the first ranks). Returns job key ->
-    rank id; jobs that fit nowhere are left out."""
+    prefill tokens once it took the job (less ``overlap_weight`` per token of the job it holds
+    cached, unless its level is over the lowest by more than ``load_cap_tokens``) that has KV
+    blocks for it; the rank's level grows by what it computes, the job's uncached tokens. Ties
+    go to the rank with the most free blocks: the one decoding least, which would otherwise be
+    the next to run idle forwards (a batch smaller than the group would else always land on the
+    first ranks). Returns job key -> rank id; jobs that fit nowhere are left out."""
     levels = {r.rank_id: RankLoad(r.rank_id, r.queued_tokens, r.free_blocks) for r in ranks}
     order = {r.rank_id: i for i, r in enumerate(ranks)}
     placed: dict[str, str] = {}
@@ -60,8 +75,14 @@ def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad]) -> dict[str, str]
         fits = [r for r in levels.values() if r.free_blocks >= job.blocks]
         if not fits:
             continue
-        target = min(fits, key=lambda r: (r.queued_tokens, -r.free_blocks, order[r.rank_id]))
-        target.queued_tokens += job.tokens
+        floor = min(r.queued_tokens for r in fits)
+
+        def cost(r: RankLoad, job: Job = job, floor: int = floor) -> tuple[float, int, int]:
+            held = job.cached.get(r.rank_id, 0) if r.queued_tokens - floor <= credit.load_cap_tokens else 0
+            return (r.queued_tokens - credit.overlap_weight * held, -r.free_blocks, order[r.rank_id])
+
+        target = min(fits, key=cost)
+        target.queued_tokens += job.tokens - job.cached.get(target.rank_id, 0)
         target.free_blocks -= job.blocks
         placed[job.key] = target.rank_id
     return placed

@@ -103,3 +103,21 @@ def test_overlap_buckets_are_bounded() -> None:
     from splitbus.scheduler.metrics import overlap_bucket
 
     assert [overlap_bucket(n) for n in (0, 1, 7, 8, 63, 64, 10**6)] == ["0", "1-7", "1-7", "8-63", "8-63", "64+", "64+"]
+
+
+def test_a_prediction_counts_until_events_confirm_it_or_it_lapses() -> None:
+    now = [0.0]
+    index = KvIndex(clock=lambda: now[0])
+    index.apply("w0", "1-0", _stored(1, "a"))
+    index.predict("w0", ["a", "b", "c"], for_s=5)
+    index.predict("w1", ["a", "b"], for_s=5)
+    assert index.overlaps(["a", "b", "c"]) == {"w0": 3, "w1": 2}
+    index.apply("w0", "2-0", _stored(2, "b"))  # confirmed: stays after the prediction's time
+    index.apply("w0", "3-0", KvEventBatch("w0", "i1", 3, [BlockRemoved(["c"])]))  # still predicted
+    assert index.overlap("w0", ["a", "b", "c"]) == 3
+    now[0] = 5.0
+    assert index.expire() == 3  # w0's c, w1's a and b
+    assert index.overlaps(["a", "b", "c"]) == {"w0": 2}
+    index.predict("w1", ["x"], for_s=5)
+    index.drop("w1")
+    assert index.overlaps(["x"]) == {}

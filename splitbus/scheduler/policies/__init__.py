@@ -22,6 +22,7 @@ from splitbus.scheduler.policies.base import (
     Policy,
     PolicyOptions,
 )
+from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 
 P = TypeVar("P", bound=type[Policy])
 POLICIES: dict[str, type[Policy]] = {}
@@ -68,12 +69,13 @@ def names() -> list[str]:
     return sorted(POLICIES)
 
 
-def create(name: str, options: PolicyOptions | None = None) -> Policy:
-    """A new policy of the class registered as ``name``."""
+def create(name: str, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> Policy:
+    """A new policy of the class registered as ``name``, knowing the workers' prefix caches
+    through ``prefixes``."""
     _discover()
     if name not in POLICIES:
         raise UnknownPolicy(f"no routing policy is named {name!r} (there are: {', '.join(sorted(POLICIES))})")
-    return POLICIES[name](options)
+    return POLICIES[name](options, prefixes)
 
 
 def _discover() -> None:

@@ -17,7 +17,9 @@ from typing import ClassVar
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, RegistryView, WorkerInfo
-from splitbus.scheduler.placement import Local, Placement, Waiting
+from splitbus.scheduler.disagg import Disaggregation
+from splitbus.scheduler.placement import CacheCost, Local, Placement, Waiting
+from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ class PolicyOptions:
     place each at once). The dp policies have one policy per choice (``dp``, ``stagger``)."""
     rng: random.Random | None = None
     """The source of the random pick among equally loaded candidates (None: a fresh one)."""
+    cost: CacheCost = CacheCost()
+    """How a worker's cached prompt tokens weigh against its load (docs/routing.md, "The cost")."""
+    disagg: Disaggregation = Disaggregation()
+    """splitwise: when a request prefills on its decode worker (off by default)."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,17 @@ class Policy(ABC):
     name: ClassVar[str] = ""
     """Its name in the registry and on the command line (``--mode``); set by ``register``."""
 
-    def __init__(self, options: PolicyOptions | None = None) -> None:
+    def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
         self.options = options or PolicyOptions()
         self.rng = self.options.rng or random.Random()
+        self.prefixes = prefixes
+        """What the policy knows of the workers' prefix caches (``NO_PREFIXES``: nothing)."""
+
+    def cached(self, request: GenerateRequest, candidates: Sequence[WorkerInfo]) -> dict[str, int]:
+        """The prompt tokens each candidate holds cached, when the cost weighs them ({} else)."""
+        if self.options.cost.overlap_weight == 0 and not self.options.disagg.enabled:
+            return {}
+        return self.prefixes.cached(request, candidates)
 
     @abstractmethod
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:

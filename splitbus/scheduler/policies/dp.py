@@ -1,5 +1,6 @@
 """dp, the naive DP policy: each arrival at once to the rank (of a complete DP group) with the
-fewest queued prefill tokens that has KV blocks for it. ``splitbus scheduler --mode dp
+lowest prefill cost (queued prefill tokens plus the prompt tokens it does not hold cached,
+``prefill_cost``) that has KV blocks for it. ``splitbus scheduler --mode dp
 --no-stagger``; ``stagger`` batches arrivals instead.
 """
 
@@ -16,7 +17,7 @@ from splitbus.scheduler.placement import (
     dp_placement,
     dp_ranks,
     free_blocks,
-    queued_prefill,
+    prefill_cost,
     reserved,
 )
 from splitbus.scheduler.policies import register
@@ -31,7 +32,8 @@ class DpPolicy(Policy):
             for w in dp_ranks(workers, request.model)
             if free_blocks(w, reserved(local, w)) >= blocks_needed(request, w.record.block_size)
         ]
-        rank = choose(ranks, lambda w: queued_prefill(w, reserved(local, w)), self.rng)
+        cost = prefill_cost(ranks, request, self.cached(request, ranks), local, self.options.cost)
+        rank = choose(ranks, cost, self.rng)
         if rank is None:
             return NoPlacement(f"no live DP rank with room serves model '{request.model}'")
         return Placed((dp_placement(rank, request),))

@@ -1,5 +1,7 @@
-"""mixed: each request prefills and decodes on one ``mixed`` worker: the one with the most free KV
-blocks (then the fewest active requests), which reserves its prompt tokens and its blocks.
+"""mixed: each request prefills and decodes on one ``mixed`` worker, which reserves its prompt
+tokens and its blocks: among those with KV room, the one with the lowest ``mixed_cost`` (its
+prefill cost in blocks, the prompt tokens it holds cached credited, plus the KV blocks its
+requests hold).
 """
 
 from __future__ import annotations
@@ -8,19 +10,22 @@ from collections.abc import Sequence
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
-from splitbus.scheduler.placement import Eligible, Local, Placement, blocks_needed, decode_worker
+from splitbus.scheduler.placement import Eligible, Local, Placement, blocks_needed, choose, mixed_cost, roomy
 from splitbus.scheduler.policies import register
 from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy, PolicyOptions
+from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 
 
 @register("mixed")
 class MixedPolicy(Policy):
-    def __init__(self, options: PolicyOptions | None = None) -> None:
-        super().__init__(options)
+    def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
+        super().__init__(options, prefixes)
         self.eligible = Eligible()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
-        worker = decode_worker(request, self.eligible(workers, request.model, "mixed"), local, self.rng)
+        candidates = roomy(request, self.eligible(workers, request.model, "mixed"), local)
+        cost = mixed_cost(candidates, request, self.cached(request, candidates), local, self.options.cost)
+        worker = choose(candidates, cost, self.rng)
         if worker is None:
             return NoPlacement(f"no live mixed worker with room serves model '{request.model}'")
         blocks = blocks_needed(request, worker.record.block_size)

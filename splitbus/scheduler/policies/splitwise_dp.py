@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, Reserved, WorkerInfo
 from splitbus.scheduler.groups import UnitsCache, decode_rank, fill_group, pd_placements, prefill_unit
-from splitbus.scheduler.placement import Local, Placement, Waiting, choose, queued_prefill, reserved
+from splitbus.scheduler.placement import Local, Placement, Waiting, choose, prefill_cost
 from splitbus.scheduler.policies import register
 from splitbus.scheduler.policies.base import (
     Admitted,
@@ -33,6 +33,7 @@ from splitbus.scheduler.policies.base import (
     Policy,
     PolicyOptions,
 )
+from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 from splitbus.scheduler.stagger import RELEASE_LEAD_S, StaggerWindow, group_boundary_s
 
 Pairs = list[tuple[Waiting, Placement]]
@@ -40,8 +41,8 @@ Pairs = list[tuple[Waiting, Placement]]
 
 @register("splitwise_dp")
 class SplitwiseDpPolicy(Policy):
-    def __init__(self, options: PolicyOptions | None = None) -> None:
-        super().__init__(options)
+    def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
+        super().__init__(options, prefixes)
         self.units = UnitsCache()
         self.windows: dict[str, StaggerWindow[Waiting]] = {}
         """Open windows, by prefill group."""
@@ -51,11 +52,9 @@ class SplitwiseDpPolicy(Policy):
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
         decode = self._decode(request, workers, local)
-        prefill = choose(
-            self.units(workers, request.model, "prefill").ranks,
-            lambda w: queued_prefill(w, reserved(local, w)),
-            self.rng,
-        )
+        ranks = self.units(workers, request.model, "prefill").ranks
+        cost = prefill_cost(ranks, request, self.cached(request, ranks), local, self.options.cost)
+        prefill = choose(ranks, cost, self.rng)
         if prefill is None or decode is None:
             missing = "prefill" if prefill is None else "decode"
             return NoPlacement(
@@ -124,7 +123,13 @@ class SplitwiseDpPolicy(Policy):
         finds no rank (the group broke meanwhile) or no decode rank joins the queue. ``local`` gets
         the placed requests' reservations."""
         ranks = self.units(workers, _request(batch[0]).model, "prefill").groups.get(group, [])
-        chosen = fill_group({w.delivery.entry_id: _request(w) for w in batch}, ranks, local)
+        chosen = fill_group(
+            {w.delivery.entry_id: _request(w) for w in batch},
+            ranks,
+            local,
+            lambda request: self.cached(request, ranks),
+            self.options.cost,
+        )
         pairs: list[tuple[Waiting, WorkerInfo, WorkerInfo]] = []
         for waiting in batch:
             prefill = chosen.get(waiting.delivery.entry_id)

@@ -17,6 +17,7 @@ from splitbus.scheduler.placement import (
     Placement,
     Waiting,
     blocks_needed,
+    credit,
     dp_placement,
     dp_ranks,
     free_blocks,
@@ -26,13 +27,14 @@ from splitbus.scheduler.placement import (
 from splitbus.scheduler.policies import register
 from splitbus.scheduler.policies.base import Admitted, PlacingContext, PolicyOptions
 from splitbus.scheduler.policies.dp import DpPolicy
+from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 from splitbus.scheduler.stagger import RELEASE_LEAD_S, Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
 
 
 @register("stagger")
 class StaggerPolicy(DpPolicy):
-    def __init__(self, options: PolicyOptions | None = None) -> None:
-        super().__init__(options)
+    def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
+        super().__init__(options, prefixes)
         self.window: StaggerWindow[Waiting] = StaggerWindow(max_wait_s=self.options.stagger_max_wait_s)
         self._batches = itertools.count()
 
@@ -71,9 +73,15 @@ class StaggerPolicy(DpPolicy):
         block_size = ranks[0].record.block_size
         jobs = {w.delivery.entry_id: w for w in group}
         sizes = [
-            Job(k, len(_request(w).prompt_token_ids), blocks_needed(_request(w), block_size)) for k, w in jobs.items()
+            Job(
+                k,
+                len(_request(w).prompt_token_ids),
+                blocks_needed(_request(w), block_size),
+                self.cached(_request(w), ranks),
+            )
+            for k, w in jobs.items()
         ]
-        placed = water_fill(sizes, loads)
+        placed = water_fill(sizes, loads, credit(self.options.cost))
         batch_id, batch_ranks = f"{self.options.replica}.{next(self._batches)}", len(set(placed.values()))
         filled = [
             (jobs[key], dp_placement(by_id[rank_id], _request(jobs[key]), batch_id, batch_ranks))

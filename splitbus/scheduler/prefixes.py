@@ -1,0 +1,95 @@
+"""What a policy knows of the workers' prefix caches: how many of a request's prompt tokens each
+worker holds cached (docs/routing.md, "The cost").
+
+A policy asks ``Prefixes.cached`` while it decides; the scheduler tells ``Prefixes.routed`` where
+a decision sent each request, once it is made. ``IndexPrefixes`` answers from this replica's
+``KvIndex`` (fed by the workers' KV events); ``NO_PREFIXES`` knows of no cache, which makes every
+policy place by load alone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from splitbus.bus.blocks import block_hashes
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.messages.kv_events import block_hash
+from splitbus.bus.registry import WorkerInfo
+from splitbus.scheduler.kv_index import KvIndex
+
+PREDICT_S = 5.0
+"""How long a routed request's prompt blocks count as held by its worker before that worker's
+events confirm them: the sibling requests arriving meanwhile follow it."""
+CHAINS_KEPT = 4096
+"""Requests whose hash chains are kept (a waiting request is decided again on every loop step)."""
+
+
+class Prefixes(Protocol):
+    def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
+        """Called by a policy while it decides ``request``: the prompt tokens each of ``workers``
+        holds cached, by worker id (a worker not in it holds none). At most the prompt's length
+        less one token: the engine always computes the last one, for its logits."""
+        ...
+
+    def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:
+        """Called by the scheduler once a decision sends ``request`` to ``worker`` to prefill
+        there (a prefill or mixed task)."""
+        ...
+
+
+class NoPrefixes:
+    """No cache is known: every worker holds nothing."""
+
+    def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
+        return {}
+
+    def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:
+        pass
+
+
+NO_PREFIXES = NoPrefixes()
+
+
+class IndexPrefixes:
+    """The workers' caches as this replica's ``KvIndex`` knows them.
+
+    A request's chain is the block hashes of its prompt less the last token (what an engine can
+    reuse, ``splitbus.worker.engines.prefix.BlockPool.match``), computed once per request and
+    block size. ``routed`` predicts the chain on the chosen worker for ``predict_s``."""
+
+    def __init__(self, index: KvIndex, extra: str = "", predict_s: float = PREDICT_S) -> None:
+        self.index = index
+        self.extra = extra
+        self.predict_s = predict_s
+        self._chains: OrderedDict[tuple[int, int], tuple[GenerateRequest, list[str]]] = OrderedDict()
+        """By the request object (a waiting request is the same object at each decision; kept
+        here, so its id is not reused meanwhile) and block size."""
+
+    def chain(self, request: GenerateRequest, block_size: int) -> list[str]:
+        key = (id(request), block_size)
+        kept = self._chains.get(key)
+        if kept is not None and kept[0] is request:
+            return kept[1]
+        tokens = request.prompt_token_ids[:-1]
+        chain = [block_hash(h) for h in block_hashes(tokens, block_size, self.extra)]
+        self._chains[key] = (request, chain)
+        if len(self._chains) > CHAINS_KEPT:
+            self._chains.popitem(last=False)
+        return chain
+
+    def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for size in {w.record.block_size for w in workers}:
+            overlaps = self.index.overlaps(self.chain(request, size))
+            for w in workers:
+                blocks = overlaps.get(w.record.worker_id, 0)
+                if blocks and w.record.block_size == size:
+                    found[w.record.worker_id] = blocks * size
+        return found
+
+    def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:
+        chain = self.chain(request, worker.record.block_size)
+        self.index.decided(worker.record.worker_id, chain)
+        self.index.predict(worker.record.worker_id, chain, self.predict_s)

@@ -1,0 +1,51 @@
+"""The prefix view a policy reads (pure logic): cached tokens from the KV index, by block size,
+and where a routed request's siblings find its prompt before the worker's events arrive."""
+
+from __future__ import annotations
+
+import random
+
+from splitbus.bus.blocks import block_hashes
+from splitbus.bus.messages import GenerateRequest, SamplingParams
+from splitbus.bus.messages.kv_events import BlockStored, KvEventBatch, block_hash
+from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.scheduler.kv_index import KvIndex
+from splitbus.scheduler.prefixes import IndexPrefixes
+
+
+def _worker(wid: str, block_size: int = 16) -> WorkerInfo:
+    load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
+    return WorkerInfo(WorkerRecord(worker_id=wid, role="prefill", model="m", block_size=block_size, load=load), 0, 3000)
+
+
+def _request(tokens: list[int], rid: str = "r") -> GenerateRequest:
+    return GenerateRequest(rid, "m", tokens, SamplingParams(max_tokens=8), "api", 0)
+
+
+def _stores(index: KvIndex, worker: str, tokens: list[int], block_size: int = 16) -> None:
+    chain = [block_hash(h) for h in block_hashes(tokens, block_size)]
+    index.apply(worker, "1-0", KvEventBatch(worker, "i", 1, [BlockStored(chain, "", block_size)]))
+
+
+def test_cached_tokens_are_the_leading_blocks_held_less_the_last_prompt_token() -> None:
+    rng = random.Random(1)
+    prefix = [rng.randrange(1000) for _ in range(64)]
+    index = KvIndex()
+    _stores(index, "w0", prefix)  # 4 blocks
+    _stores(index, "w1", prefix[:32])
+    _stores(index, "w2", prefix, block_size=32)  # its own block size: its own chain
+    prefixes = IndexPrefixes(index)
+    workers = [_worker("w0"), _worker("w1"), _worker("w2", 32), _worker("w3")]
+    assert prefixes.cached(_request(prefix + [7, 8]), workers) == {"w0": 64, "w1": 32, "w2": 64}
+    # the engine computes a prompt's last token itself: a prompt of exactly 4 blocks reuses 3
+    assert prefixes.cached(_request(prefix, "r2"), workers) == {"w0": 48, "w1": 32, "w2": 32}
+    assert prefixes.cached(_request([5] * 64, "r3"), workers) == {}
+
+
+def test_a_routed_request_is_predicted_on_its_worker_for_its_siblings() -> None:
+    index = KvIndex()
+    prefixes = IndexPrefixes(index, predict_s=5.0)
+    first, sibling = _request(list(range(100)) + [1], "a"), _request(list(range(100)) + [2], "b")
+    w0 = _worker("w0")
+    prefixes.routed(first, w0)
+    assert prefixes.cached(sibling, [w0, _worker("w1")]) == {"w0": 96}
