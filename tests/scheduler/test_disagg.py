@@ -25,7 +25,8 @@ class Cached:
         self.tokens = tokens
 
     def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
-        return {w.record.worker_id: self.tokens[w.record.worker_id] for w in workers if w.record.worker_id in self.tokens}
+        ids = {w.record.worker_id for w in workers}
+        return {wid: tokens for wid, tokens in self.tokens.items() if wid in ids}
 
     def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:
         pass
