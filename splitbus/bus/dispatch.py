@@ -31,7 +31,9 @@ dispatch was lost but runs on a worker is not dispatched a second time.
 
 Keys (every one in KEYS, built in ``keys.py``): the stream the entry is acked in, the
 dispatched mark, ``sb:current:{cell}:<request>``, ``sb:run:{cell}``, then per task the worker's
-hash and task stream.
+hash, task stream and lease. A task is written only for a worker whose lease exists as the script
+runs (else WORKER_GONE): a placement made from a registry view read before the lease expired is
+made again, so no request is placed on a worker after its lease has expired.
 
 Both strings are per request, so both are kept no longer than their purpose needs (under load,
 what each finished request leaves is what Redis holds). The mark only has to outlive the moment a
@@ -73,6 +75,10 @@ RECOVERING = -3
 """The server is a run the cell has not settled on (a restart or failover that may have lost
 writes, ``splitbus.bus.runs``): nothing is written, the entry stays pending; dispatch again once
 the cell is settled."""
+WORKER_GONE = -4
+"""A chosen worker's lease is gone (it died, or was stopped, after the registry view the placement
+was made from was read): nothing is written, the entry stays pending; place it again. No task is
+ever written for a worker without a lease."""
 NOT_OURS = ALREADY_ACKED
 """The entry is not pending with this consumer: acked already, or claimed by another replica."""
 
@@ -99,7 +105,7 @@ _DISPATCH = declare(
             "sb:current:{cell}:<request>",
             "sb:run:{cell}",
         ),
-        repeated=("sb:worker:{cell}:<worker>", "sb:tasks:{cell}:<worker>"),
+        repeated=("sb:worker:{cell}:<worker>", "sb:tasks:{cell}:<worker>", "sb:lease:{cell}:<worker>"),
         argv=(
             "the group, the entry id, the mark's TTL (s), the number of tasks, the consumer that must own the entry"
             ' ("": any), the new hand-off id, the hand-off id that must be current ("": none may be, a request'
@@ -109,7 +115,8 @@ _DISPATCH = declare(
         ),
         returns=(
             "1 dispatched; 0 already acked or not the consumer's; -1 duplicate (acked only); -2 stale (acked only);"
-            " -3 recovering (the server's run is not the cell's settled one: nothing written)"
+            " -3 recovering (the server's run is not the cell's settled one: nothing written); -4 a worker's lease is"
+            " gone (nothing written)"
         ),
         source="""
 local info = redis.pcall('INFO', 'server')
@@ -117,6 +124,9 @@ local run = type(info) == 'string' and string.match(info, 'run_id.(%x+)')
 if run and redis.call('GET', KEYS[4]) ~= run then return -3 end
 if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
   return 0
+end
+for i = 0, tonumber(ARGV[4]) - 1 do
+  if redis.call('EXISTS', KEYS[7 + 3 * i]) == 0 then return -4 end
 end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local current = redis.call('GET', KEYS[3])
@@ -132,7 +142,7 @@ local cap = now[1] * 1000 + math.floor(now[2] / 1000) + 3600000
 if at <= 0 or at > cap then at = cap end
 redis.call('SET', KEYS[3], ARGV[6], 'PXAT', string.format('%.0f', at))
 for i = 0, tonumber(ARGV[4]) - 1 do
-  local worker, tasks, a = KEYS[5 + 2 * i], KEYS[6 + 2 * i], 9 + 6 * i
+  local worker, tasks, a = KEYS[5 + 3 * i], KEYS[6 + 3 * i], 9 + 6 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
   redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
   redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
@@ -290,8 +300,9 @@ class DispatchScript:
         first dispatch, which none may be: a request dispatched already is a duplicate;
         ``ANY_HANDOFF``: a task written before hand-off ids); ``deadline_ms``: the request's (0:
         none), which bounds how long the hand-off id is kept. Returns DISPATCHED, ALREADY_ACKED
-        (NOT_OURS), DUPLICATE, STALE or RECOVERING (nothing written: the cell is not settled on
-        the server's run, ``splitbus.bus.runs``)."""
+        (NOT_OURS), DUPLICATE, STALE, RECOVERING (nothing written: the cell is not settled on
+        the server's run, ``splitbus.bus.runs``) or WORKER_GONE (nothing written: a worker's
+        lease is gone)."""
         keys = [entry.stream, entry.mark, self._keys.current(request_id), self._keys.run]
         args: list[bytes | str | int] = [
             entry.group,
@@ -304,7 +315,11 @@ class DispatchScript:
             self.current_expiry_ms(deadline_ms),
         ]
         for write in tasks:
-            keys += [self._keys.worker(write.worker_id), self._keys.tasks(write.worker_id)]
+            keys += [
+                self._keys.worker(write.worker_id),
+                self._keys.tasks(write.worker_id),
+                self._keys.lease(write.worker_id),
+            ]
             fields = codec.encode(write.task)
             args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
         return await self._run(keys, args, self._script)

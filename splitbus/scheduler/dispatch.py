@@ -20,13 +20,24 @@ from splitbus.bus.dispatch import (
     NOT_OURS,
     RECOVERING,
     STALE,
+    WORKER_GONE,
     DispatchScript,
     TaskWrite,
 )
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.scheduler.placement import Placement
 
-__all__ = ["ALREADY_ACKED", "DISPATCHED", "DUPLICATE", "FAIL_IT", "NOT_OURS", "RECOVERING", "STALE", "Dispatcher"]
+__all__ = [
+    "ALREADY_ACKED",
+    "DISPATCHED",
+    "DUPLICATE",
+    "FAIL_IT",
+    "NOT_OURS",
+    "RECOVERING",
+    "STALE",
+    "WORKER_GONE",
+    "Dispatcher",
+]
 
 
 class Dispatcher:
@@ -37,7 +48,8 @@ class Dispatcher:
         self, entry_id: str, request: GenerateRequest, placements: Sequence[Placement], consumer: str = ""
     ) -> int:
         """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
-        pending with it) or DUPLICATE (the request is dispatched already: the entry is acked).
+        pending with it), DUPLICATE (the request is dispatched already: the entry is acked),
+        RECOVERING or WORKER_GONE (nothing written: place it again).
         The tasks' hand-off id becomes the request's current one."""
         entry = self._script.request_entry(entry_id, request.request_id)
         handoff = _handoff()

@@ -35,7 +35,16 @@ from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, entry_order
 from splitbus.scheduler import metrics, policies
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.dispatch import ALREADY_ACKED, DISPATCHED, DUPLICATE, FAIL_IT, NOT_OURS, RECOVERING, Dispatcher
+from splitbus.scheduler.dispatch import (
+    ALREADY_ACKED,
+    DISPATCHED,
+    DUPLICATE,
+    FAIL_IT,
+    NOT_OURS,
+    RECOVERING,
+    WORKER_GONE,
+    Dispatcher,
+)
 from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
 from splitbus.scheduler.placement import Local, Placement, Waiting
 from splitbus.scheduler.policies import Placed, PlacingContext
@@ -196,7 +205,7 @@ class Scheduler:
             elif isinstance(decision, Placed):
                 placed.append(w)
                 writes.append(self.contained(w, self.dispatch(w, w.delivery.message, decision.placements)))
-        left += [w for w, outcome in zip(placed, await asyncio.gather(*writes), strict=True) if outcome == RECOVERING]
+        left += [w for w, outcome in zip(placed, await asyncio.gather(*writes), strict=True) if outcome in PLACE_AGAIN]
         return left
 
     async def write_batch(self, placed: list[tuple[Waiting, Placement]]) -> None:
@@ -212,7 +221,7 @@ class Scheduler:
         outcomes = await asyncio.gather(
             *(self.contained(w, self.dispatch(w, w.delivery.message, ps)) for w, ps in batch)
         )
-        self.waiting += [w for (w, _), outcome in zip(batch, outcomes, strict=True) if outcome == RECOVERING]
+        self.waiting += [w for (w, _), outcome in zip(batch, outcomes, strict=True) if outcome in PLACE_AGAIN]
 
     async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | Verdict:
         """Run one request's decision or dispatch. If it fails for any reason but Redis
@@ -273,7 +282,7 @@ class Scheduler:
         return Verdict.WAIT
 
     async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]) -> int:
-        """Write the request's tasks; the outcome (RECOVERING: nothing written, it waits)."""
+        """Write the request's tasks; the outcome (RECOVERING, WORKER_GONE: nothing written, it waits)."""
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
         if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
             log.debug(
@@ -411,4 +420,12 @@ class Scheduler:
         return claimed
 
 
-_OUTCOMES = {DISPATCHED: "dispatched", ALREADY_ACKED: "already_acked", DUPLICATE: "duplicate", RECOVERING: "recovering"}
+_OUTCOMES = {
+    DISPATCHED: "dispatched",
+    ALREADY_ACKED: "already_acked",
+    DUPLICATE: "duplicate",
+    RECOVERING: "recovering",
+    WORKER_GONE: "worker_gone",
+}
+PLACE_AGAIN = (RECOVERING, WORKER_GONE)
+"""Dispatch outcomes that wrote nothing and leave the request to be placed again."""

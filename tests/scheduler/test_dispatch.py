@@ -23,6 +23,7 @@ from splitbus.scheduler.dispatch import (
     NOT_OURS,
     RECOVERING,
     STALE,
+    WORKER_GONE,
     Dispatcher,
 )
 from splitbus.scheduler.placement import Placement
@@ -286,3 +287,21 @@ async def test_nothing_is_dispatched_until_the_cell_is_settled_on_the_servers_ru
     assert await cell.settled()
     assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == DISPATCHED
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
+
+
+async def test_no_task_is_written_for_a_worker_whose_lease_is_gone(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A placement made from a registry view read before the decode worker's lease expired: the
+    script writes nothing (not P's task either) and the entry stays pending, to be placed again."""
+    consumer = await _setup(redis, bus_config)
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    delivery = (await consumer.read(1))[0]
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    await redis.delete(bus_config.keys.lease("d"))
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == WORKER_GONE
+    assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [0, 0]
+    assert await redis.get(bus_config.keys.current("r")) is None
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 1
+    await Registry(redis, bus_config).register(WorkerRecord(worker_id="d", role="decode", model="m"), 5000)
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == DISPATCHED
