@@ -135,8 +135,10 @@ class KvEventPublisher:
         return self._cached
 
     async def start(self) -> None:
-        """Announce a fresh cache (``AllBlocksCleared``) and write the first snapshot."""
-        await self.publish([AllBlocksCleared()])
+        """Announce a fresh cache (``AllBlocksCleared``, unless a batch went out already: safe
+        to repeat after a Redis error) and write the first snapshot."""
+        if self.event_id == 0:
+            await self.publish([AllBlocksCleared()])
         await self.write_snapshot()
 
     async def publish(self, events: Sequence[KvEvent]) -> int:
@@ -170,6 +172,14 @@ class KvEventPublisher:
         if due:
             await self.write_snapshot()
         return due
+
+    async def after_new_run(self) -> None:
+        """Redis has a new server run, which may have lost the latest batches, the snapshot and
+        the stream itself: write the snapshot now (a reader that sees the gap resyncs from it at
+        once) and set the stream's TTL again with the next batch (an ``XADD`` that recreates it
+        sets none)."""
+        self._refreshed_at = -float("inf")
+        await self.write_snapshot()
 
     async def write_snapshot(self) -> None:
         """Write the whole set of cached blocks, as of the last batch sent; clears a request."""

@@ -1,6 +1,7 @@
 """What a worker writes for its requests: result entries, task acks and reservation clean-up,
 buffered by the engine loop and the hand-offs and written by one publisher loop, one write at a
-time, so entries keep their order. While Redis refuses (OOM, outage) everything stays buffered;
+time, so entries keep their order; then the KV events the engine's prefix cache made meanwhile
+(docs/routing.md, "KV events"). While Redis refuses (OOM, outage) everything stays buffered;
 each list is cleared only once written."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import GroupConsumer
@@ -28,7 +30,9 @@ class Publisher:
     """``emit``/``finish``/``fail``/``retire`` buffer; ``soon()`` asks for a write; ``publish()``
     writes. ``before`` runs first in each write under the lock (a worker back from a lapsed lease
     drops what moved away before writing for it); ``after_results`` runs once the results are
-    out (the task feed gives back the scheduler's reservations)."""
+    out (the task feed gives back the scheduler's reservations). Each write ends with the
+    engine's pending KV events, as one batch of ``kv`` (the worker's ``KvEventPublisher``, its DP
+    rank's own), once :meth:`start_kv_events` has run."""
 
     def __init__(
         self,
@@ -47,6 +51,11 @@ class Publisher:
         self.stale_reservations: list[tuple[str, str]] = []  # (request, task entry) of decode tasks that left
         self.lock = asyncio.Lock()
         self.asked = asyncio.Event()
+        self.kv = KvEventPublisher(self.redis, shared.config.bus, shared.id, shared.config.dp_rank)
+        self.kv_started = False
+        self.kv_new_run = False
+        """Set when Redis has a new run (which may have lost the latest batches and the
+        snapshot): the next write writes the snapshot whatever its schedule."""
 
     # ------------------------------------------------------------ what the engine and hand-offs leave
 
@@ -108,6 +117,32 @@ class Publisher:
             await self.after_results()
             await self._ack()
             await self._drop_stale_reservations()
+            await self._publish_kv_events()
+
+    async def start_kv_events(self) -> None:
+        """Once the worker has joined the bus: announce its cache as empty (``AllBlocksCleared``,
+        a new publisher instance) and write the first snapshot; safe to repeat. KV events go
+        out from the next write on."""
+        await self.kv.start()
+        self.kv_started = True
+
+    async def _publish_kv_events(self) -> None:
+        """The engine's pending KV events as one batch (nothing when there are none), cleared
+        once Redis took them; then the snapshot if it is due, asked for or owed."""
+        if not self.kv_started:
+            return
+        cache = self.engine.kv_events
+        if cache is not None and len(cache):
+            events = cache.pending()
+            # A send that fails part-way (past the batch bounds only) is sent whole again: the
+            # batches it repeats leave a reader's set of blocks as they were.
+            await self.kv.publish(events)
+            cache.sent(len(events))
+        if self.kv_new_run:
+            await self.kv.after_new_run()
+            self.kv_new_run = False
+        else:
+            await self.kv.maybe_snapshot()
 
     async def _ack(self) -> None:
         if self.done_entries:

@@ -77,9 +77,12 @@ class Recovery:
         self.owed = False
         """A new run was seen and its recovery has not completed yet."""
 
-    async def watch(self) -> None:
+    async def watch(self) -> bool:
+        """Poll the runs; whether Redis has a new one (its recovery is owed from now on)."""
         if await self.runs.poll() is Runs.NEW:
             self.owed = self.feed.after_new_run = True
+            return True
+        return False
 
     async def recover_if_owed(self) -> None:
         if self.owed:

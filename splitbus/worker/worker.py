@@ -165,6 +165,7 @@ class Worker:
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.lease.beat()  # now with started_ms
         await self.recovery.watch()  # the run it joined (a restart from here on is a new run)
+        await self.publisher.start_kv_events()  # its prefix cache, empty, on its KV event stream
 
     async def close(self) -> None:
         self.loops.stop()
@@ -215,7 +216,8 @@ class Worker:
         await self.lease.rejoin()
 
     async def _watch_runs(self) -> None:
-        await self.recovery.watch()
+        if await self.recovery.watch():
+            self.publisher.kv_new_run = True  # a fresh KV snapshot at the next write
 
     async def _recover(self) -> None:
         await self.recovery.recover_if_owed()

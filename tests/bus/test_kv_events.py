@@ -123,3 +123,12 @@ async def test_the_snapshot_is_written_when_asked_and_names_its_entry(
     assert snapshot.stream_id == last[0].decode()
     assert await redis.hget(bus_config.keys.kv_snapshot("w0"), "requested") is None
     assert 0 < await redis.ttl(bus_config.keys.kv_snapshot("w0")) <= 3600
+
+
+async def test_start_again_after_an_error_announces_the_fresh_cache_once(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    publisher = KvEventPublisher(redis, bus_config, "w0")
+    await publisher.start()
+    await publisher.start()  # as a start-up step retried after its snapshot failed
+    assert await redis.xlen(bus_config.keys.kv_events("w0")) == 1 and publisher.event_id == 1

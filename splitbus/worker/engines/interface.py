@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
+    from splitbus.worker.engines.prefix import KvEventLog
     from splitbus.worker.sequence import Sequence
 
 
@@ -18,6 +19,15 @@ class Engine(Protocol):
     @property
     def free_blocks(self) -> int:
         """KV blocks not held by any request (reported at each heartbeat)."""
+
+    @property
+    def kv_events(self) -> KvEventLog | None:
+        """What the engine's prefix cache stored and evicted, in order, not yet sent (its
+        ``BlockPool.events``); None for an engine without prefix caching. Read by the worker's
+        publisher at each of its writes, once the results of the engine's latest prefill or
+        decode are written: it sends the pending events as one batch on the worker's KV event
+        stream and then clears those it sent (``sent``), so a Redis error leaves them for the
+        next write."""
 
     def reserve(self, seq: Sequence, tokens: int) -> bool:
         """Called when a task is accepted: hold blocks for ``tokens`` positions of ``seq``

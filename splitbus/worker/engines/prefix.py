@@ -5,7 +5,10 @@ whose KV is computed is registered under its hash (``splitbus.bus.blocks``); whe
 holds it any more it stays cached in an LRU of free blocks, and is evicted (its hash forgotten)
 only when an allocation finds no plain free block. A new sequence takes the cached blocks of
 its prompt's leading full blocks (shared, ref-counted) and computes only the rest; at least its
-last prompt token is always computed, for its logits. Pure: no paddle.
+last prompt token is always computed, for its logits. What the cache stores and evicts is
+recorded, in order, as KV events (``BlockStored``, ``BlockRemoved``) in the pool's
+:class:`KvEventLog`, which the worker publishes (docs/routing.md, "KV events"). Pure: no paddle,
+no Redis.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitbus.bus.blocks import block_hashes
+from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, block_hash
 
 if TYPE_CHECKING:
     from splitbus.worker.sequence import Sequence as SequenceState
@@ -31,6 +35,32 @@ class Allocation:
     """Leading positions whose KV was already cached (a multiple of the block size)."""
 
 
+class KvEventLog:
+    """The KV events a cache's changes made, oldest first, until the worker has sent them.
+
+    An event is never changed once recorded, and only the oldest are cleared: a writer reads
+    :meth:`pending`, sends them (awaiting Redis while the cache goes on changing) and then calls
+    :meth:`sent` with how many it sent; what was recorded meanwhile, and everything after a
+    failed send, stays in order for the next one."""
+
+    def __init__(self) -> None:
+        self._events: list[KvEvent] = []
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def add(self, event: KvEvent) -> None:
+        self._events.append(event)
+
+    def pending(self) -> list[KvEvent]:
+        """The events not sent yet, oldest first (a copy)."""
+        return list(self._events)
+
+    def sent(self, count: int) -> None:
+        """The ``count`` oldest events were sent: forget them."""
+        del self._events[:count]
+
+
 class BlockPool:
     def __init__(self, block_ids: Sequence[int], block_size: int, extra: str = "") -> None:
         self.block_size, self.extra = block_size, extra
@@ -40,8 +70,9 @@ class BlockPool:
         self._refs: dict[int, int] = {}
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
-        self.evicted: list[int] = []
-        """Hashes evicted since the caller last cleared it (for KV events)."""
+        self.events = KvEventLog()
+        """What the cache stored and evicted, for the worker to publish: one ``BlockRemoved`` per
+        allocation that evicted, one ``BlockStored`` per contiguous run a ``store`` registered."""
 
     @property
     def free(self) -> int:
@@ -72,22 +103,41 @@ class BlockPool:
             return None
         for block in hits:
             self._hold(block)
-        table = hits + [self._take() for _ in range(fresh)]
+        evicted: list[int] = []
+        table = hits + [self._take(evicted) for _ in range(fresh)]
         for block in table[len(hits) :]:
             self._refs[block] = 1
+        if evicted:
+            self.events.add(BlockRemoved([block_hash(h) for h in evicted]))
         return Allocation(table, len(hits) * self.block_size)
 
     def store(self, table: Sequence[int], tokens: Sequence[int]) -> list[int]:
         """Register the full blocks of ``tokens`` (positions whose KV is computed, under
         ``table``) by hash; returns the hashes newly stored. A block whose hash another block
-        already holds stays unregistered (it is freed plain)."""
-        stored = []
+        already holds stays unregistered (it is freed plain). Each contiguous run of newly
+        stored blocks is recorded as one ``BlockStored``, its parent the chain's block before it
+        ("" at the sequence's start)."""
+        stored: list[int] = []
+        run: list[int] = []
+        parent: int | None = None  # the chain's hash before the current block (None: its start)
+        run_parent: int | None = None
         for block, h in zip(table, block_hashes(tokens, self.block_size, self.extra), strict=False):
             if h in self._by_hash or block in self._hash_of:
-                continue
-            self._by_hash[h], self._hash_of[block] = block, h
-            stored.append(h)
+                self._record_stored(run, run_parent)
+                run = []
+            else:
+                self._by_hash[h], self._hash_of[block] = block, h
+                stored.append(h)
+                run_parent = parent if not run else run_parent
+                run.append(h)
+            parent = h
+        self._record_stored(run, run_parent)
         return stored
+
+    def _record_stored(self, run: list[int], parent: int | None) -> None:
+        if run:
+            first = "" if parent is None else block_hash(parent)
+            self.events.add(BlockStored([block_hash(h) for h in run], first, self.block_size))
 
     def release(self, table: Sequence[int]) -> None:
         """A sequence lets go of its blocks; cached ones join the LRU (the last block freed is
@@ -106,13 +156,15 @@ class BlockPool:
         self._lru.pop(block, None)
         self._refs[block] = self._refs.get(block, 0) + 1
 
-    def _take(self) -> int:
+    def _take(self, evicted: list[int]) -> int:
+        """A free block: a plain one, else the least recently freed cached one, whose hash is
+        forgotten (appended to ``evicted``)."""
         if self._plain:
             return self._plain.pop()
         block, _ = self._lru.popitem(last=False)
         h = self._hash_of.pop(block)
         del self._by_hash[h]
-        self.evicted.append(h)
+        evicted.append(h)
         return block
 
 

@@ -107,6 +107,7 @@ class SimEngine:
         self.total_blocks = total_blocks
         self.block_size = block_size
         self.pool = BlockPool(range(total_blocks), block_size)
+        self.kv_events = self.pool.events
 
     @property
     def free_blocks(self) -> int:

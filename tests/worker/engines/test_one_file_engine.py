@@ -34,6 +34,7 @@ class EchoEngine:
     """Generates its prompt again, token by token; holds no KV it could ship."""
 
     eos_token_ids: tuple[int, ...] = ()
+    kv_events = None  # no prefix cache: no KV events
 
     def __init__(self, options: EchoOptions, vocab_size: int, total_blocks: int, block_size: int) -> None:
         self.options, self.vocab_size = options, vocab_size

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from splitbus.bus.blocks import block_hashes
+from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, block_hash
 from splitbus.worker.engines.prefix import BlockPool
 
 PROMPT = list(range(40))  # two full blocks of 16 and 8 tokens
+
+
+def _hex(tokens: list[int]) -> list[str]:
+    """The chain of ``tokens``' full blocks as the events carry it."""
+    return [block_hash(h) for h in block_hashes(tokens, 16)]
 
 
 def _finish(pool: BlockPool, tokens: list[int]) -> list[int]:
@@ -48,7 +55,8 @@ def test_cached_blocks_are_evicted_only_when_needed_and_oldest_first() -> None:
     assert got is not None and pool.cached_blocks == 2  # the plain free blocks went first
     pool.release(got.table)
     got = pool.allocate(3)
-    assert got is not None and pool.cached_blocks == 1 and len(pool.evicted) == 1
+    assert got is not None and pool.cached_blocks == 1
+    assert pool.events.pending()[-1] == BlockRemoved([_hex(PROMPT[:32])[1]])
     # the prefix's later block went first: its first block still matches
     assert len(pool.match(PROMPT)) == 1
 
@@ -58,3 +66,43 @@ def test_a_failed_allocation_takes_nothing() -> None:
     _finish(pool, PROMPT)
     assert pool.allocate(5, PROMPT) is None
     assert pool.free == 3 and pool.cached_blocks == 2
+
+
+def test_a_stored_chain_is_one_event_and_a_reused_prefix_is_its_parent() -> None:
+    pool = BlockPool(range(1, 11), 16)
+    _finish(pool, PROMPT)
+    chain = _hex(PROMPT[:32] + [7] * 20)
+    assert pool.events.pending() == [BlockStored(chain[:2], "", 16)]
+    _finish(pool, PROMPT[:32] + [7] * 20)  # its first two blocks came from the cache
+    assert pool.events.pending()[1:] == [BlockStored(chain[2:], chain[1], 16)]
+
+
+def test_a_store_skipping_a_held_hash_records_contiguous_runs_and_evictions_in_order() -> None:
+    tokens = list(range(48))
+    chain = _hex(tokens)
+    pool = BlockPool(range(1, 5), 16)
+    got = pool.allocate(2)
+    assert got is not None
+    pool.store(got.table, tokens[:32])
+    pool.release(got.table[:1])  # freed first: evicted first
+    pool.release(got.table[1:])
+    fresh = pool.allocate(3)  # two plain blocks, then the cached first block
+    assert fresh is not None
+    pool.store(fresh.table, tokens)  # the second block's hash is still held by the other block
+    assert pool.events.pending() == [
+        BlockStored(chain[:2], "", 16),
+        BlockRemoved(chain[:1]),
+        BlockStored(chain[:1], "", 16),
+        BlockStored(chain[2:], chain[1], 16),
+    ]
+
+
+def test_only_the_events_sent_are_cleared() -> None:
+    pool = BlockPool(range(1, 11), 16)
+    _finish(pool, PROMPT)
+    sending = pool.events.pending()
+    _finish(pool, list(range(100, 140)))  # recorded while the first batch was on its way
+    pool.events.sent(len(sending))
+    assert pool.events.pending() == [BlockStored(_hex(list(range(100, 140))), "", 16)]
+    pool.events.sent(1)
+    assert pool.events.pending() == [] and len(pool.events) == 0

@@ -33,6 +33,7 @@ class PaddleEngine:
         self.vocab_size = model.config.vocab_size
         self.cache = model.new_cache(total_blocks, block_size)
         self.pool = BlockPool(range(1, total_blocks), block_size)  # block 0 is scratch
+        self.kv_events = self.pool.events
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
 
     @classmethod
