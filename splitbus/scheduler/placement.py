@@ -204,6 +204,11 @@ def dp_ranks(workers: Sequence[WorkerInfo], model: str) -> list[WorkerInfo]:
     return [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0 and w.record.dp_group in groups]
 
 
-def dp_placement(rank: WorkerInfo, request: GenerateRequest, batch_id: str = "", batch_ranks: int = 0) -> Placement:
+def dp_placement(
+    rank: WorkerInfo, request: GenerateRequest, batch_id: str = "", batch_ranks: int = 0, cached: int = 0
+) -> Placement:
+    """A request's mixed task on a DP rank, which reserves the prompt tokens it computes (all but
+    the ``cached`` ones) and the request's blocks."""
     blocks = blocks_needed(request, rank.record.block_size)
-    return Placement(rank, "mixed", "", Reserved(len(request.prompt_token_ids), 1, blocks), batch_id, batch_ranks)
+    tokens = len(request.prompt_token_ids) - cached
+    return Placement(rank, "mixed", "", Reserved(tokens, 1, blocks), batch_id, batch_ranks)

@@ -125,7 +125,11 @@ class HandOff:
 
     async def send_kv(self, seq: Sequence, endpoint: str, secret: str) -> None:
         await self.links.ensure(seq.task.peer, endpoint)
-        meta = {"output_token_ids": seq.output_ids, "next_seq": self.publisher.writer.next_seq(seq.request_id)}
+        meta = {
+            "output_token_ids": seq.output_ids,
+            "next_seq": self.publisher.writer.next_seq(seq.request_id),
+            "cached_tokens": min(seq.prompt_cached, seq.prompt_len),  # for the usage D reports
+        }
         with metrics.KV_TRANSFER.time():
             payload = await self.engine.export_kv(seq)
             self.check_still_mine(seq)  # a worker back from a stop must not ship a moved request
@@ -294,6 +298,9 @@ def meta_problem(task: Task, meta: dict[str, Any], vocab_size: int) -> str | Non
     next_seq = meta.get("next_seq")
     if type(next_seq) is not int or next_seq != expected:
         return f"next_seq must be {expected} (one entry per token after first_seq {task.first_seq}), got {next_seq!r}"
+    cached, prompt = meta.get("cached_tokens", 0), len(task.request.prompt_token_ids)
+    if type(cached) is not int or not 0 <= cached <= prompt:
+        return f"cached_tokens must be an integer in [0, {prompt}], got {cached!r:.40}"
     return None
 
 

@@ -116,6 +116,7 @@ class Receiver:
             self.publisher.fail(seq, "kv_import_failed", error, 500)
             return error
         seq.output_ids = list(header.meta["output_token_ids"])
+        seq.prompt_cached = header.meta.get("cached_tokens", 0)  # P's prefix cache: the usage reports it
         seq.text.push(seq.output_ids)  # replay: the same text state P had
         self.publisher.writer.open(seq.request_id, reader=seq.request.reader, first_seq=header.meta["next_seq"])
         self.table.add(seq, Status.RUNNING)

@@ -10,7 +10,7 @@ reached it in: the oldest queued prefill goes first, the running ones decode in 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from splitbus.worker.sequence import Sequence
@@ -136,17 +136,29 @@ class RequestTable:
         DP rank that announces how long its prefill will take."""
         count = tokens = 0
         for seq in self.of(Status.QUEUED):
-            if count and tokens + len(seq.all_tokens) > max_tokens:
+            uncached = len(seq.all_tokens) - seq.cached
+            if count and tokens + uncached > max_tokens:
                 break
-            count, tokens = count + 1, tokens + len(seq.all_tokens)
+            count, tokens = count + 1, tokens + uncached
         return count, tokens
 
-    def start_prefill(self, max_tokens: int) -> list[Sequence]:
+    def start_prefill(
+        self, max_tokens: int, first_to_compute: Callable[[Sequence], int | None] = lambda _: None
+    ) -> list[Sequence]:
         """The next prefill batch, now PREFILLING. Called by the engine's prefill step, before the
-        engine call."""
+        engine call. A sequence whose ``first_to_compute`` block (``Engine.first_to_compute``) an
+        earlier one of the batch computes too is left QUEUED: a step later it finds the block
+        cached instead of computing it again (siblings sharing a prefix arrive together)."""
         count, _ = self.prefill_batch_size(max_tokens)
-        batch = self.of(Status.QUEUED)[:count]
-        for seq in batch:
+        batch: list[Sequence] = []
+        computing: set[int] = set()
+        for seq in self.of(Status.QUEUED)[:count]:
+            block = first_to_compute(seq)
+            if block is not None and block in computing:
+                continue
+            if block is not None:
+                computing.add(block)
+            batch.append(seq)
             self.move(seq, Status.PREFILLING)
         return batch
 

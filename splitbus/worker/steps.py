@@ -68,7 +68,7 @@ class EngineSteps:
         return WorkerLoad(
             running=self.table.count(Status.RUNNING, Status.HANDING_OFF),
             waiting=self.table.count(Status.QUEUED, Status.AWAITING_KV),
-            queued_prefill_tokens=sum(s.prompt_len for s in self.table.of(Status.QUEUED)),
+            queued_prefill_tokens=sum(len(s.all_tokens) - s.cached for s in self.table.of(Status.QUEUED)),
             free_kv_blocks=self.engine.free_blocks,
             total_kv_blocks=self.engine.total_blocks,
             **self.counters,
@@ -106,7 +106,7 @@ class EngineSteps:
         Called by the stepper once per turn: a worker on its own before each decode, a DP rank
         when the group's plans say this rank prefills. Redis refusing during it (the lease
         check after the engine call) leaves the batch QUEUED, first in line, for the next turn."""
-        batch = self.table.start_prefill(self.config.max_prefill_tokens)
+        batch = self.table.start_prefill(self.config.max_prefill_tokens, self.engine.first_to_compute)
         if not batch:
             return
         if report_load:

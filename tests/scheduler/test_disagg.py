@@ -76,7 +76,7 @@ def test_splitwise_prefills_a_short_uncached_suffix_on_the_decode_worker_that_ho
     assert isinstance(plan, Placed)
     (task,) = plan.placements
     assert (task.worker.record.worker_id, task.phase, task.peer) == ("d-warm", "mixed", "")
-    assert task.reserve == Reserved(3000, 1, -(-3028 // 16))
+    assert task.reserve == Reserved(3000 - 2800, 1, -(-3028 // 16))  # it computes only the uncached 200
     assert _decisions("local", "short_prompt") == before + 1
     long = policy.place(request(prompt=3000), [w for w in workers if w.record.worker_id != "d-warm"], {})
     assert isinstance(long, Placed)

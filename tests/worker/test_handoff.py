@@ -304,8 +304,12 @@ def test_d_takes_exactly_what_p_could_send_for_a_new_or_a_moved_request() -> Non
         {"output_token_ids": [1, 2, 3, True], "next_seq": 4},  # a bool is not a token id
         {"output_token_ids": [1, 2, 3, 4], "next_seq": 4.0},
         {"output_token_ids": "1234", "next_seq": 4},
+        {"output_token_ids": [1, 2, 3, 4], "next_seq": 4, "cached_tokens": 2},  # more than the 1-token prompt
+        {"output_token_ids": [1, 2, 3, 4], "next_seq": 4, "cached_tokens": -1},
+        {"output_token_ids": [1, 2, 3, 4], "next_seq": 4, "cached_tokens": "1"},
     ]
     assert all(meta_problem(moved, meta, 100) for meta in refused)
+    assert meta_problem(moved, {"output_token_ids": [1, 2, 3, 4], "next_seq": 4, "cached_tokens": 1}, 100) is None
 
 
 async def handing_off(worker: Worker, request_id: str, endpoint: str) -> tuple[Sequence, asyncio.Task[None]]:

@@ -32,7 +32,7 @@ async def test_a_prefill_batch_stops_counting_as_queued_while_it_runs(bus_config
     worker = Worker(config, tokenizer, SimEngine(SimConfig(prefill_s_per_token=0.002), tokenizer, 64, 16))
     registry = Registry(worker.redis, bus_config)
     for i, tokens in enumerate((200, 100, 150)):  # the first two fit one batch, the third waits
-        request = GenerateRequest(f"r{i}", "tiny", [97] * tokens, SamplingParams(max_tokens=4), "api", 0)
+        request = GenerateRequest(f"r{i}", "tiny", [97 + i] * tokens, SamplingParams(max_tokens=4), "api", 0)
         worker.requests.add(Sequence(Task("mixed", request), f"{i}-0", TextStream(tokenizer, [])), Status.QUEUED)
         worker.writer.open(request.request_id, reader=request.reader, first_seq=0)
     try:

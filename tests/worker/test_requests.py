@@ -105,3 +105,14 @@ def test_an_import_in_flight_is_held_but_not_dropped_by_a_cancel(make: Make) -> 
     table.move(importing, Status.IMPORTING)  # its KV frame came: the engine writes its blocks
     assert table.take("imp", *DROPPABLE) is None and table.count(*HELD) == 1
     assert table.kv_waits_past(10.0) == [] and table.status(importing) is Status.IMPORTING
+
+
+def test_of_siblings_computing_the_same_block_only_the_first_joins_a_prefill_batch(make: Make) -> None:
+    table = RequestTable()
+    seqs = [make(f"r{i}", tokens=40, entry=f"{i}-0") for i in range(4)]
+    for seq in seqs:
+        table.add(seq, Status.QUEUED)
+    shared = {"r0": 1, "r1": 2, "r2": 1, "r3": None}  # r2 would compute what r0 computes
+    batch = table.start_prefill(4096, lambda seq: shared[seq.request_id])
+    assert [s.request_id for s in batch] == ["r0", "r1", "r3"]
+    assert [s.request_id for s in table.of(Status.QUEUED)] == ["r2"]  # next step, finding r0's blocks cached

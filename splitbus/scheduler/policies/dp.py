@@ -32,8 +32,8 @@ class DpPolicy(Policy):
             for w in dp_ranks(workers, request.model)
             if free_blocks(w, reserved(local, w)) >= blocks_needed(request, w.record.block_size)
         ]
-        cost = prefill_cost(ranks, request, self.cached(request, ranks), local, self.options.cost)
-        rank = choose(ranks, cost, self.rng)
+        cached = self.cached(request, ranks)
+        rank = choose(ranks, prefill_cost(ranks, request, cached, local, self.options.cost), self.rng)
         if rank is None:
             return NoPlacement(f"no live DP rank with room serves model '{request.model}'")
-        return Placed((dp_placement(rank, request),))
+        return Placed((dp_placement(rank, request, cached=cached.get(rank.record.worker_id, 0)),))

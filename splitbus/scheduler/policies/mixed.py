@@ -24,10 +24,11 @@ class MixedPolicy(Policy):
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
         candidates = roomy(request, self.eligible(workers, request.model, "mixed"), local)
-        cost = mixed_cost(candidates, request, self.cached(request, candidates), local, self.options.cost)
-        worker = choose(candidates, cost, self.rng)
+        cached = self.cached(request, candidates)
+        worker = choose(candidates, mixed_cost(candidates, request, cached, local, self.options.cost), self.rng)
         if worker is None:
             return NoPlacement(f"no live mixed worker with room serves model '{request.model}'")
         blocks = blocks_needed(request, worker.record.block_size)
-        reserve = Reserved(len(request.prompt_token_ids), 1, blocks)
+        # what it computes: the prompt less what it holds cached (or will: a sibling routed there)
+        reserve = Reserved(len(request.prompt_token_ids) - cached.get(worker.record.worker_id, 0), 1, blocks)
         return Placed((Placement(worker, "mixed", "", reserve),))

@@ -54,7 +54,8 @@ class SplitwisePolicy(Policy):
         blocks = blocks_needed(request, decode.record.block_size)
         where = split(self.options.disagg, request, decode, cached.get(decode.record.worker_id, 0), queues, local)
         if where.count().local:
-            return Placed((Placement(decode, "mixed", "", Reserved(tokens, 1, blocks)),))
+            uncached = tokens - cached.get(decode.record.worker_id, 0)
+            return Placed((Placement(decode, "mixed", "", Reserved(uncached, 1, blocks)),))
         prefill = choose(prefills, prefill_cost(prefills, request, cached, local, self.options.cost), self.rng)
         if prefill is None:
             return NoPlacement(f"no live prefill worker with room serves model '{request.model}'")
@@ -63,7 +64,12 @@ class SplitwisePolicy(Policy):
                 Placement(
                     decode, "decode", prefill.record.worker_id, Reserved(reserved_requests=1, reserved_kv_blocks=blocks)
                 ),
-                Placement(prefill, "prefill", decode.record.worker_id, Reserved(reserved_prefill_tokens=tokens)),
+                Placement(
+                    prefill,
+                    "prefill",
+                    decode.record.worker_id,
+                    Reserved(reserved_prefill_tokens=tokens - cached.get(prefill.record.worker_id, 0)),
+                ),
             )
         )
 

@@ -41,9 +41,16 @@ class Engine(Protocol):
     def release(self, seq: Sequence) -> None:
         """Called when the request leaves this worker (finished, handed off, cancelled)."""
 
+    def first_to_compute(self, seq: Sequence) -> int | None:
+        """Called as a prefill batch is formed, for each queued sequence: the hash of the first
+        full block its prefill would compute (None: no prefix cache, or no block it could share).
+        Of the queued sequences with the same one, only the first joins the batch; the others
+        wait a step, and their prefill then finds that block cached."""
+
     async def prefill(self, batch: list[Sequence]) -> list[int]:
         """Called with sequences whose prompt (and tokens already generated) have no KV here
-        yet: compute it and return each sequence's next token."""
+        yet: compute it and return each sequence's next token. A sequence first takes the
+        blocks of its prompt that a prefix cache stored since ``reserve`` (a sibling's prefill)."""
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
         """Called once per step with the running sequences: feed each one's last token and

@@ -111,6 +111,30 @@ class BlockPool:
             self.events.add(BlockRemoved([block_hash(h) for h in evicted]))
         return Allocation(table, len(hits) * self.block_size)
 
+    def rematch(self, table: list[int], tokens: Sequence[int], cached: int) -> int:
+        """Before a sequence's prefill: its leading blocks past the ``cached`` positions that are
+        cached now (stored since it reserved: a sibling with the same prefix prefilled first)
+        replace its own fresh ones in ``table``, which go back to the free blocks. Returns the
+        positions cached now (a multiple of the block size, at least ``cached``)."""
+        hits = self.match(tokens)
+        start = cached // self.block_size
+        for i in range(start, min(len(hits), len(table))):
+            if table[i] != hits[i]:
+                self._hold(hits[i])
+                self.release([table[i]])
+                table[i] = hits[i]
+        return max(cached, min(len(hits), len(table)) * self.block_size)
+
+    def first_to_compute(self, tokens: Sequence[int], cached: int) -> int | None:
+        """The hash of the first full block a prefill of ``tokens`` with ``cached`` positions
+        cached computes (None: it computes no full block other sequences could share). Two
+        sequences in one prefill batch with the same one would both compute it: the second is
+        better off a step later, when the first has stored it."""
+        end = (cached // self.block_size + 1) * self.block_size
+        if end > len(tokens) - 1:
+            return None
+        return block_hashes(tokens[:end], self.block_size, self.extra)[-1]
+
     def store(self, table: Sequence[int], tokens: Sequence[int]) -> list[int]:
         """Register the full blocks of ``tokens`` (positions whose KV is computed, under
         ``table``) by hash; returns the hashes newly stored. A block whose hash another block
@@ -172,3 +196,16 @@ def reuses_prefix(seq: SequenceState) -> bool:
     """Whether a sequence may take cached blocks: not a decode task, whose KV comes whole from
     its prefill worker and is written over its blocks."""
     return seq.task.phase != "decode"
+
+
+def take_new_hits(pool: BlockPool, seq: SequenceState) -> None:
+    """Before ``seq``'s prefill: the blocks of its prompt stored since it reserved (``rematch``)
+    become its own; they count as cached prompt tokens in its usage."""
+    if reuses_prefix(seq):
+        seq.cached = pool.rematch(seq.block_table, seq.all_tokens, seq.cached)
+        seq.prompt_cached = max(seq.prompt_cached, min(seq.cached, seq.prompt_len))
+
+
+def first_to_compute(pool: BlockPool, seq: SequenceState) -> int | None:
+    """``Engine.first_to_compute`` for an engine whose blocks are in ``pool``."""
+    return pool.first_to_compute(seq.all_tokens, seq.cached) if reuses_prefix(seq) else None

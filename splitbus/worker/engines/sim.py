@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, register
-from splitbus.worker.engines.prefix import BlockPool, reuses_prefix
+from splitbus.worker.engines.prefix import BlockPool, first_to_compute, reuses_prefix, take_new_hits
 
 if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
     from splitbus.bus.messages import GenerateRequest
@@ -135,8 +135,13 @@ class SimEngine:
         if poison >= 0 and any(poison in s.request.prompt_token_ids for s in batch):
             raise RuntimeError(f"sim engine: poison token {poison} in the batch")
 
+    def first_to_compute(self, seq: Sequence) -> int | None:
+        return first_to_compute(self.pool, seq)
+
     async def prefill(self, batch: list[Sequence]) -> list[int]:
         self._check_poison(batch)
+        for seq in batch:
+            take_new_hits(self.pool, seq)
         if self.config.crash_token >= 0 and any(self.config.crash_token in s.request.prompt_token_ids for s in batch):
             os.kill(os.getpid(), signal.SIGKILL)
         # Only the uncached suffix is computed (``reserve`` found the cached prefix).

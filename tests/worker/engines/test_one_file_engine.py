@@ -55,6 +55,9 @@ class EchoEngine:
         self.free_blocks += seq.blocks
         seq.blocks = 0
 
+    def first_to_compute(self, seq: Sequence) -> int | None:
+        return None  # no prefix cache: nothing to share
+
     async def prefill(self, batch: list[Sequence]) -> list[int]:
         return await self.decode(batch)
 

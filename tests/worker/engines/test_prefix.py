@@ -106,3 +106,21 @@ def test_only_the_events_sent_are_cleared() -> None:
     assert pool.events.pending() == [BlockStored(_hex(list(range(100, 140))), "", 16)]
     pool.events.sent(1)
     assert pool.events.pending() == [] and len(pool.events) == 0
+
+
+def test_a_sibling_reserved_before_the_prefix_was_stored_takes_it_at_its_prefill() -> None:
+    pool = BlockPool(range(1, 11), 16)
+    first = pool.allocate(3, PROMPT)  # both reserve before either is computed: nothing cached yet
+    sibling = pool.allocate(3, PROMPT + [7])
+    assert first is not None and sibling is not None and sibling.cached_tokens == 0
+    assert pool.first_to_compute(PROMPT, 0) == pool.first_to_compute(PROMPT + [7], 0) == block_hashes(PROMPT, 16)[0]
+    pool.store(first.table, PROMPT)  # the first one's prefill
+    free = pool.free
+    table = list(sibling.table)
+    assert pool.rematch(table, PROMPT + [7], 0) == 32
+    assert table[:2] == first.table[:2] and table[2] == sibling.table[2]
+    assert pool.free == free + 2  # its own two fresh blocks went back
+    assert pool.first_to_compute(PROMPT + [7], 32) is None  # the 9 tokens left make no full block to share
+    pool.release(first.table)
+    pool.release(table)
+    assert pool.free == 10

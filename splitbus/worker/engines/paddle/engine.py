@@ -17,7 +17,7 @@ import numpy as np
 
 from splitbus.gpu_ops.sampling import sample
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk
-from splitbus.worker.engines.prefix import BlockPool, reuses_prefix
+from splitbus.worker.engines.prefix import BlockPool, first_to_compute, reuses_prefix, take_new_hits
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,12 @@ class PaddleEngine:
         self.pool.release(seq.block_table)
         seq.block_table, seq.blocks = [], 0
 
+    def first_to_compute(self, seq: Sequence) -> int | None:
+        return first_to_compute(self.pool, seq)
+
     async def prefill(self, batch: list[Sequence]) -> list[int]:
+        for seq in batch:  # before the forward reads the block tables
+            take_new_hits(self.pool, seq)
         tokens = await self._run(lambda: self._prefill(batch))
         for seq in batch:  # on the event loop, as reserve and release: the pool has one thread
             self.pool.store(seq.block_table, seq.all_tokens)
