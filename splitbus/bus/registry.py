@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -356,14 +357,17 @@ class RegistryView:
         self._registry = registry
         self._refresh_s = refresh_s
         self.workers: list[WorkerInfo] = []
+        self.read_at = 0.0
+        """When the current snapshot's read began (monotonic): it shows what was written before."""
         self.redis_ok = False
         self.refreshed = asyncio.Event()
         self.stopped = False
 
     async def refresh(self) -> None:
         try:
+            read_at = time.monotonic()
             self.workers = await self._registry.snapshot()
-            self.redis_ok = True
+            self.read_at, self.redis_ok = read_at, True
         except Exception as exc:
             if not is_transient(exc):  # BUSY or a refused script is a ResponseError, not a connection error
                 raise

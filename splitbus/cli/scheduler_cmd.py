@@ -74,7 +74,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--overlap-weight",
         type=float,
-        default=1.0,
+        default=4.0,
         help="prompt tokens of credit per prompt token a worker holds cached; 0 places by load alone"
         " (default %(default)s)",
     )

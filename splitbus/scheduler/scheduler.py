@@ -29,7 +29,7 @@ from splitbus.bus.connection import connect, is_transient, transient_suppressed,
 from splitbus.bus.kv_events import KvEventReader
 from splitbus.bus.loops import EXIT_FATAL, Loops
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, RegistryView, Reserved, SchedulerLease
+from splitbus.bus.registry import Registry, RegistryView, SchedulerLease
 from splitbus.bus.requests import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, entry_order
@@ -46,6 +46,7 @@ from splitbus.scheduler.dispatch import (
     Dispatcher,
 )
 from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
+from splitbus.scheduler.ledger import Ledger
 from splitbus.scheduler.placement import Local, Placement, Waiting
 from splitbus.scheduler.policies import Placed, PlacingContext
 from splitbus.scheduler.prefixes import NO_PREFIXES, IndexPrefixes
@@ -91,7 +92,8 @@ class Scheduler:
         """(the request and its reader, reason) of entries dead-lettered since the last step: failed then."""
         self.waiting: list[Waiting] = []
         self.local: Local = {}
-        """Reservations made since the last registry snapshot."""
+        """Reservations the registry snapshot does not show yet (kept by ``ledger``)."""
+        self.ledger = Ledger(self.local)
         self.context = PlacingContext(self.view, self.registry, self.local)
         self._placing = asyncio.Lock()
         """Held while requests are placed: by the scheduling loop, and by the claimer, which
@@ -175,7 +177,7 @@ class Scheduler:
             await asyncio.sleep(self.config.refresh_s)
         if self.view.refreshed.is_set():
             self.view.refreshed.clear()
-            self.local.clear()  # the fresh snapshot holds our reservations now
+            self.ledger.view_refreshed(self.view.read_at)  # what the fresh snapshot shows is forgotten
         now = time.monotonic()
         return [Waiting(d, now) for d in deliveries]
 
@@ -205,7 +207,9 @@ class Scheduler:
             elif isinstance(decision, Placed):
                 placed.append(w)
                 writes.append(self.contained(w, self.dispatch(w, w.delivery.message, decision.placements)))
-        left += [w for w, outcome in zip(placed, await asyncio.gather(*writes), strict=True) if outcome in PLACE_AGAIN]
+        outcomes = await asyncio.gather(*writes)
+        self.ledger.written()
+        left += [w for w, outcome in zip(placed, outcomes, strict=True) if outcome in PLACE_AGAIN]
         return left
 
     async def write_batch(self, placed: list[tuple[Waiting, Placement]]) -> None:
@@ -221,6 +225,7 @@ class Scheduler:
         outcomes = await asyncio.gather(
             *(self.contained(w, self.dispatch(w, w.delivery.message, ps)) for w, ps in batch)
         )
+        self.ledger.written()
         self.waiting += [w for (w, _), outcome in zip(batch, outcomes, strict=True) if outcome in PLACE_AGAIN]
 
     async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | Verdict:
@@ -305,13 +310,7 @@ class Scheduler:
         return outcome
 
     def _reserve_locally(self, placement: Placement) -> None:
-        worker_id = placement.worker.record.worker_id
-        mine, add = self.local.get(worker_id, Reserved()), placement.reserve
-        self.local[worker_id] = Reserved(
-            mine.reserved_prefill_tokens + add.reserved_prefill_tokens,
-            mine.reserved_requests + add.reserved_requests,
-            mine.reserved_kv_blocks + add.reserved_kv_blocks,
-        )
+        self.ledger.reserve(placement)
 
     async def fail(self, waiting: Waiting, code: str, message: str, status: int) -> bool:
         """Fail the request to its client, if its entry is still ours (a replica that hung past

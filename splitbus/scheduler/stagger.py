@@ -49,12 +49,18 @@ class Job:
     """Its prompt tokens each rank holds cached, by rank id: computed nowhere else."""
 
 
+OVERLAP_WEIGHT = 4.0
+"""The default credit per cached prompt token (docs/routing.md, "The cost": why 4)."""
+LOAD_CAP_TOKENS = 16384
+"""The default excess queue past which a worker gets no credit."""
+
+
 @dataclass(frozen=True)
 class Credit:
     """How water-filling credits a rank's cached tokens (``placement.CacheCost``'s two knobs)."""
 
-    overlap_weight: float = 1.0
-    load_cap_tokens: int = 16384
+    overlap_weight: float = OVERLAP_WEIGHT
+    load_cap_tokens: int = LOAD_CAP_TOKENS
 
 
 NO_CREDIT = Credit(overlap_weight=0.0)

@@ -15,8 +15,9 @@ from tests.scheduler.snapshot import request, worker
 def test_a_cached_prefix_is_credited_against_queued_tokens() -> None:
     p0, p1 = worker("p0", "prefill", queued=1000), worker("p1", "prefill", queued=0)
     workers = [p0, p1]
-    cost = prefill_cost(workers, request(prompt=1800), {"p0": 1500}, {}, CacheCost())
+    cost = prefill_cost(workers, request(prompt=1800), {"p0": 1500}, {}, CacheCost(overlap_weight=1.0))
     assert (cost(p0), cost(p1)) == (1000 + 1800 - 1500, 1800)
+    assert prefill_cost(workers, request(prompt=1800), {"p0": 1500}, {}, CacheCost())(p0) == 1000 + 1800 - 4 * 1500
     assert choose(workers, cost, random.Random(0)) is p0
     load_only = prefill_cost(workers, request(prompt=1800), {"p0": 1500}, {}, LOAD_ONLY)
     assert choose(workers, load_only, random.Random(0)) is p1
@@ -36,10 +37,11 @@ def test_the_owner_of_a_hot_prefix_gets_no_credit_past_the_load_cap() -> None:
 
 def test_a_mixed_worker_costs_its_prefill_in_blocks_plus_the_blocks_its_requests_hold() -> None:
     busy, cold = worker("w0", "mixed", free=400), worker("w1", "mixed", free=1000)
-    cost = mixed_cost([busy, cold], request(prompt=1600), {"w0": 1600 - 16}, {}, CacheCost())
+    one = CacheCost(overlap_weight=1.0)
+    cost = mixed_cost([busy, cold], request(prompt=1600), {"w0": 1600 - 16}, {}, one)
     assert cost(busy) == 16 / 16 + 600 and cost(cold) == 1600 / 16 + 0
     assert choose([busy, cold], cost, random.Random(0)) is cold  # 600 blocks in use outweigh 99 of prefill
-    cost = mixed_cost([busy, cold], request(prompt=16000), {"w0": 15984}, {}, CacheCost())
+    cost = mixed_cost([busy, cold], request(prompt=16000), {"w0": 15984}, {}, one)
     assert choose([busy, cold], cost, random.Random(0)) is busy  # a long cached prompt outweighs them
 
 

@@ -4,12 +4,16 @@ and where a routed request's siblings find its prompt before the worker's events
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 from splitbus.bus.blocks import block_hashes
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockStored, KvEventBatch, block_hash
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.scheduler.kv_index import KvIndex
+from splitbus.scheduler.ledger import Ledger
+from splitbus.scheduler.placement import Local
+from splitbus.scheduler.policies import Placed, PolicyOptions, create
 from splitbus.scheduler.prefixes import IndexPrefixes
 
 
@@ -49,3 +53,29 @@ def test_a_routed_request_is_predicted_on_its_worker_for_its_siblings() -> None:
     w0 = _worker("w0")
     prefixes.routed(first, w0)
     assert prefixes.cached(sibling, [w0, _worker("w1")]) == {"w0": 96}
+
+
+def test_a_burst_of_siblings_mostly_lands_on_one_worker() -> None:
+    """16 requests sharing a 1,500-token prefix arrive before any worker's events: each decision
+    sees the earlier ones' predictions (and their reservations, as the scheduler keeps them)."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(1000) for _ in range(1500)]
+    workers = [_worker(f"p{i}") for i in range(8)]
+    prefixes = IndexPrefixes(KvIndex())
+    policy = create("splitwise", PolicyOptions(rng=random.Random(0)), prefixes)
+    decode = WorkerInfo(
+        WorkerRecord(worker_id="d", role="decode", model="m", load=WorkerLoad(free_kv_blocks=10**6)), 0, 3000
+    )
+    local: Local = {}
+    ledger = Ledger(local)
+    chosen = []
+    for i in range(16):
+        request = _request(prefix + [rng.randrange(1000) for _ in range(300)], f"r{i}")
+        plan = policy.place(request, [*workers, decode], local)
+        assert isinstance(plan, Placed)
+        for placement in plan.placements:
+            ledger.reserve(placement)
+            if placement.phase == "prefill":
+                prefixes.routed(request, placement.worker)
+                chosen.append(placement.worker.record.worker_id)
+    assert Counter(chosen).most_common(1)[0][1] >= 12
