@@ -51,13 +51,16 @@ class Workload:
     """trace: arrival times are multiplied by this (0.5 replays twice as fast)."""
     block_size: int = 16
     """Tokens per KV block for the ideal hit ratio (the worker's default block size)."""
+    system_len: int = 0
+    """multiturn: tokens of each conversation's own system prompt, before its first turn (a long
+    first prompt, then short follow-ups: where conditional disaggregation matters)."""
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {', '.join(DATASETS)}")
         counts = (self.prefix_groups, self.questions_per_group, self.question_len, self.conversations, self.turns)
-        if min(*counts, self.turn_len, self.block_size) < 1 or self.prefix_len < 0:
-            raise ValueError("workload counts and lengths must be >= 1 (prefix_len >= 0)")
+        if min(*counts, self.turn_len, self.block_size) < 1 or min(self.prefix_len, self.system_len) < 0:
+            raise ValueError("workload counts and lengths must be >= 1 (prefix_len and system_len >= 0)")
         if self.dataset == "trace" and not self.trace_file:
             raise ValueError("--dataset trace needs a trace file")
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):

@@ -61,7 +61,8 @@ def make_prefix(workload: Workload, output_len: int, rate: float, seed: int) -> 
 
 def make_multiturn(workload: Workload, output_len: int, rate: float, seed: int) -> list[TraceItem]:
     """Conversations started at Poisson times; turn ``k``'s prompt is every earlier turn's prompt
-    tokens and answer, then its own new tokens. The answers are stand-ins: ``output_len`` seeded
+    tokens and answer, then its own new tokens (the first turn's after the conversation's own
+    ``system_len``-token system prompt). The answers are stand-ins: ``output_len`` seeded
     tokens per turn (the tokens a client would send back, of the length it asked for), not what
     the server generated, so the prompts are fixed in advance. Turn ``k`` follows turn ``k - 1``:
     it is sent when that one's answer is complete."""
@@ -69,7 +70,7 @@ def make_multiturn(workload: Workload, output_len: int, rate: float, seed: int) 
     starts = _arrivals(rng, rate, workload.conversations)
     items: list[TraceItem] = []
     for start in starts:
-        history: list[int] = []
+        history: list[int] = _tokens(rng, workload.system_len)
         for turn in range(workload.turns):
             prompt = history + _tokens(rng, workload.turn_len)
             follows = len(items) - 1 if turn else None

@@ -186,6 +186,7 @@ def _add_serve_workloads(serve: argparse.ArgumentParser) -> None:
     add("--conversations", type=int, default=8, help="multiturn: conversations (default %(default)s)")
     add("--turns", type=int, default=4, help="multiturn: turns per conversation (default %(default)s)")
     add("--turn-len", type=int, default=64, help="multiturn: new prompt tokens per turn (default %(default)s)")
+    add("--system-len", type=int, default=0, help="multiturn: system prompt tokens before turn 1 (default 0)")
     add("--time-scale", type=float, default=1.0, help="trace: arrival times × this (default %(default)s)")
     add("--block-size", type=int, default=16, help="KV block tokens for the ideal hit ratio (default %(default)s)")
     add("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="bounds: ttft:MS tpot:MS e2el:MS")
@@ -448,6 +449,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
     workload = Workload(
         dataset, args.prefix_groups, args.prefix_len, args.questions_per_group, args.question_len,
         args.conversations, args.turns, args.turn_len, files[0] if files else None, args.time_scale, args.block_size,
+        args.system_len,
     )  # fmt: skip
     if files:
         read_trace(Path(files[0]))  # a bad line is reported before anything starts

@@ -153,10 +153,23 @@ class TaskFeed:
                 self.reread_pending = is_transient(exc)  # its reply may have held tasks: look for them
                 raise
             self.unaccepted.extend(read)
-        while self.unaccepted:
+        while self.unaccepted and self.kv_room_for(self.unaccepted[0]):
             await self.accept_safely(self.unaccepted.popleft())
         await self.work_arrived()  # the engine loop starts on them while the reservations go back
         await self.give_back_reservations()
+        if self.unaccepted:  # no KV blocks for the next one yet: it waits, read, until a request leaves
+            self.room.clear()
+            await self.room.wait()
+
+    def kv_room_for(self, delivery: Delivery) -> bool:
+        """Whether the engine has KV blocks for the task now, or never will (it holds nothing
+        that could free them: the task is taken and fails). A task without room waits, not
+        taken (its scheduler's reservation still counted), until a request leaves this worker:
+        a burst that outran the registry view waits for blocks instead of failing."""
+        task = delivery.message
+        if not isinstance(task, Task) or not self.held():
+            return True
+        return self.engine.can_reserve(task, kv_tokens(task))
 
     async def give_back_reservations(self) -> None:
         """Give back what the scheduler reserved for the tasks taken, with the load that now
@@ -301,9 +314,7 @@ class TaskFeed:
     def take_blocks(self, seq: Sequence) -> bool:
         """KV room for the request: its prompt on a prefill worker, prompt + max_tokens where
         it decodes."""
-        tokens = len(seq.all_tokens)
-        if seq.task.phase != "prefill":
-            tokens = seq.prompt_len + seq.request.sampling.max_tokens
+        tokens = kv_tokens(seq.task)
         if not self.engine.reserve(seq, tokens):
             free = self.engine.free_blocks
             self.publisher.fail(
@@ -319,6 +330,14 @@ class TaskFeed:
         """Delete this worker's task entries once acked (never an unacked one)."""
         await asyncio.sleep(TRIM_EVERY_S)
         await trim_tasks(self.redis, self.keys, self.id)
+
+
+def kv_tokens(task: Task) -> int:
+    """The positions a task holds KV blocks for: its prompt and the tokens generated before it on a
+    prefill worker; prompt + max_tokens where it decodes."""
+    if task.phase == "prefill":
+        return len(task.request.prompt_token_ids) + len(task.output_token_ids)
+    return len(task.request.prompt_token_ids) + task.request.sampling.max_tokens
 
 
 def _add(a: Reserved, b: Reserved) -> Reserved:

@@ -47,6 +47,9 @@ def test_multiturn_turns_carry_the_whole_history_and_follow_the_previous_turn() 
     for earlier, later in ((items[0], items[1]), (items[1], items[2])):
         assert later.prompt_token_ids[: len(earlier.prompt_token_ids)] == earlier.prompt_token_ids
     assert items[0].prompt_token_ids != items[3].prompt_token_ids
+    with_system = make_multiturn(Workload("multiturn", conversations=2, turns=3, turn_len=6, system_len=50), 4, 1, 3)
+    assert [len(i.prompt_token_ids) for i in with_system] == [56, 66, 76] * 2  # each conversation's own
+    assert with_system[0].prompt_token_ids[:50] != with_system[3].prompt_token_ids[:50]
 
 
 def test_replay_sends_a_turn_only_after_the_previous_one_answered() -> None:

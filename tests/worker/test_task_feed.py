@@ -191,3 +191,30 @@ async def test_a_task_lost_without_an_error_is_found_by_the_periodic_look(
 async def _until_unaccepted(worker: Worker) -> None:
     while not worker.feed.unaccepted:
         await asyncio.sleep(0.1)
+
+
+async def test_a_task_without_kv_room_waits_until_a_request_leaves(bus_config: BusConfig, tiny_model: Path) -> None:
+    """A burst placed from a registry view older than the worker's last requests: the task it has
+    no blocks for is read but not taken, and not failed; it is taken once a request leaves."""
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p2")
+    worker = Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 16, 16))
+    await worker.tasks.ensure_group()
+    try:
+        for rid, token in (("a", 97), ("b", 98)):  # 150 tokens each: 10 of the worker's 16 blocks
+            request = GenerateRequest(rid, "tiny", [token] * 150, SamplingParams(max_tokens=4), "api", 0)
+            await add(worker.redis, worker.keys.tasks(worker.id), Task("prefill", request, "d1"))
+        feeding = asyncio.create_task(worker.feed.feed_tasks())
+        await asyncio.sleep(0.3)
+        assert _queued(worker) == ["a"] and not feeding.done()  # waiting for room: b is read, not taken
+        assert [d.message.request.request_id for d in worker.feed.unaccepted] == ["b"]
+        assert worker.writer.pending == 0  # nothing failed
+        (first,) = worker.requests.of(Status.QUEUED)
+        worker.requests.remove(first)
+        worker.publisher.retire(first)  # a leaves: its blocks are free
+        await asyncio.wait_for(feeding, 5)
+        await worker.feed.feed_tasks()
+        assert _queued(worker) == ["b"]
+    finally:
+        await worker.loops.close()
+        await worker.redis.aclose()

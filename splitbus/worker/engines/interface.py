@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
+    from splitbus.bus.messages import Task
     from splitbus.worker.engines.prefix import KvEventLog
     from splitbus.worker.sequence import Sequence
 
@@ -33,6 +34,11 @@ class Engine(Protocol):
         """Called when a task is accepted: hold blocks for ``tokens`` positions of ``seq``
         (prompt only on a prefill worker; prompt + max_tokens where it decodes). False when
         there is no room; the request is then failed."""
+
+    def can_reserve(self, task: Task, tokens: int) -> bool:
+        """Called before a task is taken, while the worker holds other requests: whether
+        ``reserve`` would find room for ``tokens`` positions of it now (nothing is taken). False
+        leaves the task waiting until a request leaves."""
 
     def kv_capacity(self, seq: Sequence) -> int:
         """The most KV bytes the blocks reserved for ``seq`` hold: a decode worker refuses a

@@ -22,6 +22,7 @@ from splitbus.bus.blocks import block_hashes
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, block_hash
 
 if TYPE_CHECKING:
+    from splitbus.bus.messages import Task
     from splitbus.worker.sequence import Sequence as SequenceState
 
 
@@ -94,12 +95,23 @@ class BlockPool:
             found.append(block)
         return found
 
+    def fits(self, count: int, prompt: Sequence[int] = ()) -> bool:
+        """Whether ``allocate(count, prompt)`` would succeed now (nothing is taken)."""
+        hits = self.match(prompt)[:count]
+        return self._room(count - len(hits), hits)
+
+    def _room(self, fresh: int, hits: list[int]) -> bool:
+        """Whether ``fresh`` blocks can be taken besides ``hits``: plain free ones, and cached free
+        ones that are not among the hits."""
+        taken = set(hits)
+        return fresh <= len(self._plain) + sum(1 for b in self._lru if b not in taken)
+
     def allocate(self, count: int, prompt: Sequence[int] = ()) -> Allocation | None:
         """``count`` blocks for a sequence, the first ones cached blocks of ``prompt`` where they
         match; None (nothing taken) when there is no room."""
         hits = self.match(prompt)[:count]
         fresh = count - len(hits)
-        if fresh > len(self._plain) + sum(1 for b in self._lru if b not in hits):
+        if not self._room(fresh, hits):
             return None
         for block in hits:
             self._hold(block)
@@ -204,6 +216,12 @@ def take_new_hits(pool: BlockPool, seq: SequenceState) -> None:
     if reuses_prefix(seq):
         seq.cached = pool.rematch(seq.block_table, seq.all_tokens, seq.cached)
         seq.prompt_cached = max(seq.prompt_cached, min(seq.cached, seq.prompt_len))
+
+
+def can_reserve(pool: BlockPool, task: Task, tokens: int) -> bool:
+    """``Engine.can_reserve`` for an engine whose blocks are in ``pool``."""
+    prompt = task.request.prompt_token_ids + task.output_token_ids if task.phase != "decode" else []
+    return pool.fits(-(-tokens // pool.block_size), prompt)
 
 
 def first_to_compute(pool: BlockPool, seq: SequenceState) -> int | None:

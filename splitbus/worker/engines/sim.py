@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, register
-from splitbus.worker.engines.prefix import BlockPool, first_to_compute, reuses_prefix, take_new_hits
+from splitbus.worker.engines.prefix import BlockPool, can_reserve, first_to_compute, reuses_prefix, take_new_hits
 
 if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
-    from splitbus.bus.messages import GenerateRequest
+    from splitbus.bus.messages import GenerateRequest, Task
     from splitbus.tokenization import ModelTokenizer
     from splitbus.worker.sequence import Sequence
 
@@ -121,6 +121,9 @@ class SimEngine:
         seq.block_table, seq.blocks = got.table, len(got.table)
         seq.cached = seq.prompt_cached = got.cached_tokens
         return True
+
+    def can_reserve(self, task: Task, tokens: int) -> bool:
+        return can_reserve(self.pool, task, tokens)
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.config.kv_bytes_per_token

@@ -48,6 +48,9 @@ class EchoEngine:
         seq.blocks = needed
         return True
 
+    def can_reserve(self, task: Task, tokens: int) -> bool:
+        return self.free_blocks >= -(-tokens // self.block_size)
+
     def kv_capacity(self, seq: Sequence) -> int:
         return 0
 

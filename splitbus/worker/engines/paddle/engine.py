@@ -15,9 +15,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from splitbus.bus.messages import Task
 from splitbus.gpu_ops.sampling import sample
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk
-from splitbus.worker.engines.prefix import BlockPool, first_to_compute, reuses_prefix, take_new_hits
+from splitbus.worker.engines.prefix import BlockPool, can_reserve, first_to_compute, reuses_prefix, take_new_hits
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class PaddleEngine:
         seq.block_table, seq.blocks = got.table, len(got.table)
         seq.cached = seq.prompt_cached = got.cached_tokens
         return True
+
+    def can_reserve(self, task: Task, tokens: int) -> bool:
+        return can_reserve(self.pool, task, tokens)
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.cache.bytes_per_token()
