@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -477,3 +478,172 @@ def bus_cluster_plot(report: dict[str, Any], path: Path) -> None:
         fontsize=10,
     )
     _save(plt, fig, path, dpi=110)
+
+
+ROUTING_WINDOWS = {
+    "before_loss": "before the loss",
+    "during_loss": "during the loss",
+    "resync_to_1s": "resync .. +1 s",
+    "1s_to_2s": "+1 s .. +2 s",
+    "1s_to_end": "+1 s .. end",
+}
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def routing_table(report: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            *_routing_scoring_rows(report["scoring"]),
+            *_routing_ingest_rows(report["ingest"]),
+            *_routing_recovery_rows(report["recovery"]),
+            f"load average (1, 5, 15 min): {report['load_average']['start']} at the start, "
+            f"{report['load_average']['end']} at the end",
+        ]
+    )
+
+
+def _routing_scoring_rows(s: dict[str, Any]) -> list[str]:
+    from splitbus.bench.routing import SCORING_NAMES
+
+    r = s["results"]
+    rows = [
+        f"scoring: {s['prompt_tokens']:,}-token prompt ({s['chain_blocks']:,} blocks), {s['workers']} workers holding "
+        f"it to depths 0..{s['chain_blocks']}, {s['other_blocks_per_worker']:,} other blocks each; "
+        f"{r['hash']['n']:,} fresh requests, gc off while timed",
+        f"  {'measure':<40} {'p50 µs':>9} {'p99 µs':>9} {'max µs':>9}",
+    ]
+    for key, name in SCORING_NAMES.items():
+        rows.append(f"  {name:<40} {r[key]['p50_us']:>9,.1f} {r[key]['p99_us']:>9,.1f} {r[key]['max_us']:>9,.1f}")
+    target, fresh, memo = s["target_us"], r["place_fresh"]["p99_us"], r["place_memoized"]["p99_us"]
+    rows.append(
+        f"  target p99 <= {target:,.0f} µs for the decision, hashing included: {_met(fresh <= target)} "
+        f"({fresh:,.0f} µs); chain memoized: {_met(memo <= target)} ({memo:,.0f} µs)"
+    )
+    return rows
+
+
+def _routing_ingest_rows(s: dict[str, Any]) -> list[str]:
+    names = {"apply": "KvIndex.apply (decoded batches)", "redis": "Redis: XREAD + decode + apply"}
+    rows = [
+        f"ingest: {s['workers']} workers, {s['cached_blocks_per_worker']:,} cached blocks each; a batch (an engine "
+        f"step) = BlockRemoved(8) + BlockStored(8); median of {len(s['results']['apply']['runs_events_per_s'])} run(s)",
+        f"  {'path':<40} {'batches/s':>11} {'events/s':>11} {'hashes/s':>12}",
+    ]
+    for key, name in names.items():
+        r = s["results"][key]
+        rows.append(f"  {name:<40} {r['batches_per_s']:>11,} {r['events_per_s']:>11,} {r['hashes_per_s']:>12,}")
+    redis = s["results"]["redis"]
+    rows.append(
+        f"  Redis: every batch published first (publishing not timed), then {redis['batches']:,} batches read in "
+        f"{redis['polls']} poll(s), {redis['seconds']:.3f} s ({redis['process_cpu_s']:.3f} s of this process's CPU)"
+    )
+    target = s["target_events_per_s"]
+    verdicts = ", ".join(
+        f"{key} {_met(ok)} ({s['results'][key]['events_per_s']:,})" for key, ok in s["target_met"].items()
+    )
+    rows.append(f"  target >= {target:,.0f} events/s on one core: {verdicts}")
+    return rows
+
+
+def _routing_recovery_rows(s: dict[str, Any]) -> list[str]:
+    cfg, seeds = s["config"], s["seeds"]
+    lost = "all workers'" if cfg["lost"] == "all" else "one worker's"
+    resyncs = [row["resync_s"] for row in seeds]
+    rows = [
+        f"recovery (simulated): {cfg['workers']} workers x {cfg['pool_blocks']} blocks, {cfg['groups']} prefixes of "
+        f"{cfg['prefix_tokens']} + {cfg['question_tokens']}-token questions, {cfg['rate']:g} req/s held "
+        f"{cfg['service_s']:g} s; {lost} batches lost {cfg['loss_at_s']:g}-{cfg['loss_at_s'] + cfg['loss_s']:g} s",
+        f"  {len(seeds)} seed(s) pooled; last resync at {min(resyncs):.2f}-{max(resyncs):.2f} s; "
+        f"{sum(row['lost_batches'] for row in seeds):,} batches lost; ideal hit ratio {s['ideal_hit_ratio']:.1%}",
+        f"  {'window (hit ratio)':<22} {'without loss':>12} {'with loss':>10} {'points lower':>13} {'± stderr':>9} "
+        f"{'requests':>9}",
+    ]
+    for key, name in ROUTING_WINDOWS.items():
+        w = s["windows"][key]
+        stderr = "-" if w["points_lower_stderr"] is None else f"{w['points_lower_stderr']:.2f}"
+        rows.append(
+            f"  {name:<22} {_pct(w['without_loss']):>12} {_pct(w['with_loss']):>10} {_num(w['points_lower']):>13} "
+            f"{stderr:>9} {w['requests_with_loss']:>9,}"
+        )
+    window = s["target_window"]
+    lower = _num(s["windows"][window]["points_lower"])
+    rows.append(
+        f"  target: within {s['target_points']:g} points of the run without loss 1 s after the resync "
+        f"({ROUTING_WINDOWS[window]}): {_met(s['target_met'])} ({lower} points lower)"
+    )
+    return rows
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def routing_plot(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1.2, 0.8, 1.6]})
+    _routing_scoring_plot(left, report["scoring"])
+    _routing_ingest_plot(middle, report["ingest"])
+    _routing_recovery_plot(right, report["recovery"])
+    load = report["load_average"]
+    fig.suptitle(
+        f"splitbus bench routing: the KV index (issue 23); load average {load['start'][0]:.2f} at the start, "
+        f"{load['end'][0]:.2f} at the end",
+        fontsize=10,
+    )
+    _save(plt, fig, path, dpi=100)
+
+
+def _routing_scoring_plot(ax: Any, s: dict[str, Any]) -> None:
+    from splitbus.bench.routing import SCORING
+
+    labels = ["hash chain", "overlaps", "place\n(fresh)", "place\n(memoized)"]
+    for offset, (metric, color) in ((-0.2, ("p50_us", "#2980b9")), (0.2, ("p99_us", "#c0392b"))):
+        values = [s["results"][key][metric] for key in SCORING]
+        bars = ax.bar([i + offset for i in range(len(SCORING))], values, width=0.4, color=color, label=metric[:3])
+        ax.bar_label(bars, fmt="{:,.0f}", fontsize=7)
+    ax.axhline(s["target_us"], color="black", linestyle="--", linewidth=1, label="target p99")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(SCORING)), labels, fontsize=8)
+    ax.set_title(f"scoring a {s['prompt_tokens']:,}-token prompt, {s['workers']} workers (µs)", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _routing_ingest_plot(ax: Any, s: dict[str, Any]) -> None:
+    keys = ("apply", "redis")
+    bars = ax.bar(range(2), [s["results"][k]["events_per_s"] for k in keys], color=["#8e44ad", "#c0392b"])
+    ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
+    ax.axhline(s["target_events_per_s"], color="black", linestyle="--", linewidth=1, label="target")
+    ax.set_xticks(range(2), ["KvIndex.apply", "Redis: XREAD\n+ decode + apply"], fontsize=8)
+    ax.set_title("event ingest, one process (events/s)", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _routing_recovery_plot(ax: Any, s: dict[str, Any]) -> None:
+    cfg = s["config"]
+    for name, color in (("without_loss", "#2980b9"), ("with_loss", "#c0392b")):
+        points = [(b["t_s"], b["hit_ratio"]) for b in s["runs"][name]["series"] if b["hit_ratio"] is not None]
+        ax.plot(
+            [t for t, _ in points],
+            [r for _, r in points],
+            color=color,
+            label=name.replace("_", " "),
+            drawstyle="steps-post",
+        )
+    ax.axvspan(cfg["loss_at_s"], cfg["loss_at_s"] + cfg["loss_s"], color="#f39c12", alpha=0.2, label="batches lost")
+    resync = statistics.mean(row["resync_s"] for row in s["seeds"])
+    ax.axvline(resync, color="black", linewidth=1, label="resync (mean)")
+    ax.axvline(resync + 1, color="black", linestyle=":", linewidth=1, label="resync + 1 s")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_title(
+        f"hit ratio per {cfg['bucket_s']:g} s, {len(s['seeds'])} seed(s) pooled (ideal {s['ideal_hit_ratio']:.0%})",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="lower right")

@@ -1,4 +1,4 @@
-"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api``: each prints a table and writes JSON + PNG."""
+"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing``: each prints a table and writes JSON + PNG."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ C = TypeVar("C")
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (table, JSON and PNG)")
     kinds = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_bus, _add_engine, _add_stagger, _add_ep, _add_serve, _add_scheduler, _add_api):
+    adders = (_add_bus, _add_engine, _add_stagger, _add_ep, _add_serve, _add_scheduler, _add_api, _add_routing)
+    for add in adders:
         add(kinds, env)
 
 
@@ -231,6 +232,26 @@ def _add_api(kinds: argparse._SubParsersAction, env: Env) -> None:
         "--client-processes", type=int, default=2, help="processes holding the streams (default %(default)s)"
     )
     api.set_defaults(run=run_api)
+
+
+def _add_routing(kinds: argparse._SubParsersAction, env: Env) -> None:
+    routing = kinds.add_parser(
+        "routing", help="the KV index: scoring latency, event ingest, hit ratio after lost events (simulated)"
+    )
+    add = routing.add_argument
+    add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    add("--workers", type=int, default=16, help="workers in the index, scoring and ingest (default %(default)s)")
+    add("--prompt-tokens", type=int, default=16384, help="scoring: the prompt's tokens (default %(default)s)")
+    add(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs of each scoring and ingest measurement: scoring pools them, ingest reports the median (default 3)",
+    )
+    add("--seed", type=int, default=1, help="the prompt, the loads and the first simulated seed (default 1)")
+    add("--seeds", type=int, default=10, help="recovery: simulated seeds, pooled (default %(default)s)")
+    add("--quick", action="store_true", help="small counts, one run, one short simulation: checks that it works")
+    routing.set_defaults(run=run_routing)
 
 
 @contextlib.contextmanager
@@ -503,3 +524,19 @@ def run_api(args: argparse.Namespace, env: Env) -> int:
     with _redis(args.redis_url) as url:
         result = run_api_bench(url, config, progress=run.progress)
     return run.finish(result, report.api_plot, report.api_table)
+
+
+def run_routing(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.routing import RoutingBenchConfig, run_routing_bench
+
+    options = {"workers": args.workers, "prompt_tokens": args.prompt_tokens, "seed": args.seed}
+    if not args.quick:
+        options.update(repeat=args.repeat, seeds=args.seeds)
+    make = RoutingBenchConfig.quick if args.quick else RoutingBenchConfig
+    config = _config("routing", lambda: make(**options))
+    if config is None:
+        return 2
+    run = _Run("routing", args.out)
+    result = run_routing_bench(config, progress=run.progress)
+    return run.finish(result, report.routing_plot, report.routing_table)
