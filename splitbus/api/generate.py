@@ -25,6 +25,7 @@ from splitbus.api.errors import (
 )
 from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
+from splitbus.bus.blocks import chain_hex
 from splitbus.bus.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
 from splitbus.bus.results import Subscription
@@ -34,6 +35,8 @@ from splitbus.tokenization.tokenizer import ChatTemplateError
 T = TypeVar("T")
 INLINE_TOKENIZE_CHARS = 4096
 """Prompts up to this many characters are tokenized on the event loop (tens of microseconds)."""
+ON_LOOP_PREFIX_TOKENS = 2048
+"""Prompts up to this many tokens are hashed for routing on the event loop (~0.15 ms)."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DEADLINE_GRACE_S = 2.0
 """How long past the deadline the API waits for the worker's own timeout error."""
@@ -49,8 +52,9 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     check_prompt_chars(state.config.prompt_char_limit(tokenizer.context_length), params)
     prompt_ids = await tokenize(state, tokenizer, params)
     max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
+    prefix = await prefix_hashes(state, prompt_ids)
     state.admit(params.model)
-    generation = Generation(state, params, prompt_ids, max_tokens)
+    generation = Generation(state, params, prompt_ids, max_tokens, prefix)
     try:
         await generation.publish()
         first = await generation.until_disconnect(request, generation.next_result())
@@ -111,6 +115,17 @@ def _encode(tokenizer: ModelTokenizer, text: str) -> list[int]:
     return tokenizer.encode_batch([text])[0]
 
 
+async def prefix_hashes(state: ApiState, prompt_ids: list[int]) -> str:
+    """The prompt's hash chain for cache-aware routing (``GenerateRequest.prefix_hashes``): ~70 ns
+    a token, off the event loop for a long prompt."""
+    size = state.config.prefix_block_size
+    if size <= 0:
+        return ""
+    if len(prompt_ids) <= ON_LOOP_PREFIX_TOKENS:
+        return chain_hex(prompt_ids[:-1], size)
+    return await state.off_loop(lambda: chain_hex(prompt_ids[:-1], size))
+
+
 def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prompt_len: int) -> int:
     """The request's max_tokens, checked against the context (vLLM's rule and message)."""
     room = tokenizer.context_length - prompt_len
@@ -134,11 +149,15 @@ def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prom
 
 
 class Generation:
-    def __init__(self, state: ApiState, params: GenerationParams, prompt_ids: list[int], max_tokens: int) -> None:
+    def __init__(
+        self, state: ApiState, params: GenerationParams, prompt_ids: list[int], max_tokens: int, prefix: str = ""
+    ) -> None:
         self.state = state
         self.params = params
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
+        self.prefix = prefix
+        """The prompt's hash chain (``prefix_hashes``), of ``config.prefix_block_size``."""
         prefix = "chatcmpl" if params.kind == "chat" else "cmpl"
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = protocol.now_s()
@@ -166,7 +185,17 @@ class Generation:
                 spaces_between_special_tokens=p.spaces_between_special_tokens,
             )
             node, reader = self.state.config.node_id, self.state.reader.reader_of(self.request_id)
-            return GenerateRequest(self.request_id, p.model, self.prompt_ids, sampling, node, deadline_ms, reader)
+            return GenerateRequest(
+                self.request_id,
+                p.model,
+                self.prompt_ids,
+                sampling,
+                node,
+                deadline_ms,
+                reader,
+                self.prefix,
+                self.state.config.prefix_block_size if self.prefix else 0,
+            )
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 

@@ -8,9 +8,11 @@
    keyed by the object, does not hide the hashing. Timed with ``time.perf_counter_ns``, the
    garbage collector off in the timed loop: (a) hashing the chain (``IndexPrefixes.chain``),
    (b) ``KvIndex.overlaps`` on it, (c) the whole decision of the ``mixed`` policy with
-   ``IndexPrefixes`` over ``workers`` hand-made mixed workers (``policy.place``, the hashing
-   included), (d) the same decision again for that request, its chain memoized (what a waiting
-   request costs on each later loop step). The scheduler's ``routed`` (overlap count and
+   ``IndexPrefixes`` over ``workers`` hand-made mixed workers (``policy.place``) for a request
+   that carries the chain the API hashed (``prefix_hashes``: the scheduler splits it), the
+   target's measure, (d) the same for a request without it (the hashing included: a producer
+   other than the API), (e) that decision again, its chain memoized (what a waiting request costs
+   on each later loop step). The scheduler's ``routed`` (overlap count and
    prediction) after a decision is not timed.
 2. **Event ingest** (target: >= 50k events/s on one core; an event is a ``BlockStored`` or a
    ``BlockRemoved``, as vLLM counts). Each worker's engine step is one batch: a ``BlockRemoved``
@@ -46,6 +48,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from splitbus.bench.routing_sim import RecoveryConfig, run_recovery
+from splitbus.bus.blocks import chain_hex
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 from splitbus.bus.dispatch import blocks_needed
@@ -65,14 +68,15 @@ STEP_BLOCKS = 8
 """Blocks a worker's engine step stores, and evicts, in the ingest part."""
 SCORING_TARGET_US = 1000.0
 INGEST_TARGET_EVENTS_S = 50_000.0
-SCORING = ("hash", "overlaps", "place_fresh", "place_memoized")
+SCORING = ("hash", "overlaps", "place_sent", "place_fresh", "place_memoized")
 SCORING_NAMES = {
     "hash": "hash the chain (IndexPrefixes.chain)",
     "overlaps": "KvIndex.overlaps",
-    "place_fresh": "place (mixed), fresh request",
+    "place_sent": "place (mixed), chain sent by the API",
+    "place_fresh": "place (mixed), chain hashed here",
     "place_memoized": "place (mixed), chain memoized",
 }
-QUICK_RECOVERY = RecoveryConfig(groups=8, rate=20.0, duration_s=6.0, loss_at_s=2.0, loss_s=2.0)
+QUICK_RECOVERY = RecoveryConfig(groups=8, rate=20.0, duration_s=9.0, loss_at_s=2.0, loss_s=2.0)
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,8 @@ class _Scoring:
     policy: policies.Policy
     rows: list[WorkerInfo]
     template: GenerateRequest
+    sent: GenerateRequest
+    """The template as the API sends it: with its chain (``prefix_hashes``)."""
     block_size: int
 
     def run(self, count: int, samples: dict[str, list[int]]) -> None:
@@ -187,13 +193,17 @@ class _Scoring:
                 t1 = clock()
                 index.overlaps(chain)
                 t2 = clock()
-                other = copy.copy(self.template)
+                sent = copy.copy(self.sent)
                 t3 = clock()
-                self.policy.place(other, rows, {})
+                self.policy.place(sent, rows, {})
                 t4 = clock()
-                self.policy.place(other, rows, {})
+                other = copy.copy(self.template)
                 t5 = clock()
-                for key, ns in zip(SCORING, (t1 - t0, t2 - t1, t4 - t3, t5 - t4), strict=True):
+                self.policy.place(other, rows, {})
+                t6 = clock()
+                self.policy.place(other, rows, {})
+                t7 = clock()
+                for key, ns in zip(SCORING, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, t7 - t6), strict=True):
                     samples[key].append(ns)
         finally:
             gc.enable()
@@ -206,7 +216,12 @@ def measure_scoring(cfg: RoutingBenchConfig, progress: Callable[[str], None]) ->
     index = scoring_index(cfg, chain)
     prefixes = IndexPrefixes(index)
     policy = policies.create("mixed", PolicyOptions(rng=random.Random(cfg.seed)), prefixes)
-    scoring = _Scoring(prefixes, policy, mixed_rows(cfg, template), template, cfg.block_size)
+    sent = replace(
+        template,
+        prefix_hashes=chain_hex(template.prompt_token_ids[:-1], cfg.block_size),
+        prefix_block_size=cfg.block_size,
+    )
+    scoring = _Scoring(prefixes, policy, mixed_rows(cfg, template), template, sent, cfg.block_size)
     decision = policy.place(copy.copy(template), scoring.rows, {})
     if not isinstance(decision, Placed):
         raise RuntimeError(f"the scoring request was not placed: {decision}")
@@ -228,8 +243,8 @@ def measure_scoring(cfg: RoutingBenchConfig, progress: Callable[[str], None]) ->
         "gc_disabled_in_timed_loop": True,
         "results": results,
         "target_us": SCORING_TARGET_US,
-        "target_measure": "place_fresh",
-        "target_met": results["place_fresh"]["p99_us"] <= SCORING_TARGET_US,
+        "target_measure": "place_sent",
+        "target_met": results["place_sent"]["p99_us"] <= SCORING_TARGET_US,
     }
 
 

@@ -54,6 +54,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)"
     )
     p.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=16,
+        help="block size of the prompt's hash chain sent for cache-aware routing: the workers' --block-size"
+        " (0: none; default %(default)s)",
+    )
+    p.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default %(default)s)"
     )
     p.add_argument(
@@ -119,6 +126,7 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
         header_timeout_s=args.header_timeout,
         max_prompt_chars=args.max_prompt_chars,
         reader_shards=args.reader_shards,
+        prefix_block_size=args.prefix_block_size,
         **({"node_id": args.node_id} if args.node_id else {}),
     )
 

@@ -136,30 +136,15 @@ class KvIndex:
     def overlap(self, worker: str, block_hashes: Sequence[str]) -> int:
         """How many leading blocks of a request's chain ``worker`` holds."""
         w = self._workers.get(worker)
-        if w is None:
+        if w is None or not block_hashes or not _holds(w, block_hashes[0]):
             return 0
-        n = 0
-        for block in block_hashes:
-            if block not in w.blocks and block not in w.predicted:
-                break
-            n += 1
-        return n
+        return _leading(w, block_hashes)
 
     def overlaps(self, block_hashes: Sequence[str]) -> dict[str, int]:
-        """Every worker holding the chain's first block -> its overlap, in one walk of the chain."""
-        found: dict[str, int] = {}
-        holding = set(self._holders.get(block_hashes[0], ())) if block_hashes else set()
-        depth = 0
-        for block in block_hashes:
-            holders = self._holders.get(block, _NOBODY)
-            if not holding <= holders:  # someone's chain ends here (the usual case skips two set builds)
-                found.update(dict.fromkeys(holding - holders, depth))
-                holding &= holders
-                if not holding:
-                    return found
-            depth += 1
-        found.update(dict.fromkeys(holding, depth))
-        return found
+        """Every worker holding the chain's first block -> its overlap: ~10 lookups each for a
+        1,000-block chain (``_leading``), however long the chain."""
+        holders = self._holders.get(block_hashes[0], _NOBODY) if block_hashes else _NOBODY
+        return {worker: _leading(self._workers[worker], block_hashes) for worker in holders}
 
     def decided(self, worker: str, block_hashes: Sequence[str]) -> int:
         """A policy routed a request to ``worker``: its overlap, counted in the scheduler's overlap
@@ -235,6 +220,27 @@ class KvIndex:
             holders.discard(worker)
             if not holders:
                 del self._holders[block]
+
+
+def _holds(w: _Worker, block: str) -> bool:
+    return block in w.blocks or block in w.predicted
+
+
+def _leading(w: _Worker, chain: Sequence[str]) -> int:
+    """How many leading blocks of ``chain`` (whose first block ``w`` holds) ``w`` holds, by
+    bisection. A worker's blocks of one chain are a prefix of it: its pool frees a sequence's
+    blocks last-first, so it evicts a chain's tail before its head (``BlockPool.release``), and a
+    prediction is a whole chain. Where that did not hold, the overlap found is too long: the
+    request is placed as if more were cached, and its worker computes what is not (it matches
+    the prompt itself)."""
+    lo, hi = 1, len(chain)  # it holds chain[:lo]; not beyond chain[:hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _holds(w, chain[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 REQUEST_EVERY_S = 2.0

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from splitbus.bus.blocks import block_hashes
+from splitbus.bus.blocks import block_hashes, split_hex
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.messages.kv_events import block_hash
 from splitbus.bus.registry import WorkerInfo
@@ -56,8 +56,10 @@ class IndexPrefixes:
     """The workers' caches as this replica's ``KvIndex`` knows them.
 
     A request's chain is the block hashes of its prompt less the last token (what an engine can
-    reuse, ``splitbus.worker.engines.prefix.BlockPool.match``), computed once per request and
-    block size. ``routed`` predicts the chain on the chosen worker for ``predict_s``."""
+    reuse, ``splitbus.worker.engines.prefix.BlockPool.match``), once per request and block size:
+    the one the API sent with it (``GenerateRequest.prefix_hashes``) when its block size is the
+    worker's, else hashed here (~65 ns a token). ``routed`` predicts the chain on the chosen worker
+    for ``predict_s``."""
 
     def __init__(self, index: KvIndex, extra: str = "", predict_s: float = PREDICT_S) -> None:
         self.index = index
@@ -72,8 +74,10 @@ class IndexPrefixes:
         kept = self._chains.get(key)
         if kept is not None and kept[0] is request:
             return kept[1]
-        tokens = request.prompt_token_ids[:-1]
-        chain = [block_hash(h) for h in block_hashes(tokens, block_size, self.extra)]
+        if request.prefix_block_size == block_size and not self.extra:
+            chain = split_hex(request.prefix_hashes)  # the API hashed it as it tokenized
+        else:
+            chain = [block_hash(h) for h in block_hashes(request.prompt_token_ids[:-1], block_size, self.extra)]
         self._chains[key] = (request, chain)
         if len(self._chains) > CHAINS_KEPT:
             self._chains.popitem(last=False)

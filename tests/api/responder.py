@@ -46,6 +46,7 @@ class Responder:
         self.model = model
         self.cancelled: list[str] = []
         self.served: list[str] = []
+        self.requests: list[GenerateRequest] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._stop = asyncio.Event()
@@ -107,6 +108,7 @@ class Responder:
     async def _answer(self, redis: Any, request: GenerateRequest) -> None:
         prompt = self.tokenizer.decode(request.prompt_token_ids)
         self.served.append(request.request_id)
+        self.requests.append(request)
         writer = ResultWriter(redis, self.config)
         if "[silent]" in prompt:
             return

@@ -5,8 +5,9 @@ from __future__ import annotations
 import openai
 import pytest
 
+from splitbus.bus.blocks import chain_hex
 from tests.api.conftest import ApiProcess
-from tests.api.responder import expected_text
+from tests.api.responder import Responder, expected_text
 
 
 def _client(api: ApiProcess) -> openai.OpenAI:
@@ -34,6 +35,14 @@ def test_completion_from_token_ids(api: ApiProcess) -> None:
     reply = _client(api).completions.create(model="tiny", prompt=[72, 73, 74], max_tokens=5)
     assert reply.choices[0].text == expected_text(5)[0]
     assert reply.usage is not None and reply.usage.prompt_tokens == 3
+
+
+def test_a_request_carries_its_prompts_hash_chain_for_routing(api: ApiProcess, responder: Responder) -> None:
+    prompt = list(range(40, 140))  # 99 tokens hashed: 6 full blocks of 16
+    reply = _client(api).completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    (request,) = [r for r in responder.requests if r.request_id == reply.id]
+    assert request.prefix_block_size == 16 and request.prefix_hashes == chain_hex(prompt[:-1], 16)
+    assert len(request.prefix_hashes) == 6 * 16
 
 
 def test_streamed_completion_with_usage(api: ApiProcess) -> None:

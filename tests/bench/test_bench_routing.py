@@ -23,7 +23,7 @@ def test_quick_routing_bench_writes_every_section(tmp_path: Path) -> None:
     assert scoring["chain_blocks"] == (16384 - 1) // 16  # the prompt less its last token
     assert scoring["depths"][0] == 0 and scoring["depths"][-1] == scoring["chain_blocks"]
     assert scoring["decision"]["overlap_blocks"] > 0
-    for measure in ("hash", "overlaps", "place_fresh", "place_memoized"):
+    for measure in ("hash", "overlaps", "place_sent", "place_fresh", "place_memoized"):
         r = scoring["results"][measure]
         assert r["n"] > 0 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"]
     assert isinstance(scoring["target_met"], bool)

@@ -31,6 +31,7 @@ def _request(**overrides: object) -> GenerateRequest:
     [
         _request(),
         _request(reader="api-1.out.3"),
+        _request(prompt_token_ids=list(range(40)), prefix_hashes="0123456789abcdef" * 2, prefix_block_size=16),
         TokenDelta(seq=3, token_ids=[5, 6], text="hi"),
         Finished(seq=4, finish_reason="length", prompt_tokens=3, completion_tokens=2),
         Failed(seq=0, code="no_worker", message="none", status=503),
@@ -193,3 +194,17 @@ def test_every_message_module_registers_its_types() -> None:
         for cls in [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]:
             if "TYPE" in vars(cls):
                 assert codec._REGISTRY.get(cls.TYPE.encode()) is cls, f"{cls.__name__} is not registered"
+
+
+def test_a_requests_prefix_chain_is_bounded_by_its_prompt() -> None:
+    prompt = list(range(40))  # 39 tokens hashed: two full blocks of 16
+    for bad in (
+        {"prefix_hashes": "00" * 8, "prefix_block_size": 16},  # one block short
+        {"prefix_hashes": "0123456789abcdef" * 3, "prefix_block_size": 16},  # one too many
+        {"prefix_hashes": "0123456789ABCDEF" * 2, "prefix_block_size": 16},
+        {"prefix_hashes": "0123456789abcdef" * 2, "prefix_block_size": 0},
+        {"prefix_hashes": 7, "prefix_block_size": 16},
+        {"prefix_block_size": -1},
+    ):
+        with pytest.raises(ValueError):
+            _request(prompt_token_ids=prompt, **bad)

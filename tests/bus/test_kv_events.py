@@ -67,7 +67,7 @@ def test_a_snapshot_is_validated() -> None:
 
 
 def test_block_hash_takes_ints_bytes_and_hex() -> None:
-    assert block_hash(255) == "ff"
+    assert block_hash(255) == "00000000000000ff" and block_hash(2**64) == "10000000000000000"  # at least 16 digits
     assert block_hash(b"\x00\x01") == "0001"
     assert block_hash("abc") == "abc"
     for bad in (-1, 2**256, b"", b"x" * 33, "ABC", "", True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from splitbus.bus.blocks import block_hashes
+from splitbus.bus.blocks import block_hashes, chain_hex, split_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockStored, KvEventBatch, block_hash
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
@@ -79,3 +79,12 @@ def test_a_burst_of_siblings_mostly_lands_on_one_worker() -> None:
                 prefixes.routed(request, placement.worker)
                 chosen.append(placement.worker.record.worker_id)
     assert Counter(chosen).most_common(1)[0][1] >= 12
+
+
+def test_the_chain_the_api_sent_is_the_one_hashed_here() -> None:
+    tokens = list(range(1000, 1100))
+    sent = _request(tokens)
+    sent.prefix_hashes, sent.prefix_block_size = chain_hex(tokens[:-1], 16), 16
+    here = IndexPrefixes(KvIndex())
+    assert here.chain(sent, 16) == here.chain(_request(tokens, "other"), 16) == split_hex(sent.prefix_hashes)
+    assert len(here.chain(sent, 16)) == 6 and here.chain(sent, 32) == here.chain(_request(tokens, "x"), 32)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from splitbus.bus.blocks import HEX_DIGITS
 from splitbus.bus.codec import message
 from splitbus.bus.messages._check import (
     MAX_DEADLINE_MS,
@@ -23,6 +25,9 @@ from splitbus.bus.messages._check import (
     require_str_list,
 )
 from splitbus.env import valid_tag
+
+MAX_PREFIX_BLOCK_SIZE = 2**16
+_HEX_RUN = re.compile(r"[0-9a-f]*")
 
 
 @dataclass
@@ -76,6 +81,15 @@ class GenerateRequest:
     """The API's result-reader shard that follows the request's result stream: the stream's hash
     tag (``sb:out:{reader}:<request_id>``), which every writer of its results uses. Absent or
     empty: ``api_node`` (a producer with one reader of its own, such as an external dispatcher)."""
+    prefix_hashes: str = ""
+    """The chained block hashes (``splitbus.bus.blocks.chain_hex``: 16 hex digits a block) of the
+    prompt's full blocks of ``prefix_block_size`` tokens, the last prompt token left out (what a
+    worker's prefix cache can reuse): what a scheduler routes by (docs/routing.md), computed by the
+    API as it tokenizes. Absent: the scheduler hashes the prompt itself. Like every field it is
+    untrusted: a wrong chain misroutes the request, never changes its tokens (a worker hashes the
+    prompt itself)."""
+    prefix_block_size: int = 0
+    """The block size of ``prefix_hashes`` (0: none)."""
 
     def __post_init__(self) -> None:
         if self.reader == "" and isinstance(self.api_node, str):
@@ -89,3 +103,16 @@ class GenerateRequest:
         require_str(self.reader, "reader")
         require(valid_tag(self.reader), f"reader must be a hash tag: no braces, colons or spaces, got {self.reader!r}")
         require_int(self.deadline_ms, "deadline_ms", minimum=0, maximum=MAX_DEADLINE_MS)
+        self._check_prefix()
+
+    def _check_prefix(self) -> None:
+        require_int(self.prefix_block_size, "prefix_block_size", minimum=0, maximum=MAX_PREFIX_BLOCK_SIZE)
+        require(type(self.prefix_hashes) is str, "prefix_hashes must be a string")
+        if not self.prefix_hashes:
+            return
+        blocks = (len(self.prompt_token_ids) - 1) // max(self.prefix_block_size, 1)
+        require(
+            self.prefix_block_size > 0 and len(self.prefix_hashes) == blocks * HEX_DIGITS,
+            f"prefix_hashes must hold {HEX_DIGITS} hex digits for each of the prompt's {blocks} full blocks",
+        )
+        require(_HEX_RUN.fullmatch(self.prefix_hashes) is not None, "prefix_hashes must be lowercase hex")
