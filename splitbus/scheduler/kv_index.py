@@ -243,6 +243,9 @@ def _leading(w: _Worker, chain: Sequence[str]) -> int:
     return lo
 
 
+_COUNTED = {status: metrics.KV_EVENTS.labels(status) for status in ("applied", "gap", "resync", "stale")}
+"""Each status's counter, looked up once (``labels`` per batch was a tenth of the ingest)."""
+
 REQUEST_EVERY_S = 2.0
 """A feeder asks a worker for a fresh snapshot at most this often while it waits for one."""
 
@@ -268,7 +271,7 @@ class KvIndexFeeder:
         await self._resync([w for w in alive if self.index.needs_resync(w)])
         read = await self._reader.read({w: self.index.cursor(w) for w in alive}, count, block_ms)
         for entry in read:
-            metrics.KV_EVENTS.labels(self._apply(entry)).inc()
+            _COUNTED[self._apply(entry)].inc()
         metrics.KV_SILENT_WORKERS.set(len(self.index.silent()))
         return len(read)
 
@@ -282,7 +285,7 @@ class KvIndexFeeder:
             return
         for worker, snapshot in (await self._reader.snapshots(workers)).items():
             if snapshot is not None and self.index.usable(worker, snapshot):
-                metrics.KV_EVENTS.labels(self.index.load(worker, snapshot)).inc()
+                _COUNTED[self.index.load(worker, snapshot)].inc()
                 self._asked.pop(worker, None)
             elif self._clock() - self._asked.get(worker, -float("inf")) >= REQUEST_EVERY_S:
                 self._asked[worker] = self._clock()
