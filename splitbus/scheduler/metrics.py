@@ -5,7 +5,7 @@ from prometheus_client import Counter, Gauge, Histogram
 DISPATCHES = Counter(
     "splitbus_scheduler_dispatches_total",
     "Requests handled, by outcome (dispatched, duplicate, already_acked: acked, or claimed by another replica; "
-    "no_worker, deadline).",
+    "no_worker, deadline; recovering, worker_gone: nothing written, placed again).",
     ["outcome"],
 )
 QUEUE_WAIT = Histogram(

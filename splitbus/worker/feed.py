@@ -22,7 +22,7 @@ from splitbus.worker.cancellation import Cancellation
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.receiver import Receiver
 from splitbus.worker.requests import HELD, Status
-from splitbus.worker.sequence import Sequence
+from splitbus.worker.sequence import Sequence, kv_tokens
 from splitbus.worker.shared import Shared
 from splitbus.worker.text import TextStream
 
@@ -162,12 +162,13 @@ class TaskFeed:
             await self.room.wait()
 
     def kv_room_for(self, delivery: Delivery) -> bool:
-        """Whether the engine has KV blocks for the task now, or never will (it holds nothing
-        that could free them: the task is taken and fails). A task without room waits, not
-        taken (its scheduler's reservation still counted), until a request leaves this worker:
-        a burst that outran the registry view waits for blocks instead of failing."""
+        """Whether the engine has KV blocks for a decode task now (it takes them as it is taken,
+        for its KV to arrive in), or never will (it holds nothing that could free them: the task
+        is taken and fails). One without room waits, not taken (its scheduler's reservation still
+        counted), until a request leaves this worker: a burst that outran the registry view waits
+        for blocks instead of failing. Other tasks take their blocks when their prefill starts."""
         task = delivery.message
-        if not isinstance(task, Task) or not self.held():
+        if not isinstance(task, Task) or task.phase != "decode" or not self.held():
             return True
         return self.engine.can_reserve(task, kv_tokens(task))
 
@@ -236,12 +237,23 @@ class TaskFeed:
             return
         for older in [s for s in self.table.of() if s.request_id == seq.request_id]:
             self.moved_away(older)  # the request moved here again (its other worker died): its older task is void
-        if task.phase != "decode":
-            self.publisher.writer.open(seq.request_id, reader=task.request.reader, first_seq=task.first_seq)
-            seq.output_ids = list(task.output_token_ids)
-            seq.text.push(seq.output_ids)
-        if self.take_blocks(seq):
-            await self.accept_with_blocks(seq)
+        if task.phase == "decode":
+            if self.take_blocks(seq):
+                await self.receiver.expect(seq)
+        else:
+            self.queue(seq)
+
+    def queue(self, seq: Sequence) -> None:
+        """A task that prefills joins the queue, without blocks: they are taken when its prefill
+        starts (``EngineSteps.allocate``), so a queue does not evict the prefix cache its
+        requests will want, and each finds what its siblings stored meanwhile."""
+        task = seq.task
+        self.publisher.writer.open(seq.request_id, reader=task.request.reader, first_seq=task.first_seq)
+        seq.output_ids = list(task.output_token_ids)
+        seq.text.push(seq.output_ids)
+        if self.fits(seq):
+            seq.prompt_cached = self.engine.cached_prefix(task)
+            self.table.add(seq, Status.QUEUED)
 
     def holds_dispatch(self, task: Task) -> bool:
         """Whether this worker holds the request's task of this very dispatch and phase (a new
@@ -257,11 +269,14 @@ class TaskFeed:
             )
         )
 
-    async def accept_with_blocks(self, seq: Sequence) -> None:
-        if seq.task.phase == "decode":
-            await self.receiver.expect(seq)
-        else:
-            self.table.add(seq, Status.QUEUED)
+    def fits(self, seq: Sequence) -> bool:
+        """Whether the request would fit this worker's KV cache, were it empty; if not it fails."""
+        tokens, room = kv_tokens(seq.task), self.engine.total_blocks * self.config.block_size
+        if tokens <= room:
+            return True
+        message = f"worker {self.id} has {self.engine.total_blocks} KV blocks in all, not enough for {tokens} tokens"
+        self.publisher.fail(seq, "out_of_kv_blocks", message, 503)
+        return False
 
     def check_reservation(self, task: Task) -> str | None:
         """Why the task's ``reserved`` cannot be given back, or None. A scheduler reserves at
@@ -330,14 +345,6 @@ class TaskFeed:
         """Delete this worker's task entries once acked (never an unacked one)."""
         await asyncio.sleep(TRIM_EVERY_S)
         await trim_tasks(self.redis, self.keys, self.id)
-
-
-def kv_tokens(task: Task) -> int:
-    """The positions a task holds KV blocks for: its prompt and the tokens generated before it on a
-    prefill worker; prompt + max_tokens where it decodes."""
-    if task.phase == "prefill":
-        return len(task.request.prompt_token_ids) + len(task.output_token_ids)
-    return len(task.request.prompt_token_ids) + task.request.sampling.max_tokens
 
 
 def _add(a: Reserved, b: Reserved) -> Reserved:

@@ -143,12 +143,17 @@ class RequestTable:
         return count, tokens
 
     def start_prefill(
-        self, max_tokens: int, first_to_compute: Callable[[Sequence], int | None] = lambda _: None
+        self,
+        max_tokens: int,
+        first_to_compute: Callable[[Sequence], int | None] = lambda _: None,
+        allocate: Callable[[Sequence], bool] = lambda _: True,
     ) -> list[Sequence]:
         """The next prefill batch, now PREFILLING. Called by the engine's prefill step, before the
         engine call. A sequence whose ``first_to_compute`` block (``Engine.first_to_compute``) an
         earlier one of the batch computes too is left QUEUED: a step later it finds the block
-        cached instead of computing it again (siblings sharing a prefix arrive together)."""
+        cached instead of computing it again (siblings sharing a prefix arrive together). Each
+        other one is given its KV blocks (``allocate``); the first that gets none ends the batch,
+        and waits, first in line, for a request to leave."""
         count, _ = self.prefill_batch_size(max_tokens)
         batch: list[Sequence] = []
         computing: set[int] = set()
@@ -156,6 +161,8 @@ class RequestTable:
             block = first_to_compute(seq)
             if block is not None and block in computing:
                 continue
+            if not allocate(seq):
+                break
             if block is not None:
                 computing.add(block)
             batch.append(seq)

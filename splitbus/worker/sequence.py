@@ -67,3 +67,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def kv_tokens(task: Task) -> int:
+    """The positions a task holds KV blocks for: its prompt and the tokens generated before it on a
+    prefill worker; prompt + max_tokens where it decodes."""
+    if task.phase == "prefill":
+        return len(task.request.prompt_token_ids) + len(task.output_token_ids)
+    return len(task.request.prompt_token_ids) + task.request.sampling.max_tokens

@@ -16,11 +16,14 @@ from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.worker import metrics
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.requests import Status
-from splitbus.worker.sequence import Sequence
+from splitbus.worker.sequence import Sequence, kv_tokens
 from splitbus.worker.shared import Shared
 
 log = logging.getLogger(__name__)
 WAIT_FOR_WORK_S = 0.5
+WAIT_FOR_BLOCKS_S = 0.01
+"""With requests queued but no KV blocks to prefill them into (and none running), the loop looks
+again this often: a hand-off, a cancellation or an import may free blocks meanwhile."""
 """With nothing to step, the loop looks again this often (kv waits and deadlines to expire)."""
 COUNTERS = (
     "prefills_done",
@@ -63,23 +66,31 @@ class EngineSteps:
         self.publisher, self.tasks, self.registry = publisher, tasks, registry
         self.expire, self.settle, self.hand_off, self.cancel_peer = expire, settle, hand_off, cancel_peer
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.kv_blocked = False
+        """The last prefill step found requests queued but no blocks to prefill any of them into."""
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
             running=self.table.count(Status.RUNNING, Status.HANDING_OFF),
             waiting=self.table.count(Status.QUEUED, Status.AWAITING_KV),
-            queued_prefill_tokens=sum(len(s.all_tokens) - s.cached for s in self.table.of(Status.QUEUED)),
+            queued_prefill_tokens=sum(
+                len(s.all_tokens) - max(s.cached, s.prompt_cached) for s in self.table.of(Status.QUEUED)
+            ),
             free_kv_blocks=self.engine.free_blocks,
             total_kv_blocks=self.engine.total_blocks,
             **self.counters,
         )
 
     def has_work(self) -> bool:
-        return bool(self.table.count(Status.QUEUED, Status.RUNNING))
+        return bool(self.table.count(Status.RUNNING)) or (bool(self.table.count(Status.QUEUED)) and not self.kv_blocked)
 
     async def wait_for_work(self) -> None:
         self.expire()
         if self.has_work():
+            return
+        if self.kv_blocked:  # queued, no blocks to prefill into: look again once requests may have left
+            await asyncio.sleep(WAIT_FOR_BLOCKS_S)
+            self.kv_blocked = False
             return
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wake.wait(), WAIT_FOR_WORK_S)
@@ -106,7 +117,8 @@ class EngineSteps:
         Called by the stepper once per turn: a worker on its own before each decode, a DP rank
         when the group's plans say this rank prefills. Redis refusing during it (the lease
         check after the engine call) leaves the batch QUEUED, first in line, for the next turn."""
-        batch = self.table.start_prefill(self.config.max_prefill_tokens, self.engine.first_to_compute)
+        batch = self.table.start_prefill(self.config.max_prefill_tokens, self.engine.first_to_compute, self.allocate)
+        self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
         if not batch:
             return
         if report_load:
@@ -124,6 +136,11 @@ class EngineSteps:
         for seq, token in results:
             self.publisher.emit(seq, token)
             self.after_prefill(seq)
+
+    def allocate(self, seq: Sequence) -> bool:
+        """The blocks a queued request prefills into, taken as its prefill starts (with the
+        prefix cache's blocks of its prompt as they are then); False: none yet, it waits."""
+        return seq.blocks > 0 or self.engine.reserve(seq, kv_tokens(seq.task))
 
     def after_prefill(self, seq: Sequence) -> None:
         self.counters["prefills_done"] += 1

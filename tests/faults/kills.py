@@ -28,7 +28,7 @@ async def streams_with_a_kill(
 
     async def one(i: int) -> str:
         stream = await client.completions.create(
-            model="tiny", prompt=[97] * prompt_tokens, max_tokens=max_tokens, seed=first_seed + i, stream=True
+            model="tiny", prompt=_prompt(i, prompt_tokens), max_tokens=max_tokens, seed=first_seed + i, stream=True
         )
         return "".join([c.choices[0].text async for c in stream])
 
@@ -43,3 +43,10 @@ async def streams_with_a_kill(
         return list(texts)
     finally:
         await client.close()
+
+
+def _prompt(i: int, tokens: int) -> list[int]:
+    """Request ``i``'s prompt: its own first token, so that no two share a block and cache-aware
+    routing spreads them by load as the kills expect (the same prompt would all go where it is
+    cached)."""
+    return [97 + i % 26] + [97] * (tokens - 1)

@@ -193,28 +193,56 @@ async def _until_unaccepted(worker: Worker) -> None:
         await asyncio.sleep(0.1)
 
 
-async def test_a_task_without_kv_room_waits_until_a_request_leaves(bus_config: BusConfig, tiny_model: Path) -> None:
-    """A burst placed from a registry view older than the worker's last requests: the task it has
-    no blocks for is read but not taken, and not failed; it is taken once a request leaves."""
+async def test_a_decode_task_without_kv_room_waits_until_a_request_leaves(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
+    """A burst placed from a registry view older than the worker's last requests: the decode task
+    it has no blocks for (a decode task takes them as it is taken) is read but not taken, and not
+    failed; it is taken once a request leaves. Tasks that prefill take none until they start."""
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
-    config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p2")
+    config = WorkerConfig(bus=bus_config, role="decode", model_dir=tiny_model, model_name="tiny", worker_id="d2")
     worker = Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 16, 16))
+    await worker.tasks.ensure_group()
+    try:
+        for rid in ("a", "b", "c"):  # 100 + 4 tokens each: 7 of the worker's 16 blocks
+            request = GenerateRequest(rid, "tiny", [97] * 100, SamplingParams(max_tokens=4), "api", 0)
+            await add(worker.redis, worker.keys.tasks(worker.id), Task("decode", request, "p1"))
+        feeding = asyncio.create_task(worker.feed.feed_tasks())
+        await asyncio.sleep(0.3)
+        assert _awaiting(worker) == ["a", "b"] and not feeding.done()  # waiting for room: c read, not taken
+        assert [d.message.request.request_id for d in worker.feed.unaccepted] == ["c"]
+        assert worker.writer.pending == 0  # nothing failed
+        first = worker.requests.get("a")
+        assert first is not None and worker.requests.remove(first)
+        worker.publisher.retire(first)  # a leaves: its blocks are free
+        await asyncio.wait_for(feeding, 5)
+        await worker.feed.feed_tasks()
+        assert _awaiting(worker) == ["b", "c"]
+    finally:
+        await worker.loops.close()
+        await worker.redis.aclose()
+
+
+def _awaiting(worker: Worker) -> list[str]:
+    return [seq.request_id for seq in worker.requests.of(Status.AWAITING_KV)]
+
+
+async def test_queued_prefills_hold_no_blocks_until_their_prefill_starts(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="prefill", model_dir=tiny_model, model_name="tiny", worker_id="p3")
+    worker = Worker(config, tokenizer, SimEngine(SimConfig(prefill_s_per_token=0), tokenizer, 16, 16))
     await worker.tasks.ensure_group()
     try:
         for rid, token in (("a", 97), ("b", 98)):  # 150 tokens each: 10 of the worker's 16 blocks
             request = GenerateRequest(rid, "tiny", [token] * 150, SamplingParams(max_tokens=4), "api", 0)
             await add(worker.redis, worker.keys.tasks(worker.id), Task("prefill", request, "d1"))
-        feeding = asyncio.create_task(worker.feed.feed_tasks())
-        await asyncio.sleep(0.3)
-        assert _queued(worker) == ["a"] and not feeding.done()  # waiting for room: b is read, not taken
-        assert [d.message.request.request_id for d in worker.feed.unaccepted] == ["b"]
-        assert worker.writer.pending == 0  # nothing failed
-        (first,) = worker.requests.of(Status.QUEUED)
-        worker.requests.remove(first)
-        worker.publisher.retire(first)  # a leaves: its blocks are free
-        await asyncio.wait_for(feeding, 5)
         await worker.feed.feed_tasks()
-        assert _queued(worker) == ["b"]
+        assert _queued(worker) == ["a", "b"] and worker.engine.free_blocks == 16  # both taken, no blocks held
+        batch = worker.requests.start_prefill(4096, worker.engine.first_to_compute, worker.steps.allocate)
+        assert [s.request_id for s in batch] == ["a"] and _queued(worker) == ["b"]  # b waits for blocks
+        assert worker.engine.free_blocks == 6
     finally:
         await worker.loops.close()
         await worker.redis.aclose()

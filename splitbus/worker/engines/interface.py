@@ -35,6 +35,11 @@ class Engine(Protocol):
         (prompt only on a prefill worker; prompt + max_tokens where it decodes). False when
         there is no room; the request is then failed."""
 
+    def cached_prefix(self, task: Task) -> int:
+        """Called as a prefill or mixed task is taken (its blocks are taken when its prefill
+        starts): how many of its prompt tokens the prefix cache holds now, for the queued
+        prefill tokens the worker reports; nothing is taken."""
+
     def can_reserve(self, task: Task, tokens: int) -> bool:
         """Called before a task is taken, while the worker holds other requests: whether
         ``reserve`` would find room for ``tokens`` positions of it now (nothing is taken). False

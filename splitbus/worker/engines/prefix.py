@@ -225,5 +225,15 @@ def can_reserve(pool: BlockPool, task: Task, tokens: int) -> bool:
 
 
 def first_to_compute(pool: BlockPool, seq: SequenceState) -> int | None:
-    """``Engine.first_to_compute`` for an engine whose blocks are in ``pool``."""
-    return pool.first_to_compute(seq.all_tokens, seq.cached) if reuses_prefix(seq) else None
+    """``Engine.first_to_compute`` for an engine whose blocks are in ``pool`` (a sequence that
+    holds none yet would take the cached blocks of its prompt as they are now)."""
+    if not reuses_prefix(seq):
+        return None
+    cached = seq.cached if seq.blocks else len(pool.match(seq.all_tokens)) * pool.block_size
+    return pool.first_to_compute(seq.all_tokens, cached)
+
+
+def cached_prefix(pool: BlockPool, task: Task) -> int:
+    """``Engine.cached_prefix`` for an engine whose blocks are in ``pool``."""
+    prompt = task.request.prompt_token_ids + task.output_token_ids
+    return len(pool.match(prompt)) * pool.block_size if task.phase != "decode" else 0

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, register
-from splitbus.worker.engines.prefix import BlockPool, can_reserve, first_to_compute, reuses_prefix, take_new_hits
+from splitbus.worker.engines.prefix import (
+    BlockPool,
+    cached_prefix,
+    can_reserve,
+    first_to_compute,
+    reuses_prefix,
+    take_new_hits,
+)
 
 if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
     from splitbus.bus.messages import GenerateRequest, Task
@@ -124,6 +131,9 @@ class SimEngine:
 
     def can_reserve(self, task: Task, tokens: int) -> bool:
         return can_reserve(self.pool, task, tokens)
+
+    def cached_prefix(self, task: Task) -> int:
+        return cached_prefix(self.pool, task)
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.config.kv_bytes_per_token

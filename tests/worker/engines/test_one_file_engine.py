@@ -48,6 +48,9 @@ class EchoEngine:
         seq.blocks = needed
         return True
 
+    def cached_prefix(self, task: Task) -> int:
+        return 0  # no prefix cache
+
     def can_reserve(self, task: Task, tokens: int) -> bool:
         return self.free_blocks >= -(-tokens // self.block_size)
 

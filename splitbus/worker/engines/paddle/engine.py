@@ -18,7 +18,14 @@ import numpy as np
 from splitbus.bus.messages import Task
 from splitbus.gpu_ops.sampling import sample
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk
-from splitbus.worker.engines.prefix import BlockPool, can_reserve, first_to_compute, reuses_prefix, take_new_hits
+from splitbus.worker.engines.prefix import (
+    BlockPool,
+    cached_prefix,
+    can_reserve,
+    first_to_compute,
+    reuses_prefix,
+    take_new_hits,
+)
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -64,6 +71,9 @@ class PaddleEngine:
 
     def can_reserve(self, task: Task, tokens: int) -> bool:
         return can_reserve(self.pool, task, tokens)
+
+    def cached_prefix(self, task: Task) -> int:
+        return cached_prefix(self.pool, task)
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.cache.bytes_per_token()
