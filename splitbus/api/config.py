@@ -65,6 +65,8 @@ class ApiConfig:
     cluster is one reader tag, placed on a primary of its own (docs/cluster.md). None: one per
     primary on a cluster, 1 on a single Redis."""
     registry_refresh_s: float = 0.5
+    """How often the API reads the request stream's length (``max_backlog``). The registry view
+    follows the registry log as it changes (``splitbus.bus.registry_view``)."""
     prefix_block_size: int = 16
     """Block size of the hash chain each request carries for cache-aware routing
     (``GenerateRequest.prefix_hashes``; the workers' ``--block-size``); 0: none, the scheduler

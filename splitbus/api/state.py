@@ -17,7 +17,8 @@ from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyReques
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.loops import Loops
-from splitbus.bus.registry import Registry, RegistryView
+from splitbus.bus.registry import Registry
+from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.requests import Submissions, backlog
 from splitbus.bus.results import ResultReader
 from splitbus.bus.runs import Runs, ServerRuns
@@ -40,7 +41,7 @@ class ApiState:
         self.submissions = Submissions(self.redis, self.producer, config.bus.keys)
         self.runs = ServerRuns(self.redis, f"api {config.node_id}")
         self._resubmit_owed = False
-        self.workers = RegistryView(Registry(self.redis, config.bus), config.registry_refresh_s)
+        self.workers = RegistryView(Registry(self.redis, config.bus), self.redis)
         self.inflight = 0
         self.backlog = 0
         self.bodies = BodySlots(config)
@@ -54,7 +55,7 @@ class ApiState:
         state = cls(config, tokenizers)
         await state.reader.start()
         await state.workers.refresh()
-        state.loops.start(state.workers.refresh, every_s=config.registry_refresh_s)
+        state.loops.start(state.workers.follow, name="registry view")
         state.loops.start(state.read_backlog, every_s=config.registry_refresh_s)
         state.loops.start(state.watch_runs, every_s=RUNS_EVERY_S)
         return state

@@ -30,8 +30,9 @@ latest writes, the workers first re-assert the dispatches they hold, so that a r
 dispatch was lost but runs on a worker is not dispatched a second time.
 
 Keys (every one in KEYS, built in ``keys.py``): the stream the entry is acked in, the
-dispatched mark, ``sb:current:{cell}:<request>``, ``sb:run:{cell}``, then per task the worker's
-hash, task stream and lease. A task is written only for a worker whose lease exists as the script
+dispatched mark, ``sb:current:{cell}:<request>``, ``sb:run:{cell}``, the registry log (each
+reservation is logged there for the registry views), then per task the worker's hash, task
+stream and lease. A task is written only for a worker whose lease exists as the script
 runs (else WORKER_GONE): a placement made from a registry view read before the lease expired is
 made again, so no request is placed on a worker after its lease has expired.
 
@@ -104,6 +105,7 @@ _DISPATCH = declare(
             "sb:dispatched:{cell}:<request>",
             "sb:current:{cell}:<request>",
             "sb:run:{cell}",
+            "sb:registry:{cell}",
         ),
         repeated=("sb:worker:{cell}:<worker>", "sb:tasks:{cell}:<worker>", "sb:lease:{cell}:<worker>"),
         argv=(
@@ -111,7 +113,7 @@ _DISPATCH = declare(
             ' ("": any), the new hand-off id, the hand-off id that must be current ("": none may be, a request'
             ' entry\'s; "*": any, a task written before hand-off ids), when the hand-off id expires (epoch ms:'
             " its deadline + the mark's window; 0: none; at most 1 h from now by Redis's clock); per task: its"
-            " reserved prefill tokens, requests, KV blocks, and its entry's `type`, `data`, `ts`"
+            " reserved prefill tokens, requests, KV blocks, its entry's `type`, `data`, `ts`, and the worker's id"
         ),
         returns=(
             "1 dispatched; 0 already acked or not the consumer's; -1 duplicate (acked only); -2 stale (acked only);"
@@ -126,7 +128,7 @@ if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2],
   return 0
 end
 for i = 0, tonumber(ARGV[4]) - 1 do
-  if redis.call('EXISTS', KEYS[7 + 3 * i]) == 0 then return -4 end
+  if redis.call('EXISTS', KEYS[8 + 3 * i]) == 0 then return -4 end
 end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local current = redis.call('GET', KEYS[3])
@@ -142,11 +144,13 @@ local cap = now[1] * 1000 + math.floor(now[2] / 1000) + 3600000
 if at <= 0 or at > cap then at = cap end
 redis.call('SET', KEYS[3], ARGV[6], 'PXAT', string.format('%.0f', at))
 for i = 0, tonumber(ARGV[4]) - 1 do
-  local worker, tasks, a = KEYS[5 + 3 * i], KEYS[6 + 3 * i], 9 + 6 * i
+  local worker, tasks, a = KEYS[6 + 3 * i], KEYS[7 + 3 * i], 9 + 7 * i
   redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
   redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
   redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
   redis.call('XADD', tasks, '*', 'type', ARGV[a + 3], 'data', ARGV[a + 4], 'ts', ARGV[a + 5])
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'w', ARGV[a + 6], 'op', 'reserve',
+    '+reserved_prefill_tokens', ARGV[a], '+reserved_requests', ARGV[a + 1], '+reserved_kv_blocks', ARGV[a + 2])
 end
 return 1
 """,
@@ -303,7 +307,7 @@ class DispatchScript:
         (NOT_OURS), DUPLICATE, STALE, RECOVERING (nothing written: the cell is not settled on
         the server's run, ``splitbus.bus.runs``) or WORKER_GONE (nothing written: a worker's
         lease is gone)."""
-        keys = [entry.stream, entry.mark, self._keys.current(request_id), self._keys.run]
+        keys = [entry.stream, entry.mark, self._keys.current(request_id), self._keys.run, self._keys.registry_log]
         args: list[bytes | str | int] = [
             entry.group,
             entry.entry_id,
@@ -321,7 +325,7 @@ class DispatchScript:
                 self._keys.lease(write.worker_id),
             ]
             fields = codec.encode(write.task)
-            args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"]]
+            args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"], write.worker_id]
         return await self._run(keys, args, self._script)
 
     async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> int:

@@ -80,6 +80,13 @@ class Keys:
         the next API process's shards go to the primaries after them (one ``INCRBY`` per start)."""
         return self._control("readers")
 
+    @property
+    def registry_log(self) -> str:
+        """Stream of the registry's changes (``MAXLEN ~``): workers' beats and loads, the
+        schedulers' reservations, departures; every registry view follows it without a group
+        (``splitbus.bus.registry_view``)."""
+        return self._control("registry")
+
     def tasks(self, worker: str) -> str:
         """Stream of tasks for one worker (group ``workers``)."""
         return self._control("tasks", worker)

@@ -7,10 +7,8 @@ server's (``TIME`` inside the script).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -19,7 +17,6 @@ from redis.asyncio.client import Pipeline
 
 from splitbus import __version__
 from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import is_transient
 from splitbus.bus.messages._check import MAX_NAME_CHARS
 from splitbus.bus.replies import SnapshotReply
 from splitbus.bus.scripts import LuaScript, declare
@@ -30,11 +27,15 @@ ROLES = ("prefill", "decode", "mixed")
 MAX_ENDPOINT_BYTES = 4 * MAX_NAME_CHARS
 """A transfer endpoint a reservation may name is at most ``MAX_NAME_CHARS`` characters."""
 
+LOG_MAXLEN = 10_000
+"""Entries ``sb:registry:{cell}`` keeps (``MAXLEN ~``): seconds of changes for hundreds of workers;
+a view that falls further behind reads a snapshot again."""
+
 _HEARTBEAT = declare(
     LuaScript(
         name="heartbeat",
         module=__name__,
-        keys=("sb:worker:{cell}:<worker>", "sb:lease:{cell}:<worker>", "sb:workers:{cell}"),
+        keys=("sb:worker:{cell}:<worker>", "sb:lease:{cell}:<worker>", "sb:workers:{cell}", "sb:registry:{cell}"),
         argv="the worker id, the lease (ms), then the record's or load's field, value pairs",
         returns="the server time (ms), also written as `heartbeat_ms`, the lease's value and the id's score",
         source="""
@@ -43,6 +44,8 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[1], 'heartbeat_ms', now_ms, unpack(ARGV, 3))
 redis.call('SET', KEYS[2], now_ms, 'PX', ARGV[2])
 redis.call('ZADD', KEYS[3], now_ms, ARGV[1])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', 10000, '*', 'w', ARGV[1], 'op', 'beat', 'at', now_ms, 'lease', ARGV[2],
+  unpack(ARGV, 3))
 return now_ms
 """,
     )
@@ -55,11 +58,12 @@ _SNAPSHOT = declare(
     LuaScript(
         name="registry_snapshot",
         module=__name__,
-        keys=("sb:workers:{cell}",),
+        keys=("sb:workers:{cell}", "sb:registry:{cell}"),
         repeated=("sb:worker:{cell}:<worker>", "sb:lease:{cell}:<worker>"),
         argv="the ids of the workers whose keys follow, in their order",
         returns=(
-            "{every id in `sb:workers:{cell}`, {id, lease PTTL, record as a flat list} for each passed id still in it}"
+            "{every id in `sb:workers:{cell}`, {id, lease PTTL, record as a flat list} for each passed id still in it,"
+            " the server time {s, us}, the last entry of `sb:registry:{cell}` (none: empty)}"
         ),
         source="""
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
@@ -68,10 +72,10 @@ for _, id in ipairs(ids) do listed[id] = true end
 local rows = {}
 for i, id in ipairs(ARGV) do
   if listed[id] then
-    rows[#rows + 1] = {id, redis.call('PTTL', KEYS[2 * i + 1]), redis.call('HGETALL', KEYS[2 * i])}
+    rows[#rows + 1] = {id, redis.call('PTTL', KEYS[2 * i + 2]), redis.call('HGETALL', KEYS[2 * i + 1])}
   end
 end
-return {ids, rows}
+return {ids, rows, redis.call('TIME'), redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)}
 """,
     )
 )
@@ -162,6 +166,17 @@ _RECORD_FIELDS = [(f.name, f.type == "int") for f in dataclasses.fields(WorkerRe
 
 
 @dataclass(frozen=True)
+class Snapshot:
+    """A registry snapshot, and what a view needs to follow the registry log from it."""
+
+    workers: list[WorkerInfo]
+    server_ms: int
+    """The Redis server's clock as it read the registry."""
+    log_id: str
+    """The registry log's last entry then ("0-0": none): the changes after it are not in it."""
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """One row of a registry snapshot."""
 
@@ -186,6 +201,11 @@ class Registry:
         self._known: list[str] = []
         """The workers of the last snapshot: the next one passes their keys to the script."""
 
+    @property
+    def log_key(self) -> str:
+        """The registry log, ``sb:registry:{cell}`` (views follow it)."""
+        return self._keys.registry_log
+
     async def register(self, record: WorkerRecord, lease_ms: int) -> int:
         """Publish the whole record and take the lease. Returns the server time (ms). A worker
         back under the id of a dead or stopped one keeps its keys: their expiry is lifted."""
@@ -206,16 +226,27 @@ class Registry:
         return await self._beat(worker_id, fields, lease_ms)
 
     async def snapshot(self) -> list[WorkerInfo]:
-        """Every registered worker, alive or not, in ``sb:workers:{cell}`` order: one round trip (one
-        script, atomic) while the set of workers is the one of the last snapshot; workers new
-        since then are read in a second round trip (see docs/bus.md, "Worker registry")."""
-        keys = [self._keys.workers, *[key for w in self._known for key in self._record_and_lease(w)]]
-        listed, rows = cast(SnapshotReply, await self._snapshot(keys=keys, args=self._known))
+        """Every registered worker, alive or not, in ``sb:workers:{cell}`` order (``snapshot_at``)."""
+        return (await self.snapshot_at()).workers
+
+    async def snapshot_at(self) -> Snapshot:
+        """Every registered worker, alive or not, in ``sb:workers:{cell}`` order, with the server's
+        time and the registry log's last entry as of the read: one round trip (one script,
+        atomic) while the set of workers is the one of the last snapshot; workers new since then
+        are read in a second round trip (see docs/bus.md, "Worker registry")."""
+        keys = [
+            self._keys.workers,
+            self._keys.registry_log,
+            *[key for w in self._known for key in self._record_and_lease(w)],
+        ]
+        listed, rows, (seconds, micros), last = cast(SnapshotReply, await self._snapshot(keys=keys, args=self._known))
         ids = [_text(worker_id) for worker_id in listed]
         found = {_text(worker_id): (ttl, _pairs(flat)) for worker_id, ttl, flat in rows}
         found.update(await self._read_new([w for w in ids if w not in found]))
         self._known = ids
-        return [info for info in (self._info(w, *found[w]) for w in ids if w in found) if info is not None]
+        workers = [info for info in (self._info(w, *found[w]) for w in ids if w in found) if info is not None]
+        server_ms = int(seconds) * 1000 + int(micros) // 1000
+        return Snapshot(workers, server_ms, _text(last[0][0]) if last else "0-0")
 
     def _record_and_lease(self, worker_id: str) -> tuple[str, str]:
         return self._keys.worker(worker_id), self._keys.lease(worker_id)
@@ -252,6 +283,7 @@ class Registry:
         pipe.delete(self._keys.lease(worker_id))
         pipe.hset(key, mapping={"state": "dead", **{f.name: "0" for f in dataclasses.fields(Reserved)}})
         self._expire_own(pipe, worker_id)
+        self._log(pipe, worker_id, "gone")
         await pipe.execute()
 
     async def is_dead(self, worker_id: str) -> bool:
@@ -289,13 +321,17 @@ class Registry:
         pipe.delete(self._keys.lease(worker_id), self._keys.worker(worker_id))
         pipe.zrem(self._keys.workers, worker_id)
         self._expire_own(pipe, worker_id)
+        self._log(pipe, worker_id, "gone")
         await pipe.execute()
 
     async def resign(self, worker_id: str) -> None:
         """Give up the lease of a worker that stops holding work (a crash, or a stop mid-request):
         it stays in the live set without a lease, so a reaper's next pass takes it as dead and
         moves its tasks, instead of their waiting for their deadlines."""
-        await self._redis.delete(self._keys.lease(worker_id))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.delete(self._keys.lease(worker_id))
+        self._log(pipe, worker_id, "resign")
+        await pipe.execute()
 
     def _expire_own(self, pipe: Pipeline, worker_id: str) -> None:
         for key in self._own_keys(worker_id):
@@ -304,7 +340,7 @@ class Registry:
     async def _beat(self, worker_id: str, fields: dict[str, str], lease_ms: int) -> int:
         if lease_ms < 1:
             raise ValueError("lease_ms must be >= 1")
-        keys = [self._keys.worker(worker_id), self._keys.lease(worker_id), self._keys.workers]
+        keys = [self._keys.worker(worker_id), self._keys.lease(worker_id), self._keys.workers, self._keys.registry_log]
         flat = [item for pair in fields.items() for item in pair]
         return int(await self._heartbeat(keys=keys, args=[worker_id, lease_ms, *flat]))
 
@@ -322,23 +358,35 @@ class Registry:
         now counts (``taken``). One round trip, the load first: a snapshot may count a task
         twice for an instant, never not at all (schedulers would pile work on the worker)."""
         pipe = self._redis.pipeline(transaction=False)
-        self.queue_load(pipe, worker_id, load)
-        for name, amount in dataclasses.asdict(taken or Reserved()).items():
-            if amount:
-                pipe.hincrby(self._keys.worker(worker_id), name, -amount)
+        given = {name: -amount for name, amount in dataclasses.asdict(taken or Reserved()).items() if amount}
+        self.queue_load(pipe, worker_id, load, given)
+        for name, amount in given.items():
+            pipe.hincrby(self._keys.worker(worker_id), name, amount)
         await pipe.execute()
 
     async def forward_ends(self, worker_ids: list[str]) -> list[int]:
         """The ``forward_ends_ms`` the workers announced last (0: none), read fresh: a registry
-        snapshot is up to ``refresh_s`` old, longer than a decode step."""
+        view's last change may be older than a decode step."""
         pipe = self._redis.pipeline(transaction=False)
         for worker_id in worker_ids:
             pipe.hget(self._keys.worker(worker_id), "forward_ends_ms")
         return [int(v or 0) for v in await pipe.execute()]
 
-    def queue_load(self, pipe: Pipeline, worker_id: str, load: WorkerLoad) -> None:
-        """Add the load's write to a pipeline that goes out anyway (a DP rank's step plan)."""
-        pipe.hset(self._keys.worker(worker_id), mapping={k: str(v) for k, v in dataclasses.asdict(load).items()})
+    def queue_load(
+        self, pipe: Pipeline, worker_id: str, load: WorkerLoad, reserved_change: dict[str, int] | None = None
+    ) -> None:
+        """Add the load's write to a pipeline that goes out anyway (a DP rank's step plan), and its
+        entry in the registry log, with the change to its ``reserved_*`` fields that the pipeline
+        makes too (``+<field>``)."""
+        fields = {k: str(v) for k, v in dataclasses.asdict(load).items()}
+        pipe.hset(self._keys.worker(worker_id), mapping={k: v for k, v in fields.items()})  # typed as hset wants
+        change = {f"+{name}": str(amount) for name, amount in (reserved_change or {}).items()}
+        self._log(pipe, worker_id, "load", {**fields, **change})
+
+    def _log(self, pipe: Pipeline, worker_id: str, op: str, fields: dict[str, str] | None = None) -> None:
+        """Add a registry-log entry to ``pipe`` (views apply it: ``splitbus.bus.registry_view``)."""
+        entry: dict[str, str] = {"w": worker_id, "op": op, **(fields or {})}
+        pipe.xadd(self._keys.registry_log, entry, maxlen=LOG_MAXLEN, approximate=True)  # type: ignore[arg-type]
 
 
 def _text(value: bytes | str) -> str:
@@ -348,50 +396,6 @@ def _text(value: bytes | str) -> str:
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
     """A hash as a script returns it (a flat list), as redis-py's HGETALL gives it."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
-
-
-class RegistryView:
-    """A registry snapshot kept fresh in the background, so hot paths never read the registry."""
-
-    def __init__(self, registry: Registry, refresh_s: float) -> None:
-        self._registry = registry
-        self._refresh_s = refresh_s
-        self.workers: list[WorkerInfo] = []
-        self.read_at = 0.0
-        """When the current snapshot's read began (monotonic): it shows what was written before."""
-        self.redis_ok = False
-        self.refreshed = asyncio.Event()
-        self.stopped = False
-
-    async def refresh(self) -> None:
-        try:
-            read_at = time.monotonic()
-            self.workers = await self._registry.snapshot()
-            self.read_at, self.redis_ok = read_at, True
-        except Exception as exc:
-            if not is_transient(exc):  # BUSY or a refused script is a ResponseError, not a connection error
-                raise
-            if self.redis_ok:
-                log.warning("registry snapshot failed: %s", exc)
-            self.redis_ok = False
-        self.refreshed.set()
-
-    async def run(self) -> None:
-        while not self.stopped:
-            await self.refresh()
-            await asyncio.sleep(self._refresh_s)
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def live(self) -> list[WorkerInfo]:
-        return [w for w in self.workers if w.alive]
-
-    def live_models(self) -> list[str]:
-        return sorted({w.record.model for w in self.live()})
-
-    def serves(self, model: str) -> bool:
-        return any(w.record.model == model for w in self.live())
 
 
 class SchedulerLease:

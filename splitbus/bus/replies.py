@@ -30,8 +30,11 @@ RawXReadReply = list[tuple[bytes, list[RawEntry]]]
 """XREAD with redis-py's callback replaced by one that keeps Redis's own nesting (results.py)."""
 ScriptEntries = list[RawEntry]
 """Entries a script returns (``claim_from``: what XCLAIM returned inside it)."""
-SnapshotReply = tuple[list[bytes], list[tuple[bytes, int, list[bytes]]]]
-"""The ``registry_snapshot`` script's: every listed id, and (id, lease PTTL, flat record) rows."""
+SnapshotReply = tuple[
+    list[bytes], list[tuple[bytes, int, list[bytes]]], tuple[bytes, bytes], list[tuple[bytes, list[bytes]]]
+]
+"""The ``registry_snapshot`` script's: every listed id, (id, lease PTTL, flat record) rows, the
+server's TIME, and the registry log's last entry (none: empty)."""
 
 
 class XPendingRow(TypedDict):

@@ -34,7 +34,8 @@ from splitbus.bus.connection import is_transient
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.reaping import Reaping
-from splitbus.bus.registry import Registry, RegistryView
+from splitbus.bus.registry import Registry
+from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.streams import Delivery, GroupConsumer

@@ -29,7 +29,8 @@ from splitbus.bus.connection import connect, is_transient, transient_suppressed,
 from splitbus.bus.kv_events import KvEventReader
 from splitbus.bus.loops import EXIT_FATAL, Loops
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, RegistryView, SchedulerLease
+from splitbus.bus.registry import Registry, SchedulerLease
+from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.requests import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, entry_order
@@ -80,7 +81,7 @@ class Scheduler:
         self.registry = Registry(self.redis, bus)
         self.lease = SchedulerLease(self.redis, bus, config.name, config.lease_ms)
         self._leased = False
-        self.view = RegistryView(self.registry, config.refresh_s)
+        self.view = RegistryView(self.registry, self.redis)
         self.kv_index = KvIndex()
         """Which worker holds which prefix blocks, from their KV events (docs/routing.md)."""
         self.kv_feeder = KvIndexFeeder(self.kv_index, KvEventReader(self.redis, bus))
@@ -134,7 +135,7 @@ class Scheduler:
         holding = sum(w.alive and w.record.load.running + w.record.load.waiting > 0 for w in self.view.workers)
         await until_done(lambda: self.recovery.start(holding), self.redis, lambda: self.loops.stopped, "start-up")
         config = self.config
-        self.loops.start(self.view.refresh, every_s=config.refresh_s, name="registry refresh")
+        self.loops.start(self.view.follow, name="registry view")
         self.loops.start(self.renew_lease, every_s=config.heartbeat_s)
         self.loops.start(self.claim_orphans, every_s=config.claim_every_s)
         self.loops.start(self.reap_dead, every_s=config.reap_every_s)

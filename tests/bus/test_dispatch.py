@@ -18,7 +18,7 @@ def test_the_script_builds_no_key_name() -> None:
     assert ".." not in lua and "sb:" not in lua
     touched = re.findall(r"redis\.call\('\w+', (\w+)", lua)
     assert touched and all(name in ("KEYS", "worker", "tasks") for name in touched)
-    assert "local worker, tasks, a = KEYS[5 + 3 * i], KEYS[6 + 3 * i]" in lua
+    assert "local worker, tasks, a = KEYS[6 + 3 * i], KEYS[7 + 3 * i]" in lua
 
 
 def test_entries_are_named_by_the_keys_module(redis: aioredis.Redis, bus_config: BusConfig) -> None:

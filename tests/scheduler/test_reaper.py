@@ -105,8 +105,6 @@ async def test_a_failed_reap_ends_neither_the_pass_nor_the_loop(
 ) -> None:
     """An OOM inside the reaper's result write (a ResponseError, not a connection error) used to
     end the reaper's loop silently, and dead workers were never reaped again."""
-    from types import SimpleNamespace
-
     from redis.exceptions import ResponseError
 
     reaped: list[str] = []
@@ -121,8 +119,7 @@ async def test_a_failed_reap_ends_neither_the_pass_nor_the_loop(
 
     reaper = scheduler.reaper
     monkeypatch.setattr(reaper, "reap", reap)
-    dead = [SimpleNamespace(alive=False, record=SimpleNamespace(worker_id=w)) for w in ("w-oom", "w-bug", "w-ok")]
-    monkeypatch.setattr(reaper.view, "workers", dead)
+    reaper.view.workers = [worker(w, "decode", alive=False) for w in ("w-oom", "w-bug", "w-ok")]
     loops = Loops("the scheduler")
     loops.start(reaper.reap_dead, every_s=0.01)  # as the scheduler runs it
     for _ in range(500):

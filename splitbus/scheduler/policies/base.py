@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, RegistryView, WorkerInfo
+from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.bus.registry_view import RegistryView
 from splitbus.scheduler.disagg import Disaggregation
 from splitbus.scheduler.placement import CacheCost, Local, Placement, Waiting
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes

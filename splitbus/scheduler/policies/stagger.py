@@ -11,7 +11,8 @@ import time
 from collections.abc import Sequence
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, RegistryView, WorkerInfo
+from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.bus.registry_view import RegistryView
 from splitbus.scheduler.placement import (
     Local,
     Placement,

@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import Cancel
-from splitbus.bus.registry import Registry, RegistryView, WorkerInfo
+from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.streams import Delivery
 from splitbus.scheduler.placement import Waiting
 from splitbus.scheduler.policies import Admitted, NoPlacement, Placed, PlacingContext, PolicyOptions, create
@@ -105,7 +106,7 @@ async def _context(
     for w in workers:
         await registry.register(w.record, lease_ms=5000)
         await registry.report_load(w.record.worker_id, dataclasses.replace(w.record.load, forward_ends_ms=ends_ms))
-    view = RegistryView(registry, 1.0)
+    view = RegistryView(registry, redis)
     await view.refresh()
     return PlacingContext(view, registry, {})
 

@@ -9,7 +9,8 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import Cancel
-from splitbus.bus.registry import Registry, RegistryView, WorkerLoad
+from splitbus.bus.registry import Registry, WorkerLoad
+from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.streams import Delivery
 from splitbus.scheduler.placement import Waiting
 from splitbus.scheduler.policies import Admitted, PlacingContext, PolicyOptions, create
@@ -49,7 +50,7 @@ async def test_arrivals_wait_for_the_groups_step_to_end(redis: aioredis.Redis, b
     await registry.register(r.record, lease_ms=5000)
     ends_ms = int(time.time() * 1000) + 5000
     await registry.report_load(r.record.worker_id, WorkerLoad(free_kv_blocks=1000, forward_ends_ms=ends_ms, dp_epoch=1))
-    view = RegistryView(registry, 1.0)
+    view = RegistryView(registry, redis)
     await view.refresh()
     policy, arrivals = _policy(), _arrivals(2)
     held = await policy.admit(arrivals, PlacingContext(view, registry, {}))

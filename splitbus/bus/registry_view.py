@@ -1,0 +1,251 @@
+"""A registry view kept current by the registry log, ``sb:registry:{cell}``.
+
+Every write to the registry also appends an entry to the log (in the same script or pipeline):
+a worker's beat (its lease and load, or its whole record when it registers), a load report with
+the reservations it gives back, a scheduler's reservation (the dispatch script), a departure.
+A view reads a snapshot once (``Registry.snapshot_at``: the records, the server's time and the
+log's last entry, atomically), then follows the log from that entry with one blocking ``XREAD``
+at a time and applies each change as it comes: a scheduler or API node sees a worker's load and
+every replica's reservations within a read's round trip, and no arrival waits on a refresh.
+Every ``full_every_s`` it reads a snapshot again, to repair drift (a change the log trimmed
+before it was read, a worker that registered while the view was away).
+
+Liveness is each worker's lease as the log and snapshots give it (the server's time of its last
+beat plus its lease), measured on the server's clock as the last snapshot read it plus the
+monotonic time since: a worker that stops beating drops out of ``live`` when its lease runs out,
+with no entry to say so. The dispatch script checks the lease itself, so a view that is a moment
+late never gets a task written for a dead worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import cluster
+from splitbus.bus.connection import is_transient
+from splitbus.bus.registry import Registry, Reserved, Snapshot, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.replies import XReadReply
+
+log = logging.getLogger(__name__)
+
+FULL_EVERY_S = 5.0
+"""How often a view reads a whole snapshot again (drift repair)."""
+BLOCK_MS = 100
+"""How long one read of the log waits for a change."""
+READ_COUNT = 5000
+"""Log entries one read takes at most; a full read means the view is behind (not caught up)."""
+_LOAD = {f.name for f in dataclasses.fields(WorkerLoad)}
+_RESERVED = [f.name for f in dataclasses.fields(Reserved)]
+_DEAD_TTL = -2
+
+
+@dataclass
+class _Row:
+    """One worker as the view knows it."""
+
+    record: WorkerRecord
+    heartbeat_ms: int
+    lease_until_ms: int
+    """The server time its lease runs out at (0: none)."""
+    reserved: Reserved
+
+
+class RegistryView:
+    """The registry, as of its log's latest change: ``workers`` (every registered worker, alive or
+    not, as ``WorkerInfo`` rows), ``live()``."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        redis: aioredis.Redis,
+        full_every_s: float = FULL_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._redis = redis
+        self._log_key = registry.log_key
+        self._full_every_s = full_every_s
+        self._clock = clock
+        self._rows: dict[str, _Row] = {}
+        self._cursor = "0-0"
+        self._full_at = -float("inf")
+        self._server_ms = 0
+        """The server's clock at ``_synced_at`` (from the last snapshot)."""
+        self._synced_at = 0.0
+        self._built: list[WorkerInfo] | None = None
+        self._valid_until_ms = 0
+        """The server time the built rows' liveness holds until (the next lease to run out)."""
+        self.read_at = 0.0
+        """When the read behind the view began (monotonic): it shows every change written before."""
+        self.redis_ok = False
+        self.refreshed = asyncio.Event()
+        """Set after each read that changed the view (a replica forgets the reservations it shows)."""
+        self.stopped = False
+
+    # ------------------------------------------------------------ reading
+
+    async def refresh(self) -> None:
+        """Read a whole snapshot (at start, every ``full_every_s``, and after a gap)."""
+        await self._guarded(self._full)
+
+    async def follow(self) -> None:
+        """One step of the view's loop: a snapshot when one is due, else one blocking read of the
+        log's changes since the last one."""
+        if self._clock() - self._full_at >= self._full_every_s:
+            await self.refresh()
+        else:
+            await self._guarded(self._changes)
+
+    async def run(self) -> None:
+        while not self.stopped:
+            await self.follow()
+            if not self.redis_ok:
+                await asyncio.sleep(BLOCK_MS / 1000)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    async def _guarded(self, read: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await read()
+            self.redis_ok = True
+        except Exception as exc:
+            if not is_transient(exc):  # BUSY or a refused script is a ResponseError, not a connection error
+                raise
+            if self.redis_ok:
+                log.warning("registry view: %s", exc)
+            self.redis_ok = False
+            self._full_at = -float("inf")  # back from an outage: a snapshot first
+        self.refreshed.set()
+
+    async def _full(self) -> None:
+        read_at = self._clock()
+        snapshot: Snapshot = await self._registry.snapshot_at()
+        self._server_ms, self._synced_at = snapshot.server_ms, read_at
+        self._rows = {
+            w.record.worker_id: _Row(
+                w.record,
+                w.heartbeat_ms,
+                snapshot.server_ms + w.lease_ttl_ms if w.lease_ttl_ms > 0 else 0,
+                w.reserved,
+            )
+            for w in snapshot.workers
+        }
+        self._cursor, self._full_at, self.read_at, self._built = snapshot.log_id, read_at, read_at, None
+
+    async def _changes(self) -> None:
+        read_at = self._clock()
+        streams = {self._log_key: self._cursor}
+        if cluster.as_cluster(self._redis) is None:
+            reply = await self._redis.xread(streams, count=READ_COUNT, block=BLOCK_MS)  # type: ignore[arg-type]
+        else:
+            reply = await cluster.xread(self._redis, streams, READ_COUNT, BLOCK_MS)  # type: ignore[arg-type]
+        entries = [entry for _, batch in cast(XReadReply, reply or []) for entry in batch]
+        for entry_id, fields in entries:
+            self._apply({_text(k): _text(v) for k, v in fields.items()})
+            self._cursor = _text(entry_id)
+        if entries:
+            self._built = None
+        if len(entries) < READ_COUNT:  # caught up: every change written before the read is in
+            self.read_at = read_at
+
+    # ------------------------------------------------------------ applying
+
+    def _apply(self, fields: dict[str, str]) -> None:
+        """One log entry; one it cannot read is skipped (the next snapshot repairs the view)."""
+        worker, op = fields.pop("w", ""), fields.pop("op", "")
+        try:
+            if op == "beat":
+                self._beat(worker, fields)
+            elif op in ("load", "reserve"):
+                self._load(worker, fields)
+            elif op == "gone":
+                self._rows.pop(worker, None)
+            elif op == "resign" and worker in self._rows:
+                self._rows[worker].lease_until_ms = 0
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("registry view: skipping an unreadable %s entry of %s: %s", op or "?", worker or "?", exc)
+
+    def _beat(self, worker: str, fields: dict[str, str]) -> None:
+        at, lease = int(fields.pop("at")), int(fields.pop("lease"))
+        row = self._rows.get(worker)
+        if row is None:
+            if "role" not in fields:
+                return  # a beat of a worker registered while this view was away: the next snapshot has it
+            row = self._rows[worker] = _Row(WorkerRecord.from_hash(fields), at, 0, Reserved())
+        elif "role" in fields:
+            row.record = WorkerRecord.from_hash(fields)
+        else:
+            row.record = _with_load(row.record, fields)
+        row.heartbeat_ms, row.lease_until_ms = at, at + lease
+
+    def _load(self, worker: str, fields: dict[str, str]) -> None:
+        row = self._rows.get(worker)
+        if row is None:
+            return
+        row.record = _with_load(row.record, fields)
+        change = {name: int(fields.get(f"+{name}", 0)) for name in _RESERVED}
+        if any(change.values()):
+            row.reserved = Reserved(*[getattr(row.reserved, name) + change[name] for name in _RESERVED])
+
+    # ------------------------------------------------------------ the view
+
+    def server_ms(self) -> int:
+        """The server's clock now, as this view estimates it."""
+        return self._server_ms + int((self._clock() - self._synced_at) * 1000)
+
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        """Every registered worker, alive or not. The same list object until the view changes
+        (a policy keeps what it derives from it per list)."""
+        now = self.server_ms()
+        if self._built is None or now >= self._valid_until_ms:
+            self._built = [_info(row, now) for row in self._rows.values()]
+            ends = [row.lease_until_ms for row in self._rows.values() if row.lease_until_ms > now]
+            self._valid_until_ms = min(ends, default=now + 1000)
+        return self._built
+
+    @workers.setter
+    def workers(self, rows: list[WorkerInfo]) -> None:
+        """Put these rows in the view, as a snapshot would (tests, hand-made views)."""
+        now = self.server_ms()
+        self._rows = {
+            w.record.worker_id: _Row(w.record, w.heartbeat_ms, now + w.lease_ttl_ms if w.alive else 0, w.reserved)
+            for w in rows
+        }
+        self._built = None
+
+    def live(self) -> list[WorkerInfo]:
+        return [w for w in self.workers if w.alive]
+
+    def live_models(self) -> list[str]:
+        return sorted({w.record.model for w in self.live()})
+
+    def serves(self, model: str) -> bool:
+        return any(w.record.model == model for w in self.live())
+
+
+def _info(row: _Row, now_ms: int) -> WorkerInfo:
+    ttl = row.lease_until_ms - now_ms if row.lease_until_ms else _DEAD_TTL
+    return WorkerInfo(row.record, row.heartbeat_ms, ttl if ttl > 0 else _DEAD_TTL, row.reserved)
+
+
+def _with_load(record: WorkerRecord, fields: dict[str, str]) -> WorkerRecord:
+    """The record with the load fields among ``fields`` changed: a new record (the rows built
+    before keep theirs), or the same one when there are none."""
+    changed = {name: int(value) for name, value in fields.items() if name in _LOAD}
+    if not changed:
+        return record
+    return dataclasses.replace(record, load=dataclasses.replace(record.load, **changed))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,92 @@
+"""The registry view against a real Redis: a snapshot, then every change from the registry log
+as it happens (beats, loads, reservations, departures), leases running out on their own, and
+drift repaired by the next snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from splitbus.bus.config import BusConfig
+from splitbus.bus.dispatch import DispatchScript, TaskWrite
+from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.messages import Task
+from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
+from splitbus.bus.registry_view import RegistryView
+from splitbus.bus.streams import GroupConsumer, Producer
+from tests.scheduler.snapshot import request
+
+
+def _record(worker_id: str, role: str = "decode") -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, role=role, model="tiny", engine="sim")
+
+
+async def _caught_up(view: RegistryView) -> None:
+    """Read the log until a read returns nothing new (its block ends)."""
+    await view.follow()
+    await view.follow()
+
+
+async def test_changes_reach_the_view_as_they_happen(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("d1"), lease_ms=5000)
+    view = RegistryView(registry, redis, full_every_s=3600)  # no second snapshot: the log alone
+    await view.refresh()
+    assert [w.record.worker_id for w in view.live()] == ["d1"]
+    snapshot_reads = view.read_at
+
+    await registry.register(_record("p1", "prefill"), lease_ms=5000)  # a new worker: its whole record
+    load = WorkerLoad(running=2, queued_prefill_tokens=300, free_kv_blocks=70, total_kv_blocks=100)
+    await registry.heartbeat("d1", load, lease_ms=5000)
+    await _caught_up(view)
+    rows = {w.record.worker_id: w for w in view.workers}
+    assert rows["p1"].record.role == "prefill" and rows["p1"].alive
+    assert rows["d1"].record.load == load and view.read_at > snapshot_reads
+
+    # a dispatch's reservation, then the worker taking the task and giving it back
+    consumer = GroupConsumer(redis, bus_config, bus_config.keys.requests, SCHEDULER_GROUP, "s1")
+    await consumer.ensure_group()
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    (delivery,) = await consumer.read(1)
+    script = DispatchScript(redis, bus_config, 60)
+    entry = script.request_entry(delivery.entry_id, "r")
+    task = Task("decode", delivery.message, "p1", reserved=[0, 1, 8])
+    assert await script.write(entry, "r", "h1", [TaskWrite("d1", task)]) == 1
+    await _caught_up(view)
+    assert {w.record.worker_id: w for w in view.workers}["d1"].reserved == Reserved(0, 1, 8)
+    await registry.report_load("d1", WorkerLoad(running=3, free_kv_blocks=62, total_kv_blocks=100), Reserved(0, 1, 8))
+    await _caught_up(view)
+    d1 = {w.record.worker_id: w for w in view.workers}["d1"]
+    assert d1.reserved == Reserved() and d1.record.load.running == 3
+
+    await registry.resign("p1")  # gives up its lease: not live at once
+    await registry.mark_dead("d1")  # the reaper took it: out of the view
+    await _caught_up(view)
+    assert [w.record.worker_id for w in view.workers] == ["p1"] and view.live() == []
+
+
+async def test_a_lease_runs_out_with_no_entry_to_say_so(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("d1"), lease_ms=300)
+    view = RegistryView(registry, redis, full_every_s=3600)
+    await view.refresh()
+    assert view.serves("tiny")
+    await asyncio.sleep(0.4)
+    assert not view.serves("tiny") and not view.workers[0].alive
+
+
+async def test_a_change_the_log_lost_is_repaired_by_the_next_snapshot(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("d1"), lease_ms=5000)
+    view = RegistryView(registry, redis, full_every_s=0.3)
+    await view.refresh()
+    await registry.heartbeat("d1", WorkerLoad(running=5), lease_ms=5000)
+    await redis.xtrim(bus_config.keys.registry_log, maxlen=0)  # trimmed before the view read it
+    await _caught_up(view)
+    assert view.workers[0].record.load.running == 0  # missed
+    await asyncio.sleep(0.3)
+    await view.follow()  # due: a snapshot
+    assert view.workers[0].record.load.running == 5
