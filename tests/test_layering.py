@@ -19,7 +19,17 @@ FORBIDDEN = {
         "splitbus.tokenization",
         "splitbus.scheduler",
     ),
-    "api": ("splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.scheduler"),
+    # The API places requests itself with --dispatch api: the scheduler's placement half (policies,
+    # placement, dispatch, ledger), never its process (the replica, its reaper and recovery).
+    "api": (
+        "splitbus.worker",
+        "splitbus.gpu_ops",
+        "splitbus.cli",
+        "splitbus.scheduler.scheduler",
+        "splitbus.scheduler.reaper",
+        "splitbus.scheduler.recovery",
+        "splitbus.scheduler.config",
+    ),
     "worker": ("splitbus.api", "splitbus.cli", "splitbus.scheduler"),
     "scheduler": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.tokenization"),
     "tokenization": ("splitbus.bus", "splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli"),

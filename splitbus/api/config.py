@@ -67,12 +67,23 @@ class ApiConfig:
     registry_refresh_s: float = 0.5
     """How often the API reads the request stream's length (``max_backlog``). The registry view
     follows the registry log as it changes (``splitbus.bus.registry_view``)."""
+    dispatch: str = "scheduler"
+    """Who places a request: ``scheduler`` (it goes to the request stream, a scheduler replica
+    places it) or ``api`` (this process places it itself, by load, and writes its tasks; one it
+    cannot place goes to the request stream: ``splitbus.api.placing``)."""
+    dispatch_mode: str = "splitwise"
+    """With ``dispatch`` ``api``: the policy it places with, ``splitwise`` or ``mixed`` (the
+    schedulers' ``--mode``)."""
     prefix_block_size: int = 16
     """Block size of the hash chain each request carries for cache-aware routing
     (``GenerateRequest.prefix_hashes``; the workers' ``--block-size``); 0: none, the scheduler
     hashes prompts itself."""
 
     def __post_init__(self) -> None:
+        if self.dispatch not in ("scheduler", "api"):
+            raise ValueError(f"dispatch must be scheduler or api, got {self.dispatch!r}")
+        if self.dispatch_mode not in ("splitwise", "mixed"):
+            raise ValueError(f"--dispatch api places with splitwise or mixed, not {self.dispatch_mode!r}")
         names = [name for name, _ in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")

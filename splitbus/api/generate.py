@@ -205,7 +205,7 @@ class Generation:
         self.sub = await self.state.reader.subscribe(self.request_id)
         self.sub.expire_at(asyncio.get_running_loop().time() + self.state.config.request_timeout_s + DEADLINE_GRACE_S)
         try:
-            await self.state.submissions.submit(self.message())
+            await self.state.submit(self.message())
         except TRANSIENT_ERRORS as exc:
             raise ServiceUnavailable(f"Redis is unreachable: {exc}") from None
         metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))

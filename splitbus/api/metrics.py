@@ -27,3 +27,9 @@ CONNECTIONS_CLOSED = Counter(
     "Connections the API closed before reading a request: headers too slow, too large, or a body too slow.",
     ["reason"],
 )
+DISPATCHES = Counter(
+    "splitbus_api_dispatches_total",
+    "Requests this API node placed itself (--dispatch api), by outcome: dispatched; duplicate (its id was "
+    "dispatched already); no_worker, recovering, worker_gone (submitted to the schedulers instead).",
+    ["outcome"],
+)

@@ -14,9 +14,11 @@ import anyio.to_thread
 from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
+from splitbus.api.placing import ApiPlacer
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.loops import Loops
+from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry
 from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.requests import Submissions, backlog
@@ -42,6 +44,12 @@ class ApiState:
         self.runs = ServerRuns(self.redis, f"api {config.node_id}")
         self._resubmit_owed = False
         self.workers = RegistryView(Registry(self.redis, config.bus), self.redis)
+        self.placer = (
+            ApiPlacer(self.redis, config.bus, self.workers, config.dispatch_mode, config.node_id)
+            if config.dispatch == "api"
+            else None
+        )
+        """With ``--dispatch api``: what places requests here (``submit``)."""
         self.inflight = 0
         self.backlog = 0
         self.bodies = BodySlots(config)
@@ -59,6 +67,15 @@ class ApiState:
         state.loops.start(state.read_backlog, every_s=config.registry_refresh_s)
         state.loops.start(state.watch_runs, every_s=RUNS_EVERY_S)
         return state
+
+    async def submit(self, request: GenerateRequest) -> None:
+        """Dispatch the request here (``--dispatch api``) or, when it is not placed here, write it
+        to the request stream for the schedulers; either way it is held until it starts, to be
+        submitted again after a new Redis run."""
+        if self.placer is not None and await self.placer.place(request):
+            self.submissions.hold(request)
+        else:
+            await self.submissions.submit(request)
 
     async def watch_runs(self) -> None:
         """After a new Redis run, submit again the requests not yet started (owed until done: a

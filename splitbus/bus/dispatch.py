@@ -109,7 +109,8 @@ _DISPATCH = declare(
         ),
         repeated=("sb:worker:{cell}:<worker>", "sb:tasks:{cell}:<worker>", "sb:lease:{cell}:<worker>"),
         argv=(
-            "the group, the entry id, the mark's TTL (s), the number of tasks, the consumer that must own the entry"
+            'the group, the entry id ("": a request the API dispatches itself, with no entry), the mark\'s TTL (s),'
+            " the number of tasks, the consumer that must own the entry"
             ' ("": any), the new hand-off id, the hand-off id that must be current ("": none may be, a request'
             ' entry\'s; "*": any, a task written before hand-off ids), when the hand-off id expires (epoch ms:'
             " its deadline + the mark's window; 0: none; at most 1 h from now by Redis's clock); per task: its"
@@ -130,12 +131,13 @@ end
 for i = 0, tonumber(ARGV[4]) - 1 do
   if redis.call('EXISTS', KEYS[8 + 3 * i]) == 0 then return -4 end
 end
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if ARGV[2] ~= '' and redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local current = redis.call('GET', KEYS[3])
 if ARGV[7] == '' then
   if current then return -1 end
 elseif ARGV[7] ~= '*' and current ~= ARGV[7] then return -2 end
-if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) and redis.call('GET', KEYS[2]) ~= ARGV[2] then
+local mark = ARGV[2] ~= '' and ARGV[2] or ARGV[6]
+if not redis.call('SET', KEYS[2], mark, 'NX', 'EX', ARGV[3]) and redis.call('GET', KEYS[2]) ~= mark then
   return -1
 end
 local now = redis.call('TIME')
@@ -280,6 +282,11 @@ class DispatchScript:
     def request_entry(self, entry_id: str, request_id: str) -> Entry:
         """A request entry of ``sb:requests:{cell}``: dispatched once per request id."""
         return Entry(self._keys.requests, SCHEDULER_GROUP, entry_id, self._keys.dispatched(request_id))
+
+    def direct(self, request_id: str) -> Entry:
+        """A request an API node dispatches itself, with no entry to ack: dispatched once per
+        request id, as a request entry is (its mark holds the dispatch's hand-off id)."""
+        return Entry(self._keys.requests, SCHEDULER_GROUP, "", self._keys.dispatched(request_id))
 
     def task_entry(self, dead_worker: str, entry_id: str, request_id: str) -> Entry:
         """A dead worker's task: moved once per old entry (a retried call or a second reaper does

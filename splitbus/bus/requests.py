@@ -58,6 +58,11 @@ class Submissions:
         self._held[request.request_id] = request
         return entry_id
 
+    def hold(self, request: GenerateRequest) -> None:
+        """Hold a request submitted another way (dispatched by its API node itself) until
+        ``started``: after a new Redis run it is submitted again to the schedulers."""
+        self._held[request.request_id] = request
+
     def started(self, request_id: str) -> None:
         """The request has a result (or ended, or failed to submit): nothing to re-publish."""
         self._held.pop(request_id, None)

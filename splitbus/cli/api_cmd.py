@@ -54,6 +54,18 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)"
     )
     p.add_argument(
+        "--dispatch",
+        choices=("scheduler", "api"),
+        default="scheduler",
+        help="who places requests: the schedulers (default) or this process itself, by load (docs/architecture.md)",
+    )
+    p.add_argument(
+        "--dispatch-mode",
+        choices=("splitwise", "mixed"),
+        default="splitwise",
+        help="with --dispatch api: the policy it places with, as the schedulers' --mode (default %(default)s)",
+    )
+    p.add_argument(
         "--prefix-block-size",
         type=int,
         default=16,
@@ -127,6 +139,8 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
         max_prompt_chars=args.max_prompt_chars,
         reader_shards=args.reader_shards,
         prefix_block_size=args.prefix_block_size,
+        dispatch=args.dispatch,
+        dispatch_mode=args.dispatch_mode,
         **({"node_id": args.node_id} if args.node_id else {}),
     )
 

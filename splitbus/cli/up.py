@@ -108,6 +108,14 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument(
         "--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)"
     )
+    p.add_argument("--api-arg", action="append", default=[], help="extra argument for the API (repeatable)")
+    p.add_argument(
+        "--dispatch",
+        choices=("scheduler", "api"),
+        default="scheduler",
+        help="who places requests: the scheduler (default: by load and by KV cache) or the API itself (by load, "
+        "one hop fewer; the schedulers' mode, splitwise or mixed)",
+    )
     add_embedded_options(p, env)
     add_cluster_option(p)
     p.set_defaults(run=run)
@@ -133,6 +141,8 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
         raise ValueError("prefill and decode workers come together: give both --prefill and --decode, or neither")
     if prefill and not engines.get(args.engine).capabilities.kv_transfer:
         raise ValueError(f"the {args.engine} engine cannot ship KV from prefill to decode: run it as --mixed N")
+    if args.dispatch == "api" and _scheduler_mode(args, prefill, mixed) not in ("splitwise", "mixed"):
+        raise ValueError("--dispatch api places on single workers (splitwise or mixed): DP groups need the scheduler")
     return prefill, decode, mixed
 
 
@@ -348,6 +358,8 @@ def _start_parts(
         str(args.request_timeout),
         "--result-grace",
         str(args.result_grace),
+        *(["--dispatch", "api", "--dispatch-mode", mode] if args.dispatch == "api" else []),
+        *args.api_arg,
     ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
 

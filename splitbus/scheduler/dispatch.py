@@ -58,6 +58,15 @@ class Dispatcher:
             entry, request.request_id, handoff, tasks, consumer=consumer, deadline_ms=request.deadline_ms
         )
 
+    async def dispatch_direct(self, request: GenerateRequest, placements: Sequence[Placement]) -> int:
+        """Write the tasks of a request that has no entry (an API node places it itself:
+        ``splitbus api --dispatch api``); DISPATCHED, DUPLICATE (dispatched already),
+        RECOVERING or WORKER_GONE (nothing written: the caller submits it to the schedulers)."""
+        handoff = _handoff()
+        tasks = _tasks(request, placements, handoff)
+        entry = self._script.direct(request.request_id)
+        return await self._script.write(entry, request.request_id, handoff, tasks, deadline_ms=request.deadline_ms)
+
     async def redispatch(
         self,
         dead_worker: str,

@@ -60,9 +60,11 @@ MAX_REQUESTS = 40
 """Each worker's bound: some of the streams and the burst wait in the scheduler at the crash."""
 
 
-def _up(tmp_path: Path) -> System:
+def _up(tmp_path: Path, dispatch: str = "scheduler") -> System:
     return start_system(
         tmp_path,
+        "--dispatch",
+        dispatch,
         "--request-timeout",
         str(DEADLINE_S),
         "--worker-arg=--sim-decode-step-ms",
@@ -201,8 +203,13 @@ def test_a_killed_redis_comes_back_and_every_stream_is_exact(tmp_path: Path, rec
 
 
 @pytest.mark.timeout(240)
-def test_a_redis_that_lost_its_last_second_is_made_whole_by_the_parts(tmp_path: Path, record_property: Record) -> None:
-    system = _up(tmp_path)
+@pytest.mark.parametrize("dispatch", ["scheduler", "api"])
+def test_a_redis_that_lost_its_last_second_is_made_whole_by_the_parts(
+    tmp_path: Path, record_property: Record, dispatch: str
+) -> None:
+    """With either dispatcher: with ``--dispatch api`` the API wrote the lost dispatches itself, and
+    holds the requests not started, which it submits again to the schedulers."""
+    system = _up(tmp_path, dispatch)
     aof = _aof(system, tmp_path)
 
     before = aof.with_name("before.aof")

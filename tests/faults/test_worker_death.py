@@ -84,3 +84,13 @@ def test_prefill_worker_killed_mid_prefill(two_of_each: System) -> None:
     texts = asyncio.run(_streams(two_of_each, 10, 20, 100, after_s=0.4, victim=r"--role prefill"))
     assert texts == [sim_text(500 + i, 20) for i in range(10)]
     assert _moved(two_of_each, since) > 0
+
+
+@pytest.mark.timeout(180)
+def test_decode_worker_killed_mid_stream_with_the_api_dispatching(tmp_path: Path) -> None:
+    """The reaper moves the tasks an API node wrote as it moves a scheduler's."""
+    system = start_system(tmp_path, *DECODE_ARGS, "--dispatch", "api")
+    try:
+        _decode_worker_killed_mid_stream(system)
+    finally:
+        stop_system(system)

@@ -1,0 +1,69 @@
+"""Dispatch from the API node (``splitbus api --dispatch api``): the API places a request itself,
+with the scheduler's policy code and dispatch script, and writes its tasks directly: one hop
+fewer than the request stream and a scheduler replica (docs/architecture.md, "Dispatch from the
+API node").
+
+It places by load alone: the workers' prefix caches are known only to scheduler replicas (their
+KV index), and so are the things that need one place (DP stagger windows, the reaper, requests
+no worker can take yet). A request the API cannot place at once (no worker with room, a worker
+gone as the script ran, the cell recovering after a new Redis run) goes to the request stream,
+as every request does with ``--dispatch scheduler``: nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+
+from splitbus.api import metrics
+from splitbus.bus.config import BusConfig
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.registry_view import RegistryView
+from splitbus.scheduler import policies
+from splitbus.scheduler.dispatch import DISPATCHED, DUPLICATE, RECOVERING, WORKER_GONE, Dispatcher
+from splitbus.scheduler.ledger import Ledger
+from splitbus.scheduler.placement import LOAD_ONLY, Local
+from splitbus.scheduler.policies import Placed, PolicyOptions
+
+log = logging.getLogger(__name__)
+
+MODES = ("splitwise", "mixed")
+"""The policies an API node places with: those that place each request on its own, at once."""
+DISPATCHED_MARK_TTL_S = 60
+"""The dispatched mark's life (a scheduler's default ``--dispatched-mark-ttl``)."""
+_OUTCOMES = {DISPATCHED: "dispatched", DUPLICATE: "duplicate", RECOVERING: "recovering", WORKER_GONE: "worker_gone"}
+
+
+class ApiPlacer:
+    """Places a request from the API node's registry view and writes its tasks; says whether it
+    did (False: the caller submits it to the schedulers)."""
+
+    def __init__(self, redis: aioredis.Redis, bus: BusConfig, view: RegistryView, mode: str, node: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"--dispatch api places with {' or '.join(MODES)}, not {mode!r}")
+        self.view = view
+        self.policy = policies.create(mode, PolicyOptions(replica=node, cost=LOAD_ONLY))
+        self.dispatcher = Dispatcher(redis, bus, DISPATCHED_MARK_TTL_S)
+        self.local: Local = {}
+        self.ledger = Ledger(self.local)
+
+    async def place(self, request: GenerateRequest) -> bool:
+        """Called once per request, before any entry of it is written."""
+        if self.view.refreshed.is_set():
+            self.view.refreshed.clear()
+            self.ledger.view_refreshed(self.view.read_at)
+        decision = self.policy.place(request, self.view.workers, self.local)
+        if not isinstance(decision, Placed):
+            metrics.DISPATCHES.labels("no_worker").inc()
+            return False
+        for placement in decision.placements:
+            self.ledger.reserve(placement)
+        try:
+            outcome = await self.dispatcher.dispatch_direct(request, decision.placements)
+        finally:
+            self.ledger.written()
+        metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
+        if outcome == DUPLICATE:  # its request id was dispatched already: a bug, or a replay of one
+            log.warning("request %s was dispatched already; not again", request.request_id)
+        return outcome in (DISPATCHED, DUPLICATE)
