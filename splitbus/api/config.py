@@ -41,6 +41,10 @@ class ApiConfig:
     """Seconds from the connection's first byte (or from a keep-alive request's first byte)
     to the end of the request headers; past it the connection is closed (slow-loris).
     uvicorn has no such timeout of its own: see splitbus/api/server.py."""
+    max_connections: int = 16384
+    """Connections open at once beyond which a new one is answered 429 with ``Retry-After: 1``
+    at once, before its request is read (each holds a socket, a file descriptor and a protocol
+    object; the process raises its descriptor limit to fit this many, where the system allows)."""
     max_header_bytes: int = 64 * 1024
     """Bytes of request line and headers beyond which the connection gets 431 and is closed."""
     max_prompt_chars: int | None = None

@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 BODY_GRACE_S = 2.0
 """How long past the app's body deadline the protocol waits before closing the connection."""
 TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_BUSY_BODY = (
+    b'{"error":{"message":"this API process holds as many connections as it serves (--max-connections); retry",'
+    b'"type":"rate_limit_error","param":null,"code":"rate_limit_exceeded"}}'
+)
+TOO_MANY = (
+    b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    + f"content-length: {len(_BUSY_BODY)}\r\nconnection: close\r\n\r\n".encode()
+    + _BUSY_BODY
+)
 CLOSES_LOG_EVERY_S = 10.0
 """The closes of one reason are logged at most this often (a slow-loris client opens thousands)."""
 
@@ -66,6 +75,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     max_header_bytes = 64 * 1024
     body_timeout_s = 30.0 + BODY_GRACE_S
+    max_connections = 16384
+    open_connections = 0
+    """Connections open in this process now (every instance counts itself in)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -73,14 +85,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._refused = False
+        self._counted = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        GuardedHttpToolsProtocol.open_connections += 1
+        self._counted = True
+        if GuardedHttpToolsProtocol.open_connections > self.max_connections:
+            self._refuse(TOO_MANY, "too_many_connections", f"over --max-connections {self.max_connections} (429)")
+            return
         self._arm()  # a connection that never sends a byte is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._disarm_body()
+        if self._counted:
+            GuardedHttpToolsProtocol.open_connections -= 1
+            self._counted = False
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -91,15 +112,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if waiting and self._head_timer is not None:  # the headers are still incomplete
             self._head_bytes += len(data)
             if self._head_bytes > self.max_header_bytes:
-                self._refuse()
+                self._refuse(
+                    TOO_LARGE, "header_too_large", f"whose headers went over {self.max_header_bytes} bytes (431)"
+                )
 
-    def _refuse(self) -> None:
-        """431, then a lingering close: end our side (FIN) and drop what still comes for a
-        second, so the client reads the 431 instead of a reset from closing on unread data."""
+    def _refuse(self, response: bytes, reason: str, why: str) -> None:
+        """An error response, then a lingering close: end our side (FIN) and drop what still
+        comes for a second, so the client reads the response instead of a reset from closing on
+        unread data."""
         self._disarm()
         self._refused = True
-        CLOSES.add("header_too_large", f"whose headers went over {self.max_header_bytes} bytes (431)")
-        self.transport.write(TOO_LARGE)
+        CLOSES.add(reason, why)
+        self.transport.write(response)
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(1.0, self.transport.close)
@@ -149,7 +173,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def guarded_protocol(
-    header_timeout_s: float, max_header_bytes: int, body_timeout_s: float
+    header_timeout_s: float, max_header_bytes: int, body_timeout_s: float, max_connections: int = 16384
 ) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to pass as uvicorn's ``http``, with these bounds (``body_timeout_s``:
     the app's own body deadline, which the protocol's trails by ``BODY_GRACE_S``)."""
@@ -157,5 +181,6 @@ def guarded_protocol(
         "header_timeout_s": header_timeout_s,
         "max_header_bytes": max_header_bytes,
         "body_timeout_s": body_timeout_s + BODY_GRACE_S,
+        "max_connections": max_connections,
     }
     return type("GuardedHttpTools", (GuardedHttpToolsProtocol,), bounds)

@@ -226,11 +226,16 @@ def serve_table(report: dict[str, Any]) -> str:
             rows.append(_cache_row(r))
         if r.get("redis_memory_per_request_bytes") is not None:
             rows.append(_redis_memory_row(r))
-    for name, hop in report.get("hops_ms", {}).items():
-        rows.append(f"  idle system, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms")
+    by_dispatch = report.get("hops_ms_by_dispatch") or {"scheduler": report.get("hops_ms", {})}
+    for dispatch, hops in by_dispatch.items():
+        for name, hop in hops.items():
+            rows.append(
+                f"  idle system, --dispatch {dispatch}, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms"
+            )
     for o in report.get("overhead", []):
         rows.append(
-            f"added by the stack at {o['request_rate']} req/s: TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, "
+            f"added by {o.get('path', 'splitbus')} at {o['request_rate']} req/s: "
+            f"TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, "
             f"mean {_ms(o['added_mean_ttft_ms'], 0, '+')}, "
             f"p99 {_ms(o['added_p99_ttft_ms'], 0, '+')}; per token (TPOT) p50 {_ms(o['added_median_tpot_ms'], 0, '+')} "
             f"ms, mean {_ms(o['added_mean_tpot_ms'], 0, '+')}, "

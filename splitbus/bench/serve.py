@@ -30,6 +30,7 @@ from splitbus.bench.serve_trace import (
 )
 from splitbus.bench.workloads import ideal_for, make_items
 from splitbus.bus.keys import Keys
+from splitbus.bus.streams import entry_order
 from splitbus.redis_server import embedded_url
 
 
@@ -178,30 +179,49 @@ def run_serve_bench(
         return {"config": asdict(config), "target": base_url, "runs": runs}
     if config.policies:
         return compare_policies(config, progress)
-    from splitbus.bench.serve_direct import measure_direct
-    from splitbus.bench.system import LocalSystem
-
-    system = LocalSystem("--engine", "sim", "--mixed", "1")
-    admin_url = embedded_url(system.data_dir / "redis", admin=True)
-    try:
-        model_dir = system.data_dir / "models" / "tiny"
-        progress("where the time to first token goes: 50 requests one at a time, timed at each hop")
-        hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.model, config.input_len))
-        for rate in config.rates:
-            progress(f"direct (sim engine in-process): {rate:g} req/s, {config.workload.dataset} requests")
-            runs.append(_run_row("direct", "in-process", _rate(config, rate), *measure_direct(model_dir, config, rate)))
-            progress(f"splitbus (API + bus + scheduler + worker): {rate:g} req/s")
-            row = measure_memory(admin_url, measure_http(system.base_url, config, rate))
-            runs.append(_run_row("splitbus", system.base_url, _rate(config, rate), *row))
-    finally:
-        system.stop()
+    hops: dict[str, dict[str, dict[str, float]]] = {}
+    for first, dispatch in enumerate(config.dispatch):
+        hops[dispatch] = _measure_stack(config, dispatch, runs, progress, with_direct=first == 0)
     return {
         "config": asdict(config),
         "target": "splitbus up --engine sim --mixed 1",
         "runs": runs,
         "overhead": overhead(runs),
-        "hops_ms": hops,
+        "hops_ms": hops[config.dispatch[0]],
+        "hops_ms_by_dispatch": hops,
     }
+
+
+def stack_path(dispatch: str) -> str:
+    """A run row's ``path`` for the stack with this dispatch (``splitbus`` for the scheduler's)."""
+    return "splitbus" if dispatch == "scheduler" else f"splitbus:{dispatch}"
+
+
+def _measure_stack(
+    config: ServeConfig, dispatch: str, runs: list[dict[str, Any]], progress: Callable[[str], None], with_direct: bool
+) -> dict[str, dict[str, float]]:
+    """One ``splitbus up --dispatch DISPATCH``: its hops, then each rate (after the engine driven
+    directly at that rate, with ``with_direct``); rows are added to ``runs``."""
+    from splitbus.bench.serve_direct import measure_direct
+    from splitbus.bench.system import LocalSystem
+
+    system = LocalSystem("--engine", "sim", "--mixed", "1", "--dispatch", dispatch)
+    admin_url = embedded_url(system.data_dir / "redis", admin=True)
+    try:
+        model_dir = system.data_dir / "models" / "tiny"
+        progress(f"--dispatch {dispatch}: where the time to first token goes: 50 requests one at a time, each hop")
+        hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.model, config.input_len))
+        for rate in config.rates:
+            if with_direct:
+                progress(f"direct (sim engine in-process): {rate:g} req/s, {config.workload.dataset} requests")
+                row = measure_direct(model_dir, config, rate)
+                runs.append(_run_row("direct", "in-process", _rate(config, rate), *row))
+            progress(f"splitbus --dispatch {dispatch} (API + bus + scheduler + worker): {rate:g} req/s")
+            row = measure_memory(admin_url, measure_http(system.base_url, config, rate))
+            runs.append(_run_row(stack_path(dispatch), system.base_url, _rate(config, rate), *row))
+    finally:
+        system.stop()
+    return hops
 
 
 def policy_up_args(policy: str, up_args: tuple[str, ...]) -> list[str]:
@@ -290,9 +310,10 @@ def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
     direct = {r["request_rate"]: r for r in runs if r["path"] == "direct"}
     rows = []
-    for run in (r for r in runs if r["path"] == "splitbus" and r["request_rate"] in direct):
+    for run in (r for r in runs if r["path"].startswith("splitbus") and r["request_rate"] in direct):
         base = direct[run["request_rate"]]
-        rows.append({"request_rate": run["request_rate"], **{f"added_{f}": _minus(run[f], base[f]) for f in fields}})
+        added = {f"added_{f}": _minus(run[f], base[f]) for f in fields}
+        rows.append({"path": run["path"], "request_rate": run["request_rate"], **added})
     return rows
 
 
@@ -336,12 +357,18 @@ async def hop_breakdown(
 
 
 async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
+    """The request's hops, from the ``ts`` of its entries. A request the API dispatched itself
+    (``--dispatch api``) has no request entry: its first hop ends at its task's XADD, and the
+    scheduler's hop is 0."""
     keys = Keys()  # the system the benchmark started uses the default prefix
-    request = await r.xrevrange(keys.requests, count=1)
     workers = [w.decode() for w in await r.zrange(keys.workers, 0, -1)]
-    tasks = [e for w in workers for e in await r.xrevrange(keys.tasks(w), count=1)]
-    request_ts, task_ts = int(request[0][1][b"ts"]) / 1e6, max(int(e[1][b"ts"]) for e in tasks) / 1e6
-    data = orjson.loads(request[0][1][b"data"])
+    latest = [e for w in workers for e in await r.xrevrange(keys.tasks(w), count=1)]
+    task = max(latest, key=lambda e: entry_order(e[0].decode()))
+    task_ts, data = int(task[1][b"ts"]) / 1e6, orjson.loads(task[1][b"data"])["request"]
+    request = await r.xrevrange(keys.requests, count=1)
+    request_ts = task_ts
+    if request and orjson.loads(request[0][1][b"data"])["request_id"] == data["request_id"]:
+        request_ts = int(request[0][1][b"ts"]) / 1e6
     out = keys.out(data.get("reader") or data["api_node"], data["request_id"])
     token_ts = int((await r.xrange(out, count=1))[0][1][b"ts"]) / 1e6
     first = sent + result.ttft_s

@@ -89,8 +89,13 @@ class ServeConfig:
     comparison with the engine driven directly."""
     up_args: tuple[str, ...] = ()
     """``--up-arg``: extra arguments of the ``splitbus up`` that ``policies`` start (the workers)."""
+    dispatch: tuple[str, ...] = ("scheduler",)
+    """``--dispatch``: who places requests in the comparison with the engine driven directly, one
+    ``splitbus up`` each, side by side (``scheduler``, ``api``: ``splitbus up --dispatch``)."""
 
     def __post_init__(self) -> None:
+        if not self.dispatch or any(d not in ("scheduler", "api") for d in self.dispatch):
+            raise ValueError("dispatch modes are scheduler and api")
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError("rates must be > 0 (inf: all at once)")
         if min(self.num_prompts, self.max_concurrency, self.input_len, self.output_len) < 1:

@@ -48,6 +48,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     )
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
     p.add_argument(
+        "--max-connections",
+        type=int,
+        default=16384,
+        help="open connections before a new one is answered 429 at once (default %(default)s)",
+    )
+    p.add_argument(
         "--max-backlog", type=int, default=10_000, help="request-stream entries before 429 (default %(default)s)"
     )
     p.add_argument(
@@ -130,6 +136,7 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
         models=models,
         api_keys=tuple(args.api_key),
         max_inflight=args.max_inflight,
+        max_connections=args.max_connections,
         max_backlog=args.max_backlog,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
@@ -167,6 +174,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     )
     redis = mask_url(config.bus.redis_url)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
+    _raise_descriptor_limit(config.max_connections + DESCRIPTORS_BESIDE_CONNECTIONS)
     app = create_app(config)
     with _failure_exit_kept(app):
         uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
@@ -193,6 +201,28 @@ def _failure_exit_kept(app: Starlette) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+DESCRIPTORS_BESIDE_CONNECTIONS = 1024
+"""File descriptors the API needs beside its clients' connections (Redis, files, the loop)."""
+
+
+def _raise_descriptor_limit(wanted: int) -> None:
+    """Raise the soft limit on open files towards ``wanted`` (not past the hard limit): each
+    connection holds a descriptor, and at the limit accept fails and clients see resets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        say(f"splitbus api: at most {target} open files (the hard limit): fewer connections than --max-connections")
+
+
+LISTEN_BACKLOG = 16384
+"""Connections the kernel queues before uvicorn accepts them (capped by ``net.core.somaxconn``):
+a burst of thousands of clients connecting at once waits there instead of being refused."""
+
+
 class ServerOptions(TypedDict):
     """The keyword arguments ``server_options`` gives ``uvicorn.run``, typed so that mypy checks
     each against uvicorn's own signature."""
@@ -214,7 +244,9 @@ def server_options(config: ApiConfig) -> ServerOptions:
     return {
         "log_level": "warning",
         "loop": "auto",
-        "http": guarded_protocol(config.header_timeout_s, config.max_header_bytes, config.body_timeout_s),
+        "http": guarded_protocol(
+            config.header_timeout_s, config.max_header_bytes, config.body_timeout_s, config.max_connections
+        ),
         "timeout_keep_alive": 5,
-        "backlog": 2048,
+        "backlog": LISTEN_BACKLOG,
     }

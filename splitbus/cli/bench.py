@@ -197,6 +197,12 @@ def _add_serve_workloads(serve: argparse.ArgumentParser) -> None:
         help="compare scheduler policies, MODE[:ARG...] comma-separated, one splitbus up each (sim engine)",
     )
     add("--up-arg", action="append", default=[], help="with --policy: an argument for splitbus up (repeatable)")
+    add(
+        "--dispatch",
+        default="scheduler",
+        help="who places requests in the stack, comma-separated, one splitbus up each, side by side: scheduler, api"
+        " (default %(default)s)",
+    )
 
 
 def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
@@ -479,6 +485,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         rates, args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args.range_ratio,
         args.model, args.seed, workload, tuple(parse_goodput(args.goodput).items()),
         tuple(p for p in args.policy.split(",") if p), tuple(args.up_arg),
+        tuple(d for d in args.dispatch.split(",") if d),
     )  # fmt: skip
 
 
