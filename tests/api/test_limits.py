@@ -363,3 +363,26 @@ def test_a_dripped_body_is_cut_off_even_where_no_route_reads_it(limited: tuple[A
     sock.close()
     _normal_request_works(api)
     assert b"Traceback" not in log.read_bytes()
+
+
+def test_a_connection_over_the_bound_gets_429_with_retry_after_not_a_reset(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
+    """Connections over --max-connections are answered at once, before their request is read:
+    a 429 the client can read (a lingering close), never a reset."""
+    api = start_api(redis_server.url, prefix, [tiny_model], "--max-connections", "3")
+    try:
+        _wait_for_model(api)
+        with contextlib.ExitStack() as held:
+            for _ in range(3):  # idle connections: they hold the three places
+                held.enter_context(_raw(api))
+            time.sleep(0.2)
+            with _raw(api) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                reply = _response(sock)
+        assert reply.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in reply.lower()
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "rate_limit_exceeded"
+        _wait_until(lambda: httpx.get(api.url + "/health", timeout=5).status_code == 200)  # room again
+        assert _metric(api, 'splitbus_api_connections_closed_total{reason="too_many_connections"}') >= 1
+    finally:
+        stop_api(api)
