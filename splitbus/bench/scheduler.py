@@ -1,18 +1,23 @@
-"""``splitbus bench scheduler``: how fast real scheduler processes place requests on many workers.
+"""``splitbus bench scheduler``: how fast real processes place requests on many workers.
 
-64 simulated workers (half prefill, half decode) are registered with leases kept alive; they
-do no work, a reader just takes their tasks as they arrive. Two measures per replica count:
+64 (or 256, ``workers``) simulated workers (half prefill, half decode) are registered with
+leases kept alive; they do no work, a reader just takes their tasks as they arrive. Each setting
+is scheduler replicas placing what the request stream brings (``replicas``), or API processes
+placing requests themselves (``api_dispatchers``: ``splitbus api --dispatch api``'s
+``ApiPlacer``, each generating its share of the requests). Two measures per setting:
 
-- **paced**: Poisson arrivals at ``rate`` requests/s; the latency from the request's XADD
-  (its ``ts``) to its task being readable in a worker's stream;
-- **flood**: ``flood_requests`` written at once; decisions (requests placed) per second from
-  the first XADD to the last task read.
+- **paced**: Poisson arrivals at ``rate`` requests/s (split evenly among API dispatchers); the
+  latency from the request's XADD (its ``ts``; an API dispatcher: the moment it has the request
+  and starts placing it) to its task being readable in a worker's stream;
+- **flood**: ``flood_requests`` at once; decisions (requests placed) per second from the first
+  XADD (the first placement) to the last task read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -35,6 +40,7 @@ from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.redis_server import die_with_parent
 
 LEASE_MS = 3000
+Progress = Callable[[str], None]
 TaskReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 """XREAD's reply on this bench's client (RESP2, bytes): per stream, its name and its entries."""
 
@@ -45,8 +51,12 @@ class SchedulerStalled(Exception):
 
 @dataclass(frozen=True)
 class SchedulerBenchConfig:
-    workers: int = 64
+    workers: tuple[int, ...] = (64,)
+    """Registered workers of each run (one run per count and setting)."""
     replicas: tuple[int, ...] = (1, 2)
+    """Scheduler processes of each scheduler setting."""
+    api_dispatchers: tuple[int, ...] = ()
+    """API processes placing requests themselves, of each API setting."""
     rate: float = 500.0
     paced_requests: int = 5000
     flood_requests: int = 20000
@@ -55,8 +65,10 @@ class SchedulerBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.workers < 2 or not self.replicas or min(self.replicas) < 1:
-            raise ValueError("workers must be >= 2 and replicas >= 1")
+        if not self.workers or min(self.workers) < 2 or min((*self.replicas, *self.api_dispatchers), default=0) < 1:
+            raise ValueError("workers must be >= 2, and replicas and API dispatchers >= 1")
+        if not self.replicas and not self.api_dispatchers:
+            raise ValueError("give scheduler replicas or API dispatchers to measure")
         if self.rate <= 0 or min(self.paced_requests, self.flood_requests) < 1:
             raise ValueError("rate and request counts must be positive")
 
@@ -133,6 +145,12 @@ async def _paced(
         await redis.xadd(bus.keys.requests, fields)
     sending_s = time.perf_counter() - start
     await _until(lambda: all(r in workers.arrived for r in sent), _placing_s(len(sent)))
+    return _paced_result(workers, sent, config, len(sent) / sending_s)
+
+
+def _paced_result(
+    workers: FakeWorkers, sent: dict[str, float], config: SchedulerBenchConfig, achieved_rate: float
+) -> dict[str, Any]:
     latency_ms = np.array([(workers.arrived[r] - t) * 1000 for r, t in sent.items() if r in workers.arrived])
     if not latency_ms.size:
         raise SchedulerStalled(f"none of {len(sent)} paced requests was placed within {_placing_s(len(sent)):.0f} s")
@@ -140,7 +158,7 @@ async def _paced(
         "requests": len(sent),
         "placed": len(latency_ms),
         "offered_rate": config.rate,
-        "achieved_rate": len(sent) / sending_s,
+        "achieved_rate": achieved_rate,
         **{f"p{p}_ms": float(np.percentile(latency_ms, p)) for p in (50, 90, 99, 99.9)},
         "max_ms": float(latency_ms.max()),
         "cdf_ms": np.percentile(latency_ms, np.linspace(0, 100, 200)).round(3).tolist(),
@@ -151,7 +169,6 @@ async def _flood(
     redis: aioredis.Redis, bus: BusConfig, workers: FakeWorkers, config: SchedulerBenchConfig
 ) -> dict[str, Any]:
     requests = [_request(i, config) for i in range(config.flood_requests)]
-    before = len(workers.arrived)
     start = time.time()
     for chunk in range(0, len(requests), 1000):
         pipe = redis.pipeline(transaction=False)
@@ -159,19 +176,22 @@ async def _flood(
             pipe.xadd(bus.keys.requests, _entry(request)[0])
         await pipe.execute()
     written = time.time()
-    await _until(lambda: len(workers.arrived) - before >= len(requests), _placing_s(len(requests)))
-    placed = sum(1 for r in requests if r.request_id in workers.arrived)
+    sent = dict.fromkeys((r.request_id for r in requests), start)
+    await _until(lambda: all(r in workers.arrived for r in sent), _placing_s(len(requests)))
+    return {**_flood_result(workers, sent), "write_s": written - start}
+
+
+def _flood_result(workers: FakeWorkers, sent: dict[str, float]) -> dict[str, Any]:
+    """Decisions per second from the first request sent to the last task read."""
+    placed = [workers.arrived[r] for r in sent if r in workers.arrived]
     if not placed:
-        raise SchedulerStalled(
-            f"none of {len(requests)} flood requests was placed within {_placing_s(len(requests)):.0f} s"
-        )
-    last = max(workers.arrived[r.request_id] for r in requests if r.request_id in workers.arrived)
+        raise SchedulerStalled(f"none of {len(sent)} flood requests was placed within {_placing_s(len(sent)):.0f} s")
+    start = min(sent.values())
     return {
-        "requests": len(requests),
-        "placed": placed,
-        "write_s": written - start,
-        "elapsed_s": last - start,
-        "decisions_per_s": placed / (last - start),
+        "requests": len(sent),
+        "placed": len(placed),
+        "elapsed_s": max(placed) - start,
+        "decisions_per_s": len(placed) / (max(placed) - start),
     }
 
 
@@ -200,30 +220,161 @@ def _start_schedulers(url: str, prefix: str, count: int) -> list[subprocess.Pope
     ]
 
 
-async def _one_setting(
-    url: str, config: SchedulerBenchConfig, replicas: int, progress: Callable[[str], None]
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Setting:
+    """One run's setting: who places (``dispatch``), how many of them, over how many workers."""
+
+    dispatch: str
+    """``scheduler``: scheduler replicas read the request stream; ``api``: API processes place."""
+    count: int
+    workers: int
+
+
+async def _one_setting(url: str, config: SchedulerBenchConfig, setting: Setting, progress: Progress) -> dict[str, Any]:
     bus = BusConfig(redis_url=url, prefix=f"bs{uuid.uuid4().hex[:6]}")
     redis = connect(bus, max_connections=8, name="bench-scheduler")
-    workers = FakeWorkers(redis, bus, config.workers)
+    workers = FakeWorkers(redis, bus, setting.workers)
     await workers.register()
     background = [asyncio.create_task(workers.keep_alive()), asyncio.create_task(workers.read_tasks())]
+    who = f"{setting.count} {'scheduler(s)' if setting.dispatch == 'scheduler' else 'API dispatcher(s)'}"
+    try:
+        progress(f"{who}, {setting.workers} workers: {config.paced_requests} requests at {config.rate:g}/s")
+        if setting.dispatch == "scheduler":
+            paced, flood = await _by_schedulers(url, redis, bus, workers, config, setting.count, progress, who)
+        else:
+            paced, flood = await _by_api_dispatchers(url, bus, workers, config, setting.count, progress, who)
+    finally:
+        await _stop(workers, background, redis)
+    return {
+        "dispatch": setting.dispatch,
+        "replicas": setting.count,
+        "workers": setting.workers,
+        "paced": paced,
+        "flood": flood,
+    }
+
+
+async def _by_schedulers(
+    url: str,
+    redis: aioredis.Redis,
+    bus: BusConfig,
+    workers: FakeWorkers,
+    config: SchedulerBenchConfig,
+    replicas: int,
+    progress: Progress,
+    who: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     schedulers = _start_schedulers(url, bus.prefix, replicas)
     try:
         await asyncio.sleep(2.0)  # the schedulers start, create the group and read the registry
-        progress(
-            f"{replicas} scheduler(s), {config.workers} workers: {config.paced_requests} requests at {config.rate:g}/s"
-        )
         paced = await _paced(redis, bus, workers, config)
-        progress(f"{replicas} scheduler(s): flood of {config.flood_requests} requests")
-        flood = await _flood(redis, bus, workers, config)
+        progress(f"{who}: flood of {config.flood_requests} requests")
+        return paced, await _flood(redis, bus, workers, config)
     finally:
         for proc in schedulers:
             proc.terminate()
         for proc in schedulers:
             proc.wait(30)
-        await _stop(workers, background, redis)
-    return {"replicas": replicas, "workers": config.workers, "paced": paced, "flood": flood}
+
+
+async def _by_api_dispatchers(
+    url: str,
+    bus: BusConfig,
+    workers: FakeWorkers,
+    config: SchedulerBenchConfig,
+    count: int,
+    progress: Progress,
+    who: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``count`` processes, each an API node's placer with its own registry view, placing its
+    share of the paced requests, then of the flood; the sent times come back by a queue."""
+    ctx = mp.get_context("spawn")  # not fork: this process runs an event loop
+    go, sent = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_dispatcher, args=(url, bus.prefix, config, count, i, go, sent)) for i in range(count)]
+    # A deployment that dispatches from the API still runs a scheduler (the reaper, the requests
+    # the API cannot place; it settles the cell on the server's run, without which nothing is
+    # dispatched): one, idle here.
+    schedulers = _start_schedulers(url, bus.prefix, 1)
+    await asyncio.sleep(2.0)
+    for proc in procs:
+        proc.start()
+    try:
+        await asyncio.to_thread(go.wait, 120)  # set as a dispatcher has read its view and starts
+        started, early = time.time(), dict[str, list[dict[str, float]]]()
+        paced_sent = await _gather_sent(sent, count, "paced", early)
+        rate = len(paced_sent) / max(max(paced_sent.values()) - started, 1e-9)
+        await _until(lambda: all(r in workers.arrived for r in paced_sent), _placing_s(len(paced_sent)))
+        paced = _paced_result(workers, paced_sent, config, rate)
+        progress(f"{who}: flood of {config.flood_requests} requests")
+        flood_sent = await _gather_sent(sent, count, "flood", early)
+        await _until(lambda: all(r in workers.arrived for r in flood_sent), _placing_s(len(flood_sent)))
+        return paced, _flood_result(workers, flood_sent)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        for scheduler in schedulers:
+            scheduler.terminate()
+            scheduler.wait(30)
+
+
+async def _gather_sent(
+    queue: Any, count: int, phase: str, early: dict[str, list[dict[str, float]]]
+) -> dict[str, float]:
+    """The sent times of ``phase`` from every dispatcher (one may finish its next phase before
+    another finishes this one: those wait in ``early``)."""
+    parts = early.pop(phase, [])
+    while len(parts) < count:
+        got, sent = await asyncio.to_thread(queue.get, True, 600)
+        if got == phase:
+            parts.append(sent)
+        else:
+            early.setdefault(got, []).append(sent)
+    return {request: at for part in parts for request, at in part.items()}
+
+
+def _dispatcher(url: str, prefix: str, config: SchedulerBenchConfig, count: int, index: int, go: Any, out: Any) -> None:
+    """One API dispatcher process (``multiprocessing`` target)."""
+    die_with_parent()
+    asyncio.run(_dispatch_phases(BusConfig(redis_url=url, prefix=prefix), config, count, index, go, out))
+
+
+async def _dispatch_phases(
+    bus: BusConfig, config: SchedulerBenchConfig, count: int, index: int, go: Any, out: Any
+) -> None:
+    from splitbus.api.placing import ApiPlacer
+    from splitbus.bus.registry_view import RegistryView
+
+    redis = connect(bus, max_connections=8, name=f"bench-dispatcher-{index}")
+    view = RegistryView(Registry(redis, bus), redis)
+    await view.refresh()
+    placer = ApiPlacer(redis, bus, view, "splitwise", f"bench-api-{index}")
+    following = asyncio.create_task(view.run())
+    try:
+        go.set()
+        rng = np.random.default_rng(config.seed + index)
+        gaps = rng.exponential(count / config.rate, config.paced_requests // count)
+        sent: dict[str, float] = {}
+        start = time.perf_counter()
+        for i, at in enumerate(np.cumsum(gaps)):
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+            request = _request(index * 10**7 + i, config)
+            sent[request.request_id] = time.time()
+            await placer.place(request)
+        out.put(("paced", sent))
+        flood = [_request(index * 10**7 + 10**6 + i, config) for i in range(config.flood_requests // count)]
+        sent = {}
+        for chunk in range(0, len(flood), 256):  # concurrent placements, as an API's requests are
+            batch = flood[chunk : chunk + 256]
+            now = time.time()
+            sent.update((r.request_id, now) for r in batch)
+            await asyncio.gather(*(placer.place(r) for r in batch))
+        out.put(("flood", sent))
+    finally:
+        view.stop()
+        following.cancel()
+        await redis.aclose()
 
 
 async def _stop(workers: FakeWorkers, background: list[asyncio.Task[None]], redis: aioredis.Redis) -> None:
@@ -237,6 +388,10 @@ async def _stop(workers: FakeWorkers, background: list[asyncio.Task[None]], redi
         await asyncio.wait_for(redis.aclose(), 5.0)
 
 
-def run_scheduler_bench(url: str, config: SchedulerBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    results = [asyncio.run(_one_setting(url, config, replicas, progress)) for replicas in config.replicas]
+def run_scheduler_bench(url: str, config: SchedulerBenchConfig, progress: Progress) -> dict[str, Any]:
+    settings = [
+        *[Setting("scheduler", r, w) for w in config.workers for r in config.replicas],
+        *[Setting("api", n, w) for w in config.workers for n in config.api_dispatchers],
+    ]
+    results = [asyncio.run(_one_setting(url, config, setting, progress)) for setting in settings]
     return {"config": asdict(config), "results": results}

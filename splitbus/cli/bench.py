@@ -212,10 +212,21 @@ def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
     sched.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     sched.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
     sched.add_argument(
-        "--workers", type=int, default=64, help="registered workers, half prefill, half decode (default %(default)s)"
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="registered workers, half prefill, half decode; one run per count and setting (default 64)",
     )
     sched.add_argument(
-        "--replicas", type=int, nargs="+", default=[1, 2], help="scheduler processes, one run each (default 1 2)"
+        "--replicas", type=int, nargs="*", default=[1, 2], help="scheduler processes, one run each (default 1 2)"
+    )
+    sched.add_argument(
+        "--api-dispatchers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="API processes placing requests themselves (splitbus api --dispatch api), one run each (default none)",
     )
     sched.add_argument("--rate", type=float, default=500.0, help="paced arrivals, requests/s (default %(default)s)")
     sched.add_argument("--paced-requests", type=int, default=5000)
@@ -505,7 +516,12 @@ def run_scheduler(args: argparse.Namespace, env: Env) -> int:
     config = _config(
         "scheduler",
         lambda: SchedulerBenchConfig(
-            args.workers, tuple(args.replicas), args.rate, args.paced_requests, args.flood_requests
+            tuple(args.workers),
+            tuple(args.replicas),
+            tuple(args.api_dispatchers),
+            args.rate,
+            args.paced_requests,
+            args.flood_requests,
         ),
     )
     if config is None:

@@ -177,6 +177,7 @@ def test_scheduler_bench_places_every_request(tmp_path: Path, redis_server: Any)
         "8",
         "--replicas",
         "1",
+        "--api-dispatchers",
         "2",
         "--rate",
         "100",
@@ -185,7 +186,7 @@ def test_scheduler_bench_places_every_request(tmp_path: Path, redis_server: Any)
         "--flood-requests",
         "300",
     )
-    assert [r["replicas"] for r in report["results"]] == [1, 2]
+    assert [(r["dispatch"], r["replicas"]) for r in report["results"]] == [("scheduler", 1), ("api", 2)]
     for r in report["results"]:
         assert r["paced"]["placed"] == 60 and r["flood"]["placed"] == 300
         assert 0 < r["paced"]["p50_ms"] <= r["paced"]["p99_ms"] and r["flood"]["decisions_per_s"] > 0
@@ -244,7 +245,7 @@ async def test_scheduler_bench_reports_a_stall_instead_of_hanging(
         workers = scheduler_bench.FakeWorkers(redis, bus, 2)  # and no scheduler to place on them
         with pytest.raises(scheduler_bench.SchedulerStalled, match="none of 5 flood requests was placed"):
             await scheduler_bench._flood(
-                redis, bus, workers, scheduler_bench.SchedulerBenchConfig(workers=2, flood_requests=5)
+                redis, bus, workers, scheduler_bench.SchedulerBenchConfig(workers=(2,), flood_requests=5)
             )
     finally:
         await redis.aclose()
