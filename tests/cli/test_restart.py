@@ -103,12 +103,12 @@ def _keys(data_dir: Path) -> tuple[int, int]:
 
 @pytest.mark.timeout(600)
 def test_many_up_cycles_on_one_folder(tmp_path: Path) -> None:
-    """6 cycles of `up --engine sim --schedulers 2`, each serving requests and losing a decode
+    """4 cycles of `up --engine sim --schedulers 2`, each serving requests and losing a decode
     worker to SIGKILL: every start succeeds, the keys that never expire do not grow, and each
     dead or stopped worker leaves only keys that expire (worker ids carry a pid, so without
     that every restart added a task and a control stream for good)."""
     persistent, total, aof = [], [], []
-    for cycle in range(6):
+    for cycle in range(4):
         system = start_system(tmp_path, "--schedulers", "2", "--decode", "2", "--redis-maxmemory", "256mb")
         try:
             client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=30)
