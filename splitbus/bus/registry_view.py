@@ -81,6 +81,9 @@ class RegistryView:
         """The server's clock at ``_synced_at`` (from the last snapshot)."""
         self._synced_at = 0.0
         self._built: list[WorkerInfo] | None = None
+        self._infos: dict[str, WorkerInfo] = {}
+        """The rows last built, by worker: a change rebuilds only its worker's."""
+        self._changed: set[str] = set()
         self._valid_until_ms = 0
         """The server time the built rows' liveness holds until (the next lease to run out)."""
         self.read_at = 0.0
@@ -152,8 +155,6 @@ class RegistryView:
         for entry_id, fields in entries:
             self._apply({_text(k): _text(v) for k, v in fields.items()})
             self._cursor = _text(entry_id)
-        if entries:
-            self._built = None
         if len(entries) < READ_COUNT:  # caught up: every change written before the read is in
             self.read_at = read_at
 
@@ -162,6 +163,7 @@ class RegistryView:
     def _apply(self, fields: dict[str, str]) -> None:
         """One log entry; one it cannot read is skipped (the next snapshot repairs the view)."""
         worker, op = fields.pop("w", ""), fields.pop("op", "")
+        self._changed.add(worker)
         try:
             if op == "beat":
                 self._beat(worker, fields)
@@ -208,9 +210,21 @@ class RegistryView:
         (a policy keeps what it derives from it per list)."""
         now = self.server_ms()
         if self._built is None or now >= self._valid_until_ms:
-            self._built = [_info(row, now) for row in self._rows.values()]
+            self._infos = {worker: _info(row, now) for worker, row in self._rows.items()}
             ends = [row.lease_until_ms for row in self._rows.values() if row.lease_until_ms > now]
             self._valid_until_ms = min(ends, default=now + 1000)
+        elif self._changed:  # a lease that runs out in the meantime is caught by _valid_until_ms next
+            for worker in self._changed:
+                row = self._rows.get(worker)
+                if row is None:
+                    self._infos.pop(worker, None)
+                else:
+                    self._infos[worker] = _info(row, now)
+                    self._valid_until_ms = min(self._valid_until_ms, row.lease_until_ms or self._valid_until_ms)
+        else:
+            return self._built
+        self._changed.clear()
+        self._built = list(self._infos.values())
         return self._built
 
     @workers.setter

@@ -268,7 +268,12 @@ class KvIndexFeeder:
         for worker in list(self._asked):
             if worker not in alive:
                 del self._asked[worker]
-        await self._resync([w for w in alive if self.index.needs_resync(w)])
+        now = self._clock()
+        # a worker asked for a snapshot is looked at again only after REQUEST_EVERY_S (it answers
+        # within half a second; one that publishes none cost a read of its snapshot every poll)
+        await self._resync(
+            [w for w in alive if self.index.needs_resync(w) and now - self._asked.get(w, -1e9) >= REQUEST_EVERY_S / 4]
+        )
         read = await self._reader.read({w: self.index.cursor(w) for w in alive}, count, block_ms)
         for entry in read:
             _COUNTED[self._apply(entry)].inc()

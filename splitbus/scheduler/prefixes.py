@@ -84,13 +84,12 @@ class IndexPrefixes:
         return chain
 
     def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
+        sizes = {w.record.worker_id: w.record.block_size for w in workers}
         found: dict[str, int] = {}
-        for size in {w.record.block_size for w in workers}:
-            overlaps = self.index.overlaps(self.chain(request, size))
-            for w in workers:
-                blocks = overlaps.get(w.record.worker_id, 0)
-                if blocks and w.record.block_size == size:
-                    found[w.record.worker_id] = blocks * size
+        for size in set(sizes.values()):
+            for worker, blocks in self.index.overlaps(self.chain(request, size)).items():
+                if sizes.get(worker) == size:  # a holder among the candidates, of this block size
+                    found[worker] = blocks * size
         return found
 
     def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:

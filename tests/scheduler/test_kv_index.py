@@ -83,12 +83,15 @@ async def test_the_feeder_follows_the_bus_and_resyncs_after_a_trim(
     await publisher.start()
     for i in range(1, 40):
         await publisher.publish([BlockStored([format(i, "x")], format(i - 1, "x") if i > 1 else "")])
-    index = KvIndex()
-    feeder = KvIndexFeeder(index, KvEventReader(redis, bus_config))
+    index, now = KvIndex(), [0.0]
+    feeder = KvIndexFeeder(index, KvEventReader(redis, bus_config), clock=lambda: now[0])
     await feeder.poll(["w0"])  # its snapshot is of event 1: the batches after it were trimmed
     assert index.needs_resync("w0")
     await feeder.poll(["w0"])  # asked for a fresh one
     assert await publisher.maybe_snapshot()
+    await feeder.poll(["w0"])
+    assert index.needs_resync("w0")  # an asked worker is looked at again only half a second later
+    now[0] += 0.5
     await feeder.poll(["w0"])
     assert not index.needs_resync("w0")
     assert index.overlap("w0", [format(i, "x") for i in range(1, 40)]) == 39
