@@ -114,10 +114,13 @@ class FakeWorkers:
 
 
 def _request(i: int, config: SchedulerBenchConfig) -> GenerateRequest:
+    """Request ``i``: a prompt of its own (its first token), as unrelated requests have; one
+    prompt for all would be one hot prefix, which cache-aware placement follows (and the index
+    then holds every request's chain on the workers it predicted)."""
     return GenerateRequest(
         f"b{i}-{uuid.uuid4().hex[:8]}",
         "tiny",
-        [97] * config.prompt_tokens,
+        [32 + i % 200, *[97] * (config.prompt_tokens - 1)],
         SamplingParams(max_tokens=config.max_tokens),
         "bench",
         0,
