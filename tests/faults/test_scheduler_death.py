@@ -17,8 +17,12 @@ from tests.e2e.conftest import start_system, stop_system
 
 
 @pytest.mark.timeout(120)
-def test_a_dead_scheduler_loses_no_request(tmp_path: Path) -> None:
-    system = start_system(tmp_path, "--schedulers", "2")  # its lease (2 s) frees what it held, not claim-idle
+@pytest.mark.parametrize("dispatch", ["scheduler", "api"])
+def test_a_dead_scheduler_loses_no_request(tmp_path: Path, dispatch: str) -> None:
+    """With either dispatcher (the API places requests itself with ``api``: a scheduler's death
+    then takes only what the API could not place)."""
+    # its lease (2 s) frees what it held, not claim-idle
+    system = start_system(tmp_path, "--schedulers", "2", "--dispatch", dispatch)
     try:
 
         async def run() -> list[str]:
