@@ -103,8 +103,8 @@ class BlockPool:
     def _room(self, fresh: int, hits: list[int]) -> bool:
         """Whether ``fresh`` blocks can be taken besides ``hits``: plain free ones, and cached free
         ones that are not among the hits."""
-        taken = set(hits)
-        return fresh <= len(self._plain) + sum(1 for b in self._lru if b not in taken)
+        in_lru = sum(1 for b in set(hits) if b in self._lru)  # O(hits): the LRU can hold thousands
+        return fresh <= len(self._plain) + len(self._lru) - in_lru
 
     def allocate(self, count: int, prompt: Sequence[int] = ()) -> Allocation | None:
         """``count`` blocks for a sequence, the first ones cached blocks of ``prompt`` where they
