@@ -358,7 +358,10 @@ def scheduler_plot(report: dict[str, Any], path: Path) -> None:
     cdf.set_title(f"latency at {report['config']['rate']:g} requests/s")
     cdf.legend(fontsize=8)
     cdf.grid(alpha=0.3)
-    labels = [f"{_placed_by(r)}\n{r['workers']} workers" for r in report["results"]]
+    kinds = {"api": "API"}
+    labels = [
+        f"{r['replicas']} {kinds.get(r.get('dispatch', ''), 'sched.')}\n{r['workers']} w." for r in report["results"]
+    ]
     values = [r["flood"]["decisions_per_s"] for r in report["results"]]
     drawn = bars.bar(labels, values, color="#2980b9")
     bars.bar_label(drawn, fmt="{:,.0f}")
