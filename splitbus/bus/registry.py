@@ -364,6 +364,13 @@ class Registry:
             pipe.hincrby(self._keys.worker(worker_id), name, amount)
         await pipe.execute()
 
+    async def leases(self, worker_ids: list[str]) -> list[bool]:
+        """Whether each worker holds its lease now (one pipeline of ``EXISTS``)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id in worker_ids:
+            pipe.exists(self._keys.lease(worker_id))
+        return [bool(n) for n in await pipe.execute()]
+
     async def forward_ends(self, worker_ids: list[str]) -> list[int]:
         """The ``forward_ends_ms`` the workers announced last (0: none), read fresh: a registry
         view's last change may be older than a decode step."""

@@ -79,6 +79,11 @@ class RegistryView:
         self._full_at = -float("inf")
         self._server_ms = 0
         """The server's clock at ``_synced_at`` (from the last snapshot)."""
+        self._known_ms = 0
+        """The server time up to which the view has read every change: leases are judged at it
+        (at most ``BLOCK_MS`` behind while the view keeps reading), never past it. A view that
+        did not read for a while (its process stopped, Redis away) must not find every worker
+        dead because it missed their beats."""
         self._synced_at = 0.0
         self._built: list[WorkerInfo] | None = None
         self._infos: dict[str, WorkerInfo] = {}
@@ -143,6 +148,7 @@ class RegistryView:
             for w in snapshot.workers
         }
         self._cursor, self._full_at, self.read_at, self._built = snapshot.log_id, read_at, read_at, None
+        self._known_ms = snapshot.server_ms
 
     async def _changes(self) -> None:
         read_at = self._clock()
@@ -157,6 +163,10 @@ class RegistryView:
             self._cursor = _text(entry_id)
         if len(entries) < READ_COUNT:  # caught up: every change written before the read is in
             self.read_at = read_at
+            started_ms = self._server_ms + int((read_at - self._synced_at) * 1000)
+            self._known_ms = max(self._known_ms, started_ms)
+        elif entries:
+            self._known_ms = max(self._known_ms, int(self._cursor.split("-", 1)[0]))
 
     # ------------------------------------------------------------ applying
 
@@ -204,11 +214,16 @@ class RegistryView:
         """The server's clock now, as this view estimates it."""
         return self._server_ms + int((self._clock() - self._synced_at) * 1000)
 
+    def lease_clock_ms(self) -> int:
+        """The server time leases are judged at: now, but never past what the view has read up to
+        (plus the one read's block it may be behind)."""
+        return min(self.server_ms(), self._known_ms + BLOCK_MS)
+
     @property
     def workers(self) -> list[WorkerInfo]:
         """Every registered worker, alive or not. The same list object until the view changes
         (a policy keeps what it derives from it per list)."""
-        now = self.server_ms()
+        now = self.lease_clock_ms()
         if self._built is None or now >= self._valid_until_ms:
             self._infos = {worker: _info(row, now) for worker, row in self._rows.items()}
             ends = [row.lease_until_ms for row in self._rows.values() if row.lease_until_ms > now]
@@ -230,7 +245,7 @@ class RegistryView:
     @workers.setter
     def workers(self, rows: list[WorkerInfo]) -> None:
         """Put these rows in the view, as a snapshot would (tests, hand-made views)."""
-        now = self.server_ms()
+        now = self.lease_clock_ms()
         self._rows = {
             w.record.worker_id: _Row(w.record, w.heartbeat_ms, now + w.lease_ttl_ms if w.alive else 0, w.reserved)
             for w in rows

@@ -73,8 +73,13 @@ class Reaper:
         """One pass over the dead workers (the scheduler runs it every ``reap_every_s``); a pass
         never ends on one worker's reap (the loop used to end, silently, on an OOM inside the
         result writer's script)."""
-        for worker in [w for w in self.view.workers if not w.alive]:
-            await self.reap_safely(worker.record.worker_id)
+        suspects = [w.record.worker_id for w in self.view.workers if not w.alive]
+        if not suspects:
+            return
+        held = await self.registry.leases(suspects)  # the view may lag (a stop, an outage): Redis decides
+        for worker_id, lease in zip(suspects, held, strict=True):
+            if not lease:
+                await self.reap_safely(worker_id)
 
     async def reap_safely(self, worker_id: str) -> None:
         """Redis refusing (unreachable, OOM, LOADING...) or any other failure is logged and the

@@ -73,6 +73,7 @@ async def test_a_lease_runs_out_with_no_entry_to_say_so(redis: aioredis.Redis, b
     await view.refresh()
     assert view.serves("tiny")
     await asyncio.sleep(0.4)
+    await view.follow()  # a read that brings nothing of it
     assert not view.serves("tiny") and not view.workers[0].alive
 
 
@@ -90,3 +91,22 @@ async def test_a_change_the_log_lost_is_repaired_by_the_next_snapshot(
     await asyncio.sleep(0.3)
     await view.follow()  # due: a snapshot
     assert view.workers[0].record.load.running == 5
+
+
+async def test_a_view_that_stopped_reading_finds_no_lease_run_out(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """A process stopped longer than the leases (SIGSTOP, a GC pause) wakes with a view that missed
+    the workers' beats: leases are judged at what it has read, so the workers are still alive to it
+    until its next read brings their beats, not all dead (a reaper would reap them)."""
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("d1"), lease_ms=400)
+    view = RegistryView(registry, redis, full_every_s=3600)
+    await view.refresh()
+    for _ in range(4):  # the worker beats on while the view reads nothing
+        await asyncio.sleep(0.2)
+        await registry.heartbeat("d1", WorkerLoad(), lease_ms=400)
+    assert view.workers[0].alive  # 0.8 s after its last read, past the 0.4 s lease it last saw
+    await view.follow()
+    assert view.workers[0].alive
+    await asyncio.sleep(0.6)  # no beat now: once the view reads again, the lease has run out
+    await view.follow()
+    assert not view.workers[0].alive
