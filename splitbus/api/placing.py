@@ -45,7 +45,7 @@ class ApiPlacer:
         self.view = view
         self.policy = policies.create(mode, PolicyOptions(replica=node, cost=LOAD_ONLY))
         self.dispatcher = Dispatcher(redis, bus, DISPATCHED_MARK_TTL_S)
-        self.local: Local = {}
+        self.local = Local()
         self.ledger = Ledger(self.local)
 
     async def place(self, request: GenerateRequest) -> bool:

@@ -59,6 +59,7 @@ from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.scheduler import policies
 from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
+from splitbus.scheduler.placement import Local
 from splitbus.scheduler.policies import Placed, PolicyOptions
 from splitbus.scheduler.prefixes import IndexPrefixes
 from splitbus.scheduler.scheduler import KV_EVENTS_BLOCK_MS
@@ -195,13 +196,13 @@ class _Scoring:
                 t2 = clock()
                 sent = copy.copy(self.sent)
                 t3 = clock()
-                self.policy.place(sent, rows, {})
+                self.policy.place(sent, rows, Local())
                 t4 = clock()
                 other = copy.copy(self.template)
                 t5 = clock()
-                self.policy.place(other, rows, {})
+                self.policy.place(other, rows, Local())
                 t6 = clock()
-                self.policy.place(other, rows, {})
+                self.policy.place(other, rows, Local())
                 t7 = clock()
                 for key, ns in zip(SCORING, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, t7 - t6), strict=True):
                     samples[key].append(ns)
@@ -222,7 +223,7 @@ def measure_scoring(cfg: RoutingBenchConfig, progress: Callable[[str], None]) ->
         prefix_block_size=cfg.block_size,
     )
     scoring = _Scoring(prefixes, policy, mixed_rows(cfg, template), template, sent, cfg.block_size)
-    decision = policy.place(copy.copy(template), scoring.rows, {})
+    decision = policy.place(copy.copy(template), scoring.rows, Local())
     if not isinstance(decision, Placed):
         raise RuntimeError(f"the scoring request was not placed: {decision}")
     chosen = decision.placements[0].worker.record.worker_id

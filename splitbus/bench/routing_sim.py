@@ -54,6 +54,7 @@ from splitbus.bus.messages.kv_events import AllBlocksCleared, KvEvent, KvEventBa
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.scheduler import policies
 from splitbus.scheduler.kv_index import KvIndex
+from splitbus.scheduler.placement import Local
 from splitbus.scheduler.policies import Placed, PolicyOptions
 from splitbus.scheduler.prefixes import IndexPrefixes
 from splitbus.worker.engines.prefix import BlockPool
@@ -193,7 +194,7 @@ class RecoverySim:
 
     def _place(self, request: GenerateRequest) -> bool:
         rows = [w.row() for w in self.workers]
-        decision = self.policy.place(request, rows, {})
+        decision = self.policy.place(request, rows, Local())
         if not isinstance(decision, Placed):
             return False
         row = decision.placements[0].worker

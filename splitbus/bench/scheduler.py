@@ -35,6 +35,7 @@ from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
+from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.redis_server import die_with_parent
@@ -95,6 +96,8 @@ class FakeWorkers:
     async def register(self) -> None:
         for record in self.records:
             await self.registry.register(record, LEASE_MS)
+            # as a worker starts: a fresh (empty) cache announced, so schedulers need not ask for one
+            await KvEventPublisher(self.redis, self.bus, record.worker_id).start()
 
     async def keep_alive(self) -> None:
         while not self.stopped:

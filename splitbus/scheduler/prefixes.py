@@ -10,7 +10,8 @@ policy place by load alone.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from splitbus.bus.blocks import block_hashes, split_hex
@@ -26,11 +27,27 @@ CHAINS_KEPT = 4096
 """Requests whose hash chains are kept (a waiting request is decided again on every loop step)."""
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The workers a policy asks about: each one's block size (a chain is hashed per size)."""
+
+    block_size: Mapping[str, int]
+    """By worker id."""
+    sizes: frozenset[int]
+    """The block sizes among them."""
+
+    @classmethod
+    def of(cls, workers: Sequence[WorkerInfo]) -> Candidates:
+        block_size = {w.record.worker_id: w.record.block_size for w in workers}
+        return cls(block_size, frozenset(block_size.values()))
+
+
 class Prefixes(Protocol):
-    def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
-        """Called by a policy while it decides ``request``: the prompt tokens each of ``workers``
-        holds cached, by worker id (a worker not in it holds none). At most the prompt's length
-        less one token: the engine always computes the last one, for its logits."""
+    def cached(self, request: GenerateRequest, candidates: Candidates) -> dict[str, int]:
+        """Called by a policy while it decides ``request``: the prompt tokens each of
+        ``candidates`` holds cached, by worker id (a worker not in it holds none). At most the
+        prompt's length less one token: the engine always computes the last one, for its logits.
+        A policy builds ``candidates`` once per registry snapshot, not per decision."""
         ...
 
     def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:
@@ -42,7 +59,7 @@ class Prefixes(Protocol):
 class NoPrefixes:
     """No cache is known: every worker holds nothing."""
 
-    def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
+    def cached(self, request: GenerateRequest, candidates: Candidates) -> dict[str, int]:
         return {}
 
     def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:
@@ -83,12 +100,11 @@ class IndexPrefixes:
             self._chains.popitem(last=False)
         return chain
 
-    def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
-        sizes = {w.record.worker_id: w.record.block_size for w in workers}
+    def cached(self, request: GenerateRequest, candidates: Candidates) -> dict[str, int]:
         found: dict[str, int] = {}
-        for size in set(sizes.values()):
+        for size in candidates.sizes:
             for worker, blocks in self.index.overlaps(self.chain(request, size)).items():
-                if sizes.get(worker) == size:  # a holder among the candidates, of this block size
+                if candidates.block_size.get(worker) == size:  # a holder among the candidates, of this size
                     found[worker] = blocks * size
         return found
 

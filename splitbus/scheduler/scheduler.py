@@ -92,7 +92,7 @@ class Scheduler:
         self.dead_letters: list[tuple[NamedRequest, str]] = []
         """(the request and its reader, reason) of entries dead-lettered since the last step: failed then."""
         self.waiting: list[Waiting] = []
-        self.local: Local = {}
+        self.local = Local()
         """Reservations the registry snapshot does not show yet (kept by ``ledger``)."""
         self.ledger = Ledger(self.local)
         self.context = PlacingContext(self.view, self.registry, self.local)

@@ -4,7 +4,6 @@ prefills (its decode worker or a prefill worker) and why, counted by reason."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
 import pytest
 from prometheus_client import REGISTRY
@@ -13,6 +12,7 @@ from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
 from splitbus.scheduler.disagg import Disaggregation, Split, split
 from splitbus.scheduler.policies import Placed, PolicyOptions, create
+from splitbus.scheduler.prefixes import Candidates
 from tests.scheduler.snapshot import request, worker
 
 ON = Disaggregation(local_prefill_max_tokens=256, prefill_queue_bound=8000)
@@ -24,9 +24,8 @@ class Cached:
     def __init__(self, tokens: dict[str, int]) -> None:
         self.tokens = tokens
 
-    def cached(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> dict[str, int]:
-        ids = {w.record.worker_id for w in workers}
-        return {wid: tokens for wid, tokens in self.tokens.items() if wid in ids}
+    def cached(self, request: GenerateRequest, candidates: Candidates) -> dict[str, int]:
+        return {wid: tokens for wid, tokens in self.tokens.items() if wid in candidates.block_size}
 
     def routed(self, request: GenerateRequest, worker: WorkerInfo) -> None:
         pass

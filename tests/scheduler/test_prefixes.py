@@ -14,7 +14,7 @@ from splitbus.scheduler.kv_index import KvIndex
 from splitbus.scheduler.ledger import Ledger
 from splitbus.scheduler.placement import Local
 from splitbus.scheduler.policies import Placed, PolicyOptions, create
-from splitbus.scheduler.prefixes import IndexPrefixes
+from splitbus.scheduler.prefixes import Candidates, IndexPrefixes
 
 
 def _worker(wid: str, block_size: int = 16) -> WorkerInfo:
@@ -39,7 +39,7 @@ def test_cached_tokens_are_the_leading_blocks_held_less_the_last_prompt_token() 
     _stores(index, "w1", prefix[:32])
     _stores(index, "w2", prefix, block_size=32)  # its own block size: its own chain
     prefixes = IndexPrefixes(index)
-    workers = [_worker("w0"), _worker("w1"), _worker("w2", 32), _worker("w3")]
+    workers = Candidates.of([_worker("w0"), _worker("w1"), _worker("w2", 32), _worker("w3")])
     assert prefixes.cached(_request(prefix + [7, 8]), workers) == {"w0": 64, "w1": 32, "w2": 64}
     # the engine computes a prompt's last token itself: a prompt of exactly 4 blocks reuses 3
     assert prefixes.cached(_request(prefix, "r2"), workers) == {"w0": 48, "w1": 32, "w2": 32}
@@ -52,7 +52,7 @@ def test_a_routed_request_is_predicted_on_its_worker_for_its_siblings() -> None:
     first, sibling = _request(list(range(100)) + [1], "a"), _request(list(range(100)) + [2], "b")
     w0 = _worker("w0")
     prefixes.routed(first, w0)
-    assert prefixes.cached(sibling, [w0, _worker("w1")]) == {"w0": 96}
+    assert prefixes.cached(sibling, Candidates.of([w0, _worker("w1")])) == {"w0": 96}
 
 
 def test_a_burst_of_siblings_mostly_lands_on_one_worker() -> None:

@@ -20,7 +20,7 @@ from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
 from splitbus.scheduler.disagg import Disaggregation
 from splitbus.scheduler.placement import CacheCost, Local, Placement, Waiting
-from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
+from splitbus.scheduler.prefixes import NO_PREFIXES, Candidates, Prefixes
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,12 @@ class Policy(ABC):
         self.prefixes = prefixes
         """What the policy knows of the workers' prefix caches (``NO_PREFIXES``: nothing)."""
 
-    def cached(self, request: GenerateRequest, candidates: Sequence[WorkerInfo]) -> dict[str, int]:
+    def cached(self, request: GenerateRequest, candidates: Sequence[WorkerInfo] | Candidates) -> dict[str, int]:
         """The prompt tokens each candidate holds cached, when the cost weighs them ({} else)."""
         if self.options.cost.overlap_weight == 0 and not self.options.disagg.enabled:
             return {}
+        if not isinstance(candidates, Candidates):
+            candidates = Candidates.of(candidates)
         return self.prefixes.cached(request, candidates)
 
     @abstractmethod

@@ -10,24 +10,28 @@ from collections.abc import Sequence
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
-from splitbus.scheduler.placement import Eligible, Local, Placement, blocks_needed, choose, mixed_cost, roomy
+from splitbus.scheduler.placement import Local, Placement, blocks_needed
 from splitbus.scheduler.policies import register
 from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
+from splitbus.scheduler.table import Tables, mixed_costs, pick
 
 
 @register("mixed")
 class MixedPolicy(Policy):
     def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
         super().__init__(options, prefixes)
-        self.eligible = Eligible()
+        self.tables = Tables()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
-        candidates = roomy(request, self.eligible(workers, request.model, "mixed"), local)
-        cached = self.cached(request, candidates)
-        worker = choose(candidates, mixed_cost(candidates, request, cached, local, self.options.cost), self.rng)
-        if worker is None:
+        table = self.tables(workers, request.model, "mixed")
+        loads = table.loads(local)
+        rows = table.roomy(request, loads)
+        cached = self.cached(request, table.candidates)
+        row = pick(rows, mixed_costs(table, loads, rows, request, cached, self.options.cost), self.rng)
+        if row is None:
             return NoPlacement(f"no live mixed worker with room serves model '{request.model}'")
+        worker = table.workers[row]
         blocks = blocks_needed(request, worker.record.block_size)
         # what it computes: the prompt less what it holds cached (or will: a sibling routed there)
         reserve = Reserved(len(request.prompt_token_ids) - cached.get(worker.record.worker_id, 0), 1, blocks)

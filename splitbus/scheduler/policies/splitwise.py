@@ -14,51 +14,46 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
 from splitbus.scheduler.disagg import split
-from splitbus.scheduler.placement import (
-    Eligible,
-    Local,
-    Placement,
-    blocks_needed,
-    choose,
-    decode_worker,
-    mixed_cost,
-    prefill_cost,
-    queued_prefill,
-    reserved,
-    roomy,
-)
+from splitbus.scheduler.placement import Local, Placement, blocks_needed
 from splitbus.scheduler.policies import register
 from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
+from splitbus.scheduler.table import Loads, LoadTable, Tables, decode_row, mixed_costs, pick, prefill_costs
 
 
 @register("splitwise")
 class SplitwisePolicy(Policy):
     def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
         super().__init__(options, prefixes)
-        self.eligible = Eligible()
+        self.tables = Tables()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
-        prefills = self.eligible(workers, request.model, "prefill")
-        decodes = self.eligible(workers, request.model, "decode")
-        cached = self.cached(request, [*prefills, *decodes])
-        decode = self._decode(request, decodes, cached, local)
-        if decode is None:
-            missing = "prefill" if not prefills else "decode"
+        prefills = self.tables(workers, request.model, "prefill")
+        decodes = self.tables(workers, request.model, "decode")
+        cached = {**self.cached(request, prefills.candidates), **self.cached(request, decodes.candidates)}
+        p_loads, d_loads = prefills.loads(local), decodes.loads(local)
+        row = self._decode(request, decodes, d_loads, cached)
+        if row is None:
+            missing = "prefill" if not len(prefills) else "decode"
             return NoPlacement(f"no live {missing} worker with room serves model '{request.model}'")
-        queues = [queued_prefill(w, reserved(local, w)) for w in prefills]
+        decode = decodes.workers[row]
         tokens = len(request.prompt_token_ids)
         blocks = blocks_needed(request, decode.record.block_size)
+        queues = p_loads.queued.tolist() if self.options.disagg.enabled else []
         where = split(self.options.disagg, request, decode, cached.get(decode.record.worker_id, 0), queues, local)
         if where.count().local:
             uncached = tokens - cached.get(decode.record.worker_id, 0)
             return Placed((Placement(decode, "mixed", "", Reserved(uncached, 1, blocks)),))
-        prefill = choose(prefills, prefill_cost(prefills, request, cached, local, self.options.cost), self.rng)
-        if prefill is None:
+        every = np.arange(len(prefills))
+        chosen = pick(every, prefill_costs(prefills, p_loads, every, request, cached, self.options.cost), self.rng)
+        if chosen is None:
             return NoPlacement(f"no live prefill worker with room serves model '{request.model}'")
+        prefill = prefills.workers[chosen]
         return Placed(
             (
                 Placement(
@@ -73,11 +68,9 @@ class SplitwisePolicy(Policy):
             )
         )
 
-    def _decode(
-        self, request: GenerateRequest, decodes: list[WorkerInfo], cached: dict[str, int], local: Local
-    ) -> WorkerInfo | None:
+    def _decode(self, request: GenerateRequest, decodes: LoadTable, loads: Loads, cached: dict[str, int]) -> int | None:
         """By free KV blocks; by ``mixed_cost`` when D may prefill (its cache then counts)."""
         if not self.options.disagg.enabled:
-            return decode_worker(request, decodes, local, self.rng)
-        candidates = roomy(request, decodes, local)
-        return choose(candidates, mixed_cost(candidates, request, cached, local, self.options.cost), self.rng)
+            return decode_row(decodes, loads, request, self.rng)
+        rows = decodes.roomy(request, loads)
+        return pick(rows, mixed_costs(decodes, loads, rows, request, cached, self.options.cost), self.rng)

@@ -67,7 +67,7 @@ class SplitwiseDpPolicy(Policy):
         as one batch, water-filled over the group's ranks."""
         if not self.options.stagger:
             return Admitted(arrivals)
-        scratch = dict(context.local)  # this call's placements count for its next decisions
+        scratch = Local(context.local)  # this call's placements count for its next decisions
         queue, placed = await self._hold(arrivals, context, scratch)
         now = time.monotonic()
         for group in [g for g, window in self.windows.items() if window.ready(now)]:
