@@ -333,6 +333,16 @@ def scheduler_table(report: dict[str, Any]) -> str:
         for phase, counts in (("paced", p), ("flood", f)):
             if counts["placed"] < counts["requests"]:
                 rows.append(f"         {phase}: only {counts['placed']} of {counts['requests']} requests were placed")
+    if report.get("decisions"):
+        rows += ["", f"{'one decision, in-process':<26} {'workers':>7} {'p50 µs':>8} {'p99 µs':>8} {'mean µs':>8}"]
+        for d in report["decisions"]:
+            for placer in ("columns", "rows"):
+                t = d[placer]
+                rows.append(
+                    f"{placer:<26} {d['workers']:>7} {t['p50_us']:>8.1f} {t['p99_us']:>8.1f} {t['mean_us']:>8.1f}"
+                )
+            if not d["same_choices"]:
+                rows.append(f"         {d['workers']} workers: columns and rows chose differently (a defect)")
     return "\n".join(rows)
 
 

@@ -11,6 +11,9 @@ placing requests themselves (``api_dispatchers``: ``splitbus api --dispatch api`
   and starts placing it) to its task being readable in a worker's stream;
 - **flood**: ``flood_requests`` at once; decisions (requests placed) per second from the first
   XADD (the first placement) to the last task read.
+
+Before the settings, ``decisions`` in-process decisions per worker count time the policy alone,
+as it reads the candidates now (columns) and as it did before (rows): ``splitbus.bench.decisions``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
+from splitbus.bench.decisions import measure_decisions
 from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
@@ -61,6 +65,8 @@ class SchedulerBenchConfig:
     rate: float = 500.0
     paced_requests: int = 5000
     flood_requests: int = 20000
+    decisions: int = 20000
+    """In-process decisions timed per worker count, columns vs rows (``bench.decisions``; 0: none)."""
     prompt_tokens: int = 128
     max_tokens: int = 64
     seed: int = 0
@@ -70,8 +76,8 @@ class SchedulerBenchConfig:
             raise ValueError("workers must be >= 2, and replicas and API dispatchers >= 1")
         if not self.replicas and not self.api_dispatchers:
             raise ValueError("give scheduler replicas or API dispatchers to measure")
-        if self.rate <= 0 or min(self.paced_requests, self.flood_requests) < 1:
-            raise ValueError("rate and request counts must be positive")
+        if self.rate <= 0 or min(self.paced_requests, self.flood_requests) < 1 or self.decisions < 0:
+            raise ValueError("rate and request counts must be positive (decisions: >= 0)")
 
 
 class FakeWorkers:
@@ -279,8 +285,8 @@ async def _by_schedulers(
     finally:
         for proc in schedulers:
             proc.terminate()
-        for proc in schedulers:
-            proc.wait(30)
+        for proc in schedulers:  # off the event loop: the fake workers beat on while schedulers stop
+            await asyncio.to_thread(proc.wait, 30)
 
 
 async def _by_api_dispatchers(
@@ -399,5 +405,9 @@ def run_scheduler_bench(url: str, config: SchedulerBenchConfig, progress: Progre
         *[Setting("scheduler", r, w) for w in config.workers for r in config.replicas],
         *[Setting("api", n, w) for w in config.workers for n in config.api_dispatchers],
     ]
+    decisions = []
+    if config.decisions:
+        progress(f"one decision in-process, columns vs rows: {config.decisions} each at {list(config.workers)} workers")
+        decisions = measure_decisions(config.workers, config.decisions, config.seed)
     results = [asyncio.run(_one_setting(url, config, setting, progress)) for setting in settings]
-    return {"config": asdict(config), "results": results}
+    return {"config": asdict(config), "decisions": decisions, "results": results}

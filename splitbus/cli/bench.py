@@ -231,6 +231,12 @@ def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
     sched.add_argument("--rate", type=float, default=500.0, help="paced arrivals, requests/s (default %(default)s)")
     sched.add_argument("--paced-requests", type=int, default=5000)
     sched.add_argument("--flood-requests", type=int, default=20000)
+    sched.add_argument(
+        "--decisions",
+        type=int,
+        default=20000,
+        help="in-process decisions timed per worker count, columns vs rows (0: skip; default %(default)s)",
+    )
     sched.set_defaults(run=run_scheduler)
 
 
@@ -522,6 +528,7 @@ def run_scheduler(args: argparse.Namespace, env: Env) -> int:
             args.rate,
             args.paced_requests,
             args.flood_requests,
+            decisions=args.decisions,
         ),
     )
     if config is None:

@@ -107,7 +107,12 @@ class Reaper:
         if waiting:  # the next pass takes the worker again, for these alone (the rest are acked)
             await stream.kept_waiting(*[d.entry_id for d in waiting])
             await self.reaping.release(worker_id)
-            log.warning("worker %s is dead: %d task(s) wait for its DP group to re-form", worker_id, len(waiting))
+            log.warning(
+                "worker %s is dead: %d task(s) wait for the next pass (for its DP group to re-form, or for a live "
+                "worker: the one chosen had gone too, or Redis is recovering)",
+                worker_id,
+                len(waiting),
+            )
             return len(tasks) - len(waiting)
         await self.registry.mark_dead(worker_id)
         log.warning("worker %s is dead: moved %d task(s)", worker_id, len(tasks))

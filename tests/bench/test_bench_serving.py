@@ -185,8 +185,13 @@ def test_scheduler_bench_places_every_request(tmp_path: Path, redis_server: Any)
         "60",
         "--flood-requests",
         "300",
+        "--decisions",
+        "400",
     )
     assert [(r["dispatch"], r["replicas"]) for r in report["results"]] == [("scheduler", 1), ("api", 2)]
+    (decisions,) = report["decisions"]  # the policy alone, as columns and as rows: the same choices
+    assert decisions["workers"] == 8 and decisions["same_choices"] is True
+    assert all(0 < decisions[placer]["p50_us"] <= decisions[placer]["p99_us"] for placer in ("columns", "rows"))
     for r in report["results"]:
         assert r["paced"]["placed"] == 60 and r["flood"]["placed"] == 300
         assert 0 < r["paced"]["p50_ms"] <= r["paced"]["p99_ms"] and r["flood"]["decisions_per_s"] > 0

@@ -98,7 +98,7 @@ def test_with_no_other_prefill_group_a_broken_groups_prefills_wait_for_it_to_re_
         since = len(system.output)
         texts = asyncio.run(_streams(system, 8, 16, 100, r"--dp-group p0 --dp-rank 1", after_s=0.3))
         assert texts == [sim_text(700 + i, 16) for i in range(8)]  # they waited, then ran on the re-formed p0
-        system.wait_output(r"task\(s\) wait for its DP group to re-form", 5, start=since)
+        system.wait_output(r"task\(s\) wait for the next pass \(for its DP group to re-form", 5, start=since)
         _assert_reformed(system, "p0", since)
     finally:
         stop_system(system)

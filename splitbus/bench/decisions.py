@@ -1,0 +1,164 @@
+"""What one placement decision costs in the process, by how it reads the candidates.
+
+Part of ``splitbus bench scheduler``: no Redis, no I/O. For each worker count, the ``splitwise``
+policy (with the default cache-aware cost over an empty ``KvIndex``) places a stream of requests
+(each with a prompt of its own and the hash chain the API sends with it)
+on a hand-made snapshot of that many workers (half prefill, half decode, varied loads), as a
+scheduler does between its reads: each decision's reservations are added to the replica's
+``Local`` (as its ``Ledger`` does), and every ``REFRESH_EVERY`` decisions a new snapshot comes
+with ``CHANGED_ROWS`` rows changed and the ledger forgets all but the reservations of the last
+``KEEP_RESERVATIONS`` decisions (what a registry view's read does). Two placers, side by side:
+
+- **columns**: the policy as it is (``scheduler/table.py``: numpy columns per role, following
+  the snapshot's changed rows and the ``Local``'s journal);
+- **rows**: the same rules through ``placement``'s per-worker functions (``decode_worker``,
+  ``choose`` over ``prefill_cost``), which scan every candidate and every reservation per
+  decision: how splitwise decided before the columns.
+
+Both draw from one seeded ``random.Random`` each and must choose the same workers
+(``tests/scheduler/test_table.py`` checks the rules; here the choices are compared too).
+Timed with ``time.perf_counter_ns`` per decision, the garbage collector off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from splitbus.bus.blocks import chain_hex
+from splitbus.bus.messages import GenerateRequest, SamplingParams
+from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.scheduler import policies
+from splitbus.scheduler.kv_index import KvIndex
+from splitbus.scheduler.ledger import Ledger
+from splitbus.scheduler.placement import (
+    Eligible,
+    Local,
+    Placement,
+    blocks_needed,
+    choose,
+    decode_worker,
+    prefill_cost,
+)
+from splitbus.scheduler.policies import Placed, PolicyOptions
+from splitbus.scheduler.prefixes import Candidates, IndexPrefixes
+
+BLOCK_SIZE = 16
+"""The workers' block size (``WorkerRecord``'s default), and the API's chain's."""
+REFRESH_EVERY = 8
+CHANGED_ROWS = 4
+KEEP_RESERVATIONS = 4
+Place = Callable[[GenerateRequest, Sequence[WorkerInfo], Local], tuple[Placement, ...]]
+
+
+def snapshot(count: int, rng: random.Random) -> list[WorkerInfo]:
+    return [_row(i, "prefill" if i % 2 == 0 else "decode", rng) for i in range(count)]
+
+
+def _row(i: int, role: str, rng: random.Random) -> WorkerInfo:
+    load = WorkerLoad(
+        running=rng.randrange(8),
+        queued_prefill_tokens=rng.randrange(4000),
+        free_kv_blocks=rng.randrange(2000, 4000),
+        total_kv_blocks=4000,
+    )
+    return WorkerInfo(WorkerRecord(f"w{i:03d}", role, "tiny", "sim", load=load), 0, 3000)
+
+
+def _request(i: int) -> GenerateRequest:
+    """A prompt of its own, with the hash chain the API sends (the scheduler splits it, no hashing)."""
+    tokens = [32 + i % 200, *[97] * 127]
+    chain = chain_hex(tokens[:-1], BLOCK_SIZE)
+    return GenerateRequest(
+        f"r{i}",
+        "tiny",
+        tokens,
+        SamplingParams(max_tokens=64),
+        "bench",
+        0,
+        prefix_hashes=chain,
+        prefix_block_size=BLOCK_SIZE,
+    )
+
+
+def columns_placer(seed: int) -> Place:
+    policy = policies.create("splitwise", PolicyOptions(rng=random.Random(seed)), IndexPrefixes(KvIndex()))
+
+    def place(request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> tuple[Placement, ...]:
+        decision = policy.place(request, workers, local)
+        assert isinstance(decision, Placed)
+        return decision.placements
+
+    return place
+
+
+def rows_placer(seed: int) -> Place:
+    """splitwise's rules (load and cache, conditional disaggregation off) through the per-worker
+    functions."""
+    rng, prefixes, eligible, cost = random.Random(seed), IndexPrefixes(KvIndex()), Eligible(), PolicyOptions().cost
+
+    def place(request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> tuple[Placement, ...]:
+        prefills, decodes = eligible(workers, "tiny", "prefill"), eligible(workers, "tiny", "decode")
+        cached = prefixes.cached(request, Candidates.of([*prefills, *decodes]))
+        decode = decode_worker(request, decodes, local, rng)
+        prefill = choose(prefills, prefill_cost(prefills, request, cached, local, cost), rng)
+        assert decode is not None and prefill is not None
+        blocks = blocks_needed(request, decode.record.block_size)
+        tokens = len(request.prompt_token_ids) - cached.get(prefill.record.worker_id, 0)
+        return (
+            Placement(decode, "decode", prefill.record.worker_id, Reserved(0, 1, blocks)),
+            Placement(prefill, "prefill", decode.record.worker_id, Reserved(tokens, 0, 0)),
+        )
+
+    return place
+
+
+def run_placer(place: Place, count: int, decisions: int, seed: int) -> tuple[list[int], list[str]]:
+    """Nanoseconds per decision, and the workers chosen."""
+    rng, clock = random.Random(seed), [0.0]
+    workers, local = snapshot(count, rng), Local()
+    ledger = Ledger(local, clock=lambda: clock[0])
+    requests = [_request(i) for i in range(decisions)]
+    took, chosen = [], []
+    gc.disable()
+    try:
+        for i, request in enumerate(requests):
+            clock[0] = i
+            if i and i % REFRESH_EVERY == 0:  # a registry read: rows changed, the older reservations in it
+                workers = list(workers)
+                for k in rng.sample(range(count), CHANGED_ROWS):
+                    w = workers[k]
+                    load = dataclasses.replace(w.record.load, queued_prefill_tokens=rng.randrange(4000))
+                    workers[k] = dataclasses.replace(w, record=dataclasses.replace(w.record, load=load))
+                ledger.view_refreshed(read_at=i - KEEP_RESERVATIONS)
+            start = time.perf_counter_ns()
+            placements = place(request, workers, local)
+            took.append(time.perf_counter_ns() - start)
+            for p in placements:
+                ledger.reserve(p)
+            ledger.written()
+            chosen.append(",".join(p.worker.record.worker_id for p in placements))
+    finally:
+        gc.enable()
+    return took, chosen
+
+
+def measure_decisions(counts: Sequence[int], decisions: int, seed: int) -> list[dict[str, Any]]:
+    results = []
+    for count in counts:
+        row: dict[str, Any] = {"workers": count}
+        chosen: dict[str, list[str]] = {}
+        for name, make in (("columns", columns_placer), ("rows", rows_placer)):
+            took, chosen[name] = run_placer(make(seed), count, decisions, seed)
+            us = np.array(took[decisions // 10 :]) / 1000  # the first tenth warms up
+            row[name] = {q: round(float(np.percentile(us, p)), 1) for q, p in (("p50_us", 50), ("p99_us", 99))}
+            row[name]["mean_us"] = round(float(us.mean()), 1)
+        row["same_choices"] = chosen["columns"] == chosen["rows"]
+        results.append(row)
+    return results
