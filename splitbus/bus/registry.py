@@ -110,7 +110,7 @@ class WorkerLoad:
     restarted after a kill shows 0 until the survivors, who still show the old one, re-form with it."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reserved:
     """Load that schedulers assigned and the worker has not taken yet. Schedulers add to it
     when they write a task (``HINCRBY``); the worker subtracts when it reads the task. Heartbeats

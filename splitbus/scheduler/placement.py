@@ -80,6 +80,13 @@ class Local(dict[str, Reserved]):
         self.update(other)
         return self
 
+    def copy(self) -> Local:
+        return Local(self)
+
+    def __reduce__(self) -> tuple[type[Local], tuple[dict[str, Reserved]]]:
+        # copy, deepcopy and pickle make a Local with a journal of its own (the default would share it)
+        return (type(self), (dict(self),))
+
     def _start_over(self) -> None:
         self.epoch += 1
         self.journal = list(self)

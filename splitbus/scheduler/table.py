@@ -96,7 +96,6 @@ class LoadTable:
         if kept is None or kept.local is not local or kept.epoch != local.epoch:
             kept = self._kept = _Kept(local, local.epoch, 0, self._copy(), {})
         new = local.journal[kept.seen :]
-        kept.seen = len(local.journal)
         changes = []
         for worker in new:
             if worker in self.index:
@@ -104,6 +103,7 @@ class LoadTable:
                 before = kept.applied.get(worker, _NONE)
                 kept.applied[worker] = load
                 changes.append((worker, _minus(load, before)))
+        kept.seen += len(new)
         return self._apply(kept.loads, changes)
 
     def update(self, worker: WorkerInfo) -> bool:
@@ -163,11 +163,14 @@ class Tables:
 
     def __init__(self) -> None:
         self._snapshot: Sequence[WorkerInfo] = ()
+        self._rows: tuple[WorkerInfo, ...] = ()
+        """The snapshot's rows as they were: a caller may change a list it passed before."""
         self._tables: dict[tuple[str, str], LoadTable] = {}
 
     def __call__(self, workers: Sequence[WorkerInfo], model: str, role: str) -> LoadTable:
         if workers is not self._snapshot:
             self._follow(workers)
+            self._snapshot, self._rows = workers, tuple(workers)
         key = (model, role)
         table = self._tables.get(key)
         if table is None:
@@ -175,7 +178,7 @@ class Tables:
         return table
 
     def _follow(self, workers: Sequence[WorkerInfo]) -> None:
-        before, self._snapshot = self._snapshot, workers
+        before = self._rows
         if len(before) != len(workers) or not self._tables:
             self._tables = {}
             return

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 import random
 
 import numpy as np
@@ -22,6 +24,7 @@ from splitbus.scheduler.placement import (
     roomy,
 )
 from splitbus.scheduler.table import LoadTable, Tables, decode_row, mixed_costs, pick, prefill_costs
+from tests.scheduler.snapshot import worker
 
 COSTS = [CacheCost(), CacheCost(overlap_weight=1.0, load_cap_tokens=500), CacheCost(overlap_weight=0.0)]
 
@@ -189,3 +192,21 @@ def test_tables_follow_changed_rows_as_tables_built_afresh() -> None:
             a, b = kept.loads(local), fresh.loads(dict(local))
             for name in ("free", "queued", "active"):
                 assert (getattr(a, name) == getattr(b, name)).all(), (step, role, name)
+
+
+def test_a_copied_local_keeps_a_journal_of_its_own() -> None:
+    table = LoadTable([worker("a", "decode"), worker("b", "decode")])
+    local = Local({"a": Reserved(0, 1, 5)})
+    table.loads(local)
+    for twin in (copy.copy(local), copy.deepcopy(local), pickle.loads(pickle.dumps(local)), local.copy()):
+        assert isinstance(twin, Local) and twin == local and twin.journal is not local.journal
+        twin["b"] = Reserved(0, 1, 7)
+    assert local.journal == ["a"] and list(table.loads(local).free) == [995, 1000]
+
+
+def test_a_list_changed_in_place_and_passed_again_is_seen_changed() -> None:
+    tables = Tables()
+    rows = [worker("a", "mixed", free=1000), worker("b", "mixed", free=10)]
+    assert list(tables(rows, "m", "mixed").loads({}).free) == [1000, 10]
+    rows[0] = worker("a", "mixed", free=0)
+    assert list(tables(list(rows), "m", "mixed").loads({}).free) == [0, 10]
