@@ -63,7 +63,7 @@ def _case(seed: int) -> tuple[list[WorkerInfo], GenerateRequest, Local, dict[str
     return workers, request, local, cached
 
 
-@pytest.mark.parametrize("seed", range(150))
+@pytest.mark.parametrize("seed", range(60))
 def test_decode_row_is_decode_worker(seed: int) -> None:
     workers, request, local, _ = _case(seed)
     for role in ("decode", "mixed"):
@@ -74,7 +74,7 @@ def test_decode_row_is_decode_worker(seed: int) -> None:
         assert (None if row is None else table.workers[row]) is expected
 
 
-@pytest.mark.parametrize("seed", range(150))
+@pytest.mark.parametrize("seed", range(60))
 @pytest.mark.parametrize("cost", COSTS)
 def test_the_cost_columns_choose_as_the_cost_functions(seed: int, cost: CacheCost) -> None:
     workers, request, local, cached = _case(seed)

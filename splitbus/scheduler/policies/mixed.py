@@ -14,21 +14,24 @@ from splitbus.scheduler.placement import Local, Placement, blocks_needed
 from splitbus.scheduler.policies import register
 from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
-from splitbus.scheduler.table import Tables, mixed_costs, pick
 
 
 @register("mixed")
 class MixedPolicy(Policy):
     def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
         super().__init__(options, prefixes)
-        self.tables = Tables()
+        from splitbus.scheduler import table  # numpy: when a policy is made, not when the CLI lists them
+
+        self.columns = table
+        self.tables = table.Tables()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
         table = self.tables(workers, request.model, "mixed")
         loads = table.loads(local)
         rows = table.roomy(request, loads)
         cached = self.cached(request, table.candidates)
-        row = pick(rows, mixed_costs(table, loads, rows, request, cached, self.options.cost), self.rng)
+        costs = self.columns.mixed_costs(table, loads, rows, request, cached, self.options.cost)
+        row = self.columns.pick(rows, costs, self.rng)
         if row is None:
             return NoPlacement(f"no live mixed worker with room serves model '{request.model}'")
         worker = table.workers[row]

@@ -13,8 +13,7 @@ D itself: one ``mixed`` task there (``splitbus.scheduler.disagg``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
@@ -23,14 +22,19 @@ from splitbus.scheduler.placement import Local, Placement, blocks_needed
 from splitbus.scheduler.policies import register
 from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
-from splitbus.scheduler.table import Loads, LoadTable, Tables, decode_row, mixed_costs, pick, prefill_costs
+
+if TYPE_CHECKING:
+    from splitbus.scheduler.table import Loads, LoadTable
 
 
 @register("splitwise")
 class SplitwisePolicy(Policy):
     def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
         super().__init__(options, prefixes)
-        self.tables = Tables()
+        from splitbus.scheduler import table  # numpy: when a policy is made, not when the CLI lists them
+
+        self.columns = table
+        self.tables = table.Tables()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
         prefills = self.tables(workers, request.model, "prefill")
@@ -49,8 +53,9 @@ class SplitwisePolicy(Policy):
         if where.count().local:
             uncached = tokens - cached.get(decode.record.worker_id, 0)
             return Placed((Placement(decode, "mixed", "", Reserved(uncached, 1, blocks)),))
-        every = np.arange(len(prefills))
-        chosen = pick(every, prefill_costs(prefills, p_loads, every, request, cached, self.options.cost), self.rng)
+        every = prefills.every()
+        costs = self.columns.prefill_costs(prefills, p_loads, every, request, cached, self.options.cost)
+        chosen = self.columns.pick(every, costs, self.rng)
         if chosen is None:
             return NoPlacement(f"no live prefill worker with room serves model '{request.model}'")
         prefill = prefills.workers[chosen]
@@ -71,6 +76,7 @@ class SplitwisePolicy(Policy):
     def _decode(self, request: GenerateRequest, decodes: LoadTable, loads: Loads, cached: dict[str, int]) -> int | None:
         """By free KV blocks; by ``mixed_cost`` when D may prefill (its cache then counts)."""
         if not self.options.disagg.enabled:
-            return decode_row(decodes, loads, request, self.rng)
+            return self.columns.decode_row(decodes, loads, request, self.rng)
         rows = decodes.roomy(request, loads)
-        return pick(rows, mixed_costs(decodes, loads, rows, request, cached, self.options.cost), self.rng)
+        costs = self.columns.mixed_costs(decodes, loads, rows, request, cached, self.options.cost)
+        return self.columns.pick(rows, costs, self.rng)
