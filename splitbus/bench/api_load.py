@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from splitbus import aio
+
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
 
@@ -142,12 +144,7 @@ def _client(base_url: str, streams: int, tokens: int, results: Any) -> None:
             }
         )
 
-    try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
+    aio.run(main())
 
 
 def _api_connections(url: str, node: str) -> int:

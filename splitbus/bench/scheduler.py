@@ -33,10 +33,13 @@ from typing import Any, cast
 import numpy as np
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
-from splitbus.bench.decisions import measure_decisions
-from splitbus.bus import codec
+from splitbus import aio
+from splitbus.bench.decisions import BLOCK_SIZE, measure_decisions
+from splitbus.bus import cluster, codec
+from splitbus.bus.blocks import chain_hex
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 from splitbus.bus.kv_events import KvEventPublisher
@@ -45,6 +48,12 @@ from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.redis_server import die_with_parent
 
 LEASE_MS = 3000
+READ_BLOCK_MS = 1000
+"""How long one fake worker's read waits: under the client's socket timeout, as a worker's."""
+BENCH_GROUP = "bench"
+STREAMS_PER_READER = 16
+BEAT_SLICES = 10
+"""The fake workers' group on their task streams (not the workers' group: nothing else sees it)."""
 Progress = Callable[[str], None]
 TaskReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 """XREAD's reply on this bench's client (RESP2, bytes): per stream, its name and its entries."""
@@ -88,16 +97,21 @@ class FakeWorkers:
         self.registry = Registry(redis, bus)
         roles = ["prefill", "decode"] * (count // 2) + ["decode"] * (count % 2)
         load = WorkerLoad(free_kv_blocks=10**9, total_kv_blocks=10**9)
-        self.records = [WorkerRecord(f"sim{i:03d}", role, "tiny", "sim", load=load) for i, role in enumerate(roles)]
+        self.records = [
+            WorkerRecord(f"sim{i:03d}", role, "tiny", "sim", load=load, block_size=BLOCK_SIZE)
+            for i, role in enumerate(roles)
+        ]
         self.arrived: dict[str, float] = {}
         """request id -> when its first task was read."""
         self.tasks_read = 0
         self.stopped = False
-        """Set to end the loops: they stop by themselves within one blocking read, because
-        redis-py can swallow the cancellation of a blocked XREAD and leave a cancelled task
-        running for good (the hang of issue 24)."""
+        """Set (by ``stop``) to end the loops: each stops by itself, within one beat, or as its
+        connection is closed under its blocked read, never by cancellation, because redis-py can
+        swallow the cancellation of a blocked read and leave the task running for good (the
+        hang of issue 24)."""
         # From the start: "$" would skip a task written between two reads of a stream still at "$".
         self._cursors: dict[KeyT, StreamIdT] = {bus.keys.tasks(r.worker_id): "0-0" for r in self.records}
+        self._readers: list[aioredis.Connection] = []
 
     async def register(self) -> None:
         for record in self.records:
@@ -106,33 +120,84 @@ class FakeWorkers:
             await KvEventPublisher(self.redis, self.bus, record.worker_id).start()
 
     async def keep_alive(self) -> None:
+        """Every worker beats every 0.5 s, spread over the interval as independent workers'
+        beats are: a tenth of them every 50 ms, at once. (One after another, a round of 256
+        beats took up to 1.7 s while the bench read a flood's tasks, and leases ran out; all at
+        once, each round was a burst of 256 scripts that arrivals queued behind.)"""
+        slices = [self.records[i::BEAT_SLICES] for i in range(BEAT_SLICES)]
         while not self.stopped:
-            await asyncio.sleep(0.5)
-            for record in self.records:
-                await self.registry.heartbeat(record.worker_id, record.load, LEASE_MS)
+            for beating in slices:
+                await asyncio.sleep(0.5 / BEAT_SLICES)
+                await asyncio.gather(*(self.registry.heartbeat(r.worker_id, r.load, LEASE_MS) for r in beating))
 
     async def read_tasks(self) -> None:
+        """Note when each task arrives, as its worker would read it. On a single Redis the
+        streams are read in groups of ``STREAMS_PER_READER``, each group by one blocking
+        ``XREADGROUP`` (at ``>``, no pending list) packed once, on a connection of its own. One
+        ``XREAD`` of all 256 streams cost Redis ~340 µs a wake (it blocks on, and wakes from,
+        every key) and the bench the packing of 512 arguments: its lag went into the measured
+        latency. One reader per stream, as real workers read, made a flood's tasks 40,000
+        wakes of the bench. ``stop`` closes the connections, which ends the reads at once."""
+        if cluster.as_cluster(self.redis) is not None:
+            await self._read_tasks_by_xread()
+            return
+        keys = list(self._cursors)
+        for key in keys:
+            await self.redis.xgroup_create(key, BENCH_GROUP, id="0", mkstream=True)
+        groups = [keys[i : i + STREAMS_PER_READER] for i in range(0, len(keys), STREAMS_PER_READER)]
+        self._readers = [self.redis.connection_pool.make_connection() for _ in groups]
+        await asyncio.gather(*(self._read(conn, group) for conn, group in zip(self._readers, groups, strict=True)))
+
+    async def _read(self, conn: aioredis.Connection, keys: list[KeyT]) -> None:
+        read = conn.pack_command(
+            "XREADGROUP", "GROUP", BENCH_GROUP, "bench", "COUNT", 1000, "NOACK", "BLOCK", READ_BLOCK_MS,
+            "STREAMS", *keys, *[">"] * len(keys),
+        )  # fmt: skip
+        with contextlib.suppress(RedisConnectionError, OSError):  # closed by ``stop``
+            while not self.stopped:
+                await conn.send_packed_command(read)
+                self._arrive(_parsed(await conn.read_response()))
+
+    async def stop(self) -> None:
+        self.stopped = True
+        for conn in self._readers:
+            await conn.disconnect()
+
+    async def _read_tasks_by_xread(self) -> None:
         while not self.stopped:
-            reply = cast(TaskReply, await self.redis.xread(self._cursors, count=1000, block=500))
-            now = time.time()
+            reply = cast(TaskReply, await cluster.xread(self.redis, self._cursors, 1000, 500))
             for key, entries in reply or ():
                 self._cursors[key.decode()] = entries[-1][0].decode()
-                self.tasks_read += len(entries)
-                for _, fields in entries:  # only the id: full decoding would slow the measurement
-                    self.arrived.setdefault(orjson.loads(fields[b"data"])["request"]["request_id"], now)
+            self._arrive(reply)
+
+    def _arrive(self, reply: TaskReply | None) -> None:
+        now = time.time()
+        for _, entries in reply or ():
+            self.tasks_read += len(entries)
+            for _, fields in entries:  # only the id: full decoding would slow the measurement
+                self.arrived.setdefault(orjson.loads(fields[b"data"])["request"]["request_id"], now)
+
+
+def _parsed(raw: Any) -> TaskReply:
+    """A raw ``XREADGROUP`` reply (RESP2: nested lists, entries' fields flat) as ``xread`` gives it."""
+    return [(key, [(i, dict(zip(f[::2], f[1::2], strict=True))) for i, f in entries]) for key, entries in raw or ()]
 
 
 def _request(i: int, config: SchedulerBenchConfig) -> GenerateRequest:
     """Request ``i``: a prompt of its own (its first token), as unrelated requests have; one
     prompt for all would be one hot prefix, which cache-aware placement follows (and the index
-    then holds every request's chain on the workers it predicted)."""
+    then holds every request's chain on the workers it predicted). It carries its hash chain,
+    as the API sends it (the scheduler splits it and hashes nothing)."""
+    tokens = [32 + i % 200, *[97] * (config.prompt_tokens - 1)]
     return GenerateRequest(
         f"b{i}-{uuid.uuid4().hex[:8]}",
         "tiny",
-        [32 + i % 200, *[97] * (config.prompt_tokens - 1)],
+        tokens,
         SamplingParams(max_tokens=config.max_tokens),
         "bench",
         0,
+        prefix_hashes=chain_hex(tokens[:-1], BLOCK_SIZE),
+        prefix_block_size=BLOCK_SIZE,
     )
 
 
@@ -349,7 +414,7 @@ async def _gather_sent(
 def _dispatcher(url: str, prefix: str, config: SchedulerBenchConfig, count: int, index: int, go: Any, out: Any) -> None:
     """One API dispatcher process (``multiprocessing`` target)."""
     die_with_parent()
-    asyncio.run(_dispatch_phases(BusConfig(redis_url=url, prefix=prefix), config, count, index, go, out))
+    aio.run(_dispatch_phases(BusConfig(redis_url=url, prefix=prefix), config, count, index, go, out))
 
 
 async def _dispatch_phases(
@@ -392,7 +457,8 @@ async def _dispatch_phases(
 async def _stop(workers: FakeWorkers, background: list[asyncio.Task[None]], redis: aioredis.Redis) -> None:
     """End the fake workers' loops and close the client, each within a bound: the benchmark
     must end even when a loop or the client does not."""
-    workers.stopped = True
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(workers.stop(), 5.0)
     _, stuck = await asyncio.wait(background, timeout=5.0)
     for task in stuck:
         task.cancel()
@@ -409,5 +475,5 @@ def run_scheduler_bench(url: str, config: SchedulerBenchConfig, progress: Progre
     if config.decisions:
         progress(f"one decision in-process, columns vs rows: {config.decisions} each at {list(config.workers)} workers")
         decisions = measure_decisions(config.workers, config.decisions, config.seed)
-    results = [asyncio.run(_one_setting(url, config, setting, progress)) for setting in settings]
+    results = [aio.run(_one_setting(url, config, setting, progress)) for setting in settings]
     return {"config": asdict(config), "decisions": decisions, "results": results}

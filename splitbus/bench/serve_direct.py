@@ -11,6 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from splitbus import aio
 from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, cdf_samples, replay, summarize
 from splitbus.bench.workloads import ideal_for, make_items
 from splitbus.bus.config import BusConfig
@@ -129,8 +130,4 @@ def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[d
 def run_like_a_worker(coro: Any) -> Any:
     """On the event loop a worker runs on (uvloop where installed): its timers decide how long
     the sim engine's sleeps last."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+    return aio.run(coro)

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from splitbus import aio
 from splitbus.env import Env
 from splitbus.masking import MaskingFormatter, url_password
 
@@ -119,12 +120,7 @@ def run_service(service: object) -> int:
         await service.run()  # type: ignore[attr-defined]
 
     try:
-        try:
-            import uvloop
-        except ImportError:
-            asyncio.run(main())
-        else:
-            uvloop.run(main())
+        aio.run(main())
     except Exception:
         # A bug that ended the service: say so, and exit non-zero so a supervisor restarts it.
         logging.getLogger(__name__).exception("stopped by a fatal error")
