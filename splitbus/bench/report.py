@@ -232,6 +232,12 @@ def serve_table(report: dict[str, Any]) -> str:
             rows.append(
                 f"  idle system, --dispatch {dispatch}, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms"
             )
+    if floor := report.get("http_floor_ttft_ms"):
+        rows.append(
+            f"  idle, the HTTP floor (this client and one HTTP server with nothing behind it, bench/http_floor.py): "
+            f"TTFT p50 {floor['p50']:.2f} ms, p90 {floor['p90']:.2f} ms; in the first and last hops above, and in "
+            "the TTFT added below (the direct engine has no HTTP)"
+        )
     for o in report.get("overhead", []):
         rows.append(
             f"added by {o.get('path', 'splitbus')} at {o['request_rate']} req/s: "

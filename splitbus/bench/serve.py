@@ -182,6 +182,9 @@ def run_serve_bench(
     hops: dict[str, dict[str, dict[str, float]]] = {}
     for first, dispatch in enumerate(config.dispatch):
         hops[dispatch] = _measure_stack(config, dispatch, runs, progress, with_direct=first == 0)
+    from splitbus.bench.http_floor import measure_http_floor
+
+    progress("the HTTP floor: the same client and one HTTP server with nothing behind it, 50 requests one at a time")
     return {
         "config": asdict(config),
         "target": "splitbus up --engine sim --mixed 1",
@@ -189,6 +192,7 @@ def run_serve_bench(
         "overhead": overhead(runs),
         "hops_ms": hops[config.dispatch[0]],
         "hops_ms_by_dispatch": hops,
+        "http_floor_ttft_ms": measure_http_floor(config.model, config.input_len),
     }
 
 

@@ -76,6 +76,8 @@ def test_serve_compares_the_stack_with_the_engine_driven_directly(tmp_path: Path
         assert 0 < run["median_ttft_ms"] <= run["p99_ttft_ms"] <= run["p99_e2el_ms"]
         _check_redis_memory(run, 12, measured=run["path"] == "splitbus")
     assert [o["request_rate"] for o in report["overhead"]] == [20.0, "inf"]
+    floor = report["http_floor_ttft_ms"]  # the client and one HTTP server, nothing behind it
+    assert 0 < floor["p50"] <= floor["p90"] < report["hops_ms"]["TTFT"]["p90"]
 
 
 def _check_redis_memory(run: dict[str, Any], requests: int, measured: bool) -> None:
