@@ -8,19 +8,19 @@ that part alone: a Starlette app on uvicorn, with the API's loop and HTTP parser
 ``POST /v1/completions`` by streaming ``max_tokens`` one-character chunks at once, in the SSE
 shape the benchmark's client reads.
 
-Run as ``python -m splitbus.bench.http_floor PORT`` (``measure_http_floor`` starts it).
+Run as ``python -m splitbus.bench.http_floor PORT`` (``serving`` starts it; ``bench serve``
+times it with its own client, ``splitbus.bench.serve.measure_http_floor``).
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
-import numpy as np
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -46,20 +46,19 @@ async def _events(tokens: int) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-def measure_http_floor(model: str, prompt_len: int, count: int = 50) -> dict[str, float]:
-    """TTFT p50 and p90 (ms) of ``count`` requests one at a time (after 5 of warm-up), as
-    ``hop_breakdown`` times the stack's, through the same client."""
+@contextlib.contextmanager
+def serving() -> Iterator[str]:
+    """The floor server, started as its own process for the block: its base URL."""
     from splitbus.redis_server import die_with_parent, free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "splitbus.bench.http_floor", str(port)], preexec_fn=die_with_parent)
     try:
         _wait_listening(port, proc)
-        ttft = asyncio.run(_sequential(f"http://127.0.0.1:{port}", model, prompt_len, count + 5))[5:]
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(10)
-    return {"p50": float(np.median(ttft)), "p90": float(np.percentile(ttft, 90))}
 
 
 def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
@@ -73,24 +72,6 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"the HTTP floor server did not listen on port {port} within {START_TIMEOUT_S:g} s")
-
-
-async def _sequential(base_url: str, model: str, prompt_len: int, count: int) -> list[float]:
-    from splitbus.bench.serve import FIRST_TOKEN_ID, HttpClient
-    from splitbus.bench.serve_trace import TraceItem
-
-    client = HttpClient(base_url, model, "", 1)
-    ttft = []
-    try:
-        for i in range(count):
-            result = await client.send(TraceItem(0.0, [FIRST_TOKEN_ID + i % 50] * prompt_len, 2))
-            if not result.ok:
-                raise RuntimeError(f"the HTTP floor server failed a request: {result.error}")
-            ttft.append(result.ttft_s * 1000)
-            await asyncio.sleep(0.02)
-    finally:
-        await client.close()
-    return ttft
 
 
 if __name__ == "__main__":

@@ -182,8 +182,6 @@ def run_serve_bench(
     hops: dict[str, dict[str, dict[str, float]]] = {}
     for first, dispatch in enumerate(config.dispatch):
         hops[dispatch] = _measure_stack(config, dispatch, runs, progress, with_direct=first == 0)
-    from splitbus.bench.http_floor import measure_http_floor
-
     progress("the HTTP floor: the same client and one HTTP server with nothing behind it, 50 requests one at a time")
     return {
         "config": asdict(config),
@@ -358,6 +356,32 @@ async def hop_breakdown(
         }
         for k, name in enumerate(HOPS)
     }
+
+
+def measure_http_floor(model: str, prompt_len: int, count: int = 50) -> dict[str, float]:
+    """TTFT p50 and p90 (ms) through this benchmark's client and one HTTP server with nothing
+    behind it (``splitbus.bench.http_floor``): ``count`` requests one at a time, after 5 of
+    warm-up, as ``hop_breakdown`` times the stack's."""
+    from splitbus.bench.http_floor import serving
+
+    with serving() as base_url:
+        ttft = asyncio.run(_sequential_ttft(base_url, model, prompt_len, count + 5))[5:]
+    return {"p50": float(np.median(ttft)), "p90": float(np.percentile(ttft, 90))}
+
+
+async def _sequential_ttft(base_url: str, model: str, prompt_len: int, count: int) -> list[float]:
+    client = HttpClient(base_url, model, "", 1)
+    ttft = []
+    try:
+        for i in range(count):
+            result = await client.send(TraceItem(0.0, [FIRST_TOKEN_ID + i % 50] * prompt_len, 2))
+            if not result.ok:
+                raise RuntimeError(f"{base_url} failed a request: {result.error}")
+            ttft.append(result.ttft_s * 1000)
+            await asyncio.sleep(0.02)
+    finally:
+        await client.close()
+    return ttft
 
 
 async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
