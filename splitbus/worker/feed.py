@@ -155,7 +155,10 @@ class TaskFeed:
             self.unaccepted.extend(read)
         while self.unaccepted and self.kv_room_for(self.unaccepted[0]):
             await self.accept_safely(self.unaccepted.popleft())
-        await self.work_arrived()  # the engine loop starts on them while the reservations go back
+        await self.work_arrived()
+        # The engine loop starts on them first (the next turn of the loop is its), then the
+        # reservations go back while it runs: a first token does not wait for that write.
+        await asyncio.sleep(0)
         await self.give_back_reservations()
         if self.unaccepted:  # no KV blocks for the next one yet: it waits, read, until a request leaves
             self.room.clear()

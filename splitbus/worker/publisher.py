@@ -7,10 +7,10 @@ each list is cleared only once written."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from splitbus import aio
 from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
@@ -102,8 +102,7 @@ class Publisher:
 
     async def publish_when_asked(self) -> None:
         """The publisher loop's step: a write once asked (or every ``PUBLISH_IDLE_S``)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.asked.wait(), PUBLISH_IDLE_S)
+        await aio.wait(self.asked, PUBLISH_IDLE_S)
         self.asked.clear()
         await self.publish()
 

@@ -5,11 +5,11 @@ which step runs when."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from splitbus import aio
 from splitbus.bus.connection import is_transient, transient_suppressed
 from splitbus.bus.registry import Registry, WorkerLoad
 from splitbus.bus.streams import Delivery, GroupConsumer
@@ -92,8 +92,7 @@ class EngineSteps:
             await asyncio.sleep(WAIT_FOR_BLOCKS_S)
             self.kv_blocked = False
             return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), WAIT_FOR_WORK_S)
+        await aio.wait(self.wake, WAIT_FOR_WORK_S)
         self.wake.clear()
 
     def report_load_soon(self) -> None:
