@@ -51,9 +51,11 @@ LEASE_MS = 3000
 READ_BLOCK_MS = 1000
 """How long one fake worker's read waits: under the client's socket timeout, as a worker's."""
 BENCH_GROUP = "bench"
-STREAMS_PER_READER = 16
-BEAT_SLICES = 10
 """The fake workers' group on their task streams (not the workers' group: nothing else sees it)."""
+STREAMS_PER_READER = 16
+"""Task streams one fake reader blocks on (``FakeWorkers.read_tasks``)."""
+BEAT_SLICES = 10
+"""The fake workers beat in this many slices, spread over each 0.5 s (``FakeWorkers.keep_alive``)."""
 Progress = Callable[[str], None]
 TaskReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 """XREAD's reply on this bench's client (RESP2, bytes): per stream, its name and its entries."""

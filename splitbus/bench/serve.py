@@ -10,9 +10,10 @@ Field names follow vLLM's serving benchmark (``completed``, ``request_throughput
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -183,6 +184,7 @@ def run_serve_bench(
     for first, dispatch in enumerate(config.dispatch):
         hops[dispatch] = _measure_stack(config, dispatch, runs, progress, with_direct=first == 0)
     progress("the HTTP floor: the same client and one HTTP server with nothing behind it, 50 requests one at a time")
+    floor = measure_http_floor(config.model, config.input_len)
     return {
         "config": asdict(config),
         "target": "splitbus up --engine sim --mixed 1",
@@ -190,7 +192,7 @@ def run_serve_bench(
         "overhead": overhead(runs),
         "hops_ms": hops[config.dispatch[0]],
         "hops_ms_by_dispatch": hops,
-        "http_floor_ttft_ms": measure_http_floor(config.model, config.input_len),
+        "http_floor_ttft_ms": floor,
     }
 
 
@@ -319,6 +321,8 @@ def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+PROBE_WARMUP = 5
+"""Requests sent one at a time before those that are timed (``hop_breakdown``, the HTTP floor)."""
 HOPS = (
     "client send -> request XADD",
     "request XADD -> task XADD",
@@ -336,52 +340,49 @@ async def hop_breakdown(
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(redis_url)
+    try:  # ``count`` in all, the warm-up included
+        async with contextlib.aclosing(_one_at_a_time(base_url, model, prompt_len, count - PROBE_WARMUP)) as probes:
+            rows = [await _hops(r, sent, result) async for sent, result in probes]
+    finally:
+        await r.aclose()
+    return {name: _p50_p90([row[k] for row in rows]) for k, name in enumerate(HOPS)}
+
+
+async def _one_at_a_time(
+    base_url: str, model: str, prompt_len: int, count: int
+) -> AsyncGenerator[tuple[float, RequestResult], None]:
+    """``PROBE_WARMUP`` requests, then ``count`` more, one at a time: when each was sent (epoch
+    s) and its result, for those after the warm-up."""
     client = HttpClient(base_url, model, "", 1)
-    rows = []
     try:
-        for i in range(count):
-            item = TraceItem(0.0, [FIRST_TOKEN_ID + i % 50] * prompt_len, 2)
+        for i in range(PROBE_WARMUP + count):
             sent = time.time()
-            result = await client.send(item)
-            rows.append(await _hops(r, sent, result))
+            result = await client.send(TraceItem(0.0, [FIRST_TOKEN_ID + i % 50] * prompt_len, 2))
+            if not result.ok:
+                raise RuntimeError(f"{base_url} failed a request: {result.error}")
+            if i >= PROBE_WARMUP:
+                yield sent, result
             await asyncio.sleep(0.02)
     finally:
         await client.close()
-        await r.aclose()
-    rows = rows[5:]  # warm-up
-    return {
-        name: {
-            "p50": float(np.median([row[k] for row in rows])),
-            "p90": float(np.percentile([row[k] for row in rows], 90)),
-        }
-        for k, name in enumerate(HOPS)
-    }
+
+
+def _p50_p90(values: list[float]) -> dict[str, float]:
+    return {"p50": float(np.median(values)), "p90": float(np.percentile(values, 90))}
 
 
 def measure_http_floor(model: str, prompt_len: int, count: int = 50) -> dict[str, float]:
     """TTFT p50 and p90 (ms) through this benchmark's client and one HTTP server with nothing
-    behind it (``splitbus.bench.http_floor``): ``count`` requests one at a time, after 5 of
-    warm-up, as ``hop_breakdown`` times the stack's."""
+    behind it (``splitbus.bench.http_floor``): ``count`` requests one at a time, after
+    ``PROBE_WARMUP`` of warm-up, as ``hop_breakdown`` times the stack's."""
     from splitbus.bench.http_floor import serving
 
+    async def ttft_ms(base_url: str) -> list[float]:
+        async with contextlib.aclosing(_one_at_a_time(base_url, model, prompt_len, count)) as probes:
+            return [result.ttft_s * 1000 async for _, result in probes]
+
     with serving() as base_url:
-        ttft = asyncio.run(_sequential_ttft(base_url, model, prompt_len, count + 5))[5:]
-    return {"p50": float(np.median(ttft)), "p90": float(np.percentile(ttft, 90))}
-
-
-async def _sequential_ttft(base_url: str, model: str, prompt_len: int, count: int) -> list[float]:
-    client = HttpClient(base_url, model, "", 1)
-    ttft = []
-    try:
-        for i in range(count):
-            result = await client.send(TraceItem(0.0, [FIRST_TOKEN_ID + i % 50] * prompt_len, 2))
-            if not result.ok:
-                raise RuntimeError(f"{base_url} failed a request: {result.error}")
-            ttft.append(result.ttft_s * 1000)
-            await asyncio.sleep(0.02)
-    finally:
-        await client.close()
-    return ttft
+        return _p50_p90(asyncio.run(ttft_ms(base_url)))
 
 
 async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:

@@ -122,12 +122,7 @@ def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[d
             engine.cancel()
 
     items = make_items(config, rate)
-    results, duration = run_like_a_worker(main())
+    # On the event loop a worker runs on: its timers decide how long the sim engine's sleeps last.
+    results, duration = aio.run(main())
     summary = summarize(results, duration, dict(config.goodput))
     return {**summary, "ideal_prefix_hit_ratio": ideal_for(config, items)}, cdf_samples(results)
-
-
-def run_like_a_worker(coro: Any) -> Any:
-    """On the event loop a worker runs on (uvloop where installed): its timers decide how long
-    the sim engine's sleeps last."""
-    return aio.run(coro)

@@ -45,8 +45,8 @@ SETTLE_S = 0.005
 written meanwhile comes in one read. A busy cell would otherwise wake every view once per change
 (256 workers beat 512 times a second, and a scheduler reads back each of its own reservations),
 each wake a round trip of CPU in every scheduler and API node; a view is then at most this much
-later. Measured with ``bench scheduler`` (256 workers, 500 req/s): a scheduler's CPU 55 % with
-it, 63 % without (docs/benchmarks.md)."""
+later. Measured with ``bench scheduler`` (256 workers, 500 req/s): a scheduler's CPU 50–60 % with
+it, 60–66 % without (docs/benchmarks.md)."""
 READ_COUNT = 5000
 """Log entries one read takes at most; a full read means the view is behind (not caught up)."""
 _LOAD = {f.name for f in dataclasses.fields(WorkerLoad)}
