@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -15,7 +16,9 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to its end on uvloop where it is installed (every service does: its timers and
     its socket writes are cheaper), else on asyncio's own loop. Benchmarks that stand in for a
     service's side (a worker's sleeps, the load a bench generates) use it too, so that what they
-    measure is not the slower loop's."""
+    measure is not the slower loop's. What the process built before (its imports, a worker's
+    model) is frozen out of the garbage collector's scans first (``freeze_heap``)."""
+    freeze_heap()
     try:
         import uvloop
     except ImportError:
@@ -36,3 +39,14 @@ async def wait(event: asyncio.Event, timeout_s: float) -> None:
     else:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), timeout_s)
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive into the collector's permanent generation: a
+    service calls this once it is built, before it serves. Its long-lived objects (the modules
+    it imported, a model's layers) are otherwise scanned by every full collection, and a full
+    collection stops the event loop (tens of ms in a scheduler on 2 cores: docs/benchmarks.md).
+    Frozen objects freed later by reference count are still freed; a cycle among them that
+    became garbage would not be, which is why only what lives as long as the service is frozen."""
+    gc.collect()
+    gc.freeze()

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from splitbus import aio
 from splitbus.api import metrics, routes
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ApiError, InternalError, MethodNotAllowed, NotFound, Unauthorized
@@ -38,6 +39,7 @@ def create_app(config: ApiConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, ApiState]]:
         state = await ApiState.open(config)
+        aio.freeze_heap()  # the tokenizers, the routes: built, and scanned by no collection from now
         log.info("API %s ready; models: %s", config.node_id, ", ".join(state.tokenizers) or "none")
         try:
             yield {"api": state}

@@ -24,7 +24,8 @@ PREDICT_S = 5.0
 """How long a routed request's prompt blocks count as held by its worker before that worker's
 events confirm them: the sibling requests arriving meanwhile follow it."""
 CHAINS_KEPT = 4096
-"""Requests whose hash chains are kept (a waiting request is decided again on every loop step)."""
+"""Requests whose hash chains are kept (a waiting request is decided again on every loop step;
+a request's chain is dropped once it is routed)."""
 
 
 @dataclass(frozen=True)
@@ -112,3 +113,7 @@ class IndexPrefixes:
         chain = self.chain(request, worker.record.block_size)
         self.index.decided(worker.record.worker_id, chain)
         self.index.predict(worker.record.worker_id, chain, self.predict_s)
+        # Decided: its chain is not asked for again. Kept, the last CHAINS_KEPT requests (their
+        # prompts) would outlive their decisions long enough to reach the oldest GC generation,
+        # whose collections scan all of them (tens of ms at 500 req/s: docs/benchmarks.md).
+        self._chains.pop((id(request), worker.record.block_size), None)

@@ -4,6 +4,7 @@ and where a routed request's siblings find its prompt before the worker's events
 from __future__ import annotations
 
 import random
+import weakref
 from collections import Counter
 
 from splitbus.bus.blocks import block_hashes, chain_hex, split_hex
@@ -53,6 +54,20 @@ def test_a_routed_request_is_predicted_on_its_worker_for_its_siblings() -> None:
     w0 = _worker("w0")
     prefixes.routed(first, w0)
     assert prefixes.cached(sibling, Candidates.of([w0, _worker("w1")])) == {"w0": 96}
+
+
+def test_a_routed_request_is_not_kept_alive() -> None:
+    """Its chain is kept while it waits (a waiting request is asked about at every decision) and
+    dropped once it is routed: kept, the last CHAINS_KEPT decided requests would live on into the
+    garbage collector's oldest generation."""
+    prefixes = IndexPrefixes(KvIndex())
+    request, w0 = _request(list(range(100)), "a"), _worker("w0")
+    assert prefixes.cached(request, Candidates.of([w0])) == {}
+    assert prefixes.chain(request, 16) is prefixes.chain(request, 16)  # kept while it waits
+    alive = weakref.ref(request)
+    prefixes.routed(request, w0)
+    del request
+    assert alive() is None
 
 
 def test_a_burst_of_siblings_mostly_lands_on_one_worker() -> None:
