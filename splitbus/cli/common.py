@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import select
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,28 +85,42 @@ def serve_metrics(args: argparse.Namespace, part: str) -> bool:
 
 
 def say(message: str) -> None:
-    print(message, flush=True)
+    """One line to stdout, in one write: ``up`` relays its parts' lines from threads while it
+    speaks itself, and ``print``'s two writes (the text, then the newline) could take another
+    line between them."""
+    print(message + "\n", end="", flush=True)
 
 
 def wait_for_stop(check: Callable[[], str | None], poll_s: float = 0.5) -> str:
-    """Block until SIGINT/SIGTERM, or until ``check`` returns a reason to stop. Returns why."""
-    stop = threading.Event()
-    reason = ["signal"]
+    """Block until SIGINT/SIGTERM, or until ``check`` returns a reason to stop. Returns why.
+
+    The handler only notes the signal (a list's append takes no lock): a handler that set a
+    ``threading.Event`` could run while this thread held the event's own lock inside its
+    ``wait``, and wait for that lock forever (``up`` hung so, its parts all stopped). The signal's
+    byte on a wake-up pipe (``signal.set_wakeup_fd``) ends the wait at once, so that a second
+    Ctrl-C just after the first reaches the caller's handler for it."""
+    noted: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        reason[0] = signal.Signals(signum).name
-        stop.set()
+        noted.append(signal.Signals(signum).name)
 
+    wake, woken = os.pipe()
+    os.set_blocking(woken, False)
+    previous_fd = signal.set_wakeup_fd(woken)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not stop.wait(poll_s):
-            failure = check()
+        while not noted:
+            select.select([wake], [], [], poll_s)
+            failure = None if noted else check()
             if failure:
                 return failure
-        return reason[0]
+        return noted[0]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(previous_fd)
+        os.close(wake)
+        os.close(woken)
 
 
 def run_service(service: object) -> int:

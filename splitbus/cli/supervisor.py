@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import IO
 
+from splitbus.cli.common import say
 from splitbus.redis_server import die_with_parent
 
 EXIT_USAGE = 2  # argparse, and every part's "bad options or model": not restarted
@@ -112,7 +113,7 @@ class Supervisor:
 
     def say(self, line: str) -> None:
         with self._print_lock:
-            print(line, flush=True)
+            say(line)
 
     def watch(self) -> str | None:
         """Restart the children that died (each after its backoff); returns why the system
@@ -176,9 +177,11 @@ class Supervisor:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
                 child.proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) acts on it only once woken
+        deadline = time.monotonic() + timeout_s  # one wait for all: they stop at once, not in turn
         for child in reversed(self.children):
             try:
-                child.proc.wait(timeout_s)
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.say(f"{child.name} did not stop within {timeout_s:g} s of SIGTERM: killed")
                 child.proc.kill()
                 child.proc.wait()

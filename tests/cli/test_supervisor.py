@@ -146,3 +146,29 @@ def test_an_exit_code_with_a_meaning_is_said_with_it(capsys: pytest.CaptureFixtu
         r"^rank0 exited with code 3 \(DP group g0 is broken\) after [\d.]+s; restarting it in", out, re.M
     ), out
     assert re.search(r"^other exited with code 3 after", out, re.M), out
+
+
+@pytest.mark.timeout(60)
+def test_children_that_ignore_sigterm_are_killed_after_one_wait_for_all(capsys: pytest.CaptureFixture[str]) -> None:
+    """``up``'s Ctrl-C: the timeout is one wait shared by all the children, not one each in turn
+    (six lingering DP ranks took a minute)."""
+    ignore = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    )
+    supervisor = Supervisor(FAST, command=_python(ignore))
+    children = [supervisor.start(f"rank{i}", []) for i in range(3)]
+    out, deadline = "", time.monotonic() + 20
+    while out.count("| ready") < 3:
+        assert time.monotonic() < deadline, out
+        time.sleep(0.05)
+        out += capsys.readouterr().out
+    started = time.monotonic()
+    supervisor.stop(timeout_s=1.0)
+    assert time.monotonic() - started < 2.5  # not 3 x 1 s
+    assert [c.proc.returncode for c in children] == [-signal.SIGKILL] * 3
+    out += capsys.readouterr().out
+    assert sorted(re.findall(r"^(rank\d) did not stop within 1 s of SIGTERM: killed$", out, re.M)) == [
+        "rank0",
+        "rank1",
+        "rank2",
+    ]

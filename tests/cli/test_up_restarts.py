@@ -94,15 +94,19 @@ def test_ctrl_c_with_a_restart_pending_stops_everything(tmp_path: Path) -> None:
 def test_up_starts_its_embedded_redis_again_then_stops_when_it_keeps_dying(tmp_path: Path) -> None:
     system = start_system(tmp_path)
     parts = system.descendants()
-    for restart in range(MAX_NODE_RESTARTS):
-        mark = len(system.output)
+    try:
+        for restart in range(MAX_NODE_RESTARTS):
+            mark = len(system.output)
+            os.kill(system.pid_of(r"redis-server"), signal.SIGKILL)
+            system.wait_output(r"^the embedded Redis \(port \d+\) exited: starting it again from its data", 10, mark)
+            system.wait_output(r"^the embedded Redis is back on port \d+$", 10, mark)
+            assert system.proc.poll() is None, f"up stopped at restart {restart + 1}"
+            _until_redis_answers(system.redis_url)  # on its port and password
         os.kill(system.pid_of(r"redis-server"), signal.SIGKILL)
-        system.wait_output(r"^the embedded Redis \(port \d+\) exited: starting it again from its data", 10, mark)
-        system.wait_output(r"^the embedded Redis is back on port \d+$", 10, mark)
-        assert system.proc.poll() is None, f"up stopped at restart {restart + 1}"
-        _until_redis_answers(system.redis_url)  # on its port and password
-    os.kill(system.pid_of(r"redis-server"), signal.SIGKILL)
-    assert system.proc.wait(30) == 1
+        assert system.proc.wait(30) == 1
+    finally:
+        if system.proc.poll() is None:  # failed before up stopped itself: the system is not left running
+            stop_system(system)
     system.wait_output(
         rf"^stopped \(the embedded Redis exited {MAX_NODE_RESTARTS + 1} times; its log: .*redis\.log\)$", 5
     )
