@@ -17,7 +17,9 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     its socket writes are cheaper), else on asyncio's own loop. Benchmarks that stand in for a
     service's side (a worker's sleeps, the load a bench generates) use it too, so that what they
     measure is not the slower loop's. What the process built before (its imports, a worker's
-    model) is frozen out of the garbage collector's scans first (``freeze_heap``)."""
+    model) is frozen out of the garbage collector's scans first (``freeze_heap``): a process that
+    calls this more than once (a benchmark, a setting at a time) freezes what is alive at each
+    call, whatever the earlier runs left."""
     freeze_heap()
     try:
         import uvloop

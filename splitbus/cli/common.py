@@ -4,6 +4,7 @@ Ctrl-C / SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import select
@@ -104,23 +105,29 @@ def wait_for_stop(check: Callable[[], str | None], poll_s: float = 0.5) -> str:
     def on_signal(signum: int, _frame: object) -> None:
         noted.append(signal.Signals(signum).name)
 
-    wake, woken = os.pipe()
-    os.set_blocking(woken, False)
-    previous_fd = signal.set_wakeup_fd(woken)
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with contextlib.ExitStack() as restore:  # whatever was set is put back, even by a signal mid-way
+        wake, woken = os.pipe()
+        restore.callback(os.close, wake)
+        restore.callback(os.close, woken)
+        os.set_blocking(wake, False)
+        os.set_blocking(woken, False)
+        restore.callback(signal.set_wakeup_fd, signal.set_wakeup_fd(woken))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            restore.callback(signal.signal, sig, signal.signal(sig, on_signal))
         while not noted:
-            select.select([wake], [], [], poll_s)
+            if select.select([wake], [], [], poll_s)[0]:
+                _drain(wake)  # any handled signal writes its byte here (SIGCHLD, a caller's own)
             failure = None if noted else check()
             if failure:
                 return failure
         return noted[0]
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        signal.set_wakeup_fd(previous_fd)
-        os.close(wake)
-        os.close(woken)
+    raise AssertionError("unreachable")  # mypy: the with block always returns
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
 
 
 def run_service(service: object) -> int:

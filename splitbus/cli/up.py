@@ -253,12 +253,13 @@ def _signals_noted(noted: list[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _hurried_by_a_second_signal(supervisor: Supervisor) -> Iterator[None]:
-    """While the parts stop (up to 10 s each), a second Ctrl-C or SIGTERM kills them at once
+    """While the parts stop (up to 10 s in all), a second Ctrl-C or SIGTERM kills them at once
     instead of ending `up` with a KeyboardInterrupt traceback and the parts left running."""
 
     def kill(signum: int, _frame: object) -> None:
-        say(f"{signal.Signals(signum).name} again: killing the parts")
-        supervisor.kill()
+        supervisor.kill()  # first: the line below may meet a write this handler interrupted
+        with contextlib.suppress(RuntimeError):  # print's "reentrant call"
+            say(f"{signal.Signals(signum).name} again: killing the parts")
 
     previous = {sig: signal.signal(sig, kill) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

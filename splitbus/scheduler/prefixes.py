@@ -83,23 +83,24 @@ class IndexPrefixes:
         self.index = index
         self.extra = extra
         self.predict_s = predict_s
-        self._chains: OrderedDict[tuple[int, int], tuple[GenerateRequest, list[str]]] = OrderedDict()
+        self._chains: OrderedDict[int, tuple[GenerateRequest, dict[int, list[str]]]] = OrderedDict()
         """By the request object (a waiting request is the same object at each decision; kept
-        here, so its id is not reused meanwhile) and block size."""
+        here, so its id is not reused meanwhile), then by block size."""
 
     def chain(self, request: GenerateRequest, block_size: int) -> list[str]:
-        key = (id(request), block_size)
-        kept = self._chains.get(key)
-        if kept is not None and kept[0] is request:
-            return kept[1]
-        if request.prefix_block_size == block_size and not self.extra:
-            chain = split_hex(request.prefix_hashes)  # the API hashed it as it tokenized
-        else:
-            chain = [block_hash(h) for h in block_hashes(request.prompt_token_ids[:-1], block_size, self.extra)]
-        self._chains[key] = (request, chain)
-        if len(self._chains) > CHAINS_KEPT:
-            self._chains.popitem(last=False)
-        return chain
+        kept = self._chains.get(id(request))
+        if kept is None or kept[0] is not request:
+            kept = self._chains[id(request)] = (request, {})
+            if len(self._chains) > CHAINS_KEPT:
+                self._chains.popitem(last=False)
+        chains = kept[1]
+        if block_size not in chains:
+            if request.prefix_block_size == block_size and not self.extra:
+                chains[block_size] = split_hex(request.prefix_hashes)  # the API hashed it as it tokenized
+            else:
+                hashes = block_hashes(request.prompt_token_ids[:-1], block_size, self.extra)
+                chains[block_size] = [block_hash(h) for h in hashes]
+        return chains[block_size]
 
     def cached(self, request: GenerateRequest, candidates: Candidates) -> dict[str, int]:
         found: dict[str, int] = {}
@@ -116,4 +117,4 @@ class IndexPrefixes:
         # Decided: its chain is not asked for again. Kept, the last CHAINS_KEPT requests (their
         # prompts) would outlive their decisions long enough to reach the oldest GC generation,
         # whose collections scan all of them (tens of ms at 500 req/s: docs/benchmarks.md).
-        self._chains.pop((id(request), worker.record.block_size), None)
+        self._chains.pop(id(request), None)  # every block size's

@@ -72,3 +72,31 @@ def test_a_signal_always_ends_the_wait_for_stop() -> None:
         child.kill()
         child.wait()
         reader.shutdown()
+
+
+_ONE_WAIT = """
+import signal, sys
+from splitbus.cli.common import wait_for_stop
+checks = []
+signal.signal(signal.SIGUSR1, lambda *_: None)  # a handler of the caller's own: its signal wakes the pipe too
+print("ready", flush=True)
+print(wait_for_stop(lambda: checks.append(1), float(sys.argv[1])), len(checks), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_ends_a_long_wait_at_once_and_another_signal_does_not_spin_it() -> None:
+    child = subprocess.Popen([sys.executable, "-c", _ONE_WAIT, "5"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)  # with its byte left in the pipe, every select would return at once: check() spun
+        started = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        reason, checks = child.stdout.readline().split()
+        assert reason == "SIGTERM" and time.monotonic() - started < 2.5  # not the rest of a 5 s poll
+        assert int(checks) < 10
+    finally:
+        child.kill()
+        child.wait()

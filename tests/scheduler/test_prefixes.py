@@ -62,7 +62,7 @@ def test_a_routed_request_is_not_kept_alive() -> None:
     garbage collector's oldest generation."""
     prefixes = IndexPrefixes(KvIndex())
     request, w0 = _request(list(range(100)), "a"), _worker("w0")
-    assert prefixes.cached(request, Candidates.of([w0])) == {}
+    assert prefixes.cached(request, Candidates.of([w0, _worker("w1", 32)])) == {}  # a chain per block size
     assert prefixes.chain(request, 16) is prefixes.chain(request, 16)  # kept while it waits
     alive = weakref.ref(request)
     prefixes.routed(request, w0)
