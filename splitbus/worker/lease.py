@@ -46,8 +46,9 @@ class Lease:
         )
         self.record, self.drop_moved, self.lock = record, drop_moved, lock
         self.before_beat, self.after_beat = before_beat, after_beat
-        """Run before and after each heartbeat: the worker's watch for a new Redis run, and its
-        recovery after one (``recovery``). Before: a rejoin must know of the new run."""
+        """Run at each heartbeat, after a beat that renews a live lease and before the rest: the
+        worker's watch for a new Redis run, and its recovery after one (``recovery``). Before a
+        rejoin: a rejoin must know of the new run."""
         self.reaping = Reaping(redis, self.keys)
         self.last_beat = 0.0  # monotonic time of the last heartbeat Redis took (before its call)
 
@@ -55,12 +56,16 @@ class Lease:
         """The heartbeat loop's step (every ``heartbeat_s``)."""
         # The whole record each time (~20 small fields): a worker whose record was removed, say
         # by a reaper during a long Redis outage, is whole again at its next beat.
+        # The beat first: the watch for a new run asks every primary of a cluster, and one that
+        # is down (failing over, even one that holds no control-plane key) fails the step. Were
+        # the beat after it, the lease would lapse for that primary's outage and the worker be
+        # reaped with every stream it serves (tests/faults/test_cluster_failover.py saw it).
+        if not self.lapsed():
+            await self.beat()
         if self.before_beat is not None:
             await self.before_beat()
         if self.lapsed():
             await self.settle_if_lapsed()
-        else:
-            await self.beat()
         if self.after_beat is not None:
             await self.after_beat()
 
