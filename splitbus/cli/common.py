@@ -114,14 +114,20 @@ def wait_for_stop(check: Callable[[], str | None], poll_s: float = 0.5) -> str:
         restore.callback(signal.set_wakeup_fd, signal.set_wakeup_fd(woken))
         for sig in (signal.SIGINT, signal.SIGTERM):
             restore.callback(signal.signal, sig, signal.signal(sig, on_signal))
-        while not noted:
-            if select.select([wake], [], [], poll_s)[0]:
-                _drain(wake)  # any handled signal writes its byte here (SIGCHLD, a caller's own)
-            failure = None if noted else check()
-            if failure:
-                return failure
-        return noted[0]
-    raise AssertionError("unreachable")  # mypy: the with block always returns
+        why = _until_noted(noted, wake, check, poll_s)
+    return why
+
+
+def _until_noted(noted: list[str], wake: int, check: Callable[[], str | None], poll_s: float) -> str:
+    """Poll ``check`` every ``poll_s`` until it gives a reason or a signal is noted; a byte on
+    ``wake`` (a signal's) ends a poll's wait early."""
+    while not noted:
+        if select.select([wake], [], [], poll_s)[0]:
+            _drain(wake)  # any handled signal writes its byte here (SIGCHLD, a caller's own)
+        failure = None if noted else check()
+        if failure:
+            return failure
+    return noted[0]
 
 
 def _drain(fd: int) -> None:
