@@ -401,7 +401,12 @@ class EmbeddedRedis:
             dataset = int(client.info("memory").get("used_memory_dataset", 0))
             if aof <= max(AOF_REWRITE_MIN_BYTES, 2 * dataset):
                 return False
-            client.bgrewriteaof()
+            try:
+                client.bgrewriteaof()
+            except redis.ResponseError as exc:
+                # Redis 7 may have begun one of its own as it loaded (its AOF comes in parts): wait for that one.
+                if "already in progress" not in str(exc):
+                    raise
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 info = client.info("persistence")

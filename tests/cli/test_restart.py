@@ -18,7 +18,7 @@ import redis
 from splitbus.bus.keys import Keys
 from splitbus.redis_server import EmbeddedRedis, embedded_url
 from tests.e2e.conftest import System, start_system, stop_system
-from tests.test_redis_server import write_plain_aof
+from tests.test_redis_server import aof_bytes, write_plain_aof
 
 SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]
 
@@ -123,7 +123,7 @@ def test_many_up_cycles_on_one_folder(tmp_path: Path) -> None:
             keys = _keys(tmp_path)
         persistent.append(keys[0])
         total.append(keys[1])
-        aof.append((tmp_path / "redis" / "appendonly.aof").stat().st_size)
+        aof.append(aof_bytes(tmp_path / "redis"))
     # sb:requests, sb:run (the server run the cell was settled on) and sb:registry (the registry log,
     # bounded by MAXLEN); before, +2 streams per worker per cycle
     assert set(persistent) == {3}, persistent
