@@ -20,6 +20,7 @@ from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ApiError, InternalError, MethodNotAllowed, NotFound, Unauthorized
 from splitbus.api.generate import ClientDisconnected
 from splitbus.api.state import ApiState
+from splitbus.api.tenants import NO_TENANT, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -87,22 +88,32 @@ _EXCEPTION_HANDLERS = {
 
 
 class RequireApiKey:
-    """Bearer keys on ``/v1/*`` when keys are configured; probes and metrics stay open."""
+    """Bearer keys on ``/v1/*`` when keys are configured; probes and metrics stay open. The key a
+    request came with names its tenant (``request.state.tenant``, splitbus.api.tenants): whose
+    cached prompts it may reuse."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
-        self.keys = [key.encode() for key in keys]
+        self.keys = [(key.encode(), tenant_of(key)) for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1/") and not self._allowed(scope):
-            await Unauthorized("Incorrect or missing API key; send 'Authorization: Bearer <key>'")(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            tenant = self._tenant(scope) if self.keys else NO_TENANT
+            if tenant is None and scope["path"].startswith("/v1/"):
+                await Unauthorized("Incorrect or missing API key; send 'Authorization: Bearer <key>'")(
+                    scope, receive, send
+                )
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
-    def _allowed(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> bytes | None:
+        """The tenant of the request's bearer key; None for a missing or unknown key."""
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), key) for key in self.keys)
+        if scheme.lower() != b"bearer":
+            return None
+        return next((tenant for key, tenant in self.keys if hmac.compare_digest(token.strip(), key)), None)
 
 
 class CountRequests:

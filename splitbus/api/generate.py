@@ -25,6 +25,7 @@ from splitbus.api.errors import (
 )
 from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
+from splitbus.api.tenants import cache_salt
 from splitbus.bus.blocks import chain_hex
 from splitbus.bus.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
@@ -52,9 +53,10 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     check_prompt_chars(state.config.prompt_char_limit(tokenizer.context_length), params)
     prompt_ids = await tokenize(state, tokenizer, params)
     max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
-    prefix = await prefix_hashes(state, prompt_ids)
+    salt = cache_salt(request.state.tenant, params.cache_salt)
+    prefix = await prefix_hashes(state, prompt_ids, salt)
     state.admit(params.model)
-    generation = Generation(state, params, prompt_ids, max_tokens, prefix)
+    generation = Generation(state, params, prompt_ids, max_tokens, prefix, salt)
     try:
         await generation.publish()
         first = await generation.until_disconnect(request, generation.next_result())
@@ -115,15 +117,15 @@ def _encode(tokenizer: ModelTokenizer, text: str) -> list[int]:
     return tokenizer.encode_batch([text])[0]
 
 
-async def prefix_hashes(state: ApiState, prompt_ids: list[int]) -> str:
-    """The prompt's hash chain for cache-aware routing (``GenerateRequest.prefix_hashes``): ~70 ns
-    a token, off the event loop for a long prompt."""
+async def prefix_hashes(state: ApiState, prompt_ids: list[int], salt: str = "") -> str:
+    """The prompt's hash chain, salted with ``salt``, for cache-aware routing
+    (``GenerateRequest.prefix_hashes``): ~70 ns a token, off the event loop for a long prompt."""
     size = state.config.prefix_block_size
     if size <= 0:
         return ""
     if len(prompt_ids) <= ON_LOOP_PREFIX_TOKENS:
-        return chain_hex(prompt_ids[:-1], size)
-    return await state.off_loop(lambda: chain_hex(prompt_ids[:-1], size))
+        return chain_hex(prompt_ids[:-1], size, salt=salt)
+    return await state.off_loop(lambda: chain_hex(prompt_ids[:-1], size, salt=salt))
 
 
 def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prompt_len: int) -> int:
@@ -150,7 +152,13 @@ def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prom
 
 class Generation:
     def __init__(
-        self, state: ApiState, params: GenerationParams, prompt_ids: list[int], max_tokens: int, prefix: str = ""
+        self,
+        state: ApiState,
+        params: GenerationParams,
+        prompt_ids: list[int],
+        max_tokens: int,
+        prefix: str = "",
+        salt: str = "",
     ) -> None:
         self.state = state
         self.params = params
@@ -158,6 +166,8 @@ class Generation:
         self.max_tokens = max_tokens
         self.prefix = prefix
         """The prompt's hash chain (``prefix_hashes``), of ``config.prefix_block_size``."""
+        self.salt = salt
+        """Its salt (``GenerateRequest.cache_salt``): the tenant's and the body's ``cache_salt``."""
         prefix = "chatcmpl" if params.kind == "chat" else "cmpl"
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = protocol.now_s()
@@ -195,6 +205,7 @@ class Generation:
                 reader,
                 self.prefix,
                 self.state.config.prefix_block_size if self.prefix else 0,
+                self.salt,
             )
         except ValueError as exc:
             raise BadRequest(str(exc)) from None

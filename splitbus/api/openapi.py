@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 from splitbus import __version__
-from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from splitbus.api.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 _ERROR = {
     "type": "object",
@@ -59,6 +59,13 @@ _COMMON = {
         "description": "only with stream: true",
     },
     "user": {"type": "string"},
+    "cache_salt": {
+        "type": ["string", "null"],
+        "minLength": 1,
+        "maxLength": MAX_CACHE_SALT_CHARS,
+        "description": "vLLM's extension: cached prompt KV is shared only by requests of one API key "
+        "and the same cache_salt",
+    },
     "n": {"type": "integer", "enum": [1], "description": "only 1 is supported"},
 }
 

@@ -19,6 +19,9 @@ whatever this is (worker/text.py), but it holds back up to this many characters 
 and keeps a table of this many ints per stop: the bound keeps that memory small and catches
 nonsense (real stop strings are a few characters). At most the bus's own bound, or schedulers
 would dead-letter requests the API admitted (tests/api/test_protocol.py checks it)."""
+MAX_CACHE_SALT_CHARS = 1024
+"""The longest ``cache_salt``, in characters: it is only hashed (splitbus.api.tenants), the bound
+keeps that cheap."""
 # Fields that only their default (or equivalent) value is accepted for.
 UNSUPPORTED = {
     "n": (None, 1),
@@ -56,6 +59,9 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    cache_salt: str | None = None
+    """vLLM's extension: requests share cached prompt KV only with requests of the same tenant
+    and the same ``cache_salt`` (None: the tenant's unsalted share)."""
 
 
 def parse_completion(body: Any) -> GenerationParams:
@@ -98,6 +104,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         stream=stream,
         include_usage=_stream_options(body, stream),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
+        cache_salt=_cache_salt(body.get("cache_salt")),
     )
 
 
@@ -142,6 +149,17 @@ def _number(
         bound = f"({low}, {high}]" if exclusive_min else f"[{low}, {high}]"
         raise BadRequest(f"'{name}' must be in {bound}, got {value}", name)
     return float(value)
+
+
+def _cache_salt(value: Any) -> str | None:
+    """vLLM's rule: absent or null, else a non-empty string; and at most MAX_CACHE_SALT_CHARS."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise BadRequest("'cache_salt' must be a non-empty string if provided", "cache_salt")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"'cache_salt' may have at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+    return value
 
 
 def _stop(value: Any) -> list[str]:

@@ -48,7 +48,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from splitbus.bench.routing_sim import RecoveryConfig, run_recovery
-from splitbus.bus.blocks import chain_hex
+from splitbus.bus.blocks import HEX_FORMAT, chain_hex
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 from splitbus.bus.dispatch import blocks_needed
@@ -121,8 +121,8 @@ class RoutingBenchConfig:
 
 
 def _hex(worker: int, i: int) -> str:
-    """Block ``i`` of ``worker``'s own blocks: a distinct 16-digit hash."""
-    return format((((worker << 40) + i) * 0x9E3779B97F4A7C15) % 2**64, "016x")
+    """Block ``i`` of ``worker``'s own blocks: a distinct hash of splitbus's width (32 digits)."""
+    return format((((worker << 40) + i) * 0x9E3779B97F4A7C15) % 2**128, HEX_FORMAT)
 
 
 def _percentiles(samples_ns: list[int]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitbus.bus.blocks import block_hashes, split_hex
+from splitbus.bus.blocks import block_hashes, root_of, split_hex
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.messages.kv_events import block_hash
 from splitbus.bus.registry import WorkerInfo
@@ -76,7 +76,8 @@ class IndexPrefixes:
     A request's chain is the block hashes of its prompt less the last token (what an engine can
     reuse, ``splitbus.worker.engines.prefix.BlockPool.match``), once per request and block size:
     the one the API sent with it (``GenerateRequest.prefix_hashes``) when its block size is the
-    worker's, else hashed here (~65 ns a token). ``routed`` predicts the chain on the chosen worker
+    worker's, else hashed here (~65 ns a token), salted with the request's ``cache_salt`` either
+    way (the API salts its chain with it). ``routed`` predicts the chain on the chosen worker
     for ``predict_s``."""
 
     def __init__(self, index: KvIndex, extra: str = "", predict_s: float = PREDICT_S) -> None:
@@ -98,7 +99,8 @@ class IndexPrefixes:
             if request.prefix_block_size == block_size and not self.extra:
                 chains[block_size] = split_hex(request.prefix_hashes)  # the API hashed it as it tokenized
             else:
-                hashes = block_hashes(request.prompt_token_ids[:-1], block_size, self.extra)
+                root = root_of(request.cache_salt)  # salted as the worker salts it
+                hashes = block_hashes(request.prompt_token_ids[:-1], block_size, self.extra, root)
                 chains[block_size] = [block_hash(h) for h in hashes]
         return chains[block_size]
 

@@ -42,7 +42,20 @@ def test_a_request_carries_its_prompts_hash_chain_for_routing(api: ApiProcess, r
     reply = _client(api).completions.create(model="tiny", prompt=prompt, max_tokens=2)
     (request,) = [r for r in responder.requests if r.request_id == reply.id]
     assert request.prefix_block_size == 16 and request.prefix_hashes == chain_hex(prompt[:-1], 16)
-    assert len(request.prefix_hashes) == 6 * 16
+    assert len(request.prefix_hashes) == 6 * 32 and request.cache_salt == ""  # no keys, no cache_salt: unsalted
+
+
+def test_a_cache_salt_salts_the_requests_chain(api: ApiProcess, responder: Responder) -> None:
+    prompt = list(range(40, 140))
+    salts = []
+    for salt in ("team-1", "team-2", "team-1"):
+        reply = _client(api).completions.create(
+            model="tiny", prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt}
+        )
+        (request,) = [r for r in responder.requests if r.request_id == reply.id]
+        assert request.prefix_hashes == chain_hex(prompt[:-1], 16, salt=request.cache_salt)
+        salts.append(request.cache_salt)
+    assert salts[0] == salts[2] != salts[1] and "" not in salts and not any("team" in s for s in salts)
 
 
 def test_streamed_completion_with_usage(api: ApiProcess) -> None:

@@ -38,6 +38,32 @@ def test_api_keys_guard_v1_only(
         stop_api(api)
 
 
+def test_each_api_key_salts_its_requests_chains_apart(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
+    """Every key is a tenant: its requests' chains carry a salt of its own (docs/security.md,
+    "Prefix cache"), never the key itself."""
+    api = start_api(redis_server.url, prefix, [tiny_model], "--api-key", "sk-one-secret", "--api-key", "sk-two-secret")
+    try:
+        sent = []
+        for key, extra in (
+            ("sk-one-secret", None),
+            ("sk-two-secret", None),
+            ("sk-one-secret", None),
+            ("sk-one-secret", "s"),
+        ):
+            client = openai.OpenAI(base_url=api.v1, api_key=key, max_retries=0)
+            body = {"cache_salt": extra} if extra else None
+            reply = client.completions.create(model="tiny", prompt=list(range(50)), max_tokens=2, extra_body=body)
+            (request,) = [r for r in responder.requests if r.request_id == reply.id]
+            assert "secret" not in codec.encode(request)[b"data"].decode()
+            sent.append(request.cache_salt)
+        one, two, one_again, one_salted = sent
+        assert one == one_again and len({one, two, one_salted, ""}) == 4
+    finally:
+        stop_api(api)
+
+
 def test_over_the_inflight_bound_is_429_and_others_unaffected(
     redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitbus.api.errors import BadRequest
-from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, parse_chat, parse_completion
+from splitbus.api.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, parse_chat, parse_completion
 
 
 def test_ignore_eos_is_taken_as_vllm_does() -> None:
@@ -77,3 +77,26 @@ def test_top_k_past_what_the_bus_carries_is_a_400() -> None:
     with pytest.raises(BadRequest, match="'top_k' must be <= 2147483647") as info:
         parse_completion({"model": "m", "prompt": "x", "top_k": 2**31})
     assert info.value.param == "top_k"
+
+
+def test_cache_salt_is_taken_in_both_bodies_as_vllm_does() -> None:
+    assert parse_completion({"model": "m", "prompt": "x"}).cache_salt is None
+    assert parse_completion({"model": "m", "prompt": "x", "cache_salt": None}).cache_salt is None
+    assert parse_completion({"model": "m", "prompt": "x", "cache_salt": "s" * MAX_CACHE_SALT_CHARS}).cache_salt
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": "team-1"})
+    assert chat.cache_salt == "team-1"
+
+
+@pytest.mark.parametrize(
+    ("salt", "says"),
+    [
+        ("", "non-empty string"),
+        (7, "non-empty string"),
+        (["a"], "non-empty string"),
+        ("s" * (MAX_CACHE_SALT_CHARS + 1), f"at most {MAX_CACHE_SALT_CHARS} characters"),
+    ],
+)
+def test_a_bad_cache_salt_is_a_400(salt: object, says: str) -> None:
+    with pytest.raises(BadRequest, match=says) as info:
+        parse_completion({"model": "m", "prompt": "x", "cache_salt": salt})
+    assert info.value.param == "cache_salt" and info.value.status == 400

@@ -31,7 +31,8 @@ def _request(**overrides: object) -> GenerateRequest:
     [
         _request(),
         _request(reader="api-1.out.3"),
-        _request(prompt_token_ids=list(range(40)), prefix_hashes="0123456789abcdef" * 2, prefix_block_size=16),
+        _request(prompt_token_ids=list(range(40)), prefix_hashes="0123456789abcdef" * 4, prefix_block_size=16),
+        _request(cache_salt="0123456789abcdef" * 2),
         TokenDelta(seq=3, token_ids=[5, 6], text="hi"),
         Finished(seq=4, finish_reason="length", prompt_tokens=3, completion_tokens=2),
         Failed(seq=0, code="no_worker", message="none", status=503),
@@ -199,12 +200,19 @@ def test_every_message_module_registers_its_types() -> None:
 def test_a_requests_prefix_chain_is_bounded_by_its_prompt() -> None:
     prompt = list(range(40))  # 39 tokens hashed: two full blocks of 16
     for bad in (
-        {"prefix_hashes": "00" * 8, "prefix_block_size": 16},  # one block short
-        {"prefix_hashes": "0123456789abcdef" * 3, "prefix_block_size": 16},  # one too many
-        {"prefix_hashes": "0123456789ABCDEF" * 2, "prefix_block_size": 16},
-        {"prefix_hashes": "0123456789abcdef" * 2, "prefix_block_size": 0},
+        {"prefix_hashes": "00" * 16, "prefix_block_size": 16},  # one block short
+        {"prefix_hashes": "0123456789abcdef" * 6, "prefix_block_size": 16},  # one too many
+        {"prefix_hashes": "0123456789abcdef" * 2, "prefix_block_size": 16},  # two 64-bit hashes: too short
+        {"prefix_hashes": "0123456789ABCDEF" * 4, "prefix_block_size": 16},
+        {"prefix_hashes": "0123456789abcdef" * 4, "prefix_block_size": 0},
         {"prefix_hashes": 7, "prefix_block_size": 16},
         {"prefix_block_size": -1},
     ):
         with pytest.raises(ValueError):
             _request(prompt_token_ids=prompt, **bad)
+
+
+@pytest.mark.parametrize("salt", ["0" * 31, "0" * 33, "0123456789ABCDEF" * 2, "g" * 32, 7, None, "tenant-a"])
+def test_a_requests_cache_salt_is_empty_or_32_hex_digits(salt: object) -> None:
+    with pytest.raises(ValueError, match="cache_salt"):
+        _request(cache_salt=salt)

@@ -7,7 +7,7 @@ import random
 import weakref
 from collections import Counter
 
-from splitbus.bus.blocks import block_hashes, chain_hex, split_hex
+from splitbus.bus.blocks import block_hashes, chain_hex, root_of, split_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockStored, KvEventBatch, block_hash
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
@@ -103,3 +103,22 @@ def test_the_chain_the_api_sent_is_the_one_hashed_here() -> None:
     here = IndexPrefixes(KvIndex())
     assert here.chain(sent, 16) == here.chain(_request(tokens, "other"), 16) == split_hex(sent.prefix_hashes)
     assert len(here.chain(sent, 16)) == 6 and here.chain(sent, 32) == here.chain(_request(tokens, "x"), 32)
+
+
+def test_routing_follows_a_salted_chain_only_to_its_own_salts_blocks() -> None:
+    """A worker stores a salted prompt (its events carry the salted chain); a request with the
+    same salt finds it there, by the API's chain or by the one hashed here for another block
+    size, and one with another salt or none does not."""
+    tokens, salt = list(range(2000, 2100)), "3c" * 16
+    index = KvIndex()
+    for worker, size in (("w16", 16), ("w32", 32)):
+        chain = [block_hash(h) for h in block_hashes(tokens, size, parent=root_of(salt))]
+        index.apply(worker, "1-0", KvEventBatch(worker, "i", 1, [BlockStored(chain, "", size)]))
+    prefixes = IndexPrefixes(index)
+    workers = Candidates.of([_worker("w16"), _worker("w32", 32)])
+    sent = _request(tokens + [1], "salted")
+    sent.cache_salt, sent.prefix_hashes, sent.prefix_block_size = salt, chain_hex(tokens, 16, salt=salt), 16
+    assert prefixes.cached(sent, workers) == {"w16": 96, "w32": 96}
+    other = _request(tokens + [1], "other")
+    other.cache_salt = "c3" * 16
+    assert prefixes.cached(other, workers) == {} == prefixes.cached(_request(tokens + [1], "plain"), workers)

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from splitbus.bus.blocks import HEX_FORMAT
 from splitbus.bus.codec import message
 from splitbus.bus.messages._check import require, require_int, require_str
 
@@ -25,8 +26,9 @@ MAX_BATCH_EVENTS = 4096
 """Most events in one batch (one engine step's)."""
 MAX_BATCH_HASHES = 2**17
 """Most block hashes in one batch, all its events together; a publisher splits a bigger step."""
-MAX_SNAPSHOT_HASHES = 2**22
-"""Most block hashes in one snapshot: ~80 MB of JSON, under the codec's 128 MiB."""
+MAX_SNAPSHOT_HASHES = 3 * 2**20
+"""Most block hashes in one snapshot: ~110 MB of JSON at 32 digits a hash (splitbus's own), under
+the codec's 128 MiB."""
 MAX_BLOCK_SIZE = 2**16
 """Largest number of tokens per block."""
 MAX_EVENT_ID = 2**53
@@ -41,7 +43,7 @@ def block_hash(value: int | bytes | str) -> str:
     32) or a hex string; ValueError for anything else (the engine side's values go through here)."""
     if type(value) is int:
         require(0 <= value < 2 ** (4 * MAX_HASH_HEX), "a block hash must be a non-negative int under 2**256")
-        return format(value, "016x")  # splitbus's own (8 bytes) are always 16 digits, as requests carry them
+        return format(value, HEX_FORMAT)  # splitbus's own (16 bytes) are always 32 digits, as requests carry them
     if isinstance(value, bytes):
         require(0 < len(value) <= MAX_HASH_HEX // 2, "a block hash must be 1 to 32 bytes")
         return value.hex()

@@ -82,7 +82,7 @@ class GenerateRequest:
     tag (``sb:out:{reader}:<request_id>``), which every writer of its results uses. Absent or
     empty: ``api_node`` (a producer with one reader of its own, such as an external dispatcher)."""
     prefix_hashes: str = ""
-    """The chained block hashes (``splitbus.bus.blocks.chain_hex``: 16 hex digits a block) of the
+    """The chained block hashes (``splitbus.bus.blocks.chain_hex``: 32 hex digits a block) of the
     prompt's full blocks of ``prefix_block_size`` tokens, the last prompt token left out (what a
     worker's prefix cache can reuse): what a scheduler routes by (docs/routing.md), computed by the
     API as it tokenizes. Absent: the scheduler hashes the prompt itself. Like every field it is
@@ -90,6 +90,13 @@ class GenerateRequest:
     prompt itself)."""
     prefix_block_size: int = 0
     """The block size of ``prefix_hashes`` (0: none)."""
+    cache_salt: str = ""
+    """The salt of the prompt's hash chain, ``HEX_DIGITS`` lowercase hex digits: the parent of its
+    first block (``splitbus.bus.blocks.root_of``), in ``prefix_hashes``, in a worker's prefix cache
+    and in a scheduler's own chain alike, so requests share cached KV only within a salt. The API
+    derives it from the caller's tenant (API key) and the body's ``cache_salt``; never the key or
+    the client's string itself (docs/security.md, "The prefix cache is shared only within a
+    tenant"). Empty: unsalted."""
 
     def __post_init__(self) -> None:
         if self.reader == "" and isinstance(self.api_node, str):
@@ -104,6 +111,7 @@ class GenerateRequest:
         require(valid_tag(self.reader), f"reader must be a hash tag: no braces, colons or spaces, got {self.reader!r}")
         require_int(self.deadline_ms, "deadline_ms", minimum=0, maximum=MAX_DEADLINE_MS)
         self._check_prefix()
+        self._check_salt()
 
     def _check_prefix(self) -> None:
         require_int(self.prefix_block_size, "prefix_block_size", minimum=0, maximum=MAX_PREFIX_BLOCK_SIZE)
@@ -116,3 +124,8 @@ class GenerateRequest:
             f"prefix_hashes must hold {HEX_DIGITS} hex digits for each of the prompt's {blocks} full blocks",
         )
         require(_HEX_RUN.fullmatch(self.prefix_hashes) is not None, "prefix_hashes must be lowercase hex")
+
+    def _check_salt(self) -> None:
+        require(type(self.cache_salt) is str, "cache_salt must be a string")
+        salted = len(self.cache_salt) == HEX_DIGITS and _HEX_RUN.fullmatch(self.cache_salt) is not None
+        require(self.cache_salt == "" or salted, f"cache_salt must be empty or {HEX_DIGITS} lowercase hex digits")

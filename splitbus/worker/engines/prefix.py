@@ -7,8 +7,10 @@ only when an allocation finds no plain free block. A new sequence takes the cach
 its prompt's leading full blocks (shared, ref-counted) and computes only the rest; at least its
 last prompt token is always computed, for its logits. What the cache stores and evicts is
 recorded, in order, as KV events (``BlockStored``, ``BlockRemoved``) in the pool's
-:class:`KvEventLog`, which the worker publishes (docs/routing.md, "KV events"). Pure: no paddle,
-no Redis.
+:class:`KvEventLog`, which the worker publishes (docs/routing.md, "KV events"). A sequence's chain
+starts at its request's salt (``GenerateRequest.cache_salt``, the ``root`` the pool's methods
+take): the API's salt, so one tenant's prompt never finds another's blocks. Pure: no paddle, no
+Redis.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitbus.bus.blocks import block_hashes
+from splitbus.bus.blocks import ROOT, block_hashes, root_of
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, block_hash
 
 if TYPE_CHECKING:
-    from splitbus.bus.messages import Task
+    from splitbus.bus.messages import GenerateRequest, Task
     from splitbus.worker.sequence import Sequence as SequenceState
 
 
@@ -84,20 +86,21 @@ class BlockPool:
     def cached_blocks(self) -> int:
         return len(self._by_hash)
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """Cached blocks of the leading full blocks of ``tokens``, leaving its last token uncached."""
+    def match(self, tokens: Sequence[int], root: int = ROOT) -> list[int]:
+        """Cached blocks of the leading full blocks of ``tokens`` (its chain salted by ``root``),
+        leaving its last token uncached."""
         usable = max(len(tokens) - 1, 0)
         found: list[int] = []
-        for h in block_hashes(tokens[:usable], self.block_size, self.extra):
+        for h in block_hashes(tokens[:usable], self.block_size, self.extra, root):
             block = self._by_hash.get(h)
             if block is None:
                 break
             found.append(block)
         return found
 
-    def fits(self, count: int, prompt: Sequence[int] = ()) -> bool:
-        """Whether ``allocate(count, prompt)`` would succeed now (nothing is taken)."""
-        hits = self.match(prompt)[:count]
+    def fits(self, count: int, prompt: Sequence[int] = (), root: int = ROOT) -> bool:
+        """Whether ``allocate(count, prompt, root)`` would succeed now (nothing is taken)."""
+        hits = self.match(prompt, root)[:count]
         return self._room(count - len(hits), hits)
 
     def _room(self, fresh: int, hits: list[int]) -> bool:
@@ -106,10 +109,10 @@ class BlockPool:
         in_lru = sum(1 for b in set(hits) if b in self._lru)  # O(hits): the LRU can hold thousands
         return fresh <= len(self._plain) + len(self._lru) - in_lru
 
-    def allocate(self, count: int, prompt: Sequence[int] = ()) -> Allocation | None:
-        """``count`` blocks for a sequence, the first ones cached blocks of ``prompt`` where they
-        match; None (nothing taken) when there is no room."""
-        hits = self.match(prompt)[:count]
+    def allocate(self, count: int, prompt: Sequence[int] = (), root: int = ROOT) -> Allocation | None:
+        """``count`` blocks for a sequence, the first ones cached blocks of ``prompt`` (salted by
+        ``root``) where they match; None (nothing taken) when there is no room."""
+        hits = self.match(prompt, root)[:count]
         fresh = count - len(hits)
         if not self._room(fresh, hits):
             return None
@@ -123,12 +126,12 @@ class BlockPool:
             self.events.add(BlockRemoved([block_hash(h) for h in evicted]))
         return Allocation(table, len(hits) * self.block_size)
 
-    def rematch(self, table: list[int], tokens: Sequence[int], cached: int) -> int:
+    def rematch(self, table: list[int], tokens: Sequence[int], cached: int, root: int = ROOT) -> int:
         """Before a sequence's prefill: its leading blocks past the ``cached`` positions that are
         cached now (stored since it reserved: a sibling with the same prefix prefilled first)
         replace its own fresh ones in ``table``, which go back to the free blocks. Returns the
         positions cached now (a multiple of the block size, at least ``cached``)."""
-        hits = self.match(tokens)
+        hits = self.match(tokens, root)
         start = cached // self.block_size
         for i in range(start, min(len(hits), len(table))):
             if table[i] != hits[i]:
@@ -137,7 +140,7 @@ class BlockPool:
                 table[i] = hits[i]
         return max(cached, min(len(hits), len(table)) * self.block_size)
 
-    def first_to_compute(self, tokens: Sequence[int], cached: int) -> int | None:
+    def first_to_compute(self, tokens: Sequence[int], cached: int, root: int = ROOT) -> int | None:
         """The hash of the first full block a prefill of ``tokens`` with ``cached`` positions
         cached computes (None: it computes no full block other sequences could share). Two
         sequences in one prefill batch with the same one would both compute it: the second is
@@ -145,19 +148,19 @@ class BlockPool:
         end = (cached // self.block_size + 1) * self.block_size
         if end > len(tokens) - 1:
             return None
-        return block_hashes(tokens[:end], self.block_size, self.extra)[-1]
+        return block_hashes(tokens[:end], self.block_size, self.extra, root)[-1]
 
-    def store(self, table: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    def store(self, table: Sequence[int], tokens: Sequence[int], root: int = ROOT) -> list[int]:
         """Register the full blocks of ``tokens`` (positions whose KV is computed, under
-        ``table``) by hash; returns the hashes newly stored. A block whose hash another block
-        already holds stays unregistered (it is freed plain). Each contiguous run of newly
-        stored blocks is recorded as one ``BlockStored``, its parent the chain's block before it
-        ("" at the sequence's start)."""
+        ``table``) by hash, the chain salted by ``root``; returns the hashes newly stored. A block
+        whose hash another block already holds stays unregistered (it is freed plain). Each
+        contiguous run of newly stored blocks is recorded as one ``BlockStored``, its parent the
+        chain's block before it ("" at the sequence's start, salted or not)."""
         stored: list[int] = []
         run: list[int] = []
         parent: int | None = None  # the chain's hash before the current block (None: its start)
         run_parent: int | None = None
-        for block, h in zip(table, block_hashes(tokens, self.block_size, self.extra), strict=False):
+        for block, h in zip(table, block_hashes(tokens, self.block_size, self.extra, root), strict=False):
             if h in self._by_hash or block in self._hash_of:
                 self._record_stored(run, run_parent)
                 run = []
@@ -204,6 +207,11 @@ class BlockPool:
         return block
 
 
+def chain_root(request: GenerateRequest) -> int:
+    """The parent of the first block of ``request``'s chain: its salt's (``root_of``)."""
+    return root_of(request.cache_salt)
+
+
 def reuses_prefix(seq: SequenceState) -> bool:
     """Whether a sequence may take cached blocks: not a decode task, whose KV comes whole from
     its prefill worker and is written over its blocks."""
@@ -214,14 +222,14 @@ def take_new_hits(pool: BlockPool, seq: SequenceState) -> None:
     """Before ``seq``'s prefill: the blocks of its prompt stored since it reserved (``rematch``)
     become its own; they count as cached prompt tokens in its usage."""
     if reuses_prefix(seq):
-        seq.cached = pool.rematch(seq.block_table, seq.all_tokens, seq.cached)
+        seq.cached = pool.rematch(seq.block_table, seq.all_tokens, seq.cached, chain_root(seq.request))
         seq.prompt_cached = max(seq.prompt_cached, min(seq.cached, seq.prompt_len))
 
 
 def can_reserve(pool: BlockPool, task: Task, tokens: int) -> bool:
     """``Engine.can_reserve`` for an engine whose blocks are in ``pool``."""
     prompt = task.request.prompt_token_ids + task.output_token_ids if task.phase != "decode" else []
-    return pool.fits(-(-tokens // pool.block_size), prompt)
+    return pool.fits(-(-tokens // pool.block_size), prompt, chain_root(task.request))
 
 
 def first_to_compute(pool: BlockPool, seq: SequenceState) -> int | None:
@@ -229,11 +237,12 @@ def first_to_compute(pool: BlockPool, seq: SequenceState) -> int | None:
     holds none yet would take the cached blocks of its prompt as they are now)."""
     if not reuses_prefix(seq):
         return None
-    cached = seq.cached if seq.blocks else len(pool.match(seq.all_tokens)) * pool.block_size
-    return pool.first_to_compute(seq.all_tokens, cached)
+    salt = chain_root(seq.request)
+    cached = seq.cached if seq.blocks else len(pool.match(seq.all_tokens, salt)) * pool.block_size
+    return pool.first_to_compute(seq.all_tokens, cached, salt)
 
 
 def cached_prefix(pool: BlockPool, task: Task) -> int:
     """``Engine.cached_prefix`` for an engine whose blocks are in ``pool``."""
     prompt = task.request.prompt_token_ids + task.output_token_ids
-    return len(pool.match(prompt)) * pool.block_size if task.phase != "decode" else 0
+    return len(pool.match(prompt, chain_root(task.request))) * pool.block_size if task.phase != "decode" else 0

@@ -26,6 +26,7 @@ from splitbus.worker.engines.prefix import (
     BlockPool,
     cached_prefix,
     can_reserve,
+    chain_root,
     first_to_compute,
     reuses_prefix,
     take_new_hits,
@@ -122,7 +123,7 @@ class SimEngine:
 
     def reserve(self, seq: Sequence, tokens: int) -> bool:
         prompt = seq.all_tokens if reuses_prefix(seq) else []
-        got = self.pool.allocate(-(-tokens // self.block_size), prompt)
+        got = self.pool.allocate(-(-tokens // self.block_size), prompt, chain_root(seq.request))
         if got is None:
             return False
         seq.block_table, seq.blocks = got.table, len(got.table)
@@ -139,7 +140,7 @@ class SimEngine:
         return seq.blocks * self.block_size * self.config.kv_bytes_per_token
 
     def release(self, seq: Sequence) -> None:
-        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached])
+        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached], chain_root(seq.request))
         self.pool.release(seq.block_table)
         seq.block_table, seq.blocks = [], 0
 
@@ -162,7 +163,7 @@ class SimEngine:
         for seq in batch:
             seq.kv = self.kv_payload(seq.request)
             seq.cached = len(seq.all_tokens)
-            self.pool.store(seq.block_table, seq.all_tokens)
+            self.pool.store(seq.block_table, seq.all_tokens, chain_root(seq.request))
         return [self._next(seq) for seq in batch]
 
     async def decode(self, batch: list[Sequence]) -> list[int]:

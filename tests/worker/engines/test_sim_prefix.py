@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
+from splitbus.bus.blocks import chain_hex, split_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.bus.messages.kv_events import BlockStored
 from splitbus.worker.engines import sim
 from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.sequence import Sequence
@@ -20,8 +22,8 @@ class _Tokenizer:
         return list(text.encode())
 
 
-def _seq(rid: str, prompt: list[int], phase: str = "mixed") -> Sequence:
-    request = GenerateRequest(rid, "m", prompt, SamplingParams(max_tokens=4), "api", 0)
+def _seq(rid: str, prompt: list[int], phase: str = "mixed", salt: str = "") -> Sequence:
+    request = GenerateRequest(rid, "m", prompt, SamplingParams(max_tokens=4), "api", 0, cache_salt=salt)
     return Sequence(Task(phase, request, peer="" if phase == "mixed" else "x"), "0-0", None)  # type: ignore[arg-type]  # no text needed
 
 
@@ -60,3 +62,25 @@ def test_a_decode_task_takes_no_cached_blocks() -> None:
     engine.release(first)
     decode = _seq("b", list(range(40)), phase="decode")
     assert engine.reserve(decode, 44) and decode.prompt_cached == 0
+
+
+def test_a_prompt_reuses_only_the_blocks_of_its_own_salt() -> None:
+    """Each request's chain starts at its salt: the same prompt under another salt (another
+    tenant's, or another cache_salt) or none finds nothing, and the events name the salted
+    chain the API sent for routing (``chain_hex`` with the salt)."""
+    engine = SimEngine(SimConfig(), _Tokenizer(), total_blocks=64, block_size=16)  # type: ignore[arg-type]  # encode only
+    prompt, salt = list(range(70)), "5a" * 16
+    first = _seq("a", prompt, salt=salt)
+    assert engine.reserve(first, 74)
+    asyncio.run(engine.prefill([first]))
+    engine.release(first)
+    stored = [h for e in engine.kv_events.pending() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored[:4] == split_hex(chain_hex(prompt, 16, salt=salt))
+    for rid, other in (("plain", ""), ("other", "a5" * 16)):
+        seq = _seq(rid, prompt, salt=other)
+        assert engine.cached_prefix(seq.task) == 0
+        assert engine.reserve(seq, 74) and seq.prompt_cached == 0
+        engine.release(seq)
+    again = _seq("b", prompt, salt=salt)
+    assert engine.cached_prefix(again.task) == 64
+    assert engine.reserve(again, 74) and again.prompt_cached == 64

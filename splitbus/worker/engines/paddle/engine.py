@@ -22,6 +22,7 @@ from splitbus.worker.engines.prefix import (
     BlockPool,
     cached_prefix,
     can_reserve,
+    chain_root,
     first_to_compute,
     reuses_prefix,
     take_new_hits,
@@ -62,7 +63,7 @@ class PaddleEngine:
 
     def reserve(self, seq: Sequence, tokens: int) -> bool:
         prompt = seq.all_tokens if reuses_prefix(seq) else []
-        got = self.pool.allocate(-(-tokens // self.block_size), prompt)
+        got = self.pool.allocate(-(-tokens // self.block_size), prompt, chain_root(seq.request))
         if got is None:
             return False
         seq.block_table, seq.blocks = got.table, len(got.table)
@@ -79,7 +80,7 @@ class PaddleEngine:
         return seq.blocks * self.block_size * self.cache.bytes_per_token()
 
     def release(self, seq: Sequence) -> None:
-        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached])
+        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached], chain_root(seq.request))
         self.pool.release(seq.block_table)
         seq.block_table, seq.blocks = [], 0
 
@@ -91,7 +92,7 @@ class PaddleEngine:
             take_new_hits(self.pool, seq)
         tokens = await self._run(lambda: self._prefill(batch))
         for seq in batch:  # on the event loop, as reserve and release: the pool has one thread
-            self.pool.store(seq.block_table, seq.all_tokens)
+            self.pool.store(seq.block_table, seq.all_tokens, chain_root(seq.request))
         return tokens
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
