@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
+from enum import Enum
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -32,6 +33,7 @@ from splitbus.bus.messages.kv_events import (
     KvEvent,
     KvEventBatch,
     KvSnapshot,
+    batch_hashes,
 )
 from splitbus.bus.replies import EntryFields, XReadReply, for_xadd
 
@@ -113,6 +115,7 @@ class KvEventPublisher:
         maxlen: int = EVENTS_MAXLEN,
         snapshot_every_s: float = SNAPSHOT_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
+        total_kv_blocks: int = 0,
     ) -> None:
         self._redis = redis
         self.worker_id = worker_id
@@ -121,6 +124,8 @@ class KvEventPublisher:
         self.snapshot_key = config.keys.kv_snapshot(worker_id)
         self.instance = uuid.uuid4().hex
         self._maxlen = maxlen
+        self._max_hashes = batch_hashes(total_kv_blocks)
+        """Its batches' bound (hashes, and events), which readers hold it to: ``batch_bytes``."""
         self._every_s = snapshot_every_s
         self._clock = clock
         self._cached: set[str] = set()
@@ -144,7 +149,7 @@ class KvEventPublisher:
     async def publish(self, events: Sequence[KvEvent]) -> int:
         """Send one step's events: one ``XADD`` (none for no events; more only for a step beyond
         the batch bounds). Returns the last event id sent."""
-        for batch in split_batches(events):
+        for batch in split_batches(events, self._max_hashes, min(self._max_hashes, MAX_BATCH_EVENTS)):
             await self._send(batch)
         return self.event_id
 
@@ -204,6 +209,15 @@ class ReadBatch:
     batch: KvEventBatch | None
     """None when the entry could not be decoded (``error`` says why): the reader must resync."""
     error: str = ""
+    oversized: bool = False
+    """Its data was larger than the reader's bound for the worker: not decoded (``batch`` None)."""
+
+
+class Refused(Enum):
+    """A snapshot a reader did not read."""
+
+    OVERSIZED = "oversized"
+    """Its data is larger than the reader's bound for the worker."""
 
 
 class KvEventReader:
@@ -213,10 +227,17 @@ class KvEventReader:
         self._redis = redis
         self._keys = config.keys
 
-    async def read(self, cursors: Mapping[str, str], count: int = 1000, block_ms: int | None = None) -> list[ReadBatch]:
+    async def read(
+        self,
+        cursors: Mapping[str, str],
+        count: int = 1000,
+        block_ms: int | None = None,
+        max_bytes: Mapping[str, int] | None = None,
+    ) -> list[ReadBatch]:
         """The entries after each worker's cursor (a stream id, "0": from the start), at most
         ``count`` per worker, in one ``XREAD`` (blocking up to ``block_ms``; at least 1 ms on a
-        cluster, where no BLOCK is sent otherwise)."""
+        cluster, where no BLOCK is sent otherwise). An entry whose data is larger than
+        ``max_bytes[worker]`` (``batch_bytes`` of its total) is not decoded (``oversized``)."""
         if not cursors:
             return []
         by_key = {self._keys.kv_events(worker): worker for worker in cursors}
@@ -226,18 +247,25 @@ class KvEventReader:
         else:
             reply = await cluster.xread(self._redis, streams, count, block_ms or 1)  # type: ignore[arg-type]
         return [
-            _read_batch(by_key[_text(key)], _text(entry_id), fields)
+            _read_batch(by_key[_text(key)], _text(entry_id), fields, max_bytes or {})
             for key, entries in cast(XReadReply, reply or [])
             for entry_id, fields in entries
         ]
 
-    async def snapshots(self, workers: Collection[str]) -> dict[str, KvSnapshot | None]:
-        """Each worker's snapshot, None where there is none (or it is unreadable: logged)."""
+    async def snapshots(
+        self, workers: Collection[str], max_bytes: Mapping[str, int] | None = None
+    ) -> dict[str, KvSnapshot | Refused | None]:
+        """Each worker's snapshot, None where there is none (or it is unreadable: logged), and
+        ``OVERSIZED`` where its data is larger than ``max_bytes[worker]`` (not decoded)."""
         pipe = self._redis.pipeline(transaction=False)
         for worker in workers:
             pipe.hgetall(self._keys.kv_snapshot(worker))
         replies = await pipe.execute() if workers else []
-        return {worker: _snapshot(worker, raw) for worker, raw in zip(workers, replies, strict=True)}
+        bounds = max_bytes or {}
+        return {
+            worker: _snapshot(worker, raw, bounds.get(worker, codec.MAX_DATA_BYTES))
+            for worker, raw in zip(workers, replies, strict=True)
+        }
 
     async def request_snapshot(self, worker: str) -> None:
         """Ask ``worker``'s publisher for a fresh snapshot (it answers within ``REQUEST_POLL_S``
@@ -249,7 +277,10 @@ class KvEventReader:
         await pipe.execute()
 
 
-def _read_batch(worker: str, entry_id: str, fields: EntryFields) -> ReadBatch:
+def _read_batch(worker: str, entry_id: str, fields: EntryFields, max_bytes: Mapping[str, int]) -> ReadBatch:
+    size, bound = len(fields.get(b"data", b"")), max_bytes.get(worker, codec.MAX_DATA_BYTES)
+    if size > bound:
+        return ReadBatch(worker, entry_id, None, f"data is {size} bytes, more than {bound}", oversized=True)
     try:
         batch = codec.decode(fields)
     except DecodeError as exc:
@@ -259,9 +290,11 @@ def _read_batch(worker: str, entry_id: str, fields: EntryFields) -> ReadBatch:
     return ReadBatch(worker, entry_id, batch)
 
 
-def _snapshot(worker: str, raw: EntryFields) -> KvSnapshot | None:
+def _snapshot(worker: str, raw: EntryFields, max_bytes: int) -> KvSnapshot | Refused | None:
     if b"type" not in raw:
         return None
+    if len(raw.get(b"data", b"")) > max_bytes:
+        return Refused.OVERSIZED
     try:
         snapshot = codec.decode(raw)
     except DecodeError as exc:

@@ -25,5 +25,11 @@ PUBLISH_TO_READ = Histogram(
     ["stream"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
 )
+REGISTRY_ROWS_REJECTED = Counter(
+    "splitbus_bus_registry_rows_rejected_total",
+    "Worker records and registry-log entries refused (a field missing, malformed or out of range), by where they were "
+    "read (snapshot, log, field): the worker is left out of placement until a good record comes.",
+    ["source"],
+)
 
 DEAD_LETTER_REASONS = ("undecodable", "max_deliveries", "handler_failed", "engine_error", "invalid_task")

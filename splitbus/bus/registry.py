@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -16,8 +18,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from splitbus import __version__
+from splitbus.bus import metrics
 from splitbus.bus.config import BusConfig
-from splitbus.bus.messages._check import MAX_NAME_CHARS
+from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require, require_int, require_str
+from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from splitbus.bus.replies import SnapshotReply
 from splitbus.bus.scripts import LuaScript, declare
 
@@ -26,6 +30,13 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "mixed")
 MAX_ENDPOINT_BYTES = 4 * MAX_NAME_CHARS
 """A transfer endpoint a reservation may name is at most ``MAX_NAME_CHARS`` characters."""
+
+MAX_AMOUNT = 2**53
+"""Largest token count, time (ms) or reservation a record may hold: exact in a float and in JSON."""
+MAX_WORKER_KV_BLOCKS = 2**31 - 1
+"""Largest ``free_kv_blocks`` / ``total_kv_blocks`` (int32): above any cache."""
+MAX_COUNTER = 2**63 - 1
+"""Largest cumulative counter (``steps``, ``busy_time_us``, ...): what ``HINCRBY`` can hold."""
 
 LOG_MAXLEN = 10_000
 """Entries ``sb:registry:{cell}`` keeps (``MAXLEN ~``): seconds of changes for hundreds of workers;
@@ -151,18 +162,79 @@ class WorkerRecord:
         return {k: str(v) for k, v in fields.items()}
 
     @classmethod
-    def from_hash(cls, raw: dict[str, str]) -> WorkerRecord:
-        # Field lists are computed once: schedulers parse every record every 100 ms.
-        load = WorkerLoad(*[int(raw.get(name, 0)) for name in _LOAD_FIELDS])
-        kwargs: dict[str, Any] = {
-            name: int(raw[name]) if is_int else raw[name] for name, is_int in _RECORD_FIELDS if name in raw
-        }
+    def from_hash(cls, raw: Mapping[str, str]) -> WorkerRecord:
+        """The record a worker hash holds; ValueError when a field is out of its range, of the
+        wrong type or malformed (``_RANGES``, ``_MAX_CHARS``, ``ROLES``): whoever can write the
+        hash must not draw traffic with a negative load, nor make a scheduler do arithmetic on a
+        value it cannot handle."""
+        load = WorkerLoad(**load_fields(raw, _LOAD_FIELDS, "0"))
+        kwargs: dict[str, Any] = {name: parse_int(raw[name], name) for name in _RECORD_INTS if name in raw}
+        for name, max_chars in _MAX_CHARS.items():
+            if name in raw:
+                require_str(raw[name], name, nonempty=name == "worker_id", max_chars=max_chars)
+                kwargs[name] = raw[name]
         return cls(load=load, **kwargs)
 
 
 _LOAD_FIELDS = [f.name for f in dataclasses.fields(WorkerLoad)]
 _RESERVED_FIELDS = [f.name for f in dataclasses.fields(Reserved)]
-_RECORD_FIELDS = [(f.name, f.type == "int") for f in dataclasses.fields(WorkerRecord) if f.name != "load"]
+_RANGES: dict[str, tuple[int, int]] = {
+    "running": (0, MAX_SEQ),
+    "waiting": (0, MAX_SEQ),
+    "queued_prefill_tokens": (0, MAX_AMOUNT),
+    "free_kv_blocks": (0, MAX_WORKER_KV_BLOCKS),
+    "total_kv_blocks": (0, MAX_WORKER_KV_BLOCKS),
+    **dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards"), (0, MAX_COUNTER)),
+    **dict.fromkeys(("step_time_us", "idle_time_us", "busy_time_us"), (0, MAX_COUNTER)),
+    "forward_ends_ms": (0, MAX_AMOUNT),
+    "dp_epoch": (0, MAX_AMOUNT),
+    "dp_rank": (-1, MAX_DP_RANK),
+    "dp_size": (0, MAX_DP_RANK),
+    "block_size": (1, MAX_BLOCK_SIZE),
+    "max_model_len": (0, MAX_AMOUNT),
+    "started_ms": (0, MAX_AMOUNT),
+    "heartbeat_ms": (0, MAX_AMOUNT),
+    "lease_ms": (1, MAX_SEQ),  # a beat's lease, in the registry log
+    # Reservations: schedulers add, the worker subtracts what it takes; a value below zero is
+    # read as zero (``reserved``), so that it cannot make a worker look emptier than it is.
+    **dict.fromkeys(_RESERVED_FIELDS, (-MAX_AMOUNT, MAX_AMOUNT)),
+}
+"""Every integer field of a worker hash (and a beat's lease), and its range."""
+_MAX_CHARS = {
+    "worker_id": MAX_NAME_CHARS,
+    "role": MAX_NAME_CHARS,
+    "model": MAX_NAME_CHARS,
+    "engine": MAX_NAME_CHARS,
+    "dp_group": MAX_NAME_CHARS,
+    "transfer_endpoint": MAX_ENDPOINT_BYTES,
+    "version": MAX_NAME_CHARS,
+}
+"""Every string field of a worker record, and its longest value (``role`` is one of ``ROLES``)."""
+_RECORD_INTS = [f.name for f in dataclasses.fields(WorkerRecord) if f.name != "load" and f.name not in _MAX_CHARS]
+_INT = re.compile(r"-?[0-9]{1,19}")
+
+
+def parse_int(text: str, name: str) -> int:
+    """One integer field of a worker hash or registry-log entry, strictly: digits only (not the
+    spaces, ``_`` or ``+`` that ``int()`` takes), within ``_RANGES[name]``."""
+    require(isinstance(text, str) and _INT.fullmatch(text) is not None, f"{name} must be an integer, got {text!r:.40}")
+    value = int(text)
+    require_int(value, name, *_RANGES[name])
+    return value
+
+
+def load_fields(raw: Mapping[str, str], names: Collection[str], default: str | None = None) -> dict[str, int]:
+    """The load fields ``names`` of a worker hash or registry-log entry, range-checked (ValueError
+    for a bad one); a missing one is ``default``, or left out when that is None."""
+    if default is None:
+        return {name: parse_int(raw[name], name) for name in names if name in raw}
+    return {name: parse_int(raw.get(name, default), name) for name in names}
+
+
+def reserved(values: Mapping[str, int]) -> Reserved:
+    """The reservations of ``values`` (every ``Reserved`` field), none below zero: a negative sum
+    (a worker that gave back more than schedulers added, or a forged one) counts as none."""
+    return Reserved(*[max(values[name], 0) for name in _RESERVED_FIELDS])
 
 
 @dataclass(frozen=True)
@@ -266,10 +338,13 @@ class Registry:
 
     @staticmethod
     def _info(worker_id: str, ttl: int, raw: dict[bytes, bytes]) -> WorkerInfo | None:
+        """The snapshot's row of one worker; None (the worker left out, counted) when its record
+        is partial, foreign or has a field out of range."""
         try:
             return Registry._row(ttl, raw)
-        except (KeyError, TypeError, ValueError) as exc:  # a partial or foreign record
-            log.warning("skipping unreadable registry record %s: %s", worker_id, exc)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("skipping unreadable registry record %s: %.200s", worker_id, exc)
+            metrics.REGISTRY_ROWS_REJECTED.labels("snapshot").inc()
             return None
 
     async def mark_dead(self, worker_id: str) -> None:
@@ -349,9 +424,9 @@ class Registry:
         if not record:
             raise ValueError("empty record")
         raw = {k.decode(): v.decode() for k, v in record.items()}
-        heartbeat_ms = int(raw.pop("heartbeat_ms", 0))
-        reserved = Reserved(*[int(raw.pop(name, 0)) for name in _RESERVED_FIELDS])
-        return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), reserved)
+        heartbeat_ms = parse_int(raw.get("heartbeat_ms", "0"), "heartbeat_ms")
+        held = reserved(load_fields(raw, _RESERVED_FIELDS, "0"))
+        return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), held)
 
     async def report_load(self, worker_id: str, load: WorkerLoad, taken: Reserved | None = None) -> None:
         """Publish the load between heartbeats, and give back the reservations of the tasks it
@@ -377,7 +452,7 @@ class Registry:
         pipe = self._redis.pipeline(transaction=False)
         for worker_id in worker_ids:
             pipe.hget(self._keys.worker(worker_id), "forward_ends_ms")
-        return [int(v or 0) for v in await pipe.execute()]
+        return [_forward_end(reply) for reply in await pipe.execute()]
 
     def queue_load(
         self, pipe: Pipeline, worker_id: str, load: WorkerLoad, reserved_change: dict[str, int] | None = None
@@ -394,6 +469,15 @@ class Registry:
         """Add a registry-log entry to ``pipe`` (views apply it: ``splitbus.bus.registry_view``)."""
         entry: dict[str, str] = {"w": worker_id, "op": op, **(fields or {})}
         pipe.xadd(self._keys.registry_log, entry, maxlen=LOG_MAXLEN, approximate=True)  # type: ignore[arg-type]
+
+
+def _forward_end(reply: bytes | None) -> int:
+    """A ``forward_ends`` reply; 0 (none announced) for none or a value out of range."""
+    try:
+        return parse_int(reply.decode(errors="replace"), "forward_ends_ms") if reply else 0
+    except ValueError:
+        metrics.REGISTRY_ROWS_REJECTED.labels("field").inc()
+        return 0
 
 
 def _text(value: bytes | str) -> str:

@@ -29,9 +29,19 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import cluster
+from splitbus.bus import cluster, metrics
 from splitbus.bus.connection import is_transient
-from splitbus.bus.registry import Registry, Reserved, Snapshot, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.registry import (
+    Registry,
+    Reserved,
+    Snapshot,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRecord,
+    load_fields,
+    parse_int,
+    reserved,
+)
 from splitbus.bus.replies import XReadReply
 
 log = logging.getLogger(__name__)
@@ -182,7 +192,10 @@ class RegistryView:
     # ------------------------------------------------------------ applying
 
     def _apply(self, fields: dict[str, str]) -> None:
-        """One log entry; one it cannot read is skipped (the next snapshot repairs the view)."""
+        """One log entry. One it cannot read (a field missing, malformed or out of range) takes
+        its worker out of the view, counted: what its hash holds is not known to be sane, and a
+        worker shown with its last good load would go on drawing work meanwhile. The next
+        snapshot (``full_every_s``) brings it back if its record is good by then."""
         worker, op = fields.pop("w", ""), fields.pop("op", "")
         self._changed.add(worker)
         try:
@@ -195,10 +208,12 @@ class RegistryView:
             elif op == "resign" and worker in self._rows:
                 self._rows[worker].lease_until_ms = 0
         except (KeyError, TypeError, ValueError) as exc:
-            log.warning("registry view: skipping an unreadable %s entry of %s: %s", op or "?", worker or "?", exc)
+            log.warning("registry view: dropping %s for an unreadable %s entry: %.200s", worker or "?", op or "?", exc)
+            metrics.REGISTRY_ROWS_REJECTED.labels("log").inc()
+            self._rows.pop(worker, None)
 
     def _beat(self, worker: str, fields: dict[str, str]) -> None:
-        at, lease = int(fields.pop("at")), int(fields.pop("lease"))
+        at, lease = parse_int(fields.pop("at"), "heartbeat_ms"), parse_int(fields.pop("lease"), "lease_ms")
         row = self._rows.get(worker)
         if row is None:
             if "role" not in fields:
@@ -215,9 +230,9 @@ class RegistryView:
         if row is None:
             return
         row.record = _with_load(row.record, fields)
-        change = {name: int(fields.get(f"+{name}", 0)) for name in _RESERVED}
+        change = {name: parse_int(fields.get(f"+{name}", "0"), name) for name in _RESERVED}
         if any(change.values()):
-            row.reserved = Reserved(*[getattr(row.reserved, name) + change[name] for name in _RESERVED])
+            row.reserved = reserved({name: getattr(row.reserved, name) + change[name] for name in _RESERVED})
 
     # ------------------------------------------------------------ the view
 
@@ -281,7 +296,7 @@ def _info(row: _Row, now_ms: int) -> WorkerInfo:
 def _with_load(record: WorkerRecord, fields: dict[str, str]) -> WorkerRecord:
     """The record with the load fields among ``fields`` changed: a new record (the rows built
     before keep theirs), or the same one when there are none."""
-    changed = {name: int(value) for name, value in fields.items() if name in _LOAD}
+    changed = load_fields(fields, _LOAD.intersection(fields))
     if not changed:
         return record
     return dataclasses.replace(record, load=dataclasses.replace(record.load, **changed))

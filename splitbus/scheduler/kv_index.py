@@ -11,18 +11,31 @@ the bus's batches and snapshots (``splitbus.bus.kv_events``) into it. See docs/r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from splitbus.bus.kv_events import KvEventReader, ReadBatch
-from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
+from splitbus.bus.kv_events import KvEventReader, ReadBatch, Refused
+from splitbus.bus.messages.kv_events import (
+    MAX_SNAPSHOT_HASHES,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    KvSnapshot,
+    batch_bytes,
+    snapshot_bytes,
+)
 from splitbus.scheduler import metrics
 
-Status = Literal["applied", "gap", "resync", "stale"]
+Status = Literal["applied", "gap", "resync", "stale", "overflow"]
 """What became of a batch or snapshot: ``applied``; ``gap`` (an id was missed: the worker is
 resynced); ``resync`` (a snapshot replaced the worker's blocks); ``stale`` (already applied, or
-read while the worker waits for a snapshot that will cover it)."""
+read while the worker waits for a snapshot that will cover it); ``overflow`` (it would leave the
+worker holding more blocks than it has: refused, its blocks dropped, resynced)."""
+UNREPORTED_BLOCKS = 2**16
+"""The most blocks the index keeps for a worker whose record reports no ``total_kv_blocks``
+(0, or a feeder given no capacities): 1M tokens at 16 a block, ~30 MB of index."""
 _NOBODY: frozenset[str] = frozenset()
 SILENT_AFTER_S = 10.0
 """A worker routed to that sent no batch for this long (since it was routed to) is silent."""
@@ -50,6 +63,15 @@ class _Worker:
     dp_rank: int = -1
     heard_at: float = -float("inf")
     routed_at: float = -float("inf")
+    limit: int = UNREPORTED_BLOCKS
+    """The most blocks its events may leave it holding (``KvIndex.bound``)."""
+
+
+def capacity_limit(total_kv_blocks: int) -> int:
+    """The most blocks the index keeps for a worker reporting ``total_kv_blocks``: that total (no
+    honest worker's events describe more blocks than its pool has: it evicts one before it stores
+    another), ``UNREPORTED_BLOCKS`` for none, never more than a snapshot can carry."""
+    return min(total_kv_blocks, MAX_SNAPSHOT_HASHES) if total_kv_blocks > 0 else UNREPORTED_BLOCKS
 
 
 class KvIndex:
@@ -83,6 +105,25 @@ class KvIndex:
         w = self._workers.get(worker)
         return len(w.blocks) if w else 0
 
+    def limit(self, worker: str) -> int:
+        """The most blocks ``worker``'s events may leave it holding (``bound``)."""
+        w = self._workers.get(worker)
+        return w.limit if w else UNREPORTED_BLOCKS
+
+    def refuse(self, worker: str, entry_id: str) -> Status:
+        """An entry of ``worker`` too large to hold an honest batch (``batch_bytes``), not decoded:
+        "overflow", as if it had been applied. Reading goes on past it."""
+        w = self._state(worker)
+        w.cursor = entry_id
+        return self._overflow(worker, w)
+
+    def bound(self, worker: str, total_kv_blocks: int) -> Status | None:
+        """Hold ``worker`` to the blocks its record says it has (``capacity_limit``); "overflow"
+        when it holds more already (its total went down): its blocks go, and it resyncs."""
+        w = self._state(worker)
+        w.limit = capacity_limit(total_kv_blocks)
+        return self._overflow(worker, w) if len(w.blocks) > w.limit else None
+
     def dp_rank(self, worker: str) -> int:
         w = self._workers.get(worker)
         return w.dp_rank if w else -1
@@ -97,8 +138,10 @@ class KvIndex:
             return "stale"
         elif batch.instance != w.instance or batch.event_id != w.event_id + 1:
             return self.lost(worker)
-        w.event_id, w.loaded = batch.event_id, None
-        self._fold(worker, w, batch.events)
+        loaded, w.event_id, w.loaded = w.loaded, batch.event_id, None
+        if not self._fold(worker, w, batch.events):
+            w.loaded = loaded  # the snapshot it followed must not be loaded again either
+            return self._overflow(worker, w)
         return "applied"
 
     def lost(self, worker: str) -> Status:
@@ -109,8 +152,13 @@ class KvIndex:
         return "gap"
 
     def load(self, worker: str, snapshot: KvSnapshot) -> Status:
-        """Replace ``worker``'s blocks by its snapshot; reading resumes after the snapshot's entry."""
+        """Replace ``worker``'s blocks by its snapshot; reading resumes after the snapshot's entry.
+        A snapshot of more blocks than the worker has is refused ("overflow"): not loaded, nor
+        loaded again (``usable``); the worker stays pending a resync, and is asked for a fresh one."""
         w = self._state(worker)
+        if len(snapshot.block_hashes) > w.limit:
+            w.bad = (snapshot.instance, snapshot.event_id)
+            return "overflow"
         self._replace(worker, w, snapshot.instance, snapshot.event_id, snapshot.block_hashes)
         w.cursor, w.loaded, w.dp_rank, w.heard_at = (
             snapshot.stream_id,
@@ -199,13 +247,28 @@ class KvIndex:
         w.blocks = set(blocks)
         w.instance, w.event_id, w.resync, w.bad = instance, event_id, False, None
 
-    def _fold(self, worker: str, w: _Worker, events: Sequence[KvEvent]) -> None:
+    def _overflow(self, worker: str, w: _Worker) -> Status:
+        """``worker``'s events describe more blocks than it has (``_Worker.limit``): a worker that
+        lies, or one whose total went down. Its blocks go, and it waits for a snapshot, which is
+        loaded only if it is within the limit. Evicting the oldest blocks instead would keep a
+        lying worker's index at the limit (and its traffic) for ever; an honest worker never
+        gets here (its events never describe more blocks than its pool has, batch by batch)."""
+        self._replace(worker, w, w.instance, w.event_id, ())
+        w.resync, w.bad = True, w.loaded or w.bad
+        return "overflow"
+
+    def _fold(self, worker: str, w: _Worker, events: Sequence[KvEvent]) -> bool:
+        """Apply ``events``; False (stopped there) once they leave the worker holding more blocks
+        than its limit: checked after each stored run, so an index never holds more than the
+        limit and one event's hashes, and that only until ``_overflow`` drops them."""
         for event in events:
             if isinstance(event, BlockStored):
                 for block in event.block_hashes:
                     w.blocks.add(block)
                     w.predicted.pop(block, None)  # confirmed
                     self._holders.setdefault(block, set()).add(worker)
+                if len(w.blocks) > w.limit:
+                    return False
             elif isinstance(event, BlockRemoved):
                 for block in event.block_hashes:
                     w.blocks.discard(block)
@@ -213,6 +276,7 @@ class KvIndex:
                         self._unhold(block, worker)
             else:
                 self._replace(worker, w, w.instance, w.event_id, ())
+        return True
 
     def _unhold(self, block: str, worker: str) -> None:
         holders = self._holders.get(block)
@@ -243,7 +307,7 @@ def _leading(w: _Worker, chain: Sequence[str]) -> int:
     return lo
 
 
-_COUNTED = {status: metrics.KV_EVENTS.labels(status) for status in ("applied", "gap", "resync", "stale")}
+_COUNTED = {status: metrics.KV_EVENTS.labels(status) for status in ("applied", "gap", "resync", "stale", "overflow")}
 """Each status's counter, looked up once (``labels`` per batch was a tenth of the ingest)."""
 
 REQUEST_EVERY_S = 2.0
@@ -260,11 +324,25 @@ class KvIndexFeeder:
         self._clock = clock
         self._asked: dict[str, float] = {}
 
-    async def poll(self, alive: Collection[str], count: int = 1000, block_ms: int | None = None) -> int:
+    async def poll(
+        self,
+        alive: Collection[str],
+        count: int = 1000,
+        block_ms: int | None = None,
+        capacities: Mapping[str, int] | None = None,
+    ) -> int:
         """Drop dead workers, resync those that need it, read and apply every worker's new
-        batches (one ``XREAD``); returns how many entries were read."""
+        batches (one ``XREAD``); returns how many entries were read. ``capacities``: each
+        worker's ``total_kv_blocks`` as its record reports it, which bounds the blocks the index
+        keeps for it (``KvIndex.bound``; a worker not there: ``UNREPORTED_BLOCKS``) and the size
+        of the batches it is read (``batch_bytes``) and snapshots (``snapshot_bytes``) decoded."""
+        totals = capacities or {}
         self.index.retain(alive)
         self.index.expire()
+        for worker in alive:
+            bounded = self.index.bound(worker, totals.get(worker, 0))
+            if bounded is not None:
+                _COUNTED[bounded].inc()
         for worker in list(self._asked):
             if worker not in alive:
                 del self._asked[worker]
@@ -274,13 +352,16 @@ class KvIndexFeeder:
         await self._resync(
             [w for w in alive if self.index.needs_resync(w) and now - self._asked.get(w, -1e9) >= REQUEST_EVERY_S / 4]
         )
-        read = await self._reader.read({w: self.index.cursor(w) for w in alive}, count, block_ms)
+        cursors = {w: self.index.cursor(w) for w in alive}
+        read = await self._reader.read(cursors, count, block_ms, {w: batch_bytes(totals.get(w, 0)) for w in alive})
         for entry in read:
             _COUNTED[self._apply(entry)].inc()
         metrics.KV_SILENT_WORKERS.set(len(self.index.silent()))
         return len(read)
 
     def _apply(self, entry: ReadBatch) -> Status:
+        if entry.oversized:
+            return self.index.refuse(entry.worker, entry.entry_id)
         if entry.batch is None:
             return self.index.lost(entry.worker)
         return self.index.apply(entry.worker, entry.entry_id, entry.batch)
@@ -288,10 +369,21 @@ class KvIndexFeeder:
     async def _resync(self, workers: list[str]) -> None:
         if not workers:
             return
-        for worker, snapshot in (await self._reader.snapshots(workers)).items():
-            if snapshot is not None and self.index.usable(worker, snapshot):
-                _COUNTED[self.index.load(worker, snapshot)].inc()
+        bounds = {worker: snapshot_bytes(self.index.limit(worker)) for worker in workers}
+        for worker, snapshot in (await self._reader.snapshots(workers, bounds)).items():
+            status = self._load(worker, snapshot)
+            if status is not None:
+                _COUNTED[status].inc()
+            if status == "resync":
                 self._asked.pop(worker, None)
             elif self._clock() - self._asked.get(worker, -float("inf")) >= REQUEST_EVERY_S:
                 self._asked[worker] = self._clock()
                 await self._reader.request_snapshot(worker)
+
+    def _load(self, worker: str, snapshot: KvSnapshot | Refused | None) -> Status | None:
+        """Load a snapshot read for a resync: its status, None when there was none to load."""
+        if snapshot is Refused.OVERSIZED:
+            return "overflow"
+        if snapshot is None or not self.index.usable(worker, snapshot):
+            return None
+        return self.index.load(worker, snapshot)

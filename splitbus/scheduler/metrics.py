@@ -17,7 +17,8 @@ QUEUE_WAIT = Histogram(
 KV_EVENTS = Counter(
     "splitbus_scheduler_kv_events_total",
     "Workers' KV event batches (one event id each) and snapshots, by what the index did: applied, gap (an id was "
-    "missed: resync), resync (a snapshot loaded), stale (already applied, or awaiting a snapshot).",
+    "missed: resync), resync (a snapshot loaded), stale (already applied, or awaiting a snapshot), overflow (more "
+    "blocks than the worker's total_kv_blocks, or larger than such a batch can be: refused, blocks dropped, resync).",
     ["status"],
 )
 KV_OVERLAP_BLOCKS = Counter(

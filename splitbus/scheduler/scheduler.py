@@ -333,11 +333,12 @@ class Scheduler:
 
     async def follow_kv_events(self) -> None:
         """Apply the live workers' new KV events to the index (a blocking read of all their
-        streams at once; a worker whose lease is gone is dropped from the index)."""
-        alive = [w.record.worker_id for w in self.view.workers if w.alive]
+        streams at once; a worker whose lease is gone is dropped from the index), each held to
+        the blocks its record says it has."""
+        alive = {w.record.worker_id: w.record.load.total_kv_blocks for w in self.view.workers if w.alive}
         if not alive:
             await asyncio.sleep(KV_EVENTS_BLOCK_MS / 1000)
-        await self.kv_feeder.poll(alive, block_ms=KV_EVENTS_BLOCK_MS)
+        await self.kv_feeder.poll(alive, block_ms=KV_EVENTS_BLOCK_MS, capacities=alive)
 
     def routed(self, request: GenerateRequest, placements: Sequence[Placement]) -> None:
         """Tell the prefix view where a decision sends the request's prefill: its siblings follow."""

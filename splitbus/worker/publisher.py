@@ -51,7 +51,9 @@ class Publisher:
         self.stale_reservations: list[tuple[str, str]] = []  # (request, task entry) of decode tasks that left
         self.lock = asyncio.Lock()
         self.asked = asyncio.Event()
-        self.kv = KvEventPublisher(self.redis, shared.config.bus, shared.id, shared.config.dp_rank)
+        self.kv = KvEventPublisher(
+            self.redis, shared.config.bus, shared.id, shared.config.dp_rank, total_kv_blocks=self.engine.total_blocks
+        )
         self.kv_started = False
         self.kv_new_run = False
         """Set when Redis has a new run (which may have lost the latest batches and the

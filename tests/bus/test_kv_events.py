@@ -11,15 +11,19 @@ from splitbus.bus import codec
 from splitbus.bus.blocks import block_hashes, root_of
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
-from splitbus.bus.kv_events import KvEventPublisher, KvEventReader, split_batches
+from splitbus.bus.kv_events import KvEventPublisher, KvEventReader, Refused, split_batches
 from splitbus.bus.messages.kv_events import (
+    MAX_BLOCK_SIZE,
     MAX_SNAPSHOT_HASHES,
+    MIN_BATCH_HASHES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KvEventBatch,
     KvSnapshot,
+    batch_bytes,
     block_hash,
+    snapshot_bytes,
 )
 from splitbus.bus.replies import for_xadd
 
@@ -152,3 +156,30 @@ async def test_start_again_after_an_error_announces_the_fresh_cache_once(
     await publisher.start()
     await publisher.start()  # as a start-up step retried after its snapshot failed
     assert await redis.xlen(bus_config.keys.kv_events("w0")) == 1 and publisher.event_id == 1
+
+
+async def test_a_small_workers_honest_batches_fit_the_bound_a_reader_holds_it_to(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A publisher of 8 blocks splits a step at ``batch_hashes(8)``: its largest batches (one
+    64-digit hash per event, a 64-digit parent, the largest block size) and its snapshot are
+    within ``batch_bytes(8)`` and ``snapshot_bytes(8)``; a reader given those bounds decodes them
+    all, and refuses a batch of 2**17 hashes undecoded."""
+    publisher = KvEventPublisher(redis, bus_config, "w0", total_kv_blocks=8)
+    await publisher.start()
+    hashes = [format(i, "064x") for i in range(3 * MIN_BATCH_HASHES)]
+    step = [BlockStored([h], "f" * 64, MAX_BLOCK_SIZE) for h in hashes] + [BlockRemoved(hashes[8:])]
+    await publisher.publish(step)
+    await publisher.write_snapshot()
+    entries = await redis.xrange(bus_config.keys.kv_events("w0"))  # the start, 3 + 3 of 1024 hashes at most
+    assert len(entries) == 7 and max(len(fields[b"data"]) for _, fields in entries) <= batch_bytes(8)
+    snapshot_size = len(await redis.hget(bus_config.keys.kv_snapshot("w0"), "data") or b"")
+    assert snapshot_size <= snapshot_bytes(8)
+    huge = KvEventBatch("w0", publisher.instance, 8, [BlockStored(hashes * 42)])
+    await redis.xadd(bus_config.keys.kv_events("w0"), for_xadd(codec.encode(huge)))
+    reader = KvEventReader(redis, bus_config)
+    read = await reader.read({"w0": "0"}, max_bytes={"w0": batch_bytes(8)})
+    assert [r.batch.event_id if r.batch else r.oversized for r in read] == [1, 2, 3, 4, 5, 6, 7, True]
+    snapshot = (await reader.snapshots(["w0"], {"w0": snapshot_bytes(8)}))["w0"]
+    assert isinstance(snapshot, KvSnapshot) and len(snapshot.block_hashes) == 8
+    assert await reader.snapshots(["w0"], {"w0": snapshot_size - 1}) == {"w0": Refused.OVERSIZED}

@@ -1,12 +1,15 @@
-"""Worker registry: records, leases on the server's clock, one-round-trip snapshots."""
+"""Worker registry: records (every field range-checked as it is read), leases on the server's clock,
+one-round-trip snapshots."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.registry import Registry, Reserved, SchedulerLease, WorkerLoad, WorkerRecord
@@ -86,6 +89,64 @@ def test_record_validation() -> None:
         WorkerRecord(worker_id="a:b", role="decode", model="m")
     record = WorkerRecord(worker_id="w", role="mixed", model="m", dp_group="g", dp_rank=0, dp_size=4)
     assert WorkerRecord.from_hash(record.to_hash()) == record
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("queued_prefill_tokens", str(-(10**9))),
+        ("queued_prefill_tokens", str(10**30)),
+        ("queued_prefill_tokens", "lots"),
+        ("queued_prefill_tokens", " 12"),
+        ("queued_prefill_tokens", "1_000"),
+        ("running", "-1"),
+        ("waiting", str(2**31)),
+        ("free_kv_blocks", "-5"),
+        ("total_kv_blocks", str(2**31)),
+        ("steps", str(2**63)),
+        ("forward_ends_ms", "1.5"),
+        ("dp_rank", "-2"),
+        ("dp_size", str(2**17)),
+        ("block_size", "0"),
+        ("max_model_len", ""),
+        ("role", "boss"),
+        ("model", "m" * 257),
+        ("transfer_endpoint", "h" * 1025),
+        ("worker_id", ""),
+    ],
+)
+def test_a_record_field_out_of_its_range_is_refused(name: str, value: str) -> None:
+    raw = _record("w").to_hash() | {name: value}
+    with pytest.raises(ValueError, match=name):
+        WorkerRecord.from_hash(raw)
+
+
+def test_every_integer_field_of_a_record_has_a_range() -> None:
+    """A field added to the load or the record without a range fails every parse, not silently."""
+    record = WorkerRecord("w", "mixed", "m", load=WorkerLoad(*range(1, len(dataclasses.fields(WorkerLoad)) + 1)))
+    assert WorkerRecord.from_hash(record.to_hash()) == record
+
+
+async def test_a_bad_record_is_left_out_of_the_snapshot_and_counted(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    registry = Registry(redis, bus_config)
+    for worker_id in ("good", "negative", "reserving"):
+        await registry.register(_record(worker_id), lease_ms=5000)
+    await redis.hset(bus_config.keys.worker("negative"), "queued_prefill_tokens", str(-(10**9)))
+    await redis.hset(bus_config.keys.worker("reserving"), "reserved_prefill_tokens", str(-(10**9)))  # read as none
+    before = _rejected("snapshot")
+    rows = {w.record.worker_id: w for w in await registry.snapshot()}
+    assert sorted(rows) == ["good", "reserving"] and rows["reserving"].reserved == Reserved()
+    assert _rejected("snapshot") == before + 1
+    await redis.hset(bus_config.keys.worker("good"), "forward_ends_ms", "soon")
+    fields_before = _rejected("field")
+    assert await registry.forward_ends(["good"]) == [0]  # none announced, as far as a stagger window goes
+    assert _rejected("field") == fields_before + 1
+
+
+def _rejected(source: str) -> float:
+    return REGISTRY.get_sample_value("splitbus_bus_registry_rows_rejected_total", {"source": source}) or 0.0
 
 
 async def test_snapshot_skips_a_partial_record(redis: aioredis.Redis, bus_config: BusConfig) -> None:

@@ -22,6 +22,15 @@ def _record(worker_id: str, role: str = "decode") -> WorkerRecord:
     return WorkerRecord(worker_id=worker_id, role=role, model="tiny", engine="sim")
 
 
+async def _d1_seen(redis: aioredis.Redis, bus_config: BusConfig, full_every_s: float) -> tuple[Registry, RegistryView]:
+    """Decode worker d1 registered, and a view that has read it in a snapshot."""
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("d1"), lease_ms=5000)
+    view = RegistryView(registry, redis, full_every_s=full_every_s)
+    await view.refresh()
+    return registry, view
+
+
 async def _caught_up(view: RegistryView) -> None:
     """Read the log until a read returns nothing new (its block ends)."""
     await view.follow()
@@ -80,10 +89,7 @@ async def test_a_lease_runs_out_with_no_entry_to_say_so(redis: aioredis.Redis, b
 async def test_a_change_the_log_lost_is_repaired_by_the_next_snapshot(
     redis: aioredis.Redis, bus_config: BusConfig
 ) -> None:
-    registry = Registry(redis, bus_config)
-    await registry.register(_record("d1"), lease_ms=5000)
-    view = RegistryView(registry, redis, full_every_s=0.3)
-    await view.refresh()
+    registry, view = await _d1_seen(redis, bus_config, full_every_s=0.3)
     await registry.heartbeat("d1", WorkerLoad(running=5), lease_ms=5000)
     await redis.xtrim(bus_config.keys.registry_log, maxlen=0)  # trimmed before the view read it
     await _caught_up(view)
@@ -110,3 +116,18 @@ async def test_a_view_that_stopped_reading_finds_no_lease_run_out(redis: aioredi
     await asyncio.sleep(0.6)  # no beat now: once the view reads again, the lease has run out
     await view.follow()
     assert not view.workers[0].alive
+
+
+async def test_a_forged_entry_takes_its_worker_out_until_a_snapshot_reads_a_good_record(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    registry, view = await _d1_seen(redis, bus_config, full_every_s=3600)
+    entry = {"w": "d1", "op": "load", "queued_prefill_tokens": str(-(10**9)), "+reserved_requests": "1"}
+    await redis.xadd(bus_config.keys.registry_log, entry)  # type: ignore[arg-type]
+    await _caught_up(view)
+    assert view.live() == []  # not shown with its last good load meanwhile
+    await registry.heartbeat("d1", WorkerLoad(running=1), lease_ms=5000)  # a beat of load alone cannot bring it back
+    await _caught_up(view)
+    assert view.live() == []
+    await view.refresh()  # the hash itself was never forged: the snapshot reads it good
+    assert [w.record.load.running for w in view.live()] == [1]

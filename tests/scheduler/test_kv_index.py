@@ -1,14 +1,29 @@
 """The scheduler's KV index: events applied in order, gap and trimmed stream -> resync from the
-snapshot, a dead worker's entries dropped, overlap counting, the silent-worker alarm."""
+snapshot, a dead worker's entries dropped, overlap counting, the silent-worker alarm, and no
+worker holding more blocks than its record's total."""
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
+from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.kv_events import KvEventPublisher, KvEventReader
-from splitbus.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
-from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
+from splitbus.bus.messages.kv_events import (
+    MAX_BATCH_HASHES,
+    MAX_SNAPSHOT_HASHES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    KvSnapshot,
+)
+from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.replies import for_xadd
+from splitbus.scheduler.config import SchedulerConfig
+from splitbus.scheduler.kv_index import UNREPORTED_BLOCKS, KvIndex, KvIndexFeeder, capacity_limit
+from splitbus.scheduler.scheduler import Scheduler
 
 
 def _stored(event_id: int, *hashes: str, instance: str = "i1") -> KvEventBatch:
@@ -124,3 +139,76 @@ def test_a_prediction_counts_until_events_confirm_it_or_it_lapses() -> None:
     index.predict("w1", ["x"], for_s=5)
     index.drop("w1")
     assert index.overlaps(["x"]) == {}
+
+
+def test_a_worker_holds_no_more_blocks_than_its_total() -> None:
+    index = KvIndex()
+    assert index.bound("w0", 4) is None
+    batch = KvEventBatch("w0", "i1", 1, [AllBlocksCleared(), BlockStored(["a", "b", "c"])])
+    assert index.apply("w0", "1-0", batch) == "applied"
+    # a full cache evicts before it stores (one step's batch): never more than its 4 blocks
+    step = [BlockStored(["d"]), BlockRemoved(["a", "b"]), BlockStored(["e", "f"])]
+    assert index.apply("w0", "2-0", KvEventBatch("w0", "i1", 2, step)) == "applied"
+    assert index.blocks("w0") == 4
+    assert index.apply("w0", "3-0", _stored(3, "9")) == "overflow"  # a fifth block: its events lie
+    assert index.blocks("w0") == 0 and index.overlaps(["c"]) == {} and index.needs_resync("w0")
+    assert index.apply("w0", "4-0", _stored(4, "8")) == "stale"  # waits for a snapshot
+    too_big = KvSnapshot("w0", "i1", 4, "4-0", ["a", "b", "c", "d", "e"])
+    assert index.load("w0", too_big) == "overflow" and not index.usable("w0", too_big)
+    assert index.blocks("w0") == 0 and index.needs_resync("w0")
+    assert index.load("w0", KvSnapshot("w0", "i1", 4, "4-0", ["a", "b", "c", "d"])) == "resync"
+    assert index.blocks("w0") == 4
+    assert index.bound("w0", 2) == "overflow"  # its total went down: what it held cannot all be there
+    assert index.blocks("w0") == 0 and index.needs_resync("w0")
+
+
+def test_a_worker_that_reports_no_total_is_held_to_the_constant() -> None:
+    assert capacity_limit(0) == UNREPORTED_BLOCKS and capacity_limit(10) == 10
+    assert capacity_limit(2**40) == MAX_SNAPSHOT_HASHES  # no more than a snapshot can carry
+    index = KvIndex()
+    hashes = [format(i, "x") for i in range(UNREPORTED_BLOCKS + 1)]
+    assert index.apply("w0", "1-0", _stored(1, *hashes[:-1])) == "applied"
+    assert index.apply("w0", "2-0", _stored(2, hashes[-1])) == "overflow"
+    assert index.blocks("w0") == 0
+
+
+def _overflows() -> float:
+    return REGISTRY.get_sample_value("splitbus_scheduler_kv_events_total", {"status": "overflow"}) or 0.0
+
+
+async def test_huge_valid_batches_of_a_small_worker_do_not_swell_the_index(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """The attack: whoever can write a worker's event stream XADDs valid batches of 2**17 hashes
+    (8.4 MiB each, ~56 MiB of index each before) and snapshots of as many, for a worker whose
+    record says it has 8 blocks. The scheduler keeps at most 8 blocks for it, refuses the big
+    entries without decoding them, and goes on indexing the honest worker beside it."""
+    registry = Registry(redis, bus_config)
+    for worker, total in (("honest", 1000), ("small", 8)):
+        load = WorkerLoad(free_kv_blocks=total, total_kv_blocks=total)
+        await registry.register(WorkerRecord(worker, "mixed", "m", engine="sim", load=load), lease_ms=60_000)
+    honest, small = (KvEventPublisher(redis, bus_config, w) for w in ("honest", "small"))
+    await honest.start()
+    await small.start()
+    chain = [format(i, "016x") for i in range(1, 101)]
+    await honest.publish([BlockStored(chain)])
+    huge = [format(i, "064x") for i in range(MAX_BATCH_HASHES)]
+    await small.publish([BlockStored(huge[:50])])  # small enough to decode: 50 blocks of 8
+    await small.publish([BlockStored(huge)])  # 8.4 MiB, twice: refused undecoded
+    await small.publish([BlockStored([h[::-1] for h in huge])])
+    scheduler = Scheduler(SchedulerConfig(bus_config, mode="mixed", name="s1"))
+    try:
+        await scheduler.view.refresh()
+        before = _overflows()
+        await scheduler.follow_kv_events()
+        assert scheduler.kv_index.blocks("small") == 0 and _overflows() == before + 3
+        snapshot = KvSnapshot("small", small.instance, small.event_id, small._stream_id, sorted(huge))
+        await redis.hset(bus_config.keys.kv_snapshot("small"), mapping=for_xadd(codec.encode(snapshot)))
+        for _ in range(3):
+            await scheduler.follow_kv_events()
+            assert scheduler.kv_index.blocks("small") <= 8
+        assert _overflows() >= before + 4  # the snapshot (read again each half second while it is there)
+        assert scheduler.kv_index.overlaps(huge[:8]) == {}
+        assert scheduler.kv_index.overlaps(chain) == {"honest": 100}
+    finally:
+        await scheduler.redis.aclose()

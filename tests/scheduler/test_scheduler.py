@@ -11,6 +11,7 @@ from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from splitbus.bus import codec
 from splitbus.bus.codec import NamedRequest
@@ -259,3 +260,85 @@ async def test_splitwise_dp_sends_a_windows_batch_rank_to_rank_one_dispatch_per_
         (p, p_peer, batch_id, ranks), (d, d_peer, _, _) = placed["prefill"], placed["decode"]
         assert (p_peer, d_peer, ranks) == (d, p, 2) and batch_id.startswith("s1.")
     assert scheduler.waiting == []
+
+
+_FORGED = {
+    "w-negative": {"queued_prefill_tokens": str(-(10**9))},  # drew every prefill before
+    "w-huge": {"running": str(10**30), "free_kv_blocks": str(10**30)},  # overflowed the load table's int64 columns
+    "w-text": {"queued_prefill_tokens": "none"},
+    "w-role": {"role": "boss"},
+}
+"""What a party with Redis access writes into worker hashes, by worker."""
+
+
+async def _forge(redis: aioredis.Redis, bus_config: BusConfig, worker: str, fields: dict[str, str]) -> None:
+    """Write ``fields`` into the worker's hash and announce them in the registry log, as a load
+    report does (a beat, where the record's own fields change)."""
+    await redis.hset(bus_config.keys.worker(worker), mapping=fields)  # type: ignore[arg-type]
+    op = {"op": "beat", "at": str(int(time.time() * 1000)), "lease": "60000"} if "role" in fields else {"op": "load"}
+    entry = {"w": worker, **op, **(_record(worker).to_hash() if "role" in fields else {}), **fields}
+    await redis.xadd(bus_config.keys.registry_log, entry)  # type: ignore[arg-type]
+
+
+def _record(worker: str) -> WorkerRecord:
+    load = WorkerLoad(queued_prefill_tokens=10**6 if worker != "w-good" else 5000, free_kv_blocks=1000)
+    return WorkerRecord(worker, "mixed", "m", engine="sim", load=dataclasses.replace(load, total_kv_blocks=1000))
+
+
+def _rejected(source: str) -> float:
+    return REGISTRY.get_sample_value("splitbus_bus_registry_rows_rejected_total", {"source": source}) or 0.0
+
+
+async def _placed_on(redis: aioredis.Redis, bus_config: BusConfig, request_id: str) -> list[str]:
+    """The workers a request's tasks went to, once there are any (a few seconds at most)."""
+    workers = ["w-good", *_FORGED]
+    for _ in range(250):
+        tasks = {w: await tasks_in(redis, bus_config.keys.tasks(w)) for w in workers}
+        found = [w for w, ts in tasks.items() for t in ts if t.request.request_id == request_id]
+        if found:
+            return found
+        await asyncio.sleep(0.02)
+    return []
+
+
+async def test_forged_worker_loads_draw_no_work_and_stop_no_scheduler(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """The attack: a negative, huge, non-numeric load and an unknown role, written into worker
+    hashes (and the registry log) by a party with Redis access. A running scheduler that had
+    the workers' good records drops them as the log brings the forgeries, a new one leaves them
+    out of its first snapshot; both place on the honest worker and keep running, and each
+    refused row is counted."""
+    registry = Registry(redis, bus_config)
+    for worker in ("w-good", *_FORGED):
+        await registry.register(_record(worker), lease_ms=60_000)
+    producer = Producer(redis, bus_config)
+    first = Scheduler(SchedulerConfig(bus_config, mode="mixed", name="s1"))
+    runner = asyncio.create_task(first.run())
+    try:
+        assert await _eventually(lambda: _live(first), sorted(["w-good", *_FORGED]))
+        logged = _rejected("log")
+        for worker, fields in _FORGED.items():
+            await _forge(redis, bus_config, worker, fields)
+        await producer.send(bus_config.keys.requests, dataclasses.replace(request(), request_id="r1"))
+        assert await _placed_on(redis, bus_config, "r1") == ["w-good"]
+        assert _rejected("log") == logged + len(_FORGED) and not runner.done()
+    finally:
+        first.stopping.set()
+        await asyncio.wait_for(runner, 10)
+    assert first.exit_code == 0
+    second = Scheduler(SchedulerConfig(bus_config, mode="mixed", name="s2"))
+    snapshots = _rejected("snapshot")
+    runner = asyncio.create_task(second.run())
+    try:
+        await producer.send(bus_config.keys.requests, dataclasses.replace(request(), request_id="r2"))
+        assert await _placed_on(redis, bus_config, "r2") == ["w-good"]
+        assert _rejected("snapshot") >= snapshots + len(_FORGED) and not runner.done()
+    finally:
+        second.stopping.set()
+        await asyncio.wait_for(runner, 10)
+    assert second.exit_code == 0
+
+
+async def _live(scheduler: Scheduler) -> list[str]:
+    return sorted(w.record.worker_id for w in scheduler.view.live())

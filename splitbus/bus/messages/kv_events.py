@@ -29,6 +29,8 @@ MAX_BATCH_HASHES = 2**17
 MAX_SNAPSHOT_HASHES = 3 * 2**20
 """Most block hashes in one snapshot: ~110 MB of JSON at 32 digits a hash (splitbus's own), under
 the codec's 128 MiB."""
+MIN_BATCH_HASHES = 1024
+"""The fewest hashes (and events) a publisher may put in one batch, however small its cache."""
 MAX_BLOCK_SIZE = 2**16
 """Largest number of tokens per block."""
 MAX_EVENT_ID = 2**53
@@ -36,6 +38,35 @@ MAX_DP_RANK = 2**16
 _HEX = re.compile(r"[0-9a-f]{1,64}")
 _HEX_LIST = re.compile(r"(?:[0-9a-f]{1,64}(?:,[0-9a-f]{1,64})*)?")
 _STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}|0")
+
+
+_HASH_BYTES = MAX_HASH_HEX + 3
+"""One hash in a batch's or snapshot's JSON: quoted, and a comma."""
+_EVENT_BYTES = 160
+"""One event's JSON besides its hashes: a 64-digit parent, the largest block size, the keys."""
+_ENVELOPE_BYTES = 4096
+"""A batch's or snapshot's JSON besides its events or hashes (ids of 256 characters, escaped)."""
+
+
+def batch_hashes(total_kv_blocks: int) -> int:
+    """The most hashes, and events, one batch of a worker with ``total_kv_blocks`` blocks holds:
+    twice its blocks (what one step can evict, then store), at least ``MIN_BATCH_HASHES``, at most
+    ``MAX_BATCH_HASHES`` (also for 0: none reported). Its publisher splits a bigger step."""
+    if total_kv_blocks <= 0:
+        return MAX_BATCH_HASHES
+    return min(max(2 * total_kv_blocks, MIN_BATCH_HASHES), MAX_BATCH_HASHES)
+
+
+def batch_bytes(total_kv_blocks: int) -> int:
+    """The largest ``data`` a batch of ``batch_hashes(total_kv_blocks)`` hashes and events can
+    have: a reader refuses a larger entry without decoding it."""
+    hashes = batch_hashes(total_kv_blocks)
+    return _ENVELOPE_BYTES + hashes * _HASH_BYTES + min(hashes, MAX_BATCH_EVENTS) * _EVENT_BYTES
+
+
+def snapshot_bytes(max_hashes: int) -> int:
+    """The largest ``data`` a snapshot of at most ``max_hashes`` hashes can have."""
+    return _ENVELOPE_BYTES + max_hashes * _HASH_BYTES
 
 
 def block_hash(value: int | bytes | str) -> str:
