@@ -22,7 +22,7 @@ from typing import Any, Final
 from gguf import GGUFReader
 from safetensors import SafetensorError
 
-from splitbus.models.gguf import metadata, weights
+from splitbus.models.gguf import header, metadata, weights
 from splitbus.models.gguf.vocab import GGUFVocab, read_vocab, vocab_files
 from splitbus.models.locking import exclusive, remove_leftovers
 from splitbus.tokenization import ModelFilesError
@@ -202,7 +202,9 @@ def _install(tmp: Path, folder: Path) -> None:
 
 
 def open_reader(path: Path) -> GGUFReader:
-    """``GGUFReader`` over the file, its errors (a truncated or corrupt file) as ModelFilesError."""
+    """``GGUFReader`` over the file, its errors (a truncated or corrupt file) as ModelFilesError.
+    The header is walked first (:func:`header.check`): the reader trusts its counts."""
+    header.check(path)
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, OSError) as exc:

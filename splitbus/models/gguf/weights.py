@@ -11,6 +11,9 @@ llama.cpp too, and its converter leaves the rows alone.
 from __future__ import annotations
 
 import functools
+import json
+import math
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,6 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, ReaderTensor, TensorNameMap
 from gguf.quants import dequantize
-from safetensors.numpy import save_file
 
 from splitbus.tokenization import ModelFilesError
 
@@ -118,10 +120,14 @@ def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
 def tensors(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> Iterator[tuple[str, np.ndarray]]:
     """Each tensor as float32 in Hugging Face layout, one at a time (the file is memory-mapped)."""
     for hf, tensor in plan(reader, config, where).items():
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape(tensor))
-        if config["model_type"] == "llama":
-            array = _unpermute(hf, array, config)
-        yield hf, np.ascontiguousarray(array, dtype=np.float32)
+        yield hf, _float32(hf, tensor, config)
+
+
+def _float32(hf: str, tensor: ReaderTensor, config: dict[str, Any]) -> np.ndarray:
+    array = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape(tensor))
+    if config["model_type"] == "llama":
+        array = _unpermute(hf, array, config)
+    return np.ascontiguousarray(array, dtype="<f4")
 
 
 def _unpermute(name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
@@ -144,6 +150,26 @@ def float32_bytes(reader: GGUFReader, config: dict[str, Any], where: Path | str)
 
 
 def write(reader: GGUFReader, config: dict[str, Any], path: Path, where: Path | str) -> None:
-    """``model.safetensors`` in float32. safetensors writes from the arrays' memory without a
-    copy, so the peak is one float32 copy of the model (the GGUF itself is memory-mapped)."""
-    save_file(dict(tensors(reader, config, where)), str(path))
+    """``model.safetensors`` in float32, one tensor at a time. The safetensors library writes only
+    from a dict of every array, which held the whole float32 model (20 times a 1.5-bit file); but
+    the format is a JSON header of names, shapes and offsets, then the tensors' bytes in that
+    order, and all of it is known from the plan. So the header is written first and each tensor
+    after it, dequantized, written and dropped: the peak is one tensor's float32 copy."""
+    planned = plan(reader, config, where)
+    with path.open("wb") as f:
+        f.write(safetensors_header({hf: hf_shape(t) for hf, t in planned.items()}))
+        for hf, tensor in planned.items():
+            f.write(_float32(hf, tensor, config).data)
+
+
+def safetensors_header(shapes: dict[str, tuple[int, ...]]) -> bytes:
+    """The safetensors header of float32 tensors of these shapes, stored in this order: its
+    length (u64, little-endian), then its JSON padded with spaces to 8 bytes, as the library pads."""
+    entries, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        entries[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text

@@ -3,6 +3,7 @@ a type, shape or name the engine cannot use fails naming the tensor."""
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from splitbus.models.gguf import metadata, open_reader, weights
+from splitbus.models.gguf import metadata, open_reader, prepare, weights
 from splitbus.tokenization import ModelFilesError
+from splitbus.worker.engines.paddle.tiny import make_tiny_model
 from tests.models.gguf.writer import permute, write_gguf
 
 BLOCK = 32
@@ -106,3 +108,46 @@ def test_dequantizable_holds_the_asked_for_types() -> None:
         "Q6_K",
     } <= names
     assert "I8" not in names
+
+
+def test_the_written_file_holds_every_tensor_as_the_converter_yields_it(hf_folder: Path, tmp_path: Path) -> None:
+    """``write`` builds the safetensors header itself: the library reads the file back whole."""
+    gguf_file = write_gguf(hf_folder, tmp_path / "m.gguf", "Q8_0")
+    reader = open_reader(gguf_file)
+    config = metadata.hf_config(reader, gguf_file)
+    weights.write(reader, config, tmp_path / "model.safetensors", gguf_file)
+    written = load_file(str(tmp_path / "model.safetensors"))
+    expected = _convert(gguf_file)
+    assert sorted(written) == sorted(expected)
+    for name, array in expected.items():
+        assert written[name].dtype == np.float32
+        np.testing.assert_array_equal(written[name], array, err_msg=name)
+    assert (tmp_path / "model.safetensors").stat().st_size == len(
+        weights.safetensors_header({name: a.shape for name, a in expected.items()})
+    ) + weights.float32_bytes(reader, config, gguf_file)
+
+
+def test_conversion_holds_one_dequantized_tensor_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q8_0 (or 1.5-bit) file grows 4 (20) times dequantized: the converter held the whole
+    float32 model before writing it. tracemalloc counts numpy's allocations exactly (no timing,
+    no RSS): the most ``write`` holds at once must be a few copies of the largest tensor, far
+    below the model's 20."""
+    hf = make_tiny_model(tmp_path / "hf", "llama", seed=3, hidden=64, layers=8)
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf", "Q8_0")
+    peaks: list[int] = []
+    real = weights.write
+
+    def measured(reader: Any, config: dict[str, Any], path: Path, where: Path | str) -> None:
+        tracemalloc.start()
+        try:
+            real(reader, config, path, where)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+
+    monkeypatch.setattr(weights, "write", measured)
+    folder = prepare(gguf_file, tmp_path / "cache")
+    sizes = [array.nbytes for array in load_file(str(folder / "model.safetensors")).values()]
+    assert len(sizes) > 40 and sum(sizes) > 15 * max(sizes)
+    # dequantize's own temporaries, the unpermuted copy: under 4 copies measured; the old peak was 21
+    assert peaks[0] <= 6 * max(sizes), (peaks, max(sizes), sum(sizes))
