@@ -34,6 +34,8 @@ from typing import IO
 
 import redis
 
+from splitbus.folders import private_folder
+
 MIN_VERSION = (6, 2)
 PR_SET_PDEATHSIG = 1
 SPLITBUS_USER = "splitbus"
@@ -191,7 +193,7 @@ def write_private(path: Path, text: str) -> None:
 def make_private_folder(folder: Path) -> None:
     """The folder 0700 and everything in it private: folders 0700, files 0600 (an older splitbus
     left a world-readable AOF; Redis 7 keeps its AOF parts in ``appendonlydir/``)."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_folder(folder)
     for path in [folder, *folder.rglob("*")]:
         if path.is_symlink():
             continue

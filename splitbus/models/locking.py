@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +17,9 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def exclusive(lock_file: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_file`` (created when absent); others wait for it."""
-    with lock_file.open("a") as f:
+    """Hold an exclusive lock on ``lock_file`` (created 0600 when absent); others wait for it."""
+    fd = os.open(lock_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

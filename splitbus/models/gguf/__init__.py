@@ -22,6 +22,7 @@ from typing import Any, Final
 from gguf import GGUFReader
 from safetensors import SafetensorError
 
+from splitbus.folders import private_folder
 from splitbus.models.gguf import header, metadata, weights
 from splitbus.models.gguf.vocab import GGUFVocab, read_vocab, vocab_files
 from splitbus.models.locking import exclusive, remove_leftovers
@@ -88,7 +89,8 @@ def prepare(path: Path, cache_root: Path) -> Path:
     folder = cache_root / "gguf" / source.sha256[:16]
     if _is_current(folder, source):
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    private_folder(cache_root)
+    private_folder(folder.parent)
     with exclusive(folder.parent / f".{folder.name}.lock"):
         if not _is_current(folder, source):  # another process may have converted it while we waited
             _remove_leftovers(folder)
@@ -131,7 +133,7 @@ def _convert(path: Path, source: Source, parent: Path) -> Path:
         weights.write(reader, config, tmp / "model.safetensors", path)
         for name, text in files.items():  # source.json last (dicts keep their order)
             (tmp / name).write_text(text)
-        _readable(tmp)
+        _private(tmp)
     except (OSError, SafetensorError) as exc:  # a full disk, a file size limit, a read-only cache
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelFilesError(
@@ -177,12 +179,11 @@ def _gb(size: int) -> str:
     return f"{size / 1e9:.2f} GB"
 
 
-def _readable(tmp: Path) -> None:
-    """mkdtemp and safetensors create owner-only entries; the cache is read by every process
-    that serves the model (a container's other user, too)."""
-    tmp.chmod(0o755)
+def _private(tmp: Path) -> None:
+    """mkdtemp makes the folder 0700; its files, written under the umask, are made 0600 (the
+    cache is the user's, as everything in the data folder is)."""
     for file in tmp.iterdir():
-        file.chmod(0o644)
+        file.chmod(0o600)
 
 
 def _tokenizer_files(vocab: GGUFVocab, path: Path) -> dict[str, str]:

@@ -24,9 +24,11 @@ from splitbus.cli import worker_cmd
 from splitbus.cli.main import build_parser
 from splitbus.env import load_env
 from splitbus.models.gguf import CONVERTER_VERSION, FILES, prepare
+from splitbus.models.resolve import resolve_model
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from splitbus.worker.engines.paddle.config import ModelConfig
 from tests.models.gguf.writer import write_gguf
+from tests.modes import folder_modes, mode
 
 
 @pytest.fixture
@@ -319,3 +321,27 @@ def test_metadata_text_that_is_not_utf8_names_the_file_and_key(tiny_hf: Callable
         ModelFilesError, match=re.escape(f"{bad}: metadata general.architecture holds text that is not UTF-8")
     ):
         prepare(bad, tmp_path / "cache")
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_a_conversion_that_makes_the_data_folder_makes_every_folder_0700(gguf_file: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    folder = resolve_model(gguf_file, data)  # the first thing to run: it makes the data folder
+    assert folder_modes(data) == {
+        ".": 0o700,
+        "models": 0o700,
+        "models/gguf": 0o700,
+        f"models/gguf/{folder.name}": 0o700,
+    }
+    assert {mode(file) for file in folder.iterdir()} == {0o600}
+    assert mode(data / "models" / "gguf" / f".{folder.name}.lock") == 0o600
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_model_folders_an_older_version_left_0755_are_tightened(gguf_file: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "models" / "gguf").mkdir(parents=True)  # 0755 each, as an older conversion left them
+    folder = resolve_model(gguf_file, data)
+    modes = folder_modes(data)
+    assert modes.pop(".") == 0o755  # the data folder may be the user's: left as it is
+    assert modes == {"models": 0o700, "models/gguf": 0o700, f"models/gguf/{folder.name}": 0o700}
