@@ -38,6 +38,9 @@ MAX_WORKER_KV_BLOCKS = 2**31 - 1
 MAX_COUNTER = 2**63 - 1
 """Largest cumulative counter (``steps``, ``busy_time_us``, ...): what ``HINCRBY`` can hold."""
 
+ROW_ERRORS = (KeyError, TypeError, ValueError)
+"""What ``Registry.row`` raises for a record it cannot read (a missing field: TypeError)."""
+
 LOG_MAXLEN = 10_000
 """Entries ``sb:registry:{cell}`` keeps (``MAXLEN ~``): seconds of changes for hundreds of workers;
 a view that falls further behind reads a snapshot again."""
@@ -341,8 +344,8 @@ class Registry:
         """The snapshot's row of one worker; None (the worker left out, counted) when its record
         is partial, foreign or has a field out of range."""
         try:
-            return Registry._row(ttl, raw)
-        except (KeyError, TypeError, ValueError) as exc:
+            return Registry.row(ttl, raw)
+        except ROW_ERRORS as exc:
             log.warning("skipping unreadable registry record %s: %.200s", worker_id, exc)
             metrics.REGISTRY_ROWS_REJECTED.labels("snapshot").inc()
             return None
@@ -420,10 +423,14 @@ class Registry:
         return int(await self._heartbeat(keys=keys, args=[worker_id, lease_ms, *flat]))
 
     @staticmethod
-    def _row(ttl: int, record: dict[bytes, bytes]) -> WorkerInfo:
+    def row(ttl: int, record: Mapping[bytes, bytes]) -> WorkerInfo:
+        """One worker's row from its lease's PTTL and its hash as stored (``HGETALL`` without
+        decoding), every field checked (``WorkerRecord.from_hash``); one of ``ROW_ERRORS``, naming
+        the field, when the record is empty, partial, not UTF-8 or has a field out of range. The
+        snapshot and ``splitbus status`` read rows through it alike."""
         if not record:
             raise ValueError("empty record")
-        raw = {k.decode(): v.decode() for k, v in record.items()}
+        raw = dict(_decoded(name, value) for name, value in record.items())
         heartbeat_ms = parse_int(raw.get("heartbeat_ms", "0"), "heartbeat_ms")
         held = reserved(load_fields(raw, _RESERVED_FIELDS, "0"))
         return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), held)
@@ -478,6 +485,14 @@ def _forward_end(reply: bytes | None) -> int:
     except ValueError:
         metrics.REGISTRY_ROWS_REJECTED.labels("field").inc()
         return 0
+
+
+def _decoded(name: bytes, value: bytes) -> tuple[str, str]:
+    """One field of a worker hash as text; ValueError naming it when it is not UTF-8."""
+    try:
+        return name.decode(), value.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"{name.decode(errors='replace')!r:.40} is not UTF-8") from None
 
 
 def _text(value: bytes | str) -> str:

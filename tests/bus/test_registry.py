@@ -127,6 +127,14 @@ def test_every_integer_field_of_a_record_has_a_range() -> None:
     assert WorkerRecord.from_hash(record.to_hash()) == record
 
 
+def test_a_stored_record_that_is_not_utf8_is_refused_naming_its_field() -> None:
+    """``Registry.row`` (snapshots and ``splitbus status``) decodes the hash as stored, strictly."""
+    stored = {name.encode(): value.encode() for name, value in _record("w").to_hash().items()}
+    assert Registry.row(5000, stored).record == _record("w")
+    with pytest.raises(ValueError, match="'model' is not UTF-8"):
+        Registry.row(5000, stored | {b"model": b"\xff"})
+
+
 async def test_a_bad_record_is_left_out_of_the_snapshot_and_counted(
     redis: aioredis.Redis, bus_config: BusConfig
 ) -> None:
