@@ -431,9 +431,10 @@ class GroupConsumer:
         try:
             reply = await self._xreadgroup_once(cursor, count, block)
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                 raise
-            # The stream or group vanished (e.g. a restart without persistence): recreate, retry.
+            # The stream or group vanished (e.g. a restart without persistence): recreate, retry. Redis 7
+            # answers a read blocked on a stream that is deleted meanwhile with UNBLOCKED, 6.2 the next read NOGROUP.
             log.warning("group %s on %s missing; recreating", self.group, self.stream)
             await self.ensure_group()
             reply = await self._xreadgroup_once(cursor, count, block)
