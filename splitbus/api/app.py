@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -17,7 +19,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from splitbus import aio
 from splitbus.api import metrics, routes
 from splitbus.api.config import ApiConfig
-from splitbus.api.errors import ApiError, InternalError, MethodNotAllowed, NotFound, Unauthorized
+from splitbus.api.errors import (
+    INTERNAL_MESSAGE,
+    ApiError,
+    InternalError,
+    MethodNotAllowed,
+    MisdirectedRequest,
+    NotFound,
+    Unauthorized,
+)
 from splitbus.api.generate import ClientDisconnected
 from splitbus.api.state import ApiState
 from splitbus.api.tenants import NO_TENANT, tenant_of
@@ -48,9 +58,10 @@ def create_app(config: ApiConfig) -> Starlette:
             await state.close()
             app.state.exit_code = state.loops.exit_code  # non-zero: a background loop failed
 
-    app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS)
+    app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.exit_code = 0
     app.add_middleware(RequireApiKey, keys=config.api_keys)
+    app.add_middleware(RequireKnownHost, names=known_host_names(config))
     app.add_middleware(CountRequests)
     return app
 
@@ -74,11 +85,14 @@ async def _disconnected(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path)
-    return InternalError("internal error; see the server log").response()
+    # The exception's text stays in the log: the client gets a stable message and the id to
+    # find it by (the generation's own id once it has one, else one made here).
+    request_id = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex}"
+    log.exception("unhandled error on %s, request id %s", request.url.path, request_id)
+    return InternalError(INTERNAL_MESSAGE).for_request(request_id).response()
 
 
-_EXCEPTION_HANDLERS = {
+EXCEPTION_HANDLERS = {
     ApiError: _api_error,
     HTTPException: _http_error,
     ClientDisconnected: _disconnected,
@@ -114,6 +128,68 @@ class RequireApiKey:
         if scheme.lower() != b"bearer":
             return None
         return next((tenant for key, tenant in self.keys if hmac.compare_digest(token.strip(), key)), None)
+
+
+LOCAL_NAMES = frozenset({"localhost"})
+"""Host names a server without API keys always answers to, beside IP addresses."""
+
+
+def known_host_names(config: ApiConfig) -> frozenset[str] | None:
+    """The Host names ``/v1/*`` answers to; None: any (API keys are the guard, or the operator
+    allowed every name with ``--allowed-hosts '*'``)."""
+    if config.api_keys or "*" in config.allowed_hosts:
+        return None
+    return LOCAL_NAMES | {_host_name(config.host)} | {_host_name(name) for name in config.allowed_hosts}
+
+
+def host_is_known(host: str, names: frozenset[str]) -> bool:
+    """Whether a Host header names this server: an IP address (a literal address cannot be
+    rebound by DNS, and a page on another origin cannot read its answers: no CORS), or one of
+    ``names``. The port is not compared: a proxy in front may forward its own."""
+    name = _host_name(host)
+    return name in names or _is_ip_address(name)
+
+
+def _host_name(host: str) -> str:
+    """``Host``'s name: without its port or IPv6 brackets, lower case, no trailing dot."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:
+        host = name
+    return host.rstrip(".")
+
+
+def _is_ip_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class RequireKnownHost:
+    """Without API keys, ``/v1/*`` serves only requests whose Host names this server (421
+    otherwise): a web page that rebinds its own domain name to this address (DNS rebinding)
+    sends its domain as the Host, and is refused before it can read an answer. Probes and
+    metrics stay open, as they do with keys; a request without a Host is not a browser's."""
+
+    def __init__(self, app: ASGIApp, names: frozenset[str] | None) -> None:
+        self.app = app
+        self.names = names
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.names is not None and scope["path"].startswith("/v1/"):
+            host = dict(scope["headers"]).get(b"host")
+            if host is not None and not host_is_known(host.decode("latin-1"), self.names):
+                refused = MisdirectedRequest(
+                    "this server does not answer to that Host name; use its address, or start it with "
+                    "--allowed-hosts (or an API key)"
+                )
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class CountRequests:

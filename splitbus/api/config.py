@@ -7,11 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitbus.bus.config import BusConfig
-
-MAX_CHARS_PER_TOKEN = 16
-"""Characters one token stands for at most, in practice, for the models served: ordinary text
-is 3-5 characters a token; 16 leaves room for code and long whitespace runs. A prompt longer
-than context x this cannot fit, so it is refused before the tokenizer spends time on it."""
+from splitbus.tokenization.tokenizer import MAX_CHARS_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -20,6 +16,11 @@ class ApiConfig:
     models: tuple[tuple[str, Path], ...]
     """(served name, Hugging Face folder) of each model whose tokenizer this API loads."""
     api_keys: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    """The address the server binds: without API keys, a Host name ``/v1/*`` answers to."""
+    allowed_hosts: tuple[str, ...] = ()
+    """More Host names ``/v1/*`` answers to without API keys (``*``: any). IP addresses and
+    ``localhost`` always are; other names get 421 (DNS rebinding: splitbus/api/app.py)."""
     node_id: str = field(default_factory=lambda: f"api-{uuid.uuid4().hex[:8]}")
     max_body_bytes: int = 4 * 1024 * 1024
     """The largest request body: 413 when Content-Length says more (before reading) or when

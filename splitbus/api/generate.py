@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -18,10 +19,11 @@ from splitbus.api import metrics, protocol
 from splitbus.api.errors import (
     ApiError,
     BadRequest,
+    ChatTemplateLimitExceeded,
     ContextLengthExceeded,
     GatewayTimeout,
     ServiceUnavailable,
-    from_status,
+    from_failure,
 )
 from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
@@ -31,8 +33,9 @@ from splitbus.bus.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
 from splitbus.bus.results import Subscription
 from splitbus.tokenization import ModelTokenizer
-from splitbus.tokenization.tokenizer import ChatTemplateError
+from splitbus.tokenization.tokenizer import ChatTemplateError, ChatTemplateLimit
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 INLINE_TOKENIZE_CHARS = 4096
 """Prompts up to this many characters are tokenized on the event loop (tens of microseconds)."""
@@ -57,6 +60,7 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     prefix = await prefix_hashes(state, prompt_ids, salt)
     state.admit(params.model)
     generation = Generation(state, params, prompt_ids, max_tokens, prefix, salt)
+    request.state.request_id = generation.request_id  # what an unexpected error's body and log name
     try:
         await generation.publish()
         first = await generation.until_disconnect(request, generation.next_result())
@@ -65,7 +69,7 @@ async def generate(request: Request, params: GenerationParams) -> Response:
         raise
     if isinstance(first, Failed):  # nothing sent yet: answer with the error's own status
         generation.close(None)
-        raise from_status(first.status, first.message, first.code)
+        raise generation.failure(first)
     if params.stream:
         return StreamingResponse(generation.sse(first), media_type="text/event-stream", headers=SSE_HEADERS)
     return JSONResponse(await generation.collect(request, first))
@@ -91,8 +95,8 @@ async def tokenize(state: ApiState, tokenizer: ModelTokenizer, params: Generatio
     (a thread hop costs more than encoding a few KB, and such a prompt stalls the loop for
     microseconds only); the chat template (Python code of the model's) always runs there."""
     if params.messages is not None:
-        messages = params.messages
-        return await state.off_loop(lambda: _encode(tokenizer, _render(tokenizer, messages)))
+        messages, limit = params.messages, state.config.prompt_char_limit(tokenizer.context_length)
+        return await state.off_loop(lambda: _encode(tokenizer, _render(tokenizer, messages, limit)))
     if isinstance(params.prompt, str):
         prompt = params.prompt
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
@@ -104,9 +108,13 @@ async def tokenize(state: ApiState, tokenizer: ModelTokenizer, params: Generatio
     return ids
 
 
-def _render(tokenizer: ModelTokenizer, messages: list[dict[str, Any]]) -> str:
+def _render(tokenizer: ModelTokenizer, messages: list[dict[str, Any]], max_chars: int) -> str:
+    """The chat prompt, held to the prompt-character bound (a longer one would be refused as a
+    prompt) and to the render's time bound: the model's template fails its request, not the pool."""
     try:
-        return tokenizer.render_chat(messages)
+        return tokenizer.render_chat(messages, max_chars=max_chars)
+    except ChatTemplateLimit as exc:
+        raise ChatTemplateLimitExceeded(f"the model's chat template was stopped: {exc}", "messages") from None
     except ChatTemplateError as exc:
         raise BadRequest(str(exc), "messages") from None
 
@@ -218,7 +226,8 @@ class Generation:
         try:
             await self.state.submit(self.message())
         except TRANSIENT_ERRORS as exc:
-            raise ServiceUnavailable(f"Redis is unreachable: {exc}") from None
+            log.warning("request %s not published: Redis is unreachable: %s", self.request_id, exc)
+            raise ServiceUnavailable("Redis is unreachable; retry later").for_request(self.request_id) from None
         metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))
 
     async def next_result(self) -> Result:
@@ -229,8 +238,9 @@ class Generation:
         try:
             result = await self.sub.get()
         except TimeoutError:
-            raise GatewayTimeout(
-                f"the request did not finish within {self.state.config.request_timeout_s:.0f}s"
+            timeout_s = self.state.config.request_timeout_s
+            raise GatewayTimeout(f"the request did not finish within {timeout_s:.0f}s").for_request(
+                self.request_id
             ) from None
         self._observe(result)
         return result
@@ -260,7 +270,7 @@ class Generation:
         texts = []
         while True:
             if isinstance(result, Failed):
-                raise from_status(result.status, result.message, result.code)
+                raise self.failure(result)
             texts.append(result.text)
             if isinstance(result, Finished):
                 tokens = protocol.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
@@ -322,7 +332,7 @@ class Generation:
 
     def _events(self, result: Result) -> list[bytes]:
         if isinstance(result, Failed):
-            return [_event(from_status(result.status, result.message, result.code).body())]
+            return [_event(self.failure(result).body())]
         finish = result.finish_reason if isinstance(result, Finished) else None
         events = [self._chunk(result.text, finish)] if result.text or finish else []
         if isinstance(result, Finished) and self.params.include_usage:
@@ -335,6 +345,14 @@ class Generation:
             delta = {"content": text} if text else {}
             return _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, delta, finish))
         return _event(protocol.completion_chunk(self.request_id, self.created, self.params.model, text, finish))
+
+    def failure(self, failed: Failed) -> ApiError:
+        """The client's error for a worker's or scheduler's error entry; its own message (worker
+        ids, exception text) is logged here, under the request id the client is given."""
+        log.warning(
+            "request %s failed (status %d, code %s): %s", self.request_id, failed.status, failed.code, failed.message
+        )
+        return from_failure(failed.status, failed.code, self.request_id)
 
     def _observe(self, result: Result) -> None:
         if self._last_token_at is None:  # it runs on a worker: a lost entry is not the API's to publish again

@@ -149,7 +149,7 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors(400, 401, 404, 408, 413, 429, 503, 504),
+                **_errors(400, 401, 404, 408, 413, 415, 421, 429, 500, 503, 504),
             },
         }
     }
@@ -173,7 +173,9 @@ def openapi_spec(models: tuple[str, ...] = ()) -> dict[str, Any]:
         "paths": {
             "/v1/completions": _generation("Create a completion", "CompletionRequest"),
             "/v1/chat/completions": _generation("Create a chat completion", "ChatCompletionRequest"),
-            "/v1/models": {"get": {**_get("Models that live workers serve", 401)["get"], "security": [{"bearer": []}]}},
+            "/v1/models": {
+                "get": {**_get("Models that live workers serve", 401, 421)["get"], "security": [{"bearer": []}]}
+            },
             "/health": _get("The process is alive"),
             "/ready": _get("Redis answers and at least one worker is live", 503),
             "/metrics": _get("Prometheus metrics"),

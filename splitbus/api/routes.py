@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
@@ -11,17 +12,22 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from splitbus.api import protocol
-from splitbus.api.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable
+from splitbus.api.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from splitbus.api.generate import ClientDisconnected, generate
 from splitbus.api.openapi import openapi_spec
 from splitbus.api.state import ApiState
 from splitbus.bus.connection import TRANSIENT_ERRORS
 
+log = logging.getLogger(__name__)
+JSON_MEDIA_TYPE = "application/json"
+
 
 async def read_json(request: Request) -> Any:
-    """The body as JSON. Checked before it is read: its declared size (413), and a free read
-    slot (429); while read: its size even without Content-Length (413), and a deadline (408)."""
+    """The body as JSON. Checked before it is read: its media type (415), its declared size
+    (413), and a free read slot (429); while read: its size even without Content-Length (413),
+    and a deadline (408)."""
     state: ApiState = request.state.api
+    check_json_media_type(request.headers.get("content-type"))
     declared = _content_length(request)
     if declared is not None and declared > state.config.max_body_bytes:
         raise PayloadTooLarge(f"the request body is larger than {state.config.max_body_bytes} bytes")
@@ -37,6 +43,16 @@ async def read_json(request: Request) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def check_json_media_type(content_type: str | None) -> None:
+    """415 unless the body is declared ``application/json`` (parameters such as charset aside).
+    A browser sends a cross-origin POST without asking the server first (no CORS preflight) only
+    with a form or text/plain type: refusing those keeps any web page from using the API."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        shown = repr(media_type) if media_type else "none"
+        raise UnsupportedMediaType(f"the request body must be sent as {JSON_MEDIA_TYPE}, not {shown}")
 
 
 def _content_length(request: Request) -> int | None:
@@ -83,7 +99,8 @@ async def ready(request: Request) -> Response:
     try:
         await state.redis.ping()
     except TRANSIENT_ERRORS as exc:
-        raise ServiceUnavailable(f"Redis is unreachable: {exc}") from None
+        log.warning("/ready: Redis is unreachable: %s", exc)
+        raise ServiceUnavailable("Redis is unreachable") from None
     if not state.workers.redis_ok:  # admission's view: back only once its registry snapshot is too
         raise ServiceUnavailable("Redis is reachable again; the registry view is not refreshed yet")
     live = state.workers.live_models()

@@ -46,6 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=list(env.api_keys),
         help="accepted Bearer key (repeatable; prefer SPLITBUS_API_KEYS: argv is public)",
     )
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names /v1 answers to when no API key is set, beside IP addresses, localhost "
+        "and --host ('*': any; others get 421)",
+    )
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")
     p.add_argument(
         "--max-connections",
@@ -135,6 +141,8 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
         ),
         models=models,
         api_keys=tuple(args.api_key),
+        host=args.host,
+        allowed_hosts=tuple(name.strip() for name in args.allowed_hosts.split(",") if name.strip()),
         max_inflight=args.max_inflight,
         max_connections=args.max_connections,
         max_backlog=args.max_backlog,

@@ -82,6 +82,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--dp", type=int, default=0, help="one DP group of this many mixed ranks, scheduler in dp mode")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="the API's --allowed-hosts: Host names /v1 answers to without an API key, beside IP addresses and "
+        "localhost ('*': any)",
+    )
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")
     p.add_argument(
         "--api-key",
@@ -353,6 +359,7 @@ def _start_parts(
         "api",
         "--host",
         args.host,
+        *(["--allowed-hosts", args.allowed_hosts] if args.allowed_hosts else []),
         "--port",
         str(args.port),
         *served,

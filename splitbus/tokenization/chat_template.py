@@ -7,6 +7,9 @@ trim their newline and leading whitespace, ``{% break %}``/``{% continue %}``, t
 ``raise_exception`` and ``strftime_now`` globals. The variables are transformers' too:
 ``messages``, ``add_generation_prompt``, ``tools`` and ``documents`` (None: splitbus takes
 neither), and every special token the tokenizer config sets (``bos_token``, ``eos_token``, ...).
+
+The template is the model's code, so its render is bounded in time and size
+(``template_bounds``): past a bound, ``ChatTemplateLimit``, and the request fails alone.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.runtime import Macro
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from splitbus.tokenization.template_bounds import BoundedSandbox, RenderLimits, TemplateLimitError, render_bounded
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens transformers passes to a template when the tokenizer config sets them."""
@@ -33,6 +37,11 @@ key): the request's error, not the server's."""
 
 class ChatTemplateError(ValueError):
     """The chat template could not render these messages."""
+
+
+class ChatTemplateLimit(ChatTemplateError):
+    """The chat template went past a bound of its render (time, size): it is the model's code,
+    not the client's messages, that failed, but the request fails all the same."""
 
 
 class GenerationTag(Extension):
@@ -69,9 +78,10 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.bound_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -93,17 +103,21 @@ class ChatTemplate:
         else:
             self._error = None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; ChatTemplateError when the template fails or rejects the messages."""
+    def render(self, messages: list[dict[str, Any]], limits: RenderLimits, add_generation_prompt: bool = True) -> str:
+        """The prompt text; ChatTemplateError when the template fails or rejects the messages,
+        ChatTemplateLimit when it goes past ``limits``."""
         if self._error is not None:
             raise ChatTemplateError(self._error)
+        variables = {
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self._special_tokens,
+        }
         try:
-            return self._template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
+            return render_bounded(lambda: self._template.generate(variables), limits)
+        except TemplateLimitError as exc:
+            raise ChatTemplateLimit(str(exc)) from None
         except RENDER_ERRORS as exc:
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None

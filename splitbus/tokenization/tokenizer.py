@@ -10,9 +10,16 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from splitbus.tokenization.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
+from splitbus.tokenization.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, ChatTemplateLimit
+from splitbus.tokenization.template_bounds import RenderLimits
 
-__all__ = ["ChatTemplateError", "ModelFilesError", "ModelTokenizer"]
+__all__ = ["ChatTemplateError", "ChatTemplateLimit", "ModelFilesError", "ModelTokenizer"]
+
+MAX_CHARS_PER_TOKEN = 16
+"""Characters one token stands for at most, in practice, for the models served: ordinary text
+is 3-5 characters a token; 16 leaves room for code and long whitespace runs. A prompt longer
+than context x this cannot fit, so it is refused before the tokenizer spends time on it (and a
+chat template's render is stopped there)."""
 
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -125,10 +132,15 @@ class ModelTokenizer:
     def _template(self) -> ChatTemplate:
         return ChatTemplate(self.chat_template, self.special_tokens)  # compiled once, on first use
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, max_chars: int | None = None
+    ) -> str:
         """The prompt ``apply_chat_template(messages, tokenize=False)`` returns; ChatTemplateError
-        when the template fails on these messages."""
-        return self._template.render(messages, add_generation_prompt)
+        when the template fails on these messages, ChatTemplateLimit when its render runs past
+        ``template_bounds.RENDER_TIME_S`` or builds more than ``max_chars`` characters (None:
+        context length x MAX_CHARS_PER_TOKEN, more than could fit)."""
+        limit = self.context_length * MAX_CHARS_PER_TOKEN if max_chars is None else max_chars
+        return self._template.render(messages, RenderLimits(limit), add_generation_prompt)
 
 
 def _special_tokens(tok_config: dict[str, Any], token_map: dict[str, Any] | None) -> dict[str, Any]:

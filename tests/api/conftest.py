@@ -28,6 +28,8 @@ class ApiProcess:
     node_id: str
     config: BusConfig
     proc: subprocess.Popen[bytes]
+    log: Path | None = None
+    """Its stderr, when the test keeps it (``start_api(stderr=...)``)."""
 
     @property
     def v1(self) -> str:
@@ -56,7 +58,7 @@ def start_api(redis_url: str, prefix: str, models: list[Path], *extra: str, stde
     env.pop("SPLITBUS_API_KEYS", None)
     err = stderr.open("wb") if stderr is not None else subprocess.DEVNULL
     proc = subprocess.Popen(args + list(extra), env=env, stdout=subprocess.DEVNULL, stderr=err)
-    api = ApiProcess(f"http://127.0.0.1:{port}", node_id, BusConfig(redis_url=redis_url, prefix=prefix), proc)
+    api = ApiProcess(f"http://127.0.0.1:{port}", node_id, BusConfig(redis_url=redis_url, prefix=prefix), proc, stderr)
     _wait_healthy(api)
     return api
 
@@ -97,11 +99,27 @@ def responder(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str) -> Ite
 
 
 @pytest.fixture(scope="module")
-def api(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder) -> Iterator[ApiProcess]:
-    process = start_api(redis_server.url, prefix, [tiny_model], "--request-timeout", "5")
-    _wait_for_model(process)
-    yield process
-    stop_api(process)
+def api(
+    redis_server: EmbeddedRedis,
+    tiny_model: Path,
+    prefix: str,
+    responder: Responder,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ApiProcess]:
+    log = tmp_path_factory.mktemp("api") / "stderr.log"
+    yield from running_api(redis_server.url, prefix, [tiny_model], "--request-timeout", "5", stderr=log)
+
+
+def running_api(
+    redis_url: str, prefix: str, models: list[Path], *extra: str, stderr: Path | None = None
+) -> Iterator[ApiProcess]:
+    """A live API that sees a live worker, for a fixture to yield from: stopped after its tests."""
+    api = start_api(redis_url, prefix, models, *extra, stderr=stderr)
+    try:
+        _wait_for_model(api)
+        yield api
+    finally:
+        stop_api(api)
 
 
 def _wait_for_model(api: ApiProcess, timeout_s: float = 10) -> None:

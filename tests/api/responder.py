@@ -3,7 +3,8 @@
 It registers as a live worker, consumes ``sb:requests`` in the schedulers' group and answers
 each request with a known text, one token per step. Prompts steer it:
 
-- ``[fail:STATUS]`` -> an error entry with that status before any token
+- ``[fail:STATUS]`` -> an error entry with that status before any token, whose message names
+  this worker and an exception, as real workers' messages do (``failure_detail``)
 - ``[slow]`` -> 50 ms between tokens (for disconnect tests)
 - ``[silent]`` -> no answer at all (for timeout tests)
 
@@ -13,6 +14,7 @@ Its usage reports half of every prompt as cached (``cached_tokens``), as a prefi
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 from typing import Any
@@ -39,11 +41,17 @@ def expected_text(max_tokens: int, stop: list[str] | None = None) -> tuple[str, 
     return text, "length"
 
 
+def failure_detail(worker_id: str) -> str:
+    """The message of a scripted error entry: internal detail no client may read."""
+    return f"worker {worker_id} could not handle this request's task: RuntimeError: CUDA error 700 at 0x7f3a"
+
+
 class Responder:
     def __init__(self, config: BusConfig, tokenizer: ModelTokenizer, model: str = "tiny") -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
+        self.worker_id = f"responder-{os.getpid()}-{id(self)}"  # role-host-pid, as a real worker's id reads
         self.cancelled: list[str] = []
         self.served: list[str] = []
         self.requests: list[GenerateRequest] = []
@@ -65,7 +73,7 @@ class Responder:
         registry = Registry(redis, self.config)
         consumer = GroupConsumer(redis, self.config, self.config.keys.requests, SCHEDULER_GROUP, "responder")
         await consumer.ensure_group()
-        await registry.register(WorkerRecord(worker_id=f"responder-{id(self)}", role="mixed", model=self.model), 2000)
+        await registry.register(WorkerRecord(worker_id=self.worker_id, role="mixed", model=self.model), 2000)
         cancels = CancelListener(redis, self.config)
         await cancels.start()
         tasks = [self._heartbeat(registry), self._consume(redis, consumer), self._listen(cancels)]
@@ -78,7 +86,7 @@ class Responder:
             pass
 
     async def _heartbeat(self, registry: Registry) -> None:
-        record = WorkerRecord(worker_id=f"responder-{id(self)}", role="mixed", model=self.model)
+        record = WorkerRecord(worker_id=self.worker_id, role="mixed", model=self.model)
         while not self._stop.is_set():
             try:
                 await registry.register(record, 2000)
@@ -114,9 +122,8 @@ class Responder:
             return
         failure = re.search(r"\[fail:(\d+)\]", prompt)
         if failure:
-            writer.fail(
-                request.request_id, "scripted", "scripted failure", int(failure.group(1)), reader=request.reader
-            )
+            detail = failure_detail(self.worker_id)
+            writer.fail(request.request_id, "scripted", detail, int(failure.group(1)), reader=request.reader)
             await writer.flush()
             return
         await self._stream(writer, request, delay=0.05 if "[slow]" in prompt else 0.0)

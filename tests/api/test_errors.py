@@ -11,11 +11,17 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
-from splitbus.api.errors import from_status
+from splitbus.api.app import EXCEPTION_HANDLERS
+from splitbus.api.errors import FAILURE_MESSAGES, INTERNAL_MESSAGE, from_failure
 from splitbus.redis_server import EmbeddedRedis
 from tests.api.conftest import CONTEXT, ApiProcess, start_api, stop_api
-from tests.api.responder import Responder
+from tests.api.responder import Responder, failure_detail
 
 
 def _post(api: ApiProcess, path: str, body: Any, **kwargs: Any) -> httpx.Response:
@@ -95,9 +101,32 @@ def test_unknown_route_and_method_in_openai_shape(api: ApiProcess) -> None:
 
 def test_worker_error_before_any_token_keeps_its_status(api: ApiProcess) -> None:
     error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "[fail:503]"}), 503)
-    assert error["message"] == "scripted failure"
+    assert error["code"] == "scripted" and error["type"] == "service_unavailable_error"
     streamed = _post(api, "/completions", {"model": "tiny", "prompt": "[fail:500]", "stream": True})
     assert _error(streamed, 500)["code"] == "scripted"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_worker_error_reaches_the_client_without_its_internal_detail(
+    api: ApiProcess, responder: Responder, stream: bool
+) -> None:
+    # The responder's error entry names its worker (role-host-pid) and an exception, as a real
+    # worker's does; the client reads a stable message, the code and the request id only.
+    response = _post(api, "/chat/completions", {**_chat("[fail:500]"), "stream": stream})
+    error = _error(response, 500)
+    request_id = response.headers["x-request-id"]
+    assert request_id == responder.served[-1]
+    assert request_id in error["message"] and error["code"] == "scripted"
+    for internal in (responder.worker_id, "RuntimeError", "CUDA", failure_detail(responder.worker_id)):
+        assert internal not in response.text
+    assert api.log is not None
+    _until(lambda: f"request {request_id} failed" in api.log.read_text())  # type: ignore[union-attr]
+    logged = next(line for line in api.log.read_text().splitlines() if request_id in line)
+    assert failure_detail(responder.worker_id) in logged
+
+
+def _chat(content: str) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}]}
 
 
 def test_worker_429_reaches_the_client_as_429(api: ApiProcess) -> None:
@@ -126,7 +155,8 @@ def test_body_over_the_limit_is_413(api: ApiProcess) -> None:
         for _ in range(6):
             yield b" " * (1024 * 1024)
 
-    _error(httpx.post(api.v1 + "/completions", content=chunks(), timeout=30), 413)
+    json_type = {"content-type": "application/json"}
+    _error(httpx.post(api.v1 + "/completions", content=chunks(), headers=json_type, timeout=30), 413)
 
 
 def test_model_without_live_worker_is_503(
@@ -153,5 +183,37 @@ def _until(check: Any, timeout_s: float = 10) -> None:
 def test_every_status_a_worker_can_ask_for_becomes_its_error(status: int) -> None:
     # A Failed entry carries a status and a code; a 429 used to raise TypeError here
     # (TooManyRequests took no code), so its client got a 500 instead.
-    error = from_status(status, "why", "the_code")
+    error = from_failure(status, "the_code", "cmpl-1")
     assert error.code == "the_code" and error.status == (status if status != 599 else 500)
+    assert error.message.endswith("(request id cmpl-1)")
+
+
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        ("out_of_kv_blocks", "out_of_kv_blocks"),
+        ("handler_failed: ValueError: bad token 7 at prefill-gpu3-4242", "worker_error"),  # a dead letter's reason
+        ("Worker-1", "worker_error"),
+    ],
+)
+def test_a_failure_code_reaches_the_client_only_when_it_is_a_code(code: str, expected: str) -> None:
+    error = from_failure(500, code, "cmpl-1")
+    assert error.code == expected
+    stable = FAILURE_MESSAGES.get(expected, INTERNAL_MESSAGE)
+    assert error.message == f"{stable} (request id cmpl-1)"
+
+
+def test_an_unexpected_exception_reaches_the_client_without_its_text(caplog: pytest.LogCaptureFixture) -> None:
+    # The API's own handlers, on a route that fails as a bug would: its text names a worker.
+    async def broken(request: Request) -> Response:
+        raise RuntimeError("KeyError in the ledger of prefill-gpu3-4242")
+
+    app = Starlette(routes=[Route("/v1/broken", broken)], exception_handlers=EXCEPTION_HANDLERS)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.get("/v1/broken")
+    error = _error(response, 500)
+    request_id = response.headers["x-request-id"]
+    assert error["code"] == "internal_error" and request_id in error["message"]
+    assert "prefill-gpu3-4242" not in response.text and "KeyError" not in response.text
+    logged = [r for r in caplog.records if request_id in r.getMessage()]
+    assert logged and "prefill-gpu3-4242" in str(logged[0].exc_info[1])  # type: ignore[index]

@@ -5,9 +5,11 @@ memory and read slots come back. Loopback only; every load is bounded in count a
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import re
+import shutil
 import socket
 import threading
 import time
@@ -22,7 +24,7 @@ from splitbus.api.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.tokenization.byte_level import write_byte_level_tokenizer
 from splitbus.worker.engines.sim import sim_text
-from tests.api.conftest import CONTEXT, ApiProcess, _wait_for_model, start_api, stop_api
+from tests.api.conftest import CONTEXT, ApiProcess, _wait_for_model, running_api, start_api, stop_api
 from tests.api.responder import Responder, expected_text
 from tests.e2e.conftest import start_system, stop_system
 
@@ -93,7 +95,7 @@ def _raw(api: ApiProcess) -> socket.socket:
 
 def _head(length: int) -> bytes:
     return (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {length}\r\n\r\n"
     ).encode()
 
@@ -203,6 +205,55 @@ def test_health_and_requests_answer_while_big_prompts_tokenize(roomy: ApiProcess
     assert answers and set(answers) == {400}
 
 
+# ---------------------------------------------------------------- hostile chat templates
+
+HOSTILE_TEMPLATES = {
+    "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",  # 10^10 steps
+    "bloat": "{{ 'x' * 10**8 }}",  # 100 MB in one operation
+}
+
+
+@pytest.fixture(scope="module")
+def hostile(
+    redis_server: EmbeddedRedis,
+    tiny_model: Path,
+    prefix: str,
+    responder: Responder,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ApiProcess]:
+    """An API serving "tiny" and two models whose chat templates are the issue's attacks; its
+    template pool has two threads (the default)."""
+    folders = [tiny_model]
+    for name, template in HOSTILE_TEMPLATES.items():
+        folder = tmp_path_factory.mktemp("hostile") / name
+        shutil.copytree(tiny_model, folder)
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        folders.append(folder)
+    yield from running_api(redis_server.url, prefix, folders)
+
+
+def test_hostile_chat_templates_fail_their_requests_and_free_the_pool(hostile: ApiProcess) -> None:
+    """Both attacks at once hold both template threads; each is stopped at its bound (400,
+    ``chat_template_limit``), and a chat request after them renders and is served."""
+    messages = [{"role": "user", "content": "hello"}]
+
+    def attack(model: str) -> httpx.Response:
+        body = {"model": model, "messages": messages, "max_tokens": 4}
+        return httpx.post(hostile.v1 + "/chat/completions", json=body, timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(attack, HOSTILE_TEMPLATES))
+    for response in responses:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "chat_template_limit" and error["param"] == "messages"
+    assert "ran longer than" in responses[0].json()["error"]["message"]
+    assert "100000000 characters" in responses[1].json()["error"]["message"]
+    assert _metric(hostile, "splitbus_api_tokenizing ") == 0
+    out = _client(hostile).chat.completions.create(model="tiny", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+    assert out.choices[0].message.content == expected_text(8)[0]
+
+
 # ---------------------------------------------------------------- uploads
 
 
@@ -229,7 +280,9 @@ def test_stalled_big_uploads_hold_bounded_memory_and_leave_room_for_others(patie
     for s in socks:
         s.close()
     assert _metric(api, 'splitbus_api_body_reads_rejected_total{size="large"}') >= 32
-    ok = httpx.post(api.v1 + "/completions", content=b"{" + b" " * 200_000 + b"}", timeout=10)  # a slot is free again
+    spaces = b"{" + b" " * 200_000 + b"}"
+    ok = httpx.post(api.v1 + "/completions", content=spaces, headers={"content-type": "application/json"}, timeout=10)
+    # a slot is free again
     assert ok.status_code == 400 and ok.json()["error"]["param"] == "model"
 
 

@@ -102,7 +102,11 @@ def test_a_dead_rank_breaks_the_group_with_a_clear_error(tmp_path: Path) -> None
             raise AssertionError("the broken group served a request")
         except openai.APIStatusError as exc:
             assert exc.status_code == 503
-            assert re.search(r"did not (reach|finish) step|no live DP rank", str(exc.body))
+            request_id = exc.response.headers["x-request-id"]
+            assert request_id in str(exc.body)
+            # the group's reason: in the API's log, not in the client's body
+            logged = system.wait_output(rf"request {request_id} failed .*$").group(0)
+            assert re.search(r"did not (reach|finish) step|no live DP rank", logged)
         assert time.monotonic() - started < 20
         output = "".join(system.output)
         deadline = time.monotonic() + 10

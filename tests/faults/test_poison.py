@@ -58,7 +58,12 @@ def test_poison_request_is_isolated(tmp_path: Path) -> None:
         *texts, failure = asyncio.run(run())
         assert texts == [sim_text(i, 30) for i in range(6)]  # batched with the poison, unharmed
         assert isinstance(failure, openai.APIStatusError) and failure.status_code == 500
-        assert "the engine failed on this request" in str(failure.body)
+        assert failure.code == "engine_error" and "engine failed on this request" in failure.message
+        # what the engine raised and which worker it was: in the API's log, under the request id
+        request_id = failure.response.headers["x-request-id"]
+        assert request_id in str(failure.body) and "poison token" not in str(failure.body)
+        logged = system.wait_output(rf"request {request_id} failed .*$").group(0)
+        assert "sim engine: poison token" in logged
         letters = [orjson.loads(f["data"]) for _, f in system.redis().xrange(Keys().dead)]
         assert [d["reason"].split(":")[0] for d in letters] == ["engine_error"]
         after = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0).completions.create(
