@@ -153,7 +153,7 @@ def weight(value: Any, limit: int) -> int:
     string its length, a container its items' and one each, an int its digits. A list of 8000
     references to one 8000-character string costs 8000 pointers, but prints as 64 M characters:
     the bounds are on this, not on ``len``. Counting stops once past ``limit``."""
-    if isinstance(value, str):
+    if isinstance(value, (str, bytes, bytearray)):
         return len(value)
     if isinstance(value, int):
         return value.bit_length() // 3 + 1

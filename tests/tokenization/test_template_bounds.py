@@ -29,6 +29,7 @@ ATTACKS = {
     ),
     # one operation, gigabytes
     "string times a huge int": "{{ 'x' * 10**8 }}",
+    "bytes times an int, twice": BIG + "{{ s.encode() * 1000 * 1000 }}",
     "a huge power": "{{ 7 ** 1000000000 }}",
     "doubling with ~": DOUBLE.replace("OP", "ns.s ~ ns.s"),
     "doubling with +": DOUBLE.replace("OP", "ns.s + ns.s"),
