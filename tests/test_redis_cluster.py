@@ -14,10 +14,11 @@ import pytest
 import redis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterPipeline
 from redis.crc import key_slot
 from redis.exceptions import NoPermissionError, RedisClusterException
-from redis.retry import Retry
 
 from splitbus.redis_cluster import (
     SLOTS,
@@ -98,14 +99,26 @@ def test_redis_py_refuses_cross_slot_keys_before_they_reach_a_server(redis_clust
             count_keys(keys=["t-x:{a}", "t-x:{b}"])
         with pytest.raises(RedisClusterException, match="same key slot"):
             client.xread({"t-x:{a}": "0", "t-x:{b}": "0"})
-        with pytest.raises(RedisClusterException, match="blocked"):  # Batcher's pipe.evalsha
-            client.pipeline(transaction=False).evalsha(count_keys.sha, 1, "t-x:{a}")
+        for queue in (pipeline_by_name, pipeline_evalsha):  # the Batcher's scripts go by name
+            pipe = client.pipeline(transaction=False)
+            queue(pipe, count_keys.sha, "t-x:{a}", "t-x:{b}")
+            with pytest.raises(RedisClusterException, match="same key slot"):
+                pipe.execute()
         pipe = client.pipeline(transaction=False)
         pipe.execute_command("EVALSHA", count_keys.sha, 1, "t-x:{a}")
         pipe.execute_command("EVALSHA", count_keys.sha, 1, "t-x:{b}")
         assert pipe.execute() == [1, 1]  # by name, a script in a cluster pipeline is routed by its keys
     finally:
         client.close()
+
+
+def pipeline_by_name(pipe: ClusterPipeline, sha: str, *keys: str) -> None:
+    pipe.execute_command("EVALSHA", sha, len(keys), *keys)
+
+
+def pipeline_evalsha(pipe: ClusterPipeline, sha: str, *keys: str) -> None:
+    """Refused in a cluster pipeline up to redis-py 8.1, routed by its keys as by name since 8.2."""
+    pipe.evalsha(sha, len(keys), *keys)
 
 
 def test_a_cluster_client_follows_a_slot_that_moves_ask_then_moved(redis_cluster: EmbeddedCluster) -> None:

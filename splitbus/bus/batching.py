@@ -50,10 +50,7 @@ class Batcher:
     async def _send(self, batch: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for command, args, kwargs, _ in batch:
-            if command == "evalsha":  # by name: a cluster pipeline refuses pipe.evalsha, and routes this by its keys
-                pipe.execute_command("EVALSHA", *args, **kwargs)
-            else:
-                getattr(pipe, command)(*args, **kwargs)
+            getattr(pipe, command)(*args, **kwargs)  # a cluster pipeline routes each, scripts by their keys
         self.pipelines += 1
         try:
             replies = await pipe.execute(raise_on_error=False)

@@ -7,8 +7,6 @@ the commands it got before:
 
 - blocking reads (``XREAD``, ``XREADGROUP``) name the primary of their slot: routed by redis-py,
   each costs two ``COMMAND GETKEYS`` round trips (their keys move with their arguments);
-- scripts in pipelines go by name (``EVALSHA``): a cluster pipeline refuses ``pipe.evalsha``
-  (``Batcher``, ``ResultWriter``);
 - result-reader tags are picked per primary from the slot map (:class:`SlotMap`), not hashed
   wherever they land.
 """
@@ -88,7 +86,7 @@ def _node(text: str) -> tuple[str, int]:
 
 
 class BusCluster(aioredis.RedisCluster):
-    """redis-py 8.1's asyncio cluster client, but for two things it does unlike the single-Redis
+    """redis-py 8's asyncio cluster client, but for two things it does unlike the single-Redis
     client under concurrency.
 
     **A full node pool.** redis-py's cluster client has no blocking pool: a node's full pool

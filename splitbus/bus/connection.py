@@ -13,11 +13,11 @@ from typing import Any, TypeVar, cast
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from splitbus.bus.cluster import BusCluster, is_cluster_url, parse_cluster_url
 from splitbus.bus.config import BusConfig
@@ -59,18 +59,40 @@ _SCRIPT_ERROR = re.compile(r"-(" + "|".join(TRANSIENT_CODES) + r")\b")
 
 
 class BusConnection(aioredis.Connection):
-    """redis-py's connection, but a write that meets a transport closed under it (uvloop raises
-    ``RuntimeError: unable to perform operation on <TCPTransport closed=True ...>; the handler is
-    closed``, seen when the server died while the connection was being set up) is the
-    ``ConnectionError`` it is: redis-py retries it, and the bus backs off, as after a reset."""
+    """redis-py's connection, but for two things a write can meet.
+
+    **A transport closed under it.** uvloop raises ``RuntimeError: unable to perform operation on
+    <TCPTransport closed=True ...>; the handler is closed`` (seen when the server died while the
+    connection was being set up): that is the ``ConnectionError`` it is, which redis-py retries
+    on a new connection and the bus backs off on, as after a reset.
+
+    **A cancel that arrives as the write completes.** redis-py bounds a write with
+    ``asyncio.wait_for``, which on Python 3.11 returns the write's result when the cancel and the
+    write's end meet in one turn of the loop: the cancel is lost, and a cancelled loop runs on
+    (seen with redis-py 8.2: a control server's task, cancelled, kept serving). Here the cancel is
+    raised once the write returns, and the connection dropped: the command's reply will never be
+    read, and must not be read as the next command's."""
 
     async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
+        cancels = cancels_requested()
         try:
             await super().send_packed_command(command, check_health)
         except RuntimeError as exc:
             if not closed_transport(exc):
                 raise
             raise RedisConnectionError(f"the connection closed under a write ({exc})") from None
+        if cancels_requested() > cancels:
+            await self.disconnect(nowait=True)
+            raise asyncio.CancelledError("cancelled as the write completed")
+
+
+def cancels_requested() -> int:
+    """How many cancels of the current task are pending: 0 outside a task, and on Python 3.10,
+    which does not count them (a cancel its ``wait_for`` loses stays lost there; 3.12's
+    ``wait_for`` no longer loses one)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 0
 
 
 def closed_transport(exc: BaseException) -> bool:
@@ -85,9 +107,9 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
     A full pool makes callers wait for a connection (redis-py's default pool raises at once; on
     a cluster, commands wait for one of ``max_connections`` places instead, and for a connection
     of a full node pool: :class:`~splitbus.bus.cluster.BusCluster`). RESP2 keeps reply shapes
-    identical on Redis 6.2 and 7. Retries are few and short: the bus's loops own reconnection
-    (with backoff), so a dead server surfaces in seconds, not the minute that redis-py 8's
-    defaults take. ``name`` is set with CLIENT SETNAME, so ``redis-cli CLIENT LIST`` shows which
+    identical on Redis 6.2 and 7. Retries are few and short, of connection errors only: the bus's
+    loops own reconnection (with backoff), so a dead server surfaces in seconds, not the minute
+    that redis-py 8's defaults take. ``name`` is set with CLIENT SETNAME, so ``redis-cli CLIENT LIST`` shows which
     part holds which connection.
     A ``redis+cluster://`` URL gives a ``RedisCluster`` with the same settings (see
     :func:`connect_cluster`).
@@ -135,7 +157,12 @@ def _client_settings(config: BusConfig, name: str | None) -> dict[str, Any]:
         "socket_timeout": config.socket_timeout_s,
         "socket_connect_timeout": min(config.socket_timeout_s, 2.0),
         "health_check_interval": 15,
-        "retry": Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries=2),
+        # A timeout is not retried: the command may have run (a blocked read may have been handed
+        # entries), so it reaches the caller, and the task feed looks for what that read was
+        # handed at once. The cluster client retries by its own list, with this one's count.
+        "retry": Retry(
+            ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries=2, supported_errors=(RedisConnectionError,)
+        ),
     }
 
 

@@ -181,8 +181,8 @@ class Reservations:
     async def drop(self, request_id: str, task_entry: str, client: aioredis.Redis | None = None) -> None:
         """Delete the reservation only if it is still the one the task ``task_entry`` made: the
         request may have moved here again, and its new task's reservation must stay. ``client``:
-        a pipeline to queue it in; on a cluster it runs at once instead (a cluster pipeline
-        refuses ``evalsha``, and the script call here loads the script where it is missing)."""
+        a pipeline to queue it in; on a cluster it runs at once instead (a cluster pipeline does not
+        load a script where it is missing; the script call here does)."""
         if as_cluster(self._redis) is not None:
             client = None
         await self._drop(keys=[self.keys.kv(request_id)], args=[task_entry], client=client)

