@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.connection import connect
 from splitbus.bus.runs import CellRun
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
-from tests.bus.slots import keys_of, slots
+from tests.bus.slots import watch_slots
 
 
 @pytest.fixture(autouse=True)
@@ -28,16 +27,7 @@ def one_slot_per_command(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     its keys in one hash slot, as Redis Cluster requires: checked on the command as packed for
     the wire, and reported at the test's end (an error raised inside the bus would be retried by
     its loops, not seen)."""
-    crossing: list[list[bytes]] = []
-    pack = AbstractConnection.pack_command
-
-    def checked(self: AbstractConnection, *args: object) -> list[bytes]:
-        keys = keys_of(args)
-        if keys and len(slots(keys)) > 1:
-            crossing.append(keys)
-        return pack(self, *args)  # type: ignore[arg-type]  # the args redis-py packs, passed on as they came
-
-    monkeypatch.setattr(AbstractConnection, "pack_command", checked)
+    crossing = watch_slots(monkeypatch)
     yield
     assert crossing == [], f"commands whose keys span hash slots: {crossing[:3]}"
 

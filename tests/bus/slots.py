@@ -8,6 +8,8 @@ import inspect
 import re
 from collections.abc import Sequence
 
+import pytest
+from redis.asyncio.connection import AbstractConnection
 from redis.crc import key_slot
 
 from splitbus.bus.keys import Keys
@@ -70,3 +72,23 @@ def keys_of(command: Sequence[object]) -> list[bytes] | None:
 def slots(keys: Sequence[bytes | str]) -> set[int]:
     """The hash slots of ``keys`` (Redis Cluster's CRC16 of each key's tag)."""
     return {key_slot(k if isinstance(k, bytes) else k.encode()) for k in keys}
+
+
+PACK = AbstractConnection.pack_command
+"""redis-py's own, taken before any test patches it."""
+
+
+def watch_slots(monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
+    """Record the keys of every command an asyncio client packs for the wire (in this process)
+    whose keys span hash slots, in the list returned, from now to the test's end: what
+    ``one_slot_per_command`` asserts empty. A second watch in a test replaces the first."""
+    crossing: list[list[bytes]] = []
+
+    def checked(self: AbstractConnection, *args: object) -> list[bytes]:
+        keys = keys_of(args)
+        if keys and len(slots(keys)) > 1:
+            crossing.append(keys)
+        return PACK(self, *args)  # type: ignore[arg-type]  # the args redis-py packs, passed on as they came
+
+    monkeypatch.setattr(AbstractConnection, "pack_command", checked)
+    return crossing

@@ -12,12 +12,14 @@ import re
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 import splitbus
 import splitbus.bus
+from splitbus.bus.config import BusConfig
 from splitbus.bus.keys import Keys
 from splitbus.bus.scripts import SCRIPTS, LuaScript
-from tests.bus.slots import key_names, keys_of, sample, slots
+from tests.bus.slots import key_names, keys_of, sample, slots, watch_slots
 
 ROOT = Path(splitbus.__file__).parent
 DOCS = ROOT.parent / "docs" / "bus.md"
@@ -138,3 +140,25 @@ def test_the_slot_check_finds_the_keys_a_command_must_keep_in_one_slot(
 def test_the_slot_check_tells_a_cross_slot_script() -> None:
     cross = ["EVALSHA", "f00", 2, "sb:out:{api-1.out.0}:r1", "sb:out:{api-2.out.0}:r2"]
     assert len(slots(keys_of(cross) or [])) == 2
+
+
+async def test_the_wire_check_sees_what_a_single_redis_lets_cross_slots(
+    redis: aioredis.Redis, bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single Redis runs a script or an XREAD over keys in many slots, and redis-py 8.2's
+    cluster pipeline takes ``pipe.evalsha``, which 8.1 refused: the suite-wide check on the wire
+    (``one_slot_per_command``) is what finds such a command, in a pipeline (the Batcher's and the
+    ResultWriter's way) as in a plain call. Each is recorded as it is packed."""
+    crossing = watch_slots(monkeypatch)  # this test's own record, so the fixture's stays empty
+    a, b = bus_config.keys.out("api-1", "r"), bus_config.keys.out("api-2", "r")
+    assert len(slots([a, b])) == 2
+    sha = await redis.script_load("return #KEYS")
+    pipe = redis.pipeline(transaction=False)
+    pipe.evalsha(sha, 2, a, b)
+    pipe.execute_command("EVALSHA", sha, 2, a, b)
+    assert await pipe.execute() == [2, 2]
+    assert await redis.evalsha(sha, 2, a, b) == 2
+    await redis.xadd(a, {"f": "1"})
+    await redis.xadd(b, {"f": "1"})
+    assert len(await redis.xread({a: "0", b: "0"})) == 2
+    assert crossing == [[a.encode(), b.encode()]] * 4
