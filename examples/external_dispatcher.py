@@ -17,13 +17,25 @@ group steps together, so its step lasts as long as that rank's). The prefill tas
 one group carry a batch id and the number of its ranks they went to, so those ranks prefill
 them in the same step. Then it prints every request's result stream until its final entry.
 
-``--redis-url`` (default: ``SPLITBUS_REDIS_URL``, then redis://127.0.0.1:6379/0; a Redis Cluster
-as ``redis+cluster://user:PASSWORD@host:port,host:port,...``: the client comes from splitbus's
-``connect_sync``, a ``redis.RedisCluster`` for such a URL, which sends each command to the
-node that serves its key; what one command names shares a hash tag, so it needs no more),
-``--prefix`` (default: ``SPLITBUS_PREFIX``, then ``sb``) and ``--cell`` (default:
-``SPLITBUS_CELL``, then ``main``): give a URL with a password through
-the environment, never on the command line, which other users of the machine can read.
+``--redis-url`` (default: ``SPLITBUS_REDIS_URL``, then redis://127.0.0.1:6379/0), ``--prefix``
+(default: ``SPLITBUS_PREFIX``, then ``sb``) and ``--cell`` (default: ``SPLITBUS_CELL``, then
+``main``): give a URL with a password through the environment, never on the command line, which
+other users of the machine can read.
+
+It needs redis-py only, no splitbus: the protocol is the contract, for a dispatcher in any
+language. The URL is what ``splitbus up`` gives its parts (``splitbus status`` shows it masked):
+
+- one Redis: ``redis://splitbus:PASSWORD@127.0.0.1:PORT/0`` (``rediss://`` for TLS), opened with
+  ``redis.Redis.from_url``. ``up``'s embedded Redis keeps the ``splitbus`` user's password in
+  ``DATA_DIR/redis/splitbus.password`` (mode 0600; ``DATA_DIR`` is ``.splitbus`` by default);
+- a Redis Cluster: ``redis+cluster://splitbus:PASSWORD@host:port,host:port,...`` (plain TCP), or
+  ``rediss+cluster://...?ssl_ca_certs=CA&ssl_certfile=CERT&ssl_keyfile=KEY``: TLS, the nodes'
+  certificates checked against CA, CERT and KEY the client's own (:func:`connect`). ``up
+  --redis-cluster N`` keeps the password in ``DATA_DIR/redis-cluster/splitbus.password`` and the
+  certificates in ``DATA_DIR/redis-cluster/tls/``: ``ca.crt``, ``client.crt``, ``client.key``
+  (0600, readable by the user who ran ``up`` only; a dispatcher run as another user needs copies).
+  A ``redis.RedisCluster`` sends each command to the node that serves its key; what one command
+  names shares a hash tag, so it needs no more.
 """
 
 from __future__ import annotations
@@ -36,10 +48,10 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, unquote
 
 import redis
-
-from splitbus.bus.connection import connect_sync
+from redis.cluster import ClusterNode
 
 READER = "external-dispatcher"
 """The API node the requests name, and so the hash tag of their result streams."""
@@ -302,6 +314,47 @@ def dp(r: redis.Redis, args: argparse.Namespace) -> int:
     return 0 if all("finish_reason" in end for end in ends.values()) else 1
 
 
+def connect(url: str) -> redis.Redis:
+    """A client for ``url``: ``redis.Redis.from_url``, or a ``redis.RedisCluster`` for a
+    ``redis+cluster://`` or ``rediss+cluster://`` URL (see the module's text). With TLS the nodes'
+    certificates are always verified: a listener that cannot show one the CA signed never gets
+    the password."""
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in ("redis+cluster", "rediss+cluster"):
+        return redis.Redis.from_url(url, decode_responses=True)
+    userinfo, _, location = rest.rpartition("@")
+    hosts, _, query = location.partition("?")
+    user, _, password = userinfo.partition(":")
+    cluster = redis.RedisCluster(
+        startup_nodes=[_node(part) for part in hosts.split("/")[0].split(",")],
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+        require_full_coverage=False,  # the other primaries' keys stay served while one fails over
+        decode_responses=True,
+        **(_tls(query) if scheme.lower() == "rediss+cluster" else {}),
+    )
+    return cluster  # the same command methods as redis.Redis
+
+
+def _tls(query: str) -> dict:
+    """redis-py's TLS settings from a ``rediss+cluster://`` URL's query (its names for ``rediss://``)."""
+    options = dict(parse_qsl(query))
+    return {
+        "ssl": True,
+        "ssl_cert_reqs": "required",
+        "ssl_ca_certs": options.get("ssl_ca_certs"),
+        "ssl_certfile": options.get("ssl_certfile"),
+        "ssl_keyfile": options.get("ssl_keyfile"),
+        "ssl_check_hostname": options.get("ssl_check_hostname", "true").lower() not in ("false", "no", "0"),
+    }
+
+
+def _node(text: str) -> ClusterNode:
+    """``host:port`` or ``[v6]:port``."""
+    host, _, port = text.rpartition(":")
+    return ClusterNode(host.strip("[]"), int(port))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", default=os.environ.get("SPLITBUS_REDIS_URL") or "redis://127.0.0.1:6379/0")
@@ -315,7 +368,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4, help="--dp: how many requests to spread over the ranks")
     args = parser.parse_args()
     args.names = Names(args.prefix, args.cell)
-    r = connect_sync(args.redis_url, decode_responses=True)  # redis.Redis, or RedisCluster for redis+cluster://
+    r = connect(args.redis_url)  # redis.Redis, or RedisCluster for redis+cluster:// and rediss+cluster://
     return dp(r, args) if args.dp else one_pair(r, args)
 
 

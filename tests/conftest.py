@@ -43,8 +43,10 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
     """A loopback Redis Cluster for the session: 3 primaries with a replica each, AOF on, the
-    same passwords and ACL rules as ``redis_server`` (started only by the tests that ask for it,
-    in ~1-2 s). A test that kills or restarts nodes starts a cluster of its own instead."""
+    same passwords and ACL rules as ``redis_server``, TLS on every port with its own CA, as ``up
+    --redis-cluster`` runs it (so it needs a redis-server built with TLS: Debian's, which .ci/run
+    installs). Started only by the tests that ask for it, in ~1-2 s. A test that kills or
+    restarts nodes starts a cluster of its own instead."""
     cluster = EmbeddedCluster(tmp_path_factory.mktemp("redis-cluster"), primaries=3, replicas=1)
     cluster.start()
     yield cluster

@@ -159,7 +159,8 @@ def test_the_splitbus_user_is_locked_down_on_every_node(redis_cluster: EmbeddedC
             with pytest.raises(NoPermissionError):
                 client.execute_command("CLUSTER", "RESET")
         password = (redis_cluster.data_dir / "replication.password").read_text().strip()
-        with redis.Redis(host=node.host, port=node.port, username="replicator", password=password) as client:
+        tls = redis_cluster.client_tls.settings() if redis_cluster.client_tls else {}
+        with redis.Redis(host=node.host, port=node.port, username="replicator", password=password, **tls) as client:
             with pytest.raises(NoPermissionError):
                 client.get("t-lock")
     for path in redis_cluster.data_dir.rglob("redis.conf"):
@@ -202,6 +203,7 @@ def _async_client(cluster: EmbeddedCluster) -> AsyncRedisCluster:
         socket_timeout=5.0,
         socket_connect_timeout=2.0,
         retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries=2),
+        **(cluster.client_tls.settings() if cluster.client_tls else {}),
     )
 
 

@@ -1,5 +1,5 @@
-"""Redis Cluster on the bus: the ``redis+cluster://`` URL, and the few commands that a cluster
-client sends differently (docs/cluster.md).
+"""Redis Cluster on the bus: the ``redis+cluster://`` and ``rediss+cluster://`` URLs, and the few
+commands that a cluster client sends differently (docs/cluster.md).
 
 The same code runs on a single Redis and on a cluster. Where the two clients differ, the bus asks
 :func:`as_cluster` and takes the cluster path only on a cluster, so a single Redis gets exactly
@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, quote, unquote
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline
@@ -27,16 +27,54 @@ from redis.exceptions import MaxConnectionsError, SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
 SCHEME = "redis+cluster"
+TLS_SCHEME = "rediss+cluster"
 MAX_NODES = 1000
 """Startup nodes one URL may name (a bound on what an environment variable makes us hold)."""
 _HOST = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)$")
 """A host name, an IPv4 address or a bracketed IPv6 one."""
 DEFAULT_PORT = 6379
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
+"""What a ``rediss+cluster://`` URL's query may set: redis-py's names for ``rediss://``."""
+_BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+@dataclass(frozen=True)
+class ClusterTls:
+    """TLS to every node of a cluster, the nodes' certificates always verified: a listener that
+    cannot show one the CA signed (for the host the client dialled, unless ``check_hostname`` is
+    off) gets a failed handshake, never the user's password."""
+
+    ca_certs: str | None = None
+    """The CA file the nodes' certificates must chain to (None: the system's trusted CAs)."""
+    certfile: str | None = None
+    """The client certificate, for a cluster that asks for one (``tls-auth-clients yes``)."""
+    keyfile: str | None = None
+    check_hostname: bool = True
+
+    def settings(self) -> dict[str, Any]:
+        """redis-py's keyword arguments, for a cluster client (sync or asyncio) or a node's."""
+        return {
+            "ssl": True,
+            "ssl_cert_reqs": "required",
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_check_hostname": self.check_hostname,
+        }
+
+    def query(self) -> str:
+        """This, as a URL's query (``?ssl_ca_certs=...``), or "" if it sets nothing."""
+        pairs = [("ssl_ca_certs", self.ca_certs), ("ssl_certfile", self.certfile), ("ssl_keyfile", self.keyfile)]
+        pairs += [] if self.check_hostname else [("ssl_check_hostname", "false")]
+        text = "&".join(f"{name}={quote(value, safe='/')}" for name, value in pairs if value)
+        return f"?{text}" if text else ""
 
 
 @dataclass(frozen=True)
 class ClusterUrl:
-    """``redis+cluster://[user[:password]@]host:port[,host:port...][/0]``, parsed."""
+    """``redis+cluster://[user[:password]@]host:port[,host:port...][/0]``, parsed; or
+    ``rediss+cluster://...[?ssl_ca_certs=FILE&ssl_certfile=FILE&ssl_keyfile=FILE]``: TLS to
+    every node (:class:`ClusterTls`)."""
 
     nodes: tuple[tuple[str, int], ...]
     """Startup nodes (host without brackets, port): any one that answers is enough for the
@@ -44,26 +82,67 @@ class ClusterUrl:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     """Never in ``repr``: a parsed URL may end up in a log line or a traceback."""
+    tls: ClusterTls | None = None
+    """None: plain TCP (``redis+cluster://``), the password and every prompt in clear."""
+
+    def client_settings(self) -> dict[str, Any]:
+        """Username, password and TLS as a cluster client's keyword arguments."""
+        return {"username": self.username, "password": self.password, **(self.tls.settings() if self.tls else {})}
+
+
+def cluster_url(user: str, password: str, nodes: list[tuple[str, int]], tls: ClusterTls | None = None) -> str:
+    """The URL of a cluster's ``nodes`` as ``user`` (``rediss+cluster://`` with ``tls``)."""
+    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in nodes)
+    scheme = SCHEME if tls is None else TLS_SCHEME
+    query = tls.query() if tls is not None else ""
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{hosts}{query}"
 
 
 def is_cluster_url(url: str) -> bool:
     """Whether ``url`` names a Redis Cluster (else it is a redis-py URL for one server)."""
-    return url[: len(SCHEME) + 3].lower() == f"{SCHEME}://"
+    return _scheme(url) in (SCHEME, TLS_SCHEME)
+
+
+def _scheme(url: str) -> str:
+    return url.partition("://")[0].lower() if "://" in url[: len(TLS_SCHEME) + 3] else ""
 
 
 def parse_cluster_url(url: str) -> ClusterUrl:
     """Read a cluster URL; ValueError (whose text never holds the password) if it is not one."""
     if not is_cluster_url(url):
-        raise ValueError(f"not a {SCHEME}:// URL")
-    userinfo, _, location = url[len(SCHEME) + 3 :].rpartition("@")
+        raise ValueError(f"not a {SCHEME}:// or {TLS_SCHEME}:// URL")
+    scheme = _scheme(url)
+    userinfo, _, location = url[len(scheme) + 3 :].rpartition("@")
+    location, _, query = location.partition("?")
     hosts, _, path = location.partition("/")
-    if path not in ("", "0") or any(c in location for c in "?#"):
-        raise ValueError(f"a {SCHEME} URL takes no path but /0, and no query: a cluster has one database")
+    if path not in ("", "0") or "#" in location + query:
+        raise ValueError(f"a {scheme} URL takes no path but /0: a cluster has one database")
+    if query and scheme == SCHEME:
+        raise ValueError(f"a {SCHEME} URL takes no query; TLS options go in a {TLS_SCHEME} URL")
     user, has_password, password = userinfo.partition(":")
     return ClusterUrl(
         nodes=_nodes(hosts),
         username=unquote(user) or None,
         password=unquote(password) if has_password and password else None,
+        tls=_tls(query) if scheme == TLS_SCHEME else None,
+    )
+
+
+def _tls(query: str) -> ClusterTls:
+    """A ``rediss+cluster`` URL's query; an option it does not know is refused, not ignored
+    (a misspelt ``ssl_ca_certs`` would silently trust the system's CAs instead)."""
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, max_num_fields=len(TLS_OPTIONS) + 1):
+        if name not in TLS_OPTIONS or name in options or not value:
+            raise ValueError(f"a {TLS_SCHEME} URL takes each of {', '.join(TLS_OPTIONS)} once, with a value")
+        options[name] = value
+    if "ssl_keyfile" in options and "ssl_certfile" not in options:
+        raise ValueError("ssl_keyfile in a cluster URL needs ssl_certfile (the certificate it is the key of)")
+    check = options.get("ssl_check_hostname", "true").lower()
+    if check not in _BOOLEANS:
+        raise ValueError("ssl_check_hostname in a cluster URL is true or false")
+    return ClusterTls(
+        options.get("ssl_ca_certs"), options.get("ssl_certfile"), options.get("ssl_keyfile"), _BOOLEANS[check]
     )
 
 

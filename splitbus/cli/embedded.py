@@ -13,28 +13,24 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import redis
 
-from splitbus.bus.cluster import SCHEME as CLUSTER_SCHEME
 from splitbus.bus.cluster import ClusterUrl as ClusterUrl  # re-exported for the CLI
+from splitbus.bus.cluster import cluster_url as cluster_url
 from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
+from splitbus.cluster_tls import TlsFiles
+from splitbus.redis_cluster import TLS_FOLDER, client_port, client_tls
 from splitbus.redis_server import ADMIN_USER, SPLITBUS_USER, embedded_url, read_secret
 
 SINGLE_FOLDER = "redis"
 CLUSTER_FOLDER = "redis-cluster"
 _BIND = re.compile(r"^bind (\S+)", re.MULTILINE)
-_PORT = re.compile(r"^port (\d+)", re.MULTILINE)
+_TLS = re.compile(r"^tls-port \d+", re.MULTILINE)
 _NODE = re.compile(r"node-(\d+)")
 
 SyncClient = redis.Redis | redis.RedisCluster
 """What ``status`` reads with: a client of one Redis or of a cluster (the same commands)."""
-
-
-def cluster_url(user: str, password: str, nodes: list[tuple[str, int]]) -> str:
-    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in nodes)
-    return f"{CLUSTER_SCHEME}://{quote(user, safe='')}:{quote(password, safe='')}@{hosts}"
 
 
 def sync_client(url: str, **kwargs: Any) -> SyncClient:
@@ -46,21 +42,23 @@ def sync_client(url: str, **kwargs: Any) -> SyncClient:
 
     parsed = parse_cluster_url(url)
     nodes = [ClusterNode(host, port) for host, port in parsed.nodes]
-    return redis.RedisCluster(startup_nodes=nodes, username=parsed.username, password=parsed.password, **kwargs)
+    return redis.RedisCluster(startup_nodes=nodes, **parsed.client_settings(), **kwargs)
 
 
 def embedded_cluster_url(folder: Path, admin: bool = False) -> str | None:
     """The URL of the embedded cluster last started in ``folder`` (None if there never was
-    one): every node's host and port from its redis.conf, the password from its file."""
+    one): every node's host and port from its redis.conf, the password from its file, and on a
+    TLS cluster (``rediss+cluster://``) the CA and client certificate of its ``tls/`` folder."""
     confs = sorted(Path(folder).glob("node-*/redis.conf"), key=_node_index)
     user, name = (ADMIN_USER, "admin.password") if admin else (SPLITBUS_USER, "splitbus.password")
     try:
         password = read_secret(Path(folder) / name)
-        nodes = [_address(conf.read_text()) for conf in confs]
+        texts = [conf.read_text() for conf in confs]
     except OSError:
         return None
-    found = [node for node in nodes if node is not None]
-    return cluster_url(user, password, found) if found else None
+    found = [node for node in map(_address, texts) if node is not None]
+    tls = client_tls(TlsFiles(Path(folder) / TLS_FOLDER)) if any(_TLS.search(text) for text in texts) else None
+    return cluster_url(user, password, found, tls) if found else None
 
 
 def _node_index(conf: Path) -> int:
@@ -69,8 +67,8 @@ def _node_index(conf: Path) -> int:
 
 
 def _address(conf: str) -> tuple[str, int] | None:
-    host, port = _BIND.search(conf), _PORT.search(conf)
-    return (host.group(1), int(port.group(1))) if host and port else None
+    host, port = _BIND.search(conf), client_port(conf)
+    return (host.group(1), port) if host and port else None
 
 
 def embedded_bus_url(data_dir: Path, admin: bool = False) -> str | None:

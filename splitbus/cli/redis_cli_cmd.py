@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from splitbus.bus.cluster import ClusterTls
 from splitbus.cli.common import add_redis_url_argument, data_dir, redis_url
 from splitbus.env import Env
 from splitbus.masking import mask_text
@@ -69,12 +70,13 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     return args
 
 
-def find_cli() -> str:
-    """The redis-cli beside the redis-server splitbus runs, else one on PATH."""
-    from splitbus.redis_server import RedisServerError, find_redis_server
+def find_cli(tls: bool = False) -> str:
+    """The redis-cli beside the redis-server splitbus runs (``tls``: the one the embedded cluster
+    runs, built with TLS), else one on PATH."""
+    from splitbus.redis_server import RedisServerError, find_redis_server, find_tls_redis_server
 
     try:
-        beside = Path(find_redis_server()).with_name("redis-cli")
+        beside = Path(find_tls_redis_server() if tls else find_redis_server()).with_name("redis-cli")
     except RedisServerError:
         beside = None
     found = str(beside) if beside and os.access(beside, os.X_OK) else shutil.which("redis-cli")
@@ -128,14 +130,23 @@ def connection_options(url: str) -> tuple[list[str], str | None]:
 
 def cluster_options(url: str) -> tuple[list[str], str | None]:
     """For a ``redis+cluster://`` URL: its first node, in cluster mode (``-c``: redis-cli
-    follows MOVED and ASK to the node that serves a key)."""
+    follows MOVED and ASK to the node that serves a key); for ``rediss+cluster://``, over TLS
+    with the URL's CA and client certificate."""
     from splitbus.bus.cluster import parse_cluster_url
 
     parsed = parse_cluster_url(url)
     host, port = parsed.nodes[0]
     options = ["-c", "-h", host, "-p", str(port)]
     options += ["--user", parsed.username] if parsed.username else []
-    return options, parsed.password
+    return options + _tls_options(parsed.tls), parsed.password
+
+
+def _tls_options(tls: ClusterTls | None) -> list[str]:
+    """A ``rediss+cluster://`` URL's CA and client certificate, as redis-cli takes them."""
+    if tls is None:
+        return []
+    files = [("--cacert", tls.ca_certs), ("--cert", tls.certfile), ("--key", tls.keyfile)]
+    return ["--tls", *(arg for option, path in files if path for arg in (option, path))]
 
 
 def child_environment(environ: Mapping[str, str], password: str | None) -> dict[str, str]:
@@ -145,8 +156,8 @@ def child_environment(environ: Mapping[str, str], password: str | None) -> dict[
 
 def run(args: argparse.Namespace, env: Env) -> int:
     try:
-        cli = find_cli()
         options, password = connection_options(target_url(args, env))
+        cli = find_cli(tls="--tls" in options)
     except ValueError as exc:
         print(f"splitbus redis-cli: {mask_text(str(exc))}", file=sys.stderr)
         return 2

