@@ -78,7 +78,11 @@ class Rogue:
         self.proc = subprocess.Popen([find_tls_redis_server(), *args], stdout=subprocess.DEVNULL)
         # RESP2: no HELLO of its own, so a HELLO counted here is a client's, with its password
         self.client = redis.Redis(port=self.port, protocol=2, decode_responses=True, **self._client_tls())
-        _until(self._ready, "the rogue node to start")
+        try:
+            _until(self._ready, "the rogue node to start")
+        except BaseException:
+            self.stop()
+            raise
 
     def _tls_args(self, tls: TlsFiles) -> list[str]:
         return [
