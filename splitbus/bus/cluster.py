@@ -26,6 +26,8 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import MaxConnectionsError, SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
+from splitbus.bus.wire import guarded
+
 SCHEME = "redis+cluster"
 TLS_SCHEME = "rediss+cluster"
 MAX_NODES = 1000
@@ -165,8 +167,13 @@ def _node(text: str) -> tuple[str, int]:
 
 
 class BusCluster(aioredis.RedisCluster):
-    """redis-py 8's asyncio cluster client, but for two things it does unlike the single-Redis
-    client under concurrency.
+    """redis-py 8's asyncio cluster client, but on the single-Redis client's connections, and for
+    two things it does unlike the single-Redis client under concurrency.
+
+    **The bus's connections.** Every node's connections are the single-Redis client's,
+    :class:`~splitbus.bus.wire.BusConnection` (``BusSSLConnection`` on TLS): a write to a
+    transport closed under it is a ``ConnectionError``, and a cancel that meets a write's end is
+    not lost (redis-py alone: a cancelled task may run on). See :meth:`_guard_connections`.
 
     **A full node pool.** redis-py's cluster client has no blocking pool: a node's full pool
     raises ``MaxConnectionsError`` at once, and a pipeline that meets it (a ``ConnectionError``)
@@ -195,6 +202,29 @@ class BusCluster(aioredis.RedisCluster):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gate = asyncio.Semaphore(int(kwargs.get("max_connections", 100)))
+        self._guard_connections()
+
+    def _guard_connections(self) -> None:
+        """Swap redis-py's connection class for the bus's, on every node this client has made or
+        will make.
+
+        redis-py 8.2's ``RedisCluster`` takes no connection class: its ``__init__`` puts
+        ``Connection``, or ``SSLConnection`` with ``ssl=True``, in one dict of node settings, its
+        ``connection_kwargs``, which it hands to its ``NodesManager`` (the same dict, kept as the
+        manager's ``connection_kwargs``). Every ``ClusterNode`` after ``__init__`` is built from
+        the manager's dict: the slot map's nodes at each refresh, a MOVED's new node, a refresh's
+        extra startup nodes, a pipeline's parser node; and a node opens its connections with the
+        class it was built with. By the end of ``__init__`` only the startup nodes exist, none
+        connected yet. So the class is set in that dict, through the client's name for it and the
+        manager's (one dict in 8.2; both, should a later redis-py copy it), and on the startup
+        nodes, once, here: no redis-py method is overridden (a private one, ``acquire_connection``
+        or ``move_slot``, would be a hook per path, and one a release may rename), and a redis-py
+        that picked another class fails here (``guarded``) rather than run unguarded."""
+        settings = self.nodes_manager.connection_kwargs
+        bus_class = guarded(settings["connection_class"])
+        settings["connection_class"] = self.connection_kwargs["connection_class"] = bus_class
+        for node in [*self.startup_nodes, *self.nodes_manager.startup_nodes.values()]:
+            node.connection_class = bus_class
 
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
         async with self._gate:

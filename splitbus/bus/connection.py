@@ -7,7 +7,7 @@ import contextlib
 import logging
 import random
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import redis
@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from splitbus.bus.cluster import BusCluster, is_cluster_url, parse_cluster_url
 from splitbus.bus.config import BusConfig
+from splitbus.bus.wire import BusConnection, closed_transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,48 +57,6 @@ limit), MISCONF (a failed background save stops writes until one succeeds), NORE
 inside a script as ``ERR Error running script (...): @user_script:1: -OOM command not allowed``,
 so the code is looked for after a ``-`` too."""
 _SCRIPT_ERROR = re.compile(r"-(" + "|".join(TRANSIENT_CODES) + r")\b")
-
-
-class BusConnection(aioredis.Connection):
-    """redis-py's connection, but for two things a write can meet.
-
-    **A transport closed under it.** uvloop raises ``RuntimeError: unable to perform operation on
-    <TCPTransport closed=True ...>; the handler is closed`` (seen when the server died while the
-    connection was being set up): that is the ``ConnectionError`` it is, which redis-py retries
-    on a new connection and the bus backs off on, as after a reset.
-
-    **A cancel that arrives as the write completes.** redis-py bounds a write with
-    ``asyncio.wait_for``, which on Python 3.11 returns the write's result when the cancel and the
-    write's end meet in one turn of the loop: the cancel is lost, and a cancelled loop runs on
-    (seen with redis-py 8.2: a control server's task, cancelled, kept serving). Here the cancel is
-    raised once the write returns, and the connection dropped: the command's reply will never be
-    read, and must not be read as the next command's."""
-
-    async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
-        cancels = cancels_requested()
-        try:
-            await super().send_packed_command(command, check_health)
-        except RuntimeError as exc:
-            if not closed_transport(exc):
-                raise
-            raise RedisConnectionError(f"the connection closed under a write ({exc})") from None
-        if cancels_requested() > cancels:
-            await self.disconnect(nowait=True)
-            raise asyncio.CancelledError("cancelled as the write completed")
-
-
-def cancels_requested() -> int:
-    """How many cancels of the current task are pending: 0 outside a task, and on Python 3.10,
-    which does not count them (a cancel its ``wait_for`` loses stays lost there; 3.12's
-    ``wait_for`` no longer loses one)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return cancelling() if cancelling is not None else 0
-
-
-def closed_transport(exc: BaseException) -> bool:
-    """Whether ``exc`` is uvloop's error for a write to a closed transport (a lost connection)."""
-    return isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
 
 
 def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = None) -> aioredis.Redis:
@@ -207,7 +166,7 @@ async def wait_until_reachable(redis: aioredis.Redis, stop: Callable[[], bool] =
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` means Redis refuses or cannot be reached for now (back off, retry), as
     opposed to an error that retrying cannot fix."""
-    if isinstance(exc, TRANSIENT_ERRORS) or closed_transport(exc):  # the latter: a cluster node's connection
+    if isinstance(exc, TRANSIENT_ERRORS) or closed_transport(exc):  # the latter: met outside a guarded write
         return True
     if not isinstance(exc, ResponseError):
         return False

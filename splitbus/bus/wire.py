@@ -1,0 +1,79 @@
+"""The bus's connection to one Redis server, a single Redis or a cluster node (docs/bus.md,
+"redis-py settings"): redis-py's, plain or TLS, guarded for two things a write can meet
+(:class:`GuardedWrites`). Apart from :mod:`splitbus.bus.connection`, whose ``connect`` builds
+single-Redis pools of them, so that :mod:`splitbus.bus.cluster` can give every node of a
+cluster client the same class without importing the module that imports it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+
+class GuardedWrites(AbstractConnection):
+    """A redis-py connection, but for two things a write can meet (mixed into
+    :class:`BusConnection` and :class:`BusSSLConnection`, before redis-py's class).
+
+    **A transport closed under it.** uvloop raises ``RuntimeError: unable to perform operation on
+    <TCPTransport closed=True ...>; the handler is closed`` (seen when the server died while the
+    connection was being set up): that is the ``ConnectionError`` it is, which redis-py retries
+    on a new connection and the bus backs off on, as after a reset.
+
+    **A cancel that arrives as the write completes.** redis-py bounds a write with
+    ``asyncio.wait_for``, which on Python 3.11 returns the write's result when the cancel and the
+    write's end meet in one turn of the loop: the cancel is lost, and a cancelled loop runs on
+    (seen with redis-py 8.2: a control server's task, cancelled, kept serving). Here the cancel is
+    raised once the write returns, and the connection dropped: the command's reply will never be
+    read, and must not be read as the next command's."""
+
+    async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
+        cancels = cancels_requested()
+        try:
+            await super().send_packed_command(command, check_health)
+        except RuntimeError as exc:
+            if not closed_transport(exc):
+                raise
+            raise RedisConnectionError(f"the connection closed under a write ({exc})") from None
+        if cancels_requested() > cancels:
+            await self.disconnect(nowait=True)
+            raise asyncio.CancelledError("cancelled as the write completed")
+
+
+class BusConnection(GuardedWrites, aioredis.Connection):
+    """redis-py's TCP connection, its writes guarded (:class:`GuardedWrites`)."""
+
+
+class BusSSLConnection(GuardedWrites, aioredis.SSLConnection):
+    """redis-py's TLS connection, its writes guarded (:class:`GuardedWrites`)."""
+
+
+def guarded(connection_class: type[aioredis.Connection]) -> type[aioredis.Connection]:
+    """The bus's class for redis-py's ``connection_class`` (a bus class stays itself). Any other
+    class is a TypeError, not left unguarded: a redis-py that picks another class for its
+    cluster nodes fails the first client it builds, in the tests, rather than running without
+    the guards."""
+    if issubclass(connection_class, GuardedWrites):
+        return connection_class
+    if connection_class is aioredis.SSLConnection:
+        return BusSSLConnection
+    if connection_class is aioredis.Connection:
+        return BusConnection
+    raise TypeError(f"no guarded form of {connection_class.__qualname__} for the bus")
+
+
+def cancels_requested() -> int:
+    """How many cancels of the current task are pending: 0 outside a task, and on Python 3.10,
+    which does not count them (a cancel its ``wait_for`` loses stays lost there; 3.12's
+    ``wait_for`` no longer loses one)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 0
+
+
+def closed_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` is uvloop's error for a write to a closed transport (a lost connection)."""
+    return isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
