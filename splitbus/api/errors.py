@@ -92,22 +92,23 @@ class RequestTimeout(ApiError):
         return {"Connection": "close"}  # the rest of the body may still come: do not parse it as a request
 
 
-class PayloadTooLarge(ApiError):
+class BodyNotRead(ApiError):
+    """Refused before its body was read."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}  # the body is not read: close rather than drain it
+
+
+class PayloadTooLarge(BodyNotRead):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
 
-    def headers(self) -> dict[str, str]:
-        return {"Connection": "close"}  # the body is not read: close rather than drain it
 
-
-class UnsupportedMediaType(ApiError):
+class UnsupportedMediaType(BodyNotRead):
     status = 415
     type = "invalid_request_error"
     code = "unsupported_media_type"
-
-    def headers(self) -> dict[str, str]:
-        return {"Connection": "close"}  # the body is not read: close rather than drain it
 
 
 class ContextLengthExceeded(BadRequest):
