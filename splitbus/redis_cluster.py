@@ -40,6 +40,7 @@ from redis.cluster import ClusterNode
 from redis.crc import key_slot
 
 from splitbus.bus.cluster import ClusterTls, cluster_url
+from splitbus.bus.wire import PinnedSSLConnection
 from splitbus.cluster_tls import TlsFiles, ensure_tls_files
 from splitbus.redis_server import (
     ADMIN_USER,
@@ -177,6 +178,13 @@ class ClusterNodeServer(EmbeddedRedis):
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGKILL)
         self.stop()
+
+    def admin_client(self, **kwargs: object) -> redis.Redis:
+        """As the single Redis's, on a TLS node trusting the cluster's CA alone (a listener on a
+        dead node's port, with any other certificate, gets no admin password)."""
+        if self.tls is not None:
+            kwargs.setdefault("connection_class", PinnedSSLConnection)
+        return super().admin_client(**kwargs)
 
     def admin(self) -> redis.Redis:
         """The node's admin client (one, kept until :meth:`stop`: health checks poll it)."""
@@ -368,7 +376,7 @@ class EmbeddedCluster:
         """A sync cluster client as the ``splitbus`` user (``admin``: the ``default`` user)."""
         user, password = (ADMIN_USER, self.admin_password) if admin else (SPLITBUS_USER, self.password)
         nodes = [ClusterNode(host, port) for host, port in self.startup_nodes]
-        tls = self.client_tls.settings() if self.client_tls else {}
+        tls = self.client_tls.settings(sync=True) if self.client_tls else {}
         return redis.RedisCluster(startup_nodes=nodes, username=user, password=password, **tls, **kwargs)
 
     def __enter__(self) -> EmbeddedCluster:

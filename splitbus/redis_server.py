@@ -409,7 +409,7 @@ class EmbeddedRedis:
     def wait_ready(self, timeout_s: float) -> None:
         """Until the server, our child, has loaded its dataset: it answers LOADING to every
         command before, and clients that took that as an error died at start-up."""
-        client = redis.Redis.from_url(self.admin_url, socket_timeout=1, retry=None)
+        client = self.admin_client(socket_timeout=1, retry=None)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:

@@ -26,7 +26,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import MaxConnectionsError, SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
-from splitbus.bus.wire import guarded
+from splitbus.bus.wire import PinnedSSLConnection, guarded
 
 SCHEME = "redis+cluster"
 TLS_SCHEME = "rediss+cluster"
@@ -53,8 +53,10 @@ class ClusterTls:
     keyfile: str | None = None
     check_hostname: bool = True
 
-    def settings(self) -> dict[str, Any]:
-        """redis-py's keyword arguments, for a cluster client (sync or asyncio) or a node's."""
+    def settings(self, sync: bool = False) -> dict[str, Any]:
+        """redis-py's keyword arguments, for the bus's asyncio cluster client (whose nodes connect
+        on :class:`~splitbus.bus.wire.BusSSLConnection`) or, ``sync``, a synchronous one (on
+        :class:`~splitbus.bus.wire.PinnedSSLConnection`): either trusts ``ca_certs`` alone."""
         return {
             "ssl": True,
             "ssl_cert_reqs": "required",
@@ -62,6 +64,7 @@ class ClusterTls:
             "ssl_certfile": self.certfile,
             "ssl_keyfile": self.keyfile,
             "ssl_check_hostname": self.check_hostname,
+            **({"connection_class": PinnedSSLConnection} if sync else {}),
         }
 
     def query(self) -> str:
@@ -87,9 +90,11 @@ class ClusterUrl:
     tls: ClusterTls | None = None
     """None: plain TCP (``redis+cluster://``), the password and every prompt in clear."""
 
-    def client_settings(self) -> dict[str, Any]:
-        """Username, password and TLS as a cluster client's keyword arguments."""
-        return {"username": self.username, "password": self.password, **(self.tls.settings() if self.tls else {})}
+    def client_settings(self, sync: bool = False) -> dict[str, Any]:
+        """Username, password and TLS as a cluster client's keyword arguments (``sync``: for a
+        ``redis.RedisCluster``, see :meth:`ClusterTls.settings`)."""
+        tls = self.tls.settings(sync) if self.tls else {}
+        return {"username": self.username, "password": self.password, **tls}
 
 
 def cluster_url(user: str, password: str, nodes: list[tuple[str, int]], tls: ClusterTls | None = None) -> str:
@@ -143,6 +148,9 @@ def _tls(query: str) -> ClusterTls:
     check = options.get("ssl_check_hostname", "true").lower()
     if check not in _BOOLEANS:
         raise ValueError("ssl_check_hostname in a cluster URL is true or false")
+    if not _BOOLEANS[check] and "ssl_ca_certs" not in options:
+        # Unchecked names against the system's CAs: any public certificate, for any name, would pass.
+        raise ValueError("ssl_check_hostname=false in a cluster URL needs ssl_ca_certs (a CA of the cluster's own)")
     return ClusterTls(
         options.get("ssl_ca_certs"), options.get("ssl_certfile"), options.get("ssl_keyfile"), _BOOLEANS[check]
     )

@@ -134,7 +134,7 @@ def connect_sync(url: str, **settings: Any) -> redis.Redis:
     cluster = redis.RedisCluster(
         startup_nodes=[redis.cluster.ClusterNode(host, port) for host, port in parsed.nodes],
         require_full_coverage=False,
-        **parsed.client_settings(),
+        **parsed.client_settings(sync=True),
         **settings,
     )
     return cast(redis.Redis, cluster)  # as in connect(): the same command methods

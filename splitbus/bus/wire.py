@@ -7,8 +7,12 @@ cluster client the same class without importing the module that imports it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import functools
+import ssl
+from collections.abc import Iterable, Mapping
+from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -48,7 +52,41 @@ class BusConnection(GuardedWrites, aioredis.Connection):
 
 
 class BusSSLConnection(GuardedWrites, aioredis.SSLConnection):
-    """redis-py's TLS connection, its writes guarded (:class:`GuardedWrites`)."""
+    """redis-py's TLS connection, its writes guarded (:class:`GuardedWrites`), that trusts its
+    ``ssl_ca_certs`` alone where it names one (:func:`pinned_context`)."""
+
+    def _connection_arguments(self) -> Mapping[str, Any]:
+        arguments = dict(super()._connection_arguments())
+        if self.ca_certs is not None:
+            arguments["ssl"] = pinned_context(self.ca_certs, self.certfile, self.keyfile, self.check_hostname)
+        return arguments
+
+
+class PinnedSSLConnection(redis.SSLConnection):
+    """redis-py's synchronous TLS connection, trusting its ``ssl_ca_certs`` alone where it names
+    one (:func:`pinned_context`): the CLI's, the tests' and the embedded cluster's own clients."""
+
+    def _build_ssl_context(self) -> ssl.SSLContext:
+        if self.ca_certs is None:
+            return super()._build_ssl_context()
+        return pinned_context(self.ca_certs, self.certfile, self.keyfile, self.check_hostname)
+
+
+@functools.lru_cache(maxsize=16)
+def pinned_context(ca_certs: str, certfile: str | None, keyfile: str | None, check_hostname: bool) -> ssl.SSLContext:
+    """A TLS client context that verifies the server's certificate against ``ca_certs`` and no
+    other CA. redis-py starts from ``ssl.create_default_context()``, which loads the system's
+    trusted CAs, and adds ``ssl_ca_certs`` to them: a listener with a certificate from any CA of
+    the system store (a company's, mkcert's; with host names unchecked, any public one) then passed
+    as a cluster node and was sent the password. One context per set of files, as redis-py shares
+    its own (a certificate reissued under the same CA is read by the next process)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, host names checked
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = check_hostname
+    context.load_verify_locations(cafile=ca_certs)
+    if certfile:
+        context.load_cert_chain(certfile, keyfile)
+    return context
 
 
 def guarded(connection_class: type[aioredis.Connection]) -> type[aioredis.Connection]:

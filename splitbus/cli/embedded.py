@@ -42,7 +42,7 @@ def sync_client(url: str, **kwargs: Any) -> SyncClient:
 
     parsed = parse_cluster_url(url)
     nodes = [ClusterNode(host, port) for host, port in parsed.nodes]
-    return redis.RedisCluster(startup_nodes=nodes, **parsed.client_settings(), **kwargs)
+    return redis.RedisCluster(startup_nodes=nodes, **parsed.client_settings(sync=True), **kwargs)
 
 
 def embedded_cluster_url(folder: Path, admin: bool = False) -> str | None:

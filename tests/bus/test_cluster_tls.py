@@ -32,7 +32,7 @@ def test_a_tls_cluster_url_names_its_ca_and_client_certificate() -> None:
     assert url == ClusterUrl(((("h", 1), ("h", 2))), "u", "pw", ClusterTls("/a b/ca.crt", "/c/client.crt", "/c/k"))
     assert url.client_settings()["ssl_cert_reqs"] == "required" and url.client_settings()["ssl_check_hostname"]
     assert parse_cluster_url("rediss+cluster://h:1").tls == ClusterTls()  # the system's CAs
-    unchecked = parse_cluster_url("rediss+cluster://h:1?ssl_check_hostname=false").tls
+    unchecked = parse_cluster_url("rediss+cluster://h:1?ssl_ca_certs=/ca&ssl_check_hostname=false").tls
     assert unchecked is not None and not unchecked.check_hostname
     tls = ClusterTls("/a b/ca.crt", "/c/client.crt", "/c/k", check_hostname=False)
     assert parse_cluster_url(cluster_url("u", "p@w", [("h", 1), ("::1", 2)], tls)).tls == tls
@@ -47,6 +47,7 @@ def test_a_tls_cluster_url_names_its_ca_and_client_certificate() -> None:
         "rediss+cluster://h:1?ssl_ca_certs=",
         "rediss+cluster://h:1?ssl_keyfile=/k",
         "rediss+cluster://h:1?ssl_check_hostname=maybe",
+        "rediss+cluster://h:1?ssl_check_hostname=false",  # any public certificate would do, for any name
         "redis+cluster://h:1?ssl_ca_certs=/a",
     ],
 )
@@ -98,10 +99,15 @@ class Listener:
         self.sock.close()
 
 
-@pytest.fixture(params=["plain", "foreign-ca"])
-def listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listener]:
-    """A plain TCP listener, or a TLS one whose certificate another CA signed."""
-    found = Listener(ensure_tls_files(tmp_path / "other-ca", "127.0.0.1") if request.param == "foreign-ca" else None)
+@pytest.fixture(params=["plain", "foreign-ca", "system-ca"])
+def listener(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Listener]:
+    """A plain TCP listener, or a TLS one whose certificate another CA signed: one the process
+    does not trust, or (``system-ca``) one of the system's trusted CAs, as a company's or mkcert's
+    CA is (``SSL_CERT_FILE``, which ``ssl.create_default_context`` reads)."""
+    other = None if request.param == "plain" else ensure_tls_files(tmp_path / "other-ca", "127.0.0.1")
+    if request.param == "system-ca" and other is not None:
+        monkeypatch.setenv("SSL_CERT_FILE", str(other.ca_cert))
+    found = Listener(other)
     yield found
     found.close()
 
@@ -142,6 +148,34 @@ async def test_the_bus_client_sends_no_credentials_to_a_listener_outside_the_clu
     finally:
         await client.aclose()
     _received_no_credentials(listener, redis_cluster)
+
+
+def test_redis_pys_own_tls_client_would_send_the_password_to_a_listener_the_system_trusts(
+    redis_cluster: EmbeddedCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why the bus's TLS connections trust the cluster's CA alone: redis-py's own load the system's
+    CAs and add ``ssl_ca_certs`` to them, so a listener whose certificate one of the system's CAs
+    signed is taken for a node (what the ``system-ca`` listener above shows the bus refusing)."""
+    other = ensure_tls_files(tmp_path / "other-ca", "127.0.0.1")
+    monkeypatch.setenv("SSL_CERT_FILE", str(other.ca_cert))
+    listener = Listener(other)
+    ca = tmp_path / "cluster-ca.crt"  # a path of its own: redis-py shares contexts by their files
+    ca.write_bytes(Path(str(redis_cluster.client_tls.ca_certs if redis_cluster.client_tls else "")).read_bytes())
+    assert redis_cluster.client_tls is not None
+    tls = ClusterTls(str(ca), redis_cluster.client_tls.certfile, redis_cluster.client_tls.keyfile)
+    try:
+        with contextlib.suppress(RedisClusterException, redis.RedisError, OSError):
+            redis.RedisCluster(
+                startup_nodes=[redis.cluster.ClusterNode("127.0.0.1", listener.port)],
+                username="splitbus",
+                password=redis_cluster.password,
+                socket_timeout=1,
+                socket_connect_timeout=1,
+                **tls.settings(),  # no connection_class: redis-py's SSLConnection
+            ).close()
+        assert redis_cluster.password.encode() in listener.received
+    finally:
+        listener.close()
 
 
 def test_a_plain_cluster_client_would_send_the_password_to_that_listener(redis_cluster: EmbeddedCluster) -> None:
