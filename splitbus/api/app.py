@@ -170,17 +170,18 @@ def _is_ip_address(name: str) -> bool:
 
 
 class RequireKnownHost:
-    """Without API keys, ``/v1/*`` serves only requests whose Host names this server (421
+    """Without API keys, the API serves only requests whose Host names this server (421
     otherwise): a web page that rebinds its own domain name to this address (DNS rebinding)
-    sends its domain as the Host, and is refused before it can read an answer. Probes and
-    metrics stay open, as they do with keys; a request without a Host is not a browser's."""
+    sends its domain as the Host, and is refused before it can read an answer, the probes',
+    the metrics' and the OpenAPI document's included (they name the served models). A probe
+    dials an address, which is a known name; a request without a Host is not a browser's."""
 
     def __init__(self, app: ASGIApp, names: frozenset[str] | None) -> None:
         self.app = app
         self.names = names
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.names is not None and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and self.names is not None:
             host = dict(scope["headers"]).get(b"host")
             if host is not None and not host_is_known(host.decode("latin-1"), self.names):
                 refused = MisdirectedRequest(

@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument(
         "--allowed-hosts",
         default="",
-        help="comma-separated Host names /v1 answers to when no API key is set, beside IP addresses, localhost "
+        help="comma-separated Host names the API answers to when no API key is set, beside IP addresses, localhost "
         "and --host ('*': any; others get 421)",
     )
     p.add_argument("--max-inflight", type=int, default=1024, help="requests in flight before 429 (default %(default)s)")

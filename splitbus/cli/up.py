@@ -85,7 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument(
         "--allowed-hosts",
         default="",
-        help="the API's --allowed-hosts: Host names /v1 answers to without an API key, beside IP addresses and "
+        help="the API's --allowed-hosts: Host names it answers to without an API key, beside IP addresses and "
         "localhost ('*': any)",
     )
     p.add_argument("--port", type=int, default=8000, help="API port (default %(default)s)")

@@ -63,7 +63,9 @@ def test_a_rebound_host_name_gets_421_even_with_json(api: ApiProcess, responder:
     before = len(responder.served)
     _refused(_post(api, {"content-type": "application/json", **EVIL}), 421, "misdirected_request")
     assert len(responder.served) == before
-    assert httpx.get(api.url + "/health", headers=EVIL, timeout=5).status_code == 200  # probes stay open
+    for path in ("/health", "/ready", "/metrics", "/openapi.json"):  # what a rebound page could read
+        assert httpx.get(api.url + path, headers=EVIL, timeout=5).status_code == 421, path
+    assert httpx.get(api.url + "/health", timeout=5).status_code == 200  # a probe dials an address
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "[::1]", "LOCALHOST.", "10.1.2.3"])
