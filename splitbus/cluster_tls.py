@@ -7,7 +7,10 @@ other listener (docs/cluster.md, "TLS").
 
 All in one 0700 folder (the cluster's ``tls/``), every file 0600, the CA key too: whoever reads
 it can mint a node. Made at the cluster's first start and reused after; a certificate that no
-longer covers the host, or expires within :data:`RENEW_BEFORE`, is issued again by the same CA.
+longer covers the host, expires within :data:`RENEW_BEFORE`, was not signed by the CA or does not
+match its key (a start interrupted between the two writes) is issued again by the same CA; a CA
+that expires within :data:`RENEW_BEFORE` is made anew, with everything it signed. A folder that
+cannot be read or written is a :class:`~splitbus.redis_server.RedisServerError` naming it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from splitbus.redis_server import make_private_folder, write_private
+from splitbus.redis_server import RedisServerError, make_private_folder, write_private
 
 CA_DAYS = 3650
 CERT_DAYS = 825
@@ -69,24 +73,43 @@ class TlsFiles:
 
 def ensure_tls_files(folder: Path, host: str) -> TlsFiles:
     """The certificates of ``folder``, made or renewed where needed (see the module's text)."""
-    make_private_folder(folder)
-    files = TlsFiles(folder)
-    new_ca = not (files.ca_cert.exists() and files.ca_key.exists())
-    if new_ca:  # what the old CA signed is worthless now
-        _write_ca(files)
+    try:
+        return _ensure(TlsFiles(folder), host)
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, unwritable, or a key that is not PEM
+        raise RedisServerError(
+            f"cannot make or read the cluster's certificates in {folder} ({type(exc).__name__}: {exc}); "
+            "delete that folder to make new ones"
+        ) from exc
+
+
+def _ensure(files: TlsFiles, host: str) -> TlsFiles:
+    make_private_folder(files.folder)
+    ca = _valid_ca(files)
+    if ca is None:  # what the old CA signed is worthless now
+        ca = _write_ca(files)
     names = tuple(dict.fromkeys((host, *LOOPBACK_NAMES)))
-    if new_ca or _needs_issue(files.node_cert, files.node_key, names):
-        _issue(files, files.node_cert, files.node_key, "splitbus cluster node", names)
-    if new_ca or _needs_issue(files.client_cert, files.client_key, ()):
-        _issue(files, files.client_cert, files.client_key, "splitbus client", ())
+    for cert, key, common_name, covers in (
+        (files.node_cert, files.node_key, "splitbus cluster node", names),
+        (files.client_cert, files.client_key, "splitbus client", ()),
+    ):
+        if _needs_issue(ca, cert, key, covers):
+            _issue(files, cert, key, common_name, covers)
     return files
+
+
+def _valid_ca(files: TlsFiles) -> x509.Certificate | None:
+    """The CA, if both its files are there and it does not expire within :data:`RENEW_BEFORE`."""
+    if not (files.ca_cert.exists() and files.ca_key.exists()):
+        return None
+    ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    return ca if ca.not_valid_after_utc - RENEW_BEFORE > _now() else None
 
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def _write_ca(files: TlsFiles) -> None:
+def _write_ca(files: TlsFiles) -> x509.Certificate:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"splitbus cluster CA {os.urandom(4).hex()}")])
     cert = (
@@ -97,6 +120,7 @@ def _write_ca(files: TlsFiles) -> None:
     )
     _write_key(files.ca_key, key)
     write_private(files.ca_cert, cert.public_bytes(serialization.Encoding.PEM).decode())
+    return cert
 
 
 def _builder(
@@ -163,14 +187,16 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     write_private(path, pem.decode())
 
 
-def _needs_issue(cert_path: Path, key_path: Path, names: Sequence[str]) -> bool:
-    """Whether a certificate is missing, unreadable, expiring soon, or misses one of ``names``."""
+def _needs_issue(ca: x509.Certificate, cert_path: Path, key_path: Path, names: Sequence[str]) -> bool:
+    """Whether a certificate is missing, unreadable, expiring soon, not signed by ``ca``, not the
+    certificate of its key, or misses one of ``names``."""
     try:
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-        has_key = key_path.exists()
-    except (OSError, ValueError):
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        cert.verify_directly_issued_by(ca)
+    except (OSError, ValueError, TypeError, InvalidSignature):
         return True
-    if not has_key or cert.not_valid_after_utc - RENEW_BEFORE < _now():
+    if key.public_key() != cert.public_key() or cert.not_valid_after_utc - RENEW_BEFORE < _now():
         return True
     if not names:
         return False

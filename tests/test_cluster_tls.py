@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 import redis
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from redis.crc import key_slot
 
 from splitbus.bus.connection import connect_sync
 from splitbus.cluster_tls import TlsFiles, ensure_tls_files
 from splitbus.redis_cluster import EmbeddedCluster, client_tls, free_cluster_port, parse_nodes
-from splitbus.redis_server import find_tls_redis_server
+from splitbus.redis_server import RedisServerError, find_tls_redis_server
 
 KEY = "sb:requests:{main}"
 SLOT = key_slot(b"main")
@@ -54,6 +55,29 @@ def test_a_node_certificate_follows_the_host_and_a_new_ca_reissues_everything(tm
     assert files.ca_cert.read_bytes() != ca and files.client_cert.read_bytes() != client
     issuer = x509.load_pem_x509_certificate(files.client_cert.read_bytes()).issuer
     assert issuer == x509.load_pem_x509_certificate(files.ca_cert.read_bytes()).subject
+
+
+def test_a_pair_a_start_left_half_written_or_another_ca_signed_is_issued_again(tmp_path: Path) -> None:
+    files = ensure_tls_files(tmp_path / "tls", "127.0.0.1")
+    other = ensure_tls_files(tmp_path / "other", "127.0.0.1")
+    files.client_key.write_bytes(other.client_key.read_bytes())  # a start interrupted between the two writes
+    files.node_cert.write_bytes(other.node_cert.read_bytes())  # signed by another CA
+    ensure_tls_files(tmp_path / "tls", "127.0.0.1")
+    ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    for cert, key in ((files.client_cert, files.client_key), (files.node_cert, files.node_key)):
+        issued = x509.load_pem_x509_certificate(cert.read_bytes())
+        issued.verify_directly_issued_by(ca)
+        assert serialization.load_pem_private_key(key.read_bytes(), None).public_key() == issued.public_key()
+
+
+@pytest.mark.parametrize("broken", ["ca.key", "ca.crt"])
+def test_a_corrupt_ca_file_is_one_clear_error_naming_the_folder(tmp_path: Path, broken: str) -> None:
+    files = ensure_tls_files(tmp_path / "tls", "127.0.0.1")
+    files.node_cert.unlink()  # so that the CA key is read too
+    (files.folder / broken).write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n")
+    with pytest.raises(RedisServerError, match=r"delete that folder") as refused:
+        ensure_tls_files(tmp_path / "tls", "127.0.0.1")
+    assert str(files.folder) in str(refused.value)
 
 
 def _names(cert: Path) -> set[str]:

@@ -14,6 +14,7 @@ the commands it got before:
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,13 @@ class ClusterTls:
             **({"connection_class": PinnedSSLConnection} if sync else {}),
         }
 
+    def check_files(self) -> None:
+        """A ValueError naming the first of its files that cannot be read: a client handed one
+        would retry its handshakes for ever, saying only "No such file or directory"."""
+        for path in (self.ca_certs, self.certfile, self.keyfile):
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"the cluster URL's certificate file {path} cannot be read")
+
     def query(self) -> str:
         """This, as a URL's query (``?ssl_ca_certs=...``), or "" if it sets nothing."""
         pairs = [("ssl_ca_certs", self.ca_certs), ("ssl_certfile", self.certfile), ("ssl_keyfile", self.keyfile)]
@@ -92,7 +100,10 @@ class ClusterUrl:
 
     def client_settings(self, sync: bool = False) -> dict[str, Any]:
         """Username, password and TLS as a cluster client's keyword arguments (``sync``: for a
-        ``redis.RedisCluster``, see :meth:`ClusterTls.settings`)."""
+        ``redis.RedisCluster``, see :meth:`ClusterTls.settings`); a certificate file that cannot
+        be read is a ValueError naming it (:meth:`ClusterTls.check_files`)."""
+        if self.tls:
+            self.tls.check_files()
         tls = self.tls.settings(sync) if self.tls else {}
         return {"username": self.username, "password": self.password, **tls}
 

@@ -61,7 +61,9 @@ class BusConfig:
         if self.finished_result_ttl_s < 1 or self.result_ttl_s < self.finished_result_ttl_s:
             raise ValueError("need 1 <= finished_result_ttl_s <= result_ttl_s")
         if is_cluster_url(self.redis_url):
-            parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
+            cluster = parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
+            if cluster.tls:
+                cluster.tls.check_files()  # so does one naming a certificate that is not there
         if not 0 <= self.result_grace_s <= self.finished_result_ttl_s:
             raise ValueError("need 0 <= result_grace_s <= finished_result_ttl_s")
         if not 0 <= self.replay_window_s <= self.finished_result_ttl_s:

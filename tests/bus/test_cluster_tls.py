@@ -30,7 +30,12 @@ TLS_URL = "rediss+cluster://u:pw@h:1,h:2?ssl_ca_certs=/a%20b/ca.crt&ssl_certfile
 def test_a_tls_cluster_url_names_its_ca_and_client_certificate() -> None:
     url = parse_cluster_url(TLS_URL)
     assert url == ClusterUrl(((("h", 1), ("h", 2))), "u", "pw", ClusterTls("/a b/ca.crt", "/c/client.crt", "/c/k"))
-    assert url.client_settings()["ssl_cert_reqs"] == "required" and url.client_settings()["ssl_check_hostname"]
+    assert url.tls is not None and url.tls.settings()["ssl_cert_reqs"] == "required"
+    assert url.tls.settings()["ssl_check_hostname"]
+    with pytest.raises(ValueError, match="certificate file /a b/ca.crt cannot be read"):
+        url.client_settings()  # what a client would be built with: it would retry for ever, naming no file
+    with pytest.raises(ValueError, match="certificate file /a b/ca.crt cannot be read"):
+        BusConfig(redis_url=TLS_URL)  # a part's start: one line, not a traceback at its first command
     assert parse_cluster_url("rediss+cluster://h:1").tls == ClusterTls()  # the system's CAs
     unchecked = parse_cluster_url("rediss+cluster://h:1?ssl_ca_certs=/ca&ssl_check_hostname=false").tls
     assert unchecked is not None and not unchecked.check_hostname
