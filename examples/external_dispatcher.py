@@ -33,7 +33,10 @@ language. The URL is what ``splitbus up`` gives its parts (``splitbus status`` s
   certificates checked against CA, CERT and KEY the client's own (:func:`connect`). ``up
   --redis-cluster N`` keeps the password in ``DATA_DIR/redis-cluster/splitbus.password`` and the
   certificates in ``DATA_DIR/redis-cluster/tls/``: ``ca.crt``, ``client.crt``, ``client.key``
-  (0600, readable by the user who ran ``up`` only; a dispatcher run as another user needs copies).
+  (0600, readable by the user who ran ``up`` only; a dispatcher run as another user needs copies,
+  and the client key is more than a login: it opens the nodes' cluster-bus ports too, where its
+  holder could disturb failovers and slot ownership, so copy it only to programs trusted as the
+  cluster's own parts are).
   A ``redis.RedisCluster`` sends each command to the node that serves its key; what one command
   names shares a hash tag, so it needs no more.
 """
@@ -44,6 +47,7 @@ import argparse
 import json
 import math
 import os
+import ssl
 import sys
 import time
 import uuid
@@ -317,8 +321,8 @@ def dp(r: redis.Redis, args: argparse.Namespace) -> int:
 def connect(url: str) -> redis.Redis:
     """A client for ``url``: ``redis.Redis.from_url``, or a ``redis.RedisCluster`` for a
     ``redis+cluster://`` or ``rediss+cluster://`` URL (see the module's text). With TLS the nodes'
-    certificates are always verified: a listener that cannot show one the CA signed never gets
-    the password."""
+    certificates are always verified, against the URL's CA alone (:class:`PinnedSSLConnection`):
+    a listener that cannot show one that CA signed never gets the password."""
     scheme, _, rest = url.partition("://")
     if scheme.lower() not in ("redis+cluster", "rediss+cluster"):
         return redis.Redis.from_url(url, decode_responses=True)
@@ -336,17 +340,40 @@ def connect(url: str) -> redis.Redis:
     return cluster  # the same command methods as redis.Redis
 
 
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
+
+
 def _tls(query: str) -> dict:
-    """redis-py's TLS settings from a ``rediss+cluster://`` URL's query (its names for ``rediss://``)."""
-    options = dict(parse_qsl(query))
+    """redis-py's TLS settings from a ``rediss+cluster://`` URL's query (its names for ``rediss://``).
+    An option it does not know is refused, not ignored: a misspelt ``ssl_ca_certs`` would leave
+    the nodes unchecked against the cluster's CA."""
+    options = dict(parse_qsl(query, keep_blank_values=True))
+    unknown = set(options) - set(TLS_OPTIONS)
+    if unknown or "ssl_ca_certs" not in options:
+        raise ValueError(f"a rediss+cluster URL here takes ssl_ca_certs and only {', '.join(TLS_OPTIONS)}")
     return {
         "ssl": True,
         "ssl_cert_reqs": "required",
-        "ssl_ca_certs": options.get("ssl_ca_certs"),
+        "ssl_ca_certs": options["ssl_ca_certs"],
         "ssl_certfile": options.get("ssl_certfile"),
         "ssl_keyfile": options.get("ssl_keyfile"),
         "ssl_check_hostname": options.get("ssl_check_hostname", "true").lower() not in ("false", "no", "0"),
+        "connection_class": PinnedSSLConnection,
     }
+
+
+class PinnedSSLConnection(redis.SSLConnection):
+    """redis-py's TLS connection, trusting the URL's CA alone. redis-py's own starts from the
+    system's trusted CAs and adds ``ssl_ca_certs`` to them, so a listener whose certificate any of
+    those signed would be taken for a node and sent the password."""
+
+    def _build_ssl_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # certificates required, host names checked
+        context.check_hostname = self.check_hostname
+        context.load_verify_locations(cafile=self.ca_certs)
+        if self.certfile:
+            context.load_cert_chain(self.certfile, self.keyfile)
+        return context
 
 
 def _node(text: str) -> ClusterNode:
