@@ -42,6 +42,8 @@ INLINE_TOKENIZE_CHARS = 4096
 ON_LOOP_PREFIX_TOKENS = 2048
 """Prompts up to this many tokens are hashed for routing on the event loop (~0.15 ms)."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+TEMPLATE_LIMIT_MESSAGE = "The model's chat template went past its time or memory bound on these messages"
+TEMPLATE_ERROR_MESSAGE = "The model's chat template failed on these messages"
 DEADLINE_GRACE_S = 2.0
 """How long past the deadline the API waits for the worker's own timeout error."""
 
@@ -54,13 +56,14 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     state: ApiState = request.state.api
     tokenizer = state.tokenizer(params.model)
     check_prompt_chars(state.config.prompt_char_limit(tokenizer.context_length), params)
-    prompt_ids = await tokenize(state, tokenizer, params)
+    request_id = f"{'chatcmpl' if params.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request.state.request_id = request_id  # what an error's body and log name
+    prompt_ids = await tokenize(state, tokenizer, params, request_id)
     max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
     salt = cache_salt(request.state.tenant, params.cache_salt)
     prefix = await prefix_hashes(state, prompt_ids, salt)
     state.admit(params.model)
-    generation = Generation(state, params, prompt_ids, max_tokens, prefix, salt)
-    request.state.request_id = generation.request_id  # what an unexpected error's body and log name
+    generation = Generation(state, params, prompt_ids, max_tokens, prefix, salt, request_id)
     try:
         await generation.publish()
         first = await generation.until_disconnect(request, generation.next_result())
@@ -90,13 +93,15 @@ def check_prompt_chars(limit: int, params: GenerationParams) -> None:
         )
 
 
-async def tokenize(state: ApiState, tokenizer: ModelTokenizer, params: GenerationParams) -> list[int]:
+async def tokenize(
+    state: ApiState, tokenizer: ModelTokenizer, params: GenerationParams, request_id: str = "-"
+) -> list[int]:
     """The prompt's token ids. Text is tokenized in the bounded thread pool unless it is short
     (a thread hop costs more than encoding a few KB, and such a prompt stalls the loop for
     microseconds only); the chat template (Python code of the model's) always runs there."""
     if params.messages is not None:
         messages, limit = params.messages, state.config.prompt_char_limit(tokenizer.context_length)
-        return await state.off_loop(lambda: _encode(tokenizer, _render(tokenizer, messages, limit)))
+        return await state.off_loop(lambda: _encode(tokenizer, _render(state, tokenizer, messages, limit, request_id)))
     if isinstance(params.prompt, str):
         prompt = params.prompt
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
@@ -108,15 +113,21 @@ async def tokenize(state: ApiState, tokenizer: ModelTokenizer, params: Generatio
     return ids
 
 
-def _render(tokenizer: ModelTokenizer, messages: list[dict[str, Any]], max_chars: int) -> str:
-    """The chat prompt, held to the prompt-character bound (a longer one would be refused as a
-    prompt) and to the render's time bound: the model's template fails its request, not the pool."""
+def _render(
+    state: ApiState, tokenizer: ModelTokenizer, messages: list[dict[str, Any]], max_chars: int, request_id: str
+) -> str:
+    """The chat prompt, rendered in a killable child held to the prompt-character bound (a longer
+    one would be refused as a prompt), a time bound and a memory bound: the model's template
+    fails its request, not the pool. The client reads a stable message; why, which may quote
+    the template, goes to the log under the request id."""
     try:
-        return tokenizer.render_chat(messages, max_chars=max_chars)
+        return state.templates.render(tokenizer.chat_template, tokenizer.special_tokens, messages, max_chars)
     except ChatTemplateLimit as exc:
-        raise ChatTemplateLimitExceeded(f"the model's chat template was stopped: {exc}", "messages") from None
+        log.warning("request %s: the chat template of %s was stopped: %s", request_id, tokenizer.name, exc)
+        raise ChatTemplateLimitExceeded(TEMPLATE_LIMIT_MESSAGE, "messages").for_request(request_id) from None
     except ChatTemplateError as exc:
-        raise BadRequest(str(exc), "messages") from None
+        log.warning("request %s: the chat template of %s failed: %s", request_id, tokenizer.name, exc)
+        raise BadRequest(TEMPLATE_ERROR_MESSAGE, "messages", "chat_template_error").for_request(request_id) from None
 
 
 def _encode(tokenizer: ModelTokenizer, text: str) -> list[int]:
@@ -167,6 +178,7 @@ class Generation:
         max_tokens: int,
         prefix: str = "",
         salt: str = "",
+        request_id: str | None = None,
     ) -> None:
         self.state = state
         self.params = params
@@ -177,7 +189,7 @@ class Generation:
         self.salt = salt
         """Its salt (``GenerateRequest.cache_salt``): the tenant's and the body's ``cache_salt``."""
         prefix = "chatcmpl" if params.kind == "chat" else "cmpl"
-        self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.request_id = request_id or f"{prefix}-{uuid.uuid4().hex}"
         self.created = protocol.now_s()
         self.arrival = time.monotonic()
         self.sub: Subscription | None = None
@@ -215,8 +227,11 @@ class Generation:
                 self.state.config.prefix_block_size if self.prefix else 0,
                 self.salt,
             )
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+        except ValueError as exc:  # the bus's own text (its field names, bounds): logged, not sent
+            log.warning("request %s refused by the bus's bounds: %s", self.request_id, exc)
+            raise BadRequest("A parameter is outside the bounds this server accepts").for_request(
+                self.request_id
+            ) from None
 
     async def publish(self) -> None:
         """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is

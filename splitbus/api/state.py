@@ -26,6 +26,7 @@ from splitbus.bus.results import ResultReader
 from splitbus.bus.runs import Runs, ServerRuns
 from splitbus.bus.streams import Producer
 from splitbus.tokenization import ModelTokenizer
+from splitbus.tokenization.template_process import TemplateLimits, TemplatePool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +55,8 @@ class ApiState:
         self.backlog = 0
         self.bodies = BodySlots(config)
         self.tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
+        self.templates = TemplatePool(TemplateLimits(workers=config.tokenize_threads))
+        """Where chat templates render: one killable child per tokenizer thread (``template_process``)."""
         # A loop's bug stops the server (SIGTERM: uvicorn's own graceful shutdown), non-zero.
         self.loops = Loops(f"api {config.node_id}", part="the API", on_fail=lambda: signal.raise_signal(signal.SIGTERM))
 
@@ -61,6 +64,7 @@ class ApiState:
     async def open(cls, config: ApiConfig) -> ApiState:
         tokenizers = {name: ModelTokenizer.load(folder, name) for name, folder in config.models}
         state = cls(config, tokenizers)
+        state.templates.start()  # its children load Jinja now, not on the first chat request
         await state.reader.start()
         await state.workers.refresh()
         state.loops.start(state.workers.follow, name="registry view")
@@ -102,6 +106,7 @@ class ApiState:
         await self.reader.close()
         await self.loops.close()
         await self.redis.aclose()
+        await anyio.to_thread.run_sync(self.templates.close)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run in the background, kept referenced until done (cancellations outlive the

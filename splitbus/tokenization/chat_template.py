@@ -30,7 +30,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 """The special tokens transformers passes to a template when the tokenizer config sets them."""
 
 
-RENDER_ERRORS = (TemplateError, ArithmeticError, LookupError, TypeError, ValueError)
+RENDER_ERRORS = (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AssertionError)
 """What a template's own code raises on messages it cannot format (``'a' + none``, a missing
 key): the request's error, not the server's."""
 
@@ -98,8 +98,8 @@ class ChatTemplate:
         self._special_tokens = special_tokens
         try:
             self._template = _ENV.from_string(source)
-        except TemplateError as exc:
-            self._error: str | None = f"the chat template does not compile: {exc}"
+        except (TemplateError, RecursionError, MemoryError) as exc:  # a parser fed with '(' * 2000 recurses
+            self._error: str | None = f"the chat template does not compile: {type(exc).__name__}: {exc}"
         else:
             self._error = None
 

@@ -210,7 +210,19 @@ def test_health_and_requests_answer_while_big_prompts_tokenize(roomy: ApiProcess
 HOSTILE_TEMPLATES = {
     "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",  # 10^10 steps
     "bloat": "{{ 'x' * 10**8 }}",  # 100 MB in one operation
+    "sum": "{% set l = [[1]] * 150000 %}{{ l | sum(start=[]) }}",  # one C call, O(n^2), a small result
+    "modulo": "{{ (7**2000000) % (3**1062500) }}",  # one long integer division
+    "separators": "{{ ([1]*15000) | tojson(separators=(' '*30000, ':')) }}",  # 450 MB inside json.dumps
+    "wordwrap": "{{ ('a '*8000) | wordwrap(1, wrapstring='-'*30000) }}",  # 240 M characters in one call
+    "indent": "{% set ns = namespace(v=1) %}{% for i in range(400) %}{% set ns.v = [ns.v] %}{% endfor %}"
+    "{{ ns.v | tojson(indent=16) }}",  # a 400-deep nesting, indented
 }
+FAILING_TEMPLATES = {
+    "truncate": "{{ 'x' | truncate(5, end='-'*30000) }}",  # an AssertionError inside Jinja
+    "parens": "{{ " + "(" * 2000 + "1" + ")" * 2000 + " }}",  # a RecursionError while compiling
+    "leaky": "{{ raise_exception('secret-template-text') }}",  # its text must not reach the client
+}
+HOSTILE_PROMPT_CHARS = 2**21  # a 128K context's default bound: the attacks' values pass the in-process checks
 
 
 @pytest.fixture(scope="module")
@@ -221,20 +233,19 @@ def hostile(
     responder: Responder,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ApiProcess]:
-    """An API serving "tiny" and two models whose chat templates are the issue's attacks; its
-    template pool has two threads (the default)."""
+    """An API serving "tiny" and models whose chat templates are the issue's attacks; its
+    template pool has two children (the default)."""
     folders = [tiny_model]
-    for name, template in HOSTILE_TEMPLATES.items():
+    for name, template in {**HOSTILE_TEMPLATES, **FAILING_TEMPLATES}.items():
         folder = tmp_path_factory.mktemp("hostile") / name
         shutil.copytree(tiny_model, folder)
         (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
         folders.append(folder)
-    yield from running_api(redis_server.url, prefix, folders)
+    yield from running_api(redis_server.url, prefix, folders, "--max-prompt-chars", str(HOSTILE_PROMPT_CHARS))
 
 
-def test_hostile_chat_templates_fail_their_requests_and_free_the_pool(hostile: ApiProcess) -> None:
-    """Both attacks at once hold both template threads; each is stopped at its bound (400,
-    ``chat_template_limit``), and a chat request after them renders and is served."""
+def _chat_pair(hostile: ApiProcess, models: list[str]) -> list[httpx.Response]:
+    """Two chat requests at once (both template children), one per model."""
     messages = [{"role": "user", "content": "hello"}]
 
     def attack(model: str) -> httpx.Response:
@@ -242,16 +253,40 @@ def test_hostile_chat_templates_fail_their_requests_and_free_the_pool(hostile: A
         return httpx.post(hostile.v1 + "/chat/completions", json=body, timeout=60)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        responses = list(pool.map(attack, HOSTILE_TEMPLATES))
-    for response in responses:
+        return list(pool.map(attack, models))
+
+
+def _assert_served(hostile: ApiProcess) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    out = _client(hostile).chat.completions.create(model="tiny", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+    assert out.choices[0].message.content == expected_text(8)[0]
+
+
+@pytest.mark.parametrize("pair", [["loops", "bloat"], ["sum", "modulo"], ["separators", "wordwrap"], ["indent", "sum"]])
+def test_hostile_chat_templates_fail_their_requests_and_free_the_pool(hostile: ApiProcess, pair: list[str]) -> None:
+    """Two attacks at once hold both template children; each is stopped at its bound (in the
+    child, or by killing it: 400 ``chat_template_limit``, a stable message naming the request),
+    and a chat request after them renders and is served."""
+    for response in _chat_pair(hostile, pair):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["code"] == "chat_template_limit" and error["param"] == "messages"
-    assert "ran longer than" in responses[0].json()["error"]["message"]
-    assert "100000000 characters" in responses[1].json()["error"]["message"]
+        assert error["message"].startswith("The model's chat template went past its time or memory bound")
+        assert response.headers["x-request-id"] in error["message"]
     assert _metric(hostile, "splitbus_api_tokenizing ") == 0
-    out = _client(hostile).chat.completions.create(model="tiny", messages=messages, max_tokens=8)  # type: ignore[arg-type]
-    assert out.choices[0].message.content == expected_text(8)[0]
+    _assert_served(hostile)
+
+
+def test_failing_chat_templates_get_a_stable_400_without_their_text(hostile: ApiProcess) -> None:
+    """A template that raises (in Jinja's code, in its parser, or by raise_exception) gets 400
+    ``chat_template_error`` with a stable message: no exception text, no template source."""
+    for response in _chat_pair(hostile, list(FAILING_TEMPLATES))[:2] + _chat_pair(hostile, ["leaky", "tiny"])[:1]:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "chat_template_error" and error["param"] == "messages"
+        assert error["message"].startswith("The model's chat template failed on these messages (request id ")
+        assert "secret" not in response.text and "Recursion" not in response.text and "30000" not in response.text
+    _assert_served(hostile)
 
 
 # ---------------------------------------------------------------- uploads
