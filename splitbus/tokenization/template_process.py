@@ -84,7 +84,12 @@ class TemplatePool:
         fails on these messages, ChatTemplateLimit past a bound. The messages say why (for
         the log: they may quote the template)."""
         args = (source, json.dumps(special_tokens, sort_keys=True), messages, max_chars, add_generation_prompt)
-        outcome, text = _result(self._starter.submit(self._schedule, args).result())
+        pool = self._pool
+        if pool is not None and pool.active:  # the common case: no hop through the starter thread
+            future = self._submit(pool, args)
+        else:
+            future = self._starter.submit(self._schedule, args).result()
+        outcome, text = _result(future)
         if outcome is Outcome.LIMIT:
             raise ChatTemplateLimit(text)
         if outcome is Outcome.FAILED:
@@ -102,7 +107,12 @@ class TemplatePool:
             self._pool = pebble.ProcessPool(
                 self.limits.workers, initializer=start_child, initargs=init, context=context
             )
-        return self._pool.schedule(render_here, args, timeout=self.limits.time_s + KILL_GRACE_S)
+        return self._submit(self._pool, args)
+
+    def _submit(
+        self, pool: pebble.ProcessPool, args: tuple[Any, ...]
+    ) -> concurrent.futures.Future[tuple[Outcome, str]]:
+        return pool.schedule(render_here, args, timeout=self.limits.time_s + KILL_GRACE_S)
 
     def close(self) -> None:
         """Stop the children (those rendering are killed)."""
