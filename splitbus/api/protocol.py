@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from splitbus.api.errors import BadRequest
-from splitbus.bus.messages._check import MAX_STOP_SEQUENCES, MAX_TOKEN_ID  # the bus's bounds, the same here
+from splitbus.bus.messages._check import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE  # the bus's bounds, the same here
 
 MAX_STOP_CHARS = 1024
 """The longest stop string, in characters. The worker's stop check costs O(new text) per token
@@ -96,7 +96,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, exclusive_min=True),
         top_k=max(0, _int(body, "top_k", default=0, minimum=-1, maximum=MAX_TOKEN_ID)),
-        seed=_int(body, "seed") if body.get("seed") is not None else None,
+        seed=_int(body, "seed", minimum=SEED_RANGE[0], maximum=SEED_RANGE[1]) if body.get("seed") is not None else None,
         stop=_stop(body.get("stop")),
         ignore_eos=_bool(body, "ignore_eos"),
         skip_special_tokens=_bool(body, "skip_special_tokens", default=True),

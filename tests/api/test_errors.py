@@ -52,6 +52,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
+        ({"model": "tiny", "prompt": "x", "seed": 2**64}, "seed"),
         ({"model": "tiny", "prompt": "x", "logprobs": 3}, "logprobs"),
         ({"model": "tiny", "prompt": "x", "stop": 7}, "stop"),
         ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from splitbus.api.errors import BadRequest
 from splitbus.api.generate import Generation
 from splitbus.api.protocol import parse_completion
 from splitbus.bus.messages import Failed, Finished, TokenDelta
@@ -59,3 +62,15 @@ def test_the_special_token_options_travel_in_the_bus_message() -> None:
     assert default.skip_special_tokens is True and default.spaces_between_special_tokens is True
     message = Generation(state, parse_completion(body), [1], 8).message()  # type: ignore[arg-type]
     assert (message.api_node, message.reader) == ("api-1", "api-1.out.0")  # its workers write in the shard's slot
+
+
+def test_a_value_the_bus_refuses_is_a_400_without_the_bus_text() -> None:
+    """A parameter the API's checks let through but the bus's bounds refuse (here a seed set
+    past them after parsing): 400 with a stable message naming the request, not the bus's text."""
+    reader = SimpleNamespace(reader_of=lambda request_id: "api-1.out.0")
+    state = SimpleNamespace(config=SimpleNamespace(request_timeout_s=60, node_id="api-1"), reader=reader)
+    params = parse_completion({"model": "m", "prompt": "x"})
+    params.seed = 2**70
+    with pytest.raises(BadRequest) as raised:
+        Generation(state, params, [1], 8, request_id="cmpl-1").message()  # type: ignore[arg-type]
+    assert raised.value.message == "A parameter is outside the bounds this server accepts (request id cmpl-1)"

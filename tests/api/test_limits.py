@@ -232,16 +232,20 @@ def hostile(
     prefix: str,
     responder: Responder,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[ApiProcess]:
+) -> Iterator[tuple[ApiProcess, Path]]:
     """An API serving "tiny" and models whose chat templates are the issue's attacks; its
-    template pool has two children (the default)."""
+    template pool has two children (the default); its stderr kept."""
+    log = tmp_path_factory.mktemp("api") / "stderr.log"
     folders = [tiny_model]
     for name, template in {**HOSTILE_TEMPLATES, **FAILING_TEMPLATES}.items():
         folder = tmp_path_factory.mktemp("hostile") / name
         shutil.copytree(tiny_model, folder)
         (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
         folders.append(folder)
-    yield from running_api(redis_server.url, prefix, folders, "--max-prompt-chars", str(HOSTILE_PROMPT_CHARS))
+    for api in running_api(
+        redis_server.url, prefix, folders, "--max-prompt-chars", str(HOSTILE_PROMPT_CHARS), stderr=log
+    ):
+        yield api, log
 
 
 def _chat_pair(hostile: ApiProcess, models: list[str]) -> list[httpx.Response]:
@@ -263,30 +267,38 @@ def _assert_served(hostile: ApiProcess) -> None:
 
 
 @pytest.mark.parametrize("pair", [["loops", "bloat"], ["sum", "modulo"], ["separators", "wordwrap"], ["indent", "sum"]])
-def test_hostile_chat_templates_fail_their_requests_and_free_the_pool(hostile: ApiProcess, pair: list[str]) -> None:
+def test_hostile_chat_templates_fail_their_requests_and_free_the_pool(
+    hostile: tuple[ApiProcess, Path], pair: list[str]
+) -> None:
     """Two attacks at once hold both template children; each is stopped at its bound (in the
     child, or by killing it: 400 ``chat_template_limit``, a stable message naming the request),
     and a chat request after them renders and is served."""
-    for response in _chat_pair(hostile, pair):
+    api, _ = hostile
+    for response in _chat_pair(api, pair):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["code"] == "chat_template_limit" and error["param"] == "messages"
         assert error["message"].startswith("The model's chat template went past its time or memory bound")
         assert response.headers["x-request-id"] in error["message"]
-    assert _metric(hostile, "splitbus_api_tokenizing ") == 0
-    _assert_served(hostile)
+    assert _metric(api, "splitbus_api_tokenizing ") == 0
+    _assert_served(api)
 
 
-def test_failing_chat_templates_get_a_stable_400_without_their_text(hostile: ApiProcess) -> None:
+def test_failing_chat_templates_get_a_stable_400_without_their_text(hostile: tuple[ApiProcess, Path]) -> None:
     """A template that raises (in Jinja's code, in its parser, or by raise_exception) gets 400
-    ``chat_template_error`` with a stable message: no exception text, no template source."""
-    for response in _chat_pair(hostile, list(FAILING_TEMPLATES))[:2] + _chat_pair(hostile, ["leaky", "tiny"])[:1]:
+    ``chat_template_error`` with a stable message: no exception text, no template source; the
+    log has why, under the request id."""
+    api, log = hostile
+    responses = _chat_pair(api, list(FAILING_TEMPLATES)[:2]) + _chat_pair(api, ["leaky", "tiny"])[:1]
+    for response in responses:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["code"] == "chat_template_error" and error["param"] == "messages"
         assert error["message"].startswith("The model's chat template failed on these messages (request id ")
         assert "secret" not in response.text and "Recursion" not in response.text and "30000" not in response.text
-    _assert_served(hostile)
+    _assert_served(api)
+    leaked = f"request {responses[2].headers['x-request-id']}: the chat template of leaky failed"
+    assert any(leaked in line and "secret-template-text" in line for line in log.read_text().splitlines())
 
 
 # ---------------------------------------------------------------- uploads
