@@ -9,7 +9,8 @@ trim their newline and leading whitespace, ``{% break %}``/``{% continue %}``, t
 neither), and every special token the tokenizer config sets (``bos_token``, ``eos_token``, ...).
 
 The template is the model's code, so its render is bounded in time and size
-(``template_bounds``): past a bound, ``ChatTemplateLimit``, and the request fails alone.
+(``template_bounds``): past a bound, ``ChatTemplateLimit``, and the request fails alone. The API
+renders in killable child processes (``template_process``), which bound what these checks cannot.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ that started it goes (``PR_SET_PDEATHSIG``), the pool's own long-lived threads.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import enum
 import functools
@@ -47,6 +48,8 @@ COMPILED_PER_CHILD = 16
 
 
 class Outcome(enum.Enum):
+    """How a render in a child ended (the child sends it with the prompt, or why not)."""
+
     RENDERED = "rendered"
     FAILED = "failed"
     LIMIT = "limit"
@@ -57,7 +60,8 @@ class TemplateLimits:
     workers: int = 2
     """Child processes rendering at once (the API's tokenizer threads wait on them)."""
     time_s: float = RENDER_TIME_S
-    """Seconds one render may run in its child (compiling the template included)."""
+    """Seconds a render may run by its in-process clock; its child is killed at this plus
+    ``KILL_GRACE_S`` (compiling the template included)."""
     memory_bytes: int = CHILD_MEMORY_BYTES
     """Address space a child may add to what it starts with."""
 
@@ -84,17 +88,19 @@ class TemplatePool:
         fails on these messages, ChatTemplateLimit past a bound. The messages say why (for
         the log: they may quote the template)."""
         args = (source, json.dumps(special_tokens, sort_keys=True), messages, max_chars, add_generation_prompt)
-        pool = self._pool
-        if pool is not None and pool.active:  # the common case: no hop through the starter thread
-            future = self._submit(pool, args)
-        else:
-            future = self._starter.submit(self._schedule, args).result()
-        outcome, text = _result(future)
+        outcome, text = _result(self._future(args))
         if outcome is Outcome.LIMIT:
             raise ChatTemplateLimit(text)
         if outcome is Outcome.FAILED:
             raise ChatTemplateError(text)
         return text
+
+    def _future(self, args: tuple[Any, ...]) -> concurrent.futures.Future[tuple[Outcome, str]]:
+        pool = self._pool
+        if pool is not None and pool.active:  # the common case: no hop through the starter thread
+            with contextlib.suppress(RuntimeError):  # it broke just now: the starter makes another
+                return self._submit(pool, args)
+        return self._starter.submit(self._schedule, args).result()
 
     def start(self) -> None:
         """Start the children now (they take ~0.5 s to load Jinja), not on the first render."""
@@ -102,6 +108,7 @@ class TemplatePool:
 
     def _schedule(self, args: tuple[Any, ...]) -> concurrent.futures.Future[tuple[Outcome, str]]:
         if self._pool is None or not self._pool.active:  # not yet, or broken: every child died at once
+            self._stop_pool()
             context = multiprocessing.get_context("spawn")  # a fresh interpreter: not a fork of the API's threads
             init = (self.limits.memory_bytes, self.limits.time_s, os.getpid())
             self._pool = pebble.ProcessPool(
@@ -117,6 +124,9 @@ class TemplatePool:
     def close(self) -> None:
         """Stop the children (those rendering are killed)."""
         self._starter.shutdown()
+        self._stop_pool()
+
+    def _stop_pool(self) -> None:
         if self._pool is not None:
             self._pool.stop()
             self._pool.join()
