@@ -21,7 +21,7 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry_view import RegistryView
 from splitbus.scheduler import policies
-from splitbus.scheduler.dispatch import DISPATCHED, DUPLICATE, RECOVERING, WORKER_GONE, Dispatcher
+from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome
 from splitbus.scheduler.ledger import Ledger
 from splitbus.scheduler.placement import LOAD_ONLY, Local
 from splitbus.scheduler.policies import Placed, PolicyOptions
@@ -32,7 +32,6 @@ MODES = ("splitwise", "mixed")
 """The policies an API node places with: those that place each request on its own, at once."""
 DISPATCHED_MARK_TTL_S = 60
 """The dispatched mark's life (a scheduler's default ``--dispatched-mark-ttl``)."""
-_OUTCOMES = {DISPATCHED: "dispatched", DUPLICATE: "duplicate", RECOVERING: "recovering", WORKER_GONE: "worker_gone"}
 
 
 class ApiPlacer:
@@ -63,7 +62,7 @@ class ApiPlacer:
             outcome = await self.dispatcher.dispatch_direct(request, decision.placements)
         finally:
             self.ledger.written()
-        metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
-        if outcome == DUPLICATE:  # its request id was dispatched already: a bug, or a replay of one
+        metrics.DISPATCHES.labels(outcome.label).inc()
+        if outcome is DispatchOutcome.DUPLICATE:  # its request id was dispatched already: a bug, or a replay of one
             log.warning("request %s was dispatched already; not again", request.request_id)
-        return outcome in (DISPATCHED, DUPLICATE)
+        return outcome in (DispatchOutcome.DISPATCHED, DispatchOutcome.DUPLICATE)

@@ -29,7 +29,7 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, Reserved, WorkerInfo, WorkerRecord
 from splitbus.bus.runs import CellRun
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
-from splitbus.scheduler.dispatch import DISPATCHED, Dispatcher
+from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome
 from splitbus.scheduler.placement import Placement
 
 PER_TURN = (1, 8, 32)
@@ -92,7 +92,7 @@ async def _dispatch_all(
     for i in range(0, len(deliveries), per):
         turn = deliveries[i : i + per]
         outcomes = await asyncio.gather(*(dispatcher.dispatch(d.entry_id, d.message, plan, "bench") for d in turn))
-        if any(o != DISPATCHED for o in outcomes):
+        if any(o is not DispatchOutcome.DISPATCHED for o in outcomes):
             raise RuntimeError(f"a dispatch was not written: outcomes {set(outcomes)}")
     wall_s = time.perf_counter() - started
     calls, usec = await _script_stats(redis)

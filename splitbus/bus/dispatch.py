@@ -19,10 +19,10 @@ answer). A redispatch whose hand-off id is gone is the move of a finished reques
 The script first checks that the entry is still pending with the calling replica (``XPENDING``
 on that one id and consumer): a replica that hung (SIGSTOP, a GC pause, a frozen VM) while
 holding entries has lost them to another replica once its lease expired, and when it wakes its
-dispatch writes nothing. ``XACK`` alone would not do: it acks an entry whatever consumer owns
-it, so the woken replica would dispatch an entry that the claimer still holds (the claimer's
-later dispatch would find it acked, so still one dispatch, but two replicas would act on one
-request: one could fail it with a 503 while the other dispatched it).
+dispatch writes nothing (``DispatchOutcome.NOT_OURS``). ``XACK`` alone would not do: it acks an
+entry whatever consumer owns it, so the woken replica would dispatch an entry that the claimer
+still holds (the claimer's later dispatch would find it acked, so still one dispatch, but two
+replicas would act on one request: one could fail it with a 503 while the other dispatched it).
 
 The script writes nothing (RECOVERING) while the server is a run the cell has not settled on
 (``sb:run:{cell}``, ``splitbus.bus.runs``): after a restart or failover that may have lost the
@@ -52,6 +52,7 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -66,22 +67,41 @@ from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.scripts import LuaScript, declare
 
-DISPATCHED = 1
-ALREADY_ACKED = 0
-DUPLICATE = -1
-STALE = -2
-"""A redispatch of a task that is no longer its request's current dispatch (the request moved
-already, off its other worker): the task is only acked."""
-RECOVERING = -3
-"""The server is a run the cell has not settled on (a restart or failover that may have lost
-writes, ``splitbus.bus.runs``): nothing is written, the entry stays pending; dispatch again once
-the cell is settled."""
-WORKER_GONE = -4
-"""A chosen worker's lease is gone (it died, or was stopped, after the registry view the placement
-was made from was read): nothing is written, the entry stays pending; place it again. No task is
-ever written for a worker without a lease."""
-NOT_OURS = ALREADY_ACKED
-"""The entry is not pending with this consumer: acked already, or claimed by another replica."""
+
+class DispatchOutcome(IntEnum):
+    """What the ``dispatch`` script did (its reply, decoded in ``DispatchScript.write``)."""
+
+    DISPATCHED = 1
+    """The entry is acked, the request marked dispatched and every task written."""
+    ALREADY_ACKED = 0
+    """The entry was acked already (a retried call, with no ``consumer`` to check): nothing written."""
+    DUPLICATE = -1
+    """The request is dispatched already (its hand-off id, or another's dispatched mark, exists):
+    the entry is only acked."""
+    STALE = -2
+    """A redispatch of a task that is no longer its request's current dispatch (the request moved
+    already, off its other worker): the task is only acked."""
+    RECOVERING = -3
+    """The server is a run the cell has not settled on (a restart or failover that may have lost
+    writes, ``splitbus.bus.runs``): nothing is written, the entry stays pending; dispatch again once
+    the cell is settled."""
+    WORKER_GONE = -4
+    """A chosen worker's lease is gone (it died, or was stopped, after the registry view the placement
+    was made from was read): nothing is written, the entry stays pending; place it again. No task is
+    ever written for a worker without a lease."""
+    NOT_OURS = -5
+    """The entry is not pending with ``consumer``: claimed by another replica, or acked already.
+    Nothing is written."""
+
+    @property
+    def label(self) -> str:
+        """The ``outcome`` label of the dispatch metrics (docs/metrics.md). NOT_OURS counts as
+        ``already_acked``, as it did while the script gave both one code: the label's values stay."""
+        return "already_acked" if self is DispatchOutcome.NOT_OURS else self.name.lower()
+
+
+PLACE_AGAIN = frozenset({DispatchOutcome.RECOVERING, DispatchOutcome.WORKER_GONE})
+"""Dispatch outcomes that wrote nothing and leave the request to be placed again."""
 
 ANY_HANDOFF = "*"
 """``replaces`` for a task written before hand-off ids: whatever dispatch is current."""
@@ -117,16 +137,16 @@ _DISPATCH = declare(
             " reserved prefill tokens, requests, KV blocks, its entry's `type`, `data`, `ts`, and the worker's id"
         ),
         returns=(
-            "1 dispatched; 0 already acked or not the consumer's; -1 duplicate (acked only); -2 stale (acked only);"
+            "1 dispatched; 0 already acked; -1 duplicate (acked only); -2 stale (acked only);"
             " -3 recovering (the server's run is not the cell's settled one: nothing written); -4 a worker's lease is"
-            " gone (nothing written)"
+            " gone (nothing written); -5 not pending with the consumer (claimed by another, or acked: nothing written)"
         ),
         source="""
 local info = redis.pcall('INFO', 'server')
 local run = type(info) == 'string' and string.match(info, 'run_id.(%x+)')
 if run and redis.call('GET', KEYS[4]) ~= run then return -3 end
 if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[5]) == 0 then
-  return 0
+  return -5
 end
 for i = 0, tonumber(ARGV[4]) - 1 do
   if redis.call('EXISTS', KEYS[8 + 3 * i]) == 0 then return -4 end
@@ -160,8 +180,16 @@ return 1
 )
 
 
-FAIL_IT = 1
-"""``settle_failed``: the request is not dispatched; its client may be failed (now marked)."""
+class SettleOutcome(IntEnum):
+    """What the ``settle_failed`` script did (its reply, decoded in ``DispatchScript.settle_failed``)."""
+
+    FAIL_IT = 1
+    """The request is not dispatched: it is marked now (no copy will be), so its client may be failed."""
+    NOT_OURS = 0
+    """The entry is not pending with ``consumer`` (claimed by another replica, or acked): nothing written."""
+    DUPLICATE = -1
+    """The request is dispatched or failed already: the entry is acked, nothing is to be written."""
+
 
 _SETTLE_FAILED = declare(
     LuaScript(
@@ -193,13 +221,17 @@ and once failed, no copy is dispatched (it finds the mark). The caller writes th
 acks the entry: a crash between leaves it pending, and the claimer finds its own mark."""
 
 
-REASSERTED = 1
-"""``reassert``: the task's dispatch is its request's current one (written again, or it was)."""
-SUPERSEDED = 0
-"""``reassert``: another dispatch of the request is current (it was dispatched again meanwhile)."""
-OVER = -1
-"""``reassert``: no hand-off id, but another's dispatched mark: the request ended (its reader
-deleted the id on its final entry) or a scheduler failed it. Nothing is written."""
+class ReassertOutcome(IntEnum):
+    """What the ``reassert`` script did (its reply, decoded in ``Reassertion.reassert``)."""
+
+    REASSERTED = 1
+    """The task's dispatch is its request's current one (written again: the id and the mark, or it was)."""
+    SUPERSEDED = 0
+    """Another dispatch of the request is current (it was dispatched again meanwhile): nothing written."""
+    OVER = -1
+    """No hand-off id, but another's dispatched mark: the request ended (its reader deleted the id
+    on its final entry) or a scheduler failed it. Nothing is written."""
+
 
 REASSERT_MARK_TTL_S = 60
 """The dispatched mark a worker writes again lives this long: the scheduler's default
@@ -304,14 +336,14 @@ class DispatchScript:
         consumer: str = "",
         replaces: str = "",
         deadline_ms: int = 0,
-    ) -> int:
+    ) -> DispatchOutcome:
         """Settle ``entry`` by writing ``tasks`` (which carry ``handoff``, the request's current
         one from now). ``consumer``: the entry must still be pending with it ("" for no check);
         ``replaces``: the hand-off id that must still be the request's current one ("" for a
         first dispatch, which none may be: a request dispatched already is a duplicate;
         ``ANY_HANDOFF``: a task written before hand-off ids); ``deadline_ms``: the request's (0:
-        none), which bounds how long the hand-off id is kept. Returns DISPATCHED, ALREADY_ACKED
-        (NOT_OURS), DUPLICATE, STALE, RECOVERING (nothing written: the cell is not settled on
+        none), which bounds how long the hand-off id is kept. Returns DISPATCHED, ALREADY_ACKED,
+        NOT_OURS, DUPLICATE, STALE, RECOVERING (nothing written: the cell is not settled on
         the server's run, ``splitbus.bus.runs``) or WORKER_GONE (nothing written: a worker's
         lease is gone)."""
         keys = [entry.stream, entry.mark, self._keys.current(request_id), self._keys.run, self._keys.registry_log]
@@ -333,16 +365,16 @@ class DispatchScript:
             ]
             fields = codec.encode(write.task)
             args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"], write.worker_id]
-        return await self._run(keys, args, self._script)
+        return DispatchOutcome(await self._run(keys, args, self._script))
 
-    async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> int:
+    async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> SettleOutcome:
         """Whether the request of a request entry that is to be failed may be: FAIL_IT (marked
         now), NOT_OURS (with ``consumer``: the entry is not pending with it) or DUPLICATE (the
         request is dispatched or failed already: the entry is acked, nothing is to be written).
         ``entry_id`` "": a dead-lettered entry, acked already."""
         keys = [self._keys.requests, self._keys.dispatched(request_id), self._keys.current(request_id)]
         args: list[Arg] = [SCHEDULER_GROUP, entry_id, consumer, self._ttl]
-        return await self._run(keys, args, self._settle)
+        return SettleOutcome(await self._run(keys, args, self._settle))
 
     def current_expiry_ms(self, deadline_ms: int) -> int:
         """When the hand-off id of a request with ``deadline_ms`` expires (``current_expiry_ms``)."""
@@ -372,12 +404,12 @@ class Reassertion:
         self._script = _REASSERT.register(redis)
         self._ttl = mark_ttl_s
 
-    async def reassert(self, request_id: str, handoff: str, deadline_ms: int) -> int:
+    async def reassert(self, request_id: str, handoff: str, deadline_ms: int) -> ReassertOutcome:
         """Make the dispatch ``handoff`` its request's current one again if the request has none:
         REASSERTED (it is current now), SUPERSEDED (another is: drop the task) or OVER."""
         keys = [self._keys.current(request_id), self._keys.dispatched(request_id)]
         args: list[Arg] = [handoff, self._ttl, current_expiry_ms(deadline_ms, self._ttl)]
-        return int(await self._script(keys=keys, args=args))
+        return ReassertOutcome(int(await self._script(keys=keys, args=args)))
 
 
 class CurrentDispatch:

@@ -107,8 +107,16 @@ def _run_id(info: Any) -> str:
 _RUN_ID = re.compile(r"[0-9a-f]{40}")
 
 
-SETTLED = 1
-RECOVERING = 0
+class RunState(enum.IntEnum):
+    """What the ``settle_run`` script found (its reply, decoded in ``CellRun._run``)."""
+
+    SETTLED = 1
+    """The cell is settled on the server's run (now, if asked to settle; or INFO gave no run id to
+    compare): dispatches go out."""
+    RECOVERING = 0
+    """The server is a run the cell has not settled on (asked only, nothing written): the dispatch
+    script writes nothing until a scheduler settles the cell."""
+
 
 _SETTLE_RUN = declare(
     LuaScript(
@@ -140,8 +148,12 @@ class CellRun:
 
     async def settled(self) -> bool:
         """Whether the cell is settled on the server's current run."""
-        return int(await self._script(keys=[self._key], args=[0])) == SETTLED
+        return await self._run(settle=False) is RunState.SETTLED
 
     async def settle(self) -> None:
         """Settle the cell on the server's current run: dispatches go out again."""
-        await self._script(keys=[self._key], args=[1])
+        await self._run(settle=True)
+
+    async def _run(self, settle: bool) -> RunState:
+        """The script's one call: settle the cell (``settle``), or only ask whether it is."""
+        return RunState(int(await self._script(keys=[self._key], args=[int(settle)])))

@@ -12,32 +12,17 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
 from splitbus.bus.dispatch import (
-    ALREADY_ACKED,
     ANY_HANDOFF,
-    DISPATCHED,
-    DUPLICATE,
-    FAIL_IT,
-    NOT_OURS,
-    RECOVERING,
-    STALE,
-    WORKER_GONE,
+    PLACE_AGAIN,
+    DispatchOutcome,
     DispatchScript,
+    SettleOutcome,
     TaskWrite,
 )
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.scheduler.placement import Placement
 
-__all__ = [
-    "ALREADY_ACKED",
-    "DISPATCHED",
-    "DUPLICATE",
-    "FAIL_IT",
-    "NOT_OURS",
-    "RECOVERING",
-    "STALE",
-    "WORKER_GONE",
-    "Dispatcher",
-]
+__all__ = ["PLACE_AGAIN", "DispatchOutcome", "Dispatcher", "SettleOutcome"]
 
 
 class Dispatcher:
@@ -46,9 +31,9 @@ class Dispatcher:
 
     async def dispatch(
         self, entry_id: str, request: GenerateRequest, placements: Sequence[Placement], consumer: str = ""
-    ) -> int:
-        """Returns DISPATCHED, ALREADY_ACKED (NOT_OURS: with ``consumer``, the entry is not
-        pending with it), DUPLICATE (the request is dispatched already: the entry is acked),
+    ) -> DispatchOutcome:
+        """Returns DISPATCHED, ALREADY_ACKED (without ``consumer``), NOT_OURS (with ``consumer``:
+        the entry is not pending with it), DUPLICATE (the request is dispatched already: the entry is acked),
         RECOVERING or WORKER_GONE (nothing written: place it again).
         The tasks' hand-off id becomes the request's current one."""
         entry = self._script.request_entry(entry_id, request.request_id)
@@ -58,7 +43,7 @@ class Dispatcher:
             entry, request.request_id, handoff, tasks, consumer=consumer, deadline_ms=request.deadline_ms
         )
 
-    async def dispatch_direct(self, request: GenerateRequest, placements: Sequence[Placement]) -> int:
+    async def dispatch_direct(self, request: GenerateRequest, placements: Sequence[Placement]) -> DispatchOutcome:
         """Write the tasks of a request that has no entry (an API node places it itself:
         ``splitbus api --dispatch api``); DISPATCHED, DUPLICATE (dispatched already),
         RECOVERING or WORKER_GONE (nothing written: the caller submits it to the schedulers)."""
@@ -75,7 +60,7 @@ class Dispatcher:
         placements: Sequence[Placement],
         first_seq: int,
         tokens: list[int],
-    ) -> int:
+    ) -> DispatchOutcome:
         """Move a dead worker's task: ack it in that worker's stream and write new tasks that
         continue at ``first_seq`` after the ``tokens`` already sent; DISPATCHED, ALREADY_ACKED,
         DUPLICATE (another reaper moved this entry) or STALE (the task's dispatch is not the
@@ -93,7 +78,7 @@ class Dispatcher:
             entry, request.request_id, handoff, tasks, replaces=replaces, deadline_ms=request.deadline_ms
         )
 
-    async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> int:
+    async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> SettleOutcome:
         """Before failing a request entry: FAIL_IT (the request is not dispatched, and now no copy
         will be), NOT_OURS, or DUPLICATE (it is dispatched or failed already: acked, write
         nothing). ``entry_id`` "": a dead-lettered entry."""

@@ -40,7 +40,7 @@ from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.bus.tasks import task_consumer
-from splitbus.scheduler.dispatch import RECOVERING, WORKER_GONE, Dispatcher
+from splitbus.scheduler.dispatch import PLACE_AGAIN, Dispatcher
 from splitbus.scheduler.placement import Local
 from splitbus.scheduler.policies import NoPlacement, Policy
 
@@ -165,7 +165,7 @@ class Reaper:
         placement = decision.placements
         # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
         outcome = await self.dispatcher.redispatch(dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens)
-        if outcome in (RECOVERING, WORKER_GONE):  # a new Redis run, or the new worker died: nothing was written;
+        if outcome in PLACE_AGAIN:  # a new Redis run, or the new worker died: nothing was written;
             return WAIT  # the next pass moves it
         log.debug(
             "moved task %s of %s off %s to %s: outcome %d",

@@ -36,16 +36,7 @@ from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, entry_order
 from splitbus.scheduler import metrics, policies
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.dispatch import (
-    ALREADY_ACKED,
-    DISPATCHED,
-    DUPLICATE,
-    FAIL_IT,
-    NOT_OURS,
-    RECOVERING,
-    WORKER_GONE,
-    Dispatcher,
-)
+from splitbus.scheduler.dispatch import PLACE_AGAIN, Dispatcher, DispatchOutcome, SettleOutcome
 from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
 from splitbus.scheduler.ledger import Ledger
 from splitbus.scheduler.placement import Local, Placement, Waiting
@@ -261,7 +252,7 @@ class Scheduler:
         failed already."""
         while self.dead_letters:
             named, reason = self.dead_letters[0]
-            if await self.dispatcher.settle_failed("", named.request_id) == FAIL_IT:
+            if await self.dispatcher.settle_failed("", named.request_id) is SettleOutcome.FAIL_IT:
                 message = f"the scheduler could not handle this request: {reason}"
                 self.writer.fail(named.request_id, reason.split(":", 1)[0], message, 500, reader=named.reader)
             del self.dead_letters[0]
@@ -287,7 +278,9 @@ class Scheduler:
             return Verdict.DROP
         return Verdict.WAIT
 
-    async def dispatch(self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]) -> int:
+    async def dispatch(
+        self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]
+    ) -> DispatchOutcome:
         """Write the request's tasks; the outcome (RECOVERING, WORKER_GONE: nothing written, it waits)."""
         outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
         if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
@@ -298,15 +291,15 @@ class Scheduler:
                 [p.worker.record.worker_id for p in placements],
                 outcome,
             )
-        if outcome == NOT_OURS:
+        if outcome is DispatchOutcome.NOT_OURS:
             log.info(
                 "request entry %s is no longer this replica's (acked, or claimed by another): nothing written",
                 waiting.delivery.entry_id,
             )
-        metrics.DISPATCHES.labels(_OUTCOMES.get(outcome, "unknown")).inc()
-        if outcome == DISPATCHED and waiting.delivery.published_us is not None:
+        metrics.DISPATCHES.labels(outcome.label).inc()
+        if outcome is DispatchOutcome.DISPATCHED and waiting.delivery.published_us is not None:
             metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
-        if outcome == RECOVERING:
+        if outcome is DispatchOutcome.RECOVERING:
             self.recovery.begin()
         return outcome
 
@@ -319,10 +312,11 @@ class Scheduler:
         entry is a copy, a retried XADD: the live run's client must not get the error)."""
         request = waiting.delivery.message
         settled = await self.dispatcher.settle_failed(waiting.delivery.entry_id, request.request_id, self.config.name)
-        if settled == DUPLICATE:  # a copy of a request dispatched (or failed) already: acked, nothing written
+        # a copy of a request dispatched (or failed) already: acked, nothing written
+        if settled is SettleOutcome.DUPLICATE:
             log.info("request entry %s of %s: a duplicate, not failed", waiting.delivery.entry_id, request.request_id)
-            metrics.DISPATCHES.labels("duplicate").inc()
-        if settled != FAIL_IT:
+            metrics.DISPATCHES.labels(DispatchOutcome.DUPLICATE.label).inc()
+        if settled is not SettleOutcome.FAIL_IT:
             return False
         log.warning("failing %s: %s", request.request_id, message)
         self.writer.fail(request.request_id, code, message, status, reader=request.reader)
@@ -419,14 +413,3 @@ class Scheduler:
             ):
                 log.info("scheduler %s left the group (no lease, nothing pending)", consumer.name)
         return claimed
-
-
-_OUTCOMES = {
-    DISPATCHED: "dispatched",
-    ALREADY_ACKED: "already_acked",
-    DUPLICATE: "duplicate",
-    RECOVERING: "recovering",
-    WORKER_GONE: "worker_gone",
-}
-PLACE_AGAIN = (RECOVERING, WORKER_GONE)
-"""Dispatch outcomes that wrote nothing and leave the request to be placed again."""

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from splitbus.bus.dispatch import SUPERSEDED, Reassertion
+from splitbus.bus.dispatch import Reassertion, ReassertOutcome
 from splitbus.bus.messages import Task
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.runs import Runs, ServerRuns
@@ -119,7 +119,7 @@ class Recovery:
             if not seq.task.handoff:  # from before hand-off ids: nothing to assert
                 continue
             answer = await self.reassertion.reassert(seq.request_id, seq.task.handoff, seq.request.deadline_ms)
-            if answer == SUPERSEDED:
+            if answer is ReassertOutcome.SUPERSEDED:
                 if self.table.status(seq) is not None:
                     log.info("task %s of %s: dispatched again meanwhile; dropped", seq.entry_id, seq.request_id)
                     self.feed.moved_away(seq)

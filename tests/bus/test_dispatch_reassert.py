@@ -8,7 +8,7 @@ import time
 import redis.asyncio as aioredis
 
 from splitbus.bus.config import BusConfig
-from splitbus.bus.dispatch import OVER, REASSERTED, SUPERSEDED, Reassertion
+from splitbus.bus.dispatch import Reassertion, ReassertOutcome
 from tests.bus.slots import slots
 
 
@@ -16,19 +16,19 @@ async def test_a_lost_dispatch_is_written_again(redis: aioredis.Redis, bus_confi
     keys = bus_config.keys
     deadline_ms = int(time.time() * 1000) + 30_000
     reassertion = Reassertion(redis, keys, mark_ttl_s=60)
-    assert await reassertion.reassert("r1", "h1", deadline_ms) == REASSERTED
+    assert await reassertion.reassert("r1", "h1", deadline_ms) is ReassertOutcome.REASSERTED
     assert await redis.get(keys.current("r1")) == b"h1"
     assert await redis.get(keys.dispatched("r1")) == b"h1"  # no entry id: a request entry finds it dispatched
     left_ms = await redis.pttl(keys.current("r1"))
     assert 30_000 < left_ms <= 90_000  # the deadline (30 s off) and the mark's window (60 s)
     assert 0 < await redis.ttl(keys.dispatched("r1")) <= 60
-    assert await reassertion.reassert("r1", "h1", deadline_ms) == REASSERTED  # idempotent
+    assert await reassertion.reassert("r1", "h1", deadline_ms) is ReassertOutcome.REASSERTED  # idempotent
 
 
 async def test_another_current_dispatch_wins(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     keys = bus_config.keys
     await redis.set(keys.current("r2"), "h-new")
-    assert await Reassertion(redis, keys).reassert("r2", "h-old", 0) == SUPERSEDED
+    assert await Reassertion(redis, keys).reassert("r2", "h-old", 0) is ReassertOutcome.SUPERSEDED
     assert await redis.get(keys.current("r2")) == b"h-new"
     assert not await redis.exists(keys.dispatched("r2"))
 
@@ -37,13 +37,13 @@ async def test_an_ended_request_is_left_alone(redis: aioredis.Redis, bus_config:
     """Its reader deleted the hand-off id on the final entry; the scheduler's mark stays."""
     keys = bus_config.keys
     await redis.set(keys.dispatched("r3"), "1-0", ex=60)
-    assert await Reassertion(redis, keys).reassert("r3", "h3", 0) == OVER
+    assert await Reassertion(redis, keys).reassert("r3", "h3", 0) is ReassertOutcome.OVER
     assert not await redis.exists(keys.current("r3"))
 
 
 async def test_without_a_deadline_the_id_lives_at_most_an_hour(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     keys = bus_config.keys
-    assert await Reassertion(redis, keys).reassert("r4", "h4", 0) == REASSERTED
+    assert await Reassertion(redis, keys).reassert("r4", "h4", 0) is ReassertOutcome.REASSERTED
     assert 3500 < await redis.ttl(keys.current("r4")) <= 3600
 
 

@@ -15,17 +15,7 @@ from splitbus.bus.registry import Registry, Reserved, WorkerRecord
 from splitbus.bus.runs import CellRun
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.dispatch import (
-    ALREADY_ACKED,
-    DISPATCHED,
-    DUPLICATE,
-    FAIL_IT,
-    NOT_OURS,
-    RECOVERING,
-    STALE,
-    WORKER_GONE,
-    Dispatcher,
-)
+from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome, SettleOutcome
 from splitbus.scheduler.placement import Placement
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
 
@@ -51,9 +41,9 @@ async def test_dispatch_writes_tasks_reserves_and_acks_once(redis: aioredis.Redi
     await Producer(redis, bus_config).send(bus_config.keys.requests, request())
     delivery = (await consumer.read(1))[0]
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) is DispatchOutcome.DISPATCHED
     # A retried call (reply lost) changes nothing.
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == ALREADY_ACKED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) is DispatchOutcome.ALREADY_ACKED
     tasks = {w: await tasks_in(redis, bus_config.keys.tasks(w)) for w in ("p", "d")}
     assert [(t.phase, t.peer, t.request.request_id) for t in tasks["p"]] == [("prefill", "d", "r")]
     assert [(t.phase, t.peer, t.reserved) for t in tasks["d"]] == [("decode", "p", [0, 1, 8])]
@@ -70,8 +60,8 @@ async def test_duplicate_request_entry_is_acked_not_dispatched(redis: aioredis.R
     await producer.send(bus_config.keys.requests, request())  # an API's retried XADD
     first, second = await consumer.read(2)
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) == DISPATCHED
-    assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) is DispatchOutcome.DISPATCHED
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) is DispatchOutcome.DUPLICATE
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
 
@@ -91,8 +81,8 @@ async def test_the_mark_is_kept_for_the_duplicate_window_and_the_handoff_id_to_t
     await producer.send(bus_config.keys.requests, message)  # an API's retried XADD
     first, second = await consumer.read(2)
     dispatcher = Dispatcher(redis, bus_config, window)
-    assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) == DISPATCHED
-    assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) == DUPLICATE
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan()) is DispatchOutcome.DISPATCHED
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan()) is DispatchOutcome.DUPLICATE
     assert 0 < await redis.ttl(bus_config.keys.dispatched("r")) <= window <= 60
     assert 300 < await redis.ttl(bus_config.keys.current("r")) <= 300 + window
 
@@ -103,7 +93,10 @@ async def test_the_handoff_id_of_a_request_without_a_deadline_is_kept_an_hour(
     consumer = await _setup(redis, bus_config)
     await Producer(redis, bus_config).send(bus_config.keys.requests, request())  # deadline_ms 0
     delivery = (await consumer.read(1))[0]
-    assert await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    assert (
+        await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan())
+        is DispatchOutcome.DISPATCHED
+    )
     assert 60 < await redis.ttl(bus_config.keys.current("r")) <= MAX_CURRENT_TTL_S
 
 
@@ -120,10 +113,10 @@ async def test_a_duplicate_read_after_the_mark_expired_is_still_a_duplicate(
     await producer.send(bus_config.keys.requests, message)
     first, second = await consumer.read(2)
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") == DISPATCHED
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") is DispatchOutcome.DISPATCHED
     handoff = await current_handoff(redis, bus_config, "r")
     await redis.delete(bus_config.keys.dispatched("r"))  # the window passed
-    assert await dispatcher.dispatch(second.entry_id, second.message, _plan(), "s1") == DUPLICATE
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan(), "s1") is DispatchOutcome.DUPLICATE
     assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [1, 1]
     assert await current_handoff(redis, bus_config, "r") == handoff
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
@@ -138,12 +131,12 @@ async def test_a_copy_of_a_dispatched_request_is_not_failed(redis: aioredis.Redi
     await producer.send(bus_config.keys.requests, request())
     first, second = await consumer.read(2)
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") == DISPATCHED
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") is DispatchOutcome.DISPATCHED
     await redis.delete(bus_config.keys.dispatched("r"))  # however late: the hand-off id tells
-    assert await dispatcher.settle_failed(second.entry_id, "r", "s2") == NOT_OURS
-    assert await dispatcher.settle_failed(second.entry_id, "r", "s1") == DUPLICATE
+    assert await dispatcher.settle_failed(second.entry_id, "r", "s2") is SettleOutcome.NOT_OURS
+    assert await dispatcher.settle_failed(second.entry_id, "r", "s1") is SettleOutcome.DUPLICATE
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 0
-    assert await dispatcher.settle_failed("", "r") == DUPLICATE  # a dead letter of it
+    assert await dispatcher.settle_failed("", "r") is SettleOutcome.DUPLICATE  # a dead letter of it
 
 
 async def test_a_failed_request_is_not_dispatched_by_its_copy(redis: aioredis.Redis, bus_config: BusConfig) -> None:
@@ -155,10 +148,10 @@ async def test_a_failed_request_is_not_dispatched_by_its_copy(redis: aioredis.Re
     await producer.send(bus_config.keys.requests, request())
     first, second = await consumer.read(2)
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.settle_failed(first.entry_id, "r", "s1") == FAIL_IT
-    assert await dispatcher.settle_failed(first.entry_id, "r", "s1") == FAIL_IT  # retried: still its own
-    assert await dispatcher.dispatch(second.entry_id, second.message, _plan(), "s1") == DUPLICATE
-    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") == DISPATCHED
+    assert await dispatcher.settle_failed(first.entry_id, "r", "s1") is SettleOutcome.FAIL_IT
+    assert await dispatcher.settle_failed(first.entry_id, "r", "s1") is SettleOutcome.FAIL_IT  # retried: still its own
+    assert await dispatcher.dispatch(second.entry_id, second.message, _plan(), "s1") is DispatchOutcome.DUPLICATE
+    assert await dispatcher.dispatch(first.entry_id, first.message, _plan(), "s1") is DispatchOutcome.DISPATCHED
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
 
 
@@ -180,7 +173,10 @@ async def test_the_handoff_ids_life_comes_from_the_deadline_not_the_schedulers_c
     delivery = (await consumer.read(1))[0]
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + skew_s)
-    assert await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    assert (
+        await Dispatcher(redis, bus_config, 60).dispatch(delivery.entry_id, delivery.message, _plan())
+        is DispatchOutcome.DISPATCHED
+    )
     monkeypatch.setattr(time, "time", real)
     assert low < await redis.ttl(bus_config.keys.current("r")) <= high
 
@@ -207,12 +203,12 @@ async def test_a_woken_replica_writes_nothing_for_an_entry_another_claimed(
     claimer = GroupConsumer(redis, bus_config, bus_config.keys.requests, SCHEDULER_GROUP, "s2")
     assert [d.entry_id for d in await claimer.claim_from("s1")] == [delivery.entry_id]
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == NOT_OURS
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") is DispatchOutcome.NOT_OURS
     assert await redis.xlen(bus_config.keys.tasks("p")) == 0
     assert not await redis.exists(bus_config.keys.dispatched("r"))
     assert await claimer.owns(delivery.entry_id) and not await hung.owns(delivery.entry_id)
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s2") == DISPATCHED
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == NOT_OURS
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s2") is DispatchOutcome.DISPATCHED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") is DispatchOutcome.NOT_OURS
     assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [1, 1]
     snap = {w.record.worker_id: w.reserved for w in await Registry(redis, bus_config).snapshot()}
     assert snap == {"p": Reserved(100, 0, 0), "d": Reserved(0, 1, 8)}  # reserved once
@@ -234,15 +230,17 @@ async def test_a_request_whose_two_workers_die_is_moved_once(redis: aioredis.Red
     await Producer(redis, bus_config).send(bus_config.keys.requests, request())
     delivery = (await consumer.read(1))[0]
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) is DispatchOutcome.DISPATCHED
     [p_task], [d_task] = await _pending_tasks(redis, bus_config, "p"), await _pending_tasks(redis, bus_config, "d")
     first = p_task.message.handoff
     assert first and d_task.message.handoff == first == await current_handoff(redis, bus_config, "r")
 
-    assert await dispatcher.redispatch("p", p_task.entry_id, p_task.message, _plan(), 0, []) == DISPATCHED
+    assert (
+        await dispatcher.redispatch("p", p_task.entry_id, p_task.message, _plan(), 0, []) is DispatchOutcome.DISPATCHED
+    )
     second = await current_handoff(redis, bus_config, "r")
     assert second != first
-    assert await dispatcher.redispatch("d", d_task.entry_id, d_task.message, _plan(), 0, []) == STALE
+    assert await dispatcher.redispatch("d", d_task.entry_id, d_task.message, _plan(), 0, []) is DispatchOutcome.STALE
     assert await current_handoff(redis, bus_config, "r") == second
     tasks = await tasks_in(redis, bus_config.keys.tasks("d"))
     assert [t.handoff for t in tasks] == [first, second]  # nothing written for the void task
@@ -257,14 +255,14 @@ async def test_a_task_of_a_request_that_ended_is_not_moved(redis: aioredis.Redis
     await Producer(redis, bus_config).send(bus_config.keys.requests, request())
     delivery = (await consumer.read(1))[0]
     dispatcher = Dispatcher(redis, bus_config, 60)
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) == DISPATCHED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan()) is DispatchOutcome.DISPATCHED
     [p_task], [d_task] = await _pending_tasks(redis, bus_config, "p"), await _pending_tasks(redis, bus_config, "d")
     await redis.delete(bus_config.keys.current("r"))  # the reader had the final entry
-    assert await dispatcher.redispatch("d", d_task.entry_id, d_task.message, _plan(), 0, []) == STALE
+    assert await dispatcher.redispatch("d", d_task.entry_id, d_task.message, _plan(), 0, []) is DispatchOutcome.STALE
     assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [1, 1]
     assert (await redis.xpending(bus_config.keys.tasks("d"), WORKER_GROUP))["pending"] == 0
     old = dataclasses.replace(p_task.message, handoff="")
-    assert await dispatcher.redispatch("p", p_task.entry_id, old, _plan(), 0, []) == DISPATCHED
+    assert await dispatcher.redispatch("p", p_task.entry_id, old, _plan(), 0, []) is DispatchOutcome.DISPATCHED
 
 
 async def test_nothing_is_dispatched_until_the_cell_is_settled_on_the_servers_run(
@@ -279,13 +277,13 @@ async def test_nothing_is_dispatched_until_the_cell_is_settled_on_the_servers_ru
     cell = CellRun(redis, bus_config.keys)
     await redis.set(bus_config.keys.run, "0" * 40)  # settled on another server's run
     assert not await cell.settled()
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == RECOVERING
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") is DispatchOutcome.RECOVERING
     assert await redis.xlen(bus_config.keys.tasks("p")) == 0
     assert await redis.get(bus_config.keys.current("r")) is None
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 1
     await cell.settle()
     assert await cell.settled()
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == DISPATCHED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") is DispatchOutcome.DISPATCHED
     assert await redis.xlen(bus_config.keys.tasks("p")) == 1
 
 
@@ -299,9 +297,9 @@ async def test_no_task_is_written_for_a_worker_whose_lease_is_gone(
     delivery = (await consumer.read(1))[0]
     dispatcher = Dispatcher(redis, bus_config, 60)
     await redis.delete(bus_config.keys.lease("d"))
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == WORKER_GONE
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") is DispatchOutcome.WORKER_GONE
     assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [0, 0]
     assert await redis.get(bus_config.keys.current("r")) is None
     assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 1
     await Registry(redis, bus_config).register(WorkerRecord(worker_id="d", role="decode", model="m"), 5000)
-    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") == DISPATCHED
+    assert await dispatcher.dispatch(delivery.entry_id, delivery.message, _plan(), "s1") is DispatchOutcome.DISPATCHED

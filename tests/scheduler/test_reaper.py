@@ -22,7 +22,7 @@ from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.results import ResultReader, ResultWriter
 from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.dispatch import DISPATCHED, Dispatcher
+from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome
 from splitbus.scheduler.placement import Placement
 from splitbus.scheduler.scheduler import Scheduler
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
@@ -159,7 +159,9 @@ async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once
         Placement(worker("d1", "decode"), "decode", "p1", Reserved(0, 1, 8)),
         Placement(worker("p1", "prefill"), "prefill", "d1", Reserved(100, 0, 0)),
     ]
-    assert await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, first) == DISPATCHED
+    assert (
+        await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, first) is DispatchOutcome.DISPATCHED
+    )
     await asyncio.sleep(0.1)  # p1 and d1 die
     await scheduler.view.refresh()
     assert await scheduler.reaper.reap("p1") == 1
@@ -191,7 +193,10 @@ async def test_a_finished_requests_task_is_only_acked_once_its_stream_is_gone(
     await Producer(redis, config).send(config.keys.requests, request())
     (entry,) = await requests.read(1)
     only_d1 = [Placement(worker("d1", "decode"), "decode", "p1", Reserved(0, 1, 8))]
-    assert await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, only_d1) == DISPATCHED
+    assert (
+        await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, only_d1)
+        is DispatchOutcome.DISPATCHED
+    )
     d1 = GroupConsumer(redis, config, config.keys.tasks("d1"), WORKER_GROUP, "d1")
     assert len(await d1.read(10, block_ms=0)) == 1
     reader = ResultReader(config, redis, name="api")
@@ -263,7 +268,10 @@ async def _dispatch_to_p0(redis: aioredis.Redis, config: BusConfig, deadline_ms:
         Placement(worker("d2", "decode"), "decode", "pa", Reserved(0, 1, 8)),
         Placement(worker("pa", "prefill"), "prefill", "d2", Reserved(100, 0, 0)),
     ]
-    assert await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, placements) == DISPATCHED
+    assert (
+        await Dispatcher(redis, config, 60).dispatch(entry.entry_id, entry.message, placements)
+        is DispatchOutcome.DISPATCHED
+    )
     await asyncio.sleep(0.1)  # the group breaks: both ranks' leases lapse
 
 
