@@ -20,7 +20,7 @@ from redis.asyncio.client import Pipeline
 from splitbus import __version__
 from splitbus.bus import metrics
 from splitbus.bus.config import BusConfig
-from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require, require_int, require_str
+from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from splitbus.bus.replies import SnapshotReply
 from splitbus.bus.scripts import LuaScript, declare
@@ -220,9 +220,12 @@ _INT = re.compile(r"-?[0-9]{1,19}")
 def parse_int(text: str, name: str) -> int:
     """One integer field of a worker hash or registry-log entry, strictly: digits only (not the
     spaces, ``_`` or ``+`` that ``int()`` takes), within ``_RANGES[name]``."""
-    require(isinstance(text, str) and _INT.fullmatch(text) is not None, f"{name} must be an integer, got {text!r:.40}")
+    if not isinstance(text, str) or _INT.fullmatch(text) is None:  # the message only on failure: a hot path
+        raise ValueError(f"{name} must be an integer, got {text!r:.40}")
     value = int(text)
-    require_int(value, name, *_RANGES[name])
+    low, high = _RANGES[name]
+    if not low <= value <= high:
+        require_int(value, name, low, high)  # raises, in the words of every other bus message
     return value
 
 
@@ -430,7 +433,10 @@ class Registry:
         snapshot and ``splitbus status`` read rows through it alike."""
         if not record:
             raise ValueError("empty record")
-        raw = dict(_decoded(name, value) for name, value in record.items())
+        try:
+            raw = {name.decode(): value.decode() for name, value in record.items()}
+        except UnicodeDecodeError:
+            raw = dict(_decoded(name, value) for name, value in record.items())  # to name the field
         heartbeat_ms = parse_int(raw.get("heartbeat_ms", "0"), "heartbeat_ms")
         held = reserved(load_fields(raw, _RESERVED_FIELDS, "0"))
         return WorkerInfo(WorkerRecord.from_hash(raw), heartbeat_ms, int(ttl), held)

@@ -48,10 +48,13 @@ def require_int(value: Any, name: str, minimum: int | None = None, maximum: int 
 
 
 def require_str(value: Any, name: str, nonempty: bool = True, max_chars: int = MAX_NAME_CHARS) -> None:
-    require(isinstance(value, str), f"{name} must be a string, got {type(value).__name__}")
-    if nonempty:
-        require(bool(value), f"{name} must not be empty")
-    require(len(value) <= max_chars, f"{name} must be at most {max_chars} characters, got {len(value)}")
+    # Messages are formatted only on failure: every decoded entry and registry row passes here.
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if nonempty and not value:
+        raise ValueError(f"{name} must not be empty")
+    if len(value) > max_chars:
+        raise ValueError(f"{name} must be at most {max_chars} characters, got {len(value)}")
 
 
 def require_int_list(value: Any, name: str, maximum: int = MAX_TOKEN_ID, max_len: int = MAX_TOKENS) -> None:
