@@ -23,11 +23,11 @@ from splitbus.bus.config import BusConfig
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from splitbus.bus.replies import SnapshotReply
+from splitbus.bus.roles import ROLES
 from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "mixed")
 MAX_ENDPOINT_BYTES = 4 * MAX_NAME_CHARS
 """A transfer endpoint a reservation may name is at most ``MAX_NAME_CHARS`` characters."""
 

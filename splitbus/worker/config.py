@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitbus.bus.config import BusConfig
+from splitbus.bus.roles import ROLES, Role
 from splitbus.worker import engines
-
-ROLES = ("prefill", "decode", "mixed")
 
 
 def default_worker_id(role: str) -> str:
@@ -62,7 +61,7 @@ class WorkerConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         capabilities = engines.get(self.engine).capabilities  # ValueError naming the registered ones
-        if self.role != "mixed" and not capabilities.kv_transfer:
+        if self.role != Role.MIXED and not capabilities.kv_transfer:
             raise ValueError(f"the {self.engine} engine cannot ship KV: it runs only as --role mixed")
         if min(self.max_requests, self.max_prefill_tokens, self.block_size) < 1:
             raise ValueError("capacities must be >= 1")

@@ -16,8 +16,8 @@ from splitbus.bus.messages._check import (
     require_str,
 )
 from splitbus.bus.messages.requests import GenerateRequest
+from splitbus.bus.roles import PHASES, Phase
 
-PHASES = ("prefill", "decode", "mixed")
 RESERVED_NAMES = ("prefill tokens", "requests", "KV blocks")
 MAX_RANKS = 4096
 
@@ -57,7 +57,7 @@ class Task:
     def __post_init__(self) -> None:
         require(self.phase in PHASES, f"phase must be one of {PHASES}")
         require(isinstance(self.request, GenerateRequest), "request must be an object")
-        require_str(self.peer, "peer", nonempty=self.phase != "mixed")
+        require_str(self.peer, "peer", nonempty=self.phase != Phase.MIXED)
         require_int(self.first_seq, "first_seq", minimum=0, maximum=MAX_SEQ)
         require_int_list(self.output_token_ids, "output_token_ids")
         require_str(self.batch_id, "batch_id", nonempty=False)
