@@ -22,8 +22,8 @@ from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry_view import RegistryView
 from splitbus.scheduler import policies
 from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome
-from splitbus.scheduler.ledger import Ledger
-from splitbus.scheduler.placement import LOAD_ONLY, Local
+from splitbus.scheduler.ledger import Ledger, Local
+from splitbus.scheduler.placement import LOAD_ONLY
 from splitbus.scheduler.policies import Placed, PolicyOptions
 
 log = logging.getLogger(__name__)

@@ -35,17 +35,10 @@ from splitbus.bus.blocks import chain_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.scheduler import policies
+from splitbus.scheduler.decision import Placement
 from splitbus.scheduler.kv_index import KvIndex
-from splitbus.scheduler.ledger import Ledger
-from splitbus.scheduler.placement import (
-    Eligible,
-    Local,
-    Placement,
-    blocks_needed,
-    choose,
-    decode_worker,
-    prefill_cost,
-)
+from splitbus.scheduler.ledger import Ledger, Local
+from splitbus.scheduler.placement import Eligible, blocks_needed, choose, decode_worker, prefill_cost
 from splitbus.scheduler.policies import Placed, PolicyOptions
 from splitbus.scheduler.prefixes import Candidates, IndexPrefixes
 

@@ -59,7 +59,7 @@ from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.scheduler import policies
 from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
-from splitbus.scheduler.placement import Local
+from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.policies import Placed, PolicyOptions
 from splitbus.scheduler.prefixes import IndexPrefixes
 from splitbus.scheduler.scheduler import KV_EVENTS_BLOCK_MS

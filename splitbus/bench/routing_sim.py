@@ -54,7 +54,7 @@ from splitbus.bus.messages.kv_events import AllBlocksCleared, KvEvent, KvEventBa
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.scheduler import policies
 from splitbus.scheduler.kv_index import KvIndex
-from splitbus.scheduler.placement import Local
+from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.policies import Placed, PolicyOptions
 from splitbus.scheduler.prefixes import IndexPrefixes
 from splitbus.worker.engines.prefix import BlockPool

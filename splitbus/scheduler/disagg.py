@@ -18,7 +18,8 @@ from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import WorkerInfo
 from splitbus.scheduler import metrics
-from splitbus.scheduler.placement import Local, free_blocks, reserved
+from splitbus.scheduler.ledger import Local
+from splitbus.scheduler.placement import free_blocks, reserved
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from splitbus.bus.dispatch import (
     TaskWrite,
 )
 from splitbus.bus.messages import GenerateRequest, Task
-from splitbus.scheduler.placement import Placement
+from splitbus.scheduler.decision import Placement
 
 __all__ = ["PLACE_AGAIN", "DispatchOutcome", "Dispatcher", "SettleOutcome"]
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.scheduler.decision import Placement
+from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.placement import (
     DEFAULT_COST,
     CacheCost,
-    Local,
-    Placement,
     active_requests,
     blocks_needed,
     choose,

@@ -12,84 +12,18 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
-from splitbus.bus.streams import Delivery
+from splitbus.scheduler.decision import Placement
+from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.stagger import LOAD_CAP_TOKENS, OVERLAP_WEIGHT, Credit
 
 NEAR = 0.1
 """Relative slack within which candidates count as equally loaded."""
 C = TypeVar("C")
-JOURNAL_SLACK = 64
-"""Entries a ``Local``'s journal may hold beyond four per worker before it starts over."""
-
-
-class Local(dict[str, Reserved]):
-    """This replica's reservations since the registry snapshot, by worker id: what policies read,
-    what its ``Ledger`` keeps.
-
-    It journals the workers set since it last started over, so that what is derived from it (a
-    ``LoadTable``'s columns, ``scheduler/table.py``) follows each change instead of reading every
-    entry at every decision. A change the journal does not record (a removal, ``clear``) starts it
-    over: ``epoch`` goes up and the journal lists every worker again."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.epoch = 0
-        self.journal: list[str] = list(self)
-
-    def __setitem__(self, worker: str, load: Reserved) -> None:
-        super().__setitem__(worker, load)
-        self.journal.append(worker)
-        if len(self.journal) > 4 * len(self) + JOURNAL_SLACK:
-            self._start_over()
-
-    def __delitem__(self, worker: str) -> None:
-        super().__delitem__(worker)
-        self._start_over()
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for worker, load in dict(*args, **kwargs).items():
-            self[worker] = load
-
-    def setdefault(self, worker: str, load: Reserved | None = None) -> Reserved:
-        if worker not in self:
-            self[worker] = load or Reserved()
-        return self[worker]
-
-    def pop(self, worker: str, *default: Any) -> Any:
-        try:
-            return super().pop(worker, *default)
-        finally:
-            self._start_over()
-
-    def popitem(self) -> tuple[str, Reserved]:
-        try:
-            return super().popitem()
-        finally:
-            self._start_over()
-
-    def clear(self) -> None:
-        super().clear()
-        self._start_over()
-
-    def __ior__(self, other: Any) -> Local:  # type: ignore[override,misc]
-        self.update(other)
-        return self
-
-    def copy(self) -> Local:
-        return Local(self)
-
-    def __reduce__(self) -> tuple[type[Local], tuple[dict[str, Reserved]]]:
-        # copy, deepcopy and pickle make a Local with a journal of its own (the default would share it)
-        return (type(self), (dict(self),))
-
-    def _start_over(self) -> None:
-        self.epoch += 1
-        self.journal = list(self)
 
 
 @dataclass(frozen=True)
@@ -121,26 +55,6 @@ LOAD_ONLY = CacheCost(overlap_weight=0.0)
 def credit(cost: CacheCost) -> Credit:
     """The cost's knobs as water-filling takes them."""
     return Credit(cost.overlap_weight, cost.load_cap_tokens)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """One task to write: the worker, the phase, the peer, and the load to reserve."""
-
-    worker: WorkerInfo
-    phase: str
-    peer: str
-    reserve: Reserved
-    batch_id: str = ""
-    batch_ranks: int = 0
-
-
-@dataclass
-class Waiting:
-    """A request entry the scheduler holds until it is placed, and since when (monotonic)."""
-
-    delivery: Delivery
-    since: float
 
 
 def reserved(local: Local, worker: WorkerInfo) -> Reserved:

@@ -41,7 +41,7 @@ from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.bus.tasks import task_consumer
 from splitbus.scheduler.dispatch import PLACE_AGAIN, Dispatcher
-from splitbus.scheduler.placement import Local
+from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.policies import NoPlacement, Policy
 
 log = logging.getLogger(__name__)

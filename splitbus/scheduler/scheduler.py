@@ -36,10 +36,10 @@ from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, entry_order
 from splitbus.scheduler import metrics, policies
 from splitbus.scheduler.config import SchedulerConfig
+from splitbus.scheduler.decision import Placement, Waiting
 from splitbus.scheduler.dispatch import PLACE_AGAIN, Dispatcher, DispatchOutcome, SettleOutcome
 from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
-from splitbus.scheduler.ledger import Ledger
-from splitbus.scheduler.placement import Local, Placement, Waiting
+from splitbus.scheduler.ledger import Ledger, Local
 from splitbus.scheduler.policies import Placed, PlacingContext
 from splitbus.scheduler.prefixes import NO_PREFIXES, IndexPrefixes
 from splitbus.scheduler.reaper import Reaper
@@ -204,21 +204,18 @@ class Scheduler:
         left += [w for w, outcome in zip(placed, outcomes, strict=True) if outcome in PLACE_AGAIN]
         return left
 
-    async def write_batch(self, placed: list[tuple[Waiting, Placement]]) -> None:
+    async def write_batch(self, placed: list[tuple[Waiting, Placed]]) -> None:
         """Reserve and write what the policy placed as one batch, all at once: one dispatch per
-        request, of its placements in order."""
-        tasks: dict[int, tuple[Waiting, list[Placement]]] = {}
-        for waiting, placement in placed:
-            self._reserve_locally(placement)
-            tasks.setdefault(id(waiting), (waiting, []))[1].append(placement)
+        request."""
+        for waiting, decision in placed:
+            self._reserve_locally(decision)
             if isinstance(request := waiting.delivery.message, GenerateRequest):
-                self.routed(request, [placement])
-        batch = list(tasks.values())
+                self.routed(request, decision.placements)
         outcomes = await asyncio.gather(
-            *(self.contained(w, self.dispatch(w, w.delivery.message, ps)) for w, ps in batch)
+            *(self.contained(w, self.dispatch(w, w.delivery.message, d.placements)) for w, d in placed)
         )
         self.ledger.written()
-        self.waiting += [w for (w, _), outcome in zip(batch, outcomes, strict=True) if outcome in PLACE_AGAIN]
+        self.waiting += [w for (w, _), outcome in zip(placed, outcomes, strict=True) if outcome in PLACE_AGAIN]
 
     async def contained(self, waiting: Waiting, work: Awaitable[T]) -> T | Verdict:
         """Run one request's decision or dispatch. If it fails for any reason but Redis
@@ -269,8 +266,7 @@ class Scheduler:
             return Verdict.DROP
         decision = self.policy.place(request, self.view.workers, self.local)
         if isinstance(decision, Placed):
-            for p in decision.placements:  # the next decisions must see this load before it is written
-                self._reserve_locally(p)
+            self._reserve_locally(decision)  # the next decisions must see this load before it is written
             self.routed(request, decision.placements)
             return decision
         if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
@@ -303,8 +299,9 @@ class Scheduler:
             self.recovery.begin()
         return outcome
 
-    def _reserve_locally(self, placement: Placement) -> None:
-        self.ledger.reserve(placement)
+    def _reserve_locally(self, decision: Placed) -> None:
+        for placement in decision.placements:
+            self.ledger.reserve(placement)
 
     async def fail(self, waiting: Waiting, code: str, message: str, status: int) -> bool:
         """Fail the request to its client, if its entry is still ours (a replica that hung past

@@ -26,7 +26,8 @@ import numpy.typing as npt
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
-from splitbus.scheduler.placement import NEAR, CacheCost, Local, eligible
+from splitbus.scheduler.ledger import Local
+from splitbus.scheduler.placement import NEAR, CacheCost, eligible
 from splitbus.scheduler.prefixes import Candidates
 
 Ints = npt.NDArray[np.int64]

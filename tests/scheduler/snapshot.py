@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -10,6 +11,7 @@ from splitbus.bus import codec
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.scheduler.decision import Placed, Placement, Waiting
 
 
 def worker(
@@ -25,6 +27,11 @@ def worker(
     load = WorkerLoad(running=running, queued_prefill_tokens=queued, free_kv_blocks=free, total_kv_blocks=1000)
     record = WorkerRecord(worker_id=wid, role=role, model=model, load=load)
     return WorkerInfo(record, 0, 3000 if alive else -2, reserved or Reserved())
+
+
+def tasks(placed: Sequence[tuple[Waiting, Placed]]) -> list[tuple[Waiting, Placement]]:
+    """Each task of a batch's decisions, with its request, in order (a decode task before its prefill)."""
+    return [(w, p) for w, decision in placed for p in decision.placements]
 
 
 def request(prompt: int = 100, max_tokens: int = 28) -> GenerateRequest:

@@ -15,8 +15,8 @@ from splitbus.bus.registry import Registry, Reserved, WorkerRecord
 from splitbus.bus.runs import CellRun
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
 from splitbus.scheduler.config import SchedulerConfig
+from splitbus.scheduler.decision import Placement
 from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome, SettleOutcome
-from splitbus.scheduler.placement import Placement
 from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
 
 

@@ -4,8 +4,8 @@ dispatch was on its way does not show it, so the replica keeps counting it."""
 from __future__ import annotations
 
 from splitbus.bus.registry import Reserved
-from splitbus.scheduler.ledger import Ledger
-from splitbus.scheduler.placement import Local, Placement
+from splitbus.scheduler.decision import Placement
+from splitbus.scheduler.ledger import Ledger, Local
 from tests.scheduler.snapshot import worker
 
 

@@ -12,8 +12,7 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockStored, KvEventBatch, block_hash
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.scheduler.kv_index import KvIndex
-from splitbus.scheduler.ledger import Ledger
-from splitbus.scheduler.placement import Local
+from splitbus.scheduler.ledger import Ledger, Local
 from splitbus.scheduler.policies import Placed, PolicyOptions, create
 from splitbus.scheduler.prefixes import Candidates, IndexPrefixes
 

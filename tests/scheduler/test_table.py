@@ -12,17 +12,8 @@ import pytest
 
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
-from splitbus.scheduler.placement import (
-    JOURNAL_SLACK,
-    CacheCost,
-    Local,
-    choose,
-    decode_worker,
-    eligible,
-    mixed_cost,
-    prefill_cost,
-    roomy,
-)
+from splitbus.scheduler.ledger import JOURNAL_SLACK, Local
+from splitbus.scheduler.placement import CacheCost, choose, decode_worker, eligible, mixed_cost, prefill_cost, roomy
 from splitbus.scheduler.table import LoadTable, Tables, decode_row, mixed_costs, pick, prefill_costs
 from tests.scheduler.snapshot import worker
 

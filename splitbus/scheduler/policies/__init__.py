@@ -13,15 +13,8 @@ import pkgutil
 from collections.abc import Callable
 from typing import TypeVar
 
-from splitbus.scheduler.policies.base import (
-    Admitted,
-    Decision,
-    NoPlacement,
-    Placed,
-    PlacingContext,
-    Policy,
-    PolicyOptions,
-)
+from splitbus.scheduler.decision import Admitted, Decision, NoPlacement, Placed
+from splitbus.scheduler.policies.base import PlacingContext, Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 
 P = TypeVar("P", bound=type[Policy])

@@ -12,54 +12,17 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
+from splitbus.scheduler.decision import Admitted, Decision, Waiting
 from splitbus.scheduler.disagg import Disaggregation
-from splitbus.scheduler.placement import CacheCost, Local, Placement, Waiting
+from splitbus.scheduler.ledger import Local
+from splitbus.scheduler.placement import CacheCost
 from splitbus.scheduler.prefixes import NO_PREFIXES, Candidates, Prefixes
-
-
-@dataclass(frozen=True)
-class Placed:
-    """A placement exists: the tasks to write, in order (a decode task before its prefill)."""
-
-    placements: tuple[Placement, ...]
-
-    def __post_init__(self) -> None:
-        # The dispatch acks the request's entry and writes these tasks: with none, the request would be
-        # gone without a task or an error, and its client would wait out its deadline.
-        if not self.placements:
-            raise ValueError("a placement writes at least one task (say NoPlacement(reason) when there is none)")
-
-
-@dataclass(frozen=True)
-class NoPlacement:
-    """No placement exists now, and why: the request waits, and once it has waited
-    ``no_worker_wait_s`` its client gets a 503 that says this."""
-
-    reason: str
-
-
-Decision = Placed | NoPlacement
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """What ``admit`` did with the arrivals of one loop step."""
-
-    queue: list[Waiting]
-    """Requests that join the waiting queue now, to be placed one at a time by ``place``."""
-    placed: list[tuple[Waiting, Placement]] = field(default_factory=list)
-    """Requests the policy placed itself, as one batch: the scheduler reserves their load and
-    writes them before it places the queue. A request with several tasks (splitwise: decode, then
-    prefill) has one pair per task, in order; its pairs make one dispatch."""
-    wake_at: float | None = None
-    """When (monotonic seconds) the loop must call ``admit`` again for the requests the policy
-    still holds: the loop's read blocks no longer than that. None when it holds none."""
 
 
 @dataclass(frozen=True)

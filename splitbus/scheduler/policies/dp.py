@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import WorkerInfo
+from splitbus.scheduler.decision import Decision, NoPlacement, Placed
+from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.placement import (
-    Local,
     blocks_needed,
     choose,
     dp_placement,
@@ -21,7 +22,7 @@ from splitbus.scheduler.placement import (
     reserved,
 )
 from splitbus.scheduler.policies import register
-from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy
+from splitbus.scheduler.policies.base import Policy
 
 
 @register("dp")

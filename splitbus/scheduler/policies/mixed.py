@@ -10,9 +10,11 @@ from collections.abc import Sequence
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
-from splitbus.scheduler.placement import Local, Placement, blocks_needed
+from splitbus.scheduler.decision import Decision, NoPlacement, Placed, Placement
+from splitbus.scheduler.ledger import Local
+from splitbus.scheduler.placement import blocks_needed
 from splitbus.scheduler.policies import register
-from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy, PolicyOptions
+from splitbus.scheduler.policies.base import Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 
 

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.scheduler.decision import Decision, NoPlacement, Placed, Placement
 from splitbus.scheduler.disagg import split
-from splitbus.scheduler.placement import Local, Placement, blocks_needed
+from splitbus.scheduler.ledger import Local
+from splitbus.scheduler.placement import blocks_needed
 from splitbus.scheduler.policies import register
-from splitbus.scheduler.policies.base import Decision, NoPlacement, Placed, Policy, PolicyOptions
+from splitbus.scheduler.policies.base import Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 
 if TYPE_CHECKING:

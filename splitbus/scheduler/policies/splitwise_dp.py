@@ -18,25 +18,27 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from enum import Enum
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, Reserved, WorkerInfo
+from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.scheduler.decision import Admitted, Decision, NoPlacement, Placed, Waiting
 from splitbus.scheduler.groups import UnitsCache, decode_rank, fill_group, pd_placements, prefill_unit
-from splitbus.scheduler.placement import Local, Placement, Waiting, choose, prefill_cost
+from splitbus.scheduler.ledger import Local, reserve
+from splitbus.scheduler.placement import choose, prefill_cost
 from splitbus.scheduler.policies import register
-from splitbus.scheduler.policies.base import (
-    Admitted,
-    Decision,
-    NoPlacement,
-    Placed,
-    PlacingContext,
-    Policy,
-    PolicyOptions,
-)
+from splitbus.scheduler.policies.base import PlacingContext, Policy, PolicyOptions
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 from splitbus.scheduler.stagger import RELEASE_LEAD_S, StaggerWindow, group_boundary_s
 
-Pairs = list[tuple[Waiting, Placement]]
+
+class Hold(Enum):
+    """What becomes of a staggered arrival that is not placed at once."""
+
+    HELD = "held"
+    """In its prefill group's window, until the window closes."""
+    QUEUED = "queued"
+    """In the waiting queue, where ``place`` decides it."""
 
 
 @register("splitwise_dp")
@@ -71,37 +73,38 @@ class SplitwiseDpPolicy(Policy):
         queue, placed = await self._hold(arrivals, context, scratch)
         now = time.monotonic()
         for group in [g for g, window in self.windows.items() if window.ready(now)]:
-            left, filled = self.place_batch(group, self._release(group), context.view.workers, scratch)
-            queue += left
-            placed += filled
+            batch = self.place_batch(group, self._release(group), context.view.workers, scratch)
+            queue += batch.queue
+            placed += batch.placed
         dues = [due for window in self.windows.values() if (due := window.due_at()) is not None]
         return Admitted(queue, placed, wake_at=min(dues, default=None))
 
     async def _hold(
         self, arrivals: list[Waiting], context: PlacingContext, scratch: Local
-    ) -> tuple[list[Waiting], Pairs]:
+    ) -> tuple[list[Waiting], list[tuple[Waiting, Placed]]]:
         """Each arrival into its prefill group's window, or placed at once on a single prefill
         worker; returns what joins the queue and what was placed."""
         queue: list[Waiting] = []
-        placed: Pairs = []
+        placed: list[tuple[Waiting, Placed]] = []
         for waiting in arrivals:
-            pairs = await self._hold_one(waiting, context, scratch)
-            if pairs is None:
+            outcome = await self._hold_one(waiting, context, scratch)
+            if isinstance(outcome, Placed):
+                placed.append((waiting, outcome))
+            elif outcome is Hold.QUEUED:
                 queue.append(waiting)
-            placed += pairs or []
         return queue, placed
 
-    async def _hold_one(self, waiting: Waiting, context: PlacingContext, scratch: Local) -> Pairs | None:
-        """[] when the arrival is held in a window, its placements when it went to a single prefill
-        worker, None when it joins the queue (not a request, no prefill group for its model, no
+    async def _hold_one(self, waiting: Waiting, context: PlacingContext, scratch: Local) -> Placed | Hold:
+        """The arrival's placement when it went to a single prefill worker, else whether it is
+        held in a window or joins the queue (not a request, no prefill group for its model, no
         decode room)."""
         request = waiting.delivery.message
         if not isinstance(request, GenerateRequest):
-            return None
+            return Hold.QUEUED
         workers = context.view.workers
         prefill = self.units(workers, request.model, "prefill")
         if not prefill.groups:
-            return None  # no window to hold it in: ``place`` decides, as splitwise does
+            return Hold.QUEUED  # no window to hold it in: ``place`` decides, as splitwise does
         unit = prefill_unit(prefill, self.held_tokens, scratch, self.rng)
         if isinstance(unit, str):
             window = self.windows.setdefault(unit, StaggerWindow(max_wait_s=self.options.stagger_max_wait_s))
@@ -109,16 +112,14 @@ class SplitwiseDpPolicy(Policy):
                 window.open(waiting.since, await group_boundary(context.registry, prefill.groups[unit]))
             window.add(waiting)
             self.held_tokens[unit] = self.held_tokens.get(unit, 0) + len(request.prompt_token_ids)
-            return []
-        return None if unit is None else self._pair(waiting, request, unit, workers, scratch)
+            return Hold.HELD
+        return Hold.QUEUED if unit is None else self._pair(request, unit, workers, scratch)
 
     def _release(self, group: str) -> list[Waiting]:
         self.held_tokens.pop(group, None)
         return self.windows.pop(group).release()
 
-    def place_batch(
-        self, group: str, batch: list[Waiting], workers: Sequence[WorkerInfo], local: Local
-    ) -> tuple[list[Waiting], Pairs]:
+    def place_batch(self, group: str, batch: list[Waiting], workers: Sequence[WorkerInfo], local: Local) -> Admitted:
         """Water-fill a prefill group's held requests over its ranks, each with a decode rank; what
         finds no rank (the group broke meanwhile) or no decode rank joins the queue. ``local`` gets
         the placed requests' reservations."""
@@ -130,37 +131,40 @@ class SplitwiseDpPolicy(Policy):
             lambda request: self.cached(request, ranks),
             self.options.cost,
         )
+        pairs = self._with_decode_ranks(batch, chosen, workers, local)
+        batch_id = f"{self.options.replica}.{next(self._batches)}"
+        batch_ranks = len({p.record.worker_id for _, p, _ in pairs})
+        placed = [(w, Placed(pd_placements(_request(w), p, d, batch_id, batch_ranks))) for w, p, d in pairs]
+        kept = {id(w) for w, _, _ in pairs}
+        return Admitted([w for w in batch if id(w) not in kept], placed)
+
+    def _with_decode_ranks(
+        self, batch: list[Waiting], chosen: dict[str, WorkerInfo], workers: Sequence[WorkerInfo], local: Local
+    ) -> list[tuple[Waiting, WorkerInfo, WorkerInfo]]:
+        """Each held request the group's ranks took, with its prefill and decode ranks, its load
+        reserved in ``local``; those with no decode rank are left out."""
         pairs: list[tuple[Waiting, WorkerInfo, WorkerInfo]] = []
         for waiting in batch:
             prefill = chosen.get(waiting.delivery.entry_id)
             decode = None if prefill is None else self._decode(_request(waiting), workers, local)
             if prefill is not None and decode is not None:
-                _reserve(local, pd_placements(_request(waiting), prefill, decode))
+                reserve(local, pd_placements(_request(waiting), prefill, decode))
                 pairs.append((waiting, prefill, decode))
-        batch_id = f"{self.options.replica}.{next(self._batches)}"
-        batch_ranks = len({p.record.worker_id for _, p, _ in pairs})
-        placed = [(w, t) for w, p, d in pairs for t in pd_placements(_request(w), p, d, batch_id, batch_ranks)]
-        kept = {id(w) for w, _, _ in pairs}
-        return [w for w in batch if id(w) not in kept], placed
+        return pairs
 
     def _decode(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> WorkerInfo | None:
         return decode_rank(request, self.units(workers, request.model, "decode"), local, self.rng)
 
     def _pair(
-        self,
-        waiting: Waiting,
-        request: GenerateRequest,
-        prefill: WorkerInfo,
-        workers: Sequence[WorkerInfo],
-        local: Local,
-    ) -> Pairs | None:
-        """A request placed at once on a single prefill worker, or None (no decode rank has room)."""
+        self, request: GenerateRequest, prefill: WorkerInfo, workers: Sequence[WorkerInfo], local: Local
+    ) -> Placed | Hold:
+        """A request placed at once on a single prefill worker, or QUEUED (no decode rank has room)."""
         decode = self._decode(request, workers, local)
         if decode is None:
-            return None
-        placements = pd_placements(request, prefill, decode)
-        _reserve(local, placements)
-        return [(waiting, p) for p in placements]
+            return Hold.QUEUED
+        placed = Placed(pd_placements(request, prefill, decode))
+        reserve(local, placed.placements)
+        return placed
 
 
 async def group_boundary(registry: Registry, ranks: list[WorkerInfo]) -> float:
@@ -169,16 +173,6 @@ async def group_boundary(registry: Registry, ranks: list[WorkerInfo]) -> float:
     mixed groups): in the past when the group is not stepping."""
     ends = await registry.forward_ends([r.record.worker_id for r in ranks])
     return time.monotonic() + group_boundary_s({"group": ends}) - time.time() - RELEASE_LEAD_S
-
-
-def _reserve(local: Local, placements: Sequence[Placement]) -> None:
-    for p in placements:
-        mine, add = local.get(p.worker.record.worker_id, Reserved()), p.reserve
-        local[p.worker.record.worker_id] = Reserved(
-            mine.reserved_prefill_tokens + add.reserved_prefill_tokens,
-            mine.reserved_requests + add.reserved_requests,
-            mine.reserved_kv_blocks + add.reserved_kv_blocks,
-        )
 
 
 def _request(waiting: Waiting) -> GenerateRequest:

@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
+from splitbus.scheduler.decision import Admitted, Placed, Waiting
+from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.placement import (
-    Local,
-    Placement,
-    Waiting,
     blocks_needed,
     credit,
     dp_placement,
@@ -26,7 +25,7 @@ from splitbus.scheduler.placement import (
     reserved,
 )
 from splitbus.scheduler.policies import register
-from splitbus.scheduler.policies.base import Admitted, PlacingContext, PolicyOptions
+from splitbus.scheduler.policies.base import PlacingContext, PolicyOptions
 from splitbus.scheduler.policies.dp import DpPolicy
 from splitbus.scheduler.prefixes import NO_PREFIXES, Prefixes
 from splitbus.scheduler.stagger import RELEASE_LEAD_S, Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
@@ -53,7 +52,7 @@ class StaggerPolicy(DpPolicy):
         """Water-fill the batch over the DP ranks, model by model; what it cannot place (and
         what is not a request) joins the queue."""
         queue = [w for w in batch if not isinstance(w.delivery.message, GenerateRequest)]
-        placed: list[tuple[Waiting, Placement]] = []
+        placed: list[tuple[Waiting, Placed]] = []
         for model, group in _by_model(batch).items():
             filled, left = self._fill(group, dp_ranks(workers, model), local)
             placed += filled
@@ -62,7 +61,7 @@ class StaggerPolicy(DpPolicy):
 
     def _fill(
         self, group: list[Waiting], ranks: list[WorkerInfo], local: Local
-    ) -> tuple[list[tuple[Waiting, Placement]], list[Waiting]]:
+    ) -> tuple[list[tuple[Waiting, Placed]], list[Waiting]]:
         """One model's requests over its ranks: the placed ones, and those left."""
         if not ranks:
             return [], group
@@ -85,7 +84,7 @@ class StaggerPolicy(DpPolicy):
         placed = water_fill(sizes, loads, credit(self.options.cost))
         batch_id, batch_ranks = f"{self.options.replica}.{next(self._batches)}", len(set(placed.values()))
         filled = [
-            (jobs[key], dp_placement(by_id[rank_id], _request(jobs[key]), batch_id, batch_ranks))
+            (jobs[key], Placed((dp_placement(by_id[rank_id], _request(jobs[key]), batch_id, batch_ranks),)))
             for key, rank_id in placed.items()
         ]
         return filled, [w for key, w in jobs.items() if key not in placed]

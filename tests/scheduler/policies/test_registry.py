@@ -18,7 +18,7 @@ from splitbus.cli import scheduler_cmd
 from splitbus.env import load_env
 from splitbus.scheduler import policies
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.placement import Waiting
+from splitbus.scheduler.decision import Waiting
 from splitbus.scheduler.policies import POLICIES, NoPlacement, Placed, Policy, UnknownPolicy, create, names, register
 from splitbus.scheduler.scheduler import Scheduler
 from tests.scheduler.snapshot import request, worker
@@ -27,9 +27,9 @@ BUILT_IN = {"splitwise", "mixed", "dp", "stagger", "splitwise_dp"}
 
 NEW_POLICY = '''
 from splitbus.bus.registry import Reserved
-from splitbus.scheduler.placement import Placement
+from splitbus.scheduler.decision import NoPlacement, Placed, Placement
 from splitbus.scheduler.policies import register
-from splitbus.scheduler.policies.base import NoPlacement, Placed, Policy
+from splitbus.scheduler.policies.base import Policy
 
 
 @register("first_alive")

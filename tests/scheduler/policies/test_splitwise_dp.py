@@ -15,11 +15,11 @@ from splitbus.bus.messages import Cancel
 from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.streams import Delivery
-from splitbus.scheduler.placement import Waiting
+from splitbus.scheduler.decision import Waiting
 from splitbus.scheduler.policies import Admitted, NoPlacement, Placed, PlacingContext, PolicyOptions, create
 from splitbus.scheduler.policies.splitwise_dp import SplitwiseDpPolicy
 from tests.scheduler.policies.dp_ranks import rank
-from tests.scheduler.snapshot import request, worker
+from tests.scheduler.snapshot import request, tasks, worker
 
 
 def _policy(seed: int = 0, stagger: bool = True) -> SplitwiseDpPolicy:
@@ -78,7 +78,8 @@ def test_no_complete_group_with_room_is_a_clear_reason() -> None:
 
 def test_a_closed_window_is_water_filled_over_the_groups_ranks_as_one_batch() -> None:
     policy, arrivals = _policy(), _arrivals(4)
-    left, placed = policy.place_batch("p0", arrivals, _groups(), {})
+    batch = policy.place_batch("p0", arrivals, _groups(), {})
+    left, placed = batch.queue, tasks(batch.placed)
     assert left == []
     assert [w for w, _ in placed] == [a for a in arrivals for _ in range(2)]  # decode, then prefill, per request
     prefills = [p for _, p in placed if p.phase == "prefill"]
@@ -92,11 +93,12 @@ def test_a_closed_window_is_water_filled_over_the_groups_ranks_as_one_batch() ->
 def test_what_finds_no_decode_room_joins_the_queue_and_leaves_the_batch() -> None:
     workers = [*[rank("p0", i, 2, role="prefill") for i in range(2)], rank("d0", 0, 1, role="decode", free=8)]
     arrivals = _arrivals(2)
-    left, placed = _policy().place_batch("p0", arrivals, workers, {})
+    batch = _policy().place_batch("p0", arrivals, workers, {})
+    left, placed = batch.queue, tasks(batch.placed)
     assert len(left) == 1 and len(placed) == 2  # room for one request's blocks only
     assert {p.batch_ranks for _, p in placed if p.phase == "prefill"} == {1}  # the rank count of what went out
     broken = _policy().place_batch("p0", arrivals, workers[:1] + workers[2:], {})  # p0 lost a rank meanwhile
-    assert broken == (arrivals, [])
+    assert broken == Admitted(arrivals, [])
 
 
 async def _context(
@@ -120,8 +122,10 @@ async def test_prefill_arrivals_wait_for_their_groups_step_to_end(redis: aioredi
     assert held.wake_at is not None and held.wake_at > time.monotonic() + 1
     policy.windows["p0"].boundary_at = time.monotonic()  # as if that step had ended
     released = await policy.admit([], context)
-    assert [w for w, _ in released.placed] == [a for a in arrivals for _ in range(2)] and released.wake_at is None
-    prefills = {p.worker.record.worker_id for _, p in released.placed if p.phase == "prefill"}
+    assert [w for w, _ in tasks(released.placed)] == [
+        a for a in arrivals for _ in range(2)
+    ] and released.wake_at is None
+    prefills = {p.worker.record.worker_id for _, p in tasks(released.placed) if p.phase == "prefill"}
     assert prefills == {"p0-r0", "p0-r1"} and policy.windows == {}
 
 
@@ -133,8 +137,8 @@ async def test_an_arrival_for_a_single_prefill_worker_is_placed_at_once(
     context = await _context(redis, bus_config, workers, int(time.time() * 1000) + 5000)
     policy = _policy()
     admitted = await policy.admit(_arrivals(1), context)
-    assert [p.phase for _, p in admitted.placed] == ["decode", "prefill"]
-    assert admitted.placed[1][1].worker.record.worker_id == "p-single"
+    assert [p.phase for _, p in tasks(admitted.placed)] == ["decode", "prefill"]
+    assert tasks(admitted.placed)[1][1].worker.record.worker_id == "p-single"
     assert (admitted.queue, admitted.wake_at, policy.windows) == ([], None, {})
 
 
@@ -162,5 +166,5 @@ async def test_each_prefill_group_has_its_own_window(redis: aioredis.Redis, bus_
     assert policy.held_tokens == {"p0": 200, "p1": 200}
     policy.windows["p0"].boundary_at = time.monotonic()  # p0's step ended, p1's goes on
     released = await policy.admit([], context)
-    prefills = {p.worker.record.worker_id for _, p in released.placed if p.phase == "prefill"}
+    prefills = {p.worker.record.worker_id for _, p in tasks(released.placed) if p.phase == "prefill"}
     assert prefills == {"p0-r0", "p0-r1"} and list(policy.windows) == ["p1"] and released.wake_at is not None

@@ -12,11 +12,11 @@ from splitbus.bus.messages import Cancel
 from splitbus.bus.registry import Registry, WorkerLoad
 from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.streams import Delivery
-from splitbus.scheduler.placement import Waiting
+from splitbus.scheduler.decision import Waiting
 from splitbus.scheduler.policies import Admitted, PlacingContext, PolicyOptions, create
 from splitbus.scheduler.policies.stagger import StaggerPolicy
 from tests.scheduler.policies.dp_ranks import rank
-from tests.scheduler.snapshot import request
+from tests.scheduler.snapshot import request, tasks
 
 
 def _policy() -> StaggerPolicy:
@@ -34,8 +34,8 @@ def test_a_batch_spreads_over_the_ranks_with_one_batch_id() -> None:
     not_a_request = Waiting(Delivery("sb:requests", "9-0", Cancel("r", "api")), time.monotonic())
     admitted = _policy().place_batch([*_arrivals(3), not_a_request], ranks, {})
     assert admitted.queue == [not_a_request] and admitted.wake_at is None
-    assert len({p.worker.record.worker_id for _, p in admitted.placed}) == 3
-    assert {(p.batch_id, p.batch_ranks) for _, p in admitted.placed} == {("s1.0", 3)}
+    assert len({p.worker.record.worker_id for _, p in tasks(admitted.placed)}) == 3
+    assert {(p.batch_id, p.batch_ranks) for _, p in tasks(admitted.placed)} == {("s1.0", 3)}
 
 
 def test_what_finds_no_rank_joins_the_queue() -> None:
@@ -58,5 +58,5 @@ async def test_arrivals_wait_for_the_groups_step_to_end(redis: aioredis.Redis, b
     assert held.wake_at is not None and held.wake_at > time.monotonic() + 1
     policy.window.boundary_at = time.monotonic()  # as if that step had ended
     released = await policy.admit([], PlacingContext(view, registry, {}))
-    assert [w for w, _ in released.placed] == arrivals and released.wake_at is None
-    assert {p.worker.record.worker_id for _, p in released.placed} == {"g0-r0"}
+    assert [w for w, _ in tasks(released.placed)] == arrivals and released.wake_at is None
+    assert {p.worker.record.worker_id for _, p in tasks(released.placed)} == {"g0-r0"}
