@@ -188,17 +188,28 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def _prompt(value: Any) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
+    value = _one_prompt(value)
     if isinstance(value, str):
         if not value:
             raise BadRequest("'prompt' must not be empty", "prompt")
         return value
-    if isinstance(value, list) and value and all(type(t) is int for t in value):
+    if _token_ids(value):
         return value
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         raise BadRequest("several prompts in one request are not supported; send one per request", "prompt")
     raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def _one_prompt(value: Any) -> Any:
+    """A batch of one prompt (``["text"]``, ``[[1, 2]]``) as that prompt; anything else as it is."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        return value[0]
+    return value
+
+
+def _token_ids(value: Any) -> bool:
+    """A non-empty list of ints (not bools: ``type`` is ``int`` exactly)."""
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")

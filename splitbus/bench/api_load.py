@@ -191,14 +191,23 @@ def _wait_ready(base_url: str, timeout_s: float = 60) -> None:
     raise RuntimeError("the API did not become ready")
 
 
+def _tiny_model(data: Path) -> Path:
+    """The sim engine's default model (a tokenizer and ``config.json``, what ``splitbus up --engine
+    sim`` serves), made in ``data``."""
+    from splitbus.worker import engines
+
+    folder = data / "tiny"
+    engines.get("sim").make_default_model(folder)
+    return folder
+
+
 def run_api_bench(url: str, config: ApiBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    from splitbus.cli.up import default_model
     from splitbus.redis_server import free_port
 
     prefix, node, port = f"ba{uuid.uuid4().hex[:6]}", f"bench-api-{uuid.uuid4().hex[:6]}", free_port()
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="splitbus-bench-api-") as data:
-        api = _start_api(url, prefix, default_model(Path(data), "sim"), port, node, config.streams)
+        api = _start_api(url, prefix, _tiny_model(Path(data)), port, node, config.streams)
         stop = mp.Event()
         results: mp.Queue[dict[str, Any]] = mp.Queue()
         responder = mp.Process(target=_respond, args=(url, prefix, config, stop), daemon=True)

@@ -134,23 +134,37 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     if min(args.prefill_dp, args.decode_dp) < 1:
         raise ValueError("--prefill-dp and --decode-dp count the ranks of each group: at least 1")
     if args.dp:
-        if args.dp < 1 or args.mixed or args.prefill or args.decode or max(args.prefill_dp, args.decode_dp) > 1:
-            raise ValueError(
-                "--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed"
-            )
+        _check_dp_alone(args)
         return 0, 0, 0
     mixed = args.mixed
     prefill = args.prefill if args.prefill is not None else (0 if mixed else 1)
     decode = args.decode if args.decode is not None else (0 if mixed else 1)
+    _check_counts(prefill, decode, mixed)
+    _check_placeable(args, prefill, mixed)
+    return prefill, decode, mixed
+
+
+def _check_dp_alone(args: argparse.Namespace) -> None:
+    if args.dp < 1 or args.mixed or args.prefill or args.decode or max(args.prefill_dp, args.decode_dp) > 1:
+        raise ValueError(
+            "--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed"
+        )
+
+
+def _check_counts(prefill: int, decode: int, mixed: int) -> None:
     if min(prefill, decode, mixed) < 0 or (prefill + decode + mixed) == 0:
         raise ValueError("need at least one worker, and no negative counts")
     if (prefill == 0) != (decode == 0):
         raise ValueError("prefill and decode workers come together: give both --prefill and --decode, or neither")
+
+
+def _check_placeable(args: argparse.Namespace, prefill: int, mixed: int) -> None:
+    """The engine can ship KV when there are prefill workers, and ``--dispatch api`` has a policy
+    it places with."""
     if prefill and not engines.get(args.engine).capabilities.kv_transfer:
         raise ValueError(f"the {args.engine} engine cannot ship KV from prefill to decode: run it as --mixed N")
     if args.dispatch == "api" and _scheduler_mode(args, prefill, mixed) not in ("splitwise", "mixed"):
         raise ValueError("--dispatch api places on single workers (splitwise or mixed): DP groups need the scheduler")
-    return prefill, decode, mixed
 
 
 def default_model(data_dir: Path, engine: str) -> Path:

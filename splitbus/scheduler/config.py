@@ -103,10 +103,22 @@ class SchedulerConfig:
         return retries_s + bus.claim_idle_ms / 1000 + self.claim_every_s + self.no_worker_wait_s + self.refresh_s
 
     def __post_init__(self) -> None:
+        self._check_mode()
+        self._check_periods()
+        if self.dispatched_ttl_s < self.duplicate_window_s():
+            raise ValueError(
+                f"dispatched_ttl_s must cover the XADD retries, claim_idle_ms, no_worker_wait_s, one claim pass and"
+                f" one refresh ({self.duplicate_window_s():.1f} s): a duplicate request entry held that long"
+                " by a stuck replica would be dispatched again"
+            )
+
+    def _check_mode(self) -> None:
         if self.mode not in policies.names():
             raise ValueError(f"mode must be one of {tuple(policies.names())}, got {self.mode!r}")
         if self.mode == "stagger" and not self.stagger:
             raise ValueError("--no-stagger contradicts --mode stagger (the naive placement is --mode dp --no-stagger)")
+
+    def _check_periods(self) -> None:
         if self.refresh_s <= 0 or self.no_worker_wait_s <= 0 or self.batch < 1:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
         if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:
@@ -115,9 +127,3 @@ class SchedulerConfig:
             raise ValueError("recovery_grace_s must be >= 0")
         if self.claim_every_s <= 0 or self.dead_consumer_keep_s < 0:
             raise ValueError("claim_every_s must be positive and dead_consumer_keep_s >= 0")
-        if self.dispatched_ttl_s < self.duplicate_window_s():
-            raise ValueError(
-                f"dispatched_ttl_s must cover the XADD retries, claim_idle_ms, no_worker_wait_s, one claim pass and"
-                f" one refresh ({self.duplicate_window_s():.1f} s): a duplicate request entry held that long"
-                " by a stuck replica would be dispatched again"
-            )

@@ -337,27 +337,34 @@ class KvIndexFeeder:
         keeps for it (``KvIndex.bound``; a worker not there: ``UNREPORTED_BLOCKS``) and the size
         of the batches it is read (``batch_bytes``) and snapshots (``snapshot_bytes``) decoded."""
         totals = capacities or {}
-        self.index.retain(alive)
-        self.index.expire()
-        for worker in alive:
-            bounded = self.index.bound(worker, totals.get(worker, 0))
-            if bounded is not None:
-                _COUNTED[bounded].inc()
-        for worker in list(self._asked):
-            if worker not in alive:
-                del self._asked[worker]
-        now = self._clock()
-        # a worker asked for a snapshot is looked at again only after REQUEST_EVERY_S (it answers
-        # within half a second; one that publishes none cost a read of its snapshot every poll)
-        await self._resync(
-            [w for w in alive if self.index.needs_resync(w) and now - self._asked.get(w, -1e9) >= REQUEST_EVERY_S / 4]
-        )
+        self._follow_alive(alive, totals)
+        await self._resync(self._due_for_resync(alive))
         cursors = {w: self.index.cursor(w) for w in alive}
         read = await self._reader.read(cursors, count, block_ms, {w: batch_bytes(totals.get(w, 0)) for w in alive})
         for entry in read:
             _COUNTED[self._apply(entry)].inc()
         metrics.KV_SILENT_WORKERS.set(len(self.index.silent()))
         return len(read)
+
+    def _follow_alive(self, alive: Collection[str], totals: Mapping[str, int]) -> None:
+        """Forget the workers no longer alive, and hold each live one to its reported blocks."""
+        self.index.retain(alive)
+        self.index.expire()
+        for worker in alive:
+            bounded = self.index.bound(worker, totals.get(worker, 0))
+            if bounded is not None:
+                _COUNTED[bounded].inc()
+        for worker in [w for w in self._asked if w not in alive]:
+            del self._asked[worker]
+
+    def _due_for_resync(self, alive: Collection[str]) -> list[str]:
+        """The live workers that need a resync, but for those asked for a snapshot lately: one is
+        looked at again only after a quarter of REQUEST_EVERY_S (it answers within half a second;
+        one that publishes none cost a read of its snapshot every poll)."""
+        now = self._clock()
+        return [
+            w for w in alive if self.index.needs_resync(w) and now - self._asked.get(w, -1e9) >= REQUEST_EVERY_S / 4
+        ]
 
     def _apply(self, entry: ReadBatch) -> Status:
         if entry.oversized:

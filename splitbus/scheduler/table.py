@@ -186,26 +186,34 @@ class Tables:
         return table
 
     def _follow(self, workers: Sequence[WorkerInfo]) -> None:
+        changed = self._changed_rows(workers)
+        if changed is None:
+            self._tables = {}
+            return
+        for old, new in changed:
+            self._take(old, new)
+
+    def _changed_rows(self, workers: Sequence[WorkerInfo]) -> list[tuple[WorkerInfo, WorkerInfo]] | None:
+        """The rows ``workers`` changed since the last snapshot, as (old, new); None when every
+        table is built anew instead: there are none yet, the workers are others, or most rows
+        changed."""
         before = self._rows
         if len(before) != len(workers) or not self._tables:
-            self._tables = {}
-            return
-        changed = [i for i, (old, new) in enumerate(zip(before, workers, strict=True)) if old is not new]
-        if len(changed) > len(workers) // 4:
-            self._tables = {}
-            return
-        for i in changed:
-            old, new = before[i], workers[i]
-            if old.record.worker_id != new.record.worker_id:
-                self._tables = {}
-                return
-            was, now = _key(old), _key(new)
-            if was != now:  # the worker joined or left a table: both are built anew
-                for key in (was, now):
-                    if key is not None:
-                        self._tables.pop(key, None)
-            elif now in self._tables and not self._tables[now].update(new):
-                del self._tables[now]
+            return None
+        changed = [(old, new) for old, new in zip(before, workers, strict=True) if old is not new]
+        if len(changed) > len(workers) // 4 or any(o.record.worker_id != n.record.worker_id for o, n in changed):
+            return None
+        return changed
+
+    def _take(self, old: WorkerInfo, new: WorkerInfo) -> None:
+        """Take a worker's newer row into its table."""
+        was, now = _key(old), _key(new)
+        if was != now:  # the worker joined or left a table: both are built anew
+            for key in (was, now):
+                if key is not None:
+                    self._tables.pop(key, None)
+        elif now in self._tables and not self._tables[now].update(new):
+            del self._tables[now]
 
 
 def _key(worker: WorkerInfo) -> tuple[str, str] | None:
