@@ -11,6 +11,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 import splitbus.api.metrics
 import splitbus.bus.metrics
+import splitbus.placement.metrics
 import splitbus.scheduler.metrics
 import splitbus.worker.metrics  # noqa: F401  (registers the worker's metrics)
 

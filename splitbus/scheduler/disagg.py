@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import WorkerInfo
-from splitbus.scheduler import metrics
+from splitbus.placement import metrics
 from splitbus.scheduler.ledger import Local
 from splitbus.scheduler.placement import free_blocks, reserved
 

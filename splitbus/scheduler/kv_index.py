@@ -26,7 +26,7 @@ from splitbus.bus.messages.kv_events import (
     batch_bytes,
     snapshot_bytes,
 )
-from splitbus.scheduler import metrics
+from splitbus.placement import metrics
 
 Status = Literal["applied", "gap", "resync", "stale", "overflow"]
 """What became of a batch or snapshot: ``applied``; ``gap`` (an id was missed: the worker is

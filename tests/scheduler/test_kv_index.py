@@ -118,7 +118,7 @@ async def test_the_feeder_follows_the_bus_and_resyncs_after_a_trim(
 
 
 def test_overlap_buckets_are_bounded() -> None:
-    from splitbus.scheduler.metrics import overlap_bucket
+    from splitbus.placement.metrics import overlap_bucket
 
     assert [overlap_bucket(n) for n in (0, 1, 7, 8, 63, 64, 10**6)] == ["0", "1-7", "1-7", "8-63", "8-63", "64+", "64+"]
 
