@@ -20,11 +20,11 @@ from splitbus.api import metrics
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry_view import RegistryView
-from splitbus.scheduler import policies
-from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome
-from splitbus.scheduler.ledger import Ledger, Local
-from splitbus.scheduler.placement import LOAD_ONLY
-from splitbus.scheduler.policies import Placed, PolicyOptions
+from splitbus.placement import policies
+from splitbus.placement.costs import LOAD_ONLY
+from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
+from splitbus.placement.ledger import Ledger, Local
+from splitbus.placement.policies import Placed, PolicyOptions
 
 log = logging.getLogger(__name__)
 

@@ -9,14 +9,14 @@ scheduler does between its reads: each decision's reservations are added to the 
 with ``CHANGED_ROWS`` rows changed and the ledger forgets all but the reservations of the last
 ``KEEP_RESERVATIONS`` decisions (what a registry view's read does). Two placers, side by side:
 
-- **columns**: the policy as it is (``scheduler/table.py``: numpy columns per role, following
+- **columns**: the policy as it is (``placement/columns.py``: numpy columns per role, following
   the snapshot's changed rows and the ``Local``'s journal);
 - **rows**: the same rules through ``placement``'s per-worker functions (``decode_worker``,
   ``choose`` over ``prefill_cost``), which scan every candidate and every reservation per
   decision: how splitwise decided before the columns.
 
 Both draw from one seeded ``random.Random`` each and must choose the same workers
-(``tests/scheduler/test_table.py`` checks the rules; here the choices are compared too).
+(``tests/placement/test_columns.py`` checks the rules; here the choices are compared too).
 Timed with ``time.perf_counter_ns`` per decision, the garbage collector off.
 """
 
@@ -34,13 +34,13 @@ import numpy as np
 from splitbus.bus.blocks import chain_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
-from splitbus.scheduler import policies
-from splitbus.scheduler.decision import Placement
-from splitbus.scheduler.kv_index import KvIndex
-from splitbus.scheduler.ledger import Ledger, Local
-from splitbus.scheduler.placement import Eligible, blocks_needed, choose, decode_worker, prefill_cost
-from splitbus.scheduler.policies import Placed, PolicyOptions
-from splitbus.scheduler.prefixes import Candidates, IndexPrefixes
+from splitbus.placement import policies
+from splitbus.placement.costs import Eligible, blocks_needed, choose, decode_worker, prefill_cost
+from splitbus.placement.decision import Placement
+from splitbus.placement.kv_index import KvIndex
+from splitbus.placement.ledger import Ledger, Local
+from splitbus.placement.policies import Placed, PolicyOptions
+from splitbus.placement.prefixes import Candidates, IndexPrefixes
 
 BLOCK_SIZE = 16
 """The workers' block size (``WorkerRecord``'s default), and the API's chain's."""

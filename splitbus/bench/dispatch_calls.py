@@ -29,8 +29,8 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, Reserved, WorkerInfo, WorkerRecord
 from splitbus.bus.runs import CellRun
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
-from splitbus.scheduler.decision import Placement
-from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome
+from splitbus.placement.decision import Placement
+from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
 
 PER_TURN = (1, 8, 32)
 PROMPT_TOKENS = 128

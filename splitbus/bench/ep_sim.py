@@ -5,7 +5,7 @@ compute plus the all-to-all sized by the largest rank's tokens).
 The prefill group is ``stagger_sim.GroupSimulation`` (its placement, window, ``decide`` and step
 loop), except that a prefilled request leaves it: its KV goes to the decode rank the request was
 given when it was placed, as ``splitwise_dp`` gives both ranks at once. That decode rank is the
-one that keeps the decode group's step shortest (``scheduler.groups.step_cost``: the group's most
+one that keeps the decode group's step shortest (``placement.groups.step_cost``: the group's most
 sequences, then most KV blocks, with the request on the rank). A decode rank steps with its group
 (``decide``): it decodes its running sequences, or runs an idle forward while another rank
 decodes. KV transfer time is not modelled: a request decodes from the first decode step that
@@ -32,7 +32,7 @@ from splitbus.bench.stagger_sim import (
     _Rank,
     _Req,
 )
-from splitbus.scheduler.groups import DecodeLoad, step_cost
+from splitbus.placement.groups import DecodeLoad, step_cost
 from splitbus.worker.dp import StepPlan, decide
 from splitbus.worker.engines.sim import SimConfig
 

@@ -56,12 +56,12 @@ from splitbus.bus.kv_events import KvEventPublisher, KvEventReader
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.placement import policies
+from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
+from splitbus.placement.ledger import Local
+from splitbus.placement.policies import Placed, PolicyOptions
+from splitbus.placement.prefixes import IndexPrefixes
 from splitbus.redis_server import EmbeddedRedis
-from splitbus.scheduler import policies
-from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
-from splitbus.scheduler.ledger import Local
-from splitbus.scheduler.policies import Placed, PolicyOptions
-from splitbus.scheduler.prefixes import IndexPrefixes
 from splitbus.scheduler.scheduler import KV_EVENTS_BLOCK_MS
 
 MODEL = "m"

@@ -52,11 +52,11 @@ from splitbus.bus.kv_events import fold
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, KvSnapshot
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
-from splitbus.scheduler import policies
-from splitbus.scheduler.kv_index import KvIndex
-from splitbus.scheduler.ledger import Local
-from splitbus.scheduler.policies import Placed, PolicyOptions
-from splitbus.scheduler.prefixes import IndexPrefixes
+from splitbus.placement import policies
+from splitbus.placement.kv_index import KvIndex
+from splitbus.placement.ledger import Local
+from splitbus.placement.policies import Placed, PolicyOptions
+from splitbus.placement.prefixes import IndexPrefixes
 from splitbus.worker.engines.prefix import BlockPool
 
 MODEL = "m"

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splitbus.scheduler.placement import choose
-from splitbus.scheduler.stagger import Job, RankLoad, StaggerWindow, water_fill
+from splitbus.placement.costs import choose
+from splitbus.placement.stagger import Job, RankLoad, StaggerWindow, water_fill
 from splitbus.worker.dp import StepPlan, decide
 from splitbus.worker.engines.sim import SimConfig
 

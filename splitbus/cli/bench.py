@@ -481,7 +481,7 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
 def _serve_config(args: argparse.Namespace) -> ServeConfig:
     from splitbus.bench.serve_trace import ServeConfig, Workload
     from splitbus.bench.workloads import parse_goodput, read_trace
-    from splitbus.scheduler import policies
+    from splitbus.placement import policies
 
     unknown = [p for p in args.policy.split(",") if p and p.split(":")[0] not in policies.names()]
     if unknown:

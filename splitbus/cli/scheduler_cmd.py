@@ -13,7 +13,7 @@ from splitbus.cli.common import (
     serve_metrics,
 )
 from splitbus.env import Env
-from splitbus.scheduler import policies
+from splitbus.placement import policies
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -111,9 +111,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bus.config import BusConfig
+    from splitbus.placement.costs import CacheCost
+    from splitbus.placement.disagg import Disaggregation
     from splitbus.scheduler.config import SchedulerConfig
-    from splitbus.scheduler.disagg import Disaggregation
-    from splitbus.scheduler.placement import CacheCost
     from splitbus.scheduler.scheduler import Scheduler
 
     try:

@@ -5,9 +5,9 @@ import socket
 from dataclasses import dataclass, field
 
 from splitbus.bus.config import BusConfig
-from splitbus.scheduler import policies
-from splitbus.scheduler.disagg import Disaggregation
-from splitbus.scheduler.placement import DEFAULT_COST, CacheCost
+from splitbus.placement import policies
+from splitbus.placement.costs import DEFAULT_COST, CacheCost
+from splitbus.placement.disagg import Disaggregation
 
 
 def default_name() -> str:

@@ -40,9 +40,9 @@ from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.bus.tasks import task_consumer
-from splitbus.scheduler.dispatch import PLACE_AGAIN, Dispatcher
-from splitbus.scheduler.ledger import Local
-from splitbus.scheduler.policies import NoPlacement, Policy
+from splitbus.placement.dispatcher import PLACE_AGAIN, Dispatcher
+from splitbus.placement.ledger import Local
+from splitbus.placement.policies import NoPlacement, Policy
 
 log = logging.getLogger(__name__)
 WAIT = "wait"

@@ -34,14 +34,15 @@ from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.requests import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.streams import Delivery, entry_order
-from splitbus.scheduler import metrics, policies
+from splitbus.placement import policies
+from splitbus.placement.decision import Placement, Waiting
+from splitbus.placement.dispatcher import PLACE_AGAIN, Dispatcher, DispatchOutcome, SettleOutcome
+from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
+from splitbus.placement.ledger import Ledger, Local
+from splitbus.placement.policies import Placed, PlacingContext
+from splitbus.placement.prefixes import NO_PREFIXES, IndexPrefixes
+from splitbus.scheduler import metrics
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.decision import Placement, Waiting
-from splitbus.scheduler.dispatch import PLACE_AGAIN, Dispatcher, DispatchOutcome, SettleOutcome
-from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
-from splitbus.scheduler.ledger import Ledger, Local
-from splitbus.scheduler.policies import Placed, PlacingContext
-from splitbus.scheduler.prefixes import NO_PREFIXES, IndexPrefixes
 from splitbus.scheduler.reaper import Reaper
 from splitbus.scheduler.recovery import Recovery
 

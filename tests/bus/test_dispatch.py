@@ -1,4 +1,4 @@
-"""The dispatch protocol's own rules (the script against real Redis: tests/scheduler/test_dispatch.py)."""
+"""The dispatch protocol's own rules (the script against real Redis: tests/placement/test_dispatcher.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.streams import GroupConsumer, Producer
-from tests.scheduler.snapshot import request
+from tests.placement.snapshot import request
 
 
 def _record(worker_id: str, role: str = "decode") -> WorkerRecord:

@@ -43,7 +43,7 @@ async def _restarted(server: EmbeddedRedis, runs: ServerRuns) -> Runs:
 async def test_a_restart_is_a_new_run_and_lost_requests_are_submitted_again(tmp_path: Path) -> None:
     """A server restarted without persistence lost every entry: the requests not yet started
     are submitted again, the started one is not (copies of entries not lost are only acked:
-    tests/scheduler/test_dispatch.py)."""
+    tests/placement/test_dispatcher.py)."""
     server = EmbeddedRedis(tmp_path, appendonly=False)
     server.start()
     config = BusConfig(redis_url=server.url, block_ms=200, socket_timeout_s=1.0)

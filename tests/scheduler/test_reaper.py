@@ -21,11 +21,11 @@ from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.results import ResultReader, ResultWriter
 from splitbus.bus.streams import GroupConsumer, Producer
+from splitbus.placement.decision import Placement
+from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.decision import Placement
-from splitbus.scheduler.dispatch import Dispatcher, DispatchOutcome
 from splitbus.scheduler.scheduler import Scheduler
-from tests.scheduler.snapshot import current_handoff, request, tasks_in, worker
+from tests.placement.snapshot import current_handoff, request, tasks_in, worker
 from tests.worker.replies import decoded
 
 KEEP_S = 2

@@ -20,11 +20,11 @@ from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import Failed
 from splitbus.bus.registry import Registry, SchedulerLease, WorkerLoad, WorkerRecord
 from splitbus.bus.streams import GroupConsumer, Producer
+from splitbus.placement.policies.stagger import next_boundary
+from splitbus.placement.stagger import RELEASE_LEAD_S
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.policies.stagger import next_boundary
 from splitbus.scheduler.scheduler import Scheduler, Verdict, Waiting
-from splitbus.scheduler.stagger import RELEASE_LEAD_S
-from tests.scheduler.snapshot import request, tasks_in
+from tests.placement.snapshot import request, tasks_in
 
 
 @pytest.fixture

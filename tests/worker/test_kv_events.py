@@ -27,7 +27,7 @@ from splitbus.bus.messages.kv_events import (
 from splitbus.bus.results import ResultReader, Subscription
 from splitbus.bus.runs import Runs
 from splitbus.bus.streams import Producer
-from splitbus.scheduler.kv_index import KvIndex, KvIndexFeeder
+from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines.sim import SimConfig, SimEngine

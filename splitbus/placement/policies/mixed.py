@@ -1,0 +1,43 @@
+"""mixed: each request prefills and decodes on one ``mixed`` worker, which reserves its prompt
+tokens and its blocks: among those with KV room, the one with the lowest ``mixed_cost`` (its
+prefill cost in blocks, the prompt tokens it holds cached credited, plus the KV blocks its
+requests hold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.placement.costs import blocks_needed
+from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement
+from splitbus.placement.ledger import Local
+from splitbus.placement.policies import register
+from splitbus.placement.policies.base import Policy, PolicyOptions
+from splitbus.placement.prefixes import NO_PREFIXES, Prefixes
+
+
+@register("mixed")
+class MixedPolicy(Policy):
+    def __init__(self, options: PolicyOptions | None = None, prefixes: Prefixes = NO_PREFIXES) -> None:
+        super().__init__(options, prefixes)
+        from splitbus.placement import columns  # numpy: when a policy is made, not when the CLI lists them
+
+        self.columns = columns
+        self.tables = columns.Tables()
+
+    def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
+        table = self.tables(workers, request.model, "mixed")
+        loads = table.loads(local)
+        rows = table.roomy(request, loads)
+        cached = self.cached(request, table.candidates)
+        costs = self.columns.mixed_costs(table, loads, rows, request, cached, self.options.cost)
+        row = self.columns.pick(rows, costs, self.rng)
+        if row is None:
+            return NoPlacement(f"no live mixed worker with room serves model '{request.model}'")
+        worker = table.workers[row]
+        blocks = blocks_needed(request, worker.record.block_size)
+        # what it computes: the prompt less what it holds cached (or will: a sibling routed there)
+        reserve = Reserved(len(request.prompt_token_ids) - cached.get(worker.record.worker_id, 0), 1, blocks)
+        return Placed((Placement(worker, "mixed", "", reserve),))

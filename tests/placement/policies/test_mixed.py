@@ -1,0 +1,22 @@
+"""mixed placement on hand-made registry snapshots (pure logic)."""
+
+from __future__ import annotations
+
+import random
+
+from splitbus.bus.registry import Reserved
+from splitbus.placement.policies import NoPlacement, Placed, PolicyOptions, create
+from tests.placement.snapshot import request, worker
+
+
+def test_mixed_mode_uses_one_mixed_worker() -> None:
+    workers = [worker("x", "mixed", free=100), worker("y", "mixed", free=800), worker("p", "prefill")]
+    plan = create("mixed", PolicyOptions(rng=random.Random(0))).place(request(), workers, {})
+    assert isinstance(plan, Placed)
+    assert [(p.worker.record.worker_id, p.phase, p.peer) for p in plan.placements] == [("y", "mixed", "")]
+    assert plan.placements[0].reserve == Reserved(100, 1, 8)
+
+
+def test_no_mixed_worker_with_room_says_why() -> None:
+    full = [worker("x", "mixed", free=3), worker("p", "prefill"), worker("d", "decode")]
+    assert create("mixed").place(request(), full, {}) == NoPlacement("no live mixed worker with room serves model 'm'")

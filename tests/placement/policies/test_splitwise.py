@@ -1,0 +1,89 @@
+"""splitwise placement on hand-made registry snapshots (pure logic)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from splitbus.bus.registry import Reserved
+from splitbus.placement.costs import blocks_needed
+from splitbus.placement.policies import Decision, NoPlacement, Placed, Policy, PolicyOptions, create
+from tests.placement.snapshot import request, worker
+
+
+def _policy(seed: int | None = None) -> Policy:
+    return create("splitwise", PolicyOptions(rng=random.Random(seed)))
+
+
+def _placed(decision: Decision) -> Placed:
+    assert isinstance(decision, Placed), decision
+    return decision
+
+
+def _reason(decision: Decision) -> str:
+    assert isinstance(decision, NoPlacement), decision
+    return decision.reason
+
+
+def test_prefill_by_queued_tokens_and_decode_by_free_blocks() -> None:
+    workers = [
+        worker("p-busy", "prefill", queued=5000),
+        worker("p-idle", "prefill", queued=10),
+        worker("d-full", "decode", free=50),
+        worker("d-roomy", "decode", free=900),
+    ]
+    plan = _policy(0).place(request(), workers, {})
+    assert isinstance(plan, Placed)
+    decode, prefill = plan.placements
+    assert (decode.worker.record.worker_id, decode.phase, decode.peer) == ("d-roomy", "decode", "p-idle")
+    assert (prefill.worker.record.worker_id, prefill.phase, prefill.peer) == ("p-idle", "prefill", "d-roomy")
+    assert prefill.reserve == Reserved(reserved_prefill_tokens=100)
+    assert (
+        decode.reserve
+        == Reserved(reserved_requests=1, reserved_kv_blocks=blocks_needed(request(), 16))
+        == Reserved(0, 1, 8)
+    )
+
+
+def test_decode_ties_on_blocks_go_to_fewer_running() -> None:
+    workers = [
+        worker("p", "prefill"),
+        worker("d-a", "decode", free=900, running=30),
+        worker("d-b", "decode", free=880, running=2),
+    ]
+    plan = _policy(1).place(request(), workers, {})
+    assert isinstance(plan, Placed) and plan.placements[0].worker.record.worker_id == "d-b"
+
+
+def test_reservations_count_as_load() -> None:
+    workers = [
+        worker("p-a", "prefill", queued=0, reserved=Reserved(reserved_prefill_tokens=8000)),
+        worker("p-b", "prefill", queued=500),
+        worker("d", "decode"),
+    ]
+    plan = _policy().place(request(), workers, {"p-b": Reserved()})
+    assert isinstance(plan, Placed) and plan.placements[1].worker.record.worker_id == "p-b"
+    local = {"p-b": Reserved(reserved_prefill_tokens=20000)}  # this replica's own recent picks
+    plan = _policy().place(request(), workers, local)
+    assert isinstance(plan, Placed) and plan.placements[1].worker.record.worker_id == "p-a"
+
+
+def test_near_equal_candidates_are_spread() -> None:
+    workers = [worker(f"p{i}", "prefill", queued=100 + i) for i in range(4)] + [worker("d", "decode")]
+    policy = _policy(7)
+    picks = Counter(
+        _placed(policy.place(request(), workers, {})).placements[1].worker.record.worker_id for _ in range(400)
+    )
+    assert set(picks) == {"p0", "p1", "p2", "p3"}
+    assert min(picks.values()) > 50
+
+
+def test_no_placement_says_why() -> None:
+    policy = _policy()
+    assert "no live prefill worker" in _reason(policy.place(request(), [worker("d", "decode")], {}))
+    dead = [worker("p", "prefill"), worker("d", "decode", alive=False)]
+    assert "no live decode worker" in _reason(policy.place(request(), dead, {}))
+    full = [worker("p", "prefill"), worker("d", "decode", free=3)]
+    assert "decode" in _reason(policy.place(request(), full, {}))
+    other_model = [worker("p", "prefill", model="x"), worker("d", "decode", model="x")]
+    assert "model 'm'" in _reason(policy.place(request(), other_model, {}))

@@ -1,0 +1,33 @@
+"""This replica's reservations against its registry view (pure logic): a snapshot read while a
+dispatch was on its way does not show it, so the replica keeps counting it."""
+
+from __future__ import annotations
+
+from splitbus.bus.registry import Reserved
+from splitbus.placement.decision import Placement
+from splitbus.placement.ledger import Ledger, Local
+from tests.placement.snapshot import worker
+
+
+def _placement(wid: str, blocks: int) -> Placement:
+    return Placement(worker(wid, "mixed"), "mixed", "", Reserved(100, 1, blocks))
+
+
+def test_a_snapshot_forgets_only_the_dispatches_written_before_its_read_began() -> None:
+    now = [0.0]
+    local: Local = {}
+    ledger = Ledger(local, clock=lambda: now[0])
+    ledger.reserve(_placement("a", 10))
+    now[0] = 1.0
+    ledger.written()  # returned at 1.0
+    ledger.reserve(_placement("a", 20))
+    ledger.reserve(_placement("b", 5))
+    assert local == {"a": Reserved(200, 2, 30), "b": Reserved(100, 1, 5)}
+    ledger.view_refreshed(read_at=1.5)  # read while the second and third were in flight: it lacks them
+    assert local == {"a": Reserved(100, 1, 20), "b": Reserved(100, 1, 5)}
+    now[0] = 2.0
+    ledger.written()
+    ledger.view_refreshed(read_at=1.9)  # began before they returned: they may be missing from it, kept
+    assert local == {"a": Reserved(100, 1, 20), "b": Reserved(100, 1, 5)}
+    ledger.view_refreshed(read_at=2.1)
+    assert local == {}

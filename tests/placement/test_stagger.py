@@ -1,0 +1,82 @@
+"""Water-filling and the stagger window on hand-made cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitbus.placement.stagger import Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
+
+
+def _ranks(*loads: int, free: int = 100) -> list[RankLoad]:
+    return [RankLoad(f"r{i}", load, free) for i, load in enumerate(loads)]
+
+
+def test_equal_jobs_spread_one_per_rank() -> None:
+    jobs = [Job(f"j{i}", 100, 1) for i in range(4)]
+    assert sorted(water_fill(jobs, _ranks(0, 0, 0, 0)).values()) == ["r0", "r1", "r2", "r3"]
+
+
+def test_jobs_fill_the_lowest_levels_first() -> None:
+    # r0 already holds 500 queued tokens: the three jobs level r1..r3 up before touching r0.
+    jobs = [Job("a", 300, 1), Job("b", 200, 1), Job("c", 100, 1)]
+    assert water_fill(jobs, _ranks(500, 0, 0, 0)) == {"a": "r1", "b": "r2", "c": "r3"}
+
+
+def test_largest_first_balances_the_levels() -> None:
+    jobs = [Job("small1", 10, 1), Job("big", 100, 1), Job("small2", 10, 1), Job("mid", 50, 1)]
+    placed = water_fill(jobs, _ranks(0, 0))
+    assert placed == {"big": "r0", "mid": "r1", "small1": "r1", "small2": "r1"}  # levels 100 / 70
+
+
+def test_ties_go_to_the_rank_decoding_least() -> None:
+    # No queued prefill anywhere: a batch smaller than the group goes to the ranks with the
+    # most free KV blocks (r2 and r0 decode least), not to the first ranks.
+    ranks = [RankLoad("r0", 0, 80), RankLoad("r1", 0, 10), RankLoad("r2", 0, 90), RankLoad("r3", 0, 40)]
+    assert water_fill([Job("a", 100, 1), Job("b", 50, 1)], ranks) == {"a": "r2", "b": "r0"}
+
+
+def test_kv_blocks_are_respected() -> None:
+    ranks = [RankLoad("r0", 0, 1), RankLoad("r1", 1000, 50)]
+    placed = water_fill([Job("needs10", 10, 10), Job("huge", 10, 100)], ranks)
+    assert placed == {"needs10": "r1"}  # r0 is emptier but too full of KV; "huge" fits nowhere
+
+
+def test_window_closes_just_before_the_step_ends_with_every_arrival_of_the_step() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    assert not window.ready(0.0) and window.due_at() is None
+    window.open(1.0, boundary_at=1.03)
+    for item in "abcde":  # more arrivals than ranks: still one batch, at the boundary
+        window.add(item)
+    assert not window.ready(1.02) and window.due_at() == pytest.approx(1.03)
+    assert window.ready(1.03) and window.release() == ["a", "b", "c", "d", "e"]
+    assert window.due_at() is None and not window.ready(2.0)
+
+
+def test_window_bound_caps_a_far_boundary() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window.open(1.0, boundary_at=2.0)  # a long prefill step
+    window.add("a")
+    assert window.due_at() == pytest.approx(1.05) and not window.ready(1.04) and window.ready(1.05)
+
+
+def test_window_of_a_group_that_is_not_stepping_closes_at_once() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window.open(1.0, boundary_at=0.9)  # its last step ended before the arrival
+    window.add("b")
+    assert window.ready(1.0) and window.release() == ["b"]
+
+
+def test_an_empty_window_is_never_ready_and_must_be_opened() -> None:
+    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window.open(1.0, boundary_at=0.5)
+    assert not window.ready(2.0)  # open, but holds nothing
+    window.release()
+    with pytest.raises(AssertionError, match="open the window first"):
+        window.add("x")
+
+
+def test_group_boundary_is_the_slowest_rank_of_the_first_group_to_finish() -> None:
+    assert group_boundary_s({"g0": [1000, 1300, 1100], "g1": [1200, 1250]}) == pytest.approx(1.25)
+    # g0 has a rank that never stepped: g0 is not stepping, so there is nothing to wait for.
+    assert group_boundary_s({"g0": [1000, 0], "g1": [1200, 1250]}) == 0.0
+    assert group_boundary_s({}) == 0.0
