@@ -1,5 +1,6 @@
-"""Imports run one way (docs/architecture.md): bus imports no other part, api never imports
-worker, worker never imports api, gpu_ops imports only paddle and numpy."""
+"""Imports run one way (docs/architecture.md): bus imports no other part, placement only bus, api
+never imports worker or the scheduler process, worker never imports api, bench never imports cli,
+gpu_ops imports only paddle and numpy."""
 
 from __future__ import annotations
 
@@ -18,19 +19,21 @@ FORBIDDEN = {
         "splitbus.cli",
         "splitbus.tokenization",
         "splitbus.scheduler",
+        "splitbus.placement",
     ),
-    # The API places requests itself with --dispatch api: the scheduler's placement half (policies,
-    # placement, dispatch, ledger), never its process (the replica, its reaper and recovery).
-    "api": (
+    # The API places requests itself with --dispatch api: through the placement library, as the
+    # scheduler process does, never through that process.
+    "api": ("splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.scheduler"),
+    # A library under both the scheduler process and the API: it knows neither, nor the workers.
+    "placement": (
+        "splitbus.api",
+        "splitbus.scheduler",
         "splitbus.worker",
         "splitbus.gpu_ops",
         "splitbus.cli",
-        "splitbus.scheduler.scheduler",
-        "splitbus.scheduler.reaper",
-        "splitbus.scheduler.recovery",
-        "splitbus.scheduler.config",
+        "splitbus.tokenization",
     ),
-    "worker": ("splitbus.api", "splitbus.cli", "splitbus.scheduler"),
+    "worker": ("splitbus.api", "splitbus.cli", "splitbus.scheduler", "splitbus.placement"),
     "scheduler": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.tokenization"),
     "tokenization": ("splitbus.bus", "splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli"),
     "gpu_ops": ("splitbus.",),
@@ -43,6 +46,7 @@ FORBIDDEN = {
         "splitbus.gpu_ops",
         "splitbus.cli",
         "splitbus.scheduler",
+        "splitbus.placement",
     ),
 }
 
@@ -54,7 +58,14 @@ def _imports(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # from splitbus import cli
     return names
+
+
+def test_a_part_imported_by_name_from_the_package_is_seen(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("from splitbus import scheduler\nfrom splitbus.placement import policies\n")
+    assert {"splitbus.scheduler", "splitbus.placement.policies"} <= _imports(path)
 
 
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))
