@@ -1,7 +1,7 @@
 """Dispatch from the API node (``splitbus api --dispatch api``): the API places a request itself,
-with the scheduler's policy code and dispatch script, and writes its tasks directly: one hop
-fewer than the request stream and a scheduler replica (docs/architecture.md, "Dispatch from the
-API node").
+with the placement library a scheduler replica uses (``splitbus.placement``: its policies and
+its dispatcher), and writes its tasks directly: one hop fewer than the request stream and a
+scheduler replica (docs/architecture.md, "Dispatch from the API node").
 
 It places by load alone: the workers' prefix caches are known only to scheduler replicas (their
 KV index), and so are the things that need one place (DP stagger windows, the reaper, requests

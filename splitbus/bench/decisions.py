@@ -11,7 +11,7 @@ with ``CHANGED_ROWS`` rows changed and the ledger forgets all but the reservatio
 
 - **columns**: the policy as it is (``placement/columns.py``: numpy columns per role, following
   the snapshot's changed rows and the ``Local``'s journal);
-- **rows**: the same rules through ``placement``'s per-worker functions (``decode_worker``,
+- **rows**: the same rules through ``costs``'s per-worker functions (``decode_worker``,
   ``choose`` over ``prefill_cost``), which scan every candidate and every reservation per
   decision: how splitwise decided before the columns.
 

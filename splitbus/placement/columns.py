@@ -7,8 +7,8 @@ reservations this replica made since the previous decision (``Local`` journals t
 Python loop over every candidate and every reservation, which at 128 candidates a role cost
 ~0.3 ms a decision (docs/benchmarks.md, "Placement by columns").
 
-The rules are ``placement``'s, and so are the random picks: ``pick`` draws from the same
-candidates, in the same order, with the same ``random.Random`` calls as ``placement.choose``, so a
+The rules are ``costs``'s, and so are the random picks: ``pick`` draws from the same
+candidates, in the same order, with the same ``random.Random`` calls as ``costs.choose``, so a
 seeded policy decides alike either way (``tests/placement/test_columns.py`` checks it).
 
 Policies import this module when they are made, not when the CLI lists them: numpy takes a third
@@ -39,11 +39,11 @@ class Loads:
     """A table's load with this replica's reservations since the snapshot taken off."""
 
     free: Ints
-    """Free KV blocks, less the reserved ones (``placement.free_blocks``)."""
+    """Free KV blocks, less the reserved ones (``costs.free_blocks``)."""
     queued: Ints
-    """Queued prefill tokens, reserved ones included (``placement.queued_prefill``)."""
+    """Queued prefill tokens, reserved ones included (``costs.queued_prefill``)."""
     active: Ints
-    """Running, waiting and reserved requests (``placement.active_requests``)."""
+    """Running, waiting and reserved requests (``costs.active_requests``)."""
 
 
 _NONE = Reserved()
@@ -149,7 +149,7 @@ class LoadTable:
 
     def roomy(self, request: GenerateRequest, loads: Loads) -> Ints:
         """The rows with free KV blocks for the request's prompt and output
-        (``placement.roomy``), in order."""
+        (``costs.roomy``), in order."""
         tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
         needs = -(-tokens // np.maximum(self.block_size, 1))  # ceil, as blocks_needed
         return np.flatnonzero(loads.free >= needs)
@@ -223,7 +223,7 @@ def _key(worker: WorkerInfo) -> tuple[str, str] | None:
 
 def pick(rows: Ints, costs: Floats | Ints, rng: random.Random) -> int | None:
     """A random row among ``rows`` whose cost (``costs[k]`` for ``rows[k]``) is within NEAR of
-    the lowest (``placement.choose``); None when there are no rows."""
+    the lowest (``costs.choose``); None when there are no rows."""
     if len(rows) == 0:
         return None
     best = costs.min()
@@ -234,7 +234,7 @@ def pick(rows: Ints, costs: Floats | Ints, rng: random.Random) -> int | None:
 
 def decode_row(table: LoadTable, loads: Loads, request: GenerateRequest, rng: random.Random) -> int | None:
     """The row to decode on: the most free KV blocks (within NEAR), then the fewest active
-    requests (``placement.decode_worker``); None when none has blocks for the request."""
+    requests (``costs.decode_worker``); None when none has blocks for the request."""
     room = table.roomy(request, loads)
     free = loads.free[room]
     most_free = pick(room, -free, rng)
@@ -248,7 +248,7 @@ def decode_row(table: LoadTable, loads: Loads, request: GenerateRequest, rng: ra
 def prefill_costs(
     table: LoadTable, loads: Loads, rows: Ints, request: GenerateRequest, cached: dict[str, int], cost: CacheCost
 ) -> Floats:
-    """``placement.prefill_cost`` of each of ``rows`` (ascending): queued prefill tokens plus the prompt, less
+    """``costs.prefill_cost`` of each of ``rows`` (ascending): queued prefill tokens plus the prompt, less
     ``overlap_weight`` per cached prompt token unless the row's queue is more than
     ``load_cap_tokens`` over the least loaded of ``rows``."""
     queued = loads.queued[rows]
@@ -267,7 +267,7 @@ def prefill_costs(
 def mixed_costs(
     table: LoadTable, loads: Loads, rows: Ints, request: GenerateRequest, cached: dict[str, int], cost: CacheCost
 ) -> Floats:
-    """``placement.mixed_cost`` of each of ``rows``: the prefill cost in blocks plus the KV blocks
+    """``costs.mixed_cost`` of each of ``rows``: the prefill cost in blocks plus the KV blocks
     the row's requests hold."""
     used = table.total[rows] - loads.free[rows]
     return prefill_costs(table, loads, rows, request, cached, cost) / table.block_size[rows] + used

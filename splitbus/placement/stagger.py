@@ -57,7 +57,7 @@ LOAD_CAP_TOKENS = 16384
 
 @dataclass(frozen=True)
 class Credit:
-    """How water-filling credits a rank's cached tokens (``placement.CacheCost``'s two knobs)."""
+    """How water-filling credits a rank's cached tokens (``costs.CacheCost``'s two knobs)."""
 
     overlap_weight: float = OVERLAP_WEIGHT
     load_cap_tokens: int = LOAD_CAP_TOKENS

@@ -1,4 +1,4 @@
-"""The columns decide as ``placement``'s per-worker functions do: same worker, same random draws."""
+"""The columns decide as ``costs``'s per-worker functions do: same worker, same random draws."""
 
 from __future__ import annotations
 
