@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from enum import Enum
 
 import redis.asyncio as aioredis
 
@@ -45,8 +47,26 @@ from splitbus.placement.ledger import Local
 from splitbus.placement.policies import NoPlacement, Policy
 
 log = logging.getLogger(__name__)
-WAIT = "wait"
-"""``continue_request``'s outcome for a task kept for its broken group to re-form."""
+
+
+class Move(Enum):
+    """What ``continue_request`` did with a dead worker's task that goes on."""
+
+    MOVED = "moved"
+    """New tasks are written on live workers (or the task was STALE, moved already: acked only)."""
+    WAIT = "wait"
+    """Nothing written: the next pass tries again (its DP group may re-form, or the chosen worker
+    died too, or Redis is recovering)."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A dead worker's task whose request ends here."""
+
+    finished: bool
+    """True: it had sent every token it may (``max_tokens``): finished, reason ``length``."""
+    reason: str = ""
+    """Why it failed (its client's 503 says this); "" when finished."""
 
 
 class Reaper:
@@ -139,34 +159,34 @@ class Reaper:
         if task.phase == "prefill":
             await self.release_decode_side(task)
         outcome = await self.continue_request(dead, delivery, task, sent)
-        if outcome == WAIT:
+        if outcome is Move.WAIT:
             return False
-        if outcome:
+        if isinstance(outcome, Ended):
             await stream.ack(delivery.entry_id)
-            if outcome == "finished" or not await self.superseded(task):  # else it lives on elsewhere
+            if outcome.finished or not await self.superseded(task):  # else it lives on elsewhere
                 self.fail_or_finish(request, sent, outcome)
         return True
 
-    async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> str:
-        """Write the new tasks; returns "" on success, ``WAIT`` if the task waits for its group,
-        else why the request ends here."""
+    async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> Move | Ended:
+        """Write the new tasks (``Move.MOVED``), keep the task for the next pass (``Move.WAIT``),
+        or say why the request ends here."""
         request = task.request
         finished = len(sent.tokens) >= request.sampling.max_tokens
         decision = self.policy.place(request, self.view.workers, self.local)
         if isinstance(decision, NoPlacement) and not finished and self.group_may_reform(dead, request.deadline_ms):
-            return WAIT  # not a move yet: a wait counts none
+            return Move.WAIT  # not a move yet: a wait counts none
         moves = await self.reaping.count_move(request.request_id)
         if moves > self.config.max_deliveries:
-            return f"the request failed on {moves} workers"
+            return Ended(False, f"the request failed on {moves} workers")
         if finished:
-            return "finished"
+            return Ended(True)
         if isinstance(decision, NoPlacement):
-            return self.no_placement(dead, decision.reason)
+            return Ended(False, self.no_placement(dead, decision.reason))
         placement = decision.placements
         # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
         outcome = await self.dispatcher.redispatch(dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens)
         if outcome in PLACE_AGAIN:  # a new Redis run, or the new worker died: nothing was written;
-            return WAIT  # the next pass moves it
+            return Move.WAIT  # the next pass moves it
         log.debug(
             "moved task %s of %s off %s to %s: outcome %d",
             delivery.entry_id,
@@ -175,7 +195,7 @@ class Reaper:
             [p.worker.record.worker_id for p in placement],
             outcome,
         )
-        return ""
+        return Move.MOVED
 
     def group_may_reform(self, dead: str, deadline_ms: int) -> bool:
         """Whether a task of ``dead`` with nothing to take it should wait: ``dead`` was a rank of
@@ -207,13 +227,13 @@ class Reaper:
             return False
         return await self.current.read(task.request.request_id) != task.handoff.encode()
 
-    def fail_or_finish(self, request: GenerateRequest, sent: Sent, outcome: str) -> None:
+    def fail_or_finish(self, request: GenerateRequest, sent: Sent, ended: Ended) -> None:
         request_id = request.request_id
         self.writer.open(request_id, reader=request.reader, first_seq=sent.next_seq)
-        if outcome == "finished":
+        if ended.finished:
             self.writer.finish(request_id, "length", 0, len(sent.tokens))
         else:
-            self.writer.fail(request_id, "worker_died", outcome, 503, reader=request.reader)
+            self.writer.fail(request_id, "worker_died", ended.reason, 503, reader=request.reader)
 
     async def release_decode_side(self, task: Task) -> None:
         """The decode worker waiting for this prefill task's KV will not get it: free its task
