@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from splitbus.bus.registry import Reserved
 from splitbus.placement.decision import Placement
-from splitbus.placement.ledger import Ledger, Local
+from splitbus.placement.ledger import Ledger, Local, reserve
 from tests.placement.snapshot import worker
 
 
@@ -31,3 +31,10 @@ def test_a_snapshot_forgets_only_the_dispatches_written_before_its_read_began() 
     assert local == {"a": Reserved(100, 1, 20), "b": Reserved(100, 1, 5)}
     ledger.view_refreshed(read_at=2.1)
     assert local == {}
+
+
+def test_reserve_adds_each_placements_load_to_its_workers_and_journals_it() -> None:
+    local = Local({"a": Reserved(1, 1, 1)})
+    reserve(local, [_placement("a", 10), _placement("b", 5), _placement("a", 2)])
+    assert local == {"a": Reserved(201, 3, 13), "b": Reserved(100, 1, 5)}
+    assert local.journal == ["a", "a", "b", "a"]  # each change, so that a table's columns follow it
