@@ -176,3 +176,49 @@ def test_cycle_check_sees_relative_deferred_and_type_checking_imports(tmp_path: 
     assert graph["splitbus.a.sub.four"] == {"splitbus.a.one": 2, "splitbus.a.two": 3}
     assert _cycles(graph) == [["splitbus.a.one", "splitbus.a.two", "splitbus.a.one"]]
     assert _describe(_cycles(graph)[0], graph) == "splitbus.a.one (line 4) -> splitbus.a.two (line 2) -> splitbus.a.one"
+
+
+def _longest_chain(graph: dict[str, dict[str, int]], package: str) -> list[str]:
+    """The longest chain of imports among the modules of ``package`` (the package itself and every
+    module below it), each module importing the next: the modules a reader of its first must read
+    before it makes sense. The graph has no cycle (test_no_import_cycle), so this is the longest
+    path in a DAG, found by depth first search with memo; of equal chains, the first by name."""
+    inside = {name for name in graph if name == package or name.startswith(f"{package}.")}
+    chains: dict[str, list[str]] = {}
+
+    def chain_from(module: str) -> list[str]:
+        if module not in chains:
+            tails = [chain_from(there) for there in sorted(set(graph[module]) & inside)]
+            chains[module] = [module, *max(tails, key=len, default=[])]
+        return chains[module]
+
+    return max((chain_from(name) for name in sorted(inside)), key=len, default=[])
+
+
+def test_longest_chain_counts_modules_inside_the_package_only() -> None:
+    graph: dict[str, dict[str, int]] = {
+        "p": {"p.a": 1},
+        "p.a": {"p.b": 1, "p.sub.c": 2, "q.x": 3},
+        "p.b": {"p.sub.c": 1},
+        "p.sub.c": {"q.x": 1},
+        "p.d": {"p.b": 1},
+        "q.x": {"q.y": 1},
+        "q.y": {},
+        "pq": {"p": 1},
+    }
+    assert _longest_chain(graph, "p") == ["p", "p.a", "p.b", "p.sub.c"]
+    assert _longest_chain(graph, "p.sub") == ["p.sub.c"]
+    assert _longest_chain(graph, "q") == ["q.x", "q.y"]
+    assert _longest_chain(graph, "r") == []
+
+
+# The worker's longest chain ran 15 modules deep (worker -> recovery -> feed -> receiver -> handoff
+# -> cancellation -> publisher -> shared -> config -> engines -> engines.base -> engines.interface ->
+# engines.prefix -> sequence -> text): a reader of the worker had to hold 15 files to follow one.
+WORKER_IMPORT_DEPTH = 6
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35: the worker core and its shell bring the depth from 15 to 6")
+def test_worker_import_depth() -> None:
+    chain = _longest_chain(_import_graph(), "splitbus.worker")
+    assert len(chain) <= WORKER_IMPORT_DEPTH, f"{len(chain)} modules deep: {' -> '.join(chain)}"
