@@ -15,13 +15,15 @@ $(BIN)/splitbus: pyproject.toml
 up: $(BIN)/splitbus
 	$(BIN)/splitbus up
 
-## Static checks (CI runs them before the tests): ruff's lint rules and format, and mypy over splitbus/.
+## Static checks (CI runs them before the tests): ruff's lint rules and format, mypy over splitbus/, and
+## no function or method in splitbus/ over complexity 10 by radon's count (tools/complexity.py).
 ## Each runs even when one before it failed, so one run shows everything; the target fails if any did.
 check: $(BIN)/splitbus
 	@status=0; \
-	$(BIN)/ruff check splitbus tests examples || status=1; \
-	$(BIN)/ruff format --check splitbus tests examples || status=1; \
+	$(BIN)/ruff check splitbus tests examples tools || status=1; \
+	$(BIN)/ruff format --check splitbus tests examples tools || status=1; \
 	$(BIN)/mypy || status=1; \
+	$(BIN)/python -m tools.complexity splitbus || status=1; \
 	exit $$status
 
 ## Run the test suite against a real redis-server that the fixtures start.
