@@ -146,6 +146,28 @@ def run_once(setup: Setup, prefix: str, cfg: ClusterBenchConfig, timeout_s: floa
     and count what every primary served meanwhile."""
     ctx = mp.get_context("spawn")
     groups = assignment(cfg)
+    procs, pipes = _start_api_nodes(ctx, setup, prefix, cfg, groups)
+    e_parent, e_child = ctx.Pipe()
+    try:
+        readers = tuple(_ready(pipe, timeout_s) for pipe in pipes)
+        streams = [(rid, readers[k]) for k, rids in enumerate(groups) for rid in rids]
+        procs.append(ctx.Process(target=_in_process, args=(engine, e_child, setup.url, prefix, streams, cfg.steps)))
+        before = [commandstats(client()) for client in setup.primaries]
+        procs[-1].start()
+        start_us = _expect(e_parent, None, timeout_s)
+        ends = [_expect(pipe, None, timeout_s) for pipe in pipes]
+        after = [commandstats(client()) for client in setup.primaries]
+    finally:
+        _stop(procs)
+    tokens = sum(count for count, _ in ends)
+    seconds = (max(last for _, last in ends) - start_us) / 1e6
+    return Run(tokens, seconds, [delta(b, a) for b, a in zip(before, after, strict=True)], readers)
+
+
+def _start_api_nodes(
+    ctx: Any, setup: Setup, prefix: str, cfg: ClusterBenchConfig, groups: list[list[str]]
+) -> tuple[list[mp.process.BaseProcess], list[Any]]:
+    """One process per API node, following its group of streams; the processes and their pipes."""
     procs, pipes = [], []
     for name, rids in zip(api_names(cfg), groups, strict=True):
         parent, child = ctx.Pipe()
@@ -153,27 +175,17 @@ def run_once(setup: Setup, prefix: str, cfg: ClusterBenchConfig, timeout_s: floa
         procs.append(ctx.Process(target=_in_process, args=args))
         pipes.append(parent)
         procs[-1].start()
-    e_parent, e_child = ctx.Pipe()
-    producer: mp.process.BaseProcess | None = None
-    try:
-        readers = tuple(_ready(pipe, timeout_s) for pipe in pipes)
-        streams = [(rid, readers[k]) for k, rids in enumerate(groups) for rid in rids]
-        producer = ctx.Process(target=_in_process, args=(engine, e_child, setup.url, prefix, streams, cfg.steps))
-        before = [commandstats(client()) for client in setup.primaries]
-        producer.start()
-        start_us = _expect(e_parent, None, timeout_s)
-        ends = [_expect(pipe, None, timeout_s) for pipe in pipes]
-        after = [commandstats(client()) for client in setup.primaries]
-    finally:
-        for proc in (*procs, *([producer] if producer else [])):
-            if proc.pid is None:  # the engine never started: an API node failed first
-                continue
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-    tokens = sum(count for count, _ in ends)
-    seconds = (max(last for _, last in ends) - start_us) / 1e6
-    return Run(tokens, seconds, [delta(b, a) for b, a in zip(before, after, strict=True)], readers)
+    return procs, pipes
+
+
+def _stop(procs: list[mp.process.BaseProcess]) -> None:
+    """Join each started process for up to 5 s, then kill it."""
+    for proc in procs:
+        if proc.pid is None:  # the engine never started: an API node failed first
+            continue
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _ready(pipe: Any, timeout_s: float) -> str:
@@ -242,27 +254,40 @@ def cluster(folder: Path, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]:
 
 def summarize(setup: Setup, runs: list[Run]) -> dict[str, Any]:
     primaries = len(setup.primaries)
-    by_primary = [_sum([run.calls[p] for run in runs]) for p in range(primaries)]
+    by_primary = _by_primary(primaries, runs)
     totals = [sum(calls.values()) for calls in by_primary]
     commands, tokens = sum(totals), sum(run.tokens for run in runs)
-    shares = [round(t / commands, 4) if commands else 0.0 for t in totals]
+    shares = [_ratio(t, commands) for t in totals]
     return {
         "name": setup.name,
         "primaries": primaries,
-        "readers": [
-            {"tag": tag, "slot": key_slot(tag.encode()), "primary": setup.owner(key_slot(tag.encode()))}
-            for tag in runs[0].readers
-        ],
-        "runs_primaries": [[setup.owner(key_slot(tag.encode())) for tag in run.readers] for run in runs],
+        "readers": [_reader(setup, tag) for tag in runs[0].readers],
+        "runs_primaries": [[_reader(setup, tag)["primary"] for tag in run.readers] for run in runs],
         "tokens_per_s": round(statistics.median(run.tokens_per_s for run in runs), 1),
         "runs_tokens_per_s": [round(run.tokens_per_s, 1) for run in runs],
         "tokens": tokens,
         "commands": commands,
-        "commands_per_token": round(commands / tokens, 4) if tokens else 0.0,
+        "commands_per_token": _ratio(commands, tokens),
         "primary_shares": shares,
         "busiest_share": max(shares),
         "commands_by_primary": by_primary,
     }
+
+
+def _by_primary(primaries: int, runs: list[Run]) -> list[dict[str, int]]:
+    """Each primary's calls by command, all runs summed."""
+    return [_sum([run.calls[p] for run in runs]) for p in range(primaries)]
+
+
+def _ratio(part: int, whole: int) -> float:
+    """``part / whole`` to 4 places; 0.0 of nothing."""
+    return round(part / whole, 4) if whole else 0.0
+
+
+def _reader(setup: Setup, tag: str) -> dict[str, Any]:
+    """A reader's tag, its slot and the primary that serves that slot."""
+    slot = key_slot(tag.encode())
+    return {"tag": tag, "slot": slot, "primary": setup.owner(slot)}
 
 
 def _sum(counts: list[dict[str, int]]) -> dict[str, int]:

@@ -74,10 +74,17 @@ class EpBenchConfig:
     seed: int = 1
 
     def __post_init__(self) -> None:
+        # In two halves (each check in the order it always ran: the first failure is the one reported).
+        self._check_backends_and_counts()
+        self._check_durations_and_loads()
+
+    def _check_backends_and_counts(self) -> None:
         if not self.backends or any(b not in BACKENDS for b in self.backends):
             raise ValueError(f"--backend must be one of {BACKENDS} or both")
         if any(r < 1 for r in self.sim_ranks) or self.process_ranks < 1 or self.runs < 1:
             raise ValueError("--sim-ranks, --process-ranks and --runs must be >= 1")
+
+    def _check_durations_and_loads(self) -> None:
         if self.duration_s <= 0 or self.process_duration_s <= 0:
             raise ValueError("--duration and --process-duration must be positive")
         if not self.loads or any(load not in SIM_LOADS for load in self.loads):
@@ -199,28 +206,43 @@ def run_processes(config: EpBenchConfig, progress: Callable[[str], None]) -> lis
     pooled = {(mode, load): ProcessRuns() for mode in MODES for load in traces}
     for run in range(config.runs):
         for mode in MODES[::-1] if run % 2 else MODES:
-            system = _System(ranks, mode == "staggered", PROCESS_COST_SCALE, SimConfig(), _topology(ranks))
-            try:
-                for load, trace in traces.items():
-                    progress(f"processes: {ranks}+{ranks} ranks, {mode}, {load} load, run {run + 1} of {config.runs}")
-                    _measure(system, trace, pooled[(mode, load)], progress)
-            finally:
-                system.stop()
-    rows = []
-    for (mode, load), runs in pooled.items():
-        rows.append(
-            {
-                **row("processes", ranks, load, mode, PROCESS_COST_SCALE, runs.result(len(traces[load]))),
-                "runs": config.runs,
-                "failed": runs.failed,
-                "failures": dict(runs.failures.most_common(5)),
-                "client_lag_max_s": round(runs.client_lag_s, 3),
-                "runs_ttft_p50_s": [round(p, 4) for p in runs.run_p50s],
-            }
-        )
+            _run_mode(config, run, mode, traces, pooled, progress)
+    rows = [_process_row(config, ranks, mode, load, runs, len(traces[load])) for (mode, load), runs in pooled.items()]
     for load, trace in traces.items():
         rows += simulate(ranks, load, trace, config.seed, PROCESS_COST_SCALE)
     return rows
+
+
+def _run_mode(
+    config: EpBenchConfig,
+    run: int,
+    mode: str,
+    traces: dict[str, list[TraceRequest]],
+    pooled: dict[tuple[str, str], ProcessRuns],
+    progress: Callable[[str], None],
+) -> None:
+    """One run of every load's trace in one mode, on one system of rank processes started for it."""
+    ranks = config.process_ranks
+    system = _System(ranks, mode == "staggered", PROCESS_COST_SCALE, SimConfig(), _topology(ranks))
+    try:
+        for load, trace in traces.items():
+            progress(f"processes: {ranks}+{ranks} ranks, {mode}, {load} load, run {run + 1} of {config.runs}")
+            _measure(system, trace, pooled[(mode, load)], progress)
+    finally:
+        system.stop()
+
+
+def _process_row(
+    config: EpBenchConfig, ranks: int, mode: str, load: str, runs: ProcessRuns, requests: int
+) -> dict[str, Any]:
+    return {
+        **row("processes", ranks, load, mode, PROCESS_COST_SCALE, runs.result(requests)),
+        "runs": config.runs,
+        "failed": runs.failed,
+        "failures": dict(runs.failures.most_common(5)),
+        "client_lag_max_s": round(runs.client_lag_s, 3),
+        "runs_ttft_p50_s": [round(p, 4) for p in runs.run_p50s],
+    }
 
 
 def run_ep_bench(config: EpBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:

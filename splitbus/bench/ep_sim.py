@@ -215,13 +215,7 @@ class EpSimulation:
 
     def _result(self, requests: list[EpRequest]) -> EpResult:
         ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
-        tpots = [
-            (r.done_at - r.ttft_s - r.trace.arrival_s) / (r.trace.output_tokens - 1)
-            for r in requests
-            if r.done_at is not None and r.ttft_s is not None and r.trace.output_tokens > 1
-        ]
-        tokens = sum(r.trace.output_tokens for r in requests if r.done_at is not None)
-        span = max((r.done_at or 0.0) for r in requests) - min(r.trace.arrival_s for r in requests)
+        tpots = _tpots(requests)
         return EpResult(
             ttft_p50_s=float(np.percentile(ttfts, 50)),
             ttft_p99_s=float(np.percentile(ttfts, 99)),
@@ -229,7 +223,23 @@ class EpSimulation:
             prefill_idle_forward_ratio=self.prefill.idle_steps / max(self.prefill.rank_steps, 1),
             decode_idle_forward_ratio=self.decode.idle_steps / max(self.decode.rank_steps, 1),
             decode_step_imbalance=float(np.mean(self.decode.imbalances)) if self.decode.imbalances else 1.0,
-            output_throughput=tokens / span if span > 0 else 0.0,
+            output_throughput=_throughput(requests),
             requests=len(requests),
             prefill_batches=self.prefill.batches,
         )
+
+
+def _tpots(requests: list[EpRequest]) -> list[float]:
+    """Seconds per output token after the first, of each finished request with two tokens or more."""
+    return [
+        (r.done_at - r.ttft_s - r.trace.arrival_s) / (r.trace.output_tokens - 1)
+        for r in requests
+        if r.done_at is not None and r.ttft_s is not None and r.trace.output_tokens > 1
+    ]
+
+
+def _throughput(requests: list[EpRequest]) -> float:
+    """Output tokens of the finished requests per second, from the first arrival to the last finish."""
+    tokens = sum(r.trace.output_tokens for r in requests if r.done_at is not None)
+    span = max((r.done_at or 0.0) for r in requests) - min(r.trace.arrival_s for r in requests)
+    return tokens / span if span > 0 else 0.0

@@ -151,14 +151,9 @@ def _stagger_key(r: dict[str, Any]) -> tuple[str, int, float, str]:
 
 def stagger_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
-
-    loads = ["low", "moderate", "high"]
-    keys = sorted(
-        {_stagger_key(r) for r in report["results"]},
-        key=lambda k: (k[2] == 1, k[1], k[0] != "processes", loads.index(k[3])),
-    )
+    keys = _stagger_keys(report["results"])
     by = {(*_stagger_key(r), r["mode"]): r for r in report["results"]}
-    labels = [f"{'proc' if b == 'processes' else 'sim'} {n}r x{scale:g}\n{load}" for b, n, scale, load in keys]
+    labels = _stagger_labels(keys)
     fig, axes = plt.subplots(5, 1, figsize=(max(10, len(keys) * 0.9), 16))
     # The first two of the five axes: the TTFT changes and the runs' spread fill the rest below.
     for ax, (metric, title) in zip(
@@ -169,20 +164,11 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
         ),
         strict=False,
     ):
-        for offset, mode, color in ((-0.2, "naive", "#7f8c8d"), (0.2, "staggered", "#27ae60")):
-            ax.bar(
-                [i + offset for i in range(len(keys))],
-                [by[k + (mode,)][metric] for k in keys],
-                width=0.4,
-                label=mode,
-                color=color,
-            )
+        _stagger_bars(ax, [[by[k + (mode,)][metric] for k in keys] for mode in ("naive", "staggered")])
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(title, fontsize=9)
     for ax, metric in zip(axes[2:4], ("ttft_p50_s", "ttft_p99_s"), strict=True):
-        change = [100 * (by[k + ("staggered",)][metric] / by[k + ("naive",)][metric] - 1) for k in keys]
-        ax.bar(range(len(keys)), change, color=["#27ae60" if c < 0 else "#c0392b" for c in change])
-        ax.axhline(0, color="black", linewidth=0.5)
+        _stagger_change(ax, [by[k + ("staggered",)][metric] / by[k + ("naive",)][metric] for k in keys])
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(f"{metric[:4].upper()} {metric[5:8]}: staggered vs naive (%)", fontsize=9)
     _process_runs_plot(axes[4], [r for r in report["results"] if r.get("runs_ttft_p50_s")])
@@ -193,19 +179,52 @@ def stagger_plot(report: dict[str, Any], path: Path) -> None:
     _save(plt, fig, path, dpi=100)
 
 
+def _stagger_keys(results: list[dict[str, Any]]) -> list[tuple[str, int, float, str]]:
+    """The configurations in plotting order: scaled costs first, by ranks, processes before the sim, by load."""
+    loads = ["low", "moderate", "high"]
+    return sorted(
+        {_stagger_key(r) for r in results},
+        key=lambda k: (k[2] == 1, k[1], k[0] != "processes", loads.index(k[3])),
+    )
+
+
+def _stagger_labels(keys: list[tuple[str, int, float, str]]) -> list[str]:
+    return [f"{'proc' if b == 'processes' else 'sim'} {n}r x{scale:g}\n{load}" for b, n, scale, load in keys]
+
+
+def _stagger_bars(ax: Any, values: list[list[float]]) -> None:
+    """Naive's and staggered's values side by side, one pair per configuration."""
+    for (offset, mode, color), bars in zip(
+        ((-0.2, "naive", "#7f8c8d"), (0.2, "staggered", "#27ae60")), values, strict=True
+    ):
+        ax.bar([i + offset for i in range(len(bars))], bars, width=0.4, label=mode, color=color)
+
+
+def _stagger_change(ax: Any, ratios: list[float]) -> None:
+    """Staggered against naive in per cent, green where it is lower."""
+    change = [100 * (ratio - 1) for ratio in ratios]
+    ax.bar(range(len(change)), change, color=["#27ae60" if c < 0 else "#c0392b" for c in change])
+    ax.axhline(0, color="black", linewidth=0.5)
+
+
 def _process_runs_plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     """Each run's TTFT p50 on the rank processes: how far one run moves from the next."""
     loads = [load for load in ("low", "moderate", "high") if any(r["load"] == load for r in rows)]
     for offset, mode, color in ((-0.1, "naive", "#7f8c8d"), (0.1, "staggered", "#27ae60")):
-        points = [
-            (loads.index(r["load"]) + offset, p * 1000) for r in rows if r["mode"] == mode for p in r["runs_ttft_p50_s"]
-        ]
+        points = _run_points(rows, mode, loads, offset)
         ax.scatter([x for x, _ in points], [y for _, y in points], color=color, label=mode, s=18)
     ax.set_xticks(range(len(loads)), loads, fontsize=8)
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_title("rank processes: TTFT p50 of each run (the table pools all runs' requests)", fontsize=9)
     if rows:
         ax.legend(fontsize=7)
+
+
+def _run_points(rows: list[dict[str, Any]], mode: str, loads: list[str], offset: float) -> list[tuple[float, float]]:
+    """(load's position + offset, TTFT p50 in ms) of each run of ``mode``."""
+    return [
+        (loads.index(r["load"]) + offset, p * 1000) for r in rows if r["mode"] == mode for p in r["runs_ttft_p50_s"]
+    ]
 
 
 def serve_table(report: dict[str, Any]) -> str:
@@ -290,39 +309,49 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
         axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency")), strict=False
     ):
         for run in report["runs"]:
-            values = run["cdf_ms"][metric]
-            if values:
-                color = colors(rates.index(str(run["request_rate"])) / max(1, len(rates) - 1) * 0.85)
-                style = "--" if run["path"] == "direct" else "-"
-                ax.plot(
-                    values,
-                    [i / (len(values) - 1) for i in range(len(values))],
-                    style,
-                    color=color,
-                    label=f"{run['path']} {run['request_rate']} req/s",
-                )
+            color = colors(rates.index(str(run["request_rate"])) / max(1, len(rates) - 1) * 0.85)
+            _serve_cdf(ax, run, run["cdf_ms"][metric], color)
         ax.set_xscale("log")
         ax.set_xlabel("ms")
         ax.set_title(f"{title} CDF")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    ax = axes.flat[3]
-    for path_name in dict.fromkeys(r["path"] for r in report["runs"]):  # splitbus, direct, http, splitbus:<policy>
+    _serve_throughput(axes.flat[3], report["runs"])
+    fig.suptitle(f"splitbus bench serve: {report['target']}", fontsize=10)
+    _save(plt, fig, path, dpi=100)
+
+
+def _serve_cdf(ax: Any, run: dict[str, Any], values: list[float], color: Any) -> None:
+    """One run's CDF of one latency (nothing for none): dashed for the direct engine."""
+    if values:
+        ax.plot(
+            values,
+            [i / (len(values) - 1) for i in range(len(values))],
+            "--" if run["path"] == "direct" else "-",
+            color=color,
+            label=f"{run['path']} {run['request_rate']} req/s",
+        )
+
+
+def _serve_throughput(ax: Any, runs: list[dict[str, Any]]) -> None:
+    """Output tokens/s against completed requests/s, one line per path, each point labelled with its rate."""
+    for path_name in dict.fromkeys(r["path"] for r in runs):  # splitbus, direct, http, splitbus:<policy>
         marker = "s--" if path_name == "direct" else "o-"
-        runs = [r for r in report["runs"] if r["path"] == path_name]
-        if runs:
+        of_path = [r for r in runs if r["path"] == path_name]
+        if of_path:
             ax.plot(
-                [r["request_throughput"] for r in runs], [r["output_throughput"] for r in runs], marker, label=path_name
+                [r["request_throughput"] for r in of_path],
+                [r["output_throughput"] for r in of_path],
+                marker,
+                label=path_name,
             )
-            for r in runs:
+            for r in of_path:
                 ax.annotate(f"{r['request_rate']}", (r["request_throughput"], r["output_throughput"]), fontsize=7)
     ax.set_xlabel("completed requests/s")
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput vs offered rate (labels)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.suptitle(f"splitbus bench serve: {report['target']}", fontsize=10)
-    _save(plt, fig, path, dpi=100)
 
 
 def scheduler_table(report: dict[str, Any]) -> str:
@@ -449,14 +478,19 @@ def ep_plot(report: dict[str, Any], path: Path) -> None:
     metrics = ("ttft_p50_s", "ttft_p99_s", "prefill_idle_forward_ratio", "output_throughput")
     fig, axes = plt.subplots(len(metrics), 1, figsize=(max(10, len(keys) * 0.9), 3.2 * len(metrics)))
     for ax, metric in zip(axes, metrics, strict=True):
-        change = [100 * (by[k + ("staggered",)][metric] / max(by[k + ("naive",)][metric], 1e-12) - 1) for k in keys]
-        good = [c < 0 if metric != "output_throughput" else c > 0 for c in change]
-        ax.bar(range(len(keys)), change, color=["#27ae60" if g else "#c0392b" for g in good])
-        ax.axhline(0, color="black", linewidth=0.5)
+        _ep_change(ax, metric, [(by[k + ("staggered",)][metric], by[k + ("naive",)][metric]) for k in keys])
         ax.set_xticks(range(len(keys)), labels, fontsize=7)
         ax.set_title(f"{metric}: staggered vs naive (%)", fontsize=9)
     fig.suptitle(f"splitbus bench ep: EP + PD, naive vs staggered prefill (seed {report['seed']})", fontsize=10)
     _save(plt, fig, path, dpi=100)
+
+
+def _ep_change(ax: Any, metric: str, pairs: list[tuple[float, float]]) -> None:
+    """Staggered against naive in per cent, green where it is better (lower, but higher throughput)."""
+    change = [100 * (staggered / max(naive, 1e-12) - 1) for staggered, naive in pairs]
+    good = [c < 0 if metric != "output_throughput" else c > 0 for c in change]
+    ax.bar(range(len(change)), change, color=["#27ae60" if g else "#c0392b" for g in good])
+    ax.axhline(0, color="black", linewidth=0.5)
 
 
 def bus_cluster_table(report: dict[str, Any]) -> str:

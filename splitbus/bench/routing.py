@@ -318,6 +318,13 @@ async def _feed(feeder: KvIndexFeeder, alive: list[str], expected: int) -> int:
     return polls
 
 
+def _check_index(index: KvIndex, publishers: list[KvEventPublisher]) -> None:
+    """Every worker's cache is in the index, whole, with no resync pending."""
+    for publisher in publishers:
+        if index.needs_resync(publisher.worker_id) or index.blocks(publisher.worker_id) != len(publisher.cached):
+            raise RuntimeError(f"the index does not hold {publisher.worker_id}'s cache")
+
+
 async def _ingest_redis(
     publishing: aioredis.Redis, reading: aioredis.Redis, bus: BusConfig, cfg: RoutingBenchConfig
 ) -> dict[str, Any]:
@@ -339,9 +346,7 @@ async def _ingest_redis(
     start, cpu = time.perf_counter(), time.process_time()
     polls = await _feed(feeder, alive, expected)
     seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
-    for publisher in publishers:
-        if index.needs_resync(publisher.worker_id) or index.blocks(publisher.worker_id) != len(publisher.cached):
-            raise RuntimeError(f"the index does not hold {publisher.worker_id}'s cache")
+    _check_index(index, publishers)
     rates = _rates(expected, 2 * expected, 2 * STEP_BLOCKS * expected, seconds, cpu_s)
     return {**rates, "polls": polls}
 

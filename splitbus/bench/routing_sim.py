@@ -335,11 +335,8 @@ def _window(cfg: RecoveryConfig, pairs: list[_Pair], name: str) -> dict[str, Any
         _points(_pooled([p.base.hits], [span]), _pooled([p.lossy.hits], [span]))
         for p, span in zip(pairs, spans, strict=True)
     ]
-    known = [d for d in diffs if d is not None]
-    stderr = statistics.stdev(known) / math.sqrt(len(known)) if len(known) > 1 else None
-    requests = sum(
-        1 for pair, (start, end) in zip(pairs, spans, strict=True) for t, _, _ in pair.lossy.hits if start <= t < end
-    )
+    stderr = _stderr([d for d in diffs if d is not None])
+    requests = sum(_placed_in(pair.lossy.hits, span) for pair, span in zip(pairs, spans, strict=True))
     return {
         "without_loss": a,
         "with_loss": b,
@@ -348,6 +345,16 @@ def _window(cfg: RecoveryConfig, pairs: list[_Pair], name: str) -> dict[str, Any
         "points_lower_by_seed": diffs,
         "requests_with_loss": requests,
     }
+
+
+def _stderr(values: list[float]) -> float | None:
+    """The standard error of the mean; None for fewer than two values."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
+def _placed_in(hits: Hits, span: tuple[float, float]) -> int:
+    """How many of the requests were placed in ``span``."""
+    return sum(1 for t, _, _ in hits if span[0] <= t < span[1])
 
 
 def _points(a: float | None, b: float | None) -> float | None:

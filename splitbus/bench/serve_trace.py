@@ -94,12 +94,19 @@ class ServeConfig:
     ``splitbus up`` each, side by side (``scheduler``, ``api``: ``splitbus up --dispatch``)."""
 
     def __post_init__(self) -> None:
+        # In two halves (each check in the order it always ran: the first failure is the one reported).
+        self._check_dispatch_and_sizes()
+        self._check_workload()
+
+    def _check_dispatch_and_sizes(self) -> None:
         if not self.dispatch or any(d not in ("scheduler", "api") for d in self.dispatch):
             raise ValueError("dispatch modes are scheduler and api")
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError("rates must be > 0 (inf: all at once)")
         if min(self.num_prompts, self.max_concurrency, self.input_len, self.output_len) < 1:
             raise ValueError("num_prompts, max_concurrency, input_len and output_len must be >= 1")
+
+    def _check_workload(self) -> None:
         if not 0 <= self.len_range < 1:
             raise ValueError("len_range must be in [0, 1)")
         if any(name not in GOODPUT_METRICS or not (math.isfinite(ms) and ms > 0) for name, ms in self.goodput):
@@ -185,9 +192,7 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
     ``request_goodput`` (requests/s that met every bound of ``slos``, ms by metric; None without
     bounds, as vLLM) and the prefix hit ratio (cached prompt tokens / prompt tokens)."""
     done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in done)
-    in_tokens = sum(r.prompt_tokens for r in done)
-    cached = sum(r.cached_tokens for r in done)
+    in_tokens, out_tokens, cached = _token_totals(done)
     summary: dict[str, Any] = {
         "completed": len(done),
         "failed": len(results) - len(done),
@@ -195,25 +200,42 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "request_throughput": len(done) / duration_s,
-        "request_goodput": sum(meets_slos(r, slos) for r in done) / duration_s if slos else None,
+        "request_goodput": _goodput(done, slos, duration_s),
         "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
         "total_cached_tokens": cached,
         "prefix_hit_ratio": cached / in_tokens if in_tokens else 0.0,
     }
-    tpot = [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    series = {
-        "ttft": [r.ttft_s for r in done],
-        "tpot": tpot,
-        "itl": [g for r in done for g in r.itl_s],
-        "e2el": [r.e2el_s for r in done],
-    }
-    for name, values in series.items():
+    for name, values in _series(done).items():
         summary.update(_stats(name, values))
     errors = sorted({r.error for r in results if r.error})
     if errors:
         summary["errors"] = errors[:5]
     return summary
+
+
+def _token_totals(done: list[RequestResult]) -> tuple[int, int, int]:
+    """Prompt, output and cached prompt tokens of the completed requests."""
+    return (
+        sum(r.prompt_tokens for r in done),
+        sum(r.output_tokens for r in done),
+        sum(r.cached_tokens for r in done),
+    )
+
+
+def _goodput(done: list[RequestResult], slos: dict[str, float] | None, duration_s: float) -> float | None:
+    """Requests/s that met every bound; None without bounds (as vLLM)."""
+    return sum(meets_slos(r, slos) for r in done) / duration_s if slos else None
+
+
+def _series(done: list[RequestResult]) -> dict[str, list[float]]:
+    """Each latency's values, seconds: TTFT, TPOT (of requests with two tokens or more), ITL, E2EL."""
+    return {
+        "ttft": [r.ttft_s for r in done],
+        "tpot": [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [g for r in done for g in r.itl_s],
+        "e2el": [r.e2el_s for r in done],
+    }
 
 
 def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:

@@ -198,7 +198,7 @@ class GroupSimulation:
         plans = [self._plan(i, r) for i, r in enumerate(self.ranks)]
         actions = [decide(p, plans, self.align_ms) for p in plans]
         if all(a == "none" for a in actions):  # only the window holds work: wait for it
-            self.now = max(self.now, (self.window.due_at() if self.window else None) or self.now) + 1e-6
+            self.now = max(self.now, self._window_due() or self.now) + 1e-6
             return
         forwards = [(action, self._tokens(rank, action)) for rank, action in zip(self.ranks, actions, strict=True)]
         costs = [self.costs.forward_s(action, tokens) for action, tokens in forwards]
@@ -212,6 +212,10 @@ class GroupSimulation:
         for rank, action in zip(self.ranks, actions, strict=True):
             self._apply(rank, action, end)
         self.now = end
+
+    def _window_due(self) -> float | None:
+        """When the batching window releases its work; None without a window (or nothing due)."""
+        return self.window.due_at() if self.window else None
 
     def _account(self, actions: list[str], costs: list[float], duration: float) -> None:
         self.rank_steps += len(actions)

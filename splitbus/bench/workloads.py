@@ -122,16 +122,26 @@ def _record(line: str | bytes, where: str) -> TraceRecord:
         raise TraceError(f"{where}: not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise TraceError(f"{where}: not a JSON object")
+    timestamp = _timestamp(data, where)
+    inputs, outputs = _length(data, "input_length", where), _length(data, "output_length", where)
+    return TraceRecord(timestamp, inputs, outputs, _hash_ids(data, inputs, where))
+
+
+def _timestamp(data: dict[str, Any], where: str) -> float:
     timestamp = data.get("timestamp")
     if isinstance(timestamp, bool) or not isinstance(timestamp, int | float) or not 0 <= timestamp < 1e15:
         raise TraceError(f"{where}: timestamp must be a number of ms >= 0")
-    inputs, outputs = _length(data, "input_length", where), _length(data, "output_length", where)
+    return float(timestamp)
+
+
+def _hash_ids(data: dict[str, Any], inputs: int, where: str) -> tuple[int, ...]:
+    """One block hash per 512 prompt tokens, each an integer >= 0."""
     hash_ids = data.get("hash_ids")
     if not isinstance(hash_ids, list) or not all(type(h) is int and h >= 0 for h in hash_ids):
         raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
     if len(hash_ids) != -(-inputs // TRACE_BLOCK_TOKENS):
         raise TraceError(f"{where}: {len(hash_ids)} hash_ids for {inputs} input tokens (one per 512-token block)")
-    return TraceRecord(float(timestamp), inputs, outputs, tuple(hash_ids))
+    return tuple(hash_ids)
 
 
 def _length(data: dict[str, Any], key: str, where: str) -> int:

@@ -16,7 +16,7 @@ from splitbus.masking import mask_text, mask_url
 from splitbus.redis_server import EmbeddedRedis
 
 if TYPE_CHECKING:
-    from splitbus.bench.serve_trace import ServeConfig
+    from splitbus.bench.serve_trace import ServeConfig, Workload
 
 C = TypeVar("C")
 
@@ -479,13 +479,33 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
 
 
 def _serve_config(args: argparse.Namespace) -> ServeConfig:
-    from splitbus.bench.serve_trace import ServeConfig, Workload
-    from splitbus.bench.workloads import parse_goodput, read_trace
+    from splitbus.bench.serve_trace import ServeConfig
+    from splitbus.bench.workloads import parse_goodput
+
+    _check_policies(args.policy)
+    workload = _serve_workload(args)
+    rates = tuple(args.request_rate)[: 1 if workload.dataset == "trace" else None]  # a trace sets its own times
+    return ServeConfig(
+        rates, args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args.range_ratio,
+        args.model, args.seed, workload, tuple(parse_goodput(args.goodput).items()),
+        tuple(p for p in args.policy.split(",") if p), tuple(args.up_arg),
+        tuple(d for d in args.dispatch.split(",") if d),
+    )  # fmt: skip
+
+
+def _check_policies(given: str) -> None:
     from splitbus.placement import policies
 
-    unknown = [p for p in args.policy.split(",") if p and p.split(":")[0] not in policies.names()]
+    unknown = [p for p in given.split(",") if p and p.split(":")[0] not in policies.names()]
     if unknown:
         raise ValueError(f"--policy {', '.join(unknown)}: a policy is one of {', '.join(policies.names())}")
+
+
+def _serve_workload(args: argparse.Namespace) -> Workload:
+    """``--dataset`` and its settings; a trace file is read whole here, so that a bad line is
+    reported before anything starts."""
+    from splitbus.bench.serve_trace import Workload
+    from splitbus.bench.workloads import read_trace
 
     dataset, *files = args.dataset
     if len(files) != (dataset == "trace"):
@@ -496,14 +516,8 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         args.system_len,
     )  # fmt: skip
     if files:
-        read_trace(Path(files[0]))  # a bad line is reported before anything starts
-    rates = tuple(args.request_rate)[: 1 if dataset == "trace" else None]  # a trace sets its own times
-    return ServeConfig(
-        rates, args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args.range_ratio,
-        args.model, args.seed, workload, tuple(parse_goodput(args.goodput).items()),
-        tuple(p for p in args.policy.split(",") if p), tuple(args.up_arg),
-        tuple(d for d in args.dispatch.split(",") if d),
-    )  # fmt: skip
+        read_trace(Path(files[0]))
+    return workload
 
 
 def _serve_redis(args: argparse.Namespace, env: Env) -> str | None:

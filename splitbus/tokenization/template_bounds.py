@@ -200,12 +200,18 @@ def check_binop(budget: Budget, operator: str, left: Any, right: Any) -> None:
     """Refuse an operator whose result would be over the bounds, before it is computed."""
     if operator == "*":
         _check_product(budget, left, right)
-    elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
-        _check_int_bits(budget, left.bit_length() * right)
+    elif operator == "**":
+        _check_power(budget, left, right)
     elif operator == "+" and _sized(left) and _sized(right):
         budget.check_size(budget.weight(left) + budget.weight(right))
     elif operator == "%" and isinstance(left, str):
         check_percent(budget, left, right)
+
+
+def _check_power(budget: Budget, left: Any, right: Any) -> None:
+    """An integer to a positive power grows by the base's bits per unit of the exponent."""
+    if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+        _check_int_bits(budget, left.bit_length() * right)
 
 
 def _check_product(budget: Budget, left: Any, right: Any) -> None:
