@@ -26,13 +26,14 @@ scheduled through the loop is not seen.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,21 @@ def _row(process: Process, files: list[str], edges: Counter[tuple[str, str]]) ->
     }
 
 
+@contextlib.contextmanager
+def _environ(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` set in this process's environment while the block runs, then as they were."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _stream(client: Any, model: str) -> None:
     body = {"model": model, "prompt": "one request, followed", "max_tokens": 8, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -194,13 +210,14 @@ def record(requests: int, folder: Path) -> tuple[list[Process], Window, list[Win
 
     from splitbus.bench.system import LocalSystem
 
-    os.environ.update(
-        SPLITBUS_PATH_TRACE=str(folder),
-        SPLITBUS_PATH_TRACE_ROOT=f"{PACKAGE}{os.sep}",
-        SPLITBUS_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([str(HOOK), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    )
-    system = LocalSystem("--engine", "sim", "--prefill", "1", "--decode", "1")
+    recording = {
+        "SPLITBUS_PATH_TRACE": str(folder),
+        "SPLITBUS_PATH_TRACE_ROOT": f"{PACKAGE}{os.sep}",
+        "SPLITBUS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(HOOK), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    with _environ(recording):  # for `splitbus up` and its children only: not this process's later ones
+        system = LocalSystem("--engine", "sim", "--prefill", "1", "--decode", "1")
     try:
         with httpx.Client(base_url=system.base_url, timeout=60) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]

@@ -150,6 +150,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.timeout(180)
 def test_the_real_stack_shows_the_request_in_every_process_of_its_path(measured: dict[str, Any]) -> None:
+    assert "SPLITBUS_PATH_TRACE" not in os.environ  # the recorder was for the stack's processes only
     files = {row["process"]: set(row["files"]) for row in measured["processes"]}
     assert {"api", "scheduler", "prefill worker", "decode worker"} <= set(files)
     assert "splitbus/api/routes.py" in files["api"]
