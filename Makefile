@@ -15,7 +15,7 @@ $(BIN)/splitbus: pyproject.toml
 up: $(BIN)/splitbus
 	$(BIN)/splitbus up
 
-## Static checks (CI runs them before the tests): ruff's lint rules and format, mypy over splitbus/, and
+## Static checks (CI runs them before the tests): ruff's lint rules and format, mypy over splitbus/ and tools/, and
 ## no function or method in splitbus/ over complexity 10 by radon's count (tools/complexity.py).
 ## Each runs even when one before it failed, so one run shows everything; the target fails if any did.
 check: $(BIN)/splitbus
