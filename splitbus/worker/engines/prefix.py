@@ -1,6 +1,7 @@
 """Prefix caching: a pool of KV block ids with reference counts and an LRU of cached free blocks.
 
-Both engines hold their blocks in a ``BlockPool`` (the sim engine's are ids only). A full block
+Every engine with a prefix cache holds its blocks in a ``BlockPool`` through ``PagedBlocks``, the
+``Engine`` methods that reserve, share and release them (the sim engine's blocks are ids only). A full block
 whose KV is computed is registered under its hash (``splitbus.bus.blocks``); when no sequence
 holds it any more it stays cached in an LRU of free blocks, and is evicted (its hash forgotten)
 only when an allocation finds no plain free block. A new sequence takes the cached blocks of
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from splitbus.bus.blocks import ROOT, block_hashes, root_of
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, block_hash
+from splitbus.bus.roles import Phase
 
 if TYPE_CHECKING:
     from splitbus.bus.messages import GenerateRequest, Task
@@ -215,34 +217,68 @@ def chain_root(request: GenerateRequest) -> int:
 def reuses_prefix(seq: SequenceState) -> bool:
     """Whether a sequence may take cached blocks: not a decode task, whose KV comes whole from
     its prefill worker and is written over its blocks."""
-    return seq.task.phase != "decode"
+    return seq.task.phase != Phase.DECODE
 
 
-def take_new_hits(pool: BlockPool, seq: SequenceState) -> None:
-    """Before ``seq``'s prefill: the blocks of its prompt stored since it reserved (``rematch``)
-    become its own; they count as cached prompt tokens in its usage."""
-    if reuses_prefix(seq):
-        seq.cached = pool.rematch(seq.block_table, seq.all_tokens, seq.cached, chain_root(seq.request))
-        seq.prompt_cached = max(seq.prompt_cached, min(seq.cached, seq.prompt_len))
+def _prompt(task: Task) -> list[int]:
+    """The tokens whose KV a task's prefill computes (none for a decode task: its KV arrives)."""
+    return task.request.prompt_token_ids + task.output_token_ids if task.phase != Phase.DECODE else []
 
 
-def can_reserve(pool: BlockPool, task: Task, tokens: int) -> bool:
-    """``Engine.can_reserve`` for an engine whose blocks are in ``pool``."""
-    prompt = task.request.prompt_token_ids + task.output_token_ids if task.phase != "decode" else []
-    return pool.fits(-(-tokens // pool.block_size), prompt, chain_root(task.request))
+class PagedBlocks:
+    """The KV blocks of an engine with a prefix cache: the ``Engine`` methods that reserve, share
+    and release them, over one ``BlockPool``. Every such engine (sim, paddle) subclasses it and
+    adds its forwards; it calls ``take_new_hits`` before a prefill reads the block tables and
+    ``store_computed`` after, on the thread that calls the other methods (the pool has one)."""
 
+    def __init__(self, block_ids: Sequence[int], block_size: int) -> None:
+        self.pool = BlockPool(block_ids, block_size)
+        self.block_size = block_size
+        self.total_blocks = len(block_ids)
+        self.kv_events = self.pool.events
 
-def first_to_compute(pool: BlockPool, seq: SequenceState) -> int | None:
-    """``Engine.first_to_compute`` for an engine whose blocks are in ``pool`` (a sequence that
-    holds none yet would take the cached blocks of its prompt as they are now)."""
-    if not reuses_prefix(seq):
-        return None
-    salt = chain_root(seq.request)
-    cached = seq.cached if seq.blocks else len(pool.match(seq.all_tokens, salt)) * pool.block_size
-    return pool.first_to_compute(seq.all_tokens, cached, salt)
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.free
 
+    def reserve(self, seq: SequenceState, tokens: int) -> bool:
+        prompt = seq.all_tokens if reuses_prefix(seq) else []
+        got = self.pool.allocate(-(-tokens // self.block_size), prompt, chain_root(seq.request))
+        if got is None:
+            return False
+        seq.block_table, seq.blocks = got.table, len(got.table)
+        seq.cached = seq.prompt_cached = got.cached_tokens
+        return True
 
-def cached_prefix(pool: BlockPool, task: Task) -> int:
-    """``Engine.cached_prefix`` for an engine whose blocks are in ``pool``."""
-    prompt = task.request.prompt_token_ids + task.output_token_ids
-    return len(pool.match(prompt, chain_root(task.request))) * pool.block_size if task.phase != "decode" else 0
+    def can_reserve(self, task: Task, tokens: int) -> bool:
+        return self.pool.fits(-(-tokens // self.block_size), _prompt(task), chain_root(task.request))
+
+    def cached_prefix(self, task: Task) -> int:
+        return len(self.pool.match(_prompt(task), chain_root(task.request))) * self.block_size
+
+    def release(self, seq: SequenceState) -> None:
+        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached], chain_root(seq.request))
+        self.pool.release(seq.block_table)
+        seq.block_table, seq.blocks = [], 0
+
+    def first_to_compute(self, seq: SequenceState) -> int | None:
+        """A sequence that holds no blocks yet would take the cached blocks of its prompt as
+        they are now."""
+        if not reuses_prefix(seq):
+            return None
+        salt = chain_root(seq.request)
+        cached = seq.cached if seq.blocks else len(self.pool.match(seq.all_tokens, salt)) * self.block_size
+        return self.pool.first_to_compute(seq.all_tokens, cached, salt)
+
+    def take_new_hits(self, batch: list[SequenceState]) -> None:
+        """Before a prefill: the blocks of each prompt stored since it reserved (``rematch``)
+        become its own; they count as cached prompt tokens in its usage."""
+        for seq in batch:
+            if reuses_prefix(seq):
+                seq.cached = self.pool.rematch(seq.block_table, seq.all_tokens, seq.cached, chain_root(seq.request))
+                seq.prompt_cached = max(seq.prompt_cached, min(seq.cached, seq.prompt_len))
+
+    def store_computed(self, batch: list[SequenceState]) -> None:
+        """After a prefill: register the full blocks it computed, for later prompts to share."""
+        for seq in batch:
+            self.pool.store(seq.block_table, seq.all_tokens, chain_root(seq.request))

@@ -22,18 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, register
-from splitbus.worker.engines.prefix import (
-    BlockPool,
-    cached_prefix,
-    can_reserve,
-    chain_root,
-    first_to_compute,
-    reuses_prefix,
-    take_new_hits,
-)
+from splitbus.worker.engines.prefix import PagedBlocks
 
 if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
-    from splitbus.bus.messages import GenerateRequest, Task
+    from splitbus.bus.messages import GenerateRequest
     from splitbus.tokenization import ModelTokenizer
     from splitbus.worker.sequence import Sequence
 
@@ -105,57 +97,26 @@ def sim_text(seed: int, count: int) -> str:
     return "".join(ALPHABET[_draw(seed, i)] for i in range(count))
 
 
-class SimEngine:
+class SimEngine(PagedBlocks):
     eos_token_ids: tuple[int, ...] = ()
 
     def __init__(self, config: SimConfig, tokenizer: ModelTokenizer, total_blocks: int, block_size: int) -> None:
+        super().__init__(range(total_blocks), block_size)
         self.config = config
         self.token_ids = [tokenizer.encode(c)[0] for c in ALPHABET]
         self.vocab_size = tokenizer.vocab_size
-        self.total_blocks = total_blocks
-        self.block_size = block_size
-        self.pool = BlockPool(range(total_blocks), block_size)
-        self.kv_events = self.pool.events
-
-    @property
-    def free_blocks(self) -> int:
-        return self.pool.free
-
-    def reserve(self, seq: Sequence, tokens: int) -> bool:
-        prompt = seq.all_tokens if reuses_prefix(seq) else []
-        got = self.pool.allocate(-(-tokens // self.block_size), prompt, chain_root(seq.request))
-        if got is None:
-            return False
-        seq.block_table, seq.blocks = got.table, len(got.table)
-        seq.cached = seq.prompt_cached = got.cached_tokens
-        return True
-
-    def can_reserve(self, task: Task, tokens: int) -> bool:
-        return can_reserve(self.pool, task, tokens)
-
-    def cached_prefix(self, task: Task) -> int:
-        return cached_prefix(self.pool, task)
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.config.kv_bytes_per_token
-
-    def release(self, seq: Sequence) -> None:
-        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached], chain_root(seq.request))
-        self.pool.release(seq.block_table)
-        seq.block_table, seq.blocks = [], 0
 
     def _check_poison(self, batch: list[Sequence]) -> None:
         poison = self.config.poison_token
         if poison >= 0 and any(poison in s.request.prompt_token_ids for s in batch):
             raise RuntimeError(f"sim engine: poison token {poison} in the batch")
 
-    def first_to_compute(self, seq: Sequence) -> int | None:
-        return first_to_compute(self.pool, seq)
-
     async def prefill(self, batch: list[Sequence]) -> list[int]:
         self._check_poison(batch)
-        for seq in batch:
-            take_new_hits(self.pool, seq)
+        self.take_new_hits(batch)
         if self.config.crash_token >= 0 and any(self.config.crash_token in s.request.prompt_token_ids for s in batch):
             os.kill(os.getpid(), signal.SIGKILL)
         # Only the uncached suffix is computed (``reserve`` found the cached prefix).
@@ -163,7 +124,7 @@ class SimEngine:
         for seq in batch:
             seq.kv = self.kv_payload(seq.request)
             seq.cached = len(seq.all_tokens)
-            self.pool.store(seq.block_table, seq.all_tokens, chain_root(seq.request))
+        self.store_computed(batch)
         return [self._next(seq) for seq in batch]
 
     async def decode(self, batch: list[Sequence]) -> list[int]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from splitbus.bus.blocks import block_hashes
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, block_hash
-from splitbus.worker.engines.prefix import BlockPool
+from splitbus.worker.engines.prefix import BlockPool, PagedBlocks
+from splitbus.worker.engines.sim import SimEngine
 
 PROMPT = list(range(40))  # two full blocks of 16 and 8 tokens
 
@@ -124,3 +125,19 @@ def test_a_sibling_reserved_before_the_prefix_was_stored_takes_it_at_its_prefill
     pool.release(first.table)
     pool.release(table)
     assert pool.free == 10
+
+
+SHARED = {"free_blocks", "reserve", "can_reserve", "cached_prefix", "release", "first_to_compute"}
+"""The ``Engine`` methods over the block pool, written once in ``PagedBlocks``."""
+
+
+def keeps_its_blocks_in_the_one_pool(engine: type) -> bool:
+    """Whether ``engine`` takes every block method from ``PagedBlocks`` and defines none itself
+    (the paddle engine's test asks it too)."""
+    return issubclass(engine, PagedBlocks) and not SHARED & set(vars(engine))
+
+
+def test_the_sim_engine_keeps_its_blocks_in_the_one_block_pool() -> None:
+    assert SHARED <= set(vars(PagedBlocks))
+    assert keeps_its_blocks_in_the_one_pool(SimEngine)
+    assert not keeps_its_blocks_in_the_one_pool(BlockPool)

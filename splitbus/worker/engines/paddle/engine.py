@@ -15,34 +15,22 @@ from typing import TypeVar
 
 import numpy as np
 
-from splitbus.bus.messages import Task
 from splitbus.gpu_ops.sampling import sample
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk
-from splitbus.worker.engines.prefix import (
-    BlockPool,
-    cached_prefix,
-    can_reserve,
-    chain_root,
-    first_to_compute,
-    reuses_prefix,
-    take_new_hits,
-)
+from splitbus.worker.engines.prefix import PagedBlocks
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class PaddleEngine:
+class PaddleEngine(PagedBlocks):
     def __init__(self, model: CausalLM, eos_token_ids: tuple[int, ...], total_blocks: int, block_size: int) -> None:
+        super().__init__(range(1, total_blocks), block_size)  # block 0 is the cache's scratch block
         self.model = model
         self.eos_token_ids = eos_token_ids
-        self.total_blocks = total_blocks - 1  # block 0 is the cache's scratch block
-        self.block_size = block_size
         self.vocab_size = model.config.vocab_size
         self.cache = model.new_cache(total_blocks, block_size)
-        self.pool = BlockPool(range(1, total_blocks), block_size)  # block 0 is scratch
-        self.kv_events = self.pool.events
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
 
     @classmethod
@@ -57,42 +45,13 @@ class PaddleEngine:
         log.info("loaded %s (%s, %d layers) on %s", folder, model.config.arch, model.config.layers, where)
         return cls(model, eos_token_ids, total_blocks, block_size)
 
-    @property
-    def free_blocks(self) -> int:
-        return self.pool.free
-
-    def reserve(self, seq: Sequence, tokens: int) -> bool:
-        prompt = seq.all_tokens if reuses_prefix(seq) else []
-        got = self.pool.allocate(-(-tokens // self.block_size), prompt, chain_root(seq.request))
-        if got is None:
-            return False
-        seq.block_table, seq.blocks = got.table, len(got.table)
-        seq.cached = seq.prompt_cached = got.cached_tokens
-        return True
-
-    def can_reserve(self, task: Task, tokens: int) -> bool:
-        return can_reserve(self.pool, task, tokens)
-
-    def cached_prefix(self, task: Task) -> int:
-        return cached_prefix(self.pool, task)
-
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.cache.bytes_per_token()
 
-    def release(self, seq: Sequence) -> None:
-        self.pool.store(seq.block_table, seq.all_tokens[: seq.cached], chain_root(seq.request))
-        self.pool.release(seq.block_table)
-        seq.block_table, seq.blocks = [], 0
-
-    def first_to_compute(self, seq: Sequence) -> int | None:
-        return first_to_compute(self.pool, seq)
-
     async def prefill(self, batch: list[Sequence]) -> list[int]:
-        for seq in batch:  # before the forward reads the block tables
-            take_new_hits(self.pool, seq)
+        self.take_new_hits(batch)  # before the forward reads the block tables
         tokens = await self._run(lambda: self._prefill(batch))
-        for seq in batch:  # on the event loop, as reserve and release: the pool has one thread
-            self.pool.store(seq.block_table, seq.all_tokens, chain_root(seq.request))
+        self.store_computed(batch)  # on the event loop, as reserve and release: the pool has one thread
         return tokens
 
     async def decode(self, batch: list[Sequence]) -> list[int]:

@@ -17,6 +17,7 @@ from splitbus.worker.engines.paddle.model import CausalLM, Chunk
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.text import TextStream
+from tests.worker.engines.test_prefix import keeps_its_blocks_in_the_one_pool
 
 PROMPT_LENGTHS = (1, 15, 16, 17, 100)
 NEW_TOKENS = 12
@@ -202,3 +203,7 @@ def test_prefix_reuse_gives_the_same_greedy_tokens(model: CausalLM, model_dir: P
     fresh = [asyncio.run(_greedy_pair(_engine(model), tok, [p]))[0] for p in prompts]
     assert [s.output_ids for s in cached] == [s.output_ids for s in fresh]
     assert cached[1].prompt_cached == 32 and fresh[1].prompt_cached == 0  # only the suffix was prefilled
+
+
+def test_the_paddle_engine_keeps_its_blocks_in_the_one_block_pool() -> None:
+    assert keeps_its_blocks_in_the_one_pool(PaddleEngine)
