@@ -1,4 +1,5 @@
-"""What the worker loop needs from an engine (``sim``, ``paddle``, any registered one)."""
+"""What the worker loop needs from an engine (``sim``, ``paddle``, any registered one), and the
+log of KV events it reads from one with a prefix cache (``KvEventLog``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,34 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
     from splitbus.bus.messages import Task
-    from splitbus.worker.engines.prefix import KvEventLog
+    from splitbus.bus.messages.kv_events import KvEvent
     from splitbus.worker.sequence import Sequence
+
+
+class KvEventLog:
+    """The KV events a cache's changes made, oldest first, until the worker has sent them.
+
+    An event is never changed once recorded, and only the oldest are cleared: a writer reads
+    :meth:`pending`, sends them (awaiting Redis while the cache goes on changing) and then calls
+    :meth:`sent` with how many it sent; what was recorded meanwhile, and everything after a
+    failed send, stays in order for the next one."""
+
+    def __init__(self) -> None:
+        self._events: list[KvEvent] = []
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def add(self, event: KvEvent) -> None:
+        self._events.append(event)
+
+    def pending(self) -> list[KvEvent]:
+        """The events not sent yet, oldest first (a copy)."""
+        return list(self._events)
+
+    def sent(self, count: int) -> None:
+        """The ``count`` oldest events were sent: forget them."""
+        del self._events[:count]
 
 
 class Engine(Protocol):

@@ -1,17 +1,17 @@
 """Prefix caching: a pool of KV block ids with reference counts and an LRU of cached free blocks.
 
-Every engine with a prefix cache holds its blocks in a ``BlockPool`` through ``PagedBlocks``, the
-``Engine`` methods that reserve, share and release them (the sim engine's blocks are ids only). A full block
-whose KV is computed is registered under its hash (``splitbus.bus.blocks``); when no sequence
-holds it any more it stays cached in an LRU of free blocks, and is evicted (its hash forgotten)
-only when an allocation finds no plain free block. A new sequence takes the cached blocks of
-its prompt's leading full blocks (shared, ref-counted) and computes only the rest; at least its
-last prompt token is always computed, for its logits. What the cache stores and evicts is
-recorded, in order, as KV events (``BlockStored``, ``BlockRemoved``) in the pool's
-:class:`KvEventLog`, which the worker publishes (docs/routing.md, "KV events"). A sequence's chain
-starts at its request's salt (``GenerateRequest.cache_salt``, the ``root`` the pool's methods
-take): the API's salt, so one tenant's prompt never finds another's blocks. Pure: no paddle, no
-Redis.
+Every engine with a prefix cache holds its blocks in a ``BlockPool`` through ``PagedBlocks``,
+the ``Engine`` methods that reserve, share and release them (the sim engine's blocks are ids
+only). A full block whose KV is computed is registered under its hash (``splitbus.bus.blocks``);
+when no sequence holds it any more it stays cached in an LRU of free blocks, and is evicted (its
+hash forgotten) only when an allocation finds no plain free block. A new sequence takes the
+cached blocks of its prompt's leading full blocks (shared, ref-counted) and computes only the
+rest; at least its last prompt token is always computed, for its logits. What the cache stores
+and evicts is recorded, in order, as KV events (``BlockStored``, ``BlockRemoved``) in the pool's
+:class:`KvEventLog` (``interface.py``), which the worker publishes (docs/routing.md, "KV
+events"). A sequence's chain starts at its request's salt (``GenerateRequest.cache_salt``, the
+``root`` the pool's methods take): the API's salt, so one tenant's prompt never finds another's
+blocks. Pure: no paddle, no Redis.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitbus.bus.blocks import ROOT, block_hashes, root_of
-from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, block_hash
+from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, block_hash
 from splitbus.bus.roles import Phase
+from splitbus.worker.engines.interface import KvEventLog
 
 if TYPE_CHECKING:
     from splitbus.bus.messages import GenerateRequest, Task
@@ -38,32 +39,6 @@ class Allocation:
     """Its block table: the cached blocks first, then new ones."""
     cached_tokens: int
     """Leading positions whose KV was already cached (a multiple of the block size)."""
-
-
-class KvEventLog:
-    """The KV events a cache's changes made, oldest first, until the worker has sent them.
-
-    An event is never changed once recorded, and only the oldest are cleared: a writer reads
-    :meth:`pending`, sends them (awaiting Redis while the cache goes on changing) and then calls
-    :meth:`sent` with how many it sent; what was recorded meanwhile, and everything after a
-    failed send, stays in order for the next one."""
-
-    def __init__(self) -> None:
-        self._events: list[KvEvent] = []
-
-    def __len__(self) -> int:
-        return len(self._events)
-
-    def add(self, event: KvEvent) -> None:
-        self._events.append(event)
-
-    def pending(self) -> list[KvEvent]:
-        """The events not sent yet, oldest first (a copy)."""
-        return list(self._events)
-
-    def sent(self, count: int) -> None:
-        """The ``count`` oldest events were sent: forget them."""
-        del self._events[:count]
 
 
 class BlockPool:
