@@ -17,10 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from splitbus.worker.engines.paddle.config import ModelConfig
-from splitbus.worker.engines.paddle.model import CausalLM, Chunk
+from splitbus.architectures import config_from
+from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.paddle.tiny import tiny_config
-from splitbus.worker.engines.paddle.weights import expected_shapes
 
 QWEN25_05B = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -40,10 +39,10 @@ BATCHES = (1, 8, 32)
 
 
 def random_model(raw: dict[str, Any], seed: int = 0) -> CausalLM:
-    config = ModelConfig.from_dict(raw)
+    config = config_from(raw)
     rng = np.random.default_rng(seed)
     tensors = {
-        name: (0.02 * rng.standard_normal(shape, dtype=np.float32)) for name, shape in expected_shapes(config).items()
+        name: (0.02 * rng.standard_normal(shape, dtype=np.float32)) for name, shape in config.tensor_shapes().items()
     }
     return CausalLM(config, tensors)
 
@@ -117,7 +116,7 @@ def _transfer(model: CausalLM, cache: Any, runs: int) -> dict[str, float]:
 
 
 def _params(model: CausalLM) -> int:
-    return sum(int(np.prod(shape)) for shape in expected_shapes(model.config).values())
+    return sum(int(np.prod(shape)) for shape in model.config.tensor_shapes().values())
 
 
 def run_engine_bench(
@@ -134,6 +133,6 @@ def run_engine_bench(
 
     where = device.select_device(1)
     builds = [(m, lambda raw=MODELS[m]: random_model(raw)) for m in models]
-    builds += [(name, lambda folder=folder: CausalLM.load(folder)) for name, folder in folders]
+    builds += [(name, lambda folder=folder: load_model(folder)) for name, folder in folders]
     results = [bench_model(n, b, runs, progress, prefill_batches) for n, b in builds]
     return {"device": where, "threads": 1, "prefill_batches": list(prefill_batches), "results": results}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from splitbus import architectures
 from splitbus.cli.common import say
 from splitbus.env import Env
 from splitbus.models.fetch import SOURCES
@@ -15,7 +16,8 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     _add_fetch(subparsers, env)
     p = subparsers.add_parser("make-tiny-model", help="write a small random model with a byte-level tokenizer")
     p.add_argument("dir", type=Path, help="folder to write (created)")
-    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    types = sorted(a.model_type for a in architectures.registered())
+    p.add_argument("--arch", choices=types, default=architectures.DEFAULT)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=256)

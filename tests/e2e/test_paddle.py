@@ -15,7 +15,7 @@ from splitbus.gpu_ops import device
 device.prepare()
 
 from splitbus.tokenization import ModelTokenizer  # noqa: E402
-from splitbus.worker.engines.paddle.model import CausalLM, Chunk  # noqa: E402
+from splitbus.worker.engines.paddle.model import Chunk, load_model  # noqa: E402
 from splitbus.worker.engines.paddle.tiny import make_tiny_model  # noqa: E402
 from splitbus.worker.text import TextStream  # noqa: E402
 from tests.e2e.conftest import System, start_system, stop_system  # noqa: E402
@@ -35,7 +35,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _reference(model_dir: Path) -> list[str]:
-    model, tok = CausalLM.load(model_dir), ModelTokenizer.load(model_dir)
+    model, tok = load_model(model_dir), ModelTokenizer.load(model_dir)
     texts = []
     for prompt in _prompts():
         tokens: list[int] = []

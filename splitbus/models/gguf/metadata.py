@@ -1,4 +1,5 @@
-"""A GGUF file's metadata -> the Hugging Face ``config.json`` of the same model (Llama, Qwen2).
+"""A GGUF file's metadata -> the Hugging Face ``config.json`` of the same model (an architecture
+that ``splitbus.architectures`` registers under the file's ``general.architecture``).
 
 Every value is read through a typed accessor that checks the GGUF value type and a bound: the
 file is untrusted, and these numbers size every tensor the converter allocates.
@@ -13,10 +14,9 @@ from typing import Any, Final
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, Keys
 
+from splitbus import architectures
+from splitbus.architectures import Architecture
 from splitbus.tokenization import ModelFilesError
-
-ARCHITECTURES: Final = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-"""GGUF ``general.architecture`` -> the Hugging Face class the engine loads."""
 
 DEFAULT_ROPE_THETA: Final = 10000.0
 """llama.cpp's default when ``{arch}.rope.freq_base`` is absent."""
@@ -101,20 +101,23 @@ class Fields:
         return default
 
 
-def architecture(fields: Fields) -> str:
-    """``general.architecture``, if it is one the engine runs."""
-    arch = fields.string(Keys.General.ARCHITECTURE)
-    if arch is None:
+def architecture(fields: Fields) -> Architecture:
+    """The architecture ``general.architecture`` names, if it is one the engine runs."""
+    name = fields.string(Keys.General.ARCHITECTURE)
+    if name is None:
         raise fields.fail(f"metadata key {Keys.General.ARCHITECTURE} is missing")
-    if arch not in ARCHITECTURES:
-        raise fields.fail(f"architecture {arch!r} is not supported; expected one of {sorted(ARCHITECTURES)}")
-    return arch
+    found = architectures.of_gguf(name)
+    if found is None:
+        known = sorted(a.gguf_name for a in architectures.registered())
+        raise fields.fail(f"architecture {name!r} is not supported; expected one of {known}")
+    return found
 
 
 def hf_config(reader: GGUFReader, where: Path | str) -> dict[str, Any]:
     """The ``config.json`` that describes this file's model; ModelFilesError when it cannot."""
     fields = Fields(reader, where)
-    arch = architecture(fields)
+    found = architecture(fields)
+    arch = found.gguf_name  # the prefix of its metadata keys
     _refuse_rope_scaling(fields, arch)
     heads = fields.integer(Keys.Attention.HEAD_COUNT.format(arch=arch), 1, MAX_HEADS)
     kv_heads = fields.integer(Keys.Attention.HEAD_COUNT_KV.format(arch=arch), 1, heads, default=heads)
@@ -122,8 +125,8 @@ def hf_config(reader: GGUFReader, where: Path | str) -> dict[str, Any]:
     if heads % kv_heads:
         raise fields.fail(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [found.hf_name],
+        "model_type": found.model_type,
         "vocab_size": _vocab_size(fields, arch),
         "hidden_size": hidden,
         "intermediate_size": fields.integer(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch), 1, MAX_WIDTH),

@@ -4,8 +4,8 @@ Names come from the gguf package's own map (``TensorNameMap``: Hugging Face name
 the table llama.cpp's converter writes with), dequantization from ``gguf.quants.dequantize``.
 llama.cpp's converter permutes the rows of a Llama model's Q and K projections so that its RoPE
 kernel can rotate adjacent pairs (``LLAMA_ROPE_TYPE_NORM``); the engine rotates halves, as the
-Hugging Face model does, so those rows are put back. Qwen2 runs with NeoX RoPE (halves) in
-llama.cpp too, and its converter leaves the rows alone.
+Hugging Face model does, so those rows are put back (``Architecture.gguf_permuted_qk``). Qwen2
+runs with NeoX RoPE (halves) in llama.cpp too, and its converter leaves the rows alone.
 """
 
 from __future__ import annotations
@@ -22,39 +22,15 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, ReaderTensor, TensorNameMap
 from gguf.quants import dequantize
 
+from splitbus import architectures
+from splitbus.architectures import Shapes
 from splitbus.tokenization import ModelFilesError
 
 
-def hf_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor the engine loads, Hugging Face names and layout (Linear weights are [out, in]).
-
-    The same set as the paddle engine's ``weights.expected_shapes`` (a test holds them equal);
-    repeated here because this package must not import paddle.
-    """
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    biases = config["model_type"] == "qwen2" or config["attention_bias"]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
-        if biases:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
-            shapes |= {p + "self_attn.v_proj.bias": (kv,)}
-    return shapes
+def hf_shapes(config: dict[str, Any]) -> Shapes:
+    """Every tensor the engine loads, Hugging Face names and layout (Linear weights are [out, in]):
+    the layout of the model's architecture, as the paddle engine's loader reads it."""
+    return architectures.config_from(config).tensor_shapes()
 
 
 def gguf_names(arch: str, layers: int, hf_names: list[str]) -> dict[str, str]:
@@ -87,19 +63,23 @@ def dequantizable() -> frozenset[GGMLQuantizationType]:
 
 def plan(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> dict[str, ReaderTensor]:
     """Hugging Face name -> the GGUF tensor that holds it, every name, type and shape checked."""
-    shapes = hf_shapes(config)
-    names = gguf_names(config["model_type"], config["num_hidden_layers"], list(shapes))
+    model = architectures.config_from(config, where)
+    shapes = model.tensor_shapes()
+    names = gguf_names(model.architecture.gguf_name, model.layers, list(shapes))
     found = {t.name: t for t in reader.tensors}
-    problems = [
-        f"unexpected tensor {name} (not part of a {config['model_type']} model)" for name in found if name not in names
-    ]
-    problems += [f"missing tensor {name} ({hf})" for name, hf in names.items() if name not in found]
-    problems += [_problem(t, shapes[names[t.name]]) for t in found.values() if t.name in names]
-    problems = [p for p in problems if p]
+    problems = [p for p in _problems(found, names, shapes, model.arch) if p]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ModelFilesError(f"{where}: " + "; ".join(problems[:5]) + more)
     return {hf: found[name] for name, hf in names.items()}
+
+
+def _problems(found: dict[str, ReaderTensor], names: dict[str, str], shapes: Shapes, model_type: str) -> list[str]:
+    """What is wrong with the file's tensors ("" for a tensor that is right): names it should not
+    have, names it lacks, and each expected tensor's type and shape."""
+    problems = [f"unexpected tensor {name} (not part of a {model_type} model)" for name in found if name not in names]
+    problems += [f"missing tensor {name} ({hf})" for name, hf in names.items() if name not in found]
+    return problems + [_problem(t, shapes[names[t.name]]) for t in found.values() if t.name in names]
 
 
 def _problem(tensor: ReaderTensor, expected: tuple[int, ...]) -> str:
@@ -125,7 +105,7 @@ def tensors(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> It
 
 def _float32(hf: str, tensor: ReaderTensor, config: dict[str, Any]) -> np.ndarray:
     array = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape(tensor))
-    if config["model_type"] == "llama":
+    if architectures.of_config(config).gguf_permuted_qk:
         array = _unpermute(hf, array, config)
     return np.ascontiguousarray(array, dtype="<f4")
 

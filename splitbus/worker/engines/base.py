@@ -90,10 +90,12 @@ class EngineType(ABC):
         """Write the model ``splitbus up`` serves when given none, into the empty ``folder``;
         called once, on the first run. By default a byte-level tokenizer and a ``config.json``,
         which is all an engine without real weights reads; one with weights writes them too."""
+        from splitbus import architectures
         from splitbus.tokenization.byte_level import write_byte_level_tokenizer
 
         vocab = write_byte_level_tokenizer(folder)
-        config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "vocab_size": vocab}
+        hf_name = architectures.of_model_type(architectures.DEFAULT).hf_name
+        config = {"architectures": [hf_name], "max_position_embeddings": 4096, "vocab_size": vocab}
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     @abstractmethod

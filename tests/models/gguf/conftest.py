@@ -5,13 +5,15 @@ from pathlib import Path
 
 import pytest
 
+from splitbus import architectures
 from splitbus.gpu_ops import device
 
 device.prepare()  # before paddle is imported (make_tiny_model's module imports the engine's)
 
 from splitbus.worker.engines.paddle.tiny import make_tiny_model  # noqa: E402
 
-ARCHS = ("llama", "qwen2")
+ARCHS = tuple(a.model_type for a in architectures.registered())
+"""Every registered architecture: a new one is converted and compared by every test here."""
 
 
 @pytest.fixture(scope="session")

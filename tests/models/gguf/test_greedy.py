@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from splitbus.architectures import config_from
 from splitbus.models.gguf import prepare, weights
-from splitbus.worker.engines.paddle.config import ModelConfig
-from splitbus.worker.engines.paddle.model import CausalLM, Chunk
-from splitbus.worker.engines.paddle.weights import expected_shapes
+from splitbus.worker.engines.paddle import weights as engine_weights
+from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from tests.models.gguf.writer import write_gguf
 
 NEW_TOKENS = 8
@@ -31,14 +31,15 @@ def test_converted_model_gives_the_original_greedy_tokens(hf_folder: Path, tmp_p
     folder = prepare(write_gguf(hf_folder, tmp_path / "m.gguf"), tmp_path / "cache")
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (1, 9, 33)]
-    original = _greedy(CausalLM.load(hf_folder), prompts)
-    assert _greedy(CausalLM.load(folder), prompts) == original
+    original = _greedy(load_model(hf_folder), prompts)
+    assert _greedy(load_model(folder), prompts) == original
     assert len({tuple(t) for t in original}) > 1  # the prompts lead somewhere different: a real check
 
 
 def test_shapes_are_the_engines(hf_folder: Path) -> None:
-    """weights.hf_shapes repeats the engine's expected_shapes (this package imports no paddle)."""
+    """weights.hf_shapes is the layout the engine's loader checks: both read the architecture's."""
     raw = json.loads((hf_folder / "config.json").read_text())
-    config = ModelConfig.from_dict(raw)
+    config = config_from(raw)
     raw |= {"head_dim": config.head_dim, "attention_bias": False}
-    assert weights.hf_shapes(raw) == {name: tuple(shape) for name, shape in expected_shapes(config).items()}
+    assert weights.hf_shapes(raw) == {name: tuple(shape) for name, shape in config.tensor_shapes().items()}
+    assert list(engine_weights.check(hf_folder, config)) == list(weights.hf_shapes(raw))

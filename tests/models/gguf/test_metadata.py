@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from gguf import GGUFWriter, RopeScalingType
 
+from splitbus.architectures import config_from
 from splitbus.env import load_env
 from splitbus.models.fetch import SOURCES, fetched_path
 from splitbus.models.gguf import metadata, open_reader, weights
 from splitbus.tokenization import ModelFilesError
-from splitbus.worker.engines.paddle.config import ModelConfig
+from tests.architectures.toy import register_toy
 from tests.models.gguf.writer import write_gguf
 
 BASE: dict[str, Any] = {
@@ -53,7 +54,7 @@ def _metadata_only(path: Path, changes: dict[str, Any]) -> Path:
 def test_config_describes_the_same_model_as_the_original(hf_folder: Path, tmp_path: Path) -> None:
     original = json.loads((hf_folder / "config.json").read_text())
     config = _config(write_gguf(hf_folder, tmp_path / "m.gguf", "Q8_0"))
-    assert ModelConfig.from_dict(config) == ModelConfig.from_dict(original)
+    assert config_from(config) == config_from(original)
     assert config["tie_word_embeddings"] == original["tie_word_embeddings"]
     assert config["eos_token_id"] == original["eos_token_id"]
     assert config["rms_norm_eps"] == original["rms_norm_eps"]  # 1e-06, not float32's 9.99999997e-07
@@ -101,6 +102,18 @@ def test_other_architecture_fails(tiny_hf: Callable[[str], Path], tmp_path: Path
     path = write_gguf(tiny_hf("llama"), tmp_path / "m.gguf", arch="phi2")
     with pytest.raises(ModelFilesError, match=r"m\.gguf: architecture 'phi2' is not supported; expected one of"):
         _config(path)
+
+
+def test_a_registered_architecture_is_read_under_its_gguf_name(
+    monkeypatch: pytest.MonkeyPatch, tiny_hf: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The converter takes its names from the one table: a file of a newly registered
+    architecture is read under that architecture's GGUF name and mapped to its Hugging Face one."""
+    register_toy(monkeypatch)
+    config = _config(write_gguf(tiny_hf("llama"), tmp_path / "m.gguf", arch="toy"))
+    assert config["architectures"] == ["ToyForCausalLM"] and config["model_type"] == "toy"
+    original = json.loads((tiny_hf("llama") / "config.json").read_text())
+    assert config["num_hidden_layers"] == original["num_hidden_layers"]  # the keys under toy.*
 
 
 # The real model, where `splitbus fetch-model smollm2` puts it (SPLITBUS_DATA_DIR, else .splitbus where pytest runs).

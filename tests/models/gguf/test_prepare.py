@@ -20,13 +20,13 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 import splitbus.models.gguf as gguf_models
+from splitbus.architectures import load_config
 from splitbus.cli import worker_cmd
 from splitbus.cli.main import build_parser
 from splitbus.env import load_env
 from splitbus.models.gguf import CONVERTER_VERSION, FILES, prepare
 from splitbus.models.resolve import resolve_model
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
-from splitbus.worker.engines.paddle.config import ModelConfig
 from tests.models.gguf.writer import write_gguf
 from tests.modes import folder_modes, mode
 
@@ -71,7 +71,7 @@ def test_prepare_writes_a_hugging_face_folder(tiny_hf: Callable[[str], Path], gg
     converted = load_file(str(folder / "model.safetensors"))
     assert sorted(converted) == sorted(original)
     assert all(np.array_equal(converted[name], original[name]) for name in original)  # F32: exact
-    assert ModelConfig.load(folder) == ModelConfig.load(tiny_hf("llama"))
+    assert load_config(folder) == load_config(tiny_hf("llama"))
     assert ModelTokenizer.load(folder).eos_token_ids  # the tokenizer files load as a folder's do
 
 

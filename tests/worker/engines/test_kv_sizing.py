@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from splitbus.architectures import ModelConfig, config_from
 from splitbus.worker.engines import DTYPE_BYTES, kv_bytes_per_token
 from splitbus.worker.engines.paddle import KV_DTYPE, kv_blocks
-from splitbus.worker.engines.paddle.config import ModelConfig
 
 MIB = 2**20
 QWEN25_05B_SHAPE = {  # 24 layers, 2 KV heads of 64
@@ -28,7 +28,7 @@ TINY_SHAPE = {  # make-tiny-model's llama: 4 layers, 2 KV heads of 64
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-MODELS = {"tiny": ModelConfig.from_dict(TINY_SHAPE), "qwen2.5-0.5b": ModelConfig.from_dict(QWEN25_05B_SHAPE)}
+MODELS = {"tiny": config_from(TINY_SHAPE), "qwen2.5-0.5b": config_from(QWEN25_05B_SHAPE)}
 
 
 def _fp32_blocks_as_the_cli_computed_them(model: ModelConfig, megabytes: int, block_size: int) -> int:

@@ -1,4 +1,5 @@
-"""The PaddlePaddle engine: Llama and Qwen2 from a Hugging Face folder, on gpu_ops.
+"""The PaddlePaddle engine: the registered architectures (``splitbus.architectures``) from a
+Hugging Face folder, on gpu_ops.
 
 Importing this package imports no paddle (the registry imports it to learn the engine's name):
 ``config`` is plain Python; ``engine``, ``model`` and ``weights`` import paddle and are imported
@@ -14,8 +15,8 @@ from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, kv_by
 if TYPE_CHECKING:  # types only: the registry imports this package to build the CLI's parser
     from pathlib import Path
 
+    from splitbus.architectures import ModelConfig
     from splitbus.worker.engines import Engine
-    from splitbus.worker.engines.paddle.config import ModelConfig
 
 from splitbus.worker.engines.paddle.config import KV_DTYPE
 
@@ -42,13 +43,13 @@ class PaddleType(EngineType):
         make_tiny_model(folder)
 
     def create(self, setup: EngineSetup) -> Engine:
-        from splitbus.worker.engines.paddle.config import ModelConfig
+        from splitbus.architectures import load_config
 
         try:
             from splitbus.worker.engines.paddle.engine import PaddleEngine
         except ImportError as exc:
             raise ValueError(f"the paddle engine needs PaddlePaddle: pip install 'splitbus[paddle]' ({exc})") from None
-        blocks = setup.kv_blocks or kv_blocks(ModelConfig.load(setup.model_dir), setup.kv_cache_bytes, setup.block_size)
+        blocks = setup.kv_blocks or kv_blocks(load_config(setup.model_dir), setup.kv_cache_bytes, setup.block_size)
         return PaddleEngine.load(
             setup.model_dir, setup.tokenizer.eos_token_ids, blocks, setup.block_size, setup.threads
         )

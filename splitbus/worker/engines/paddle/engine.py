@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from splitbus.gpu_ops.sampling import sample
-from splitbus.worker.engines.paddle.model import CausalLM, Chunk
+from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.prefix import PagedBlocks
 from splitbus.worker.sequence import Sequence
 
@@ -40,7 +40,7 @@ class PaddleEngine(PagedBlocks):
         from splitbus.gpu_ops import device
 
         where = device.select_device(threads)
-        model = CausalLM.load(folder)
+        model = load_model(folder)
         device.release_unused_memory()
         log.info("loaded %s (%s, %d layers) on %s", folder, model.config.arch, model.config.layers, where)
         return cls(model, eos_token_ids, total_blocks, block_size)

@@ -1,4 +1,5 @@
-"""Llama / Qwen2 decoder on gpu_ops: one forward pass for any mix of prefill and decode chunks.
+"""The decoder forward (Llama, Qwen2) on gpu_ops: one forward pass for any mix of prefill and
+decode chunks. ``FORWARDS`` names it for the architectures (``Architecture.forward``).
 
 Every chunk is a run of tokens of one sequence starting at an absolute position. Linear layers
 run on all chunks' tokens at once; attention runs per chunk, over the paged cache (or, with no
@@ -14,11 +15,12 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from splitbus.architectures import ModelConfig, load_config
 from splitbus.gpu_ops.attention import attention
 from splitbus.gpu_ops.kv_cache import PagedKVCache
 from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
 from splitbus.worker.engines.paddle import weights
-from splitbus.worker.engines.paddle.config import KV_DTYPE, ModelConfig
+from splitbus.worker.engines.paddle.config import KV_DTYPE
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,6 @@ class CausalLM:
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
         self.lm_head = _t(head.T)  # HF Linear is [out, in]; matmul wants [in, out]
         self.layers = [self._layer(tensors, i) for i in range(config.layers)]
-
-    @classmethod
-    def load(cls, folder: Path) -> CausalLM:
-        config = ModelConfig.load(folder)
-        return cls(config, dict(weights.load(folder, config)))
 
     def _layer(self, t: dict[str, np.ndarray], i: int) -> Layer:
         p = f"model.layers.{i}."
@@ -116,6 +113,21 @@ class CausalLM:
             for j, (ch, a, b) in enumerate(plan.spans)
         ]
         return paddle.matmul(paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0], layer.w_o)
+
+
+FORWARDS: dict[str, type[CausalLM]] = {"decoder": CausalLM}
+"""An architecture's ``forward`` -> the model that runs it here."""
+
+
+def load_model(folder: Path) -> CausalLM:
+    """The model of a Hugging Face folder, run by the forward its architecture names."""
+    config = load_config(folder)
+    forward = FORWARDS.get(config.architecture.forward)
+    if forward is None:
+        raise ValueError(
+            f"the paddle engine has no forward {config.architecture.forward!r} for {config.architecture.hf_name}"
+        )
+    return forward(config, dict(weights.load(folder, config)))
 
 
 class _Plan:

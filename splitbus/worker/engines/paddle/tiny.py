@@ -8,19 +8,18 @@ from pathlib import Path
 
 import numpy as np
 
+from splitbus import architectures
 from splitbus.tokenization.byte_level import write_byte_level_tokenizer
-from splitbus.worker.engines.paddle.config import ModelConfig
-from splitbus.worker.engines.paddle.weights import expected_shapes
-
-ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def tiny_config(
     arch: str, vocab_size: int, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2
 ) -> dict[str, object]:
+    """The ``config.json`` of a tiny model of the architecture whose ``model_type`` is ``arch``."""
+    architecture = architectures.of_model_type(arch)
     return {
-        "architectures": [ARCH_NAMES[arch]],
-        "model_type": arch,
+        "architectures": [architecture.hf_name],
+        "model_type": architecture.model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": hidden * 2,
@@ -30,28 +29,29 @@ def tiny_config(
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": arch == "qwen2",
+        "tie_word_embeddings": architecture.tiny_ties_embeddings,
         "torch_dtype": "float32",
         "eos_token_id": vocab_size - 1,
     }
 
 
-def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, dtype: str = "float32", **sizes: int) -> Path:
+def make_tiny_model(
+    folder: Path, arch: str = architectures.DEFAULT, seed: int = 0, dtype: str = "float32", **sizes: int
+) -> Path:
     """Write the model; returns the folder. ``dtype`` bfloat16 exercises the conversion path."""
-    if arch not in ARCH_NAMES:
-        raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}")
+    architectures.of_model_type(arch)  # ValueError naming the known ones, before anything is written
     vocab = write_byte_level_tokenizer(folder)
     raw = tiny_config(arch, vocab, **sizes)
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab - 1}) + "\n")
-    config = ModelConfig.from_dict(raw)
+    config = architectures.config_from(raw)
     rng = np.random.default_rng(seed)
-    tensors = {name: _init(name, shape, rng) for name, shape in expected_shapes(config).items()}
+    tensors = {name: _init(name, shape, rng) for name, shape in config.tensor_shapes().items()}
     _save(tensors, folder / "model.safetensors", dtype)
     return folder
 
 
-def _init(name: str, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     if name.endswith("norm.weight") or "layernorm" in name:
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     return (0.08 * rng.standard_normal(shape)).astype(np.float32)

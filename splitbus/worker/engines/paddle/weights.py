@@ -1,4 +1,5 @@
-"""Hugging Face safetensors -> the engine's layout, with every name and shape checked first."""
+"""Hugging Face safetensors -> float32 arrays, every name and shape checked first against the
+tensors the model's architecture lists (``Architecture.tensor_shapes``)."""
 
 from __future__ import annotations
 
@@ -10,36 +11,8 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
+from splitbus.architectures import ModelConfig
 from splitbus.tokenization import ModelFilesError
-from splitbus.worker.engines.paddle.config import ModelConfig
-
-
-def expected_shapes(c: ModelConfig) -> dict[str, list[int]]:
-    """Every tensor the model needs, HF layout (Linear weights are [out, in])."""
-    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": [c.vocab_size, c.hidden_size], "model.norm.weight": [c.hidden_size]}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = [c.vocab_size, c.hidden_size]
-    for i in range(c.layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": [q, c.hidden_size],
-                p + "self_attn.k_proj.weight": [kv, c.hidden_size],
-                p + "self_attn.v_proj.weight": [kv, c.hidden_size],
-                p + "self_attn.o_proj.weight": [c.hidden_size, q],
-                p + "mlp.gate_proj.weight": [c.intermediate_size, c.hidden_size],
-                p + "mlp.up_proj.weight": [c.intermediate_size, c.hidden_size],
-                p + "mlp.down_proj.weight": [c.hidden_size, c.intermediate_size],
-                p + "input_layernorm.weight": [c.hidden_size],
-                p + "post_attention_layernorm.weight": [c.hidden_size],
-            }
-        )
-        if c.qkv_bias:
-            shapes.update(
-                {p + "self_attn.q_proj.bias": [q], p + "self_attn.k_proj.bias": [kv], p + "self_attn.v_proj.bias": [kv]}
-            )
-    return shapes
 
 
 def _files(folder: Path) -> list[Path]:
@@ -49,13 +22,13 @@ def _files(folder: Path) -> list[Path]:
     return files
 
 
-def _index(folder: Path) -> dict[str, tuple[Path, list[int]]]:
-    found: dict[str, tuple[Path, list[int]]] = {}
+def _index(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for path in _files(folder):
         try:
             with safe_open(str(path), framework="paddle") as f:
                 for name in f.keys():
-                    found[name] = (path, list(f.get_slice(name).get_shape()))
+                    found[name] = (path, tuple(f.get_slice(name).get_shape()))
         except Exception as exc:  # safetensors raises its own error types
             raise ModelFilesError(f"{path} cannot be read: {exc}") from None
     return found
@@ -65,15 +38,16 @@ def check(folder: Path, config: ModelConfig) -> dict[str, Path]:
     """Where each needed tensor is; ModelFilesError naming the first problems otherwise."""
     found = _index(folder)
     problems = []
-    for name, shape in expected_shapes(config).items():
+    shapes = config.tensor_shapes()
+    for name, shape in shapes.items():
         if name not in found:
             problems.append(f"missing tensor {name}")
         elif found[name][1] != shape:
-            problems.append(f"tensor {name} has shape {found[name][1]}, expected {shape} from config.json")
+            problems.append(f"tensor {name} has shape {list(found[name][1])}, expected {list(shape)} from config.json")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ModelFilesError(f"{folder}: " + "; ".join(problems[:5]) + more)
-    return {name: found[name][0] for name in expected_shapes(config)}
+    return {name: found[name][0] for name in shapes}
 
 
 def load(folder: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:

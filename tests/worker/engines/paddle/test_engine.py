@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from splitbus import architectures
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from splitbus.worker.engines.paddle.engine import PaddleEngine
-from splitbus.worker.engines.paddle.model import CausalLM, Chunk
+from splitbus.worker.engines.paddle.model import FORWARDS, CausalLM, Chunk, load_model
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.text import TextStream
+from tests.architectures.toy import TOY, register_toy
 from tests.worker.engines.test_prefix import keeps_its_blocks_in_the_one_pool
 
 PROMPT_LENGTHS = (1, 15, 16, 17, 100)
@@ -32,7 +35,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture(scope="module")
 def model(model_dir: Path) -> CausalLM:
-    return CausalLM.load(model_dir)
+    return load_model(model_dir)
 
 
 def _engine(model: CausalLM) -> PaddleEngine:
@@ -173,7 +176,7 @@ def test_bad_model_folders_fail_at_load_naming_the_problem(
     folder = _broken(tmp_path, model_dir)
     breakage(folder)  # type: ignore[operator]
     with pytest.raises(ModelFilesError) as info:
-        CausalLM.load(folder)
+        load_model(folder)
     assert message in str(info.value)
 
 
@@ -207,3 +210,21 @@ def test_prefix_reuse_gives_the_same_greedy_tokens(model: CausalLM, model_dir: P
 
 def test_the_paddle_engine_keeps_its_blocks_in_the_one_block_pool() -> None:
     assert keeps_its_blocks_in_the_one_pool(PaddleEngine)
+
+
+def test_the_engine_has_the_forward_of_every_registered_architecture() -> None:
+    for arch in architectures.registered():
+        assert arch.forward in FORWARDS, arch.hf_name
+
+
+def test_an_architecture_whose_forward_the_engine_lacks_fails_at_load(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path, tmp_path: Path
+) -> None:
+    register_toy(monkeypatch)  # a copy of the table, restored after the test
+    monkey = shutil.copytree(model_dir, tmp_path / "monkey")
+    architectures.register(
+        replace(TOY, hf_name="MonkeyForCausalLM", model_type="monkey", gguf_name="monkey", forward="monkey")
+    )
+    _edit_config(monkey, architectures=["MonkeyForCausalLM"], model_type="monkey")
+    with pytest.raises(ValueError, match="the paddle engine has no forward 'monkey' for MonkeyForCausalLM"):
+        load_model(monkey)

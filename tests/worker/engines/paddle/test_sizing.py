@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from splitbus.architectures import load_config
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import engines
 from splitbus.worker.engines import EngineSetup, kv_bytes_per_token
 from splitbus.worker.engines.paddle import KV_DTYPE, kv_blocks
-from splitbus.worker.engines.paddle.config import ModelConfig
 from splitbus.worker.engines.paddle.engine import PaddleEngine
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
 
@@ -30,7 +30,7 @@ def _engine(model_dir: Path, **setup: int) -> PaddleEngine:
 
 
 def test_the_cache_fills_its_budget_in_the_engines_own_dtype(model_dir: Path) -> None:
-    config = ModelConfig.load(model_dir)
+    config = load_config(model_dir)
     engine = _engine(model_dir, kv_cache_bytes=3 * MIB)
     cache = engine.cache
     assert cache.dtype == KV_DTYPE

@@ -1,0 +1,154 @@
+"""What an architecture module declares (``Architecture``) and what it reads a model's
+``config.json`` into (``ModelConfig``, the shape the engine builds and the KV cache is sized by).
+
+Plain Python: the API, the GGUF converter and the worker's CLI read it without paddle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from splitbus.tokenization import ModelFilesError
+
+Shapes = dict[str, tuple[int, ...]]
+"""Hugging Face tensor name -> its shape, in Hugging Face layout (Linear weights are [out, in])."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model architecture: its names, how its ``config.json`` maps onto a ``ModelConfig``,
+    the tensors a checkpoint of it holds, and the forward an engine runs for it. An architecture
+    module (one file in this package) makes one and registers it (``splitbus.architectures``).
+    A family whose config or tensors differ (MoE) subclasses it and overrides ``model_config``
+    and ``tensor_shapes``."""
+
+    hf_name: str
+    """Its Hugging Face class, as ``config.json``'s ``architectures`` lists it: the registry's key."""
+    model_type: str
+    """``config.json``'s ``model_type``: ``ModelConfig.arch``, and what ``make-tiny-model --arch`` takes."""
+    gguf_name: str
+    """GGUF's ``general.architecture`` for it (llama.cpp's name), which also prefixes its
+    metadata keys (``{gguf_name}.block_count``) and picks the gguf package's tensor names."""
+    forward: str = "decoder"
+    """The forward an engine runs for it: a key of the paddle engine's ``model.FORWARDS``."""
+    qkv_bias: bool = False
+    """Its q/k/v projections always have biases (Qwen2, whose config has no key that says so);
+    False: only when ``config.json``'s ``attention_bias`` is true."""
+    gguf_permuted_qk: bool = False
+    """llama.cpp's converter permutes its Q and K rows for a RoPE that rotates adjacent pairs
+    (Llama); the GGUF reader puts them back, as the engine rotates halves."""
+    tiny_ties_embeddings: bool = False
+    """The tiny test model (``make-tiny-model``) ties its LM head to the embedding, so that the
+    tests load both layouts."""
+
+    def model_config(self, raw: dict[str, Any], where: Path | str) -> ModelConfig:
+        """``raw`` (a ``config.json`` that names this architecture) as the engine's config;
+        ModelFilesError naming ``where`` and the key when a value is missing or wrong."""
+        try:
+            config = ModelConfig(
+                self, **_decoder_dimensions(raw), qkv_bias=self.qkv_bias or _flag(raw, "attention_bias")
+            )
+        except KeyError as exc:
+            raise ModelFilesError(f"{where}: missing key {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelFilesError(f"{where}: bad value: {exc}") from None
+        if config.heads % config.kv_heads:
+            raise ModelFilesError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
+        return config
+
+    def tensor_shapes(self, config: ModelConfig) -> Shapes:
+        """Every tensor the engine loads for a model of this architecture: a decoder's."""
+        return decoder_shapes(config)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model's dimensions as the engine builds it, read from its ``config.json`` once."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @property
+    def arch(self) -> str:
+        """Its architecture's ``model_type`` ("llama"), as logs name it."""
+        return self.architecture.model_type
+
+    def tensor_shapes(self) -> Shapes:
+        """Every tensor a checkpoint of this model holds, as its architecture lays them out."""
+        return self.architecture.tensor_shapes(self)
+
+
+def _decoder_dimensions(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a decoder's ``ModelConfig`` from the Hugging Face keys, with their defaults."""
+    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+    return {
+        "vocab_size": int(raw["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(raw["intermediate_size"]),
+        "layers": int(raw["num_hidden_layers"]),
+        "heads": heads,
+        "kv_heads": int(raw.get("num_key_value_heads") or heads),
+        "head_dim": int(raw.get("head_dim") or hidden // heads),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta(raw),
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": _flag(raw, "tie_word_embeddings"),
+    }
+
+
+def _flag(raw: dict[str, Any], key: str) -> bool:
+    return bool(raw.get(key, False))
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    """Newer transformers configs keep it under rope_parameters."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(raw.get("rope_theta", 10000.0))
+
+
+def decoder_shapes(c: ModelConfig) -> Shapes:
+    """A Llama-style decoder's tensors: embedding, final norm, LM head unless tied, and per layer
+    attention (q/k/v biases when ``qkv_bias``), a gated MLP and two norms."""
+    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.layers):
+        shapes |= _layer_shapes(c, f"model.layers.{i}.")
+    return shapes
+
+
+def _layer_shapes(c: ModelConfig, p: str) -> Shapes:
+    q, kv, hidden, inter = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    shapes: Shapes = {
+        p + "self_attn.q_proj.weight": (q, hidden),
+        p + "self_attn.k_proj.weight": (kv, hidden),
+        p + "self_attn.v_proj.weight": (kv, hidden),
+        p + "self_attn.o_proj.weight": (hidden, q),
+        p + "mlp.gate_proj.weight": (inter, hidden),
+        p + "mlp.up_proj.weight": (inter, hidden),
+        p + "mlp.down_proj.weight": (hidden, inter),
+        p + "input_layernorm.weight": (hidden,),
+        p + "post_attention_layernorm.weight": (hidden,),
+    }
+    if c.qkv_bias:
+        shapes |= {
+            p + "self_attn.q_proj.bias": (q,),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.bias": (kv,),
+        }
+    return shapes
