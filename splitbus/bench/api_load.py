@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from splitbus import aio
+from splitbus.bus.roles import Role
 
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
@@ -60,7 +61,7 @@ def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
         redis = connect(bus, max_connections=4, name="bench-responder")
         registry, writer = Registry(redis, bus), ResultWriter(redis, bus)
         record = WorkerRecord(
-            "bench-responder", "mixed", "tiny", "sim", load=WorkerLoad(free_kv_blocks=10**9, total_kv_blocks=10**9)
+            "bench-responder", Role.MIXED, "tiny", "sim", load=WorkerLoad(free_kv_blocks=10**9, total_kv_blocks=10**9)
         )
         requests = GroupConsumer(redis, bus, bus.keys.requests, SCHEDULER_GROUP, "bench-responder")
         await requests.ensure_group()

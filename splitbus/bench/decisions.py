@@ -34,6 +34,7 @@ import numpy as np
 from splitbus.bus.blocks import chain_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.roles import Phase, Role
 from splitbus.placement import policies
 from splitbus.placement.costs import Eligible, blocks_needed, choose, decode_worker, prefill_cost
 from splitbus.placement.decision import Placement
@@ -51,7 +52,7 @@ Place = Callable[[GenerateRequest, Sequence[WorkerInfo], Local], tuple[Placement
 
 
 def snapshot(count: int, rng: random.Random) -> list[WorkerInfo]:
-    return [_row(i, "prefill" if i % 2 == 0 else "decode", rng) for i in range(count)]
+    return [_row(i, Role.PREFILL if i % 2 == 0 else Role.DECODE, rng) for i in range(count)]
 
 
 def _row(i: int, role: str, rng: random.Random) -> WorkerInfo:
@@ -97,7 +98,7 @@ def rows_placer(seed: int) -> Place:
     rng, prefixes, eligible, cost = random.Random(seed), IndexPrefixes(KvIndex()), Eligible(), PolicyOptions().cost
 
     def place(request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> tuple[Placement, ...]:
-        prefills, decodes = eligible(workers, "tiny", "prefill"), eligible(workers, "tiny", "decode")
+        prefills, decodes = eligible(workers, "tiny", Role.PREFILL), eligible(workers, "tiny", Role.DECODE)
         cached = prefixes.cached(request, Candidates.of([*prefills, *decodes]))
         decode = decode_worker(request, decodes, local, rng)
         prefill = choose(prefills, prefill_cost(prefills, request, cached, local, cost), rng)
@@ -105,8 +106,8 @@ def rows_placer(seed: int) -> Place:
         blocks = blocks_needed(request, decode.record.block_size)
         tokens = len(request.prompt_token_ids) - cached.get(prefill.record.worker_id, 0)
         return (
-            Placement(decode, "decode", prefill.record.worker_id, Reserved(0, 1, blocks)),
-            Placement(prefill, "prefill", decode.record.worker_id, Reserved(tokens, 0, 0)),
+            Placement(decode, Phase.DECODE, prefill.record.worker_id, Reserved(0, 1, blocks)),
+            Placement(prefill, Phase.PREFILL, decode.record.worker_id, Reserved(tokens, 0, 0)),
         )
 
     return place

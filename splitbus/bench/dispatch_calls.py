@@ -27,6 +27,7 @@ from splitbus.bus.connection import connect
 from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, Reserved, WorkerInfo, WorkerRecord
+from splitbus.bus.roles import Phase, Role
 from splitbus.bus.runs import CellRun
 from splitbus.bus.streams import Delivery, GroupConsumer, Producer
 from splitbus.placement.decision import Placement
@@ -58,14 +59,14 @@ async def measure(url: str, dispatches: int, per_turn: tuple[int, ...] = PER_TUR
 async def _workers(redis: aioredis.Redis, config: BusConfig) -> list[Placement]:
     registry = Registry(redis, config)
     infos = []
-    for wid, role in (("p", "prefill"), ("d", "decode")):
+    for wid, role in (("p", Role.PREFILL), ("d", Role.DECODE)):
         record = WorkerRecord(worker_id=wid, role=role, model="m")
         await registry.register(record, 600_000)
         infos.append(WorkerInfo(record, 0, 600_000))
     prefill, decode = infos
     return [
-        Placement(decode, "decode", "p", Reserved(0, 1, 12)),
-        Placement(prefill, "prefill", "d", Reserved(PROMPT_TOKENS, 0, 0)),
+        Placement(decode, Phase.DECODE, "p", Reserved(0, 1, 12)),
+        Placement(prefill, Phase.PREFILL, "d", Reserved(PROMPT_TOKENS, 0, 0)),
     ]
 
 

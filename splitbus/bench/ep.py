@@ -33,6 +33,7 @@ from splitbus.bench.stagger import (
     scaled_costs,
 )
 from splitbus.bench.stagger_sim import TraceRequest
+from splitbus.bus.roles import Role
 from splitbus.worker.engines.sim import SimConfig
 
 __all__ = ["EmptyTrace", "EpBenchConfig", "run_ep_bench"]
@@ -172,10 +173,12 @@ def _topology(ranks: int) -> tuple[str, ...]:
 
 def _measure(system: _System, trace: list[TraceRequest], runs: ProcessRuns, progress: Callable[[str], None]) -> None:
     time.sleep(1.0)  # let the last load's drain settle into the counters
-    before = system.counters("prefill"), system.counters("decode")
+    before = system.counters(Role.PREFILL), system.counters(Role.DECODE)
     done = asyncio.run(
         _replay(
-            f"http://127.0.0.1:{system.port}/v1", trace, lambda: (system.counters("prefill"), system.counters("decode"))
+            f"http://127.0.0.1:{system.port}/v1",
+            trace,
+            lambda: (system.counters(Role.PREFILL), system.counters(Role.DECODE)),
         )
     )
     runs.client_lag_s = max(runs.client_lag_s, done.client_lag_s)

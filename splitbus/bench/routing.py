@@ -56,6 +56,7 @@ from splitbus.bus.kv_events import KvEventPublisher, KvEventReader
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.roles import Role
 from splitbus.placement import policies
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Local
@@ -167,7 +168,7 @@ def mixed_rows(cfg: RoutingBenchConfig, request: GenerateRequest) -> list[Worker
             free_kv_blocks=rng.randrange(2 * needed, total),
             total_kv_blocks=total,
         )
-        rows.append(WorkerInfo(WorkerRecord(f"w{w}", "mixed", MODEL, block_size=cfg.block_size, load=load), 0, 3000))
+        rows.append(WorkerInfo(WorkerRecord(f"w{w}", Role.MIXED, MODEL, block_size=cfg.block_size, load=load), 0, 3000))
     return rows
 
 

@@ -52,6 +52,7 @@ from splitbus.bus.kv_events import fold
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, KvSnapshot
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.roles import Role
 from splitbus.placement import policies
 from splitbus.placement.kv_index import KvIndex
 from splitbus.placement.ledger import Local
@@ -138,7 +139,7 @@ class _Worker:
 
     def row(self) -> WorkerInfo:
         load = WorkerLoad(running=self.running, free_kv_blocks=self.pool.free, total_kv_blocks=self.pool.total)
-        record = WorkerRecord(self.wid, "mixed", MODEL, block_size=self.pool.block_size, load=load)
+        record = WorkerRecord(self.wid, Role.MIXED, MODEL, block_size=self.pool.block_size, load=load)
         return WorkerInfo(record, 0, 3000)
 
 

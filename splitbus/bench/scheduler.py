@@ -45,6 +45,7 @@ from splitbus.bus.connection import connect
 from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.roles import Role
 from splitbus.redis_server import die_with_parent
 
 LEASE_MS = 3000
@@ -97,7 +98,7 @@ class FakeWorkers:
     def __init__(self, redis: aioredis.Redis, bus: BusConfig, count: int) -> None:
         self.redis, self.bus = redis, bus
         self.registry = Registry(redis, bus)
-        roles = ["prefill", "decode"] * (count // 2) + ["decode"] * (count % 2)
+        roles = [Role.PREFILL, Role.DECODE] * (count // 2) + [Role.DECODE] * (count % 2)
         load = WorkerLoad(free_kv_blocks=10**9, total_kv_blocks=10**9)
         self.records = [
             WorkerRecord(f"sim{i:03d}", role, "tiny", "sim", load=load, block_size=BLOCK_SIZE)

@@ -16,6 +16,7 @@ from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, cd
 from splitbus.bench.workloads import ideal_for, make_items
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.bus.roles import Phase, Role
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import engines
 from splitbus.worker.config import WorkerConfig
@@ -54,7 +55,7 @@ class DirectLoop:
             0,
         )
         pending = _Pending(
-            Sequence(Task("mixed", request), "", TextStream(self.tokenizer, [])),
+            Sequence(Task(Phase.MIXED, request), "", TextStream(self.tokenizer, [])),
             RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)),
         )
         self.waiting.append(pending)
@@ -112,7 +113,7 @@ class DirectLoop:
 def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
     async def main() -> tuple[list[RequestResult], float]:
         worker = WorkerConfig(
-            bus=BusConfig(), role="mixed", model_dir=model_dir, model_name=config.model
+            bus=BusConfig(), role=Role.MIXED, model_dir=model_dir, model_name=config.model
         )  # the defaults `up` uses
         loop = DirectLoop(ModelTokenizer.load(model_dir, config.model), worker)
         engine = asyncio.create_task(loop.run())

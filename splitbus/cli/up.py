@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitbus.bus.roles import Role
 from splitbus.cli.cluster_up import (
     MAX_NODE_RESTARTS,
     ClusterUp,
@@ -358,9 +359,9 @@ def _start_parts(
     served = ["--model", str(model.folder), "--served-model-name", model.name]
     worker = ["worker", "--engine", args.engine, *served, *args.worker_arg]
     for role, n, ranks in (
-        ("prefill", prefill, args.prefill_dp),
-        ("decode", decode, args.decode_dp),
-        ("mixed", mixed, 1),
+        (Role.PREFILL, prefill, args.prefill_dp),
+        (Role.DECODE, decode, args.decode_dp),
+        (Role.MIXED, mixed, 1),
     ):
         for i in range(n):
             if ranks > 1:
@@ -368,7 +369,7 @@ def _start_parts(
             else:
                 supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
     if args.dp:
-        _start_group(supervisor, [*worker, "--role", "mixed"], "g0", args.dp, bus_env, metrics, part="rank{rank}")
+        _start_group(supervisor, [*worker, "--role", Role.MIXED], "g0", args.dp, bus_env, metrics, part="rank{rank}")
     api = [
         "api",
         "--host",
@@ -401,7 +402,7 @@ def _start_group(
     with code 3 and is restarted like any part, so the group re-forms once all its ranks are back."""
     held = (
         "its requests fail with 503 until all its ranks are back"
-        if worker[-1] == "mixed"
+        if worker[-1] == Role.MIXED
         else "its requests move to another group of its role, or wait for it to re-form"
     )
     broken = {EXIT_DP_GROUP_BROKEN: f"DP group {group} is broken: a rank died or hung; {held}"}

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from splitbus.bus.roles import Role
 from splitbus.cli.common import (
     add_metrics_arguments,
     add_redis_url_argument,
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("worker", help="run one worker")
-    p.add_argument("--role", choices=("prefill", "decode", "mixed"), required=True)
+    p.add_argument("--role", choices=[role.value for role in Role], required=True)  # values: argparse shows repr()
     p.add_argument("--engine", choices=engines.names(first="sim"), default="sim")
     p.add_argument(
         "--model",

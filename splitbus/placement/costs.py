@@ -17,6 +17,7 @@ from typing import TypeVar
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.roles import Phase, Role
 from splitbus.placement.decision import Placement
 from splitbus.placement.ledger import Local
 from splitbus.placement.stagger import LOAD_CAP_TOKENS, OVERLAP_WEIGHT, Credit
@@ -183,8 +184,8 @@ def _complete(ranks: list[WorkerInfo]) -> bool:
 
 def dp_ranks(workers: Sequence[WorkerInfo], model: str) -> list[WorkerInfo]:
     """Ranks of complete ``mixed`` DP groups only, in snapshot order."""
-    groups = complete_groups(workers, model, "mixed")
-    return [w for w in eligible(workers, model, "mixed") if w.record.dp_size > 0 and w.record.dp_group in groups]
+    groups = complete_groups(workers, model, Role.MIXED)
+    return [w for w in eligible(workers, model, Role.MIXED) if w.record.dp_size > 0 and w.record.dp_group in groups]
 
 
 def dp_placement(
@@ -194,4 +195,4 @@ def dp_placement(
     the ``cached`` ones) and the request's blocks."""
     blocks = blocks_needed(request, rank.record.block_size)
     tokens = len(request.prompt_token_ids) - cached
-    return Placement(rank, "mixed", "", Reserved(tokens, 1, blocks), batch_id, batch_ranks)
+    return Placement(rank, Phase.MIXED, "", Reserved(tokens, 1, blocks), batch_id, batch_ranks)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.roles import Phase
 from splitbus.placement.costs import (
     DEFAULT_COST,
     CacheCost,
@@ -183,8 +184,15 @@ def pd_placements(
     blocks = blocks_needed(request, decode.record.block_size)
     tokens = len(request.prompt_token_ids)
     return (
-        Placement(decode, "decode", prefill.record.worker_id, Reserved(reserved_requests=1, reserved_kv_blocks=blocks)),
         Placement(
-            prefill, "prefill", decode.record.worker_id, Reserved(reserved_prefill_tokens=tokens), batch_id, batch_ranks
+            decode, Phase.DECODE, prefill.record.worker_id, Reserved(reserved_requests=1, reserved_kv_blocks=blocks)
+        ),
+        Placement(
+            prefill,
+            Phase.PREFILL,
+            decode.record.worker_id,
+            Reserved(reserved_prefill_tokens=tokens),
+            batch_id,
+            batch_ranks,
         ),
     )

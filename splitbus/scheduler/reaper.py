@@ -40,6 +40,7 @@ from splitbus.bus.registry import Registry
 from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
+from splitbus.bus.roles import Phase, Role
 from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.bus.tasks import task_consumer
 from splitbus.placement.dispatcher import PLACE_AGAIN, Dispatcher
@@ -156,7 +157,7 @@ class Reaper:
             )
             await stream.ack(delivery.entry_id)
             return True
-        if task.phase == "prefill":
+        if task.phase == Phase.PREFILL:
             await self.release_decode_side(task)
         outcome = await self.continue_request(dead, delivery, task, sent)
         if outcome is Move.WAIT:
@@ -208,7 +209,7 @@ class Reaper:
         """Whether the worker was a rank of a prefill or decode DP group (a mixed group's ranks
         fail what they hold when it breaks: nothing of theirs waits)."""
         record = next((w.record for w in self.view.workers if w.record.worker_id == worker_id), None)
-        return record is not None and record.dp_size > 0 and record.role in ("prefill", "decode")
+        return record is not None and record.dp_size > 0 and record.role in (Role.PREFILL, Role.DECODE)
 
     def no_placement(self, dead: str, reason: str) -> str:
         """Why a task of ``dead`` ends unplaced; for a rank of a broken group, that it waited."""

@@ -33,6 +33,7 @@ from splitbus.bus.registry import Registry, SchedulerLease
 from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.requests import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
+from splitbus.bus.roles import Phase
 from splitbus.bus.streams import Delivery, entry_order
 from splitbus.placement import policies
 from splitbus.placement.decision import Placement, Waiting
@@ -335,7 +336,7 @@ class Scheduler:
     def routed(self, request: GenerateRequest, placements: Sequence[Placement]) -> None:
         """Tell the prefix view where a decision sends the request's prefill: its siblings follow."""
         for p in placements:
-            if p.phase != "decode":
+            if p.phase != Phase.DECODE:
                 self.prefixes.routed(request, p.worker)
 
     async def trim_requests(self) -> None:

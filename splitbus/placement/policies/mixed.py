@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.roles import Phase, Role
 from splitbus.placement.costs import blocks_needed
 from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement
 from splitbus.placement.ledger import Local
@@ -28,7 +29,7 @@ class MixedPolicy(Policy):
         self.tables = columns.Tables()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
-        table = self.tables(workers, request.model, "mixed")
+        table = self.tables(workers, request.model, Role.MIXED)
         loads = table.loads(local)
         rows = table.roomy(request, loads)
         cached = self.cached(request, table.candidates)
@@ -40,4 +41,4 @@ class MixedPolicy(Policy):
         blocks = blocks_needed(request, worker.record.block_size)
         # what it computes: the prompt less what it holds cached (or will: a sibling routed there)
         reserve = Reserved(len(request.prompt_token_ids) - cached.get(worker.record.worker_id, 0), 1, blocks)
-        return Placed((Placement(worker, "mixed", "", reserve),))
+        return Placed((Placement(worker, Phase.MIXED, "", reserve),))

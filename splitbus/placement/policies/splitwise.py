@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.roles import Phase, Role
 from splitbus.placement.costs import blocks_needed
 from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement
 from splitbus.placement.disagg import split
@@ -39,13 +40,13 @@ class SplitwisePolicy(Policy):
         self.tables = columns.Tables()
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
-        prefills = self.tables(workers, request.model, "prefill")
-        decodes = self.tables(workers, request.model, "decode")
+        prefills = self.tables(workers, request.model, Role.PREFILL)
+        decodes = self.tables(workers, request.model, Role.DECODE)
         cached = {**self.cached(request, prefills.candidates), **self.cached(request, decodes.candidates)}
         p_loads, d_loads = prefills.loads(local), decodes.loads(local)
         row = self._decode(request, decodes, d_loads, cached)
         if row is None:
-            missing = "prefill" if not len(prefills) else "decode"
+            missing = Role.PREFILL if not len(prefills) else Role.DECODE
             return NoPlacement(f"no live {missing} worker with room serves model '{request.model}'")
         decode = decodes.workers[row]
         tokens = len(request.prompt_token_ids)
@@ -54,7 +55,7 @@ class SplitwisePolicy(Policy):
         where = split(self.options.disagg, request, decode, cached.get(decode.record.worker_id, 0), queues, local)
         if where.count().local:
             uncached = tokens - cached.get(decode.record.worker_id, 0)
-            return Placed((Placement(decode, "mixed", "", Reserved(uncached, 1, blocks)),))
+            return Placed((Placement(decode, Phase.MIXED, "", Reserved(uncached, 1, blocks)),))
         every = prefills.every()
         costs = self.columns.prefill_costs(prefills, p_loads, every, request, cached, self.options.cost)
         chosen = self.columns.pick(every, costs, self.rng)
@@ -64,11 +65,14 @@ class SplitwisePolicy(Policy):
         return Placed(
             (
                 Placement(
-                    decode, "decode", prefill.record.worker_id, Reserved(reserved_requests=1, reserved_kv_blocks=blocks)
+                    decode,
+                    Phase.DECODE,
+                    prefill.record.worker_id,
+                    Reserved(reserved_requests=1, reserved_kv_blocks=blocks),
                 ),
                 Placement(
                     prefill,
-                    "prefill",
+                    Phase.PREFILL,
                     decode.record.worker_id,
                     Reserved(reserved_prefill_tokens=tokens - cached.get(prefill.record.worker_id, 0)),
                 ),

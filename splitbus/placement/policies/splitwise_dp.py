@@ -22,6 +22,7 @@ from enum import Enum
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, WorkerInfo
+from splitbus.bus.roles import Role
 from splitbus.placement.costs import choose, prefill_cost
 from splitbus.placement.decision import Admitted, Decision, NoPlacement, Placed, Waiting
 from splitbus.placement.groups import UnitsCache, decode_rank, fill_group, pd_placements, prefill_unit
@@ -54,11 +55,11 @@ class SplitwiseDpPolicy(Policy):
 
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
         decode = self._decode(request, workers, local)
-        ranks = self.units(workers, request.model, "prefill").ranks
+        ranks = self.units(workers, request.model, Role.PREFILL).ranks
         cost = prefill_cost(ranks, request, self.cached(request, ranks), local, self.options.cost)
         prefill = choose(ranks, cost, self.rng)
         if prefill is None or decode is None:
-            missing = "prefill" if prefill is None else "decode"
+            missing = Role.PREFILL if prefill is None else Role.DECODE
             return NoPlacement(
                 f"no live {missing} worker or complete {missing} group with room serves model '{request.model}'"
             )
@@ -102,7 +103,7 @@ class SplitwiseDpPolicy(Policy):
         if not isinstance(request, GenerateRequest):
             return Hold.QUEUED
         workers = context.view.workers
-        prefill = self.units(workers, request.model, "prefill")
+        prefill = self.units(workers, request.model, Role.PREFILL)
         if not prefill.groups:
             return Hold.QUEUED  # no window to hold it in: ``place`` decides, as splitwise does
         unit = prefill_unit(prefill, self.held_tokens, scratch, self.rng)
@@ -123,7 +124,7 @@ class SplitwiseDpPolicy(Policy):
         """Water-fill a prefill group's held requests over its ranks, each with a decode rank; what
         finds no rank (the group broke meanwhile) or no decode rank joins the queue. ``local`` gets
         the placed requests' reservations."""
-        ranks = self.units(workers, _request(batch[0]).model, "prefill").groups.get(group, [])
+        ranks = self.units(workers, _request(batch[0]).model, Role.PREFILL).groups.get(group, [])
         chosen = fill_group(
             {w.delivery.entry_id: _request(w) for w in batch},
             ranks,
@@ -153,7 +154,7 @@ class SplitwiseDpPolicy(Policy):
         return pairs
 
     def _decode(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> WorkerInfo | None:
-        return decode_rank(request, self.units(workers, request.model, "decode"), local, self.rng)
+        return decode_rank(request, self.units(workers, request.model, Role.DECODE), local, self.rng)
 
     def _pair(
         self, request: GenerateRequest, prefill: WorkerInfo, workers: Sequence[WorkerInfo], local: Local

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
+from splitbus.bus.roles import Role
 from splitbus.placement.costs import (
     blocks_needed,
     credit,
@@ -96,7 +97,7 @@ async def next_boundary(view: RegistryView, registry: Registry) -> float:
     older than a decode step. The ranks' wall clocks are taken to agree with this one to
     within a few ms, as NTP keeps them."""
     by_group: dict[str, list[int]] = {}
-    ranks = [w for w in view.live() if w.record.dp_size > 0 and w.record.role == "mixed"]  # not P or D groups
+    ranks = [w for w in view.live() if w.record.dp_size > 0 and w.record.role == Role.MIXED]  # not P or D groups
     for rank, end_ms in zip(ranks, await registry.forward_ends([r.record.worker_id for r in ranks]), strict=True):
         by_group.setdefault(rank.record.dp_group, []).append(end_ms)
     return time.monotonic() + group_boundary_s(by_group) - time.time() - RELEASE_LEAD_S
