@@ -38,5 +38,8 @@ class Phase(_Word):
     """Prefill and decode on one worker."""
 
 
-ROLES = tuple(Role)
-PHASES = tuple(Phase)
+ROLES: tuple[str, ...] = tuple(role.value for role in Role)
+"""The roles' values, for checks and messages: a tuple of members prints as their reprs
+("(<Role.PREFILL: 'prefill'>, ...)") in "role must be one of ..."."""
+PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
+"""The phases' values, as ``ROLES``."""
