@@ -51,8 +51,8 @@ FORBIDDEN = {
     "bench": ("splitbus.cli",),
     # The one table of model architectures: plain data and config arithmetic that the API, the
     # model-file converter and the engines all read, so it reads none of them.
-    "architectures": (*_ABOVE_MODEL_FILES, "splitbus.models"),
-    "models": _ABOVE_MODEL_FILES,
+    "architectures": (*_ABOVE_MODEL_FILES, "splitbus.model_files"),
+    "model_files": _ABOVE_MODEL_FILES,
 }
 
 

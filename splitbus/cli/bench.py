@@ -397,7 +397,7 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
 
 def _engine_folders(args: argparse.Namespace) -> list[tuple[str, Path]]:
     """(served name, folder to load) of each --model: a .gguf file converted (or found in the cache)."""
-    from splitbus.models.resolve import resolve_model, served_name
+    from splitbus.model_files.resolve import resolve_model, served_name
 
     if args.served_model_name and len(args.model) != 1:
         raise ValueError("--served-model-name needs exactly one --model")

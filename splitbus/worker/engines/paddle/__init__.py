@@ -2,7 +2,7 @@
 Hugging Face folder, on gpu_ops.
 
 Importing this package imports no paddle (the registry imports it to learn the engine's name):
-``config`` is plain Python; ``engine``, ``model`` and ``weights`` import paddle and are imported
+``dtypes`` is plain Python; ``engine``, ``model`` and ``weights`` import paddle and are imported
 by ``PaddleType.create``, after the worker's CPU tuning.
 """
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # types only: the registry imports this package to build the 
     from splitbus.architectures import ModelConfig
     from splitbus.worker.engines import Engine
 
-from splitbus.worker.engines.paddle.config import KV_DTYPE
+from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
 
 
 def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str = KV_DTYPE) -> int:

@@ -20,7 +20,7 @@ from splitbus.gpu_ops.attention import attention
 from splitbus.gpu_ops.kv_cache import PagedKVCache
 from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
 from splitbus.worker.engines.paddle import weights
-from splitbus.worker.engines.paddle.config import KV_DTYPE
+from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
 
 
 @dataclass(frozen=True)

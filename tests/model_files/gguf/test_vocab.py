@@ -14,11 +14,11 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from splitbus.env import load_env
-from splitbus.models.fetch import SOURCES, fetched_path
-from splitbus.models.gguf.vocab import LLAMA3_PATTERN, PRE_TOKENIZERS, QWEN2_PATTERN, read_vocab, tokenizer_files
+from splitbus.model_files.fetch import SOURCES, fetched_path
+from splitbus.model_files.gguf.vocab import LLAMA3_PATTERN, PRE_TOKENIZERS, QWEN2_PATTERN, read_vocab, tokenizer_files
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from splitbus.tokenization.byte_level import CHATML_TEMPLATE, write_byte_level_tokenizer
-from tests.models.gguf.vocab_writer import add_vocab
+from tests.model_files.gguf.vocab_writer import add_vocab
 
 TEXTS = (
     "Hello, world!",

@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO
 
 from splitbus.folders import private_folder
-from splitbus.models.locking import exclusive, remove_leftovers
+from splitbus.model_files.locking import exclusive, remove_leftovers
 
 CHUNK = 1 << 20
 LOCK = ".fetch.lock"

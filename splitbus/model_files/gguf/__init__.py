@@ -23,9 +23,9 @@ from gguf import GGUFReader
 from safetensors import SafetensorError
 
 from splitbus.folders import private_folder
-from splitbus.models.gguf import header, metadata, weights
-from splitbus.models.gguf.vocab import GGUFVocab, read_vocab, vocab_files
-from splitbus.models.locking import exclusive, remove_leftovers
+from splitbus.model_files.gguf import header, metadata, weights
+from splitbus.model_files.gguf.vocab import GGUFVocab, read_vocab, vocab_files
+from splitbus.model_files.locking import exclusive, remove_leftovers
 from splitbus.tokenization import ModelFilesError
 
 logger = logging.getLogger(__name__)

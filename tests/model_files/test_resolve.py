@@ -1,5 +1,5 @@
-"""splitbus/models/resolve.py: what ``--model`` names becomes the folder to load (a GGUF file
-through ``splitbus.models.gguf.prepare``, stubbed here) and the name to serve."""
+"""splitbus/model_files/resolve.py: what ``--model`` names becomes the folder to load (a GGUF file
+through ``splitbus.model_files.gguf.prepare``, stubbed here) and the name to serve."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.models.resolve import resolve_model, served_name
+from splitbus.model_files.resolve import resolve_model, served_name
 from splitbus.tokenization import ModelFilesError
-from tests.models.fakes import stub_prepare
+from tests.model_files.fakes import stub_prepare
 
 
 @pytest.fixture

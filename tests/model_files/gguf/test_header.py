@@ -1,4 +1,4 @@
-"""The bounded walk over a GGUF header (splitbus/models/gguf/header.py): a file whose counts or
+"""The bounded walk over a GGUF header (splitbus/model_files/gguf/header.py): a file whose counts or
 lengths lie fails naming the file and the field, before ``GGUFReader`` believes them."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from splitbus.models.gguf import header, open_reader, prepare
+from splitbus.model_files.gguf import header, open_reader, prepare
 from splitbus.tokenization import ModelFilesError
-from tests.models.gguf.writer import write_gguf
+from tests.model_files.gguf.writer import write_gguf
 
 ARRAY, UINT8, UINT32, STRING = 9, 0, 4, 8
 
@@ -45,7 +45,7 @@ ATTACK = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _kv(b"a", ARRAY, struct.pack("
 CHILD = """
 import resource, sys
 from pathlib import Path
-from splitbus.models.gguf import prepare
+from splitbus.model_files.gguf import prepare
 from splitbus.tokenization import ModelFilesError
 
 size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()

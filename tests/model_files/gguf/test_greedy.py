@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from splitbus.architectures import config_from
-from splitbus.models.gguf import prepare, weights
+from splitbus.model_files.gguf import prepare, weights
 from splitbus.worker.engines.paddle import weights as engine_weights
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
-from tests.models.gguf.writer import write_gguf
+from tests.model_files.gguf.writer import write_gguf
 
 NEW_TOKENS = 8
 

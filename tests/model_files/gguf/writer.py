@@ -2,7 +2,7 @@
 file laid out as llama.cpp's convert_hf_to_gguf.py lays one out.
 
 - metadata: ``general.architecture`` and the ``{arch}.*`` hyperparameters the converter writes;
-  the vocabulary through ``tests/models/gguf/vocab_writer.add_vocab`` when it is there;
+  the vocabulary through ``tests/model_files/gguf/vocab_writer.add_vocab`` when it is there;
 - names: the gguf package's ``TensorNameMap`` (Hugging Face -> GGUF);
 - Llama's Q and K rows permuted for llama.cpp's adjacent-pair RoPE (``LlamaModel.permute``);
   Qwen2's are not;
@@ -24,7 +24,7 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 try:  # the vocabulary half of the writer lives beside this one once its part is merged
-    from tests.models.gguf.vocab_writer import add_vocab
+    from tests.model_files.gguf.vocab_writer import add_vocab
 except ImportError:  # pragma: no cover - before the vocab part is merged
     add_vocab = None
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from splitbus.models.gguf import metadata, open_reader, prepare, weights
+from splitbus.model_files.gguf import metadata, open_reader, prepare, weights
 from splitbus.tokenization import ModelFilesError
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
-from tests.models.gguf.writer import permute, write_gguf
+from tests.model_files.gguf.writer import permute, write_gguf
 
 BLOCK = 32
 BOUNDS = {
