@@ -7,11 +7,11 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import cluster, codec, metrics
+from splitbus.bus import codec, follow, metrics
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.cancel import Cancel
-from splitbus.bus.replies import Entry, XReadReply, for_xadd
+from splitbus.bus.replies import Entry, EntryFields, for_xadd
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +48,19 @@ class CancelListener:
         if self._last_id is None:
             await self.start()
         block = self._config.block_ms if block_ms is None else block_ms
-        reply = await cluster.xread(self._redis, {self._config.keys.cancel: self._last_id or "0-0"}, 1000, block)
-        cancels: list[Cancel] = []
-        for _, entries in cast(XReadReply, reply or []):
-            self._last_id = entries[-1][0].decode()
-            cancels.extend(c for c in map(self._decode, entries) if c is not None)
+        key = self._config.keys.cancel
+        entries = await follow.read_after(self._redis, {key: self._last_id or "0-0"}, 1000, block)
+        if entries:
+            self._last_id = entries[-1][1]
+        cancels = [c for c in (self._decode(entry_id, fields) for _, entry_id, fields in entries) if c is not None]
         metrics.ENTRIES_CONSUMED.labels("cancel").inc(len(cancels))
         return cancels
 
     @staticmethod
-    def _decode(entry: Entry) -> Cancel | None:
+    def _decode(entry_id: str, fields: EntryFields) -> Cancel | None:
         try:
-            msg = codec.decode(entry[1])
+            msg = codec.decode(fields)
         except DecodeError as exc:
-            log.error("undecodable cancel entry %s: %s", entry[0], exc)
+            log.error("undecodable cancel entry %s: %s", entry_id, exc)
             return None
         return msg if isinstance(msg, Cancel) else None

@@ -17,6 +17,7 @@ import asyncio
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
@@ -308,13 +309,18 @@ def _target(cluster: aioredis.RedisCluster, key: KeyT) -> dict[str, Any]:
         return {}
 
 
-async def xread(redis: aioredis.Redis, streams: dict[KeyT, StreamIdT], count: int, block: int) -> Any:
-    """``XREAD COUNT count BLOCK block STREAMS ...``; on a cluster sent to the primary of the
-    streams' slot (they must share one: the server answers CROSSSLOT otherwise)."""
+async def xread(
+    redis: aioredis.Redis, streams: Mapping[str, str] | Mapping[KeyT, StreamIdT], count: int, block: int | None
+) -> Any:
+    """``XREAD COUNT count [BLOCK block] STREAMS ...`` (no BLOCK for None); on a cluster sent to
+    the primary of the streams' slot (they must share one: the server answers CROSSSLOT
+    otherwise). The reply is as the client's response callback makes it. Callers follow streams
+    through ``splitbus.bus.follow``."""
+    blocking = ("BLOCK", block) if block is not None else ()
+    args = ("COUNT", count, *blocking, "STREAMS", *streams.keys(), *streams.values())
     cluster = as_cluster(redis)
     if cluster is None:
-        return await redis.xread(streams, count=count, block=block)
-    args: tuple[EncodableT, ...] = ("COUNT", count, "BLOCK", block, "STREAMS", *streams.keys(), *streams.values())
+        return await redis.execute_command("XREAD", *args)
     return await cluster.execute_command("XREAD", *args, **_target(cluster, next(iter(streams))))
 
 

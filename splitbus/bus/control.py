@@ -18,17 +18,17 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 
-from splitbus.bus import cluster, codec
+from splitbus.bus import codec, follow
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.keys import WORKER_GROUP
 from splitbus.bus.messages import ControlCommand, ControlReply
-from splitbus.bus.replies import XReadReply, for_xadd
+from splitbus.bus.replies import for_xadd
 from splitbus.bus.streams import DeadLetters, GroupConsumer, trim_consumed
 
 log = logging.getLogger(__name__)
@@ -133,10 +133,10 @@ async def call(
     task_id = uuid.uuid4().hex
     command = for_xadd(codec.encode(ControlCommand(task_id, cmd, args or {})))
     entry_id = await redis.xadd(config.keys.ctrl(worker), command)
-    reply = await cluster.xread(redis, {config.keys.reply(task_id): "0"}, 1, max(1, int(timeout_s * 1000)))
+    reply = await follow.read_after(redis, {config.keys.reply(task_id): "0"}, 1, max(1, int(timeout_s * 1000)))
     if not reply:
         await redis.xdel(config.keys.ctrl(worker), entry_id)  # withdrawn: a worker started later must not run it
         raise TimeoutError(f"worker {worker} did not answer {cmd} within {timeout_s:g} s (is it running?)")
-    answer = codec.decode(cast(XReadReply, reply)[0][1][0][1])
+    answer = codec.decode(reply[0][2])
     assert isinstance(answer, ControlReply)
     return answer

@@ -13,15 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
-from splitbus.bus import cluster
+from splitbus.bus import follow
 from splitbus.bus.keys import Keys
-from splitbus.bus.replies import XReadReply
 
 log = logging.getLogger(__name__)
 PLANS_KEPT = 2000
@@ -72,15 +71,9 @@ class PlanStream:
     async def read(self, after: str, block_s: float) -> tuple[str, list[Post]]:
         """Posts after entry id ``after``, waiting up to ``block_s`` for one (at most 1000);
         returns the id to read after next time, and the readable posts."""
-        reply = await cluster.xread(self._redis, {self._key: after}, 1000, max(1, int(block_s * 1000)))
-        posts = []
-        for _, entries in cast(XReadReply, reply or []):  # redis-py types replies loosely; XREAD's shape
-            for entry_id, fields in entries:
-                after = entry_id.decode()
-                post = _post(after, fields)
-                if post is not None:
-                    posts.append(post)
-        return after, posts
+        entries = await follow.read_after(self._redis, {self._key: after}, 1000, max(1, int(block_s * 1000)))
+        posts = [post for _, entry_id, fields in entries if (post := _post(entry_id, fields)) is not None]
+        return (entries[-1][1] if entries else after), posts
 
 
 def _post(entry_id: str, fields: Mapping[bytes, bytes]) -> Post | None:

@@ -17,11 +17,10 @@ import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import cluster, codec
+from splitbus.bus import codec, follow
 from splitbus.bus.config import BusConfig
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.kv_events import (
@@ -35,7 +34,7 @@ from splitbus.bus.messages.kv_events import (
     KvSnapshot,
     batch_hashes,
 )
-from splitbus.bus.replies import EntryFields, XReadReply, for_xadd
+from splitbus.bus.replies import EntryFields, for_xadd
 
 log = logging.getLogger(__name__)
 
@@ -235,21 +234,14 @@ class KvEventReader:
         max_bytes: Mapping[str, int] | None = None,
     ) -> list[ReadBatch]:
         """The entries after each worker's cursor (a stream id, "0": from the start), at most
-        ``count`` per worker, in one ``XREAD`` (blocking up to ``block_ms``; at least 1 ms on a
-        cluster, where no BLOCK is sent otherwise). An entry whose data is larger than
-        ``max_bytes[worker]`` (``batch_bytes`` of its total) is not decoded (``oversized``)."""
-        if not cursors:
-            return []
+        ``count`` per worker, in one ``XREAD`` (blocking up to ``block_ms``; None: not at all).
+        An entry whose data is larger than ``max_bytes[worker]`` (``batch_bytes`` of its total)
+        is not decoded (``oversized``)."""
         by_key = {self._keys.kv_events(worker): worker for worker in cursors}
         streams = {key: cursors[worker] for key, worker in by_key.items()}
-        if block_ms is None and cluster.as_cluster(self._redis) is None:
-            reply = await self._redis.xread(streams, count=count)  # type: ignore[arg-type]  # str keys and ids
-        else:
-            reply = await cluster.xread(self._redis, streams, count, block_ms or 1)  # type: ignore[arg-type]
         return [
-            _read_batch(by_key[_text(key)], _text(entry_id), fields, max_bytes or {})
-            for key, entries in cast(XReadReply, reply or [])
-            for entry_id, fields in entries
+            _read_batch(by_key[key], entry_id, fields, max_bytes or {})
+            for key, entry_id, fields in await follow.read_after(self._redis, streams, count, block_ms)
         ]
 
     async def snapshots(

@@ -25,11 +25,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import cluster, metrics
+from splitbus.bus import follow, metrics
 from splitbus.bus.connection import is_transient
 from splitbus.bus.registry import (
     Registry,
@@ -42,7 +41,6 @@ from splitbus.bus.registry import (
     parse_int,
     reserved,
 )
-from splitbus.bus.replies import XReadReply
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +169,10 @@ class RegistryView:
 
     async def _changes(self) -> None:
         read_at = self._clock()
-        streams = {self._log_key: self._cursor}
-        if cluster.as_cluster(self._redis) is None:
-            reply = await self._redis.xread(streams, count=READ_COUNT, block=BLOCK_MS)  # type: ignore[arg-type]
-        else:
-            reply = await cluster.xread(self._redis, streams, READ_COUNT, BLOCK_MS)  # type: ignore[arg-type]
-        entries = [entry for _, batch in cast(XReadReply, reply or []) for entry in batch]
-        for entry_id, fields in entries:
+        entries = await follow.read_after(self._redis, {self._log_key: self._cursor}, READ_COUNT, BLOCK_MS)
+        for _, entry_id, fields in entries:
             self._apply({_text(k): _text(v) for k, v in fields.items()})
-            self._cursor = _text(entry_id)
+            self._cursor = entry_id
         if len(entries) < READ_COUNT:  # caught up: every change written before the read is in
             self.read_at = read_at
             started_ms = self._server_ms + int((read_at - self._synced_at) * 1000)

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisClusterException
-from redis.typing import EncodableT, KeyT, StreamIdT
+from redis.typing import EncodableT
 
 from splitbus.bus import cluster, codec, metrics
 from splitbus.bus.batching import Batcher
@@ -535,7 +535,7 @@ class _Shard:
                 await asyncio.sleep(0.5)
 
     async def _read_once(self) -> None:
-        streams: dict[KeyT, StreamIdT] = {self.wake_key: self._wake_id}
+        streams = {self.wake_key: self._wake_id}
         streams.update((key, sub.last_id) for key, sub in self.subs.items())
         self.xreads += 1
         self.blocked = True

@@ -1,0 +1,38 @@
+"""A follower of many streams: entries after an explicit last id of each, in one ``XREAD``.
+
+The one place a stream is followed without a consumer group, on a single Redis or a cluster
+(``cluster.xread``: there sent to the primary of the streams' slot, which they must share). A
+follower always names the id it read up to, never ``$``, so a read after a reconnect misses
+nothing written meanwhile. Who follows what: a registry view its log, a cancel listener the
+cancel stream, a DP rank its group's plans, a scheduler replica every worker's KV events, a
+control call its reply, a result reader's shard its requests' result streams (which keeps
+Redis's raw reply: ``cluster.xread`` with its own response callback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from splitbus.bus import cluster
+from splitbus.bus.replies import EntryFields, XReadReply
+
+Followed = tuple[str, str, EntryFields]
+"""One entry read: its stream, its id, its fields."""
+
+
+async def read_after(
+    redis: aioredis.Redis, cursors: Mapping[str, str], count: int, block_ms: int | None
+) -> list[Followed]:
+    """The entries after each stream's id in ``cursors`` ("0": from the start), at most ``count``
+    per stream, in stream order; ``block_ms``: wait that long for one (None: not at all)."""
+    if not cursors:
+        return []
+    reply = cast(XReadReply, await cluster.xread(redis, cursors, count, block_ms) or [])
+    return [(_text(key), _text(entry_id), fields) for key, entries in reply for entry_id, fields in entries]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
