@@ -52,11 +52,14 @@ def now_us() -> int:
 
 def encode(msg: Message) -> Fields:
     """The stream fields for one message."""
-    return {
-        b"type": msg.TYPE.encode(),
-        b"data": orjson.dumps(msg),
-        b"ts": str(now_us()).encode(),
-    }
+    kind, data, ts = script_argv(msg)
+    return {b"type": kind, b"data": data, b"ts": ts}
+
+
+def script_argv(msg: Message) -> tuple[bytes, bytes, bytes]:
+    """The values of one message's fields, in entry order (``type``, ``data``, ``ts``): the
+    ARGV of a script that writes the entry itself (dispatch's tasks, a step's results)."""
+    return msg.TYPE.encode(), orjson.dumps(msg), str(now_us()).encode()
 
 
 def decode(fields: Mapping[bytes, bytes]) -> Message:

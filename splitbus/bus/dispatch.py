@@ -363,8 +363,7 @@ class DispatchScript:
                 self._keys.tasks(write.worker_id),
                 self._keys.lease(write.worker_id),
             ]
-            fields = codec.encode(write.task)
-            args += [*write.task.reserved, fields[b"type"], fields[b"data"], fields[b"ts"], write.worker_id]
+            args += [*write.task.reserved, *codec.script_argv(write.task), write.worker_id]
         return DispatchOutcome(await self._run(keys, args, self._script))
 
     async def settle_failed(self, entry_id: str, request_id: str, consumer: str = "") -> SettleOutcome:

@@ -312,19 +312,24 @@ class Registry:
         time and the registry log's last entry as of the read: one round trip (one script,
         atomic) while the set of workers is the one of the last snapshot; workers new since then
         are read in a second round trip (see docs/bus.md, "Worker registry")."""
-        keys = [
-            self._keys.workers,
-            self._keys.registry_log,
-            *[key for w in self._known for key in self._record_and_lease(w)],
-        ]
-        listed, rows, (seconds, micros), last = cast(SnapshotReply, await self._snapshot(keys=keys, args=self._known))
+        reply = await self._snapshot(keys=self._snapshot_keys(), args=self._known)
+        listed, rows, (seconds, micros), last = cast(SnapshotReply, reply)
         ids = [_text(worker_id) for worker_id in listed]
         found = {_text(worker_id): (ttl, _pairs(flat)) for worker_id, ttl, flat in rows}
         found.update(await self._read_new([w for w in ids if w not in found]))
         self._known = ids
-        workers = [info for info in (self._info(w, *found[w]) for w in ids if w in found) if info is not None]
         server_ms = int(seconds) * 1000 + int(micros) // 1000
-        return Snapshot(workers, server_ms, _text(last[0][0]) if last else "0-0")
+        return Snapshot(self._infos(ids, found), server_ms, _text(last[0][0]) if last else "0-0")
+
+    def _snapshot_keys(self) -> list[str]:
+        """The snapshot script's KEYS: the cell's set and log, then the record and lease of each
+        worker the last snapshot listed (the script builds no key name)."""
+        known = [key for worker_id in self._known for key in self._record_and_lease(worker_id)]
+        return [self._keys.workers, self._keys.registry_log, *known]
+
+    def _infos(self, ids: list[str], found: dict[str, tuple[int, dict[bytes, bytes]]]) -> list[WorkerInfo]:
+        """The rows of the listed workers that were read, in their order, less those not sane."""
+        return [info for info in (self._info(w, *found[w]) for w in ids if w in found) if info is not None]
 
     def _record_and_lease(self, worker_id: str) -> tuple[str, str]:
         return self._keys.worker(worker_id), self._keys.lease(worker_id)

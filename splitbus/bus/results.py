@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisClusterException
+from redis.exceptions import RedisClusterException
 from redis.typing import EncodableT
 
 from splitbus.bus import cluster, codec, metrics
@@ -31,14 +31,12 @@ from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reacha
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+from splitbus.bus.ordered import OrderedWriter
 from splitbus.bus.replies import Entry, RawEntry, RawXReadReply
 from splitbus.bus.scripts import LuaScript, declare
 from splitbus.env import valid_tag
 
 log = logging.getLogger(__name__)
-
-STEP_CHUNK = 1000
-"""Entries per server-side write call: bounds how long one call holds Redis (~1 ms)."""
 
 # XADD each entry and set its stream's TTL where asked, in one call with one reply. A pipeline
 # of XADDs costs the same in Redis, but redis-py parses each of its replies under its own
@@ -98,6 +96,11 @@ class _Pending:
     writer replays, so a replay does not count it as lost beyond the window."""
 
 
+def _reader_of(pending: _Pending) -> str:
+    """Entries for one reader shard's streams share its slot, so one script run."""
+    return pending.reader
+
+
 REPLAY_TOP_COUNT = 16
 """On replay, entries read from a stream's end (``XREVRANGE + - COUNT``) beyond as many as the
 writer kept for it: room for what another writer of the stream replayed after them, and for
@@ -122,16 +125,13 @@ class ResultWriter:
         self._first_seq: dict[str, int] = {}  # where each open request started on this writer
         self._readers: dict[str, str] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
-        self._buffer: list[_Pending] = []
+        self._writes = OrderedWriter(redis, _WRITE_STEP, _reader_of, self._script_args, self._settle)
         # What was written within the replay window, one (monotonic time, entries) per flush
         # round, oldest first: a new Redis run may have lost any of it (``replay``).
         self._retained: deque[tuple[float, list[_Pending]]] = deque()
         # Requests discarded (moved to other workers), by when: what was kept of them before is
         # not replayed. In time order, pruned with the window.
         self._discarded: dict[str, float] = {}
-        self._write_step = _WRITE_STEP.register(redis)
-        self.scripts = 0
-        """Write scripts sent so far (one per reader shard per flush)."""
 
     def open(self, request_id: str, *, reader: str, first_seq: int = 0) -> None:
         """Start writing a request, whose results ``reader`` (``GenerateRequest.reader``) follows.
@@ -174,14 +174,14 @@ class ResultWriter:
         self._next_seq.pop(request_id, None)
         self._first_seq.pop(request_id, None)
         self._readers.pop(request_id, None)
-        if all(p.request_id != request_id for p in self._buffer):
+        if not self._writes.holds(lambda p: p.request_id == request_id):
             self._fresh.discard(request_id)
 
     def discard(self, request_id: str) -> None:
         """Forget a request and drop what is buffered for it, unwritten: it moved to other
         workers while this one was cut off (hung, or away from Redis past its lease), and they
         continue it from what the stream held then."""
-        self._buffer = [p for p in self._buffer if p.request_id != request_id]
+        self._writes.drop(lambda p: p.request_id == request_id)
         if self._retained:
             self._discarded.pop(request_id, None)  # to the end: the dict stays in time order
             self._discarded[request_id] = self._clock()
@@ -189,63 +189,20 @@ class ResultWriter:
 
     @property
     def pending(self) -> int:
-        return len(self._buffer)
+        return self._writes.pending
+
+    @property
+    def scripts(self) -> int:
+        """Write scripts sent so far (one per reader shard per flush round)."""
+        return self._writes.scripts
 
     async def flush(self) -> None:
         """Write everything buffered since the last flush in one round trip: a script per reader
-        shard and STEP_CHUNK entries (several go in one pipeline). An entry leaves the buffer
-        only once written, so a failed flush (Redis away) loses nothing: the next flush writes it
-        again, and readers drop any duplicate by seq. A script Redis lost (a restart) is loaded
-        again once."""
-        loaded = False
-        while self._buffer:
-            pending = self._buffer[:]
-            batches = self._batches(pending)
-            replies = await self._send(pending, batches)
-            failed = {id(pending[i]) for batch, error in zip(batches, replies, strict=True) if error for i in batch}
-            self._settle([p for p in pending if id(p) not in failed])
-            self._requeue(pending, failed)
-            errors = [reply for reply in replies if reply is not None]
-            if errors and not loaded and all(isinstance(e, NoScriptError) for e in errors):
-                await self._redis.script_load(_WRITE_STEP.source)
-                loaded = True
-            elif errors:
-                raise errors[0]
-
-    def _requeue(self, sent: list[_Pending], failed: set[int]) -> None:
-        """Keep what failed, in order, ahead of what was buffered during the write (unless it was
-        discarded meanwhile)."""
-        held, tried = {id(p) for p in self._buffer}, {id(p) for p in sent}
-        again = [p for p in sent if id(p) in failed and id(p) in held]
-        self._buffer = again + [p for p in self._buffer if id(p) not in tried]
-
-    def _batches(self, pending: list[_Pending]) -> list[list[int]]:
-        """The buffer's indexes, grouped by reader (each request's entries keep their order),
-        at most STEP_CHUNK to a script."""
-        by_reader: dict[str, list[int]] = {}
-        for i, p in enumerate(pending):
-            by_reader.setdefault(p.reader, []).append(i)
-        return [ids[at : at + STEP_CHUNK] for ids in by_reader.values() for at in range(0, len(ids), STEP_CHUNK)]
-
-    async def _send(self, pending: list[_Pending], batches: list[list[int]]) -> list[BaseException | None]:
-        """Run one script per batch, in one pipeline; None for each that ran, else its error (an
-        exception is always true)."""
-        self.scripts += len(batches)
-        if len(batches) == 1:  # the common step (one API reader): no pipeline to build and parse
-            return [await self._run(*self._script_args([pending[i] for i in batches[0]]))]
-        pipe = self._redis.pipeline(transaction=False)
-        for batch in batches:
-            keys, args = self._script_args([pending[i] for i in batch])
-            pipe.evalsha(self._write_step.sha, len(keys), *keys, *args)  # on a cluster, routed by its keys
-        replies = await pipe.execute(raise_on_error=False)
-        return [reply if isinstance(reply, BaseException) else None for reply in replies]
-
-    async def _run(self, keys: list[str], args: list[EncodableT]) -> NoScriptError | None:
-        try:
-            await self._redis.execute_command("EVALSHA", self._write_step.sha, len(keys), *keys, *args)
-        except NoScriptError as exc:
-            return exc
-        return None
+        shard and ``ordered.CHUNK`` entries (several go in one pipeline). An entry leaves the
+        buffer only once written, so a failed flush (Redis away) loses nothing: the next flush
+        writes it again, and readers drop any duplicate by seq. A script Redis lost (a restart)
+        is loaded again once."""
+        await self._writes.flush()
 
     def _script_args(self, chunk: list[_Pending]) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
@@ -253,13 +210,7 @@ class ResultWriter:
         seen: set[str] = set()
         for p in chunk:
             keys.append(self._keys.out(p.reader, p.request_id))
-            fields = codec.encode(p.result)
-            args += (
-                fields[b"type"],
-                fields[b"data"],
-                fields[b"ts"],
-                self._ttl_for(p.request_id, p.result, p.request_id not in seen),
-            )
+            args += (*codec.script_argv(p.result), self._ttl_for(p.request_id, p.result, p.request_id not in seen))
             seen.add(p.request_id)
         return keys, args
 
@@ -320,7 +271,7 @@ class ResultWriter:
         for p in again:
             if p.request_id in self._next_seq:
                 self._fresh.add(p.request_id)  # a stream recreated for a running request: its long TTL
-        self._buffer = again + self._buffer
+        self._writes.add_first(again)
         await self.flush()
         return len(again)
 
@@ -379,7 +330,7 @@ class ResultWriter:
 
     def _append(self, request_id: str, result: Result) -> None:
         first = result.seq == self._first_seq.get(request_id)
-        self._buffer.append(_Pending(request_id, self._readers[request_id], result, first=first))
+        self._writes.add(_Pending(request_id, self._readers[request_id], result, first=first))
 
 
 @dataclass(eq=False)

@@ -232,16 +232,21 @@ class GroupConsumer:
         if capacity <= 0:
             return []
         await self.send_graves()
-        block = self._config.block_ms if block_ms is None else block_ms
-        cursor = self._pending_cursor or ">"
-        raw = await self._xreadgroup(cursor, capacity, block if cursor == ">" and block > 0 else None)
-        if cursor == ">":
-            return await self._decode_all(raw)
+        if self._pending_cursor is None:
+            block = self._config.block_ms if block_ms is None else block_ms
+            return await self._decode_all(await self._xreadgroup(">", capacity, block if block > 0 else None))
+        kept = await self._reread_own(self._pending_cursor, capacity)
+        return kept or await self.read(capacity, block_ms)  # none left, or all buried: on to the next ones
+
+    async def _reread_own(self, cursor: str, capacity: int) -> list[Delivery[Message]]:
+        """The next of this consumer's own pending entries after ``cursor`` (left by a previous
+        run under its name), those past the delivery bound dead-lettered; once none is left, the
+        backlog is done and reads go on with new entries."""
+        raw = await self._xreadgroup(cursor, capacity, None)
         self._pending_cursor = _text(raw[-1][0]) if raw else None
         if not raw:
-            return await self.read(capacity, block_ms)
-        kept = await self._decode_all(await self._bury_poison([(_text(i), f) for i, f in raw]))
-        return kept or await self.read(capacity, block_ms)  # all buried: on to the next ones
+            return []
+        return await self._decode_all(await self._bury_poison([(_text(i), f) for i, f in raw]))
 
     async def read_within(self, capacity: int, wait_ms: float, poll_ms: float = 5.0) -> list[Delivery[Message]]:
         """Up to ``capacity`` entries, waiting at most ``wait_ms`` for them, to within about

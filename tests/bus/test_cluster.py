@@ -218,7 +218,7 @@ async def test_a_cluster_that_lost_its_scripts_gets_them_again_on_the_next_flush
             writer.open(f"after-{reader}", reader=reader)
             writer.tokens(f"after-{reader}", [2])
         await writer.flush()
-        assert all(admin.script_exists(writer._write_step.sha))  # loaded on every primary again
+        assert all(admin.script_exists(writer._writes.sha))  # loaded on every primary again
     for reader in readers:
         assert (await read_sent(cluster_redis, cluster_config, reader, f"after-{reader}")).tokens == [2]
 

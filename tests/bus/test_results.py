@@ -191,12 +191,12 @@ async def test_a_failed_flush_keeps_its_entries(
     async def redis_is_away(*args: object, **kwargs: object) -> None:
         raise ConnectionError("Redis is restarting")
 
-    working = writer._send
-    writer._send = redis_is_away  # type: ignore[assignment,method-assign]
+    working = writer._writes._send
+    writer._writes._send = redis_is_away  # type: ignore[assignment,method-assign]
     with pytest.raises(ConnectionError):
         await writer.flush()
     assert writer.pending == 1  # nothing was dropped
-    writer._send = working  # type: ignore[method-assign]
+    writer._writes._send = working  # type: ignore[method-assign]
     writer.finish("r-keep", "length", 1, 1)
     await writer.flush()
     got = await _collect(sub)
