@@ -118,15 +118,45 @@ class NamedRequest:
     """The reader shard of its result stream (``reader``, else ``api_node``: its tag)."""
 
 
-def request_named_by(fields: Mapping[bytes, bytes]) -> NamedRequest | None:
-    """The request an entry that failed to decode names (``request_id``, or ``request.request_id``
-    for a task, with its ``reader`` or ``api_node``), if it names one plainly: its client is then
-    told, instead of waiting for its deadline. None when there is no such id to trust."""
+def undecoded(fields: Mapping[bytes, bytes]) -> dict[str, Any] | None:
+    """The JSON object in the ``data`` of an entry that failed to decode, if it holds one (and
+    within ``MAX_DATA_BYTES``): what can still be made out of it, such as whom to tell."""
     raw = fields.get(b"data", b"")
     try:
         data = orjson.loads(raw) if len(raw) <= MAX_DATA_BYTES else None
     except orjson.JSONDecodeError:
         return None
+    return data if isinstance(data, dict) else None
+
+
+def data_size(fields: Mapping[bytes, bytes]) -> int:
+    """The bytes of an entry's ``data``: a reader with a tighter bound than ``MAX_DATA_BYTES``
+    checks it before it decodes."""
+    return len(fields.get(b"data", b""))
+
+
+def as_text(fields: Mapping[bytes, bytes]) -> tuple[str, str]:
+    """An entry's ``type`` and ``data`` as text, undecoded (what a dead letter keeps of it)."""
+    return fields.get(b"type", b"").decode(errors="replace"), fields.get(b"data", b"").decode(errors="replace")
+
+
+def flat(fields: Mapping[str, str | int | bytes]) -> Fields:
+    """A flat entry: one field per value (an integer in decimal), not a message. The registry
+    log, a DP group's plans and a result reader's wake-ups are flat: their readers take them
+    field by field (``flat_text``) or only need them to be there."""
+    return {name.encode(): value if isinstance(value, bytes) else str(value).encode() for name, value in fields.items()}
+
+
+def flat_text(fields: Mapping[bytes, bytes]) -> dict[str, str]:
+    """A flat entry's fields as text (UnicodeDecodeError, a ValueError, for one not UTF-8)."""
+    return {name.decode(): value.decode() for name, value in fields.items()}
+
+
+def request_named_by(fields: Mapping[bytes, bytes]) -> NamedRequest | None:
+    """The request an entry that failed to decode names (``request_id``, or ``request.request_id``
+    for a task, with its ``reader`` or ``api_node``), if it names one plainly: its client is then
+    told, instead of waiting for its deadline. None when there is no such id to trust."""
+    data = undecoded(fields)
     if isinstance(data, dict) and isinstance(data.get("request"), dict):
         data = data["request"]
     if not isinstance(data, dict):

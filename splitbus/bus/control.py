@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 
 from splitbus.bus import codec, follow
@@ -113,11 +112,8 @@ def parse(fields: Mapping[bytes, bytes]) -> tuple[ControlCommand | None, str, st
 
 def _task_id_of(fields: Mapping[bytes, bytes]) -> str:
     """The task id of a malformed command, where one can be made out, to send the error to."""
-    try:
-        data = orjson.loads(fields.get(b"data", b""))
-    except orjson.JSONDecodeError:
-        return ""
-    task_id = data.get("task_id") if isinstance(data, dict) else None
+    data = codec.undecoded(fields)
+    task_id = data.get("task_id") if data is not None else None
     return task_id if isinstance(task_id, str) and task_id else ""
 
 

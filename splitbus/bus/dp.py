@@ -17,10 +17,10 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.typing import EncodableT, FieldT
 
-from splitbus.bus import follow
+from splitbus.bus import codec, follow
 from splitbus.bus.keys import Keys
+from splitbus.bus.replies import for_xadd
 
 log = logging.getLogger(__name__)
 PLANS_KEPT = 2000
@@ -57,7 +57,8 @@ class PlanStream:
 
     def queue_plan(self, pipe: Pipeline, epoch: int, step: int, plan: bytes) -> None:
         """Add the plan to a pipeline the caller sends (a rank's load report goes with it)."""
-        pipe.xadd(self._key, {"epoch": epoch, "step": step, "plan": plan}, maxlen=PLANS_KEPT, approximate=True)
+        entry = codec.flat({"epoch": epoch, "step": step, "plan": plan})
+        pipe.xadd(self._key, for_xadd(entry), maxlen=PLANS_KEPT, approximate=True)
 
     async def done(self, epoch: int, step: int, rank: int) -> None:
         await self._add({"epoch": epoch, "done": step, "rank": rank})
@@ -65,8 +66,8 @@ class PlanStream:
     async def wake(self, epoch: int, rank: int) -> None:
         await self._add({"epoch": epoch, "wake": rank})
 
-    async def _add(self, fields: dict[FieldT, EncodableT]) -> None:
-        await self._redis.xadd(self._key, fields, maxlen=PLANS_KEPT, approximate=True)
+    async def _add(self, fields: dict[str, int]) -> None:
+        await self._redis.xadd(self._key, for_xadd(codec.flat(fields)), maxlen=PLANS_KEPT, approximate=True)
 
     async def read(self, after: str, block_s: float) -> tuple[str, list[Post]]:
         """Posts after entry id ``after``, waiting up to ``block_s`` for one (at most 1000);

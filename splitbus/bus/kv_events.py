@@ -270,7 +270,7 @@ class KvEventReader:
 
 
 def _read_batch(worker: str, entry_id: str, fields: EntryFields, max_bytes: Mapping[str, int]) -> ReadBatch:
-    size, bound = len(fields.get(b"data", b"")), max_bytes.get(worker, codec.MAX_DATA_BYTES)
+    size, bound = codec.data_size(fields), max_bytes.get(worker, codec.MAX_DATA_BYTES)
     if size > bound:
         return ReadBatch(worker, entry_id, None, f"data is {size} bytes, more than {bound}", oversized=True)
     try:
@@ -285,7 +285,7 @@ def _read_batch(worker: str, entry_id: str, fields: EntryFields, max_bytes: Mapp
 def _snapshot(worker: str, raw: EntryFields, max_bytes: int) -> KvSnapshot | Refused | None:
     if b"type" not in raw:
         return None
-    if len(raw.get(b"data", b"")) > max_bytes:
+    if codec.data_size(raw) > max_bytes:
         return Refused.OVERSIZED
     try:
         snapshot = codec.decode(raw)

@@ -18,11 +18,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from splitbus import __version__
-from splitbus.bus import metrics
+from splitbus.bus import codec, metrics
 from splitbus.bus.config import BusConfig
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
-from splitbus.bus.replies import SnapshotReply
+from splitbus.bus.replies import SnapshotReply, for_xadd
 from splitbus.bus.roles import ROLES
 from splitbus.bus.scripts import LuaScript, declare
 
@@ -485,8 +485,8 @@ class Registry:
 
     def _log(self, pipe: Pipeline, worker_id: str, op: str, fields: dict[str, str] | None = None) -> None:
         """Add a registry-log entry to ``pipe`` (views apply it: ``splitbus.bus.registry_view``)."""
-        entry: dict[str, str] = {"w": worker_id, "op": op, **(fields or {})}
-        pipe.xadd(self._keys.registry_log, entry, maxlen=LOG_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        entry = codec.flat({"w": worker_id, "op": op, **(fields or {})})
+        pipe.xadd(self._keys.registry_log, for_xadd(entry), maxlen=LOG_MAXLEN, approximate=True)
 
 
 def _forward_end(reply: bytes | None) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import follow, metrics
+from splitbus.bus import codec, follow, metrics
 from splitbus.bus.connection import is_transient
 from splitbus.bus.registry import (
     Registry,
@@ -171,7 +171,7 @@ class RegistryView:
         read_at = self._clock()
         entries = await follow.read_after(self._redis, {self._log_key: self._cursor}, READ_COUNT, BLOCK_MS)
         for _, entry_id, fields in entries:
-            self._apply({_text(k): _text(v) for k, v in fields.items()})
+            self._apply(codec.flat_text(fields))
             self._cursor = entry_id
         if len(entries) < READ_COUNT:  # caught up: every change written before the read is in
             self.read_at = read_at

@@ -560,6 +560,9 @@ _NO_SLOT_MAP: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, RedisCluster
 """Why a cluster's slot map may not be read at start: Redis away, or no startup node answers
 (redis-py's ``RedisClusterException``)."""
 
+_WAKE = codec.flat({"w": 1})
+"""A wake-up's entry: what it holds does not matter, that it is there does."""
+
 _OUT_CONSUMED = metrics.ENTRIES_CONSUMED.labels("out")  # per read: look the child up once
 
 
@@ -669,7 +672,7 @@ class ResultReader:
 
     def _wake(self, shard: _Shard) -> list[asyncio.Future[Any]]:
         return [
-            self._waker.call("xadd", shard.wake_key, {b"w": b"1"}, maxlen=16, approximate=True),
+            self._waker.call("xadd", shard.wake_key, _WAKE, maxlen=16, approximate=True),
             self._waker.call("expire", shard.wake_key, self._config.result_ttl_s),
         ]
 

@@ -160,15 +160,8 @@ class DeadLetters:
     async def send(
         self, stream: str, group: str, entry_id: str, fields: Mapping[bytes, bytes], reason: str, deliveries: int
     ) -> None:
-        letter = DeadLetter(
-            stream=stream,
-            entry_id=entry_id,
-            reason=reason,
-            deliveries=deliveries,
-            group=group,
-            original_type=fields.get(b"type", b"").decode(errors="replace"),
-            original_data=fields.get(b"data", b"").decode(errors="replace"),
-        )
+        original_type, original_data = codec.as_text(fields)
+        letter = DeadLetter(stream, entry_id, reason, deliveries, group, original_type, original_data)
         # Two keys in different cluster slots, so no MULTI: a crash between the two leaves the
         # entry pending and it is dead-lettered again later (a duplicate letter, never a loss).
         pipe = self._redis.pipeline(transaction=False)

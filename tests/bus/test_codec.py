@@ -216,3 +216,29 @@ def test_a_requests_prefix_chain_is_bounded_by_its_prompt() -> None:
 def test_a_requests_cache_salt_is_empty_or_32_hex_digits(salt: object) -> None:
     with pytest.raises(ValueError, match="cache_salt"):
         _request(cache_salt=salt)
+
+
+def test_script_argv_is_the_encoded_entry_in_field_order() -> None:
+    kind, data, ts = codec.script_argv(Cancel("r1", "deadline"))
+    assert kind == b"cancel" and orjson.loads(data) == orjson.loads(codec.encode(Cancel("r1", "deadline"))[b"data"])
+    assert codec.decode({b"type": kind, b"data": data, b"ts": ts}) == Cancel("r1", "deadline")
+    assert list(codec.encode(Cancel("r1"))) == [b"type", b"data", b"ts"]
+
+
+def test_what_is_made_out_of_an_undecodable_entry() -> None:
+    fields = {b"type": b"nonsense", b"data": b'{"task_id": "t1", "x": [1]}'}
+    assert codec.undecoded(fields) == {"task_id": "t1", "x": [1]}
+    assert codec.undecoded({b"data": b"[1, 2]"}) is None  # JSON, but no object
+    assert codec.undecoded({b"data": b"{not json"}) is None
+    assert codec.undecoded({}) is None
+    assert codec.data_size(fields) == len(fields[b"data"]) and codec.data_size({}) == 0
+    assert codec.as_text({b"type": b"x", b"data": b"\xff{}"}) == ("x", "\ufffd{}")
+    assert codec.as_text({}) == ("", "")
+
+
+def test_flat_entries_carry_one_field_per_value() -> None:
+    fields = codec.flat({"w": "decode-0", "epoch": 17, "plan": b"\x00raw"})
+    assert fields == {b"w": b"decode-0", b"epoch": b"17", b"plan": b"\x00raw"}
+    assert codec.flat_text(codec.flat({"w": "d", "at": 5})) == {"w": "d", "at": "5"}
+    with pytest.raises(ValueError):
+        codec.flat_text({b"w": b"\xff"})
