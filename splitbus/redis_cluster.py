@@ -39,8 +39,8 @@ import redis
 from redis.cluster import ClusterNode
 from redis.crc import key_slot
 
-from splitbus.bus.cluster import ClusterTls, cluster_url
-from splitbus.bus.wire import PinnedSSLConnection
+from splitbus.bus.core.cluster import ClusterTls, cluster_url
+from splitbus.bus.core.wire import PinnedSSLConnection
 from splitbus.cluster_tls import TlsFiles, ensure_tls_files
 from splitbus.redis_server import (
     ADMIN_USER,

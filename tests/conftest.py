@@ -13,8 +13,8 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
 from splitbus.bus.runs import CellRun
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis

@@ -23,7 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from redis.crc import key_slot
 
-from splitbus.bus.connection import connect_sync
+from splitbus.bus.core.connection import connect_sync
 from splitbus.cluster_tls import TlsFiles, ensure_tls_files
 from splitbus.redis_cluster import EmbeddedCluster, client_tls, free_cluster_port, parse_nodes
 from splitbus.redis_server import RedisServerError, find_tls_redis_server

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 import splitbus.api.metrics
-import splitbus.bus.metrics
+import splitbus.bus.core.metrics
 import splitbus.placement.metrics
 import splitbus.scheduler.metrics
 import splitbus.worker.metrics  # noqa: F401  (registers the worker's metrics)

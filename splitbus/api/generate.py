@@ -29,7 +29,7 @@ from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
 from splitbus.api.tenants import cache_salt
 from splitbus.bus.blocks import chain_hex
-from splitbus.bus.connection import TRANSIENT_ERRORS
+from splitbus.bus.core.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
 from splitbus.bus.results import Subscription
 from splitbus.tokenization import ModelTokenizer

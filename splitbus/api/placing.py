@@ -17,7 +17,7 @@ import logging
 import redis.asyncio as aioredis
 
 from splitbus.api import metrics
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry_view import RegistryView
 from splitbus.placement import policies

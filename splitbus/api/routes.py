@@ -16,7 +16,7 @@ from splitbus.api.errors import BadRequest, PayloadTooLarge, RequestTimeout, Ser
 from splitbus.api.generate import ClientDisconnected, generate
 from splitbus.api.openapi import openapi_spec
 from splitbus.api.state import ApiState
-from splitbus.bus.connection import TRANSIENT_ERRORS
+from splitbus.bus.core.connection import TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
 JSON_MEDIA_TYPE = "application/json"

@@ -16,15 +16,15 @@ from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
 from splitbus.api.placing import ApiPlacer
 from splitbus.bus.cancel import publish_cancel
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect
-from splitbus.bus.loops import Loops
+from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.core.loops import Loops
+from splitbus.bus.core.streams import Producer
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry
 from splitbus.bus.registry_view import RegistryView
-from splitbus.bus.requests import Submissions, backlog
+from splitbus.bus.request_stream import Submissions, backlog
 from splitbus.bus.results import ResultReader
 from splitbus.bus.runs import Runs, ServerRuns
-from splitbus.bus.streams import Producer
 from splitbus.tokenization import ModelTokenizer
 from splitbus.tokenization.template_process import TemplateLimits, TemplatePool
 

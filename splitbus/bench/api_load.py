@@ -48,13 +48,13 @@ class ApiBenchConfig:
 
 def _respond(url: str, prefix: str, config: ApiBenchConfig, stop: Any) -> None:
     """The responder process: registers a worker for model ``tiny`` and answers every request."""
-    from splitbus.bus.config import BusConfig
-    from splitbus.bus.connection import connect
-    from splitbus.bus.keys import SCHEDULER_GROUP
+    from splitbus.bus.core.config import BusConfig
+    from splitbus.bus.core.connection import connect
+    from splitbus.bus.core.keys import SCHEDULER_GROUP
+    from splitbus.bus.core.streams import GroupConsumer
     from splitbus.bus.messages import GenerateRequest
     from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
     from splitbus.bus.results import ResultWriter
-    from splitbus.bus.streams import GroupConsumer
 
     async def main() -> None:
         bus = BusConfig(redis_url=url, prefix=prefix, block_ms=50)

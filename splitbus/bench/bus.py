@@ -26,12 +26,12 @@ from typing import Any
 
 import redis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams, TokenDelta
 from splitbus.bus.results import ResultReader, ResultWriter, Subscription, shard_name
-from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.redis_server import free_port
 
 GROUP = "bench"

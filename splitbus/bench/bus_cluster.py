@@ -34,8 +34,8 @@ import redis
 from redis.crc import key_slot
 
 from splitbus.bench.bus import _bus_config, _drain_subscriptions, _expect, _in_process, request_id
-from splitbus.bus import codec
-from splitbus.bus.connection import connect
+from splitbus.bus.core import codec
+from splitbus.bus.core.connection import connect
 from splitbus.bus.results import ResultReader, ResultWriter, shard_name
 from splitbus.redis_cluster import ClusterNodeServer, EmbeddedCluster, slot_ranges
 from splitbus.redis_server import EmbeddedRedis

@@ -22,14 +22,14 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from splitbus import aio
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
-from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.core.keys import SCHEDULER_GROUP
+from splitbus.bus.core.streams import Delivery, GroupConsumer, Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, Reserved, WorkerInfo, WorkerRecord
 from splitbus.bus.roles import Phase, Role
 from splitbus.bus.runs import CellRun
-from splitbus.bus.streams import Delivery, GroupConsumer, Producer
 from splitbus.placement.decision import Placement
 from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
 

@@ -49,8 +49,8 @@ import redis.asyncio as aioredis
 
 from splitbus.bench.routing_sim import RecoveryConfig, run_recovery
 from splitbus.bus.blocks import HEX_FORMAT, chain_hex
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.kv_events import KvEventPublisher, KvEventReader
 from splitbus.bus.messages import GenerateRequest, SamplingParams

@@ -38,10 +38,10 @@ from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
 from splitbus import aio
 from splitbus.bench.decisions import BLOCK_SIZE, measure_decisions
-from splitbus.bus import cluster, codec
 from splitbus.bus.blocks import chain_hex
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
+from splitbus.bus.core import cluster, codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
 from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord

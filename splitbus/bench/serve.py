@@ -30,8 +30,8 @@ from splitbus.bench.serve_trace import (
     summarize,
 )
 from splitbus.bench.workloads import ideal_for, make_items
-from splitbus.bus.keys import Keys
-from splitbus.bus.streams import entry_order
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.core.streams import entry_order
 from splitbus.redis_server import embedded_url
 
 

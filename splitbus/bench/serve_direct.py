@@ -14,7 +14,7 @@ from typing import Any
 from splitbus import aio
 from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, cdf_samples, replay, summarize
 from splitbus.bench.workloads import ideal_for, make_items
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.roles import Phase, Role
 from splitbus.tokenization import ModelTokenizer

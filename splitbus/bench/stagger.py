@@ -17,7 +17,7 @@ import numpy as np
 
 from splitbus.bench.stagger_sim import NO_EP, GroupSimulation, TraceRequest, poisson_trace
 from splitbus.bench.system import LocalSystem
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.worker.engines.sim import SimConfig
 
 SIM_LOADS = {"low": 2.0, "moderate": 20.0, "high": 24.0}

@@ -7,11 +7,11 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec, follow, metrics
-from splitbus.bus.config import BusConfig
-from splitbus.bus.errors import DecodeError
+from splitbus.bus.core import codec, follow, metrics
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.errors import DecodeError
+from splitbus.bus.core.replies import Entry, EntryFields, for_xadd
 from splitbus.bus.messages.cancel import Cancel
-from splitbus.bus.replies import Entry, EntryFields, for_xadd
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec, follow
-from splitbus.bus.config import BusConfig
-from splitbus.bus.errors import DecodeError
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.core import codec, follow
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.errors import DecodeError
+from splitbus.bus.core.keys import WORKER_GROUP
+from splitbus.bus.core.replies import for_xadd
+from splitbus.bus.core.streams import DeadLetters, GroupConsumer, trim_consumed
 from splitbus.bus.messages import ControlCommand, ControlReply
-from splitbus.bus.replies import for_xadd
-from splitbus.bus.streams import DeadLetters, GroupConsumer, trim_consumed
 
 log = logging.getLogger(__name__)
 REPLY_TTL_S = 300

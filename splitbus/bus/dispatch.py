@@ -60,12 +60,12 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from splitbus.bus import codec
-from splitbus.bus.batching import Batcher
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
+from splitbus.bus.core import codec
+from splitbus.bus.core.batching import Batcher
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
+from splitbus.bus.core.scripts import LuaScript, declare
 from splitbus.bus.messages import GenerateRequest, Task
-from splitbus.bus.scripts import LuaScript, declare
 
 
 class DispatchOutcome(IntEnum):

@@ -18,9 +18,9 @@ from typing import Literal
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
-from splitbus.bus import codec, follow
-from splitbus.bus.keys import Keys
-from splitbus.bus.replies import for_xadd
+from splitbus.bus.core import codec, follow
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.core.replies import for_xadd
 
 log = logging.getLogger(__name__)
 PLANS_KEPT = 2000

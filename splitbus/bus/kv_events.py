@@ -20,9 +20,10 @@ from enum import Enum
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec, follow
-from splitbus.bus.config import BusConfig
-from splitbus.bus.errors import DecodeError
+from splitbus.bus.core import codec, follow
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.errors import DecodeError
+from splitbus.bus.core.replies import EntryFields, for_xadd
 from splitbus.bus.messages.kv_events import (
     MAX_BATCH_EVENTS,
     MAX_BATCH_HASHES,
@@ -34,7 +35,6 @@ from splitbus.bus.messages.kv_events import (
     KvSnapshot,
     batch_hashes,
 )
-from splitbus.bus.replies import EntryFields, for_xadd
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 
 LINK_TTL_S = 60
 """A record outlives its last write or refresh by this long."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 
 REAPING_TTL_S = 60
 """How long ``sb:reaping:{cell}:<worker>`` (``SET NX``) keeps other reapers off a dead worker whose tasks

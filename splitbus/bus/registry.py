@@ -18,13 +18,13 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from splitbus import __version__
-from splitbus.bus import codec, metrics
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core import codec, metrics
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.replies import SnapshotReply, for_xadd
+from splitbus.bus.core.scripts import LuaScript, declare
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
-from splitbus.bus.replies import SnapshotReply, for_xadd
 from splitbus.bus.roles import ROLES
-from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec, follow, metrics
-from splitbus.bus.connection import is_transient
+from splitbus.bus.core import codec, follow, metrics
+from splitbus.bus.core.connection import is_transient
 from splitbus.bus.registry import (
     Registry,
     Reserved,

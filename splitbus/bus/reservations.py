@@ -26,10 +26,10 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
-from splitbus.bus.cluster import as_cluster
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.cluster import as_cluster
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.core.scripts import LuaScript, declare
 from splitbus.bus.messages._check import MAX_KV_BLOCKS, MAX_NAME_CHARS, require_int, require_str
-from splitbus.bus.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 

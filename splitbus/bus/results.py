@@ -24,16 +24,16 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisClusterException
 from redis.typing import EncodableT
 
-from splitbus.bus import cluster, codec, metrics
-from splitbus.bus.batching import Batcher
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
+from splitbus.bus.core import cluster, codec, metrics
+from splitbus.bus.core.batching import Batcher
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
+from splitbus.bus.core.errors import DecodeError
+from splitbus.bus.core.ordered import OrderedWriter
+from splitbus.bus.core.replies import Entry, RawEntry, RawXReadReply
+from splitbus.bus.core.scripts import LuaScript, declare
 from splitbus.bus.dispatch import CurrentDispatch
-from splitbus.bus.errors import DecodeError
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
-from splitbus.bus.ordered import OrderedWriter
-from splitbus.bus.replies import Entry, RawEntry, RawXReadReply
-from splitbus.bus.scripts import LuaScript, declare
 from splitbus.env import valid_tag
 
 log = logging.getLogger(__name__)

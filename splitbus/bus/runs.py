@@ -19,10 +19,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from splitbus.bus.cluster import as_cluster
-from splitbus.bus.connection import is_transient
-from splitbus.bus.keys import Keys
-from splitbus.bus.scripts import LuaScript, declare
+from splitbus.bus.core.cluster import as_cluster
+from splitbus.bus.core.connection import is_transient
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.core.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 

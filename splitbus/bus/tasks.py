@@ -1,7 +1,7 @@
 """A worker's task stream, ``sb:tasks:{cell}:<worker>`` (group ``workers``): the dispatch script writes
 it (bus/dispatch.py); the worker reads it, and so do a reaper that moves a dead worker's tasks
 and the ranks of a broken DP group that answer a missing rank's. Reads and writes are
-bus/streams.py's; this module names the stream for them."""
+bus/core/streams.py's; this module names the stream for them."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.codec import NamedRequest
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import WORKER_GROUP, Keys
+from splitbus.bus.core.codec import NamedRequest
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import WORKER_GROUP, Keys
+from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed, unread
 from splitbus.bus.messages import Task
-from splitbus.bus.streams import GroupConsumer, Producer, trim_consumed, unread
 
 
 def task_consumer(

@@ -128,7 +128,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
 
 def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
     from splitbus.api.config import ApiConfig
-    from splitbus.bus.config import BusConfig
+    from splitbus.bus.core.config import BusConfig
     from splitbus.model_files.resolve import resolve_model, served_name
 
     if args.served_model_name and len(args.model) != 1:

@@ -44,9 +44,9 @@ def parse_args(pairs: list[str]) -> dict[str, Any]:
 def run(args: argparse.Namespace, env: Env) -> int:
     import asyncio
 
-    from splitbus.bus.config import BusConfig
-    from splitbus.bus.connection import TRANSIENT_ERRORS, connect
     from splitbus.bus.control import call
+    from splitbus.bus.core.config import BusConfig
+    from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
 
     async def send() -> Any:
         config = BusConfig(redis_url=redis_url(args, env), prefix=env.prefix, cell=env.cell)

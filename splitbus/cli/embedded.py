@@ -1,6 +1,6 @@
 """The embedded Redis or Redis Cluster of a data folder, as ``status``, ``redis-cli`` and the
 parts find it, and the ``redis+cluster://`` URL a cluster is named by (parsed by the bus:
-``splitbus.bus.cluster``; re-exported here for the CLI).
+``splitbus.bus.core.cluster``; re-exported here for the CLI).
 
 ``splitbus up`` keeps the single embedded Redis in ``<data dir>/redis/`` and, with
 ``--redis-cluster N``, the embedded cluster in ``<data dir>/redis-cluster/`` (docs/cluster.md).
@@ -16,9 +16,9 @@ from typing import Any
 
 import redis
 
-from splitbus.bus.cluster import ClusterUrl as ClusterUrl  # re-exported for the CLI
-from splitbus.bus.cluster import cluster_url as cluster_url
-from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
+from splitbus.bus.core.cluster import ClusterUrl as ClusterUrl  # re-exported for the CLI
+from splitbus.bus.core.cluster import cluster_url as cluster_url
+from splitbus.bus.core.cluster import is_cluster_url, parse_cluster_url
 from splitbus.cluster_tls import TlsFiles
 from splitbus.redis_cluster import TLS_FOLDER, client_port, client_tls
 from splitbus.redis_server import ADMIN_USER, SPLITBUS_USER, embedded_url, read_secret

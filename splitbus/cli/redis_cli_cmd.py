@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from splitbus.bus.cluster import ClusterTls
+from splitbus.bus.core.cluster import ClusterTls
 from splitbus.cli.common import add_redis_url_argument, data_dir, redis_url
 from splitbus.env import Env
 from splitbus.masking import mask_text
@@ -112,7 +112,7 @@ def connection_options(url: str) -> tuple[list[str], str | None]:
     """redis-cli's options for ``url``, and the password, which goes in REDISCLI_AUTH."""
     from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
-    from splitbus.bus.cluster import is_cluster_url
+    from splitbus.bus.core.cluster import is_cluster_url
 
     if is_cluster_url(url):
         return cluster_options(url)
@@ -132,7 +132,7 @@ def cluster_options(url: str) -> tuple[list[str], str | None]:
     """For a ``redis+cluster://`` URL: its first node, in cluster mode (``-c``: redis-cli
     follows MOVED and ASK to the node that serves a key); for ``rediss+cluster://``, over TLS
     with the URL's CA and client certificate."""
-    from splitbus.bus.cluster import parse_cluster_url
+    from splitbus.bus.core.cluster import parse_cluster_url
 
     parsed = parse_cluster_url(url)
     host, port = parsed.nodes[0]

@@ -110,7 +110,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Env) -> int:
-    from splitbus.bus.config import BusConfig
+    from splitbus.bus.core.config import BusConfig
     from splitbus.placement.costs import CacheCost
     from splitbus.placement.disagg import Disaggregation
     from splitbus.scheduler.config import SchedulerConfig

@@ -23,7 +23,7 @@ import redis
 from redis.client import NEVER_DECODE
 from redis.exceptions import RedisClusterException
 
-from splitbus.bus.connection import connect_sync
+from splitbus.bus.core.connection import connect_sync
 from splitbus.bus.messages._check import MAX_NAME_CHARS
 from splitbus.bus.registry import ROW_ERRORS, Registry, WorkerInfo
 from splitbus.cli.common import add_redis_url_argument, redis_url, say
@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
 
 
 def collect(client: SyncClient, prefix: str, cell: str) -> dict[str, Any]:
-    from splitbus.bus.keys import Keys
+    from splitbus.bus.core.keys import Keys
 
     keys = Keys(prefix, cell)
     now_ms = _server_ms(client)

@@ -325,7 +325,7 @@ def _check_port_free(host: str, port: int) -> None:
 def _check_reachable(url: str) -> None:
     import redis
 
-    from splitbus.bus.connection import connect_sync
+    from splitbus.bus.core.connection import connect_sync
 
     try:
         connect_sync(url, socket_timeout=3, socket_connect_timeout=3).ping()
@@ -502,7 +502,7 @@ def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, 
 def _tools(args: argparse.Namespace, env: Env, server: Embedded | None) -> list[str]:
     """``status`` and ``redis-cli`` as typed in this shell: they find the embedded Redis in the
     data folder (named if it is not the default one), an external Redis in SPLITBUS_REDIS_URL."""
-    from splitbus.bus.keys import Keys
+    from splitbus.bus.core.keys import Keys
 
     moved = server is not None and args.data_dir != env.data_dir
     where = f" --data-dir {shlex.quote(str(args.data_dir))}" if moved else ""

@@ -77,7 +77,7 @@ def _kv_blocks_defaults(first: str) -> str:
 
 
 def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
-    from splitbus.bus.config import BusConfig
+    from splitbus.bus.core.config import BusConfig
     from splitbus.model_files.resolve import resolve_model, served_name
     from splitbus.worker.config import WorkerConfig
 

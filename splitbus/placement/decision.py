@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitbus.bus.core.streams import Delivery
 from splitbus.bus.registry import Reserved, WorkerInfo
-from splitbus.bus.streams import Delivery
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.dispatch import (
     ANY_HANDOFF,
     PLACE_AGAIN,

@@ -4,7 +4,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.placement import policies
 from splitbus.placement.costs import DEFAULT_COST, CacheCost
 from splitbus.placement.disagg import Disaggregation

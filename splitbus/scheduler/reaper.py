@@ -31,8 +31,9 @@ from enum import Enum
 import redis.asyncio as aioredis
 
 from splitbus.bus.cancel import publish_cancel
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import is_transient
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import is_transient
+from splitbus.bus.core.streams import Delivery, GroupConsumer
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.reaping import Reaping
@@ -41,7 +42,6 @@ from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.roles import Phase, Role
-from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.bus.tasks import task_consumer
 from splitbus.placement.dispatcher import PLACE_AGAIN, Dispatcher
 from splitbus.placement.ledger import Local

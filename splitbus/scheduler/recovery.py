@@ -16,7 +16,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.bus.runs import CellRun
 
 log = logging.getLogger(__name__)

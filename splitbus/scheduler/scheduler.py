@@ -23,18 +23,18 @@ from collections.abc import Awaitable, Sequence
 from enum import Enum
 from typing import TypeVar
 
-from splitbus.bus.codec import NamedRequest
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect, is_transient, transient_suppressed, until_done
+from splitbus.bus.core.codec import NamedRequest
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect, is_transient, transient_suppressed, until_done
+from splitbus.bus.core.loops import EXIT_FATAL, Loops
+from splitbus.bus.core.streams import Delivery, entry_order
 from splitbus.bus.kv_events import KvEventReader
-from splitbus.bus.loops import EXIT_FATAL, Loops
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, SchedulerLease
 from splitbus.bus.registry_view import RegistryView
-from splitbus.bus.requests import request_consumer, trim_requests
+from splitbus.bus.request_stream import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.roles import Phase
-from splitbus.bus.streams import Delivery, entry_order
 from splitbus.placement import policies
 from splitbus.placement.decision import Placement, Waiting
 from splitbus.placement.dispatcher import PLACE_AGAIN, Dispatcher, DispatchOutcome, SettleOutcome

@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from splitbus.bus.control import CommandFailed, ControlServer, Handler
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.bus.registry import Registry, WorkerLoad
 from splitbus.bus.tasks import unread_tasks
 from splitbus.tokenization import ModelTokenizer

@@ -35,7 +35,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.dp import PlanStream
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo

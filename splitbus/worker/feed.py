@@ -10,11 +10,11 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from splitbus.bus.connection import is_transient
+from splitbus.bus.core.connection import is_transient
+from splitbus.bus.core.streams import Delivery, GroupConsumer, entry_order
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad
-from splitbus.bus.streams import Delivery, GroupConsumer, entry_order
 from splitbus.bus.tasks import missing_entries, trim_tasks
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import metrics

@@ -20,8 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from splitbus.bus.aio import cancel_and_wait
-from splitbus.bus.connection import is_transient, transient_suppressed
+from splitbus.bus.core.aio import cancel_and_wait
+from splitbus.bus.core.connection import is_transient, transient_suppressed
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry

@@ -11,7 +11,7 @@ import time
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.links import LinkRecords
 from splitbus.worker.transfer import TransferClient, TransferError
 

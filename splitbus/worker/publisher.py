@@ -11,10 +11,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from splitbus import aio
+from splitbus.bus.core.streams import GroupConsumer
 from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.streams import GroupConsumer
 from splitbus.worker import metrics
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.shared import Shared

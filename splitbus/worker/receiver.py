@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from splitbus.bus.connection import transient_suppressed
+from splitbus.bus.core.connection import transient_suppressed
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.reaping import Reaping
 from splitbus.bus.reservations import Reservation, Reservations

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from splitbus.bus.core.streams import GroupConsumer
 from splitbus.bus.dispatch import Reassertion, ReassertOutcome
 from splitbus.bus.messages import Task
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.runs import Runs, ServerRuns
-from splitbus.bus.streams import GroupConsumer
 from splitbus.bus.tasks import missing_entries, send_task
 from splitbus.worker.feed import TaskFeed
 from splitbus.worker.receiver import Receiver

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.loops import Loops
+from splitbus.bus.core.loops import Loops
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines import Engine
 from splitbus.worker.requests import RequestTable

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.loops import Loops
+from splitbus.bus.core.loops import Loops
 from splitbus.bus.registry import Registry
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.publisher import Publisher

@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from splitbus import aio
-from splitbus.bus.connection import is_transient, transient_suppressed
+from splitbus.bus.core.connection import is_transient, transient_suppressed
+from splitbus.bus.core.streams import Delivery, GroupConsumer
 from splitbus.bus.registry import Registry, WorkerLoad
-from splitbus.bus.streams import Delivery, GroupConsumer
 from splitbus.worker import metrics
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.requests import Status

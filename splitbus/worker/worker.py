@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitbus.bus.codec import NamedRequest
-from splitbus.bus.connection import connect, transient_suppressed, until_done
-from splitbus.bus.loops import Loops
+from splitbus.bus.core.codec import NamedRequest
+from splitbus.bus.core.connection import connect, transient_suppressed, until_done
+from splitbus.bus.core.loops import Loops
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.redis_server import EmbeddedRedis, free_port
 from splitbus.tokenization import ModelTokenizer
 from tests.api.responder import Responder

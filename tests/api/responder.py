@@ -20,13 +20,13 @@ import threading
 from typing import Any
 
 from splitbus.bus.cancel import CancelListener
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect
-from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.core.keys import SCHEDULER_GROUP
+from splitbus.bus.core.streams import GroupConsumer
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.streams import GroupConsumer
 from splitbus.tokenization import ModelTokenizer
 
 REPLY = "The quick brown fox jumps over the lazy dog. "

@@ -1,5 +1,5 @@
 """An API process stops non-zero when one of its background loops fails: the loops of
-splitbus/api/state.py run under splitbus/bus/loops.py, whose policy stops the process on a
+splitbus/api/state.py run under splitbus/bus/core/loops.py, whose policy stops the process on a
 loop's bug (SIGTERM at itself: uvicorn's graceful shutdown), and cli/api_cmd.py returns the
 exit code the app kept. The failure is a real one, as tests/faults/test_fatal_exit.py makes
 for the scheduler and the worker: the request stream replaced by a string, so the backlog
@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import redis as sync_redis
 
-from splitbus.bus.loops import EXIT_FATAL
+from splitbus.bus.core.loops import EXIT_FATAL
 from splitbus.redis_server import EmbeddedRedis
 from tests.api.conftest import start_api, stop_api
 

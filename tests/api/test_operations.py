@@ -12,8 +12,8 @@ import httpx
 import openai
 import redis as sync_redis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.tokenization import ModelTokenizer
 from tests.api.conftest import ApiProcess, _wait_for_model, start_api, stop_api

@@ -10,7 +10,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from splitbus.api.placing import ApiPlacer
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.bus.registry_view import RegistryView

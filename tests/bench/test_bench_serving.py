@@ -16,8 +16,8 @@ import pytest
 
 from splitbus.bench import scheduler as scheduler_bench
 from splitbus.bench.serve_trace import RequestResult, ServeConfig, make_trace, summarize
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
 
 VLLM_FIELDS = (
     "completed",

@@ -1,6 +1,6 @@
 """The pieces of `bench bus --redis-cluster` that need no servers: which API node follows which
 streams, the hashed tags it compares with the placed ones (the API's own placement, tested in
-tests/bus/test_cluster.py), and the command counts' arithmetic."""
+tests/bus/core/test_cluster.py), and the command counts' arithmetic."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio.connection import AbstractConnection
 from redis.crc import key_slot
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 
 BUILDERS: dict[str, object] = {
     name: member

@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from splitbus.bus.cancel import CancelListener, publish_cancel
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 
 
 async def test_every_listener_sees_new_cancellations(redis: aioredis.Redis, bus_config: BusConfig) -> None:

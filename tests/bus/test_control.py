@@ -9,10 +9,10 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
 from splitbus.bus.control import REPLY_TTL_S, CommandFailed, ControlServer, call
-from splitbus.bus.messages import DeadLetter
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.dead import DeadLetter
 
 
 async def _echo(args: dict[str, Any]) -> dict[str, Any]:

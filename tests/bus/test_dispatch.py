@@ -7,7 +7,7 @@ import re
 import redis.asyncio as aioredis
 
 from splitbus.bus import dispatch
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 

@@ -7,7 +7,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.dispatch import Reassertion, ReassertOutcome
 from tests.bus.slots import slots
 

@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.dp import MAX_PLAN_BYTES, PlanStream
 
 

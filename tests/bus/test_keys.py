@@ -1,7 +1,7 @@
 import pytest
 from redis.crc import key_slot
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.env import load_env
 from tests.bus.slots import BUILDERS, build, slots
 

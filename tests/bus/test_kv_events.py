@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
 from splitbus.bus.blocks import block_hashes, root_of
-from splitbus.bus.config import BusConfig
-from splitbus.bus.errors import DecodeError
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.errors import DecodeError
+from splitbus.bus.core.replies import for_xadd
 from splitbus.bus.kv_events import KvEventPublisher, KvEventReader, Refused, split_batches
 from splitbus.bus.messages.kv_events import (
     MAX_BLOCK_SIZE,
@@ -25,7 +26,6 @@ from splitbus.bus.messages.kv_events import (
     block_hash,
     snapshot_bytes,
 )
-from splitbus.bus.replies import for_xadd
 
 
 def _batch(**data: Any) -> dict[bytes, bytes]:

@@ -9,9 +9,9 @@ from enum import IntEnum
 
 import pytest
 
+from splitbus.bus.core.scripts import SCRIPTS
 from splitbus.bus.dispatch import DispatchOutcome, ReassertOutcome, SettleOutcome
 from splitbus.bus.runs import RunState
-from splitbus.bus.scripts import SCRIPTS
 
 ENUMS: dict[str, type[IntEnum]] = {
     "dispatch": DispatchOutcome,

@@ -13,9 +13,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from splitbus.bus.cluster import SlotMap
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
+from splitbus.bus.core.cluster import SlotMap
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
 from splitbus.bus.messages.results import Finished, TokenDelta
 from splitbus.bus.results import ResultReader, ResultWriter, Subscription
 from splitbus.redis_cluster import EmbeddedCluster, slot_ranges

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.dispatch import MAX_HANDOFF_BYTES, CurrentDispatch
 from splitbus.bus.registry import MAX_ENDPOINT_BYTES, Registry, WorkerRecord
 

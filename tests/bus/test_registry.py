@@ -11,7 +11,7 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.registry import Registry, Reserved, SchedulerLease, WorkerLoad, WorkerRecord
 
 

@@ -8,13 +8,13 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import SCHEDULER_GROUP
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.dispatch import DispatchScript, TaskWrite
-from splitbus.bus.keys import SCHEDULER_GROUP
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.registry_view import RegistryView
-from splitbus.bus.streams import GroupConsumer, Producer
 from tests.placement.snapshot import request
 
 

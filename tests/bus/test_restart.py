@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import Cancel
 from splitbus.bus.results import ResultReader, ResultWriter
-from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.redis_server import EmbeddedRedis
 
 

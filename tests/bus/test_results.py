@@ -10,8 +10,8 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import Cancel, Failed, Finished, TokenDelta
 from splitbus.bus.results import ResultReader, ResultWriter, Sent, Subscription, read_sent
 

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import Failed, Finished, TokenDelta
 from splitbus.bus.results import RESULTS_LOST, ResultReader, ResultWriter, Subscription
 

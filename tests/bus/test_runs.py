@@ -14,12 +14,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
+from splitbus.bus.core.streams import Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.requests import Submissions
+from splitbus.bus.request_stream import Submissions
 from splitbus.bus.runs import CellRun, Runs, ServerRuns
-from splitbus.bus.streams import Producer
 from splitbus.redis_server import EmbeddedRedis
 
 

@@ -16,9 +16,9 @@ import redis.asyncio as aioredis
 
 import splitbus
 import splitbus.bus
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import Keys
-from splitbus.bus.scripts import SCRIPTS, LuaScript
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.core.scripts import SCRIPTS, LuaScript
 from tests.bus.slots import key_names, keys_of, sample, slots, watch_slots
 
 ROOT = Path(splitbus.__file__).parent
@@ -74,7 +74,7 @@ def _row(script: LuaScript) -> str:
 def test_every_script_in_splitbus_is_declared_in_the_bus_module_it_lives_in() -> None:
     declared = {script.source: script for script in _import_bus().values()}
     for source, module in _lua_in_sources().items():
-        assert source in declared, f"a Lua script in {module} is not declared (splitbus.bus.scripts.declare)"
+        assert source in declared, f"a Lua script in {module} is not declared (splitbus.bus.core.scripts.declare)"
         assert declared[source].module == module
         assert module.startswith("splitbus.bus."), f"{declared[source].name}: scripts live in bus/, not {module}"
 

@@ -7,10 +7,10 @@ import time
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.streams import Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.requests import backlog, request_consumer, submit, trim_requests
-from splitbus.bus.streams import Producer
+from splitbus.bus.request_stream import backlog, request_consumer, submit, trim_requests
 from splitbus.bus.tasks import task_consumer, trim_tasks, unread_tasks
 
 DEADLINE_MS = int(time.time() * 1000) + 3_600_000

@@ -15,7 +15,7 @@ import openai
 import pytest
 import redis
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.redis_server import EmbeddedRedis, embedded_url
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.test_redis_server import aof_bytes, write_plain_aof

@@ -11,8 +11,8 @@ import sys
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import WORKER_GROUP
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.cli.status_cmd import collect, render
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.cluster import ClusterTls
+from splitbus.bus.core.cluster import ClusterTls
 from splitbus.cli import up
 from splitbus.cli.cluster_up import MAX_NODE_RESTARTS, ClusterUp, check_cluster_options, start_cluster
 from splitbus.cli.embedded import (

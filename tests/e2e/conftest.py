@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from splitbus.bus.connection import connect_sync
+from splitbus.bus.core.connection import connect_sync
 from splitbus.redis_server import embedded_url, free_port
 
 

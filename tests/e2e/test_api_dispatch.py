@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from tests.e2e.conftest import start_system, stop_system
 from tests.e2e.test_splitwise import _fifty_concurrent_requests
 

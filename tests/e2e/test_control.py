@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
 from splitbus.bus.control import call
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.core.keys import Keys
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.redis_server import EmbeddedRedis, free_port
 from splitbus.worker.engines.sim import sim_text

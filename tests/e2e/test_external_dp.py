@@ -22,8 +22,8 @@ from typing import cast
 import pytest
 import redis
 
-from splitbus.bus.connection import connect_sync
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.connection import connect_sync
+from splitbus.bus.core.keys import Keys
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.worker.engines.sim import sim_text
 

@@ -25,11 +25,11 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
 from splitbus.bus.control import call
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.core.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.worker.engines.sim import sim_text

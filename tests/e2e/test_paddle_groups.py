@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.gpu_ops import device
 
 device.prepare()  # the CPU tuning comes before paddle's import

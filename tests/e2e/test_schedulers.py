@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 

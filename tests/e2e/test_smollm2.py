@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.env import load_env
 from splitbus.model_files.fetch import SOURCES, fetched_path
 from tests.e2e.conftest import System, start_system, stop_system

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import redis as sync_redis
 
-from splitbus.bus import codec
-from splitbus.bus.keys import Keys
+from splitbus.bus.core import codec
+from splitbus.bus.core.keys import Keys
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.redis_server import EmbeddedRedis
 

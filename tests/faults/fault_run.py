@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import openai
 import redis
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 
 ROLES = {"prefill": r"--role prefill", "decode": r"--role decode", "scheduler": r"splitbus\.cli\.main scheduler "}

@@ -22,7 +22,7 @@ import openai
 import pytest
 import redis
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.bus.results import shard_name
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.worker.engines.sim import sim_text

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from tests.e2e.conftest import System, start_system, stop_system
 
 

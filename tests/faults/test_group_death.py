@@ -16,7 +16,7 @@ from typing import cast
 
 import pytest
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.faults.kills import streams_with_a_kill

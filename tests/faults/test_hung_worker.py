@@ -17,8 +17,8 @@ import openai
 import pytest
 import redis
 
-from splitbus.bus import codec
-from splitbus.bus.keys import Keys
+from splitbus.bus.core import codec
+from splitbus.bus.core.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 from tests.faults.conftest import wait_until

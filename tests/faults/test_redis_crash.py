@@ -30,7 +30,7 @@ import openai
 import pytest
 import redis
 
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.keys import Keys
 from splitbus.redis_server import embedded_url
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system

@@ -10,7 +10,7 @@ import time
 import orjson
 import pytest
 
-from splitbus.bus import codec
+from splitbus.bus.core import codec
 from splitbus.bus.messages import Finished, TokenDelta
 from splitbus.worker.engines.sim import sim_text
 from tests.faults.conftest import READER, Bus, request, wait_until

@@ -7,8 +7,8 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.placement.decision import Placed, Placement, Waiting

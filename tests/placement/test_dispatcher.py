@@ -8,12 +8,12 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP
+from splitbus.bus.core.streams import Delivery, GroupConsumer, Producer
 from splitbus.bus.dispatch import MAX_CURRENT_TTL_S
-from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
 from splitbus.bus.runs import CellRun
-from splitbus.bus.streams import Delivery, GroupConsumer, Producer
 from splitbus.placement.decision import Placement
 from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome, SettleOutcome
 from splitbus.scheduler.config import SchedulerConfig

@@ -7,8 +7,9 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.replies import for_xadd
 from splitbus.bus.kv_events import KvEventPublisher, KvEventReader
 from splitbus.bus.messages.kv_events import (
     MAX_BATCH_HASHES,
@@ -20,7 +21,6 @@ from splitbus.bus.messages.kv_events import (
     KvSnapshot,
 )
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
-from splitbus.bus.replies import for_xadd
 from splitbus.placement.kv_index import UNREPORTED_BLOCKS, KvIndex, KvIndexFeeder, capacity_limit
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.scheduler import Scheduler

@@ -11,16 +11,16 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
-from splitbus.bus.config import BusConfig
 from splitbus.bus.control import ControlServer
-from splitbus.bus.keys import SCHEDULER_GROUP, WORKER_GROUP
-from splitbus.bus.loops import Loops
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP
+from splitbus.bus.core.loops import Loops
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.results import ResultReader, ResultWriter
-from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.placement.decision import Placement
 from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
 from splitbus.scheduler.config import SchedulerConfig

@@ -13,13 +13,13 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
-from splitbus.bus import codec
-from splitbus.bus.codec import NamedRequest
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import SCHEDULER_GROUP
+from splitbus.bus.core import codec
+from splitbus.bus.core.codec import NamedRequest
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import SCHEDULER_GROUP
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import Failed
 from splitbus.bus.registry import Registry, SchedulerLease, WorkerLoad, WorkerRecord
-from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.placement.policies.stagger import next_boundary
 from splitbus.placement.stagger import RELEASE_LEAD_S
 from splitbus.scheduler.config import SchedulerConfig

@@ -129,16 +129,16 @@ def test_entered_twice_is_a_cycle_of_calls_between_files() -> None:
 
 def test_analyse_counts_a_file_two_processes_run_once() -> None:
     api = Process(1, 0, "python -m splitbus.cli.main api")
-    api.codes = {0: ("splitbus/api/app.py", "handle"), 1: ("splitbus/bus/codec.py", "encode")}
+    api.codes = {0: ("splitbus/api/app.py", "handle"), 1: ("splitbus/bus/core/codec.py", "encode")}
     api.events = [Event(10, 0, True, ""), Event(11, 1, True, "splitbus/api/app.py")]
     worker = Process(2, 0, "python -m splitbus.cli.main worker --role prefill")
-    worker.codes = {0: ("splitbus/bus/codec.py", "decode"), 1: ("splitbus/worker/feed.py", "accept")}
+    worker.codes = {0: ("splitbus/bus/core/codec.py", "decode"), 1: ("splitbus/worker/feed.py", "accept")}
     worker.events = [Event(12, 1, True, ""), Event(13, 0, True, "splitbus/worker/feed.py")]
     report = analyse([worker, api], (0, 50), [(50, 100)], requests=1)
     assert (report["files"], report["files_per_process"], report["entered_twice"]) == (3, 4, 0)
     assert [(row["process"], row["files"]) for row in report["processes"]] == [
-        ("api", ["splitbus/api/app.py", "splitbus/bus/codec.py"]),
-        ("prefill worker", ["splitbus/worker/feed.py", "splitbus/bus/codec.py"]),
+        ("api", ["splitbus/api/app.py", "splitbus/bus/core/codec.py"]),
+        ("prefill worker", ["splitbus/worker/feed.py", "splitbus/bus/core/codec.py"]),
     ]
 
 

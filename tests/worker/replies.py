@@ -8,8 +8,8 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from splitbus.bus import codec
-from splitbus.bus.codec import Message
+from splitbus.bus.core import codec
+from splitbus.bus.core.codec import Message
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 """XRANGE's reply on a client that does not decode: [(entry id, fields)]."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.worker.config import WorkerConfig
 
 

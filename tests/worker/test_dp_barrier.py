@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.worker.dp import GroupBarrier, GroupBroken, StepPlan
 
 BOUND_S = 5.0

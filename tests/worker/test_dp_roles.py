@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import dp

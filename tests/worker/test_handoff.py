@@ -11,8 +11,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.reservations import Reservation, Reservations

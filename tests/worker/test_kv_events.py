@@ -13,7 +13,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from splitbus.bus.blocks import block_hashes
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.streams import Producer
 from splitbus.bus.kv_events import KvEventReader
 from splitbus.bus.messages import Finished, GenerateRequest, SamplingParams, Task
 from splitbus.bus.messages.kv_events import (
@@ -26,7 +27,6 @@ from splitbus.bus.messages.kv_events import (
 )
 from splitbus.bus.results import ResultReader, Subscription
 from splitbus.bus.runs import Runs
-from splitbus.bus.streams import Producer
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig

@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.lease import Lease

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import TRANSIENT_ERRORS
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import TRANSIENT_ERRORS
+from splitbus.bus.core.keys import WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.reservations import Reservations
 from splitbus.redis_server import EmbeddedRedis

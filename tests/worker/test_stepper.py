@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.registry import Registry
 from splitbus.tokenization import ModelTokenizer

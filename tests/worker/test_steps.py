@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import TokenDelta
 from splitbus.worker.requests import Status
 from tests.worker.test_stepper import entries, mixed_worker, queue

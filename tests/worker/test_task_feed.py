@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.typing import EncodableT, FieldT
 
-from splitbus.bus.aio import cancel_and_wait
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import forever
-from splitbus.bus.keys import WORKER_GROUP
+from splitbus.bus.core.aio import cancel_and_wait
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import forever
+from splitbus.bus.core.keys import WORKER_GROUP
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig

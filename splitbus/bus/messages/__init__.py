@@ -5,7 +5,6 @@
 - ``results``: worker -> API node (``sb:out:{reader}:<request>``)
 - ``cancel``: anyone -> every worker and scheduler (``sb:cancel:{cell}``)
 - ``control``: anyone -> one worker (``sb:ctrl:{cell}:<worker>``), and its reply (``sb:reply:{task}``)
-- ``dead``: any consumer -> operators (``sb:dead:{cell}``)
 
 Importing this package registers every type with the codec: every module in it is imported, so
 a new message module needs no line here to be decoded (its types are exported from its module).
@@ -16,7 +15,6 @@ import pkgutil
 
 from splitbus.bus.messages.cancel import Cancel
 from splitbus.bus.messages.control import ControlCommand, ControlReply
-from splitbus.bus.messages.dead import DeadLetter
 from splitbus.bus.messages.requests import GenerateRequest, SamplingParams
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
 from splitbus.bus.messages.tasks import Task
@@ -25,7 +23,6 @@ __all__ = [
     "Cancel",
     "ControlCommand",
     "ControlReply",
-    "DeadLetter",
     "Failed",
     "Finished",
     "GenerateRequest",

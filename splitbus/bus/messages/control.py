@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from splitbus.bus.codec import message
+from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import require, require_str
 
 COMMANDS = ("get_payload", "get_metrics", "connect_rdma")

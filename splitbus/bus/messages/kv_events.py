@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from splitbus.bus.blocks import HEX_FORMAT
-from splitbus.bus.codec import message
+from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import require, require_int, require_str
 
 MAX_HASH_HEX = 64

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from splitbus.bus.blocks import HEX_DIGITS
-from splitbus.bus.codec import message
+from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
     MAX_DEADLINE_MS,
     MAX_STOP_CHARS,

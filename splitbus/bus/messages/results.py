@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from splitbus.bus.codec import message
+from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import MAX_SEQ, MAX_TOKENS, require_int, require_int_list, require_str
 
 FINISH_REASONS = ("stop", "length", "abort")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.streams import Delivery
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.streams import Delivery
 from splitbus.cli import main as cli
 from splitbus.cli import scheduler_cmd
 from splitbus.env import load_env

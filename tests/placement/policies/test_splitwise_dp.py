@@ -10,11 +10,11 @@ import time
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.streams import Delivery
 from splitbus.bus.messages import Cancel
 from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
-from splitbus.bus.streams import Delivery
 from splitbus.placement.decision import Waiting
 from splitbus.placement.policies import Admitted, NoPlacement, Placed, PlacingContext, PolicyOptions, create
 from splitbus.placement.policies.splitwise_dp import SplitwiseDpPolicy

@@ -7,11 +7,11 @@ import time
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.streams import Delivery
 from splitbus.bus.messages import Cancel
 from splitbus.bus.registry import Registry, WorkerLoad
 from splitbus.bus.registry_view import RegistryView
-from splitbus.bus.streams import Delivery
 from splitbus.placement.decision import Waiting
 from splitbus.placement.policies import Admitted, PlacingContext, PolicyOptions, create
 from splitbus.placement.policies.stagger import StaggerPolicy

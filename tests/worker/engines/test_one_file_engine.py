@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.streams import Producer
 from splitbus.bus.messages import Finished, GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.results import ResultReader, Subscription
-from splitbus.bus.streams import Producer
 from splitbus.cli import up, worker_cmd
 from splitbus.env import load_env
 from splitbus.tokenization import ModelTokenizer

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.config import BusConfig
 from splitbus.cli import up, worker_cmd
 from splitbus.env import load_env
 from splitbus.tokenization import ModelTokenizer

@@ -14,10 +14,10 @@ from redis.crc import key_slot
 from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from splitbus.bus.cluster import BusCluster, cluster_url, parse_cluster_url
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect, forever, is_transient
-from splitbus.bus.wire import BusConnection, BusSSLConnection, guarded
+from splitbus.bus.core.cluster import BusCluster, cluster_url, parse_cluster_url
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect, forever, is_transient
+from splitbus.bus.core.wire import BusConnection, BusSSLConnection, guarded
 from splitbus.redis_cluster import EmbeddedCluster
 
 

@@ -3,7 +3,7 @@
 A script is declared once, at import, in the bus module that owns its keys (``declare``), and run
 from there (``LuaScript.register``). The declaration names every key the script touches, in
 KEYS order, as docs/bus.md names keys: a script builds no key name (every key it touches comes in
-KEYS, built by ``splitbus.bus.keys``), which is what Redis Cluster needs to route it and what
+KEYS, built by ``splitbus.bus.core.keys``), which is what Redis Cluster needs to route it and what
 lets a reader see from the declaration alone which hash slots it spans. docs/bus.md's script
 table is checked against ``SCRIPTS`` (tests/bus/test_scripts.py).
 """

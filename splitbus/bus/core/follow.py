@@ -16,8 +16,8 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import cluster
-from splitbus.bus.replies import EntryFields, XReadReply
+from splitbus.bus.core import cluster
+from splitbus.bus.core.replies import EntryFields, XReadReply
 
 Followed = tuple[str, str, EntryFields]
 """One entry read: its stream, its id, its fields."""

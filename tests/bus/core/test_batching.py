@@ -8,8 +8,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from splitbus.bus.batching import Batcher
-from splitbus.bus.config import BusConfig
+from splitbus.bus.core.batching import Batcher
+from splitbus.bus.core.config import BusConfig
 
 
 async def test_concurrent_commands_share_a_pipeline_and_get_their_own_replies(

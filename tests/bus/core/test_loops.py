@@ -1,4 +1,4 @@
-"""The one way background loops run (splitbus/bus/loops.py): its error policy, pure logic."""
+"""The one way background loops run (splitbus/bus/core/loops.py): its error policy, pure logic."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from splitbus.bus.loops import EXIT_FATAL, Loops
+from splitbus.bus.core.loops import EXIT_FATAL, Loops
 
 
 async def test_a_loop_that_fails_stops_the_process_non_zero_and_says_why(caplog: pytest.LogCaptureFixture) -> None:

@@ -8,11 +8,12 @@ import dataclasses
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from splitbus.bus import codec
-from splitbus.bus.codec import NamedRequest
-from splitbus.bus.config import BusConfig
-from splitbus.bus.messages import Cancel, DeadLetter, GenerateRequest, SamplingParams
-from splitbus.bus.streams import GroupConsumer, Producer, trim_consumed
+from splitbus.bus.core import codec
+from splitbus.bus.core.codec import NamedRequest
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.dead import DeadLetter
+from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed
+from splitbus.bus.messages import Cancel, GenerateRequest, SamplingParams
 
 GROUP = "g"
 
@@ -183,7 +184,7 @@ async def test_batched_producer_shares_pipelines_between_concurrent_sends(
 async def test_trim_survives_acks_between_its_two_reads(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     # XINFO says entries are pending, then every one is acked before XPENDING runs (another
     # replica's ack): XPENDING's min is then nil, and trimming goes on past the last read.
-    from splitbus.bus import streams
+    from splitbus.bus.core import streams
 
     consumer = await _consumer(redis, bus_config)
     stream = bus_config.keys.requests

@@ -28,7 +28,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import MaxConnectionsError, SlotNotCoveredError
 from redis.typing import EncodableT, KeyT, StreamIdT
 
-from splitbus.bus.wire import PinnedSSLConnection, guarded
+from splitbus.bus.core.wire import PinnedSSLConnection, guarded
 
 SCHEME = "redis+cluster"
 TLS_SCHEME = "rediss+cluster"
@@ -57,8 +57,8 @@ class ClusterTls:
 
     def settings(self, sync: bool = False) -> dict[str, Any]:
         """redis-py's keyword arguments, for the bus's asyncio cluster client (whose nodes connect
-        on :class:`~splitbus.bus.wire.BusSSLConnection`) or, ``sync``, a synchronous one (on
-        :class:`~splitbus.bus.wire.PinnedSSLConnection`): either trusts ``ca_certs`` alone."""
+        on :class:`~splitbus.bus.core.wire.BusSSLConnection`) or, ``sync``, a synchronous one (on
+        :class:`~splitbus.bus.core.wire.PinnedSSLConnection`): either trusts ``ca_certs`` alone."""
         return {
             "ssl": True,
             "ssl_cert_reqs": "required",
@@ -191,7 +191,7 @@ class BusCluster(aioredis.RedisCluster):
     two things it does unlike the single-Redis client under concurrency.
 
     **The bus's connections.** Every node's connections are the single-Redis client's,
-    :class:`~splitbus.bus.wire.BusConnection` (``BusSSLConnection`` on TLS): a write to a
+    :class:`~splitbus.bus.core.wire.BusConnection` (``BusSSLConnection`` on TLS): a write to a
     transport closed under it is a ``ConnectionError``, and a cancel that meets a write's end is
     not lost (redis-py alone: a cancelled task may run on). See :meth:`_guard_connections`.
 
@@ -217,7 +217,7 @@ class BusCluster(aioredis.RedisCluster):
 
     pool_wait_s: float = 5.0
     """How long a command waits for a connection of a full node pool (a single Redis's blocking
-    pool waits ``socket_timeout_s``, what :func:`~splitbus.bus.connection.connect` sets this to)."""
+    pool waits ``socket_timeout_s``, what :func:`~splitbus.bus.core.connection.connect` sets this to)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -315,7 +315,7 @@ async def xread(
     """``XREAD COUNT count [BLOCK block] STREAMS ...`` (no BLOCK for None); on a cluster sent to
     the primary of the streams' slot (they must share one: the server answers CROSSSLOT
     otherwise). The reply is as the client's response callback makes it. Callers follow streams
-    through ``splitbus.bus.follow``."""
+    through ``splitbus.bus.core.follow``."""
     blocking = ("BLOCK", block) if block is not None else ()
     args = ("COUNT", count, *blocking, "STREAMS", *streams.keys(), *streams.values())
     cluster = as_cluster(redis)

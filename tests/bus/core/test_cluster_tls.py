@@ -1,5 +1,5 @@
 """``rediss+cluster://``: TLS to every node of a cluster, the nodes' certificates verified
-(splitbus/bus/cluster.py, splitbus/bus/connection.py). Its options, and the attack it stops: a
+(splitbus/bus/core/cluster.py, splitbus/bus/core/connection.py). Its options, and the attack it stops: a
 listener that is not a node of the cluster (a startup node that is someone else's, as a forged
 ``MOVED`` would point at) never receives the password, in clear or otherwise. A plain
 ``redis+cluster://`` client shows what it would receive (so that the check could fail)."""
@@ -17,9 +17,9 @@ import pytest
 import redis
 from redis.exceptions import RedisClusterException
 
-from splitbus.bus.cluster import ClusterTls, ClusterUrl, cluster_url, parse_cluster_url
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect, connect_sync
+from splitbus.bus.core.cluster import ClusterTls, ClusterUrl, cluster_url, parse_cluster_url
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect, connect_sync
 from splitbus.cli.redis_cli_cmd import connection_options
 from splitbus.cluster_tls import TlsFiles, ensure_tls_files
 from splitbus.redis_cluster import EmbeddedCluster

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from splitbus.bus.codec import message
+from splitbus.bus.core.codec import message
 
 
 @message

@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 import splitbus.bus.messages
-from splitbus.bus import codec
-from splitbus.bus.errors import DecodeError
+from splitbus.bus.core import codec
+from splitbus.bus.core.errors import DecodeError
 from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, SamplingParams, TokenDelta
 
 

@@ -1,4 +1,4 @@
-"""The ordered writer (``splitbus.bus.ordered``): one script run per slot group and chunk, in
+"""The ordered writer (``splitbus.bus.core.ordered``): one script run per slot group and chunk, in
 order; what failed is written again first; a lost script is loaded again."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import EncodableT
 
-from splitbus.bus.ordered import OrderedWriter
-from splitbus.bus.scripts import LuaScript
+from splitbus.bus.core.ordered import OrderedWriter
+from splitbus.bus.core.scripts import LuaScript
 
 # A test script, not declared: it is no part of the bus.
 _APPEND = LuaScript(

@@ -1,5 +1,5 @@
 """The request stream, ``sb:requests:{cell}`` (group ``schedulers``): API nodes submit, the scheduler
-replicas read. Reads and writes are bus/streams.py's; this module names the stream for them."""
+replicas read. Reads and writes are bus/core/streams.py's; this module names the stream for them."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.codec import NamedRequest
-from splitbus.bus.config import BusConfig
-from splitbus.bus.keys import SCHEDULER_GROUP, Keys
+from splitbus.bus.core.codec import NamedRequest
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import SCHEDULER_GROUP, Keys
+from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.streams import GroupConsumer, Producer, trim_consumed
 
 
 async def submit(producer: Producer, keys: Keys, request: GenerateRequest) -> str:

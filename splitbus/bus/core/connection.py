@@ -19,9 +19,9 @@ from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from splitbus.bus.cluster import BusCluster, is_cluster_url, parse_cluster_url
-from splitbus.bus.config import BusConfig
-from splitbus.bus.wire import BusConnection, closed_transport
+from splitbus.bus.core.cluster import BusCluster, is_cluster_url, parse_cluster_url
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.wire import BusConnection, closed_transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,7 +65,7 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
 
     A full pool makes callers wait for a connection (redis-py's default pool raises at once; on
     a cluster, commands wait for one of ``max_connections`` places instead, and for a connection
-    of a full node pool: :class:`~splitbus.bus.cluster.BusCluster`). RESP2 keeps reply shapes
+    of a full node pool: :class:`~splitbus.bus.core.cluster.BusCluster`). RESP2 keeps reply shapes
     identical on Redis 6.2 and 7. Retries are few and short, of connection errors only: the bus's
     loops own reconnection (with backoff), so a dead server surfaces in seconds, not the minute
     that redis-py 8's defaults take. ``name`` is set with CLIENT SETNAME, so ``redis-cli CLIENT LIST`` shows which
@@ -76,7 +76,7 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
     if is_cluster_url(config.redis_url):
         # The cluster client has the command methods of a single-Redis one (they share their
         # command mixins), which is all the bus calls on it; the few places where the two differ
-        # ask splitbus.bus.cluster.as_cluster. One cast here, not a union in every signature.
+        # ask splitbus.bus.core.cluster.as_cluster. One cast here, not a union in every signature.
         return cast(aioredis.Redis, connect_cluster(config, max_connections=max_connections, name=name))
     pool = aioredis.BlockingConnectionPool.from_url(
         config.redis_url,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitbus.bus.cluster import is_cluster_url, parse_cluster_url
-from splitbus.bus.keys import Keys
+from splitbus.bus.core.cluster import is_cluster_url, parse_cluster_url
+from splitbus.bus.core.keys import Keys
 from splitbus.env import DEFAULT_CELL, DEFAULT_PREFIX, valid_tag
 
 
@@ -13,7 +13,7 @@ from splitbus.env import DEFAULT_CELL, DEFAULT_PREFIX, valid_tag
 class BusConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     """One Redis (any URL redis-py reads), or a Redis Cluster:
-    ``redis+cluster://user:password@host:port,host:port,...`` (``splitbus.bus.cluster``). Not in
+    ``redis+cluster://user:password@host:port,host:port,...`` (``splitbus.bus.core.cluster``). Not in
     ``repr``: it carries the password, and a config can end up in a log line or a test report."""
     prefix: str = DEFAULT_PREFIX
     cell: str = DEFAULT_CELL

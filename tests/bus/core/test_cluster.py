@@ -16,14 +16,14 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
-from splitbus.bus import cluster
-from splitbus.bus.batching import Batcher
-from splitbus.bus.cluster import ClusterUrl, parse_cluster_url
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect, connect_sync, is_transient
+from splitbus.bus.core import cluster
+from splitbus.bus.core.batching import Batcher
+from splitbus.bus.core.cluster import ClusterUrl, parse_cluster_url
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect, connect_sync, is_transient
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import ControlCommand
 from splitbus.bus.results import ResultWriter, read_sent
-from splitbus.bus.streams import GroupConsumer, Producer
 from splitbus.cli.redis_cli_cmd import connection_options
 from splitbus.masking import mask_url
 from splitbus.redis_cluster import ClusterNodeServer, EmbeddedCluster, parse_nodes

@@ -13,14 +13,14 @@ from typing import Generic, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from splitbus.bus import cluster, codec, metrics
-from splitbus.bus.batching import Batcher
-from splitbus.bus.codec import Message
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import is_transient
-from splitbus.bus.errors import DecodeError
-from splitbus.bus.messages.dead import DeadLetter
-from splitbus.bus.replies import (
+from splitbus.bus.core import cluster, codec, metrics
+from splitbus.bus.core.batching import Batcher
+from splitbus.bus.core.codec import Message
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import is_transient
+from splitbus.bus.core.dead import DeadLetter
+from splitbus.bus.core.errors import DecodeError
+from splitbus.bus.core.replies import (
     EntryFields,
     MaybeEntry,
     ScriptEntries,
@@ -32,7 +32,7 @@ from splitbus.bus.replies import (
     autoclaim_parts,
     for_xadd,
 )
-from splitbus.bus.scripts import LuaScript, declare
+from splitbus.bus.core.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from splitbus.bus.aio import cancel_and_wait
-from splitbus.bus.connection import forever
+from splitbus.bus.core.aio import cancel_and_wait
+from splitbus.bus.core.connection import forever
 
 log = logging.getLogger(__name__)
 

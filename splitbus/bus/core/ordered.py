@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
-from splitbus.bus.scripts import LuaScript
+from splitbus.bus.core.scripts import LuaScript
 
 Item = TypeVar("Item")
 """What the owner buffers: one entry and what it needs to write it (distinct objects: an item is

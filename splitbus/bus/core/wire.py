@@ -1,7 +1,7 @@
 """The bus's connection to one Redis server, a single Redis or a cluster node (docs/bus.md,
 "redis-py settings"): redis-py's, plain or TLS, guarded for two things a write can meet
-(:class:`GuardedWrites`). Apart from :mod:`splitbus.bus.connection`, whose ``connect`` builds
-single-Redis pools of them, so that :mod:`splitbus.bus.cluster` can give every node of a
+(:class:`GuardedWrites`). Apart from :mod:`splitbus.bus.core.connection`, whose ``connect`` builds
+single-Redis pools of them, so that :mod:`splitbus.bus.core.cluster` can give every node of a
 cluster client the same class without importing the module that imports it."""
 
 from __future__ import annotations

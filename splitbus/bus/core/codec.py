@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, TypeGuard, TypeVar
 
 import orjson
 
-from splitbus.bus.errors import DecodeError
+from splitbus.bus.core.errors import DecodeError
 
 Fields = dict[bytes, bytes]
 MAX_DATA_BYTES = 128 * 1024 * 1024

@@ -10,10 +10,10 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from splitbus.bus import cluster
-from splitbus.bus.cluster import BusCluster
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
+from splitbus.bus.core import cluster
+from splitbus.bus.core.cluster import BusCluster
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
 from splitbus.redis_cluster import EmbeddedCluster
 
 

@@ -1,4 +1,4 @@
-"""The follower of many streams (``splitbus.bus.follow``): one XREAD, on one Redis or a cluster."""
+"""The follower of many streams (``splitbus.bus.core.follow``): one XREAD, on one Redis or a cluster."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from splitbus.bus.config import BusConfig
-from splitbus.bus.connection import connect
-from splitbus.bus.follow import read_after
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.core.follow import read_after
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
 
