@@ -1,6 +1,7 @@
-"""Imports run one way (docs/architecture.md): bus imports no other part, placement only bus, api
-never imports worker or the scheduler process, worker never imports api, bench never imports cli,
-gpu_ops imports only paddle and numpy, architectures imports only tokenization."""
+"""Imports run one way (docs/architecture.md): bus imports no other part, and inside it the core
+(splitbus/bus/core/) imports no protocol; placement imports only bus, api never imports worker or
+the scheduler process, worker never imports api, bench never imports cli, gpu_ops imports only
+paddle and numpy, architectures imports only tokenization."""
 
 from __future__ import annotations
 
@@ -227,3 +228,54 @@ WORKER_IMPORT_DEPTH = 6
 def test_worker_import_depth() -> None:
     chain = _longest_chain(_import_graph(), "splitbus.worker")
     assert len(chain) <= WORKER_IMPORT_DEPTH, f"{len(chain)} modules deep: {' -> '.join(chain)}"
+LAYERS = {"splitbus.bus.core": ("splitbus.bus.core", "splitbus.env")}
+"""Layer -> the only splitbus modules (and packages under them) its modules may import. The bus
+in two layers (docs/bus.md, "Two layers"): its core (connection, codec, keys, scripts, batching,
+the stream primitives) imports nothing of splitbus but itself and the environment: no protocol
+(``splitbus/bus/*.py``, ``messages/``), no other part. The protocols stand on the core."""
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _crossings(graph: dict[str, dict[str, int]], layer: str, allowed: tuple[str, ...]) -> list[str]:
+    """Each import by a module of ``layer`` of a module outside ``allowed``, with its line."""
+    return [
+        f"{module} (line {line}) imports {target}"
+        for module, targets in sorted(graph.items())
+        if _within(module, (layer,))
+        for target, line in sorted(targets.items())
+        if not _within(target, allowed)
+    ]
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_layer_imports_only_what_is_below_it(layer: str) -> None:
+    graph = _import_graph()
+    assert [module for module in graph if _within(module, (layer,))], f"{layer} has no module: the check checks nothing"
+    assert _crossings(graph, layer, LAYERS[layer]) == []
+
+
+def test_the_layer_check_sees_every_crossing(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "",
+        "env.py": "",
+        "bus/__init__.py": "",
+        "bus/tasks.py": "from splitbus.bus.core import codec\n",
+        "bus/core/__init__.py": "",
+        "bus/core/codec.py": "from splitbus import env\n",
+        "bus/core/streams.py": "from splitbus.bus.core import codec\nfrom .. import tasks\n",
+        "bus/core/later.py": "def f():\n    from splitbus.bus.tasks import Task\n",
+        "bus/core_extra.py": "",
+        "bus/core/wide.py": "import splitbus.bus.core_extra\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "splitbus" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "splitbus" / name).write_text(text)
+    graph = _import_graph(tmp_path / "splitbus")
+    assert _crossings(graph, "splitbus.bus.core", ("splitbus.bus.core", "splitbus.env")) == [
+        "splitbus.bus.core.later (line 2) imports splitbus.bus.tasks",
+        "splitbus.bus.core.streams (line 2) imports splitbus.bus.tasks",
+        "splitbus.bus.core.wide (line 1) imports splitbus.bus.core_extra",
+    ]
