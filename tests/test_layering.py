@@ -166,6 +166,14 @@ def test_no_import_cycle() -> None:
     assert [_describe(cycle, graph) for cycle in _cycles(graph)] == []
 
 
+def _graph_of(tmp_path: Path, files: dict[str, str]) -> dict[str, dict[str, int]]:
+    """The import graph of a made-up ``splitbus`` package: its files' paths and texts."""
+    for name, text in files.items():
+        (tmp_path / "splitbus" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "splitbus" / name).write_text(text)
+    return _import_graph(tmp_path / "splitbus")
+
+
 def test_cycle_check_sees_relative_deferred_and_type_checking_imports(tmp_path: Path) -> None:
     files = {
         "__init__.py": "",
@@ -175,10 +183,7 @@ def test_cycle_check_sees_relative_deferred_and_type_checking_imports(tmp_path: 
         "a/sub/__init__.py": "",
         "a/sub/four.py": "import os\nfrom ..one import One\nfrom .. import two\n",
     }
-    for name, text in files.items():
-        (tmp_path / "splitbus" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "splitbus" / name).write_text(text)
-    graph = _import_graph(tmp_path / "splitbus")
+    graph = _graph_of(tmp_path, files)
     assert graph["splitbus.a.sub.four"] == {"splitbus.a.one": 2, "splitbus.a.two": 3}
     assert _cycles(graph) == [["splitbus.a.one", "splitbus.a.two", "splitbus.a.one"]]
     assert _describe(_cycles(graph)[0], graph) == "splitbus.a.one (line 4) -> splitbus.a.two (line 2) -> splitbus.a.one"
@@ -270,10 +275,7 @@ def test_the_layer_check_sees_every_crossing(tmp_path: Path) -> None:
         "bus/core_extra.py": "",
         "bus/core/wide.py": "import splitbus.bus.core_extra\n",
     }
-    for name, text in files.items():
-        (tmp_path / "splitbus" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "splitbus" / name).write_text(text)
-    graph = _import_graph(tmp_path / "splitbus")
+    graph = _graph_of(tmp_path, files)
     assert _crossings(graph, "splitbus.bus.core", ("splitbus.bus.core", "splitbus.env")) == [
         "splitbus.bus.core.later (line 2) imports splitbus.bus.tasks",
         "splitbus.bus.core.streams (line 2) imports splitbus.bus.tasks",
