@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from splitbus.bus.core import codec, follow
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.errors import DecodeError
-from splitbus.bus.core.replies import EntryFields, for_xadd
+from splitbus.bus.core.replies import EntryFields, for_xadd, text
 from splitbus.bus.messages.kv_events import (
     MAX_BATCH_EVENTS,
     MAX_BATCH_HASHES,
@@ -161,7 +161,7 @@ class KvEventPublisher:
             pipe.expire(self.stream, KEYS_TTL_S)
         replies = await pipe.execute()
         self.event_id += 1
-        self._stream_id = _text(replies[0])
+        self._stream_id = text(replies[0])
         self._refreshed_at = self._clock() if refresh else self._refreshed_at
         fold(self._cached, events)
 
@@ -296,7 +296,3 @@ def _snapshot(worker: str, raw: EntryFields, max_bytes: int) -> KvSnapshot | Ref
         log.warning("the KV snapshot key of %s holds something else", worker)
         return None
     return snapshot
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -20,7 +20,7 @@ from redis.asyncio.client import Pipeline
 from splitbus import __version__
 from splitbus.bus.core import codec, metrics
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.core.replies import SnapshotReply, for_xadd
+from splitbus.bus.core.replies import SnapshotReply, for_xadd, pairs, text
 from splitbus.bus.core.scripts import LuaScript, declare
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
@@ -314,12 +314,12 @@ class Registry:
         are read in a second round trip (see docs/bus.md, "Worker registry")."""
         reply = await self._snapshot(keys=self._snapshot_keys(), args=self._known)
         listed, rows, (seconds, micros), last = cast(SnapshotReply, reply)
-        ids = [_text(worker_id) for worker_id in listed]
-        found = {_text(worker_id): (ttl, _pairs(flat)) for worker_id, ttl, flat in rows}
+        ids = [text(worker_id) for worker_id in listed]
+        found = {text(worker_id): (ttl, pairs(flat, strict=True)) for worker_id, ttl, flat in rows}
         found.update(await self._read_new([w for w in ids if w not in found]))
         self._known = ids
         server_ms = int(seconds) * 1000 + int(micros) // 1000
-        return Snapshot(self._infos(ids, found), server_ms, _text(last[0][0]) if last else "0-0")
+        return Snapshot(self._infos(ids, found), server_ms, text(last[0][0]) if last else "0-0")
 
     def _snapshot_keys(self) -> list[str]:
         """The snapshot script's KEYS: the cell's set and log, then the record and lease of each
@@ -504,15 +504,6 @@ def _decoded(name: bytes, value: bytes) -> tuple[str, str]:
         return name.decode(), value.decode()
     except UnicodeDecodeError:
         raise ValueError(f"{name.decode(errors='replace')!r:.40} is not UTF-8") from None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
-    """A hash as a script returns it (a flat list), as redis-py's HGETALL gives it."""
-    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 class SchedulerLease:

@@ -293,7 +293,3 @@ def _with_load(record: WorkerRecord, fields: dict[str, str]) -> WorkerRecord:
     if not changed:
         return record
     return dataclasses.replace(record, load=dataclasses.replace(record.load, **changed))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -30,7 +30,7 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
 from splitbus.bus.core.errors import DecodeError
 from splitbus.bus.core.ordered import OrderedWriter
-from splitbus.bus.core.replies import Entry, RawEntry, RawXReadReply
+from splitbus.bus.core.replies import Entry, RawEntry, RawXReadReply, pairs
 from splitbus.bus.core.scripts import LuaScript, declare
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
@@ -512,7 +512,7 @@ class _Shard:
             self._retire(sub)
 
     def _accept(self, sub: Subscription, entry_id: bytes, flat: list[bytes]) -> None:
-        fields = dict(zip(flat[::2], flat[1::2], strict=False))
+        fields = pairs(flat)
         self._reads += 1
         if self._reads % LATENCY_SAMPLE_EVERY == 0:
             published = codec.published_us(fields)

@@ -17,7 +17,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from splitbus.bus.core import cluster
-from splitbus.bus.core.replies import EntryFields, XReadReply
+from splitbus.bus.core.replies import EntryFields, XReadReply, text
 
 Followed = tuple[str, str, EntryFields]
 """One entry read: its stream, its id, its fields."""
@@ -31,8 +31,4 @@ async def read_after(
     if not cursors:
         return []
     reply = cast(XReadReply, await cluster.xread(redis, cursors, count, block_ms) or [])
-    return [(_text(key), _text(entry_id), fields) for key, entries in reply for entry_id, fields in entries]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return [(text(key), text(entry_id), fields) for key, entries in reply for entry_id, fields in entries]

@@ -82,6 +82,18 @@ def for_xadd(fields: EntryFields) -> XAddFields:
     return cast(XAddFields, fields)
 
 
+def text(value: bytes | str) -> str:
+    """An id or a name in a reply, as text (bytes from the bus's clients; ``str`` where a caller
+    passed its own)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def pairs(flat: list[bytes], strict: bool = False) -> EntryFields:
+    """A field, value list as Redis sends it (a script's reply, a raw ``XREAD``) as redis-py's
+    dict; ``strict``: ValueError for an odd-length list, else its last field is dropped."""
+    return dict(zip(flat[::2], flat[1::2], strict=strict))
+
+
 def autoclaim_parts(reply: list[object]) -> tuple[bytes, list[MaybeEntry], list[bytes]]:
     """XAUTOCLAIM's reply: the next cursor, the claimed entries, and (Redis 7.0+; none on 6.2)
     the ids of pending entries that no longer exist."""

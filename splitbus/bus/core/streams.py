@@ -31,23 +31,16 @@ from splitbus.bus.core.replies import (
     XReadGroupReply,
     autoclaim_parts,
     for_xadd,
+    pairs,
+    text,
 )
 from splitbus.bus.core.scripts import LuaScript, declare
 
 log = logging.getLogger(__name__)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 _Read = tuple[str, EntryFields | None]
 """An entry read or claimed, its id decoded."""
-
-
-def _pairs(flat: list[bytes]) -> EntryFields:
-    """A stream entry's fields as a script returns them (a flat list), as redis-py gives them."""
-    return dict(zip(flat[::2], flat[1::2], strict=False))
 
 
 _GROUP_STREAM = "sb:requests:{cell} | sb:tasks:{cell}:<worker> | sb:ctrl:{cell}:<worker>"
@@ -134,7 +127,7 @@ class Producer:
         else:
             entry_id = await self._redis.xadd(stream, fields, maxlen=maxlen, approximate=True)
         metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()
-        return _text(entry_id)
+        return text(entry_id)
 
     async def send_many(self, items: Sequence[tuple[str, Message]]) -> list[str]:
         """XADD each (stream, message) in one pipeline (no MULTI: entries go to many slots)."""
@@ -146,7 +139,7 @@ class Producer:
         ids = await pipe.execute()
         for stream, _ in items:
             metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()
-        return [_text(i) for i in ids]
+        return [text(i) for i in ids]
 
 
 class DeadLetters:
@@ -236,10 +229,10 @@ class GroupConsumer:
         run under its name), those past the delivery bound dead-lettered; once none is left, the
         backlog is done and reads go on with new entries."""
         raw = await self._xreadgroup(cursor, capacity, None)
-        self._pending_cursor = _text(raw[-1][0]) if raw else None
+        self._pending_cursor = text(raw[-1][0]) if raw else None
         if not raw:
             return []
-        return await self._decode_all(await self._bury_poison([(_text(i), f) for i, f in raw]))
+        return await self._decode_all(await self._bury_poison([(text(i), f) for i, f in raw]))
 
     async def read_within(self, capacity: int, wait_ms: float, poll_ms: float = 5.0) -> list[Delivery[Message]]:
         """Up to ``capacity`` entries, waiting at most ``wait_ms`` for them, to within about
@@ -256,7 +249,7 @@ class GroupConsumer:
         """Up to ``count`` new entries, not decoded: for a caller that answers malformed entries
         itself instead of dead-lettering them."""
         raw = await self._xreadgroup(">", count, self._config.block_ms if block_ms is None else block_ms)
-        return [(_text(entry_id), fields) for entry_id, fields in raw if fields is not None]  # a new entry has fields
+        return [(text(entry_id), fields) for entry_id, fields in raw if fields is not None]  # a new entry has fields
 
     async def ack(self, *entry_ids: str) -> int:
         if not entry_ids:
@@ -313,9 +306,9 @@ class GroupConsumer:
             self.stream, self.group, self.consumer, idle, self._claim_cursor, count=count
         )
         cursor, claimed, deleted = autoclaim_parts(reply)
-        self._claim_cursor = _text(cursor)
-        entries = [(_text(i), f) for i, f in claimed if f is not None]
-        trimmed = [_text(i) for i, f in claimed if f is None] + [_text(i) for i in deleted]
+        self._claim_cursor = text(cursor)
+        entries = [(text(i), f) for i, f in claimed if f is not None]
+        trimmed = [text(i) for i, f in claimed if f is None] + [text(i) for i in deleted]
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
         return await self._take(entries, trimmed)
 
@@ -331,7 +324,7 @@ class GroupConsumer:
             consumername=self.consumer,
             idle=min_idle_ms or None,
         )
-        return {_text(row["message_id"]) for row in cast(list[XPendingRow], reply)}
+        return {text(row["message_id"]) for row in cast(list[XPendingRow], reply)}
 
     async def fetch(self, entry_ids: list[str]) -> list[Delivery[Message]]:
         """Entries pending with this consumer, by id, read again without a new delivery (XRANGE):
@@ -372,15 +365,15 @@ class GroupConsumer:
             if "NOGROUP" not in str(exc) and "no such key" not in str(exc):
                 raise
             return []
-        return [ConsumerInfo(_text(r["name"]), r["pending"], r["idle"]) for r in cast(list[XInfoConsumer], reply)]
+        return [ConsumerInfo(text(r["name"]), r["pending"], r["idle"]) for r in cast(list[XInfoConsumer], reply)]
 
     async def claim_from(self, owner: str, count: int = 1000) -> list[Delivery[Message]]:
         """Take over up to ``count`` entries pending with ``owner`` (a consumer known to be gone),
         however idle they are. Delivered-too-often entries are dead-lettered as in ``claim_idle``."""
         script = _CLAIM_FROM.register(self._redis)
         reply = cast(ScriptEntries, await script(keys=[self.stream], args=[self.group, owner, self.consumer, count]))
-        entries = [(_text(i), _pairs(f)) for i, f in reply if f]
-        trimmed = [_text(row[0]) for row in reply if not row[1]]
+        entries = [(text(i), pairs(f)) for i, f in reply if f]
+        trimmed = [text(row[0]) for row in reply if not row[1]]
         metrics.ENTRIES_CLAIMED.labels(self._kind).inc(len(entries))
         return await self._take(entries, trimmed)
 
@@ -420,10 +413,10 @@ class GroupConsumer:
                 self.stream, self.group, min=low, max=ids[-1], count=len(ids) + 16, consumername=self.consumer
             )
             rows = cast(list[XPendingRow], reply)
-            counts.update({_text(r["message_id"]): int(r["times_delivered"]) for r in rows})
+            counts.update({text(r["message_id"]): int(r["times_delivered"]) for r in rows})
             if len(rows) < len(ids) + 16:
                 return counts
-            low = "(" + _text(rows[-1]["message_id"])
+            low = "(" + text(rows[-1]["message_id"])
 
     async def _xreadgroup(self, cursor: str, count: int, block: int | None) -> list[MaybeEntry]:
         try:
@@ -445,7 +438,7 @@ class GroupConsumer:
     async def _decode_all(self, raw: Iterable[MaybeEntry | _Read]) -> list[Delivery[Message]]:
         deliveries = []
         for entry_id, fields in raw:
-            delivery = await self._decode_one(_text(entry_id), fields)
+            delivery = await self._decode_one(text(entry_id), fields)
             if delivery is not None:
                 deliveries.append(delivery)
         return deliveries
@@ -483,10 +476,10 @@ async def trim_consumed(redis: aioredis.Redis, stream: str) -> int:
 async def _group_floor(redis: aioredis.Redis, stream: str, group: XInfoGroup) -> str:
     """The smallest id this group still needs: its oldest pending entry, else past the last read."""
     if group["pending"] > 0:
-        summary = cast(XPendingSummary, await redis.xpending(stream, _text(group["name"])))
+        summary = cast(XPendingSummary, await redis.xpending(stream, text(group["name"])))
         if summary["min"] is not None:  # else all were acked since XINFO: past the last read
-            return _text(summary["min"])
-    ms, seq = entry_order(_text(group["last-delivered-id"]))
+            return text(summary["min"])
+    ms, seq = entry_order(text(group["last-delivered-id"]))
     return f"{ms}-{seq + 1}"
 
 
@@ -500,9 +493,9 @@ async def unread(redis: aioredis.Redis, stream: str, group: str, limit: int = 10
     """Entries the group has not read yet (at most ``limit``); Redis 6.2 has no ``lag`` field,
     so they are counted past the group's last-delivered id."""
     for info in cast(list[XInfoGroup], await redis.xinfo_groups(stream)):
-        if _text(info["name"]) == group:
+        if text(info["name"]) == group:
             lag = info.get("lag")
             if lag is not None:
                 return int(lag)
-            return len(await redis.xrange(stream, min="(" + _text(info["last-delivered-id"]), count=limit) or [])
+            return len(await redis.xrange(stream, min="(" + text(info["last-delivered-id"]), count=limit) or [])
     return int(await redis.xlen(stream))
