@@ -233,6 +233,8 @@ WORKER_IMPORT_DEPTH = 6
 def test_worker_import_depth() -> None:
     chain = _longest_chain(_import_graph(), "splitbus.worker")
     assert len(chain) <= WORKER_IMPORT_DEPTH, f"{len(chain)} modules deep: {' -> '.join(chain)}"
+
+
 LAYERS = {"splitbus.bus.core": ("splitbus.bus.core", "splitbus.env")}
 """Layer -> the only splitbus modules (and packages under them) its modules may import. The bus
 in two layers (docs/bus.md, "Two layers"): its core (connection, codec, keys, scripts, batching,
