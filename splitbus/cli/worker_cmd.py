@@ -125,7 +125,7 @@ def build_engine(config: WorkerConfig, tokenizer: ModelTokenizer, args: argparse
 def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.tokenization import ModelFilesError, ModelTokenizer
     from splitbus.worker.dp import DpStepper
-    from splitbus.worker.stepper import SoloStepper
+    from splitbus.worker.steps import SoloStepper
     from splitbus.worker.worker import Worker
 
     try:

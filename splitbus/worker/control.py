@@ -8,14 +8,40 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from splitbus.bus.control import CommandFailed, ControlServer, Handler
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import Keys
 from splitbus.bus.registry import Registry, WorkerLoad
+from splitbus.bus.roles import Role
 from splitbus.bus.tasks import unread_tasks
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.config import WorkerConfig
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.requests import RequestTable, Status
 from splitbus.worker.transfer import TransferError
+
+
+class ServedConfig(Protocol):
+    """What the commands read of a worker's config (``WorkerConfig`` has it)."""
+
+    @property
+    def bus(self) -> BusConfig: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_requests(self) -> int: ...
+    @property
+    def max_prefill_tokens(self) -> int: ...
+    @property
+    def dp_group(self) -> str: ...
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
 
 
 class ControlledWorker(Protocol):
@@ -24,7 +50,7 @@ class ControlledWorker(Protocol):
     @property
     def id(self) -> str: ...
     @property
-    def config(self) -> WorkerConfig: ...
+    def config(self) -> ServedConfig: ...
     @property
     def tokenizer(self) -> ModelTokenizer: ...
     @property
@@ -86,7 +112,7 @@ async def connect_rdma(worker: ControlledWorker, args: dict[str, Any]) -> dict[s
     in ``sb:rdma:{P}:{D}``. Only to a live decode worker's registered endpoint: an
     ``args["endpoint"]`` must be that one, so the command cannot make a worker connect (and
     later send KV) to an address of the caller's choosing."""
-    if worker.config.role == "decode":
+    if worker.config.role == Role.DECODE:
         raise CommandFailed(f"{worker.id} is a decode worker; send connect_rdma to the prefill worker")
     decode_worker = args.get("decode_worker")
     if not isinstance(decode_worker, str) or not decode_worker:
@@ -111,6 +137,6 @@ async def _endpoint_of(worker: ControlledWorker, decode_worker: str) -> str:
     info = next((w for w in await worker.registry.snapshot() if w.record.worker_id == decode_worker), None)
     if info is None or not info.alive:
         raise CommandFailed(f"no live worker {decode_worker!r} in the registry")
-    if info.record.role not in ("decode", "mixed") or not info.record.transfer_endpoint:
+    if info.record.role not in (Role.DECODE, Role.MIXED) or not info.record.transfer_endpoint:
         raise CommandFailed(f"{decode_worker} is a {info.record.role} worker with no KV endpoint to connect to")
     return info.record.transfer_endpoint

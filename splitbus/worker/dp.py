@@ -39,11 +39,12 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.dp import PlanStream
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
+from splitbus.bus.roles import Role
 from splitbus.bus.tasks import task_consumer
 from splitbus.worker import engines, metrics
 from splitbus.worker.engines.interface import SimulatedGroup
 from splitbus.worker.requests import Status
-from splitbus.worker.stepper import StepParts
+from splitbus.worker.steps import StepParts
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
@@ -275,7 +276,8 @@ class DpStepper:
     each runs an idle forward in a step it has nothing for (a decode rank waiting for its KV too)."""
 
     def __init__(self, parts: StepParts) -> None:
-        self.parts, self.config, self.steps, self.table = parts, parts.config, parts.steps, parts.table
+        self.parts, self.config, self.steps = parts, parts.config, parts.steps
+        self.core, self.table = parts.steps.core, parts.steps.core.table
         c = self.config
         self.id = c.worker_id
         self.barrier = GroupBarrier(parts.redis, c.bus, c.dp_group, c.dp_rank, c.dp_size, c.dp_barrier_timeout_s)
@@ -380,7 +382,7 @@ class DpStepper:
         scheduler spreads the group's work by it: with heartbeats alone (every 0.5 s), finished
         prefills still counted, so new work piled on the ranks that had reported little."""
         pipe = self.parts.redis.pipeline(transaction=False)
-        self.parts.registry.queue_load(pipe, self.id, self.steps.load())
+        self.parts.registry.queue_load(pipe, self.id, self.core.load())
         return pipe
 
     def observe_step(self, action: str, step_s: float, act_s: float) -> None:
@@ -429,7 +431,7 @@ class DpStepper:
         """Until a rank posts to the group's stream, or about ``IDLE_WAIT_S``. A decode rank's work
         comes with a KV cache, not with its task: while it waits here, the cache's arrival wakes
         the group too (else its first decode would wait for the idle timeout)."""
-        if self.config.role != "decode":
+        if self.config.role != Role.DECODE:
             await self.barrier.wait_for_news(IDLE_WAIT_S)
             return
         watcher = asyncio.ensure_future(self.wake_group_when_kv_comes())
@@ -449,7 +451,7 @@ class DpStepper:
 
     async def work_arrived(self) -> None:
         self.steps.wake.set()
-        if self.config.role != "decode" or self.steps.has_work():  # a decode task's work comes with its KV
+        if self.config.role != Role.DECODE or self.steps.has_work():  # a decode task's work comes with its KV
             await self.wake_group()
 
     async def wake_group(self) -> None:
@@ -466,19 +468,21 @@ class DpStepper:
 
         Called by the engine loop (or at start-up) when the group broke, in the caller's task:
         the worker's background loops are stopped before anything else."""
-        log.error("%s; %s held requests and stopping", reason, "failing" if self.config.role == "mixed" else "moving")
+        log.error(
+            "%s; %s held requests and stopping", reason, "failing" if self.config.role == Role.MIXED else "moving"
+        )
         # The other loops stop first, as they did when the group's break ended the worker: a
         # task read after the sweep below would be queued with nobody to fail it (the reaper
         # never looks at a deregistered worker), and a heartbeat or a reservation give-back
         # written after the deregister would leave a ghost record (or lease) behind.
         self.parts.loops.exit_code = EXIT_GROUP_BROKEN
         await self.parts.loops.close()
-        if self.config.role != "mixed":
+        if self.config.role != Role.MIXED:
             await self.hand_over()
             return
         for seq in self.table.of(Status.QUEUED, Status.RUNNING):
             self.table.remove(seq)
-            self.parts.publisher.fail(seq, "dp_group_broken", reason, 503)
+            self.steps.apply(self.core.fail(seq, "dp_group_broken", reason, 503))
         if self.config.dp_rank == min(set(range(self.config.dp_size)) - set(missing), default=-1):
             await self.fail_orphaned_tasks(reason, missing)
         await self.parts.publisher.publish()

@@ -5,11 +5,10 @@ A dead or hung decode worker does not fail the request: once a reaper has decide
 request is the reaper's (it gets a new P/D pair, prefilled again), and P only lets go. A refusal
 by a live decode worker, a forged reservation or the kv wait deadline fails it, saying why.
 
-The decode side checks a frame's meta with :func:`meta_problem`: exactly what the prefill worker
-its task names could have sent. P prefills once and publishes one entry (its first token), so its
-frame carries the tokens the task already had plus the ones P made, and the ``seq`` D continues
-at: the task's ``first_seq`` plus one per new token. Anything else is not a frame P sent, and D
-would hang the stream (a ``seq`` gap), crash (a negative one) or decode nonsense if it took it.
+What the request's table entry becomes is the core's (``WorkerCore.retire``, ``fail``,
+``hand_off_ended``); this module does the I/O: the reservation's read, the connection, the send,
+and the checks of the decode worker's liveness in Redis. The decode side checks a frame's meta
+with ``splitbus.worker.core.meta_problem``.
 """
 
 from __future__ import annotations
@@ -18,21 +17,22 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+
+import redis.asyncio as aioredis
 
 from splitbus.bus.core.aio import cancel_and_wait
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient, transient_suppressed
 from splitbus.bus.dispatch import CurrentDispatch
-from splitbus.bus.messages import Task
 from splitbus.bus.registry import Registry
 from splitbus.bus.reservations import Reservation, Reservations
+from splitbus.bus.results import ResultWriter
 from splitbus.worker import metrics
-from splitbus.worker.cancellation import Cancellation
+from splitbus.worker.core import WorkerCore, dispatched_again
+from splitbus.worker.effects import Apply, CancelPeer
 from splitbus.worker.links import PeerLinks
-from splitbus.worker.publisher import Publisher
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.shared import Shared
 from splitbus.worker.transfer import TransferError, Unreachable
 
 log = logging.getLogger(__name__)
@@ -57,28 +57,28 @@ class HandOff:
 
     def __init__(
         self,
-        shared: Shared,
-        publisher: Publisher,
-        cancellation: Cancellation,
+        core: WorkerCore,
+        redis: aioredis.Redis,
+        bus: BusConfig,
         links: PeerLinks,
+        writer: ResultWriter,
+        *,
+        apply: Apply,
         lapsed: Callable[[], bool],
     ) -> None:
-        self.config, self.id, self.redis, self.keys = shared.config, shared.id, shared.redis, shared.config.bus.keys
-        self.table, self.engine, self.wake = shared.table, shared.engine, shared.wake
-        self.publisher, self.cancellation, self.links, self.lapsed = publisher, cancellation, links, lapsed
-        self.reservations = Reservations(self.redis, self.keys)
-        self.registry = Registry(self.redis, shared.config.bus)
-        self.current = CurrentDispatch(self.redis, self.keys)
+        self.core, self.id, self.table, self.engine = core, core.id, core.table, core.engine
+        self.kv_wait_s = core.limits.kv_wait_s
+        self.redis, self.links, self.writer, self.apply, self.lapsed = redis, links, writer, apply, lapsed
+        self.reservations = Reservations(redis, bus.keys)
+        self.registry = Registry(redis, bus)
+        self.current = CurrentDispatch(redis, bus.keys)
 
     async def hand_off(self, seq: Sequence) -> None:
         """Ship the cache, then ack (or fail) the task; the request leaves the table."""
         try:
             await self._settle(seq, await self._ship(seq))
         finally:
-            if self.table.holds(seq, Status.HANDING_OFF):
-                self.table.remove(seq)
-            seq.kv = None
-            self.wake.set()
+            self.apply(self.core.hand_off_ended(seq))
 
     async def _ship(self, seq: Sequence) -> Exception | None:
         """``ship_kv``; the exception that ended it, or None once D has the cache."""
@@ -95,20 +95,22 @@ class HandOff:
         if isinstance(exc, Abandoned) or not self.table.holds(seq, Status.HANDING_OFF):
             return  # moved away or voided meanwhile (retired there)
         if exc is None:
-            self.publisher.retire(seq)
+            self.apply(self.core.retire(seq))
         elif isinstance(exc, PeerGone):
             log.warning("%s; leaving %s to the reaper", exc, seq.request_id)
-            self.publisher.retire(seq)
+            self.apply(self.core.retire(seq))
         elif isinstance(exc, (TransferError, asyncio.TimeoutError)):
             await self.transfer_failed(seq, exc)
         else:
-            self.publisher.fail(seq, "handler_failed", f"the KV hand-off failed: {type(exc).__name__}: {exc}", 500)
+            self.apply(
+                self.core.fail(seq, "handler_failed", f"the KV hand-off failed: {type(exc).__name__}: {exc}", 500)
+            )
 
     async def ship_kv(self, seq: Sequence) -> None:
         """Send the KV; a failure at the connection level (refused, reset, closed, no answer) is
         tried again with capped backoff while the decode worker's liveness is undecided, until
         ``kv_wait``. PeerGone once it is decided dead; TransferError for a refusal by a live one."""
-        deadline, delay = time.monotonic() + self.config.kv_wait_s, RETRY_FIRST_S
+        deadline, delay = time.monotonic() + self.kv_wait_s, RETRY_FIRST_S
         while True:
             try:
                 endpoint, secret = await self.wait_for_reservation(seq)
@@ -127,7 +129,7 @@ class HandOff:
         await self.links.ensure(seq.task.peer, endpoint)
         meta = {
             "output_token_ids": seq.output_ids,
-            "next_seq": self.publisher.writer.next_seq(seq.request_id),
+            "next_seq": self.writer.next_seq(seq.request_id),
             "cached_tokens": min(seq.prompt_cached, seq.prompt_len),  # for the usage D reports
         }
         with metrics.KV_TRANSFER.time():
@@ -161,13 +163,13 @@ class HandOff:
         past the deadline (it holds its lease but takes no connection); else back to retrying."""
         if not self.table.holds(seq, Status.HANDING_OFF):
             raise Abandoned(seq.request_id)
-        if seq.request_id in self.cancellation:
+        if seq.request_id in self.core.cancelled:
             raise TransferError("the request was cancelled")
         gone = await self.peer_gone(seq)
         if gone:
             raise PeerGone(gone)
         if time.monotonic() > deadline:
-            waited = f"retried for {self.config.kv_wait_s:.0f}s"
+            waited = f"retried for {self.kv_wait_s:.0f}s"
             raise TransferError(f"{exc}; {seq.task.peer} still holds its lease, {waited}")
         log.info(
             "hand-off of %s to %s failed (%s); retrying while its liveness is undecided",
@@ -202,10 +204,12 @@ class HandOff:
             return  # moved away while Redis answered: retired there
         if superseded:
             log.warning("hand-off of %s failed (%s), but it was dispatched again; leaving it", seq.request_id, exc)
-            self.publisher.retire(seq)
+            self.apply(self.core.retire(seq))
             return
-        self.publisher.fail(seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503)
-        self.cancellation.cancel_peer(seq, "kv_transfer_failed")
+        failed = self.core.fail(
+            seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503
+        )
+        self.apply([*failed, CancelPeer(seq.request_id, "kv_transfer_failed")])
 
     async def wait_for_reservation(self, seq: Sequence) -> tuple[str, str]:
         """D's transfer endpoint and the reservation's secret, once D has reserved blocks.
@@ -214,28 +218,38 @@ class HandOff:
         alone: a reservation naming another endpoint (forged, or a stale one) would have P send
         the request's KV to whoever listens there, so it is not taken; P waits on for D's own
         until ``kv_wait``, then fails the request saying why."""
-        deadline = time.monotonic() + self.config.kv_wait_s
+        deadline = time.monotonic() + self.kv_wait_s
         delay, mismatch = 0.002, ""
         while time.monotonic() < deadline:
             reservation, registered, peer_alive, current = await self._read_reservation(seq)
-            # Only the reservation of this task's own dispatch: a request moved (off a dead
-            # decode worker, or a dead prefill worker) still finds the older dispatch's one
-            # here until its decode worker replaces it, and its secret is not this task's.
-            if reservation is not None and self.reserved_for(seq, reservation) and reservation.secret:
-                endpoint, secret = reservation.endpoint, reservation.secret
-                if endpoint and endpoint == registered:
-                    log.debug("found %s's reservation for %s; sending to %s", seq.task.peer, seq.request_id, endpoint)
-                    return registered, secret
-                mismatch = mismatch or self._endpoint_mismatch(seq, endpoint, registered)
-            gone = dispatched_again(seq, current) or (None if peer_alive else await self.peer_gone(seq))
-            if gone:
-                raise PeerGone(gone)
-            if seq.request_id in self.cancellation:
-                raise TransferError("the request was cancelled")
+            usable = self.usable(seq, reservation)
+            if usable is not None and usable.endpoint and usable.endpoint == registered:
+                log.debug("found %s's reservation for %s; sending to %s", seq.task.peer, seq.request_id, registered)
+                return registered, usable.secret
+            if usable is not None:
+                mismatch = mismatch or self._endpoint_mismatch(seq, usable.endpoint, registered)
+            await self.check_waiting(seq, current, peer_alive)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
-        waited = f"decode worker {seq.task.peer} reserved no KV blocks within {self.config.kv_wait_s:.0f}s"
+        waited = f"decode worker {seq.task.peer} reserved no KV blocks within {self.kv_wait_s:.0f}s"
         raise TransferError(mismatch or waited)
+
+    def usable(self, seq: Sequence, reservation: Reservation | None) -> Reservation | None:
+        """The reservation if it is of this task's own dispatch, with a secret. A request moved
+        (off a dead decode worker, or a dead prefill worker) still finds the older dispatch's
+        one until its decode worker replaces it, and its secret is not this task's."""
+        if reservation is not None and self.reserved_for(seq, reservation) and reservation.secret:
+            return reservation
+        return None
+
+    async def check_waiting(self, seq: Sequence, current: bytes | None, peer_alive: bool) -> None:
+        """While P waits for a reservation: PeerGone once the request is the reaper's, a
+        TransferError once it was cancelled."""
+        gone = dispatched_again(seq, current) or (None if peer_alive else await self.peer_gone(seq))
+        if gone:
+            raise PeerGone(gone)
+        if seq.request_id in self.core.cancelled:
+            raise TransferError("the request was cancelled")
 
     async def superseded(self, seq: Sequence) -> bool:
         """Whether the request now belongs to another dispatch: ``sb:current`` names another, or
@@ -274,45 +288,3 @@ class HandOff:
         )
         log.warning("%s (forged or stale reservation); waiting for %s's own", why, seq.task.peer)
         return why
-
-
-def dispatched_again(seq: Sequence, current: bytes | str | None) -> str | None:
-    """Why this task is void, given its request's current hand-off id: a reaper moved the
-    request to another pair. (No id: a task from before hand-off ids, or a current id that
-    outlived its TTL; nothing newer is known.)"""
-    if isinstance(current, str):  # a client that decodes replies (these do not)
-        current = current.encode()
-    if seq.task.handoff and current is not None and current != seq.task.handoff.encode():
-        return f"{seq.request_id} was dispatched again (the reaper moved it off {seq.task.peer} or this worker)"
-    return None
-
-
-def meta_problem(task: Task, meta: dict[str, Any], vocab_size: int) -> str | None:
-    """Why ``meta`` cannot be the hand-off of ``task``'s request, or None."""
-    tokens = meta.get("output_token_ids")
-    problem = _tokens_problem(task, tokens, vocab_size)
-    if problem is not None:
-        return problem
-    assert isinstance(tokens, list)
-    expected = task.first_seq + len(tokens) - len(task.output_token_ids)
-    next_seq = meta.get("next_seq")
-    if type(next_seq) is not int or next_seq != expected:
-        return f"next_seq must be {expected} (one entry per token after first_seq {task.first_seq}), got {next_seq!r}"
-    cached, prompt = meta.get("cached_tokens", 0), len(task.request.prompt_token_ids)
-    if type(cached) is not int or not 0 <= cached <= prompt:
-        return f"cached_tokens must be an integer in [0, {prompt}], got {cached!r:.40}"
-    return None
-
-
-def _tokens_problem(task: Task, tokens: Any, vocab_size: int) -> str | None:
-    before, max_tokens = task.output_token_ids, task.request.sampling.max_tokens
-    if type(tokens) is not list or not tokens:
-        return "output_token_ids must be a non-empty list of token ids"
-    if not len(before) < len(tokens) < max_tokens:
-        # P hands off only an unfinished request, so it sent fewer than max_tokens tokens.
-        return f"output_token_ids holds {len(tokens)} tokens; expected {len(before) + 1} to {max_tokens - 1}"
-    if any(type(t) is not int or not 0 <= t < vocab_size for t in tokens):
-        return f"output_token_ids must hold integers in [0, {vocab_size})"
-    if tokens[: len(before)] != before:
-        return "output_token_ids must start with the task's own output_token_ids"
-    return None

@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from splitbus.bus.core.keys import Keys
 from splitbus.bus.reaping import Reaping
 from splitbus.bus.registry import Registry, WorkerRecord
-from splitbus.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 REAPED_WAIT_S = 10.0
@@ -23,13 +23,16 @@ snapshot from before the rejoin (100 ms old at most) cannot take the worker agai
 
 
 class Lease:
-    """``record`` is what each beat writes; ``drop_moved`` drops the tasks a reaper took (the
-    task feed's); ``lock`` is the publisher's, held while a rejoin settles."""
+    """``record`` is what each beat writes, for a lease of ``lease_ms``; ``drop_moved`` drops the
+    tasks a reaper took (the task feed's); ``lock`` is the publisher's, held while a rejoin
+    settles."""
 
     def __init__(
         self,
-        config: WorkerConfig,
+        worker_id: str,
+        lease_ms: int,
         redis: aioredis.Redis,
+        keys: Keys,
         registry: Registry,
         record: Callable[[], WorkerRecord],
         drop_moved: Callable[[], Awaitable[None]],
@@ -37,13 +40,7 @@ class Lease:
         before_beat: Callable[[], Awaitable[None]] | None = None,
         after_beat: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self.config, self.id, self.redis, self.keys, self.registry = (
-            config,
-            config.worker_id,
-            redis,
-            config.bus.keys,
-            registry,
-        )
+        self.id, self.lease_ms, self.redis, self.keys, self.registry = worker_id, lease_ms, redis, keys, registry
         self.record, self.drop_moved, self.lock = record, drop_moved, lock
         self.before_beat, self.after_beat = before_beat, after_beat
         """Run at each heartbeat, after a beat that renews a live lease and before the rest: the
@@ -71,14 +68,14 @@ class Lease:
 
     async def beat(self) -> None:
         before = time.monotonic()
-        await self.registry.register(self.record(), self.config.lease_ms)
+        await self.registry.register(self.record(), self.lease_ms)
         self.last_beat = before
 
     def lapsed(self) -> bool:
         """Whether the lease may have expired: no beat for a lease (the process was stopped,
         hung, or cut off from Redis). Monotonic time counts while a process is stopped. False
         before the first beat (nothing is held yet)."""
-        return bool(self.last_beat) and time.monotonic() - self.last_beat > self.config.lease_ms / 1000
+        return bool(self.last_beat) and time.monotonic() - self.last_beat > self.lease_ms / 1000
 
     async def settle_if_lapsed(self) -> None:
         """Rejoin first if the lease lapsed; under the publish lock, so that nothing is written

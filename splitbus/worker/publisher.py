@@ -1,5 +1,5 @@
 """What a worker writes for its requests: result entries, task acks and reservation clean-up,
-buffered by the engine loop and the hand-offs and written by one publisher loop, one write at a
+the core's effects buffered as they come and written by one publisher loop, one write at a
 time, so entries keep their order; then the KV events the engine's prefix cache made meanwhile
 (docs/routing.md, "KV events"). While Redis refuses (OOM, outage) everything stays buffered;
 each list is cleared only once written."""
@@ -10,14 +10,16 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import redis.asyncio as aioredis
+
 from splitbus import aio
 from splitbus.bus.core.streams import GroupConsumer
 from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.worker import metrics
-from splitbus.worker.sequence import Sequence
-from splitbus.worker.shared import Shared
+from splitbus.worker.effects import Ack, Discard, DropReservation, Effect, Emit, Fail, Finish, Forget, Open
+from splitbus.worker.engines.interface import Engine
 
 log = logging.getLogger(__name__)
 PUBLISH_IDLE_S = 0.5
@@ -27,16 +29,19 @@ Hook = Callable[[], Awaitable[None]]
 
 
 class Publisher:
-    """``emit``/``finish``/``fail``/``retire`` buffer; ``soon()`` asks for a write; ``publish()``
-    writes. ``before`` runs first in each write under the lock (a worker back from a lapsed lease
-    drops what moved away before writing for it); ``after_results`` runs once the results are
-    out (the task feed gives back the scheduler's reservations). Each write ends with the
-    engine's pending KV events, as one batch of ``kv`` (the worker's ``KvEventPublisher``, its DP
-    rank's own), once :meth:`start_kv_events` has run."""
+    """``buffer`` takes the core's effects that are writes (result entries, acks, reservation
+    clean-up); ``soon()`` asks for a write; ``publish()`` writes. ``before`` runs first in each
+    write under the lock (a worker back from a lapsed lease drops what moved away before writing
+    for it); ``after_results`` runs once the results are out (the task feed gives back the
+    scheduler's reservations). Each write ends with the engine's pending KV events, as one batch
+    of ``kv`` (the worker's ``KvEventPublisher``, its DP rank's own), once
+    :meth:`start_kv_events` has run."""
 
     def __init__(
         self,
-        shared: Shared,
+        redis: aioredis.Redis,
+        kv: KvEventPublisher,
+        engine: Engine,
         writer: ResultWriter,
         tasks: GroupConsumer,
         reservations: Reservations,
@@ -44,54 +49,47 @@ class Publisher:
         before: Hook,
         after_results: Hook,
     ) -> None:
-        self.redis, self.engine, self.room = shared.redis, shared.engine, shared.room
+        self.redis, self.kv, self.engine = redis, kv, engine
         self.writer, self.tasks, self.reservations = writer, tasks, reservations
         self.before, self.after_results = before, after_results
         self.done_entries: list[str] = []  # task entries to ack at the next publish
         self.stale_reservations: list[tuple[str, str]] = []  # (request, task entry) of decode tasks that left
         self.lock = asyncio.Lock()
         self.asked = asyncio.Event()
-        self.kv = KvEventPublisher(
-            self.redis, shared.config.bus, shared.id, shared.config.dp_rank, total_kv_blocks=self.engine.total_blocks
-        )
         self.kv_started = False
         self.kv_new_run = False
         """Set when Redis has a new run (which may have lost the latest batches and the
         snapshot): the next write writes the snapshot whatever its schedule."""
 
-    # ------------------------------------------------------------ what the engine and hand-offs leave
+    # ------------------------------------------------------------ what the core leaves
 
-    def emit(self, seq: Sequence, token_id: int) -> None:
-        self.writer.tokens(seq.request_id, [token_id], seq.add_token(token_id, self.engine.eos_token_ids))
+    def buffer(self, effect: Effect) -> None:
+        """One of the core's effects, if it is a write (see ``splitbus.worker.effects``)."""
+        match effect:
+            case Emit(request_id, token_ids, text):
+                self.writer.tokens(request_id, list(token_ids), text)
+                metrics.GENERATION_TOKENS.inc(len(token_ids))
+            case Finish(request_id, reason, prompt, completion, text, cached):
+                metrics.REQUESTS_FINISHED.labels(reason).inc()
+                self.writer.finish(request_id, reason, prompt, completion, text, cached_tokens=cached)
+            case Fail():
+                self.buffer_failure(effect)
+            case Open(request_id, reader, first_seq):
+                self.writer.open(request_id, reader=reader, first_seq=first_seq)
+            case Forget(request_id):
+                self.writer.forget(request_id)
+            case Discard(request_id):
+                self.writer.discard(request_id)
+            case Ack(entry_id):
+                self.ack_later(entry_id)
+            case DropReservation(request_id, entry_id):
+                self.stale_reservations.append((request_id, entry_id))
 
-    def finish(self, seq: Sequence) -> None:
-        text = seq.text.flush()
-        metrics.REQUESTS_FINISHED.labels(seq.finish_reason or "stop").inc()
-        reason, cached = seq.finish_reason or "stop", min(seq.prompt_cached, seq.prompt_len)
-        self.writer.finish(seq.request_id, reason, seq.prompt_len, len(seq.output_ids), text, cached_tokens=cached)
-        self.retire(seq)
-
-    def fail(self, seq: Sequence, code: str, message: str, status: int) -> None:
-        log.warning("request %s failed: %s", seq.request_id, message)
-        metrics.REQUESTS_FINISHED.labels(code).inc()
-        self.writer.fail(seq.request_id, code, message, status, reader=seq.request.reader)
-        self.retire(seq)
-
-    def retire(self, seq: Sequence) -> None:
-        """The request leaves this worker: free its blocks, ack its task at the next publish."""
-        self.writer.forget(seq.request_id)
-        self.let_go(seq)
-
-    def let_go(self, seq: Sequence) -> None:
-        """A task leaves this worker: free its blocks, ack it at the next publish, drop its own
-        reservation. Its request's writer is left alone: called as is when a newer task of the
-        request is held here and writes for it (``retire`` otherwise)."""
-        self.engine.release(seq)
-        self.ack_later(seq.entry_id)
-        if seq.task.phase == "decode":
-            self.stale_reservations.append((seq.request_id, seq.entry_id))
-        self.room.set()
-        self.soon()
+    def buffer_failure(self, failed: Fail) -> None:
+        if failed.warn:
+            log.warning("request %s failed: %s", failed.request_id, failed.message)
+        metrics.REQUESTS_FINISHED.labels(failed.code).inc()
+        self.writer.fail(failed.request_id, failed.code, failed.message, failed.status, reader=failed.reader)
 
     def ack_later(self, entry_id: str) -> None:
         """Ack this task entry at the next publish (it is done with here)."""

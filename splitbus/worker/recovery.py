@@ -15,27 +15,31 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import redis.asyncio as aioredis
+
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.streams import GroupConsumer
 from splitbus.bus.dispatch import Reassertion, ReassertOutcome
 from splitbus.bus.messages import Task
+from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
+from splitbus.bus.roles import Phase
 from splitbus.bus.runs import Runs, ServerRuns
 from splitbus.bus.tasks import missing_entries, send_task
-from splitbus.worker.feed import TaskFeed
-from splitbus.worker.receiver import Receiver
+from splitbus.worker.core import WorkerCore
+from splitbus.worker.effects import Apply
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.shared import Shared
 
 log = logging.getLogger(__name__)
 
 BEFORE_HANDOFF = {
-    "prefill": (Status.QUEUED, Status.PREFILLING, Status.HANDING_OFF),
-    "decode": (Status.AWAITING_KV,),
+    Phase.PREFILL: (Status.QUEUED, Status.PREFILLING, Status.HANDING_OFF),
+    Phase.DECODE: (Status.AWAITING_KV,),
 }
 """The statuses in which a task's peer may still need its own task: P has not shipped the KV
 (or is shipping it), D has not had it."""
-PEER_PHASE = {"prefill": "decode", "decode": "prefill"}
+PEER_PHASE = {Phase.PREFILL: Phase.DECODE, Phase.DECODE: Phase.PREFILL}
 
 
 @dataclass(frozen=True)
@@ -56,22 +60,25 @@ class Recovered:
 
 class Recovery:
     """``watch`` records a new run (at start-up and before every beat); ``recover_if_owed`` runs
-    after every beat."""
+    after every beat. ``beat`` writes the worker's record; ``take_lost`` is the task feed's."""
 
     def __init__(
         self,
-        shared: Shared,
+        core: WorkerCore,
+        redis: aioredis.Redis,
+        bus: BusConfig,
         tasks: GroupConsumer,
-        feed: TaskFeed,
-        receiver: Receiver,
         writer: ResultWriter,
         *,
+        apply: Apply,
         beat: Callable[[], Awaitable[None]],
+        take_lost: Callable[[], Awaitable[None]],
         lock: asyncio.Lock,
     ) -> None:
-        self.config, self.id, self.redis, self.keys = shared.config, shared.id, shared.redis, shared.config.bus.keys
-        self.table, self.tasks, self.feed, self.receiver, self.writer = shared.table, tasks, feed, receiver, writer
-        self.beat, self.lock = beat, lock
+        self.core, self.id, self.redis, self.bus, self.keys = core, core.id, redis, bus, bus.keys
+        self.table, self.tasks, self.writer, self.apply = core.table, tasks, writer, apply
+        self.beat, self.take_lost, self.lock = beat, take_lost, lock
+        self.reservations = Reservations(redis, bus.keys)
         self.runs = ServerRuns(self.redis, f"worker {self.id}")
         self.reassertion = Reassertion(self.redis, self.keys)
         self.owed = False
@@ -80,7 +87,7 @@ class Recovery:
     async def watch(self) -> bool:
         """Poll the runs; whether Redis has a new one (its recovery is owed from now on)."""
         if await self.runs.poll() is Runs.NEW:
-            self.owed = self.feed.after_new_run = True
+            self.owed = True
             return True
         return False
 
@@ -88,7 +95,7 @@ class Recovery:
         if self.owed:
             async with self.lock:  # nothing is written for a request until its dispatch is settled
                 done = await self.recover()
-            self.owed = self.feed.after_new_run = False
+            self.owed = False
             log.warning(
                 "worker %s: after a new Redis run, re-published %d dispatch(es) (%d dropped: dispatched again),"
                 " %d KV reservation(s), %d peer task(s), %d result entr(ies)",
@@ -108,7 +115,7 @@ class Recovery:
         reservations = await self.reserve_again()
         peer_tasks = await self.send_peer_tasks()
         results = await self.writer.replay()
-        await self.feed.take_lost()
+        await self.take_lost()
         return Recovered(kept, dropped, reservations, peer_tasks, results)
 
     async def reassert_dispatches(self) -> tuple[int, int]:
@@ -122,16 +129,21 @@ class Recovery:
             if answer is ReassertOutcome.SUPERSEDED:
                 if self.table.status(seq) is not None:
                     log.info("task %s of %s: dispatched again meanwhile; dropped", seq.entry_id, seq.request_id)
-                    self.feed.moved_away(seq)
+                    self.apply(self.core.moved_away(seq))
                     dropped += 1
             else:
                 kept += 1
         return kept, dropped
 
     async def reserve_again(self) -> int:
+        """The KV reservations of the tasks still waiting for their KV, written again where the
+        run lost them (the same secret: a frame P sends for the old one is still taken)."""
         written = 0
         for seq in self.table.of(Status.AWAITING_KV):
-            written += await self.receiver.reserve_again(seq)
+            if await self.reservations.read(seq.request_id) is not None:
+                continue
+            if self.table.holds(seq, Status.AWAITING_KV):  # its KV came, or it left, during the read
+                written += await self.reservations.reserve(seq.request_id, self.core.reservation_of(seq))
         return written
 
     async def send_peer_tasks(self) -> int:
@@ -139,19 +151,19 @@ class Recovery:
         if the peer had not read its task, it never will, and this side waits in vain. So each
         side sends the other its task again (the same hand-off id, nothing reserved); a peer that
         holds the request already acks the copy."""
-        waiting = [s for s in self.table.of() if self.table.status(s) in BEFORE_HANDOFF.get(s.task.phase, ())]
+        waiting = [s for s in self.table.of() if self.table.status(s) in BEFORE_HANDOFF.get(Phase(s.task.phase), ())]
         lost = await missing_entries(self.redis, self.keys, self.id, [s.entry_id for s in waiting])
         sent = 0
         for seq in waiting:
             if seq.entry_id in lost and self.table.status(seq) is not None:
-                await send_task(self.redis, self.config.bus, seq.task.peer, self.peer_task(seq))
+                await send_task(self.redis, self.bus, seq.task.peer, self.peer_task(seq))
                 sent += 1
         return sent
 
     def peer_task(self, seq: Sequence) -> Task:
         task = seq.task
         return Task(
-            PEER_PHASE[task.phase],
+            PEER_PHASE[Phase(task.phase)],
             task.request,
             self.id,
             task.first_seq,

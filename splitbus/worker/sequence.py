@@ -5,16 +5,28 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from splitbus.bus.messages import GenerateRequest, Task
-from splitbus.worker.text import TextStream
+from splitbus.bus.roles import Phase
+
+
+class Text(Protocol):
+    """A request's text state (``splitbus.worker.text.TextStream``): named here by what it does,
+    so that the modules every engine imports for ``Sequence`` do not import the detokenizer."""
+
+    stopped: bool
+
+    def push(self, token_ids: list[int]) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 @dataclass(eq=False)
 class Sequence:
     task: Task
     entry_id: str
-    text: TextStream
+    text: Text
     blocks: int = 0
     block_table: list[int] = field(default_factory=list)
     cached: int = 0
@@ -72,6 +84,6 @@ class Sequence:
 def kv_tokens(task: Task) -> int:
     """The positions a task holds KV blocks for: its prompt and the tokens generated before it on a
     prefill worker; prompt + max_tokens where it decodes."""
-    if task.phase == "prefill":
+    if task.phase == Phase.PREFILL:
         return len(task.request.prompt_token_ids) + len(task.output_token_ids)
     return len(task.request.prompt_token_ids) + task.request.sampling.max_tokens

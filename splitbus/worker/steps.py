@@ -1,96 +1,80 @@
-"""The engine's steps: a prefill of the queued requests, a decode of the running ones, and what
-the worker tells schedulers about its load. A stepper (``splitbus.worker.stepper``) decides
-which step runs when."""
+"""The engine's steps, the shell's side: each step is the core's plan, the engine call awaited,
+then the core's postprocess, whose effects are applied at once (``splitbus.worker.core``).
+
+What runs the steps is the worker's stepper, which decides when it prefills, decodes or waits:
+``SoloStepper`` is a worker on its own; ``splitbus.worker.dp.DpStepper`` is one rank of a DP
+group, which steps with the other ranks (the barrier is the stepper's; what a rank runs in a
+step is these steps)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
 
 from splitbus import aio
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient, transient_suppressed
+from splitbus.bus.core.loops import Loops
 from splitbus.bus.core.streams import Delivery, GroupConsumer
-from splitbus.bus.registry import Registry, WorkerLoad
+from splitbus.bus.registry import Registry
 from splitbus.worker import metrics
+from splitbus.worker.core import WorkerCore
+from splitbus.worker.effects import Apply
 from splitbus.worker.publisher import Publisher
-from splitbus.worker.requests import Status
-from splitbus.worker.sequence import Sequence, kv_tokens
-from splitbus.worker.shared import Shared
+from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
 WAIT_FOR_WORK_S = 0.5
+"""With nothing to step, the loop looks again this often (kv waits and deadlines to expire)."""
 WAIT_FOR_BLOCKS_S = 0.01
 """With requests queued but no KV blocks to prefill them into (and none running), the loop looks
 again this often: a hand-off, a cancellation or an import may free blocks meanwhile."""
-"""With nothing to step, the loop looks again this often (kv waits and deadlines to expire)."""
-COUNTERS = (
-    "prefills_done",
-    "decodes_done",
-    "steps",
-    "idle_forwards",
-    "step_time_us",
-    "idle_time_us",
-    "busy_time_us",
-    "forward_ends_ms",
-    "dp_epoch",
-)
-"""What the worker's load report carries from its steps: counters, and two DP values a rank sets
-(``forward_ends_ms``, ``dp_epoch``; see ``WorkerLoad``)."""
 
 EngineCall = Callable[[list[Sequence]], Awaitable[list[int]]]
 
 
 class EngineSteps:
-    """``expire`` ends what waited too long (kv waits, deadlines); ``settle`` runs after each
-    engine call (a worker stopped during the step drops its moved requests before it writes for
-    them); ``hand_off`` is the one-shot
-    work started for each prefilled request of a prefill worker; ``cancel_peer`` tells a decode
-    worker that its request finished at prefill."""
+    """``apply`` carries out the core's effects (the worker's); ``expire`` ends what waited too
+    long (deadlines, kv waits: the latter look at Redis first); ``settle`` runs after each
+    engine call (a worker stopped during the step drops its moved requests before it writes
+    for them)."""
 
     def __init__(
         self,
-        shared: Shared,
-        publisher: Publisher,
+        core: WorkerCore,
         tasks: GroupConsumer,
         registry: Registry,
+        loops: Loops,
         *,
+        apply: Apply,
         expire: Callable[[], None],
         settle: Callable[[], Awaitable[None]],
-        hand_off: Callable[[Sequence], Coroutine[Any, Any, None]],
-        cancel_peer: Callable[[Sequence, str], None],
     ) -> None:
-        self.config, self.id, self.engine, self.table = shared.config, shared.id, shared.engine, shared.table
-        self.loops, self.wake = shared.loops, shared.wake
-        self.publisher, self.tasks, self.registry = publisher, tasks, registry
-        self.expire, self.settle, self.hand_off, self.cancel_peer = expire, settle, hand_off, cancel_peer
-        self.counters = dict.fromkeys(COUNTERS, 0)
-        self.kv_blocked = False
-        """The last prefill step found requests queued but no blocks to prefill any of them into."""
+        self.core, self.engine, self.id = core, core.engine, core.id
+        self.tasks, self.registry, self.loops = tasks, registry, loops
+        self.apply, self.expire, self.settle = apply, expire, settle
+        self.wake = asyncio.Event()
+        """Set when the engine loop has something new to do (work came, a request left)."""
 
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(
-            running=self.table.count(Status.RUNNING, Status.HANDING_OFF),
-            waiting=self.table.count(Status.QUEUED, Status.AWAITING_KV),
-            queued_prefill_tokens=sum(
-                len(s.all_tokens) - max(s.cached, s.prompt_cached) for s in self.table.of(Status.QUEUED)
-            ),
-            free_kv_blocks=self.engine.free_blocks,
-            total_kv_blocks=self.engine.total_blocks,
-            **self.counters,
-        )
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.core.counters
 
     def has_work(self) -> bool:
-        return bool(self.table.count(Status.RUNNING)) or (bool(self.table.count(Status.QUEUED)) and not self.kv_blocked)
+        return self.core.has_work()
 
     async def wait_for_work(self) -> None:
         self.expire()
-        if self.has_work():
+        if self.core.has_work():
             return
-        if self.kv_blocked:  # queued, no blocks to prefill into: look again once requests may have left
+        if self.core.kv_blocked:  # queued, no blocks to prefill into: look again once requests may have left
             await asyncio.sleep(WAIT_FOR_BLOCKS_S)
-            self.kv_blocked = False
+            self.core.kv_blocked = False
             return
         await aio.wait(self.wake, WAIT_FOR_WORK_S)
         self.wake.clear()
@@ -106,18 +90,17 @@ class EngineSteps:
     async def report_load_now(self) -> None:
         """Advisory: an outage only leaves it to the next report."""
         with transient_suppressed("a load report"):
-            await self.registry.report_load(self.id, self.load())
+            await self.registry.report_load(self.id, self.core.load())
 
     async def prefill_queued(self, report_load: bool = True) -> None:
-        """Prefill the next batch, then send each request on: RUNNING here (mixed), to its
-        decode worker (prefill: a hand-off), or finished at its first token. ``report_load``:
-        once the batch left the queue (a DP rank reports its load with each step instead).
+        """Prefill the next batch (``WorkerCore.plan_prefill``, the engine call, ``end_prefill``).
+        ``report_load``: once the batch left the queue (a DP rank reports its load with each
+        step instead).
 
         Called by the stepper once per turn: a worker on its own before each decode, a DP rank
         when the group's plans say this rank prefills. Redis refusing during it (the lease
         check after the engine call) leaves the batch QUEUED, first in line, for the next turn."""
-        batch = self.table.start_prefill(self.config.max_prefill_tokens, self.engine.first_to_compute, self.allocate)
-        self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
+        batch = self.core.plan_prefill()
         if not batch:
             return
         if report_load:
@@ -127,51 +110,22 @@ class EngineSteps:
             results = await self.run_engine(self.engine.prefill, batch)
             await self.settle()
         except BaseException:  # Redis refused (the loop waits it out): dropped here, the batch would be lost
-            self.table.abort_prefill()
+            self.core.abort_prefill()
             raise
-        still = self.table.end_prefill()
-        results = [(seq, token) for seq, token in results if any(s is seq for s in still)]  # not moved away meanwhile
-        metrics.GENERATION_TOKENS.inc(len(results))
-        for seq, token in results:
-            self.publisher.emit(seq, token)
-            self.after_prefill(seq)
-
-    def allocate(self, seq: Sequence) -> bool:
-        """The blocks a queued request prefills into, taken as its prefill starts (with the
-        prefix cache's blocks of its prompt as they are then); False: none yet, it waits."""
-        return seq.blocks > 0 or self.engine.reserve(seq, kv_tokens(seq.task))
-
-    def after_prefill(self, seq: Sequence) -> None:
-        self.counters["prefills_done"] += 1
-        if seq.task.phase == "mixed" and not seq.finished:
-            self.table.add(seq, Status.RUNNING)
-        elif seq.finished:  # done at its first token: D has nothing to decode
-            self.publisher.finish(seq)
-            if seq.task.phase == "prefill":
-                self.cancel_peer(seq, "finished_on_prefill")
-        else:
-            self.table.add(seq, Status.HANDING_OFF)
-            self.loops.spawn(self.hand_off(seq))
+        self.apply(self.core.end_prefill(results))
 
     async def decode_running(self) -> None:
-        """One decode step for every RUNNING request: a token each, and the finished ones leave.
+        """One decode step for every RUNNING request (``plan_decode``, the engine call,
+        ``end_decode``).
 
         Called by the stepper once per turn: a worker on its own after each prefill, a DP rank
-        when the group's plans say this rank decodes. Requests that left during the engine call
-        (cancelled, moved) get no token: only those still RUNNING after it are written for."""
-        batch = self.table.of(Status.RUNNING)  # a snapshot: imports and cancellations change the table meanwhile
+        when the group's plans say this rank decodes."""
+        batch = self.core.plan_decode()
         if not batch:
             return
         results = await self.run_engine(self.engine.decode, batch)
         await self.settle()
-        emitted = [(seq, token) for seq, token in results if self.table.holds(seq, Status.RUNNING)]
-        metrics.GENERATION_TOKENS.inc(len(emitted))
-        for seq, token in emitted:
-            self.publisher.emit(seq, token)
-        for seq in [s for s in self.table.of(Status.RUNNING) if s.finished]:
-            self.table.remove(seq)
-            self.counters["decodes_done"] += 1
-            self.publisher.finish(seq)
+        self.apply(self.core.end_decode(results))
 
     async def run_engine(self, step: EngineCall, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
         """One engine call for the batch. If it raises, each sequence runs alone to find the
@@ -198,5 +152,83 @@ class EngineSteps:
         # The dead letter first: should it raise, the request is still held (prefilled or
         # decoded again later), not out of the table with nothing written for it.
         await self.tasks.dead_letter(Delivery(self.tasks.stream, seq.entry_id, seq.task), f"engine_error: {exc}")
-        if self.table.remove(seq):  # else it left during the engine call (cancelled, moved)
-            self.publisher.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
+        self.apply(self.core.poisoned(seq, exc))
+
+
+class RankConfig(Protocol):
+    """What a stepper reads of the worker's config (``WorkerConfig`` has it)."""
+
+    @property
+    def bus(self) -> BusConfig: ...
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def max_prefill_tokens(self) -> int: ...
+    @property
+    def dp_group(self) -> str: ...
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def dp_align_ms(self) -> float: ...
+    @property
+    def dp_barrier_timeout_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """The parts of a worker a stepper works with."""
+
+    config: RankConfig
+    redis: aioredis.Redis
+    registry: Registry
+    steps: EngineSteps
+    """The engine's steps, and through them the core (its table, its load)."""
+    publisher: Publisher
+    """Asked for a write after each step (``soon``): the step's tokens go out."""
+    loops: Loops
+    """The worker's loops: one-shot work is spawned there; a stepper that stops the worker stops them."""
+
+
+class Stepper(Protocol):
+    async def start(self) -> None:
+        """Called once, after the worker has joined the bus and before its first step."""
+
+    async def step(self) -> None:
+        """Called by the engine loop until the worker stops: one turn (a wait for work, or a step)."""
+
+    async def work_arrived(self) -> None:
+        """Called once the task feed has taken tasks: the engine loop has work."""
+
+
+StepperFactory = Callable[[StepParts], Stepper]
+"""How a worker is given its stepper: called with the worker's parts once they exist."""
+
+
+class SoloStepper:
+    """A worker on its own: prefill what is queued, then decode what runs; results go out after
+    each engine call, written by the publisher while the engine goes on (a first token waits
+    neither for the decode nor for Redis)."""
+
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
+
+    async def start(self) -> None:
+        pass
+
+    async def step(self) -> None:
+        p = self.parts
+        await p.steps.settle()  # back from a stop: what moved away is dropped before anything
+        await p.steps.wait_for_work()
+        await p.steps.prefill_queued()
+        p.publisher.soon()
+        await p.steps.decode_running()
+        p.publisher.soon()
+
+    async def work_arrived(self) -> None:
+        self.parts.steps.wake.set()

@@ -1,25 +1,32 @@
-"""A worker process: pull tasks while there is room, step the engine, publish results.
+"""A worker process: the core (its requests and its engine, no I/O) in a thin asynchronous shell.
 
 Roles: a ``prefill`` worker prefills, publishes the first token and hands the KV cache to the
 decode worker named in its task; a ``decode`` worker reserves KV blocks, waits for that cache
 and decodes; a ``mixed`` worker does both. Tasks are acked once their work is handed on: by P
 when D has the cache, by D when the final entry is written.
 
-The worker is its rooms, each a module: the request table (``requests``), the task feed and the
-lease (the bus edges), the engine's steps and the stepper that runs them (a worker of its own,
-or a DP rank), the hand-off (``handoff`` on P, ``receiver`` on D), the publisher, cancellation
-and the control commands. This module builds them and runs them: the engine loop and the
-background loops, all under one ``Loops`` (a loop's bug stops the worker with exit code 1).
+``WorkerCore`` (``core``) holds every rule: what a task comes to, what a step runs, what its
+tokens do, how a request leaves; each answer is a list of effects (``effects``). Around it the
+shell does the I/O, each part a loop step under one ``Loops`` (a loop's bug stops the worker
+with exit code 1): the task feed (``feed``), the engine loop (the stepper of ``steps``, or a DP
+rank's of ``dp``), the publisher, the lease, the cancel listener, the KV transfer (``handoff``
+on P, ``receiver`` on D) and the control commands. ``apply`` hands the core's effects to the
+part that carries each out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
+from splitbus.bus.cancel import CancelListener, publish_cancel
 from splitbus.bus.core.codec import NamedRequest
 from splitbus.bus.core.connection import connect, transient_suppressed, until_done
 from splitbus.bus.core.loops import Loops
+from splitbus.bus.dispatch import CurrentDispatch
+from splitbus.bus.kv_events import KvEventPublisher
+from splitbus.bus.reaping import Reaping
 from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
@@ -29,7 +36,9 @@ from splitbus.worker import metrics
 from splitbus.worker.cancellation import Cancellation
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.control import control_server
-from splitbus.worker.engines import Engine
+from splitbus.worker.core import Limits, WorkerCore
+from splitbus.worker.effects import CancelPeer, Effect, Fail, Left, ShipKv, Wake
+from splitbus.worker.engines.interface import Engine
 from splitbus.worker.feed import TaskFeed
 from splitbus.worker.handoff import HandOff
 from splitbus.worker.lease import Lease
@@ -37,10 +46,7 @@ from splitbus.worker.links import PeerLinks
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.receiver import Receiver
 from splitbus.worker.recovery import Recovery
-from splitbus.worker.requests import RequestTable
-from splitbus.worker.shared import Shared
-from splitbus.worker.stepper import SoloStepper, StepParts, StepperFactory
-from splitbus.worker.steps import EngineSteps
+from splitbus.worker.steps import EngineSteps, SoloStepper, StepParts, StepperFactory
 from splitbus.worker.transfer import TransferClient, TransferServer
 
 log = logging.getLogger(__name__)
@@ -58,56 +64,58 @@ class Worker:
         self.redis = connect(config.bus, max_connections=16, name=self.id)
         self.keys = config.bus.keys
         self.registry = Registry(self.redis, config.bus)
-        self.wake, self.room = asyncio.Event(), asyncio.Event()
         self.loops = Loops(f"worker {self.id}", part="the worker", on_fail=self._wake_all)
         self.stopping = self.loops.stopping
-        self.requests = RequestTable()
+        limits = Limits(self.id, config.model_name, config.block_size, config.max_prefill_tokens, config.kv_wait_s)
+        self.core = WorkerCore(limits, engine, tokenizer)
+        self.requests = self.core.table
         self.started_ms = 0  # Redis server time of the first registration: the DP group's epoch
-        self._build_rooms(stepper)
+        self._build_shell(stepper)
         self.server = TransferServer(self.id, self.receiver.admit_kv, self.receiver.import_kv)
         self.control = control_server(self)
         self.stop_reporting_load = metrics.watch_load(self.load)
 
-    def _build_rooms(self, stepper: StepperFactory) -> None:
-        config, redis = self.config, self.redis
-        shared = Shared(config, redis, self.requests, self.engine, self.loops, self.wake, self.room)
+    def _build_shell(self, stepper: StepperFactory) -> None:
+        config, redis, core, apply = self.config, self.redis, self.core, self.apply
         self.tasks = task_consumer(redis, config.bus, self.id, self.id, on_dead=self._fail_dead_lettered)
-        self.reservations = Reservations(redis, self.keys)
         self.writer = ResultWriter(redis, config.bus)
+        self.reservations = Reservations(redis, self.keys)
+        kv = KvEventPublisher(redis, config.bus, self.id, config.dp_rank, total_kv_blocks=self.engine.total_blocks)
         self.publisher = Publisher(
-            shared, self.writer, self.tasks, self.reservations, before=self._rejoin, after_results=self._give_back
+            redis,
+            kv,
+            self.engine,
+            self.writer,
+            self.tasks,
+            self.reservations,
+            before=self._rejoin,
+            after_results=self._give_back,
         )
-        self.cancellation = Cancellation(shared, self.publisher)
+        self.cancellation = Cancellation(CancelListener(redis, config.bus), core, apply)
         self.links = PeerLinks(redis, config.bus, self.id, TransferClient(self.id, config.transfer_timeout_s))
-        self.receiver = Receiver(shared, self.publisher, self.reservations)
-        self.handoff = HandOff(shared, self.publisher, self.cancellation, self.links, self._lapsed)
+        self.receiver = Receiver(core, CurrentDispatch(redis, self.keys), Reaping(redis, self.keys), self.loops, apply)
+        self.handoff = HandOff(core, redis, config.bus, self.links, self.writer, apply=apply, lapsed=self._lapsed)
         self.steps = EngineSteps(
-            shared,
-            self.publisher,
-            self.tasks,
-            self.registry,
-            expire=self._expire,
-            settle=self._settle,
-            hand_off=self.handoff.hand_off,
-            cancel_peer=self.cancellation.cancel_peer,
+            core, self.tasks, self.registry, self.loops, apply=apply, expire=self._expire, settle=self._settle
         )
-        self.stepper = stepper(
-            StepParts(config, redis, self.registry, self.requests, self.steps, self.publisher, self.loops, self._settle)
-        )
+        self.stepper = stepper(StepParts(config, redis, self.registry, self.steps, self.publisher, self.loops))
         self.feed = TaskFeed(
-            shared,
-            self.tokenizer,
+            core,
+            redis,
+            config.bus,
             self.tasks,
             self.registry,
-            self.publisher,
-            self.cancellation,
-            self.receiver,
+            self.reservations,
+            max_requests=config.max_requests,
+            apply=apply,
+            done_entries=self.publisher.done_entries,
             work_arrived=self.stepper.work_arrived,
-            load=self.load,
         )
         self.lease = Lease(
-            config,
+            self.id,
+            config.lease_ms,
             redis,
+            self.keys,
             self.registry,
             self.record,
             self.feed.drop_moved,
@@ -116,8 +124,37 @@ class Worker:
             after_beat=self._recover,
         )
         self.recovery = Recovery(
-            shared, self.tasks, self.feed, self.receiver, self.writer, beat=self.lease.beat, lock=self.publisher.lock
+            core,
+            redis,
+            config.bus,
+            self.tasks,
+            self.writer,
+            apply=apply,
+            beat=self.lease.beat,
+            take_lost=self.feed.take_lost,
+            lock=self.publisher.lock,
         )
+
+    # ------------------------------------------------------------ the core's effects
+
+    def apply(self, effects: Iterable[Effect]) -> None:
+        """Carry out the core's effects, in order: writes are buffered for the publisher; a
+        hand-off and a cancel to the decode side start as one-shot work; a request that left
+        lets the task feed read again and asks for a write; ``Wake`` wakes the engine loop."""
+        for effect in effects:
+            self.publisher.buffer(effect)
+            match effect:
+                case ShipKv(seq):
+                    self.loops.spawn(self.handoff.hand_off(seq))
+                case CancelPeer(request_id, reason):
+                    self.loops.spawn(publish_cancel(self.redis, self.config.bus, request_id, reason))
+                case Left():
+                    self.feed.room.set()
+                    self.publisher.soon()
+                case Fail(warn=False):
+                    self.publisher.soon()
+                case Wake():
+                    self.steps.wake.set()
 
     # ------------------------------------------------------------ the loop
 
@@ -140,10 +177,14 @@ class Worker:
 
     @property
     def endpoint(self) -> str:
-        return self.receiver.endpoint
+        return self.core.endpoint
+
+    @property
+    def wake(self) -> asyncio.Event:
+        return self.steps.wake
 
     async def start(self) -> None:
-        self.receiver.endpoint = await self.server.start(
+        self.core.endpoint = await self.server.start(
             self.config.transfer_host, self.config.transfer_port, self.config.advertised_transfer_host
         )
         await until_done(self.join_bus, self.redis, lambda: self.loops.stopped, "start-up")
@@ -164,18 +205,19 @@ class Worker:
         await self.control.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.lease.beat()  # now with started_ms
-        await self.recovery.watch()  # the run it joined (a restart from here on is a new run)
+        if await self.recovery.watch():  # the run it joined (a restart from here on is a new run)
+            self.feed.after_new_run = True
         await self.publisher.start_kv_events()  # its prefix cache, empty, on its KV event stream
 
     async def close(self) -> None:
         self.loops.stop()
-        self.room.set()
+        self.feed.room.set()
         with transient_suppressed("the last publish"):
             await self.publisher.publish()  # what the last steps left
         await self.loops.close()
         self.stop_reporting_load()
         with transient_suppressed("leaving the registry"):
-            if self.exit_code == 0 and not self.feed.held():
+            if self.exit_code == 0 and not self.core.held():
                 await self.registry.deregister(self.id)
             else:  # what it held must move: deregistered, no reaper would ever look at it
                 await self.registry.resign(self.id)
@@ -200,14 +242,14 @@ class Worker:
         )
 
     def load(self) -> WorkerLoad:
-        return self.steps.load()
+        return self.core.load()
 
-    # ------------------------------------------------------------ what the rooms ask of each other
+    # ------------------------------------------------------------ the hooks between the shell's parts
 
     def _wake_all(self) -> None:
         """A loop failed: what the loops wait on wakes, so that they see the stop."""
-        self.wake.set()
-        self.room.set()
+        self.steps.wake.set()
+        self.feed.room.set()
 
     def _fail_dead_lettered(self, named: NamedRequest, reason: str) -> None:
         self.feed.fail_request(named.request_id, reason, reader=named.reader)
@@ -217,10 +259,12 @@ class Worker:
 
     async def _watch_runs(self) -> None:
         if await self.recovery.watch():
+            self.feed.after_new_run = True
             self.publisher.kv_new_run = True  # a fresh KV snapshot at the next write
 
     async def _recover(self) -> None:
         await self.recovery.recover_if_owed()
+        self.feed.after_new_run = self.recovery.owed
 
     async def _give_back(self) -> None:
         await self.feed.give_back_reservations()
@@ -232,5 +276,5 @@ class Worker:
         return self.lease.lapsed()
 
     def _expire(self) -> None:
-        self.cancellation.expire_deadlines()
+        self.apply(self.core.deadlines_past())
         self.receiver.expire_waits()

@@ -19,8 +19,8 @@ from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.redis_server import free_port
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
+from splitbus.worker.core import meta_problem
 from splitbus.worker.engines.sim import SimConfig, SimEngine
-from splitbus.worker.handoff import meta_problem
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.text import TextStream
@@ -44,7 +44,7 @@ def prefilled(worker: Worker, request_id: str, peer: str, handoff: str = "h1") -
     request = GenerateRequest(request_id, "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
     seq = Sequence(Task("prefill", request, peer=peer, handoff=handoff), "1-0", TextStream(worker.tokenizer, []))
     worker.writer.open(request_id, reader=request.reader)
-    worker.publisher.emit(seq, 97)
+    worker.apply([worker.core.emit(seq, 97)])
     worker.requests.add(seq, Status.HANDING_OFF)  # as after_prefill leaves it
     return seq
 
@@ -421,7 +421,7 @@ async def test_a_request_moved_away_while_a_refusal_is_looked_into_is_retired_on
 
     async def moved_meanwhile(seq: Sequence) -> bool:
         answer = await real_superseded(seq)
-        worker.feed.moved_away(seq)
+        worker.apply(worker.core.moved_away(seq))
         return answer or newer_dispatch
 
     monkeypatch.setattr(worker.handoff, "superseded", moved_meanwhile)
@@ -490,7 +490,7 @@ async def decoding(worker: Worker, *request_ids: str) -> list[Sequence]:
         seq = Sequence(delivery.message, delivery.entry_id, TextStream(worker.tokenizer, []))
         assert worker.engine.reserve(seq, 32)
         worker.writer.open(seq.request_id, reader=seq.request.reader, first_seq=1)
-        worker.publisher.emit(seq, 97)  # written after the stop, if at all
+        worker.apply([worker.core.emit(seq, 97)])  # written after the stop, if at all
         worker.requests.add(seq, Status.RUNNING)
         seqs.append(seq)
     return seqs

@@ -31,7 +31,15 @@ async def test_a_primary_that_cannot_be_asked_for_its_run_does_not_keep_the_leas
         pass
 
     lease = Lease(
-        config, redis, Registry(redis, bus_config), lambda: record, nothing, asyncio.Lock(), before_beat=primary_down
+        config.worker_id,
+        config.lease_ms,
+        redis,
+        bus_config.keys,
+        Registry(redis, bus_config),
+        lambda: record,
+        nothing,
+        asyncio.Lock(),
+        before_beat=primary_down,
     )
     for _ in range(3):
         await redis.delete(bus_config.keys.lease("d0"))

@@ -18,7 +18,7 @@ from splitbus.worker.dp import EXIT_GROUP_BROKEN, DpStepper, GroupBroken, StepPl
 from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.stepper import SoloStepper, StepperFactory
+from splitbus.worker.steps import SoloStepper, StepperFactory
 from splitbus.worker.text import TextStream
 from splitbus.worker.worker import Worker
 from tests.worker import replies

@@ -214,7 +214,7 @@ async def test_a_decode_task_without_kv_room_waits_until_a_request_leaves(
         assert worker.writer.pending == 0  # nothing failed
         first = worker.requests.get("a")
         assert first is not None and worker.requests.remove(first)
-        worker.publisher.retire(first)  # a leaves: its blocks are free
+        worker.apply(worker.core.retire(first))  # a leaves: its blocks are free
         await asyncio.wait_for(feeding, 5)
         await worker.feed.feed_tasks()
         assert _awaiting(worker) == ["b", "c"]
@@ -240,7 +240,7 @@ async def test_queued_prefills_hold_no_blocks_until_their_prefill_starts(
             await add(worker.redis, worker.keys.tasks(worker.id), Task("prefill", request, "d1"))
         await worker.feed.feed_tasks()
         assert _queued(worker) == ["a", "b"] and worker.engine.free_blocks == 16  # both taken, no blocks held
-        batch = worker.requests.start_prefill(4096, worker.engine.first_to_compute, worker.steps.allocate)
+        batch = worker.requests.start_prefill(4096, worker.engine.first_to_compute, worker.core.allocate)
         assert [s.request_id for s in batch] == ["a"] and _queued(worker) == ["b"]  # b waits for blocks
         assert worker.engine.free_blocks == 6
     finally:
