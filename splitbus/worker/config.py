@@ -67,9 +67,13 @@ class WorkerConfig:
             raise ValueError("capacities must be >= 1")
         if self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats")
+        self._check_dp()
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", default_worker_id(self.role))
+
+    def _check_dp(self) -> None:
+        """A DP rank names its group and a rank within its size; a worker on its own names neither."""
         if self.dp_size and not (self.dp_group and 0 <= self.dp_rank < self.dp_size):
             raise ValueError("a DP rank needs --dp-group and 0 <= --dp-rank < --dp-size")
         if not self.dp_size and (self.dp_group or self.dp_rank != -1):
             raise ValueError("--dp-group and --dp-rank need --dp-size (the group's ranks)")
-        if not self.worker_id:
-            object.__setattr__(self, "worker_id", default_worker_id(self.role))

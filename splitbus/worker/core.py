@@ -171,9 +171,14 @@ class WorkerCore:
         )
         if task.request.request_id in self.cancelled or self.holds_dispatch(task, entry_id):
             return Admission([Ack(entry_id)], reserved)
+        return self.take(entry_id, task, reserved)
+
+    def take(self, entry_id: str, task: Task, reserved: Reserved | None) -> Admission:
+        """A task this worker runs: its request's older task here is void (the request moved
+        here again, its other worker died); queued to prefill, or a decode task with its blocks."""
         effects: list[Effect] = []
         for older in [s for s in self.table.of() if s.request_id == task.request.request_id]:
-            effects += self.moved_away(older)  # the request moved here again (its other worker died)
+            effects += self.moved_away(older)
         seq = Sequence(task, entry_id, TextStream.for_request(self.tokenizer, task.request.sampling))
         if task.phase != Phase.DECODE:
             return Admission(effects + self.queue(seq), reserved)
