@@ -15,7 +15,7 @@ from splitbus.bus.roles import Role
 from splitbus.bus.tasks import unread_tasks
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.links import PeerLinks
-from splitbus.worker.requests import RequestTable, Status
+from splitbus.worker.table import RequestTable, Status
 from splitbus.worker.transfer import TransferError
 
 

@@ -1,6 +1,6 @@
 """The worker's core: its requests and its engine, and every rule about them, without I/O.
 
-``WorkerCore`` owns the request table (``splitbus.worker.requests``) and the engine's KV blocks.
+``WorkerCore`` owns the request table (``splitbus.worker.table``) and the engine's KV blocks.
 It takes decoded tasks (``admit``) and KV arrivals (``admit_kv``, ``start_import``,
 ``end_import``), plans a step and takes its results, as nano-vllm's ``step()`` does (schedule ->
 run -> postprocess), and says what must happen as plain data: a list of effects
@@ -50,8 +50,8 @@ from splitbus.worker.effects import (
     Wake,
 )
 from splitbus.worker.engines.interface import Engine
-from splitbus.worker.requests import DROPPABLE, HELD, RequestTable, Status
 from splitbus.worker.sequence import Sequence, kv_tokens
+from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status
 from splitbus.worker.text import TextStream
 from splitbus.worker.transfer import Header, new_secret, proof_matches
 

@@ -43,8 +43,8 @@ from splitbus.bus.roles import Role
 from splitbus.bus.tasks import task_consumer
 from splitbus.worker import engines, metrics
 from splitbus.worker.engines.interface import SimulatedGroup
-from splitbus.worker.requests import Status
 from splitbus.worker.steps import StepParts
+from splitbus.worker.table import Status
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5

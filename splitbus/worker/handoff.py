@@ -31,8 +31,8 @@ from splitbus.worker import metrics
 from splitbus.worker.core import WorkerCore, dispatched_again
 from splitbus.worker.effects import Apply, CancelPeer
 from splitbus.worker.links import PeerLinks
-from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.table import Status
 from splitbus.worker.transfer import TransferError, Unreachable
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from splitbus.bus.runs import Runs, ServerRuns
 from splitbus.bus.tasks import missing_entries, send_task
 from splitbus.worker.core import WorkerCore
 from splitbus.worker.effects import Apply
-from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.table import Status
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from splitbus.worker.effects import (
     Wake,
 )
 from splitbus.worker.engines.sim import SimConfig, SimEngine
-from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.table import Status
 from splitbus.worker.transfer import KV, Header, kv_proof
 
 FREE = SimConfig(prefill_s_per_token=0, decode_step_s=0, decode_s_per_seq=0)

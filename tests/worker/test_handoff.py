@@ -21,8 +21,8 @@ from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.core import meta_problem
 from splitbus.worker.engines.sim import SimConfig, SimEngine
-from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.table import Status
 from splitbus.worker.text import TextStream
 from splitbus.worker.transfer import Header, TransferServer, proof_matches
 from splitbus.worker.worker import Worker

@@ -11,8 +11,8 @@ from splitbus.bus.registry import Registry
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines.sim import SimConfig, SimEngine
-from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.table import Status
 from splitbus.worker.text import TextStream
 from splitbus.worker.worker import Worker
 

@@ -14,8 +14,8 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines.sim import SimConfig, SimEngine
-from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.table import Status
 from splitbus.worker.transfer import KV, Header, kv_proof
 from splitbus.worker.worker import Worker
 from tests.worker.replies import add

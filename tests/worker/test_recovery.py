@@ -22,7 +22,7 @@ from splitbus.redis_server import EmbeddedRedis
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines.sim import SimConfig, SimEngine
-from splitbus.worker.requests import Status
+from splitbus.worker.table import Status
 from splitbus.worker.worker import Worker
 from tests.worker.replies import add, decoded
 

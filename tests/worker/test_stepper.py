@@ -16,9 +16,9 @@ from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.dp import EXIT_GROUP_BROKEN, DpStepper, GroupBroken, StepPlan
 from splitbus.worker.engines.sim import SimConfig, SimEngine
-from splitbus.worker.requests import Status
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.steps import SoloStepper, StepperFactory
+from splitbus.worker.table import Status
 from splitbus.worker.text import TextStream
 from splitbus.worker.worker import Worker
 from tests.worker import replies

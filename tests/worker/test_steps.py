@@ -10,7 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import TokenDelta
-from splitbus.worker.requests import Status
+from splitbus.worker.table import Status
 from tests.worker.test_stepper import entries, mixed_worker, queue
 
 

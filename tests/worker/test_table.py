@@ -9,8 +9,8 @@ import pytest
 
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.requests import DROPPABLE, HELD, RequestTable, Status
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status
 from splitbus.worker.text import TextStream
 
 Make = Callable[..., Sequence]
