@@ -1,6 +1,6 @@
 """The requests a worker holds: one entry per request, with one status (nano-vllm's
 ``SequenceStatus``), in one table. No Redis here: what to write when a request changes status is
-the caller's (the publisher's, the hand-off's).
+the core's (``splitbus.worker.core``), which owns the table and answers with effects.
 
 A request leaves the table when it leaves the worker (finished, failed, handed off, moved,
 cancelled); its task is acked at the next publish. Within a status, requests keep the order they
@@ -50,10 +50,10 @@ class _Entry:
 
 
 class RequestTable:
-    """Every room reads and changes it, from the one event loop: the task feed adds what it
-    takes, the engine's steps move requests through prefill and decode, the hand-off and the
-    receiver hold theirs while they ship or import, and whatever ends a request (a finish, a
-    cancel, a deadline, a move) takes it out. Each method says who calls it when."""
+    """The core's (``WorkerCore.table``); the shell's parts read it, from the one event loop.
+    The core adds what a task comes to, moves requests through prefill and decode, holds those
+    that ship or import their KV, and whatever ends a request (a finish, a cancel, a deadline,
+    a move) takes it out. Each method says who calls it when."""
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
@@ -65,9 +65,9 @@ class RequestTable:
         """A request comes in (or back, after its prefill). Its older task, if any, must have
         left first: one request has one entry.
 
-        Called when the task feed takes a task (QUEUED; a decode task AWAITING_KV, through the
-        receiver), after a prefill (RUNNING on a mixed worker, HANDING_OFF on a prefill worker)
-        and once an import ends (RUNNING)."""
+        Called when a task is taken (QUEUED; a decode task AWAITING_KV), after a prefill
+        (RUNNING on a mixed worker, HANDING_OFF on a prefill worker) and once an import ends
+        (RUNNING)."""
         if seq.request_id in self._entries:
             raise ValueError(f"{seq.request_id} is held already ({self._entries[seq.request_id].status.value})")
         self._entries[seq.request_id] = _Entry(seq, status, kv_deadline)
@@ -101,7 +101,7 @@ class RequestTable:
     def remove(self, seq: Sequence) -> bool:
         """``seq`` leaves; False if it was not held (a newer task of its request stays). Called by
         whatever ends it: a finished decode, a poison, a failed or let-go hand-off or import, a
-        move, a deadline, a broken DP group. The caller retires it (``Publisher.retire``)."""
+        move, a deadline, a broken DP group. The caller retires it (``WorkerCore.retire``)."""
         if self.status(seq) is None:
             return False
         del self._entries[seq.request_id]
@@ -183,7 +183,7 @@ class RequestTable:
 
     def kv_waits_past(self, now: float) -> list[Sequence]:
         """Remove and return the requests whose KV has not come by its deadline. Called by the
-        engine loop before each step (``Receiver.expire_waits``)."""
+        engine loop before each step (``WorkerCore.kv_waits_past``)."""
         return self._take_all(e for e in self._select((Status.AWAITING_KV,)) if now > e.kv_deadline)
 
     def _select(self, statuses: tuple[Status, ...]) -> Iterable[_Entry]:
