@@ -1,0 +1,73 @@
+"""The worker's two layers (docs/architecture.md, "The worker: a core and its shell"): the core
+does no I/O and imports nothing of the shell; the shell's parts import the core, not each other,
+and ``worker.py`` wires them. A crossing fails here, naming it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.test_layering import PACKAGE, _import_graph
+
+WORKER = "splitbus.worker."
+CORE = {"core", "table", "effects", "sequence", "text"}
+"""The core: the rules, the request table, the effects, a request's state and its text."""
+BESIDE_CORE = {"transfer", "metrics", "config", "engines.interface"}
+"""What the core may import besides itself: the KV frame's header and proof check (``transfer``),
+and the engine's interface. (``metrics`` and ``config`` are the shell's to use.)"""
+SHELL_EDGES = {("steps", "publisher"), ("dp", "steps"), ("handoff", "links"), ("control", "links")}
+"""The shell's parts that build on another part: a stepper asks the publisher for a write, a DP
+rank runs the engine's steps, and P's hand-off and the control commands use the P-D links."""
+
+
+def _worker_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    graph = _import_graph(root)
+    return {
+        name.removeprefix(WORKER): {t.removeprefix(WORKER) for t in targets if t.startswith(WORKER)}
+        for name, targets in graph.items()
+        if name.startswith(WORKER) and not name.startswith(WORKER + "engines")
+    }
+
+
+def _core_crossings(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(m, t) for m in CORE & set(graph) for t in graph[m] if t not in CORE | BESIDE_CORE}
+
+
+def test_the_core_imports_nothing_of_the_shell() -> None:
+    assert _core_crossings(_worker_graph()) == set()
+
+
+def test_the_shells_parts_import_the_core_not_each_other() -> None:
+    graph = _worker_graph()
+    shell = set(graph) - CORE - BESIDE_CORE - {"", "worker", "engines"}
+    crossings = {(m, t) for m in shell for t in graph[m] & shell} - SHELL_EDGES
+    assert crossings == set()
+    assert {t for t in graph["worker"] if t in shell} == shell - {"dp"}  # the CLI gives a DP rank its stepper
+
+
+def test_the_core_does_no_io() -> None:
+    """No coroutine, no event loop, no Redis client in the core's modules: what takes time is
+    the shell's, which awaits it between the core's calls."""
+    found = []
+    for name in sorted(CORE):
+        tree = ast.parse((PACKAGE / "worker" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.AsyncFunctionDef, ast.Await)):
+                found.append(f"{name}.py:{node.lineno}: {type(node).__name__}")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found += [f"{name}.py:{node.lineno}: imports {m}" for m in modules if m.split(".")[0] in IO_MODULES]
+    assert found == []
+
+
+IO_MODULES = {"asyncio", "redis", "socket", "aiohttp", "httpx"}
+
+
+def test_the_check_sees_a_crossing(tmp_path: Path) -> None:
+    """A core module that imports the feed, even under TYPE_CHECKING, is a crossing."""
+    source = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from splitbus.worker.feed import TaskFeed\n"
+    (tmp_path / "splitbus" / "worker").mkdir(parents=True)
+    for name in ("__init__.py", "worker/__init__.py", "worker/feed.py", "worker/table.py"):
+        (tmp_path / "splitbus" / name).write_text("")
+    (tmp_path / "splitbus" / "worker" / "core.py").write_text(source + "from splitbus.worker import table\n")
+    assert _core_crossings(_worker_graph(tmp_path / "splitbus")) == {("core", "feed")}
