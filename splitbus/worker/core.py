@@ -102,6 +102,16 @@ class Admission:
     """A decode task holding its blocks, AWAITING_KV: its reservation goes to ``sb:kv``."""
 
 
+class AdmissionFailed(Exception):
+    """Taking a task raised (an engine's bug) after the core had changed what it holds:
+    ``so_far`` still goes through (the reservation given back, a void older task's effects),
+    then ``cause`` fails the task alone, as any error while taking one does."""
+
+    def __init__(self, so_far: Admission, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.so_far, self.cause = so_far, cause
+
+
 class WorkerCore:
     """The request table and the engine's blocks, and the rules that change them. Each method
     says who calls it; each returns the effects of what it did, in order."""
@@ -171,17 +181,22 @@ class WorkerCore:
         )
         if task.request.request_id in self.cancelled or self.holds_dispatch(task, entry_id):
             return Admission([Ack(entry_id)], reserved)
-        return self.take(entry_id, task, reserved)
-
-    def take(self, entry_id: str, task: Task, reserved: Reserved | None) -> Admission:
-        """A task this worker runs: its request's older task here is void (the request moved
-        here again, its other worker died); queued to prefill, or a decode task with its blocks."""
         effects: list[Effect] = []
+        try:
+            return self.take(entry_id, task, reserved, effects)
+        except Exception as exc:
+            raise AdmissionFailed(Admission(effects, reserved), exc) from exc
+
+    def take(self, entry_id: str, task: Task, reserved: Reserved | None, effects: list[Effect]) -> Admission:
+        """A task this worker runs: its request's older task here is void (the request moved
+        here again, its other worker died); queued to prefill, or a decode task with its blocks.
+        ``effects`` gathers what it did so far (the caller's, should this raise)."""
         for older in [s for s in self.table.of() if s.request_id == task.request.request_id]:
             effects += self.moved_away(older)
         seq = Sequence(task, entry_id, TextStream.for_request(self.tokenizer, task.request.sampling))
         if task.phase != Phase.DECODE:
-            return Admission(effects + self.queue(seq), reserved)
+            self.queue(seq, effects)
+            return Admission(effects, reserved)
         if not self.take_blocks(seq, effects):
             return Admission(effects, reserved)
         return Admission(effects, reserved, awaiting_kv=self.await_kv(seq))
@@ -234,23 +249,23 @@ class WorkerCore:
             return True
         return self.engine.can_reserve(task, kv_tokens(task))
 
-    def queue(self, seq: Sequence) -> list[Effect]:
+    def queue(self, seq: Sequence, effects: list[Effect]) -> None:
         """A task that prefills joins the queue, without blocks: they are taken when its prefill
         starts (``allocate``), so a queue does not evict the prefix cache its requests will
         want, and each finds what its siblings stored meanwhile. One that would not fit the
-        whole cache fails."""
+        whole cache fails. Its effects are added to ``effects``."""
         task = seq.task
-        effects: list[Effect] = [Open(seq.request_id, task.request.reader, task.first_seq)]
+        effects.append(Open(seq.request_id, task.request.reader, task.first_seq))
         seq.output_ids = list(task.output_token_ids)
         seq.text.push(seq.output_ids)
         tokens, room = kv_tokens(task), self.engine.total_blocks * self.limits.block_size
         if tokens > room:
             total = self.engine.total_blocks
             message = f"worker {self.id} has {total} KV blocks in all, not enough for {tokens} tokens"
-            return effects + self.fail(seq, "out_of_kv_blocks", message, 503)
+            effects += self.fail(seq, "out_of_kv_blocks", message, 503)
+            return
         seq.prompt_cached = self.engine.cached_prefix(task)
         self.table.add(seq, Status.QUEUED)
-        return effects
 
     def take_blocks(self, seq: Sequence, effects: list[Effect]) -> bool:
         """KV room for a decode task's prompt + max_tokens; without it the request fails (its

@@ -19,7 +19,7 @@ from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, Reserved
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.tasks import missing_entries, trim_tasks
-from splitbus.worker.core import WorkerCore
+from splitbus.worker.core import Admission, AdmissionFailed, WorkerCore
 from splitbus.worker.effects import Apply
 from splitbus.worker.sequence import Sequence
 
@@ -187,15 +187,24 @@ class TaskFeed:
         if delivery.entry_id in self.seen_entries:  # taken as lost while its read's reply was on its way
             return
         self.saw(delivery.entry_id)
-        admission = self.core.admit(delivery.entry_id, delivery.message)
-        if admission.reserved is not None:
-            self.unreturned = _add(self.unreturned, admission.reserved)
+        try:
+            admission = self.core.admit(delivery.entry_id, delivery.message)
+        except AdmissionFailed as failed:
+            self.take_back(failed.so_far)
+            self.apply(failed.so_far.effects)
+            raise failed.cause from None
+        self.take_back(admission)
         if admission.rejected is not None:
             await self.reject(delivery, *admission.rejected)
             return
         self.apply(admission.effects)
         if admission.awaiting_kv is not None:
             await self.reserve_kv(admission.awaiting_kv)
+
+    def take_back(self, admission: Admission) -> None:
+        """The reservation a task brought, to give back with the next load report."""
+        if admission.reserved is not None:
+            self.unreturned = _add(self.unreturned, admission.reserved)
 
     async def reserve_kv(self, seq: Sequence) -> None:
         """A decode task with its blocks: its reservation in ``sb:kv``, for its dispatch."""

@@ -11,7 +11,7 @@ import pytest
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.registry import Reserved
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.core import Limits, WorkerCore
+from splitbus.worker.core import AdmissionFailed, Limits, WorkerCore
 from splitbus.worker.effects import (
     Ack,
     CancelPeer,
@@ -129,6 +129,32 @@ def test_a_request_moved_here_again_keeps_only_its_newest_task(core: WorkerCore)
     assert admission.effects == [Wake(), Forget("r1"), Ack("1-0"), Left(), Discard("r1"), Open("r1", "api", 0)]
     (newer,) = core.table.of(Status.QUEUED)
     assert newer is not older and newer.entry_id == "2-0"
+
+
+def test_an_engine_that_raises_as_a_task_is_taken_leaves_what_was_done_to_go_through(
+    core: WorkerCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The older task of the request is already out of the table, its blocks freed, and the
+    # newer one's stream opened: those effects and the reservation must still go through
+    # (acked, given back), then the task fails alone.
+    older = taken(core, "1-0", task("prefill", handoff="h1"))
+
+    def broken(t: Task) -> int:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(core.engine, "cached_prefix", broken)
+    with pytest.raises(AdmissionFailed) as failed:
+        core.admit("2-0", task("prefill", handoff="h2", reserved=(2, 0, 0)))
+    assert str(failed.value.cause) == "engine bug" and failed.value.so_far.reserved == Reserved(2, 0, 0)
+    assert failed.value.so_far.effects == [
+        Wake(),
+        Forget("r1"),
+        Ack("1-0"),
+        Left(),
+        Discard("r1"),
+        Open("r1", "api", 0),
+    ]
+    assert core.table.status(older) is None and len(core.table) == 0
 
 
 def test_a_decode_task_takes_its_blocks_and_waits_for_its_kv(core: WorkerCore) -> None:

@@ -17,17 +17,18 @@ import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.typing import EncodableT, FieldT
 
+from splitbus.bus.core import codec
 from splitbus.bus.core.aio import cancel_and_wait
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import forever
 from splitbus.bus.core.keys import WORKER_GROUP
-from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.table import Status
 from splitbus.worker.worker import Worker
-from tests.worker.replies import add, fields
+from tests.worker.replies import add, decoded, fields
 
 
 @pytest.fixture
@@ -246,3 +247,30 @@ async def test_queued_prefills_hold_no_blocks_until_their_prefill_starts(
     finally:
         await worker.loops.close()
         await worker.redis.aclose()
+
+
+async def test_an_engine_error_as_a_task_is_taken_fails_that_task_alone_and_keeps_what_came_before(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The request moved here again; taking its newer task raises in the engine after the older
+    # task left the table. The older task is still acked, the newer one dead-lettered with the
+    # error, and its request answered: nothing the core did before the error is lost.
+    older = await _send(worker, "r-bug")
+    await worker.feed.feed_tasks()
+
+    def broken(task: object) -> int:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(worker.engine, "cached_prefix", broken)
+    newer = await _send(worker, "r-bug")
+    await worker.feed.feed_tasks()
+    assert worker.requests.of() == [] and worker.engine.free_blocks == 64
+    await worker.publisher.publish()
+    assert await worker.tasks.pending_ids() == set()  # the older acked, the newer dead-lettered
+    letters = [codec.decode(fields) for _, fields in await worker.redis.xrange(worker.keys.dead)]
+    assert [(letter.entry_id, letter.reason) for letter in letters] == [
+        (newer, "handler_failed: RuntimeError: engine bug")
+    ]
+    assert older != newer
+    (failed,) = await decoded(worker.redis, worker.keys.out("api", "r-bug"))
+    assert isinstance(failed, Failed) and failed.code == "handler_failed"
