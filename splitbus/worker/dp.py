@@ -347,7 +347,7 @@ class DpStepper:
             await asyncio.sleep(acting + self.step_s - time.monotonic())  # the rest of the group's step
             await self.barrier.finish(self.step_no)
         self.step_no += 1
-        self.parts.publisher.soon()
+        self.parts.outbox.soon()
         if action != "none":
             self.observe_step(action, time.monotonic() - started, acted - acting)
 
@@ -485,7 +485,7 @@ class DpStepper:
             self.steps.apply(self.core.fail(seq, "dp_group_broken", reason, 503))
         if self.config.dp_rank == min(set(range(self.config.dp_size)) - set(missing), default=-1):
             await self.fail_orphaned_tasks(reason, missing)
-        await self.parts.publisher.publish()
+        await self.parts.publish()
         await self.parts.registry.deregister(self.id)
 
     async def hand_over(self) -> None:
@@ -496,7 +496,7 @@ class DpStepper:
         each continuing at the next ``seq`` from the tokens already sent; with no other group it
         keeps them until this one re-forms, within their deadline. The missing ranks' tasks move
         the same way once their leases lapse: nothing is swept here."""
-        await self.parts.publisher.publish()
+        await self.parts.publish()
         await self.parts.registry.resign(self.id)
 
     async def fail_orphaned_tasks(self, reason: str, missing: list[int]) -> None:
@@ -513,7 +513,7 @@ class DpStepper:
             for delivery in orphans:
                 if isinstance(delivery.message, Task):
                     request = delivery.message.request
-                    self.parts.publisher.writer.fail(
+                    self.parts.outbox.writer.fail(
                         request.request_id, "dp_group_broken", reason, 503, reader=request.reader
                     )
             await stream.ack(*[d.entry_id for d in orphans])

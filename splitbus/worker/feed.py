@@ -20,7 +20,7 @@ from splitbus.bus.registry import Registry, Reserved
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.tasks import missing_entries, trim_tasks
 from splitbus.worker.core import Admission, AdmissionFailed, WorkerCore
-from splitbus.worker.effects import Apply
+from splitbus.worker.outbox import Outbox
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,9 @@ SEEN_KEPT = 10_000
 class TaskFeed:
     """``feed_tasks``, ``find_lost_tasks`` and ``trim_tasks`` are loop steps. What a task comes to
     is the core's (``WorkerCore.admit``); the feed reads, dead-letters, writes a decode task's
-    KV reservation and gives the scheduler's reservations back. ``work_arrived`` is called once
-    tasks were taken (the stepper's: a DP rank wakes its group); ``done_entries`` are the task
-    entries the publisher acks next (seen, so never taken again)."""
+    KV reservation and gives the scheduler's reservations back; the core's effects go to
+    ``outbox`` (its ``done_entries``, acked next, count as seen: never taken again).
+    ``work_arrived`` is called once tasks were taken (the stepper's: a DP rank wakes its group)."""
 
     def __init__(
         self,
@@ -44,17 +44,16 @@ class TaskFeed:
         tasks: GroupConsumer,
         registry: Registry,
         reservations: Reservations,
+        outbox: Outbox,
         *,
         max_requests: int,
-        apply: Apply,
-        done_entries: list[str],
         work_arrived: Callable[[], Awaitable[None]],
     ) -> None:
         self.core, self.id, self.redis, self.bus, self.keys = core, core.id, redis, bus, bus.keys
         self.tasks, self.registry, self.max_requests = tasks, registry, max_requests
-        self.apply, self.done_entries, self.work_arrived = apply, done_entries, work_arrived
+        self.apply, self.done_entries, self.work_arrived = outbox.apply, outbox.done_entries, work_arrived
         self.reservations = reservations
-        self.room = asyncio.Event()
+        self.room = outbox.room
         """Set when a request left: the feed, full, waits on it to read again."""
         self.unreturned = Reserved()  # reservations of tasks taken, not given back yet
         self.unaccepted: deque[Delivery] = deque()  # tasks read, not taken yet

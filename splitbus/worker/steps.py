@@ -18,14 +18,13 @@ import redis.asyncio as aioredis
 
 from splitbus import aio
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.core.connection import is_transient, transient_suppressed
+from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.loops import Loops
 from splitbus.bus.core.streams import Delivery, GroupConsumer
 from splitbus.bus.registry import Registry
 from splitbus.worker import metrics
 from splitbus.worker.core import WorkerCore
-from splitbus.worker.effects import Apply
-from splitbus.worker.publisher import Publisher
+from splitbus.worker.outbox import Outbox
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -39,27 +38,32 @@ EngineCall = Callable[[list[Sequence]], Awaitable[list[int]]]
 
 
 class EngineSteps:
-    """``apply`` carries out the core's effects (the worker's); ``expire`` ends what waited too
-    long (deadlines, kv waits: the latter look at Redis first); ``settle`` runs after each
-    engine call (a worker stopped during the step drops its moved requests before it writes
-    for them)."""
+    """The core's effects go to ``outbox``; ``expire_waits`` ends the kv waits that ran out
+    (``Receiver.expire_waits``); ``settle`` runs after each engine call (a worker stopped during
+    the step drops its moved requests before it writes for them: ``Lease.settle_if_lapsed``)."""
 
     def __init__(
         self,
         core: WorkerCore,
+        outbox: Outbox,
         tasks: GroupConsumer,
         registry: Registry,
         loops: Loops,
         *,
-        apply: Apply,
-        expire: Callable[[], None],
+        expire_waits: Callable[[], None],
         settle: Callable[[], Awaitable[None]],
     ) -> None:
-        self.core, self.engine, self.id = core, core.engine, core.id
+        self.core, self.engine, self.id, self.outbox = core, core.engine, core.id, outbox
         self.tasks, self.registry, self.loops = tasks, registry, loops
-        self.apply, self.expire, self.settle = apply, expire, settle
-        self.wake = asyncio.Event()
+        self.apply, self.expire_waits, self.settle = outbox.apply, expire_waits, settle
+        self.wake = outbox.wake
         """Set when the engine loop has something new to do (work came, a request left)."""
+
+    def expire(self) -> None:
+        """What waited too long ends: deadlines passed (the core's), kv waits that ran out (the
+        receiver's, which looks at Redis first)."""
+        self.apply(self.core.deadlines_past())
+        self.expire_waits()
 
     @property
     def counters(self) -> dict[str, int]:
@@ -89,8 +93,14 @@ class EngineSteps:
 
     async def report_load_now(self) -> None:
         """Advisory: an outage only leaves it to the next report."""
-        with transient_suppressed("a load report"):
+        try:
             await self.registry.report_load(self.id, self.core.load())
+        except (
+            Exception
+        ) as exc:  # transient_suppressed's rule, not a call into bus/core/connection.py (it runs this loop)
+            if not is_transient(exc):
+                raise
+            log.warning("a load report skipped: Redis refuses or is unreachable (%s)", exc)
 
     async def prefill_queued(self, report_load: bool = True) -> None:
         """Prefill the next batch (``WorkerCore.plan_prefill``, the engine call, ``end_prefill``).
@@ -189,8 +199,10 @@ class StepParts:
     registry: Registry
     steps: EngineSteps
     """The engine's steps, and through them the core (its table, its load)."""
-    publisher: Publisher
-    """Asked for a write after each step (``soon``): the step's tokens go out."""
+    outbox: Outbox
+    """The publisher is asked for a write after each step (``soon``): the step's tokens go out."""
+    publish: Callable[[], Awaitable[None]]
+    """Write now (what a broken group's rank leaves: ``Publisher.publish``)."""
     loops: Loops
     """The worker's loops: one-shot work is spawned there; a stepper that stops the worker stops them."""
 
@@ -226,9 +238,9 @@ class SoloStepper:
         await p.steps.settle()  # back from a stop: what moved away is dropped before anything
         await p.steps.wait_for_work()
         await p.steps.prefill_queued()
-        p.publisher.soon()
+        p.outbox.soon()
         await p.steps.decode_running()
-        p.publisher.soon()
+        p.outbox.soon()
 
     async def work_arrived(self) -> None:
         self.parts.steps.wake.set()

@@ -10,8 +10,8 @@ tokens do, how a request leaves; each answer is a list of effects (``effects``).
 shell does the I/O, each part a loop step under one ``Loops`` (a loop's bug stops the worker
 with exit code 1): the task feed (``feed``), the engine loop (the stepper of ``steps``, or a DP
 rank's of ``dp``), the publisher, the lease, the cancel listener, the KV transfer (``handoff``
-on P, ``receiver`` on D) and the control commands. ``apply`` hands the core's effects to the
-part that carries each out.
+on P, ``receiver`` on D) and the control commands. The core's effects go to the ``outbox``,
+which buffers the writes and wakes the loop each concerns.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from functools import partial
 
 from splitbus.bus.cancel import CancelListener, publish_cancel
 from splitbus.bus.core.codec import NamedRequest
@@ -37,12 +38,13 @@ from splitbus.worker.cancellation import Cancellation
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.control import control_server
 from splitbus.worker.core import Limits, WorkerCore
-from splitbus.worker.effects import CancelPeer, Effect, Fail, Left, ShipKv, Wake
+from splitbus.worker.effects import Effect
 from splitbus.worker.engines.interface import Engine
 from splitbus.worker.feed import TaskFeed
 from splitbus.worker.handoff import HandOff
 from splitbus.worker.lease import Lease
 from splitbus.worker.links import PeerLinks
+from splitbus.worker.outbox import Outbox
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.receiver import Receiver
 from splitbus.worker.recovery import Recovery
@@ -76,41 +78,16 @@ class Worker:
         self.stop_reporting_load = metrics.watch_load(self.load)
 
     def _build_shell(self, stepper: StepperFactory) -> None:
-        config, redis, core, apply = self.config, self.redis, self.core, self.apply
+        """Each part is built after the parts it calls, so that calls run one way: the worker
+        into its parts, a part into the ones built before it and into the core. The lease's
+        ``drop_moved`` (the feed's, after a lapse) and its beat hooks (the recovery's) are the
+        worker's, called back only by the heartbeat."""
+        config, redis, core = self.config, self.redis, self.core
         self.tasks = task_consumer(redis, config.bus, self.id, self.id, on_dead=self._fail_dead_lettered)
         self.writer = ResultWriter(redis, config.bus)
         self.reservations = Reservations(redis, self.keys)
-        kv = KvEventPublisher(redis, config.bus, self.id, config.dp_rank, total_kv_blocks=self.engine.total_blocks)
-        self.publisher = Publisher(
-            redis,
-            kv,
-            self.engine,
-            self.writer,
-            self.tasks,
-            self.reservations,
-            before=self._rejoin,
-            after_results=self._give_back,
-        )
-        self.cancellation = Cancellation(CancelListener(redis, config.bus), core, apply)
-        self.links = PeerLinks(redis, config.bus, self.id, TransferClient(self.id, config.transfer_timeout_s))
-        self.receiver = Receiver(core, CurrentDispatch(redis, self.keys), Reaping(redis, self.keys), self.loops, apply)
-        self.handoff = HandOff(core, redis, config.bus, self.links, self.writer, apply=apply, lapsed=self._lapsed)
-        self.steps = EngineSteps(
-            core, self.tasks, self.registry, self.loops, apply=apply, expire=self._expire, settle=self._settle
-        )
-        self.stepper = stepper(StepParts(config, redis, self.registry, self.steps, self.publisher, self.loops))
-        self.feed = TaskFeed(
-            core,
-            redis,
-            config.bus,
-            self.tasks,
-            self.registry,
-            self.reservations,
-            max_requests=config.max_requests,
-            apply=apply,
-            done_entries=self.publisher.done_entries,
-            work_arrived=self.stepper.work_arrived,
-        )
+        self.outbox = Outbox(self.writer, self.loops, partial(publish_cancel, redis, config.bus))
+        self.publish_lock = asyncio.Lock()
         self.lease = Lease(
             self.id,
             config.lease_ms,
@@ -118,10 +95,50 @@ class Worker:
             self.keys,
             self.registry,
             self.record,
-            self.feed.drop_moved,
-            self.publisher.lock,
+            self._drop_moved,
+            self.publish_lock,
             before_beat=self._watch_runs,
             after_beat=self._recover,
+        )
+        apply = self.outbox.apply
+        self.cancellation = Cancellation(CancelListener(redis, config.bus), core, apply)
+        self.links = PeerLinks(redis, config.bus, self.id, TransferClient(self.id, config.transfer_timeout_s))
+        self.receiver = Receiver(core, CurrentDispatch(redis, self.keys), Reaping(redis, self.keys), self.loops, apply)
+        self.handoff = HandOff(core, redis, config.bus, self.links, self.writer, apply=apply, lapsed=self.lease.lapsed)
+        self.outbox.ship = self.handoff.hand_off
+        self.steps = EngineSteps(
+            core,
+            self.outbox,
+            self.tasks,
+            self.registry,
+            self.loops,
+            expire_waits=self.receiver.expire_waits,
+            settle=self.lease.settle_if_lapsed,
+        )
+        parts = StepParts(config, redis, self.registry, self.steps, self.outbox, self._publish, self.loops)
+        self.stepper = stepper(parts)
+        self.feed = TaskFeed(
+            core,
+            redis,
+            config.bus,
+            self.tasks,
+            self.registry,
+            self.reservations,
+            self.outbox,
+            max_requests=config.max_requests,
+            work_arrived=self.stepper.work_arrived,
+        )
+        kv = KvEventPublisher(redis, config.bus, self.id, config.dp_rank, total_kv_blocks=self.engine.total_blocks)
+        self.publisher = Publisher(
+            redis,
+            kv,
+            self.engine,
+            self.outbox,
+            self.tasks,
+            self.reservations,
+            lock=self.publish_lock,
+            before=self.lease.rejoin,
+            after_results=self.feed.give_back_reservations,
         )
         self.recovery = Recovery(
             core,
@@ -132,29 +149,8 @@ class Worker:
             apply=apply,
             beat=self.lease.beat,
             take_lost=self.feed.take_lost,
-            lock=self.publisher.lock,
+            lock=self.publish_lock,
         )
-
-    # ------------------------------------------------------------ the core's effects
-
-    def apply(self, effects: Iterable[Effect]) -> None:
-        """Carry out the core's effects, in order: writes are buffered for the publisher; a
-        hand-off and a cancel to the decode side start as one-shot work; a request that left
-        lets the task feed read again and asks for a write; ``Wake`` wakes the engine loop."""
-        for effect in effects:
-            self.publisher.buffer(effect)
-            match effect:
-                case ShipKv(seq):
-                    self.loops.spawn(self.handoff.hand_off(seq))
-                case CancelPeer(request_id, reason):
-                    self.loops.spawn(publish_cancel(self.redis, self.config.bus, request_id, reason))
-                case Left():
-                    self.feed.room.set()
-                    self.publisher.soon()
-                case Fail(warn=False):
-                    self.publisher.soon()
-                case Wake():
-                    self.steps.wake.set()
 
     # ------------------------------------------------------------ the loop
 
@@ -181,7 +177,11 @@ class Worker:
 
     @property
     def wake(self) -> asyncio.Event:
-        return self.steps.wake
+        return self.outbox.wake
+
+    def apply(self, effects: Iterable[Effect]) -> None:
+        """Carry out the core's effects (``Outbox.apply``)."""
+        self.outbox.apply(effects)
 
     async def start(self) -> None:
         self.core.endpoint = await self.server.start(
@@ -211,7 +211,7 @@ class Worker:
 
     async def close(self) -> None:
         self.loops.stop()
-        self.feed.room.set()
+        self.outbox.room.set()
         with transient_suppressed("the last publish"):
             await self.publisher.publish()  # what the last steps left
         await self.loops.close()
@@ -244,18 +244,21 @@ class Worker:
     def load(self) -> WorkerLoad:
         return self.core.load()
 
-    # ------------------------------------------------------------ the hooks between the shell's parts
+    # ------------------------------------------------------------ what the worker is called back for
 
     def _wake_all(self) -> None:
         """A loop failed: what the loops wait on wakes, so that they see the stop."""
-        self.steps.wake.set()
-        self.feed.room.set()
+        self.outbox.wake.set()
+        self.outbox.room.set()
 
     def _fail_dead_lettered(self, named: NamedRequest, reason: str) -> None:
         self.feed.fail_request(named.request_id, reason, reader=named.reader)
 
-    async def _rejoin(self) -> None:
-        await self.lease.rejoin()
+    async def _drop_moved(self) -> None:
+        await self.feed.drop_moved()
+
+    async def _publish(self) -> None:
+        await self.publisher.publish()
 
     async def _watch_runs(self) -> None:
         if await self.recovery.watch():
@@ -265,16 +268,3 @@ class Worker:
     async def _recover(self) -> None:
         await self.recovery.recover_if_owed()
         self.feed.after_new_run = self.recovery.owed
-
-    async def _give_back(self) -> None:
-        await self.feed.give_back_reservations()
-
-    async def _settle(self) -> None:
-        await self.lease.settle_if_lapsed()
-
-    def _lapsed(self) -> bool:
-        return self.lease.lapsed()
-
-    def _expire(self) -> None:
-        self.apply(self.core.deadlines_past())
-        self.receiver.expire_waits()

@@ -117,7 +117,7 @@ async def test_a_prefill_group_steps_together_one_rank_prefilling_the_other_idle
     async def hand_off(seq: Sequence) -> None:  # the hand-off itself is tested in test_handoff.py
         handed.append(seq.request_id)
 
-    monkeypatch.setattr(busy.handoff, "hand_off", hand_off)
+    monkeypatch.setattr(busy.outbox, "ship", hand_off)
     seq = queue_prefill(busy, "r-p")
     try:
         await step_together(ranks)

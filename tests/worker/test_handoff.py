@@ -217,7 +217,7 @@ async def test_the_kv_goes_to_the_registered_endpoint_with_the_proof(bus_config:
         assert (sender, header.ident) == ("p1", "r-ok")
         assert (header.meta["output_token_ids"], header.meta["next_seq"]) == ([97], 1)
         assert isinstance(worker.engine, SimEngine)
-        assert payload == worker.engine.kv_payload(seq.request) and worker.publisher.done_entries == ["1-0"]
+        assert payload == worker.engine.kv_payload(seq.request) and worker.outbox.done_entries == ["1-0"]
     finally:
         await decoder.server.close()
         await close(worker)
@@ -234,7 +234,7 @@ async def test_a_forged_reservation_endpoint_receives_nothing(bus_config: BusCon
         await worker.handoff.hand_off(prefilled(worker, "r-forged", "d2"))
         assert (fake.connections, fake.received, decoder.frames) == (0, 0, [])
         assert (
-            worker.publisher.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
+            worker.outbox.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
         )  # the task is acked at the next publish
         last = (await results(worker, "r-forged"))[-1]
         assert isinstance(last, Failed) and last.code == "kv_transfer_failed"
@@ -274,14 +274,14 @@ async def test_a_retired_task_drops_only_its_own_reservation(bus_config: BusConf
     try:
         await reservation(worker, "moved-2", "d1", "", entry="2-0")  # the new task's
         await reservation(worker, "done-3", "d1", "", entry="3-0")
-        worker.publisher.stale_reservations += [
+        worker.outbox.stale_reservations += [
             ("moved-2", "1-0"),
             ("done-3", "3-0"),
         ]  # the old task of moved-2, and done-3's
         await worker.publisher.publish()
         assert await worker.redis.hget(moved, "task_entry") == b"2-0"
         assert not await worker.redis.exists(done)
-        assert worker.publisher.stale_reservations == []
+        assert worker.outbox.stale_reservations == []
     finally:
         await worker.redis.aclose()
 
@@ -342,7 +342,7 @@ async def test_a_dead_decode_workers_request_is_left_to_the_reaper(
         assert not task.done() and worker.requests.of(Status.HANDING_OFF) == [seq]  # retrying, undecided
         await reaped(worker, "r-dead", how)
         await asyncio.wait_for(task, 5)
-        assert worker.publisher.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
+        assert worker.outbox.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
         assert not any(isinstance(e, Failed) for e in await results(worker, "r-dead"))
         assert not await worker.redis.exists(worker.keys.cancel)  # nothing cancelled the request
     finally:
@@ -364,7 +364,7 @@ async def test_a_hung_decode_worker_is_let_go_once_reaped_not_after_the_transfer
         await reaped(worker, "r-hung", "task_moved")
         await asyncio.wait_for(task, 5)
         assert time.monotonic() - reaped_at < worker.config.transfer_timeout_s  # a bound: not the timeout
-        assert worker.publisher.done_entries == ["1-0"]
+        assert worker.outbox.done_entries == ["1-0"]
         assert not any(isinstance(e, Failed) for e in await results(worker, "r-hung"))
     finally:
         hung.close()
@@ -398,7 +398,7 @@ async def test_a_refusal_for_a_newer_dispatch_lets_go_without_an_error(
         seq, task = await handing_off(worker, "r-newer", endpoint)
         await asyncio.wait_for(task, 5)
         assert decoder.refused == 1
-        assert worker.publisher.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
+        assert worker.outbox.done_entries == ["1-0"] and worker.requests.of(Status.HANDING_OFF) == []
         assert not any(isinstance(e, Failed) for e in await results(worker, "r-newer"))
         assert not await worker.redis.exists(worker.keys.cancel)
     finally:
@@ -429,7 +429,7 @@ async def test_a_request_moved_away_while_a_refusal_is_looked_into_is_retired_on
         await worker.redis.set(worker.keys.current("r-away"), "h1")
         seq, task = await handing_off(worker, "r-away", endpoint)
         await asyncio.wait_for(task, 5)
-        assert worker.publisher.done_entries == [seq.entry_id] and worker.requests.of() == []
+        assert worker.outbox.done_entries == [seq.entry_id] and worker.requests.of() == []
         assert not any(isinstance(e, Failed) for e in await results(worker, "r-away"))
         assert not await worker.redis.exists(worker.keys.cancel)
     finally:
@@ -581,7 +581,7 @@ async def test_a_bug_in_a_hand_off_fails_that_request_alone(
         last = (await results(worker, "r-bug"))[-1]
         assert isinstance(last, Failed) and last.code == "handler_failed" and "export broke" in last.message
         assert (
-            worker.publisher.done_entries == [] and worker.requests.of(Status.HANDING_OFF) == []
+            worker.outbox.done_entries == [] and worker.requests.of(Status.HANDING_OFF) == []
         )  # acked at that publish
     finally:
         await decoder.server.close()

@@ -1,6 +1,6 @@
 """The worker's two layers (docs/architecture.md, "The worker: a core and its shell"): the core
-does no I/O and imports nothing of the shell; the shell's parts import the core, not each other,
-and ``worker.py`` wires them. A crossing fails here, naming it."""
+does no I/O and imports nothing of the shell; the shell's parts import the core and the outbox,
+not each other, and ``worker.py`` wires them. A crossing fails here, naming it."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ CORE = {"core", "table", "effects", "sequence", "text"}
 BESIDE_CORE = {"transfer", "metrics", "config", "engines.interface"}
 """What the core may import besides itself: the KV frame's header and proof check (``transfer``),
 and the engine's interface. (``metrics`` and ``config`` are the shell's to use.)"""
-SHELL_EDGES = {("steps", "publisher"), ("dp", "steps"), ("handoff", "links"), ("control", "links")}
-"""The shell's parts that build on another part: a stepper asks the publisher for a write, a DP
-rank runs the engine's steps, and P's hand-off and the control commands use the P-D links."""
+SHELL_BASE = {"outbox"}
+"""Where every part of the shell puts the core's effects (no I/O; the publisher writes them)."""
+SHELL_EDGES = {("dp", "steps"), ("handoff", "links"), ("control", "links")}
+"""The shell's parts that build on another part: a DP rank runs the engine's steps, and P's
+hand-off and the control commands use the P-D links."""
 
 
 def _worker_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -39,9 +41,10 @@ def test_the_core_imports_nothing_of_the_shell() -> None:
 
 def test_the_shells_parts_import_the_core_not_each_other() -> None:
     graph = _worker_graph()
-    shell = set(graph) - CORE - BESIDE_CORE - {"", "worker", "engines"}
+    shell = set(graph) - CORE - BESIDE_CORE - SHELL_BASE - {"", "worker", "engines"}
     crossings = {(m, t) for m in shell for t in graph[m] & shell} - SHELL_EDGES
     assert crossings == set()
+    assert graph["outbox"] & (shell | {"worker"}) == set()
     assert {t for t in graph["worker"] if t in shell} == shell - {"dp"}  # the CLI gives a DP rank its stepper
 
 

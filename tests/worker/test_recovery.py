@@ -115,7 +115,7 @@ async def test_a_decode_task_writes_its_reservation_again_and_acks_its_copy(deco
     assert await reservations.read("r1") == before  # the same secret: P's frame is still taken
     copy_id = await _take(decode, _task("decode", "p1"))  # P sent D's task again
     assert decode.requests.of(Status.AWAITING_KV) == [seq] and seq.entry_id == entry_id
-    assert copy_id in decode.publisher.done_entries  # acked at the next publish, not taken
+    assert copy_id in decode.outbox.done_entries  # acked at the next publish, not taken
 
 
 async def test_a_new_server_run_starts_the_recovery(bus_config: BusConfig, tiny_model: Path, tmp_path: Path) -> None:

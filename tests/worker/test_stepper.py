@@ -95,7 +95,7 @@ async def test_a_solo_step_prefills_then_decodes_and_a_finished_request_leaves(
     try:
         await worker.stepper.step()  # one prefill (a token each), then one decode (one more each)
         assert worker.requests.of() == [going] and worker.requests.status(going) is Status.RUNNING
-        assert worker.publisher.done_entries == ["1-0"] and worker.engine.free_blocks > free
+        assert worker.outbox.done_entries == ["1-0"] and worker.engine.free_blocks > free
         got = await entries(worker, "r-two")
         assert [type(e) for e in got] == [TokenDelta, TokenDelta, Finished]
         assert len(await entries(worker, "r-four")) == 2 and done.finished

@@ -27,7 +27,7 @@ async def test_a_prefill_that_redis_interrupts_keeps_its_batch_to_prefill_again(
     async def redis_refuses() -> None:
         raise RedisConnectionError("Redis restarting")
 
-    monkeypatch.setattr(worker.lease, "settle_if_lapsed", redis_refuses)
+    monkeypatch.setattr(worker.steps, "settle", redis_refuses)  # the lease check it was given
     try:
         with pytest.raises(RedisConnectionError):
             await worker.steps.prefill_queued()

@@ -111,7 +111,7 @@ async def test_a_request_moved_here_again_keeps_only_its_newest_task(worker: Wor
     newer = await _send(worker, "r-again")
     await worker.feed.feed_tasks()
     assert [(s.request_id, s.entry_id) for s in worker.requests.of(Status.QUEUED)] == [("r-again", newer)]
-    assert worker.publisher.done_entries == [older] and worker.engine.free_blocks == free
+    assert worker.outbox.done_entries == [older] and worker.engine.free_blocks == free
     await worker.steps.prefill_queued()
     assert worker.writer.next_seq("r-again") == 1  # the newer task's writer, open and written to
 
