@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from splitbus.bus.dispatch import blocks_needed
@@ -50,10 +51,10 @@ from splitbus.worker.effects import (
     Wake,
 )
 from splitbus.worker.engines.interface import Engine
+from splitbus.worker.kv_proof import Header, new_secret, proof_matches
 from splitbus.worker.sequence import Sequence, kv_tokens
-from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status
+from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status, reserve_to_prefill
 from splitbus.worker.text import TextStream
-from splitbus.worker.transfer import Header, new_secret, proof_matches
 
 log = logging.getLogger(__name__)
 RECENT_CANCELS = 10_000
@@ -251,7 +252,7 @@ class WorkerCore:
 
     def queue(self, seq: Sequence, effects: list[Effect]) -> None:
         """A task that prefills joins the queue, without blocks: they are taken when its prefill
-        starts (``allocate``), so a queue does not evict the prefix cache its requests will
+        starts (``plan_prefill``), so a queue does not evict the prefix cache its requests will
         want, and each finds what its siblings stored meanwhile. One that would not fit the
         whole cache fails. Its effects are added to ``effects``."""
         task = seq.task
@@ -314,17 +315,13 @@ class WorkerCore:
     # ------------------------------------------------------------ the step
 
     def plan_prefill(self) -> list[Sequence]:
-        """The next prefill batch, now PREFILLING, each with its blocks (``allocate``): the
-        oldest queued first, up to ``max_prefill_tokens``. Empty with requests queued: no blocks
-        for the first (``kv_blocked`` until a request may have left)."""
-        batch = self.table.start_prefill(self.limits.max_prefill_tokens, self.engine.first_to_compute, self.allocate)
+        """The next prefill batch, now PREFILLING, each with its blocks (``reserve_to_prefill``):
+        the oldest queued first, up to ``max_prefill_tokens``. Empty with requests queued: no
+        blocks for the first (``kv_blocked`` until a request may have left)."""
+        allocate = partial(reserve_to_prefill, self.engine)
+        batch = self.table.start_prefill(self.limits.max_prefill_tokens, self.engine.first_to_compute, allocate)
         self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
         return batch
-
-    def allocate(self, seq: Sequence) -> bool:
-        """The blocks a queued request prefills into, taken as its prefill starts (with the
-        prefix cache's blocks of its prompt as they are then); False: none yet, it waits."""
-        return seq.blocks > 0 or self.engine.reserve(seq, kv_tokens(seq.task))
 
     def abort_prefill(self) -> None:
         """The engine call did not end (Redis refused after it, or the worker stops): the batch

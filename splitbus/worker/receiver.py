@@ -13,8 +13,8 @@ from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.reaping import Reaping
 from splitbus.worker.core import WorkerCore, dispatched_again
 from splitbus.worker.effects import Apply
+from splitbus.worker.kv_proof import Header
 from splitbus.worker.sequence import Sequence
-from splitbus.worker.transfer import Header
 
 log = logging.getLogger(__name__)
 

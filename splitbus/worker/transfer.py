@@ -12,28 +12,27 @@ sides set TCP_NODELAY: acks are small frames.
 Who may send a request's KV: D writes a random secret into its reservation ``sb:kv:{cell}:<request>``
 (only readers of Redis learn it); P puts ``proof`` in the KV frame's meta, an HMAC-SHA256 keyed
 by that secret over the sender's id, the request id, the rest of the meta, the payload length
-and the payload's CRC. Every one of those is in the header and meta, so D checks the sender,
-the proof, the size and the meta before it reads (or allocates) a byte of the payload. A frame
-D refuses before its payload ends the connection (its payload is never read), unless the
-payload is small enough to skip. A connection that sends no HELLO within ``HELLO_TIMEOUT_S``, or
+and the payload's CRC (``splitbus.worker.kv_proof``). Every one of those is in the header and
+meta, so D checks the sender, the proof, the size and the meta before it reads (or allocates) a
+byte of the payload. A frame D refuses before its payload ends the connection (its payload is
+never read), unless the payload is small enough to skip. A connection that sends no HELLO within ``HELLO_TIMEOUT_S``, or
 that arrives while ``MAX_CONNECTIONS`` are open, is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import secrets
 import socket
 import struct
 import zlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from splitbus.worker.kv_proof import Header, kv_proof
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,6 @@ MAX_PAYLOAD = 1 << 36
 MAX_SKIP = 1 << 20
 """A refused frame's payload up to this size is read and dropped (the connection stays);
 a larger one is never read: the connection closes instead."""
-PROOF_CONTEXT = "splitbus-kv-proof-v1"
 
 
 class TransferError(Exception):
@@ -62,51 +60,11 @@ class Unreachable(TransferError):
 
 
 @dataclass(frozen=True)
-class Header:
-    """A frame without its payload: all a receiver checks before it reads the payload."""
-
-    kind: int
-    ident: str
-    meta: dict[str, Any]
-    size: int
-    crc: int
-
-
-@dataclass(frozen=True)
 class Frame:
     kind: int
     ident: str
     meta: dict[str, Any]
     payload: bytes
-
-
-def new_secret() -> str:
-    """A reservation's secret: 256 random bits, hex."""
-    return secrets.token_hex(32)
-
-
-def kv_proof(secret: str, sender: str, ident: str, meta: Mapping[str, Any], size: int, crc: int) -> str:
-    """What proves a KV frame comes from the holder of ``secret``: an HMAC over everything the
-    frame claims. The meta is signed in a canonical form (sorted keys, without ``proof``), so
-    the receiver recomputes it from the JSON it parsed. The payload is covered by its length
-    and CRC, which the receiver checks against the bytes; hashing the bytes themselves (GiBs)
-    would add to every transfer and guards only against someone on the path, whom the KV
-    network is trusted to keep out (docs/security.md)."""
-    signed = {k: v for k, v in meta.items() if k != "proof"}
-    message = orjson.dumps([PROOF_CONTEXT, sender, ident, signed, size, crc], option=orjson.OPT_SORT_KEYS)
-    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
-
-
-def proof_matches(secret: str, sender: str, header: Header) -> bool:
-    """Whether ``header`` carries the proof for ``secret`` (constant-time compare)."""
-    claimed = header.meta.get("proof")
-    if not secret or not isinstance(claimed, str):
-        return False
-    try:
-        expected = kv_proof(secret, sender, header.ident, header.meta, header.size, header.crc)
-    except orjson.JSONEncodeError:  # meta that parsed but cannot be signed (nested past orjson's 254 levels)
-        return False
-    return hmac.compare_digest(claimed.encode(), expected.encode())
 
 
 async def write_frame(

@@ -28,9 +28,10 @@ from splitbus.worker.effects import (
     Wake,
 )
 from splitbus.worker.engines.sim import SimConfig, SimEngine
+from splitbus.worker.kv_proof import Header, kv_proof
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.table import Status
-from splitbus.worker.transfer import KV, Header, kv_proof
+from splitbus.worker.transfer import KV
 
 FREE = SimConfig(prefill_s_per_token=0, decode_step_s=0, decode_s_per_seq=0)
 BLOCKS = 16

@@ -17,10 +17,11 @@ from splitbus.worker import dp
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.dp import DpStepper, StepPlan, bind_late
 from splitbus.worker.engines.sim import SimConfig, SimEngine
+from splitbus.worker.kv_proof import Header, kv_proof
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.table import Status
 from splitbus.worker.text import TextStream
-from splitbus.worker.transfer import KV, Header, kv_proof
+from splitbus.worker.transfer import KV
 from splitbus.worker.worker import Worker
 from tests.worker import replies
 from tests.worker.replies import add, decoded

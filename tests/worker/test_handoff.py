@@ -21,10 +21,11 @@ from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.core import meta_problem
 from splitbus.worker.engines.sim import SimConfig, SimEngine
+from splitbus.worker.kv_proof import Header, proof_matches
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.table import Status
 from splitbus.worker.text import TextStream
-from splitbus.worker.transfer import Header, TransferServer, proof_matches
+from splitbus.worker.transfer import TransferServer
 from splitbus.worker.worker import Worker
 from tests.worker.replies import add, decoded
 

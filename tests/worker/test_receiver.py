@@ -14,9 +14,10 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines.sim import SimConfig, SimEngine
+from splitbus.worker.kv_proof import Header, kv_proof
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.table import Status
-from splitbus.worker.transfer import KV, Header, kv_proof
+from splitbus.worker.transfer import KV
 from splitbus.worker.worker import Worker
 from tests.worker.replies import add
 

@@ -241,7 +241,7 @@ async def test_queued_prefills_hold_no_blocks_until_their_prefill_starts(
             await add(worker.redis, worker.keys.tasks(worker.id), Task("prefill", request, "d1"))
         await worker.feed.feed_tasks()
         assert _queued(worker) == ["a", "b"] and worker.engine.free_blocks == 16  # both taken, no blocks held
-        batch = worker.requests.start_prefill(4096, worker.engine.first_to_compute, worker.core.allocate)
+        batch = worker.core.plan_prefill()
         assert [s.request_id for s in batch] == ["a"] and _queued(worker) == ["b"]  # b waits for blocks
         assert worker.engine.free_blocks == 6
     finally:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from splitbus.redis_server import free_port
+from splitbus.worker.kv_proof import Header, kv_proof, proof_matches
 from splitbus.worker.transfer import (
     ACK,
     HEADER,
@@ -20,14 +21,11 @@ from splitbus.worker.transfer import (
     MAGIC,
     MAX_PAYLOAD,
     MAX_SKIP,
-    Header,
     Refused,
     TransferClient,
     TransferError,
     TransferServer,
     Unreachable,
-    kv_proof,
-    proof_matches,
     read_frame,
     write_frame,
 )
