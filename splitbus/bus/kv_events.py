@@ -234,7 +234,7 @@ class KvEventReader:
         max_bytes: Mapping[str, int] | None = None,
     ) -> list[ReadBatch]:
         """The entries after each worker's cursor (a stream id, "0": from the start), at most
-        ``count`` per worker, in one ``XREAD`` (blocking up to ``block_ms``; None: not at all).
+        ``count`` per worker, in one ``XREAD`` (blocking up to ``block_ms``, at least 1 ms; None: not at all).
         An entry whose data is larger than ``max_bytes[worker]`` (``batch_bytes`` of its total)
         is not decoded (``oversized``)."""
         by_key = {self._keys.kv_events(worker): worker for worker in cursors}

@@ -312,11 +312,11 @@ def _target(cluster: aioredis.RedisCluster, key: KeyT) -> dict[str, Any]:
 async def xread(
     redis: aioredis.Redis, streams: Mapping[str, str] | Mapping[KeyT, StreamIdT], count: int, block: int | None
 ) -> Any:
-    """``XREAD COUNT count [BLOCK block] STREAMS ...`` (no BLOCK for None); on a cluster sent to
-    the primary of the streams' slot (they must share one: the server answers CROSSSLOT
-    otherwise). The reply is as the client's response callback makes it. Callers follow streams
-    through ``splitbus.bus.core.follow``."""
-    blocking = ("BLOCK", block) if block is not None else ()
+    """``XREAD COUNT count [BLOCK block] STREAMS ...`` (no BLOCK for None; at least 1 ms, since
+    Redis reads ``BLOCK 0`` as "wait forever"); on a cluster sent to the primary of the streams'
+    slot (they must share one: the server answers CROSSSLOT otherwise). The reply is as the
+    client's response callback makes it. Callers follow streams through ``splitbus.bus.core.follow``."""
+    blocking = ("BLOCK", max(block, 1)) if block is not None else ()
     args = ("COUNT", count, *blocking, "STREAMS", *streams.keys(), *streams.values())
     cluster = as_cluster(redis)
     if cluster is None:

@@ -27,7 +27,8 @@ async def read_after(
     redis: aioredis.Redis, cursors: Mapping[str, str], count: int, block_ms: int | None
 ) -> list[Followed]:
     """The entries after each stream's id in ``cursors`` ("0": from the start), at most ``count``
-    per stream, in stream order; ``block_ms``: wait that long for one (None: not at all)."""
+    per stream, in stream order; ``block_ms``: wait that long for one (None: not at all; 0: 1 ms,
+    never Redis's "forever")."""
     if not cursors:
         return []
     reply = cast(XReadReply, await cluster.xread(redis, cursors, count, block_ms) or [])

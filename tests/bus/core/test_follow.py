@@ -57,3 +57,12 @@ async def test_a_blocking_read_returns_what_is_written_while_it_waits(
     await asyncio.sleep(0.05)
     written = (await redis.xadd(key, {"n": "1"})).decode()
     assert await reading == [(key, written, {b"n": b"1"})]
+
+
+async def test_a_read_with_block_0_returns_instead_of_waiting_forever(
+    client: tuple[aioredis.Redis, BusConfig],
+) -> None:
+    """Redis reads ``BLOCK 0`` as "forever": a 0 is sent as 1 ms, as the KV-event reader always did."""
+    redis, config = client
+    key = config.keys.cancel
+    assert await asyncio.wait_for(read_after(redis, {key: "0-0"}, 10, 0), timeout=10) == []
