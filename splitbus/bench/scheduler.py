@@ -34,12 +34,12 @@ import numpy as np
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
+from redis.typing import EncodableT, FieldT
 
 from splitbus import aio
 from splitbus.bench.decisions import BLOCK_SIZE, measure_decisions
 from splitbus.bus.blocks import chain_hex
-from splitbus.bus.core import cluster, codec
+from splitbus.bus.core import cluster, codec, follow
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
 from splitbus.bus.kv_events import KvEventPublisher
@@ -113,7 +113,7 @@ class FakeWorkers:
         swallow the cancellation of a blocked read and leave the task running for good (the
         hang of issue 24)."""
         # From the start: "$" would skip a task written between two reads of a stream still at "$".
-        self._cursors: dict[KeyT, StreamIdT] = {bus.keys.tasks(r.worker_id): "0-0" for r in self.records}
+        self._cursors: dict[str, str] = {bus.keys.tasks(r.worker_id): "0-0" for r in self.records}
         self._readers: list[aioredis.Connection] = []
 
     async def register(self) -> None:
@@ -151,7 +151,7 @@ class FakeWorkers:
         self._readers = [self.redis.connection_pool.make_connection() for _ in groups]
         await asyncio.gather(*(self._read(conn, group) for conn, group in zip(self._readers, groups, strict=True)))
 
-    async def _read(self, conn: aioredis.Connection, keys: list[KeyT]) -> None:
+    async def _read(self, conn: aioredis.Connection, keys: list[str]) -> None:
         read = conn.pack_command(
             "XREADGROUP", "GROUP", BENCH_GROUP, "bench", "COUNT", 1000, "NOACK", "BLOCK", READ_BLOCK_MS,
             "STREAMS", *keys, *[">"] * len(keys),
@@ -168,7 +168,7 @@ class FakeWorkers:
 
     async def _read_tasks_by_xread(self) -> None:
         while not self.stopped:
-            reply = cast(TaskReply, await cluster.xread(self.redis, self._cursors, 1000, 500))
+            reply = cast(TaskReply, await follow.read_reply(self.redis, self._cursors, 1000, 500))
             for key, entries in reply or ():
                 self._cursors[key.decode()] = entries[-1][0].decode()
             self._arrive(reply)

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisClusterException
 from redis.typing import EncodableT
 
-from splitbus.bus.core import cluster, codec, metrics
+from splitbus.bus.core import cluster, codec, follow, metrics
 from splitbus.bus.core.batching import Batcher
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
@@ -491,7 +491,7 @@ class _Shard:
         self.xreads += 1
         self.blocked = True
         # On a cluster, to the primary of the shard's slot (its wake stream's): no COMMAND GETKEYS.
-        reply = await cluster.xread(self._redis, streams, self._config.reader_count, self._config.block_ms)
+        reply = await follow.read_reply(self._redis, streams, self._config.reader_count, self._config.block_ms)
         self.blocked = False
         for key, entries in cast(RawXReadReply, reply or []):
             self._dispatch(key.decode(), entries)

@@ -5,14 +5,15 @@ The one place a stream is followed without a consumer group, on a single Redis o
 follower always names the id it read up to, never ``$``, so a read after a reconnect misses
 nothing written meanwhile. Who follows what: a registry view its log, a cancel listener the
 cancel stream, a DP rank its group's plans, a scheduler replica every worker's KV events, a
-control call its reply, a result reader's shard its requests' result streams (which keeps
-Redis's raw reply: ``cluster.xread`` with its own response callback).
+control call its reply, a result reader's shard its requests' result streams (``read_reply``:
+the reply as its client's response callback makes it, which the shard's keeps as Redis sent
+it, with no work per entry on the token path).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
@@ -33,3 +34,11 @@ async def read_after(
         return []
     reply = cast(XReadReply, await cluster.xread(redis, cursors, count, block_ms) or [])
     return [(text(key), text(entry_id), fields) for key, entries in reply for entry_id, fields in entries]
+
+
+async def read_reply(
+    redis: aioredis.Redis, cursors: Mapping[str, str], count: int, block_ms: int | None
+) -> Any:  # the shape is the client's XREAD response callback's (replies.XReadReply by default)
+    """The read of ``read_after``, its reply as the client's response callback makes it (None:
+    nothing read): for a reader that takes the entries apart itself, nothing done per entry here."""
+    return await cluster.xread(redis, cursors, count, block_ms)

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
-from splitbus.bus.core.follow import read_after
+from splitbus.bus.core.follow import read_after, read_reply
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
 
@@ -66,3 +66,16 @@ async def test_a_read_with_block_0_returns_instead_of_waiting_forever(
     redis, config = client
     key = config.keys.cancel
     assert await asyncio.wait_for(read_after(redis, {key: "0-0"}, 10, 0), timeout=10) == []
+
+
+async def test_read_reply_is_the_read_as_the_clients_callback_makes_it(
+    client: tuple[aioredis.Redis, BusConfig],
+) -> None:
+    """A result reader's shard keeps Redis's reply: its client's XREAD callback leaves it as sent."""
+    redis, config = client
+    key = config.keys.cancel
+    written = await redis.xadd(key, {"n": "1"})
+    assert await read_reply(redis, {key: "0-0"}, 10, None) == [[key.encode(), [(written, {b"n": b"1"})]]]
+    redis.set_response_callback("XREAD", lambda response, **options: response)
+    assert await read_reply(redis, {key: "0-0"}, 10, None) == [[key.encode(), [[written, [b"n", b"1"]]]]]
+    assert await read_reply(redis, {key: written.decode()}, 10, None) is None
