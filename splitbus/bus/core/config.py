@@ -50,14 +50,14 @@ class BusConfig:
     """Entries per stream per read in the multiplexed result reader."""
 
     def __post_init__(self) -> None:
+        # In the order of the checks before they were split: a config with several faults names the same one.
         if not valid_tag(self.cell):
             raise ValueError(f"cell must be non-empty, without braces, colons or spaces: {self.cell!r}")
         self._check_reads()
-        self._check_results()
-        if is_cluster_url(self.redis_url):
-            cluster = parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
-            if cluster.tls:
-                cluster.tls.check_files()  # so does one naming a certificate that is not there
+        if self.finished_result_ttl_s < 1 or self.result_ttl_s < self.finished_result_ttl_s:
+            raise ValueError("need 1 <= finished_result_ttl_s <= result_ttl_s")
+        self._check_cluster_url()
+        self._check_windows()
 
     def _check_reads(self) -> None:
         if self.block_ms <= 0:
@@ -67,9 +67,13 @@ class BusConfig:
         if self.max_deliveries < 1 or self.claim_idle_ms < 1:
             raise ValueError("max_deliveries and claim_idle_ms must be >= 1")
 
-    def _check_results(self) -> None:
-        if self.finished_result_ttl_s < 1 or self.result_ttl_s < self.finished_result_ttl_s:
-            raise ValueError("need 1 <= finished_result_ttl_s <= result_ttl_s")
+    def _check_cluster_url(self) -> None:
+        if is_cluster_url(self.redis_url):
+            cluster = parse_cluster_url(self.redis_url)  # a malformed one fails here, at start, not at first use
+            if cluster.tls:
+                cluster.tls.check_files()  # so does one naming a certificate that is not there
+
+    def _check_windows(self) -> None:
         if not 0 <= self.result_grace_s <= self.finished_result_ttl_s:
             raise ValueError("need 0 <= result_grace_s <= finished_result_ttl_s")
         if not 0 <= self.replay_window_s <= self.finished_result_ttl_s:
