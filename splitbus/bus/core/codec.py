@@ -35,6 +35,9 @@ M = TypeVar("M", bound=Message)
 D = TypeVar("D")
 """A message, or a dataclass nested in one (``NESTED``)."""
 _REGISTRY: dict[bytes, type[Message]] = {}
+"""Every message type by its tag. Filled as the modules that define types are imported, which
+``splitbus/bus/__init__.py`` does (the protocols' ``messages`` and the core's ``dead``): it runs
+before any of the bus's modules, this one included, so a decode always finds every type."""
 
 
 def message(cls: type[M]) -> type[M]:

@@ -3,6 +3,8 @@
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 
 import orjson
 import pytest
@@ -188,13 +190,36 @@ def test_the_request_an_undecodable_entry_names(data: bytes, found: tuple[str, s
     assert (named and (named.request_id, named.reader)) == found
 
 
-def test_every_message_module_registers_its_types() -> None:
+MESSAGE_MODULES = [
+    *(f"splitbus.bus.messages.{found.name}" for found in pkgutil.iter_modules(splitbus.bus.messages.__path__)),
+    "splitbus.bus.core.dead",  # the dead letter: the core's consumer-group queue writes it
+]
+"""Every module that defines message types."""
+
+
+@pytest.mark.parametrize("name", MESSAGE_MODULES)
+def test_every_message_module_registers_its_types(name: str) -> None:
     # A message class without @message would encode, and then no consumer could decode it.
-    for found in pkgutil.iter_modules(splitbus.bus.messages.__path__):
-        module = importlib.import_module(f"splitbus.bus.messages.{found.name}")
-        for cls in [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]:
-            if "TYPE" in vars(cls):
-                assert codec._REGISTRY.get(cls.TYPE.encode()) is cls, f"{cls.__name__} is not registered"
+    for cls in _types_of(name):
+        assert codec._REGISTRY.get(cls.TYPE.encode()) is cls, f"{cls.__name__} is not registered"
+
+
+def test_importing_the_codec_alone_registers_every_type() -> None:
+    """Importing the codec alone (a fresh interpreter) registers every type, the dead letter included:
+    importing ``splitbus.bus.core.codec`` runs ``splitbus/bus/__init__.py``, which imports them."""
+    names = sorted({cls.TYPE for name in MESSAGE_MODULES for cls in _types_of(name)})
+    script = (
+        "from splitbus.bus.core import codec; import sys; "
+        "sys.stdout.write(' '.join(sorted(t.decode() for t in codec._REGISTRY)))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == names
+    assert "dead" in names
+
+
+def _types_of(name: str) -> list[type]:
+    module = importlib.import_module(name)
+    return [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == name and "TYPE" in vars(c)]
 
 
 def test_a_requests_prefix_chain_is_bounded_by_its_prompt() -> None:
