@@ -18,13 +18,15 @@ import redis.asyncio as aioredis
 
 from splitbus.api import metrics
 from splitbus.bus.core.config import BusConfig
+from splitbus.bus.dispatch import DispatchOutcome
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry_view import RegistryView
 from splitbus.placement import policies
 from splitbus.placement.costs import LOAD_ONLY
-from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
+from splitbus.placement.decision import Placed
+from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.ledger import Ledger, Local
-from splitbus.placement.policies import Placed, PolicyOptions
+from splitbus.placement.policies.base import PolicyOptions
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.bus.roles import Phase, Role
 from splitbus.placement import policies
 from splitbus.placement.costs import Eligible, blocks_needed, choose, decode_worker, prefill_cost
-from splitbus.placement.decision import Placement
+from splitbus.placement.decision import Placed, Placement
 from splitbus.placement.kv_index import KvIndex
 from splitbus.placement.ledger import Ledger, Local
-from splitbus.placement.policies import Placed, PolicyOptions
+from splitbus.placement.policies.base import PolicyOptions
 from splitbus.placement.prefixes import Candidates, IndexPrefixes
 
 BLOCK_SIZE = 16

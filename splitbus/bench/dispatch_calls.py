@@ -26,12 +26,13 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
 from splitbus.bus.core.keys import SCHEDULER_GROUP
 from splitbus.bus.core.streams import Delivery, GroupConsumer, Producer
+from splitbus.bus.dispatch import DispatchOutcome
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.registry import Registry, Reserved, WorkerInfo, WorkerRecord
 from splitbus.bus.roles import Phase, Role
 from splitbus.bus.runs import CellRun
 from splitbus.placement.decision import Placement
-from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
+from splitbus.placement.dispatcher import Dispatcher
 
 PER_TURN = (1, 8, 32)
 PROMPT_TOKENS = 128

@@ -58,9 +58,10 @@ from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, 
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.bus.roles import Role
 from splitbus.placement import policies
+from splitbus.placement.decision import Placed
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Local
-from splitbus.placement.policies import Placed, PolicyOptions
+from splitbus.placement.policies.base import Policy, PolicyOptions
 from splitbus.placement.prefixes import IndexPrefixes
 from splitbus.redis_server import EmbeddedRedis
 from splitbus.scheduler.scheduler import KV_EVENTS_BLOCK_MS
@@ -175,7 +176,7 @@ def mixed_rows(cfg: RoutingBenchConfig, request: GenerateRequest) -> list[Worker
 @dataclass
 class _Scoring:
     prefixes: IndexPrefixes
-    policy: policies.Policy
+    policy: Policy
     rows: list[WorkerInfo]
     template: GenerateRequest
     sent: GenerateRequest

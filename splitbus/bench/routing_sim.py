@@ -54,9 +54,10 @@ from splitbus.bus.messages.kv_events import AllBlocksCleared, KvEvent, KvEventBa
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
 from splitbus.bus.roles import Role
 from splitbus.placement import policies
+from splitbus.placement.decision import Placed
 from splitbus.placement.kv_index import KvIndex
 from splitbus.placement.ledger import Local
-from splitbus.placement.policies import Placed, PolicyOptions
+from splitbus.placement.policies.base import PolicyOptions
 from splitbus.placement.prefixes import IndexPrefixes
 from splitbus.worker.engines.prefix import BlockPool
 

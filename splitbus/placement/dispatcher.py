@@ -11,18 +11,9 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.dispatch import (
-    ANY_HANDOFF,
-    PLACE_AGAIN,
-    DispatchOutcome,
-    DispatchScript,
-    SettleOutcome,
-    TaskWrite,
-)
+from splitbus.bus.dispatch import ANY_HANDOFF, DispatchOutcome, DispatchScript, SettleOutcome, TaskWrite
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.placement.decision import Placement
-
-__all__ = ["PLACE_AGAIN", "DispatchOutcome", "Dispatcher", "SettleOutcome"]
 
 
 class Dispatcher:

@@ -8,6 +8,7 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.placement import policies
 from splitbus.placement.costs import DEFAULT_COST, CacheCost
 from splitbus.placement.disagg import Disaggregation
+from splitbus.placement.policies.base import PolicyOptions
 
 
 def default_name() -> str:
@@ -84,8 +85,8 @@ class SchedulerConfig:
         to (its meaning since staggering was added), any other mode is its policy's name."""
         return "stagger" if self.mode == "dp" and self.stagger else self.mode
 
-    def policy_options(self) -> policies.PolicyOptions:
-        return policies.PolicyOptions(
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions(
             replica=self.name,
             stagger_max_wait_s=self.stagger_max_wait_s,
             stagger=self.stagger,

@@ -34,7 +34,7 @@ from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.streams import Delivery, GroupConsumer
-from splitbus.bus.dispatch import CurrentDispatch
+from splitbus.bus.dispatch import PLACE_AGAIN, CurrentDispatch
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.reaping import Reaping
 from splitbus.bus.registry import Registry
@@ -43,9 +43,10 @@ from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.roles import Phase, Role
 from splitbus.bus.tasks import task_consumer
-from splitbus.placement.dispatcher import PLACE_AGAIN, Dispatcher
+from splitbus.placement.decision import NoPlacement
+from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.ledger import Local
-from splitbus.placement.policies import NoPlacement, Policy
+from splitbus.placement.policies.base import Policy
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect, is_transient, transient_suppressed, until_done
 from splitbus.bus.core.loops import EXIT_FATAL, Loops
 from splitbus.bus.core.streams import Delivery, entry_order
+from splitbus.bus.dispatch import PLACE_AGAIN, DispatchOutcome, SettleOutcome
 from splitbus.bus.kv_events import KvEventReader
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry, SchedulerLease
@@ -36,11 +37,11 @@ from splitbus.bus.request_stream import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.roles import Phase
 from splitbus.placement import policies
-from splitbus.placement.decision import Placement, Waiting
-from splitbus.placement.dispatcher import PLACE_AGAIN, Dispatcher, DispatchOutcome, SettleOutcome
+from splitbus.placement.decision import Placed, Placement, Waiting
+from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Ledger, Local
-from splitbus.placement.policies import Placed, PlacingContext
+from splitbus.placement.policies.base import PlacingContext
 from splitbus.placement.prefixes import NO_PREFIXES, IndexPrefixes
 from splitbus.scheduler import metrics
 from splitbus.scheduler.config import SchedulerConfig

@@ -10,8 +10,10 @@ from prometheus_client import REGISTRY
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.placement.decision import Placed
 from splitbus.placement.disagg import Disaggregation, Split, split
-from splitbus.placement.policies import Placed, PolicyOptions, create
+from splitbus.placement.policies import create
+from splitbus.placement.policies.base import PolicyOptions
 from splitbus.placement.prefixes import Candidates
 from tests.placement.snapshot import request, worker
 

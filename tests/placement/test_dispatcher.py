@@ -11,11 +11,11 @@ import redis.asyncio as aioredis
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.core.streams import Delivery, GroupConsumer, Producer
-from splitbus.bus.dispatch import MAX_CURRENT_TTL_S
+from splitbus.bus.dispatch import MAX_CURRENT_TTL_S, DispatchOutcome, SettleOutcome
 from splitbus.bus.registry import Registry, Reserved, WorkerRecord
 from splitbus.bus.runs import CellRun
 from splitbus.placement.decision import Placement
-from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome, SettleOutcome
+from splitbus.placement.dispatcher import Dispatcher
 from splitbus.scheduler.config import SchedulerConfig
 from tests.placement.snapshot import current_handoff, request, tasks_in, worker
 

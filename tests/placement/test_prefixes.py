@@ -11,9 +11,11 @@ from splitbus.bus.blocks import block_hashes, chain_hex, root_of, split_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockStored, KvEventBatch, block_hash
 from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.placement.decision import Placed
 from splitbus.placement.kv_index import KvIndex
 from splitbus.placement.ledger import Ledger, Local
-from splitbus.placement.policies import Placed, PolicyOptions, create
+from splitbus.placement.policies import create
+from splitbus.placement.policies.base import PolicyOptions
 from splitbus.placement.prefixes import Candidates, IndexPrefixes
 
 

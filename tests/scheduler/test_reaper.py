@@ -17,12 +17,13 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.core.loops import Loops
 from splitbus.bus.core.streams import GroupConsumer, Producer
+from splitbus.bus.dispatch import DispatchOutcome
 from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, Task
 from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
 from splitbus.bus.reservations import Reservation, Reservations
 from splitbus.bus.results import ResultReader, ResultWriter
 from splitbus.placement.decision import Placement
-from splitbus.placement.dispatcher import Dispatcher, DispatchOutcome
+from splitbus.placement.dispatcher import Dispatcher
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.scheduler import Scheduler
 from tests.placement.snapshot import current_handoff, request, tasks_in, worker

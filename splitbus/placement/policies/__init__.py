@@ -13,28 +13,12 @@ import pkgutil
 from collections.abc import Callable
 from typing import TypeVar
 
-from splitbus.placement.decision import Admitted, Decision, NoPlacement, Placed
-from splitbus.placement.policies.base import PlacingContext, Policy, PolicyOptions
+from splitbus.placement.policies.base import Policy, PolicyOptions
 from splitbus.placement.prefixes import NO_PREFIXES, Prefixes
 
 P = TypeVar("P", bound=type[Policy])
 POLICIES: dict[str, type[Policy]] = {}
 """Policy classes by name."""
-
-__all__ = [
-    "POLICIES",
-    "Admitted",
-    "Decision",
-    "NoPlacement",
-    "Placed",
-    "PlacingContext",
-    "Policy",
-    "PolicyOptions",
-    "UnknownPolicy",
-    "create",
-    "names",
-    "register",
-]
 
 
 class UnknownPolicy(ValueError):

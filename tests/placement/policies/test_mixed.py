@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 
 from splitbus.bus.registry import Reserved
-from splitbus.placement.policies import NoPlacement, Placed, PolicyOptions, create
+from splitbus.placement.decision import NoPlacement, Placed
+from splitbus.placement.policies import create
+from splitbus.placement.policies.base import PolicyOptions
 from tests.placement.snapshot import request, worker
 
 

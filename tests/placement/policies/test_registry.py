@@ -17,8 +17,9 @@ from splitbus.cli import main as cli
 from splitbus.cli import scheduler_cmd
 from splitbus.env import load_env
 from splitbus.placement import policies
-from splitbus.placement.decision import Waiting
-from splitbus.placement.policies import POLICIES, NoPlacement, Placed, Policy, UnknownPolicy, create, names, register
+from splitbus.placement.decision import NoPlacement, Placed, Waiting
+from splitbus.placement.policies import POLICIES, UnknownPolicy, create, names, register
+from splitbus.placement.policies.base import Policy
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.scheduler import Scheduler
 from tests.placement.snapshot import request, worker

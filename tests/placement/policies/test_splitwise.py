@@ -7,7 +7,9 @@ from collections import Counter
 
 from splitbus.bus.registry import Reserved
 from splitbus.placement.costs import blocks_needed
-from splitbus.placement.policies import Decision, NoPlacement, Placed, Policy, PolicyOptions, create
+from splitbus.placement.decision import Decision, NoPlacement, Placed
+from splitbus.placement.policies import create
+from splitbus.placement.policies.base import Policy, PolicyOptions
 from tests.placement.snapshot import request, worker
 
 

@@ -15,8 +15,9 @@ from splitbus.bus.core.streams import Delivery
 from splitbus.bus.messages import Cancel
 from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
-from splitbus.placement.decision import Waiting
-from splitbus.placement.policies import Admitted, NoPlacement, Placed, PlacingContext, PolicyOptions, create
+from splitbus.placement.decision import Admitted, NoPlacement, Placed, Waiting
+from splitbus.placement.policies import create
+from splitbus.placement.policies.base import PlacingContext, PolicyOptions
 from splitbus.placement.policies.splitwise_dp import SplitwiseDpPolicy
 from tests.placement.policies.dp_ranks import rank
 from tests.placement.snapshot import request, tasks, worker

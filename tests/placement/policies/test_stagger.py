@@ -12,8 +12,9 @@ from splitbus.bus.core.streams import Delivery
 from splitbus.bus.messages import Cancel
 from splitbus.bus.registry import Registry, WorkerLoad
 from splitbus.bus.registry_view import RegistryView
-from splitbus.placement.decision import Waiting
-from splitbus.placement.policies import Admitted, PlacingContext, PolicyOptions, create
+from splitbus.placement.decision import Admitted, Waiting
+from splitbus.placement.policies import create
+from splitbus.placement.policies.base import PlacingContext, PolicyOptions
 from splitbus.placement.policies.stagger import StaggerPolicy
 from tests.placement.policies.dp_ranks import rank
 from tests.placement.snapshot import request, tasks
