@@ -194,7 +194,7 @@ def _wait_replicated(primary: ClusterNodeServer, replica: ClusterNodeServer) -> 
 
 def _async_client(cluster: EmbeddedCluster) -> AsyncRedisCluster:
     """An asyncio cluster client as the bus's clients are set (RESP2, 5 s socket timeout, two
-    quick retries: ``bus.connection.connect``), as the ``splitbus`` user."""
+    quick retries: ``bus.core.connection.connect``), as the ``splitbus`` user."""
     return AsyncRedisCluster(
         startup_nodes=[AsyncClusterNode(host, port) for host, port in cluster.startup_nodes],
         username="splitbus",
