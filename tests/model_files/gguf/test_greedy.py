@@ -4,9 +4,11 @@ greedy tokens from the same (F32) weights, for Llama (Q/K rows permuted in the f
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from splitbus.architectures import config_from
 from splitbus.model_files.gguf import prepare, weights
@@ -36,10 +38,42 @@ def test_converted_model_gives_the_original_greedy_tokens(hf_folder: Path, tmp_p
     assert len({tuple(t) for t in original}) > 1  # the prompts lead somewhere different: a real check
 
 
+def _expected_shapes(model_type: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of conftest's tiny models, worked out by hand from their ``config.json``
+    (``tiny_config``: hidden 64, 2 layers, 4 heads and 2 KV heads of 64 / 4 = 16, intermediate
+    2 x 64, the byte-level tokenizer's 259 tokens), not by the architecture's own table: Linear
+    weights are [out, in]; q is 4 x 16 = 64 wide, k and v 2 x 16 = 32; Qwen2 has q/k/v biases
+    and ties its output to the embedding (no ``lm_head``), Llama neither."""
+    qwen2 = model_type == "qwen2"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (259, 64), "model.norm.weight": (64,)}
+    if not qwen2:
+        shapes["lm_head.weight"] = (259, 64)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (64, 64),
+            p + "self_attn.k_proj.weight": (32, 64),
+            p + "self_attn.v_proj.weight": (32, 64),
+            p + "self_attn.o_proj.weight": (64, 64),
+            p + "mlp.gate_proj.weight": (128, 64),
+            p + "mlp.up_proj.weight": (128, 64),
+            p + "mlp.down_proj.weight": (64, 128),
+            p + "input_layernorm.weight": (64,),
+            p + "post_attention_layernorm.weight": (64,),
+        }
+        if qwen2:
+            shapes |= {p + "self_attn.q_proj.bias": (64,), p + "self_attn.k_proj.bias": (32,)}
+            shapes |= {p + "self_attn.v_proj.bias": (32,)}
+    return shapes
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_shapes_are_the_ones_worked_out_by_hand(model_type: str, tiny_hf: Callable[[str], Path]) -> None:
+    raw = json.loads((tiny_hf(model_type) / "config.json").read_text())
+    assert weights.hf_shapes(raw) == _expected_shapes(model_type)
+
+
 def test_shapes_are_the_engines(hf_folder: Path) -> None:
-    """weights.hf_shapes is the layout the engine's loader checks: both read the architecture's."""
+    """weights.hf_shapes is the layout the engine's loader checks."""
     raw = json.loads((hf_folder / "config.json").read_text())
-    config = config_from(raw)
-    raw |= {"head_dim": config.head_dim, "attention_bias": False}
-    assert weights.hf_shapes(raw) == {name: tuple(shape) for name, shape in config.tensor_shapes().items()}
-    assert list(engine_weights.check(hf_folder, config)) == list(weights.hf_shapes(raw))
+    assert list(engine_weights.check(hf_folder, config_from(raw))) == list(weights.hf_shapes(raw))
