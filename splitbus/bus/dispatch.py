@@ -64,8 +64,9 @@ from splitbus.bus.core import codec
 from splitbus.bus.core.batching import Batcher
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
-from splitbus.bus.core.scripts import LuaScript, declare
+from splitbus.bus.core.scripts import LuaScript, declare, lua_string
 from splitbus.bus.messages import GenerateRequest, Task
+from splitbus.bus.registry import LOG_MAXLEN, LOG_OP, LOG_WORKER, RESERVED_FIELDS, LogOp, change_field
 
 
 class DispatchOutcome(IntEnum):
@@ -116,6 +117,10 @@ MAX_CURRENT_TTL_S = 3600
 """The longest a request's hand-off id is kept: that of a request without a deadline (0: a
 bus-level client's), or one whose deadline is further off (the dispatch script's 3600000 ms)."""
 
+_TOKENS, _REQUESTS, _BLOCKS = map(lua_string, RESERVED_FIELDS)  # a task's ARGV holds its counts in this order
+_TOKENS_CHANGE, _REQUESTS_CHANGE, _BLOCKS_CHANGE = (lua_string(change_field(name)) for name in RESERVED_FIELDS)
+_W, _OP, _RESERVE = map(lua_string, (LOG_WORKER, LOG_OP, LogOp.RESERVE))
+
 _DISPATCH = declare(
     LuaScript(
         name="dispatch",
@@ -141,7 +146,7 @@ _DISPATCH = declare(
             " -3 recovering (the server's run is not the cell's settled one: nothing written); -4 a worker's lease is"
             " gone (nothing written); -5 not pending with the consumer (claimed by another, or acked: nothing written)"
         ),
-        source="""
+        source=f"""
 local info = redis.pcall('INFO', 'server')
 local run = type(info) == 'string' and string.match(info, 'run_id.(%x+)')
 if run and redis.call('GET', KEYS[4]) ~= run then return -3 end
@@ -167,12 +172,12 @@ if at <= 0 or at > cap then at = cap end
 redis.call('SET', KEYS[3], ARGV[6], 'PXAT', string.format('%.0f', at))
 for i = 0, tonumber(ARGV[4]) - 1 do
   local worker, tasks, a = KEYS[6 + 3 * i], KEYS[7 + 3 * i], 9 + 7 * i
-  redis.call('HINCRBY', worker, 'reserved_prefill_tokens', ARGV[a])
-  redis.call('HINCRBY', worker, 'reserved_requests', ARGV[a + 1])
-  redis.call('HINCRBY', worker, 'reserved_kv_blocks', ARGV[a + 2])
+  redis.call('HINCRBY', worker, {_TOKENS}, ARGV[a])
+  redis.call('HINCRBY', worker, {_REQUESTS}, ARGV[a + 1])
+  redis.call('HINCRBY', worker, {_BLOCKS}, ARGV[a + 2])
   redis.call('XADD', tasks, '*', 'type', ARGV[a + 3], 'data', ARGV[a + 4], 'ts', ARGV[a + 5])
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'w', ARGV[a + 6], 'op', 'reserve',
-    '+reserved_prefill_tokens', ARGV[a], '+reserved_requests', ARGV[a + 1], '+reserved_kv_blocks', ARGV[a + 2])
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', {LOG_MAXLEN}, '*', {_W}, ARGV[a + 6], {_OP}, {_RESERVE},
+    {_TOKENS_CHANGE}, ARGV[a], {_REQUESTS_CHANGE}, ARGV[a + 1], {_BLOCKS_CHANGE}, ARGV[a + 2])
 end
 return 1
 """,

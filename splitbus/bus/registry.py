@@ -21,10 +21,10 @@ from splitbus import __version__
 from splitbus.bus.core import codec, metrics
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.replies import SnapshotReply, for_xadd, pairs, text
-from splitbus.bus.core.scripts import LuaScript, declare
+from splitbus.bus.core.scripts import LuaScript, declare, lua_string
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
-from splitbus.bus.roles import ROLES
+from splitbus.bus.roles import ROLES, Word
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,39 @@ LOG_MAXLEN = 10_000
 """Entries ``sb:registry:{cell}`` keeps (``MAXLEN ~``): seconds of changes for hundreds of workers;
 a view that falls further behind reads a snapshot again."""
 
+# The registry log's entries, written here (``Registry._log`` and the heartbeat script) and by the
+# dispatch script (bus/dispatch.py), read by views (bus/registry_view.py): every field name and
+# word is spelled once, below; the scripts spell them with ``lua_string``.
+LOG_WORKER = "w"
+"""The field naming the entry's worker (every entry has it, then ``LOG_OP``)."""
+LOG_OP = "op"
+"""The field saying what happened (a ``LogOp``); the record's or load's fields follow it."""
+LOG_AT, LOG_LEASE = "at", "lease"
+"""A beat's fields after ``op``: the server's time (ms) and the lease (ms)."""
+
+
+class LogOp(Word):
+    """What a registry-log entry says happened to its worker (its ``op``)."""
+
+    BEAT = "beat"
+    """A heartbeat (the heartbeat script): ``at``, ``lease``, then the record's or load's fields."""
+    LOAD = "load"
+    """A load written outside a heartbeat (a DP rank's step), with ``+<field>`` changes to ``reserved_*``."""
+    RESERVE = "reserve"
+    """Schedulers reserved load on it (the dispatch script): ``+<field>`` for each ``reserved_*``."""
+    GONE = "gone"
+    """Deregistered, or dropped as dead: views forget it."""
+    RESIGN = "resign"
+    """It gave up its lease (it is stopping): views see it as not alive."""
+
+
+def change_field(name: str) -> str:
+    """The log field that carries a change to the record's ``name`` (a ``reserved_*`` count)."""
+    return f"+{name}"
+
+
+_W, _OP, _AT, _LEASE, _BEAT = map(lua_string, (LOG_WORKER, LOG_OP, LOG_AT, LOG_LEASE, LogOp.BEAT))
+
 _HEARTBEAT = declare(
     LuaScript(
         name="heartbeat",
@@ -52,14 +85,14 @@ _HEARTBEAT = declare(
         keys=("sb:worker:{cell}:<worker>", "sb:lease:{cell}:<worker>", "sb:workers:{cell}", "sb:registry:{cell}"),
         argv="the worker id, the lease (ms), then the record's or load's field, value pairs",
         returns="the server time (ms), also written as `heartbeat_ms`, the lease's value and the id's score",
-        source="""
+        source=f"""
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[1], 'heartbeat_ms', now_ms, unpack(ARGV, 3))
 redis.call('SET', KEYS[2], now_ms, 'PX', ARGV[2])
 redis.call('ZADD', KEYS[3], now_ms, ARGV[1])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', 10000, '*', 'w', ARGV[1], 'op', 'beat', 'at', now_ms, 'lease', ARGV[2],
-  unpack(ARGV, 3))
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', {LOG_MAXLEN}, '*', {_W}, ARGV[1], {_OP}, {_BEAT},
+  {_AT}, now_ms, {_LEASE}, ARGV[2], unpack(ARGV, 3))
 return now_ms
 """,
     )
@@ -133,6 +166,11 @@ class Reserved:
     reserved_prefill_tokens: int = 0
     reserved_requests: int = 0
     reserved_kv_blocks: int = 0
+
+
+RESERVED_FIELDS = tuple(field.name for field in dataclasses.fields(Reserved))
+"""The record's ``reserved_*`` counts, in this order wherever they are listed (the dispatch
+script's ARGV of a task, ``+<field>`` changes in the log)."""
 
 
 @dataclass
@@ -369,7 +407,7 @@ class Registry:
         pipe.delete(self._keys.lease(worker_id))
         pipe.hset(key, mapping={"state": "dead", **{f.name: "0" for f in dataclasses.fields(Reserved)}})
         self._expire_own(pipe, worker_id)
-        self._log(pipe, worker_id, "gone")
+        self._log(pipe, worker_id, LogOp.GONE)
         await pipe.execute()
 
     async def is_dead(self, worker_id: str) -> bool:
@@ -407,7 +445,7 @@ class Registry:
         pipe.delete(self._keys.lease(worker_id), self._keys.worker(worker_id))
         pipe.zrem(self._keys.workers, worker_id)
         self._expire_own(pipe, worker_id)
-        self._log(pipe, worker_id, "gone")
+        self._log(pipe, worker_id, LogOp.GONE)
         await pipe.execute()
 
     async def resign(self, worker_id: str) -> None:
@@ -416,7 +454,7 @@ class Registry:
         moves its tasks, instead of their waiting for their deadlines."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.delete(self._keys.lease(worker_id))
-        self._log(pipe, worker_id, "resign")
+        self._log(pipe, worker_id, LogOp.RESIGN)
         await pipe.execute()
 
     def _expire_own(self, pipe: Pipeline, worker_id: str) -> None:
@@ -480,12 +518,12 @@ class Registry:
         makes too (``+<field>``)."""
         fields = {k: str(v) for k, v in dataclasses.asdict(load).items()}
         pipe.hset(self._keys.worker(worker_id), mapping={k: v for k, v in fields.items()})  # typed as hset wants
-        change = {f"+{name}": str(amount) for name, amount in (reserved_change or {}).items()}
-        self._log(pipe, worker_id, "load", {**fields, **change})
+        change = {change_field(name): str(amount) for name, amount in (reserved_change or {}).items()}
+        self._log(pipe, worker_id, LogOp.LOAD, {**fields, **change})
 
-    def _log(self, pipe: Pipeline, worker_id: str, op: str, fields: dict[str, str] | None = None) -> None:
+    def _log(self, pipe: Pipeline, worker_id: str, op: LogOp, fields: dict[str, str] | None = None) -> None:
         """Add a registry-log entry to ``pipe`` (views apply it: ``splitbus.bus.registry_view``)."""
-        entry = codec.flat({"w": worker_id, "op": op, **(fields or {})})
+        entry = codec.flat({LOG_WORKER: worker_id, LOG_OP: op.value, **(fields or {})})
         pipe.xadd(self._keys.registry_log, for_xadd(entry), maxlen=LOG_MAXLEN, approximate=True)
 
 

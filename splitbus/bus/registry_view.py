@@ -31,12 +31,19 @@ import redis.asyncio as aioredis
 from splitbus.bus.core import codec, follow, metrics
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.registry import (
+    LOG_AT,
+    LOG_LEASE,
+    LOG_OP,
+    LOG_WORKER,
+    RESERVED_FIELDS,
+    LogOp,
     Registry,
     Reserved,
     Snapshot,
     WorkerInfo,
     WorkerLoad,
     WorkerRecord,
+    change_field,
     load_fields,
     parse_int,
     reserved,
@@ -58,7 +65,6 @@ it, 60–66 % without (docs/benchmarks.md)."""
 READ_COUNT = 5000
 """Log entries one read takes at most; a full read means the view is behind (not caught up)."""
 _LOAD = {f.name for f in dataclasses.fields(WorkerLoad)}
-_RESERVED = [f.name for f in dataclasses.fields(Reserved)]
 _DEAD_TTL = -2
 
 
@@ -189,16 +195,16 @@ class RegistryView:
         its worker out of the view, counted: what its hash holds is not known to be sane, and a
         worker shown with its last good load would go on drawing work meanwhile. The next
         snapshot (``full_every_s``) brings it back if its record is good by then."""
-        worker, op = fields.pop("w", ""), fields.pop("op", "")
+        worker, op = fields.pop(LOG_WORKER, ""), fields.pop(LOG_OP, "")
         self._changed.add(worker)
         try:
-            if op == "beat":
+            if op == LogOp.BEAT:
                 self._beat(worker, fields)
-            elif op in ("load", "reserve"):
+            elif op in (LogOp.LOAD, LogOp.RESERVE):
                 self._load(worker, fields)
-            elif op == "gone":
+            elif op == LogOp.GONE:
                 self._rows.pop(worker, None)
-            elif op == "resign" and worker in self._rows:
+            elif op == LogOp.RESIGN and worker in self._rows:
                 self._rows[worker].lease_until_ms = 0
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("registry view: dropping %s for an unreadable %s entry: %.200s", worker or "?", op or "?", exc)
@@ -206,7 +212,7 @@ class RegistryView:
             self._rows.pop(worker, None)
 
     def _beat(self, worker: str, fields: dict[str, str]) -> None:
-        at, lease = parse_int(fields.pop("at"), "heartbeat_ms"), parse_int(fields.pop("lease"), "lease_ms")
+        at, lease = parse_int(fields.pop(LOG_AT), "heartbeat_ms"), parse_int(fields.pop(LOG_LEASE), "lease_ms")
         row = self._rows.get(worker)
         if row is None:
             if "role" not in fields:
@@ -223,9 +229,9 @@ class RegistryView:
         if row is None:
             return
         row.record = _with_load(row.record, fields)
-        change = {name: parse_int(fields.get(f"+{name}", "0"), name) for name in _RESERVED}
+        change = {name: parse_int(fields.get(change_field(name), "0"), name) for name in RESERVED_FIELDS}
         if any(change.values()):
-            row.reserved = reserved({name: getattr(row.reserved, name) + change[name] for name in _RESERVED})
+            row.reserved = reserved({name: getattr(row.reserved, name) + change[name] for name in RESERVED_FIELDS})
 
     # ------------------------------------------------------------ the view
 

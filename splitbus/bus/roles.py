@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import Enum
 
 
-class _Word(str, Enum):
+class Word(str, Enum):
     """A ``str`` enum that prints as its value on every Python this runs on (3.10's ``str``
     mixin would print ``Role.PREFILL``, and an f-string would carry that to Redis)."""
 
@@ -16,7 +16,7 @@ class _Word(str, Enum):
         return str(self.value)
 
 
-class Role(_Word):
+class Role(Word):
     """What a worker does; the ``role`` of its registry record and of ``splitbus worker --role``."""
 
     PREFILL = "prefill"
@@ -27,7 +27,7 @@ class Role(_Word):
     """Does both, with no KV transfer."""
 
 
-class Phase(_Word):
+class Phase(Word):
     """What a task asks of the worker it is sent to; the ``phase`` of a task entry."""
 
     PREFILL = "prefill"

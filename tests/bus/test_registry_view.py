@@ -75,6 +75,39 @@ async def test_changes_reach_the_view_as_they_happen(redis: aioredis.Redis, bus_
     assert [w.record.worker_id for w in view.workers] == ["p1"] and view.live() == []
 
 
+async def test_every_writer_spells_the_log_entries_as_views_read_them(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """The registry log on the wire, as the heartbeat and dispatch scripts and ``Registry._log``
+    write it (field names and order, ``op`` words): the view reads these bytes."""
+    registry = Registry(redis, bus_config)
+    await registry.register(_record("d1"), lease_ms=5000)
+    await registry.heartbeat("d1", WorkerLoad(running=2), lease_ms=5000)
+    consumer = GroupConsumer(redis, bus_config, bus_config.keys.requests, SCHEDULER_GROUP, "s1")
+    await consumer.ensure_group()
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    (delivery,) = await consumer.read(1)
+    script = DispatchScript(redis, bus_config, 60)
+    task = Task("decode", delivery.message, "p1", reserved=[5, 1, 8])
+    assert await script.write(script.request_entry(delivery.entry_id, "r"), "r", "h1", [TaskWrite("d1", task)]) == 1
+    await registry.report_load("d1", WorkerLoad(running=3), Reserved(5, 1, 8))
+    await registry.resign("d1")
+    await registry.mark_dead("d1")
+    log = [fields for _, fields in await redis.xrange(bus_config.keys.registry_log)]
+    beat = [b"w", b"op", b"at", b"lease"]
+    assert [list(fields)[:4] for fields in log[:2]] == [beat, beat]
+    assert [fields[b"op"] for fields in log] == [b"beat", b"beat", b"reserve", b"load", b"resign", b"gone"]
+    assert log[2] == {
+        b"w": b"d1",
+        b"op": b"reserve",
+        b"+reserved_prefill_tokens": b"5",
+        b"+reserved_requests": b"1",
+        b"+reserved_kv_blocks": b"8",
+    }
+    assert list(log[3])[:3] == [b"w", b"op", b"running"] and log[3][b"+reserved_kv_blocks"] == b"-8"
+    assert log[4:] == [{b"w": b"d1", b"op": b"resign"}, {b"w": b"d1", b"op": b"gone"}]
+
+
 async def test_a_lease_runs_out_with_no_entry_to_say_so(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     registry = Registry(redis, bus_config)
     await registry.register(_record("d1"), lease_ms=300)

@@ -18,7 +18,8 @@ import splitbus
 import splitbus.bus
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import Keys
-from splitbus.bus.core.scripts import SCRIPTS, LuaScript
+from splitbus.bus.core.scripts import SCRIPTS, LuaScript, lua_string
+from splitbus.bus.registry import LogOp
 from tests.bus.slots import key_names, keys_of, sample, slots, watch_slots
 
 ROOT = Path(splitbus.__file__).parent
@@ -32,13 +33,34 @@ def _import_bus() -> dict[str, LuaScript]:
 
 
 def _lua_in_sources() -> dict[str, str]:
-    """Every string literal in splitbus that runs Redis commands: its text, and its module."""
+    """Every string literal in splitbus that runs Redis commands, as a pattern of its text (an
+    f-string's replacement fields, the names a script takes from Python, match any text), and its
+    module."""
     found = {}
     for path in ROOT.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "redis.call(" in node.value:
-                found[node.value] = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        tree = ast.parse(path.read_text(), str(path))
+        in_fstrings = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
+        for node in ast.walk(tree):
+            text = _text(node) if id(node) not in in_fstrings else None
+            if text is not None and "redis.call(" in text:
+                found[_pattern(node)] = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
     return found
+
+
+def _text(node: ast.AST) -> str | None:
+    """A string literal's text (an f-string's without its replacement fields); None: no literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(part.value for part in node.values if isinstance(part, ast.Constant))
+    return None
+
+
+def _pattern(node: ast.AST) -> str:
+    if isinstance(node, ast.JoinedStr):
+        return "".join(re.escape(p.value) if isinstance(p, ast.Constant) else ".+?" for p in node.values)
+    assert isinstance(node, ast.Constant)
+    return re.escape(node.value)
 
 
 def _tag(key: str) -> str:
@@ -73,10 +95,11 @@ def _row(script: LuaScript) -> str:
 
 def test_every_script_in_splitbus_is_declared_in_the_bus_module_it_lives_in() -> None:
     declared = {script.source: script for script in _import_bus().values()}
-    for source, module in _lua_in_sources().items():
-        assert source in declared, f"a Lua script in {module} is not declared (splitbus.bus.core.scripts.declare)"
-        assert declared[source].module == module
-        assert module.startswith("splitbus.bus."), f"{declared[source].name}: scripts live in bus/, not {module}"
+    for pattern, module in _lua_in_sources().items():
+        sources = [source for source in declared if re.fullmatch(pattern, source, re.DOTALL)]
+        assert sources, f"a Lua script in {module} is not declared (splitbus.bus.core.scripts.declare)"
+        assert declared[sources[0]].module == module
+        assert module.startswith("splitbus.bus."), f"{declared[sources[0]].name}: scripts live in bus/, not {module}"
 
 
 @pytest.mark.parametrize("name", sorted(_import_bus()))
@@ -162,3 +185,11 @@ async def test_the_wire_check_sees_what_a_single_redis_lets_cross_slots(
     await redis.xadd(b, {"f": "1"})
     assert len(await redis.xread({a: "0", b: "0"})) == 2
     assert crossing == [[a.encode(), b.encode()]] * 4
+
+
+def test_a_name_python_defines_is_spelled_in_a_script_as_a_plain_lua_string() -> None:
+    names = ("w", "+reserved_kv_blocks", LogOp.BEAT)
+    assert [lua_string(name) for name in names] == ["'w'", "'+reserved_kv_blocks'", "'beat'"]
+    for bad in ("", "a'b", "sb:k", "a b", "x\\"):
+        with pytest.raises(ValueError, match="not a plain field name"):
+            lua_string(bad)

@@ -10,6 +10,7 @@ table is checked against ``SCRIPTS`` (tests/bus/test_scripts.py).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -37,6 +38,20 @@ class LuaScript:
     def register(self, redis: aioredis.Redis) -> AsyncScript:
         """The script on one client (``EVALSHA``, loaded again if the server lost it)."""
         return redis.register_script(self.source)
+
+
+_PLAIN_NAME = re.compile(r"\+?[a-z_]+")
+"""What ``lua_string`` takes: field names and words, nothing a Lua string would escape."""
+
+
+def lua_string(name: str) -> str:
+    """A name Python defines (a field, a word an entry carries) as a Lua string literal: a script
+    then writes what Python's writers write, from one definition, and its text is the one it had
+    with the name spelled by hand (its SHA too)."""
+    name = str(name)  # a str enum's member: its value
+    if not _PLAIN_NAME.fullmatch(name):
+        raise ValueError(f"not a plain field name: {name!r}")
+    return f"'{name}'"
 
 
 SCRIPTS: dict[str, LuaScript] = {}
