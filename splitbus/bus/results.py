@@ -96,11 +96,6 @@ class _Pending:
     writer replays, so a replay does not count it as lost beyond the window."""
 
 
-def _reader_of(pending: _Pending) -> str:
-    """Entries for one reader shard's streams share its slot, so one script run."""
-    return pending.reader
-
-
 REPLAY_TOP_COUNT = 16
 """On replay, entries read from a stream's end (``XREVRANGE + - COUNT``) beyond as many as the
 writer kept for it: room for what another writer of the stream replayed after them, and for
@@ -125,7 +120,7 @@ class ResultWriter:
         self._first_seq: dict[str, int] = {}  # where each open request started on this writer
         self._readers: dict[str, str] = {}
         self._fresh: set[str] = set()  # streams that need their EXPIRE set
-        self._writes = OrderedWriter(redis, _WRITE_STEP, _reader_of, self._script_args, self._settle)
+        self._writes: OrderedWriter[_Pending] = OrderedWriter(redis, _WRITE_STEP)
         # What was written within the replay window, one (monotonic time, entries) per flush
         # round, oldest first: a new Redis run may have lost any of it (``replay``).
         self._retained: deque[tuple[float, list[_Pending]]] = deque()
@@ -174,14 +169,14 @@ class ResultWriter:
         self._next_seq.pop(request_id, None)
         self._first_seq.pop(request_id, None)
         self._readers.pop(request_id, None)
-        if not self._writes.holds(lambda p: p.request_id == request_id):
+        if not self._writes.holds(request_id):
             self._fresh.discard(request_id)
 
     def discard(self, request_id: str) -> None:
         """Forget a request and drop what is buffered for it, unwritten: it moved to other
         workers while this one was cut off (hung, or away from Redis past its lease), and they
         continue it from what the stream held then."""
-        self._writes.drop(lambda p: p.request_id == request_id)
+        self._writes.drop(request_id)
         if self._retained:
             self._discarded.pop(request_id, None)  # to the end: the dict stays in time order
             self._discarded[request_id] = self._clock()
@@ -202,7 +197,15 @@ class ResultWriter:
         buffer only once written, so a failed flush (Redis away) loses nothing: the next flush
         writes it again, and readers drop any duplicate by seq. A script Redis lost (a restart)
         is loaded again once."""
-        await self._writes.flush()
+        reloaded = False
+        while self._writes.pending:
+            done = await self._writes.write([self._script_args(run) for run in self._writes.runs()])
+            self._settle(done.written)
+            if done.lost_script and not reloaded:
+                await self._writes.reload()
+                reloaded = True
+            elif done.errors:
+                raise done.errors[0]
 
     def _script_args(self, chunk: list[_Pending]) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
@@ -271,7 +274,7 @@ class ResultWriter:
         for p in again:
             if p.request_id in self._next_seq:
                 self._fresh.add(p.request_id)  # a stream recreated for a running request: its long TTL
-        self._writes.add_first(again)
+        self._writes.add_first([(p.reader, p.request_id, p) for p in again])
         await self.flush()
         return len(again)
 
@@ -330,7 +333,8 @@ class ResultWriter:
 
     def _append(self, request_id: str, result: Result) -> None:
         first = result.seq == self._first_seq.get(request_id)
-        self._writes.add(_Pending(request_id, self._readers[request_id], result, first=first))
+        reader = self._readers[request_id]
+        self._writes.add(reader, request_id, _Pending(request_id, reader, result, first=first))
 
 
 @dataclass(eq=False)
