@@ -408,9 +408,12 @@ class WorkerCore:
     def moved_away(self, seq: Sequence) -> list[Effect]:
         """Forget a request the reaper moved: free its blocks, write nothing more for it. One
         being imported only leaves the table: the engine still writes its blocks, and the import
-        lets the task go when it ends."""
+        lets the task go when it ends. One no longer held (the shell found it moved before an
+        await: it left meanwhile, or a newer task of its request is held now) changes nothing:
+        it was retired once already, and the newer task's writer is not its to drop."""
         importing = self.table.holds(seq, Status.IMPORTING)
-        self.table.remove(seq)
+        if not self.table.remove(seq):
+            return []
         if importing:
             return [Wake()]
         return [Wake(), *self.retire(seq), Discard(seq.request_id)]

@@ -132,6 +132,16 @@ def test_a_request_moved_here_again_keeps_only_its_newest_task(core: WorkerCore)
     assert newer is not older and newer.entry_id == "2-0"
 
 
+def test_a_task_found_moved_that_left_meanwhile_is_not_retired_again(core: WorkerCore) -> None:
+    # The task feed finds what moved away, awaits Redis (a new run's missing entries), then
+    # drops each: meanwhile the request moved here again, its older task retired as its newer
+    # one was taken. Dropping the older again would ack it twice and forget the newer's writer.
+    older = taken(core, "1-0", task("prefill", handoff="h1"))
+    newer = taken(core, "2-0", task("prefill", handoff="h2"))
+    assert core.moved_away(older) == []
+    assert core.table.of() == [newer]
+
+
 def test_an_engine_that_raises_as_a_task_is_taken_leaves_what_was_done_to_go_through(
     core: WorkerCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
