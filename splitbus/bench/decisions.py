@@ -33,7 +33,8 @@ import numpy as np
 
 from splitbus.bus.blocks import chain_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
 from splitbus.bus.roles import Phase, Role
 from splitbus.placement import policies
 from splitbus.placement.costs import Eligible, blocks_needed, choose, decode_worker, prefill_cost

@@ -28,7 +28,8 @@ from splitbus.bus.core.keys import SCHEDULER_GROUP
 from splitbus.bus.core.streams import Delivery, GroupConsumer, Producer
 from splitbus.bus.dispatch import DispatchOutcome
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.registry import Registry, Reserved, WorkerInfo, WorkerRecord
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import Registry, WorkerInfo, WorkerRecord
 from splitbus.bus.roles import Phase, Role
 from splitbus.bus.runs import CellRun
 from splitbus.placement.decision import Placement

@@ -51,11 +51,11 @@ from splitbus.bench.routing_sim import RecoveryConfig, run_recovery
 from splitbus.bus.blocks import HEX_FORMAT, chain_hex
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
-from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.kv_events import KvEventPublisher, KvEventReader
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
-from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad, blocks_needed
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
 from splitbus.bus.roles import Role
 from splitbus.placement import policies
 from splitbus.placement.decision import Placed

@@ -47,11 +47,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.kv_events import fold
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, KvSnapshot
-from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad, blocks_needed
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
 from splitbus.bus.roles import Role
 from splitbus.placement import policies
 from splitbus.placement.decision import Placed

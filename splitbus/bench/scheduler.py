@@ -44,7 +44,8 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
 from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.roles import Role
 from splitbus.redis_server import die_with_parent
 

@@ -49,7 +49,6 @@ drop it), and one mark window more, for a request whose final entry nobody read.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -65,7 +64,7 @@ from splitbus.bus.core.batching import Batcher
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
 from splitbus.bus.core.scripts import LuaScript, declare, lua_string
-from splitbus.bus.messages import GenerateRequest, Task
+from splitbus.bus.messages import Task
 from splitbus.bus.registry import LOG_MAXLEN, LOG_OP, LOG_WORKER, RESERVED_FIELDS, LogOp, change_field
 
 
@@ -278,12 +277,6 @@ return 1
 it holds, which the run may have lost with the tasks' dispatch script: a scheduler that
 re-processes the request entry then finds it dispatched (a duplicate, only acked), not a request
 to dispatch a second time. The mark holds the hand-off id, which no entry id equals."""
-
-
-def blocks_needed(request: GenerateRequest, block_size: int) -> int:
-    """The KV blocks a dispatch reserves for ``request`` on a worker with ``block_size``: prompt +
-    ``max_tokens``. The worker bounds a task's ``reserved`` by the same number."""
-    return math.ceil((len(request.prompt_token_ids) + request.sampling.max_tokens) / max(block_size, 1))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from splitbus.bus.core.replies import SnapshotReply, for_xadd, pairs, text
 from splitbus.bus.core.scripts import LuaScript, declare, lua_string
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
+from splitbus.bus.records import Reserved, WorkerLoad
 from splitbus.bus.roles import ROLES, Word
 
 log = logging.getLogger(__name__)
@@ -126,46 +127,6 @@ return {ids, rows, redis.call('TIME'), redis.call('XREVRANGE', KEYS[2], '+', '-'
 """,
     )
 )
-
-
-@dataclass
-class WorkerLoad:
-    """What a worker reports about itself at each heartbeat, and as it takes tasks (DP ranks:
-    every step)."""
-
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    prefills_done: int = 0
-    decodes_done: int = 0
-    steps: int = 0
-    idle_forwards: int = 0
-    step_time_us: int = 0
-    """DP ranks, cumulative: time in group steps (barrier wait included)."""
-    idle_time_us: int = 0
-    """DP ranks, cumulative: time in steps where this rank ran an idle forward."""
-    busy_time_us: int = 0
-    """DP ranks, cumulative: time computing this rank's own prefill or decode."""
-    forward_ends_ms: int = 0
-    """DP ranks: when the forward this rank is running should end (its wall clock, ms, from
-    its own estimate; 0 before its first). Stagger windows close just before a group's end."""
-    dp_epoch: int = 0
-    """DP ranks: the epoch (ms) of the group this rank steps in, written as the group forms; 0
-    while it forms. Schedulers place on a group only while all its ranks show one epoch: a rank
-    restarted after a kill shows 0 until the survivors, who still show the old one, re-form with it."""
-
-
-@dataclass(frozen=True)
-class Reserved:
-    """Load that schedulers assigned and the worker has not taken yet. Schedulers add to it
-    when they write a task (``HINCRBY``); the worker subtracts when it reads the task. Heartbeats
-    never write these fields, so they do not erase each other."""
-
-    reserved_prefill_tokens: int = 0
-    reserved_requests: int = 0
-    reserved_kv_blocks: int = 0
 
 
 RESERVED_FIELDS = tuple(field.name for field in dataclasses.fields(Reserved))

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.core import codec, follow, metrics
 from splitbus.bus.core.connection import is_transient
+from splitbus.bus.records import Reserved, WorkerLoad
 from splitbus.bus.registry import (
     LOG_AT,
     LOG_LEASE,
@@ -38,10 +39,8 @@ from splitbus.bus.registry import (
     RESERVED_FIELDS,
     LogOp,
     Registry,
-    Reserved,
     Snapshot,
     WorkerInfo,
-    WorkerLoad,
     WorkerRecord,
     change_field,
     load_fields,

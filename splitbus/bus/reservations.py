@@ -10,17 +10,15 @@ nothing, so it cannot hold blocks, or a prefill worker, for a dispatch that no l
 Both keys carry the request's hash tag.
 
 Anyone who can write to Redis can write the hash, so what is read from it is validated
-(``Reservation``): types and sizes; whether it is the reservation a reader may use is the
-reader's check (``Reservation.made_for``, and P's comparison of the endpoint with D's
-registry record).
+(``Reservation``, a pure record in ``splitbus.bus.records``): types and sizes; whether it is the
+reservation a reader may use is the reader's check (``Reservation.made_for``, and P's comparison
+of the endpoint with D's registry record).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -29,19 +27,12 @@ from redis.asyncio.client import Pipeline
 from splitbus.bus.core.cluster import as_cluster
 from splitbus.bus.core.keys import Keys
 from splitbus.bus.core.scripts import LuaScript, declare
-from splitbus.bus.messages._check import MAX_KV_BLOCKS, MAX_NAME_CHARS, require_int, require_str
+from splitbus.bus.records import FIELDS, Reservation
 
 log = logging.getLogger(__name__)
 
 TTL_S = 300
 """A reservation outlives any hand-off (the kv wait is far shorter); D deletes it when done."""
-MAX_HANDOFF_CHARS = 64
-"""A task's hand-off id is at most this long (messages/tasks.py)."""
-MAX_SECRET_CHARS = 256
-"""Secrets are 64 hex characters (``transfer.new_secret``); anything much longer is not one."""
-_MAX_FIELD_BYTES = 4 * max(MAX_NAME_CHARS, MAX_SECRET_CHARS)
-"""Longer than any valid field in UTF-8: a longer value is refused before it is decoded."""
-
 _RESERVE = declare(
     LuaScript(
         name="reserve_kv",
@@ -72,71 +63,6 @@ return 0
 """,
     )
 )
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """What a decode worker writes in ``sb:kv:{cell}:<request>`` once it holds the request's blocks."""
-
-    decode_worker: str
-    """The decode worker that reserved (and waits for the KV)."""
-    endpoint: str
-    """The decode worker's transfer endpoint; P sends only if it is D's registered one."""
-    blocks: int
-    """KV blocks reserved."""
-    prefill_worker: str
-    """The prefill worker its task names: the only sender it takes the KV from."""
-    task_entry: str
-    """The decode task's entry id: a clean-up drops only the reservation its own task made."""
-    secret: str = dataclasses.field(repr=False)
-    """Random per reservation; P proves it in the KV frame. Never logged."""
-    handoff: str = ""
-    """The dispatch the reservation was made for ("" from a decode worker before hand-off ids)."""
-
-    def __post_init__(self) -> None:
-        for name in ("decode_worker", "prefill_worker", "task_entry"):
-            require_str(getattr(self, name), name)
-        require_str(self.endpoint, "endpoint", nonempty=False)
-        require_str(self.secret, "secret", nonempty=False, max_chars=MAX_SECRET_CHARS)
-        require_str(self.handoff, "handoff", nonempty=False, max_chars=MAX_HANDOFF_CHARS)
-        require_int(self.blocks, "blocks", 0, MAX_KV_BLOCKS)
-
-    def made_for(self, decode_worker: str, prefill_worker: str, handoff: str) -> bool:
-        """Whether this is the reservation of that pair's dispatch ``handoff`` (not an older
-        dispatch's, nor one another worker made)."""
-        return (self.decode_worker, self.prefill_worker, self.handoff) == (decode_worker, prefill_worker, handoff)
-
-    def to_hash(self) -> dict[str, str]:
-        return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_reply(cls, values: Sequence[bytes | None]) -> Reservation:
-        """From ``HMGET`` of ``FIELDS``; raises ValueError for a missing or malformed field (an
-        absent ``handoff`` is "": decode workers before hand-off ids write none)."""
-        raw = dict(zip(FIELDS, values, strict=True))
-        if raw["handoff"] is None:
-            raw["handoff"] = b""
-        missing = [name for name, value in raw.items() if value is None]
-        if missing:
-            raise ValueError(f"missing {', '.join(missing)}")
-        text = {name: _text(value, name) for name, value in raw.items() if value is not None}
-        blocks = text.pop("blocks")
-        if not blocks.isdigit() or len(blocks) > 10:
-            raise ValueError(f"blocks must be a small non-negative integer, got {blocks[:20]!r}")
-        return cls(blocks=int(blocks), **text)
-
-
-FIELDS = tuple(f.name for f in dataclasses.fields(Reservation))
-"""The hash's fields (HMGET reads only these: a hash stuffed with others costs a reader nothing)."""
-
-
-def _text(value: bytes, name: str) -> str:
-    if len(value) > _MAX_FIELD_BYTES:  # before decoding: a forged hash may hold megabytes
-        raise ValueError(f"{name} is {len(value)} bytes")
-    try:
-        return value.decode()
-    except UnicodeDecodeError:
-        raise ValueError(f"{name} is not UTF-8") from None
 
 
 class Reservations:

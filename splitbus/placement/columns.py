@@ -25,7 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import WorkerInfo
 from splitbus.placement.costs import NEAR, CacheCost, eligible
 from splitbus.placement.ledger import Local
 from splitbus.placement.prefixes import Candidates

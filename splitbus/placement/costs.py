@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved, blocks_needed
+from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Phase, Role
 from splitbus.placement.decision import Placement
 from splitbus.placement.ledger import Local

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitbus.bus.core.streams import Delivery
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import WorkerInfo
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.records import blocks_needed
 from splitbus.bus.registry import WorkerInfo
 from splitbus.placement import metrics
 from splitbus.placement.costs import free_blocks, reserved

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Phase
 from splitbus.placement.costs import (
     DEFAULT_COST,

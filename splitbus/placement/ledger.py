@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from splitbus.bus.registry import Reserved
+from splitbus.bus.records import Reserved
 from splitbus.placement.decision import Placement
 
 JOURNAL_SLACK = 64

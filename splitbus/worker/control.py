@@ -10,7 +10,8 @@ from prometheus_client import generate_latest
 from splitbus.bus.control import CommandFailed, ControlServer, Handler
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import Keys
-from splitbus.bus.registry import Registry, WorkerLoad
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry
 from splitbus.bus.roles import Role
 from splitbus.bus.tasks import unread_tasks
 from splitbus.tokenization import ModelTokenizer

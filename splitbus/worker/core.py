@@ -29,10 +29,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import Task
-from splitbus.bus.registry import Reserved, WorkerLoad
-from splitbus.bus.reservations import Reservation
+from splitbus.bus.records import Reservation, Reserved, WorkerLoad, blocks_needed
 from splitbus.bus.roles import Phase
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.effects import (

@@ -16,7 +16,8 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.streams import Delivery, GroupConsumer, entry_order
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, Reserved
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import Registry
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.tasks import missing_entries, trim_tasks
 from splitbus.worker.core import Admission, AdmissionFailed, WorkerCore

@@ -24,8 +24,9 @@ from splitbus.bus.core.aio import cancel_and_wait
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient, transient_suppressed
 from splitbus.bus.dispatch import CurrentDispatch
+from splitbus.bus.records import Reservation
 from splitbus.bus.registry import Registry
-from splitbus.bus.reservations import Reservation, Reservations
+from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.worker import metrics
 from splitbus.worker.core import WorkerCore, dispatched_again

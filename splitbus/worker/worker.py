@@ -28,7 +28,8 @@ from splitbus.bus.core.loops import Loops
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.kv_events import KvEventPublisher
 from splitbus.bus.reaping import Reaping
-from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.tasks import task_consumer

@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from splitbus.api.placing import ApiPlacer
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.registry_view import RegistryView
 
 WORKERS = 8

@@ -8,8 +8,8 @@ import redis.asyncio as aioredis
 
 from splitbus.bus import dispatch
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.dispatch import blocks_needed
 from splitbus.bus.messages import GenerateRequest, SamplingParams
+from splitbus.bus.records import blocks_needed
 
 
 def test_the_script_builds_no_key_name() -> None:

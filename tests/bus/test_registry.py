@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.registry import Registry, Reserved, SchedulerLease, WorkerLoad, WorkerRecord
+from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.registry import Registry, SchedulerLease, WorkerRecord
 
 
 def _record(worker_id: str, role: str = "decode") -> WorkerRecord:

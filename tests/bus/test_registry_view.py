@@ -13,7 +13,8 @@ from splitbus.bus.core.keys import SCHEDULER_GROUP
 from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.dispatch import DispatchScript, TaskWrite
 from splitbus.bus.messages import Task
-from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
+from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.registry_view import RegistryView
 from tests.placement.snapshot import request
 

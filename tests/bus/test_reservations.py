@@ -6,7 +6,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.reservations import TTL_S, Reservation, Reservations
+from splitbus.bus.records import Reservation
+from splitbus.bus.reservations import TTL_S, Reservations
 
 
 def made(entry: str = "7-0", handoff: str = "h1", secret: str = "s" * 64) -> Reservation:

@@ -13,7 +13,8 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import WORKER_GROUP
-from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.cli.status_cmd import collect, render
 
 SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]

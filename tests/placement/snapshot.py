@@ -10,7 +10,8 @@ import redis.asyncio as aioredis
 from splitbus.bus.core import codec
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
-from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
 from splitbus.placement.decision import Placed, Placement, Waiting
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
 from splitbus.placement.columns import LoadTable, Tables, decode_row, mixed_costs, pick, prefill_costs
 from splitbus.placement.costs import CacheCost, choose, decode_worker, eligible, mixed_cost, prefill_cost, roomy
 from splitbus.placement.ledger import JOURNAL_SLACK, Local

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from splitbus.bus.registry import Reserved
+from splitbus.bus.records import Reserved
 from splitbus.placement.costs import LOAD_ONLY, CacheCost, choose, mixed_cost, prefill_cost
 from splitbus.placement.stagger import Credit, Job, RankLoad, water_fill
 from tests.placement.snapshot import request, worker

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import WorkerInfo
 from splitbus.placement.decision import Placed
 from splitbus.placement.disagg import Disaggregation, Split, split
 from splitbus.placement.policies import create

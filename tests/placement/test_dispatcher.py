@@ -12,7 +12,8 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, WORKER_GROUP
 from splitbus.bus.core.streams import Delivery, GroupConsumer, Producer
 from splitbus.bus.dispatch import MAX_CURRENT_TTL_S, DispatchOutcome, SettleOutcome
-from splitbus.bus.registry import Registry, Reserved, WorkerRecord
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.runs import CellRun
 from splitbus.placement.decision import Placement
 from splitbus.placement.dispatcher import Dispatcher

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import WorkerInfo
 from splitbus.placement.costs import complete_groups, decode_worker, dp_ranks
 from splitbus.placement.groups import (
     DecodeLoad,

@@ -20,7 +20,8 @@ from splitbus.bus.messages.kv_events import (
     KvEventBatch,
     KvSnapshot,
 )
-from splitbus.bus.registry import Registry, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.placement.kv_index import UNREPORTED_BLOCKS, KvIndex, KvIndexFeeder, capacity_limit
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.scheduler import Scheduler

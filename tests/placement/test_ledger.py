@@ -3,7 +3,7 @@ dispatch was on its way does not show it, so the replica keeps counting it."""
 
 from __future__ import annotations
 
-from splitbus.bus.registry import Reserved
+from splitbus.bus.records import Reserved
 from splitbus.placement.decision import Placement
 from splitbus.placement.ledger import Ledger, Local, reserve
 from tests.placement.snapshot import worker

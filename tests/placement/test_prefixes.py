@@ -10,7 +10,8 @@ from collections import Counter
 from splitbus.bus.blocks import block_hashes, chain_hex, root_of, split_hex
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.kv_events import BlockStored, KvEventBatch, block_hash
-from splitbus.bus.registry import WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
 from splitbus.placement.decision import Placed
 from splitbus.placement.kv_index import KvIndex
 from splitbus.placement.ledger import Ledger, Local

@@ -19,8 +19,9 @@ from splitbus.bus.core.loops import Loops
 from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.dispatch import DispatchOutcome
 from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, Task
-from splitbus.bus.registry import Registry, Reserved, WorkerLoad, WorkerRecord
-from splitbus.bus.reservations import Reservation, Reservations
+from splitbus.bus.records import Reservation, Reserved, WorkerLoad
+from splitbus.bus.registry import Registry, WorkerRecord
+from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultReader, ResultWriter
 from splitbus.placement.decision import Placement
 from splitbus.placement.dispatcher import Dispatcher

@@ -19,7 +19,8 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP
 from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import Failed
-from splitbus.bus.registry import Registry, SchedulerLease, WorkerLoad, WorkerRecord
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry, SchedulerLease, WorkerRecord
 from splitbus.placement.policies.stagger import next_boundary
 from splitbus.placement.stagger import RELEASE_LEAD_S
 from splitbus.scheduler.config import SchedulerConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task, TokenDelta
-from splitbus.bus.registry import Reserved
+from splitbus.bus.records import Reserved
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.core import AdmissionFailed, Limits, WorkerCore
 from splitbus.worker.effects import (

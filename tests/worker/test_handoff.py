@@ -14,8 +14,9 @@ import redis.asyncio as aioredis
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import WORKER_GROUP
 from splitbus.bus.messages import Failed, GenerateRequest, SamplingParams, Task, TokenDelta
+from splitbus.bus.records import Reservation
 from splitbus.bus.registry import Registry, WorkerRecord
-from splitbus.bus.reservations import Reservation, Reservations
+from splitbus.bus.reservations import Reservations
 from splitbus.redis_server import free_port
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig

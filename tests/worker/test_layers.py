@@ -5,6 +5,9 @@ not each other, and ``worker.py`` wires them. A crossing fails here, naming it."
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.test_layering import PACKAGE, _import_graph
@@ -12,9 +15,11 @@ from tests.test_layering import PACKAGE, _import_graph
 WORKER = "splitbus.worker."
 CORE = {"core", "table", "effects", "sequence", "text"}
 """The core: the rules, the request table, the effects, a request's state and its text."""
-BESIDE_CORE = {"kv_proof", "metrics", "config", "engines.interface"}
+BESIDE_CORE = {"kv_proof", "engines.interface"}
 """What the core may import besides itself: the KV frame's header and proof check (``kv_proof``),
-and the engine's interface. (``metrics`` and ``config`` are the shell's to use.)"""
+and the engine's interface."""
+SHARED = {"metrics", "config"}
+"""What any part of the shell may read, and the core does not: the worker's metrics and config."""
 SHELL_BASE = {"outbox", "transfer"}
 """What the shell's parts share: the outbox, where every part puts the core's effects (no I/O;
 the publisher writes them), and the KV transfer's frames over TCP (the hand-off, the P-D links
@@ -43,7 +48,7 @@ def test_the_core_imports_nothing_of_the_shell() -> None:
 
 def test_the_shells_parts_import_the_core_not_each_other() -> None:
     graph = _worker_graph()
-    shell = set(graph) - CORE - BESIDE_CORE - SHELL_BASE - {"", "worker", "engines"}
+    shell = set(graph) - CORE - BESIDE_CORE - SHARED - SHELL_BASE - {"", "worker", "engines"}
     crossings = {(m, t) for m in shell for t in graph[m] & shell} - SHELL_EDGES
     assert crossings == set()
     assert {(m, t) for m in SHELL_BASE for t in graph[m] & (shell | {"worker"})} == set()
@@ -66,6 +71,19 @@ def test_the_core_does_no_io() -> None:
 
 
 IO_MODULES = {"asyncio", "redis", "socket", "aiohttp", "httpx"}
+
+
+def test_importing_the_core_loads_no_io_module() -> None:
+    """Not only the core's own modules: nothing it imports, however deep (the bus's records and
+    messages, the tokenizer, the engine's interface), loads an event loop, a socket or a Redis
+    client. A fresh interpreter, so that no other test's imports count."""
+    probe = (
+        "import sys, splitbus.worker.core\n"
+        f"print(sorted(m for m in {sorted(IO_MODULES | {'redis.asyncio'})!r} if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_the_check_sees_a_crossing(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Phase, Role
 from splitbus.placement.costs import blocks_needed
 from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement

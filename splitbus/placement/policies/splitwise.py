@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Reserved, WorkerInfo
+from splitbus.bus.records import Reserved
+from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Phase, Role
 from splitbus.placement.costs import blocks_needed
 from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement

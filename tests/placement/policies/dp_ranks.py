@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from splitbus.bus.registry import Reserved, WorkerInfo, WorkerLoad, WorkerRecord
+from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
 
 
 def rank(

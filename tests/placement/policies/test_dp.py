@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from splitbus.bus.registry import Reserved
+from splitbus.bus.records import Reserved
 from splitbus.placement.decision import NoPlacement, Placed
 from splitbus.placement.policies import create
 from splitbus.placement.policies.base import PolicyOptions

@@ -27,7 +27,7 @@ from tests.placement.snapshot import request, worker
 BUILT_IN = {"splitwise", "mixed", "dp", "stagger", "splitwise_dp"}
 
 NEW_POLICY = '''
-from splitbus.bus.registry import Reserved
+from splitbus.bus.records import Reserved
 from splitbus.placement.decision import NoPlacement, Placed, Placement
 from splitbus.placement.policies import register
 from splitbus.placement.policies.base import Policy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from splitbus.bus.registry import Reserved
+from splitbus.bus.records import Reserved
 from splitbus.placement.costs import blocks_needed
 from splitbus.placement.decision import Decision, NoPlacement, Placed
 from splitbus.placement.policies import create

@@ -10,7 +10,8 @@ import redis.asyncio as aioredis
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.streams import Delivery
 from splitbus.bus.messages import Cancel
-from splitbus.bus.registry import Registry, WorkerLoad
+from splitbus.bus.records import WorkerLoad
+from splitbus.bus.registry import Registry
 from splitbus.bus.registry_view import RegistryView
 from splitbus.placement.decision import Admitted, Waiting
 from splitbus.placement.policies import create

@@ -1,0 +1,135 @@
+"""The plain records the bus's protocols carry besides stream entries, with their arithmetic: a
+worker's load (``WorkerLoad``, its registry record's load fields), what schedulers reserved of
+it (``Reserved``, ``blocks_needed``) and a request's KV reservation (``Reservation``, the hash
+``sb:kv:{cell}:<request>``). Pure: no Redis, no event loop; the worker's core builds and checks
+them without I/O, and the protocols that write them (``registry``, ``dispatch``,
+``reservations``) import them from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitbus.bus.messages import GenerateRequest
+from splitbus.bus.messages._check import MAX_KV_BLOCKS, MAX_NAME_CHARS, require_int, require_str
+
+MAX_HANDOFF_CHARS = 64
+"""A task's hand-off id is at most this long (messages/tasks.py)."""
+MAX_SECRET_CHARS = 256
+"""Secrets are 64 hex characters (``transfer.new_secret``); anything much longer is not one."""
+_MAX_FIELD_BYTES = 4 * max(MAX_NAME_CHARS, MAX_SECRET_CHARS)
+"""Longer than any valid field in UTF-8: a longer value is refused before it is decoded."""
+
+
+@dataclass
+class WorkerLoad:
+    """What a worker reports about itself at each heartbeat, and as it takes tasks (DP ranks:
+    every step)."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    prefills_done: int = 0
+    decodes_done: int = 0
+    steps: int = 0
+    idle_forwards: int = 0
+    step_time_us: int = 0
+    """DP ranks, cumulative: time in group steps (barrier wait included)."""
+    idle_time_us: int = 0
+    """DP ranks, cumulative: time in steps where this rank ran an idle forward."""
+    busy_time_us: int = 0
+    """DP ranks, cumulative: time computing this rank's own prefill or decode."""
+    forward_ends_ms: int = 0
+    """DP ranks: when the forward this rank is running should end (its wall clock, ms, from
+    its own estimate; 0 before its first). Stagger windows close just before a group's end."""
+    dp_epoch: int = 0
+    """DP ranks: the epoch (ms) of the group this rank steps in, written as the group forms; 0
+    while it forms. Schedulers place on a group only while all its ranks show one epoch: a rank
+    restarted after a kill shows 0 until the survivors, who still show the old one, re-form with it."""
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Load that schedulers assigned and the worker has not taken yet. Schedulers add to it
+    when they write a task (``HINCRBY``); the worker subtracts when it reads the task. Heartbeats
+    never write these fields, so they do not erase each other."""
+
+    reserved_prefill_tokens: int = 0
+    reserved_requests: int = 0
+    reserved_kv_blocks: int = 0
+
+
+def blocks_needed(request: GenerateRequest, block_size: int) -> int:
+    """The KV blocks a dispatch reserves for ``request`` on a worker with ``block_size``: prompt +
+    ``max_tokens``. The worker bounds a task's ``reserved`` by the same number."""
+    return math.ceil((len(request.prompt_token_ids) + request.sampling.max_tokens) / max(block_size, 1))
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What a decode worker writes in ``sb:kv:{cell}:<request>`` once it holds the request's blocks."""
+
+    decode_worker: str
+    """The decode worker that reserved (and waits for the KV)."""
+    endpoint: str
+    """The decode worker's transfer endpoint; P sends only if it is D's registered one."""
+    blocks: int
+    """KV blocks reserved."""
+    prefill_worker: str
+    """The prefill worker its task names: the only sender it takes the KV from."""
+    task_entry: str
+    """The decode task's entry id: a clean-up drops only the reservation its own task made."""
+    secret: str = dataclasses.field(repr=False)
+    """Random per reservation; P proves it in the KV frame. Never logged."""
+    handoff: str = ""
+    """The dispatch the reservation was made for ("" from a decode worker before hand-off ids)."""
+
+    def __post_init__(self) -> None:
+        for name in ("decode_worker", "prefill_worker", "task_entry"):
+            require_str(getattr(self, name), name)
+        require_str(self.endpoint, "endpoint", nonempty=False)
+        require_str(self.secret, "secret", nonempty=False, max_chars=MAX_SECRET_CHARS)
+        require_str(self.handoff, "handoff", nonempty=False, max_chars=MAX_HANDOFF_CHARS)
+        require_int(self.blocks, "blocks", 0, MAX_KV_BLOCKS)
+
+    def made_for(self, decode_worker: str, prefill_worker: str, handoff: str) -> bool:
+        """Whether this is the reservation of that pair's dispatch ``handoff`` (not an older
+        dispatch's, nor one another worker made)."""
+        return (self.decode_worker, self.prefill_worker, self.handoff) == (decode_worker, prefill_worker, handoff)
+
+    def to_hash(self) -> dict[str, str]:
+        return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_reply(cls, values: Sequence[bytes | None]) -> Reservation:
+        """From ``HMGET`` of ``FIELDS``; raises ValueError for a missing or malformed field (an
+        absent ``handoff`` is "": decode workers before hand-off ids write none)."""
+        raw = dict(zip(FIELDS, values, strict=True))
+        if raw["handoff"] is None:
+            raw["handoff"] = b""
+        missing = [name for name, value in raw.items() if value is None]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        text = {name: _text(value, name) for name, value in raw.items() if value is not None}
+        blocks = text.pop("blocks")
+        if not blocks.isdigit() or len(blocks) > 10:
+            raise ValueError(f"blocks must be a small non-negative integer, got {blocks[:20]!r}")
+        return cls(blocks=int(blocks), **text)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Reservation))
+"""The hash's fields (HMGET reads only these: a hash stuffed with others costs a reader nothing)."""
+
+
+def _text(value: bytes, name: str) -> str:
+    if len(value) > _MAX_FIELD_BYTES:  # before decoding: a forged hash may hold megabytes
+        raise ValueError(f"{name} is {len(value)} bytes")
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} is not UTF-8") from None
