@@ -321,6 +321,11 @@ class WorkerCore:
         self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
         return batch
 
+    def look_for_blocks_again(self) -> None:
+        """The engine loop waited a little after a plan found no blocks (``kv_blocked``): a
+        hand-off, a cancel or an import may have freed some, so the next plan looks again."""
+        self.kv_blocked = False
+
     def abort_prefill(self) -> None:
         """The engine call did not end (Redis refused after it, or the worker stops): the batch
         is QUEUED again, first in line, its blocks kept."""
@@ -445,6 +450,15 @@ class WorkerCore:
         for seq in [s for s in self.table.of(*DROPPABLE) if s.request.deadline_ms and now_ms > s.request.deadline_ms]:
             self.table.remove(seq)
             effects += self.fail(seq, "deadline", "the request's deadline passed before it finished", 504)
+        return effects
+
+    def group_broken(self, reason: str) -> list[Effect]:
+        """A mixed rank's DP group broke (``DpStepper.leave``, once the rank's other loops are
+        stopped): what it holds queued or running fails, and the rank leaves the registry."""
+        effects: list[Effect] = []
+        for seq in self.table.of(Status.QUEUED, Status.RUNNING):
+            self.table.remove(seq)
+            effects += self.fail(seq, "dp_group_broken", reason, 503)
         return effects
 
     def kv_waits_past(self) -> list[Sequence]:

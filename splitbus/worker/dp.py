@@ -480,9 +480,7 @@ class DpStepper:
         if self.config.role != Role.MIXED:
             await self.hand_over()
             return
-        for seq in self.table.of(Status.QUEUED, Status.RUNNING):
-            self.table.remove(seq)
-            self.steps.apply(self.core.fail(seq, "dp_group_broken", reason, 503))
+        self.steps.apply(self.core.group_broken(reason))
         if self.config.dp_rank == min(set(range(self.config.dp_size)) - set(missing), default=-1):
             await self.fail_orphaned_tasks(reason, missing)
         await self.parts.publish()

@@ -78,7 +78,7 @@ class EngineSteps:
             return
         if self.core.kv_blocked:  # queued, no blocks to prefill into: look again once requests may have left
             await asyncio.sleep(WAIT_FOR_BLOCKS_S)
-            self.core.kv_blocked = False
+            self.core.look_for_blocks_again()
             return
         await aio.wait(self.wake, WAIT_FOR_WORK_S)
         self.wake.clear()

@@ -252,6 +252,28 @@ async def test_a_request_that_left_during_the_engine_call_gets_no_token(core: Wo
     assert core.table.status(cancelled) is None
 
 
+async def test_blocks_are_looked_for_again_once_the_engine_loop_waited(core: WorkerCore) -> None:
+    big = taken(core, "1-0", task("decode", "big", max_tokens=200))
+    taken(core, "2-0", task("mixed", "r2", prompt=50, max_tokens=100))
+    assert core.plan_prefill() == [] and not core.has_work()
+    core.look_for_blocks_again()
+    assert not core.kv_blocked and core.has_work()  # the next plan looks (and may find none again)
+    assert core.plan_prefill() == [] and core.kv_blocked
+    assert core.drop_task(big.entry_id) != [] and core.plan_prefill() != []
+
+
+async def test_a_broken_groups_mixed_rank_fails_what_is_queued_or_running(core: WorkerCore) -> None:
+    running = taken(core, "1-0", task("mixed", "r1", max_tokens=8))
+    await prefill(core)
+    queued = taken(core, "2-0", task("mixed", "r2"))
+    waiting = core.admit("3-0", task("decode", "r3")).awaiting_kv
+    effects = core.group_broken("dp group g1 broke: rank 1 is gone")
+    assert kinds(effects) == [Fail, Forget, Ack, Left] * 2
+    assert effects[0] == Fail("r1", "dp_group_broken", "dp group g1 broke: rank 1 is gone", 503, "api")
+    assert core.table.status(running) is None and core.table.status(queued) is None
+    assert core.table.of() == [waiting]
+
+
 def test_a_prefill_that_did_not_end_is_queued_again_first_in_line(core: WorkerCore) -> None:
     first, second = taken(core, "1-0", task("mixed", "r1")), taken(core, "2-0", task("mixed", "r2"))
     assert core.plan_prefill() == [first, second]
