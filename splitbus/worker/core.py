@@ -22,6 +22,7 @@ test may replace. What it logs is what happened to a request, as the rooms it re
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -99,6 +100,19 @@ class Admission:
     """(code, reason): the task is dead-lettered and its request failed (``fail_unheld``)."""
     awaiting_kv: Sequence | None = None
     """A decode task holding its blocks, AWAITING_KV: its reservation goes to ``sb:kv``."""
+
+
+class HandOffEnd(enum.Enum):
+    """How shipping a prefilled request's KV to its decode worker ended (``splitbus.worker.handoff``)."""
+
+    SHIPPED = "shipped"
+    """The decode worker has the cache."""
+    PEER_GONE = "peer_gone"
+    """The decode worker is decided gone (reaped, or the request dispatched again): the request is the reaper's."""
+    REFUSED = "refused"
+    """Not about the decode worker's death: a refusal by a live one, a bad reservation, the kv wait deadline."""
+    BROKEN = "broken"
+    """The hand-off raised (a bug)."""
 
 
 class AdmissionFailed(Exception):
@@ -471,6 +485,31 @@ class WorkerCore:
             return self.retire(seq)
         message = f"no KV cache arrived from {seq.task.peer} within {self.limits.kv_wait_s:.0f}s"
         return [*self.fail(seq, "kv_transfer_timeout", message, 503), Wake()]
+
+    def hand_off_outcome(
+        self, seq: Sequence, end: HandOffEnd, exc: BaseException | None, *, superseded: bool = False
+    ) -> list[Effect]:
+        """What a hand-off's end comes to, for a request still HANDING_OFF (one that moved away or
+        was voided meanwhile was retired there). Shipped, or its decode worker gone: P lets go
+        (a dead or hung D does not fail the request: the reaper gives it a new pair). Refused
+        (``exc`` says why): the request fails and its decode side is cancelled, unless it was
+        dispatched again (``superseded``: its error and cancel would end the newer dispatch),
+        then P only lets go. A bug fails this request alone."""
+        if not self.table.holds(seq, Status.HANDING_OFF):
+            return []
+        if end is HandOffEnd.PEER_GONE:
+            log.warning("%s; leaving %s to the reaper", exc, seq.request_id)
+        elif end is HandOffEnd.REFUSED and superseded:
+            log.warning("hand-off of %s failed (%s), but it was dispatched again; leaving it", seq.request_id, exc)
+        if end in (HandOffEnd.SHIPPED, HandOffEnd.PEER_GONE) or superseded:
+            return self.retire(seq)
+        if end is HandOffEnd.REFUSED:
+            message = f"could not hand the KV cache to {seq.task.peer}: {exc}"
+            return [
+                *self.fail(seq, "kv_transfer_failed", message, 503),
+                CancelPeer(seq.request_id, "kv_transfer_failed"),
+            ]
+        return self.fail(seq, "handler_failed", f"the KV hand-off failed: {type(exc).__name__}: {exc}", 500)
 
     def hand_off_ended(self, seq: Sequence) -> list[Effect]:
         """A hand-off is over (its effects applied): the request is out of the table."""

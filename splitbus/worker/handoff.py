@@ -5,7 +5,7 @@ A dead or hung decode worker does not fail the request: once a reaper has decide
 request is the reaper's (it gets a new P/D pair, prefilled again), and P only lets go. A refusal
 by a live decode worker, a forged reservation or the kv wait deadline fails it, saying why.
 
-What the request's table entry becomes is the core's (``WorkerCore.retire``, ``fail``,
+What the request's table entry becomes is the core's (``WorkerCore.hand_off_outcome``,
 ``hand_off_ended``); this module does the I/O: the reservation's read, the connection, the send,
 and the checks of the decode worker's liveness in Redis. The decode side checks a frame's meta
 with ``splitbus.worker.core.meta_problem``.
@@ -29,8 +29,8 @@ from splitbus.bus.registry import Registry
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
 from splitbus.worker import metrics
-from splitbus.worker.core import WorkerCore, dispatched_again
-from splitbus.worker.effects import Apply, CancelPeer
+from splitbus.worker.core import HandOffEnd, WorkerCore, dispatched_again
+from splitbus.worker.effects import Apply
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.table import Status
@@ -93,19 +93,13 @@ class HandOff:
         return None
 
     async def _settle(self, seq: Sequence, exc: Exception | None) -> None:
+        """What the hand-off's end comes to is the core's (``WorkerCore.hand_off_outcome``); a
+        refusal first asks Redis whether the request was dispatched again (``superseded``)."""
         if isinstance(exc, Abandoned) or not self.table.holds(seq, Status.HANDING_OFF):
             return  # moved away or voided meanwhile (retired there)
-        if exc is None:
-            self.apply(self.core.retire(seq))
-        elif isinstance(exc, PeerGone):
-            log.warning("%s; leaving %s to the reaper", exc, seq.request_id)
-            self.apply(self.core.retire(seq))
-        elif isinstance(exc, (TransferError, asyncio.TimeoutError)):
-            await self.transfer_failed(seq, exc)
-        else:
-            self.apply(
-                self.core.fail(seq, "handler_failed", f"the KV hand-off failed: {type(exc).__name__}: {exc}", 500)
-            )
+        end = _end_of(exc)
+        superseded = end is HandOffEnd.REFUSED and await self.superseded(seq)
+        self.apply(self.core.hand_off_outcome(seq, end, exc, superseded=superseded))
 
     async def ship_kv(self, seq: Sequence) -> None:
         """Send the KV; a failure at the connection level (refused, reset, closed, no answer) is
@@ -195,23 +189,6 @@ class HandOff:
             return dispatched_again(seq, self.current.parse(current))
         return None
 
-    async def transfer_failed(self, seq: Sequence, exc: Exception) -> None:
-        """A failure not about the decode worker's death (a refusal by a live one, a bad
-        reservation, the kv wait deadline) ends the request with an error, and cancels it;
-        unless the request belongs to a newer dispatch now (its error and cancel would end that
-        one): then P only lets go."""
-        superseded = await self.superseded(seq)
-        if not self.table.holds(seq, Status.HANDING_OFF):
-            return  # moved away while Redis answered: retired there
-        if superseded:
-            log.warning("hand-off of %s failed (%s), but it was dispatched again; leaving it", seq.request_id, exc)
-            self.apply(self.core.retire(seq))
-            return
-        failed = self.core.fail(
-            seq, "kv_transfer_failed", f"could not hand the KV cache to {seq.task.peer}: {exc}", 503
-        )
-        self.apply([*failed, CancelPeer(seq.request_id, "kv_transfer_failed")])
-
     async def wait_for_reservation(self, seq: Sequence) -> tuple[str, str]:
         """D's transfer endpoint and the reservation's secret, once D has reserved blocks.
 
@@ -289,3 +266,14 @@ class HandOff:
         )
         log.warning("%s (forged or stale reservation); waiting for %s's own", why, seq.task.peer)
         return why
+
+
+def _end_of(exc: Exception | None) -> HandOffEnd:
+    """How ``HandOff.ship_kv`` ended, from what it raised (None: it shipped)."""
+    if exc is None:
+        return HandOffEnd.SHIPPED
+    if isinstance(exc, PeerGone):
+        return HandOffEnd.PEER_GONE
+    if isinstance(exc, (TransferError, asyncio.TimeoutError)):
+        return HandOffEnd.REFUSED
+    return HandOffEnd.BROKEN

@@ -11,7 +11,7 @@ import pytest
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.records import Reserved
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.core import AdmissionFailed, Limits, WorkerCore
+from splitbus.worker.core import AdmissionFailed, HandOffEnd, Limits, WorkerCore
 from splitbus.worker.effects import (
     Ack,
     CancelPeer,
@@ -232,6 +232,48 @@ async def test_a_prefill_workers_request_is_shipped_or_finished_at_its_first_tok
     assert ShipKv(shipped) in effects and core.table.status(shipped) is Status.HANDING_OFF
     assert effects[-1] == CancelPeer("r2", "finished_on_prefill") and core.table.status(done) is None
     assert kinds(core.hand_off_ended(shipped)) == [Wake] and len(core.table) == 0
+
+
+async def handing_off(core: WorkerCore, count: int) -> list[Sequence]:
+    seqs = [taken(core, f"{i}-0", task("prefill", f"r{i}", max_tokens=4)) for i in range(count)]
+    await prefill(core)
+    assert all(core.table.status(seq) is Status.HANDING_OFF for seq in seqs)
+    return seqs
+
+
+async def test_a_hand_off_shipped_or_to_a_gone_peer_lets_go_and_a_bug_fails_its_request(core: WorkerCore) -> None:
+    shipped, gone, broken = await handing_off(core, 3)
+    assert core.hand_off_outcome(shipped, HandOffEnd.SHIPPED, None) == [Forget("r0"), Ack("0-0"), Left()]
+    assert core.hand_off_outcome(gone, HandOffEnd.PEER_GONE, RuntimeError("d1 is dead")) == [
+        Forget("r1"),
+        Ack("1-0"),
+        Left(),
+    ]
+    effects = core.hand_off_outcome(broken, HandOffEnd.BROKEN, KeyError("x"))
+    assert effects[0] == Fail("r2", "handler_failed", "the KV hand-off failed: KeyError: 'x'", 500, "api")
+    assert kinds(effects) == [Fail, Forget, Ack, Left]
+    assert core.table.of(Status.HANDING_OFF) == [shipped, gone, broken]  # until each hand-off has ended
+
+
+async def test_a_refused_hand_off_fails_and_cancels_unless_dispatched_again(core: WorkerCore) -> None:
+    refused, superseded = await handing_off(core, 2)
+    effects = core.hand_off_outcome(refused, HandOffEnd.REFUSED, TimeoutError("kv wait"))
+    assert effects[0] == Fail("r0", "kv_transfer_failed", "could not hand the KV cache to d1: kv wait", 503, "api")
+    assert kinds(effects) == [Fail, Forget, Ack, Left, CancelPeer] and effects[-1] == CancelPeer(
+        "r0", "kv_transfer_failed"
+    )
+    assert core.hand_off_outcome(superseded, HandOffEnd.REFUSED, TimeoutError("x"), superseded=True) == [
+        Forget("r1"),
+        Ack("1-0"),
+        Left(),
+    ]
+
+
+async def test_a_hand_off_whose_request_left_meanwhile_comes_to_nothing(core: WorkerCore) -> None:
+    (seq,) = await handing_off(core, 1)
+    assert core.moved_away(seq) != []
+    for end in HandOffEnd:
+        assert core.hand_off_outcome(seq, end, RuntimeError("late")) == []
 
 
 def test_queued_requests_with_no_blocks_to_prefill_into_block_the_plan(core: WorkerCore) -> None:
