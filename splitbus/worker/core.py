@@ -37,6 +37,7 @@ from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.effects import (
     Ack,
     CancelPeer,
+    DeadLetter,
     Discard,
     DropReservation,
     Effect,
@@ -388,8 +389,13 @@ class WorkerCore:
             effects += self.finish(seq)
         return effects
 
+    def poison_letter(self, seq: Sequence, exc: BaseException) -> DeadLetter:
+        """The engine failed on this request alone (its batch failed, then it failed run alone,
+        ``EngineSteps.run_engine``): it is poison, and its task is dead-lettered, first."""
+        return DeadLetter(seq.entry_id, seq.task, f"engine_error: {exc}")
+
     def poisoned(self, seq: Sequence, exc: BaseException) -> list[Effect]:
-        """The engine failed on this request alone (its dead letter is written): it ends with an
+        """A poisoned request, its dead letter written (``poison_letter``): it ends with an
         error, unless it left during the engine call (cancelled, moved)."""
         if not self.table.remove(seq):
             return []

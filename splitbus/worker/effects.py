@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from splitbus.bus.messages import Task
 from splitbus.worker.sequence import Sequence
 
 
@@ -110,6 +111,18 @@ class CancelPeer:
     """Tell the decode side of the request that it ended here (it waits for KV that never comes)."""
 
     request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """Take the task entry out of circulation with ``reason`` (a poisoned request's). Not an
+    ``Effect``: the shell writes it, awaited, before it asks the core what the request comes to
+    (``WorkerCore.poison_letter``, then ``poisoned``), so that a letter that raises leaves the
+    request held."""
+
+    entry_id: str
+    task: Task
     reason: str
 
 

@@ -161,7 +161,8 @@ class EngineSteps:
     async def poison(self, seq: Sequence, exc: Exception) -> None:
         # The dead letter first: should it raise, the request is still held (prefilled or
         # decoded again later), not out of the table with nothing written for it.
-        await self.tasks.dead_letter(Delivery(self.tasks.stream, seq.entry_id, seq.task), f"engine_error: {exc}")
+        letter = self.core.poison_letter(seq, exc)
+        await self.tasks.dead_letter(Delivery(self.tasks.stream, letter.entry_id, letter.task), letter.reason)
         self.apply(self.core.poisoned(seq, exc))
 
 

@@ -15,6 +15,7 @@ from splitbus.worker.core import AdmissionFailed, HandOffEnd, Limits, WorkerCore
 from splitbus.worker.effects import (
     Ack,
     CancelPeer,
+    DeadLetter,
     Discard,
     DropReservation,
     Effect,
@@ -326,6 +327,10 @@ def test_a_prefill_that_did_not_end_is_queued_again_first_in_line(core: WorkerCo
 
 def test_a_poisoned_request_fails_unless_it_left_meanwhile(core: WorkerCore) -> None:
     seq = taken(core, "1-0", task("mixed"))
+    assert core.poison_letter(seq, ValueError("bad request")) == DeadLetter(
+        "1-0", seq.task, "engine_error: bad request"
+    )
+    assert core.table.status(seq) is Status.QUEUED  # held until its letter is written
     effects = core.poisoned(seq, ValueError("bad request"))
     assert kinds(effects) == [Fail, Forget, Ack, Left]
     assert effects[0] == Fail("r1", "engine_error", "the engine failed on this request: bad request", 500, "api")
