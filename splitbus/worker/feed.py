@@ -21,7 +21,7 @@ from splitbus.bus.registry import Registry
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.tasks import missing_entries, trim_tasks
 from splitbus.worker.core import Admission, AdmissionFailed, WorkerCore
-from splitbus.worker.outbox import Outbox
+from splitbus.worker.outbox import NewRun, Outbox
 from splitbus.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class TaskFeed:
         *,
         max_requests: int,
         work_arrived: Callable[[], Awaitable[None]],
+        new_run: NewRun,
     ) -> None:
         self.core, self.id, self.redis, self.bus, self.keys = core, core.id, redis, bus, bus.keys
         self.tasks, self.registry, self.max_requests = tasks, registry, max_requests
@@ -60,9 +61,9 @@ class TaskFeed:
         self.unaccepted: deque[Delivery] = deque()  # tasks read, not taken yet
         self.reread_pending = False  # a task read failed: its reply may have held tasks (take_lost)
         self.seen_entries: dict[str, None] = {}  # task entries taken lately, oldest first (bounded)
-        self.after_new_run = False
-        """Redis has a new server run whose recovery is not done (``recovery``): a held task's
-        entry missing from the stream was lost with the run, not moved by a reaper."""
+        self.new_run = new_run
+        """Redis has a new server run whose recovery is not done (``owed``, the recovery's): a held
+        task's entry missing from the stream was lost with the run, not moved by a reaper."""
 
     async def drop_moved(self) -> None:
         """Drop every task the reaper took: those no longer pending to this worker. In place: a
@@ -84,7 +85,7 @@ class TaskFeed:
         After a new Redis run, a task whose entry is gone from the stream was lost with the run,
         not moved: a moved task's entry is still there (claimed, or acked)."""
         moved = [seq for seq in self.core.table.of() if seq.entry_id not in mine and seq.entry_id in before]
-        if self.after_new_run:
+        if self.new_run.owed:
             lost = await missing_entries(self.redis, self.keys, self.id, [seq.entry_id for seq in moved])
             moved = [seq for seq in moved if seq.entry_id not in lost]
         return moved

@@ -6,8 +6,10 @@ the result writer, acks and reservation clean-up wait in ``done_entries`` and
 ``stale_reservations`` for the publisher's next write, a hand-off and a cancel to the decode
 side start as one-shot work, and the three events wake the loop that waits on them: ``room``
 the task feed (a request left), ``wake`` the engine loop, ``asked`` the publisher. Every part
-of the shell writes here and none calls another for it: the calls between the worker's files
-run one way, from the shell down to the core.
+of the shell writes here and none imports another for it: the imports between the worker's
+files run one way, from the shell down to the core (``tests/worker/test_layers.py``); a part
+calls another only through what ``worker.py`` hands it when it builds it. ``NewRun`` is the one
+flag two parts share.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from splitbus.bus.core.loops import Loops
@@ -40,6 +43,15 @@ from splitbus.worker.sequence import Sequence
 log = logging.getLogger(__name__)
 
 Work = Coroutine[Any, Any, Any]
+
+
+@dataclass
+class NewRun:
+    """Whether Redis has a new server run whose recovery is not done yet: set and cleared by the
+    recovery (``Recovery.watch``, ``recover_if_owed``), read by the task feed (until it is done,
+    a held task's entry missing from the stream was lost with the run, not moved by a reaper)."""
+
+    owed: bool = False
 
 
 def _no_hand_off(seq: Sequence) -> Work:

@@ -28,6 +28,7 @@ from splitbus.bus.runs import Runs, ServerRuns
 from splitbus.bus.tasks import missing_entries, send_task
 from splitbus.worker.core import WorkerCore
 from splitbus.worker.effects import Apply
+from splitbus.worker.outbox import NewRun
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.table import Status
 
@@ -74,6 +75,7 @@ class Recovery:
         beat: Callable[[], Awaitable[None]],
         take_lost: Callable[[], Awaitable[None]],
         lock: asyncio.Lock,
+        new_run: NewRun,
     ) -> None:
         self.core, self.id, self.redis, self.bus, self.keys = core, core.id, redis, bus, bus.keys
         self.table, self.tasks, self.writer, self.apply = core.table, tasks, writer, apply
@@ -81,21 +83,21 @@ class Recovery:
         self.reservations = Reservations(redis, bus.keys)
         self.runs = ServerRuns(self.redis, f"worker {self.id}")
         self.reassertion = Reassertion(self.redis, self.keys)
-        self.owed = False
-        """A new run was seen and its recovery has not completed yet."""
+        self.new_run = new_run
+        """A new run was seen and its recovery has not completed yet (``owed``; the task feed reads it)."""
 
     async def watch(self) -> bool:
         """Poll the runs; whether Redis has a new one (its recovery is owed from now on)."""
         if await self.runs.poll() is Runs.NEW:
-            self.owed = True
+            self.new_run.owed = True
             return True
         return False
 
     async def recover_if_owed(self) -> None:
-        if self.owed:
+        if self.new_run.owed:
             async with self.lock:  # nothing is written for a request until its dispatch is settled
                 done = await self.recover()
-            self.owed = False
+            self.new_run.owed = False
             log.warning(
                 "worker %s: after a new Redis run, re-published %d dispatch(es) (%d dropped: dispatched again),"
                 " %d KV reservation(s), %d peer task(s), %d result entr(ies)",

@@ -45,7 +45,7 @@ from splitbus.worker.feed import TaskFeed
 from splitbus.worker.handoff import HandOff
 from splitbus.worker.lease import Lease
 from splitbus.worker.links import PeerLinks
-from splitbus.worker.outbox import Outbox
+from splitbus.worker.outbox import NewRun, Outbox
 from splitbus.worker.publisher import Publisher
 from splitbus.worker.receiver import Receiver
 from splitbus.worker.recovery import Recovery
@@ -80,15 +80,20 @@ class Worker:
 
     def _build_shell(self, stepper: StepperFactory) -> None:
         """Each part is built after the parts it calls, so that calls run one way: the worker
-        into its parts, a part into the ones built before it and into the core. The lease's
-        ``drop_moved`` (the feed's, after a lapse) and its beat hooks (the recovery's) are the
-        worker's, called back only by the heartbeat."""
+        into its parts, a part into the ones built before it and into the core. Three are
+        handed to a part built before their owner, as the worker's: the lease's ``drop_moved``
+        (the feed's; called by the lease's ``rejoin``, which the heartbeat, the publisher's
+        ``before`` and the engine loop's ``settle`` run after a lapse) and its beat hooks (the
+        recovery's, run by the heartbeat); the outbox's ``ship`` is set to the hand-off's once
+        that exists (the hand-off applies its effects through the outbox). The recovery and the
+        task feed share one ``NewRun`` flag."""
         config, redis, core = self.config, self.redis, self.core
         self.tasks = task_consumer(redis, config.bus, self.id, self.id, on_dead=self._fail_dead_lettered)
         self.writer = ResultWriter(redis, config.bus)
         self.reservations = Reservations(redis, self.keys)
         self.outbox = Outbox(self.writer, self.loops, partial(publish_cancel, redis, config.bus))
         self.publish_lock = asyncio.Lock()
+        self.new_run = NewRun()
         self.lease = Lease(
             self.id,
             config.lease_ms,
@@ -128,6 +133,7 @@ class Worker:
             self.outbox,
             max_requests=config.max_requests,
             work_arrived=self.stepper.work_arrived,
+            new_run=self.new_run,
         )
         kv = KvEventPublisher(redis, config.bus, self.id, config.dp_rank, total_kv_blocks=self.engine.total_blocks)
         self.publisher = Publisher(
@@ -151,6 +157,7 @@ class Worker:
             beat=self.lease.beat,
             take_lost=self.feed.take_lost,
             lock=self.publish_lock,
+            new_run=self.new_run,
         )
 
     # ------------------------------------------------------------ the loop
@@ -206,8 +213,7 @@ class Worker:
         await self.control.start()
         self.started_ms = await self.registry.register(self.record(), self.config.lease_ms)
         await self.lease.beat()  # now with started_ms
-        if await self.recovery.watch():  # the run it joined (a restart from here on is a new run)
-            self.feed.after_new_run = True
+        await self.recovery.watch()  # the run it joined (a restart from here on is a new run)
         await self.publisher.start_kv_events()  # its prefix cache, empty, on its KV event stream
 
     async def close(self) -> None:
@@ -263,9 +269,7 @@ class Worker:
 
     async def _watch_runs(self) -> None:
         if await self.recovery.watch():
-            self.feed.after_new_run = True
             self.publisher.kv_new_run = True  # a fresh KV snapshot at the next write
 
     async def _recover(self) -> None:
         await self.recovery.recover_if_owed()
-        self.feed.after_new_run = self.recovery.owed

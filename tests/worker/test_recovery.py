@@ -126,11 +126,11 @@ async def test_a_new_server_run_starts_the_recovery(bus_config: BusConfig, tiny_
         await _started(worker)
         await _take(worker, _task("prefill", "d9"))
         await worker.lease.heartbeat()
-        assert not worker.recovery.owed  # the same run: nothing to do
+        assert not worker.recovery.new_run.owed  # the same run: nothing to do
         server.stop()
         server.start()  # the same port, no AOF: everything was lost
         await _beat_until_it_takes(worker)
-        assert not worker.recovery.owed
+        assert not worker.recovery.new_run.owed
         assert await worker.redis.get(worker.keys.current("r1")) == b"h1"
         [copy] = await decoded(worker.redis, worker.keys.tasks("d9"))
         assert isinstance(copy, Task) and copy.phase == "decode"
@@ -156,6 +156,6 @@ async def test_a_rejoin_after_a_new_run_keeps_the_tasks_whose_entries_it_lost(pr
     unless its entry is gone from the stream after a new run (lost: no reaper can take it)."""
     entry_id = await _take(prefill, _task("prefill", "d1"))
     await _lose(prefill, entry_id)
-    prefill.feed.after_new_run = new_run
+    prefill.feed.new_run.owed = new_run
     await prefill.feed.drop_moved()
     assert [s.request_id for s in prefill.requests.of()] == (["r1"] if new_run else [])
