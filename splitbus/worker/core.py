@@ -27,7 +27,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from splitbus.bus.messages import Task
@@ -53,7 +52,7 @@ from splitbus.worker.effects import (
 from splitbus.worker.engines.interface import Engine
 from splitbus.worker.kv_proof import Header, new_secret, proof_matches
 from splitbus.worker.sequence import Sequence, kv_tokens
-from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status, reserve_to_prefill
+from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status
 from splitbus.worker.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -328,13 +327,20 @@ class WorkerCore:
     # ------------------------------------------------------------ the step
 
     def plan_prefill(self) -> list[Sequence]:
-        """The next prefill batch, now PREFILLING, each with its blocks (``reserve_to_prefill``):
+        """The next prefill batch, now PREFILLING, each with its blocks (``blocks_to_prefill``):
         the oldest queued first, up to ``max_prefill_tokens``. Empty with requests queued: no
         blocks for the first (``kv_blocked`` until a request may have left)."""
-        allocate = partial(reserve_to_prefill, self.engine)
-        batch = self.table.start_prefill(self.limits.max_prefill_tokens, self.engine.first_to_compute, allocate)
+        batch = self.table.start_prefill(
+            self.limits.max_prefill_tokens, self.engine.first_to_compute, self.blocks_to_prefill
+        )
         self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
         return batch
+
+    def blocks_to_prefill(self, seq: Sequence) -> bool:
+        """``RequestTable.start_prefill``'s ``allocate``: the blocks a queued request prefills
+        into, taken as its prefill starts (with the prefix cache's blocks of its prompt as they
+        are then); False: none yet, it waits."""
+        return seq.blocks > 0 or self.engine.reserve(seq, kv_tokens(seq.task))
 
     def look_for_blocks_again(self) -> None:
         """The engine loop waited a little after a plan found no blocks (``kv_blocked``): a

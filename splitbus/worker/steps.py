@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from splitbus import aio
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.core.connection import is_transient
+from splitbus.bus.core.connection import is_transient, transient_suppressed
 from splitbus.bus.core.loops import Loops
 from splitbus.bus.core.streams import Delivery, GroupConsumer
 from splitbus.bus.registry import Registry
@@ -93,14 +93,8 @@ class EngineSteps:
 
     async def report_load_now(self) -> None:
         """Advisory: an outage only leaves it to the next report."""
-        try:
+        with transient_suppressed("a load report"):
             await self.registry.report_load(self.id, self.core.load())
-        except (
-            Exception
-        ) as exc:  # transient_suppressed's rule, not a call into bus/core/connection.py (it runs this loop)
-            if not is_transient(exc):
-                raise
-            log.warning("a load report skipped: Redis refuses or is unreachable (%s)", exc)
 
     async def prefill_queued(self, report_load: bool = True) -> None:
         """Prefill the next batch (``WorkerCore.plan_prefill``, the engine call, ``end_prefill``).
@@ -177,8 +171,6 @@ class RankConfig(Protocol):
     def role(self) -> str: ...
     @property
     def engine(self) -> str: ...
-    @property
-    def max_prefill_tokens(self) -> int: ...
     @property
     def dp_group(self) -> str: ...
     @property

@@ -12,12 +12,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from splitbus.worker.sequence import Sequence, kv_tokens
-
-if TYPE_CHECKING:
-    from splitbus.worker.engines.interface import Engine
+from splitbus.worker.sequence import Sequence
 
 
 class Status(enum.Enum):
@@ -198,11 +194,3 @@ class RequestTable:
         for seq in taken:
             del self._entries[seq.request_id]
         return taken
-
-
-def reserve_to_prefill(engine: Engine, seq: Sequence) -> bool:
-    """``start_prefill``'s ``allocate`` for an engine: the blocks a queued request prefills into,
-    taken as its prefill starts (with the prefix cache's blocks of its prompt as they are then);
-    False: none yet, it waits. (Here, not in the core, so that the table calls back no module
-    that calls it.)"""
-    return seq.blocks > 0 or engine.reserve(seq, kv_tokens(seq.task))
