@@ -327,20 +327,15 @@ class WorkerCore:
     # ------------------------------------------------------------ the step
 
     def plan_prefill(self) -> list[Sequence]:
-        """The next prefill batch, now PREFILLING, each with its blocks (``blocks_to_prefill``):
-        the oldest queued first, up to ``max_prefill_tokens``. Empty with requests queued: no
-        blocks for the first (``kv_blocked`` until a request may have left)."""
+        """The next prefill batch, now PREFILLING, each with its blocks (taken as its prefill
+        starts, with the prefix cache's blocks of its prompt as they are then): the oldest queued
+        first, up to ``max_prefill_tokens``. Empty with requests queued: no blocks for the first
+        (``kv_blocked`` until a request may have left)."""
         batch = self.table.start_prefill(
-            self.limits.max_prefill_tokens, self.engine.first_to_compute, self.blocks_to_prefill
+            self.limits.max_prefill_tokens, self.engine.first_to_compute, self.engine.reserve
         )
         self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
         return batch
-
-    def blocks_to_prefill(self, seq: Sequence) -> bool:
-        """``RequestTable.start_prefill``'s ``allocate``: the blocks a queued request prefills
-        into, taken as its prefill starts (with the prefix cache's blocks of its prompt as they
-        are then); False: none yet, it waits."""
-        return seq.blocks > 0 or self.engine.reserve(seq, kv_tokens(seq.task))
 
     def look_for_blocks_again(self) -> None:
         """The engine loop waited a little after a plan found no blocks (``kv_blocked``): a

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from splitbus.worker.sequence import Sequence
+from splitbus.worker.sequence import Sequence, kv_tokens
 
 
 class Status(enum.Enum):
@@ -146,14 +146,17 @@ class RequestTable:
         self,
         max_tokens: int,
         first_to_compute: Callable[[Sequence], int | None] = lambda _: None,
-        allocate: Callable[[Sequence], bool] = lambda _: True,
+        reserve: Callable[[Sequence, int], bool] = lambda _, __: True,
     ) -> list[Sequence]:
         """The next prefill batch, now PREFILLING. Called by the engine's prefill step, before the
         engine call. A sequence whose ``first_to_compute`` block (``Engine.first_to_compute``) an
         earlier one of the batch computes too is left QUEUED: a step later it finds the block
         cached instead of computing it again (siblings sharing a prefix arrive together). Each
-        other one is given its KV blocks (``allocate``); the first that gets none ends the batch,
-        and waits, first in line, for a request to leave."""
+        other one without blocks yet is given its KV blocks (``reserve``: ``Engine.reserve``, for
+        its prompt and first token, with the prefix cache's blocks as they are then); the first
+        that gets none ends the batch, and waits, first in line, for a request to leave. The
+        engine's functions are passed in, not the core's: the core calls the table, never the
+        other way round."""
         count, _ = self.prefill_batch_size(max_tokens)
         batch: list[Sequence] = []
         computing: set[int] = set()
@@ -161,7 +164,7 @@ class RequestTable:
             block = first_to_compute(seq)
             if block is not None and block in computing:
                 continue
-            if not allocate(seq):
+            if not (seq.blocks > 0 or reserve(seq, kv_tokens(seq.task))):
                 break
             if block is not None:
                 computing.add(block)
