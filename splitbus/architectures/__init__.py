@@ -15,12 +15,13 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Final
 
-from splitbus.architectures.base import Architecture, ModelConfig, Shapes
+from splitbus.architectures.base import Architecture, Experts, ModelConfig, Shapes
 from splitbus.tokenization import ModelFilesError
 
 __all__ = [
     "DEFAULT",
     "Architecture",
+    "Experts",
     "ModelConfig",
     "Shapes",
     "config_from",
@@ -51,7 +52,8 @@ def register(arch: Architecture) -> Architecture:
 
 
 def _shares_a_name(one: Architecture, other: Architecture) -> bool:
-    return one.hf_name == other.hf_name or one.model_type == other.model_type or one.gguf_name == other.gguf_name
+    same_gguf = one.gguf_layout and other.gguf_layout and one.gguf_name == other.gguf_name
+    return one.hf_name == other.hf_name or one.model_type == other.model_type or same_gguf
 
 
 def registered() -> tuple[Architecture, ...]:
@@ -81,8 +83,9 @@ def of_model_type(model_type: str) -> Architecture:
 
 
 def of_gguf(name: str) -> Architecture | None:
-    """The architecture a GGUF file's ``general.architecture`` names, if one is registered."""
-    return next((a for a in registered() if a.gguf_name == name), None)
+    """The architecture a GGUF file's ``general.architecture`` names, if one is registered
+    whose GGUF layout is read."""
+    return next((a for a in registered() if a.gguf_layout and a.gguf_name == name), None)
 
 
 def of_config(raw: dict[str, Any], where: Path | str = "config.json") -> Architecture:

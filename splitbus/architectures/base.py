@@ -6,7 +6,7 @@ Plain Python: the API, the GGUF converter and the worker's CLI read it without p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class Architecture:
     tiny_ties_embeddings: bool = False
     """The tiny test model (``make-tiny-model``) ties its LM head to the embedding, so that the
     tests load both layouts."""
+    gguf_layout: bool = True
+    """The GGUF reader and converter know its tensors. False (the MoE ones, whose stacked expert
+    tensors are not read yet): no GGUF file is read as it, and its ``gguf_name`` claims nothing."""
 
     def model_config(self, raw: dict[str, Any], where: Path | str) -> ModelConfig:
         """``raw`` (a ``config.json`` that names this architecture) as the engine's config;
@@ -62,6 +65,28 @@ class Architecture:
         """Every tensor the engine loads for a model of this architecture: a decoder's."""
         return decoder_shapes(config)
 
+    def tiny_keys(self, hidden: int) -> dict[str, Any]:
+        """The ``config.json`` keys a tiny model of it needs beyond a decoder's: none."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The experts of a mixture-of-experts model's MoE layers (the same in each)."""
+
+    count: int
+    """Experts per MoE layer."""
+    per_token: int
+    """Experts each token is routed to (the top-k of the router's softmax)."""
+    intermediate_size: int
+    """Each expert's gated MLP width."""
+    renormalise: bool
+    """The top-k routing weights are divided by their sum (Mixtral always; Qwen3-MoE by ``norm_topk_prob``)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.per_token <= self.count or self.intermediate_size < 1:
+            raise ValueError(f"{self.per_token} experts per token of {self.count}, width {self.intermediate_size}")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -80,6 +105,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    experts: Experts | None = None
+    """Its MoE layers' experts; None: a dense model."""
 
     @property
     def arch(self) -> str:
@@ -152,3 +179,70 @@ def _layer_shapes(c: ModelConfig, p: str) -> Shapes:
             p + "self_attn.v_proj.bias": (kv,),
         }
     return shapes
+
+
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+@dataclass(frozen=True)
+class MixtureOfExperts(Architecture):
+    """A decoder whose every layer's MLP is a mixture of gated-MLP experts: a router (a Linear
+    ``[experts, hidden]``) picks each token's top-k experts by softmax, and their outputs are
+    summed weighted by it. The fields say where its ``config.json`` and tensors keep each part."""
+
+    forward: str = "decoder"
+    gguf_layout: bool = False
+    count_key: str = "num_local_experts"
+    """``config.json``'s key for experts per layer."""
+    width_key: str = "intermediate_size"
+    """``config.json``'s key for each expert's MLP width."""
+    renormalise_key: str | None = None
+    """``config.json``'s key that says whether top-k weights are renormalised; None: always."""
+    block: str = "block_sparse_moe"
+    """A layer's MoE block, under ``model.layers.N.``: its router is ``{block}.gate``, its
+    experts ``{block}.experts.E.``."""
+    projections: tuple[str, str, str] = ("w1", "w3", "w2")
+    """An expert's gate, up and down projections."""
+
+    def model_config(self, raw: dict[str, Any], where: Path | str) -> ModelConfig:
+        """A decoder's config and its experts'."""
+        config = super().model_config(raw | {"intermediate_size": raw.get("intermediate_size", 0)}, where)
+        try:
+            renormalise = True if self.renormalise_key is None else _flag(raw, self.renormalise_key)
+            experts = Experts(
+                int(raw[self.count_key]), int(raw["num_experts_per_tok"]), int(raw[self.width_key]), renormalise
+            )
+        except KeyError as exc:
+            raise ModelFilesError(f"{where}: missing key {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelFilesError(f"{where}: bad value: {exc}") from None
+        return replace(config, experts=experts)
+
+    def tensor_shapes(self, config: ModelConfig) -> Shapes:
+        """A decoder's tensors with each layer's dense MLP replaced by a router and experts."""
+        experts = config.experts
+        assert experts is not None  # model_config set it
+        shapes = {k: v for k, v in decoder_shapes(config).items() if not k.endswith(_DENSE_MLP)}
+        hidden, width = config.hidden_size, experts.intermediate_size
+        for i in range(config.layers):
+            shapes[self.router(i)] = (experts.count, hidden)
+            for e in range(experts.count):
+                gate, up, down = self.expert(i, e)
+                shapes |= {gate: (width, hidden), up: (width, hidden), down: (hidden, width)}
+        return shapes
+
+    def router(self, layer: int) -> str:
+        """The router's tensor name in layer ``layer``."""
+        return f"model.layers.{layer}.{self.block}.gate.weight"
+
+    def expert(self, layer: int, expert: int) -> tuple[str, str, str]:
+        """The gate, up and down projections' tensor names of one expert of one layer."""
+        p = f"model.layers.{layer}.{self.block}.experts.{expert}."
+        return tuple(f"{p}{name}.weight" for name in self.projections)  # type: ignore[return-value]
+
+    def tiny_keys(self, hidden: int) -> dict[str, Any]:
+        """Four experts of width ``hidden``, two per token."""
+        keys: dict[str, Any] = {self.count_key: 4, "num_experts_per_tok": 2, self.width_key: hidden}
+        if self.renormalise_key is not None:
+            keys[self.renormalise_key] = True
+        return keys

@@ -1,5 +1,6 @@
-"""The decoder forward (Llama, Qwen2) on gpu_ops: one forward pass for any mix of prefill and
-decode chunks. ``FORWARDS`` names it for the architectures (``Architecture.forward``).
+"""The decoder forward (Llama, Qwen2, and Mixtral with its mixture of experts) on gpu_ops: one
+forward pass for any mix of prefill and decode chunks. ``FORWARDS`` names it for the
+architectures (``Architecture.forward``).
 
 Every chunk is a run of tokens of one sequence starting at an absolute position. Linear layers
 run on all chunks' tokens at once; attention runs per chunk, over the paged cache (or, with no
@@ -16,9 +17,11 @@ import paddle
 import paddle.nn.functional as F
 
 from splitbus.architectures import ModelConfig, load_config
+from splitbus.architectures.base import MixtureOfExperts
 from splitbus.gpu_ops.attention import attention
 from splitbus.gpu_ops.kv_cache import PagedKVCache
 from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
+from splitbus.gpu_ops.moe import Expert, gated_mlp, moe_mlp
 from splitbus.worker.engines.paddle import weights
 from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
 
@@ -39,12 +42,30 @@ class Layer:
     b_qkv: paddle.Tensor | None
     w_o: paddle.Tensor
     ln2: paddle.Tensor
-    w_gate_up: paddle.Tensor  # [hidden, 2 * intermediate]: gate and up fused
-    w_down: paddle.Tensor
+    mlp: Expert | Experts  # a dense gated MLP (in the shape of one expert), or a mixture of experts
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A layer's mixture of experts: its router and the experts this worker holds (every one)."""
+
+    w_router: paddle.Tensor  # [hidden, experts]
+    experts: dict[int, Expert]
+    per_token: int
+    renormalise: bool
+
+    def __call__(self, h: paddle.Tensor) -> paddle.Tensor:
+        return moe_mlp(h, self.w_router, self.experts, self.per_token, self.renormalise)
 
 
 def _t(array: np.ndarray) -> paddle.Tensor:
     return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def _expert(t: dict[str, np.ndarray], names: tuple[str, str, str]) -> Expert:
+    """A gated MLP from its gate, up and down projections (HF [out, in]), gate and up fused."""
+    gate, up, down = (t[name] for name in names)
+    return Expert(w_gate_up=_t(np.concatenate([gate, up], axis=0).T), w_down=_t(down.T))
 
 
 class CausalLM:
@@ -60,16 +81,22 @@ class CausalLM:
         p = f"model.layers.{i}."
         qkv = np.concatenate([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0).T
         bias = np.concatenate([t[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) if self.config.qkv_bias else None
-        gate_up = np.concatenate([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], axis=0).T
         return Layer(
             ln1=_t(t[p + "input_layernorm.weight"]),
             w_qkv=_t(qkv),
             b_qkv=_t(bias) if bias is not None else None,
             w_o=_t(t[p + "self_attn.o_proj.weight"].T),
             ln2=_t(t[p + "post_attention_layernorm.weight"]),
-            w_gate_up=_t(gate_up),
-            w_down=_t(t[p + "mlp.down_proj.weight"].T),
+            mlp=self._mlp(t, i),
         )
+
+    def _mlp(self, t: dict[str, np.ndarray], i: int) -> Expert | Experts:
+        arch, experts = self.config.architecture, self.config.experts
+        if experts is None or not isinstance(arch, MixtureOfExperts):
+            p = f"model.layers.{i}.mlp."
+            return _expert(t, (p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"))
+        held = {e: _expert(t, arch.expert(i, e)) for e in range(experts.count)}
+        return Experts(_t(t[arch.router(i)].T), held, experts.per_token, experts.renormalise)
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
@@ -88,8 +115,7 @@ class CausalLM:
         for index, layer in enumerate(self.layers):
             x = x + self._attend(layer, index, x, cos, sin, plan)
             h = rms_norm(x, layer.ln2, self.config.rms_norm_eps)
-            gate, up = paddle.split(paddle.matmul(h, layer.w_gate_up), 2, axis=-1)
-            x = x + paddle.matmul(F.silu(gate) * up, layer.w_down)
+            x = x + (layer.mlp(h) if isinstance(layer.mlp, Experts) else gated_mlp(h, layer.mlp))
         last = paddle.index_select(x, paddle.to_tensor(ends - 1), axis=0)
         # The LM head only for the last position of each chunk: vocabularies reach 150k.
         return paddle.matmul(rms_norm(last, self.norm, self.config.rms_norm_eps), self.lm_head).numpy()

@@ -32,7 +32,7 @@ def tiny_config(
         "tie_word_embeddings": architecture.tiny_ties_embeddings,
         "torch_dtype": "float32",
         "eos_token_id": vocab_size - 1,
-    }
+    } | architecture.tiny_keys(hidden)
 
 
 def make_tiny_model(
