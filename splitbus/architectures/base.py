@@ -42,6 +42,8 @@ class Architecture:
     tiny_ties_embeddings: bool = False
     """The tiny test model (``make-tiny-model``) ties its LM head to the embedding, so that the
     tests load both layouts."""
+    qk_norm: bool = False
+    """An RMSNorm on each head of q and of k before RoPE (``self_attn.q_norm``/``k_norm``: Qwen3)."""
     gguf_layout: bool = True
     """The GGUF reader and converter know its tensors. False (the MoE ones, whose stacked expert
     tensors are not read yet): no GGUF file is read as it, and its ``gguf_name`` claims nothing."""
@@ -82,6 +84,8 @@ class Experts:
     """Each expert's gated MLP width."""
     renormalise: bool
     """The top-k routing weights are divided by their sum (Mixtral always; Qwen3-MoE by ``norm_topk_prob``)."""
+    layers: frozenset[int]
+    """The layers whose MLP is a mixture of experts; the others keep a dense one."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.per_token <= self.count or self.intermediate_size < 1:
@@ -172,6 +176,8 @@ def _layer_shapes(c: ModelConfig, p: str) -> Shapes:
         p + "input_layernorm.weight": (hidden,),
         p + "post_attention_layernorm.weight": (hidden,),
     }
+    if c.architecture.qk_norm:
+        shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
     if c.qkv_bias:
         shapes |= {
             p + "self_attn.q_proj.bias": (q,),
@@ -182,6 +188,15 @@ def _layer_shapes(c: ModelConfig, p: str) -> Shapes:
 
 
 _DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def _moe_layers(raw: dict[str, Any], layers: int) -> frozenset[int]:
+    """Hugging Face's rule: a layer is MoE unless ``mlp_only_layers`` lists it, every
+    ``decoder_sparse_step``-th (1: all)."""
+    step, dense = int(raw.get("decoder_sparse_step", 1)), {int(i) for i in raw.get("mlp_only_layers") or []}
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step {step}")
+    return frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
 @dataclass(frozen=True)
@@ -203,28 +218,34 @@ class MixtureOfExperts(Architecture):
     experts ``{block}.experts.E.``."""
     projections: tuple[str, str, str] = ("w1", "w3", "w2")
     """An expert's gate, up and down projections."""
+    tiny_dense_layers: tuple[int, ...] = ()
+    """The tiny model's ``mlp_only_layers``: dense layers among MoE ones, for the tests."""
 
     def model_config(self, raw: dict[str, Any], where: Path | str) -> ModelConfig:
         """A decoder's config and its experts'."""
         config = super().model_config(raw | {"intermediate_size": raw.get("intermediate_size", 0)}, where)
         try:
-            renormalise = True if self.renormalise_key is None else _flag(raw, self.renormalise_key)
-            experts = Experts(
-                int(raw[self.count_key]), int(raw["num_experts_per_tok"]), int(raw[self.width_key]), renormalise
-            )
+            experts = self._experts(raw, config.layers)
         except KeyError as exc:
             raise ModelFilesError(f"{where}: missing key {exc}") from None
         except (TypeError, ValueError) as exc:
             raise ModelFilesError(f"{where}: bad value: {exc}") from None
         return replace(config, experts=experts)
 
+    def _experts(self, raw: dict[str, Any], layers: int) -> Experts:
+        renormalise = True if self.renormalise_key is None else _flag(raw, self.renormalise_key)
+        count, width = int(raw[self.count_key]), int(raw[self.width_key])
+        return Experts(count, int(raw["num_experts_per_tok"]), width, renormalise, _moe_layers(raw, layers))
+
     def tensor_shapes(self, config: ModelConfig) -> Shapes:
         """A decoder's tensors with each layer's dense MLP replaced by a router and experts."""
         experts = config.experts
         assert experts is not None  # model_config set it
-        shapes = {k: v for k, v in decoder_shapes(config).items() if not k.endswith(_DENSE_MLP)}
+        shapes = decoder_shapes(config)
         hidden, width = config.hidden_size, experts.intermediate_size
-        for i in range(config.layers):
+        for i in sorted(experts.layers):
+            for name in _DENSE_MLP:
+                del shapes[f"model.layers.{i}.{name}"]
             shapes[self.router(i)] = (experts.count, hidden)
             for e in range(experts.count):
                 gate, up, down = self.expert(i, e)
@@ -241,8 +262,10 @@ class MixtureOfExperts(Architecture):
         return tuple(f"{p}{name}.weight" for name in self.projections)  # type: ignore[return-value]
 
     def tiny_keys(self, hidden: int) -> dict[str, Any]:
-        """Four experts of width ``hidden``, two per token."""
+        """Four experts of width ``hidden``, two per token (and its dense layers)."""
         keys: dict[str, Any] = {self.count_key: 4, "num_experts_per_tok": 2, self.width_key: hidden}
         if self.renormalise_key is not None:
             keys[self.renormalise_key] = True
+        if self.tiny_dense_layers:
+            keys["mlp_only_layers"] = list(self.tiny_dense_layers)
         return keys

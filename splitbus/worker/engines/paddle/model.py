@@ -1,4 +1,4 @@
-"""The decoder forward (Llama, Qwen2, and Mixtral with its mixture of experts) on gpu_ops: one
+"""The decoder forward (Llama, Qwen2, and the mixtures of experts Mixtral and Qwen3-MoE) on gpu_ops: one
 forward pass for any mix of prefill and decode chunks. ``FORWARDS`` names it for the
 architectures (``Architecture.forward``).
 
@@ -42,6 +42,7 @@ class Layer:
     b_qkv: paddle.Tensor | None
     w_o: paddle.Tensor
     ln2: paddle.Tensor
+    qk_norm: tuple[paddle.Tensor, paddle.Tensor] | None  # RMSNorm weights of each q and k head (Qwen3)
     mlp: Expert | Experts  # a dense gated MLP (in the shape of one expert), or a mixture of experts
 
 
@@ -87,12 +88,15 @@ class CausalLM:
             b_qkv=_t(bias) if bias is not None else None,
             w_o=_t(t[p + "self_attn.o_proj.weight"].T),
             ln2=_t(t[p + "post_attention_layernorm.weight"]),
+            qk_norm=(_t(t[p + "self_attn.q_norm.weight"]), _t(t[p + "self_attn.k_norm.weight"]))
+            if self.config.architecture.qk_norm
+            else None,
             mlp=self._mlp(t, i),
         )
 
     def _mlp(self, t: dict[str, np.ndarray], i: int) -> Expert | Experts:
         arch, experts = self.config.architecture, self.config.experts
-        if experts is None or not isinstance(arch, MixtureOfExperts):
+        if experts is None or i not in experts.layers or not isinstance(arch, MixtureOfExperts):
             p = f"model.layers.{i}.mlp."
             return _expert(t, (p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"))
         held = {e: _expert(t, arch.expert(i, e)) for e in range(experts.count)}
@@ -129,8 +133,10 @@ class CausalLM:
         if layer.b_qkv is not None:
             qkv = qkv + layer.b_qkv
         q, k, v = paddle.split(qkv, [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], axis=-1)
-        q = apply_rope(q.reshape([-1, c.heads, c.head_dim]), cos, sin)
-        k = apply_rope(k.reshape([-1, c.kv_heads, c.head_dim]), cos, sin)
+        q, k = q.reshape([-1, c.heads, c.head_dim]), k.reshape([-1, c.kv_heads, c.head_dim])
+        if layer.qk_norm is not None:
+            q, k = rms_norm(q, layer.qk_norm[0], c.rms_norm_eps), rms_norm(k, layer.qk_norm[1], c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape([-1, c.kv_heads, c.head_dim])
         if plan.cache is not None:
             plan.cache.write(index, plan.new_slots, k, v)

@@ -26,7 +26,7 @@ PROMPT_LENGTHS = (1, 15, 16, 17, 100)
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral", "qwen3_moe"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # qwen2 in bf16: the conversion path, biases and tied embeddings.
     dtype = "bfloat16" if request.param == "qwen2" else "float32"

@@ -1,12 +1,15 @@
-"""Mixtral in the paddle engine against an independent numpy reference.
+"""Mixtral and Qwen3-MoE in the paddle engine against an independent numpy reference.
 
-The reference is written here from the equations of Hugging Face transformers' Mixtral modeling
-code (``modeling_mixtral.py``), not from the engine: RMSNorm ``x / sqrt(mean(x^2) + eps) * w``;
-rotate-half RoPE; grouped-query causal attention with scores scaled by ``1/sqrt(head_dim)``; per
-layer ``x += attn(norm1(x))`` then ``x += moe(norm2(x))``, where the MoE block takes the softmax
-of the router logits over every expert, keeps the top ``num_experts_per_tok``, divides those by
-their sum, and adds each chosen expert's ``w2(silu(w1 h) * w3 h)`` times its weight; the LM head
-after the final norm. Float64 throughout, from the checkpoint's own safetensors file.
+The reference is written here from the equations of Hugging Face transformers' modeling code
+(``modeling_mixtral.py``, ``modeling_qwen3_moe.py``), not from the engine: RMSNorm
+``x / sqrt(mean(x^2) + eps) * w``; rotate-half RoPE; grouped-query causal attention with scores
+scaled by ``1/sqrt(head_dim)`` (Qwen3: RMSNorm on each q and k head before RoPE); per layer
+``x += attn(norm1(x))`` then ``x += mlp(norm2(x))``, where an MoE block takes the softmax of the
+router logits over every expert, keeps the top ``num_experts_per_tok``, divides those by their sum
+(Mixtral always, Qwen3 when ``norm_topk_prob``), and adds each chosen expert's
+``down(silu(gate h) * up h)`` times its weight; Qwen3 keeps a dense MLP in the layers
+``mlp_only_layers`` lists or that ``decoder_sparse_step`` skips; the LM head after the final norm.
+Float64 throughout, from the checkpoint's own safetensors file.
 """
 
 from __future__ import annotations
@@ -19,24 +22,47 @@ import pytest
 from safetensors.numpy import load_file
 
 from splitbus import architectures
+from splitbus.tokenization import ModelFilesError
 from splitbus.worker.engines.paddle.model import Chunk, Experts, load_model
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
 
 ATOL = 1e-4  # as the engine's paged-vs-contiguous logits test compares
 
+MOE_BLOCKS = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+"""model_type -> the MoE block's name in a layer and its experts' gate, up and down projections."""
+
+
+def _tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(arch) / "m", arch, seed=4, hidden=64, layers=2)
+
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("mixtral") / "m", "mixtral", seed=4, hidden=64, layers=2)
+    return _tiny(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_BLOCKS))
+def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory, request.param)
 
 
 class Reference:
-    """Mixtral's forward in numpy (float64), position by position of one sequence."""
+    """Mixtral's or Qwen3-MoE's forward in numpy (float64) over one sequence."""
 
     def __init__(self, folder: Path) -> None:
         self.c = json.loads((folder / "config.json").read_text())
         self.t = {k: v.astype(np.float64) for k, v in load_file(str(folder / "model.safetensors")).items()}
-        self.routed: set[int] = set()
+        self.block, self.projections = MOE_BLOCKS[self.c["model_type"]]
+        self.renormalise = self.c["model_type"] == "mixtral" or self.c["norm_topk_prob"]
+        self.routed: set[tuple[int, int]] = set()  # (layer, expert) pairs that took a token
+
+    def is_moe(self, layer: int) -> bool:
+        """Qwen3MoeDecoderLayer's rule; Mixtral's config has neither key: every layer."""
+        dense = layer in self.c.get("mlp_only_layers", [])
+        return not dense and (layer + 1) % self.c.get("decoder_sparse_step", 1) == 0
 
     def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.c["rms_norm_eps"]) * w
@@ -56,8 +82,11 @@ class Reference:
     def attention(self, h: np.ndarray, p: str) -> np.ndarray:
         heads, kv = self.c["num_attention_heads"], self.c["num_key_value_heads"]
         dim = self.c["hidden_size"] // heads
-        q = self.rope((h @ self.t[p + "q_proj.weight"].T).reshape(len(h), heads, dim))
-        k = self.rope((h @ self.t[p + "k_proj.weight"].T).reshape(len(h), kv, dim))
+        q = (h @ self.t[p + "q_proj.weight"].T).reshape(len(h), heads, dim)
+        k = (h @ self.t[p + "k_proj.weight"].T).reshape(len(h), kv, dim)
+        if p + "q_norm.weight" in self.t:  # Qwen3: per head, before RoPE
+            q, k = self.norm(q, self.t[p + "q_norm.weight"]), self.norm(k, self.t[p + "k_norm.weight"])
+        q, k = self.rope(q), self.rope(k)
         v = (h @ self.t[p + "v_proj.weight"].T).reshape(len(h), kv, dim)
         k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)  # repeat_kv
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(dim)
@@ -66,19 +95,23 @@ class Reference:
         probs /= probs.sum(-1, keepdims=True)
         return np.einsum("hqk,khd->qhd", probs, v).reshape(len(h), -1) @ self.t[p + "o_proj.weight"].T
 
-    def moe(self, h: np.ndarray, p: str) -> np.ndarray:
+    def mlp(self, h: np.ndarray, p: str, projections: tuple[str, str, str]) -> np.ndarray:
+        gate, up, down = (self.t[f"{p}{name}.weight"] for name in projections)
+        g = h @ gate.T
+        return (g / (1 + np.exp(-g)) * (h @ up.T)) @ down.T
+
+    def moe(self, h: np.ndarray, layer: int) -> np.ndarray:
+        p = f"model.layers.{layer}.{self.block}."
         logits = h @ self.t[p + "gate.weight"].T
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out = np.zeros_like(h)
         for row, token_probs in enumerate(probs):
             top = np.argsort(-token_probs)[: self.c["num_experts_per_tok"]]
-            weights = token_probs[top] / token_probs[top].sum()
-            self.routed |= {int(e) for e in top}
+            weights = token_probs[top] / token_probs[top].sum() if self.renormalise else token_probs[top]
+            self.routed |= {(layer, int(e)) for e in top}
             for e, w in zip(top, weights, strict=True):
-                x = h[row]
-                gate, up = self.t[f"{p}experts.{e}.w1.weight"] @ x, self.t[f"{p}experts.{e}.w3.weight"] @ x
-                out[row] += w * (self.t[f"{p}experts.{e}.w2.weight"] @ (gate / (1 + np.exp(-gate)) * up))
+                out[row] += w * self.mlp(h[row : row + 1], f"{p}experts.{e}.", self.projections)[0]
         return out
 
     def logits(self, tokens: list[int]) -> np.ndarray:
@@ -87,14 +120,17 @@ class Reference:
         for i in range(self.c["num_hidden_layers"]):
             p = f"model.layers.{i}."
             x = x + self.attention(self.norm(x, self.t[p + "input_layernorm.weight"]), p + "self_attn.")
-            x = x + self.moe(self.norm(x, self.t[p + "post_attention_layernorm.weight"]), p + "block_sparse_moe.")
+            h = self.norm(x, self.t[p + "post_attention_layernorm.weight"])
+            dense = ("gate_proj", "up_proj", "down_proj")
+            x = x + (self.moe(h, i) if self.is_moe(i) else self.mlp(h, p + "mlp.", dense))
         last = self.norm(x[-1], self.t["model.norm.weight"])
         return last @ self.t.get("lm_head.weight", self.t["model.embed_tokens.weight"]).T
 
 
-def test_the_engine_matches_the_reference_logits(mixtral_dir: Path) -> None:
-    model, reference = load_model(mixtral_dir), Reference(mixtral_dir)
-    assert all(isinstance(layer.mlp, Experts) for layer in model.layers)
+def test_the_engine_matches_the_reference_logits(moe_dir: Path) -> None:
+    model, reference = load_model(moe_dir), Reference(moe_dir)
+    moe_layers = [i for i in range(len(model.layers)) if reference.is_moe(i)]
+    assert moe_layers and [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, Experts)] == moe_layers
     rng = np.random.default_rng(6)
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (1, 7, 33)]
     got = model.forward([Chunk(prompt, 0) for prompt in prompts])
@@ -102,13 +138,34 @@ def test_the_engine_matches_the_reference_logits(mixtral_dir: Path) -> None:
         want = reference.logits(prompt)
         np.testing.assert_allclose(row, want, atol=ATOL)
         assert int(np.argmax(row)) == int(np.argmax(want))
-    assert reference.routed == set(range(4))  # every expert took tokens: no path was left untested
+    # every expert of every MoE layer took tokens: no path was left untested
+    assert reference.routed == {(i, e) for i in moe_layers for e in range(4)}
 
 
 def test_a_mixtral_config_reads_its_experts(mixtral_dir: Path) -> None:
     config = architectures.load_config(mixtral_dir)
-    assert config.experts == architectures.Experts(count=4, per_token=2, intermediate_size=64, renormalise=True)
+    assert config.experts == architectures.Experts(4, 2, 64, renormalise=True, layers=frozenset({0, 1}))
     shapes = config.tensor_shapes()
     assert shapes["model.layers.1.block_sparse_moe.gate.weight"] == (4, 64)
     assert shapes["model.layers.1.block_sparse_moe.experts.3.w2.weight"] == (64, 64)
     assert not any(".mlp." in name for name in shapes)
+
+
+def test_a_qwen3_moe_config_reads_its_experts_and_dense_layers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    raw = json.loads((_tiny(tmp_path_factory, "qwen3_moe") / "config.json").read_text())
+    config = architectures.config_from(raw)
+    assert config.experts == architectures.Experts(4, 2, 64, renormalise=True, layers=frozenset({1}))
+    shapes = config.tensor_shapes()
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (128, 64)  # mlp_only_layers: dense
+    assert "model.layers.1.mlp.gate_proj.weight" not in shapes
+    assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 64)
+    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (16,)
+    every_other = architectures.config_from(
+        raw | {"mlp_only_layers": [], "decoder_sparse_step": 2, "num_hidden_layers": 4}
+    )
+    assert every_other.experts is not None and every_other.experts.layers == frozenset({1, 3})
+    assert not architectures.config_from(raw | {"norm_topk_prob": False}).experts.renormalise  # type: ignore[union-attr]
+    with pytest.raises(ModelFilesError, match="bad value"):
+        architectures.config_from(raw | {"num_experts_per_tok": 5})
+    with pytest.raises(ModelFilesError, match="missing key 'num_experts'"):
+        architectures.config_from({k: v for k, v in raw.items() if k != "num_experts"})
