@@ -112,3 +112,16 @@ def test_the_table_imports_neither_paddle_nor_gguf() -> None:
         "assert not {'paddle', 'gguf'} & set(sys.modules), 'imported paddle or gguf'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_moe_architectures_claim_no_gguf_file_until_their_layout_is_read() -> None:
+    """Mixtral shares llama.cpp's ``llama`` name; neither it nor Qwen3-MoE's ``qwen3moe`` picks
+    an architecture for a GGUF file, as the reader does not know their expert tensors yet."""
+    mixtral, qwen3_moe = architectures.get("MixtralForCausalLM"), architectures.get("Qwen3MoeForCausalLM")
+    assert (mixtral.gguf_name, qwen3_moe.gguf_name) == ("llama", "qwen3moe")
+    assert not mixtral.gguf_layout and not qwen3_moe.gguf_layout and qwen3_moe.qk_norm
+    assert architectures.of_gguf("llama") is architectures.get("LlamaForCausalLM")
+    assert architectures.of_gguf("qwen3moe") is None
+    for arch in (mixtral, qwen3_moe):
+        config = architectures.config_from(tiny_config(arch.model_type, 300, hidden=64, layers=2))
+        assert config.experts is not None and config.experts.count == 4

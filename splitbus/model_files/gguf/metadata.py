@@ -108,7 +108,7 @@ def architecture(fields: Fields) -> Architecture:
         raise fields.fail(f"metadata key {Keys.General.ARCHITECTURE} is missing")
     found = architectures.of_gguf(name)
     if found is None:
-        known = sorted(a.gguf_name for a in architectures.registered())
+        known = sorted({a.gguf_name for a in architectures.registered() if a.gguf_layout})
         raise fields.fail(f"architecture {name!r} is not supported; expected one of {known}")
     return found
 
