@@ -72,6 +72,10 @@ class Architecture:
         return {}
 
 
+MAX_EXPERTS = 1024
+"""The most experts per layer a ``config.json`` may declare (DeepSeek-V3 and Qwen3-MoE have 256 and 128)."""
+
+
 @dataclass(frozen=True)
 class Experts:
     """The experts of a mixture-of-experts model's MoE layers (the same in each)."""
@@ -88,7 +92,8 @@ class Experts:
     """The layers whose MLP is a mixture of experts; the others keep a dense one."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.per_token <= self.count or self.intermediate_size < 1:
+        # A config.json is untrusted: a huge count would list millions of tensors before any check.
+        if not 1 <= self.per_token <= self.count <= MAX_EXPERTS or self.intermediate_size < 1:
             raise ValueError(f"{self.per_token} experts per token of {self.count}, width {self.intermediate_size}")
 
 
@@ -193,7 +198,10 @@ _DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weigh
 def _moe_layers(raw: dict[str, Any], layers: int) -> frozenset[int]:
     """Hugging Face's rule: a layer is MoE unless ``mlp_only_layers`` lists it, every
     ``decoder_sparse_step``-th (1: all)."""
-    step, dense = int(raw.get("decoder_sparse_step", 1)), {int(i) for i in raw.get("mlp_only_layers") or []}
+    listed = raw.get("mlp_only_layers") or []
+    if not isinstance(listed, list):
+        raise TypeError(f"mlp_only_layers must be a list, got {listed!r}")
+    step, dense = int(raw.get("decoder_sparse_step", 1)), {int(i) for i in listed}
     if step < 1:
         raise ValueError(f"decoder_sparse_step {step}")
     return frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)

@@ -167,5 +167,8 @@ def test_a_qwen3_moe_config_reads_its_experts_and_dense_layers(tmp_path_factory:
     assert not architectures.config_from(raw | {"norm_topk_prob": False}).experts.renormalise  # type: ignore[union-attr]
     with pytest.raises(ModelFilesError, match="bad value"):
         architectures.config_from(raw | {"num_experts_per_tok": 5})
+    for bad in ({"num_experts": 100_000}, {"mlp_only_layers": "01"}, {"decoder_sparse_step": 0}):
+        with pytest.raises(ModelFilesError, match="bad value"):
+            architectures.config_from(raw | bad)
     with pytest.raises(ModelFilesError, match="missing key 'num_experts'"):
         architectures.config_from({k: v for k, v in raw.items() if k != "num_experts"})
