@@ -18,10 +18,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import paddle
 import pytest
 from safetensors.numpy import load_file
 
 from splitbus import architectures
+from splitbus.gpu_ops import moe
 from splitbus.tokenization import ModelFilesError
 from splitbus.worker.engines.paddle.model import Chunk, Experts, load_model
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
@@ -172,3 +174,18 @@ def test_a_qwen3_moe_config_reads_its_experts_and_dense_layers(tmp_path_factory:
             architectures.config_from(raw | bad)
     with pytest.raises(ModelFilesError, match="missing key 'num_experts'"):
         architectures.config_from({k: v for k, v in raw.items() if k != "num_experts"})
+
+
+def test_partial_outputs_of_disjoint_expert_sets_combine_into_the_whole(moe_dir: Path) -> None:
+    """The split expert parallelism will run per rank: each rank's ``run_experts`` over its own
+    experts, then ``combine``, equals the MoE MLP of one worker holding them all."""
+    model = load_model(moe_dir)
+    mlp = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, Experts))
+    h = paddle.to_tensor(np.random.default_rng(7).standard_normal((9, 64)).astype(np.float32))
+    routing = moe.route(h, mlp.w_router, mlp.per_token, mlp.renormalise)
+    assert routing.experts.shape == (9, 2) and len(set(routing.experts.ravel())) > 1
+    ranks = [{e: mlp.experts[e] for e in ids} for ids in ((0, 2), (1,), (3,))]
+    partials = [moe.run_experts(h, routing, held) for held in ranks]
+    assert all(float(paddle.abs(p).sum()) > 0 for p in partials)  # each rank's experts took tokens
+    np.testing.assert_allclose(moe.combine(partials).numpy(), mlp(h).numpy(), atol=1e-6)
+    assert not moe.run_experts(h, routing, {}).numpy().any()  # holding none: zero
