@@ -72,6 +72,11 @@ class Architecture:
         return {}
 
 
+MAX_LAYERS = 1024
+"""The most decoder layers a model may declare, in a ``config.json`` or a GGUF file's
+``{arch}.block_count`` (the largest open checkpoints have under 200): a config.json is untrusted,
+and a huge count would list millions of tensors before any check against the weights."""
+
 MAX_EXPERTS = 1024
 """The most experts per layer a ``config.json`` may declare (DeepSeek-V3 and Qwen3-MoE have 256 and 128)."""
 
@@ -129,20 +134,29 @@ class ModelConfig:
 
 def _decoder_dimensions(raw: dict[str, Any]) -> dict[str, Any]:
     """The fields of a decoder's ``ModelConfig`` from the Hugging Face keys, with their defaults."""
-    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+    heads, hidden = _size(raw, "num_attention_heads"), _size(raw, "hidden_size")
     return {
-        "vocab_size": int(raw["vocab_size"]),
+        "vocab_size": _size(raw, "vocab_size"),
         "hidden_size": hidden,
-        "intermediate_size": int(raw["intermediate_size"]),
-        "layers": int(raw["num_hidden_layers"]),
+        "intermediate_size": _size(raw, "intermediate_size"),
+        "layers": _size(raw, "num_hidden_layers", MAX_LAYERS),
         "heads": heads,
-        "kv_heads": int(raw.get("num_key_value_heads") or heads),
-        "head_dim": int(raw.get("head_dim") or hidden // heads),
+        "kv_heads": _size(raw, "num_key_value_heads", default=heads),
+        "head_dim": _size(raw, "head_dim", default=hidden // heads),
         "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
         "rope_theta": _rope_theta(raw),
         "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
         "tie_word_embeddings": _flag(raw, "tie_word_embeddings"),
     }
+
+
+def _size(raw: dict[str, Any], key: str, high: int | None = None, default: int | None = None) -> int:
+    """``raw[key]`` as a count in [1, ``high``] (unbounded above when None); ``default`` when
+    absent or null (a KeyError when there is none). ValueError naming the key when out of range."""
+    size = int(raw[key] if default is None else raw.get(key) or default)
+    if size < 1 or (high is not None and size > high):
+        raise ValueError(f"{key} = {size} is outside [1, {high or 'inf'}]")
+    return size
 
 
 def _flag(raw: dict[str, Any], key: str) -> bool:
@@ -231,7 +245,8 @@ class MixtureOfExperts(Architecture):
 
     def model_config(self, raw: dict[str, Any], where: Path | str) -> ModelConfig:
         """A decoder's config and its experts'."""
-        config = super().model_config(raw | {"intermediate_size": raw.get("intermediate_size", 0)}, where)
+        # Only dense layers (mlp_only_layers) use intermediate_size: a config without them may omit it.
+        config = super().model_config(raw | {"intermediate_size": raw.get("intermediate_size", 1)}, where)
         try:
             experts = self._experts(raw, config.layers)
         except KeyError as exc:

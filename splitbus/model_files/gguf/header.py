@@ -19,7 +19,7 @@ from typing import Final
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from splitbus.model_files.gguf.metadata import MAX_LAYERS
+from splitbus.architectures.base import MAX_LAYERS
 from splitbus.tokenization import ModelFilesError
 
 VERSIONS: Final = (2, 3)

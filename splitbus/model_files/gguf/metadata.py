@@ -16,6 +16,7 @@ from gguf import GGUFReader, GGUFValueType, Keys
 
 from splitbus import architectures
 from splitbus.architectures import Architecture
+from splitbus.architectures.base import MAX_LAYERS
 from splitbus.tokenization import ModelFilesError
 
 DEFAULT_ROPE_THETA: Final = 10000.0
@@ -39,7 +40,6 @@ _FLOATS: Final = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
 # the converter allocate without limit before the tensor shapes are checked against them.
 MAX_VOCAB: Final = 1 << 22
 MAX_WIDTH: Final = 1 << 18
-MAX_LAYERS: Final = 1024
 MAX_HEADS: Final = 1024
 MAX_HEAD_DIM: Final = 1024
 MAX_CONTEXT: Final = 1 << 24
