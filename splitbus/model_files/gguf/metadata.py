@@ -118,6 +118,7 @@ def hf_config(reader: GGUFReader, where: Path | str) -> dict[str, Any]:
     fields = Fields(reader, where)
     found = architecture(fields)
     arch = found.gguf_name  # the prefix of its metadata keys
+    _refuse_experts(fields, arch)
     _refuse_rope_scaling(fields, arch)
     heads = fields.integer(Keys.Attention.HEAD_COUNT.format(arch=arch), 1, MAX_HEADS)
     kv_heads = fields.integer(Keys.Attention.HEAD_COUNT_KV.format(arch=arch), 1, heads, default=heads)
@@ -165,6 +166,13 @@ def _head_dim(fields: Fields, arch: str, hidden: int, heads: int) -> int:
             "the engine needs equal, even key and value dimensions with RoPE on all of them"
         )
     return head_dim
+
+
+def _refuse_experts(fields: Fields, arch: str) -> None:
+    """A Mixtral GGUF says ``llama``: without this it would fail later, on its tokenizer or on
+    each stacked expert tensor, instead of saying once why."""
+    if fields.integer(Keys.LLM.EXPERT_COUNT.format(arch=arch), 0, 1 << 32, default=0) > 0:
+        raise fields.fail("MoE GGUF files are not read yet; use the Hugging Face folder")
 
 
 def _refuse_rope_scaling(fields: Fields, arch: str) -> None:

@@ -14,7 +14,7 @@ from gguf import GGUFWriter, RopeScalingType
 from splitbus.architectures import config_from
 from splitbus.env import load_env
 from splitbus.model_files.fetch import SOURCES, fetched_path
-from splitbus.model_files.gguf import metadata, open_reader, weights
+from splitbus.model_files.gguf import metadata, open_reader, prepare, weights
 from splitbus.tokenization import ModelFilesError
 from tests.architectures.toy import register_toy
 from tests.model_files.gguf.writer import write_gguf
@@ -96,6 +96,16 @@ def test_bad_metadata_fails_naming_the_key(tmp_path: Path, changes: dict[str, An
     with pytest.raises(ModelFilesError, match=problem) as info:
         _config(path)
     assert str(info.value).startswith(str(path))
+
+
+def test_a_mixtral_gguf_is_refused_in_one_line_before_its_tokenizer(tmp_path: Path) -> None:
+    """Mixtral's GGUF says ``llama`` with ``llama.expert_count``; this file has no tokenizer, so
+    the conversion would fail on it (a real one fails there too) if the experts were not refused first."""
+    path = _metadata_only(tmp_path / "mixtral.gguf", {"llama.expert_count": 8, "llama.expert_used_count": 2})
+    with pytest.raises(ModelFilesError) as info:
+        prepare(path, tmp_path / "cache")
+    assert str(info.value) == f"{path}: MoE GGUF files are not read yet; use the Hugging Face folder"
+    assert _config(_metadata_only(tmp_path / "dense.gguf", {"llama.expert_count": 0}))["num_hidden_layers"] == 2
 
 
 def test_other_architecture_fails(tiny_hf: Callable[[str], Path], tmp_path: Path) -> None:
