@@ -242,6 +242,9 @@ class MixtureOfExperts(Architecture):
     """An expert's gate, up and down projections."""
     tiny_dense_layers: tuple[int, ...] = ()
     """The tiny model's ``mlp_only_layers``: dense layers among MoE ones, for the tests."""
+    tiny_wide_heads: bool = False
+    """The tiny model's ``head_dim`` is hidden / 2, not hidden / heads (Qwen3-MoE-30B-A3B: 128, not
+    2048 / 32), so that the tests run attention wider than the residual stream."""
 
     def model_config(self, raw: dict[str, Any], where: Path | str) -> ModelConfig:
         """A decoder's config and its experts'."""
@@ -291,4 +294,6 @@ class MixtureOfExperts(Architecture):
             keys[self.renormalise_key] = True
         if self.tiny_dense_layers:
             keys["mlp_only_layers"] = list(self.tiny_dense_layers)
+        if self.tiny_wide_heads:
+            keys["head_dim"] = hidden // 2
         return keys

@@ -20,5 +20,6 @@ QWEN3_MOE = register(
         block="mlp",
         projections=("gate_proj", "up_proj", "down_proj"),
         tiny_dense_layers=(0,),
+        tiny_wide_heads=True,
     )
 )

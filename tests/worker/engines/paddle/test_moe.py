@@ -15,6 +15,7 @@ Float64 throughout, from the checkpoint's own safetensors file.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,7 @@ class Reference:
 
     def attention(self, h: np.ndarray, p: str) -> np.ndarray:
         heads, kv = self.c["num_attention_heads"], self.c["num_key_value_heads"]
-        dim = self.c["hidden_size"] // heads
+        dim = self.c.get("head_dim") or self.c["hidden_size"] // heads  # Qwen3's may differ (the tiny's does)
         q = (h @ self.t[p + "q_proj.weight"].T).reshape(len(h), heads, dim)
         k = (h @ self.t[p + "k_proj.weight"].T).reshape(len(h), kv, dim)
         if p + "q_norm.weight" in self.t:  # Qwen3: per head, before RoPE
@@ -129,8 +130,9 @@ class Reference:
         return last @ self.t.get("lm_head.weight", self.t["model.embed_tokens.weight"]).T
 
 
-def test_the_engine_matches_the_reference_logits(moe_dir: Path) -> None:
-    model, reference = load_model(moe_dir), Reference(moe_dir)
+def _matches_the_reference(folder: Path) -> tuple[Reference, list[int]]:
+    """The engine's logits equal the reference's on three prompts; the reference and the MoE layers."""
+    model, reference = load_model(folder), Reference(folder)
     moe_layers = [i for i in range(len(model.layers)) if reference.is_moe(i)]
     assert moe_layers and [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, Experts)] == moe_layers
     rng = np.random.default_rng(6)
@@ -140,8 +142,32 @@ def test_the_engine_matches_the_reference_logits(moe_dir: Path) -> None:
         want = reference.logits(prompt)
         np.testing.assert_allclose(row, want, atol=ATOL)
         assert int(np.argmax(row)) == int(np.argmax(want))
+    return reference, moe_layers
+
+
+def test_the_engine_matches_the_reference_logits(moe_dir: Path) -> None:
+    reference, moe_layers = _matches_the_reference(moe_dir)
     # every expert of every MoE layer took tokens: no path was left untested
     assert reference.routed == {(i, e) for i in moe_layers for e in range(4)}
+
+
+def test_the_tiny_qwen3_moe_has_heads_wider_than_hidden_over_heads(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """So that the reference test above checks that both read head_dim, not hidden / heads."""
+    raw = json.loads((_tiny(tmp_path_factory, "qwen3_moe") / "config.json").read_text())
+    assert raw["head_dim"] == 32 != raw["hidden_size"] // raw["num_attention_heads"]
+
+
+def test_qwen3_moe_without_norm_topk_prob_matches_the_reference(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """``norm_topk_prob`` false: the top-k softmax weights are used as they are, not summing to 1."""
+    folder = shutil.copytree(_tiny(tmp_path_factory, "qwen3_moe"), tmp_path / "m")
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(raw | {"norm_topk_prob": False}))
+    reference, _ = _matches_the_reference(folder)
+    assert not reference.renormalise
 
 
 def test_a_mixtral_config_reads_its_experts(mixtral_dir: Path) -> None:
@@ -161,7 +187,8 @@ def test_a_qwen3_moe_config_reads_its_experts_and_dense_layers(tmp_path_factory:
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (128, 64)  # mlp_only_layers: dense
     assert "model.layers.1.mlp.gate_proj.weight" not in shapes
     assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 64)
-    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (16,)
+    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (32,)  # the tiny's head_dim, not 64 / 4
+    assert shapes["model.layers.1.self_attn.q_proj.weight"] == (4 * 32, 64)
     every_other = architectures.config_from(
         raw | {"mlp_only_layers": [], "decoder_sparse_step": 2, "num_hidden_layers": 4}
     )
