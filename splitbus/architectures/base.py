@@ -260,8 +260,13 @@ class MixtureOfExperts(Architecture):
 
     def _experts(self, raw: dict[str, Any], layers: int) -> Experts:
         renormalise = True if self.renormalise_key is None else _flag(raw, self.renormalise_key)
-        count, width = int(raw[self.count_key]), int(raw[self.width_key])
-        return Experts(count, int(raw["num_experts_per_tok"]), width, renormalise, _moe_layers(raw, layers))
+        count, per_token, width = int(raw[self.count_key]), int(raw["num_experts_per_tok"]), int(raw[self.width_key])
+        if not 1 <= per_token <= count <= MAX_EXPERTS or width < 1:
+            raise ValueError(
+                f"need 1 <= num_experts_per_tok ({per_token}) <= {self.count_key} ({count}) <= {MAX_EXPERTS} "
+                f"and {self.width_key} ({width}) >= 1"
+            )
+        return Experts(count, per_token, width, renormalise, _moe_layers(raw, layers))
 
     def tensor_shapes(self, config: ModelConfig) -> Shapes:
         """A decoder's tensors with each layer's dense MLP replaced by a router and experts."""

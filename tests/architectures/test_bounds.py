@@ -42,3 +42,16 @@ def test_zero_layers_is_a_bad_value() -> None:
 
 def test_the_largest_layer_count_is_read() -> None:
     assert architectures.config_from(tiny_config("llama", 300) | {"num_hidden_layers": MAX_LAYERS}).layers == MAX_LAYERS
+
+
+@pytest.mark.parametrize(
+    ("arch", "bad", "named"),
+    [
+        ("mixtral", {"num_local_experts": 2000}, r"num_local_experts \(2000\) <= 1024"),
+        ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) <= num_local_experts \(4\)"),
+        ("qwen3_moe", {"moe_intermediate_size": 0}, r"moe_intermediate_size \(0\) >= 1"),
+    ],
+)
+def test_an_experts_error_names_the_architectures_keys(arch: str, bad: dict[str, int], named: str) -> None:
+    with pytest.raises(ModelFilesError, match=f"bad value: .*{named}"):
+        architectures.config_from(tiny_config(arch, 300) | bad)
