@@ -1,5 +1,7 @@
 """A DP group's plan stream, ``sb:dp:{group}``: the ranks' lock-step barrier (worker/dp.py
-decides what a rank posts and when it steps; this module owns the stream and its entries).
+decides what a rank posts and when it steps; this module owns the stream and its entries). And
+``sb:ep:{group}``, where a group with expert parallelism meets to form its process group
+(``ExpertStore``).
 
 Every entry carries the group's ``epoch`` (the ms its ranks formed at) and one of: ``join``
 (a rank joined that epoch), ``step`` + ``plan`` (a rank's plan for a step, JSON), ``done`` +
@@ -103,3 +105,52 @@ def _int(value: bytes) -> int:
     if not value.isdigit() or len(value) > _MAX_INT_DIGITS:
         raise ValueError(f"{value[:24]!r} is not a non-negative integer")
     return int(value)
+
+
+MAX_HOST_CHARS = 255
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Rank 0's store address for one epoch of a group."""
+
+    epoch: int
+    host: str
+    port: int
+
+    def encode(self) -> bytes:
+        return f"{self.epoch} {self.host} {self.port}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> StoreAddress:
+        """From Redis (untrusted): ``<epoch> <host> <port>``, each checked; ValueError if not."""
+        epoch, host, port = raw.decode().split(" ")
+        if not 0 < len(host) <= MAX_HOST_CHARS or not 0 < _int(port.encode()) < 65536:
+            raise ValueError(f"a bad store address {raw[:80]!r}")
+        return cls(_int(epoch.encode()), host, int(port))
+
+
+class ExpertStore:
+    """``sb:ep:{group}``: rank 0 of a group with expert parallelism writes its store address for
+    the group's epoch (``post``); the other ranks read it until it names their epoch (``read``).
+    An address of an older epoch is another run's: never used."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, group: str) -> None:
+        self._redis = redis
+        self._key = keys.ep_store(group)
+
+    async def post(self, address: StoreAddress, ttl_s: int) -> None:
+        await self._redis.set(self._key, address.encode(), ex=ttl_s)
+
+    async def read(self, epoch: int) -> StoreAddress | None:
+        """The address rank 0 posted for ``epoch``; None while there is none (or only another
+        epoch's, or an unreadable value, which is logged)."""
+        raw = await self._redis.get(self._key)
+        if raw is None:
+            return None
+        try:
+            address = StoreAddress.decode(raw if isinstance(raw, bytes) else raw.encode())
+        except (ValueError, UnicodeDecodeError) as exc:
+            log.warning("skipping an unreadable expert store address in %s: %s", self._key, exc)
+            return None
+        return address if address.epoch == epoch else None

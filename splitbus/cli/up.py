@@ -81,6 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--decode-dp", type=int, default=1, help="ranks per decode worker: >1 makes each a DP group (default 1)"
     )
     p.add_argument("--dp", type=int, default=0, help="one DP group of this many mixed ranks, scheduler in dp mode")
+    p.add_argument(
+        "--ep", action="store_true", help="expert parallelism: each DP group splits a MoE model's experts (paddle)"
+    )
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default %(default)s)")
     p.add_argument(
@@ -134,6 +137,10 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     group of ``--prefill-dp`` / ``--decode-dp`` ranks when that is more than 1)."""
     if min(args.prefill_dp, args.decode_dp) < 1:
         raise ValueError("--prefill-dp and --decode-dp count the ranks of each group: at least 1")
+    if args.ep and max(args.prefill_dp, args.decode_dp, args.dp) < 2:
+        raise ValueError(
+            "--ep splits experts over a DP group's ranks: give --prefill-dp, --decode-dp or --dp of 2 or more"
+        )
     if args.dp:
         _check_dp_alone(args)
         return 0, 0, 0
@@ -358,6 +365,7 @@ def _start_parts(
         supervisor.start(f"scheduler{i}" if args.schedulers > 1 else "scheduler", scheduler, bus_env)
     served = ["--model", str(model.folder), "--served-model-name", model.name]
     worker = ["worker", "--engine", args.engine, *served, *args.worker_arg]
+    ranks_of_group = [*worker, *(["--ep"] if args.ep else [])]
     for role, n, ranks in (
         (Role.PREFILL, prefill, args.prefill_dp),
         (Role.DECODE, decode, args.decode_dp),
@@ -365,11 +373,13 @@ def _start_parts(
     ):
         for i in range(n):
             if ranks > 1:
-                _start_group(supervisor, [*worker, "--role", role], f"{role[0]}{i}", ranks, bus_env, metrics)
+                _start_group(supervisor, [*ranks_of_group, "--role", role], f"{role[0]}{i}", ranks, bus_env, metrics)
             else:
                 supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
     if args.dp:
-        _start_group(supervisor, [*worker, "--role", Role.MIXED], "g0", args.dp, bus_env, metrics, part="rank{rank}")
+        _start_group(
+            supervisor, [*ranks_of_group, "--role", Role.MIXED], "g0", args.dp, bus_env, metrics, part="rank{rank}"
+        )
     api = [
         "api",
         "--host",

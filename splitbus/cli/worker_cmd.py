@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,6 +68,10 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument(
         "--dp-barrier-timeout", type=float, default=5.0, help="seconds before a missing rank breaks the group"
     )
+    p.add_argument("--ep", action="store_true", help="split a MoE model's experts over the DP group (paddle)")
+    p.add_argument(
+        "--ep-timeout", type=float, default=10.0, help="seconds before a stuck expert exchange breaks the group"
+    )
     engines.add_arguments(p)
     add_metrics_arguments(p)
     p.set_defaults(run=run)
@@ -99,6 +105,8 @@ def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
         dp_size=args.dp_size,
         dp_align_ms=args.dp_align_ms,
         dp_barrier_timeout_s=args.dp_barrier_timeout,
+        ep=args.ep,
+        ep_timeout_s=args.ep_timeout,
     )
 
 
@@ -117,6 +125,7 @@ def build_engine(config: WorkerConfig, tokenizer: ModelTokenizer, args: argparse
         kv_blocks=args.kv_blocks or None,
         kv_cache_bytes=args.kv_cache_mb * 2**20,
         threads=args.threads,
+        shard=(config.dp_rank, config.dp_size) if config.ep else (0, 1),
         options=engine_type.options_from(args),
     )
     return engine_type.create(setup)
@@ -124,7 +133,7 @@ def build_engine(config: WorkerConfig, tokenizer: ModelTokenizer, args: argparse
 
 def run(args: argparse.Namespace, env: Env) -> int:
     from splitbus.tokenization import ModelFilesError, ModelTokenizer
-    from splitbus.worker.dp import DpStepper
+    from splitbus.worker.dp import EXIT_GROUP_BROKEN, DpStepper
     from splitbus.worker.steps import SoloStepper
     from splitbus.worker.worker import Worker
 
@@ -138,4 +147,11 @@ def run(args: argparse.Namespace, env: Env) -> int:
     if not serve_metrics(args, "worker"):
         return 2
     stepper = DpStepper if config.dp_size else SoloStepper
-    return run_service(Worker(config, tokenizer, engine, stepper))
+    code = run_service(Worker(config, tokenizer, engine, stepper))
+    if config.ep and code == EXIT_GROUP_BROKEN:
+        # The engine's thread may still wait in a collective a hung rank never joins (until gloo's
+        # own 30 s timeout), and the interpreter would join it at exit: what the worker owed is
+        # written (handed over, deregistered) before its loop returned, so leave now.
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -1,8 +1,15 @@
-"""A mixture-of-experts MLP in three steps, so that expert parallelism can later run the middle
-one on each rank for its own experts: ``route`` (each token's top-k experts and their weights),
-``run_experts`` (the outputs of some experts for the tokens routed to them, weighted, summed per
-token) and ``combine`` (the sum of those partial outputs). One worker holding every expert runs
-all three in turn (``moe_mlp``)."""
+"""A mixture-of-experts MLP in three steps, so that expert parallelism runs the middle one on each
+rank for its own experts: ``route`` (each token's top-k experts and their weights),
+``run_experts`` (for each token and each of its k slots, the weighted output of the slot's
+expert when this worker holds it, else zero) and ``combine`` (the partial outputs of disjoint
+sets of experts added, then each token's k slots summed). One worker holding every expert runs
+all three in turn (``moe_mlp``); ``splitbus.gpu_ops.expert_parallel`` runs them over a group.
+
+A slot's output is written by exactly one holder and is zero everywhere else, so adding the
+partials (or all-reducing them over ranks) is exact, and the sum over the k slots runs in the
+same order on one worker and across a group: the combine adds nothing that depends on how the
+experts are split.
+"""
 
 from __future__ import annotations
 
@@ -51,26 +58,33 @@ def gated_mlp(h: paddle.Tensor, mlp: Expert) -> paddle.Tensor:
 
 
 def run_experts(h: paddle.Tensor, routing: Routing, experts: Mapping[int, Expert]) -> paddle.Tensor:
-    """``[tokens, hidden]``: each token's outputs of those of ``experts`` (id -> expert) it is
-    routed to, weighted; zero for a token routed to none of them."""
-    out = paddle.zeros_like(h)
+    """``[tokens, k, hidden]``: for each token's k slots, the weighted output of the slot's expert
+    when ``experts`` (id -> expert) holds it; zero for a slot whose expert it does not hold."""
+    tokens, k = routing.experts.shape
+    out = paddle.zeros([tokens * k, h.shape[-1]], dtype=h.dtype)
     for expert_id, expert in experts.items():
         rows, slots = np.nonzero(routing.experts == expert_id)
         if rows.size == 0:
             continue
-        index = paddle.to_tensor(rows)
-        flat = paddle.to_tensor(rows * routing.experts.shape[1] + slots)
+        flat = paddle.to_tensor(rows * k + slots)
         weight = paddle.index_select(routing.weights.reshape([-1]), flat).reshape([-1, 1])
-        out = paddle.index_add(out, index, 0, gated_mlp(paddle.index_select(h, index), expert) * weight)
-    return out
+        # Each (token, slot) has one expert: adding into zeros writes it, exactly.
+        out = paddle.index_add(out, flat, 0, gated_mlp(paddle.index_select(h, paddle.to_tensor(rows)), expert) * weight)
+    return out.reshape([tokens, k, -1])
 
 
 def combine(partials: Sequence[paddle.Tensor]) -> paddle.Tensor:
-    """The MoE output from the partial outputs of disjoint sets of experts that cover them all."""
+    """``[tokens, hidden]``: the MoE output from the ``run_experts`` outputs of disjoint sets of
+    experts that cover every slot."""
     total = partials[0]
     for partial in partials[1:]:
         total = total + partial
-    return total
+    return paddle.sum(total, axis=1)
+
+
+def tally(routing: Routing, counts: np.ndarray) -> None:
+    """Add to ``counts`` (one per expert) the tokens routed to each expert."""
+    counts += np.bincount(routing.experts.ravel(), minlength=counts.size)[: counts.size]
 
 
 def moe_mlp(

@@ -50,6 +50,12 @@ class WorkerConfig:
     """A rank with new prefill work waits up to this long for the others' so prefills share a step (0: off)."""
     dp_barrier_timeout_s: float = 5.0
     """A rank missing from a step for this long breaks the group."""
+    ep: bool = False
+    """Expert parallelism: the group's ranks split each MoE layer's experts between them and
+    exchange tokens in every MoE layer (``splitbus.gpu_ops.expert_parallel``)."""
+    ep_timeout_s: float = 10.0
+    """With ``ep``: a forward whose exchanges have not finished after this long (a rank died or
+    hangs) breaks the group."""
 
     @property
     def advertised_transfer_host(self) -> str:
@@ -77,3 +83,11 @@ class WorkerConfig:
             raise ValueError("a DP rank needs --dp-group and 0 <= --dp-rank < --dp-size")
         if not self.dp_size and (self.dp_group or self.dp_rank != -1):
             raise ValueError("--dp-group and --dp-rank need --dp-size (the group's ranks)")
+        if self.ep and (self.dp_size < 2 or not engines.get(self.engine).capabilities.expert_parallel):
+            raise ValueError(
+                f"--ep splits experts over a DP group of 2 or more ranks of an engine that runs them "
+                f"(paddle); got --dp-size {self.dp_size} and the {self.engine} engine"
+                + (" (which simulates EP's cost: --sim-ep-a2a-ms)" if self.engine == "sim" else "")
+            )
+        if self.ep_timeout_s <= 0:
+            raise ValueError("--ep-timeout must be positive")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
@@ -36,14 +37,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.dp import PlanStream
+from splitbus.bus.dp import ExpertStore, PlanStream, StoreAddress
 from splitbus.bus.messages import Task
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Role
 from splitbus.bus.tasks import task_consumer
 from splitbus.worker import engines, metrics
-from splitbus.worker.engines.interface import SimulatedGroup
-from splitbus.worker.steps import StepParts
+from splitbus.worker.engines.interface import ExpertParallel, SimulatedGroup
+from splitbus.worker.steps import CollectiveFailed, StepParts
 from splitbus.worker.table import Status
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ IDLE_WAIT_S = 0.5
 EXIT_GROUP_BROKEN = 3
 """The exit code of a rank that left its broken group (``splitbus up`` restarts the group)."""
 FORM_POLL_S = 0.05
-"""How often a forming rank asks the registry for the group's epoch (it wakes sooner on a join)."""
+"""How often a forming rank asks the registry for the group's epoch (it wakes sooner on a join),
+and a rank of a group with expert parallelism looks for rank 0's store address."""
 
 
 class GroupBroken(Exception):
@@ -292,10 +294,14 @@ class DpStepper:
         self.step_s = 0.0
         """How long the last step lasted for the whole group, as its engine decided it
         (``decided_step_s``); 0: as long as the ranks' forwards took."""
+        self.steps.collective = c.ep
 
     async def start(self) -> None:
         try:
-            self.steps.counters["dp_epoch"] = await self.wait_for_group()
+            epoch = await self.wait_for_group()
+            if self.config.ep:
+                await self.form_experts(epoch)
+            self.steps.counters["dp_epoch"] = epoch  # schedulers place on a group whose ranks all show it
         except GroupBroken as exc:
             await self.leave(str(exc), exc.missing)
             return
@@ -311,6 +317,36 @@ class DpStepper:
         """The group's epoch, once every rank is live and has joined it."""
         timeout_s = max(60.0, self.config.dp_barrier_timeout_s)
         return await self.barrier.form(self.group_epoch, timeout_s, lambda: self.parts.loops.stopped)
+
+    async def form_experts(self, epoch: int) -> None:
+        """Form the group's expert-parallel process group for ``epoch``: rank 0 posts its store
+        address (a free port on its KV transfer host) to ``sb:ep:{group}``, the others read it,
+        and every rank's engine joins (``ExpertParallel.form_expert_group``)."""
+        c, engine = self.config, self.steps.engine
+        if not isinstance(engine, ExpertParallel):
+            raise GroupBroken(f"the {c.engine} engine cannot split experts over ranks (--ep)")
+        store = ExpertStore(self.parts.redis, c.bus.keys, c.dp_group)
+        timeout_s = max(60.0, c.dp_barrier_timeout_s)
+        if c.dp_rank == 0:
+            address = StoreAddress(epoch, c.advertised_transfer_host, free_port(c.transfer_host))
+            await store.post(address, int(timeout_s))
+        else:
+            address = await self.store_address(store, epoch, timeout_s)
+        try:
+            await engine.form_expert_group(address.host, address.port, c.dp_rank, c.dp_size, timeout_s)
+        except Exception as exc:  # the store's or gloo's timeout, a refused connection
+            raise GroupBroken(f"DP group {c.dp_group}: the expert-parallel group did not form: {exc}") from exc
+        log.info("DP group %s: expert-parallel group formed at %s:%d", c.dp_group, address.host, address.port)
+
+    async def store_address(self, store: ExpertStore, epoch: int, timeout_s: float) -> StoreAddress:
+        deadline = time.monotonic() + timeout_s
+        while (address := await store.read(epoch)) is None:
+            if time.monotonic() > deadline or self.parts.loops.stopped:
+                raise GroupBroken(
+                    f"DP group {self.config.dp_group}: rank 0 posted no expert store within {timeout_s:g}s"
+                )
+            await asyncio.sleep(FORM_POLL_S)
+        return address
 
     async def group_epoch(self) -> int:
         """The latest ``started_ms`` of the group's ranks while all of them are live, else 0."""
@@ -407,11 +443,28 @@ class DpStepper:
             await self.wait_for_group_work()
             return
         self.steps.counters["steps"] += 1
+        if not self.config.ep:
+            await self.forward(action)
+            return
+        try:  # a collective: a rank that died or hangs must not hang this one
+            await asyncio.wait_for(self.forward(action), self.config.ep_timeout_s)
+        except TimeoutError:
+            raise GroupBroken(
+                f"DP group {self.config.dp_group} is broken: a forward's expert exchange did not finish "
+                f"within {self.config.ep_timeout_s:g}s (a rank died or hangs)"
+            ) from None
+        except CollectiveFailed as exc:
+            raise GroupBroken(f"DP group {self.config.dp_group} is broken: {exc}") from exc
+
+    async def forward(self, action: str) -> None:
+        """This rank's forward in a step. Under expert parallelism every rank must run exactly
+        one: a prefill or decode that found nothing to run (no blocks) runs the idle forward."""
+        ran = False
         if action == "prefill":
-            await self.steps.prefill_queued(report_load=False)
+            ran = await self.steps.prefill_queued(report_load=False)
         elif action == "decode":
-            await self.steps.decode_running()
-        else:
+            ran = await self.steps.decode_running()
+        if action == "idle" or (self.config.ep and not ran):
             self.steps.counters["idle_forwards"] += 1
             with metrics.ENGINE_STEP.labels("idle").time():
                 await self.steps.engine.idle()
@@ -515,3 +568,10 @@ class DpStepper:
                         request.request_id, "dp_group_broken", reason, 503, reader=request.reader
                     )
             await stream.ack(*[d.entry_id for d in orphans])
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the store binds it a moment later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -37,6 +37,11 @@ again this often: a hand-off, a cancellation or an import may free blocks meanwh
 EngineCall = Callable[[list[Sequence]], Awaitable[list[int]]]
 
 
+class CollectiveFailed(Exception):
+    """An engine call of a rank with expert parallelism raised: its group's other ranks are inside
+    the same collective, so the group is broken (the call is not retried per request)."""
+
+
 class EngineSteps:
     """The core's effects go to ``outbox``; ``expire_waits`` ends the kv waits that ran out
     (``Receiver.expire_waits``); ``settle`` runs after each engine call (a worker stopped during
@@ -58,6 +63,10 @@ class EngineSteps:
         self.apply, self.expire_waits, self.settle = outbox.apply, expire_waits, settle
         self.wake = outbox.wake
         """Set when the engine loop has something new to do (work came, a request left)."""
+        self.collective = False
+        """Every engine call is a collective of a group (expert parallelism; the DP stepper sets
+        it): one that raises breaks the group (``CollectiveFailed``) instead of being run again
+        for each request, which the other ranks would not join."""
 
     def expire(self) -> None:
         """What waited too long ends: deadlines passed (the core's), kv waits that ran out (the
@@ -102,17 +111,18 @@ class EngineSteps:
                 raise
             log.warning("a load report skipped: Redis refuses or is unreachable (%s)", exc)
 
-    async def prefill_queued(self, report_load: bool = True) -> None:
+    async def prefill_queued(self, report_load: bool = True) -> bool:
         """Prefill the next batch (``WorkerCore.plan_prefill``, the engine call, ``end_prefill``).
         ``report_load``: once the batch left the queue (a DP rank reports its load with each
         step instead).
 
         Called by the stepper once per turn: a worker on its own before each decode, a DP rank
         when the group's plans say this rank prefills. Redis refusing during it (the lease
-        check after the engine call) leaves the batch QUEUED, first in line, for the next turn."""
+        check after the engine call) leaves the batch QUEUED, first in line, for the next turn.
+        Returns whether it ran an engine call (False: nothing to prefill, or no blocks for it)."""
         batch = self.core.plan_prefill()
         if not batch:
-            return
+            return False
         if report_load:
             self.report_load_soon()
         metrics.PROMPT_TOKENS.inc(sum(len(seq.all_tokens) for seq in batch))
@@ -123,19 +133,21 @@ class EngineSteps:
             self.core.abort_prefill()
             raise
         self.apply(self.core.end_prefill(results))
+        return True
 
-    async def decode_running(self) -> None:
+    async def decode_running(self) -> bool:
         """One decode step for every RUNNING request (``plan_decode``, the engine call,
         ``end_decode``).
 
         Called by the stepper once per turn: a worker on its own after each prefill, a DP rank
-        when the group's plans say this rank decodes."""
+        when the group's plans say this rank decodes. Returns whether it ran an engine call."""
         batch = self.core.plan_decode()
         if not batch:
-            return
+            return False
         results = await self.run_engine(self.engine.decode, batch)
         await self.settle()
         self.apply(self.core.end_decode(results))
+        return True
 
     async def run_engine(self, step: EngineCall, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
         """One engine call for the batch. If it raises, each sequence runs alone to find the
@@ -147,6 +159,8 @@ class EngineSteps:
         except Exception as exc:
             if is_transient(exc):
                 raise
+            if self.collective:
+                raise CollectiveFailed(f"an engine step of a batch of {len(batch)} failed: {exc}") from exc
             log.error("engine step failed on a batch of %d (%s); running each alone", len(batch), exc)
         done = []
         for seq in batch:
@@ -187,6 +201,14 @@ class RankConfig(Protocol):
     def dp_align_ms(self) -> float: ...
     @property
     def dp_barrier_timeout_s(self) -> float: ...
+    @property
+    def ep(self) -> bool: ...
+    @property
+    def ep_timeout_s(self) -> float: ...
+    @property
+    def transfer_host(self) -> str: ...
+    @property
+    def advertised_transfer_host(self) -> str: ...
 
 
 @dataclass(frozen=True)

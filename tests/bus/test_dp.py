@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.dp import MAX_PLAN_BYTES, PlanStream
+from splitbus.bus.dp import MAX_PLAN_BYTES, ExpertStore, PlanStream, StoreAddress
 
 
 async def test_every_post_reads_back_as_written(redis: aioredis.Redis, bus_config: BusConfig) -> None:
@@ -53,3 +53,24 @@ async def test_an_entry_of_no_known_shape_is_skipped(
     last, posts = await stream.read("0-0", 0.1)
     assert [p.kind for p in posts] == ["wake"] and posts[0].entry_id != forged
     assert last == posts[0].entry_id
+
+
+async def test_ranks_read_rank_0s_expert_store_only_for_their_epoch(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    store = ExpertStore(redis, bus_config.keys, "g")
+    assert await store.read(1000) is None  # nothing posted yet
+    await store.post(StoreAddress(1000, "127.0.0.1", 29500), ttl_s=60)
+    assert await store.read(1000) == StoreAddress(1000, "127.0.0.1", 29500)
+    assert await store.read(2000) is None  # another run's epoch: never joined
+    assert 0 < await redis.ttl(bus_config.keys.ep_store("g")) <= 60
+
+
+@pytest.mark.parametrize(
+    "raw", [b"1000 127.0.0.1", b"1000 127.0.0.1 0", b"1000 127.0.0.1 70000", b"-1 h 5", b"1000  5", b"\xff 1 2"]
+)
+async def test_an_unreadable_expert_store_address_is_ignored(
+    redis: aioredis.Redis, bus_config: BusConfig, raw: bytes
+) -> None:
+    await redis.set(bus_config.keys.ep_store("g"), raw)
+    assert await ExpertStore(redis, bus_config.keys, "g").read(1000) is None

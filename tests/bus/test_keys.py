@@ -5,7 +5,7 @@ from splitbus.bus.core.keys import Keys
 from splitbus.env import load_env
 from tests.bus.slots import BUILDERS, build, slots
 
-CELL_KEYS = sorted(set(BUILDERS) - {"out", "wake", "dp", "rdma", "reply"})
+CELL_KEYS = sorted(set(BUILDERS) - {"out", "wake", "dp", "ep_store", "rdma", "reply"})
 """The control plane: every key tagged by the cell."""
 
 
@@ -18,6 +18,7 @@ def test_default_prefix_cell_and_hash_tags() -> None:
     assert keys.kv("r1") == "sb:kv:{main}:r1"
     assert keys.rdma("p1", "d1") == "sb:rdma:{p1}:{d1}"
     assert keys.dp("g0") == "sb:dp:{g0}"
+    assert keys.ep_store("g0") == "sb:ep:{g0}"
     assert keys.workers == "sb:workers:{main}"
     assert keys.lease("w1") == "sb:lease:{main}:w1"
     assert keys.scheduler_lease("s1") == "sb:scheduler-lease:{main}:s1"

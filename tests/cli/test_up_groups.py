@@ -77,3 +77,12 @@ def test_dp_mixed_groups_are_started_as_before() -> None:
 def test_group_sizes_that_make_no_sense_are_refused(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         up.worker_counts(parse(*argv))
+
+
+def test_ep_goes_to_every_rank_of_a_group_and_to_no_single_worker() -> None:
+    parts = started("--prefill", "1", "--decode", "1", "--decode-dp", "2", "--ep")
+    assert "--ep" in parts["d0-r0"][0] and "--ep" in parts["d0-r1"][0]
+    assert "--ep" not in parts["prefill0"][0]  # a worker on its own holds every expert
+    assert "--ep" in started("--dp", "2", "--ep")["rank0"][0]
+    with pytest.raises(ValueError, match="--ep splits experts over a DP group's ranks"):
+        started("--prefill", "1", "--decode", "1", "--ep")

@@ -36,3 +36,20 @@ def test_a_group_or_rank_without_a_size_is_refused() -> None:
 
 def test_a_worker_on_its_own_has_no_dp_fields() -> None:
     assert config("prefill", "", -1, 0).dp_size == 0
+
+
+def test_ep_needs_a_group_of_two_and_an_engine_that_splits_experts() -> None:
+    def ep(engine: str, size: int) -> WorkerConfig:
+        group = ("g0", 0, size) if size else ("", -1, 0)
+        return WorkerConfig(
+            bus=BusConfig(), role="decode", model_dir=Path("m"), model_name="m", engine=engine,
+            dp_group=group[0], dp_rank=group[1], dp_size=group[2], ep=True,
+        )  # fmt: skip
+
+    assert ep("paddle", 2).ep
+    with pytest.raises(ValueError, match="--dp-size 0 and the paddle engine"):
+        ep("paddle", 0)
+    with pytest.raises(ValueError, match=r"--dp-size 1 .*paddle"):
+        ep("paddle", 1)
+    with pytest.raises(ValueError, match=r"the sim engine \(which simulates EP's cost: --sim-ep-a2a-ms\)"):
+        ep("sim", 2)

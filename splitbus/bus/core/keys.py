@@ -159,6 +159,11 @@ class Keys:
         every step: a slot of its own, off the cell's)."""
         return f"{self.prefix}:dp:{{{group}}}"
 
+    def ep_store(self, group: str) -> str:
+        """Where a DP group's ranks meet to form their expert-parallel process group: rank 0's
+        store address for the group's epoch (single-key: the group's own tag, as its barrier)."""
+        return f"{self.prefix}:ep:{{{group}}}"
+
     def wake(self, reader: str) -> str:
         """Stream that wakes one multiplexed result reader shard when its set of streams changes
         (in the reader's slot: read in the same XREAD as its result streams)."""

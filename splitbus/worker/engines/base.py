@@ -37,6 +37,9 @@ class Capabilities:
     which must precede paddle's import, before creating it."""
     kv_transfer: bool = True
     """``export_kv`` and ``import_kv`` work: it can be a prefill or a decode worker, not only mixed."""
+    expert_parallel: bool = False
+    """It can split a MoE model's experts over a DP group's ranks (``--ep``): it builds from
+    ``EngineSetup.shard`` and is an ``interface.ExpertParallel``."""
     simulated_group: bool = False
     """It has no EP whose all-to-all would make a DP group's ranks finish each step together,
     so a group of it ends each step at a barrier instead (``DpStepper.steps_end_together``):
@@ -58,6 +61,9 @@ class EngineSetup:
     """Memory the KV cache may take (``--kv-cache-mb``) when ``kv_blocks`` is None."""
     threads: int = 1
     """Math threads on the CPU (1 when several workers share few cores)."""
+    shard: tuple[int, int] = (0, 1)
+    """(rank, ranks) of an expert-parallel group: the engine holds that rank's share of the
+    experts; (0, 1): every expert."""
     options: object = None
     """The engine's own options, as its ``options_from`` made them; None: its defaults."""
 

@@ -4,6 +4,7 @@ log of KV events it reads from one with a prefix cache (``KvEventLog``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
@@ -114,3 +115,36 @@ class SimulatedGroup(Protocol):
     def group_step_s(self, forwards: Iterable[tuple[str, int]]) -> float:
         """The group step's duration, given each rank's forward: (``prefill``, prompt tokens),
         (``decode``, batch size), (``idle``, 0) or (``none``, 0)."""
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """What a MoE engine's rank holds and what its experts took: the load an expert balancer
+    needs. Experts are numbered as in the model; every MoE layer holds the same ones."""
+
+    experts: int
+    """Experts per MoE layer in the model."""
+    held: tuple[int, int]
+    """The experts this rank holds, ``[first, end)``: all of them without expert parallelism."""
+    last_forward: tuple[int, ...]
+    """Tokens each held expert took in the rank's last forward, every MoE layer's added (under
+    expert parallelism, tokens of every rank of the group)."""
+    total: tuple[int, ...]
+    """The same, over every forward since the engine started."""
+
+
+@runtime_checkable
+class ExpertParallel(Protocol):
+    """An engine that can split a MoE model's experts over a DP group's ranks
+    (``Capabilities.expert_parallel``): built holding its share (``EngineSetup.shard``), it joins
+    the group's collectives once the group has formed."""
+
+    async def form_expert_group(self, host: str, port: int, rank: int, size: int, timeout_s: float) -> None:
+        """Called by each rank of a group with ``--ep`` once the group has formed, before its
+        first step, with rank 0's store address (which rank 0 listens on): form the process
+        group. From then on every forward (prefill, decode, idle) is a collective: every rank
+        runs one per group step."""
+
+    def expert_load(self) -> ExpertLoad | None:
+        """Called with each load report: the experts held and the tokens they took; None for a
+        dense model."""

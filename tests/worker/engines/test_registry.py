@@ -65,7 +65,9 @@ def test_a_second_engine_under_a_taken_name_is_refused() -> None:
 
 def test_capability_flags_say_what_used_to_be_tested_by_name() -> None:
     assert engines.get("sim").capabilities == Capabilities(simulated_group=True)
-    assert engines.get("paddle").capabilities == Capabilities(real_weights=True, needs_paddle=True)
+    assert engines.get("paddle").capabilities == Capabilities(
+        real_weights=True, needs_paddle=True, expert_parallel=True
+    )
     assert isinstance(engines.get("paddle"), PaddleType)
 
 

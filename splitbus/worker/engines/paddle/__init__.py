@@ -31,7 +31,7 @@ def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str
 @register
 class PaddleType(EngineType):
     name = "paddle"
-    capabilities = Capabilities(real_weights=True, needs_paddle=True)
+    capabilities = Capabilities(real_weights=True, needs_paddle=True, expert_parallel=True)
     kv_blocks_default = "from --kv-cache-mb"
 
     def make_default_model(self, folder: Path) -> None:
@@ -51,5 +51,5 @@ class PaddleType(EngineType):
             raise ValueError(f"the paddle engine needs PaddlePaddle: pip install 'splitbus[paddle]' ({exc})") from None
         blocks = setup.kv_blocks or kv_blocks(load_config(setup.model_dir), setup.kv_cache_bytes, setup.block_size)
         return PaddleEngine.load(
-            setup.model_dir, setup.tokenizer.eos_token_ids, blocks, setup.block_size, setup.threads
+            setup.model_dir, setup.tokenizer.eos_token_ids, blocks, setup.block_size, setup.threads, setup.shard
         )

@@ -16,6 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from splitbus.gpu_ops.sampling import sample
+from splitbus.worker.engines.interface import ExpertLoad
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.prefix import PagedBlocks
 from splitbus.worker.sequence import Sequence
@@ -33,17 +34,48 @@ class PaddleEngine(PagedBlocks):
         self.cache = model.new_cache(total_blocks, block_size)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
 
+        self._totals = np.zeros(len(model.held), dtype=np.int64)
+
     @classmethod
     def load(
-        cls, folder: Path, eos_token_ids: tuple[int, ...], total_blocks: int, block_size: int, threads: int = 1
+        cls,
+        folder: Path,
+        eos_token_ids: tuple[int, ...],
+        total_blocks: int,
+        block_size: int,
+        threads: int = 1,
+        shard: tuple[int, int] = (0, 1),
     ) -> PaddleEngine:
         from splitbus.gpu_ops import device
 
         where = device.select_device(threads)
-        model = load_model(folder)
+        model = load_model(folder, shard)
         device.release_unused_memory()
         log.info("loaded %s (%s, %d layers) on %s", folder, model.config.arch, model.config.layers, where)
+        if model.held:
+            dense, experts = model.weight_bytes()
+            log.info(
+                "rank %d of %d holds experts %d-%d of %d in each MoE layer: %.1f MiB of weights "
+                "(attention, embeddings and dense layers %.1f MiB, its experts %.1f MiB)",
+                *shard, model.held.start, model.held.stop - 1, len(model.expert_tokens),
+                (dense + experts) / 2**20, dense / 2**20, experts / 2**20,
+            )  # fmt: skip
         return cls(model, eos_token_ids, total_blocks, block_size)
+
+    async def form_expert_group(self, host: str, port: int, rank: int, size: int, timeout_s: float) -> None:
+        from splitbus.gpu_ops.expert_parallel import ExpertGroup, Rendezvous
+
+        meet = Rendezvous(host, port, rank, size, max(1, int(timeout_s)))
+        self.model.group = await self._run(lambda: ExpertGroup.form(meet))
+
+    def expert_load(self) -> ExpertLoad | None:
+        held = self.model.held
+        if not held:
+            return None
+        last = self.model.expert_tokens[held.start : held.stop]
+        return ExpertLoad(
+            len(self.model.expert_tokens), (held.start, held.stop), tuple(map(int, last)), tuple(map(int, self._totals))
+        )
 
     def kv_capacity(self, seq: Sequence) -> int:
         return seq.blocks * self.block_size * self.cache.bytes_per_token()
@@ -58,8 +90,9 @@ class PaddleEngine(PagedBlocks):
         return await self._run(lambda: self._decode(batch))
 
     async def idle(self) -> None:
-        # One token at position 0 of block 0, the scratch block: computes, stores nothing.
-        await self._run(lambda: self.model.forward([Chunk([0], 0, [0])], self.cache))
+        # One token at position 0 of block 0, the scratch block: computes, stores nothing (under
+        # expert parallelism it also joins every MoE layer's exchange, as a forward must).
+        await self._run(lambda: self._forward([Chunk([0], 0, [0])]))
 
     async def export_kv(self, seq: Sequence) -> bytes:
         return await self._run(lambda: self.cache.export(seq.block_table, seq.cached))
@@ -77,17 +110,23 @@ class PaddleEngine(PagedBlocks):
         # Only the uncached suffix: positions [0, seq.cached) came from the prefix cache, and the
         # attention reads them from the block table (its mask is aligned for a query offset).
         chunks = [Chunk(seq.all_tokens[seq.cached :], seq.cached, seq.block_table) for seq in batch]
-        logits = self.model.forward(chunks, self.cache)
+        logits = self._forward(chunks)
         for seq in batch:
             seq.cached = len(seq.all_tokens)
         return self._sample(batch, logits)
 
     def _decode(self, batch: list[Sequence]) -> list[int]:
         chunks = [Chunk([seq.output_ids[-1]], seq.cached, seq.block_table) for seq in batch]
-        logits = self.model.forward(chunks, self.cache)
+        logits = self._forward(chunks)
         for seq in batch:
             seq.cached += 1
         return self._sample(batch, logits)
+
+    def _forward(self, chunks: list[Chunk]) -> np.ndarray:
+        logits = self.model.forward(chunks, self.cache)
+        held = self.model.held
+        self._totals += self.model.expert_tokens[held.start : held.stop]
+        return logits
 
     @staticmethod
     def _sample(batch: list[Sequence], logits: np.ndarray) -> list[int]:

@@ -19,9 +19,10 @@ import paddle.nn.functional as F
 from splitbus.architectures import ModelConfig, load_config
 from splitbus.architectures.base import MixtureOfExperts
 from splitbus.gpu_ops.attention import attention
+from splitbus.gpu_ops.expert_parallel import ExpertGroup, expert_shard
 from splitbus.gpu_ops.kv_cache import PagedKVCache
 from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
-from splitbus.gpu_ops.moe import Expert, gated_mlp, moe_mlp
+from splitbus.gpu_ops.moe import Expert, combine, gated_mlp, route, run_experts, tally
 from splitbus.worker.engines.paddle import weights
 from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
 
@@ -48,15 +49,27 @@ class Layer:
 
 @dataclass(frozen=True)
 class Experts:
-    """A layer's mixture of experts: its router and the experts this worker holds (every one)."""
+    """A layer's mixture of experts: its router and the experts this worker holds (every one, or
+    its rank's share under expert parallelism)."""
 
     w_router: paddle.Tensor  # [hidden, experts]
     experts: dict[int, Expert]
+    count: int
+    """Experts in the layer, held here or not."""
     per_token: int
     renormalise: bool
 
-    def __call__(self, h: paddle.Tensor) -> paddle.Tensor:
-        return moe_mlp(h, self.w_router, self.experts, self.per_token, self.renormalise)
+    def __call__(self, h: paddle.Tensor, group: ExpertGroup | None, counts: np.ndarray) -> paddle.Tensor:
+        """The MoE MLP of this rank's tokens ``h``; with a ``group``, its tokens and the other
+        ranks' go to the ranks holding their experts and come back (``ExpertGroup``). Adds to
+        ``counts`` the tokens each expert took."""
+        routing = route(h, self.w_router, self.per_token, self.renormalise)
+        if group is None:
+            tally(routing, counts)
+            return combine([run_experts(h, routing, self.experts)])
+        every, routed = group.dispatch(h, routing, self.count)
+        tally(routed, counts)
+        return combine([group.combine(run_experts(every, routed, self.experts))])
 
 
 def _t(array: np.ndarray) -> paddle.Tensor:
@@ -70,8 +83,18 @@ def _expert(t: dict[str, np.ndarray], names: tuple[str, str, str]) -> Expert:
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], shard: tuple[int, int] = (0, 1)) -> None:
+        """``shard``: (rank, ranks) of an expert-parallel group: the model holds that rank's share
+        of each MoE layer's experts (``expert_shard``); (0, 1) holds them all."""
         self.config = config
+        count = config.experts.count if config.experts is not None else 0
+        self.held = expert_shard(count, *shard) if count else range(0)
+        """The experts of each MoE layer this model holds."""
+        self.expert_tokens = np.zeros(count, dtype=np.int64)
+        """Tokens each expert took in the last forward (every MoE layer's, added; the group's
+        tokens under expert parallelism, of which this rank's experts took those in ``held``)."""
+        self.group: ExpertGroup | None = None
+        """The expert-parallel group, once formed (``ExpertGroup.form``); None: every expert is here."""
         self.embed = _t(tensors["model.embed_tokens.weight"])
         self.norm = _t(tensors["model.norm.weight"])
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
@@ -99,8 +122,19 @@ class CausalLM:
         if experts is None or i not in experts.layers or not isinstance(arch, MixtureOfExperts):
             p = f"model.layers.{i}.mlp."
             return _expert(t, (p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"))
-        held = {e: _expert(t, arch.expert(i, e)) for e in range(experts.count)}
-        return Experts(_t(t[arch.router(i)].T), held, experts.per_token, experts.renormalise)
+        held = {e: _expert(t, arch.expert(i, e)) for e in self.held}
+        return Experts(_t(t[arch.router(i)].T), held, experts.count, experts.per_token, experts.renormalise)
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """Bytes of the weights held: (everything but the experts, the experts)."""
+        experts = sum(
+            _bytes(e.w_gate_up) + _bytes(e.w_down)
+            for layer in self.layers
+            if isinstance(layer.mlp, Experts)
+            for e in layer.mlp.experts.values()
+        )
+        every = [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in _tensors(layer))]
+        return sum(map(_bytes, every)) - experts, experts
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
@@ -116,10 +150,16 @@ class CausalLM:
         plan = _Plan(chunks, ends, cache)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         x = F.embedding(paddle.to_tensor(tokens), self.embed)
+        self.expert_tokens[:] = 0
+        if self.group is not None:
+            self.group.begin(len(tokens))
         for index, layer in enumerate(self.layers):
             x = x + self._attend(layer, index, x, cos, sin, plan)
             h = rms_norm(x, layer.ln2, self.config.rms_norm_eps)
-            x = x + (layer.mlp(h) if isinstance(layer.mlp, Experts) else gated_mlp(h, layer.mlp))
+            if isinstance(layer.mlp, Experts):
+                x = x + layer.mlp(h, self.group, self.expert_tokens)
+            else:
+                x = x + gated_mlp(h, layer.mlp)
         last = paddle.index_select(x, paddle.to_tensor(ends - 1), axis=0)
         # The LM head only for the last position of each chunk: vocabularies reach 150k.
         return paddle.matmul(rms_norm(last, self.norm, self.config.rms_norm_eps), self.lm_head).numpy()
@@ -151,15 +191,25 @@ FORWARDS: dict[str, type[CausalLM]] = {"decoder": CausalLM}
 """An architecture's ``forward`` -> the model that runs it here."""
 
 
-def load_model(folder: Path) -> CausalLM:
-    """The model of a Hugging Face folder, run by the forward its architecture names."""
+def load_model(folder: Path, shard: tuple[int, int] = (0, 1)) -> CausalLM:
+    """The model of a Hugging Face folder, run by the forward its architecture names; ``shard``:
+    (rank, ranks) of an expert-parallel group, whose share of the experts it holds."""
     config = load_config(folder)
     forward = FORWARDS.get(config.architecture.forward)
     if forward is None:
         raise ValueError(
             f"the paddle engine has no forward {config.architecture.forward!r} for {config.architecture.hf_name}"
         )
-    return forward(config, dict(weights.load(folder, config)))
+    return forward(config, dict(weights.load(folder, config, _other_ranks_experts(config, shard))), shard)
+
+
+def _other_ranks_experts(config: ModelConfig, shard: tuple[int, int]) -> set[str]:
+    """The tensor names of the experts that ``shard``'s rank does not hold: never read."""
+    arch, experts = config.architecture, config.experts
+    if experts is None or not isinstance(arch, MixtureOfExperts):
+        return set()
+    held = expert_shard(experts.count, *shard)
+    return {name for i in experts.layers for e in range(experts.count) if e not in held for name in arch.expert(i, e)}
 
 
 class _Plan:
@@ -183,3 +233,16 @@ class _Plan:
         if self.cache is None or (slots := self.all_slots[chunk]) is None:
             return k, v
         return self.cache.gather(layer, slots)
+
+
+def _bytes(t: paddle.Tensor) -> int:
+    return int(np.prod(t.shape)) * t.element_size()
+
+
+def _tensors(layer: Layer) -> list[paddle.Tensor]:
+    """Every tensor a layer holds (a dense MLP's, a router and the experts held)."""
+    mlp = [layer.mlp.w_gate_up, layer.mlp.w_down] if isinstance(layer.mlp, Expert) else [layer.mlp.w_router]
+    if isinstance(layer.mlp, Experts):
+        mlp += [w for e in layer.mlp.experts.values() for w in (e.w_gate_up, e.w_down)]
+    norms = [*(layer.qk_norm or ()), layer.ln1, layer.ln2]
+    return [layer.w_qkv, layer.w_o, *norms, *mlp, *([layer.b_qkv] if layer.b_qkv is not None else [])]

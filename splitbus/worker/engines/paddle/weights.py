@@ -4,7 +4,7 @@ tensors the model's architecture lists (``Architecture.tensor_shapes``)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +50,9 @@ def check(folder: Path, config: ModelConfig) -> dict[str, Path]:
     return {name: found[name][0] for name in shapes}
 
 
-def load(folder: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Each needed tensor as float32 numpy (bf16 and fp16 are converted on the CPU).
+def load(folder: Path, config: ModelConfig, skip: Collection[str] = ()) -> Iterator[tuple[str, np.ndarray]]:
+    """Each needed tensor but those in ``skip`` (other ranks' experts) as float32 numpy (bf16 and
+    fp16 are converted on the CPU). Every tensor is checked, read or skipped.
 
     safetensors' Paddle reader (the one that reads bf16) reinterprets bytes with a strided view,
     which the engine's CPU tuning switches off (FLAGS_use_stride_kernel=0); it is switched back
@@ -59,7 +60,8 @@ def load(folder: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """
     by_file: dict[Path, list[str]] = {}
     for name, path in check(folder, config).items():
-        by_file.setdefault(path, []).append(name)
+        if name not in skip:
+            by_file.setdefault(path, []).append(name)
     with _stride_kernels():
         for path, names in by_file.items():
             with safe_open(str(path), framework="paddle") as f:

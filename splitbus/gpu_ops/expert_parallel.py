@@ -1,0 +1,118 @@
+"""Expert parallelism over a DP group: each rank holds 1/N of every MoE layer's experts, and each
+MoE layer sends the rank's tokens to the ranks holding their experts and brings the results back.
+
+Built on ``paddle.distributed``'s collectives, one code path for gloo (CPU) and NCCL (GPU). Gloo
+has no all-to-all (``alltoall`` raises NotImplementedError on CPU in Paddle 3.3), so dispatch and
+combine are made of the two collectives both backends have:
+
+- once per forward, ``begin`` all-gathers every rank's token count;
+- **dispatch**: an all-gather of each rank's tokens (hidden state, top-k expert ids and weights
+  packed in one row), padded to the largest count (gloo aborts the process on unequal shapes);
+  every rank then has the step's tokens of the whole group;
+- each rank runs its own experts on the tokens routed to them (``moe.run_experts``): one output
+  per (token, slot), zero for slots of experts it does not hold;
+- **combine**: an all-reduce (sum) of those outputs; a slot has one holder, so the sum is exact,
+  and each rank keeps its own tokens' rows.
+
+An all-to-all sends each token only to its experts' ranks; these send every token to every rank
+(N times the bytes). On a GPU an NCCL all-to-all would replace the two behind the same
+``dispatch``/``combine`` interface; it has not been built or run here.
+
+A rank with nothing to do in a step still runs a forward (one dummy token), so it joins every
+layer's exchange: its idle forward. A rank that dies makes the others' collective raise at once;
+one that hangs makes it wait: the worker bounds the forward (``--ep-timeout``), and gloo's own
+run timeout (30 s) is the backstop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from splitbus.gpu_ops.moe import Routing
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def expert_shard(count: int, rank: int, size: int) -> range:
+    """The experts rank ``rank`` of ``size`` holds: a contiguous share, the first ``count % size``
+    ranks one more (8 experts over 3 ranks: 0-2, 3-5, 6-7)."""
+    if not 0 <= rank < size <= count:
+        raise ValueError(f"{size} expert-parallel ranks need at least as many experts (the model has {count})")
+    base, extra = divmod(count, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the group's ranks meet to form their process group."""
+
+    host: str
+    port: int
+    """Rank 0's store (``paddle.distributed``'s TCP store)."""
+    rank: int
+    size: int
+    timeout_s: int
+    """How long forming may take before it raises."""
+    group_id: int = 1
+    """Paddle's id of the group within the process (a process that forms again takes a new one)."""
+
+
+class ExpertGroup:
+    """A formed group: the collectives of one rank's MoE layers. Called from the engine's one
+    thread, in the same order on every rank (the DP stepper runs one forward per rank per step)."""
+
+    def __init__(self, group: dist.collective.Group, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self.counts: list[int] = []
+        """Every rank's tokens in the current forward (``begin``)."""
+
+    @classmethod
+    def form(cls, meet: Rendezvous) -> ExpertGroup:
+        """Form the process group (every rank calls it; rank 0's store listens on ``meet.port``)."""
+        from paddle.base import core
+
+        os.environ["PADDLE_TRAINER_ID"] = str(meet.rank)  # Paddle reads a group's global rank from it
+        if meet.host in LOOPBACK:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # else gloo binds the host name's address
+        store = core.TCPStore(meet.host, meet.port, meet.rank == 0, meet.size, meet.timeout_s)
+        pg = core.ProcessGroupGloo.create(store, meet.rank, meet.size, meet.group_id)
+        group = dist.collective.Group(
+            meet.rank, meet.group_id, list(range(meet.size)), pg=pg, name=f"ep{meet.group_id}"
+        )
+        group.store = store  # type: ignore[attr-defined]  # the store must outlive the group
+        return cls(group, meet.rank, meet.size)
+
+    def begin(self, tokens: int) -> None:
+        """Called at the start of each forward: learn every rank's token count."""
+        gathered: list[paddle.Tensor] = []
+        dist.all_gather(gathered, paddle.to_tensor([tokens], dtype="int64"), group=self.group)
+        self.counts = [int(t.numpy()[0]) for t in gathered]
+
+    def dispatch(self, h: paddle.Tensor, routing: Routing, experts: int) -> tuple[paddle.Tensor, Routing]:
+        """Every rank's tokens and their routing (ranks in order), from this rank's."""
+        k = routing.experts.shape[1]
+        ids = paddle.to_tensor(routing.experts.astype(np.float32))  # exact below 2**24
+        packed = paddle.concat([h, ids, routing.weights], axis=1)
+        rows = max(self.counts)
+        if rows > packed.shape[0]:  # every rank sends the same shape
+            packed = paddle.concat([packed, paddle.zeros([rows - packed.shape[0], packed.shape[1]], packed.dtype)])
+        gathered: list[paddle.Tensor] = []
+        dist.all_gather(gathered, packed, group=self.group)
+        every = paddle.concat([part[:count] for part, count in zip(gathered, self.counts, strict=True)])
+        hidden = h.shape[1]
+        expert_ids = every[:, hidden : hidden + k].numpy().astype(np.int64)
+        if expert_ids.size and not (0 <= expert_ids.min() and expert_ids.max() < experts):
+            raise RuntimeError(f"an expert exchange carried expert ids outside 0..{experts - 1}")
+        return every[:, :hidden], Routing(expert_ids, every[:, hidden + k :])
+
+    def combine(self, outputs: paddle.Tensor) -> paddle.Tensor:
+        """This rank's tokens' rows of the group's summed ``run_experts`` outputs."""
+        dist.all_reduce(outputs, op=dist.ReduceOp.SUM, group=self.group)
+        start = sum(self.counts[: self.rank])
+        return outputs[start : start + self.counts[self.rank]]

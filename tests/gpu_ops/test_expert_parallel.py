@@ -1,0 +1,88 @@
+"""Expert parallelism over real processes: 2 and 4 ranks, each holding its share of the experts,
+forming a gloo group on loopback and running forwards in lock-step, against one model that holds
+every expert (itself checked against a numpy reference in tests/worker/engines/paddle/test_moe.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from splitbus.gpu_ops.expert_parallel import expert_shard
+from splitbus.worker.engines.paddle.model import Chunk, Experts, load_model
+from splitbus.worker.engines.paddle.tiny import make_tiny_model
+
+STEPS = 3
+
+
+def _prompts(rank: int, step: int) -> list[list[int]]:
+    """Rank ``rank``'s sequences in ``step``: a different mix per rank and step; rank 1 idles
+    (one dummy token, as the engine's idle forward) in step 1."""
+    if rank == 1 and step == 1:
+        return [[0]]
+    rng = np.random.default_rng([rank, step])
+    return [list(rng.integers(1, 200, int(rng.integers(1, 9)))) for _ in range(1 + (rank + step) % 3)]
+
+
+def _rank(folder: str, port: int, rank: int, size: int, out: Any) -> None:
+    from splitbus.gpu_ops.expert_parallel import ExpertGroup, Rendezvous
+
+    model = load_model(Path(folder), (rank, size))
+    model.group = ExpertGroup.form(Rendezvous("127.0.0.1", port, rank, size, 30))
+    for step in range(STEPS):
+        logits = model.forward([Chunk(p, 0) for p in _prompts(rank, step)])
+        out.put((rank, step, logits, model.expert_tokens.copy(), sorted(next(_moe(model)).experts)))
+
+
+def _moe(model: Any) -> Any:
+    return (layer.mlp for layer in model.layers if isinstance(layer.mlp, Experts))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, seed=4, hidden=64, layers=2)
+
+
+def test_an_expert_share_is_contiguous_and_covers_every_expert_once() -> None:
+    assert [list(expert_shard(8, r, 3)) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [e for r in range(4) for e in expert_shard(4, r, 4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="at least as many experts"):
+        expert_shard(4, 0, 8)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_holding_a_share_of_the_experts_compute_what_one_model_holding_all_does(moe_dir: Path, size: int) -> None:
+    whole = load_model(moe_dir)
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=_rank, args=(str(moe_dir), port, r, size, out)) for r in range(size)]
+    for p in ranks:
+        p.start()
+    got = {(rank, step): rest for rank, step, *rest in (out.get(timeout=120) for _ in range(size * STEPS))}
+    for p in ranks:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sorted(e for r in range(size) for e in got[(r, 0)][2]) == list(range(whole.config.experts.count))  # type: ignore[union-attr]
+    for step in range(STEPS):
+        group_tokens = np.zeros_like(whole.expert_tokens)
+        for rank in range(size):
+            logits, _, held = got[(rank, step)]
+            assert held == list(expert_shard(len(group_tokens), rank, size))
+            expected = whole.forward([Chunk(p, 0) for p in _prompts(rank, step)])
+            np.testing.assert_allclose(logits, expected, atol=1e-5)
+            assert (logits.argmax(-1) == expected.argmax(-1)).all()
+            group_tokens += whole.expert_tokens
+        for rank in range(size):  # every rank counted the group's tokens per expert
+            np.testing.assert_array_equal(got[(rank, step)][1], group_tokens)
+        assert group_tokens.sum() > 0
