@@ -83,6 +83,10 @@ class WorkerConfig:
             raise ValueError("a DP rank needs --dp-group and 0 <= --dp-rank < --dp-size")
         if not self.dp_size and (self.dp_group or self.dp_rank != -1):
             raise ValueError("--dp-group and --dp-rank need --dp-size (the group's ranks)")
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        """Expert parallelism needs a group to split experts over, and an engine that runs them."""
         if self.ep and (self.dp_size < 2 or not engines.get(self.engine).capabilities.expert_parallel):
             raise ValueError(
                 f"--ep splits experts over a DP group of 2 or more ranks of an engine that runs them "
