@@ -415,32 +415,38 @@ class WorkerCore:
     def fail(self, seq: Sequence, code: str, message: str, status: int) -> list[Effect]:
         return [Fail(seq.request_id, code, message, status, seq.request.reader), *self.retire(seq)]
 
-    def retire(self, seq: Sequence) -> list[Effect]:
-        """The request leaves this worker: free its blocks, ack its task at the next publish."""
-        return [Forget(seq.request_id), *self.let_go(seq)]
+    def retire(self, seq: Sequence, ack: bool = True) -> list[Effect]:
+        """The request leaves this worker: free its blocks, ack its task at the next publish
+        (unless ``ack`` is False: ``moved_away``)."""
+        return [Forget(seq.request_id), *self.let_go(seq, ack)]
 
-    def let_go(self, seq: Sequence) -> list[Effect]:
-        """A task leaves this worker: free its blocks, ack it, drop its own reservation. Its
-        request's writer is left alone: as is when a newer task of the request is held here and
-        writes for it (``retire`` otherwise)."""
+    def let_go(self, seq: Sequence, ack: bool = True) -> list[Effect]:
+        """A task leaves this worker: free its blocks, ack it (unless ``ack`` is False), drop its
+        own reservation. Its request's writer is left alone: as is when a newer task of the
+        request is held here and writes for it (``retire`` otherwise)."""
         self.engine.release(seq)
-        effects: list[Effect] = [Ack(seq.entry_id)]
+        effects: list[Effect] = [Ack(seq.entry_id)] if ack else []
         if seq.task.phase == Phase.DECODE:
             effects.append(DropReservation(seq.request_id, seq.entry_id))
         return [*effects, Left()]
 
-    def moved_away(self, seq: Sequence) -> list[Effect]:
+    def moved_away(self, seq: Sequence, reapers: bool = False) -> list[Effect]:
         """Forget a request the reaper moved: free its blocks, write nothing more for it. One
         being imported only leaves the table: the engine still writes its blocks, and the import
         lets the task go when it ends. One no longer held (the shell found it moved before an
         await: it left meanwhile, or a newer task of its request is held now) changes nothing:
-        it was retired once already, and the newer task's writer is not its to drop."""
+        it was retired once already, and the newer task's writer is not its to drop.
+
+        ``reapers``: the task's entry is a reaper's now (no longer pending to this worker), and
+        so is its ack. A reaper that keeps a task for its DP group to re-form holds it pending
+        to itself; an ack from here (XACK acks for the whole group, whoever holds the entry)
+        took it from the reaper, and the request was lost."""
         importing = self.table.holds(seq, Status.IMPORTING)
         if not self.table.remove(seq):
             return []
         if importing:
             return [Wake()]
-        return [Wake(), *self.retire(seq), Discard(seq.request_id)]
+        return [Wake(), *self.retire(seq, ack=not reapers), Discard(seq.request_id)]
 
     def cancel(self, request_id: str) -> list[Effect]:
         """A cancel for the request (its API node, or the reaper): it leaves wherever it waits

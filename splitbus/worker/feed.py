@@ -76,7 +76,7 @@ class TaskFeed:
         self.unaccepted.extend(kept)
         moved = await self.moved(before, mine)
         for seq in moved:
-            self.apply(self.core.moved_away(seq))
+            self.apply(self.core.moved_away(seq, reapers=True))
         log.warning("worker %s: %d request(s) moved away while it was out: dropped", self.id, len(moved))
         await self.take_lost()
 

@@ -54,10 +54,12 @@ class TextStream:
         return self._stops.steps
 
     def push(self, token_ids: list[int]) -> str:
-        """The text these tokens add that can be sent now; sets ``stopped`` on a stop string."""
-        if not self._bare_added:
-            self._ids += token_ids
-            return self._release(self._new_text())
+        """The text these tokens add that can be sent now; sets ``stopped`` on a stop string.
+
+        One token at a time, as a worker generates them, so that a replay (a worker taking over
+        a request pushes the tokens already sent, all at once) reaches the state the workers
+        before it had: pushed together, tokens that end inside a character held back all their
+        text, and the first token after the replay sent the whole text again."""
         return "".join(self._release(self._push_one(t)) for t in token_ids)
 
     def flush(self) -> str:
@@ -75,9 +77,9 @@ class TextStream:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip)
 
     def _push_one(self, token_id: int) -> str:
-        """One token, when consecutive added tokens print bare: such a token's text is its own,
+        """One token. When consecutive added tokens print bare, such a token's text is its own,
         and the window restarts at it (the text after it is decoded against it, as usual)."""
-        bare = self._tokenizer.added_tokens.get(token_id)
+        bare = self._tokenizer.added_tokens.get(token_id) if self._bare_added else None
         follows_added, self._after_added = self._after_added, bare is not None
         if bare is None or not follows_added:
             self._ids.append(token_id)

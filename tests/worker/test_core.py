@@ -133,6 +133,17 @@ def test_a_request_moved_here_again_keeps_only_its_newest_task(core: WorkerCore)
     assert newer is not older and newer.entry_id == "2-0"
 
 
+def test_a_task_the_reaper_holds_is_dropped_without_an_ack(core: WorkerCore) -> None:
+    """A worker back from a hang drops the tasks no longer pending to it: a reaper holds them
+    (moved, or kept for the DP group to re-form). Its ack would take a kept task from the
+    reaper (XACK acks for the whole group): the reaper acks it itself once it moves it."""
+    kept = taken(core, "1-0", task("prefill", handoff="h1"))
+    assert core.moved_away(kept, reapers=True) == [Wake(), Forget("r1"), Left(), Discard("r1")]
+    assert core.table.of() == []
+    found = taken(core, "2-0", task("prefill", handoff="h2"))  # found superseded otherwise: acked here
+    assert core.moved_away(found) == [Wake(), Forget("r1"), Ack("2-0"), Left(), Discard("r1")]
+
+
 def test_a_task_found_moved_that_left_meanwhile_is_not_retired_again(core: WorkerCore) -> None:
     # The task feed finds what moved away, awaits Redis (a new run's missing entries), then
     # drops each: meanwhile the request moved here again, its older task retired as its newer

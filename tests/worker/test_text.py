@@ -55,6 +55,20 @@ def test_replay_reaches_the_same_state(tiny_model: Path) -> None:
     assert first.stopped and second.stopped
 
 
+def test_a_replay_that_ends_inside_a_character_sends_nothing_twice(tiny_model: Path) -> None:
+    """Tokens pushed at once (a worker taking over a request replays those already sent) reach
+    the state of the same tokens pushed one by one, wherever the replay ends: mid-character too.
+    (Pushed at once they used to hold back all their text, and the next token sent it again.)"""
+    tok = _tokenizer(tiny_model)
+    ids = tok.encode("né 🙂 ok 🙂🙂 fin")
+    reference = TextStream(tok, [])
+    one_by_one = [reference.push([t]) for t in ids]
+    for cut in range(1, len(ids)):
+        replayed = TextStream(tok, [])
+        assert replayed.push(ids[:cut]) == "".join(one_by_one[:cut])
+        assert [replayed.push([t]) for t in ids[cut:]] == one_by_one[cut:], cut
+
+
 def test_flush_sends_bytes_that_never_completed_a_character(tiny_model: Path) -> None:
     tok = _tokenizer(tiny_model)
     ids = tok.encode("ok 🙂")[:-1]  # the emoji's last byte never comes

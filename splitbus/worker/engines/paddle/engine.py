@@ -98,7 +98,9 @@ class PaddleEngine(PagedBlocks):
         return await self._run(lambda: self.cache.export(seq.block_table, seq.cached))
 
     async def import_kv(self, seq: Sequence, payload: bytes) -> str | None:
-        length = len(seq.request.prompt_token_ids)
+        # P computed the prompt and the tokens a moved request had streamed before (its task's
+        # output_token_ids); the token P generated has no KV yet: D's first decode computes it.
+        length = len(seq.request.prompt_token_ids) + len(seq.task.output_token_ids)
         try:
             await self._run(lambda: self.cache.import_(seq.block_table, length, payload))
         except ValueError as exc:

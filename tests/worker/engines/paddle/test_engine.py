@@ -141,6 +141,29 @@ def test_seeded_sampling_survives_the_move(model: CausalLM, model_dir: Path) -> 
     assert len({tuple(t) for t in mixed}) == len(mixed)  # the draws really vary
 
 
+def test_a_moved_request_continues_exactly_from_the_tokens_it_had_streamed(model: CausalLM, model_dir: Path) -> None:
+    """A request moved after streaming tokens: its new P prefills the prompt and those tokens,
+    and its new D imports that KV (the prompt's length and the streamed tokens': the import
+    counted the prompt only and refused every such cache) and decodes on from there."""
+    tok, expected = ModelTokenizer.load(model_dir), _recompute(model)
+    prefill, decode = _engine(model), _engine(model)
+
+    async def move(i: int, prompt: list[int], streamed: int) -> list[int]:
+        p_seq, d_seq = (_seq(phase, prompt, f"r{i}", tok, temperature=0.0) for phase in ("prefill", "decode"))
+        for seq in (p_seq, d_seq):  # the reaper's new tasks carry what was streamed
+            seq.task.output_token_ids = expected[i][:streamed]
+            seq.output_ids = list(seq.task.output_token_ids)
+        assert prefill.reserve(p_seq, len(p_seq.all_tokens)) and decode.reserve(d_seq, p_seq.prompt_len + NEW_TOKENS)
+        p_seq.output_ids += await prefill.prefill([p_seq])
+        assert await decode.import_kv(d_seq, await prefill.export_kv(p_seq)) is None
+        d_seq.output_ids = list(p_seq.output_ids)
+        await _decode_all(decode, [d_seq])
+        return d_seq.output_ids
+
+    for i, prompt in enumerate(_prompts()):
+        assert asyncio.run(move(i, prompt, streamed=3 + i)) == expected[i]
+
+
 def test_paged_and_contiguous_logits_agree(model: CausalLM) -> None:
     cache = model.new_cache(64, 16)
     for prompt in _prompts():
