@@ -15,13 +15,14 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Final
 
-from splitbus.architectures.base import Architecture, Experts, ModelConfig, Shapes
+from splitbus.architectures.base import Architecture, Experts, MixtureOfExperts, ModelConfig, Shapes
 from splitbus.tokenization import ModelFilesError
 
 __all__ = [
     "DEFAULT",
     "Architecture",
     "Experts",
+    "MixtureOfExperts",
     "ModelConfig",
     "Shapes",
     "config_from",
@@ -52,8 +53,14 @@ def register(arch: Architecture) -> Architecture:
 
 
 def _shares_a_name(one: Architecture, other: Architecture) -> bool:
-    same_gguf = one.gguf_layout and other.gguf_layout and one.gguf_name == other.gguf_name
+    """Two GGUF layouts may share a name if one has experts and the other not: llama.cpp writes
+    Mixtral as ``llama`` with ``llama.expert_count`` > 0."""
+    same_gguf = one.gguf_layout and other.gguf_layout and _gguf_key(one) == _gguf_key(other)
     return one.hf_name == other.hf_name or one.model_type == other.model_type or same_gguf
+
+
+def _gguf_key(arch: Architecture) -> tuple[str, bool]:
+    return arch.gguf_name, isinstance(arch, MixtureOfExperts)
 
 
 def registered() -> tuple[Architecture, ...]:
@@ -82,10 +89,10 @@ def of_model_type(model_type: str) -> Architecture:
     return found[model_type]
 
 
-def of_gguf(name: str) -> Architecture | None:
-    """The architecture a GGUF file's ``general.architecture`` names, if one is registered
-    whose GGUF layout is read."""
-    return next((a for a in registered() if a.gguf_layout and a.gguf_name == name), None)
+def of_gguf(name: str, experts: bool = False) -> Architecture | None:
+    """The architecture of a GGUF file whose ``general.architecture`` is ``name`` and which has
+    experts (``{name}.expert_count`` > 0) or not, if one is registered whose GGUF layout is read."""
+    return next((a for a in registered() if a.gguf_layout and _gguf_key(a) == (name, experts)), None)
 
 
 def of_config(raw: dict[str, Any], where: Path | str = "config.json") -> Architecture:

@@ -45,8 +45,8 @@ class Architecture:
     qk_norm: bool = False
     """An RMSNorm on each head of q and of k before RoPE (``self_attn.q_norm``/``k_norm``: Qwen3)."""
     gguf_layout: bool = True
-    """The GGUF reader and converter know its tensors. False (the MoE ones, whose stacked expert
-    tensors are not read yet): no GGUF file is read as it, and its ``gguf_name`` claims nothing."""
+    """The GGUF reader and converter know its tensors. False: no GGUF file is read as it, and its
+    ``gguf_name`` claims nothing."""
 
     def model_config(self, raw: dict[str, Any], where: Path | str) -> ModelConfig:
         """``raw`` (a ``config.json`` that names this architecture) as the engine's config;
@@ -228,7 +228,6 @@ class MixtureOfExperts(Architecture):
     summed weighted by it. The fields say where its ``config.json`` and tensors keep each part."""
 
     forward: str = "decoder"
-    gguf_layout: bool = False
     count_key: str = "num_local_experts"
     """``config.json``'s key for experts per layer."""
     width_key: str = "intermediate_size"
@@ -289,8 +288,29 @@ class MixtureOfExperts(Architecture):
 
     def expert(self, layer: int, expert: int) -> tuple[str, str, str]:
         """The gate, up and down projections' tensor names of one expert of one layer."""
-        p = f"model.layers.{layer}.{self.block}.experts.{expert}."
-        return tuple(f"{p}{name}.weight" for name in self.projections)  # type: ignore[return-value]
+        return self._projections(f"model.layers.{layer}.{self.block}.experts.{expert}.")
+
+    def stacked(self, layer: int) -> tuple[str, str, str]:
+        """The gate, up and down projections of every expert of layer ``layer`` stacked in one
+        tensor each (``[experts, out, in]``), named as llama.cpp's converter names them before it
+        maps them to GGUF's ``ffn_{gate,up,down}_exps``: the gguf package's ``TensorNameMap`` key."""
+        return self._projections(f"model.layers.{layer}.{self.block}.experts.")
+
+    def _projections(self, prefix: str) -> tuple[str, str, str]:
+        return tuple(f"{prefix}{name}.weight" for name in self.projections)  # type: ignore[return-value]
+
+    def gguf_keys(self, experts: Experts) -> dict[str, Any]:
+        """The ``config.json`` keys of the experts a GGUF file declares. llama.cpp's MoE layouts
+        have experts in every layer: no ``mlp_only_layers`` nor ``decoder_sparse_step``, whose
+        absence means that."""
+        keys: dict[str, Any] = {
+            self.count_key: experts.count,
+            "num_experts_per_tok": experts.per_token,
+            self.width_key: experts.intermediate_size,
+        }
+        if self.renormalise_key is not None:
+            keys[self.renormalise_key] = experts.renormalise
+        return keys
 
     def tiny_keys(self, hidden: int) -> dict[str, Any]:
         """Four experts of width ``hidden``, two per token (and its dense layers)."""

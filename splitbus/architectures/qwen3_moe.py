@@ -1,7 +1,9 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``): a decoder with RMSNorm on each q and k head, whose MLP is
 a mixture of experts (``mlp.gate``, ``mlp.experts.E.{gate,up,down}_proj``) in every
 ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; top-k weights renormalised when
-``norm_topk_prob``. Its GGUF layout (llama.cpp's ``qwen3moe``) is not read yet."""
+``norm_topk_prob``. llama.cpp's ``qwen3moe`` files stack each layer's experts
+(``ffn_{gate,up,down}_exps``) and have experts in every layer; their Q and K rows are not permuted
+(llama.cpp runs it with NeoX RoPE, halves)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 from gguf import MODEL_ARCH_NAMES
 
 from splitbus import architectures
-from splitbus.architectures import Architecture
+from splitbus.architectures import Architecture, MixtureOfExperts
 from splitbus.cli import model_cmd
 from splitbus.env import load_env
 from splitbus.tokenization import ModelFilesError
@@ -81,6 +81,11 @@ def test_names_are_unique(monkeypatch: pytest.MonkeyPatch) -> None:
     ):
         with pytest.raises(ValueError, match="shares a name with the registered 'ToyForCausalLM'"):
             architectures.register(clash)
+    # a GGUF name is shared by one architecture with experts and one without, never by two of either
+    moe = MixtureOfExperts("ToyMoeForCausalLM", model_type="toy_moe", gguf_name="toy")
+    assert architectures.register(moe) is moe and architectures.of_gguf("toy", experts=True) is moe
+    with pytest.raises(ValueError, match="shares a name with the registered 'ToyMoeForCausalLM'"):
+        architectures.register(replace(moe, hf_name="OtherMoeForCausalLM", model_type="other"))
 
 
 def test_unknown_architectures_are_clear_errors() -> None:
@@ -114,14 +119,17 @@ def test_the_table_imports_neither_paddle_nor_gguf() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_the_moe_architectures_claim_no_gguf_file_until_their_layout_is_read() -> None:
-    """Mixtral shares llama.cpp's ``llama`` name; neither it nor Qwen3-MoE's ``qwen3moe`` picks
-    an architecture for a GGUF file, as the reader does not know their expert tensors yet."""
+def test_a_gguf_file_picks_a_moe_architecture_by_its_experts() -> None:
+    """Mixtral shares llama.cpp's ``llama`` name with Llama: a file with experts is Mixtral, one
+    without is Llama; ``qwen3moe`` is Qwen3-MoE, with experts only."""
     mixtral, qwen3_moe = architectures.get("MixtralForCausalLM"), architectures.get("Qwen3MoeForCausalLM")
     assert (mixtral.gguf_name, qwen3_moe.gguf_name) == ("llama", "qwen3moe")
-    assert not mixtral.gguf_layout and not qwen3_moe.gguf_layout and qwen3_moe.qk_norm
+    assert mixtral.gguf_layout and qwen3_moe.gguf_layout and qwen3_moe.qk_norm
+    assert mixtral.gguf_permuted_qk and not qwen3_moe.gguf_permuted_qk  # llama.cpp: Llama's RoPE, NeoX's
     assert architectures.of_gguf("llama") is architectures.get("LlamaForCausalLM")
-    assert architectures.of_gguf("qwen3moe") is None
+    assert architectures.of_gguf("llama", experts=True) is mixtral
+    assert architectures.of_gguf("qwen3moe", experts=True) is qwen3_moe
+    assert architectures.of_gguf("qwen3moe") is None and architectures.of_gguf("qwen2", experts=True) is None
     for arch in (mixtral, qwen3_moe):
         config = architectures.config_from(tiny_config(arch.model_type, 300, hidden=64, layers=2))
         assert config.experts is not None and config.experts.count == 4

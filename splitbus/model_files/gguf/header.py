@@ -27,7 +27,8 @@ VERSIONS: Final = (2, 3)
 MAX_KVS: Final = 1 << 12
 """Metadata keys; llama.cpp's converter writes about 40."""
 MAX_TENSORS: Final = 16 * MAX_LAYERS + 16
-"""A Llama or Qwen2 layer has at most 12 tensors, and a model at most MAX_LAYERS layers."""
+"""A Llama, Qwen2, Mixtral or Qwen3-MoE layer (experts stacked) has at most 12 tensors, and a model
+at most MAX_LAYERS layers."""
 MAX_ARRAY_ITEMS: Final = 1 << 21
 """Items in all the metadata's arrays together (Llama 3's tokenizer has about 0.66 million). The
 reader keeps a numpy view per item, about 0.7 KB each (1.5 KB a string): this caps it near 3 GB."""

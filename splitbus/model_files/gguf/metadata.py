@@ -15,8 +15,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, Keys
 
 from splitbus import architectures
-from splitbus.architectures import Architecture
-from splitbus.architectures.base import MAX_LAYERS
+from splitbus.architectures import Architecture, Experts, MixtureOfExperts
+from splitbus.architectures.base import MAX_EXPERTS, MAX_LAYERS
 from splitbus.tokenization import ModelFilesError
 
 DEFAULT_ROPE_THETA: Final = 10000.0
@@ -91,6 +91,10 @@ class Fields:
         # Hugging Face config had, and it parses back to the same float32.
         return float(str(np.float32(value)))
 
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._scalar(key, frozenset({GGUFValueType.BOOL}))
+        return default if value is None else bool(value)
+
     def _type(self, key: str) -> GGUFValueType | None:
         field = self.reader.get_field(key)
         return field.types[0] if field is not None and field.types else None
@@ -102,14 +106,21 @@ class Fields:
 
 
 def architecture(fields: Fields) -> Architecture:
-    """The architecture ``general.architecture`` names, if it is one the engine runs."""
+    """The architecture ``general.architecture`` names, with experts when ``{arch}.expert_count``
+    is above 0 (Mixtral's files say ``llama``), if it is one the engine runs."""
     name = fields.string(Keys.General.ARCHITECTURE)
     if name is None:
         raise fields.fail(f"metadata key {Keys.General.ARCHITECTURE} is missing")
-    found = architectures.of_gguf(name)
-    if found is None:
-        known = sorted({a.gguf_name for a in architectures.registered() if a.gguf_layout})
+    known = sorted({a.gguf_name for a in architectures.registered() if a.gguf_layout})
+    if name not in known:
         raise fields.fail(f"architecture {name!r} is not supported; expected one of {known}")
+    key = Keys.LLM.EXPERT_COUNT.format(arch=name)
+    count = fields.integer(key, 0, MAX_EXPERTS, default=0)
+    found = architectures.of_gguf(name, experts=count > 0)
+    if found is None:
+        raise fields.fail(
+            f"a {name!r} file {'with' if count else 'without'} experts ({key} = {count}) is not supported"
+        )
     return found
 
 
@@ -118,7 +129,6 @@ def hf_config(reader: GGUFReader, where: Path | str) -> dict[str, Any]:
     fields = Fields(reader, where)
     found = architecture(fields)
     arch = found.gguf_name  # the prefix of its metadata keys
-    _refuse_experts(fields, arch)
     _refuse_rope_scaling(fields, arch)
     heads = fields.integer(Keys.Attention.HEAD_COUNT.format(arch=arch), 1, MAX_HEADS)
     kv_heads = fields.integer(Keys.Attention.HEAD_COUNT_KV.format(arch=arch), 1, heads, default=heads)
@@ -143,7 +153,7 @@ def hf_config(reader: GGUFReader, where: Path | str) -> dict[str, Any]:
         "attention_bias": any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
         "torch_dtype": "float32",
     }
-    return config | _special_ids(fields, config["vocab_size"])
+    return config | _experts(fields, found, config) | _special_ids(fields, config["vocab_size"])
 
 
 def _vocab_size(fields: Fields, arch: str) -> int:
@@ -168,11 +178,25 @@ def _head_dim(fields: Fields, arch: str, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _refuse_experts(fields: Fields, arch: str) -> None:
-    """A Mixtral GGUF says ``llama``: without this it would fail later, on its tokenizer or on
-    each stacked expert tensor, instead of saying once why."""
-    if fields.integer(Keys.LLM.EXPERT_COUNT.format(arch=arch), 0, 1 << 32, default=0) > 0:
-        raise fields.fail("MoE GGUF files are not read yet; use the Hugging Face folder")
+def _experts(fields: Fields, found: Architecture, config: dict[str, Any]) -> dict[str, Any]:
+    """A MoE file's experts as its architecture's ``config.json`` keys; none for a dense one.
+    ``expert_feed_forward_length`` is absent from a Mixtral file (llama.cpp sizes a ``llama``
+    file's experts by ``feed_forward_length``); llama.cpp renormalises the top-k weights of both
+    layouts unless ``expert_weights_norm`` says otherwise."""
+    if not isinstance(found, MixtureOfExperts):
+        return {}
+    arch = found.gguf_name
+    count = fields.integer(Keys.LLM.EXPERT_COUNT.format(arch=arch), 1, MAX_EXPERTS)
+    experts = Experts(
+        count,
+        fields.integer(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch), 1, count),
+        fields.integer(
+            Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch), 1, MAX_WIDTH, default=config["intermediate_size"]
+        ),
+        fields.boolean(Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch), default=True),
+        frozenset(range(config["num_hidden_layers"])),
+    )
+    return found.gguf_keys(experts)
 
 
 def _refuse_rope_scaling(fields: Fields, arch: str) -> None:

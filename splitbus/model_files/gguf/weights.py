@@ -6,6 +6,13 @@ llama.cpp's converter permutes the rows of a Llama model's Q and K projections s
 kernel can rotate adjacent pairs (``LLAMA_ROPE_TYPE_NORM``); the engine rotates halves, as the
 Hugging Face model does, so those rows are put back (``Architecture.gguf_permuted_qk``). Qwen2
 runs with NeoX RoPE (halves) in llama.cpp too, and its converter leaves the rows alone.
+
+A MoE file (Mixtral as ``llama``, ``qwen3moe``) keeps each layer's experts stacked: one tensor per
+projection, ``ffn_{gate,up,down}_exps``, ``[experts, out, in]`` in numpy's order (GGUF lists the
+dimensions the other way round). The stacked tensor is checked whole, against the metadata's
+expert count and width, and each expert's slice becomes a Hugging Face tensor of its own
+(``...experts.E.w1.weight``), as the engine's loader reads a Hugging Face folder. The router
+(``ffn_gate_inp``) is a Linear ``[experts, hidden]`` in both layouts, mapped like any other tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import math
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +31,36 @@ from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFR
 from gguf.quants import dequantize
 
 from splitbus import architectures
-from splitbus.architectures import Shapes
+from splitbus.architectures import MixtureOfExperts, ModelConfig, Shapes
 from splitbus.tokenization import ModelFilesError
+
+Source = tuple[str, int | None]
+"""Where a Hugging Face tensor lies in a GGUF file: the Hugging Face-style name of the tensor that
+holds it (its own, or its experts' stacked one) and its index in that stack (None: all of it)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One Hugging Face tensor in the file: a whole GGUF tensor, or one expert's slice of a stacked one."""
+
+    tensor: ReaderTensor
+    expert: int | None = None
+    """The expert's index along the stacked tensor's first (numpy) axis; None: the whole tensor."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Its shape in Hugging Face layout."""
+        shape = hf_shape(self.tensor)
+        return shape if self.expert is None else shape[1:]
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+    def raw(self) -> np.ndarray:
+        """Its data as the reader maps it (quantized blocks along the last axis): a view, so that
+        an expert is dequantized alone, not its whole stack."""
+        return self.tensor.data if self.expert is None else self.tensor.data[self.expert]
 
 
 def hf_shapes(config: dict[str, Any]) -> Shapes:
@@ -34,7 +70,8 @@ def hf_shapes(config: dict[str, Any]) -> Shapes:
 
 
 def gguf_names(arch: str, layers: int, hf_names: list[str]) -> dict[str, str]:
-    """GGUF name -> Hugging Face name, for the names the engine loads."""
+    """GGUF name -> Hugging Face name, for the names the engine loads (a stacked experts' tensor
+    under the name llama.cpp's converter gives it: ``MixtureOfExperts.stacked``)."""
     model_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
     table = TensorNameMap(model_arch, layers)
     names = {}
@@ -44,6 +81,30 @@ def gguf_names(arch: str, layers: int, hf_names: list[str]) -> dict[str, str]:
             raise RuntimeError(f"the gguf package has no GGUF name for {hf}")
         names[name] = hf
     return names
+
+
+def sources(model: ModelConfig) -> dict[str, Source]:
+    """Every tensor the engine loads (Hugging Face names) -> where it lies in a GGUF file: its
+    own tensor, or for an expert's projection, its slice of the layer's stacked one."""
+    found: dict[str, Source] = {hf: (hf, None) for hf in model.tensor_shapes()}
+    arch, experts = model.architecture, model.experts
+    if isinstance(arch, MixtureOfExperts) and experts is not None:
+        for layer in sorted(experts.layers):
+            for e in range(experts.count):
+                found |= _expert_sources(arch, layer, e)
+    return found
+
+
+def _expert_sources(arch: MixtureOfExperts, layer: int, expert: int) -> dict[str, Source]:
+    """One expert's gate, up and down projections: its row of the layer's three stacks."""
+    return {hf: (stacked, expert) for hf, stacked in zip(arch.expert(layer, expert), arch.stacked(layer), strict=True)}
+
+
+def file_shapes(model: ModelConfig, located: dict[str, Source]) -> Shapes:
+    """The tensors a GGUF file of ``model`` holds, by Hugging Face-style name, in numpy's order:
+    a stacked experts' tensor is ``[experts, *one expert's shape]``."""
+    shapes, count = model.tensor_shapes(), model.experts.count if model.experts else 0
+    return {name: shapes[hf] if e is None else (count, *shapes[hf]) for hf, (name, e) in located.items()}
 
 
 @functools.cache
@@ -61,17 +122,20 @@ def dequantizable() -> frozenset[GGMLQuantizationType]:
     return frozenset(found)
 
 
-def plan(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> dict[str, ReaderTensor]:
-    """Hugging Face name -> the GGUF tensor that holds it, every name, type and shape checked."""
+def plan(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> dict[str, Part]:
+    """Hugging Face name -> the part of the file that holds it, every GGUF tensor's name, type
+    and shape checked first."""
     model = architectures.config_from(config, where)
-    shapes = model.tensor_shapes()
+    located = sources(model)
+    shapes = file_shapes(model, located)
     names = gguf_names(model.architecture.gguf_name, model.layers, list(shapes))
     found = {t.name: t for t in reader.tensors}
     problems = [p for p in _problems(found, names, shapes, model.arch) if p]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ModelFilesError(f"{where}: " + "; ".join(problems[:5]) + more)
-    return {hf: found[name] for name, hf in names.items()}
+    tensors = {hf: found[name] for name, hf in names.items()}
+    return {hf: Part(tensors[name], e) for hf, (name, e) in located.items()}
 
 
 def _problems(found: dict[str, ReaderTensor], names: dict[str, str], shapes: Shapes, model_type: str) -> list[str]:
@@ -99,12 +163,12 @@ def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
 
 def tensors(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> Iterator[tuple[str, np.ndarray]]:
     """Each tensor as float32 in Hugging Face layout, one at a time (the file is memory-mapped)."""
-    for hf, tensor in plan(reader, config, where).items():
-        yield hf, _float32(hf, tensor, config)
+    for hf, part in plan(reader, config, where).items():
+        yield hf, _float32(hf, part, config)
 
 
-def _float32(hf: str, tensor: ReaderTensor, config: dict[str, Any]) -> np.ndarray:
-    array = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape(tensor))
+def _float32(hf: str, part: Part, config: dict[str, Any]) -> np.ndarray:
+    array = dequantize(part.raw(), part.tensor.tensor_type).reshape(part.shape)
     if architectures.of_config(config).gguf_permuted_qk:
         array = _unpermute(hf, array, config)
     return np.ascontiguousarray(array, dtype="<f4")
@@ -126,7 +190,7 @@ def _unpermute(name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarr
 
 def float32_bytes(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> int:
     """The size of the tensors :func:`write` writes (every planned tensor as float32)."""
-    return sum(int(t.n_elements) * 4 for t in plan(reader, config, where).values())
+    return sum(part.n_elements * 4 for part in plan(reader, config, where).values())
 
 
 def write(reader: GGUFReader, config: dict[str, Any], path: Path, where: Path | str) -> None:
@@ -134,12 +198,13 @@ def write(reader: GGUFReader, config: dict[str, Any], path: Path, where: Path | 
     from a dict of every array, which held the whole float32 model (20 times a 1.5-bit file); but
     the format is a JSON header of names, shapes and offsets, then the tensors' bytes in that
     order, and all of it is known from the plan. So the header is written first and each tensor
-    after it, dequantized, written and dropped: the peak is one tensor's float32 copy."""
+    after it, dequantized, written and dropped: the peak is one tensor's float32 copy (one
+    expert's, not its stack's)."""
     planned = plan(reader, config, where)
     with path.open("wb") as f:
-        f.write(safetensors_header({hf: hf_shape(t) for hf, t in planned.items()}))
-        for hf, tensor in planned.items():
-            f.write(_float32(hf, tensor, config).data)
+        f.write(safetensors_header({hf: part.shape for hf, part in planned.items()}))
+        for hf, part in planned.items():
+            f.write(_float32(hf, part, config).data)
 
 
 def safetensors_header(shapes: dict[str, tuple[int, ...]]) -> bytes:

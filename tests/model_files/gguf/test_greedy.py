@@ -1,5 +1,7 @@
 """The paddle engine runs a converted GGUF model as it runs the Hugging Face original: the same
-greedy tokens from the same (F32) weights, for Llama (Q/K rows permuted in the file) and Qwen2."""
+logits and greedy tokens from the same (F32) weights, for Llama and Mixtral (Q/K rows permuted in
+the file, Mixtral's experts stacked under ``llama``), Qwen2, and Qwen3-MoE (``qwen3moe``, experts
+stacked)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,18 @@ def test_converted_model_gives_the_original_greedy_tokens(hf_folder: Path, tmp_p
     original = _greedy(load_model(hf_folder), prompts)
     assert _greedy(load_model(folder), prompts) == original
     assert len({tuple(t) for t in original}) > 1  # the prompts lead somewhere different: a real check
+
+
+def test_converted_model_gives_the_original_logits(hf_folder: Path, tmp_path: Path) -> None:
+    """Every position's logits of a batch of prompts, to 1e-5: a wrong expert, router row or
+    Q/K row order moves them far more."""
+    folder = prepare(write_gguf(hf_folder, tmp_path / "m.gguf"), tmp_path / "cache")
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (3, 17)]
+    chunks = [Chunk(prompt[:end], 0) for prompt in prompts for end in range(1, len(prompt) + 1)]
+    original, converted = load_model(hf_folder).forward(chunks), load_model(folder).forward(chunks)
+    assert original.shape == (len(chunks), 259) and np.abs(original).max() > 0.1
+    np.testing.assert_allclose(converted, original, rtol=0, atol=1e-5)
 
 
 def _expected_shapes(model_type: str) -> dict[str, tuple[int, ...]]:

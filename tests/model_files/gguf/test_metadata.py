@@ -35,11 +35,15 @@ def _config(path: Path) -> dict[str, Any]:
     return metadata.hf_config(open_reader(path), path)
 
 
-def _metadata_only(path: Path, changes: dict[str, Any]) -> Path:
-    """A llama GGUF without tensors; a value None leaves the key out, a str/float/int sets its type."""
-    writer = GGUFWriter(path, "llama")
-    for key, value in (BASE | changes).items():
-        if isinstance(value, str):
+def _metadata_only(path: Path, changes: dict[str, Any], arch: str = "llama") -> Path:
+    """A GGUF without tensors, of ``arch`` (BASE's keys under its prefix); a value None leaves the
+    key out, a str/bool/float/int sets its type."""
+    writer = GGUFWriter(path, arch)
+    base = {arch + key.removeprefix("llama"): value for key, value in BASE.items()}
+    for key, value in (base | changes).items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
@@ -84,6 +88,15 @@ def test_metadata_only_file_gives_defaults(tmp_path: Path) -> None:
         ({"llama.rope.dimension_count": 8}, r"head dimensions \(key 16, value 16, rotated 8\) are not supported"),
         ({"llama.attention.key_length": 15}, r"\(key 15, value 15, rotated 15\)"),
         ({"llama.rope.scaling.type": RopeScalingType.LINEAR.value}, "RoPE scaling 'linear' is not supported"),
+        ({"llama.expert_count": 1025}, r"llama.expert_count = 1025 is outside \[0, 1024\]"),
+        ({"llama.expert_count": 4}, "metadata key llama.expert_used_count is missing"),
+        ({"llama.expert_count": 4, "llama.expert_used_count": 5}, r"llama.expert_used_count = 5 is outside \[1, 4\]"),
+        ({"llama.expert_count": 4, "llama.expert_used_count": 0}, r"llama.expert_used_count = 0 is outside \[1, 4\]"),
+        (
+            {"llama.expert_count": 4, "llama.expert_used_count": 2, "llama.expert_feed_forward_length": 0},
+            r"llama.expert_feed_forward_length = 0 is outside \[1, 262144\]",
+        ),
+        ({"llama.expert_count": 4, "llama.expert_used_count": 2, "llama.expert_weights_norm": 1}, "has type UINT32"),
     ],
 )
 def test_bad_metadata_fails_naming_the_key(tmp_path: Path, changes: dict[str, Any], problem: str) -> None:
@@ -98,14 +111,39 @@ def test_bad_metadata_fails_naming_the_key(tmp_path: Path, changes: dict[str, An
     assert str(info.value).startswith(str(path))
 
 
-def test_a_mixtral_gguf_is_refused_in_one_line_before_its_tokenizer(tmp_path: Path) -> None:
-    """Mixtral's GGUF says ``llama`` with ``llama.expert_count``; this file has no tokenizer, so
-    the conversion would fail on it (a real one fails there too) if the experts were not refused first."""
-    path = _metadata_only(tmp_path / "mixtral.gguf", {"llama.expert_count": 8, "llama.expert_used_count": 2})
+def test_a_llama_file_with_experts_is_mixtral(tmp_path: Path) -> None:
+    """Mixtral's GGUF says ``llama`` with ``llama.expert_count`` > 0; its experts are as wide as
+    ``feed_forward_length`` (llama.cpp writes no expert width for it) and always renormalised."""
+    config = _config(_metadata_only(tmp_path / "m.gguf", {"llama.expert_count": 8, "llama.expert_used_count": 2}))
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["model_type"] == "mixtral"
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (8, 2, 128)
+    experts = config_from(config).experts
+    assert experts is not None and experts.renormalise and experts.layers == {0, 1}
+    dense = _config(_metadata_only(tmp_path / "dense.gguf", {"llama.expert_count": 0}))
+    assert dense["architectures"] == ["LlamaForCausalLM"] and "num_local_experts" not in dense
+
+
+@pytest.mark.parametrize("norm", [None, True, False])
+def test_a_qwen3moe_file_is_qwen3_moe_with_experts_in_every_layer(tmp_path: Path, norm: bool | None) -> None:
+    """``expert_feed_forward_length`` is its experts' width (``feed_forward_length`` the dense
+    MLP's); the top-k weights are renormalised unless ``expert_weights_norm`` is false."""
+    keys = {"qwen3moe.expert_count": 128, "qwen3moe.expert_used_count": 8, "qwen3moe.expert_feed_forward_length": 32}
+    if norm is not None:
+        keys["qwen3moe.expert_weights_norm"] = norm
+    config = _config(_metadata_only(tmp_path / "m.gguf", keys, arch="qwen3moe"))
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (128, 8, 32)
+    assert config["norm_topk_prob"] is (norm is not False)
+    model = config_from(config)
+    assert model.experts is not None and model.experts.layers == {0, 1} and model.intermediate_size == 128
+
+
+def test_a_qwen3moe_file_without_experts_fails_in_one_line(tmp_path: Path) -> None:
+    """It has no tokenizer: the conversion would fail there if the architecture were not refused first."""
+    path = _metadata_only(tmp_path / "m.gguf", {}, arch="qwen3moe")
     with pytest.raises(ModelFilesError) as info:
         prepare(path, tmp_path / "cache")
-    assert str(info.value) == f"{path}: MoE GGUF files are not read yet; use the Hugging Face folder"
-    assert _config(_metadata_only(tmp_path / "dense.gguf", {"llama.expert_count": 0}))["num_hidden_layers"] == 2
+    assert str(info.value) == f"{path}: a 'qwen3moe' file without experts (qwen3moe.expert_count = 0) is not supported"
 
 
 def test_other_architecture_fails(tiny_hf: Callable[[str], Path], tmp_path: Path) -> None:

@@ -90,6 +90,65 @@ def test_tensors_that_do_not_fit_the_metadata_fail(
         _convert(path)
 
 
+@pytest.mark.parametrize(
+    ("arch", "change", "problem"),
+    [
+        # the metadata counts 3 experts, the file stacks 4: the router and every stack disagree
+        (
+            "mixtral",
+            {"hparams": {"num_local_experts": 3}},
+            r"tensor blk\.0\.ffn_gate_inp\.weight has shape \[4, 64\], expected \[3, 64\] from the metadata; .*"
+            r"tensor blk\.0\.ffn_gate_exps\.weight has shape \[4, 64, 64\], expected \[3, 64, 64\]",
+        ),
+        (
+            "qwen3_moe",
+            {"hparams": {"moe_intermediate_size": 32}},
+            r"tensor blk\.0\.ffn_down_exps\.weight has shape \[4, 64, 64\], expected \[4, 64, 32\]",
+        ),
+        ("qwen3_moe", {"drop": frozenset({"blk.1.ffn_up_exps.weight"})}, r"missing tensor blk\.1\.ffn_up_exps\.weight"),
+        (  # one expert's matrix where the stack of them should be
+            "mixtral",
+            {
+                "drop": frozenset({"blk.1.ffn_down_exps.weight"}),
+                "extra_tensors": {"blk.1.ffn_down_exps.weight": np.ones((64, 64), np.float32)},
+            },
+            r"tensor blk\.1\.ffn_down_exps\.weight has shape \[64, 64\], expected \[4, 64, 64\]",
+        ),
+        (  # llama.cpp's old Mixtral layout, one tensor per expert, or a dense MLP in a qwen3moe file
+            "mixtral",
+            {"extra_tensors": {"blk.0.ffn_gate.0.weight": np.ones((64, 64), np.float32)}},
+            r"unexpected tensor blk\.0\.ffn_gate\.0\.weight \(not part of a mixtral model\)",
+        ),
+        (
+            "qwen3_moe",
+            {"extra_tensors": {"blk.0.ffn_up.weight": np.ones((64, 64), np.float32)}},
+            r"unexpected tensor blk\.0\.ffn_up\.weight \(not part of a qwen3_moe model\)",
+        ),
+    ],
+)
+def test_expert_tensors_that_do_not_fit_the_metadata_fail(
+    tiny_hf: Callable[[str], Path], tmp_path: Path, arch: str, change: dict[str, Any], problem: str
+) -> None:
+    path = write_gguf(tiny_hf(arch), tmp_path / "m.gguf", "Q8_0", **change)
+    with pytest.raises(ModelFilesError, match=problem) as info:
+        _convert(path)
+    assert "\n" not in str(info.value)
+
+
+def test_each_expert_is_its_slice_of_the_stack(tiny_hf: Callable[[str], Path], tmp_path: Path) -> None:
+    """Expert e of layer l is row e of the layer's stacked tensors, in Hugging Face layout; a
+    stack's first dimension is the expert (GGUF's last)."""
+    gguf_file = write_gguf(tiny_hf("mixtral"), tmp_path / "m.gguf")
+    reader = open_reader(gguf_file)
+    stacked = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    assert stacked.shape.tolist() == [64, 64, 4]  # GGUF: in (the expert width), out (hidden), experts
+    converted = _convert(gguf_file)
+    np.testing.assert_array_equal(converted["model.layers.1.block_sparse_moe.experts.2.w2.weight"], stacked.data[2])
+    source = load_file(str(tiny_hf("mixtral") / "model.safetensors"))
+    for name in ("model.layers.1.block_sparse_moe.experts.2.w2.weight", "model.layers.0.block_sparse_moe.gate.weight"):
+        np.testing.assert_array_equal(converted[name], source[name])
+
+
 def test_dequantizable_holds_the_asked_for_types() -> None:
     names = {t.name for t in weights.dequantizable()}
     assert {
@@ -151,3 +210,25 @@ def test_conversion_holds_one_dequantized_tensor_at_a_time(tmp_path: Path, monke
     assert len(sizes) > 40 and sum(sizes) > 15 * max(sizes)
     # dequantize's own temporaries, the unpermuted copy: under 4 copies measured; the old peak was 21
     assert peaks[0] <= 6 * max(sizes), (peaks, max(sizes), sum(sizes))
+
+
+def test_each_expert_is_dequantized_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real stack is gigabytes in float32 (Mixtral 8x7B: 8 x 14336 x 4096 per projection):
+    ``dequantize`` is given one expert's quantized rows at a time, never the stack, here 32
+    experts whose stack is 8 times the largest tensor the folder holds."""
+    hf = make_tiny_model(tmp_path / "hf", "mixtral", seed=3, keys={"num_local_experts": 32}, hidden=64, layers=2)
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf", "Q8_0")
+    sizes: list[int] = []
+    real = weights.dequantize
+
+    def measured(data: np.ndarray, qtype: Any) -> np.ndarray:
+        array = real(data, qtype)
+        sizes.append(array.nbytes)
+        return array
+
+    weights.dequantizable()  # its probes (cached) are not the conversion's
+    monkeypatch.setattr(weights, "dequantize", measured)
+    converted = _convert(gguf_file)
+    assert len(sizes) == len(converted) and max(sizes) == max(a.nbytes for a in converted.values()) == 259 * 64 * 4
+    stack = next(t for t in open_reader(gguf_file).tensors if t.name == "blk.0.ffn_up_exps.weight")
+    assert int(stack.n_elements) * 4 == 32 * 64 * 64 * 4 > 7 * max(sizes)

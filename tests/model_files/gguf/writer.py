@@ -3,12 +3,16 @@ file laid out as llama.cpp's convert_hf_to_gguf.py lays one out.
 
 - metadata: ``general.architecture`` and the ``{arch}.*`` hyperparameters the converter writes;
   the vocabulary through ``tests/model_files/gguf/vocab_writer.add_vocab`` when it is there;
-- names: the gguf package's ``TensorNameMap`` (Hugging Face -> GGUF);
-- Llama's Q and K rows permuted for llama.cpp's adjacent-pair RoPE (``LlamaModel.permute``);
-  Qwen2's are not;
-- types: 1-D tensors (norms, biases) stay F32, as llama.cpp keeps them; 2-D ones take ``qtype``
-  (F32, F16, or a type ``gguf.quants.quantize`` can write: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16;
-  the package cannot write K-quants or IQ types, only read them).
+- names: the gguf package's ``TensorNameMap`` (Hugging Face -> GGUF), under the architecture's
+  GGUF name (Mixtral: ``llama``, Qwen3-MoE: ``qwen3moe``);
+- Llama's and Mixtral's Q and K rows permuted for llama.cpp's adjacent-pair RoPE
+  (``LlamaModel.permute``); Qwen2's and Qwen3-MoE's are not;
+- a MoE model's experts stacked per layer and projection, ``[experts, out, in]`` in numpy's
+  order, as ``ffn_{gate,up,down}_exps``, with ``{arch}.expert_count``, ``expert_used_count`` and
+  (Qwen3-MoE, whose expert width has its own key) ``expert_feed_forward_length``;
+- types: 1-D tensors (norms, biases) stay F32, as llama.cpp keeps them; 2-D and 3-D (stacked
+  experts) ones take ``qtype`` (F32, F16, or a type ``gguf.quants.quantize`` can write: Q8_0,
+  Q4_0, Q4_1, Q5_0, Q5_1, BF16; the package cannot write K-quants or IQ types, only read them).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import numpy as np
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, TensorNameMap
 from gguf.quants import quantize
 from safetensors.numpy import load_file
+
+from splitbus import architectures
+from splitbus.architectures import MixtureOfExperts
 
 try:  # the vocabulary half of the writer lives beside this one once its part is merged
     from tests.model_files.gguf.vocab_writer import add_vocab
@@ -48,7 +55,7 @@ def write_gguf(
     replaces config.json values in the metadata only (a file whose metadata lies), ``metadata``
     adds keys of its own (called with the writer after the vocabulary)."""
     config = json.loads((hf_folder / "config.json").read_text())
-    writer = GGUFWriter(out, arch or config["model_type"])
+    writer = GGUFWriter(out, arch or architectures.of_config(config).gguf_name)
     _add_hparams(writer, config | (hparams or {}))
     if vocab and add_vocab is not None:
         add_vocab(writer, hf_folder)
@@ -57,7 +64,7 @@ def write_gguf(
     for name, array in _gguf_tensors(hf_folder, config):
         if name in drop:
             continue
-        kind = (tensor_types or {}).get(name, qtype if array.ndim == 2 else "F32")
+        kind = (tensor_types or {}).get(name, qtype if array.ndim >= 2 else "F32")
         _add(writer, name, array, kind)
     for name, array in (extra_tensors or {}).items():
         writer.add_tensor(name, array)
@@ -80,17 +87,42 @@ def _add_hparams(writer: GGUFWriter, c: dict[str, Any]) -> None:
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_vocab_size(c["vocab_size"])
     writer.add_rope_dimension_count(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    if c.get("head_dim"):  # a head wider than hidden / heads (Qwen3-MoE), as the converter writes it
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+    arch = architectures.of_config(c)
+    if isinstance(arch, MixtureOfExperts):
+        writer.add_expert_count(c[arch.count_key])
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+        if arch.width_key != "intermediate_size":
+            writer.add_expert_feed_forward_length(c[arch.width_key])
 
 
 def _gguf_tensors(hf_folder: Path, config: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
-    arch = config["model_type"]
-    model_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
+    arch = architectures.of_config(config)
+    model_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch.gguf_name)
     table = TensorNameMap(model_arch, config["num_hidden_layers"])
     out = []
-    for hf, array in load_file(str(hf_folder / "model.safetensors")).items():
+    for hf, array in _stack_experts(load_file(str(hf_folder / "model.safetensors")), config).items():
         name = table.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf
-        out.append((name, permute(hf, array, config) if arch == "llama" else array))
+        # llama.cpp's LlamaModel permutes, and writes Llama and Mixtral: not the flag the reader goes by
+        out.append((name, permute(hf, array, config) if arch.gguf_name == "llama" else array))
+    return out
+
+
+def _stack_experts(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Each MoE layer's experts' projections as one ``[experts, out, in]`` array each, under the
+    name llama.cpp's converter gives the stack before mapping it (``...experts.w1.weight``)."""
+    model = architectures.config_from(config)
+    arch, experts = model.architecture, model.experts
+    if not isinstance(arch, MixtureOfExperts) or experts is None:
+        return tensors
+    out = dict(tensors)
+    for layer in sorted(experts.layers):
+        per_expert = [arch.expert(layer, e) for e in range(experts.count)]
+        for k, stacked in enumerate(arch.stacked(layer)):
+            out[stacked] = np.stack([out.pop(names[k]) for names in per_expert])
     return out
 
 
