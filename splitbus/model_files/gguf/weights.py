@@ -22,7 +22,7 @@ import json
 import math
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +100,18 @@ def _expert_sources(arch: MixtureOfExperts, layer: int, expert: int) -> dict[str
     return {hf: (stacked, expert) for hf, stacked in zip(arch.expert(layer, expert), arch.stacked(layer), strict=True)}
 
 
-def file_shapes(model: ModelConfig, located: dict[str, Source]) -> Shapes:
+def file_shapes(model: ModelConfig) -> Shapes:
     """The tensors a GGUF file of ``model`` holds, by Hugging Face-style name, in numpy's order:
-    a stacked experts' tensor is ``[experts, *one expert's shape]``."""
-    shapes, count = model.tensor_shapes(), model.experts.count if model.experts else 0
-    return {name: shapes[hf] if e is None else (count, *shapes[hf]) for hf, (name, e) in located.items()}
+    a stacked experts' tensor is ``[experts, *one expert's shape]``, a router ``[experts, hidden]``.
+    Listed from the same model with one expert, so that a file whose metadata claims 1024 layers
+    of 1024 experts it does not hold fails its check before 3 million expert names are listed
+    (seconds and gigabytes)."""
+    arch, experts = model.architecture, model.experts
+    if not isinstance(arch, MixtureOfExperts) or experts is None:
+        return model.tensor_shapes()
+    one = replace(model, experts=replace(experts, count=1, per_token=1))
+    shapes = one.tensor_shapes() | {arch.router(i): (experts.count, model.hidden_size) for i in experts.layers}
+    return {name: shapes[hf] if e is None else (experts.count, *shapes[hf]) for hf, (name, e) in sources(one).items()}
 
 
 @functools.cache
@@ -126,8 +133,7 @@ def plan(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> dict[
     """Hugging Face name -> the part of the file that holds it, every GGUF tensor's name, type
     and shape checked first."""
     model = architectures.config_from(config, where)
-    located = sources(model)
-    shapes = file_shapes(model, located)
+    shapes = file_shapes(model)
     names = gguf_names(model.architecture.gguf_name, model.layers, list(shapes))
     found = {t.name: t for t in reader.tensors}
     problems = [p for p in _problems(found, names, shapes, model.arch) if p]
@@ -135,7 +141,7 @@ def plan(reader: GGUFReader, config: dict[str, Any], where: Path | str) -> dict[
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ModelFilesError(f"{where}: " + "; ".join(problems[:5]) + more)
     tensors = {hf: found[name] for name, hf in names.items()}
-    return {hf: Part(tensors[name], e) for hf, (name, e) in located.items()}
+    return {hf: Part(tensors[name], e) for hf, (name, e) in sources(model).items()}
 
 
 def _problems(found: dict[str, ReaderTensor], names: dict[str, str], shapes: Shapes, model_type: str) -> list[str]:

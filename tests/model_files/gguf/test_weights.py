@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gguf import GGUFWriter
 from safetensors.numpy import load_file
 
 from splitbus.model_files.gguf import metadata, open_reader, prepare, weights
@@ -232,3 +233,40 @@ def test_each_expert_is_dequantized_alone(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(sizes) == len(converted) and max(sizes) == max(a.nbytes for a in converted.values()) == 259 * 64 * 4
     stack = next(t for t in open_reader(gguf_file).tensors if t.name == "blk.0.ffn_up_exps.weight")
     assert int(stack.n_elements) * 4 == 32 * 64 * 64 * 4 > 7 * max(sizes)
+
+
+def test_a_file_claiming_a_million_experts_it_lacks_fails_before_they_are_listed(tmp_path: Path) -> None:
+    """1024 layers of 1024 experts, within every bound, and no tensors: listing each expert's
+    three Hugging Face names first held 1.6 GB (measured here); the stacks are checked first, so the
+    most the check holds (tracemalloc: numpy's and Python's allocations, exactly) stays small."""
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(path, "llama")
+    for key, value in {
+        "block_count": 1024,
+        "embedding_length": 64,
+        "feed_forward_length": 64,
+        "context_length": 64,
+    }.items():
+        writer.add_uint32(f"llama.{key}", value)
+    for key, value in {
+        "attention.head_count": 4,
+        "vocab_size": 300,
+        "expert_count": 1024,
+        "expert_used_count": 2,
+    }.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    reader = open_reader(path)
+    config = metadata.hf_config(reader, path)
+    assert (config["num_hidden_layers"], config["num_local_experts"]) == (1024, 1024)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFilesError, match=r"missing tensor token_embd\.weight .*\(and \d+ more\)"):
+            weights.plan(reader, config, path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
