@@ -38,6 +38,26 @@ def _rank(folder: str, port: int, rank: int, size: int, out: Any) -> None:
         out.put((rank, step, logits, model.expert_tokens.copy(), sorted(next(_moe(model)).experts)))
 
 
+def _waiting_rank(folder: str, port: int, rank: int, out: Any) -> None:
+    """Rank 0 runs a forward, whose first exchange waits for rank 1; rank 1 forms and never does."""
+    import os
+    import time
+
+    from splitbus.gpu_ops.expert_parallel import ExpertGroup, Rendezvous
+
+    model = load_model(Path(folder), (rank, 2))
+    model.group = ExpertGroup.form(Rendezvous("127.0.0.1", port, rank, 2, 30))
+    out.put((rank, os.getpid()))
+    if rank == 1:
+        time.sleep(120)
+        return
+    try:
+        model.forward([Chunk([1, 2, 3], 0)])
+        out.put("returned")
+    except Exception as exc:  # what the worker's stepper turns into a broken group
+        out.put(f"raised {type(exc).__name__}: {exc}")
+
+
 def _moe(model: Any) -> Any:
     return (layer.mlp for layer in model.layers if isinstance(layer.mlp, Experts))
 
@@ -86,3 +106,25 @@ def test_ranks_holding_a_share_of_the_experts_compute_what_one_model_holding_all
         for rank in range(size):  # every rank counted the group's tokens per expert
             np.testing.assert_array_equal(got[(rank, step)][1], group_tokens)
         assert group_tokens.sum() > 0
+
+
+def test_a_rank_killed_while_another_waits_in_an_exchange_makes_its_forward_raise(moe_dir: Path) -> None:
+    """Deterministic: rank 0 is inside its forward's first exchange (rank 1 never joins) when
+    rank 1 is killed; rank 0's forward raises (gloo: the pair's socket closed) instead of hanging."""
+    import os
+    import signal
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=_waiting_rank, args=(str(moe_dir), port, r, out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    pids = dict(out.get(timeout=120) for _ in range(2))
+    ranks[0].join(1.0)  # rank 0 now waits in the exchange
+    assert ranks[0].is_alive()
+    os.kill(pids[1], signal.SIGKILL)
+    said = out.get(timeout=25)  # before gloo's own 30 s timeout: the peer's socket closed
+    assert said.startswith("raised RuntimeError: [/paddle/third_party/gloo/"), said
+    ranks[0].join(30)
+    assert ranks[0].exitcode == 0
