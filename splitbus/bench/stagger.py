@@ -213,9 +213,16 @@ class Replayed:
     header deadline may have closed connections it was too slow to write a request on)."""
 
 
-async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Callable[[], Any]) -> Replayed:
+async def _replay(
+    base_url: str,
+    trace: list[TraceRequest],
+    at_last_arrival: Callable[[], Any],
+    prompt_of: Callable[[TraceRequest, int], list[int]] | None = None,
+) -> Replayed:
     """Send the trace through the API at its arrival times; TTFTs, TPOTs, tokens, seconds taken,
-    and what ``at_last_arrival`` returned as the last request went out."""
+    and what ``at_last_arrival`` returned as the last request went out. ``prompt_of``: request
+    ``i``'s prompt (default: its length of one token, which a sim engine reads only for its
+    length)."""
     import openai
 
     client = openai.AsyncOpenAI(
@@ -228,20 +235,19 @@ async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Cal
     )
     start = time.perf_counter()
 
-    async def one(req: TraceRequest) -> tuple[float, int, float | None] | str:
+    async def one(req: TraceRequest, index: int) -> tuple[float, int, float | None] | str:
         progress = [0.0, 0]  # seconds since sent, tokens received: where a failure happened
         try:
-            return await stream(req, progress)
+            return await stream(req, index, progress)
         except openai.APIError as exc:  # counted and reported: one failure does not void the run
             return failure(exc, progress)
 
-    async def stream(req: TraceRequest, progress: list[Any]) -> tuple[float, int, float | None]:
+    async def stream(req: TraceRequest, index: int, progress: list[Any]) -> tuple[float, int, float | None]:
         await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
         sent = time.perf_counter()
         progress[0] = sent
-        stream = await client.completions.create(
-            model="tiny", prompt=[97] * req.prompt_tokens, max_tokens=req.output_tokens, stream=True
-        )
+        prompt = prompt_of(req, index) if prompt_of else [97] * req.prompt_tokens
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=req.output_tokens, stream=True)
         first, last, tokens = None, 0.0, 0
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
@@ -258,7 +264,7 @@ async def _replay(base_url: str, trace: list[TraceRequest], at_last_arrival: Cal
 
     meter = LagMeter()
     lag = asyncio.ensure_future(meter.run())
-    results, counters = await asyncio.gather(asyncio.gather(*(one(r) for r in trace)), snapshot())
+    results, counters = await asyncio.gather(asyncio.gather(*(one(r, i) for i, r in enumerate(trace))), snapshot())
     elapsed = time.perf_counter() - start
     lag.cancel()
     await client.close()

@@ -124,6 +124,12 @@ def _add_ep(kinds: argparse._SubParsersAction, env: Env) -> None:
     )
     ep.add_argument("--runs", type=int, default=3, help="runs per mode on the processes, pooled (default %(default)s)")
     ep.add_argument("--seed", type=int, default=1)
+    ep.add_argument(
+        "--engine",
+        choices=("sim", "paddle"),
+        default="sim",
+        help="paddle: real MoE compute with --ep (processes, --runs seeds) and the sim's model calibrated from it",
+    )
     ep.set_defaults(run=run_ep)
 
 
@@ -432,6 +438,9 @@ def run_stagger(args: argparse.Namespace, env: Env) -> int:
 
 def run_ep(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
+
+    if args.engine == "paddle":
+        return run_ep_paddle(args)
     from splitbus.bench.ep import BACKENDS, EmptyTrace, EpBenchConfig, run_ep_bench
 
     config = _config(
@@ -456,6 +465,18 @@ def run_ep(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus bench ep: {exc}")
         return 2
     return run.finish(result, report.ep_plot, report.ep_table)
+
+
+def run_ep_paddle(args: argparse.Namespace) -> int:
+    from splitbus.bench import ep_paddle
+
+    seeds = tuple(range(args.seed, args.seed + args.runs))
+    duration = args.process_duration if args.process_duration != 10.0 else 15.0  # real compute: longer by default
+    config = _config("ep", lambda: ep_paddle.PaddleEpConfig(args.process_ranks, tuple(args.loads), seeds, duration))
+    if config is None:
+        return 2
+    run = _Run("ep_paddle", args.out)
+    return run.finish(ep_paddle.run_paddle_ep_bench(config, run.progress), ep_paddle.plot, ep_paddle.table)
 
 
 def run_serve(args: argparse.Namespace, env: Env) -> int:

@@ -27,6 +27,7 @@ run timeout (30 s) is the backstop.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,9 @@ class ExpertGroup:
         self.group, self.rank, self.size = group, rank, size
         self.counts: list[int] = []
         """Every rank's tokens in the current forward (``begin``)."""
+        self.exchange_s = 0.0
+        """Seconds spent in this group's collectives so far: the exchanges' cost, and the waits for
+        ranks that reach them later (what the EP benchmark calibrates the sim's model from)."""
 
     @classmethod
     def form(cls, meet: Rendezvous) -> ExpertGroup:
@@ -90,9 +94,10 @@ class ExpertGroup:
 
     def begin(self, tokens: int) -> None:
         """Called at the start of each forward: learn every rank's token count."""
-        gathered: list[paddle.Tensor] = []
+        started, gathered = time.perf_counter(), list[paddle.Tensor]()
         dist.all_gather(gathered, paddle.to_tensor([tokens], dtype="int64"), group=self.group)
         self.counts = [int(t.numpy()[0]) for t in gathered]
+        self.exchange_s += time.perf_counter() - started
 
     def dispatch(self, h: paddle.Tensor, routing: Routing, experts: int) -> tuple[paddle.Tensor, Routing]:
         """Every rank's tokens and their routing (ranks in order), from this rank's."""
@@ -102,9 +107,10 @@ class ExpertGroup:
         rows = max(self.counts)
         if rows > packed.shape[0]:  # every rank sends the same shape
             packed = paddle.concat([packed, paddle.zeros([rows - packed.shape[0], packed.shape[1]], packed.dtype)])
-        gathered: list[paddle.Tensor] = []
+        started, gathered = time.perf_counter(), list[paddle.Tensor]()
         dist.all_gather(gathered, packed, group=self.group)
         every = paddle.concat([part[:count] for part, count in zip(gathered, self.counts, strict=True)])
+        self.exchange_s += time.perf_counter() - started
         hidden = h.shape[1]
         expert_ids = every[:, hidden : hidden + k].numpy().astype(np.int64)
         if expert_ids.size and not (0 <= expert_ids.min() and expert_ids.max() < experts):
@@ -113,6 +119,8 @@ class ExpertGroup:
 
     def combine(self, outputs: paddle.Tensor) -> paddle.Tensor:
         """This rank's tokens' rows of the group's summed ``run_experts`` outputs."""
+        started = time.perf_counter()
         dist.all_reduce(outputs, op=dist.ReduceOp.SUM, group=self.group)
+        self.exchange_s += time.perf_counter() - started
         start = sum(self.counts[: self.rank])
         return outputs[start : start + self.counts[self.rank]]

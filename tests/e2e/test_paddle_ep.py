@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import openai
 import pytest
 
 from splitbus.gpu_ops import device
@@ -21,6 +22,8 @@ from tests.e2e.conftest import start_system, stop_system  # noqa: E402
 
 NEW = 8
 PROMPTS = greedy.prompts(13, (1, 9, 17, 40, 5, 23))
+SHARED = greedy.prompts(14, (48,))[0]
+"""A prefix of three KV blocks that the prefix-cache round's prompts share."""
 
 
 @pytest.mark.timeout(300)
@@ -39,5 +42,30 @@ def test_greedy_text_through_expert_parallel_p_and_d_groups_matches_one_model(
             system.wait_output(rf"^{group}-r0 .*DP group {group}: expert-parallel group formed", 5)
         last = ranks - 1
         system.wait_output(rf"^p0-r{last} .*rank {last} of {ranks} holds experts {last * 4 // ranks}-", 5)
+        if ranks == 2:
+            asyncio.run(_prefix_cache_and_cancellation(system.v1, model_dir))
     finally:
         assert stop_system(system) == []
+
+
+async def _prefix_cache_and_cancellation(v1: str, model_dir: Path) -> None:
+    """MoE requests under EP as dense ones: prompts sharing a cached prefix give the recompute's
+    text (the cache's blocks reported as cached tokens), and a stream closed by its client
+    leaves the groups serving the next requests."""
+    client = openai.AsyncOpenAI(base_url=v1, api_key="x", max_retries=0, timeout=120)
+    try:
+        asked = [SHARED + [7, 8], SHARED + [9]]
+        first = await client.completions.create(model="tiny", prompt=asked[0], max_tokens=NEW, temperature=0)
+        second = await client.completions.create(model="tiny", prompt=asked[1], max_tokens=NEW, temperature=0)
+        assert [first.choices[0].text, second.choices[0].text] == greedy.reference(model_dir, asked, NEW)
+        details = second.usage.prompt_tokens_details if second.usage else None
+        assert details is not None and details.cached_tokens == 48  # the shared blocks, cached by the first
+        stream = await client.completions.create(
+            model="tiny", prompt=PROMPTS[3], max_tokens=200, temperature=0, stream=True
+        )
+        async for _ in stream:
+            break
+        await stream.close()  # cancelled mid-stream
+        assert await greedy.ask_all(v1, PROMPTS[:2], NEW) == greedy.reference(model_dir, PROMPTS[:2], NEW)
+    finally:
+        await client.close()
