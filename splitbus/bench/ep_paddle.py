@@ -256,16 +256,7 @@ def run_paddle_ep_bench(config: PaddleEpConfig, progress: Callable[[str], None])
             for load in config.loads
             for seed in config.seeds
         }
-        measured = {(mode, load): Measured() for mode in MODES for load in config.loads}
-        for turn, seed in enumerate(config.seeds):
-            for mode in MODES[::-1] if turn % 2 else MODES:
-                system = PaddleEpSystem(folder, config.ranks, mode == "staggered")
-                try:
-                    for load in config.loads:
-                        progress(f"processes: {config.ranks}+{config.ranks} ranks, {mode}, {load} load, seed {seed}")
-                        _measure(system, traces[(load, seed)], measured[(mode, load)], progress)
-                finally:
-                    system.stop()
+        measured = _run_processes(folder, config, traces, progress)
     rows = [_process_row(mode, load, m, config, traces) for (mode, load), m in measured.items()]
     rows += [_model_row(mode, load, seed, config.ranks, costs, traces) for mode in MODES for load, seed in traces]
     return {
@@ -278,6 +269,26 @@ def run_paddle_ep_bench(config: PaddleEpConfig, progress: Callable[[str], None])
         "calibration": calibration,
         "results": rows,
     }
+
+
+def _run_processes(
+    folder: Path,
+    config: PaddleEpConfig,
+    traces: dict[tuple[str, int], list[TraceRequest]],
+    progress: Callable[[str], None],
+) -> dict[tuple[str, str], Measured]:
+    """Every seed's traces (all loads) on one system per mode; the modes take turns going first."""
+    measured = {(mode, load): Measured() for mode in MODES for load in config.loads}
+    for turn, seed in enumerate(config.seeds):
+        for mode in MODES[::-1] if turn % 2 else MODES:
+            system = PaddleEpSystem(folder, config.ranks, mode == "staggered")
+            try:
+                for load in config.loads:
+                    progress(f"processes: {config.ranks}+{config.ranks} ranks, {mode}, {load} load, seed {seed}")
+                    _measure(system, traces[(load, seed)], measured[(mode, load)], progress)
+            finally:
+                system.stop()
+    return measured
 
 
 def _process_row(
@@ -348,8 +359,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     metrics = ("ttft_p50_s", "idle_step_s", "prefill_idle_forward_ratio", "output_throughput")
     fig, axes = plt.subplots(len(metrics), 1, figsize=(max(8, len(keys) * 1.2), 3 * len(metrics)))
     for ax, metric in zip(axes, metrics, strict=True):
-        pairs = [(by[k + ("staggered",)].get(metric), by[k + ("naive",)].get(metric)) for k in keys]
-        change = [100 * (s / max(n, 1e-12) - 1) if s is not None and n is not None else 0.0 for s, n in pairs]
+        change = [_change(by[k + ("staggered",)].get(metric), by[k + ("naive",)].get(metric)) for k in keys]
         good = [c < 0 if metric != "output_throughput" else c > 0 for c in change]
         ax.bar(range(len(change)), change, color=["#27ae60" if g else "#c0392b" for g in good])
         ax.axhline(0, color="black", linewidth=0.5)
@@ -358,3 +368,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ranks = report["ranks"]
     fig.suptitle(f"splitbus bench ep --engine paddle: {ranks}+{ranks} EP ranks, {report['model']}", fontsize=10)
     _save(plt, fig, path, dpi=100)
+
+
+def _change(staggered: float | None, naive: float | None) -> float:
+    """Staggered against naive in per cent (0 where a backend has no such figure)."""
+    return 0.0 if staggered is None or naive is None else 100 * (staggered / max(naive, 1e-12) - 1)
