@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import paddle
@@ -85,7 +86,7 @@ class ExpertGroup:
         if meet.host in LOOPBACK:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # else gloo binds the host name's address
         store = core.TCPStore(meet.host, meet.port, meet.rank == 0, meet.size, meet.timeout_s)
-        pg = core.ProcessGroupGloo.create(store, meet.rank, meet.size, meet.group_id)
+        pg = _process_group(store, meet)
         group = dist.collective.Group(
             meet.rank, meet.group_id, list(range(meet.size)), pg=pg, name=f"ep{meet.group_id}"
         )
@@ -124,3 +125,16 @@ class ExpertGroup:
         self.exchange_s += time.perf_counter() - started
         start = sum(self.counts[: self.rank])
         return outputs[start : start + self.counts[self.rank]]
+
+
+def _process_group(store: Any, meet: Rendezvous) -> Any:
+    """Gloo on the CPU; NCCL where Paddle runs on a GPU (``device.select_device`` chose it). The
+    NCCL branch goes through Paddle's own group factory (its arguments differ between versions)
+    and has not run here: no GPU build of Paddle was available."""
+    from paddle.base import core
+
+    if paddle.get_device().startswith("gpu"):
+        from paddle.distributed.collective import _new_process_group_impl
+
+        return _new_process_group_impl("nccl", store, meet.rank, meet.size, f"ep{meet.group_id}", None, meet.group_id)
+    return core.ProcessGroupGloo.create(store, meet.rank, meet.size, meet.group_id)
