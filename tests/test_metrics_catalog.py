@@ -26,8 +26,8 @@ def _metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
         if isinstance(collector, MetricWrapperBase):
             found[_exposed(collector._name, collector._type)] = (collector._type, tuple(collector._labelnames))
         else:
-            for family in collector.collect():
-                found[_exposed(family.name, family.type)] = (family.type, ())
+            for family in collector.collect():  # a family built with labels keeps their names, samples or not
+                found[_exposed(family.name, family.type)] = (family.type, tuple(getattr(family, "_labelnames", ())))
     return {name: kind for name, kind in found.items() if name.startswith("splitbus")}
 
 

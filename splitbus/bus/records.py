@@ -1,6 +1,7 @@
 """The plain records the bus's protocols carry besides stream entries, with their arithmetic: a
 worker's load (``WorkerLoad``, its registry record's load fields), what schedulers reserved of
-it (``Reserved``, ``blocks_needed``) and a request's KV reservation (``Reservation``, the hash
+it (``Reserved``, ``blocks_needed``), what a MoE worker's experts took (``ExpertLoad``, part of its
+load) and a request's KV reservation (``Reservation``, the hash
 ``sb:kv:{cell}:<request>``). Pure: no Redis, no event loop; the worker's core builds and checks
 them without I/O, and the protocols that write them (``registry``, ``dispatch``,
 ``reservations``) import them from here.
@@ -22,6 +23,29 @@ MAX_SECRET_CHARS = 256
 """Secrets are 64 hex characters (``transfer.new_secret``); anything much longer is not one."""
 _MAX_FIELD_BYTES = 4 * max(MAX_NAME_CHARS, MAX_SECRET_CHARS)
 """Longer than any valid field in UTF-8: a longer value is refused before it is decoded."""
+
+
+MAX_EXPERTS = 1024
+"""Experts per MoE layer a model may have (``splitbus.architectures.base.MAX_EXPERTS``): bounds an
+expert load read back from Redis."""
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """What a MoE engine's rank holds and what its experts took: the load an expert balancer
+    needs. Experts are numbered as in the model; every MoE layer holds the same ones."""
+
+    experts: int
+    """Experts per MoE layer in the model."""
+    held: tuple[int, int]
+    """The experts this rank holds, ``[first, end)``: all of them without expert parallelism."""
+    last_forward: tuple[int, ...]
+    """Tokens each held expert took in the rank's last forward, every MoE layer's added (under
+    expert parallelism, tokens of every rank of the group)."""
+    total: tuple[int, ...]
+    """The same, over every forward since the engine started."""
+    weight_bytes: tuple[int, int] = (0, 0)
+    """Bytes of the weights this rank holds: (attention, embeddings and dense layers; its experts)."""
 
 
 @dataclass
@@ -51,6 +75,9 @@ class WorkerLoad:
     """DP ranks: the epoch (ms) of the group this rank steps in, written as the group forms; 0
     while it forms. Schedulers place on a group only while all its ranks show one epoch: a rank
     restarted after a kill shows 0 until the survivors, who still show the old one, re-form with it."""
+    experts: ExpertLoad | None = None
+    """A MoE engine's expert placement and loads (``ExpertParallel.expert_load``); None for a dense
+    model or an engine without experts. Kept last: the fields before it are the integer ones."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from splitbus.bus.core.replies import SnapshotReply, for_xadd, pairs, text
 from splitbus.bus.core.scripts import LuaScript, declare, lua_string
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
-from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.records import MAX_EXPERTS, ExpertLoad, Reserved, WorkerLoad
 from splitbus.bus.roles import ROLES, Word
 
 log = logging.getLogger(__name__)
@@ -84,16 +84,19 @@ _HEARTBEAT = declare(
         name="heartbeat",
         module=__name__,
         keys=("sb:worker:{cell}:<worker>", "sb:lease:{cell}:<worker>", "sb:workers:{cell}", "sb:registry:{cell}"),
-        argv="the worker id, the lease (ms), then the record's or load's field, value pairs",
+        argv=(
+            "the worker id, the lease (ms), how many of the field, value pairs that follow the log gets too,"
+            " then the record's or load's field, value pairs (those for the hash alone last: the expert load)"
+        ),
         returns="the server time (ms), also written as `heartbeat_ms`, the lease's value and the id's score",
         source=f"""
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', KEYS[1], 'heartbeat_ms', now_ms, unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], 'heartbeat_ms', now_ms, unpack(ARGV, 4))
 redis.call('SET', KEYS[2], now_ms, 'PX', ARGV[2])
 redis.call('ZADD', KEYS[3], now_ms, ARGV[1])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', {LOG_MAXLEN}, '*', {_W}, ARGV[1], {_OP}, {_BEAT},
-  {_AT}, now_ms, {_LEASE}, ARGV[2], unpack(ARGV, 3))
+  {_AT}, now_ms, {_LEASE}, ARGV[2], unpack(ARGV, 4, 3 + 2 * tonumber(ARGV[3])))
 return now_ms
 """,
     )
@@ -159,9 +162,8 @@ class WorkerRecord:
             raise ValueError(f"worker_id must be non-empty without spaces, braces or colons: {self.worker_id!r}")
 
     def to_hash(self) -> dict[str, str]:
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "load"}
-        fields.update(dataclasses.asdict(self.load))
-        return {k: str(v) for k, v in fields.items()}
+        fields = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "load"}
+        return fields | load_hash(self.load)
 
     @classmethod
     def from_hash(cls, raw: Mapping[str, str]) -> WorkerRecord:
@@ -169,7 +171,7 @@ class WorkerRecord:
         wrong type or malformed (``_RANGES``, ``_MAX_CHARS``, ``ROLES``): whoever can write the
         hash must not draw traffic with a negative load, nor make a scheduler do arithmetic on a
         value it cannot handle."""
-        load = WorkerLoad(**load_fields(raw, _LOAD_FIELDS, "0"))
+        load = WorkerLoad(**load_fields(raw, LOAD_FIELDS, "0"), experts=read_experts(raw))
         kwargs: dict[str, Any] = {name: parse_int(raw[name], name) for name in _RECORD_INTS if name in raw}
         for name, max_chars in _MAX_CHARS.items():
             if name in raw:
@@ -178,7 +180,22 @@ class WorkerRecord:
         return cls(load=load, **kwargs)
 
 
-_LOAD_FIELDS = [f.name for f in dataclasses.fields(WorkerLoad)]
+LOAD_FIELDS = [f.name for f in dataclasses.fields(WorkerLoad) if f.name != "experts"]
+"""The load's integer fields: the worker hash holds them, and the registry log each change."""
+EXPERT_FIELDS = (
+    "experts_per_layer",
+    "experts_first",
+    "experts_end",
+    "expert_tokens_last",
+    "expert_tokens_total",
+    "weight_bytes_dense",
+    "weight_bytes_experts",
+)
+"""A MoE worker's expert load (``WorkerLoad.experts``) in its hash; none for a dense worker. The
+registry log does not carry them: a DP rank writes its load at every step, and the counts (one
+per held expert, up to ``MAX_EXPERTS``) would multiply the log's size for readers that place
+requests and never look at them."""
+_EXPERT_INTS = ("experts_per_layer", "experts_first", "experts_end", "weight_bytes_dense", "weight_bytes_experts")
 _RESERVED_FIELDS = [f.name for f in dataclasses.fields(Reserved)]
 _RANGES: dict[str, tuple[int, int]] = {
     "running": (0, MAX_SEQ),
@@ -190,6 +207,10 @@ _RANGES: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("step_time_us", "idle_time_us", "busy_time_us"), (0, MAX_COUNTER)),
     "forward_ends_ms": (0, MAX_AMOUNT),
     "dp_epoch": (0, MAX_AMOUNT),
+    "experts_per_layer": (1, MAX_EXPERTS),
+    "experts_first": (0, MAX_EXPERTS - 1),
+    "experts_end": (1, MAX_EXPERTS),
+    **dict.fromkeys(("weight_bytes_dense", "weight_bytes_experts"), (0, MAX_AMOUNT)),
     "dp_rank": (-1, MAX_DP_RANK),
     "dp_size": (0, MAX_DP_RANK),
     "block_size": (1, MAX_BLOCK_SIZE),
@@ -214,6 +235,7 @@ _MAX_CHARS = {
 """Every string field of a worker record, and its longest value (``role`` is one of ``ROLES``)."""
 _RECORD_INTS = [f.name for f in dataclasses.fields(WorkerRecord) if f.name != "load" and f.name not in _MAX_CHARS]
 _INT = re.compile(r"-?[0-9]{1,19}")
+_COUNTS = re.compile(r"[0-9]{1,19}(?:,[0-9]{1,19})*")
 
 
 def parse_int(text: str, name: str) -> int:
@@ -234,6 +256,60 @@ def load_fields(raw: Mapping[str, str], names: Collection[str], default: str | N
     if default is None:
         return {name: parse_int(raw[name], name) for name in names if name in raw}
     return {name: parse_int(raw.get(name, default), name) for name in names}
+
+
+def load_hash(load: WorkerLoad) -> dict[str, str]:
+    """The load's fields of a worker hash, as text: the integer ones (``LOAD_FIELDS``), then the
+    expert load's (``EXPERT_FIELDS``; none without one)."""
+    return {name: str(getattr(load, name)) for name in LOAD_FIELDS} | expert_hash(load.experts)
+
+
+def expert_hash(experts: ExpertLoad | None) -> dict[str, str]:
+    """An expert load as ``EXPERT_FIELDS``: the held range ``[experts_first, experts_end)`` and,
+    for each held expert in order, its tokens, comma-separated."""
+    if experts is None:
+        return {}
+    numbers = (experts.experts, *experts.held, *experts.weight_bytes)
+    counts = (",".join(map(str, experts.last_forward)), ",".join(map(str, experts.total)))
+    return dict(zip(_EXPERT_INTS, map(str, numbers), strict=True)) | dict(
+        zip(("expert_tokens_last", "expert_tokens_total"), counts, strict=True)
+    )
+
+
+def read_experts(raw: Mapping[str, str]) -> ExpertLoad | None:
+    """The expert load a worker hash holds; None without one (a dense model, an engine without
+    experts) and for one that is not sane, logged and counted: the rest of the record stands, as
+    nothing places requests by it (``parse_experts`` says what is checked)."""
+    if "experts_per_layer" not in raw:
+        return None
+    try:
+        return parse_experts(raw)
+    except (KeyError, ValueError) as exc:
+        log.warning("ignoring the expert load of worker %.80r: %.200s", raw.get("worker_id", "?"), exc)
+        metrics.REGISTRY_ROWS_REJECTED.labels("experts").inc()
+        return None
+
+
+def parse_experts(raw: Mapping[str, str]) -> ExpertLoad:
+    """``EXPERT_FIELDS`` of a worker hash, strictly; KeyError or ValueError naming the field when
+    one is missing, out of its range, or the held range is not within the model's experts, or a
+    list of counts is not one count in [0, 2⁶³−1] per held expert (its length checked before it
+    is split: a forged one may hold megabytes)."""
+    per_layer, first, end, dense, own = (parse_int(raw[name], name) for name in _EXPERT_INTS)
+    if not first < end <= per_layer:
+        raise ValueError(f"experts [{first}, {end}) are not a range of the model's {per_layer}")
+    last, total = (_counts(raw[name], name, end - first) for name in ("expert_tokens_last", "expert_tokens_total"))
+    return ExpertLoad(per_layer, (first, end), last, total, (dense, own))
+
+
+def _counts(text: str, name: str, held: int) -> tuple[int, ...]:
+    """One count per held expert, comma-separated (``expert_hash``)."""
+    if len(text) > 20 * held or _COUNTS.fullmatch(text) is None:
+        raise ValueError(f"{name} must be {held} comma-separated counts, got {text!r:.40}")
+    counts = tuple(map(int, text.split(",")))
+    if len(counts) != held or max(counts) > MAX_COUNTER:
+        raise ValueError(f"{name} must be {held} counts in [0, {MAX_COUNTER}], got {len(counts)}")
+    return counts
 
 
 def reserved(values: Mapping[str, int]) -> Reserved:
@@ -288,7 +364,10 @@ class Registry:
         back under the id of a dead or stopped one keeps its keys: their expiry is lifted."""
         now_ms = await self._beat(record.worker_id, record.to_hash(), lease_ms)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hdel(self._keys.worker(record.worker_id), "state")
+        # A worker without experts under the id of one with them (a restart with another model)
+        # must not show that one's: the hash keeps any field not written again.
+        stale = EXPERT_FIELDS if record.load.experts is None else ()
+        pipe.hdel(self._keys.worker(record.worker_id), "state", *stale)
         for key in self._own_keys(record.worker_id):
             pipe.persist(key)
         await pipe.execute()
@@ -299,8 +378,7 @@ class Registry:
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad, lease_ms: int) -> int:
         """Renew the lease and publish the current load. Returns the server time (ms)."""
-        fields = {k: str(v) for k, v in dataclasses.asdict(load).items()}
-        return await self._beat(worker_id, fields, lease_ms)
+        return await self._beat(worker_id, load_hash(load), lease_ms)
 
     async def snapshot(self) -> list[WorkerInfo]:
         """Every registered worker, alive or not, in ``sb:workers:{cell}`` order (``snapshot_at``)."""
@@ -426,8 +504,10 @@ class Registry:
         if lease_ms < 1:
             raise ValueError("lease_ms must be >= 1")
         keys = [self._keys.worker(worker_id), self._keys.lease(worker_id), self._keys.workers, self._keys.registry_log]
-        flat = [item for pair in fields.items() for item in pair]
-        return int(await self._heartbeat(keys=keys, args=[worker_id, lease_ms, *flat]))
+        logged = [name for name in fields if name not in EXPERT_FIELDS]  # the log leaves the expert load out
+        order = [*logged, *(name for name in fields if name in EXPERT_FIELDS)]
+        flat = [item for name in order for item in (name, fields[name])]
+        return int(await self._heartbeat(keys=keys, args=[worker_id, lease_ms, len(logged), *flat]))
 
     @staticmethod
     def row(ttl: int, record: Mapping[bytes, bytes]) -> WorkerInfo:
@@ -477,8 +557,9 @@ class Registry:
         """Add the load's write to a pipeline that goes out anyway (a DP rank's step plan), and its
         entry in the registry log, with the change to its ``reserved_*`` fields that the pipeline
         makes too (``+<field>``)."""
-        fields = {k: str(v) for k, v in dataclasses.asdict(load).items()}
-        pipe.hset(self._keys.worker(worker_id), mapping={k: v for k, v in fields.items()})  # typed as hset wants
+        fields = {name: str(getattr(load, name)) for name in LOAD_FIELDS}
+        hashed = fields | expert_hash(load.experts)
+        pipe.hset(self._keys.worker(worker_id), mapping={k: v for k, v in hashed.items()})  # typed as hset wants
         change = {change_field(name): str(amount) for name, amount in (reserved_change or {}).items()}
         self._log(pipe, worker_id, LogOp.LOAD, {**fields, **change})
 

@@ -25,13 +25,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from splitbus.bus.core import codec, follow, metrics
 from splitbus.bus.core.connection import is_transient
-from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.records import Reserved
 from splitbus.bus.registry import (
+    LOAD_FIELDS,
     LOG_AT,
     LOG_LEASE,
     LOG_OP,
@@ -63,7 +65,7 @@ later. Measured with ``bench scheduler`` (256 workers, 500 req/s): a scheduler's
 it, 60–66 % without (docs/benchmarks.md)."""
 READ_COUNT = 5000
 """Log entries one read takes at most; a full read means the view is behind (not caught up)."""
-_LOAD = {f.name for f in dataclasses.fields(WorkerLoad)}
+_LOAD = set(LOAD_FIELDS)
 _DEAD_TTL = -2
 
 
@@ -218,7 +220,7 @@ class RegistryView:
                 return  # a beat of a worker registered while this view was away: the next snapshot has it
             row = self._rows[worker] = _Row(WorkerRecord.from_hash(fields), at, 0, Reserved())
         elif "role" in fields:
-            row.record = WorkerRecord.from_hash(fields)
+            row.record = _with_experts_of(row.record, WorkerRecord.from_hash(fields))
         else:
             row.record = _with_load(row.record, fields)
         row.heartbeat_ms, row.lease_until_ms = at, at + lease
@@ -291,10 +293,19 @@ def _info(row: _Row, now_ms: int) -> WorkerInfo:
     return WorkerInfo(row.record, row.heartbeat_ms, ttl if ttl > 0 else _DEAD_TTL, row.reserved)
 
 
+def _with_experts_of(before: WorkerRecord, record: WorkerRecord) -> WorkerRecord:
+    """``record``, read from a beat, with the expert load of the record it replaces: the log does
+    not carry expert loads (``EXPERT_FIELDS``), so a view holds each worker's as of its last
+    snapshot rather than losing it at the next beat."""
+    if before.load.experts is None:
+        return record
+    return dataclasses.replace(record, load=dataclasses.replace(record.load, experts=before.load.experts))
+
+
 def _with_load(record: WorkerRecord, fields: dict[str, str]) -> WorkerRecord:
     """The record with the load fields among ``fields`` changed: a new record (the rows built
     before keep theirs), or the same one when there are none."""
-    changed = load_fields(fields, _LOAD.intersection(fields))
+    changed: dict[str, Any] = load_fields(fields, _LOAD.intersection(fields))  # integers: never ``experts``
     if not changed:
         return record
     return dataclasses.replace(record, load=dataclasses.replace(record.load, **changed))

@@ -49,7 +49,7 @@ from splitbus.worker.effects import (
     ShipKv,
     Wake,
 )
-from splitbus.worker.engines.interface import Engine
+from splitbus.worker.engines.interface import Engine, ExpertParallel
 from splitbus.worker.kv_proof import Header, new_secret, proof_matches
 from splitbus.worker.sequence import Sequence, kv_tokens
 from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status
@@ -158,6 +158,7 @@ class WorkerCore:
             free_kv_blocks=self.engine.free_blocks,
             total_kv_blocks=self.engine.total_blocks,
             **self.counters,
+            experts=self.engine.expert_load() if isinstance(self.engine, ExpertParallel) else None,
         )
 
     def held(self) -> int:

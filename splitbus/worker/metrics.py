@@ -1,14 +1,18 @@
-"""Prometheus metrics of a worker. Labels are bounded (step kind, finish reason, error code):
-never request ids. Load gauges are read from the worker when scraped."""
+"""Prometheus metrics of a worker. Labels are bounded (step kind, finish reason, error code, an
+expert's number below ``MAX_EXPERTS``, a weight part): never request ids. Load gauges are read
+from the worker when scraped."""
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
+
+from splitbus.bus.records import MAX_EXPERTS, ExpertLoad
 
 PROMPT_TOKENS = Counter("splitbus_worker_prompt_tokens_total", "Prompt tokens prefilled.")
 GENERATION_TOKENS = Counter(
@@ -55,6 +59,22 @@ COUNTERS = {  # field: (name, help, scale)
     ),
 }
 
+EXPERTS = ("splitbus_worker_experts", "MoE workers: experts in each MoE layer of the model (0: a dense model).")
+EXPERT_HELD = (
+    "splitbus_worker_expert_held",
+    "MoE workers: 1 for each expert this worker holds in every MoE layer (expert parallelism: its rank's share).",
+)
+EXPERT_TOKENS = (
+    "splitbus_worker_expert_tokens",
+    "MoE workers: tokens each held expert took since the start, every MoE layer's added (expert parallelism: "
+    "tokens of every rank of the group).",
+)
+WEIGHT_BYTES = (
+    "splitbus_worker_weight_bytes",
+    "MoE workers: bytes of the weights held, by part (dense: attention, embeddings and dense layers; experts: "
+    "its experts).",
+)
+
 
 class LoadCollector(Collector):
     """The load as gauges, and the step counters, read at scrape time from the workers of this
@@ -69,6 +89,29 @@ class LoadCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=sum(getattr(load, field) for load in loads))
         for field, (name, doc, scale) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=scale * sum(getattr(load, field) for load in loads))
+        yield from expert_families([e for e in (getattr(load, "experts", None) for load in loads) if e is not None])
+
+
+def expert_families(loads: list[ExpertLoad]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """MoE workers: the experts each holds and the tokens they took, by expert (summed over the
+    workers of this process), and the bytes of its weights; families without samples for a
+    dense model."""
+    held, tokens = Tally[int](), Tally[int]()
+    for load in loads:
+        first, end = load.held[0], min(load.held[1], MAX_EXPERTS)  # the label stays bounded
+        for expert, total in zip(range(first, end), load.total, strict=False):
+            held[expert] += 1
+            tokens[expert] += total
+    yield GaugeMetricFamily(*EXPERTS, value=max((load.experts for load in loads), default=0))
+    held_family = GaugeMetricFamily(*EXPERT_HELD, labels=["expert"])
+    token_family = CounterMetricFamily(*EXPERT_TOKENS, labels=["expert"])
+    for expert in sorted(held):
+        held_family.add_metric([str(expert)], held[expert])
+        token_family.add_metric([str(expert)], tokens[expert])
+    weights = GaugeMetricFamily(*WEIGHT_BYTES, labels=["part"])
+    for part, index in (("dense", 0), ("experts", 1)) if loads else ():
+        weights.add_metric([part], sum(load.weight_bytes[index] for load in loads))
+    yield from (held_family, token_family, weights)
 
 
 _LOADS = LoadCollector()

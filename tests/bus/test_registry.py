@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.records import Reserved, WorkerLoad
-from splitbus.bus.registry import Registry, SchedulerLease, WorkerRecord
+from splitbus.bus.registry import LOAD_FIELDS, Registry, SchedulerLease, WorkerRecord
 
 
 def _record(worker_id: str, role: str = "decode") -> WorkerRecord:
@@ -124,7 +124,9 @@ def test_a_record_field_out_of_its_range_is_refused(name: str, value: str) -> No
 
 def test_every_integer_field_of_a_record_has_a_range() -> None:
     """A field added to the load or the record without a range fails every parse, not silently."""
-    record = WorkerRecord("w", "mixed", "m", load=WorkerLoad(*range(1, len(dataclasses.fields(WorkerLoad)) + 1)))
+    integers = [f.name for f in dataclasses.fields(WorkerLoad) if f.type == "int"]
+    assert integers == LOAD_FIELDS  # the load's integer fields come first, its expert load after them
+    record = WorkerRecord("w", "mixed", "m", load=WorkerLoad(*range(1, len(integers) + 1)))
     assert WorkerRecord.from_hash(record.to_hash()) == record
 
 

@@ -28,7 +28,8 @@ PUBLISH_TO_READ = Histogram(
 REGISTRY_ROWS_REJECTED = Counter(
     "splitbus_bus_registry_rows_rejected_total",
     "Worker records and registry-log entries refused (a field missing, malformed or out of range), by where they were "
-    "read (snapshot, log, field): the worker is left out of placement until a good record comes.",
+    "read (snapshot, log, field): the worker is left out of placement until a good record comes; experts: only its "
+    "expert load is dropped.",
     ["source"],
 )
 

@@ -4,8 +4,11 @@ log of KV events it reads from one with a prefix cache (``KvEventLog``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from splitbus.bus.records import ExpertLoad
+
+__all__ = ["Engine", "ExpertLoad", "ExpertParallel", "KvEventLog", "SimulatedGroup"]
 
 if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
     from splitbus.bus.messages import Task
@@ -115,22 +118,6 @@ class SimulatedGroup(Protocol):
     def group_step_s(self, forwards: Iterable[tuple[str, int]]) -> float:
         """The group step's duration, given each rank's forward: (``prefill``, prompt tokens),
         (``decode``, batch size), (``idle``, 0) or (``none``, 0)."""
-
-
-@dataclass(frozen=True)
-class ExpertLoad:
-    """What a MoE engine's rank holds and what its experts took: the load an expert balancer
-    needs. Experts are numbered as in the model; every MoE layer holds the same ones."""
-
-    experts: int
-    """Experts per MoE layer in the model."""
-    held: tuple[int, int]
-    """The experts this rank holds, ``[first, end)``: all of them without expert parallelism."""
-    last_forward: tuple[int, ...]
-    """Tokens each held expert took in the rank's last forward, every MoE layer's added (under
-    expert parallelism, tokens of every rank of the group)."""
-    total: tuple[int, ...]
-    """The same, over every forward since the engine started."""
 
 
 @runtime_checkable

@@ -15,8 +15,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from splitbus.bus.records import ExpertLoad
 from splitbus.gpu_ops.sampling import sample
-from splitbus.worker.engines.interface import ExpertLoad
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.prefix import PagedBlocks
 from splitbus.worker.sequence import Sequence
@@ -33,8 +33,11 @@ class PaddleEngine(PagedBlocks):
         self.vocab_size = model.config.vocab_size
         self.cache = model.new_cache(total_blocks, block_size)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="paddle")
-
-        self._totals = np.zeros(len(model.held), dtype=np.int64)
+        self._weight_bytes = model.weight_bytes() if model.held else (0, 0)
+        self._expert_tokens = (np.zeros(len(model.held), dtype=np.int64),) * 2
+        """Tokens each held expert took (in the last forward, since the start): replaced whole once
+        a forward ends, on the Paddle thread, so that a load report on the event loop never reads
+        the model's counts of a forward half done."""
 
     @classmethod
     def load(
@@ -72,9 +75,10 @@ class PaddleEngine(PagedBlocks):
         held = self.model.held
         if not held:
             return None
-        last = self.model.expert_tokens[held.start : held.stop]
+        last, total = self._expert_tokens
+        experts = len(self.model.expert_tokens)
         return ExpertLoad(
-            len(self.model.expert_tokens), (held.start, held.stop), tuple(map(int, last)), tuple(map(int, self._totals))
+            experts, (held.start, held.stop), tuple(last.tolist()), tuple(total.tolist()), self._weight_bytes
         )
 
     def kv_capacity(self, seq: Sequence) -> int:
@@ -127,7 +131,8 @@ class PaddleEngine(PagedBlocks):
     def _forward(self, chunks: list[Chunk]) -> np.ndarray:
         logits = self.model.forward(chunks, self.cache)
         held = self.model.held
-        self._totals += self.model.expert_tokens[held.start : held.stop]
+        last = self.model.expert_tokens[held.start : held.stop].copy()
+        self._expert_tokens = (last, self._expert_tokens[1] + last)
         return logits
 
     @staticmethod

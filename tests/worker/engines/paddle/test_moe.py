@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ class Reference:
         self.block, self.projections = MOE_BLOCKS[self.c["model_type"]]
         self.renormalise = self.c["model_type"] == "mixtral" or self.c["norm_topk_prob"]
         self.routed: set[tuple[int, int]] = set()  # (layer, expert) pairs that took a token
+        self.took: Counter[int] = Counter()  # tokens each expert took, every MoE layer's added
 
     def is_moe(self, layer: int) -> bool:
         """Qwen3MoeDecoderLayer's rule; Mixtral's config has neither key: every layer."""
@@ -113,6 +115,7 @@ class Reference:
             top = np.argsort(-token_probs)[: self.c["num_experts_per_tok"]]
             weights = token_probs[top] / token_probs[top].sum() if self.renormalise else token_probs[top]
             self.routed |= {(layer, int(e)) for e in top}
+            self.took.update(int(e) for e in top)
             for e, w in zip(top, weights, strict=True):
                 out[row] += w * self.mlp(h[row : row + 1], f"{p}experts.{e}.", self.projections)[0]
         return out
