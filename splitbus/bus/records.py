@@ -13,6 +13,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.messages._check import MAX_KV_BLOCKS, MAX_NAME_CHARS, require_int, require_str
@@ -46,6 +47,17 @@ class ExpertLoad:
     """The same, over every forward since the engine started."""
     weight_bytes: tuple[int, int] = (0, 0)
     """Bytes of the weights this rank holds: (attention, embeddings and dense layers; its experts)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """As ``get_payload``'s ``experts`` and ``splitbus status --json`` show it (docs/protocol.md)."""
+        dense, experts = self.weight_bytes
+        return {
+            "experts_per_layer": self.experts,
+            "held": list(self.held),
+            "last_forward_tokens": list(self.last_forward),
+            "total_tokens": list(self.total),
+            "weight_bytes": {"dense": dense, "experts": experts},
+        }
 
 
 @dataclass

@@ -32,6 +32,8 @@ from splitbus.env import Env
 from splitbus.masking import mask_text, mask_url
 
 CLEAR_SCREEN = "\033[2J\033[H"  # between refreshes of --watch
+SHOWN_EXPERTS = 16
+"""A MoE worker's row shows the tokens of this many of its experts (``--json``: all)."""
 MAX_SHOWN_CHARS = 2 * MAX_NAME_CHARS
 """Longest string the table shows whole: an honest id or name (at most ``MAX_NAME_CHARS``) and the
 key names built from one fit; a forged longer one is cut."""
@@ -142,6 +144,7 @@ def _shown_record(info: WorkerInfo, now_ms: int) -> dict[str, Any]:
         "total_kv_blocks": load.total_kv_blocks,
         "dp_rank": record.dp_rank,
         "dp_group": record.dp_group,
+        "experts": load.experts.to_json() if load.experts is not None else None,
     }
 
 
@@ -187,7 +190,7 @@ def render(status: dict[str, Any]) -> str:
         f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} "
         f"{'FREE/TOTAL KV':>15}"
     ]
-    lines += [_worker_line(w) for w in status["workers"]]
+    lines += [line for w in status["workers"] for line in (_worker_line(w), *_experts_line(w["experts"]))]
     lines += [f"{_shown(w['id']):<34} invalid record: {_shown(w['invalid'])}" for w in status["invalid_workers"]]
     lines += ["", f"{'STREAM':<40} {'LENGTH':>7} {'GROUP':<11} {'PENDING':>7} {'LAG':>5} {'OLDEST PENDING':>14}"]
     for s in status["streams"]:
@@ -213,6 +216,21 @@ def _worker_line(w: dict[str, Any]) -> str:
         f"{_shown(w['id']):<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} "
         f"{w['queued_prefill_tokens']:>11} {w['free_kv_blocks']:>7}/{w['total_kv_blocks']:<7}"
     )
+
+
+def _experts_line(experts: dict[str, Any] | None) -> list[str]:
+    """A MoE worker's experts under its row: the held range, its weights, and the tokens each held
+    expert took since the start (the first ``SHOWN_EXPERTS``)."""
+    if experts is None:
+        return []
+    (first, end), counts = experts["held"], experts["total_tokens"]
+    more = f" ... ({len(counts) - SHOWN_EXPERTS} more)" if len(counts) > SHOWN_EXPERTS else ""
+    weights = experts["weight_bytes"]
+    return [
+        f"  experts {first}-{end - 1} of {experts['experts_per_layer']}, "
+        f"{weights['dense'] / 2**20:.1f} + {weights['experts'] / 2**20:.1f} MiB of weights, "
+        f"tokens since start: {' '.join(map(str, counts[:SHOWN_EXPERTS]))}{more}"
+    ]
 
 
 def _shown(text: object) -> str:

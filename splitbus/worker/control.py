@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from splitbus.bus.control import CommandFailed, ControlServer, Handler
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import Keys
-from splitbus.bus.records import ExpertLoad, WorkerLoad
+from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry
 from splitbus.bus.roles import Role
 from splitbus.bus.tasks import unread_tasks
@@ -101,22 +101,9 @@ async def get_payload(worker: ControlledWorker) -> dict[str, Any]:
         "dp_group": c.dp_group,
         "dp_rank": c.dp_rank,
         "dp_size": c.dp_size,
-        "experts": expert_payload(load.experts),
-    }
-
-
-def expert_payload(experts: ExpertLoad | None) -> dict[str, Any] | None:
-    """A MoE worker's placement and its experts' loads, for an expert balancer (docs/protocol.md);
-    None for a dense model or an engine without experts."""
-    if experts is None:
-        return None
-    dense, own = experts.weight_bytes
-    return {
-        "experts_per_layer": experts.experts,
-        "held": list(experts.held),
-        "last_forward_tokens": list(experts.last_forward),
-        "total_tokens": list(experts.total),
-        "weight_bytes": {"dense": dense, "experts": own},
+        # A MoE worker's placement and its experts' loads, for an expert balancer; None for a
+        # dense model or an engine without experts.
+        "experts": load.experts.to_json() if load.experts is not None else None,
     }
 
 

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import WORKER_GROUP
-from splitbus.bus.records import WorkerLoad
+from splitbus.bus.records import ExpertLoad, WorkerLoad
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.cli.status_cmd import collect, render
 
@@ -41,6 +41,22 @@ async def test_status_lists_this_runs_workers_and_their_task_streams(
     assert [s["stream"] for s in status["streams"]] == [keys.requests, keys.tasks("died"), keys.tasks("live")]
     text = render(status)
     assert "stopped" not in text and text.count("DEAD") == 1
+
+
+async def test_status_shows_a_moe_workers_experts(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    many = ExpertLoad(64, (32, 64), (1,) * 32, tuple(range(100, 132)), weight_bytes=(3 * 2**20, 2**19))
+    await registry.register(WorkerRecord("moe", "decode", "tiny", "paddle", load=WorkerLoad(experts=many)), 10_000)
+    await _worker_with_tasks(redis, bus_config, registry, "dense")
+    with sync_redis.Redis.from_url(bus_config.redis_url, decode_responses=True) as client:
+        status = collect(client, bus_config.prefix, bus_config.cell)
+    rows = {w["id"]: w for w in status["workers"]}
+    assert rows["dense"]["experts"] is None and rows["moe"]["experts"]["total_tokens"] == list(range(100, 132))
+    lines = render(status).splitlines()
+    shown = lines[lines.index(next(line for line in lines if line.startswith("moe "))) + 1]
+    counts = " ".join(map(str, range(100, 116)))
+    assert shown == f"  experts 32-63 of 64, 3.0 + 0.5 MiB of weights, tokens since start: {counts} ... (16 more)"
+    assert sum(line.startswith("  experts") for line in lines) == 1  # none under the dense worker
 
 
 def test_status_watch_into_a_pipe_closed_early_ends_quietly(bus_config: BusConfig) -> None:
