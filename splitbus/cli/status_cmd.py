@@ -190,7 +190,7 @@ def render(status: dict[str, Any]) -> str:
         f"{'WORKER':<34} {'ROLE':<8} {'DP':<6} {'LEASE':>6} {'RUN':>4} {'WAIT':>5} {'PREFILL TOK':>11} "
         f"{'FREE/TOTAL KV':>15}"
     ]
-    lines += [line for w in status["workers"] for line in (_worker_line(w), *_experts_line(w["experts"]))]
+    lines += _worker_lines(status["workers"])
     lines += [f"{_shown(w['id']):<34} invalid record: {_shown(w['invalid'])}" for w in status["invalid_workers"]]
     lines += ["", f"{'STREAM':<40} {'LENGTH':>7} {'GROUP':<11} {'PENDING':>7} {'LAG':>5} {'OLDEST PENDING':>14}"]
     for s in status["streams"]:
@@ -216,6 +216,11 @@ def _worker_line(w: dict[str, Any]) -> str:
         f"{_shown(w['id']):<34} {w['role']:<8} {dp:<6} {lease:>6} {w['running']:>4} {w['waiting']:>5} "
         f"{w['queued_prefill_tokens']:>11} {w['free_kv_blocks']:>7}/{w['total_kv_blocks']:<7}"
     )
+
+
+def _worker_lines(workers: list[dict[str, Any]]) -> list[str]:
+    """Each worker's row, a MoE worker's experts under it."""
+    return [line for w in workers for line in (_worker_line(w), *_experts_line(w["experts"]))]
 
 
 def _experts_line(experts: dict[str, Any] | None) -> list[str]:

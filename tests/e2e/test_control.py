@@ -101,6 +101,7 @@ async def test_get_payload_describes_each_worker(workers: Workers, tiny_model: P
     assert prefill.result["max_batch_size"] == 64 and prefill.result["max_input_length"] == 512
     assert prefill.result["unhandled_requests"] == 0 and prefill.result["dp_rank"] == -1
     assert decode.result["transfer_endpoint"].startswith("127.0.0.1:")
+    assert "experts" in prefill.result and prefill.result["experts"] is None  # the sim engine has no experts
 
 
 async def test_get_metrics_is_the_workers_prometheus_text(workers: Workers) -> None:
