@@ -138,6 +138,8 @@ class ExpertStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, group: str) -> None:
         self._redis = redis
         self._key = keys.ep_store(group)
+        self._unreadable = b""
+        """The last unreadable value seen (logged once, not at every poll)."""
 
     async def post(self, address: StoreAddress, ttl_s: int) -> None:
         await self._redis.set(self._key, address.encode(), ex=ttl_s)
@@ -151,6 +153,8 @@ class ExpertStore:
         try:
             address = StoreAddress.decode(raw if isinstance(raw, bytes) else raw.encode())
         except (ValueError, UnicodeDecodeError) as exc:
-            log.warning("skipping an unreadable expert store address in %s: %s", self._key, exc)
+            if raw != self._unreadable:
+                log.warning("skipping an unreadable expert store address in %s: %s", self._key, exc)
+                self._unreadable = raw if isinstance(raw, bytes) else raw.encode()
             return None
         return address if address.epoch == epoch else None

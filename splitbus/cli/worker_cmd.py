@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -153,5 +154,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
         # own 30 s timeout), and the interpreter would join it at exit: what the worker owed is
         # written (handed over, deregistered) before its loop returned, so leave now.
         logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
     return code

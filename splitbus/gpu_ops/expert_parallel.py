@@ -73,6 +73,9 @@ class ExpertGroup:
         self.group, self.rank, self.size = group, rank, size
         self.counts: list[int] = []
         """Every rank's tokens in the current forward (``begin``)."""
+        self.counted = np.zeros(0, dtype=bool)
+        """Which of the forward's gathered tokens count in the experts' loads: not an idle
+        forward's dummy token (a balancer would see load that is not there)."""
         self.exchange_s = 0.0
         """Seconds spent in this group's collectives so far: the exchanges' cost, and the waits for
         ranks that reach them later (what the EP benchmark calibrates the sim's model from)."""
@@ -93,11 +96,14 @@ class ExpertGroup:
         group.store = store  # type: ignore[attr-defined]  # the store must outlive the group
         return cls(group, meet.rank, meet.size)
 
-    def begin(self, tokens: int) -> None:
-        """Called at the start of each forward: learn every rank's token count."""
+    def begin(self, tokens: int, counted: bool = True) -> None:
+        """Called at the start of each forward: learn every rank's token count, and whether its
+        tokens count in the experts' loads (``counted``: False for an idle forward)."""
         started, gathered = time.perf_counter(), list[paddle.Tensor]()
-        dist.all_gather(gathered, paddle.to_tensor([tokens], dtype="int64"), group=self.group)
-        self.counts = [int(t.numpy()[0]) for t in gathered]
+        dist.all_gather(gathered, paddle.to_tensor([tokens, int(counted)], dtype="int64"), group=self.group)
+        pairs = [(int(n), bool(flag)) for n, flag in (t.numpy() for t in gathered)]
+        self.counts = [n for n, _ in pairs]
+        self.counted = np.concatenate([np.full(n, flag) for n, flag in pairs])
         self.exchange_s += time.perf_counter() - started
 
     def dispatch(self, h: paddle.Tensor, routing: Routing, experts: int) -> tuple[paddle.Tensor, Routing]:

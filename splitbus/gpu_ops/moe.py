@@ -82,9 +82,11 @@ def combine(partials: Sequence[paddle.Tensor]) -> paddle.Tensor:
     return paddle.sum(total, axis=1)
 
 
-def tally(routing: Routing, counts: np.ndarray) -> None:
-    """Add to ``counts`` (one per expert) the tokens routed to each expert."""
-    counts += np.bincount(routing.experts.ravel(), minlength=counts.size)[: counts.size]
+def tally(routing: Routing, counts: np.ndarray, rows: np.ndarray | None = None) -> None:
+    """Add to ``counts`` (one per expert) the tokens routed to each expert; only those of the
+    tokens ``rows`` (a boolean mask) marks, when given."""
+    experts = routing.experts if rows is None else routing.experts[rows]
+    counts += np.bincount(experts.ravel(), minlength=counts.size)[: counts.size]
 
 
 def moe_mlp(

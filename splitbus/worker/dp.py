@@ -376,16 +376,16 @@ class DpStepper:
         self.step_s = self.decided_step_s(plans, action, tokens)
         self.announce_forward(action, tokens)
         acting = time.monotonic()
-        await self.act(action)
+        ran = await self.act(action)
         acted = time.monotonic()
-        self.clock.observe(action, tokens, acted - acting)
+        self.clock.observe(ran, tokens, acted - acting)
         if action != "none" and self.steps_end_together:
             await asyncio.sleep(acting + self.step_s - time.monotonic())  # the rest of the group's step
             await self.barrier.finish(self.step_no)
         self.step_no += 1
         self.parts.outbox.soon()
         if action != "none":
-            self.observe_step(action, time.monotonic() - started, acted - acting)
+            self.observe_step(ran, time.monotonic() - started, acted - acting)
 
     def decided_step_s(self, plans: list[StepPlan], action: str, prefill_tokens: int) -> float:
         """The group step's duration where the engine decides it (the sim engine, which stands
@@ -438,16 +438,17 @@ class DpStepper:
         batch = oldest.task.batch_id, oldest.task.batch_ranks
         return StepPlan(self.config.dp_rank, True, bool(running), waited, *batch, held, tokens, running)
 
-    async def act(self, action: str) -> None:
+    async def act(self, action: str) -> str:
+        """Run this rank's part of a step; what it ran (``action``, or ``idle`` where a prefill or
+        decode under EP found nothing to run)."""
         if action == "none":
             await self.wait_for_group_work()
-            return
+            return action
         self.steps.counters["steps"] += 1
         if not self.config.ep:
-            await self.forward(action)
-            return
+            return await self.forward(action)
         try:  # a collective: a rank that died or hangs must not hang this one
-            await asyncio.wait_for(self.forward(action), self.config.ep_timeout_s)
+            return await asyncio.wait_for(self.forward(action), self.config.ep_timeout_s)
         except TimeoutError:
             raise GroupBroken(
                 f"DP group {self.config.dp_group} is broken: a forward's expert exchange did not finish "
@@ -456,18 +457,26 @@ class DpStepper:
         except CollectiveFailed as exc:
             raise GroupBroken(f"DP group {self.config.dp_group} is broken: {exc}") from exc
 
-    async def forward(self, action: str) -> None:
-        """This rank's forward in a step. Under expert parallelism every rank must run exactly
-        one: a prefill or decode that found nothing to run (no blocks) runs the idle forward."""
+    async def forward(self, action: str) -> str:
+        """This rank's forward in a step; what it ran. Under expert parallelism every rank must
+        run exactly one: a prefill or decode that found nothing to run (no blocks) runs the idle
+        forward."""
         ran = False
         if action == "prefill":
             ran = await self.steps.prefill_queued(report_load=False)
         elif action == "decode":
             ran = await self.steps.decode_running()
-        if action == "idle" or (self.config.ep and not ran):
-            self.steps.counters["idle_forwards"] += 1
-            with metrics.ENGINE_STEP.labels("idle").time():
+        if action != "idle" and (ran or not self.config.ep):
+            return action
+        self.steps.counters["idle_forwards"] += 1
+        with metrics.ENGINE_STEP.labels("idle").time():
+            try:
                 await self.steps.engine.idle()
+            except Exception as exc:
+                if not self.config.ep:
+                    raise
+                raise CollectiveFailed(f"an idle forward failed: {exc}") from exc
+        return "idle"
 
     async def wait_for_group_work(self) -> None:
         """The whole group is idle: no forward. Wait until a rank gets work: this one (its

@@ -157,10 +157,10 @@ class EngineSteps:
             with metrics.ENGINE_STEP.labels(getattr(step, "__name__", "step")).time():
                 return list(zip(batch, await step(batch), strict=False))
         except Exception as exc:
+            if self.collective:  # before is_transient: an engine touches no Redis, and NCCL raises OSError
+                raise CollectiveFailed(f"an engine step of a batch of {len(batch)} failed: {exc}") from exc
             if is_transient(exc):
                 raise
-            if self.collective:
-                raise CollectiveFailed(f"an engine step of a batch of {len(batch)} failed: {exc}") from exc
             log.error("engine step failed on a batch of %d (%s); running each alone", len(batch), exc)
         done = []
         for seq in batch:

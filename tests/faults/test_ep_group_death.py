@@ -29,12 +29,13 @@ NEW = 96
 """Tokens per stream: decoding lasts long enough for the signal to land mid-stream."""
 EP_TIMEOUT_S = 2.0
 PROMPTS = greedy.prompts(21, (3, 11, 19, 27))
-STOP_S = 5.0
+STOP_S = 8.0
 """Longer than ``EP_TIMEOUT_S`` and the 3 s lease."""
 BARRIER_TIMEOUT_S = 3.0
 BROKEN = r"^d0-r0 (?!exited).*DP group d0 is broken: (.*)$"
 IN_A_STEP = (
     "an engine step of a batch",  # killed: the collective raised (a dead peer)
+    "an idle forward failed",  # killed while this rank had nothing to do
     f"did not finish within {EP_TIMEOUT_S:g}s",  # hung: the forward's bound
     f"within {BARRIER_TIMEOUT_S:g}s",  # either, landed between two steps: the barrier's bound
 )

@@ -28,11 +28,11 @@ class Exchanging(SimEngine):
     (``hang``) or died (``fail``)."""
 
     hang = False
-    fail = False
+    fail: type[Exception] | None = None
 
     async def forward(self) -> None:
         if self.fail:
-            raise RuntimeError("Connection reset by peer")
+            raise self.fail("Connection reset by peer")
         if self.hang:
             await asyncio.Event().wait()
 
@@ -73,7 +73,7 @@ async def test_a_failed_collective_breaks_the_group_and_is_not_run_again_per_req
     for i in range(2):
         queue(worker, f"r{i}", entry=f"{i + 1}-0")
     await stepper.act("prefill")
-    engine.fail = True
+    engine.fail = RuntimeError
     decodes = 0
     counted = engine.decode
 
@@ -95,3 +95,28 @@ async def test_a_rank_with_nothing_to_prefill_still_runs_a_forward(bus_config: B
     await stepper.act("prefill")  # its plan said prefill; the queue holds nothing it can run
     await stepper.act("decode")
     assert stepper.steps.counters["idle_forwards"] == idle + 2
+
+
+@pytest.mark.parametrize("error", [RuntimeError, ConnectionResetError, OSError])
+async def test_an_idle_forward_whose_collective_fails_breaks_the_group(
+    bus_config: BusConfig, tiny_model: Path, error: type[Exception]
+) -> None:
+    """A rank with nothing to do when a peer dies: its idle forward's exchange raises, and the
+    group breaks (it used to escape the stepper and crash the rank, bypassing the hand-over)."""
+    _, stepper, engine = ep_rank(bus_config, tiny_model)
+    engine.fail = error
+    with pytest.raises(GroupBroken, match="an idle forward failed: Connection reset by peer"):
+        await stepper.act("idle")
+
+
+async def test_a_collective_raising_an_os_error_breaks_the_group_not_a_redis_wait(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
+    """NCCL reports a failed collective as an OSError, which the worker's loops take for Redis
+    being away (they wait and step again, alone): under EP an engine error breaks the group."""
+    worker, stepper, engine = ep_rank(bus_config, tiny_model)
+    queue(worker, "r0")
+    await stepper.act("prefill")
+    engine.fail = OSError
+    with pytest.raises(GroupBroken, match="an engine step of a batch of 1 failed"):
+        await stepper.act("decode")

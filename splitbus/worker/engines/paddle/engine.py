@@ -95,8 +95,9 @@ class PaddleEngine(PagedBlocks):
 
     async def idle(self) -> None:
         # One token at position 0 of block 0, the scratch block: computes, stores nothing (under
-        # expert parallelism it also joins every MoE layer's exchange, as a forward must).
-        await self._run(lambda: self._forward([Chunk([0], 0, [0])]))
+        # expert parallelism it also joins every MoE layer's exchange, as a forward must), and
+        # counts in no expert's load.
+        await self._run(lambda: self._forward([Chunk([0], 0, [0])], counted=False))
 
     async def export_kv(self, seq: Sequence) -> bytes:
         return await self._run(lambda: self.cache.export(seq.block_table, seq.cached))
@@ -128,8 +129,8 @@ class PaddleEngine(PagedBlocks):
             seq.cached += 1
         return self._sample(batch, logits)
 
-    def _forward(self, chunks: list[Chunk]) -> np.ndarray:
-        logits = self.model.forward(chunks, self.cache)
+    def _forward(self, chunks: list[Chunk], counted: bool = True) -> np.ndarray:
+        logits = self.model.forward(chunks, self.cache, counted)
         held = self.model.held
         last = self.model.expert_tokens[held.start : held.stop].copy()
         self._expert_tokens = (last, self._expert_tokens[1] + last)

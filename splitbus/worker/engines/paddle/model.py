@@ -59,16 +59,19 @@ class Experts:
     per_token: int
     renormalise: bool
 
-    def __call__(self, h: paddle.Tensor, group: ExpertGroup | None, counts: np.ndarray) -> paddle.Tensor:
+    def __call__(
+        self, h: paddle.Tensor, group: ExpertGroup | None, counts: np.ndarray, counted: bool = True
+    ) -> paddle.Tensor:
         """The MoE MLP of this rank's tokens ``h``; with a ``group``, its tokens and the other
         ranks' go to the ranks holding their experts and come back (``ExpertGroup``). Adds to
-        ``counts`` the tokens each expert took."""
+        ``counts`` the tokens each expert took (not an idle forward's: ``counted``, the group's)."""
         routing = route(h, self.w_router, self.per_token, self.renormalise)
         if group is None:
-            tally(routing, counts)
+            if counted:
+                tally(routing, counts)
             return combine([run_experts(h, routing, self.experts)])
         every, routed = group.dispatch(h, routing, self.count)
-        tally(routed, counts)
+        tally(routed, counts, group.counted)
         return combine([group.combine(run_experts(every, routed, self.experts))])
 
 
@@ -141,9 +144,10 @@ class CausalLM:
         return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, dtype=KV_DTYPE)
 
     @paddle.no_grad()
-    def forward(self, chunks: list[Chunk], cache: PagedKVCache | None = None) -> np.ndarray:
+    def forward(self, chunks: list[Chunk], cache: PagedKVCache | None = None, counted: bool = True) -> np.ndarray:
         """Logits ``[len(chunks), vocab]`` at the last token of each chunk; writes the chunks'
-        K/V into ``cache`` at their positions."""
+        K/V into ``cache`` at their positions. ``counted``: its tokens count in the experts'
+        loads (``expert_tokens``; not an idle forward's)."""
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
         positions = np.concatenate([np.arange(ch.start, ch.start + len(ch.tokens)) for ch in chunks])
         ends = np.cumsum([len(ch.tokens) for ch in chunks])
@@ -152,12 +156,12 @@ class CausalLM:
         x = F.embedding(paddle.to_tensor(tokens), self.embed)
         self.expert_tokens[:] = 0
         if self.group is not None:
-            self.group.begin(len(tokens))
+            self.group.begin(len(tokens), counted)
         for index, layer in enumerate(self.layers):
             x = x + self._attend(layer, index, x, cos, sin, plan)
             h = rms_norm(x, layer.ln2, self.config.rms_norm_eps)
             if isinstance(layer.mlp, Experts):
-                x = x + layer.mlp(h, self.group, self.expert_tokens)
+                x = x + layer.mlp(h, self.group, self.expert_tokens, counted)
             else:
                 x = x + gated_mlp(h, layer.mlp)
         last = paddle.index_select(x, paddle.to_tensor(ends - 1), axis=0)
