@@ -93,15 +93,12 @@ def _calibration_rank(folder: str, port: int, rank: int, size: int, out: Any) ->
 
     device.prepare()
     from splitbus.gpu_ops.expert_parallel import ExpertGroup, Rendezvous
-    from splitbus.worker.engines.paddle.model import Chunk, load_model
+    from splitbus.worker.engines.paddle.model import load_model
 
     device.select_device(1)
     model = load_model(Path(folder), (rank, size))
     group = model.group = ExpertGroup.form(Rendezvous("127.0.0.1", port, rank, size, 60))
-    rng = np.random.default_rng(rank)
-    shapes = [("decode", b, [Chunk([int(t)], 0) for t in rng.integers(0, 256, b)]) for b in DECODE_BATCHES]
-    shapes += [("prefill", n, [Chunk([int(t) for t in rng.integers(0, 256, n)], 0)]) for n in PREFILL_TOKENS]
-    for kind, size_, chunks in shapes:
+    for kind, size_, chunks in _shapes(rank):
         model.forward(chunks)  # warm-up
         times = []
         for _ in range(CALIBRATION_REPEATS):
@@ -110,6 +107,23 @@ def _calibration_rank(folder: str, port: int, rank: int, size: int, out: Any) ->
             times.append((time.perf_counter() - began, group.exchange_s - waited))
         forward, exchange = np.median(times, axis=0)
         out.put((rank, kind, size_, float(forward), float(exchange)))
+
+
+def _shapes(rank: int) -> list[tuple[str, int, list[Any]]]:
+    """The calibration's forwards, the same on every rank (``decode``: a batch of one-token
+    sequences, ``prefill``: one prompt) or ``skewed``: rank 0 prefills a prompt while the others
+    run one token, as a naive step's ranks often do; the exchange's model prices a step by its
+    busiest rank, and the skewed shapes test that."""
+    from splitbus.worker.engines.paddle.model import Chunk
+
+    rng = np.random.default_rng(rank)
+
+    def prompt(n: int) -> list[Any]:
+        return [Chunk([int(t) for t in rng.integers(0, 256, n)], 0)]
+
+    shapes = [("decode", b, [Chunk([int(t)], 0) for t in rng.integers(0, 256, b)]) for b in DECODE_BATCHES]
+    shapes += [("prefill", n, prompt(n)) for n in PREFILL_TOKENS]
+    return shapes + [("skewed", n, prompt(n) if rank == 0 else prompt(1)) for n in PREFILL_TOKENS]
 
 
 def calibrate(folder: Path, ranks: int) -> dict[str, Any]:
@@ -122,31 +136,35 @@ def calibrate(folder: Path, ranks: int) -> dict[str, Any]:
     procs = [context.Process(target=_calibration_rank, args=(str(folder), port, r, ranks, out)) for r in range(ranks)]
     for p in procs:
         p.start()
-    points = [out.get(timeout=600) for _ in range(ranks * (len(DECODE_BATCHES) + len(PREFILL_TOKENS)))]
+    points = [out.get(timeout=600) for _ in range(ranks * (len(DECODE_BATCHES) + 2 * len(PREFILL_TOKENS)))]
     for p in procs:
         p.join(60)
     rows = [dict(zip(("rank", "kind", "tokens", "forward_s", "exchange_s"), p, strict=True)) for p in points]
-    return {"points": rows, "costs": asdict(fit(rows))}
+    costs = fit(rows)
+    return {"points": rows, "costs": asdict(costs), "exchange_residuals_s": exchange_residuals(rows, costs)}
+
+
+def _mean(points: list[dict[str, Any]], kind: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each size of ``kind`` and ``key``'s mean over the ranks (over rank 0, the busiest, for
+    ``skewed``: the others' exchange time is mostly waiting for it)."""
+    mine = [p for p in points if p["kind"] == kind and (kind != "skewed" or p["rank"] == 0)]
+    sizes = sorted({p["tokens"] for p in mine})
+    return np.array(sizes, dtype=float), np.array([np.mean([p[key] for p in mine if p["tokens"] == s]) for s in sizes])
 
 
 def fit(points: list[dict[str, Any]]) -> SimConfig:
-    """The sim's costs from the calibration's medians (averaged over ranks): a least-squares line
-    through the exchange seconds against tokens per rank (the all-to-all's fixed and per-token
-    cost), through the decode forwards' compute (the rest) against the batch, and the prefill
-    forwards' compute per token."""
-
-    def mean(kind: str, key: str) -> tuple[np.ndarray, np.ndarray]:
-        sizes = sorted({p["tokens"] for p in points if p["kind"] == kind})
-        values = [np.mean([p[key] for p in points if p["kind"] == kind and p["tokens"] == s]) for s in sizes]
-        return np.array(sizes, dtype=float), np.array(values)
-
-    tokens = np.concatenate([mean(kind, "exchange_s")[0] for kind in ("decode", "prefill")])
-    exchange = np.concatenate([mean(kind, "exchange_s")[1] for kind in ("decode", "prefill")])
+    """The sim's costs from the calibration's medians: least-squares lines through the exchange
+    seconds against the busiest rank's tokens, every shape (the all-to-all's fixed and per-token
+    cost), through the decode forwards' compute (the rest) against the batch, and through the
+    prefill forwards' compute against the prompt (its slope: the per-token cost)."""
+    kinds = [kind for kind in ("decode", "prefill", "skewed") if any(p["kind"] == kind for p in points)]
+    tokens = np.concatenate([_mean(points, kind, "exchange_s")[0] for kind in kinds])
+    exchange = np.concatenate([_mean(points, kind, "exchange_s")[1] for kind in kinds])
     a2a_per_token, a2a = np.polyfit(tokens, exchange, 1)
-    batch, decode_total = mean("decode", "forward_s")
-    per_seq, step = np.polyfit(batch, decode_total - mean("decode", "exchange_s")[1], 1)
-    prompt, prefill_total = mean("prefill", "forward_s")
-    per_token = float(np.mean((prefill_total - mean("prefill", "exchange_s")[1]) / prompt))
+    batch, decode_total = _mean(points, "decode", "forward_s")
+    per_seq, step = np.polyfit(batch, decode_total - _mean(points, "decode", "exchange_s")[1], 1)
+    prompt, prefill_total = _mean(points, "prefill", "forward_s")
+    per_token = float(np.polyfit(prompt, prefill_total - _mean(points, "prefill", "exchange_s")[1], 1)[0])
     return SimConfig(
         prefill_s_per_token=max(per_token, 0.0),
         decode_step_s=max(float(step), 0.0),
@@ -154,6 +172,17 @@ def fit(points: list[dict[str, Any]]) -> SimConfig:
         a2a_s=max(float(a2a), 0.0),
         a2a_s_per_token=max(float(a2a_per_token), 0.0),
     )
+
+
+def exchange_residuals(points: list[dict[str, Any]], costs: SimConfig) -> dict[str, list[float]]:
+    """Per shape kind, measured minus modelled exchange seconds at each size: how far the sim's
+    model (fixed + per token of the busiest rank) is from the calibration's own points."""
+    residuals = {}
+    for kind in ("decode", "prefill", "skewed"):
+        sizes, measured = _mean(points, kind, "exchange_s")
+        modelled = costs.a2a_s + costs.a2a_s_per_token * sizes
+        residuals[kind] = [round(float(m), 5) for m in measured - modelled]
+    return residuals
 
 
 def capacity(costs: SimConfig, ranks: int, cpu_share: float) -> float:
@@ -200,11 +229,17 @@ class PaddleEpSystem(LocalSystem):
         return ranks
 
 
-def _prompt(request: TraceRequest, index: int) -> list[int]:
-    """Request ``index``'s own prompt: random tokens, so that no prefix cache hit flatters a run."""
-    return [
-        int(t) for t in np.random.default_rng([index, request.prompt_tokens]).integers(0, 256, request.prompt_tokens)
-    ]
+def _prompts(seed: int, load: str) -> Callable[[TraceRequest, int], list[int]]:
+    """Each request's own prompt in the trace of ``seed`` and ``load``: random tokens, drawn from
+    all three, so that no prefix cache hit (within a trace, or of an earlier load's on the same
+    system) flatters a run."""
+    salt = list(LOAD_SHARES).index(load)
+
+    def prompt(request: TraceRequest, index: int) -> list[int]:
+        rng = np.random.default_rng([seed, salt, index])
+        return [int(t) for t in rng.integers(0, 256, request.prompt_tokens)]
+
+    return prompt
 
 
 @dataclass
@@ -215,7 +250,11 @@ class Measured:
 
 
 def _measure(
-    system: PaddleEpSystem, trace: list[TraceRequest], into: Measured, progress: Callable[[str], None]
+    system: PaddleEpSystem,
+    trace: list[TraceRequest],
+    prompts: Callable[[TraceRequest, int], list[int]],
+    into: Measured,
+    progress: Callable[[str], None],
 ) -> None:
     time.sleep(2.0)  # the previous trace's drain settles into the counters
     before = {(r["role"], r["dp_rank"]): r for r in system.per_rank()}
@@ -226,7 +265,7 @@ def _measure(
         return np.sum(prefill, axis=0), np.sum(decode, axis=0)
 
     first = snapshot()
-    done = asyncio.run(_replay(f"{system.base_url}/v1", trace, snapshot, prompt_of=_prompt))
+    done = asyncio.run(_replay(f"{system.base_url}/v1", trace, snapshot, prompt_of=prompts))
     runs = into.runs
     runs.ttfts += done.ttfts
     runs.tpots += done.tpots
@@ -291,7 +330,7 @@ def _run_processes(
             try:
                 for load in config.loads:
                     progress(f"processes: {config.ranks}+{config.ranks} ranks, {mode}, {load} load, seed {seed}")
-                    _measure(system, traces[(load, seed)], measured[(mode, load)], progress)
+                    _measure(system, traces[(load, seed)], _prompts(seed, load), measured[(mode, load)], progress)
             finally:
                 system.stop()
     return measured

@@ -24,6 +24,8 @@ def points(costs: SimConfig) -> list[dict[str, object]]:
             rows.append(
                 {"rank": rank, "kind": "prefill", "tokens": prompt, "forward_s": forward, "exchange_s": exchange}
             )
+            waited = exchange + (costs.prefill_s_per_token * prompt if rank else 0.0)  # the others wait for rank 0
+            rows.append({"rank": rank, "kind": "skewed", "tokens": prompt, "forward_s": forward, "exchange_s": waited})
     return rows
 
 
@@ -34,6 +36,9 @@ def test_the_fit_recovers_the_costs_the_points_were_made_of() -> None:
     fitted = ep_paddle.fit(points(made))
     for name in ep_paddle.COSTS:
         assert getattr(fitted, name) == pytest.approx(getattr(made, name), rel=1e-6), name
+    residuals = ep_paddle.exchange_residuals(points(made), fitted)  # the busiest rank's: on the line
+    assert set(residuals) == {"decode", "prefill", "skewed"}
+    assert all(abs(r) < 1e-9 for kind in residuals.values() for r in kind)
 
 
 def test_the_capacity_is_what_the_ranks_prefill_of_the_mean_prompt_at_their_share() -> None:
