@@ -80,6 +80,9 @@ class WorkerLoad:
     """DP ranks, cumulative: time in steps where this rank ran an idle forward."""
     busy_time_us: int = 0
     """DP ranks, cumulative: time computing this rank's own prefill or decode."""
+    idle_forward_us: int = 0
+    """DP ranks, cumulative: time inside its idle forwards (the forward itself, no barrier: under
+    expert parallelism its exchanges, and its experts' compute for the other ranks' tokens)."""
     forward_ends_ms: int = 0
     """DP ranks: when the forward this rank is running should end (its wall clock, ms, from
     its own estimate; 0 before its first). Stagger windows close just before a group's end."""

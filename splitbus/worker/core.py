@@ -66,6 +66,7 @@ COUNTERS = (
     "step_time_us",
     "idle_time_us",
     "busy_time_us",
+    "idle_forward_us",
     "forward_ends_ms",
     "dp_epoch",
 )

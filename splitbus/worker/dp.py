@@ -426,6 +426,8 @@ class DpStepper:
         self.steps.counters["idle_time_us" if action == "idle" else "busy_time_us"] += int(
             (step_s if action == "idle" else act_s) * 1e6
         )
+        if action == "idle":
+            self.steps.counters["idle_forward_us"] += int(act_s * 1e6)
 
     def plan(self) -> StepPlan:
         queued, running = self.table.of(Status.QUEUED), self.table.count(Status.RUNNING)

@@ -57,6 +57,11 @@ COUNTERS = {  # field: (name, help, scale)
         "DP ranks: time computing this rank's own prefill or decode.",
         1e-6,
     ),
+    "idle_forward_us": (
+        "splitbus_worker_dp_idle_forward_seconds",
+        "DP ranks: time inside idle forwards (under EP: their exchanges and experts' work for other ranks).",
+        1e-6,
+    ),
 }
 
 EXPERTS = ("splitbus_worker_experts", "MoE workers: experts in each MoE layer of the model (0: a dense model).")

@@ -57,6 +57,7 @@ def test_ranks_step_together_and_count_idle_forwards(tmp_path: Path) -> None:
         for h in ranks.values():  # the step time covers both kinds of step
             assert int(h["busy_time_us"]) + int(h["idle_time_us"]) <= int(h["step_time_us"])
             assert (int(h["idle_time_us"]) > 0) == (int(h["idle_forwards"]) > 0)
+            assert 0 <= int(h["idle_forward_us"]) <= int(h["idle_time_us"])  # the forward, inside its step
         for h in ranks.values():  # each rank announced when its forwards would end (stagger windows close there)
             assert sent_ms <= int(h["forward_ends_ms"]) <= time.time() * 1000
         _assert_lock_step(system)
