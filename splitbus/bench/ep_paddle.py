@@ -56,6 +56,9 @@ DECODE_BATCHES = (1, 4, 16, 64)
 PREFILL_TOKENS = (64, 256, 1024)
 CALIBRATION_REPEATS = 5
 ROLES = (Role.PREFILL, Role.DECODE)
+PER_RANK_COUNTERS = ("steps", "idle_forwards", "idle_time_us", "idle_forward_us")
+"""Per rank, over a trace: group steps, idle forwards, time in the steps it idled (barrier
+included), time inside its idle forwards (the compute EP makes an idle rank spend)."""
 COSTS = ("prefill_s_per_token", "decode_step_s", "decode_s_per_seq", "a2a_s", "a2a_s_per_token")
 """The sim costs the calibration measures (the rest keep their defaults)."""
 
@@ -220,7 +223,7 @@ class PaddleEpSystem(LocalSystem):
         import redis
 
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
-        fields = ("role", "dp_rank", "dp_epoch", *RANK_COUNTERS)
+        fields = ("role", "dp_rank", "dp_epoch", *RANK_COUNTERS, *PER_RANK_COUNTERS)
         ranks = []
         for worker in cast("list[str]", client.zrange(Keys().workers, 0, -1)):
             values = cast("list[str | None]", client.hmget(Keys().worker(worker), *fields))
@@ -246,6 +249,8 @@ def _prompts(seed: int, load: str) -> Callable[[TraceRequest, int], list[int]]:
 class Measured:
     runs: ProcessRuns = field(default_factory=ProcessRuns)
     per_rank: dict[str, list[int]] = field(default_factory=dict)
+    restarted: int = 0
+    """Ranks whose counters a restart reset during a trace (left out of ``per_rank`` for it)."""
     """``role:rank`` -> forwards, idle forwards and microseconds in idle steps, over the runs."""
 
 
@@ -277,11 +282,13 @@ def _measure(
     runs.decode += done.at_last_arrival[1] - first[1]
     runs.tokens, runs.elapsed_s = runs.tokens + done.tokens, runs.elapsed_s + done.elapsed_s
     for rank in system.per_rank():
-        was = before.get((rank["role"], rank["dp_rank"]), {c: 0 for c in RANK_COUNTERS})
-        moved = [rank["steps"] - was["steps"], rank["idle_forwards"] - was["idle_forwards"]]
-        moved.append(rank["idle_time_us"] - was["idle_time_us"])
+        was = before.get((rank["role"], rank["dp_rank"]))
+        if was is None or was["dp_epoch"] != rank["dp_epoch"]:  # restarted: its counters began again
+            into.restarted += 1
+            continue
+        moved = [rank[c] - was[c] for c in PER_RANK_COUNTERS]
         key = f"{rank['role']}:{rank['dp_rank']}"
-        into.per_rank[key] = [a + b for a, b in zip(into.per_rank.get(key, [0, 0, 0]), moved, strict=True)]
+        into.per_rank[key] = [a + b for a, b in zip(into.per_rank.get(key, [0] * len(moved)), moved, strict=True)]
 
 
 def run_paddle_ep_bench(config: PaddleEpConfig, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -345,10 +352,12 @@ def _process_row(
         "failed": m.runs.failed,
         "seeds_ttft_p50_s": [round(p, 4) for p in m.runs.run_p50s],
         "per_rank": {
-            k: dict(zip(("forwards", "idle_forwards", "idle_step_s"), v, strict=True))
+            k: {c: round(n / 1e6, 3) if c.endswith("_us") else n for c, n in zip(PER_RANK_COUNTERS, v, strict=True)}
             for k, v in sorted(m.per_rank.items())
         },  # fmt: skip
         "idle_step_s": round(sum(v[2] for v in m.per_rank.values()) / 1e6, 3),
+        "idle_forward_s": round(sum(v[3] for v in m.per_rank.values()) / 1e6, 3),
+        "ranks_restarted": m.restarted,
     }
 
 
@@ -364,7 +373,7 @@ def table(report: dict[str, Any]) -> str:
     head = f"{'backend':<22} {'load':<9} {'mode':<10} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':>8} "
     rows = [head + f"{'P idle':>6} {'idle s':>7} {'out tok/s':>9}"]
     for r in _by_mode(report):
-        idle = "-" if r.get("idle_step_s") is None else f"{r['idle_step_s']:.2f}"
+        idle = "-" if r.get("idle_forward_s") is None else f"{r['idle_forward_s']:.2f}"
         rows.append(
             f"{r['backend']:<22} {r['load']:<9} {r['mode']:<10} {r['ttft_p50_s'] * 1000:>8.1f} "
             f"{r['ttft_p99_s'] * 1000:>8.1f} {r['tpot_p50_s'] * 1000:>8.2f} {r['prefill_idle_forward_ratio']:>6.3f} "
@@ -372,8 +381,8 @@ def table(report: dict[str, Any]) -> str:
         )
     costs = report["calibration"]["costs"]
     rows.append(
-        "ms; P idle: idle forwards per prefill rank-step; idle s: seconds of steps in which a rank ran an idle "
-        "forward, every rank's added"
+        "ms; P idle: idle forwards per prefill rank-step; idle s: seconds inside idle forwards (exchanges and "
+        "experts' work for the others), every rank's added"
     )
     rows.append("calibrated: " + ", ".join(f"{k} {costs[k]:.3g}" for k in COSTS))
     return "\n".join(rows)
@@ -388,7 +397,7 @@ def _by_mode(report: dict[str, Any]) -> list[dict[str, Any]]:
             model.setdefault((r["load"], r["mode"]), []).append(r)
     for runs in model.values():
         numbers = {k: float(np.mean([r[k] for r in runs])) for k, v in runs[0].items() if isinstance(v, float)}
-        rows.append({**runs[0], **numbers, "idle_step_s": None})
+        rows.append({**runs[0], **numbers, "idle_forward_s": None})
     return rows
 
 
@@ -401,7 +410,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     rows = _by_mode(report)
     by = {(r["backend"], r["load"], r["mode"]): r for r in rows}
     keys = sorted({(r["backend"], r["load"]) for r in rows}, key=lambda k: (k[0], list(LOAD_SHARES).index(k[1])))
-    metrics = ("ttft_p50_s", "idle_step_s", "prefill_idle_forward_ratio", "output_throughput")
+    metrics = ("ttft_p50_s", "idle_forward_s", "prefill_idle_forward_ratio", "output_throughput")
     fig, axes = plt.subplots(len(metrics), 1, figsize=(max(8, len(keys) * 1.2), 3 * len(metrics)))
     for ax, metric in zip(axes, metrics, strict=True):
         change = [_change(by[k + ("staggered",)].get(metric), by[k + ("naive",)].get(metric)) for k in keys]

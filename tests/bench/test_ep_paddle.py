@@ -59,7 +59,7 @@ def test_the_table_averages_the_models_seeds_beside_the_processes_rows() -> None
     base = {"ranks": 4, "cost_scale": 1.0, "ttft_p99_s": 0.2, "tpot_p50_s": 0.01, "output_throughput": 10.0}
     base |= {"prefill_idle_forward_ratio": 0.5, "decode_idle_forward_ratio": 0.1, "load": "moderate"}
     results = [
-        {**base, "backend": "paddle processes", "mode": "naive", "ttft_p50_s": 1.0, "idle_step_s": 3.0},
+        {**base, "backend": "paddle processes", "mode": "naive", "ttft_p50_s": 1.0, "idle_forward_s": 3.0},
         {**base, "backend": "calibrated simulation", "mode": "naive", "ttft_p50_s": 0.2, "seed": 1},
         {**base, "backend": "calibrated simulation", "mode": "naive", "ttft_p50_s": 0.4, "seed": 2},
     ]
