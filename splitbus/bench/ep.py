@@ -43,6 +43,8 @@ SIM_LOADS = {"low": 2.0, "moderate": 20.0, "high": 28.0}
 70 % and 95 % of the rate at which naive placement saturates the prefill group (TTFT p50 grows
 without bound past ~30 a rank; the decode group of as many ranks keeps up with all three)."""
 PROCESS_LOADS = {load: rate / PROCESS_COST_SCALE for load, rate in SIM_LOADS.items()}
+IDLE_FORWARD_S = scaled_costs(PROCESS_COST_SCALE, SimConfig()).forward_s("idle", 0)
+"""What one idle forward of a process rank computes (sleeps): the scaled sim engine's."""
 BACKENDS = ("simulation", "processes")
 ROW_FIELDS = (
     "backend",
@@ -54,6 +56,8 @@ ROW_FIELDS = (
     "tpot_p50_s",
     "prefill_idle_forward_ratio",
     "decode_idle_forward_ratio",
+    "prefill_idle_compute_s",
+    "decode_idle_compute_s",
     "decode_step_imbalance",
     "output_throughput",
 )
@@ -73,6 +77,9 @@ class EpBenchConfig:
     """Runs of each trace per mode on the processes, pooled."""
     loads: tuple[str, ...] = tuple(SIM_LOADS)
     seed: int = 1
+    max_wait_s: float = MAX_WAIT_S
+    """The stagger window's bound (``--stagger-max-wait-ms``), before the costs' scale: the
+    scheduler's default unless a run compares another."""
 
     def __post_init__(self) -> None:
         # In two halves (each check in the order it always ran: the first failure is the one reported).
@@ -86,8 +93,8 @@ class EpBenchConfig:
             raise ValueError("--sim-ranks, --process-ranks and --runs must be >= 1")
 
     def _check_durations_and_loads(self) -> None:
-        if self.duration_s <= 0 or self.process_duration_s <= 0:
-            raise ValueError("--duration and --process-duration must be positive")
+        if self.duration_s <= 0 or self.process_duration_s <= 0 or self.max_wait_s <= 0:
+            raise ValueError("--duration, --process-duration and --stagger-max-wait-ms must be positive")
         if not self.loads or any(load not in SIM_LOADS for load in self.loads):
             raise ValueError(f"--loads must be among {tuple(SIM_LOADS)}")
 
@@ -104,6 +111,8 @@ def row(backend: str, ranks: int, load: str, mode: str, cost_scale: float, resul
         "tpot_p50_s": round(result.tpot_p50_s, 5),
         "prefill_idle_forward_ratio": round(result.prefill_idle_forward_ratio, 4),
         "decode_idle_forward_ratio": round(result.decode_idle_forward_ratio, 4),
+        "prefill_idle_compute_s": _seconds(result.prefill_idle_compute_s),
+        "decode_idle_compute_s": _seconds(result.decode_idle_compute_s),
         "decode_step_imbalance": None
         if np.isnan(result.decode_step_imbalance)
         else round(result.decode_step_imbalance, 4),
@@ -112,8 +121,17 @@ def row(backend: str, ranks: int, load: str, mode: str, cost_scale: float, resul
     }
 
 
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def simulate(
-    ranks: int, load: str, trace: list[TraceRequest], seed: int, cost_scale: float = 1.0
+    ranks: int,
+    load: str,
+    trace: list[TraceRequest],
+    seed: int,
+    cost_scale: float = 1.0,
+    max_wait_s: float = MAX_WAIT_S,
 ) -> list[dict[str, Any]]:
     costs = scaled_costs(cost_scale, SimConfig())
     return [
@@ -123,7 +141,7 @@ def simulate(
             load,
             mode,
             cost_scale,
-            EpSimulation(ranks, mode == "staggered", costs, MAX_WAIT_S * cost_scale, ALIGN_MS * cost_scale, seed).run(
+            EpSimulation(ranks, mode == "staggered", costs, max_wait_s * cost_scale, ALIGN_MS * cost_scale, seed).run(
                 trace
             ),
         )
@@ -151,15 +169,19 @@ class ProcessRuns:
     """The client's worst event-loop lag in any run (``Replayed.client_lag_s``)."""
     run_p50s: list[float] = field(default_factory=list)
 
-    def result(self, requests: int) -> EpResult:
-        """The pooled numbers. A decode step's per-rank times are not in the ranks' counters (they
-        are cumulative), so its imbalance is NaN here."""
+    def result(self, requests: int, runs: int = 1, idle_forward_s: float | None = None) -> EpResult:
+        """The pooled numbers; idle-forward compute per run, each idle forward costing
+        ``idle_forward_s`` (what the sim engine sleeps in one; None for an engine whose idle
+        forwards cost what they compute: not known here). A decode step's per-rank times are not in
+        the ranks' counters (they are cumulative), so its imbalance is NaN here."""
         return EpResult(
             ttft_p50_s=float(np.percentile(self.ttfts, 50)),
             ttft_p99_s=float(np.percentile(self.ttfts, 99)),
             tpot_p50_s=float(np.percentile(self.tpots, 50)) if self.tpots else 0.0,
             prefill_idle_forward_ratio=self.prefill[1] / max(self.prefill[0], 1),
             decode_idle_forward_ratio=self.decode[1] / max(self.decode[0], 1),
+            prefill_idle_compute_s=None if idle_forward_s is None else self.prefill[1] * idle_forward_s / runs,
+            decode_idle_compute_s=None if idle_forward_s is None else self.decode[1] * idle_forward_s / runs,
             decode_step_imbalance=float("nan"),
             output_throughput=self.tokens / max(self.elapsed_s, 1e-9),
             requests=requests,
@@ -212,7 +234,7 @@ def run_processes(config: EpBenchConfig, progress: Callable[[str], None]) -> lis
             _run_mode(config, run, mode, traces, pooled, progress)
     rows = [_process_row(config, ranks, mode, load, runs, len(traces[load])) for (mode, load), runs in pooled.items()]
     for load, trace in traces.items():
-        rows += simulate(ranks, load, trace, config.seed, PROCESS_COST_SCALE)
+        rows += simulate(ranks, load, trace, config.seed, PROCESS_COST_SCALE, config.max_wait_s)
     return rows
 
 
@@ -226,7 +248,7 @@ def _run_mode(
 ) -> None:
     """One run of every load's trace in one mode, on one system of rank processes started for it."""
     ranks = config.process_ranks
-    system = _System(ranks, mode == "staggered", PROCESS_COST_SCALE, SimConfig(), _topology(ranks))
+    system = _System(ranks, mode == "staggered", PROCESS_COST_SCALE, SimConfig(), _topology(ranks), config.max_wait_s)
     try:
         for load, trace in traces.items():
             progress(f"processes: {ranks}+{ranks} ranks, {mode}, {load} load, run {run + 1} of {config.runs}")
@@ -239,7 +261,7 @@ def _process_row(
     config: EpBenchConfig, ranks: int, mode: str, load: str, runs: ProcessRuns, requests: int
 ) -> dict[str, Any]:
     return {
-        **row("processes", ranks, load, mode, PROCESS_COST_SCALE, runs.result(requests)),
+        **row("processes", ranks, load, mode, PROCESS_COST_SCALE, runs.result(requests, config.runs, IDLE_FORWARD_S)),
         "runs": config.runs,
         "failed": runs.failed,
         "failures": dict(runs.failures.most_common(5)),
@@ -257,12 +279,13 @@ def run_ep_bench(config: EpBenchConfig, progress: Callable[[str], None]) -> dict
             for load in config.loads:
                 progress(f"simulation: {ranks}+{ranks} ranks, {load} load")
                 trace = _trace(SIM_LOADS[load] * ranks, config.duration_s, config.seed, f"{load}-load simulated")
-                results += simulate(ranks, load, trace, config.seed)
+                results += simulate(ranks, load, trace, config.seed, max_wait_s=config.max_wait_s)
     return {
         "seed": config.seed,
         "duration_s": config.duration_s,
         "process_duration_s": config.process_duration_s,
         "runs": config.runs,
+        "stagger_max_wait_s": config.max_wait_s,
         "sim_loads_per_prefill_rank": SIM_LOADS,
         "process_loads_per_prefill_rank": PROCESS_LOADS,
         "process_cost_scale": PROCESS_COST_SCALE,

@@ -74,6 +74,8 @@ class DecodeGroup:
         self.now = 0.0
         self.arrivals_end = 0.0
         self.rank_steps = self.idle_steps = 0
+        self.idle_compute_s = 0.0
+        """The ranks' compute in idle forwards over the counted steps."""
         self.imbalances: list[float] = []
 
     def place(self, req: EpRequest) -> None:
@@ -119,6 +121,7 @@ class DecodeGroup:
     def _account(self, actions: list[str], compute: list[float]) -> None:
         self.rank_steps += len(actions)
         self.idle_steps += actions.count("idle")
+        self.idle_compute_s += sum(c for c, a in zip(compute, actions, strict=True) if a == "idle")
         self.imbalances.append(max(compute) / (sum(compute) / len(compute)))
 
     def _decode(self, rank: DecodeRank) -> None:
@@ -172,6 +175,12 @@ class EpResult:
     prefill_idle_forward_ratio: float
     """Idle forwards per prefill rank-step (steps that start by the last arrival)."""
     decode_idle_forward_ratio: float
+    prefill_idle_compute_s: float | None
+    """Seconds of the prefill ranks' compute spent in idle forwards (each one costs
+    ``SimConfig.forward_s("idle")``), over the same steps, per run: the waste staggering exists
+    to cut. A ratio per rank-step moves with how many steps a mode takes; this does not. None
+    where an idle forward's cost is not known (a real engine's processes)."""
+    decode_idle_compute_s: float | None
     decode_step_imbalance: float
     """Mean over decode steps of the busiest rank's compute over the ranks' mean compute (an idle
     forward counts as its cost): 1.0 is a perfectly even group."""
@@ -222,6 +231,8 @@ class EpSimulation:
             tpot_p50_s=float(np.percentile(tpots, 50)) if tpots else 0.0,
             prefill_idle_forward_ratio=self.prefill.idle_steps / max(self.prefill.rank_steps, 1),
             decode_idle_forward_ratio=self.decode.idle_steps / max(self.decode.rank_steps, 1),
+            prefill_idle_compute_s=self.prefill.idle_compute_s,
+            decode_idle_compute_s=self.decode.idle_compute_s,
             decode_step_imbalance=float(np.mean(self.decode.imbalances)) if self.decode.imbalances else 1.0,
             output_throughput=_throughput(requests),
             requests=len(requests),

@@ -450,7 +450,7 @@ def api_plot(report: dict[str, Any], path: Path) -> None:
 def ep_table(report: dict[str, Any]) -> str:
     rows = [
         f"{'backend':<11} {'ranks':>5} {'costs':>5} {'load':<9} {'mode':<10} {'TTFT p50':>8} {'TTFT p99':>8} "
-        f"{'TPOT p50':>8} {'P idle':>6} {'D idle':>6} {'D imbal':>7} {'out tok/s':>9}"
+        f"{'TPOT p50':>8} {'P idle':>6} {'P idle s':>8} {'D idle':>6} {'D idle s':>8} {'D imbal':>7} {'out tok/s':>9}"
     ]
     for r in report["results"]:
         imbalance = "-" if r["decode_step_imbalance"] is None else f"{r['decode_step_imbalance']:.3f}"
@@ -458,12 +458,18 @@ def ep_table(report: dict[str, Any]) -> str:
             f"{r['backend']:<11} {r['ranks']:>5} {'x' + format(r['cost_scale'], 'g'):>5} {r['load']:<9} "
             f"{r['mode']:<10} {r['ttft_p50_s'] * 1000:>8.1f} {r['ttft_p99_s'] * 1000:>8.1f} "
             f"{r['tpot_p50_s'] * 1000:>8.2f} {r['prefill_idle_forward_ratio']:>6.3f} "
-            f"{r['decode_idle_forward_ratio']:>6.3f} {imbalance:>7} {r['output_throughput']:>9,.0f}"
+            f"{_optional(r['prefill_idle_compute_s']):>8} {r['decode_idle_forward_ratio']:>6.3f} "
+            f"{_optional(r['decode_idle_compute_s']):>8} {imbalance:>7} {r['output_throughput']:>9,.0f}"
         )
     rows.append(
-        "ms; P/D idle: idle forwards per prefill/decode rank-step; D imbal: busiest/mean decode rank compute per step"
+        "ms; P/D idle: idle forwards per prefill/decode rank-step; P/D idle s: seconds of compute in idle forwards "
+        "per run; D imbal: busiest/mean decode rank compute per step"
     )
     return "\n".join(rows)
+
+
+def _optional(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"
 
 
 def ep_plot(report: dict[str, Any], path: Path) -> None:
@@ -475,7 +481,7 @@ def ep_plot(report: dict[str, Any], path: Path) -> None:
     )
     by = {(*_stagger_key(r), r["mode"]): r for r in report["results"]}
     labels = [f"{'proc' if b == 'processes' else 'sim'} {n}+{n} x{scale:g}\n{load}" for b, n, scale, load in keys]
-    metrics = ("ttft_p50_s", "ttft_p99_s", "prefill_idle_forward_ratio", "output_throughput")
+    metrics = ("ttft_p50_s", "ttft_p99_s", "prefill_idle_compute_s", "output_throughput")
     fig, axes = plt.subplots(len(metrics), 1, figsize=(max(10, len(keys) * 0.9), 3.2 * len(metrics)))
     for ax, metric in zip(axes, metrics, strict=True):
         _ep_change(ax, metric, [(by[k + ("staggered",)][metric], by[k + ("naive",)][metric]) for k in keys])

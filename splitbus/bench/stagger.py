@@ -32,6 +32,8 @@ MAX_WAIT_S = 0.05
 ALIGN_MS = 20.0
 """The defaults of ``--stagger-max-wait-ms`` and ``--dp-align-ms``; scaled with the costs."""
 MODES = ("naive", "staggered")
+LETTERS = (97, 123)
+"""The token ids of the replayed prompts' letters, ``a`` to ``z`` (the old prompts' one token was ``a``)."""
 RANK_COUNTERS = ("steps", "idle_forwards", "step_time_us", "idle_time_us", "busy_time_us")
 
 
@@ -158,7 +160,13 @@ class _System(LocalSystem):
     """``splitbus up --engine sim --dp N`` (or the ``topology`` given), naive or staggered."""
 
     def __init__(
-        self, ranks: int, staggered: bool, cost_scale: float, base: SimConfig = NO_EP, topology: tuple[str, ...] = ()
+        self,
+        ranks: int,
+        staggered: bool,
+        cost_scale: float,
+        base: SimConfig = NO_EP,
+        topology: tuple[str, ...] = (),
+        max_wait_s: float = MAX_WAIT_S,
     ) -> None:
         costs = scaled_costs(cost_scale, base)
         worker = {
@@ -169,7 +177,7 @@ class _System(LocalSystem):
             "--sim-ep-a2a-us-per-token": costs.a2a_s_per_token * 1e6,
             "--dp-align-ms": ALIGN_MS * cost_scale if staggered else 0,
         }
-        scheduler = {"--stagger-max-wait-ms": MAX_WAIT_S * 1e3 * cost_scale} if staggered else {"--no-stagger": None}
+        scheduler = {"--stagger-max-wait-ms": max_wait_s * 1e3 * cost_scale} if staggered else {"--no-stagger": None}
         args = [f"--worker-arg={a}" for flag, value in worker.items() for a in (flag, f"{value:g}")]
         args += [
             f"--scheduler-arg={a}"
@@ -221,8 +229,8 @@ async def _replay(
 ) -> Replayed:
     """Send the trace through the API at its arrival times; TTFTs, TPOTs, tokens, seconds taken,
     and what ``at_last_arrival`` returned as the last request went out. ``prompt_of``: request
-    ``i``'s prompt (default: its length of one token, which a sim engine reads only for its
-    length)."""
+    ``i``'s prompt (default: ``distinct_prompt``, which a sim engine reads only for its length
+    and its prefix cache)."""
     import openai
 
     client = openai.AsyncOpenAI(
@@ -246,7 +254,7 @@ async def _replay(
         await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
         sent = time.perf_counter()
         progress[0] = sent
-        prompt = prompt_of(req, index) if prompt_of else [97] * req.prompt_tokens
+        prompt = prompt_of(req, index) if prompt_of else distinct_prompt(req, index)
         stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=req.output_tokens, stream=True)
         first, last, tokens = None, 0.0, 0
         async for chunk in stream:
@@ -274,6 +282,17 @@ async def _replay(
     return Replayed(
         [r[0] for r in answered], tpots, sum(r[1] for r in answered), elapsed, counters, failed, meter.worst_s
     )
+
+
+def distinct_prompt(req: TraceRequest, index: int) -> list[int]:
+    """The prompt sent for a trace's ``index``-th request: ``prompt_tokens`` random letters, seeded
+    by the index and the arrival time, so no two requests of a trace, or of the traces one
+    system replays in turn, share a prefix (a block of 16 letters matches by chance with odds of
+    26^-16). The prompts used to be one token repeated: every prompt was a prefix of the longer
+    ones, and cache-aware placement (issue 23) sent nearly every request to the one rank that
+    held the longest run of it (docs/benchmarks.md, ``bench ep``)."""
+    rng = np.random.default_rng([index, int(req.arrival_s * 1e9)])
+    return [int(t) for t in rng.integers(LETTERS[0], LETTERS[1], req.prompt_tokens)]
 
 
 class LagMeter:

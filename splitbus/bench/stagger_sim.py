@@ -131,6 +131,10 @@ class GroupSimulation:
         self.all_rank_steps = self.all_idle_steps = 0
         self.batches = 0
         self.rank_time_s = self.idle_time_s = self.busy_time_s = 0.0
+        self.idle_compute_s = 0.0
+        """The ranks' compute in idle forwards (each costs ``forward_s("idle")``), over the
+        counted steps: what EP's lock-step wastes, where ``idle_time_s`` is the time the idle
+        ranks spent in those steps, waiting for the others included."""
         self.rng = random.Random(seed)
 
     def run(self, trace: list[TraceRequest]) -> SimResult:
@@ -154,12 +158,19 @@ class GroupSimulation:
             if self.window is None:
                 self._place_naive(req)
                 continue
+            self._close_window(req.trace.arrival_s)  # it closed before this arrival, in the step
             if self.window.opened_at is None:
                 self.window.open(req.trace.arrival_s, self.step_ends)  # no dispatch delay to allow for here
             self.window.add(req)
-        if self.window is not None and self.window.ready(self.now):
-            self._place_batch(self.window.release())
+        self._close_window(self.now)
         return upcoming
+
+    def _close_window(self, at: float) -> None:
+        """Place the window's batch if it closed by ``at``. A window that closed in the middle of
+        the step (its bound, ``max_wait_s``, came before the step's end) is placed on the loads the
+        step started from, as the processes place it: ranks take work only at the step's end."""
+        if self.window is not None and self.window.ready(at):
+            self._place_batch(self.window.release())
 
     def _place_naive(self, req: _Req) -> None:
         blocks = math.ceil((req.trace.prompt_tokens + req.trace.output_tokens) / BLOCK)
@@ -223,6 +234,7 @@ class GroupSimulation:
         self.rank_time_s += duration * len(actions)
         self.idle_time_s += duration * actions.count("idle")
         self.busy_time_s += sum(c for c, a in zip(costs, actions, strict=True) if a in ("prefill", "decode"))
+        self.idle_compute_s += sum(c for c, a in zip(costs, actions, strict=True) if a == "idle")
 
     def _plan(self, index: int, rank: _Rank) -> StepPlan:
         if not rank.queued:

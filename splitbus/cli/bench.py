@@ -130,6 +130,12 @@ def _add_ep(kinds: argparse._SubParsersAction, env: Env) -> None:
         default="sim",
         help="paddle: real MoE compute with --ep (processes, --runs seeds) and the sim's model calibrated from it",
     )
+    ep.add_argument(
+        "--stagger-max-wait-ms",
+        type=float,
+        default=None,
+        help="the stagger window's bound, scaled with the processes' costs (default: the scheduler's default)",
+    )
     ep.set_defaults(run=run_ep)
 
 
@@ -454,6 +460,7 @@ def run_ep(args: argparse.Namespace, env: Env) -> int:
             args.runs,
             tuple(args.loads),
             args.seed,
+            **({} if args.stagger_max_wait_ms is None else {"max_wait_s": args.stagger_max_wait_ms / 1e3}),
         ),
     )
     if config is None:

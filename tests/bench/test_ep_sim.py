@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from splitbus.bench import report
-from splitbus.bench.ep import ROW_FIELDS, EpBenchConfig, run_ep_bench
+from splitbus.bench.ep import ROW_FIELDS, EpBenchConfig, ProcessRuns, run_ep_bench
 from splitbus.bench.ep_sim import DecodeGroup, EpRequest, EpSimulation
 from splitbus.bench.stagger_sim import TraceRequest, poisson_trace
 from splitbus.worker.engines.sim import SimConfig
@@ -46,6 +47,10 @@ def test_one_request_ttft_is_one_prefill_group_step_and_tpot_one_decode_step() -
     # Decode: one sequence on one rank, the other idles (all-to-all of its 1 token).
     assert result.tpot_p50_s == pytest.approx(COSTS.group_step_s([("decode", 1), ("idle", 0)]))
     assert result.prefill_idle_forward_ratio == pytest.approx(0.5)
+    # Rank 1's one idle forward costs what the engine sleeps in one; the decode steps start after
+    # the (only) arrival, so none of theirs is counted.
+    assert result.prefill_idle_compute_s == pytest.approx(COSTS.forward_s("idle", 0))
+    assert result.decode_idle_compute_s == 0.0
 
 
 def test_the_decode_group_keeps_its_step_even() -> None:
@@ -60,6 +65,16 @@ def test_the_decode_group_keeps_its_step_even() -> None:
     group.place(extra := EpRequest(TraceRequest(0.0, 100, 50)))
     assert extra.decode_rank in (0, 1, 2, 3)
     assert max(r.load().sequences for r in group.ranks) == 2
+
+
+def test_process_runs_report_idle_forward_compute_per_run() -> None:
+    runs = ProcessRuns(ttfts=[0.1, 0.2], tpots=[0.01])
+    runs.prefill += np.array([40, 6, 0, 0, 0])  # two runs' counters, pooled: 6 idle forwards
+    runs.decode += np.array([40, 2, 0, 0, 0])
+    result = runs.result(requests=2, runs=2, idle_forward_s=0.016)
+    assert result.prefill_idle_compute_s == pytest.approx(3 * 0.016)
+    assert result.decode_idle_compute_s == pytest.approx(0.016)
+    assert result.prefill_idle_forward_ratio == pytest.approx(6 / 40)
 
 
 def test_the_json_rows_carry_the_promised_fields(tmp_path: Path) -> None:
@@ -82,6 +97,7 @@ def test_the_json_rows_carry_the_promised_fields(tmp_path: Path) -> None:
         {"runs": 0},
         {"loads": ("extreme",)},
         {"duration_s": 0.0},
+        {"max_wait_s": 0.0},
     ],
 )
 def test_bad_options_are_refused(bad: dict[str, object]) -> None:

@@ -16,6 +16,7 @@ from splitbus.bench.stagger import (
     SIM_LOADS,
     ProcessRuns,
     StaggerBenchConfig,
+    distinct_prompt,
     run_stagger_bench,
     scaled_costs,
 )
@@ -49,6 +50,29 @@ def test_time_shares_add_up_to_at_most_one() -> None:
         result = GroupSimulation(8, staggered=staggered, seed=3).run(trace)
         assert result.requests == len(trace)
         assert result.idle_time_ratio + result.step_utilization <= 1.0 + 1e-9
+
+
+def test_a_window_whose_bound_comes_in_the_middle_of_a_step_goes_out_there() -> None:
+    """As the scheduler's window does: b's window closes at its bound, inside a's prefill step,
+    and c, arriving after that, waits in a window of its own. The model used to close every window
+    at the step's end, crediting a short bound with one batch per step."""
+    # a's 1000-token prefill runs 50 ms (50 us a token); b and c arrive 10 and 40 ms into it.
+    trace = [TraceRequest(0.0, 1000, 1), TraceRequest(0.010, 100, 1), TraceRequest(0.040, 100, 1)]
+    short = GroupSimulation(2, staggered=True, max_wait_s=0.02)
+    long = GroupSimulation(2, staggered=True, max_wait_s=0.5)
+    short.run(trace)
+    long.run(trace)
+    # 20 ms: a alone (the group was idle), b at 30 ms, c at the step's end. 500 ms: b and c together.
+    assert (short.batches, long.batches) == (3, 2)
+
+
+def test_replayed_prompts_share_no_prefix_and_repeat_for_the_same_request() -> None:
+    trace = poisson_trace(200.0, 1.0, seed=1)
+    prompts = [distinct_prompt(req, i) for i, req in enumerate(trace)]
+    assert [len(p) for p in prompts] == [req.prompt_tokens for req in trace]
+    assert all(97 <= t <= 122 for p in prompts for t in p)
+    assert len({tuple(p[:16]) for p in prompts}) == len(trace)  # no two share their first KV block
+    assert distinct_prompt(trace[3], 3) == prompts[3]
 
 
 def test_a_request_that_fits_nowhere_is_an_error_not_a_drop(monkeypatch: pytest.MonkeyPatch) -> None:
