@@ -28,8 +28,8 @@ PROCESS_COST_SCALE = 4.0
 arrivals: the same load, relative to the group's capacity, as the simulation's, at a request
 rate that 2 shared cores keep up with (4 ranks, an API, a scheduler, Redis and the client)."""
 PROCESS_LOADS = {load: rate / PROCESS_COST_SCALE for load, rate in SIM_LOADS.items()}
-MAX_WAIT_S = 0.05
-ALIGN_MS = 20.0
+MAX_WAIT_S = 0.5
+ALIGN_MS = 0.0
 """The defaults of ``--stagger-max-wait-ms`` and ``--dp-align-ms``; scaled with the costs."""
 MODES = ("naive", "staggered")
 LETTERS = (97, 123)

@@ -26,7 +26,10 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     )
     p.add_argument("--no-stagger", action="store_true", help="dp, splitwise_dp: place each arrival at once (naive)")
     p.add_argument(
-        "--stagger-max-wait-ms", type=float, default=50.0, help="dp, splitwise_dp: longest hold of an arrival"
+        "--stagger-max-wait-ms",
+        type=float,
+        default=500.0,
+        help="dp, splitwise_dp: longest hold of an arrival (the window closes at the group's step end before that)",
     )
     add_redis_url_argument(p)
     p.add_argument("--name", default=None, help="consumer name (default: host and pid)")

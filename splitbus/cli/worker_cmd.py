@@ -64,7 +64,10 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--dp-rank", type=int, default=-1)
     p.add_argument("--dp-size", type=int, default=0)
     p.add_argument(
-        "--dp-align-ms", type=float, default=20.0, help="wait this long for the group's prefills to align (0: off)"
+        "--dp-align-ms",
+        type=float,
+        default=0.0,
+        help="wait this long for the group's prefills to align (default 0: off)",
     )
     p.add_argument(
         "--dp-barrier-timeout", type=float, default=5.0, help="seconds before a missing rank breaks the group"

@@ -12,9 +12,14 @@ whole step are spread together, on the loads the next step starts from, and reac
 time for it. Ranks take work only at a step boundary, so an arrival waits for it anyway: the
 hold moves that wait from the rank's queue to the window. A group that is not stepping has no
 boundary to wait for, and the window closes at once. It never holds an arrival longer than
-``max_wait_s``. The first version held arrivals for half of the group's recent step time
-instead; in real processes that released them in the middle of a step, a few at a time, and
-some missed the next step: see ``splitbus bench stagger`` in docs/benchmarks.md.
+``max_wait_s``, a bound for a step that overruns its announced end; it must sit above a long
+prefill step (the scheduler's default is 500 ms). At 50 ms, below an EP group's prefill steps
+under load, the window closed in the middle of each step and the step's arrivals went out in two
+to four batches, each water-filled without knowing the next, which lost most of what batching
+gains (``splitbus bench ep`` in docs/benchmarks.md). The first version held arrivals for half of
+the group's recent step time instead; in real processes that released them in the middle of a
+step, a few at a time, and some missed the next step: see ``splitbus bench stagger`` in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations

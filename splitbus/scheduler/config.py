@@ -59,9 +59,10 @@ class SchedulerConfig:
     stagger: bool = True
     """dp and splitwise_dp modes: hold (prefill) arrivals and release them as one batch spread
     over a group's ranks."""
-    stagger_max_wait_s: float = 0.05
-    """dp and splitwise_dp modes: the longest an arrival is held (the window closes earlier under
-    load)."""
+    stagger_max_wait_s: float = 0.5
+    """dp and splitwise_dp modes: the longest an arrival is held. The window closes as the group's
+    running step ends; this bounds the hold only when a step runs longer (or a rank announced a
+    wrong end), so it sits above a long prefill step (docs/dp.md, "Scheduler side")."""
 
     cost: CacheCost = DEFAULT_COST
     """How a worker's cached prompt tokens weigh against its load (``--overlap-weight``,

@@ -46,8 +46,11 @@ class WorkerConfig:
     role: mixed, prefill (each step a prefill or an idle forward) or decode (a decode or an idle one)."""
     dp_rank: int = -1
     dp_size: int = 0
-    dp_align_ms: float = 20.0
-    """A rank with new prefill work waits up to this long for the others' so prefills share a step (0: off)."""
+    dp_align_ms: float = 0.0
+    """A rank with new prefill work waits up to this long for the others' so prefills share a step
+    (0, the default: off). Off since the ranks bind late work: a batch part that comes just after
+    the plans were posted joins the step on its own rank, which the ranks that posted theirs cannot
+    see, so they waited out the step idle for it (docs/dp.md, "Engine side")."""
     dp_barrier_timeout_s: float = 5.0
     """A rank missing from a step for this long breaks the group."""
     ep: bool = False

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
+from splitbus.placement.policies.base import PolicyOptions
 from splitbus.placement.stagger import Job, RankLoad, StaggerWindow, group_boundary_s, water_fill
+from splitbus.scheduler.config import SchedulerConfig
+from splitbus.worker.config import WorkerConfig
+from splitbus.worker.engines.sim import SimConfig
 
 
 def _ranks(*loads: int, free: int = 100) -> list[RankLoad]:
@@ -50,6 +56,15 @@ def test_window_closes_just_before_the_step_ends_with_every_arrival_of_the_step(
     assert not window.ready(1.02) and window.due_at() == pytest.approx(1.03)
     assert window.ready(1.03) and window.release() == ["a", "b", "c", "d", "e"]
     assert window.due_at() is None and not window.ready(2.0)
+
+
+def test_the_default_bound_waits_out_a_full_prefill_step_of_the_ep_cost_model() -> None:
+    """The bound is for a step that overruns its announced end: below a step, it closed the window
+    in the middle of every long step (docs/dp.md, "Scheduler side")."""
+    full = WorkerConfig.max_prefill_tokens
+    assert PolicyOptions().stagger_max_wait_s > SimConfig().group_step_s([("prefill", full)] * 64)
+    scheduler = {f.name: f.default for f in fields(SchedulerConfig)}
+    assert scheduler["stagger_max_wait_s"] == PolicyOptions().stagger_max_wait_s
 
 
 def test_window_bound_caps_a_far_boundary() -> None:

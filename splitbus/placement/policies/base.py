@@ -31,8 +31,8 @@ class PolicyOptions:
 
     replica: str = "scheduler"
     """The scheduler replica's consumer name: batch ids start with it, so they are unique."""
-    stagger_max_wait_s: float = 0.05
-    """stagger, splitwise_dp: the longest an arrival is held."""
+    stagger_max_wait_s: float = 0.5
+    """stagger, splitwise_dp: the longest an arrival is held (``SchedulerConfig.stagger_max_wait_s``)."""
     stagger: bool = True
     """splitwise_dp: hold prefill arrivals per prefill group and release them as batches (False:
     place each at once). The dp policies have one policy per choice (``dp``, ``stagger``)."""
