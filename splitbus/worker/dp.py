@@ -4,9 +4,10 @@ share a role: mixed, prefill or decode (``DpStepper``).
 Before each step every rank posts its plan (has prefill work, has decode work, how long its
 oldest prefill has waited) to ``sb:dp:{group}`` and reads the others'. From the same plans every
 rank makes the same decision: the group steps if any rank has work, and a rank with nothing to
-do runs an idle forward (counted). Prefills are aligned: a task of a staggered batch names the
-batch and how many ranks it went to, and a rank waits (up to ``dp_align_ms``) until all of them
-have their part, so the batch's prefills share a step. Prefill work that comes after a rank
+do runs an idle forward (counted). With ``dp_align_ms`` above 0 (0, off, by default) prefills are
+aligned: a task of a staggered batch names the batch and how many ranks it went to, and a rank
+waits (up to ``dp_align_ms``) until all of them have their part, so the batch's prefills share a
+step. Prefill work that comes after a rank
 posted its plan still joins the step (``bind_late``). With the sim engine, which has no EP, the
 ranks also wait for each other at the end of each step (``GroupBarrier.finish``), so tokens
 come out when the group's step ends, as they would with EP; the engine says how long the step
