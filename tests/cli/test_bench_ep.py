@@ -44,3 +44,14 @@ def test_bad_options_exit_2_naming_them(tmp_path: Path) -> None:
     out = _run("--backend", "simulation", "--runs", "0", "--out", str(tmp_path))
     assert out.returncode == 2
     assert "--runs must be >= 1" in out.stdout
+
+
+def test_the_window_bound_is_an_option_recorded_in_the_json(tmp_path: Path) -> None:
+    args = ("--backend", "simulation", "--sim-ranks", "2", "--loads", "low", "--duration", "0.5")
+    args += ("--out", str(tmp_path))
+    assert _run(*args).returncode == 0
+    assert json.loads((tmp_path / "bench_ep.json").read_text())["stagger_max_wait_s"] == 0.5  # the scheduler's
+    assert _run(*args, "--stagger-max-wait-ms", "50").returncode == 0
+    assert json.loads((tmp_path / "bench_ep.json").read_text())["stagger_max_wait_s"] == 0.05
+    out = _run(*args, "--stagger-max-wait-ms", "0")
+    assert out.returncode == 2 and "--stagger-max-wait-ms must be positive" in out.stdout
