@@ -375,11 +375,12 @@ class DpStepper:
         )
         tokens = self.table.prefill_batch_size(self.core.limits.max_prefill_tokens)[1] if action == "prefill" else 0
         self.step_s = self.decided_step_s(plans, action, tokens)
-        self.announce_forward(action, tokens)
+        timed = self.timed_forward(plans, action, tokens)
+        self.announce_forward(*timed)
         acting = time.monotonic()
         ran = await self.act(action)
         acted = time.monotonic()
-        self.clock.observe(ran, tokens, acted - acting)
+        self.clock.observe(*(timed if self.config.ep else (ran, tokens)), acted - acting)
         if action != "none" and self.steps_end_together:
             await asyncio.sleep(acting + self.step_s - time.monotonic())  # the rest of the group's step
             await self.barrier.finish(self.step_no)
@@ -401,6 +402,21 @@ class DpStepper:
         return engine.group_step_s(
             mine if p.rank == self.config.dp_rank else f for p, f in zip(plans, ranks, strict=True)
         )
+
+    def timed_forward(self, plans: list[StepPlan], action: str, tokens: int) -> tuple[str, int]:
+        """The forward whose duration this rank's clock learns and announces. Under EP every
+        rank's forward lasts the group's step, which the largest forward sets (an idle rank waits
+        in the exchanges for it): the step's largest prefill, else a decode. A rank that timed
+        its own forward instead learned an idle forward's time from steps with a long prefill
+        elsewhere, and announced it in steps with a short one: every stagger window then held
+        its arrivals past the step's end (bench ep --engine paddle, high load: TTFT p50 +51 %)."""
+        if not self.config.ep or action == "none":
+            return action, tokens
+        ranks = forwards(plans, self.config.dp_align_ms)
+        prefills = [t for a, t in ranks if a == "prefill"] + ([tokens] if action == "prefill" else [])
+        if prefills:
+            return "prefill", max(prefills)
+        return ("decode", 0) if any(a == "decode" for a, _ in ranks) or action == "decode" else (action, tokens)
 
     def announce_forward(self, action: str, prefill_tokens: int) -> None:
         """Tell schedulers when this forward should end, so their stagger windows close just

@@ -14,7 +14,7 @@ import pytest
 from splitbus.bus.core.config import BusConfig
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.config import WorkerConfig
-from splitbus.worker.dp import DpStepper, GroupBroken
+from splitbus.worker.dp import DpStepper, GroupBroken, StepPlan
 from splitbus.worker.engines.sim import SimConfig, SimEngine
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.worker import Worker
@@ -120,3 +120,20 @@ async def test_a_collective_raising_an_os_error_breaks_the_group_not_a_redis_wai
     engine.fail = OSError
     with pytest.raises(GroupBroken, match="an engine step of a batch of 1 failed"):
         await stepper.act("decode")
+
+
+def test_every_rank_times_and_announces_the_groups_largest_forward(bus_config: BusConfig, tiny_model: Path) -> None:
+    """Under EP a rank's forward lasts the group's step: an idle rank learns and announces the
+    largest prefill's time, not its own idle forward's (which waited for that prefill)."""
+    _, stepper, _ = ep_rank(bus_config, tiny_model)
+    long, short = StepPlan(1, True, False, 0.0, prefill_tokens=1000), StepPlan(0, False, False, 0.0)
+    assert stepper.timed_forward([short, long], "idle", 0) == ("prefill", 1000)
+    assert stepper.timed_forward([StepPlan(0, True, False, 0.0, prefill_tokens=64), long], "prefill", 64) == (
+        "prefill",
+        1000,
+    )
+    decoding = StepPlan(1, False, True, 0.0, decode_seqs=8)
+    assert stepper.timed_forward([short, decoding], "idle", 0) == ("decode", 0)
+    stepper.clock.observe(*stepper.timed_forward([short, long], "idle", 0), 0.5)
+    assert stepper.clock.estimate("prefill", 100) == pytest.approx(0.05)  # 0.5 s for 1000 tokens
+    assert stepper.clock.idle_s == 0.0  # nothing learned of an "idle forward" that waited 0.5 s
