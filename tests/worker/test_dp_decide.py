@@ -69,6 +69,18 @@ def test_forward_clock_learns_each_kind_of_forward() -> None:
     assert clock.estimate("idle", 0) == 0.0
 
 
+def test_forward_clock_learns_a_prefills_fixed_part_once_it_has_seen_two_sizes() -> None:
+    """Under EP a prefill has a large fixed part (the exchanges); a per-token rate learned from
+    short prompts made a long prompt's step several times too long."""
+    clock = ForwardClock()
+    for _ in range(3):
+        clock.observe("prefill", 64, 0.051 + 0.0003 * 64)
+    assert clock.estimate("prefill", 1024) == pytest.approx(1024 * (0.051 / 64 + 0.0003))  # one size: per token
+    clock.observe("prefill", 1024, 0.051 + 0.0003 * 1024)
+    assert clock.estimate("prefill", 512) == pytest.approx(0.051 + 0.0003 * 512)
+    assert clock.estimate("prefill", 1024) == pytest.approx(0.3582)  # not the 1.12 s the rate alone gave
+
+
 def test_a_rank_busy_with_an_older_batch_does_not_hold_back_a_newer_one() -> None:
     # Rank 1 is still on b1 (its oldest work) but holds its part of b2 as well: b2 has arrived.
     plans = [plan(0, prefill=True, waited=3, batch="b2", of=2), StepPlan(1, True, False, 40.0, "b1", 2, ("b1", "b2"))]
