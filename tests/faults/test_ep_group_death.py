@@ -78,7 +78,9 @@ class Streams:
         self.system, self.decoding, self.chunks = system, asyncio.Event(), [0] * len(PROMPTS)
 
     async def texts_with(self, signal_rank: Callable[[], Awaitable[object]]) -> list[str]:
-        client = openai.AsyncOpenAI(base_url=self.system.v1, api_key="x", max_retries=0, timeout=50)
+        # A hang guard, generous: after a stop the woken rank leaves only once its lease's rejoin
+        # has waited for its reaper (10 s), and both ranks restart and re-form on busy cores.
+        client = openai.AsyncOpenAI(base_url=self.system.v1, api_key="x", max_retries=0, timeout=150)
         try:
             texts = asyncio.gather(*(self.one(client, i) for i in range(len(PROMPTS))))
             await signal_rank()
