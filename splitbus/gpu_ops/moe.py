@@ -3,7 +3,7 @@ rank for its own experts: ``route`` (each token's top-k experts and their weight
 ``run_experts`` (for each token and each of its k slots, the weighted output of the slot's
 expert when this worker holds it, else zero) and ``combine`` (the partial outputs of disjoint
 sets of experts added, then each token's k slots summed). One worker holding every expert runs
-all three in turn (``moe_mlp``); ``splitbus.gpu_ops.expert_parallel`` runs them over a group.
+all three in turn (the paddle engine's ``Experts`` layer); ``splitbus.gpu_ops.expert_parallel`` runs them over a group.
 
 A slot's output is written by exactly one holder and is zero everywhere else, so adding the
 partials (or all-reducing them over ranks) is exact, and the sum over the k slots runs in the
@@ -87,10 +87,3 @@ def tally(routing: Routing, counts: np.ndarray, rows: np.ndarray | None = None) 
     tokens ``rows`` (a boolean mask) marks, when given."""
     experts = routing.experts if rows is None else routing.experts[rows]
     counts += np.bincount(experts.ravel(), minlength=counts.size)[: counts.size]
-
-
-def moe_mlp(
-    h: paddle.Tensor, w_router: paddle.Tensor, experts: Mapping[int, Expert], k: int, renormalise: bool
-) -> paddle.Tensor:
-    """The whole MoE MLP on one worker that holds every expert."""
-    return combine([run_experts(h, route(h, w_router, k, renormalise), experts)])
