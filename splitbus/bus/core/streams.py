@@ -424,11 +424,14 @@ class GroupConsumer:
         except ResponseError as exc:
             if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                 raise
-            # The stream or group vanished (e.g. a restart without persistence): recreate, retry. Redis 7
-            # answers a read blocked on a stream that is deleted meanwhile with UNBLOCKED, 6.2 the next read NOGROUP.
+            # The stream or group vanished (e.g. a restart without persistence): recreate it and read
+            # nothing; the caller's next read goes on. Redis 7 answers a read blocked on a stream that is
+            # deleted meanwhile with UNBLOCKED, 6.2 the next read NOGROUP. Not a retry here: a retried
+            # blocked read can be unblocked again, and a key replaced by another type must reach the
+            # caller as WRONGTYPE from the recreation, not as a second UNBLOCKED.
             log.warning("group %s on %s missing; recreating", self.group, self.stream)
             await self.ensure_group()
-            reply = await self._xreadgroup_once(cursor, count, block)
+            return []
         return reply[0][1] if reply else []
 
     async def _xreadgroup_once(self, cursor: str, count: int, block: int | None) -> XReadGroupReply:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
@@ -110,6 +111,30 @@ async def test_missing_group_is_recreated(redis: aioredis.Redis, bus_config: Bus
     assert await consumer.read(5, block_ms=10) == []
     await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(9))
     assert [d.message.request_id for d in await consumer.read(5)] == ["r9"]
+
+
+async def test_a_blocked_read_whose_stream_is_deleted_recreates_it_and_reads_nothing(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    consumer = await _consumer(redis, bus_config)
+    read = asyncio.create_task(consumer.read(5, block_ms=5000))
+    await asyncio.sleep(0.2)  # blocked in XREADGROUP
+    await redis.delete(bus_config.keys.requests)  # Redis 7: the blocked read gets UNBLOCKED
+    assert await asyncio.wait_for(read, 2) == []
+    assert await redis.exists(bus_config.keys.requests)  # recreated, with its group
+    await Producer(redis, bus_config).send(bus_config.keys.requests, _msg(4))
+    assert [d.message.request_id for d in await consumer.read(5)] == ["r4"]
+
+
+async def test_a_blocked_read_whose_stream_is_replaced_by_another_type_fails_with_wrongtype(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    consumer = await _consumer(redis, bus_config)
+    read = asyncio.create_task(consumer.read(5, block_ms=5000))
+    await asyncio.sleep(0.2)
+    await redis.set(bus_config.keys.requests, "not a stream")  # a bug no retry can fix: the caller must see it
+    with pytest.raises(aioredis.ResponseError, match="WRONGTYPE"):
+        await asyncio.wait_for(read, 2)
 
 
 async def test_idle_entries_are_claimed_by_another_consumer(redis: aioredis.Redis, bus_config: BusConfig) -> None:
