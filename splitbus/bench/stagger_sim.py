@@ -161,7 +161,7 @@ class GroupSimulation:
             self._close_window(req.trace.arrival_s)  # it closed before this arrival, in the step
             if self.window.opened_at is None:
                 self.window.open(req.trace.arrival_s, self.step_ends)  # no dispatch delay to allow for here
-            self.window.add(req)
+            self.window.add(req, req.trace.arrival_s)
         self._close_window(self.now)
         return upcoming
 

@@ -11,6 +11,7 @@ from splitbus.placement.stagger import Job, RankLoad, StaggerWindow, group_bound
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.engines.sim import SimConfig
+from tests.placement.windows import busy_window
 
 
 def _ranks(*loads: int, free: int = 100) -> list[RankLoad]:
@@ -48,11 +49,11 @@ def test_kv_blocks_are_respected() -> None:
 
 
 def test_window_closes_just_before_the_step_ends_with_every_arrival_of_the_step() -> None:
-    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window = busy_window(0.05, now=1.0)
     assert not window.ready(0.0) and window.due_at() is None
     window.open(1.0, boundary_at=1.03)
-    for item in "abcde":  # more arrivals than ranks: still one batch, at the boundary
-        window.add(item)
+    for i, item in enumerate("abcde"):  # more arrivals than ranks: still one batch, at the boundary
+        window.add(item, 1.0 + i / 1000)
     assert not window.ready(1.02) and window.due_at() == pytest.approx(1.03)
     assert window.ready(1.03) and window.release() == ["a", "b", "c", "d", "e"]
     assert window.due_at() is None and not window.ready(2.0)
@@ -68,17 +69,40 @@ def test_the_default_bound_waits_out_a_full_prefill_step_of_the_ep_cost_model() 
 
 
 def test_window_bound_caps_a_far_boundary() -> None:
-    window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
+    window = busy_window(0.05, now=1.0)
     window.open(1.0, boundary_at=2.0)  # a long prefill step
-    window.add("a")
+    window.add("a", 1.0)
     assert window.due_at() == pytest.approx(1.05) and not window.ready(1.04) and window.ready(1.05)
 
 
 def test_window_of_a_group_that_is_not_stepping_closes_at_once() -> None:
     window: StaggerWindow[str] = StaggerWindow(max_wait_s=0.05)
     window.open(1.0, boundary_at=0.9)  # its last step ended before the arrival
-    window.add("b")
+    window.add("b", 1.0)
     assert window.ready(1.0) and window.release() == ["b"]
+
+
+def test_a_window_that_expects_no_other_arrival_before_the_step_ends_closes_at_once() -> None:
+    """A batch of one has nothing to spread: holding it to the step's end only risks its dispatch
+    missing the step (docs/dp.md, "Staggered batching")."""
+    first: StaggerWindow[str] = StaggerWindow(max_wait_s=0.5)
+    first.open(1.0, boundary_at=1.2)  # no arrival seen before: no rate
+    first.add("a", 1.0)
+    assert first.rate_per_s(1.0) == 0.0 and first.due_at() == 1.0 and first.ready(1.0)
+    sparse = busy_window(0.5, now=1.0, rate_per_s=4.0)  # 4/s x 0.2 s = 0.8 expected
+    sparse.open(1.0, boundary_at=1.2)
+    assert sparse.rate_per_s(1.0) == pytest.approx(4.0) and sparse.due_at() == 1.0
+    dense = busy_window(0.5, now=1.0, rate_per_s=6.0)  # 1.2 expected: it holds
+    dense.open(1.0, boundary_at=1.2)
+    assert dense.due_at() == pytest.approx(1.2)
+
+
+def test_the_rate_forgets_a_burst_that_ended_long_ago() -> None:
+    window = busy_window(0.5, now=1.0, rate_per_s=1000.0)  # a burst up to t = 1 s
+    assert window.rate_per_s(1.0) == pytest.approx(1000.0)
+    assert window.rate_per_s(11.0) < 2.0  # 16 arrivals over the 10 s since
+    window.open(11.0, boundary_at=11.2)
+    assert window.due_at() == 11.0
 
 
 def test_an_empty_window_is_never_ready_and_must_be_opened() -> None:
@@ -87,7 +111,7 @@ def test_an_empty_window_is_never_ready_and_must_be_opened() -> None:
     assert not window.ready(2.0)  # open, but holds nothing
     window.release()
     with pytest.raises(AssertionError, match="open the window first"):
-        window.add("x")
+        window.add("x", 2.0)
 
 
 def test_group_boundary_is_the_slowest_rank_of_the_first_group_to_finish() -> None:

@@ -48,7 +48,7 @@ class SplitwiseDpPolicy(Policy):
         super().__init__(options, prefixes)
         self.units = UnitsCache()
         self.windows: dict[str, StaggerWindow[Waiting]] = {}
-        """Open windows, by prefill group."""
+        """Windows by prefill group, open or not (a window keeps its group's recent arrivals)."""
         self.held_tokens: dict[str, int] = {}
         """The prompt tokens each open window holds: part of its group's level."""
         self._batches = itertools.count()
@@ -111,14 +111,14 @@ class SplitwiseDpPolicy(Policy):
             window = self.windows.setdefault(unit, StaggerWindow(max_wait_s=self.options.stagger_max_wait_s))
             if window.opened_at is None:
                 window.open(waiting.since, await group_boundary(context.registry, prefill.groups[unit]))
-            window.add(waiting)
+            window.add(waiting, waiting.since)
             self.held_tokens[unit] = self.held_tokens.get(unit, 0) + len(request.prompt_token_ids)
             return Hold.HELD
         return Hold.QUEUED if unit is None else self._pair(request, unit, workers, scratch)
 
     def _release(self, group: str) -> list[Waiting]:
         self.held_tokens.pop(group, None)
-        return self.windows.pop(group).release()
+        return self.windows[group].release()
 
     def place_batch(self, group: str, batch: list[Waiting], workers: Sequence[WorkerInfo], local: Local) -> Admitted:
         """Water-fill a prefill group's held requests over its ranks, each with a decode rank; what

@@ -44,7 +44,7 @@ class StaggerPolicy(DpPolicy):
         if arrivals and self.window.opened_at is None:
             self.window.open(arrivals[0].since, await next_boundary(context.view, context.registry))
         for waiting in arrivals:
-            self.window.add(waiting)
+            self.window.add(waiting, waiting.since)
         if not self.window.ready(time.monotonic()):
             return Admitted([], wake_at=self.window.due_at())
         return self.place_batch(self.window.release(), context.view.workers, context.local)

@@ -21,6 +21,7 @@ from splitbus.placement.policies.base import PlacingContext, PolicyOptions
 from splitbus.placement.policies.splitwise_dp import SplitwiseDpPolicy
 from tests.placement.policies.dp_ranks import rank
 from tests.placement.snapshot import request, tasks, worker
+from tests.placement.windows import busy_window
 
 
 def _policy(seed: int = 0, stagger: bool = True) -> SplitwiseDpPolicy:
@@ -117,6 +118,7 @@ async def _context(
 async def test_prefill_arrivals_wait_for_their_groups_step_to_end(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     context = await _context(redis, bus_config, _groups(), int(time.time() * 1000) + 5000)
     policy, arrivals = _policy(), _arrivals(2)
+    policy.windows["p0"] = busy_window(10.0, time.monotonic())
     not_a_request = Waiting(Delivery("sb:requests", "9-0", Cancel("r", "api")), time.monotonic())
     held = await policy.admit([*arrivals, not_a_request], context)
     assert (held.queue, held.placed) == ([not_a_request], [])  # p0 is in a step for 5 s more
@@ -127,7 +129,7 @@ async def test_prefill_arrivals_wait_for_their_groups_step_to_end(redis: aioredi
         a for a in arrivals for _ in range(2)
     ] and released.wake_at is None
     prefills = {p.worker.record.worker_id for _, p in tasks(released.placed) if p.phase == "prefill"}
-    assert prefills == {"p0-r0", "p0-r1"} and policy.windows == {}
+    assert prefills == {"p0-r0", "p0-r1"} and policy.windows["p0"].opened_at is None
 
 
 async def test_an_arrival_for_a_single_prefill_worker_is_placed_at_once(
@@ -162,10 +164,22 @@ async def test_each_prefill_group_has_its_own_window(redis: aioredis.Redis, bus_
     groups = [rank(g, i, 2, role="prefill") for g in ("p0", "p1") for i in range(2)]
     context = await _context(redis, bus_config, [*groups, *_groups(prefill=0)], int(time.time() * 1000) + 5000)
     policy = _policy()
+    policy.windows = {g: busy_window(10.0, time.monotonic()) for g in ("p0", "p1")}
     await policy.admit(_arrivals(4), context)
     assert {g: len(w.held) for g, w in policy.windows.items()} == {"p0": 2, "p1": 2}  # levels water-filled
     assert policy.held_tokens == {"p0": 200, "p1": 200}
     policy.windows["p0"].boundary_at = time.monotonic()  # p0's step ended, p1's goes on
     released = await policy.admit([], context)
     prefills = {p.worker.record.worker_id for _, p in tasks(released.placed) if p.phase == "prefill"}
-    assert prefills == {"p0-r0", "p0-r1"} and list(policy.windows) == ["p1"] and released.wake_at is not None
+    assert prefills == {"p0-r0", "p0-r1"} and released.wake_at is not None
+    assert [g for g, w in policy.windows.items() if w.opened_at is not None] == ["p1"]
+
+
+async def test_an_arrival_with_no_other_expected_before_the_step_ends_is_placed_at_once(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A first arrival (no rate yet) for a group in a long step: a batch of one, placed at once."""
+    context = await _context(redis, bus_config, _groups(), int(time.time() * 1000) + 5000)
+    policy = _policy()
+    admitted = await policy.admit(_arrivals(1), context)
+    assert [p.phase for _, p in tasks(admitted.placed)] == ["decode", "prefill"] and admitted.wake_at is None

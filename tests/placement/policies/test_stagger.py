@@ -19,6 +19,7 @@ from splitbus.placement.policies.base import PlacingContext, PolicyOptions
 from splitbus.placement.policies.stagger import StaggerPolicy
 from tests.placement.policies.dp_ranks import rank
 from tests.placement.snapshot import request, tasks
+from tests.placement.windows import busy_window
 
 
 def _policy() -> StaggerPolicy:
@@ -55,6 +56,7 @@ async def test_arrivals_wait_for_the_groups_step_to_end(redis: aioredis.Redis, b
     view = RegistryView(registry, redis)
     await view.refresh()
     policy, arrivals = _policy(), _arrivals(2)
+    policy.window = busy_window(10.0, time.monotonic())
     held = await policy.admit(arrivals, PlacingContext(view, registry, {}))
     assert (held.queue, held.placed) == ([], [])  # the rank is in a step for 5 s more
     assert held.wake_at is not None and held.wake_at > time.monotonic() + 1
