@@ -4,7 +4,7 @@ its result stream as SSE or as one JSON body."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -25,6 +25,7 @@ from splitbus.api.errors import (
     ServiceUnavailable,
     from_failure,
 )
+from splitbus.api.logprobs import Choice, merged
 from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
 from splitbus.api.tenants import cache_salt
@@ -204,7 +205,7 @@ class Generation:
         deadline_ms = int((time.time() + self.state.config.request_timeout_s) * 1000)
         try:
             sampling = SamplingParams(
-                max_tokens=self.max_tokens,
+                max_tokens=max(self.max_tokens, 1),  # echo with max_tokens 0: one token, not shown
                 temperature=p.temperature,
                 top_p=p.top_p,
                 top_k=p.top_k,
@@ -213,6 +214,8 @@ class Generation:
                 ignore_eos=p.ignore_eos,
                 skip_special_tokens=p.skip_special_tokens,
                 spaces_between_special_tokens=p.spaces_between_special_tokens,
+                logprobs=p.logprobs,
+                prompt_logprobs=p.prompt_top,
             )
             node, reader = self.state.config.node_id, self.state.reader.reader_of(self.request_id)
             return GenerateRequest(
@@ -232,6 +235,14 @@ class Generation:
             raise BadRequest("A parameter is outside the bounds this server accepts").for_request(
                 self.request_id
             ) from None
+
+    @functools.cached_property
+    def choice(self) -> Choice:
+        """The response's choice as results come (its text, with the prompt when echoed, and logprobs)."""
+        p, tokenizer = self.params, self.state.tokenizer(self.params.model)
+        echoed = "" if not p.echo else p.prompt if isinstance(p.prompt, str) else None
+        prompt_text = echoed if echoed is not None else tokenizer.decode(self.prompt_ids, skip_special_tokens=False)
+        return Choice(p, self.prompt_ids, self.state.token_labels(p.model), prompt_text)
 
     async def publish(self) -> None:
         """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is
@@ -282,17 +293,28 @@ class Generation:
         return body
 
     async def _collect(self, result: Result) -> dict[str, Any]:
-        texts = []
+        whole: TokenDelta | Finished | None = None
         while True:
             if isinstance(result, Failed):
                 raise self.failure(result)
-            texts.append(result.text)
-            if isinstance(result, Finished):
-                tokens = protocol.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
+            whole = result if whole is None else merged(whole, result)
+            if isinstance(whole, Finished):
+                piece = self.choice.piece(whole)
                 return protocol.full_response(
-                    self.params, self.request_id, self.created, "".join(texts), result.finish_reason, tokens
+                    self.params,
+                    self.request_id,
+                    self.created,
+                    piece.text,
+                    whole.finish_reason,
+                    self._usage(whole),
+                    piece.logprobs,
+                    piece.prompt_logprobs,
                 )
             result = await self.next_result()
+
+    def _usage(self, finished: Finished) -> dict[str, Any]:
+        shown = 0 if self.choice.echo_only else finished.completion_tokens
+        return protocol.usage(finished.prompt_tokens, shown, finished.cached_tokens)
 
     async def sse(self, first: Result) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the headers went out becomes an error event."""
@@ -328,14 +350,9 @@ class Generation:
         the API writes once per stream instead of once per token. An error that arrived with
         them follows as its own event."""
         while isinstance(result, TokenDelta) and (ready := self._ready()) is not None:
-            if isinstance(ready, TokenDelta):
-                result = TokenDelta(ready.seq, result.token_ids + ready.token_ids, result.text + ready.text)
-            elif isinstance(ready, Finished):
-                result = dataclasses.replace(
-                    ready, text=result.text + ready.text, token_ids=result.token_ids + ready.token_ids
-                )
-            else:
+            if isinstance(ready, Failed):
                 return [result, ready]
+            result = merged(result, ready)
         return [result]
 
     def _ready(self) -> Result | None:
@@ -349,17 +366,20 @@ class Generation:
         if isinstance(result, Failed):
             return [_event(self.failure(result).body())]
         finish = result.finish_reason if isinstance(result, Finished) else None
-        events = [self._chunk(result.text, finish)] if result.text or finish else []
+        piece = self.choice.piece(result)
+        shown = piece.text or finish or (piece.logprobs and any(piece.logprobs.values()))
+        events = [self._chunk(piece.text, finish, piece.logprobs)] if shown else []
         if isinstance(result, Finished) and self.params.include_usage:
-            tokens = protocol.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
+            tokens = self._usage(result)
             events.append(_event(protocol.usage_chunk(self.params, self.request_id, self.created, tokens)))
         return events
 
-    def _chunk(self, text: str, finish: str | None) -> bytes:
+    def _chunk(self, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
+        rid, model = self.request_id, self.params.model
         if self.params.kind == "chat":
             delta = {"content": text} if text else {}
-            return _event(protocol.chat_chunk(self.request_id, self.created, self.params.model, delta, finish))
-        return _event(protocol.completion_chunk(self.request_id, self.created, self.params.model, text, finish))
+            return _event(protocol.chat_chunk(rid, self.created, model, delta, finish, logprobs))
+        return _event(protocol.completion_chunk(rid, self.created, model, text, finish, logprobs))
 
     def failure(self, failed: Failed) -> ApiError:
         """The client's error for a worker's or scheduler's error entry; its own message (worker

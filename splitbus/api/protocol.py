@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from splitbus.api.errors import BadRequest
-from splitbus.bus.messages._check import MAX_STOP_SEQUENCES, MAX_TOKEN_ID, SEED_RANGE  # the bus's bounds, the same here
+from splitbus.bus.messages._check import (  # the bus's bounds, the same here
+    MAX_LOGPROBS,
+    MAX_STOP_SEQUENCES,
+    MAX_TOKEN_ID,
+    SEED_RANGE,
+)
 
 MAX_STOP_CHARS = 1024
 """The longest stop string, in characters. The worker's stop check costs O(new text) per token
@@ -26,10 +31,7 @@ keeps that cheap."""
 UNSUPPORTED = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -62,17 +64,45 @@ class GenerationParams:
     cache_salt: str | None = None
     """vLLM's extension: requests share cached prompt KV only with requests of the same tenant
     and the same ``cache_salt`` (None: the tenant's unsalted share)."""
+    logprobs: int | None = None
+    """Each generated token's logprob with this many top alternatives (completions' ``logprobs``;
+    chat's ``top_logprobs`` once ``logprobs`` is true); None: none."""
+    echo: bool = False
+    """Completions: the prompt comes back before the completion (with its logprobs, the first
+    null, when ``logprobs`` is set); ``max_tokens`` may then be 0."""
+    prompt_logprobs: int | None = None
+    """vLLM's extension: the prompt's logprobs, with this many top alternatives, in the choice's
+    ``prompt_logprobs``."""
+
+    @property
+    def prompt_top(self) -> int | None:
+        """What the worker computes of the prompt's logprobs: for ``prompt_logprobs``, and for
+        ``echo`` with ``logprobs``."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return echoed if self.prompt_logprobs is None else self.prompt_logprobs
+        return max(echoed, self.prompt_logprobs)
 
 
 def parse_completion(body: Any) -> GenerationParams:
     params = _common(body, "completion")
     params.prompt = _prompt(body.get("prompt"))
+    params.logprobs = _top(body, "logprobs")
+    params.echo = _bool(body, "echo")
+    if params.echo and body.get("max_tokens") == 0:
+        params.max_tokens = 0  # the prompt alone, scored: what an eval harness's loglikelihood sends
     return params
 
 
 def parse_chat(body: Any) -> GenerationParams:
     params = _common(body, "chat")
     params.messages = _messages(body.get("messages"))
+    if _bool(body, "logprobs"):
+        params.logprobs = _top(body, "top_logprobs") or 0
+    elif body.get("top_logprobs") is not None:
+        raise BadRequest("'top_logprobs' needs 'logprobs' to be true", "top_logprobs")
+    if body.get("echo") not in (None, False):
+        raise BadRequest("'echo' is supported by /v1/completions only", "echo")
     if body.get("max_completion_tokens") is not None:
         params.max_tokens = _int(body, "max_completion_tokens", minimum=1)
     rf = body.get("response_format")
@@ -89,10 +119,13 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", "model")
     stream = _bool(body, "stream")
+    echo_only = kind == "completion" and body.get("max_tokens") == 0 and body.get("echo") is True
     return GenerationParams(
         kind=kind,
         model=model,
-        max_tokens=_int(body, "max_tokens", minimum=1) if body.get("max_tokens") is not None else None,
+        max_tokens=_int(body, "max_tokens", minimum=0 if echo_only else 1)
+        if body.get("max_tokens") is not None
+        else None,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, exclusive_min=True),
         top_k=max(0, _int(body, "top_k", default=0, minimum=-1, maximum=MAX_TOKEN_ID)),
@@ -105,7 +138,15 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         include_usage=_stream_options(body, stream),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
         cache_salt=_cache_salt(body.get("cache_salt")),
+        prompt_logprobs=_top(body, "prompt_logprobs"),
     )
+
+
+def _top(body: dict[str, Any], name: str) -> int | None:
+    """A count of top logprobs: absent or null, else 0 to ``MAX_LOGPROBS``."""
+    if body.get(name) is None:
+        return None
+    return _int(body, name, minimum=0, maximum=MAX_LOGPROBS)
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:
@@ -257,13 +298,22 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_chunk(
+    rid: str, created: int, model: str, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
@@ -273,17 +323,22 @@ def usage_chunk(params: GenerationParams, rid: str, created: int, tokens: dict[s
 
 
 def full_response(
-    params: GenerationParams, rid: str, created: int, text: str, finish_reason: str, tokens: dict[str, int]
+    params: GenerationParams,
+    rid: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    tokens: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
+    prompt_logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
+    choice: dict[str, Any]
     if params.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        kind = "text_completion"
+        choice, kind = {"index": 0, "text": text}, "text_completion"
+    choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
     return {"id": rid, "object": kind, "created": created, "model": params.model, "choices": [choice], "usage": tokens}

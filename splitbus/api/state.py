@@ -14,6 +14,7 @@ import anyio.to_thread
 from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
+from splitbus.api.logprobs import TokenLabels
 from splitbus.api.placing import ApiPlacer
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
@@ -38,6 +39,7 @@ class ApiState:
     def __init__(self, config: ApiConfig, tokenizers: dict[str, ModelTokenizer]) -> None:
         self.config = config
         self.tokenizers = tokenizers
+        self._token_labels: dict[str, TokenLabels] = {}
         self.redis = connect(config.bus, max_connections=config.redis_connections, name=config.node_id)
         self.reader = ResultReader(config.bus, self.redis, name=f"{config.node_id}.out", shards=config.reader_shards)
         self.producer = Producer(self.redis, config.bus, batched=True)  # concurrent requests share XADD pipelines
@@ -112,6 +114,13 @@ class ApiState:
         """Run in the background, kept referenced until done (cancellations outlive the
         handler that a client disconnect cancelled)."""
         self.loops.spawn(coro)
+
+    def token_labels(self, model: str) -> TokenLabels:
+        """How logprobs name ``model``'s tokens (made once per model, each label once per token)."""
+        labels = self._token_labels.get(model)
+        if labels is None:
+            labels = self._token_labels[model] = TokenLabels(self.tokenizer(model))
+        return labels
 
     def tokenizer(self, model: str) -> ModelTokenizer:
         try:

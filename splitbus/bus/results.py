@@ -33,7 +33,7 @@ from splitbus.bus.core.ordered import OrderedWriter
 from splitbus.bus.core.replies import Entry, RawEntry, RawXReadReply, pairs
 from splitbus.bus.core.scripts import LuaScript, declare
 from splitbus.bus.dispatch import CurrentDispatch
-from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+from splitbus.bus.messages.results import Failed, Finished, Logprobs, Result, TokenDelta
 from splitbus.env import valid_tag
 
 log = logging.getLogger(__name__)
@@ -137,8 +137,15 @@ class ResultWriter:
         self._readers[request_id] = reader
         self._fresh.add(request_id)
 
-    def tokens(self, request_id: str, token_ids: list[int], text: str = "") -> None:
-        self._append(request_id, TokenDelta(self._take_seq(request_id), token_ids, text))
+    def tokens(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        text: str = "",
+        logprobs: Logprobs | None = None,
+        prompt_logprobs: Logprobs | None = None,
+    ) -> None:
+        self._append(request_id, TokenDelta(self._take_seq(request_id), token_ids, text, logprobs, prompt_logprobs))
 
     def finish(
         self,

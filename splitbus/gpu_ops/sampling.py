@@ -32,3 +32,23 @@ def _top_k(scaled: np.ndarray, top_k: int) -> np.ndarray:
     if 0 < top_k < scaled.shape[0]:
         ids = np.argpartition(-scaled, top_k - 1)[:top_k]
     return ids[np.lexsort((ids, -scaled[ids]))]
+
+
+def log_softmax_top(rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The log softmax of each of ``rows`` (logits, ``[n, vocab]``), raw: no temperature, penalty
+    or mask. Returns each row's value at its ``targets`` id (``[n]``) and its top ``k`` ids and
+    values (``[n, k]``, most likely first, ties by id). In float64: a float32 sum over a 150k
+    vocabulary loses the small probabilities' digits."""
+    scaled = rows.astype(np.float64)
+    peak = scaled.max(axis=1, keepdims=True)
+    logprobs = scaled - (peak + np.log(np.exp(scaled - peak).sum(axis=1, keepdims=True)))
+    chosen = logprobs[np.arange(len(rows)), targets]
+    if k <= 0:
+        return chosen, np.zeros((len(rows), 0), dtype=np.int64), np.zeros((len(rows), 0))
+    k = min(k, rows.shape[1])
+    part = (
+        np.argpartition(-logprobs, k - 1, axis=1)[:, :k] if k < rows.shape[1] else np.tile(np.arange(k), (len(rows), 1))
+    )
+    values = np.take_along_axis(logprobs, part, axis=1)
+    order = np.lexsort((part, -values), axis=1)
+    return chosen, np.take_along_axis(part, order, axis=1), np.take_along_axis(values, order, axis=1)

@@ -405,7 +405,9 @@ class WorkerCore:
         return self.fail(seq, "engine_error", f"the engine failed on this request: {exc}", 500)
 
     def emit(self, seq: Sequence, token_id: int) -> Emit:
-        return Emit(seq.request_id, (token_id,), seq.add_token(token_id, self.engine.eos_token_ids))
+        text = seq.add_token(token_id, self.engine.eos_token_ids)
+        logprobs, prompt, seq.logprobs, seq.prompt_logprobs = seq.logprobs, seq.prompt_logprobs, None, None
+        return Emit(seq.request_id, (token_id,), text, logprobs, prompt)
 
     # ------------------------------------------------------------ how a request leaves
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from splitbus.bus.messages import Task
+from splitbus.bus.messages import Logprobs, Task
 from splitbus.worker.sequence import Sequence
 
 
@@ -33,6 +33,9 @@ class Emit:
     request_id: str
     token_ids: tuple[int, ...]
     text: str
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    """The prompt's, with the request's first token only."""
 
 
 @dataclass(frozen=True)

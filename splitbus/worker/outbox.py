@@ -91,8 +91,8 @@ class Outbox:
     def _write(self, effect: Effect) -> None:
         """The effects that are writes: buffered until the publisher's next write."""
         match effect:
-            case Emit(request_id, token_ids, text):
-                self.writer.tokens(request_id, list(token_ids), text)
+            case Emit(request_id, token_ids, text, logprobs, prompt_logprobs):
+                self.writer.tokens(request_id, list(token_ids), text, logprobs, prompt_logprobs)
                 metrics.GENERATION_TOKENS.inc(len(token_ids))
             case Finish(request_id, reason, prompt, completion, text, cached):
                 metrics.REQUESTS_FINISHED.labels(reason).inc()

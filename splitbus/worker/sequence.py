@@ -7,7 +7,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitbus.bus.messages import GenerateRequest, Task
+from splitbus.bus.messages import GenerateRequest, Logprobs, Task
 from splitbus.bus.roles import Phase
 
 
@@ -39,6 +39,12 @@ class Sequence:
     """Decode side: the secret in this request's reservation, which P must prove it holds."""
     finish_reason: str | None = None
     queued_at: float = field(default_factory=time.monotonic)
+    logprobs: Logprobs | None = None
+    """The logprobs of the token the engine just chose, when the request asks for them: set by
+    the engine, taken by the ``emit`` that sends the token."""
+    prompt_logprobs: Logprobs | None = None
+    """The prompt's logprobs, when the request asks for them and its prefill here computed them:
+    sent with its first token."""
 
     @property
     def seed(self) -> int:
@@ -75,6 +81,13 @@ class Sequence:
         elif len(self.output_ids) >= sampling.max_tokens:
             self.finish_reason = "length"
         return text
+
+    def prompt_top(self) -> int | None:
+        """How many top alternatives of each prompt token's logprob its prefill here computes;
+        None: none. Only where the request's first entry goes out from: not a request that had
+        generated tokens before (moved here, its first entry came from where it prefilled)."""
+        k = self.request.sampling.prompt_logprobs
+        return k if k is not None and not self.task.output_token_ids and self.cached == 0 else None
 
     @property
     def finished(self) -> bool:

@@ -53,7 +53,11 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
         ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
         ({"model": "tiny", "prompt": "x", "seed": 2**64}, "seed"),
-        ({"model": "tiny", "prompt": "x", "logprobs": 3}, "logprobs"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs"),
+        ({"model": "tiny", "prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"model": "tiny", "prompt": "x", "echo": 1}, "echo"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "stop": 7}, "stop"),
         ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"model": "tiny", "prompt": [1, 999999]}, "prompt"),
@@ -74,6 +78,13 @@ def test_bad_completion_requests_get_400(api: ApiProcess, body: Any, param: str 
         ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
         ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ],
 )
 def test_bad_chat_requests_get_400(api: ApiProcess, body: Any, param: str) -> None:
@@ -83,6 +94,11 @@ def test_bad_chat_requests_get_400(api: ApiProcess, body: Any, param: str) -> No
 def test_context_length_message_names_the_limit(api: ApiProcess) -> None:
     error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "x" * 10, "max_tokens": CONTEXT}), 400)
     assert f"maximum context length is {CONTEXT} tokens" in error["message"]
+
+
+def test_too_many_top_logprobs_names_the_limit(api: ApiProcess) -> None:
+    error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}), 400)
+    assert error["message"] == "'logprobs' must be <= 20, got 21"
 
 
 def test_unsupported_n_says_so(api: ApiProcess) -> None:

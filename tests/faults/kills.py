@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 
@@ -21,16 +22,31 @@ async def streams_with_a_kill(
     after_s: float,
     first_seed: int,
     timeout_s: float = 120,
+    logprobs: int | None = None,
 ) -> list[str]:
     """Stream ``count`` completions (request i with seed ``first_seed + i``) and kill -9 the part whose
-    command line matches ``victim`` ``after_s`` in; the texts, in request order."""
+    command line matches ``victim`` ``after_s`` in; the texts, in request order. With ``logprobs``,
+    each stream asks for them, and its tokens' logprobs must be the sim model's (``sim_logprobs``):
+    one per token of the text, none lost or repeated where the request moved."""
     client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=timeout_s)
 
     async def one(i: int) -> str:
         stream = await client.completions.create(
-            model="tiny", prompt=_prompt(i, prompt_tokens), max_tokens=max_tokens, seed=first_seed + i, stream=True
+            model="tiny",
+            prompt=_prompt(i, prompt_tokens),
+            max_tokens=max_tokens,
+            seed=first_seed + i,
+            stream=True,
+            logprobs=logprobs,
         )
-        return "".join([c.choices[0].text async for c in stream])
+        chunks = [c.choices[0] async for c in stream if c.choices]
+        text = "".join(c.text for c in chunks)
+        if logprobs is not None:
+            shown = [c.logprobs for c in chunks if c.logprobs is not None]
+            assert "".join(t for lp in shown for t in lp.tokens or []) == text
+            assert {v for lp in shown for v in lp.token_logprobs or []} == {math.log(0.5)}
+            assert all(len(top) == logprobs for lp in shown for top in lp.top_logprobs or [])
+        return text
 
     async def killer() -> None:
         await asyncio.sleep(after_s)

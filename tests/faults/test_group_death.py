@@ -83,7 +83,7 @@ def test_a_prefill_rank_killed_mid_prefill_moves_its_groups_prefills_to_the_othe
 def test_a_decode_rank_killed_mid_stream_migrates_its_groups_streams_exactly(two_groups_each: System) -> None:
     system = two_groups_each  # 80 tokens take about 2 s, and the kill lands 1 s in
     since = len(system.output)
-    texts = asyncio.run(_streams(system, 16, 80, 8, r"--dp-group d0 --dp-rank 1", after_s=1.0))
+    texts = asyncio.run(_streams(system, 16, 80, 8, r"--dp-group d0 --dp-rank 1", after_s=1.0, logprobs=1))
     assert texts == [sim_text(700 + i, 80) for i in range(16)]  # migrated mid-stream: no gap, no duplicate
     assert _moved(system, since) > 0
     system.wait_output(r"^d0-r0 .*DP group d0 is broken", 5, start=since)

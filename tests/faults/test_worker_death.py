@@ -1,5 +1,5 @@
 """kill -9 a worker while requests run on it: every stream still completes exactly (sim engine,
-so the expected text is known), with no duplicate and no gap."""
+so the expected text is known), with no duplicate and no gap, its logprobs too."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_decode_worker_killed_mid_stream(
 def _decode_worker_killed_mid_stream(system: System) -> None:
     since, started = len(system.output), time.monotonic()
     victim = system.pid_of(r"--role decode")  # the one _streams kills: its id ends in the pid
-    texts = asyncio.run(_streams(system, 40, 80, 8, after_s=1.0, victim=r"--role decode"))
+    texts = asyncio.run(_streams(system, 40, 80, 8, after_s=1.0, victim=r"--role decode", logprobs=2))
     assert texts == [sim_text(500 + i, 80) for i in range(40)]
     assert time.monotonic() - started < 60
     assert _moved(system, since) > 0

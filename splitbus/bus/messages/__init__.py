@@ -16,7 +16,7 @@ import pkgutil
 from splitbus.bus.messages.cancel import Cancel
 from splitbus.bus.messages.control import ControlCommand, ControlReply
 from splitbus.bus.messages.requests import GenerateRequest, SamplingParams
-from splitbus.bus.messages.results import Failed, Finished, Result, TokenDelta
+from splitbus.bus.messages.results import Failed, Finished, Logprobs, Result, TokenDelta
 from splitbus.bus.messages.tasks import Task
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Failed",
     "Finished",
     "GenerateRequest",
+    "Logprobs",
     "Result",
     "SamplingParams",
     "Task",

@@ -24,6 +24,11 @@ MAX_STOP_CHARS = 4096
 """Outer bound of one stop string on the bus; the API node's own bound must not exceed it."""
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+"""Most alternatives per token in ``logprobs`` / ``prompt_logprobs`` (OpenAI's top_logprobs bound)."""
+MIN_LOGPROB = -9999.0
+"""The floor a log-probability is clamped to: JSON has no -inf (a masked token's), and vLLM's API
+answers -9999.0 there too."""
 MAX_DEADLINE_MS = 2**53
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What JSON carries as an integer (orjson refuses anything wider)."""
@@ -71,6 +76,17 @@ def require_number(value: Any, name: str, minimum: float, maximum: float = math.
     require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} must be a number")
     require(math.isfinite(value), f"{name} must be finite")
     require(minimum <= value <= maximum, f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def require_logprob_rows(value: Any, name: str, width: int) -> None:
+    """A list of rows, each at most ``width`` log-probabilities in [MIN_LOGPROB, 0] (a float's
+    rounding may put a certain token a hair above 0)."""
+    require(type(value) is list, f"{name} must be a list")
+    for row in value:
+        require(type(row) is list and len(row) <= width, f"{name}: each row must be a list of at most {width}")
+        for v in row:
+            if type(v) is not float or not MIN_LOGPROB <= v <= 1e-3:
+                raise ValueError(f"{name} must hold log-probabilities in [{MIN_LOGPROB}, 0], got {_short(v)}")
 
 
 def require_str_list(value: Any, name: str, max_items: int, max_chars: int) -> None:

@@ -10,6 +10,7 @@ from splitbus.bus.blocks import HEX_DIGITS
 from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
     MAX_DEADLINE_MS,
+    MAX_LOGPROBS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
@@ -47,6 +48,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     """With special tokens printed: false prints an added token that follows another bare, without
     the separator the tokenizer's decoder puts between them (vLLM's meaning)."""
+    logprobs: int | None = None
+    """Send each generated token's logprob and this many top alternatives (0: the token's own
+    only); None: none."""
+    prompt_logprobs: int | None = None
+    """Send the prompt's logprobs (from its second token) and this many top alternatives; None: none."""
 
     def __post_init__(self) -> None:
         require_int(self.max_tokens, "max_tokens", minimum=1, maximum=MAX_TOKENS)
@@ -60,6 +66,12 @@ class SamplingParams:
         require(type(self.ignore_eos) is bool, "ignore_eos must be a boolean")
         require(type(self.skip_special_tokens) is bool, "skip_special_tokens must be a boolean")
         require(type(self.spaces_between_special_tokens) is bool, "spaces_between_special_tokens must be a boolean")
+        self._check_logprobs()
+
+    def _check_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                require_int(getattr(self, name), name, minimum=0, maximum=MAX_LOGPROBS)
 
 
 @message

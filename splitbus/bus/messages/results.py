@@ -10,9 +10,52 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from splitbus.bus.core.codec import message
-from splitbus.bus.messages._check import MAX_SEQ, MAX_TOKENS, require_int, require_int_list, require_str
+from splitbus.bus.messages._check import (
+    MAX_LOGPROBS,
+    MAX_SEQ,
+    MAX_TOKENS,
+    require,
+    require_int,
+    require_int_list,
+    require_logprob_rows,
+    require_str,
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Logprobs:
+    """The log-probabilities of a run of tokens, column by column: each token's own (``token``)
+    and the top ones of the distribution it came from (``top_ids``, most likely first, and their
+    ``top``). Raw: the log softmax of the model's logits, before temperature, penalties and
+    masks (vLLM's default), so a greedy token's is the first of its top. Floored at
+    ``MIN_LOGPROB``."""
+
+    token: list[float]
+    top_ids: list[list[int]]
+    top: list[list[float]]
+
+    def __post_init__(self) -> None:
+        require_logprob_rows([self.token], "logprobs.token", MAX_TOKENS)
+        require(type(self.top_ids) is list and len(self.top_ids) == len(self.token), "logprobs.top_ids: one per token")
+        for row in self.top_ids:
+            require_int_list(row, "logprobs.top_ids", max_len=MAX_LOGPROBS)
+        require_logprob_rows(self.top, "logprobs.top", MAX_LOGPROBS)
+        require([len(r) for r in self.top] == [len(r) for r in self.top_ids], "logprobs.top: one per top id")
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def __add__(self, other: Logprobs) -> Logprobs:
+        return Logprobs(self.token + other.token, self.top_ids + other.top_ids, self.top + other.top)
+
+
+def joined(first: Logprobs | None, second: Logprobs | None) -> Logprobs | None:
+    """Two runs' logprobs, one after the other (either may be absent)."""
+    if first is None or second is None:
+        return first or second
+    return first + second
 
 
 @message
@@ -21,14 +64,28 @@ class TokenDelta:
     """Tokens generated in one engine step, and their text when the worker detokenizes."""
 
     TYPE: ClassVar[str] = "token"
+    NESTED: ClassVar[dict[str, type]] = {"logprobs": Logprobs, "prompt_logprobs": Logprobs}
     terminal: ClassVar[bool] = False
     seq: int
     token_ids: list[int]
     text: str = ""
+    logprobs: Logprobs | None = None
+    """The tokens' logprobs, one per token, when the request asked for them (``SamplingParams.
+    logprobs``)."""
+    prompt_logprobs: Logprobs | None = None
+    """The prompt's logprobs from its second token on, when the request asked for them
+    (``SamplingParams.prompt_logprobs``): on the request's first entry only, from its prefill."""
 
     def __post_init__(self) -> None:
         require_int(self.seq, "seq", minimum=0, maximum=MAX_SEQ)
         require_int_list(self.token_ids, "token_ids")
+        _check_logprobs(self.logprobs, self.prompt_logprobs, len(self.token_ids))
+
+
+def _check_logprobs(logprobs: Logprobs | None, prompt_logprobs: Logprobs | None, tokens: int) -> None:
+    require(logprobs is None or isinstance(logprobs, Logprobs), "logprobs must be an object")
+    require(prompt_logprobs is None or isinstance(prompt_logprobs, Logprobs), "prompt_logprobs must be an object")
+    require(logprobs is None or len(logprobs) == tokens, "logprobs must hold one entry per token")
 
 
 @message
@@ -37,6 +94,7 @@ class Finished:
     """The last entry of a request that completed."""
 
     TYPE: ClassVar[str] = "final"
+    NESTED: ClassVar[dict[str, type]] = {"logprobs": Logprobs, "prompt_logprobs": Logprobs}
     terminal: ClassVar[bool] = True
     seq: int
     finish_reason: str
@@ -48,6 +106,10 @@ class Finished:
     cached_tokens: int = 0
     """Prompt tokens whose KV came from a prefix cache (OpenAI's ``prompt_tokens_details.
     cached_tokens``); 0 from a worker that predates it (readers ignore unknown fields)."""
+    logprobs: Logprobs | None = None
+    """Of ``token_ids``, as ``TokenDelta``'s: a reader that merges deltas into the last entry
+    sets these; a worker writes neither."""
+    prompt_logprobs: Logprobs | None = None
 
     def __post_init__(self) -> None:
         require_int(self.seq, "seq", minimum=0, maximum=MAX_SEQ)
@@ -56,6 +118,7 @@ class Finished:
         require_int(self.completion_tokens, "completion_tokens", minimum=0, maximum=MAX_TOKENS)
         require_int(self.cached_tokens, "cached_tokens", minimum=0, maximum=self.prompt_tokens)
         require_int_list(self.token_ids, "token_ids")
+        _check_logprobs(self.logprobs, self.prompt_logprobs, len(self.token_ids))
 
 
 @message

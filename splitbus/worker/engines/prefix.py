@@ -190,14 +190,21 @@ def chain_root(request: GenerateRequest) -> int:
 
 
 def reuses_prefix(seq: SequenceState) -> bool:
-    """Whether a sequence may take cached blocks: not a decode task, whose KV comes whole from
-    its prefill worker and is written over its blocks."""
-    return seq.task.phase != Phase.DECODE
+    """Whether a sequence may take cached blocks (``_reuses``)."""
+    return _reuses(seq.task)
+
+
+def _reuses(task: Task) -> bool:
+    """Not a decode task, whose KV comes whole from its prefill worker and is written over its
+    blocks; nor one that asks for its prompt's logprobs, which need the logits of every prompt
+    position: its prefill computes the whole prompt (and stores its blocks for others, as any
+    prefill does)."""
+    return task.phase != Phase.DECODE and task.request.sampling.prompt_logprobs is None
 
 
 def _prompt(task: Task) -> list[int]:
-    """The tokens whose KV a task's prefill computes (none for a decode task: its KV arrives)."""
-    return task.request.prompt_token_ids + task.output_token_ids if task.phase != Phase.DECODE else []
+    """The tokens whose KV a task's prefill may find cached (none where it may take none)."""
+    return task.request.prompt_token_ids + task.output_token_ids if _reuses(task) else []
 
 
 class PagedBlocks:

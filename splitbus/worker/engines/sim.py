@@ -1,7 +1,9 @@
 """The simulated engine: models time and KV size, emits deterministic tokens.
 
 A token depends only on the request's seed and its position, so a request that moves to
-another worker continues the same sequence, and tests know every token in advance.
+another worker continues the same sequence, and tests know every token in advance. Its logprobs
+come from a made-up model (``sim_logprobs``): half the probability on the token it draws, the
+rest spread evenly over the vocabulary's other tokens; a prompt's tokens are uniform.
 
 Its cost model (``SimConfig``) also stands for EP when its workers are the ranks of a DP group:
 a group step lasts as long as the slowest rank's compute plus an all-to-all that grows with
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import math
 import os
 import random
 import signal
@@ -25,7 +28,7 @@ from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, regis
 from splitbus.worker.engines.prefix import PagedBlocks
 
 if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
-    from splitbus.bus.messages import GenerateRequest
+    from splitbus.bus.messages import GenerateRequest, Logprobs
     from splitbus.tokenization import ModelTokenizer
     from splitbus.worker.sequence import Sequence
 
@@ -97,6 +100,28 @@ def sim_text(seed: int, count: int) -> str:
     return "".join(ALPHABET[_draw(seed, i)] for i in range(count))
 
 
+def sim_logprobs(token: int, vocab: int, k: int) -> Logprobs:
+    """The sim model's logprobs at a generated position that drew ``token`` (of ``vocab``): half
+    the probability on it, the rest evenly on the others; its top ``k``: the token, then the
+    others by id."""
+    from splitbus.bus.messages import Logprobs
+
+    drawn, other = math.log(0.5), math.log(0.5 / max(vocab - 1, 1))
+    rest = [t for t in range(min(k, vocab)) if t != token][: max(k - 1, 0)]
+    top = [token, *rest][:k]
+    return Logprobs([drawn], [top], [[drawn] + [other] * (len(top) - 1)])
+
+
+def sim_prompt_logprobs(prompt: list[int], vocab: int, k: int) -> Logprobs:
+    """The sim model's logprobs of a prompt's tokens after the first: uniform; top ``k``: the
+    lowest ids."""
+    from splitbus.bus.messages import Logprobs
+
+    even, n = -math.log(vocab), len(prompt) - 1
+    top = list(range(min(k, vocab)))
+    return Logprobs([even] * n, [top] * n, [[even] * len(top)] * n)
+
+
 class SimEngine(PagedBlocks):
     eos_token_ids: tuple[int, ...] = ()
 
@@ -122,6 +147,8 @@ class SimEngine(PagedBlocks):
         # Only the uncached suffix is computed (``reserve`` found the cached prefix).
         await asyncio.sleep(self.config.forward_s("prefill", sum(len(s.all_tokens) - s.cached for s in batch)))
         for seq in batch:
+            if (k := seq.prompt_top()) is not None:
+                seq.prompt_logprobs = sim_prompt_logprobs(seq.request.prompt_token_ids, self.vocab_size, k)
             seq.kv = self.kv_payload(seq.request)
             seq.cached = len(seq.all_tokens)
         self.store_computed(batch)
@@ -142,7 +169,10 @@ class SimEngine(PagedBlocks):
         return self.config.group_step_s(forwards)
 
     def _next(self, seq: Sequence) -> int:
-        return self.token_ids[_draw(seq.seed, len(seq.output_ids))]
+        token = self.token_ids[_draw(seq.seed, len(seq.output_ids))]
+        if (k := seq.request.sampling.logprobs) is not None:
+            seq.logprobs = sim_logprobs(token, self.vocab_size, k)
+        return token
 
     def kv_payload(self, request: GenerateRequest) -> bytes:
         """KV bytes of a realistic size, derived from the request so the receiver can check them."""

@@ -12,7 +12,7 @@ import pytest
 import splitbus.bus.messages
 from splitbus.bus.core import codec
 from splitbus.bus.core.errors import DecodeError
-from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, SamplingParams, TokenDelta
+from splitbus.bus.messages import Cancel, Failed, Finished, GenerateRequest, Logprobs, SamplingParams, TokenDelta
 
 
 def _request(**overrides: object) -> GenerateRequest:
@@ -36,6 +36,7 @@ def _request(**overrides: object) -> GenerateRequest:
         _request(prompt_token_ids=list(range(40)), prefix_hashes="0123456789abcdef" * 4, prefix_block_size=16),
         _request(cache_salt="0123456789abcdef" * 2),
         TokenDelta(seq=3, token_ids=[5, 6], text="hi"),
+        TokenDelta(1, [5], "a", Logprobs([-0.5], [[5, 2]], [[-0.5, -1.25]]), Logprobs([-3.0], [[]], [[]])),
         Finished(seq=4, finish_reason="length", prompt_tokens=3, completion_tokens=2),
         Failed(seq=0, code="no_worker", message="none", status=503),
         Cancel("r1"),
@@ -50,7 +51,13 @@ def test_round_trip(msg: object) -> None:
 
 def test_entries_are_readable_json() -> None:
     fields = codec.encode(TokenDelta(seq=0, token_ids=[1]))
-    assert orjson.loads(fields[b"data"]) == {"seq": 0, "token_ids": [1], "text": ""}
+    assert orjson.loads(fields[b"data"]) == {
+        "seq": 0,
+        "token_ids": [1],
+        "text": "",
+        "logprobs": None,
+        "prompt_logprobs": None,
+    }
 
 
 def test_unknown_fields_are_ignored() -> None:
@@ -74,6 +81,25 @@ def test_unknown_fields_are_ignored() -> None:
 def test_bad_entries_raise_decode_error(fields: dict[bytes, bytes], why: str) -> None:
     with pytest.raises(DecodeError, match=why):
         codec.decode(fields)
+
+
+@pytest.mark.parametrize(
+    "logprobs, why",
+    [
+        ({"token": [-0.5, -0.1], "top_ids": [[1]], "top": [[-0.5]]}, "one per token"),
+        ({"token": [0.5], "top_ids": [[1]], "top": [[-0.5]]}, "log-probabilities"),
+        ({"token": [-0.5], "top_ids": [[1, 2]], "top": [[-0.5]]}, "one per top id"),
+        ({"token": [-0.5], "top_ids": [list(range(21))], "top": [[-0.5] * 21]}, "at most 20"),
+        ({"token": ["x"], "top_ids": [[]], "top": [[]]}, "log-probabilities"),
+        ({"token": [-1e9], "top_ids": [[]], "top": [[]]}, "log-probabilities"),
+        ({"token": [-0.5], "top_ids": [[-1]], "top": [[-0.5]]}, "integers"),
+        ({"token": [-0.5, -0.5], "top_ids": [[], []], "top": [[], []]}, "one entry per token"),
+    ],
+)
+def test_token_logprobs_are_bounded(logprobs: dict[str, object], why: str) -> None:
+    data = orjson.dumps({"seq": 0, "token_ids": [1], "logprobs": logprobs})
+    with pytest.raises(DecodeError, match=why):
+        codec.decode({b"type": b"token", b"data": data})
 
 
 def test_a_requests_reader_is_its_api_node_unless_named() -> None:
@@ -139,6 +165,9 @@ def test_task_fields_are_bounded(overrides: dict[str, object], why: str) -> None
         ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens must be a boolean"),
         ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens must be a boolean"),
+        ({"logprobs": 21}, "logprobs must be <= 20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be >= 0"),
+        ({"logprobs": True}, "logprobs must be an integer"),
     ],
 )
 def test_request_fields_are_bounded(sampling: dict[str, object], why: str) -> None:

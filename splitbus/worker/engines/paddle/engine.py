@@ -17,6 +17,7 @@ import numpy as np
 
 from splitbus.bus.records import ExpertLoad
 from splitbus.gpu_ops.sampling import sample
+from splitbus.worker.engines.paddle import logprobs
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.prefix import PagedBlocks
 from splitbus.worker.sequence import Sequence
@@ -117,9 +118,11 @@ class PaddleEngine(PagedBlocks):
         # Only the uncached suffix: positions [0, seq.cached) came from the prefix cache, and the
         # attention reads them from the block table (its mask is aligned for a query offset).
         chunks = [Chunk(seq.all_tokens[seq.cached :], seq.cached, seq.block_table) for seq in batch]
-        logits = self._forward(chunks)
-        for seq in batch:
+        wanted = {j: k for j, seq in enumerate(batch) if (k := seq.prompt_top()) is not None}
+        logits = self._forward(chunks, prompt_top=wanted)
+        for j, seq in enumerate(batch):
             seq.cached = len(seq.all_tokens)
+            seq.prompt_logprobs = self.model.prompt_logprobs.get(j)
         return self._sample(batch, logits)
 
     def _decode(self, batch: list[Sequence]) -> list[int]:
@@ -129,8 +132,10 @@ class PaddleEngine(PagedBlocks):
             seq.cached += 1
         return self._sample(batch, logits)
 
-    def _forward(self, chunks: list[Chunk], counted: bool = True) -> np.ndarray:
-        logits = self.model.forward(chunks, self.cache, counted)
+    def _forward(
+        self, chunks: list[Chunk], counted: bool = True, prompt_top: dict[int, int] | None = None
+    ) -> np.ndarray:
+        logits = self.model.forward(chunks, self.cache, counted, prompt_top)
         held = self.model.held
         last = self.model.expert_tokens[held.start : held.stop].copy()
         self._expert_tokens = (last, self._expert_tokens[1] + last)
@@ -141,7 +146,9 @@ class PaddleEngine(PagedBlocks):
         tokens = []
         for seq, row in zip(batch, logits, strict=True):
             s = seq.request.sampling
-            tokens.append(sample(row, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids)))
+            token = sample(row, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids))
+            logprobs.sampled(seq, row, token)  # of the raw logits
+            tokens.append(token)
         return tokens
 
     async def _run(self, work: Callable[[], T]) -> T:

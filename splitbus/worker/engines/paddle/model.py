@@ -9,6 +9,7 @@ cache, over the chunk itself: the full-recompute reference).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +19,15 @@ import paddle.nn.functional as F
 
 from splitbus.architectures import ModelConfig, load_config
 from splitbus.architectures.base import MixtureOfExperts
+from splitbus.bus.messages import Logprobs
 from splitbus.gpu_ops.attention import attention
 from splitbus.gpu_ops.expert_parallel import ExpertGroup, expert_shard
 from splitbus.gpu_ops.kv_cache import PagedKVCache
 from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
 from splitbus.gpu_ops.moe import Expert, combine, gated_mlp, route, run_experts, tally
-from splitbus.worker.engines.paddle import weights
+from splitbus.worker.engines.paddle import logprobs, weights
 from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
+from splitbus.worker.engines.paddle.logprobs import PROMPT_ROWS
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class CausalLM:
         tokens under expert parallelism, of which this rank's experts took those in ``held``)."""
         self.group: ExpertGroup | None = None
         """The expert-parallel group, once formed (``ExpertGroup.form``); None: every expert is here."""
+        self.prompt_logprobs: dict[int, Logprobs] = {}
+        """The last forward's prompt logprobs, by chunk index (its ``prompt_top``)."""
         self.embed = _t(tensors["model.embed_tokens.weight"])
         self.norm = _t(tensors["model.norm.weight"])
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
@@ -144,10 +149,18 @@ class CausalLM:
         return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, dtype=KV_DTYPE)
 
     @paddle.no_grad()
-    def forward(self, chunks: list[Chunk], cache: PagedKVCache | None = None, counted: bool = True) -> np.ndarray:
+    def forward(
+        self,
+        chunks: list[Chunk],
+        cache: PagedKVCache | None = None,
+        counted: bool = True,
+        prompt_top: Mapping[int, int] | None = None,
+    ) -> np.ndarray:
         """Logits ``[len(chunks), vocab]`` at the last token of each chunk; writes the chunks'
         K/V into ``cache`` at their positions. ``counted``: its tokens count in the experts'
-        loads (``expert_tokens``; not an idle forward's)."""
+        loads (``expert_tokens``; not an idle forward's). ``prompt_top``: chunk index -> k, the
+        chunks whose every token's logprob (after the first) is wanted too, with the top k of
+        each position: left in ``prompt_logprobs`` by chunk index."""
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
         positions = np.concatenate([np.arange(ch.start, ch.start + len(ch.tokens)) for ch in chunks])
         ends = np.cumsum([len(ch.tokens) for ch in chunks])
@@ -164,9 +177,24 @@ class CausalLM:
                 x = x + layer.mlp(h, self.group, self.expert_tokens, counted)
             else:
                 x = x + gated_mlp(h, layer.mlp)
+        self.prompt_logprobs = {j: self._scores(x, plan.spans[j], k) for j, k in (prompt_top or {}).items()}
         last = paddle.index_select(x, paddle.to_tensor(ends - 1), axis=0)
         # The LM head only for the last position of each chunk: vocabularies reach 150k.
-        return paddle.matmul(rms_norm(last, self.norm, self.config.rms_norm_eps), self.lm_head).numpy()
+        return self._logits(last)
+
+    def _logits(self, x: paddle.Tensor) -> np.ndarray:
+        return paddle.matmul(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).numpy()
+
+    def _scores(self, x: paddle.Tensor, span: tuple[Chunk, int, int], k: int) -> Logprobs:
+        """The logprobs of a chunk's tokens after its first, each from the position before it,
+        the LM head run over ``PROMPT_ROWS`` positions at a time."""
+        chunk, a, b = span
+        targets = np.asarray(chunk.tokens[1:], dtype=np.int64)
+        parts = [
+            logprobs.of_rows(self._logits(x[row : min(row + PROMPT_ROWS, b - 1)]), targets[row - a :][:PROMPT_ROWS], k)
+            for row in range(a, b - 1, PROMPT_ROWS)
+        ]
+        return sum(parts[1:], parts[0]) if parts else Logprobs([], [], [])
 
     def _attend(
         self, layer: Layer, index: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, plan: _Plan
