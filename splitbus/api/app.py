@@ -17,7 +17,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitbus import aio
-from splitbus.api import metrics, routes
+from splitbus.api import metrics, routes, tokens
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import (
     INTERNAL_MESSAGE,
@@ -42,8 +42,14 @@ ROUTES = [
     Route("/ready", routes.ready, methods=["GET"]),
     Route("/metrics", routes.metrics, methods=["GET"]),
     Route("/openapi.json", routes.openapi, methods=["GET"]),
+    Route("/tokenize", tokens.tokenize, methods=["POST"]),
+    Route("/detokenize", tokens.detokenize, methods=["POST"]),
+    Route("/tokenizer_info", tokens.tokenizer_info, methods=["GET"]),
 ]
 ROUTE_PATHS = {route.path for route in ROUTES}
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+"""Beside ``/v1/*``, the routes that need an API key when keys are set: vLLM's tokenizer routes
+(at the root, where vLLM serves them) do a model's work for the caller."""
 
 
 def create_app(config: ApiConfig) -> Starlette:
@@ -102,9 +108,9 @@ EXCEPTION_HANDLERS = {
 
 
 class RequireApiKey:
-    """Bearer keys on ``/v1/*`` when keys are configured; probes and metrics stay open. The key a
-    request came with names its tenant (``request.state.tenant``, splitbus.api.tenants): whose
-    cached prompts it may reuse."""
+    """Bearer keys on ``/v1/*`` and the tokenizer routes (``needs_key``) when keys are configured;
+    probes and metrics stay open. The key a request came with names its tenant
+    (``request.state.tenant``, splitbus.api.tenants): whose cached prompts it may reuse."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
@@ -113,7 +119,7 @@ class RequireApiKey:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             tenant = self._tenant(scope) if self.keys else NO_TENANT
-            if tenant is None and scope["path"].startswith("/v1/"):
+            if tenant is None and needs_key(scope["path"]):
                 await Unauthorized("Incorrect or missing API key; send 'Authorization: Bearer <key>'")(
                     scope, receive, send
                 )
@@ -128,6 +134,10 @@ class RequireApiKey:
         if scheme.lower() != b"bearer":
             return None
         return next((tenant for key, tenant in self.keys if hmac.compare_digest(token.strip(), key)), None)
+
+
+def needs_key(path: str) -> bool:
+    return path.startswith("/v1/") or path in KEYED_PATHS
 
 
 LOCAL_NAMES = frozenset({"localhost"})

@@ -115,6 +115,26 @@ _CHAT_REQUEST = {
 }
 
 
+_TOKENIZE_REQUEST = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        "model": {"type": "string", "description": "optional when the API serves one model"},
+        "prompt": {"type": "string"},
+        "add_special_tokens": {"type": ["boolean", "null"], "description": "default false, as prompts are tokenized"},
+    },
+}
+
+_DETOKENIZE_REQUEST = {
+    "type": "object",
+    "required": ["tokens"],
+    "properties": {
+        "model": {"type": "string", "description": "optional when the API serves one model"},
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    },
+}
+
+
 def _with_models(schema: dict[str, Any], models: tuple[str, ...]) -> dict[str, Any]:
     if not models:
         return schema
@@ -132,7 +152,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
     }
 
 
-def _generation(summary: str, schema: str) -> dict[str, Any]:
+def _post(summary: str, schema: str, responses: dict[str, Any]) -> dict[str, Any]:
+    """A JSON-body POST that needs the bearer key (when keys are set)."""
     return {
         "post": {
             "summary": summary,
@@ -141,18 +162,24 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
             },
-            "responses": {
-                "200": {
-                    "description": "a JSON body, or server-sent events when stream is true",
-                    "content": {
-                        "application/json": {"schema": {"type": "object"}},
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
-                },
-                **_errors(400, 401, 404, 408, 413, 415, 421, 429, 500, 503, 504),
-            },
+            "responses": responses,
         }
     }
+
+
+def _generation(summary: str, schema: str) -> dict[str, Any]:
+    ok = {
+        "description": "a JSON body, or server-sent events when stream is true",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    return _post(summary, schema, {"200": ok, **_errors(400, 401, 404, 408, 413, 415, 421, 429, 500, 503, 504)})
+
+
+def _tokenizer_route(summary: str, schema: str) -> dict[str, Any]:
+    return _post(summary, schema, {"200": {"description": "ok"}, **_errors(400, 401, 404, 408, 413, 415, 421, 429)})
 
 
 def _get(summary: str, *errors: int) -> dict[str, Any]:
@@ -165,6 +192,8 @@ def openapi_spec(models: tuple[str, ...] = ()) -> dict[str, Any]:
     schemas = {
         "CompletionRequest": _with_models(_COMPLETION_REQUEST, models),
         "ChatCompletionRequest": _with_models(_CHAT_REQUEST, models),
+        "TokenizeRequest": _with_models(_TOKENIZE_REQUEST, models),
+        "DetokenizeRequest": _with_models(_DETOKENIZE_REQUEST, models),
         "Error": _ERROR,
     }
     return {
@@ -179,6 +208,15 @@ def openapi_spec(models: tuple[str, ...] = ()) -> dict[str, Any]:
             "/health": _get("The process is alive"),
             "/ready": _get("Redis answers and at least one worker is live", 503),
             "/metrics": _get("Prometheus metrics"),
+            "/tokenize": _tokenizer_route("A prompt's token ids, as vLLM's /tokenize", "TokenizeRequest"),
+            "/detokenize": _tokenizer_route("The text of token ids, as vLLM's /detokenize", "DetokenizeRequest"),
+            "/tokenizer_info": {
+                "get": {
+                    **_get("The model's special tokens and chat template", 400, 401, 404, 421)["get"],
+                    "security": [{"bearer": []}],
+                    "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}],
+                }
+            },
         },
         "components": {
             "schemas": schemas,

@@ -110,9 +110,11 @@ class ModelTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """As encode, for several texts; the Rust tokenizer releases the GIL while it runs."""
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """As encode, for several texts; the Rust tokenizer releases the GIL while it runs.
+        ``add_special_tokens``: what the tokenizer's post-processor adds (a BOS, say), which no
+        prompt gets, for ``/tokenize``'s callers who ask."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of these ids; special tokens (added tokens marked special) print nothing unless

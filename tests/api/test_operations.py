@@ -154,9 +154,8 @@ def test_probes_metrics_and_openapi(api: ApiProcess) -> None:
         assert name in text
     assert 'splitbus_api_requests_total{route="/v1/completions",status="200"}' in text
     spec = httpx.get(api.url + "/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"} <= set(
-        spec["paths"]
-    )
+    routes = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
+    assert routes | {"/tokenize", "/detokenize", "/tokenizer_info"} <= set(spec["paths"])
     assert spec["components"]["schemas"]["CompletionRequest"]["required"] == ["model", "prompt"]
 
 

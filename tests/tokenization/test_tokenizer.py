@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import processors
 
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from tests.tokenization.conftest import FolderMaker
@@ -62,3 +63,14 @@ def test_decode_skips_special_tokens_unless_told(model_folder: FolderMaker) -> N
     assert tok.decode(ids) == "hi"
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>hi<|im_end|>"
     assert tok.added_tokens == {ENDOFTEXT: "<|endoftext|>", IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
+
+
+def test_special_tokens_are_added_only_when_asked(model_folder: FolderMaker) -> None:
+    tok = ModelTokenizer.load(model_folder())
+    # A Llama-style post-processor that starts every text with a BOS (here <|endoftext|>).
+    tok.tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", ENDOFTEXT)]
+    )
+    plain = tok.encode("ab")
+    assert tok.encode_batch(["ab"]) == [plain] and ENDOFTEXT not in plain
+    assert tok.encode_batch(["ab"], add_special_tokens=True) == [[ENDOFTEXT, *plain]]
