@@ -98,6 +98,10 @@ def engine_table(report: dict[str, Any]) -> str:
     rows = [f"{'model':<20} {'params M':>8} " + " ".join(f"{c:>17}" for c in cols)]
     for r in report["results"]:
         rows.append(f"{r['model']:<20} {r['params_m']:>8} " + " ".join(f"{r[c]:>17,}" for c in cols))
+    for r in report["results"]:
+        costs = [(b, r.get(f"decode_b{b}_logprobs5_cost_pct")) for b in (1, 8, 32)]
+        shown = ", ".join(f"b{b} {c:+.1f} %" for b, c in costs if c is not None)
+        rows.append(f"{r['model']}: a decode step with logprobs K=5 against greedy sampling alone: {shown}")
     return f"device {report['device']}, {report['threads']} thread(s)\n" + "\n".join(rows)
 
 
