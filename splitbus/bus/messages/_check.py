@@ -6,6 +6,7 @@ reservation of 10**12 drove a worker's counters to -10**12)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -23,6 +24,15 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 4096
 """Outer bound of one stop string on the bus; the API node's own bound must not exceed it."""
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300
+"""Most ``logit_bias`` entries in one request (OpenAI's limit)."""
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""A ``logit_bias`` value's range (OpenAI's): -100 bans a token in effect, 100 all but forces it."""
+PENALTY_RANGE = (-2.0, 2.0)
+"""``presence_penalty`` and ``frequency_penalty`` (OpenAI's range)."""
+MAX_REPETITION_PENALTY = 2.0
+"""``repetition_penalty`` is in (0, this]: 1 is off, above 1 discourages repeats (HF's and vLLM's
+meaning; vLLM bounds it below only, past 2 a model's repeats are all but banned)."""
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 """Most alternatives per token in ``logprobs`` / ``prompt_logprobs`` (OpenAI's top_logprobs bound)."""
@@ -87,6 +97,21 @@ def require_logprob_rows(value: Any, name: str, width: int) -> None:
         for v in row:
             if type(v) is not float or not MIN_LOGPROB <= v <= 1e-3:
                 raise ValueError(f"{name} must hold log-probabilities in [{MIN_LOGPROB}, 0], got {_short(v)}")
+
+
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
+"""A non-negative integer in canonical decimal, at most 10 digits (``MAX_TOKEN_ID`` has 10)."""
+
+
+def require_bias_map(value: Any, name: str, max_items: int, bounds: tuple[float, float]) -> None:
+    """An object of at most ``max_items`` token ids in decimal (``"0"``, ``"17"``: JSON's object
+    keys are strings; one spelling each, so no id appears twice) to numbers within ``bounds``."""
+    require(type(value) is dict, f"{name} must be an object")
+    require(len(value) <= max_items, f"{name} must hold at most {max_items} entries, got {len(value)}")
+    for key, number in value.items():
+        if not (isinstance(key, str) and _DECIMAL.fullmatch(key) and int(key) <= MAX_TOKEN_ID):
+            raise ValueError(f"{name} keys must be token ids in [0, {MAX_TOKEN_ID}] in decimal, got {_short(key)}")
+        require_number(number, f"{name}[{key}]", *bounds)
 
 
 def require_str_list(value: Any, name: str, max_items: int, max_chars: int) -> None:

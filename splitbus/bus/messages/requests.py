@@ -9,16 +9,21 @@ from typing import ClassVar
 from splitbus.bus.blocks import HEX_DIGITS
 from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
+    LOGIT_BIAS_RANGE,
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TOKEN_ID,
     MAX_TOKENS,
+    PENALTY_RANGE,
     SEED_RANGE,
     require,
+    require_bias_map,
     require_int,
     require_int_list,
     require_number,
@@ -53,6 +58,19 @@ class SamplingParams:
     only); None: none."""
     prompt_logprobs: int | None = None
     """Send the prompt's logprobs (from its second token) and this many top alternatives; None: none."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of each token the output holds so far (0: off)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once for each time the output holds it so far (0: off)."""
+    repetition_penalty: float = 1.0
+    """HF's and vLLM's: a positive logit of a token in the prompt or the output so far is divided
+    by it, a negative one multiplied (1: off)."""
+    logit_bias: dict[str, float] = field(default_factory=dict)
+    """OpenAI's: added to the logits of these token ids, keyed by the id in decimal."""
+    min_tokens: int = 0
+    """vLLM's: EOS and ``stop_token_ids`` cannot be drawn before the output holds this many tokens."""
+    min_p: float = 0.0
+    """vLLM's: after temperature, tokens less likely than ``min_p`` times the likeliest are not drawn (0: off)."""
 
     def __post_init__(self) -> None:
         require_int(self.max_tokens, "max_tokens", minimum=1, maximum=MAX_TOKENS)
@@ -67,11 +85,23 @@ class SamplingParams:
         require(type(self.skip_special_tokens) is bool, "skip_special_tokens must be a boolean")
         require(type(self.spaces_between_special_tokens) is bool, "spaces_between_special_tokens must be a boolean")
         self._check_logprobs()
+        self._check_logits_params()
 
     def _check_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 require_int(getattr(self, name), name, minimum=0, maximum=MAX_LOGPROBS)
+
+    def _check_logits_params(self) -> None:
+        """The parameters the worker's logits processors read (splitbus.gpu_ops.logits); their
+        bounds are OpenAI's and vLLM's."""
+        require_number(self.presence_penalty, "presence_penalty", *PENALTY_RANGE)
+        require_number(self.frequency_penalty, "frequency_penalty", *PENALTY_RANGE)
+        require_number(self.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
+        require(self.repetition_penalty > 0, "repetition_penalty must be > 0")
+        require_bias_map(self.logit_bias, "logit_bias", MAX_LOGIT_BIAS, LOGIT_BIAS_RANGE)
+        require_int(self.min_tokens, "min_tokens", minimum=0, maximum=self.max_tokens)
+        require_number(self.min_p, "min_p", 0.0, 1.0)
 
 
 @message
