@@ -1,9 +1,9 @@
 """Token sampling, counter-based: the random draw for step k of a request depends only on
 (seed, k), so a decode worker continues a request's sampling with no RNG state transferred.
 
-Order: temperature, then top-k, then top-p; ties are broken by token id. Runs in numpy on the
-logits of one sequence (Paddle's ``top_p_sampling`` has no CPU kernel and ``paddle.seed`` is
-one global state).
+Order (vLLM's): temperature, then min-p, top-k and top-p; ties are broken by token id. Runs in
+numpy on the logits of one sequence, which ``splitbus.gpu_ops.logits`` has processed before
+(Paddle's ``top_p_sampling`` has no CPU kernel and ``paddle.seed`` is one global state).
 """
 
 from __future__ import annotations
@@ -11,13 +11,17 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, step: int) -> int:
+def sample(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, step: int, min_p: float = 0.0
+) -> int:
     if temperature <= 0.0:
         return int(np.argmax(logits))  # the lowest id among equal maxima
     scaled = logits.astype(np.float64) / temperature
     candidates = _top_k(scaled, top_k)
     probs = np.exp(scaled[candidates] - scaled[candidates].max())
     probs /= probs.sum()
+    if min_p > 0.0:
+        candidates, probs = _min_p(candidates, probs, min_p)
     if top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
         candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
@@ -52,3 +56,11 @@ def log_softmax_top(rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.n
     values = np.take_along_axis(logprobs, part, axis=1)
     order = np.lexsort((part, -values), axis=1)
     return chosen, np.take_along_axis(part, order, axis=1), np.take_along_axis(values, order, axis=1)
+
+
+def _min_p(candidates: np.ndarray, probs: np.ndarray, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates at least ``min_p`` times as likely as the likeliest (vLLM's min-p), which
+    leads the descending ``probs``. Its ratios are the same before top-k and after, so applying it
+    to top-k's candidates is vLLM's min-p-then-top-k."""
+    keep = int(np.count_nonzero(probs >= min_p * probs[0]))
+    return candidates[:keep], probs[:keep] / probs[:keep].sum()
