@@ -73,8 +73,11 @@ class Sequence:
         """Append a generated token; returns the text it releases and sets ``finish_reason``."""
         self.output_ids.append(token_id)
         sampling = self.request.sampling
-        # The token that ends the request is never printed, special or not (as vLLM).
-        ends = token_id in sampling.stop_token_ids or (token_id in eos_ids and not sampling.ignore_eos)
+        # The token that ends the request is never printed, special or not (as vLLM). None ends it
+        # before min_tokens: the paddle engine never draws one there (gpu_ops.logits masks them),
+        # but the sim engine draws without logits.
+        stops = token_id in sampling.stop_token_ids or (token_id in eos_ids and not sampling.ignore_eos)
+        ends = stops and len(self.output_ids) > sampling.min_tokens
         text = "" if ends else self.text.push([token_id])
         if ends or self.text.stopped:
             self.finish_reason = "stop"

@@ -122,3 +122,14 @@ def test_stop_strings_behave_as_before_around_special_tokens(byte_level: ModelTo
     assert _generate(seq, ids, (IM_END,)) == "a" and seq.finish_reason == "stop"
     shown = _sequence(byte_level, stop=["<|im_start|>b"], skip_special_tokens=False)
     assert _generate(shown, ids, (IM_END,)) == "a" and shown.finish_reason == "stop"
+
+
+def test_no_token_ends_the_request_before_min_tokens(byte_level: ModelTokenizer) -> None:
+    # The paddle engine never draws one there; the sim engine, which draws without logits, may.
+    bang = byte_level.encode("!")[0]
+    seq = _sequence(byte_level, stop_token_ids=[bang], min_tokens=3)
+    assert _generate(seq, byte_level.encode("!a!b!c"), (IM_END,)) == "!a!b"
+    assert seq.finish_reason == "stop" and len(seq.output_ids) == 5
+    eos = _sequence(byte_level, min_tokens=2)
+    assert _generate(eos, [IM_END, *byte_level.encode("x"), IM_END, *byte_level.encode("y")], (IM_END,)) == "x"
+    assert eos.finish_reason == "stop" and len(eos.output_ids) == 3

@@ -16,6 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from splitbus.bus.records import ExpertLoad
+from splitbus.gpu_ops.logits import process
 from splitbus.gpu_ops.sampling import sample
 from splitbus.worker.engines.paddle import logprobs
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
@@ -141,13 +142,13 @@ class PaddleEngine(PagedBlocks):
         self._expert_tokens = (last, self._expert_tokens[1] + last)
         return logits
 
-    @staticmethod
-    def _sample(batch: list[Sequence], logits: np.ndarray) -> list[int]:
+    def _sample(self, batch: list[Sequence], logits: np.ndarray) -> list[int]:
         tokens = []
         for seq, row in zip(batch, logits, strict=True):
             s = seq.request.sampling
-            token = sample(row, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids))
-            logprobs.sampled(seq, row, token)  # of the raw logits
+            processed = process(row, s, seq.request.prompt_token_ids, seq.output_ids, self.eos_token_ids)
+            token = sample(processed, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids), s.min_p)
+            logprobs.sampled(seq, row, token)  # of the raw logits, before any processor
             tokens.append(token)
         return tokens
 

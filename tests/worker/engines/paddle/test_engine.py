@@ -13,6 +13,7 @@ import pytest
 
 from splitbus import architectures
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
+from splitbus.gpu_ops.logits import process
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from splitbus.worker.engines.paddle.engine import PaddleEngine
 from splitbus.worker.engines.paddle.model import FORWARDS, CausalLM, Chunk, load_model
@@ -139,6 +140,25 @@ def test_seeded_sampling_survives_the_move(model: CausalLM, model_dir: Path) -> 
     mixed = asyncio.run(_mixed(model, tok, **params))
     assert asyncio.run(_split(model, tok, **params)) == mixed
     assert len({tuple(t) for t in mixed}) == len(mixed)  # the draws really vary
+
+
+def test_logits_processors_hold_across_the_move(model: CausalLM, model_dir: Path) -> None:
+    """Penalties and a bias read only the request, its prompt and the tokens so far: D, taking
+    over from P, draws what a mixed worker and a full recompute do, and they change the draws."""
+    tok = ModelTokenizer.load(model_dir)
+    bias = {str(t): -5.0 for t in range(0, 256, 3)}
+    options = dict(repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.3, logit_bias=bias)
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, **options)  # type: ignore[arg-type]
+    expected = []
+    for prompt in _prompts():
+        tokens: list[int] = []
+        for _ in range(NEW_TOKENS):
+            row = model.forward([Chunk(prompt + tokens, 0)])[0]
+            tokens.append(int(np.argmax(process(row, sampling, prompt, tokens, ()))))
+        expected.append(tokens)
+    mixed = asyncio.run(_mixed(model, tok, temperature=0.0, **options))
+    assert asyncio.run(_split(model, tok, temperature=0.0, **options)) == mixed == expected
+    assert mixed != _recompute(model)
 
 
 def test_a_moved_request_continues_exactly_from_the_tokens_it_had_streamed(model: CausalLM, model_dir: Path) -> None:
