@@ -4,6 +4,7 @@ its result stream as SSE or as one JSON body."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -61,6 +62,7 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     request.state.request_id = request_id  # what an error's body and log name
     prompt_ids = await tokenize(state, tokenizer, params, request_id)
     max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
+    protocol.check_logits_options(params.logits, tokenizer.vocab_size, max_tokens)
     salt = cache_salt(request.state.tenant, params.cache_salt)
     prefix = await prefix_hashes(state, prompt_ids, salt)
     state.admit(params.model)
@@ -216,6 +218,7 @@ class Generation:
                 spaces_between_special_tokens=p.spaces_between_special_tokens,
                 logprobs=p.logprobs,
                 prompt_logprobs=p.prompt_top,
+                **dataclasses.asdict(p.logits),
             )
             node, reader = self.state.config.node_id, self.state.reader.reader_of(self.request_id)
             return GenerateRequest(

@@ -8,6 +8,13 @@ from typing import Any
 
 from splitbus import __version__
 from splitbus.api.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from splitbus.bus.messages._check import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    PENALTY_RANGE,
+)
 
 _ERROR = {
     "type": "object",
@@ -25,6 +32,34 @@ _ERROR = {
         }
     },
 }
+
+_PENALTY = {"type": ["number", "null"], "minimum": PENALTY_RANGE[0], "maximum": PENALTY_RANGE[1]}
+_LOGITS_OPTIONS = {
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "repetition_penalty": {
+        "type": ["number", "null"],
+        "exclusiveMinimum": 0,
+        "maximum": MAX_REPETITION_PENALTY,
+        "description": "vLLM's extension; 1 is off",
+    },
+    "logit_bias": {
+        "type": ["object", "null"],
+        "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0], "maximum": LOGIT_BIAS_RANGE[1]},
+        "description": "token id -> bias added to its logit; ids within the model's vocabulary",
+    },
+    "min_tokens": {"type": ["integer", "null"], "minimum": 0, "description": "vLLM's extension; <= max_tokens"},
+    "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1, "description": "vLLM's extension"},
+    "stop_token_ids": {
+        "type": ["array", "null"],
+        "items": {"type": "integer", "minimum": 0},
+        "maxItems": MAX_STOP_TOKEN_IDS,
+        "description": "vLLM's extension; ids within the model's vocabulary",
+    },
+}
+"""What the workers apply to the logits (protocol.LogitsOptions)."""
 
 _COMMON = {
     "model": {"type": "string", "minLength": 1},
@@ -67,6 +102,7 @@ _COMMON = {
         "and the same cache_salt",
     },
     "n": {"type": "integer", "enum": [1], "description": "only 1 is supported"},
+    **_LOGITS_OPTIONS,
 }
 
 _COMPLETION_REQUEST = {

@@ -6,15 +6,22 @@ get a 400 that names them.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from splitbus.api.errors import BadRequest
 from splitbus.bus.messages._check import (  # the bus's bounds, the same here
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID,
+    MAX_TOKENS,
+    PENALTY_RANGE,
     SEED_RANGE,
 )
 
@@ -32,12 +39,30 @@ UNSUPPORTED = {
     "n": (None, 1),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "functions": (None, []),
 }
+
+
+@dataclass(frozen=True)
+class LogitsOptions:
+    """The parameters the workers' logits processors and sampler apply (splitbus.gpu_ops.logits):
+    the bus's ``SamplingParams`` fields of the same names, which carry them to P and D alike."""
+
+    presence_penalty: float = 0.0
+    """OpenAI's, in [-2, 2]: lowers the logit of each token the output already holds."""
+    frequency_penalty: float = 0.0
+    """OpenAI's, in [-2, 2]: lowers a token's logit once for each time the output holds it."""
+    repetition_penalty: float = 1.0
+    """vLLM's (HF's), in (0, 2]: scales the logits of the tokens in the prompt or the output."""
+    logit_bias: dict[str, float] = field(default_factory=dict)
+    """OpenAI's: token id (in decimal, as JSON's keys are) -> a number in [-100, 100] added to its logit."""
+    min_tokens: int = 0
+    """vLLM's: no EOS or ``stop_token_ids`` token before this many tokens."""
+    min_p: float = 0.0
+    """vLLM's, in [0, 1]: tokens less likely than ``min_p`` times the likeliest are not drawn."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """vLLM's: token ids that end the request, as EOS does."""
 
 
 @dataclass
@@ -73,6 +98,10 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     """vLLM's extension: the prompt's logprobs, with this many top alternatives, in the choice's
     ``prompt_logprobs``."""
+
+    logits: LogitsOptions = field(default_factory=LogitsOptions)
+    """Penalties, biases, min-p, min_tokens and stop token ids (``check_logits_options`` once the
+    model is known)."""
 
     @property
     def prompt_top(self) -> int | None:
@@ -139,6 +168,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         user=body.get("user") if isinstance(body.get("user"), str) else None,
         cache_salt=_cache_salt(body.get("cache_salt")),
         prompt_logprobs=_top(body, "prompt_logprobs"),
+        logits=_logits_options(body),
     )
 
 
@@ -226,6 +256,76 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     return _bool(options, "include_usage")
+
+
+def _logits_options(body: dict[str, Any]) -> LogitsOptions:
+    return LogitsOptions(
+        presence_penalty=_number(body, "presence_penalty", 0.0, *PENALTY_RANGE),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, exclusive_min=True),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_tokens=_int(body, "min_tokens", minimum=0, maximum=MAX_TOKENS) if body.get("min_tokens") is not None else 0,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+    )
+
+
+def _logit_bias(value: Any) -> dict[str, float]:
+    """OpenAI's shape: token ids (strings, as JSON's object keys are) to numbers; at most
+    ``MAX_LOGIT_BIAS`` of them. Each id is kept in its plain decimal spelling (``"007"``: ``"7"``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} token ids, got {len(value)}", "logit_bias")
+    return {_bias_token(key): _bias_value(bias) for key, bias in value.items()}
+
+
+def _bias_token(key: str) -> str:
+    if _DIGITS.fullmatch(key) is None or int(key) > MAX_TOKEN_ID:
+        raise BadRequest(f"'logit_bias' keys must be token ids in [0, {MAX_TOKEN_ID}], got {key[:32]!r}", "logit_bias")
+    return str(int(key))
+
+
+_DIGITS = re.compile(r"[0-9]{1,10}")
+"""A token id's spelling in a ``logit_bias`` key: ``MAX_TOKEN_ID`` has 10 digits."""
+
+
+def _bias_value(value: Any) -> float:
+    low, high = LOGIT_BIAS_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadRequest(f"'logit_bias' values must be numbers in [{low}, {high}], got {_short(value)}", "logit_bias")
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _stop_token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list) and len(value) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    if not isinstance(value, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value):
+        raise BadRequest(f"'stop_token_ids' must be a list of token ids in [0, {MAX_TOKEN_ID}]", "stop_token_ids")
+    return value
+
+
+def check_logits_options(options: LogitsOptions, vocab_size: int, max_tokens: int) -> None:
+    """What only the model and the tokenized prompt decide: the token ids of ``logit_bias`` and
+    ``stop_token_ids`` within the model's vocabulary (as a prompt's ids), and ``min_tokens`` at
+    most the request's ``max_tokens`` (its default is known once the prompt's length is)."""
+    for name, ids in (("logit_bias", map(int, options.logit_bias)), ("stop_token_ids", options.stop_token_ids)):
+        outside = next((i for i in ids if i >= vocab_size), None)
+        if outside is not None:
+            raise BadRequest(
+                f"'{name}' holds token id {outside}, outside the model's vocabulary [0, {vocab_size})", name
+            )
+    if options.min_tokens > max_tokens:
+        raise BadRequest(f"'min_tokens' ({options.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
 
 
 def _prompt(value: Any) -> str | list[int]:

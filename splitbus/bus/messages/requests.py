@@ -11,8 +11,8 @@ from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
     LOGIT_BIAS_RANGE,
     MAX_DEADLINE_MS,
-    MAX_LOGPROBS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
