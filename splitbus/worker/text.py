@@ -24,6 +24,7 @@ class TextStream:
         stop: list[str],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._stops = StopMatcher([s for s in stop if s])
@@ -36,12 +37,16 @@ class TextStream:
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens whose text is out of the window
+        self._min_tokens = min_tokens
+        """No stop string ends the request before the stream has more tokens than this (vLLM's
+        ``min_tokens``); one that begins before and ends after does."""
         self.stopped = False
 
     @classmethod
     def for_request(cls, tokenizer: ModelTokenizer, sampling: SamplingParams) -> TextStream:
-        """The stream for one request's sampling parameters (stop strings, special tokens)."""
-        return cls(tokenizer, sampling.stop, sampling.skip_special_tokens, sampling.spaces_between_special_tokens)
+        """The stream for one request's sampling parameters (stop strings, special tokens, min_tokens)."""
+        s = sampling
+        return cls(tokenizer, s.stop, s.skip_special_tokens, s.spaces_between_special_tokens, s.min_tokens)
 
     @property
     def held(self) -> int:
@@ -100,7 +105,7 @@ class TextStream:
     def _release(self, text: str) -> str:
         if self.stopped:
             return ""
-        sendable, self.stopped = self._stops.feed(text)
+        sendable, self.stopped = self._stops.feed(text, armed=len(self._ids) > self._min_tokens)
         return sendable
 
 
@@ -124,14 +129,15 @@ class StopMatcher:
         self.held: deque[str] = deque()
         self.steps = 0
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
         """(the text that can be sent now, whether a stop string was found). On a stop, the
-        text before the earliest-starting stop is sent, the stop and all after it never is."""
+        text before the earliest-starting stop is sent, the stop and all after it never is.
+        Not ``armed``, a stop string that ends in ``text`` is text like any other."""
         if not self._stops:
             return text, False
         base = len(self.held)
         self.held.extend(text)
-        cut = self._earliest_stop(text, base)
+        cut = self._earliest_stop(text, base, armed)
         if cut is not None:
             sendable = "".join(self.held.popleft() for _ in range(cut))
             self.held.clear()
@@ -146,19 +152,20 @@ class StopMatcher:
         self._state = [0] * len(self._stops)
         return text
 
-    def _earliest_stop(self, text: str, base: int) -> int | None:
+    def _earliest_stop(self, text: str, base: int, armed: bool) -> int | None:
         """Advance every state over ``text`` (which starts at ``base`` in the held deque); the
         held index where the earliest-starting completed stop begins, if any completed."""
         best: int | None = None
         for i, (stop, fail) in enumerate(zip(self._stops, self._fail, strict=False)):
-            end = self._advance(i, stop, fail, text)
+            end = self._advance(i, stop, fail, text, armed)
             if end is not None:
                 start = base + end + 1 - len(stop)
                 best = start if best is None else min(best, start)
         return best
 
-    def _advance(self, i: int, stop: str, fail: list[int], text: str) -> int | None:
-        """Run stop ``i``'s state over ``text``; the index in ``text`` where it first completes."""
+    def _advance(self, i: int, stop: str, fail: list[int], text: str, armed: bool) -> int | None:
+        """Run stop ``i``'s state over ``text``; the index in ``text`` where it first completes
+        (not ``armed``: none, the state goes on as after a mismatch of the next character)."""
         state, steps = self._state[i], 0
         for pos, char in enumerate(text):
             while state and stop[state] != char:
@@ -166,9 +173,11 @@ class StopMatcher:
             steps += 1
             if stop[state] == char:
                 state += 1
-            if state == len(stop):
+            if state == len(stop) and armed:
                 self._state[i], self.steps = state, self.steps + steps
                 return pos
+            if state == len(stop):
+                state = fail[state - 1]
         self._state[i], self.steps = state, self.steps + steps
         return None
 

@@ -1,6 +1,6 @@
 """`splitbus up --engine sim`, P and D: its tokens are letters drawn from the seed, with no
 logits, so of the sampling parameters on the logits only stop_token_ids and min_tokens act there;
-they act through the worker's stop check, on P and D alike."""
+they act through the worker's stop check, on P and D alike (min_tokens on stop strings too)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ def test_stop_token_ids_end_and_min_tokens_holds_them_off(system: System) -> Non
         )
         assert reply.choices[0].text == text[:shown] and reply.choices[0].finish_reason == "stop"
         assert reply.usage is not None and reply.usage.completion_tokens == shown + 1
+    held_string = client.completions.create(
+        model="tiny", prompt="x", max_tokens=NEW, seed=SEED, stop=[letter], extra_body={"min_tokens": first + 1}
+    )
+    assert held_string.choices[0].text == text[:second] and held_string.choices[0].finish_reason == "stop"
     penalized = client.completions.create(
         model="tiny", prompt="x", max_tokens=NEW, seed=SEED, presence_penalty=2, logit_bias={"97": -100}
     )

@@ -133,3 +133,21 @@ def test_no_token_ends_the_request_before_min_tokens(byte_level: ModelTokenizer)
     eos = _sequence(byte_level, min_tokens=2)
     assert _generate(eos, [IM_END, *byte_level.encode("x"), IM_END, *byte_level.encode("y")], (IM_END,)) == "x"
     assert eos.finish_reason == "stop" and len(eos.output_ids) == 3
+
+
+def test_a_stop_string_counts_only_once_it_ends_past_min_tokens(byte_level: ModelTokenizer) -> None:
+    """vLLM's rule: no stop string ends the request within the first min_tokens tokens; one that
+    begins there and ends after does. A replay (all tokens pushed at once) reaches the same state."""
+    ids = byte_level.encode("abcab!abc")
+    for stop, min_tokens, sent in ((["ab"], 0, ""), (["ab"], 2, "abc"), (["ab"], 5, "abcab!"), (["abc"], 2, "")):
+        stream = TextStream(byte_level, stop, min_tokens=min_tokens)
+        text = ""
+        for token in ids:
+            text += stream.push([token])
+            if stream.stopped:
+                break
+        assert text == sent and stream.stopped
+        replayed = TextStream(byte_level, stop, min_tokens=min_tokens)
+        assert replayed.push(ids) == sent and replayed.stopped
+    sampling = SamplingParams(max_tokens=16, stop=["ab"], min_tokens=2)
+    assert TextStream.for_request(byte_level, sampling).push(ids) == "abc"
