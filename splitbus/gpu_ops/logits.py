@@ -101,8 +101,8 @@ def penalize_repetition(row: np.ndarray, seen: Sequence[int], penalty: float) ->
 def penalize_output(row: np.ndarray, output_ids: Sequence[int], frequency: float, presence: float) -> None:
     """OpenAI's ``frequency_penalty`` and ``presence_penalty``: each token's logit lowered by
     ``frequency`` times its count in the output so far, and by ``presence`` once if it is there."""
-    counts = np.bincount(_in_row(output_ids, row.shape[0]), minlength=row.shape[0])
-    row -= frequency * counts + presence * (counts > 0)
+    ids, counts = np.unique(_in_row(output_ids, row.shape[0]), return_counts=True)
+    row[ids] -= frequency * counts + presence  # the output's tokens only: O(output), not O(vocabulary)
 
 
 def _in_row(ids: Sequence[int], size: int) -> np.ndarray:
