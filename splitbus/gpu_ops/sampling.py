@@ -41,19 +41,22 @@ def _top_k(scaled: np.ndarray, top_k: int) -> np.ndarray:
 def log_softmax_top(rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The log softmax of each of ``rows`` (logits, ``[n, vocab]``), raw: no temperature, penalty
     or mask. Returns each row's value at its ``targets`` id (``[n]``) and its top ``k`` ids and
-    values (``[n, k]``, most likely first, ties by id). In float64: a float32 sum over a 150k
-    vocabulary loses the small probabilities' digits."""
-    scaled = rows.astype(np.float64)
-    peak = scaled.max(axis=1, keepdims=True)
-    logprobs = scaled - (peak + np.log(np.exp(scaled - peak).sum(axis=1, keepdims=True)))
-    chosen = logprobs[np.arange(len(rows)), targets]
-    if k <= 0:
+    values (``[n, k]``, most likely first, ties by id), in float64. Only the values asked for are
+    made: the row, less its largest logit, stays float32 (exact to a float32 logit's precision),
+    and its exponentials are summed in float64, which keeps the small probabilities' digits over
+    a 150k vocabulary; a float64 copy of the whole row cost 8 times as much (0.94 against 0.11 ms
+    a 49k row). A token's value and its value among the top ones are the same expression: equal
+    to the bit."""
+    shifted = rows - rows.max(axis=1, keepdims=True)
+    norm = np.log(np.exp(shifted).sum(axis=1, dtype=np.float64))
+    chosen = shifted[np.arange(len(rows)), targets].astype(np.float64) - norm
+    k = min(max(k, 0), rows.shape[1])
+    if k == 0:
         return chosen, np.zeros((len(rows), 0), dtype=np.int64), np.zeros((len(rows), 0))
-    k = min(k, rows.shape[1])
     part = (
-        np.argpartition(-logprobs, k - 1, axis=1)[:, :k] if k < rows.shape[1] else np.tile(np.arange(k), (len(rows), 1))
+        np.argpartition(-shifted, k - 1, axis=1)[:, :k] if k < rows.shape[1] else np.tile(np.arange(k), (len(rows), 1))
     )
-    values = np.take_along_axis(logprobs, part, axis=1)
+    values = np.take_along_axis(shifted, part, axis=1).astype(np.float64) - norm[:, None]
     order = np.lexsort((part, -values), axis=1)
     return chosen, np.take_along_axis(part, order, axis=1), np.take_along_axis(values, order, axis=1)
 

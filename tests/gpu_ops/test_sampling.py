@@ -1,4 +1,5 @@
-"""``log_softmax_top`` against the definition, computed one value at a time with ``math``."""
+"""``log_softmax_top`` against the definition, computed one value at a time with ``math``: to a
+float32 logit's precision (the row less its largest logit stays float32)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ def test_each_rows_target_and_top_k_are_its_log_softmax() -> None:
     chosen, ids, values = log_softmax_top(rows, targets, 5)
     for row, target, got, top_ids, top in zip(rows.tolist(), targets, chosen, ids, values, strict=True):
         expected = _by_definition(row)
-        assert got == pytest.approx(expected[target], abs=1e-9)
+        assert got == pytest.approx(expected[target], abs=1e-6)
         best = sorted(range(50), key=lambda i: (-expected[i], i))[:5]
-        assert top_ids.tolist() == best and top == pytest.approx([expected[i] for i in best], abs=1e-9)
+        assert top_ids.tolist() == best and top == pytest.approx([expected[i] for i in best], abs=1e-6)
+        assert got in top or target not in best  # a token's value and its top value are the same, bit for bit
 
 
 def test_ties_go_to_the_lowest_id_and_k_past_the_vocabulary_is_the_whole_row() -> None:
