@@ -62,6 +62,7 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     request.state.request_id = request_id  # what an error's body and log name
     prompt_ids = await tokenize(state, tokenizer, params, request_id)
     max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
+    protocol.check_prompt_scores(params, len(prompt_ids))
     protocol.check_logits_options(params.logits, tokenizer.vocab_size, max_tokens)
     salt = cache_salt(request.state.tenant, params.cache_salt)
     prefix = await prefix_hashes(state, prompt_ids, salt)
@@ -296,24 +297,29 @@ class Generation:
         return body
 
     async def _collect(self, result: Result) -> dict[str, Any]:
-        whole: TokenDelta | Finished | None = None
+        results: list[TokenDelta | Finished] = []
         while True:
             if isinstance(result, Failed):
                 raise self.failure(result)
-            whole = result if whole is None else merged(whole, result)
-            if isinstance(whole, Finished):
+            results.append(result)
+            if isinstance(result, Finished):
+                whole = merged(results)
                 piece = self.choice.piece(whole)
                 return protocol.full_response(
                     self.params,
                     self.request_id,
                     self.created,
                     piece.text,
-                    whole.finish_reason,
-                    self._usage(whole),
+                    self._finish_reason(result),
+                    self._usage(result),
                     piece.logprobs,
                     piece.prompt_logprobs,
                 )
             result = await self.next_result()
+
+    def _finish_reason(self, finished: Finished) -> str:
+        """Echo with ``max_tokens`` 0 generated nothing it shows: it ends on its length, as vLLM's."""
+        return "length" if self.choice.echo_only else finished.finish_reason
 
     def _usage(self, finished: Finished) -> dict[str, Any]:
         shown = 0 if self.choice.echo_only else finished.completion_tokens
@@ -352,11 +358,12 @@ class Generation:
         (as vLLM's stream interval does): under load a client gets fewer, larger chunks, and
         the API writes once per stream instead of once per token. An error that arrived with
         them follows as its own event."""
-        while isinstance(result, TokenDelta) and (ready := self._ready()) is not None:
+        together: list[TokenDelta | Finished] = [result] if not isinstance(result, Failed) else []
+        while together and isinstance(together[-1], TokenDelta) and (ready := self._ready()) is not None:
             if isinstance(ready, Failed):
-                return [result, ready]
-            result = merged(result, ready)
-        return [result]
+                return [merged(together), ready]
+            together.append(ready)
+        return [merged(together)] if together else [result]
 
     def _ready(self) -> Result | None:
         assert self.sub is not None
@@ -368,7 +375,7 @@ class Generation:
     def _events(self, result: Result) -> list[bytes]:
         if isinstance(result, Failed):
             return [_event(self.failure(result).body())]
-        finish = result.finish_reason if isinstance(result, Finished) else None
+        finish = self._finish_reason(result) if isinstance(result, Finished) else None
         piece = self.choice.piece(result)
         shown = piece.text or finish or (piece.logprobs and any(piece.logprobs.values()))
         events = [self._chunk(piece.text, finish, piece.logprobs)] if shown else []

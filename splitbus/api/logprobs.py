@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,12 +20,12 @@ from typing import Any
 
 from splitbus.api.protocol import GenerationParams
 from splitbus.bus.messages import Finished, Logprobs, TokenDelta
-from splitbus.bus.messages.results import joined
 from splitbus.tokenization import ModelTokenizer
 
 Entry = tuple[int, float | None, list[tuple[int, float]] | None]
 """One token as logprobs show it: its id, its logprob and its top (id, logprob) pairs (none for a
 prompt's first token)."""
+log = logging.getLogger(__name__)
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 REPLACEMENT = "\ufffd"
 
@@ -52,7 +53,9 @@ class TokenLabels:
     def __call__(self, token_id: int) -> Label:
         label = self._labels.get(token_id)
         if label is None:
-            label = self._labels[token_id] = self._label(token_id)
+            label = self._label(token_id)
+            if token_id < self._tokenizer.vocab_size:  # the cache holds the vocabulary at most
+                self._labels[token_id] = label
         return label
 
     def _label(self, token_id: int) -> Label:
@@ -89,15 +92,31 @@ def entries(token_ids: Sequence[int], logprobs: Logprobs | None) -> list[Entry]:
     return [(t, lp, list(zip(ids, top, strict=True))) for t, lp, ids, top in rows]
 
 
-def merged(first: TokenDelta | Finished, then: TokenDelta | Finished) -> TokenDelta | Finished:
-    """Two results of a request as one: ``then``'s kind and ending, their tokens, text and
-    logprobs one after the other."""
+def merged(results: Sequence[TokenDelta | Finished]) -> TokenDelta | Finished:
+    """Results of a request, in order, as one: the last one's kind and ending, their tokens, text
+    and logprobs one after the other. Joined once, whatever their number: a reply of thousands of
+    entries costs the event loop linear time (merging them two by two copied everything so far
+    each time)."""
+    if len(results) == 1:
+        return results[0]
+    prompt = next((r.prompt_logprobs for r in results if r.prompt_logprobs is not None), None)
     return dataclasses.replace(
-        then,
-        text=first.text + then.text,
-        token_ids=first.token_ids + then.token_ids,
-        logprobs=joined(first.logprobs, then.logprobs),
-        prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs,
+        results[-1],
+        text="".join(r.text for r in results),
+        token_ids=[t for r in results for t in r.token_ids],
+        logprobs=_joined([r.logprobs for r in results if r.logprobs is not None]),
+        prompt_logprobs=prompt,
+    )
+
+
+def _joined(runs: list[Logprobs]) -> Logprobs | None:
+    """Runs of logprobs one after the other, each column joined once."""
+    if not runs:
+        return None
+    return Logprobs(
+        [x for run in runs for x in run.token],
+        [x for run in runs for x in run.top_ids],
+        [x for run in runs for x in run.top],
     )
 
 
@@ -133,10 +152,21 @@ class Choice:
         prompt = None
         if not self.started:
             self.started = True
-            prompt = self._prompt_logprobs(result.prompt_logprobs)
+            scored = self._checked(result.prompt_logprobs)
+            prompt = self._prompt_logprobs(scored)
             if self.params.echo:
-                text, items = self.prompt_text + text, self._prompt_entries(result.prompt_logprobs) + items
+                text, items = self.prompt_text + text, self._prompt_entries(scored) + items
         return Piece(text, self._render(items), prompt)
+
+    def _checked(self, logprobs: Logprobs | None) -> Logprobs | None:
+        """A worker's prompt logprobs, if they score this prompt (one row per token after the
+        first); others are left out, and logged, rather than fail the reply."""
+        if logprobs is not None and len(logprobs) != len(self.prompt_ids) - 1:
+            log.warning(
+                "prompt logprobs of %d rows for a %d-token prompt: left out", len(logprobs), len(self.prompt_ids)
+            )
+            return None
+        return logprobs
 
     def _prompt_entries(self, logprobs: Logprobs | None) -> list[Entry]:
         """The echoed prompt's tokens, with the top ``logprobs`` of each (the worker computed the

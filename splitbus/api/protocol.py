@@ -31,6 +31,9 @@ whatever this is (worker/text.py), but it holds back up to this many characters 
 and keeps a table of this many ints per stop: the bound keeps that memory small and catches
 nonsense (real stop strings are a few characters). At most the bus's own bound, or schedulers
 would dead-letter requests the API admitted (tests/api/test_protocol.py checks it)."""
+MAX_PROMPT_SCORES = 2**20
+"""The most prompt logprob values (prompt tokens x (alternatives + 1)) one request may ask for:
+about 20 MB of JSON in its reply; a 2,048-token prompt with 20 alternatives is 43,008."""
 MAX_CACHE_SALT_CHARS = 1024
 """The longest ``cache_salt``, in characters: it is only hashed (splitbus.api.tenants), the bound
 keeps that cheap."""
@@ -167,9 +170,30 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         include_usage=_stream_options(body, stream),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
         cache_salt=_cache_salt(body.get("cache_salt")),
-        prompt_logprobs=_top(body, "prompt_logprobs"),
+        prompt_logprobs=_prompt_top(body, stream),
         logits=_logits_options(body),
     )
+
+
+def _prompt_top(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``; as vLLM, not with ``stream`` (a chunk has no place for them)."""
+    top = _top(body, "prompt_logprobs")
+    if top is not None and stream:
+        raise BadRequest("'prompt_logprobs' is not available when 'stream' is true", "prompt_logprobs")
+    return top
+
+
+def check_prompt_scores(params: GenerationParams, prompt_tokens: int) -> None:
+    """The prompt logprobs a request asks for are bounded: every value the worker computes for
+    it travels in one result entry and becomes JSON in one reply."""
+    top = params.prompt_top
+    if top is not None and prompt_tokens * (top + 1) > MAX_PROMPT_SCORES:
+        raise BadRequest(
+            f"prompt logprobs for {prompt_tokens} prompt tokens with {top} alternatives each are "
+            f"{prompt_tokens * (top + 1)} values; at most {MAX_PROMPT_SCORES} are served: ask for fewer "
+            "alternatives or a shorter prompt",
+            "prompt_logprobs" if params.prompt_logprobs is not None else "echo",
+        )
 
 
 def _top(body: dict[str, Any], name: str) -> int | None:

@@ -53,12 +53,21 @@ def log_softmax_top(rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.n
     k = min(max(k, 0), rows.shape[1])
     if k == 0:
         return chosen, np.zeros((len(rows), 0), dtype=np.int64), np.zeros((len(rows), 0))
-    part = (
-        np.argpartition(-shifted, k - 1, axis=1)[:, :k] if k < rows.shape[1] else np.tile(np.arange(k), (len(rows), 1))
-    )
+    part = np.stack([_top_ids(row, k) for row in shifted])
     values = np.take_along_axis(shifted, part, axis=1).astype(np.float64) - norm[:, None]
-    order = np.lexsort((part, -values), axis=1)
-    return chosen, np.take_along_axis(part, order, axis=1), np.take_along_axis(values, order, axis=1)
+    return chosen, part, values
+
+
+def _top_ids(row: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` largest of ``row``'s ids, largest first, ties by id, as ``argmax`` picks the first
+    of equal maxima: every id tied with the k-th is a candidate (``argpartition`` alone would
+    keep any of them)."""
+    if k < row.shape[0]:
+        kth = np.partition(row, row.shape[0] - k)[row.shape[0] - k]
+        ids = np.flatnonzero(row >= kth)
+    else:
+        ids = np.arange(row.shape[0])
+    return ids[np.lexsort((ids, -row[ids]))][:k]
 
 
 def _min_p(candidates: np.ndarray, probs: np.ndarray, min_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -60,8 +60,10 @@ def test_echo_puts_the_prompt_first_its_first_token_without_logprob(labels: Toke
     params = parse_completion({"model": "m", "prompt": "xy", "logprobs": 0, "echo": True, "max_tokens": 0})
     choice = Choice(params, prompt, labels, "xy")
     whole = merged(
-        TokenDelta(0, [c], "c", Logprobs([-1.0], [[]], [[]]), Logprobs([-3.0], [[c]], [[-0.1]])),
-        Finished(1, "length", 2, 1),
+        [
+            TokenDelta(0, [c], "c", Logprobs([-1.0], [[]], [[]]), Logprobs([-3.0], [[c]], [[-0.1]])),
+            Finished(1, "length", 2, 1),
+        ]
     )
     piece = choice.piece(whole)
     assert choice.echo_only and piece.text == "xy"  # max_tokens 0: the generated token is not shown
@@ -109,3 +111,19 @@ def test_prompt_logprobs_are_vllms_rows_null_first(labels: TokenLabels) -> None:
         },
         {str(z): {"logprob": -0.5, "rank": 1, "decoded_token": "z"}},
     ]
+
+
+def test_many_results_merge_once_in_order_with_their_logprobs() -> None:
+    deltas = [TokenDelta(i, [i], chr(97 + i % 26), Logprobs([-0.5], [[i]], [[-0.5]])) for i in range(3000)]
+    whole = merged([*deltas, Finished(3000, "length", 1, 3000)])
+    assert isinstance(whole, Finished) and whole.token_ids == list(range(3000)) and len(whole.text) == 3000
+    assert whole.logprobs is not None and whole.logprobs.top_ids[2999] == [2999]
+    one = TokenDelta(0, [1], "a", None, Logprobs([], [], []))  # a one-token prompt's: empty, not absent
+    assert merged([one, Finished(1, "length", 1, 1)]).prompt_logprobs == Logprobs([], [], [])
+
+
+def test_prompt_logprobs_that_do_not_score_this_prompt_are_left_out(labels: TokenLabels) -> None:
+    params = parse_completion({"model": "m", "prompt": "xyz", "prompt_logprobs": 0, "echo": True, "logprobs": 0})
+    piece = Choice(params, [1, 2, 3], labels, "xyz").piece(TokenDelta(0, [4], "w", None, Logprobs([-1.0], [[]], [[]])))
+    assert piece.prompt_logprobs is None and piece.logprobs is not None
+    assert piece.logprobs["token_logprobs"] == [None, None, None, None]  # echoed, unscored

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from splitbus.api.errors import BadRequest
-from splitbus.api.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, parse_chat, parse_completion
+from splitbus.api.protocol import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_PROMPT_SCORES,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    check_prompt_scores,
+    parse_chat,
+    parse_completion,
+)
 
 
 def test_ignore_eos_is_taken_as_vllm_does() -> None:
@@ -100,3 +108,17 @@ def test_a_bad_cache_salt_is_a_400(salt: object, says: str) -> None:
     with pytest.raises(BadRequest, match=says) as info:
         parse_completion({"model": "m", "prompt": "x", "cache_salt": salt})
     assert info.value.param == "cache_salt" and info.value.status == 400
+
+
+def test_prompt_logprobs_are_bounded_and_not_streamed() -> None:
+    params = parse_completion({"model": "m", "prompt": "x", "prompt_logprobs": 20})
+    check_prompt_scores(params, MAX_PROMPT_SCORES // 21)
+    with pytest.raises(BadRequest, match="ask for fewer alternatives or a shorter prompt") as refused:
+        check_prompt_scores(params, MAX_PROMPT_SCORES // 21 + 1)
+    assert refused.value.param == "prompt_logprobs"
+    echoed = parse_completion({"model": "m", "prompt": "x", "echo": True, "logprobs": 0})
+    with pytest.raises(BadRequest) as refused:
+        check_prompt_scores(echoed, MAX_PROMPT_SCORES + 1)
+    assert refused.value.param == "echo"
+    with pytest.raises(BadRequest, match="not available when 'stream' is true"):
+        parse_completion({"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True})

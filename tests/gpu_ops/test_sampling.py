@@ -44,3 +44,10 @@ def test_a_large_vocabulary_keeps_the_small_probabilities() -> None:
     row[0, 0] = 30.0
     chosen, _, _ = log_softmax_top(row, np.array([5]), 1)
     assert chosen[0] == pytest.approx(-30.0 - math.log1p(151_935 * math.exp(-30.0)), abs=1e-9)
+
+
+def test_ties_at_the_kth_place_go_to_the_lowest_ids_as_argmax_picks() -> None:
+    row = np.zeros((1, 300), dtype=np.float32)
+    row[0, 100:200] = 5.0  # a hundred equal maxima, as bf16 logits often hold
+    _, ids, _ = log_softmax_top(row, np.array([0]), 3)
+    assert ids.tolist() == [[100, 101, 102]] and ids[0][0] == int(np.argmax(row[0]))

@@ -51,13 +51,6 @@ class Logprobs:
         return Logprobs(self.token + other.token, self.top_ids + other.top_ids, self.top + other.top)
 
 
-def joined(first: Logprobs | None, second: Logprobs | None) -> Logprobs | None:
-    """Two runs' logprobs, one after the other (either may be absent)."""
-    if first is None or second is None:
-        return first or second
-    return first + second
-
-
 @message
 @dataclass
 class TokenDelta:

@@ -196,10 +196,12 @@ def reuses_prefix(seq: SequenceState) -> bool:
 
 def _reuses(task: Task) -> bool:
     """Not a decode task, whose KV comes whole from its prefill worker and is written over its
-    blocks; nor one that asks for its prompt's logprobs, which need the logits of every prompt
-    position: its prefill computes the whole prompt (and stores its blocks for others, as any
-    prefill does)."""
-    return task.phase != Phase.DECODE and task.request.sampling.prompt_logprobs is None
+    blocks; nor one whose prefill computes its prompt's logprobs (``Sequence.prompt_top``), which
+    need the logits of every prompt position: that prefill computes the whole prompt (and
+    stores its blocks for others, as any prefill does). A moved request that had generated
+    tokens computes none, and reuses what is cached."""
+    wants_scores = task.request.sampling.prompt_logprobs is not None and not task.output_token_ids
+    return task.phase != Phase.DECODE and not wants_scores
 
 
 def _prompt(task: Task) -> list[int]:

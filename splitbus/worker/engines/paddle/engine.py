@@ -117,13 +117,17 @@ class PaddleEngine(PagedBlocks):
 
     def _prefill(self, batch: list[Sequence]) -> list[int]:
         # Only the uncached suffix: positions [0, seq.cached) came from the prefix cache, and the
-        # attention reads them from the block table (its mask is aligned for a query offset).
-        chunks = [Chunk(seq.all_tokens[seq.cached :], seq.cached, seq.block_table) for seq in batch]
+        # attention reads them from the block table (its mask is aligned for a query offset). At
+        # least the last token: a prefill done once already (its results then lost with Redis:
+        # ``abort_prefill``) has it all cached, and needs its logits again.
+        starts = [min(seq.cached, len(seq.all_tokens) - 1) for seq in batch]
+        chunks = [Chunk(seq.all_tokens[a:], a, seq.block_table) for seq, a in zip(batch, starts, strict=True)]
         wanted = {j: k for j, seq in enumerate(batch) if (k := seq.prompt_top()) is not None}
         logits = self._forward(chunks, prompt_top=wanted)
         for j, seq in enumerate(batch):
             seq.cached = len(seq.all_tokens)
-            seq.prompt_logprobs = self.model.prompt_logprobs.get(j)
+            if j in wanted:  # a prefill done again keeps what the first one computed
+                seq.prompt_logprobs = self.model.prompt_logprobs[j]
         return self._sample(batch, logits)
 
     def _decode(self, batch: list[Sequence]) -> list[int]:

@@ -271,3 +271,21 @@ def test_an_architecture_whose_forward_the_engine_lacks_fails_at_load(
     _edit_config(monkey, architectures=["MonkeyForCausalLM"], model_type="monkey")
     with pytest.raises(ValueError, match="the paddle engine has no forward 'monkey' for MonkeyForCausalLM"):
         load_model(monkey)
+
+
+def test_a_prefill_done_again_gives_the_same_token_and_keeps_its_prompt_logprobs(
+    model: CausalLM, model_dir: Path
+) -> None:
+    """The worker runs a prefill again when the first one's results were lost with Redis
+    (``abort_prefill``): every position is cached by then, and the last one's logits are
+    computed again; the prompt logprobs the first one computed are still sent."""
+    tok = ModelTokenizer.load(model_dir)
+    engine = _engine(model)
+    batch = [_seq("mixed", p, f"r{i}", tok, logprobs=2, prompt_logprobs=3) for i, p in enumerate(_prompts())]
+    for seq in batch:
+        assert engine.reserve(seq, seq.prompt_len + NEW_TOKENS)
+    first = asyncio.run(engine.prefill(batch))
+    scored = [seq.prompt_logprobs for seq in batch]
+    assert all(s is not None and len(s) == seq.prompt_len - 1 for s, seq in zip(scored, batch, strict=True))
+    again = asyncio.run(engine.prefill(batch))
+    assert again == first and [seq.prompt_logprobs for seq in batch] == scored
