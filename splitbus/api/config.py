@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitbus.api import tool_parsers
 from splitbus.bus.core.config import BusConfig
 from splitbus.tokenization.tokenizer import MAX_CHARS_PER_TOKEN
 
@@ -83,12 +84,17 @@ class ApiConfig:
     """Block size of the hash chain each request carries for cache-aware routing
     (``GenerateRequest.prefix_hashes``; the workers' ``--block-size``); 0: none, the scheduler
     hashes prompts itself."""
+    tool_call_parser: str | None = None
+    """The ``tool_parsers`` parser that reads tool calls out of the text of a chat with tools and
+    ``tool_choice`` ``auto`` (the served models' family's); None: such text stays content."""
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("scheduler", "api"):
             raise ValueError(f"dispatch must be scheduler or api, got {self.dispatch!r}")
         if self.dispatch_mode not in ("splitwise", "mixed"):
             raise ValueError(f"--dispatch api places with splitwise or mixed, not {self.dispatch_mode!r}")
+        if self.tool_call_parser is not None:
+            tool_parsers.create(self.tool_call_parser)  # UnknownParser (a ValueError) names the known ones
         names = [name for name, _ in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")

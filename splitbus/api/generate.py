@@ -16,7 +16,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from splitbus.api import metrics, protocol
+from splitbus.api import metrics, protocol, tools
 from splitbus.api.errors import (
     ApiError,
     BadRequest,
@@ -86,7 +86,8 @@ def check_prompt_chars(limit: int, params: GenerationParams) -> None:
     """Refuse a prompt that cannot fit before any tokenizing: it is longer, in characters, than
     the context could hold (config.MAX_CHARS_PER_TOKEN), or than --max-prompt-chars."""
     if params.messages is not None:
-        chars, param = sum(len(m["content"]) for m in params.messages), "messages"
+        chars = sum(len(m["content"]) for m in params.messages) + tools.extra_chars(params.messages, params.tools)
+        param = "messages"
     else:
         chars, param = (len(params.prompt) if isinstance(params.prompt, str) else 0), "prompt"
     if chars > limit:
@@ -105,7 +106,10 @@ async def tokenize(
     microseconds only); the chat template (Python code of the model's) always runs there."""
     if params.messages is not None:
         messages, limit = params.messages, state.config.prompt_char_limit(tokenizer.context_length)
-        return await state.off_loop(lambda: _encode(tokenizer, _render(state, tokenizer, messages, limit, request_id)))
+        listed = params.tools.template_tools() if params.tools else None
+        return await state.off_loop(
+            lambda: _encode(tokenizer, _render(state, tokenizer, messages, limit, request_id, listed))
+        )
     if isinstance(params.prompt, str):
         prompt = params.prompt
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
@@ -118,14 +122,21 @@ async def tokenize(
 
 
 def _render(
-    state: ApiState, tokenizer: ModelTokenizer, messages: list[dict[str, Any]], max_chars: int, request_id: str
+    state: ApiState,
+    tokenizer: ModelTokenizer,
+    messages: list[dict[str, Any]],
+    max_chars: int,
+    request_id: str,
+    listed: list[dict[str, Any]] | None = None,
 ) -> str:
     """The chat prompt, rendered in a killable child held to the prompt-character bound (a longer
     one would be refused as a prompt), a time bound and a memory bound: the model's template
     fails its request, not the pool. The client reads a stable message; why, which may quote
     the template, goes to the log under the request id."""
     try:
-        return state.templates.render(tokenizer.chat_template, tokenizer.special_tokens, messages, max_chars)
+        return state.templates.render(
+            tokenizer.chat_template, tokenizer.special_tokens, messages, max_chars, tools=listed
+        )
     except ChatTemplateLimit as exc:
         log.warning("request %s: the chat template of %s was stopped: %s", request_id, tokenizer.name, exc)
         raise ChatTemplateLimitExceeded(TEMPLATE_LIMIT_MESSAGE, "messages").for_request(request_id) from None
@@ -199,6 +210,13 @@ class Generation:
         self.sub: Subscription | None = None
         self._last_token_at: float | None = None
         self._closed = False
+        self.tool_calls = (
+            tools.ToolCallStream(tools.parser_for(params.tools, state.config.tool_call_parser))
+            if params.tools is not None
+            else None
+        )
+        """With tools: reads the calls out of the chat's text (``splitbus.api.tools``); None keeps
+        that module off the path of the other requests."""
 
     def message(self) -> GenerateRequest:
         """The request as the bus carries it. The bus bounds every field itself (a scheduler would
@@ -305,7 +323,7 @@ class Generation:
             if isinstance(result, Finished):
                 whole = merged(results)
                 piece = self.choice.piece(whole)
-                return protocol.full_response(
+                body = protocol.full_response(
                     self.params,
                     self.request_id,
                     self.created,
@@ -315,6 +333,9 @@ class Generation:
                     piece.logprobs,
                     piece.prompt_logprobs,
                 )
+                if self.tool_calls is not None:
+                    body = {**body, "choices": [self.tool_calls.fill(c) for c in body["choices"]]}
+                return body
             result = await self.next_result()
 
     def _finish_reason(self, finished: Finished) -> str:
@@ -386,10 +407,24 @@ class Generation:
 
     def _chunk(self, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
         rid, model = self.request_id, self.params.model
+        if self.params.kind == "chat" and self.tool_calls is not None:
+            return self._tool_chunks(text, finish, logprobs)
         if self.params.kind == "chat":
             delta = {"content": text} if text else {}
             return _event(protocol.chat_chunk(rid, self.created, model, delta, finish, logprobs))
         return _event(protocol.completion_chunk(rid, self.created, model, text, finish, logprobs))
+
+    def _tool_chunks(self, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> bytes:
+        """A chat with tools: its content and the calls read from it (``tools.ToolCallStream``).
+        The text's logprobs go with its first chunk, or with an empty delta when the parser holds
+        all of it back (a call not complete yet): every token's logprobs are sent once, in order."""
+        rid, model = self.request_id, self.params.model
+        assert self.tool_calls is not None
+        chunks = self.tool_calls.deltas(text, finish) or ([({}, None)] if logprobs else [])
+        return b"".join(
+            _event(protocol.chat_chunk(rid, self.created, model, delta, reason, logprobs if i == 0 else None))
+            for i, (delta, reason) in enumerate(chunks)
+        )
 
     def failure(self, failed: Failed) -> ApiError:
         """The client's error for a worker's or scheduler's error entry; its own message (worker

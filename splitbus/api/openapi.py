@@ -8,6 +8,7 @@ from typing import Any
 
 from splitbus import __version__
 from splitbus.api.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from splitbus.api.tools import MAX_CALLS_PER_MESSAGE, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS
 from splitbus.bus.messages._check import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
@@ -119,13 +120,48 @@ _COMPLETION_REQUEST = {
     },
 }
 
+_FUNCTION_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
+
+
+def _function(**fields: Any) -> dict[str, Any]:
+    """``{"type": "function", "function": {"name", ...fields}}``: a tool, a call, a named choice."""
+    function = {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME, **fields}}
+    return {
+        "type": "object",
+        "required": ["function"],
+        "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function},
+    }
+
+
+_TOOL_CALL = _function(arguments={"type": "string", "description": "a JSON object, as text"})
+_TOOL_CALL["properties"]["id"] = {"type": "string", "maxLength": MAX_ID_CHARS}
+_TOOL = _function(
+    description={"type": "string"},
+    parameters={"type": "object", "description": f"a JSON schema, nested at most {MAX_SCHEMA_DEPTH} deep"},
+)
+_TOOL_FIELDS = {
+    "tools": {"type": ["array", "null"], "items": _TOOL, "maxItems": MAX_TOOLS},
+    "tool_choice": {
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {**_function(), "required": ["type", "function"], "description": "a function of tools"},
+            {"type": "null"},
+        ]
+    },
+    "parallel_tool_calls": {"type": ["boolean", "null"]},
+}
+
 _MESSAGE = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "developer", "tool"]},
+        "name": {"type": "string", "maxLength": MAX_ID_CHARS},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL, "maxItems": MAX_CALLS_PER_MESSAGE},
+        "tool_call_id": {"type": "string", "maxLength": MAX_ID_CHARS},
         "content": {
             "oneOf": [
+                {"type": "null"},
                 {"type": "string"},
                 {
                     "type": "array",
@@ -147,6 +183,7 @@ _CHAT_REQUEST = {
         **_COMMON,
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
         "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+        **_TOOL_FIELDS,
     },
 }
 

@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from splitbus.api import tools
 from splitbus.api.errors import BadRequest
+from splitbus.api.tools import ToolRequest
 from splitbus.bus.messages._check import (  # the bus's bounds, the same here
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
@@ -42,8 +44,6 @@ UNSUPPORTED = {
     "n": (None, 1),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "functions": (None, []),
 }
 
 
@@ -105,6 +105,8 @@ class GenerationParams:
     logits: LogitsOptions = field(default_factory=LogitsOptions)
     """Penalties, biases, min-p, min_tokens and stop token ids (``check_logits_options`` once the
     model is known)."""
+    tools: ToolRequest | None = None
+    """Chat: the tools, ``tool_choice`` and ``parallel_tool_calls`` (None: no tools)."""
 
     @property
     def prompt_top(self) -> int | None:
@@ -129,6 +131,7 @@ def parse_completion(body: Any) -> GenerationParams:
 def parse_chat(body: Any) -> GenerationParams:
     params = _common(body, "chat")
     params.messages = _messages(body.get("messages"))
+    params.tools = tools.parse_request(body)
     if _bool(body, "logprobs"):
         params.logprobs = _top(body, "top_logprobs") or 0
     elif body.get("top_logprobs") is not None:
@@ -390,7 +393,8 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     param = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise BadRequest(f"{param} must be an object with a role in {ROLES}", param)
-    return {"role": message["role"], "content": _content(message.get("content"), param)}
+    content = _content(message.get("content"), param)
+    return {"role": message["role"], "content": content, **tools.message_fields(message, param)}
 
 
 def _content(content: Any, param: str) -> str:

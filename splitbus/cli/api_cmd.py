@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from splitbus.api import tool_parsers
 from splitbus.cli.common import add_redis_url_argument, data_dir, redis_url, say
 from splitbus.env import Env
 from splitbus.masking import mask_url
@@ -123,7 +124,20 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "at once (default %(default)s)",
     )
     p.add_argument("--node-id", default=None, help="this API's name on the bus (default: random)")
+    add_tool_call_parser_argument(p)
     p.set_defaults(run=run)
+
+
+def add_tool_call_parser_argument(p: argparse.ArgumentParser) -> None:
+    """``--tool-call-parser``, its choices the parsers' table (``splitbus api`` and ``splitbus up``)."""
+    p.add_argument(
+        "--tool-call-parser",
+        choices=tool_parsers.names(),
+        default=None,
+        help="read tool calls out of chat replies with tool_choice auto, in the served model family's format "
+        "(hermes: Qwen2.5/Qwen3/Hermes <tool_call> JSON; llama3_json: Llama 3.x JSON); default: none, the text "
+        "stays content",
+    )
 
 
 def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
@@ -156,6 +170,7 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
         prefix_block_size=args.prefix_block_size,
         dispatch=args.dispatch,
         dispatch_mode=args.dispatch_mode,
+        tool_call_parser=args.tool_call_parser,
         **({"node_id": args.node_id} if args.node_id else {}),
     )
 

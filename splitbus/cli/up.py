@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitbus.bus.roles import Role
+from splitbus.cli.api_cmd import add_tool_call_parser_argument
 from splitbus.cli.cluster_up import (
     MAX_NODE_RESTARTS,
     ClusterUp,
@@ -127,6 +128,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         help="who places requests: the scheduler (default: by load and by KV cache) or the API itself (by load, "
         "one hop fewer; the schedulers' mode, splitwise or mixed)",
     )
+    add_tool_call_parser_argument(p)
     add_embedded_options(p, env)
     add_cluster_option(p)
     p.set_defaults(run=run)
@@ -393,9 +395,14 @@ def _start_parts(
         "--result-grace",
         str(args.result_grace),
         *(["--dispatch", "api", "--dispatch-mode", mode] if args.dispatch == "api" else []),
+        *_tool_call_parser(args),
         *args.api_arg,
     ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
+
+
+def _tool_call_parser(args: argparse.Namespace) -> list[str]:
+    return ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
 
 
 def _start_group(

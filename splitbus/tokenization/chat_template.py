@@ -5,8 +5,9 @@ needs the same environment: a sandbox that cannot change the objects passed in, 
 trim their newline and leading whitespace, ``{% break %}``/``{% continue %}``, the
 ``{% generation %}`` tag, a ``tojson`` that keeps non-ASCII text and takes ``indent``, and the
 ``raise_exception`` and ``strftime_now`` globals. The variables are transformers' too:
-``messages``, ``add_generation_prompt``, ``tools`` and ``documents`` (None: splitbus takes
-neither), and every special token the tokenizer config sets (``bos_token``, ``eos_token``, ...).
+``messages``, ``add_generation_prompt``, ``tools`` (the request's, as transformers passes them:
+a list of ``{"type": "function", "function": {...}}``, or None) and ``documents`` (None: splitbus
+takes none), and every special token the tokenizer config sets (``bos_token``, ``eos_token``, ...).
 
 The template is the model's code, so its render is bounded in time and size
 (``template_bounds``): past a bound, ``ChatTemplateLimit``, and the request fails alone. The API
@@ -104,14 +105,20 @@ class ChatTemplate:
         else:
             self._error = None
 
-    def render(self, messages: list[dict[str, Any]], limits: RenderLimits, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        limits: RenderLimits,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The prompt text; ChatTemplateError when the template fails or rejects the messages,
         ChatTemplateLimit when it goes past ``limits``."""
         if self._error is not None:
             raise ChatTemplateError(self._error)
         variables = {
             "messages": messages,
-            "tools": None,
+            "tools": tools,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
             **self._special_tokens,

@@ -83,11 +83,13 @@ class TemplatePool:
         messages: list[dict[str, Any]],
         max_chars: int,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt (blocking: call it from a thread); ChatTemplateError when the template
         fails on these messages, ChatTemplateLimit past a bound. The messages say why (for
         the log: they may quote the template)."""
-        args = (source, json.dumps(special_tokens, sort_keys=True), messages, max_chars, add_generation_prompt)
+        specials = json.dumps(special_tokens, sort_keys=True)
+        args = (source, specials, messages, max_chars, add_generation_prompt, tools)
         outcome, text = _result(self._future(args))
         if outcome is Outcome.LIMIT:
             raise ChatTemplateLimit(text)
@@ -104,7 +106,7 @@ class TemplatePool:
 
     def start(self) -> None:
         """Start the children now (they take ~0.5 s to load Jinja), not on the first render."""
-        self._starter.submit(self._schedule, ("", "{}", [], 0, False))
+        self._starter.submit(self._schedule, ("", "{}", [], 0, False, None))
 
     def _schedule(self, args: tuple[Any, ...]) -> concurrent.futures.Future[tuple[Outcome, str]]:
         if self._pool is None or not self._pool.active:  # not yet, or broken: every child died at once
@@ -172,12 +174,18 @@ def _address_space() -> int:
 
 
 def render_here(
-    source: str, special_tokens: str, messages: list[dict[str, Any]], max_chars: int, add_generation_prompt: bool
+    source: str,
+    special_tokens: str,
+    messages: list[dict[str, Any]],
+    max_chars: int,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[Outcome, str]:
     """One render, in the child: its outcome and the prompt, or why not."""
     try:
         template = _compiled(source, special_tokens)
-        return Outcome.RENDERED, template.render(messages, RenderLimits(max_chars, _TIME_S[0]), add_generation_prompt)
+        limits = RenderLimits(max_chars, _TIME_S[0])
+        return Outcome.RENDERED, template.render(messages, limits, add_generation_prompt, tools)
     except ChatTemplateLimit as exc:
         return Outcome.LIMIT, str(exc)
     except ChatTemplateError as exc:

@@ -135,14 +135,18 @@ class ModelTokenizer:
         return ChatTemplate(self.chat_template, self.special_tokens)  # compiled once, on first use
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, max_chars: int | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        max_chars: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt ``apply_chat_template(messages, tokenize=False)`` returns; ChatTemplateError
+        """The prompt ``apply_chat_template(messages, tools=tools, tokenize=False)`` returns; ChatTemplateError
         when the template fails on these messages, ChatTemplateLimit when its render runs past
         ``template_bounds.RENDER_TIME_S`` or builds more than ``max_chars`` characters (None:
         context length x MAX_CHARS_PER_TOKEN, more than could fit)."""
         limit = self.context_length * MAX_CHARS_PER_TOKEN if max_chars is None else max_chars
-        return self._template.render(messages, RenderLimits(limit), add_generation_prompt)
+        return self._template.render(messages, RenderLimits(limit), add_generation_prompt, tools)
 
 
 def _special_tokens(tok_config: dict[str, Any], token_map: dict[str, Any] | None) -> dict[str, Any]:

@@ -7,6 +7,8 @@ each request with a known text, one token per step. Prompts steer it:
   this worker and an exception, as real workers' messages do (``failure_detail``)
 - ``[slow]`` -> 50 ms between tokens (for disconnect tests)
 - ``[silent]`` -> no answer at all (for timeout tests)
+- ``[say]TEXT[/say]`` -> TEXT (up to ``max_tokens`` characters) instead of the known text, then
+  ``stop`` (a model's tool calls, for the parsers' tests)
 
 Its usage reports half of every prompt as cached (``cached_tokens``), as a prefix cache would.
 """
@@ -126,10 +128,14 @@ class Responder:
             writer.fail(request.request_id, "scripted", detail, int(failure.group(1)), reader=request.reader)
             await writer.flush()
             return
-        await self._stream(writer, request, delay=0.05 if "[slow]" in prompt else 0.0)
+        said = re.search(r"\[say\](.*?)\[/say\]", prompt, re.S)
+        scripted = (said.group(1)[: request.sampling.max_tokens], "stop") if said else None
+        await self._stream(writer, request, delay=0.05 if "[slow]" in prompt else 0.0, scripted=scripted)
 
-    async def _stream(self, writer: ResultWriter, request: GenerateRequest, delay: float) -> None:
-        text, reason = expected_text(request.sampling.max_tokens, request.sampling.stop)
+    async def _stream(
+        self, writer: ResultWriter, request: GenerateRequest, delay: float, scripted: tuple[str, str] | None = None
+    ) -> None:
+        text, reason = scripted or expected_text(request.sampling.max_tokens, request.sampling.stop)
         rid = request.request_id
         writer.open(rid, reader=request.reader)
         for char in text:

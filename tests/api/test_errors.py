@@ -77,7 +77,10 @@ def test_bad_completion_requests_get_400(api: ApiProcess, body: Any, param: str 
         ({"model": "tiny", "messages": []}, "messages"),
         ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
         ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
         (

@@ -4,6 +4,7 @@ expected prompts written out by hand."""
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -197,3 +198,52 @@ def test_a_folder_without_a_template_gets_chatml(model_folder: FolderMaker) -> N
     tok = ModelTokenizer.load(model_folder({"eos_token": "<|im_end|>"}))
     assert not tok.has_own_chat_template
     assert tok.render_chat(USER_HI) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# Qwen2.5-Instruct's template as the model ships it (qwen25_tools.jinja): the tools printed with tojson
+# in the system prompt, an assistant's calls as <tool_call> JSON with their arguments an object,
+# tool results as <tool_response> in a user turn.
+QWEN25_TOOLS = (Path(__file__).parent / "qwen25_tools.jinja").read_text()
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Météo d'une ville",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "content": "22 °C", "tool_call_id": "call_1"},
+]
+QWEN25_TOOLS_PROMPT = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "Météo d\'une ville", '
+    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}\n</tools>\n\n'
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call><|im_end|>\n"
+    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    "<|im_end|>\n"
+    "<|im_start|>user\n<tool_response>\n22 °C\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def test_tools_and_tool_messages_render_as_qwen25_expects(model_folder: FolderMaker) -> None:
+    tok = _tokenizer(model_folder, QWEN25_TOOLS)
+    assert tok.render_chat(TOOL_CONVERSATION, tools=[WEATHER_TOOL]) == QWEN25_TOOLS_PROMPT
+    without = tok.render_chat(USER_HI)  # tools None: the plain system prompt
+    assert (
+        without.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.") and "<tools>" not in without
+    )

@@ -113,3 +113,13 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_tools_reach_the_template_in_the_child(pool: TemplatePool) -> None:
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    template = "{{ tools | tojson }}|{{ messages[0].tool_calls[0].function.arguments.tz }}"
+    messages = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {"tz": "UTC"}}}]}]
+    assert pool.render(template, {}, messages, MAX_CHARS, tools=tools) == (
+        '[{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]|UTC'
+    )
+    assert pool.render("{{ tools is none }}", {}, HI, MAX_CHARS) == "True"

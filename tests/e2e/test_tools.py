@@ -1,0 +1,129 @@
+"""Tools through `splitbus up --tool-call-parser hermes` (sim engine, P and D), with the official
+`openai` client. Left to itself the sim engine writes letters, never a call: with `auto` this
+shows that a request with tools and tool messages is served through P -> D, that they reach the
+model's template (its prompt's token count is the rendered prompt's, which holds the tools), and
+that text with no call comes back as content, streamed and not. Calls read out of free text
+(`auto`): tests/api/test_tool_calls.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.engines.sim import sim_text
+from tests.api.test_tool_calls import TIME, WEATHER, write_qwen_like
+from tests.e2e.conftest import System, start_system, stop_system
+
+ASKED = [{"role": "user", "content": "Weather in Paris?"}]
+ANSWERED: Any = [
+    *ASKED,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+]
+AS_THE_TEMPLATE_SEES = [  # the assistant's call with its arguments decoded, as transformers passes it
+    ANSWERED[0],
+    {
+        **ANSWERED[1],
+        "content": "",
+        "tool_calls": [
+            {**ANSWERED[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    ANSWERED[2],
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen_like(tmp_path_factory.mktemp("models") / "qwen-like")
+
+
+@pytest.fixture(scope="module")
+def tools_system(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    running = start_system(tmp_path_factory.mktemp("up"), "--model", str(model), "--tool-call-parser", "hermes")
+    yield running
+    assert stop_system(running) == []
+
+
+def _client(system: System) -> openai.OpenAI:
+    return openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+
+
+def _prompt_tokens(model: Path, messages: list[Any], tools: list[Any] | None) -> int:
+    tokenizer = ModelTokenizer.load(model)
+    rendered = tokenizer.render_chat(messages, tools=tools)
+    assert all(json.dumps(tool) in rendered for tool in tools or []) and ("<tools>" in rendered) is bool(tools)
+    return len(tokenizer.encode(rendered))
+
+
+def test_a_chat_with_tools_is_served_and_its_prompt_holds_them(tools_system: System, model: Path) -> None:
+    reply = _client(tools_system).chat.completions.create(
+        model="qwen-like", messages=ASKED, tools=[WEATHER, TIME], max_tokens=12, seed=4
+    )
+    choice = reply.choices[0]
+    assert choice.message.content == sim_text(4, 12) and choice.message.tool_calls is None
+    assert choice.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.prompt_tokens == _prompt_tokens(model, ASKED, [WEATHER, TIME])
+    plain = _client(tools_system).chat.completions.create(model="qwen-like", messages=ASKED, max_tokens=1, seed=4)
+    assert plain.usage is not None and plain.usage.prompt_tokens == _prompt_tokens(model, ASKED, None)
+
+
+def test_a_streamed_chat_with_tools_and_tool_messages(tools_system: System, model: Path) -> None:
+    chunks = list(
+        _client(tools_system).chat.completions.create(
+            model="qwen-like",
+            messages=ANSWERED,
+            tools=[WEATHER],
+            tool_choice="auto",
+            max_tokens=9,
+            seed=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == sim_text(8, 9)
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens == _prompt_tokens(model, AS_THE_TEMPLATE_SEES, [WEATHER])
+
+
+def test_tool_choice_none_and_a_bad_tool_call_message(tools_system: System) -> None:
+    reply = _client(tools_system).chat.completions.create(
+        model="qwen-like", messages=ANSWERED, tools=[WEATHER], tool_choice="none", max_tokens=5, seed=2
+    )
+    assert reply.choices[0].message.content == sim_text(2, 5) and reply.choices[0].finish_reason == "length"
+    broken = [*ASKED, {**ANSWERED[1], "tool_calls": [{"function": {"name": "get_weather", "arguments": "{"}}]}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(tools_system).chat.completions.create(model="qwen-like", messages=broken, tools=[WEATHER])
+    assert caught.value.body["param"] == "messages[1].tool_calls[0].function.arguments"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_tokens_logprobs_come_back_with_a_parser_reading_the_text(tools_system: System, stream: bool) -> None:
+    """The hermes parser holds back text that may begin a tag (the sim's spaces): the logprobs of
+    its tokens still come back, once each and in order."""
+    asked: Any = {"model": "qwen-like", "messages": ASKED, "tools": [WEATHER], "max_tokens": 20, "seed": 3}
+    client = _client(tools_system)
+    if stream:
+        chunks = list(client.chat.completions.create(**asked, logprobs=True, top_logprobs=2, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        items = [i for c in chunks if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content or []]
+    else:
+        reply = client.chat.completions.create(**asked, logprobs=True, top_logprobs=2)
+        text = reply.choices[0].message.content or ""
+        items = (reply.choices[0].logprobs.content if reply.choices[0].logprobs else None) or []
+    assert text == sim_text(3, 20) and " " in text
+    assert "".join(i.token for i in items) == text and all(len(i.top_logprobs) == 2 for i in items)
