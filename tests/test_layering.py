@@ -1,7 +1,8 @@
 """Imports run one way (docs/architecture.md): bus imports no other part, and inside it the core
 (splitbus/bus/core/) imports no protocol; placement imports only bus, api never imports worker or
 the scheduler process, worker never imports api, bench never imports cli, gpu_ops imports only
-paddle and numpy, architectures imports only tokenization."""
+paddle and numpy, architectures imports only tokenization, grammar (structured output) imports
+neither the API nor the workers that share it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ FORBIDDEN = {
     "scheduler": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.tokenization"),
     "tokenization": ("splitbus.bus", "splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli"),
     "gpu_ops": ("splitbus.",),
+    # Structured output, shared by the API (compiles) and the workers (masks): above the bus and
+    # the tokenizers only.
+    "grammar": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.scheduler"),
     # What a benchmark shares with a command lives below both (the default model: the engine's own).
     "bench": ("splitbus.cli",),
     # The one table of model architectures: plain data and config arithmetic that the API, the

@@ -175,6 +175,7 @@ FAILURE_MESSAGES = {
     "dp_group_broken": "The worker group serving this request failed; retry",
     "results_lost": "Part of this request's results was lost on the bus; retry",
     "engine_error": "The engine failed on this request",
+    "invalid_grammar": "The workers could not build this request's structured-output grammar",
 }
 """The client's message for each code a worker or scheduler fails a request with (the codes
 are in the workers' and the scheduler's ``fail`` calls); any other code gets its status's."""

@@ -26,6 +26,8 @@ from splitbus.bus.messages._check import (  # the bus's bounds, the same here
     PENALTY_RANGE,
     SEED_RANGE,
 )
+from splitbus.grammar.outcomes import GrammarError
+from splitbus.grammar.request import GrammarSpec, grammar_spec
 
 MAX_STOP_CHARS = 1024
 """The longest stop string, in characters. The worker's stop check costs O(new text) per token
@@ -108,6 +110,9 @@ class GenerationParams:
     tools: ToolRequest | None = None
     """Chat: the tools, ``tool_choice`` and ``parallel_tool_calls`` (None: no tools)."""
 
+    grammar: GrammarSpec | None = None
+    """Structured output (``response_format``, ``guided_*``), compiled before admission."""
+
     @property
     def prompt_top(self) -> int | None:
         """What the worker computes of the prompt's logprobs: for ``prompt_logprobs``, and for
@@ -140,9 +145,6 @@ def parse_chat(body: Any) -> GenerationParams:
         raise BadRequest("'echo' is supported by /v1/completions only", "echo")
     if body.get("max_completion_tokens") is not None:
         params.max_tokens = _int(body, "max_completion_tokens", minimum=1)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise BadRequest("response_format other than {'type': 'text'} is not supported", "response_format")
     return params
 
 
@@ -175,6 +177,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         cache_salt=_cache_salt(body.get("cache_salt")),
         prompt_logprobs=_prompt_top(body, stream),
         logits=_logits_options(body),
+        grammar=_grammar(body),
     )
 
 
@@ -258,6 +261,14 @@ def _cache_salt(value: Any) -> str | None:
     if len(value) > MAX_CACHE_SALT_CHARS:
         raise BadRequest(f"'cache_salt' may have at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
     return value
+
+
+def _grammar(body: dict[str, Any]) -> GrammarSpec | None:
+    """``response_format`` and vLLM's ``guided_*`` (splitbus.grammar.request), parsed; compiled later."""
+    try:
+        return grammar_spec(body)
+    except GrammarError as exc:
+        raise BadRequest(str(exc), exc.field) from None
 
 
 def _stop(value: Any) -> list[str]:

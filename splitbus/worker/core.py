@@ -32,6 +32,7 @@ from typing import Any
 from splitbus.bus.messages import Task
 from splitbus.bus.records import Reservation, Reserved, WorkerLoad, blocks_needed
 from splitbus.bus.roles import Phase
+from splitbus.grammar.outcomes import GrammarError
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.effects import (
     Ack,
@@ -209,12 +210,32 @@ class WorkerCore:
         for older in [s for s in self.table.of() if s.request_id == task.request.request_id]:
             effects += self.moved_away(older)
         seq = Sequence(task, entry_id, TextStream.for_request(self.tokenizer, task.request.sampling))
+        problem = self.constrain(seq)
+        if problem is not None:
+            return Admission([*effects, *self.fail(seq, "invalid_grammar", problem, 400)], reserved)
         if task.phase != Phase.DECODE:
             self.queue(seq, effects)
             return Admission(effects, reserved)
         if not self.take_blocks(seq, effects):
             return Admission(effects, reserved)
         return Admission(effects, reserved, awaiting_kv=self.await_kv(seq))
+
+    def constrain(self, seq: Sequence) -> str | None:
+        """Build the request's grammar (structured output), given the tokens its task already
+        has; why it does not build or they break it, or None. The grammar came over the bus:
+        one that is bad fails its request alone."""
+        if seq.request.sampling.grammar is None:
+            return None
+        # Here, not at the top: llguidance loads socket (importlib.metadata), and the core loads no I/O module.
+        from splitbus.grammar.constraint import Constraint
+        from splitbus.grammar.tokenizer import grammar_tokenizer
+
+        try:
+            seq.grammar = Constraint.build(grammar_tokenizer(self.tokenizer), seq.request.sampling.grammar)
+            seq.grammar.follow(seq.task.output_token_ids)
+        except GrammarError as exc:
+            return str(exc)
+        return None
 
     def check_reservation(self, task: Task) -> str | None:
         """Why the task's ``reserved`` cannot be given back, or None. A scheduler reserves at
@@ -585,6 +606,9 @@ class WorkerCore:
         if error:
             return error, self.fail(seq, "kv_import_failed", error, 500)
         seq.output_ids = list(meta["output_token_ids"])
+        problem = seq.follow_grammar()  # the tokens P generated, which P's grammar allowed
+        if problem is not None:
+            return problem, self.fail(seq, "invalid_grammar", problem, 400)
         seq.prompt_cached = meta.get("cached_tokens", 0)  # P's prefix cache: the usage reports it
         seq.text.push(seq.output_ids)
         self.table.add(seq, Status.RUNNING)

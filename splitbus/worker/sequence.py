@@ -5,10 +5,14 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from splitbus.bus.messages import GenerateRequest, Logprobs, Task
 from splitbus.bus.roles import Phase
+from splitbus.grammar.outcomes import Advance
+
+if TYPE_CHECKING:  # llguidance loads socket (importlib.metadata): the core loads no I/O module
+    from splitbus.grammar.constraint import Constraint
 
 
 class Text(Protocol):
@@ -45,6 +49,9 @@ class Sequence:
     prompt_logprobs: Logprobs | None = None
     """The prompt's logprobs, when the request asks for them and its prefill here computed them:
     sent with its first token."""
+    grammar: Constraint | None = None
+    """Structured output: the request's grammar as of ``output_ids`` (built when the worker takes
+    the task, given the tokens generated before, then each one as it is added)."""
 
     @property
     def seed(self) -> int:
@@ -79,7 +86,7 @@ class Sequence:
         stops = token_id in sampling.stop_token_ids or (token_id in eos_ids and not sampling.ignore_eos)
         ends = stops and len(self.output_ids) > sampling.min_tokens
         text = "" if ends else self.text.push([token_id])
-        if ends or self.text.stopped:
+        if ends or self.text.stopped or self._grammar_ended(token_id):
             self.finish_reason = "stop"
         elif len(self.output_ids) >= sampling.max_tokens:
             self.finish_reason = "length"
@@ -91,6 +98,20 @@ class Sequence:
         generated tokens before (moved here, its first entry came from where it prefilled)."""
         k = self.request.sampling.prompt_logprobs
         return k if k is not None and not self.task.output_token_ids and self.cached == 0 else None
+
+    def _grammar_ended(self, token_id: int) -> bool:
+        """Whether the token completes the request's grammar (or, never with a masked engine, breaks it)."""
+        return self.grammar is not None and self.grammar.advance(token_id) is not Advance.GOING
+
+    def follow_grammar(self) -> str | None:
+        """Give the grammar the tokens it has not seen (those generated on another worker, set in
+        ``output_ids``); why they break it, or None."""
+        try:
+            if self.grammar is not None:
+                self.grammar.follow(self.output_ids)
+        except ValueError as exc:  # GrammarError
+            return str(exc)
+        return None
 
     @property
     def finished(self) -> bool:

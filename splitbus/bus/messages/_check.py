@@ -39,6 +39,9 @@ MAX_LOGPROBS = 20
 MIN_LOGPROB = -9999.0
 """The floor a log-probability is clamped to: JSON has no -inf (a masked token's), and vLLM's API
 answers -9999.0 there too."""
+MAX_GRAMMAR_CHARS = 2**18
+"""Longest structured-output grammar (llguidance's JSON form, ``SamplingParams.grammar``): the
+API's bound on a request's schema or grammar (64 Ki characters) once compiled and escaped."""
 MAX_DEADLINE_MS = 2**53
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What JSON carries as an integer (orjson refuses anything wider)."""

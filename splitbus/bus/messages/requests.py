@@ -11,6 +11,7 @@ from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
     LOGIT_BIAS_RANGE,
     MAX_DEADLINE_MS,
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -71,6 +72,10 @@ class SamplingParams:
     """vLLM's: EOS and ``stop_token_ids`` cannot be drawn before the output holds this many tokens."""
     min_p: float = 0.0
     """vLLM's: after temperature, tokens less likely than ``min_p`` times the likeliest are not drawn (0: off)."""
+    grammar: str | None = None
+    """Structured output: the llguidance grammar (its JSON form, as the API compiled it from
+    ``response_format`` or ``guided_*``: ``splitbus.grammar``) every generated token must follow;
+    a worker masks each step's logits with it. None: unconstrained."""
 
     def __post_init__(self) -> None:
         require_int(self.max_tokens, "max_tokens", minimum=1, maximum=MAX_TOKENS)
@@ -86,6 +91,7 @@ class SamplingParams:
         require(type(self.spaces_between_special_tokens) is bool, "spaces_between_special_tokens must be a boolean")
         self._check_logprobs()
         self._check_logits_params()
+        self._check_grammar()
 
     def _check_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -102,6 +108,12 @@ class SamplingParams:
         require_bias_map(self.logit_bias, "logit_bias", MAX_LOGIT_BIAS, LOGIT_BIAS_RANGE)
         require_int(self.min_tokens, "min_tokens", minimum=0, maximum=self.max_tokens)
         require_number(self.min_p, "min_p", 0.0, 1.0)
+
+    def _check_grammar(self) -> None:
+        # Only its type and size: whether llguidance builds it is the worker's check (a request
+        # whose grammar does not build fails alone there, splitbus.grammar.Constraint).
+        if self.grammar is not None:
+            require_str(self.grammar, "grammar", max_chars=MAX_GRAMMAR_CHARS)
 
 
 @message

@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # types only: the registry imports this module to build the C
     from splitbus.worker.sequence import Sequence
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+CLOSERS = '"}]'
+"""Under a grammar, the characters that end a JSON string or container (``grammar.choose``)."""
 DEFAULT_KV_BLOCKS = 8192
 """Its KV blocks without ``--kv-blocks``: it holds no memory, so no budget sizes them."""
 
@@ -95,6 +97,11 @@ def _draw(seed: int, position: int) -> int:
     return random.Random(seed * 1_000_003 + position).randrange(len(ALPHABET))
 
 
+def _unit(seed: int, position: int) -> float:
+    """A second draw for (seed, position), uniform in [0, 1): a constrained request's choice."""
+    return random.Random(seed * 1_000_003 + position + 2**61).random()
+
+
 def sim_text(seed: int, count: int) -> str:
     """The text the sim engine generates for ``count`` tokens (what tests expect)."""
     return "".join(ALPHABET[_draw(seed, i)] for i in range(count))
@@ -129,6 +136,7 @@ class SimEngine(PagedBlocks):
         super().__init__(range(total_blocks), block_size)
         self.config = config
         self.token_ids = [tokenizer.encode(c)[0] for c in ALPHABET]
+        self.closers = tuple(tokenizer.encode(c)[0] for c in CLOSERS)
         self.vocab_size = tokenizer.vocab_size
 
     def kv_capacity(self, seq: Sequence) -> int:
@@ -169,10 +177,18 @@ class SimEngine(PagedBlocks):
         return self.config.group_step_s(forwards)
 
     def _next(self, seq: Sequence) -> int:
-        token = self.token_ids[_draw(seq.seed, len(seq.output_ids))]
+        own = self.token_ids[_draw(seq.seed, len(seq.output_ids))]
+        token = own if seq.grammar is None else self._constrained(seq, own)
         if (k := seq.request.sampling.logprobs) is not None:
             seq.logprobs = sim_logprobs(token, self.vocab_size, k)
         return token
+
+    def _constrained(self, seq: Sequence, own: int) -> int:
+        """Its own token if the grammar allows it, else one the grammar allows (``choose``)."""
+        from splitbus.grammar.constraint import choose  # here: the CLI's parser imports this module
+
+        assert seq.grammar is not None
+        return choose(seq.grammar, own, self.closers, _unit(seq.seed, len(seq.output_ids)))
 
     def kv_payload(self, request: GenerateRequest) -> bytes:
         """KV bytes of a realistic size, derived from the request so the receiver can check them."""

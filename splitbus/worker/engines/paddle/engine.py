@@ -18,6 +18,7 @@ import numpy as np
 from splitbus.bus.records import ExpertLoad
 from splitbus.gpu_ops.logits import process
 from splitbus.gpu_ops.sampling import sample
+from splitbus.grammar.constraint import mask_logits
 from splitbus.worker.engines.paddle import logprobs
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.prefix import PagedBlocks
@@ -151,8 +152,9 @@ class PaddleEngine(PagedBlocks):
         for seq, row in zip(batch, logits, strict=True):
             s = seq.request.sampling
             processed = process(row, s, seq.request.prompt_token_ids, seq.output_ids, self.eos_token_ids)
+            processed = mask_logits(seq.grammar, processed)  # structured output: what the grammar refuses is -inf
             token = sample(processed, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids), s.min_p)
-            logprobs.sampled(seq, row, token)  # of the raw logits, before any processor
+            logprobs.sampled(seq, row, token)  # of the raw logits, before any processor or mask
             tokens.append(token)
         return tokens
 

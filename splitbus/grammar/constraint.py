@@ -1,0 +1,115 @@
+"""A request's grammar on a worker: the tokens it allows next, and where it stands.
+
+A ``Constraint`` is an llguidance matcher built from the request's grammar (its bus field,
+``SamplingParams.grammar``) and the model's vocabulary. It holds no state but the tokens it was
+given: a worker that takes a request over (P -> D hand-off, a migration) builds a fresh one and
+gives it the tokens generated so far (``follow``), reaching the state the other worker had.
+
+The grammar is untrusted (the bus is a trust boundary; the API compiled it, but anyone who can
+write a stream could have written the entry): llguidance never raises on a bad grammar or a token
+it refuses, it enters an error state, which ``build`` and ``follow`` turn into ``GrammarError``
+so that only that request fails.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+
+from splitbus.grammar.outcomes import Advance, GrammarError
+
+log = logging.getLogger(__name__)
+FIELD = "grammar"
+"""What a worker's GrammarError names: the bus field."""
+
+
+class Constraint:
+    """One request's llguidance matcher and how many of its tokens it has taken."""
+
+    def __init__(self, matcher: LLMatcher, vocab_size: int, eos: tuple[int, ...] = ()) -> None:
+        self._matcher = matcher
+        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self.vocab_size = vocab_size
+        self.eos = eos
+        """The model's end-of-sequence ids: allowed once the grammar is complete."""
+        self.taken = 0
+        """Generated tokens the matcher has consumed."""
+
+    @classmethod
+    def build(cls, tokenizer: LLTokenizer, grammar: str) -> Constraint:
+        """The constraint at the start of generation; GrammarError when the grammar does not build."""
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(FIELD, f"the grammar does not build: {matcher.get_error()[:1000]}")
+        return cls(matcher, tokenizer.vocab_size, tuple(tokenizer.eos_tokens))
+
+    def follow(self, tokens: list[int]) -> None:
+        """Take the tokens of ``tokens`` (all the request's generated tokens) not taken yet;
+        GrammarError when they break the grammar (tokens from another worker that were not
+        generated under it)."""
+        fresh = tokens[self.taken :]
+        if fresh and not self._matcher.consume_tokens(fresh):
+            raise GrammarError(FIELD, f"the generated tokens break the grammar: {self._matcher.get_error()[:1000]}")
+        self.taken = len(tokens)
+
+    def advance(self, token: int) -> Advance:
+        """Take one generated token."""
+        self.taken += 1
+        if not self._matcher.consume_token(token):
+            log.error("token %d broke a request's grammar: %s", token, self._matcher.get_error()[:1000])
+            return Advance.REFUSED
+        return Advance.COMPLETE if self._matcher.is_stopped() else Advance.GOING
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the output so far is complete under the grammar (it may still go on)."""
+        return self._matcher.is_accepting()
+
+    def allowed(self) -> np.ndarray:
+        """Whether each token of the vocabulary may come next (bools, ``vocab_size`` of them)."""
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.vocab_size).view(bool)
+
+    def allowed_ids(self) -> np.ndarray:
+        """The ids of the tokens that may come next, ascending."""
+        return np.flatnonzero(self.allowed())
+
+
+def mask_logits(constraint: Constraint | None, logits: np.ndarray) -> np.ndarray:
+    """``logits`` (one sequence's row) with every token the grammar refuses at -inf; the row
+    itself when the request has no grammar. Logits past the tokenizer's vocabulary (a model's
+    padded embedding rows) are no token: refused."""
+    if constraint is None:
+        return logits
+    allowed = constraint.allowed()
+    keep = np.zeros(logits.shape[-1], dtype=bool)
+    n = min(len(allowed), len(keep))
+    keep[:n] = allowed[:n]
+    return np.where(keep, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
+
+
+END_BIAS = 0.25
+"""How often ``choose`` prefers a token that ends something (the output, a string, a container)."""
+
+
+def choose(constraint: Constraint | None, own: int, closers: tuple[int, ...], draw: float) -> int:
+    """A deterministic engine's token under the grammar (the sim engine's): ``own``, the token it
+    would emit unconstrained, when the grammar allows it. With probability ``END_BIAS`` (by
+    ``draw``, uniform in [0, 1)) the first allowed of the end-of-sequence ids and ``closers``
+    (tokens that close a string or a container: ``"``, ``}``, ``]``) comes first, so that free
+    text (a JSON string, nested values) ends in a few tokens instead of running to max_tokens.
+    Otherwise an allowed token picked by ``draw``. The choice depends only on (own, draw, the
+    grammar's state), so a request that moves to another worker continues the same output."""
+    if constraint is None:
+        return own
+    allowed = constraint.allowed()
+    if draw < END_BIAS:
+        first = next((t for t in (*constraint.eos, *closers) if t < len(allowed) and allowed[t]), None)
+        if first is not None:
+            return first
+    if own < len(allowed) and allowed[own]:
+        return own
+    ids = np.flatnonzero(allowed)
+    return int(ids[int(draw * len(ids))]) if len(ids) else own  # none allowed: the grammar has failed already
