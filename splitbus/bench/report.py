@@ -721,3 +721,41 @@ def _routing_recovery_plot(ax: Any, s: dict[str, Any]) -> None:
         fontsize=9,
     )
     ax.legend(fontsize=7, loc="lower right")
+
+
+def grammar_table(report: dict[str, Any]) -> str:
+    r = report
+    lines = [
+        f"structured output on {r['model']} ({r['vocab_size']} tokens, logit rows {r['vocab_rows']}), "
+        f"{r['runs']} runs; llguidance's tokenizer built in {r['tokenizer_build_s']:.2f} s (once per model)",
+        f"{'workload':<12} {'tokens':>6} {'compile':>8} {'build':>7}   us a token: "
+        f"{'mask':>6} {'apply':>6} {'advance':>7} {'total':>6} {'p99':>6} {'max':>7}",
+    ]
+    for name, w in r["workloads"].items():
+        lines.append(
+            f"{name:<12} {w['tokens']:>6} {w['compile_ms']:>6.1f}ms {w['build_ms']:>5.1f}ms   {'':11} "
+            f"{w['mask_us']['mean']:>6.1f} {w['apply_us']['mean']:>6.1f} {w['advance_us']['mean']:>7.1f} "
+            f"{w['total_us']['mean']:>6.1f} {w['total_us']['p99']:>6.1f} {w['total_us']['max']:>7.1f}"
+        )
+    total_ms = r["workloads"]["json_schema"]["total_us"]["mean"] / 1000
+    lines.append(f"json_schema: {total_ms:.3f} ms a token; target <= {r['target_ms']} ms: {_met(r['target_met'])}")
+    return "\n".join(lines)
+
+
+def grammar_plot(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(report["workloads"])
+    bottom = [0.0] * len(names)
+    for part, color in (("mask", "#2980b9"), ("apply", "#27ae60"), ("advance", "#e67e22")):
+        values = [report["workloads"][n][f"{part}_us"]["mean"] for n in names]
+        ax.bar(names, values, bottom=bottom, color=color, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    p99 = [report["workloads"][n]["total_us"]["p99"] for n in names]
+    ax.scatter(names, p99, color="black", marker="_", s=400, label="p99 (total)", zorder=3)
+    ax.axhline(report["target_ms"] * 1000, color="grey", linestyle=":", label=f"target {report['target_ms']} ms")
+    ax.set_ylabel("microseconds a token (mean)")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"splitbus bench grammar: {report['model']}, {report['vocab_size']} tokens", fontsize=10)
+    _save(plt, fig, path, dpi=100)

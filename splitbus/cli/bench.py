@@ -1,4 +1,5 @@
-"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing``: each prints a table and writes JSON + PNG."""
+"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar``: each prints a table and writes
+JSON + PNG."""
 
 from __future__ import annotations
 
@@ -24,7 +25,17 @@ C = TypeVar("C")
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (table, JSON and PNG)")
     kinds = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    adders = (_add_bus, _add_engine, _add_stagger, _add_ep, _add_serve, _add_scheduler, _add_api, _add_routing)
+    adders = (
+        _add_bus,
+        _add_engine,
+        _add_stagger,
+        _add_ep,
+        _add_serve,
+        _add_scheduler,
+        _add_api,
+        _add_routing,
+        _add_grammar,
+    )
     for add in adders:
         add(kinds, env)
 
@@ -287,6 +298,16 @@ def _add_routing(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--seeds", type=int, default=10, help="recovery: simulated seeds, pooled (default %(default)s)")
     add("--quick", action="store_true", help="small counts, one run, one short simulation: checks that it works")
     routing.set_defaults(run=run_routing)
+
+
+def _add_grammar(kinds: argparse._SubParsersAction, env: Env) -> None:
+    grammar = kinds.add_parser("grammar", help="structured output: a worker's cost per token (mask, apply, advance)")
+    add = grammar.add_argument
+    add("--model", type=Path, required=True, help="model folder or .gguf file whose vocabulary is measured")
+    add("--data-dir", type=Path, default=env.data_dir, help="where a .gguf file is converted (default %(default)s)")
+    add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    add("--runs", type=int, default=20, help="runs of each workload (default %(default)s)")
+    grammar.set_defaults(run=run_grammar)
 
 
 @contextlib.contextmanager
@@ -612,3 +633,23 @@ def run_routing(args: argparse.Namespace, env: Env) -> int:
     run = _Run("routing", args.out)
     result = run_routing_bench(config, progress=run.progress)
     return run.finish(result, report.routing_plot, report.routing_table)
+
+
+def run_grammar(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.grammar import run_grammar_bench, vocab_rows
+    from splitbus.model_files.resolve import resolve_model, served_name
+    from splitbus.tokenization import ModelTokenizer
+
+    if args.runs < 1:
+        say("splitbus bench grammar: --runs must be at least 1")
+        return 2
+    try:
+        folder = resolve_model(args.model, args.data_dir, say)
+        tokenizer = ModelTokenizer.load(folder, served_name(args.model, None))
+    except ValueError as exc:  # ModelFilesError among them: the path, and what is wrong with it
+        say(f"splitbus bench grammar: {exc}")
+        return 2
+    run = _Run("grammar", args.out)
+    result = run_grammar_bench(tokenizer, vocab_rows(folder, tokenizer), args.runs, progress=run.progress)
+    return run.finish(result, report.grammar_plot, report.grammar_table)
