@@ -752,8 +752,12 @@ def grammar_plot(report: dict[str, Any], path: Path) -> None:
         values = [report["workloads"][n][f"{part}_us"]["mean"] for n in names]
         ax.bar(names, values, bottom=bottom, color=color, label=part)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    top = 1.5 * max(report["target_ms"] * 1000, *bottom)  # a preempted token's p99 would flatten the bars
     p99 = [report["workloads"][n]["total_us"]["p99"] for n in names]
-    ax.scatter(names, p99, color="black", marker="_", s=400, label="p99 (total)", zorder=3)
+    ax.scatter(names, [min(v, 0.97 * top) for v in p99], color="black", marker="_", s=400, label="p99 (total)")
+    for name, value in zip(names, p99, strict=True):
+        ax.annotate(f"p99 {value:,.0f}", (name, min(value, 0.97 * top)), textcoords="offset points", xytext=(0, 5))
+    ax.set_ylim(0, top)
     ax.axhline(report["target_ms"] * 1000, color="grey", linestyle=":", label=f"target {report['target_ms']} ms")
     ax.set_ylabel("microseconds a token (mean)")
     ax.legend(fontsize=8)

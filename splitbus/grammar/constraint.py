@@ -110,8 +110,11 @@ def choose(constraint: Constraint | None, own: int, closers: tuple[int, ...], dr
     ``draw``, uniform in [0, 1)) the first allowed of the end-of-sequence ids and ``closers``
     (tokens that close a string or a container: ``"``, ``}``, ``]``) comes first, so that free
     text (a JSON string, nested values) ends in a few tokens instead of running to max_tokens.
-    Otherwise an allowed token picked by ``draw``. The choice depends only on (own, draw, the
-    grammar's state), so a request that moves to another worker continues the same output."""
+    Otherwise the allowed token of the lowest id: byte-level vocabularies begin with the printable
+    characters, so JSON gets its punctuation rather than one of the many whitespace tokens it
+    allows between values (a draw among all of them wrote mostly blanks). The choice depends only
+    on (own, draw, the grammar's state), so a request that moves to another worker continues the
+    same output."""
     if constraint is None:
         return own
     allowed = constraint.allowed()
@@ -121,5 +124,5 @@ def choose(constraint: Constraint | None, own: int, closers: tuple[int, ...], dr
             return first
     if own < len(allowed) and allowed[own]:
         return own
-    ids = np.flatnonzero(allowed)
-    return int(ids[int(draw * len(ids))]) if len(ids) else own  # none allowed: the grammar has failed already
+    lowest = int(np.argmax(allowed))
+    return lowest if allowed[lowest] else own  # none allowed: the grammar has failed already

@@ -157,4 +157,4 @@ def _reason(spec: GrammarSpec, error: str) -> str:
     what = {GrammarFormat.JSON_SCHEMA: "JSON schema", GrammarFormat.CHOICE: "choice list"}.get(
         spec.format, spec.format.value
     )
-    return f"'{spec.field}': this {what} is not supported: {error.strip()[:MAX_ERROR_CHARS]}"
+    return f"'{spec.field}': llguidance cannot compile this {what}: {error.strip()[:MAX_ERROR_CHARS]}"
