@@ -16,6 +16,7 @@ from splitbus.bus.messages._check import (
     MAX_STOP_TOKEN_IDS,
     PENALTY_RANGE,
 )
+from splitbus.grammar.request import MAX_GRAMMAR_SOURCE_CHARS
 
 _ERROR = {
     "type": "object",
@@ -61,6 +62,48 @@ _LOGITS_OPTIONS = {
     },
 }
 """What the workers apply to the logits (protocol.LogitsOptions)."""
+_ONE_GRAMMAR = "structured output: at most one of response_format (json_object, json_schema) and guided_*"
+_STRUCTURED = {
+    "response_format": {
+        "type": ["object", "null"],
+        "required": ["type"],
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["schema"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]},
+                },
+            },
+        },
+        "description": _ONE_GRAMMAR,
+    },
+    "guided_json": {
+        "oneOf": [{"type": "object"}, {"type": "string", "maxLength": MAX_GRAMMAR_SOURCE_CHARS}, {"type": "null"}],
+        "description": "vLLM's extension: a JSON schema, or its JSON text; " + _ONE_GRAMMAR,
+    },
+    "guided_regex": {
+        "type": ["string", "null"],
+        "minLength": 1,
+        "maxLength": MAX_GRAMMAR_SOURCE_CHARS,
+        "description": "vLLM's extension: the output matches this regex whole; " + _ONE_GRAMMAR,
+    },
+    "guided_choice": {
+        "type": ["array", "null"],
+        "items": {"type": "string"},
+        "minItems": 1,
+        "description": "vLLM's extension: the output is one of these strings; " + _ONE_GRAMMAR,
+    },
+    "guided_grammar": {
+        "type": ["string", "null"],
+        "minLength": 1,
+        "maxLength": MAX_GRAMMAR_SOURCE_CHARS,
+        "description": "vLLM's extension: a Lark or GBNF grammar the output follows; " + _ONE_GRAMMAR,
+    },
+}
 
 _COMMON = {
     "model": {"type": "string", "minLength": 1},
@@ -104,6 +147,7 @@ _COMMON = {
     },
     "n": {"type": "integer", "enum": [1], "description": "only 1 is supported"},
     **_LOGITS_OPTIONS,
+    **_STRUCTURED,
 }
 
 _COMPLETION_REQUEST = {

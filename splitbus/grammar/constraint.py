@@ -16,13 +16,19 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from splitbus.grammar.outcomes import Advance, GrammarError
 
 log = logging.getLogger(__name__)
 FIELD = "grammar"
 """What a worker's GrammarError names: the bus field."""
+LIMITS = LLParserLimits(initial_lexer_fuel=200_000, verbose_errors=False)
+"""llguidance's bounds on a matcher's work, the same in the API's trial and on the worker.
+llguidance's defaults but the fuel of the lexer's first build, 1,000,000 by default: a regex such
+as ``((a{100}){100}){100}`` spent 0.6-1.2 s of its first mask on it (then failed, too many
+expressions) on this machine's CPU, 63 ms with 200,000; the JSON schemas, choices and regexes of
+tests/grammar and bench grammar build and run alike under both."""
 
 
 class Constraint:
@@ -40,10 +46,15 @@ class Constraint:
     @classmethod
     def build(cls, tokenizer: LLTokenizer, grammar: str) -> Constraint:
         """The constraint at the start of generation; GrammarError when the grammar does not build."""
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise GrammarError(FIELD, f"the grammar does not build: {matcher.get_error()[:1000]}")
         return cls(matcher, tokenizer.vocab_size, tuple(tokenizer.eos_tokens))
+
+    @property
+    def error(self) -> str:
+        """Why the matcher stopped working ("" while it works): a limit it ran into, a token it refused."""
+        return self._matcher.get_error()
 
     def follow(self, tokens: list[int]) -> None:
         """Take the tokens of ``tokens`` (all the request's generated tokens) not taken yet;
@@ -68,9 +79,19 @@ class Constraint:
         return self._matcher.is_accepting()
 
     def allowed(self) -> np.ndarray:
-        """Whether each token of the vocabulary may come next (bools, ``vocab_size`` of them)."""
+        """Whether each token of the vocabulary may come next (bools, ``vocab_size`` of them). A
+        matcher that fails here (a limit of ``LIMITS`` in a state the API's trial did not reach)
+        allows only the end-of-sequence tokens: the request stops, its error logged."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._matcher.is_error():
+            return self._only_eos()
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.vocab_size).view(bool)
+
+    def _only_eos(self) -> np.ndarray:
+        log.error("a request's grammar failed; it ends here: %s", self.error[:1000])
+        allowed = np.zeros(self.vocab_size, dtype=bool)
+        allowed[[t for t in self.eos if t < self.vocab_size]] = True
+        return allowed
 
     def allowed_ids(self) -> np.ndarray:
         """The ids of the tokens that may come next, ascending."""

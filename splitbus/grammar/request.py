@@ -15,9 +15,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from llguidance import LLMatcher, LLTokenizer, grammar_from
 
 from splitbus.bus.messages._check import MAX_GRAMMAR_CHARS
+from splitbus.grammar.constraint import LIMITS
 from splitbus.grammar.outcomes import GrammarError
 
 MAX_GRAMMAR_SOURCE_CHARS = 65536
@@ -137,20 +139,39 @@ def _schema_value(name: str, value: Any) -> Any:
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: LLTokenizer | None = None) -> str:
-    """llguidance's grammar for ``spec``, checked with the model's ``tokenizer`` (what the worker
-    builds its matcher with): GrammarError, naming the field and llguidance's reason, when a
-    schema uses what llguidance does not implement, a regex or grammar does not parse, or the
-    result is over the bus's bound. Runs for up to a few milliseconds: off the event loop."""
+    """llguidance's grammar for ``spec``, checked with the model's ``tokenizer`` as a worker will
+    run it (its matcher built and its first mask computed; without a tokenizer, validated only):
+    GrammarError, naming the field and llguidance's reason, when a schema uses what llguidance
+    does not implement, a regex or grammar does not parse, the first step runs into a limit, or the
+    result is over the bus's bound. Runs for up to tens of milliseconds: off the event loop."""
     try:
         grammar = grammar_from(spec.format.value, spec.source)
     except ValueError as exc:  # a JSON schema that is not an object, a GBNF grammar that does not convert
         raise GrammarError(spec.field, _reason(spec, str(exc))) from None
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise GrammarError(spec.field, f"'{spec.field}' compiles to more than {MAX_GRAMMAR_CHARS} characters")
-    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if failed:
-        raise GrammarError(spec.field, _reason(spec, messages[0] if messages else "invalid"))
+    error = _validation_error(grammar) if tokenizer is None else _trial_error(grammar, tokenizer)
+    if error:
+        raise GrammarError(spec.field, _reason(spec, error))
     return grammar
+
+
+def _validation_error(grammar: str) -> str:
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, None, limits=LIMITS)
+    return (messages[0] if messages else "invalid") if failed else ""
+
+
+def _trial_error(grammar: str, tokenizer: LLTokenizer) -> str:
+    """The first step a worker takes: its matcher built, its first mask, the first allowed token
+    taken. Validation alone misses what only a step meets: a rule of more than 2,000 alternatives
+    (a choice of as many strings), a regex past the lexer's fuel (``((a{100}){100}){100}``)."""
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
+    if matcher.is_error():
+        return matcher.get_error()
+    allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    if allowed.any():
+        matcher.consume_token(int(np.argmax(allowed)))
+    return matcher.get_error()
 
 
 def _reason(spec: GrammarSpec, error: str) -> str:

@@ -144,3 +144,12 @@ def test_a_json_schema_output_built_by_choose_parses(tokenizer: ModelTokenizer) 
             if constraint.advance(tokens[-1]) is not Advance.GOING:
                 break
         assert isinstance(json.loads(tokenizer.decode(tokens))["s"], str)
+
+
+def test_a_matcher_in_error_allows_only_the_end(tokenizer: ModelTokenizer) -> None:
+    """A matcher that fails (a limit met in a state the API's trial did not reach, a refused token):
+    the request ends on its next token, it neither hangs nor draws from an all -inf row."""
+    constraint = _constraint(tokenizer, {"guided_regex": "[0-9]+"})
+    assert constraint.error == ""
+    assert constraint.advance(tokenizer.encode("x")[0]) is Advance.REFUSED
+    assert constraint.error and list(constraint.allowed_ids()) == list(tokenizer.eos_token_ids)

@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llguidance import LLTokenizer
+from tokenizers import Tokenizer
 
 from splitbus.bus.messages import SamplingParams
 from splitbus.bus.messages._check import MAX_GRAMMAR_CHARS
+from splitbus.env import load_env
 from splitbus.grammar.outcomes import GrammarError
 from splitbus.grammar.request import (
     MAX_GRAMMAR_SOURCE_CHARS,
@@ -21,6 +24,9 @@ from splitbus.grammar.request import (
     json_schema_spec,
 )
 from splitbus.grammar.tokenizer import grammar_tokenizer
+from splitbus.model_files.fetch import SOURCES, fetched_path
+from splitbus.model_files.gguf import open_reader
+from splitbus.model_files.gguf.vocab import tokenizer_files
 from splitbus.tokenization import ModelTokenizer
 
 PERSON = {
@@ -151,3 +157,29 @@ def test_a_schema_for_other_callers() -> None:
     assert (spec.field, spec.format) == ("tool_choice", GrammarFormat.JSON_SCHEMA)
     with pytest.raises(GrammarError, match="tool_choice"):
         json_schema_spec("not a schema", "tool_choice")  # type: ignore[arg-type]
+
+
+GGUF = fetched_path(SOURCES["smollm2"], load_env().data_dir / "models")
+
+
+@pytest.fixture(scope="module")
+def smollm2_vocabulary() -> LLTokenizer:
+    """llguidance's view of SmolLM2's 49,152 tokens, from its GGUF file's metadata (the weights
+    are not converted). What follows needs a real vocabulary: the byte-level test tokenizer's
+    first masks meet no limit."""
+    if not GGUF.is_file():
+        pytest.skip(f"{GGUF} is absent: `splitbus fetch-model smollm2` puts it there")
+    files = tokenizer_files(open_reader(GGUF))
+    eos = Tokenizer.from_str(files["tokenizer.json"]).token_to_id("<|im_end|>")
+    return LLTokenizer(files["tokenizer.json"], eos_token=eos)
+
+
+def test_what_only_the_first_mask_meets_is_refused_before_admission(smollm2_vocabulary: LLTokenizer) -> None:
+    """Validation alone passes these; the API's trial of the worker's first step does not."""
+    many = _spec({"guided_choice": [f"option number {i}" for i in range(2001)]})
+    compile_grammar(many)  # validated only: no tokenizer, no mask
+    with pytest.raises(GrammarError, match="max is 2000"):
+        compile_grammar(many, smollm2_vocabulary)
+    with pytest.raises(GrammarError, match="too many expressions"):
+        compile_grammar(_spec({"guided_regex": "((a{100}){100}){100}"}), smollm2_vocabulary)
+    assert compile_grammar(_spec({"guided_choice": [f"option number {i}" for i in range(1000)]}), smollm2_vocabulary)
