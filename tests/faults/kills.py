@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import signal
+import time
 
 import openai
 
@@ -23,11 +25,13 @@ async def streams_with_a_kill(
     first_seed: int,
     timeout_s: float = 120,
     logprobs: int | None = None,
+    extra_body: dict[str, object] | None = None,
 ) -> list[str]:
-    """Stream ``count`` completions (request i with seed ``first_seed + i``) and kill -9 the part whose
-    command line matches ``victim`` ``after_s`` in; the texts, in request order. With ``logprobs``,
-    each stream asks for them, and its tokens' logprobs must be the sim model's (``sim_logprobs``):
-    one per token of the text, none lost or repeated where the request moved."""
+    """Stream ``count`` completions (request i with seed ``first_seed + i``; ``extra_body``: more
+    fields for each) and kill -9 the part whose command line matches ``victim`` ``after_s`` in; the
+    texts, in request order. With ``logprobs``, each stream asks for them, and its tokens' logprobs
+    must be the sim model's (``sim_logprobs``): one per token of the text, none lost or repeated
+    where the request moved."""
     client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=timeout_s)
 
     async def one(i: int) -> str:
@@ -38,6 +42,7 @@ async def streams_with_a_kill(
             seed=first_seed + i,
             stream=True,
             logprobs=logprobs,
+            extra_body=extra_body,
         )
         chunks = [c.choices[0] async for c in stream if c.choices]
         text = "".join(c.text for c in chunks)
@@ -66,3 +71,15 @@ def _prompt(i: int, tokens: int) -> list[int]:
     routing spreads them by load as the kills expect (the same prompt would all go where it is
     cached)."""
     return [97 + i % 26] + [97] * (tokens - 1)
+
+
+def moved_tasks(system: System, since: int) -> int:
+    """Tasks the reaper moved, from the scheduler's log (it logs each dead worker it takes),
+    from line ``since`` of ``up``'s output on; 0 when none is logged within 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = re.findall(r"is dead: moved (\d+) task", "".join(system.output[since:]))
+        if found:
+            return sum(map(int, found))
+        time.sleep(0.2)
+    return 0

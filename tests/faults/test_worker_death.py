@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from splitbus.bus.core.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
-from tests.faults.kills import streams_with_a_kill
+from tests.faults.kills import moved_tasks, streams_with_a_kill
 
 _streams = functools.partial(streams_with_a_kill, first_seed=500)
 
@@ -34,17 +33,6 @@ def two_of_each(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     system = start_system(tmp_path_factory.mktemp("up"), *DECODE_ARGS, *PREFILL_ARGS)
     yield system
     stop_system(system)
-
-
-def _moved(system: System, since: int) -> int:
-    """Tasks the reaper moved, from the scheduler's log (it logs each dead worker it takes)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        found = re.findall(r"is dead: moved (\d+) task", "".join(system.output[since:]))
-        if found:
-            return sum(map(int, found))
-        time.sleep(0.2)
-    return 0
 
 
 @pytest.mark.timeout(180)
@@ -70,7 +58,7 @@ def _decode_worker_killed_mid_stream(system: System) -> None:
     texts = asyncio.run(_streams(system, 40, 80, 8, after_s=1.0, victim=r"--role decode", logprobs=2))
     assert texts == [sim_text(500 + i, 80) for i in range(40)]
     assert time.monotonic() - started < 60
-    assert _moved(system, since) > 0
+    assert moved_tasks(system, since) > 0
     r = system.redis()
     live = {r.hget(Keys().worker(w), "role") for w in r.zrange(Keys().workers, 0, -1)}
     assert sorted(live) == ["decode", "prefill"]  # the dead one left the live set...
@@ -83,7 +71,7 @@ def test_prefill_worker_killed_mid_prefill(two_of_each: System) -> None:
     since = len(two_of_each.output)
     texts = asyncio.run(_streams(two_of_each, 10, 20, 100, after_s=0.4, victim=r"--role prefill"))
     assert texts == [sim_text(500 + i, 20) for i in range(10)]
-    assert _moved(two_of_each, since) > 0
+    assert moved_tasks(two_of_each, since) > 0
 
 
 @pytest.mark.timeout(180)
