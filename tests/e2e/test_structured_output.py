@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 from pydantic import BaseModel
 
+from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
 
 PHONE = r"[0-9]{3}-[0-9]{4}"
@@ -27,19 +29,28 @@ def _client(system: System) -> openai.OpenAI:
     return openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
 
 
-def _chat(**extra: object) -> dict[str, object]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400, **extra}
+def _chat(client: openai.OpenAI, **extra: Any) -> Any:
+    """A chat completion (or its stream) of "Hi", ``extra`` its other fields."""
+    return client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=400, **extra
+    )
 
 
 def test_json_object_and_json_schema_outputs_parse(system: System) -> None:
     client = _client(system)
     for seed in (1, 2):
-        reply = client.chat.completions.create(**_chat(seed=seed, response_format={"type": "json_object"}))  # type: ignore[call-overload]
+        reply = _chat(client, seed=seed, response_format={"type": "json_object"})
         assert reply.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    parsed = client.chat.completions.parse(**_chat(seed=3), response_format=Person)  # type: ignore[call-overload]
+    parsed = client.chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=400, seed=3, response_format=Person
+    )
     person = parsed.choices[0].message.parsed
-    assert isinstance(person, Person) and set(json.loads(parsed.choices[0].message.content)) == {"name", "age", "tags"}
+    assert isinstance(person, Person) and set(json.loads(parsed.choices[0].message.content or "")) == {
+        "name",
+        "age",
+        "tags",
+    }
 
 
 def test_streamed_json_schema_output_validates(system: System) -> None:
@@ -50,7 +61,7 @@ def test_streamed_json_schema_output_validates(system: System) -> None:
         "additionalProperties": False,
     }
     rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
-    chunks = list(_client(system).chat.completions.create(**_chat(seed=4, response_format=rf, stream=True)))  # type: ignore[call-overload]
+    chunks = list(_chat(_client(system), seed=4, response_format=rf, stream=True))
     value = json.loads("".join(c.choices[0].delta.content or "" for c in chunks))
     assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and value["size"] in ("s", "m", "l")
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -64,15 +75,28 @@ def test_guided_choice_and_regex(system: System) -> None:
             model="tiny", prompt="Review: ok", max_tokens=20, seed=seed, extra_body={"guided_choice": choices}
         )
         assert reply.choices[0].text in choices and reply.choices[0].finish_reason == "stop"
-    phone = client.chat.completions.create(**_chat(seed=5, extra_body={"guided_regex": PHONE}))  # type: ignore[call-overload]
+    phone = _chat(client, seed=5, extra_body={"guided_regex": PHONE})
     assert re.fullmatch(PHONE, phone.choices[0].message.content)
 
 
 def test_a_grammar_llguidance_cannot_serve_is_a_400_naming_the_field(system: System) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        _client(system).chat.completions.create(**_chat(extra_body={"guided_regex": "a(b"}))  # type: ignore[call-overload]
+        _chat(_client(system), extra_body={"guided_regex": "a(b"})
     error = raised.value.body
     assert isinstance(error, dict) and error["param"] == "guided_regex" and "unclosed group" in error["message"]
+
+
+def test_a_dp_group_serves_structured_output(tmp_path: Path) -> None:
+    """Two DP ranks in lock-step: a constrained request and an unconstrained one share the steps."""
+    system = start_system(tmp_path, "--dp", "2")
+    try:
+        client = _client(system)
+        plain = client.completions.create(model="tiny", prompt="one", max_tokens=30, seed=4)
+        assert plain.choices[0].text == sim_text(4, 30)
+        reply = _chat(client, seed=6, response_format={"type": "json_object"})
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    finally:
+        assert stop_system(system) == []
 
 
 def test_paddle_masks_its_logits(tmp_path: Path) -> None:
@@ -90,7 +114,7 @@ def test_paddle_masks_its_logits(tmp_path: Path) -> None:
             model="tiny", prompt="Call", max_tokens=20, seed=1, extra_body={"guided_regex": PHONE}
         )
         assert re.fullmatch(PHONE, phone.choices[0].text) and phone.choices[0].finish_reason == "stop"
-        choice = client.chat.completions.create(**_chat(temperature=0, extra_body={"guided_choice": ["yes", "no"]}))  # type: ignore[call-overload]
+        choice = _chat(client, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
         assert choice.choices[0].message.content in ("yes", "no")
     finally:
         assert stop_system(system) == []

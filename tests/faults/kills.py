@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Mapping
 
 import openai
 
@@ -25,7 +26,7 @@ async def streams_with_a_kill(
     first_seed: int,
     timeout_s: float = 120,
     logprobs: int | None = None,
-    extra_body: dict[str, object] | None = None,
+    extra_body: Mapping[str, object] | None = None,
 ) -> list[str]:
     """Stream ``count`` completions (request i with seed ``first_seed + i``; ``extra_body``: more
     fields for each) and kill -9 the part whose command line matches ``victim`` ``after_s`` in; the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def tokenizer(tiny_model: Path) -> ModelTokenizer:
     return ModelTokenizer.load(tiny_model)
 
 
-def _constraint(tokenizer: ModelTokenizer, body: dict[str, object]) -> Constraint:
+def _constraint(tokenizer: ModelTokenizer, body: dict[str, Any]) -> Constraint:
     spec = grammar_spec(body)
     assert spec is not None
     return Constraint.build(grammar_tokenizer(tokenizer), compile_grammar(spec))
