@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from splitbus.bus.messages import GenerateRequest, Logprobs, Task
 from splitbus.bus.roles import Phase
-from splitbus.grammar.outcomes import Advance
+from splitbus.grammar.outcomes import Advance, GrammarError
 
 if TYPE_CHECKING:  # llguidance loads socket (importlib.metadata): the core loads no I/O module
     from splitbus.grammar.constraint import Constraint
@@ -109,7 +109,7 @@ class Sequence:
         try:
             if self.grammar is not None:
                 self.grammar.follow(self.output_ids)
-        except ValueError as exc:  # GrammarError
+        except GrammarError as exc:
             return str(exc)
         return None
 

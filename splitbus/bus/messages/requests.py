@@ -111,7 +111,7 @@ class SamplingParams:
 
     def _check_grammar(self) -> None:
         # Only its type and size: whether llguidance builds it is the worker's check (a request
-        # whose grammar does not build fails alone there, splitbus.grammar.Constraint).
+        # whose grammar does not build fails alone there: WorkerCore.constrain).
         if self.grammar is not None:
             require_str(self.grammar, "grammar", max_chars=MAX_GRAMMAR_CHARS)
 
