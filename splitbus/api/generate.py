@@ -177,8 +177,8 @@ async def request_grammar(
         return None
     try:
         return await state.off_loop(lambda: compile_grammar(spec, grammar_tokenizer(tokenizer)))
-    except GrammarError as exc:
-        raise BadRequest(str(exc), exc.field, "invalid_grammar").for_request(request_id) from None
+    except GrammarError as exc:  # the field's, or the model's tokenizer that llguidance cannot read
+        raise BadRequest(str(exc), spec.field, "invalid_grammar").for_request(request_id) from None
 
 
 def resolve_max_tokens(tokenizer: ModelTokenizer, params: GenerationParams, prompt_len: int) -> int:

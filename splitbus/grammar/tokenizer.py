@@ -15,6 +15,7 @@ import threading
 
 from llguidance import LLTokenizer
 
+from splitbus.grammar.outcomes import GrammarError
 from splitbus.tokenization import ModelTokenizer
 
 _BUILT: dict[int, tuple[ModelTokenizer, LLTokenizer]] = {}
@@ -23,7 +24,8 @@ _LOCK = threading.Lock()
 
 
 def grammar_tokenizer(tokenizer: ModelTokenizer) -> LLTokenizer:
-    """llguidance's tokenizer for ``tokenizer``'s model (built on first use, then cached)."""
+    """llguidance's tokenizer for ``tokenizer``'s model (built on first use, then cached);
+    GrammarError when llguidance cannot read it (the model then serves no structured output)."""
     found = _BUILT.get(id(tokenizer))
     if found is not None:
         return found[1]
@@ -39,4 +41,7 @@ def _build(tokenizer: ModelTokenizer) -> LLTokenizer:
     # Every end id of the model: a complete grammar allows any of them, and the worker ends a
     # request on any (Sequence.add_token). Without one, the tokenizer's own guess.
     eos = list(tokenizer.eos_token_ids) or None
-    return LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+    try:
+        return LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+    except Exception as exc:  # the Rust library's own errors: a tokenizer kind it does not read
+        raise GrammarError("grammar", f"llguidance cannot read the tokenizer of {tokenizer.name}: {exc}") from None

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from llguidance import LLTokenizer
 from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from splitbus.bus.messages import SamplingParams
 from splitbus.bus.messages._check import MAX_GRAMMAR_CHARS
@@ -183,3 +184,12 @@ def test_what_only_the_first_mask_meets_is_refused_before_admission(smollm2_voca
     with pytest.raises(GrammarError, match="too many expressions"):
         compile_grammar(_spec({"guided_regex": "((a{100}){100}){100}"}), smollm2_vocabulary)
     assert compile_grammar(_spec({"guided_choice": [f"option number {i}" for i in range(1000)]}), smollm2_vocabulary)
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_grammar_error(tiny_model: Path) -> None:
+    """The model then serves no structured output: its constrained requests fail alone (a 400 in
+    the API, ``invalid_grammar`` on a worker), nothing else does."""
+    word_level = ModelTokenizer.load(tiny_model)
+    word_level.tokenizer = Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))  # no decoder
+    with pytest.raises(GrammarError, match="cannot read the tokenizer"):
+        grammar_tokenizer(word_level)

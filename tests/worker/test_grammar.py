@@ -5,18 +5,23 @@ build, or tokens that break it, fail that request alone. Pure logic, as tests/wo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.grammar.request import compile_grammar, grammar_spec
 from splitbus.grammar.tokenizer import grammar_tokenizer
 from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import WorkerConfig
 from splitbus.worker.core import Limits, WorkerCore
 from splitbus.worker.effects import Ack, Effect, Emit, Fail, Finish
 from splitbus.worker.engines.sim import SimEngine, sim_text
 from splitbus.worker.table import Status
+from splitbus.worker.worker import Worker
 from tests.worker.test_core import BLOCKS, FREE, decode, frame, kinds, prefill
 
 PHONE = r"[0-9]{3}-[0-9]{4}"
@@ -124,3 +129,35 @@ async def test_an_unconstrained_request_is_unchanged(core: WorkerCore) -> None:
     core.admit("1-0", task("mixed", None))
     effects = await run(core)
     assert finish(effects).reason == "length" and text(effects) == sim_text(1, 40)
+
+
+def test_a_model_without_structured_output_fails_only_constrained_requests(
+    tiny_model: Path, tokenizer: ModelTokenizer
+) -> None:
+    undecodable = ModelTokenizer.load(tiny_model, "tiny")
+    config = json.loads(undecodable.tokenizer.to_str())
+    undecodable.tokenizer = Tokenizer.from_str(json.dumps({**config, "decoder": None}))  # llguidance needs one
+    core = WorkerCore(Limits("w1", "tiny", 16), SimEngine(FREE, tokenizer, BLOCKS, 16), undecodable)
+    fail = core.admit("1-0", task("mixed", '{"grammars": [{"lark_grammar": "start: \\"a\\""}]}')).effects[0]
+    assert isinstance(fail, Fail) and fail.code == "invalid_grammar" and "cannot read the tokenizer" in fail.message
+    assert core.admit("2-0", task("mixed", None)).rejected is None and len(core.table) == 1
+
+
+async def test_a_worker_builds_the_vocabulary_at_start_and_starts_without_it(
+    bus_config: BusConfig, tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Built before any task, in a thread; a tokenizer llguidance cannot read costs the worker its
+    structured output, not its start."""
+    readable = ModelTokenizer.load(tiny_model, "tiny")
+    undecodable = ModelTokenizer.load(tiny_model, "tiny")
+    config = json.loads(undecodable.tokenizer.to_str())
+    undecodable.tokenizer = Tokenizer.from_str(json.dumps({**config, "decoder": None}))
+    for tokenizer in (readable, undecodable):
+        settings = WorkerConfig(bus=bus_config, role="mixed", model_dir=tiny_model, model_name="tiny", worker_id="m1")
+        worker = Worker(settings, tokenizer, SimEngine(FREE, tokenizer, BLOCKS, 16))
+        try:
+            await worker.prepare_grammars()
+        finally:
+            await worker.redis.aclose()
+    assert grammar_tokenizer(readable).vocab_size == readable.vocab_size  # built: cached now
+    assert "worker m1 serves no structured output: llguidance cannot read the tokenizer of tiny" in caplog.text
