@@ -4,12 +4,14 @@ no server (the served path: tests/e2e/test_structured_output.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer
 
 from splitbus.api.errors import BadRequest
 from splitbus.api.generate import Generation, request_grammar
@@ -70,3 +72,13 @@ async def test_the_compiled_grammar_travels_in_the_bus_message(tiny_model: Path)
     message = Generation(state, params, [1], 8, grammar=grammar).message()  # type: ignore[arg-type]
     assert message.sampling.grammar == grammar
     assert Generation(state, params, [1], 8).message().sampling.grammar is None  # type: ignore[arg-type]
+
+
+async def test_a_model_whose_tokenizer_llguidance_cannot_read_answers_400(tiny_model: Path) -> None:
+    undecodable = ModelTokenizer.load(tiny_model)
+    config = json.loads(undecodable.tokenizer.to_str())
+    undecodable.tokenizer = Tokenizer.from_str(json.dumps({**config, "decoder": None}))
+    params = parse_chat({**CHAT, "guided_choice": ["a", "b"]})
+    with pytest.raises(BadRequest) as raised:
+        await request_grammar(Inline(), undecodable, params.grammar)  # type: ignore[arg-type]
+    assert raised.value.param == "guided_choice" and "cannot read the tokenizer" in raised.value.message
