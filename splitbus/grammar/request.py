@@ -67,7 +67,11 @@ def json_schema_spec(schema: dict[str, Any], field: str = "json_schema") -> Gram
     """The spec that constrains the output to JSON valid under ``schema`` (a JSON object)."""
     if not isinstance(schema, dict):
         raise GrammarError(field, f"'{field}' must be a JSON schema object")
-    return GrammarSpec(field, GrammarFormat.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False))
+    try:
+        text = json.dumps(schema, ensure_ascii=False)
+    except RecursionError:  # a body may nest 1024 deep (orjson's bound), Python's encoder less
+        raise GrammarError(field, f"'{field}' is nested too deeply") from None
+    return GrammarSpec(field, GrammarFormat.JSON_SCHEMA, text)
 
 
 def grammar_spec(body: dict[str, Any]) -> GrammarSpec | None:
@@ -134,7 +138,7 @@ def _schema_value(name: str, value: Any) -> Any:
         raise GrammarError(name, f"'{name}' has {len(value)} characters, more than {MAX_GRAMMAR_SOURCE_CHARS}")
     try:
         return json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
         raise GrammarError(name, f"'{name}' must be a JSON schema (an object, or its JSON text)") from None
 
 

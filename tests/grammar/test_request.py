@@ -119,6 +119,15 @@ def test_a_malformed_or_unsupported_field_is_refused_by_name(body: dict[str, Any
     assert says in str(error)
 
 
+def test_a_schema_nested_past_pythons_recursion_is_refused() -> None:
+    """orjson takes a body nested 1024 deep; Python's JSON encoder and decoder stop before."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(1000):
+        schema = {"type": "array", "items": schema}
+    assert "nested too deeply" in str(_refused({"guided_json": schema}))
+    assert "must be a JSON schema" in str(_refused({"guided_json": "[" * 5000}))
+
+
 def test_only_one_constraint_at_a_time() -> None:
     error = _refused({"response_format": {"type": "json_object"}, "guided_regex": "a"})
     assert error.field == "guided_regex" and "only one" in str(error)
