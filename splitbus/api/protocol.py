@@ -143,6 +143,7 @@ def parse_chat(body: Any) -> GenerationParams:
         raise BadRequest("'top_logprobs' needs 'logprobs' to be true", "top_logprobs")
     if body.get("echo") not in (None, False):
         raise BadRequest("'echo' is supported by /v1/completions only", "echo")
+    params.grammar = tools.constrained(params.tools, params.grammar)
     if body.get("max_completion_tokens") is not None:
         params.max_tokens = _int(body, "max_completion_tokens", minimum=1)
     return params

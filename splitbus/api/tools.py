@@ -9,9 +9,10 @@ form templates expect, as vLLM passes them), a tool message's ``tool_call_id``.
 The model writes its calls in its text. With ``tool_choice`` ``auto`` the API's
 ``--tool-call-parser`` (``tool_parsers``) reads them out; with ``required`` or a named function
 the output is the JSON ``output_schema`` describes (``{"name", "arguments"}``, a list of them
-when calls may be parallel), read by ``ForcedCallParser`` (no grammar holds the model to it
-yet). ``ToolCallStream`` turns what a parser decides into OpenAI's response fields:
-``message.tool_calls`` and streamed ``tool_calls`` deltas, ``finish_reason`` ``tool_calls``.
+when calls may be parallel), which the structured-output grammar holds the model to
+(``constrained``), read by ``ForcedCallParser``. ``ToolCallStream`` turns what a parser
+decides into OpenAI's response fields: ``message.tool_calls`` and streamed ``tool_calls`` deltas,
+``finish_reason`` ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 from splitbus.api import tool_parsers
 from splitbus.api.errors import BadRequest
 from splitbus.api.tool_parsers import Piece, ToolCall, ToolParser
+from splitbus.grammar.outcomes import GrammarError
+from splitbus.grammar.request import GrammarSpec, json_schema_spec
 
 MAX_TOOLS = 128
 """Tools one request may declare (OpenAI's own bound)."""
@@ -245,6 +248,26 @@ def output_schema(request: ToolRequest | None) -> dict[str, Any] | None:
     return {"type": "array", "items": one, "minItems": 1} if request.parallel else one
 
 
+def constrained(request: ToolRequest | None, grammar: GrammarSpec | None) -> GrammarSpec | None:
+    """The request's structured-output grammar: for ``required`` and a named function,
+    ``output_schema``'s, which holds the model to calls that parse and match their functions'
+    schemas (compiled before admission like any: a schema llguidance cannot serve is a 400 naming
+    ``tools``); else the request's own (``response_format``, ``guided_*``). Both at once: a 400."""
+    schema = output_schema(request)
+    if schema is None:
+        return grammar
+    if grammar is not None:
+        raise BadRequest(
+            f"'{grammar.field}' cannot be combined with 'tool_choice' 'required' or a named function: "
+            "the output is the calls' JSON",
+            grammar.field,
+        )
+    try:
+        return json_schema_spec(schema, "tools")
+    except GrammarError as exc:
+        raise BadRequest(str(exc), "tools") from None
+
+
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
     return {
@@ -256,10 +279,9 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 
 class ForcedCallParser(ToolParser):
-    """The output of ``required`` or a named function: ``output_schema``'s JSON, whole (the
-    calls are sent when the output ends). An output that is not that JSON (no grammar held the
-    model to it, or ``max_tokens`` cut it) goes to ``fallback`` (the API's parser), else it is
-    content."""
+    """The output of ``required`` or a named function: ``output_schema``'s JSON (the grammar
+    holds the model to it), whole: the calls are sent when the output ends. An output that is not
+    that JSON (``max_tokens`` cut it) goes to ``fallback`` (the API's parser), else it is content."""
 
     def __init__(self, fallback: ToolParser | None) -> None:
         self._text = ""

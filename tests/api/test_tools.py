@@ -5,6 +5,7 @@ and the collect path build from the same text."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,11 @@ from splitbus.api.tools import (
     output_schema,
     parser_for,
 )
+from splitbus.grammar.constraint import Constraint
+from splitbus.grammar.outcomes import GrammarError
+from splitbus.grammar.request import MAX_GRAMMAR_SOURCE_CHARS, compile_grammar
+from splitbus.grammar.tokenizer import grammar_tokenizer
+from splitbus.tokenization import ModelTokenizer
 
 WEATHER = {
     "type": "function",
@@ -262,3 +268,51 @@ def test_a_forced_call_is_read_as_its_schemas_json() -> None:
     ]
     assert tool_parsers.parse(ForcedCallParser(None), "abc") == ("abc", [])
     assert tool_parsers.parse(ForcedCallParser(None), '[{"name": "get_time"}, 3]') == ('[{"name": "get_time"}, 3]', [])
+
+
+def _follows(tokenizer: ModelTokenizer, grammar: str, text: str) -> bool:
+    """Whether the grammar lets the model write ``text`` (as the worker's constraint checks it)."""
+    constraint = Constraint.build(grammar_tokenizer(tokenizer), grammar)
+    try:
+        constraint.follow(tokenizer.encode(text))
+    except GrammarError:
+        return False
+    return True
+
+
+def test_required_and_named_calls_are_held_to_their_schemas_by_the_grammar(tiny_model: Path) -> None:
+    tokenizer = ModelTokenizer.load(tiny_model)
+    required = parse_chat(_chat(tools=[WEATHER, TIME], tool_choice="required"))
+    assert required.grammar is not None and required.grammar.field == "tools"
+    assert json.loads(required.grammar.source) == output_schema(required.tools)
+    grammar = compile_grammar(required.grammar, grammar_tokenizer(tokenizer))
+    assert _follows(tokenizer, grammar, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    assert _follows(
+        tokenizer, grammar, '[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]'
+    )
+    assert not _follows(tokenizer, grammar, '[{"name": "get_weather", "arguments": {"city": 3}}]')  # not its schema
+    assert not _follows(tokenizer, grammar, '[{"name": "get_wether", "arguments": {}}]')  # no such function
+    assert not _follows(tokenizer, grammar, '{"name": "get_time", "arguments": {}}')  # parallel: a list
+    named = parse_chat(_chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert named.grammar is not None
+    grammar = compile_grammar(named.grammar, grammar_tokenizer(tokenizer))
+    assert _follows(tokenizer, grammar, '{"name": "get_time", "arguments": {}}')
+    assert not _follows(tokenizer, grammar, '{"name": "get_weather", "arguments": {"city": "Paris"}}')
+
+
+def test_auto_keeps_the_requests_own_grammar_and_a_forced_call_refuses_one() -> None:
+    json_object = {"type": "json_object"}
+    auto = parse_chat(_chat(tools=[TIME], response_format=json_object))
+    assert auto.grammar is not None and auto.grammar.field == "response_format"
+    with pytest.raises(BadRequest, match="cannot be combined with 'tool_choice'") as caught:
+        parse_chat(_chat(tools=[TIME], tool_choice="required", response_format=json_object))
+    assert caught.value.param == "response_format"
+    described = {
+        "type": "object",
+        "properties": {"x": {"type": "string", "description": "x" * MAX_GRAMMAR_SOURCE_CHARS}},
+    }
+    long_tool = {"type": "function", "function": {"name": "f", "parameters": described}}
+    assert parse_chat(_chat(tools=[long_tool])).grammar is None  # auto: no grammar, no bound but the tools'
+    with pytest.raises(BadRequest, match=f"more than {MAX_GRAMMAR_SOURCE_CHARS}") as caught:
+        parse_chat(_chat(tools=[long_tool], tool_choice="required"))
+    assert caught.value.param == "tools"

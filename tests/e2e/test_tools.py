@@ -2,8 +2,10 @@
 `openai` client. Left to itself the sim engine writes letters, never a call: with `auto` this
 shows that a request with tools and tool messages is served through P -> D, that they reach the
 model's template (its prompt's token count is the rendered prompt's, which holds the tools), and
-that text with no call comes back as content, streamed and not. Calls read out of free text
-(`auto`): tests/api/test_tool_calls.py."""
+that text with no call comes back as content. With `required` or a named function the grammar
+holds the sim's draws to the calls' schema (P draws the first token under it, D the rest), so
+real calls come back, streamed and not. Calls read out of free text (`auto`):
+tests/api/test_tool_calls.py."""
 
 from __future__ import annotations
 
@@ -127,3 +129,54 @@ def test_every_tokens_logprobs_come_back_with_a_parser_reading_the_text(tools_sy
         items = (reply.choices[0].logprobs.content if reply.choices[0].logprobs else None) or []
     assert text == sim_text(3, 20) and " " in text
     assert "".join(i.token for i in items) == text and all(len(i.top_logprobs) == 2 for i in items)
+
+
+def _arguments_fit(name: str, arguments: str) -> None:
+    """The call names a tool and its arguments parse and match that tool's parameters."""
+    value = json.loads(arguments)
+    assert name in ("get_weather", "get_time") and isinstance(value, dict)
+    if name == "get_weather":
+        assert isinstance(value["city"], str)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_calls_are_held_to_the_tools_schemas(tools_system: System, seed: int) -> None:
+    reply = _client(tools_system).chat.completions.create(
+        model="qwen-like", messages=ASKED, tools=[WEATHER, TIME], tool_choice="required", max_tokens=400, seed=seed
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    for call in calls:
+        _arguments_fit(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+    single = _client(tools_system).chat.completions.create(
+        model="qwen-like",
+        messages=ASKED,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=400,
+        seed=seed,
+    )
+    assert len(single.choices[0].message.tool_calls or []) == 1 and single.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_named_call_streams_as_tool_call_deltas(tools_system: System) -> None:
+    chunks = list(
+        _client(tools_system).chat.completions.create(
+            model="qwen-like",
+            messages=ANSWERED,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=400,
+            seed=6,
+            stream=True,
+        )
+    )
+    deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert {d.index for d in deltas} == {0} and deltas[0].id is not None and deltas[0].id.startswith("call_")
+    name = "".join(d.function.name or "" for d in deltas if d.function)
+    _arguments_fit(name, "".join(d.function.arguments or "" for d in deltas if d.function))
+    assert name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
