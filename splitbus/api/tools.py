@@ -48,6 +48,11 @@ MAX_ID_CHARS = 256
 """The longest ``tool_calls[].id``, ``tool_call_id`` or message ``name`` a message may carry."""
 MAX_CALLS_PER_MESSAGE = 128
 """Calls one assistant message may carry."""
+CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON options for forced calls (``x-guidance``): written as ``json.dumps`` and
+chat templates' ``tojson`` print calls, ``{"name": "f", "arguments": {"a": 1}}``, the form models
+learnt them in; and no free whitespace, which a model could otherwise go on writing until
+``max_tokens``."""
 
 
 class Choice(enum.Enum):
@@ -263,7 +268,7 @@ def constrained(request: ToolRequest | None, grammar: GrammarSpec | None) -> Gra
             grammar.field,
         )
     try:
-        return json_schema_spec(schema, "tools")
+        return json_schema_spec({**schema, "x-guidance": CALL_LAYOUT}, "tools")
     except GrammarError as exc:
         raise BadRequest(str(exc), "tools") from None
 

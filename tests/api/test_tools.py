@@ -15,6 +15,7 @@ from splitbus.api.errors import BadRequest, ContextLengthExceeded
 from splitbus.api.generate import check_prompt_chars
 from splitbus.api.protocol import parse_chat
 from splitbus.api.tools import (
+    CALL_LAYOUT,
     MAX_SCHEMA_DEPTH,
     MAX_TOOLS,
     MAX_TOOLS_CHARS,
@@ -284,7 +285,7 @@ def test_required_and_named_calls_are_held_to_their_schemas_by_the_grammar(tiny_
     tokenizer = ModelTokenizer.load(tiny_model)
     required = parse_chat(_chat(tools=[WEATHER, TIME], tool_choice="required"))
     assert required.grammar is not None and required.grammar.field == "tools"
-    assert json.loads(required.grammar.source) == output_schema(required.tools)
+    assert json.loads(required.grammar.source) == {**(output_schema(required.tools) or {}), "x-guidance": CALL_LAYOUT}
     grammar = compile_grammar(required.grammar, grammar_tokenizer(tokenizer))
     assert _follows(tokenizer, grammar, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
     assert _follows(
@@ -293,6 +294,7 @@ def test_required_and_named_calls_are_held_to_their_schemas_by_the_grammar(tiny_
     assert not _follows(tokenizer, grammar, '[{"name": "get_weather", "arguments": {"city": 3}}]')  # not its schema
     assert not _follows(tokenizer, grammar, '[{"name": "get_wether", "arguments": {}}]')  # no such function
     assert not _follows(tokenizer, grammar, '{"name": "get_time", "arguments": {}}')  # parallel: a list
+    assert not _follows(tokenizer, grammar, '[{"name":"get_time","arguments":{}}]')  # laid out as json.dumps does
     named = parse_chat(_chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert named.grammar is not None
     grammar = compile_grammar(named.grammar, grammar_tokenizer(tokenizer))

@@ -180,3 +180,55 @@ def test_a_named_call_streams_as_tool_call_deltas(tools_system: System) -> None:
     _arguments_fit(name, "".join(d.function.arguments or "" for d in deltas if d.function))
     assert name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+class GetWeather(BaseModel):
+    city: str
+    days: int
+
+
+def test_the_sdks_parse_reads_a_pydantic_tools_arguments(tools_system: System) -> None:
+    reply = _client(tools_system).chat.completions.parse(
+        model="qwen-like",
+        messages=ASKED,  # type: ignore[arg-type]
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}},
+        max_tokens=400,
+        seed=5,
+    )
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    assert json.loads(call.function.arguments) == call.function.parsed_arguments.model_dump()
+
+
+def test_paddle_writes_calls_that_match_under_the_grammar(tmp_path: Path) -> None:
+    """The tiny random model, P then D, its logits masked by the call's grammar: a named call comes
+    back whole and matching, streamed and not."""
+    from splitbus.gpu_ops import device
+
+    device.prepare()
+    from splitbus.worker.engines.paddle.tiny import make_tiny_model
+
+    unit = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}
+    tool: Any = {"type": "function", "function": {"name": "set_unit", "parameters": unit}}
+    named: Any = {"type": "function", "function": {"name": "set_unit"}}
+    model = make_tiny_model(tmp_path / "tiny", "llama", seed=3)
+    system = start_system(tmp_path / "up", "--engine", "paddle", "--model", str(model))
+    try:
+        client = _client(system)
+        reply = client.chat.completions.create(
+            model="tiny", messages=ASKED, tools=[tool], tool_choice=named, max_tokens=60, seed=1
+        )
+        (call,) = reply.choices[0].message.tool_calls or []
+        assert call.function.name == "set_unit" and reply.choices[0].finish_reason == "tool_calls"  # type: ignore[union-attr]
+        assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")  # type: ignore[union-attr]
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=ASKED, tools=[tool], tool_choice=named, max_tokens=60, seed=1, stream=True
+            )
+        )
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+        assert arguments == call.function.arguments  # type: ignore[union-attr]  # the same seed: the same call
+    finally:
+        assert stop_system(system) == []
