@@ -16,6 +16,7 @@ from typing import Any
 
 import openai
 import pytest
+from pydantic import BaseModel
 
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.engines.sim import sim_text
