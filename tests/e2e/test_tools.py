@@ -233,3 +233,26 @@ def test_paddle_writes_calls_that_match_under_the_grammar(tmp_path: Path) -> Non
         assert arguments == call.function.arguments  # type: ignore[union-attr]  # the same seed: the same call
     finally:
         assert stop_system(system) == []
+
+
+def test_forced_calls_through_dp_groups_of_p_and_d(model: Path, tmp_path: Path) -> None:
+    """P and D each a DP group of two ranks: the call's grammar goes with the request to whichever
+    rank takes it, and the calls come back whole and matching, streamed and not."""
+    system = start_system(tmp_path, "--model", str(model), "--prefill-dp", "2", "--decode-dp", "2")
+    try:
+        client = _client(system)
+        for seed in (1, 2):
+            forced: Any = {"model": "qwen-like", "messages": ASKED, "tools": [WEATHER, TIME], "seed": seed}
+            reply = client.chat.completions.create(**forced, tool_choice="required", max_tokens=400)
+            calls = reply.choices[0].message.tool_calls or []
+            assert calls and reply.choices[0].finish_reason == "tool_calls"
+            for call in calls:
+                _arguments_fit(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+            chunks = list(client.chat.completions.create(**forced, tool_choice="required", max_tokens=400, stream=True))
+            deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+            names = [
+                "".join(d.function.name or "" for d in deltas if d.index == i and d.function) for i in range(len(calls))
+            ]
+            assert names == [c.function.name for c in calls]  # type: ignore[union-attr]  # the same seed, the same calls
+    finally:
+        assert stop_system(system) == []
