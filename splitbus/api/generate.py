@@ -58,6 +58,13 @@ class ClientDisconnected(Exception):
 
 
 async def generate(request: Request, params: GenerationParams) -> Response:
+    """Answer a request of one choice (``choices.respond`` sends those of ``n`` > 1 elsewhere)."""
+    (generation,) = await prepare(request, params)
+    return await answer(request, generation)
+
+
+async def prepare(request: Request, params: GenerationParams) -> list[Generation]:
+    """Check and tokenize the request; its choices, one ``Generation`` each (``n``), not published."""
     state: ApiState = request.state.api
     tokenizer = state.tokenizer(params.model)
     check_prompt_chars(state.config.prompt_char_limit(tokenizer.context_length), params)
@@ -70,8 +77,18 @@ async def generate(request: Request, params: GenerationParams) -> Response:
     salt = cache_salt(request.state.tenant, params.cache_salt)
     prefix = await prefix_hashes(state, prompt_ids, salt)
     grammar = await request_grammar(state, tokenizer, params.grammar, request_id)
+    if params.n == 1:
+        return [Generation(state, params, prompt_ids, max_tokens, prefix, salt, request_id, grammar=grammar)]
+    return [
+        Generation(state, params, prompt_ids, max_tokens, prefix, salt, f"{request_id}-{i}", grammar, i, request_id)
+        for i in range(params.n)
+    ]
+
+
+async def answer(request: Request, generation: Generation) -> Response:
+    """Admit, publish and answer one request: SSE, or the whole body."""
+    state, params = generation.state, generation.params
     state.admit(params.model)
-    generation = Generation(state, params, prompt_ids, max_tokens, prefix, salt, request_id, grammar=grammar)
     try:
         await generation.publish()
         first = await generation.until_disconnect(request, generation.next_result())
@@ -214,8 +231,12 @@ class Generation:
         salt: str = "",
         request_id: str | None = None,
         grammar: str | None = None,
+        index: int = 0,
+        response_id: str | None = None,
     ) -> None:
         self.state = state
+        self.index = index
+        """Its choice's index in the response (``n``): each choice is a request of its own on the bus."""
         self.grammar = grammar
         """The compiled structured-output grammar (``SamplingParams.grammar``), or None."""
         self.params = params
@@ -227,6 +248,12 @@ class Generation:
         """Its salt (``GenerateRequest.cache_salt``): the tenant's and the body's ``cache_salt``."""
         prefix = "chatcmpl" if params.kind == "chat" else "cmpl"
         self.request_id = request_id or f"{prefix}-{uuid.uuid4().hex}"
+        self.response_id = response_id or self.request_id
+        """The id the client sees: the request's, or with ``n`` > 1 the response's, of all its choices."""
+        self.usage: dict[str, Any] | None = None
+        """The choice's usage, once it finished (``n`` > 1 adds them up)."""
+        self.usage_chunk = True
+        """Whether its stream ends with a usage chunk (with ``include_usage``; ``n`` > 1 sends one for all)."""
         self.created = protocol.now_s()
         self.arrival = time.monotonic()
         self.sub: Subscription | None = None
@@ -252,7 +279,7 @@ class Generation:
                 temperature=p.temperature,
                 top_p=p.top_p,
                 top_k=p.top_k,
-                seed=p.seed,
+                seed=protocol.choice_seed(p.seed, self.index),
                 stop=p.stop,
                 ignore_eos=p.ignore_eos,
                 skip_special_tokens=p.skip_special_tokens,
@@ -348,7 +375,7 @@ class Generation:
                 piece = self.choice.piece(whole)
                 body = protocol.full_response(
                     self.params,
-                    self.request_id,
+                    self.response_id,
                     self.created,
                     piece.text,
                     self._finish_reason(result),
@@ -358,6 +385,7 @@ class Generation:
                 )
                 if self.tool_calls is not None:
                     body = {**body, "choices": [self.tool_calls.fill(c) for c in body["choices"]]}
+                body["choices"][0]["index"] = self.index
                 return body
             result = await self.next_result()
 
@@ -370,13 +398,19 @@ class Generation:
         return protocol.usage(finished.prompt_tokens, shown, finished.cached_tokens)
 
     async def sse(self, first: Result) -> AsyncIterator[bytes]:
-        """Server-sent events; an error after the headers went out becomes an error event."""
+        """Server-sent events, then the end of the stream."""
+        async for event in self.events(first):
+            yield event
+        yield b"data: [DONE]\n\n"
+
+    async def events(self, first: Result) -> AsyncIterator[bytes]:
+        """The choice's server-sent events; an error after the headers went out becomes an error event."""
         reason: str | None = "client_disconnected"  # unless the loop below ends the stream
         try:
             if self.params.kind == "chat":
-                yield _event(
+                yield self._out(
                     protocol.chat_chunk(
-                        self.request_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None
+                        self.response_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None
                     )
                 )
             result = first
@@ -392,10 +426,9 @@ class Generation:
             reason = None
         except ApiError as exc:
             reason = cancel_reason(exc)
-            yield _event(exc.body())
+            yield event(exc.body())
         finally:
             self.close(reason)
-        yield b"data: [DONE]\n\n"
 
     def _merge_ready(self, result: Result) -> list[Result]:
         """Token deltas that have arrived together go out as one event with their text joined
@@ -418,34 +451,40 @@ class Generation:
 
     def _events(self, result: Result) -> list[bytes]:
         if isinstance(result, Failed):
-            return [_event(self.failure(result).body())]
+            return [event(self.failure(result).body())]
         finish = self._finish_reason(result) if isinstance(result, Finished) else None
         piece = self.choice.piece(result)
         shown = piece.text or finish or (piece.logprobs and any(piece.logprobs.values()))
         events = [self._chunk(piece.text, finish, piece.logprobs)] if shown else []
-        if isinstance(result, Finished) and self.params.include_usage:
-            tokens = self._usage(result)
-            events.append(_event(protocol.usage_chunk(self.params, self.request_id, self.created, tokens)))
+        if isinstance(result, Finished):
+            self.usage = self._usage(result)
+            if self.params.include_usage and self.usage_chunk:
+                events.append(event(protocol.usage_chunk(self.params, self.response_id, self.created, self.usage)))
         return events
 
     def _chunk(self, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
-        rid, model = self.request_id, self.params.model
+        rid, model = self.response_id, self.params.model
         if self.params.kind == "chat" and self.tool_calls is not None:
             return self._tool_chunks(text, finish, logprobs)
         if self.params.kind == "chat":
             delta = {"content": text} if text else {}
-            return _event(protocol.chat_chunk(rid, self.created, model, delta, finish, logprobs))
-        return _event(protocol.completion_chunk(rid, self.created, model, text, finish, logprobs))
+            return self._out(protocol.chat_chunk(rid, self.created, model, delta, finish, logprobs))
+        return self._out(protocol.completion_chunk(rid, self.created, model, text, finish, logprobs))
+
+    def _out(self, chunk: dict[str, Any]) -> bytes:
+        """A chunk of this choice as an event: its ``index`` in the response."""
+        chunk["choices"][0]["index"] = self.index
+        return event(chunk)
 
     def _tool_chunks(self, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> bytes:
         """A chat with tools: its content and the calls read from it (``tools.ToolCallStream``).
         The text's logprobs go with its first chunk, or with an empty delta when the parser holds
         all of it back (a call not complete yet): every token's logprobs are sent once, in order."""
-        rid, model = self.request_id, self.params.model
+        rid, model = self.response_id, self.params.model
         assert self.tool_calls is not None
         chunks = self.tool_calls.deltas(text, finish) or ([({}, None)] if logprobs else [])
         return b"".join(
-            _event(protocol.chat_chunk(rid, self.created, model, delta, reason, logprobs if i == 0 else None))
+            self._out(protocol.chat_chunk(rid, self.created, model, delta, reason, logprobs if i == 0 else None))
             for i, (delta, reason) in enumerate(chunks)
         )
 
@@ -495,7 +534,7 @@ def cancel_reason(exc: BaseException) -> str | None:
     return "client_disconnected"
 
 
-def _event(payload: dict[str, Any]) -> bytes:
+def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 

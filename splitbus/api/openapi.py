@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 from splitbus import __version__
-from splitbus.api.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from splitbus.api.protocol import MAX_CACHE_SALT_CHARS, MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from splitbus.api.tools import MAX_CALLS_PER_MESSAGE, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS
 from splitbus.bus.messages._check import (
     LOGIT_BIAS_RANGE,
@@ -145,7 +145,12 @@ _COMMON = {
         "description": "vLLM's extension: cached prompt KV is shared only by requests of one API key "
         "and the same cache_salt",
     },
-    "n": {"type": "integer", "enum": [1], "description": "only 1 is supported"},
+    "n": {
+        "type": ["integer", "null"],
+        "minimum": 1,
+        "maximum": MAX_CHOICES,
+        "description": "choices, each a request of its own",
+    },
     **_LOGITS_OPTIONS,
     **_STRUCTURED,
 }

@@ -35,6 +35,8 @@ whatever this is (worker/text.py), but it holds back up to this many characters 
 and keeps a table of this many ints per stop: the bound keeps that memory small and catches
 nonsense (real stop strings are a few characters). At most the bus's own bound, or schedulers
 would dead-letter requests the API admitted (tests/api/test_protocol.py checks it)."""
+MAX_CHOICES = 16
+"""The most choices one request may ask for (``n``): each is a request of its own on the bus."""
 MAX_PROMPT_SCORES = 2**20
 """The most prompt logprob values (prompt tokens x (alternatives + 1)) one request may ask for:
 about 20 MB of JSON in its reply; a 2,048-token prompt with 20 alternatives is 43,008."""
@@ -43,7 +45,6 @@ MAX_CACHE_SALT_CHARS = 1024
 keeps that cheap."""
 # Fields that only their default (or equivalent) value is accepted for.
 UNSUPPORTED = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
@@ -94,6 +95,8 @@ class GenerationParams:
     cache_salt: str | None = None
     """vLLM's extension: requests share cached prompt KV only with requests of the same tenant
     and the same ``cache_salt`` (None: the tenant's unsalted share)."""
+    n: int = 1
+    """Choices to generate, each a request of its own on the bus (``choices.generate_many``)."""
     logprobs: int | None = None
     """Each generated token's logprob with this many top alternatives (completions' ``logprobs``;
     chat's ``top_logprobs`` once ``logprobs`` is true); None: none."""
@@ -177,6 +180,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         user=body.get("user") if isinstance(body.get("user"), str) else None,
         cache_salt=_cache_salt(body.get("cache_salt")),
         prompt_logprobs=_prompt_top(body, stream),
+        n=_choices(body),
         logits=_logits_options(body),
         grammar=_grammar(body),
     )
@@ -201,6 +205,21 @@ def check_prompt_scores(params: GenerationParams, prompt_tokens: int) -> None:
             "alternatives or a shorter prompt",
             "prompt_logprobs" if params.prompt_logprobs is not None else "echo",
         )
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """``n``: absent or null is 1."""
+    return 1 if body.get("n") is None else _int(body, "n", minimum=1, maximum=MAX_CHOICES)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s seed: the request's for the first (so ``n`` = 1 answers as the first choice
+    of ``n`` > 1), and for the others one derived from (seed, index) alone, so that the same request
+    repeats exactly; None stays None (each choice is a request of its own, with its own draws)."""
+    if seed is None or index == 0:
+        return seed
+    mixed = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % 2**64
+    return mixed ^ (mixed >> 31)
 
 
 def _top(body: dict[str, Any], name: str) -> int | None:

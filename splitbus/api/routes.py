@@ -12,8 +12,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from splitbus.api import protocol
+from splitbus.api.choices import respond
 from splitbus.api.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
-from splitbus.api.generate import ClientDisconnected, generate
+from splitbus.api.generate import ClientDisconnected
 from splitbus.api.openapi import openapi_spec
 from splitbus.api.state import ApiState
 from splitbus.bus.core.connection import TRANSIENT_ERRORS
@@ -70,11 +71,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def completions(request: Request) -> Response:
-    return await generate(request, protocol.parse_completion(await read_json(request)))
+    return await respond(request, protocol.parse_completion(await read_json(request)))
 
 
 async def chat_completions(request: Request) -> Response:
-    return await generate(request, protocol.parse_chat(await read_json(request)))
+    return await respond(request, protocol.parse_chat(await read_json(request)))
 
 
 async def models(request: Request) -> Response:

@@ -51,7 +51,9 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
         ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, "max_tokens"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
+        ({"model": "tiny", "prompt": "x", "n": 17}, "n"),
+        ({"model": "tiny", "prompt": "x", "n": 0}, "n"),
+        ({"model": "tiny", "prompt": "x", "best_of": 2}, "best_of"),
         ({"model": "tiny", "prompt": "x", "seed": 2**64}, "seed"),
         ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
         ({"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs"),
@@ -104,9 +106,14 @@ def test_too_many_top_logprobs_names_the_limit(api: ApiProcess) -> None:
     assert error["message"] == "'logprobs' must be <= 20, got 21"
 
 
-def test_unsupported_n_says_so(api: ApiProcess) -> None:
-    error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "x", "n": 2}), 400)
-    assert "'n' = 2 is not supported" in error["message"]
+def test_unsupported_best_of_says_so(api: ApiProcess) -> None:
+    error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "x", "best_of": 2}), 400)
+    assert "'best_of' = 2 is not supported" in error["message"]
+
+
+def test_too_many_choices_names_the_limit(api: ApiProcess) -> None:
+    error = _error(_post(api, "/completions", {"model": "tiny", "prompt": "x", "n": 17}), 400)
+    assert error["message"] == "'n' must be <= 16, got 17"
 
 
 def test_unknown_model_is_404(api: ApiProcess) -> None:

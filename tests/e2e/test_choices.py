@@ -1,0 +1,60 @@
+"""``n`` > 1 through `splitbus up` (sim engine, P -> D) with the openai client: each choice a request
+of its own, its draws from (seed, index), so the texts are known in advance and repeat exactly."""
+
+from __future__ import annotations
+
+import openai
+
+from splitbus.api.protocol import choice_seed
+from splitbus.worker.engines.sim import sim_text
+from tests.e2e.conftest import System
+
+N, TOKENS, SEED = 3, 12, 41
+
+
+def _client(system: System) -> openai.OpenAI:
+    return openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+
+
+def _expected() -> list[str]:
+    return [sim_text(choice_seed(SEED, i), TOKENS) for i in range(N)]  # type: ignore[arg-type]
+
+
+def test_n_choices_have_their_own_indexes_draws_and_usage(system: System) -> None:
+    client = _client(system)
+    reply = client.completions.create(model="tiny", prompt="Hi", max_tokens=TOKENS, seed=SEED, n=N)
+    assert [c.index for c in reply.choices] == list(range(N))
+    assert [c.text for c in reply.choices] == _expected() and len(set(_expected())) == N
+    assert reply.choices[0].text == sim_text(SEED, TOKENS)  # the first choice is the n = 1 answer
+    assert reply.usage is not None and reply.usage.completion_tokens == N * TOKENS
+    assert (
+        reply.usage.prompt_tokens
+        == client.completions.create(model="tiny", prompt="Hi", max_tokens=1).usage.prompt_tokens
+    )  # type: ignore[union-attr]
+    again = client.completions.create(model="tiny", prompt="Hi", max_tokens=TOKENS, seed=SEED, n=N)
+    assert [c.text for c in again.choices] == _expected()  # the same request repeats exactly
+
+
+def test_streamed_choices_interleave_and_each_finishes_on_its_own(system: System) -> None:
+    stream = _client(system).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=TOKENS,
+        seed=SEED,
+        n=N,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=1,
+    )
+    texts, finished, tokens = [""] * N, [0] * N, [0] * N
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finished[choice.index] += choice.finish_reason is not None
+            tokens[choice.index] += len(choice.logprobs.content or []) if choice.logprobs else 0
+    assert texts == _expected() and finished == [1] * N and tokens == [TOKENS] * N
+    assert usage is not None and usage.completion_tokens == N * TOKENS
