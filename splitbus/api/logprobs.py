@@ -147,7 +147,8 @@ class Choice:
         return self.params.echo and self.params.max_tokens == 0
 
     def piece(self, result: TokenDelta | Finished) -> Piece:
-        items = [] if self.echo_only else entries(result.token_ids, result.logprobs)
+        shown = self.params.logprobs is not None and not self.echo_only  # else no entry is rendered
+        items = entries(result.token_ids, result.logprobs) if shown else []
         text = "" if self.echo_only else result.text
         prompt = None
         if not self.started:
@@ -155,7 +156,8 @@ class Choice:
             scored = self._checked(result.prompt_logprobs)
             prompt = self._prompt_logprobs(scored)
             if self.params.echo:
-                text, items = self.prompt_text + text, self._prompt_entries(scored) + items
+                text = self.prompt_text + text
+                items = self._prompt_entries(scored) + items if self.params.logprobs is not None else items
         return Piece(text, self._render(items), prompt)
 
     def _checked(self, logprobs: Logprobs | None) -> Logprobs | None:

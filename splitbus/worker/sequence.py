@@ -96,8 +96,7 @@ class Sequence:
         """How many top alternatives of each prompt token's logprob its prefill here computes;
         None: none. Only where the request's first entry goes out from: not a request that had
         generated tokens before (moved here, its first entry came from where it prefilled)."""
-        k = self.request.sampling.prompt_logprobs
-        return k if k is not None and not self.task.output_token_ids and self.cached == 0 else None
+        return self.request.sampling.prompt_logprobs if scores_prompt(self.task) and self.cached == 0 else None
 
     def _grammar_ended(self, token_id: int) -> bool:
         """Whether the token completes the request's grammar (or, never with a masked engine, breaks it)."""
@@ -116,6 +115,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def scores_prompt(task: Task) -> bool:
+    """Whether the prefill of ``task`` computes its prompt's logprobs: asked for, and no token
+    generated before (a moved request's first entry, which carries them, went out already)."""
+    return task.request.sampling.prompt_logprobs is not None and not task.output_token_ids
 
 
 def kv_tokens(task: Task) -> int:

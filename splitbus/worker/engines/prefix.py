@@ -25,6 +25,7 @@ from splitbus.bus.blocks import ROOT, block_hashes, root_of
 from splitbus.bus.messages.kv_events import BlockRemoved, BlockStored, block_hash
 from splitbus.bus.roles import Phase
 from splitbus.worker.engines.interface import KvEventLog
+from splitbus.worker.sequence import scores_prompt
 
 if TYPE_CHECKING:
     from splitbus.bus.messages import GenerateRequest, Task
@@ -200,8 +201,7 @@ def _reuses(task: Task) -> bool:
     need the logits of every prompt position: that prefill computes the whole prompt (and
     stores its blocks for others, as any prefill does). A moved request that had generated
     tokens computes none, and reuses what is cached."""
-    wants_scores = task.request.sampling.prompt_logprobs is not None and not task.output_token_ids
-    return task.phase != Phase.DECODE and not wants_scores
+    return task.phase != Phase.DECODE and not scores_prompt(task)
 
 
 def _prompt(task: Task) -> list[int]:

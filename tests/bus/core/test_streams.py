@@ -10,10 +10,10 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 from splitbus.bus.core import codec
-from splitbus.bus.core.codec import NamedRequest
+from splitbus.bus.core.codec import Message, NamedRequest
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.dead import DeadLetter
-from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed
+from splitbus.bus.core.streams import Delivery, GroupConsumer, Producer, trim_consumed
 from splitbus.bus.messages import Cancel, GenerateRequest, SamplingParams
 
 GROUP = "g"
@@ -113,12 +113,20 @@ async def test_missing_group_is_recreated(redis: aioredis.Redis, bus_config: Bus
     assert [d.message.request_id for d in await consumer.read(5)] == ["r9"]
 
 
+async def _blocked_read(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> tuple[GroupConsumer, asyncio.Task[list[Delivery[Message]]]]:
+    """A consumer and its read, blocked in XREADGROUP on the request stream for up to 5 s."""
+    consumer = await _consumer(redis, bus_config)
+    read = asyncio.create_task(consumer.read(5, block_ms=5000))
+    await asyncio.sleep(0.2)
+    return consumer, read
+
+
 async def test_a_blocked_read_whose_stream_is_deleted_recreates_it_and_reads_nothing(
     redis: aioredis.Redis, bus_config: BusConfig
 ) -> None:
-    consumer = await _consumer(redis, bus_config)
-    read = asyncio.create_task(consumer.read(5, block_ms=5000))
-    await asyncio.sleep(0.2)  # blocked in XREADGROUP
+    consumer, read = await _blocked_read(redis, bus_config)
     await redis.delete(bus_config.keys.requests)  # Redis 7: the blocked read gets UNBLOCKED
     assert await asyncio.wait_for(read, 2) == []
     assert await redis.exists(bus_config.keys.requests)  # recreated, with its group
@@ -129,9 +137,7 @@ async def test_a_blocked_read_whose_stream_is_deleted_recreates_it_and_reads_not
 async def test_a_blocked_read_whose_stream_is_replaced_by_another_type_fails_with_wrongtype(
     redis: aioredis.Redis, bus_config: BusConfig
 ) -> None:
-    consumer = await _consumer(redis, bus_config)
-    read = asyncio.create_task(consumer.read(5, block_ms=5000))
-    await asyncio.sleep(0.2)
+    _, read = await _blocked_read(redis, bus_config)
     await redis.set(bus_config.keys.requests, "not a stream")  # a bug no retry can fix: the caller must see it
     with pytest.raises(aioredis.ResponseError, match="WRONGTYPE"):
         await asyncio.wait_for(read, 2)
