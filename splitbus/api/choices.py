@@ -50,8 +50,7 @@ async def generate_many(request: Request, many: list[Generation]) -> Response:
 async def _firsts(request: Request, many: list[Generation]) -> list[Result]:
     """Every choice published, then each one's first result; a choice that failed at once fails
     the request (the others are cancelled), as one request would with its own status."""
-    for generation in many:
-        await generation.publish()
+    await asyncio.gather(*(g.publish() for g in many))  # together: P prefills them together (worker.twins)
     firsts = [await g.until_disconnect(request, g.next_result()) for g in many]
     failed = next(((g, f) for g, f in zip(many, firsts, strict=True) if isinstance(f, Failed)), None)
     if failed is not None:

@@ -301,6 +301,8 @@ class Generation:
                 self.prefix,
                 self.state.config.prefix_block_size if self.prefix else 0,
                 self.salt,
+                p.n,
+                self.response_id if p.n > 1 else "",
             )
         except ValueError as exc:  # the bus's own text (its field names, bounds): logged, not sent
             log.warning("request %s refused by the bus's bounds: %s", self.request_id, exc)

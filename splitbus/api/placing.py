@@ -27,6 +27,7 @@ from splitbus.placement.decision import Placed
 from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PolicyOptions
+from splitbus.placement.siblings import Siblings
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +49,20 @@ class ApiPlacer:
         self.dispatcher = Dispatcher(redis, bus, DISPATCHED_MARK_TTL_S)
         self.local = Local()
         self.ledger = Ledger(self.local)
+        self.siblings = Siblings()
+        """Where each response's first choice went: its other choices follow (``n`` > 1)."""
 
     async def place(self, request: GenerateRequest) -> bool:
         """Called once per request, before any entry of it is written."""
         if self.view.refreshed.is_set():
             self.view.refreshed.clear()
             self.ledger.view_refreshed(self.view.read_at)
-        decision = self.policy.place(request, self.view.workers, self.local)
+        workers = self.view.workers
+        decision = self.siblings.follow(request, workers, self.local) or self.policy.place(request, workers, self.local)
         if not isinstance(decision, Placed):
             metrics.DISPATCHES.labels("no_worker").inc()
             return False
+        self.siblings.placed(request, decision)
         for placement in decision.placements:
             self.ledger.reserve(placement)
         try:

@@ -71,6 +71,9 @@ class WorkerLoad:
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     prefills_done: int = 0
+    prefills_shared: int = 0
+    """Of ``prefills_done``: the requests whose prefill shared a twin's forward (a response's
+    choices, ``splitbus.worker.twins``); the prompts computed are the difference."""
     decodes_done: int = 0
     steps: int = 0
     idle_forwards: int = 0

@@ -203,7 +203,7 @@ _RANGES: dict[str, tuple[int, int]] = {
     "queued_prefill_tokens": (0, MAX_AMOUNT),
     "free_kv_blocks": (0, MAX_WORKER_KV_BLOCKS),
     "total_kv_blocks": (0, MAX_WORKER_KV_BLOCKS),
-    **dict.fromkeys(("prefills_done", "decodes_done", "steps", "idle_forwards"), (0, MAX_COUNTER)),
+    **dict.fromkeys(("prefills_done", "prefills_shared", "decodes_done", "steps", "idle_forwards"), (0, MAX_COUNTER)),
     **dict.fromkeys(("step_time_us", "idle_time_us", "busy_time_us", "idle_forward_us"), (0, MAX_COUNTER)),
     "forward_ends_ms": (0, MAX_AMOUNT),
     "dp_epoch": (0, MAX_AMOUNT),

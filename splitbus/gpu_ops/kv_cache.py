@@ -76,12 +76,16 @@ class PagedKVCache:
         ]
         return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
 
-    def import_(self, table: list[int], length: int, payload: bytes) -> None:
-        """Write an exported request into this cache under another block table."""
+    def import_(self, table: list[int], length: int, payload: bytes, start: int = 0) -> None:
+        """Write an exported request into this cache under another block table: positions
+        [``start``, ``length``) of it (those before ``start`` are in blocks it shares)."""
         expected = length * self.bytes_per_token()
         if len(payload) != expected:
             raise ValueError(f"KV payload has {len(payload)} bytes, expected {expected} for {length} tokens")
+        if start >= length:
+            return
         rows = np.frombuffer(payload, dtype=self.dtype).reshape(self.layers, 2, length, self.kv_heads, self.head_dim)
-        slots = paddle.to_tensor(self.slots(table, 0, length))
+        slots = paddle.to_tensor(self.slots(table, start, length))
         for layer in range(self.layers):
-            self.write(layer, slots, paddle.to_tensor(rows[layer, 0]), paddle.to_tensor(rows[layer, 1]))
+            k, v = (paddle.to_tensor(np.ascontiguousarray(rows[layer, i, start:])) for i in (0, 1))
+            self.write(layer, slots, k, v)

@@ -43,6 +43,7 @@ from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PlacingContext
 from splitbus.placement.prefixes import NO_PREFIXES, IndexPrefixes
+from splitbus.placement.siblings import Siblings
 from splitbus.scheduler import metrics
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.reaper import Reaper
@@ -81,6 +82,8 @@ class Scheduler:
         self.kv_feeder = KvIndexFeeder(self.kv_index, KvEventReader(self.redis, bus))
         self.prefixes = IndexPrefixes(self.kv_index) if config.uses_kv_index else NO_PREFIXES
         self.policy = policies.create(config.policy, config.policy_options(), self.prefixes)
+        self.siblings = Siblings()
+        """Where each response's first choice went: its other choices follow (``n`` > 1)."""
         self.dispatcher = Dispatcher(self.redis, bus, config.dispatched_ttl_s)
         self.writer = ResultWriter(self.redis, bus)
         self.dead_letters: list[tuple[NamedRequest, str]] = []
@@ -267,10 +270,12 @@ class Scheduler:
         if request.deadline_ms and time.time() * 1000 > request.deadline_ms:
             await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
             return Verdict.DROP
-        decision = self.policy.place(request, self.view.workers, self.local)
+        workers = self.view.workers
+        decision = self.siblings.follow(request, workers, self.local) or self.policy.place(request, workers, self.local)
         if isinstance(decision, Placed):
             self._reserve_locally(decision)  # the next decisions must see this load before it is written
             self.routed(request, decision.placements)
+            self.siblings.placed(request, decision)
             return decision
         if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
             await self.fail(waiting, "no_worker", decision.reason, 503)

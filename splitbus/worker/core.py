@@ -50,17 +50,19 @@ from splitbus.worker.effects import (
     ShipKv,
     Wake,
 )
-from splitbus.worker.engines.interface import Engine, ExpertParallel
+from splitbus.worker.engines.interface import Engine, ExpertParallel, ForksTwins
 from splitbus.worker.kv_proof import Header, new_secret, proof_matches
 from splitbus.worker.sequence import Sequence, kv_tokens
 from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status
 from splitbus.worker.text import TextStream
+from splitbus.worker.twins import NO_FORKS, Forks, gathering
 
 log = logging.getLogger(__name__)
 RECENT_CANCELS = 10_000
 """How many cancelled request ids are remembered (a task of one that comes later is dropped)."""
 COUNTERS = (
     "prefills_done",
+    "prefills_shared",
     "decodes_done",
     "steps",
     "idle_forwards",
@@ -142,6 +144,8 @@ class WorkerCore:
         """This worker's KV endpoint (set by the shell once its transfer server listens)."""
         self.clock: Callable[[], float] = time.monotonic
         self.wall: Callable[[], float] = time.time
+        self.fork = engine.fork if isinstance(engine, ForksTwins) else None
+        """How the engine forks a twin from its leader (None: it does not; each prefills alone)."""
 
     @property
     def id(self) -> str:
@@ -209,7 +213,8 @@ class WorkerCore:
         ``effects`` gathers what it did so far (the caller's, should this raise)."""
         for older in [s for s in self.table.of() if s.request_id == task.request.request_id]:
             effects += self.moved_away(older)
-        seq = Sequence(task, entry_id, TextStream.for_request(self.tokenizer, task.request.sampling))
+        text = TextStream.for_request(self.tokenizer, task.request.sampling)
+        seq = Sequence(task, entry_id, text, queued_at=self.clock())
         problem = self.constrain(seq)
         if problem is not None:
             return Admission([*effects, *self.fail(seq, "invalid_grammar", problem, 400)], reserved)
@@ -352,12 +357,16 @@ class WorkerCore:
     def plan_prefill(self) -> list[Sequence]:
         """The next prefill batch, now PREFILLING, each with its blocks (taken as its prefill
         starts, with the prefix cache's blocks of its prompt as they are then): the oldest queued
-        first, up to ``max_prefill_tokens``. Empty with requests queued: no blocks for the first
-        (``kv_blocked`` until a request may have left)."""
+        first, up to ``max_prefill_tokens``; a response's choices once they are all here, the
+        first computing the prompt for all (``splitbus.worker.twins``). Empty with requests
+        queued: no blocks for the first, or choices still gathering (``kv_blocked``: the loop
+        looks again shortly)."""
+        forks = Forks(gathering(self.table.of(Status.QUEUED), self.clock()), self.fork) if self.fork else NO_FORKS
         batch = self.table.start_prefill(
-            self.limits.max_prefill_tokens, self.engine.first_to_compute, self.engine.reserve
+            self.limits.max_prefill_tokens, self.engine.first_to_compute, self.engine.reserve, forks
         )
         self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
+        self.counters["prefills_shared"] += sum(1 for seq in batch if seq.fork_of is not None)
         return batch
 
     def look_for_blocks_again(self) -> None:

@@ -49,6 +49,9 @@ class Sequence:
     prompt_logprobs: Logprobs | None = None
     """The prompt's logprobs, when the request asks for them and its prefill here computed them:
     sent with its first token."""
+    fork_of: Sequence | None = None
+    """In a prefill batch: the twin (``splitbus.worker.twins``) whose forward this one shares,
+    its blocks and its last logits; None: it computes its own."""
     grammar: Constraint | None = None
     """Structured output: the request's grammar as of ``output_ids`` (built when the worker takes
     the task, given the tokens generated before, then each one as it is added)."""

@@ -10,10 +10,11 @@ reached it in: the oldest queued prefill goes first, the running ones decode in 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from splitbus.worker.sequence import Sequence, kv_tokens
+from splitbus.worker.twins import NO_FORKS, Forks, batch_cost
 
 
 class Status(enum.Enum):
@@ -135,8 +136,9 @@ class RequestTable:
         and their tokens: as many as fit in ``max_tokens``. Asked by ``start_prefill`` and by a
         DP rank that announces how long its prefill will take."""
         count = tokens = 0
+        twins: set[Hashable] = set()
         for seq in self.of(Status.QUEUED):
-            uncached = len(seq.all_tokens) - seq.cached
+            uncached = batch_cost(seq, twins)
             if count and tokens + uncached > max_tokens:
                 break
             count, tokens = count + 1, tokens + uncached
@@ -147,6 +149,7 @@ class RequestTable:
         max_tokens: int,
         first_to_compute: Callable[[Sequence], int | None] = lambda _: None,
         reserve: Callable[[Sequence, int], bool] = lambda _, __: True,
+        forks: Forks = NO_FORKS,
     ) -> list[Sequence]:
         """The next prefill batch, now PREFILLING. Called by the engine's prefill step, before the
         engine call. A sequence whose ``first_to_compute`` block (``Engine.first_to_compute``) an
@@ -154,13 +157,21 @@ class RequestTable:
         cached instead of computing it again (siblings sharing a prefix arrive together). Each
         other one without blocks yet is given its KV blocks (``reserve``: ``Engine.reserve``, for
         its prompt and first token, with the prefix cache's blocks as they are then); the first
-        that gets none ends the batch, and waits, first in line, for a request to leave. The
+        that gets none ends the batch, and waits, first in line, for a request to leave. Twins
+        (``forks``, ``splitbus.worker.twins``) still waiting for their response's other choices
+        stay QUEUED; one whose twin is in the batch already joins it forked from that one. The
         engine's functions are passed in, not the core's: the core calls the table, never the
         other way round."""
         count, _ = self.prefill_batch_size(max_tokens)
         batch: list[Sequence] = []
         computing: set[int] = set()
         for seq in self.of(Status.QUEUED)[:count]:
+            if forks.waits(seq):
+                continue
+            if forks.fork(seq):
+                batch.append(seq)
+                self.move(seq, Status.PREFILLING)
+                continue
             block = first_to_compute(seq)
             if block is not None and block in computing:
                 continue
@@ -168,6 +179,7 @@ class RequestTable:
                 break
             if block is not None:
                 computing.add(block)
+            forks.lead(seq)
             batch.append(seq)
             self.move(seq, Status.PREFILLING)
         return batch

@@ -13,8 +13,8 @@ from pathlib import Path
 from tests.test_layering import PACKAGE, _import_graph
 
 WORKER = "splitbus.worker."
-CORE = {"core", "table", "effects", "sequence", "text"}
-"""The core: the rules, the request table, the effects, a request's state and its text."""
+CORE = {"core", "table", "effects", "sequence", "text", "twins"}
+"""The core: the rules, the request table, the effects, a request's state and its text, twins."""
 BESIDE_CORE = {"kv_proof", "engines.interface"}
 """What the core may import besides itself: the KV frame's header and proof check (``kv_proof``),
 and the engine's interface."""

@@ -34,6 +34,8 @@ MAX_REPETITION_PENALTY = 2.0
 """``repetition_penalty`` is in (0, this]: 1 is off, above 1 discourages repeats (HF's and vLLM's
 meaning; vLLM bounds it below only, past 2 a model's repeats are all but banned)."""
 MAX_TEMPERATURE = 100.0
+MAX_CHOICES = 128
+"""Most choices of one response (``GenerateRequest.choices``); the API's own bound is lower."""
 MAX_LOGPROBS = 20
 """Most alternatives per token in ``logprobs`` / ``prompt_logprobs`` (OpenAI's top_logprobs bound)."""
 MIN_LOGPROB = -9999.0

@@ -10,6 +10,7 @@ from splitbus.bus.blocks import HEX_DIGITS
 from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
     LOGIT_BIAS_RANGE,
+    MAX_CHOICES,
     MAX_DEADLINE_MS,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
@@ -151,6 +152,14 @@ class GenerateRequest:
     derives it from the caller's tenant (API key) and the body's ``cache_salt``; never the key or
     the client's string itself (docs/security.md, "The prefix cache is shared only within a
     tenant"). Empty: unsalted."""
+    choices: int = 1
+    """How many choices its response has (``n``): 1, it is the response; more, it is one of them,
+    a request of its own with the same prompt, whose workers its siblings follow where they have
+    room, so that its prompt is prefilled once for all (docs/api.md, "n")."""
+    choice_group: str = ""
+    """With ``choices`` > 1: the response's id, the same for each of its choices (empty else).
+    Untrusted like every field: a worker shares a prefill only between requests of one group with
+    the same salt and the very same tokens."""
 
     def __post_init__(self) -> None:
         if self.reader == "" and isinstance(self.api_node, str):
@@ -166,6 +175,7 @@ class GenerateRequest:
         require_int(self.deadline_ms, "deadline_ms", minimum=0, maximum=MAX_DEADLINE_MS)
         self._check_prefix()
         self._check_salt()
+        self._check_choices()
 
     def _check_prefix(self) -> None:
         require_int(self.prefix_block_size, "prefix_block_size", minimum=0, maximum=MAX_PREFIX_BLOCK_SIZE)
@@ -178,6 +188,11 @@ class GenerateRequest:
             f"prefix_hashes must hold {HEX_DIGITS} hex digits for each of the prompt's {blocks} full blocks",
         )
         require(_HEX_RUN.fullmatch(self.prefix_hashes) is not None, "prefix_hashes must be lowercase hex")
+
+    def _check_choices(self) -> None:
+        require_int(self.choices, "choices", minimum=1, maximum=MAX_CHOICES)
+        require_str(self.choice_group, "choice_group", nonempty=False)
+        require((self.choices > 1) == (self.choice_group != ""), "choice_group is set exactly when choices > 1")
 
     def _check_salt(self) -> None:
         require(type(self.cache_salt) is str, "cache_salt must be a string")

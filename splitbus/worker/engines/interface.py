@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from splitbus.bus.records import ExpertLoad
 
-__all__ = ["Engine", "ExpertLoad", "ExpertParallel", "KvEventLog", "SimulatedGroup"]
+__all__ = ["Engine", "ExpertLoad", "ExpertParallel", "ForksTwins", "KvEventLog", "SimulatedGroup"]
 
 if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parser, which stays fast
     from splitbus.bus.messages import Task
@@ -92,7 +92,10 @@ class Engine(Protocol):
     async def prefill(self, batch: list[Sequence]) -> list[int]:
         """Called with sequences whose prompt (and tokens already generated) have no KV here
         yet: compute it and return each sequence's next token. A sequence first takes the
-        blocks of its prompt that a prefix cache stored since ``reserve`` (a sibling's prefill)."""
+        blocks of its prompt that a prefix cache stored since ``reserve`` (a sibling's prefill).
+        With ``ForksTwins``, a twin forked from one in the batch (``Sequence.fork_of``,
+        ``twins.computing``) is not computed: its next token is drawn from its leader's last
+        logits, with its own seed."""
 
     async def decode(self, batch: list[Sequence]) -> list[int]:
         """Called once per step with the running sequences: feed each one's last token and
@@ -102,11 +105,25 @@ class Engine(Protocol):
         """Called on a prefill worker after prefill: the request's KV, to ship to its decode worker."""
 
     async def import_kv(self, seq: Sequence, payload: bytes) -> str | None:
-        """Called on a decode worker when the KV arrives; returns why it is refused, or None."""
+        """Called on a decode worker when the KV arrives; returns why it is refused, or None.
+        Blocks of it that the engine's cache holds already (another choice of its response)
+        may be shared instead of written (``PagedBlocks.share_imported``)."""
 
     async def idle(self) -> None:
         """Called on a DP rank with nothing to do while its group steps: a dummy forward, as
         EP's collective all-to-all needs every rank."""
+
+
+@runtime_checkable
+class ForksTwins(Protocol):
+    """An engine that prefills a response's choices once (``splitbus.worker.twins``): the sim and
+    paddle engines (``PagedBlocks.fork``). Without it, each choice prefills on its own."""
+
+    def fork(self, leader: Sequence, twin: Sequence) -> None:
+        """Called as a prefill batch is formed, for a twin (a choice of the same response as
+        ``leader``, before it in the batch, with the same tokens) that holds no blocks: ``twin``
+        holds ``leader``'s blocks from now on, and the prefill that computes ``leader`` computes
+        it too (``Engine.prefill``)."""
 
 
 @runtime_checkable

@@ -169,6 +169,11 @@ class BlockPool:
             else:
                 self._plain.append(block)
 
+    def share(self, table: Sequence[int]) -> None:
+        """Another sequence holds these blocks too (a twin forked from the one holding them)."""
+        for block in table:
+            self._hold(block)
+
     def _hold(self, block: int) -> None:
         self._lru.pop(block, None)
         self._refs[block] = self._refs.get(block, 0) + 1
@@ -209,6 +214,12 @@ def _prompt(task: Task) -> list[int]:
     return task.request.prompt_token_ids + task.output_token_ids if _reuses(task) else []
 
 
+def _kv_tokens(seq: SequenceState, length: int) -> list[int]:
+    """The tokens of the first ``length`` positions a decode task's KV frame holds: its prompt,
+    then what it generated before it moved here (``Task.output_token_ids``)."""
+    return (seq.request.prompt_token_ids + seq.task.output_token_ids)[:length]
+
+
 class PagedBlocks:
     """The KV blocks of an engine with a prefix cache: the ``Engine`` methods that reserve, share
     and release them, over one ``BlockPool``. Every such engine (sim, paddle) subclasses it and
@@ -244,6 +255,26 @@ class PagedBlocks:
         self.pool.store(seq.block_table, seq.all_tokens[: seq.cached], chain_root(seq.request))
         self.pool.release(seq.block_table)
         seq.block_table, seq.blocks = [], 0
+
+    def fork(self, leader: SequenceState, twin: SequenceState) -> None:
+        """``twin`` holds ``leader``'s blocks as they are (each counted once more) and its cached
+        positions: it is prefilled by ``leader``'s forward (``splitbus.worker.twins``). On a
+        prefill worker nothing writes to them after that forward: the twin hands them off."""
+        self.pool.share(leader.block_table)
+        twin.block_table, twin.blocks = list(leader.block_table), leader.blocks
+        twin.cached, twin.prompt_cached = leader.cached, leader.prompt_cached
+
+    def share_imported(self, seq: SequenceState, length: int) -> int:
+        """Before a decode task's KV is written: the full blocks of its first ``length``
+        positions that this worker's cache holds (an earlier choice of its response, or any
+        request of its salt with that prefix) replace its own, which go back to the pool. Returns
+        the positions it shares, whose KV the import does not write: full blocks it never writes
+        to either (its next position is past them; ``BlockPool.match`` leaves the last one out)."""
+        return self.pool.rematch(seq.block_table, _kv_tokens(seq, length), 0, chain_root(seq.request))
+
+    def store_imported(self, seq: SequenceState, length: int) -> None:
+        """After a decode task's KV is written: its full blocks, for the next to share."""
+        self.pool.store(seq.block_table, _kv_tokens(seq, length), chain_root(seq.request))
 
     def first_to_compute(self, seq: SequenceState) -> int | None:
         """A sequence that holds no blocks yet would take the cached blocks of its prompt as

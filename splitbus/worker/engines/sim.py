@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, register
 from splitbus.worker.engines.prefix import PagedBlocks
+from splitbus.worker.twins import computing
 
 if TYPE_CHECKING:  # types only: the registry imports this module to build the CLI's parser
     from splitbus.bus.messages import GenerateRequest, Logprobs
@@ -152,8 +153,9 @@ class SimEngine(PagedBlocks):
         self.take_new_hits(batch)
         if self.config.crash_token >= 0 and any(self.config.crash_token in s.request.prompt_token_ids for s in batch):
             os.kill(os.getpid(), signal.SIGKILL)
-        # Only the uncached suffix is computed (``reserve`` found the cached prefix).
-        await asyncio.sleep(self.config.forward_s("prefill", sum(len(s.all_tokens) - s.cached for s in batch)))
+        # Only the uncached suffix is computed (``reserve`` found the cached prefix), once for twins.
+        own, _ = computing(batch)
+        await asyncio.sleep(self.config.forward_s("prefill", sum(len(s.all_tokens) - s.cached for s in own)))
         for seq in batch:
             if (k := seq.prompt_top()) is not None:
                 seq.prompt_logprobs = sim_prompt_logprobs(seq.request.prompt_token_ids, self.vocab_size, k)
@@ -202,6 +204,8 @@ class SimEngine(PagedBlocks):
     async def import_kv(self, seq: Sequence, payload: bytes) -> str | None:
         if payload != self.kv_payload(seq.request):
             return f"KV payload of {len(payload)} bytes does not match the request"
+        self.share_imported(seq, seq.prompt_len)  # blocks are ids here: the sharing is all there is
+        self.store_imported(seq, seq.prompt_len)
         seq.cached = seq.prompt_len
         return None
 

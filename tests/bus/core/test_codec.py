@@ -272,6 +272,19 @@ def test_a_requests_cache_salt_is_empty_or_32_hex_digits(salt: object) -> None:
         _request(cache_salt=salt)
 
 
+@pytest.mark.parametrize(
+    ("choices", "group"), [(0, ""), (129, "g"), (True, "g"), (2, ""), (1, "g"), (2, 5), (2, "g" * 257)]
+)
+def test_a_requests_choices_are_bounded_and_named_exactly_when_several(choices: object, group: object) -> None:
+    with pytest.raises(ValueError, match="choice"):
+        _request(choices=choices, choice_group=group)
+
+
+def test_a_choice_of_a_response_round_trips() -> None:
+    request = _request(choices=4, choice_group="cmpl-1")
+    assert codec.decode(codec.encode(request)) == request
+
+
 def test_script_argv_is_the_encoded_entry_in_field_order() -> None:
     kind, data, ts = codec.script_argv(Cancel("r1", "deadline"))
     assert kind == b"cancel" and orjson.loads(data) == orjson.loads(codec.encode(Cancel("r1", "deadline"))[b"data"])

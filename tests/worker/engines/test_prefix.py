@@ -127,7 +127,17 @@ def test_a_sibling_reserved_before_the_prefix_was_stored_takes_it_at_its_prefill
     assert pool.free == 10
 
 
-SHARED = {"free_blocks", "reserve", "can_reserve", "cached_prefix", "release", "first_to_compute"}
+SHARED = {
+    "free_blocks",
+    "reserve",
+    "can_reserve",
+    "cached_prefix",
+    "release",
+    "first_to_compute",
+    "fork",
+    "share_imported",
+    "store_imported",
+}
 """The ``Engine`` methods over the block pool, written once in ``PagedBlocks``."""
 
 
@@ -141,3 +151,17 @@ def test_the_sim_engine_keeps_its_blocks_in_the_one_block_pool() -> None:
     assert SHARED <= set(vars(PagedBlocks))
     assert keeps_its_blocks_in_the_one_pool(SimEngine)
     assert not keeps_its_blocks_in_the_one_pool(BlockPool)
+
+
+def test_a_shared_table_goes_back_once_every_holder_released_it() -> None:
+    pool = BlockPool(range(10), 16)
+    first = pool.allocate(3)
+    assert first is not None
+    pool.share(first.table)
+    pool.share(first.table)
+    assert pool.free == 7
+    pool.release(first.table)
+    pool.release(first.table)
+    assert pool.free == 7  # one holder left
+    pool.release(first.table)
+    assert pool.free == 10

@@ -23,6 +23,7 @@ from splitbus.worker.engines.paddle import logprobs
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.prefix import PagedBlocks
 from splitbus.worker.sequence import Sequence
+from splitbus.worker.twins import computing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,10 +110,11 @@ class PaddleEngine(PagedBlocks):
         # P computed the prompt and the tokens a moved request had streamed before (its task's
         # output_token_ids); the token P generated has no KV yet: D's first decode computes it.
         length = len(seq.request.prompt_token_ids) + len(seq.task.output_token_ids)
-        try:
-            await self._run(lambda: self.cache.import_(seq.block_table, length, payload))
-        except ValueError as exc:
-            return str(exc)
+        if len(payload) != length * self.cache.bytes_per_token():  # before blocks change hands
+            return f"KV payload has {len(payload)} bytes, expected {length * self.cache.bytes_per_token()}"
+        shared = self.share_imported(seq, length)  # on the event loop, as reserve: the pool has one thread
+        await self._run(lambda: self.cache.import_(seq.block_table, length, payload, start=shared))
+        self.store_imported(seq, length)
         seq.cached = length
         return None
 
@@ -121,15 +123,18 @@ class PaddleEngine(PagedBlocks):
         # attention reads them from the block table (its mask is aligned for a query offset). At
         # least the last token: a prefill done once already (its results then lost with Redis:
         # ``abort_prefill``) has it all cached, and needs its logits again.
-        starts = [min(seq.cached, len(seq.all_tokens) - 1) for seq in batch]
-        chunks = [Chunk(seq.all_tokens[a:], a, seq.block_table) for seq, a in zip(batch, starts, strict=True)]
-        wanted = {j: k for j, seq in enumerate(batch) if (k := seq.prompt_top()) is not None}
+        # Twins forked from one in the batch are not computed: they draw from its row.
+        own, rows = computing(batch)
+        starts = [min(seq.cached, len(seq.all_tokens) - 1) for seq in own]
+        chunks = [Chunk(seq.all_tokens[a:], a, seq.block_table) for seq, a in zip(own, starts, strict=True)]
+        wanted = {j: k for j, seq in enumerate(own) if (k := seq.prompt_top()) is not None}
         logits = self._forward(chunks, prompt_top=wanted)
-        for j, seq in enumerate(batch):
-            seq.cached = len(seq.all_tokens)
+        for seq, j in zip(batch, rows, strict=True):
             if j in wanted:  # a prefill done again keeps what the first one computed
                 seq.prompt_logprobs = self.model.prompt_logprobs[j]
-        return self._sample(batch, logits)
+        for seq in batch:
+            seq.cached = len(seq.all_tokens)
+        return self._sample(batch, logits[rows])
 
     def _decode(self, batch: list[Sequence]) -> list[int]:
         chunks = [Chunk([seq.output_ids[-1]], seq.cached, seq.block_table) for seq in batch]

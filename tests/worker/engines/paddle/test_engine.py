@@ -289,3 +289,56 @@ def test_a_prefill_done_again_gives_the_same_token_and_keeps_its_prompt_logprobs
     assert all(s is not None and len(s) == seq.prompt_len - 1 for s, seq in zip(scored, batch, strict=True))
     again = asyncio.run(engine.prefill(batch))
     assert again == first and [seq.prompt_logprobs for seq in batch] == scored
+
+
+def _choice(phase: str, prompt: list[int], i: int, tok: ModelTokenizer) -> Sequence:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=700 + i)
+    request = GenerateRequest(f"c-{i}", "m", prompt, params, "api", 0, choices=3, choice_group="c")
+    return Sequence(Task(phase, request, peer="x"), "0-0", TextStream(tok, []))
+
+
+async def _choices_forked(model: CausalLM, tok: ModelTokenizer, prompt: list[int]) -> tuple[list[list[int]], int]:
+    """Three choices of one prompt: P prefills it once (twins forked from the first), D imports
+    each, sharing the full blocks the first brought; (their tokens, D's blocks in use)."""
+    prefill, decode = _engine(model), _engine(model)
+    on_p = [_choice("prefill", prompt, i, tok) for i in range(3)]
+    on_d = [_choice("decode", prompt, i, tok) for i in range(3)]
+    assert prefill.reserve(on_p[0], len(prompt))
+    for twin in on_p[1:]:
+        prefill.fork(on_p[0], twin)
+        twin.fork_of = on_p[0]
+    for seq, token in zip(on_p, await prefill.prefill(on_p), strict=True):
+        seq.output_ids.append(token)
+    for p_seq, d_seq in zip(on_p, on_d, strict=True):
+        assert decode.reserve(d_seq, d_seq.prompt_len + NEW_TOKENS)
+        assert await decode.import_kv(d_seq, await prefill.export_kv(p_seq)) is None
+        d_seq.output_ids = list(p_seq.output_ids)
+    await _decode_all(decode, on_d)
+    return [s.output_ids for s in on_d], decode.total_blocks - decode.free_blocks
+
+
+async def _choices_alone(model: CausalLM, tok: ModelTokenizer, prompt: list[int]) -> list[list[int]]:
+    outputs = []
+    for i in range(3):
+        engine = _engine(model)
+        seq = _choice("mixed", prompt, i, tok)
+        assert engine.reserve(seq, seq.prompt_len + NEW_TOKENS)
+        seq.output_ids = await engine.prefill([seq])
+        await _decode_all(engine, [seq])
+        outputs.append(seq.output_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("length", [33, 48])
+def test_choices_prefilled_once_and_sharing_blocks_on_d_draw_what_each_draws_alone(
+    model: CausalLM, model_dir: Path, length: int
+) -> None:
+    tok = ModelTokenizer.load(model_dir)
+    prompt = [int(t) for t in np.random.default_rng(length).integers(0, 256, length)]
+    forked, used = asyncio.run(_choices_forked(model, tok, prompt))
+    assert forked == asyncio.run(_choices_alone(model, tok, prompt))
+    assert len({tuple(t) for t in forked}) == 3  # the draws really vary
+    # Each choice holds prompt + NEW_TOKENS positions; the prompt's full blocks but the last token's
+    # are held once: 33 -> 2 shared, 48 -> 2 (the block holding position 47 is each one's own).
+    own = -(-(length + NEW_TOKENS) // 16)
+    assert used == 3 * own - 2 * ((length - 1) // 16)
