@@ -739,13 +739,40 @@ def grammar_table(report: dict[str, Any]) -> str:
         )
     total_ms = r["workloads"]["json_schema"]["total_us"]["mean"] / 1000
     lines.append(f"json_schema: {total_ms:.3f} ms a token; target <= {r['target_ms']} ms: {_met(r['target_met'])}")
-    return "\n".join(lines)
+    return "\n".join(lines + (_grammar_batch_rows(r["batch"]) if "batch" in r else []))
+
+
+def _grammar_batch_rows(batch: dict[str, Any]) -> list[str]:
+    lines = [
+        f"a decode batch on the paddle engine ({batch['model']}), {batch['runs']} runs x {batch['steps']} step pairs: "
+        f"(a) every request unconstrained, (b) one of them under {batch['workload']}'s grammar",
+        f"{'B':>3} {'(a) ms':>9} {'(b) ms':>9} {'(b)-(a)':>9} {'%':>7}   {'(a) p10-p90 ms':>17} "
+        f"{'paired p10/p50/p90 ms':>24}  within (a)'s spread",
+    ]
+    for row in batch["results"]:
+        a, b, paired = row["a_ms"], row["b_ms"], row["paired_diff_ms"]
+        spread = f"{a['p10']:.2f}-{a['p90']:.2f}"
+        pairs = f"{paired['p10']:+.2f}/{paired['p50']:+.2f}/{paired['p90']:+.2f}"
+        lines.append(
+            f"{row['batch']:>3} {a['p50']:>9.2f} {b['p50']:>9.2f} {row['diff_ms']:>+9.3f} {row['diff_pct']:>+6.2f}%   "
+            f"{spread:>17} {pairs:>24}  {'yes' if row['within_spread'] else 'NO'}"
+        )
+    return lines
 
 
 def grammar_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    batch = report.get("batch")
+    fig, axes = plt.subplots(1, 2 if batch else 1, figsize=(13 if batch else 8, 4), squeeze=False)
+    _grammar_tokens_plot(axes[0][0], report)
+    if batch:
+        _grammar_batch_plot(axes[0][1], batch)
+    fig.suptitle(f"splitbus bench grammar: {report['model']}, {report['vocab_size']} tokens", fontsize=10)
+    _save(plt, fig, path, dpi=100)
+
+
+def _grammar_tokens_plot(ax: Any, report: dict[str, Any]) -> None:
     names = list(report["workloads"])
     bottom = [0.0] * len(names)
     for part, color in (("mask", "#2980b9"), ("apply", "#27ae60"), ("advance", "#e67e22")):
@@ -760,6 +787,38 @@ def grammar_plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylim(0, top)
     ax.axhline(report["target_ms"] * 1000, color="grey", linestyle=":", label=f"target {report['target_ms']} ms")
     ax.set_ylabel("microseconds a token (mean)")
+    ax.set_title("a constrained request's own cost a token", fontsize=9)
     ax.legend(fontsize=8)
-    fig.suptitle(f"splitbus bench grammar: {report['model']}, {report['vocab_size']} tokens", fontsize=10)
-    _save(plt, fig, path, dpi=100)
+
+
+def _grammar_batch_plot(ax: Any, batch: dict[str, Any]) -> None:
+    """Each side's p10-p50-p90 step time as a percentage of (a)'s median: whether (b) sits inside (a)'s spread."""
+    for offset, side, color, label in (
+        (-0.1, "a_ms", "#7f8c8d", "(a) all unconstrained"),
+        (0.1, "b_ms", "#c0392b", "(b) one constrained"),
+    ):
+        xs, ys, low, high = [], [], [], []
+        for i, row in enumerate(batch["results"]):
+            base, s = row["a_ms"]["p50"], row[side]
+            xs.append(i + offset)
+            ys.append((s["p50"] / base - 1) * 100)
+            low.append((s["p50"] - s["p10"]) / base * 100)
+            high.append((s["p90"] - s["p50"]) / base * 100)
+        ax.errorbar(xs, ys, yerr=[low, high], fmt="o", color=color, capsize=6, label=f"{label}: p50, p10-p90")
+    for i, row in enumerate(batch["results"]):
+        ax.annotate(
+            f"{row['diff_ms']:+.2f} ms of\n{row['a_ms']['p50']:.1f} ms",
+            (i + 0.1, row["diff_pct"]),
+            textcoords="offset points",
+            xytext=(8, -4),
+            fontsize=7,
+        )
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xticks(range(len(batch["results"])), [f"B = {row['batch']}" for row in batch["results"]])
+    ax.set_xlim(-0.6, len(batch["results"]) - 0.4)
+    ax.set_ylabel("decode step time, % of (a)'s median")
+    ax.set_title(
+        f"a decode batch, one request under {batch['workload']}'s grammar ({batch['runs']} x {batch['steps']} pairs)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)

@@ -307,6 +307,17 @@ def _add_grammar(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--data-dir", type=Path, default=env.data_dir, help="where a .gguf file is converted (default %(default)s)")
     add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     add("--runs", type=int, default=20, help="runs of each workload (default %(default)s)")
+    add(
+        "--batches",
+        type=int,
+        nargs="*",
+        default=[8, 32],
+        metavar="B",
+        help="decode batch sizes at which one constrained request is set beside unconstrained ones, "
+        "on the paddle engine (default 8 32; none: skip)",
+    )
+    add("--batch-runs", type=int, default=3, help="runs at each batch size, fresh batches each (default %(default)s)")
+    add("--batch-steps", type=int, default=8, help="timed step pairs in each batch run (default %(default)s)")
     grammar.set_defaults(run=run_grammar)
 
 
@@ -638,11 +649,15 @@ def run_routing(args: argparse.Namespace, env: Env) -> int:
 def run_grammar(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.grammar import run_grammar_bench, vocab_rows
+    from splitbus.bench.grammar_batch import BatchBenchConfig
     from splitbus.model_files.resolve import resolve_model, served_name
     from splitbus.tokenization import ModelTokenizer
 
     if args.runs < 1:
         say("splitbus bench grammar: --runs must be at least 1")
+        return 2
+    batch = _config("grammar", lambda: BatchBenchConfig(tuple(args.batches), args.batch_runs, args.batch_steps))
+    if batch is None:
         return 2
     try:
         folder = resolve_model(args.model, args.data_dir, say)
@@ -650,6 +665,10 @@ def run_grammar(args: argparse.Namespace, env: Env) -> int:
     except ValueError as exc:  # ModelFilesError among them: the path, and what is wrong with it
         say(f"splitbus bench grammar: {exc}")
         return 2
-    run = _Run("grammar", args.out)
-    result = run_grammar_bench(tokenizer, vocab_rows(folder, tokenizer), args.runs, progress=run.progress)
+    run, rows = _Run("grammar", args.out), vocab_rows(folder, tokenizer)
+    result = run_grammar_bench(tokenizer, rows, args.runs, progress=run.progress)
+    if batch.batches:
+        from splitbus.bench.grammar_batch import run_batch
+
+        result["batch"] = run_batch(folder, tokenizer, rows, batch, progress=run.progress)
     return run.finish(result, report.grammar_plot, report.grammar_table)
