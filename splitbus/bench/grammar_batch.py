@@ -13,7 +13,8 @@ the spread), and which of the two goes first swaps every pair, so that a load th
 on the machine meets both. Each run starts both batches afresh (new random prompts, prefilled
 untimed, a fresh matcher) and warms up for ``warmup`` pairs; a constrained sequence whose grammar
 completes gets a fresh matcher before its next step, untimed (a worker would have taken another
-request). The spread reported is that of (a)'s step times.
+request). The garbage collector is off during a run's steps, both sides alike. The spread
+reported is that of (a)'s step times.
 """
 
 from __future__ import annotations

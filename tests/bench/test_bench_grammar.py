@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _bench(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -28,13 +29,17 @@ def test_grammar_bench_writes_every_workload(tmp_path: Path, tiny_model: Path) -
     assert report["machine"]["cpus"] and report["runs"] == 2 and report["vocab_rows"] >= report["vocab_size"]
     assert set(report["workloads"]) == {"json_schema", "json_object", "regex"}
     for workload in report["workloads"].values():
-        assert workload["tokens"] > 0 and workload["compile_ms"] > 0 and workload["build_ms"] > 0
-        for part in ("mask_us", "apply_us", "advance_us", "total_us"):
-            r = workload[part]
-            assert 0 < r["p50"] <= r["p99"] <= r["max"] and r["mean"] > 0
+        _check_workload(workload)
     assert isinstance(report["target_met"], bool)
     assert (out / "bench_grammar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "target <= 0.5 ms" in proc.stdout
+
+
+def _check_workload(workload: dict[str, Any]) -> None:
+    assert workload["tokens"] > 0 and workload["compile_ms"] > 0 and workload["build_ms"] > 0
+    for part in ("mask_us", "apply_us", "advance_us", "total_us"):
+        r = workload[part]
+        assert 0 < r["p50"] <= r["p99"] <= r["max"] and r["mean"] > 0
 
 
 def test_grammar_bench_sets_one_constrained_request_in_a_decode_batch(tmp_path: Path, tiny_model: Path) -> None:
@@ -46,17 +51,21 @@ def test_grammar_bench_sets_one_constrained_request_in_a_decode_batch(tmp_path: 
     assert batch["workload"] == "json_schema" and "random weights" in batch["model"]
     assert (batch["runs"], batch["steps"]) == (2, 2) and [r["batch"] for r in batch["results"]] == [2, 3]
     for row in batch["results"]:
-        assert row["steps"] == 4 and len(row["run_p50_ms"]) == 2 and row["grammar_restarts"] >= 0
-        for side in ("a_ms", "b_ms"):
-            r = row[side]
-            assert 0 < r["min"] <= r["p10"] <= r["p50"] <= r["p90"] <= r["max"]
-        assert row["diff_ms"] == row["b_ms"]["p50"] - row["a_ms"]["p50"]
-        assert row["diff_pct"] == row["diff_ms"] / row["a_ms"]["p50"] * 100
-        paired = row["paired_diff_ms"]
-        assert paired["p10"] <= paired["p50"] <= paired["p90"]
-        assert row["within_spread"] == (row["a_ms"]["p10"] <= row["b_ms"]["p50"] <= row["a_ms"]["p90"])
+        _check_batch_row(row, steps=4, runs=2)
     assert "(a) every request unconstrained, (b) one of them under json_schema's grammar" in proc.stdout
     assert (out / "bench_grammar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_batch_row(row: dict[str, Any], steps: int, runs: int) -> None:
+    assert row["steps"] == steps and len(row["run_p50_ms"]) == runs and row["grammar_restarts"] >= 0
+    for side in ("a_ms", "b_ms"):
+        r = row[side]
+        assert 0 < r["min"] <= r["p10"] <= r["p50"] <= r["p90"] <= r["max"]
+    assert row["diff_ms"] == row["b_ms"]["p50"] - row["a_ms"]["p50"]
+    assert row["diff_pct"] == row["diff_ms"] / row["a_ms"]["p50"] * 100
+    paired = row["paired_diff_ms"]
+    assert paired["p10"] <= paired["p50"] <= paired["p90"]
+    assert row["within_spread"] == (row["a_ms"]["p10"] <= row["b_ms"]["p50"] <= row["a_ms"]["p90"])
 
 
 def test_grammar_bench_refuses_a_folder_that_is_no_model(tmp_path: Path) -> None:
