@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from splitbus.api import protocol
+from splitbus.api import metrics, protocol
 from splitbus.api.generate import SSE_HEADERS, Generation, answer, cancel_reason, event, prepare
 from splitbus.api.protocol import GenerationParams
 from splitbus.bus.messages import Failed, Result
@@ -50,7 +50,7 @@ async def generate_many(request: Request, many: list[Generation]) -> Response:
 async def _firsts(request: Request, many: list[Generation]) -> list[Result]:
     """Every choice published, then each one's first result; a choice that failed at once fails
     the request (the others are cancelled), as one request would with its own status."""
-    await asyncio.gather(*(g.publish() for g in many))  # together: P prefills them together (worker.twins)
+    await _publish(many)
     firsts = [await g.until_disconnect(request, g.next_result()) for g in many]
     failed = next(((g, f) for g, f in zip(many, firsts, strict=True) if isinstance(f, Failed)), None)
     if failed is not None:
@@ -59,6 +59,20 @@ async def _firsts(request: Request, many: list[Generation]) -> list[Result]:
         assert isinstance(first, Failed)
         raise generation.failure(first)
     return firsts
+
+
+async def _publish(many: list[Generation]) -> None:
+    """Subscribe to every choice, then write them all in one transaction: one scheduler replica
+    reads them together, places them together and P prefills them once (docs/api.md, "n").
+    Every subscription is made before an error is raised, so the caller closes each one."""
+    subscribed = await asyncio.gather(*(g.subscribe() for g in many), return_exceptions=True)
+    error = next((e for e in subscribed if isinstance(e, BaseException)), None)
+    if error is not None:
+        raise error
+    state = many[0].state
+    await many[0].submitted(state.submit_together([g.message() for g in many]))
+    for generation in many[1:]:
+        metrics.PROMPT_TOKENS.inc(len(generation.prompt_ids))
 
 
 async def _collected(request: Request, many: list[Generation], firsts: list[Result]) -> dict[str, Any]:

@@ -321,10 +321,18 @@ class Generation:
     async def publish(self) -> None:
         """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is
         missed however fast the workers answer."""
+        await self.subscribe()
+        await self.submitted(self.state.submit(self.message()))
+
+    async def subscribe(self) -> None:
+        """Follow the request's result stream (before its entry is written: ``publish``)."""
         self.sub = await self.state.reader.subscribe(self.request_id)
         self.sub.expire_at(asyncio.get_running_loop().time() + self.state.config.request_timeout_s + DEADLINE_GRACE_S)
+
+    async def submitted(self, submit: Awaitable[None]) -> None:
+        """Await the write of the request's entry (its own, or its response's choices' at once)."""
         try:
-            await self.state.submit(self.message())
+            await submit
         except TRANSIENT_ERRORS as exc:
             log.warning("request %s not published: Redis is unreachable: %s", self.request_id, exc)
             raise ServiceUnavailable("Redis is unreachable; retry later").for_request(self.request_id) from None

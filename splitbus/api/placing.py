@@ -58,11 +58,12 @@ class ApiPlacer:
             self.view.refreshed.clear()
             self.ledger.view_refreshed(self.view.read_at)
         workers = self.view.workers
-        decision = self.siblings.follow(request, workers, self.local) or self.policy.place(request, workers, self.local)
+        decision = self.siblings.decide(
+            request, workers, self.local, lambda: self.policy.place(request, workers, self.local)
+        )
         if not isinstance(decision, Placed):
             metrics.DISPATCHES.labels("no_worker").inc()
             return False
-        self.siblings.placed(request, decision)
         for placement in decision.placements:
             self.ledger.reserve(placement)
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -82,6 +82,19 @@ class ApiState:
             self.submissions.hold(request)
         else:
             await self.submissions.submit(request)
+
+    async def submit_together(self, requests: Sequence[GenerateRequest]) -> None:
+        """``submit`` the choices of one response: each placed here in order (``--dispatch
+        api``), and those not placed here written for the schedulers as one transaction, so
+        that one replica reads and places them together (docs/api.md, "n")."""
+        rest = []
+        for request in requests:
+            if self.placer is not None and await self.placer.place(request):
+                self.submissions.hold(request)
+            else:
+                rest.append(request)
+        if rest:
+            await self.submissions.submit_together(rest)
 
     async def watch_runs(self) -> None:
         """After a new Redis run, submit again the requests not yet started (owed until done: a

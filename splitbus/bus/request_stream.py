@@ -3,15 +3,41 @@ replicas read. Reads and writes are bus/core/streams.py's; this module names the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
+from splitbus.bus.core import codec
 from splitbus.bus.core.codec import NamedRequest
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, Keys
+from splitbus.bus.core.replies import text
+from splitbus.bus.core.scripts import LuaScript, declare, lua_string
 from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed
 from splitbus.bus.messages import GenerateRequest
+
+_TYPE, _DATA, _TS = map(lua_string, ("type", "data", "ts"))  # an entry's fields (``codec.encode``)
+
+
+_SUBMIT_TOGETHER = declare(
+    LuaScript(
+        name="submit_together",
+        module=__name__,
+        keys=("sb:requests:{cell}",),
+        argv="per request: its entry's type, data and ts",
+        returns="the entries' ids, in order",
+        source=f"""
+local ids = {{}}
+for a = 1, #ARGV, 3 do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', {_TYPE}, ARGV[a], {_DATA}, ARGV[a + 1], {_TS}, ARGV[a + 2])
+end
+return ids
+""",
+    )
+)
+"""Several request entries added at once: a scheduler replica's blocked read is answered only
+once the script has run, so one replica reads them all (a response's choices, docs/api.md "n").
+A script rather than MULTI: the ``splitbus`` ACL user runs scripts, not transactions."""
 
 
 async def submit(producer: Producer, keys: Keys, request: GenerateRequest) -> str:
@@ -48,6 +74,7 @@ class Submissions:
         self._producer = producer
         self._keys = keys
         self._held: dict[str, GenerateRequest] = {}
+        self._together = _SUBMIT_TOGETHER.register(redis)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -57,6 +84,15 @@ class Submissions:
         entry_id = await submit(self._producer, self._keys, request)
         self._held[request.request_id] = request
         return entry_id
+
+    async def submit_together(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        """``submit`` several as one transaction: one scheduler replica reads them in one read
+        and places them in one pass (a response's choices, docs/api.md "n")."""
+        argv = [value for request in requests for value in codec.script_argv(request)]
+        entry_ids = await self._together(keys=[self._keys.requests], args=argv)
+        for request in requests:
+            self._held[request.request_id] = request
+        return [text(i) for i in entry_ids]
 
     def hold(self, request: GenerateRequest) -> None:
         """Hold a request submitted another way (dispatched by its API node itself) until

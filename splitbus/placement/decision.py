@@ -25,6 +25,9 @@ class Placement:
     reserve: Reserved
     batch_id: str = ""
     batch_ranks: int = 0
+    twins: int = 1
+    """A choice's prefill task: how many of its response's choices this decision's replica sends
+    to that worker together (``Task.twins``, ``placement.siblings``)."""
 
 
 @dataclass

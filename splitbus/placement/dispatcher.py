@@ -101,6 +101,7 @@ def _tasks(
                 p.batch_ranks,
                 list(dataclasses.astuple(p.reserve)),
                 handoff,
+                p.twins,
             ),
         )
         for p in placements

@@ -198,6 +198,7 @@ class Scheduler:
         then write all their tasks at once: the dispatch scripts share one pipeline. Returns
         the requests still waiting for a worker."""
         left, writes, placed = [], [], []
+        self.siblings.expect(w.delivery.message for w in waiting)  # a response's choices read together
         for w in waiting:
             decision = await self.contained(w, self.decide(w))
             if decision is Verdict.WAIT:
@@ -271,11 +272,12 @@ class Scheduler:
             await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
             return Verdict.DROP
         workers = self.view.workers
-        decision = self.siblings.follow(request, workers, self.local) or self.policy.place(request, workers, self.local)
+        decision = self.siblings.decide(
+            request, workers, self.local, lambda: self.policy.place(request, workers, self.local)
+        )
         if isinstance(decision, Placed):
             self._reserve_locally(decision)  # the next decisions must see this load before it is written
             self.routed(request, decision.placements)
-            self.siblings.placed(request, decision)
             return decision
         if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
             await self.fail(waiting, "no_worker", decision.reason, 503)

@@ -55,7 +55,7 @@ from splitbus.worker.kv_proof import Header, new_secret, proof_matches
 from splitbus.worker.sequence import Sequence, kv_tokens
 from splitbus.worker.table import DROPPABLE, HELD, RequestTable, Status
 from splitbus.worker.text import TextStream
-from splitbus.worker.twins import NO_FORKS, Forks, gathering
+from splitbus.worker.twins import NO_FORKS, Forks, Gathering
 
 log = logging.getLogger(__name__)
 RECENT_CANCELS = 10_000
@@ -146,6 +146,8 @@ class WorkerCore:
         self.wall: Callable[[], float] = time.time
         self.fork = engine.fork if isinstance(engine, ForksTwins) else None
         """How the engine forks a twin from its leader (None: it does not; each prefills alone)."""
+        self.gathering = Gathering()
+        """When each response's first twin came here (``splitbus.worker.twins``)."""
 
     @property
     def id(self) -> str:
@@ -306,6 +308,7 @@ class WorkerCore:
             effects += self.fail(seq, "out_of_kv_blocks", message, 503)
             return
         seq.prompt_cached = self.engine.cached_prefix(task)
+        self.gathering.note(seq, self.clock())
         self.table.add(seq, Status.QUEUED)
 
     def take_blocks(self, seq: Sequence, effects: list[Effect]) -> bool:
@@ -361,13 +364,22 @@ class WorkerCore:
         first computing the prompt for all (``splitbus.worker.twins``). Empty with requests
         queued: no blocks for the first, or choices still gathering (``kv_blocked``: the loop
         looks again shortly)."""
-        forks = Forks(gathering(self.table.of(Status.QUEUED), self.clock()), self.fork) if self.fork else NO_FORKS
         batch = self.table.start_prefill(
-            self.limits.max_prefill_tokens, self.engine.first_to_compute, self.engine.reserve, forks
+            self.limits.max_prefill_tokens, self.engine.first_to_compute, self.engine.reserve, self.forks()
         )
         self.kv_blocked = not batch and bool(self.table.count(Status.QUEUED))
-        self.counters["prefills_shared"] += sum(1 for seq in batch if seq.fork_of is not None)
         return batch
+
+    def forks(self) -> Forks:
+        """The twins of the next prefill plan: which wait for the others, how to fork the rest."""
+        if self.fork is None:
+            return NO_FORKS
+        return Forks(self.gathering.waiting(self.table.of(Status.QUEUED), self.clock()), self.fork)
+
+    def prefill_batch_size(self) -> tuple[int, int]:
+        """The requests and tokens of the next prefill batch, as ``plan_prefill`` would take them
+        now (a DP rank announces how long its prefill will take)."""
+        return self.table.prefill_batch_size(self.limits.max_prefill_tokens, self.forks())
 
     def look_for_blocks_again(self) -> None:
         """The engine loop waited a little after a plan found no blocks (``kv_blocked``): a
@@ -393,6 +405,7 @@ class WorkerCore:
 
     def after_prefill(self, seq: Sequence) -> list[Effect]:
         self.counters["prefills_done"] += 1
+        self.counters["prefills_shared"] += seq.fork_of is not None  # its leader's forward drew its token
         if seq.task.phase == Phase.MIXED and not seq.finished:
             self.table.add(seq, Status.RUNNING)
             return []

@@ -401,7 +401,7 @@ class DpStepper:
         action = bind_late(
             decide(mine, plans, self.config.dp_align_ms), mine, self.plan(), plans, self.config.dp_align_ms
         )
-        tokens = self.table.prefill_batch_size(self.core.limits.max_prefill_tokens)[1] if action == "prefill" else 0
+        tokens = self.core.prefill_batch_size()[1] if action == "prefill" else 0
         self.step_s = self.decided_step_s(plans, action, tokens)
         timed = self.timed_forward(plans, action, tokens)
         self.announce_forward(*timed)
@@ -481,7 +481,7 @@ class DpStepper:
         oldest = queued[0]
         waited = (time.monotonic() - oldest.queued_at) * 1000
         held = tuple(dict.fromkeys(seq.task.batch_id for seq in queued if seq.task.batch_id))
-        tokens = self.table.prefill_batch_size(self.core.limits.max_prefill_tokens)[1]
+        tokens = self.core.prefill_batch_size()[1]
         batch = oldest.task.batch_id, oldest.task.batch_ranks
         return StepPlan(self.config.dp_rank, True, bool(running), waited, *batch, held, tokens, running)
 

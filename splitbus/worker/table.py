@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from splitbus.worker.sequence import Sequence, kv_tokens
-from splitbus.worker.twins import NO_FORKS, Forks, batch_cost
+from splitbus.worker.twins import NO_FORKS, Forks
 
 
 class Status(enum.Enum):
@@ -131,14 +131,15 @@ class RequestTable:
         """When an AWAITING_KV task's KV must have come (monotonic; 0 in any other status)."""
         return self._entries[seq.request_id].kv_deadline if self.holds(seq, Status.AWAITING_KV) else 0.0
 
-    def prefill_batch_size(self, max_tokens: int) -> tuple[int, int]:
+    def prefill_batch_size(self, max_tokens: int, forks: Forks = NO_FORKS) -> tuple[int, int]:
         """How many queued requests the next prefill batch takes (the oldest first, at least one),
-        and their tokens: as many as fit in ``max_tokens``. Asked by ``start_prefill`` and by a
-        DP rank that announces how long its prefill will take."""
+        and their tokens: as many as fit in ``max_tokens``, a twin that waits or shares a
+        forward counting none (``forks``). Asked by ``start_prefill`` and by a DP rank that
+        announces how long its prefill will take (``WorkerCore.prefill_batch_size``)."""
         count = tokens = 0
-        twins: set[Hashable] = set()
+        leaders: dict[Hashable, Sequence] = {}
         for seq in self.of(Status.QUEUED):
-            uncached = batch_cost(seq, twins)
+            uncached = forks.cost(seq, leaders)
             if count and tokens + uncached > max_tokens:
                 break
             count, tokens = count + 1, tokens + uncached
@@ -162,7 +163,7 @@ class RequestTable:
         stay QUEUED; one whose twin is in the batch already joins it forked from that one. The
         engine's functions are passed in, not the core's: the core calls the table, never the
         other way round."""
-        count, _ = self.prefill_batch_size(max_tokens)
+        count, _ = self.prefill_batch_size(max_tokens, forks)
         batch: list[Sequence] = []
         computing: set[int] = set()
         for seq in self.of(Status.QUEUED)[:count]:

@@ -92,6 +92,18 @@ def _settled(system: System) -> tuple[int, int]:
 
 def test_n_choices_cost_one_prefill(system: System) -> None:
     """Issue 37's measure: n = 4 costs one prefill, not four (P's prefill count)."""
+    _one_prefill_each(system)
+
+
+def test_n_choices_placed_by_the_api_node_cost_one_prefill(tmp_path_factory: pytest.TempPathFactory) -> None:
+    system = start_system(tmp_path_factory.mktemp("up"), "--prefill", "2", "--decode", "2", "--dispatch", "api")
+    try:
+        _one_prefill_each(system)
+    finally:
+        assert stop_system(system) == []
+
+
+def _one_prefill_each(system: System) -> None:
     client, responses, n = _client(system), 5, 4
     before = _settled(system)
     for i in range(responses):

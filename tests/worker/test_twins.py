@@ -45,12 +45,15 @@ def choice(
     prompt: list[int] = PROMPT,
     phase: str = "prefill",
     top: int | None = None,
+    twins: int | None = None,
 ) -> Task:
+    """Choice ``i`` of a response of ``n``, its task saying ``twins`` were sent here (all ``n``
+    by default, as a scheduler that read them together says)."""
     sampling = SamplingParams(max_tokens=4, seed=1000 + i, prompt_logprobs=top)
     request = GenerateRequest(
         f"{group}-{i}", "tiny", list(prompt), sampling, "api", 0, choices=n, choice_group=group if n > 1 else ""
     )
-    return Task(phase, request, "d1" if phase == "prefill" else "p1")
+    return Task(phase, request, "d1" if phase == "prefill" else "p1", twins=n if twins is None else twins)
 
 
 def admit(core: WorkerCore, *tasks: Task) -> None:
@@ -93,6 +96,31 @@ async def test_a_twin_waits_for_the_others_until_they_come(core: WorkerCore) -> 
     assert len(batch) == 3 and core.counters["prefills_shared"] == 2 and len(emits) == 3
 
 
+async def test_a_twin_waits_only_for_as_many_as_its_scheduler_sent_here(core: WorkerCore) -> None:
+    admit(core, choice(0, twins=2), choice(1, twins=2))  # the third was read by another scheduler replica
+    batch, _ = await prefill(core)
+    assert len(batch) == 2 and core.counters["prefills_shared"] == 1
+    admit(core, choice(2, twins=1))
+    assert len(core.plan_prefill()) == 1  # nothing to wait for
+
+
+async def test_a_late_twin_does_not_wait_again(core: WorkerCore) -> None:
+    admit(core, choice(0), choice(1))
+    core.clock.now += GATHER_S * 1.01  # type: ignore[attr-defined]
+    await prefill(core)
+    admit(core, choice(2))  # came late: the wait for it is over
+    assert [s.request_id for s in core.plan_prefill()] == ["cmpl-1-2"]
+
+
+async def test_waiting_twins_hold_up_no_other_request(core: WorkerCore) -> None:
+    core.limits = Limits("p1", "tiny", block_size=16, max_prefill_tokens=60)
+    admit(core, choice(0), choice(1))
+    other = choice(0, n=1, group="other")
+    admit(core, other)
+    assert core.prefill_batch_size() == (3, len(PROMPT))  # the waiting ones count no tokens
+    assert [s.request_id for s in core.plan_prefill()] == ["other-0"]
+
+
 async def test_a_twin_waits_no_longer_than_the_gathering_time(core: WorkerCore) -> None:
     admit(core, choice(0), choice(1))  # the third went to another prefill worker
     assert core.plan_prefill() == []
@@ -121,7 +149,18 @@ def test_only_a_prefill_task_of_a_choice_has_a_twin_key(core: WorkerCore) -> Non
 
 async def test_twins_count_once_against_the_prefill_batchs_tokens(core: WorkerCore) -> None:
     admit(core, *(choice(i) for i in range(3)))
-    assert core.table.prefill_batch_size(4096) == (3, len(PROMPT))
+    assert core.prefill_batch_size() == (3, len(PROMPT))
+    core.clock.now += GATHER_S * 1.01  # type: ignore[attr-defined]
+    assert core.prefill_batch_size() == (3, len(PROMPT))
+
+
+async def test_a_choice_whose_tokens_differ_counts_its_own(core: WorkerCore) -> None:
+    core.limits = Limits("p1", "tiny", block_size=16, max_prefill_tokens=60)
+    admit(core, choice(0), choice(1, prompt=[98] * 40), choice(2, prompt=[99] * 40))  # the group's word only
+    core.clock.now += GATHER_S * 1.01  # type: ignore[attr-defined]
+    assert core.prefill_batch_size() == (1, len(PROMPT))  # 120 tokens do not fit 60
+    batch, _ = await prefill(core)
+    assert len(batch) == 1 and core.counters["prefills_shared"] == 0
 
 
 async def test_a_twin_run_without_its_leader_computes_in_the_blocks_it_holds(core: WorkerCore) -> None:
@@ -131,6 +170,9 @@ async def test_a_twin_run_without_its_leader_computes_in_the_blocks_it_holds(cor
     assert computing(alone) == (alone, [0])
     tokens = await core.engine.prefill(alone)
     assert core.tokenizer.decode(tokens) == sim_text(1001, 1) and alone[0].cached == len(PROMPT)
+    assert alone[0].fork_of is None  # computed: it counts as no twin
+    core.end_prefill([(batch[0], tokens[0]), (alone[0], tokens[0])])
+    assert core.counters["prefills_shared"] == 0
 
 
 async def test_a_batch_prefilled_again_after_an_abort_keeps_its_blocks(core: WorkerCore) -> None:
@@ -138,5 +180,7 @@ async def test_a_batch_prefilled_again_after_an_abort_keeps_its_blocks(core: Wor
     first = core.plan_prefill()
     core.abort_prefill()
     again = core.plan_prefill()
-    assert again == first and core.engine.free_blocks == BLOCKS - 3
+    assert again == first and again[1].fork_of is again[0] and core.engine.free_blocks == BLOCKS - 3
     assert core.table.count(Status.PREFILLING) == 2
+    core.end_prefill(list(zip(again, await core.engine.prefill(again), strict=True)))
+    assert core.counters["prefills_shared"] == 1  # counted once the prefill ended, not per plan

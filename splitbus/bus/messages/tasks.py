@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
+    MAX_CHOICES,
     MAX_KV_BLOCKS,
     MAX_SEQ,
     MAX_TOKENS,
@@ -53,6 +54,10 @@ class Task:
     reservation and P sends only to the reservation of its own dispatch. A request moved to
     another pair (or the same pair again) has a new one, so a reservation left by an older
     dispatch is never taken for the new one."""
+    twins: int = 1
+    """A prefill task of a choice (``GenerateRequest.choices`` > 1): how many of its response's
+    choices its scheduler sent to this worker together, this one included. P waits for that
+    many (a short while at most) to prefill their prompt once (docs/api.md, "n"). 1: none."""
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, f"phase must be one of {PHASES}")
@@ -64,5 +69,6 @@ class Task:
         require_int(self.batch_ranks, "batch_ranks", minimum=0, maximum=MAX_RANKS)
         require(type(self.reserved) is list and len(self.reserved) == 3, "reserved must hold 3 numbers")
         require_str(self.handoff, "handoff", nonempty=False, max_chars=64)
+        require_int(self.twins, "twins", minimum=1, maximum=MAX_CHOICES)
         for value, name, most in zip(self.reserved, RESERVED_NAMES, (MAX_TOKENS, 1, MAX_KV_BLOCKS), strict=True):
             require_int(value, f"reserved {name}", minimum=0, maximum=most)

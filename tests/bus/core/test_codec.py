@@ -281,8 +281,15 @@ def test_a_requests_choices_are_bounded_and_named_exactly_when_several(choices: 
 
 
 def test_a_choice_of_a_response_round_trips() -> None:
+    from splitbus.bus.messages import Task
+
     request = _request(choices=4, choice_group="cmpl-1")
     assert codec.decode(codec.encode(request)) == request
+    task = Task("prefill", request, "d1", twins=4)
+    assert codec.decode(codec.encode(task)) == task
+    for twins in (0, 129, 1.5):
+        with pytest.raises(ValueError, match="twins"):
+            Task("prefill", request, "d1", twins=twins)  # type: ignore[arg-type]
 
 
 def test_script_argv_is_the_encoded_entry_in_field_order() -> None:
