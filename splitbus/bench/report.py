@@ -822,3 +822,62 @@ def _grammar_batch_plot(ax: Any, batch: dict[str, Any]) -> None:
         fontsize=9,
     )
     ax.legend(fontsize=7)
+
+
+def choices_table(report: dict[str, Any]) -> str:
+    cfg, n = report["config"], report["config"]["n"]
+    lines = [
+        f"n choices on {report['model']} ({cfg['engine']} engine, 1 P + 1 D), {cfg['pairs']} pairs, "
+        f"{cfg['prompt_tokens']}-token prompts (fresh each), max_tokens {cfg['max_tokens']}",
+        f"{'side':<32} {'wall p50 ms':>11} {'p90 ms':>8}   per response: {'prompts computed':>16} "
+        f"{'prefills':>8} {'shared':>6} {'cached tok':>10} {'tok computed':>12}",
+    ]
+    labels = {"a": f"(a) one request, n = {n}", "b": f"(b) {n} requests, n = 1, at once"}
+    for side, label in labels.items():
+        s = report["sides"][side]
+        lines.append(
+            f"{label:<32} {s['wall_ms']['p50']:>11.1f} {s['wall_ms']['p90']:>8.1f}   {'':14}"
+            f"{s['prompts_computed_per_response']:>16.2f} {s['prefills_done_per_response']:>8.2f} "
+            f"{s['prefills_shared_per_response']:>6.2f} {s['cached_tokens_per_response']:>10.1f} "
+            f"{s['prompt_tokens_computed_per_response']:>12.1f}"
+        )
+    lines.append(
+        f"(b)/(a) wall p50: {report['wall_ratio_b_over_a']:.2f}x; "
+        f"target (n = {n} costs one prefill: 1 prompt computed a response): {_met(report['one_prefill_met'])}"
+    )
+    return "\n".join(lines)
+
+
+def choices_plot(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+
+    fig, (walls, prefills) = plt.subplots(1, 2, figsize=(12, 4))
+    n, sides = report["config"]["n"], report["sides"]
+    labels = {"a": f"(a) one request, n = {n}", "b": f"(b) {n} requests, n = 1"}
+    for side, color in (("a", "#2980b9"), ("b", "#c0392b")):
+        rows = sides[side]["responses"]
+        walls.plot([r["pair"] + 1 for r in rows], [r["wall_ms"] for r in rows], "o-", color=color, label=labels[side])
+        computed = sides[side]["prompts_computed_per_response"]
+        shared = sides[side]["prefills_shared_per_response"]
+        prefills.bar(labels[side], computed, color=color, label="prompts computed" if side == "a" else None)
+        prefills.bar(
+            labels[side], shared, bottom=computed, color="#bdc3c7", label="shared (forked)" if side == "a" else None
+        )
+        prefills.annotate(
+            f"{computed:g} computed", (labels[side], computed), ha="center", xytext=(0, 4), textcoords="offset points"
+        )
+    walls.xaxis.get_major_locator().set_params(integer=True)
+    prefills.set_ylim(0, n * 1.2)  # room for the legend above the bars
+    walls.set_xlabel("pair")
+    walls.set_ylabel("wall time of the response (ms)")
+    walls.set_ylim(bottom=0)
+    walls.legend(fontsize=8)
+    prefills.set_ylabel("P's prefills per response")
+    prefills.legend(fontsize=8)
+    cfg = report["config"]
+    fig.suptitle(
+        f"splitbus bench choices: {report['model']}, {cfg['engine']} engine, {cfg['prompt_tokens']}-token prompts, "
+        f"max_tokens {cfg['max_tokens']}, {cfg['pairs']} pairs",
+        fontsize=10,
+    )
+    _save(plt, fig, path, dpi=100)

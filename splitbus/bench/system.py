@@ -13,7 +13,8 @@ from pathlib import Path
 
 
 class LocalSystem:
-    def __init__(self, *up_args: str) -> None:
+    def __init__(self, *up_args: str, environ: dict[str, str] | None = None) -> None:
+        """``environ``: more variables for ``up`` (``SPLITBUS_OFFLINE``, say)."""
         from splitbus.redis_server import die_with_parent, free_port
 
         self.port = free_port()
@@ -22,7 +23,7 @@ class LocalSystem:
         args = ["up", "--port", str(self.port), "--data-dir", self._data.name, *up_args]
         # Its own embedded Redis, under the default key prefix that the benchmarks read.
         env = {k: v for k, v in os.environ.items() if k not in ("SPLITBUS_REDIS_URL", "SPLITBUS_PREFIX")}
-        env["PYTHONUNBUFFERED"] = "1"
+        env.update(environ or {}, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "splitbus.cli.main", *args],
             stdout=subprocess.PIPE,

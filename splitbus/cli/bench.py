@@ -1,5 +1,5 @@
-"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar``: each prints a table and writes
-JSON + PNG."""
+"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar|choices``: each prints a table
+and writes JSON + PNG."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         _add_api,
         _add_routing,
         _add_grammar,
+        _add_choices,
     )
     for add in adders:
         add(kinds, env)
@@ -319,6 +320,23 @@ def _add_grammar(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--batch-runs", type=int, default=3, help="runs at each batch size, fresh batches each (default %(default)s)")
     add("--batch-steps", type=int, default=8, help="timed step pairs in each batch run (default %(default)s)")
     grammar.set_defaults(run=run_grammar)
+
+
+def _add_choices(kinds: argparse._SubParsersAction, env: Env) -> None:
+    choices = kinds.add_parser(
+        "choices", help="n > 1: one request of n choices vs n requests of one, side by side (P's prefills, wall time)"
+    )
+    add = choices.add_argument
+    add("--model", type=Path, default=None, help="model folder or .gguf file (default: up's tiny random model)")
+    add("--data-dir", type=Path, default=env.data_dir, help="where a .gguf file is converted (default %(default)s)")
+    add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    add("--n", type=int, default=4, help="choices of (a)'s response, requests of (b)'s (default %(default)s)")
+    add("--pairs", type=int, default=10, help="measured pairs, one response of each side (default %(default)s)")
+    add("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default %(default)s)")
+    add("--max-tokens", type=int, default=1, help="tokens of each choice; 1: it ends on P (default %(default)s)")
+    add("--seed", type=int, default=0, help="seeds the prompts and the sampling (default %(default)s)")
+    add("--engine", choices=("paddle", "sim"), default="paddle", help="up's worker engine (default %(default)s)")
+    choices.set_defaults(run=run_choices)
 
 
 @contextlib.contextmanager
@@ -672,3 +690,37 @@ def run_grammar(args: argparse.Namespace, env: Env) -> int:
 
         result["batch"] = run_batch(folder, tokenizer, rows, batch, progress=run.progress)
     return run.finish(result, report.grammar_plot, report.grammar_table)
+
+
+def run_choices(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.choices import BenchFailed, ChoicesBenchConfig, run_choices_bench
+
+    config = _config(
+        "choices",
+        lambda: ChoicesBenchConfig(args.n, args.pairs, args.prompt_tokens, args.max_tokens, args.seed, args.engine),
+    )
+    if config is None:
+        return 2
+    try:
+        model = _choices_model(args)
+    except ValueError as exc:  # ModelFilesError among them: the path, and what is wrong with it
+        say(f"splitbus bench choices: {exc}")
+        return 2
+    run = _Run("choices", args.out)
+    try:
+        result = run_choices_bench(config, *model, progress=run.progress)
+    except BenchFailed as exc:
+        say(f"splitbus bench choices: {exc}")
+        return 1
+    return run.finish(result, report.choices_plot, report.choices_table)
+
+
+def _choices_model(args: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """``--model``'s folder (a .gguf file converted once, into ``--data-dir``, not into each run's
+    fresh ``up``) and its served name; (None, None) for up's tiny model."""
+    from splitbus.model_files.resolve import resolve_model, served_name
+
+    if args.model is None:
+        return None, None
+    return resolve_model(args.model, args.data_dir, say), served_name(args.model, None)
