@@ -274,6 +274,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def paired_diff(rows: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """(b) − (a) within each pair, its p10, p50 and p90 (ms): a load that comes and goes on the
+    machine moves both responses of a pair alike, so this is steadier than the sides' quantiles."""
+    diffs = [b["wall_ms"] - a["wall_ms"] for a, b in zip(rows["a"], rows["b"], strict=True)]
+    return {f"p{q}": float(np.percentile(diffs, q)) for q in (10, 50, 90)}
+
+
 def up_args(config: ChoicesBenchConfig, model: Path | None, name: str | None) -> list[str]:
     """``splitbus up``'s arguments: one P, one D, the model when given."""
     args = ["--engine", config.engine, "--prefill", "1", "--decode", "1"]
@@ -306,5 +313,6 @@ def run_choices_bench(
         "target": "splitbus up " + " ".join(args),
         "sides": sides,
         "wall_ratio_b_over_a": sides["b"]["wall_ms"]["p50"] / sides["a"]["wall_ms"]["p50"],
+        "paired_diff_ms": paired_diff(rows),
         "one_prefill_met": set(sides["a"]["prompts_computed_each"]) == {1},
     }

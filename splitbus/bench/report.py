@@ -841,10 +841,12 @@ def choices_table(report: dict[str, Any]) -> str:
             f"{s['prefills_shared_per_response']:>6.2f} {s['cached_tokens_per_response']:>10.1f} "
             f"{s['prompt_tokens_computed_per_response']:>12.1f}"
         )
+    paired = report["paired_diff_ms"]
     lines.append(
-        f"(b)/(a) wall p50: {report['wall_ratio_b_over_a']:.2f}x; "
-        f"target (n = {n} costs one prefill: 1 prompt computed a response): {_met(report['one_prefill_met'])}"
+        f"(b)/(a) wall p50: {report['wall_ratio_b_over_a']:.2f}x; (b)-(a) in each pair, p10/p50/p90: "
+        f"{paired['p10']:+.1f}/{paired['p50']:+.1f}/{paired['p90']:+.1f} ms"
     )
+    lines.append(f"target (n = {n} costs one prefill: 1 prompt computed a response): {_met(report['one_prefill_met'])}")
     return "\n".join(lines)
 
 
