@@ -12,6 +12,7 @@ from typing import cast
 import openai
 import orjson
 
+from splitbus.api.protocol import choice_seed
 from splitbus.bus.core.keys import Keys
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
@@ -81,5 +82,15 @@ def test_prefill_and_decode_groups_serve_streamed_requests(tmp_path: Path, bus_e
         assert sum(int(h["decodes_done"]) for h in records if h["role"] == "decode") == len(SEEDS)
         for group in ("p0", "d0"):
             _assert_lock_step(system, group)
+        _assert_choices(system)
     finally:
         assert stop_system(system) == []
+
+
+def _assert_choices(system: System) -> None:
+    """``n`` > 1 through the groups (its choices written by one script: on a cluster too), each
+    choice drawing from (seed, index)."""
+    client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+    reply = client.completions.create(model="tiny", prompt="hi", max_tokens=12, seed=9, n=3)
+    expected = [sim_text(choice_seed(9, i), 12) for i in range(3)]  # type: ignore[arg-type]
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == expected
