@@ -12,6 +12,7 @@ as every request does with ``--dispatch scheduler``: nothing is lost either way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import redis.asyncio as aioredis
@@ -27,7 +28,7 @@ from splitbus.placement.decision import Placed
 from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PolicyOptions
-from splitbus.placement.siblings import Siblings
+from splitbus.placement.siblings import Siblings, twins
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +55,37 @@ class ApiPlacer:
 
     async def place(self, request: GenerateRequest) -> bool:
         """Called once per request, before any entry of it is written."""
+        return (await self.place_together([request]))[0]
+
+    async def place_together(self, requests: list[GenerateRequest]) -> list[bool]:
+        """Place and write several requests (a response's choices: each choice's prefill task
+        says how many go to its worker together, ``siblings.twins``); whether each was."""
         if self.view.refreshed.is_set():
             self.view.refreshed.clear()
             self.ledger.view_refreshed(self.view.read_at)
+        decided = [(r, d) for r in requests if (d := self._decide(r)) is not None]
+        try:
+            stamped = zip(decided, twins(decided), strict=True)
+            written = await asyncio.gather(*(self._write(r, d) for (r, _), d in stamped))
+        finally:
+            self.ledger.written()
+        placed = {r.request_id for (r, _), ok in zip(decided, written, strict=True) if ok}
+        return [r.request_id in placed for r in requests]
+
+    def _decide(self, request: GenerateRequest) -> Placed | None:
         workers = self.view.workers
         decision = self.siblings.decide(
             request, workers, self.local, lambda: self.policy.place(request, workers, self.local)
         )
         if not isinstance(decision, Placed):
             metrics.DISPATCHES.labels("no_worker").inc()
-            return False
+            return None
         for placement in decision.placements:
             self.ledger.reserve(placement)
-        try:
-            outcome = await self.dispatcher.dispatch_direct(request, decision.placements)
-        finally:
-            self.ledger.written()
+        return decision
+
+    async def _write(self, request: GenerateRequest, decision: Placed) -> bool:
+        outcome = await self.dispatcher.dispatch_direct(request, decision.placements)
         metrics.DISPATCHES.labels(outcome.label).inc()
         if outcome is DispatchOutcome.DUPLICATE:  # its request id was dispatched already: a bug, or a replay of one
             log.warning("request %s was dispatched already; not again", request.request_id)

@@ -87,12 +87,12 @@ class ApiState:
         """``submit`` the choices of one response: each placed here in order (``--dispatch
         api``), and those not placed here written for the schedulers as one transaction, so
         that one replica reads and places them together (docs/api.md, "n")."""
-        rest = []
-        for request in requests:
-            if self.placer is not None and await self.placer.place(request):
-                self.submissions.hold(request)
-            else:
-                rest.append(request)
+        placed = (
+            await self.placer.place_together(list(requests)) if self.placer is not None else [False] * len(requests)
+        )
+        for request in (r for r, here in zip(requests, placed, strict=True) if here):
+            self.submissions.hold(request)
+        rest = [r for r, here in zip(requests, placed, strict=True) if not here]
         if rest:
             await self.submissions.submit_together(rest)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from splitbus.bus.core import codec
+from splitbus.bus.core import codec, metrics
 from splitbus.bus.core.codec import NamedRequest
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, Keys
@@ -90,6 +90,7 @@ class Submissions:
         and places them in one pass (a response's choices, docs/api.md "n")."""
         argv = [value for request in requests for value in codec.script_argv(request)]
         entry_ids = await self._together(keys=[self._keys.requests], args=argv)
+        metrics.ENTRIES_PRODUCED.labels(self._keys.kind(self._keys.requests)).inc(len(requests))
         for request in requests:
             self._held[request.request_id] = request
         return [text(i) for i in entry_ids]
@@ -110,6 +111,12 @@ class Submissions:
         dispatch finds the hand-off id, or dispatches the first copy and acks the second). How
         many went again."""
         held = list(self._held.values())
+        choices: dict[str, list[GenerateRequest]] = {}
         for request in held:
-            await submit(self._producer, self._keys, request)
+            if request.choices > 1:  # a response's choices together again, as they were first
+                choices.setdefault(request.choice_group, []).append(request)
+            else:
+                await submit(self._producer, self._keys, request)
+        for group in choices.values():
+            await self.submit_together(group)
         return len(held)

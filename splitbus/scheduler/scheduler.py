@@ -43,7 +43,7 @@ from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PlacingContext
 from splitbus.placement.prefixes import NO_PREFIXES, IndexPrefixes
-from splitbus.placement.siblings import Siblings
+from splitbus.placement.siblings import Siblings, twins
 from splitbus.scheduler import metrics
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.reaper import Reaper
@@ -197,16 +197,18 @@ class Scheduler:
         """Decide each request in order (each decision sees the earlier ones' reservations),
         then write all their tasks at once: the dispatch scripts share one pipeline. Returns
         the requests still waiting for a worker."""
-        left, writes, placed = [], [], []
-        self.siblings.expect(w.delivery.message for w in waiting)  # a response's choices read together
+        left, decided = [], []
         for w in waiting:
             decision = await self.contained(w, self.decide(w))
             if decision is Verdict.WAIT:
                 left.append(w)
             elif isinstance(decision, Placed):
-                placed.append(w)
-                writes.append(self.contained(w, self.dispatch(w, w.delivery.message, decision.placements)))
-        outcomes = await asyncio.gather(*writes)
+                decided.append((w, decision))
+        placed = [w for w, _ in decided]
+        stamped = zip(placed, twins([(w.delivery.message, d) for w, d in decided]), strict=True)  # choices together
+        outcomes = await asyncio.gather(
+            *(self.contained(w, self.dispatch(w, w.delivery.message, d.placements)) for w, d in stamped)
+        )
         self.ledger.written()
         left += [w for w, outcome in zip(placed, outcomes, strict=True) if outcome in PLACE_AGAIN]
         return left

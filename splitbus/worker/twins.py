@@ -70,7 +70,7 @@ class Gathering:
                 groups[key].append(seq)
         waiting: set[str] = set()
         for key, twins in groups.items():
-            sent = max(s.task.twins for s in twins)
+            sent = min(max(s.task.twins for s in twins), twins[0].request.choices)  # bus values: bounded here too
             first = self._first.get(key, min(s.queued_at for s in twins))
             if len(twins) < sent and now - first < GATHER_S:
                 waiting.update(s.request_id for s in twins)

@@ -15,8 +15,11 @@ from splitbus.api import choices
 class State:
     def __init__(self) -> None:
         self.written: list[list[str]] = []
+        self.choices: list[Choice] = []
+        self.subscribed_when_written: list[bool] = []
 
     async def submit_together(self, requests: Sequence[str]) -> None:
+        self.subscribed_when_written = [c.subscribed for c in self.choices]
         self.written.append(list(requests))
 
 
@@ -44,8 +47,10 @@ class Choice:
 async def test_the_choices_are_written_together_once_each_follows_its_stream() -> None:
     state = State()
     many: list[Any] = [Choice(f"c-{i}", state, delay_s=0.01 * (3 - i)) for i in range(3)]
+    state.choices = many
     await choices._publish(many)
-    assert all(c.subscribed for c in many) and state.written == [["c-0", "c-1", "c-2"]]
+    assert state.written == [["c-0", "c-1", "c-2"]]
+    assert state.subscribed_when_written == [True] * 3  # no entry before its stream is followed
 
 
 async def test_every_subscription_is_made_before_an_error_is_raised_and_nothing_is_written() -> None:

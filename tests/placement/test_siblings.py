@@ -12,7 +12,7 @@ from splitbus.placement.decision import Placed, Placement
 from splitbus.placement.ledger import Local
 from splitbus.placement.policies.base import PolicyOptions
 from splitbus.placement.policies.splitwise import SplitwisePolicy
-from splitbus.placement.siblings import Siblings
+from splitbus.placement.siblings import Siblings, twins
 from tests.placement.snapshot import worker
 
 WORKERS = [worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode"), worker("d1", "decode")]
@@ -42,26 +42,43 @@ def decided(siblings: Siblings, request: GenerateRequest, policy: SplitwisePolic
 
 def test_the_choices_after_the_first_go_to_its_p_and_d() -> None:
     siblings, policy = Siblings(), SplitwisePolicy(PolicyOptions(rng=random.Random(3)))
-    siblings.expect([choice(i) for i in range(3)] + [GenerateRequest("r", "m", [1], SamplingParams(), "api", 0)])
     first = decided(siblings, choice(0), policy)
     follower = decided(siblings, choice(1), policy)
     assert pairs(follower) == pairs(first)
     decode, prefill = follower.placements
     assert decode.reserve == Reserved(reserved_requests=1, reserved_kv_blocks=8)  # (100 + 28) / 16
     assert prefill.reserve == Reserved()  # it shares the first one's prefill
-    # P is told how many it gets together: the three this pass places (of four)
-    assert [p.twins for p in first.placements] == [p.twins for p in follower.placements] == [1, 3]
 
 
-def test_without_expect_a_first_choice_expects_all_its_choices() -> None:
-    first = decided(Siblings(), choice(0, n=4), SplitwisePolicy(PolicyOptions(rng=random.Random(3))))
-    assert [p.twins for p in first.placements] == [1, 4]
+def test_each_prefill_task_says_how_many_choices_the_pass_sends_to_its_worker() -> None:
+    other = Placed(
+        (
+            Placement(WORKERS[3], Phase.DECODE, "p1", Reserved(0, 1, 8)),
+            Placement(WORKERS[1], Phase.PREFILL, "d1", Reserved(100)),
+        )
+    )
+    single = GenerateRequest("r", "m", [1] * 10, SamplingParams(), "api", 0)
+    # Two followed the first to p0; D had no room for the last two, which the policy sent to p1.
+    made = [(choice(0), PAIR), (choice(1), PAIR), (choice(2), other), (choice(3), other), (single, PAIR)]
+    stamped = twins(made)
+    assert [[p.twins for p in d.placements] for d in stamped] == [[1, 2], [1, 2], [1, 2], [1, 2], [1, 1]]
+    assert stamped[4] is PAIR  # not a choice: as decided
+    assert [[p.twins for p in d.placements] for d in twins([(choice(0), PAIR)])] == [[1, 1]]  # alone: none to wait for
+
+
+def test_a_choice_that_cannot_follow_leaves_the_pair_to_the_others() -> None:
+    siblings = Siblings()
+    siblings.decide(choice(0), WORKERS, Local(), lambda: PAIR)
+    full = Local({"d0": Reserved(reserved_kv_blocks=1000 - 7)})
+    elsewhere = Placed((Placement(worker("d1", "decode"), Phase.DECODE, "p1", Reserved(0, 1, 8)),))
+    siblings.decide(choice(1), WORKERS, full, lambda: elsewhere)  # placed by the policy
+    assert pairs(siblings.follow(choice(2), WORKERS, Local())) == pairs(PAIR)  # still the first one's
 
 
 def test_a_request_that_is_no_choice_is_the_policys_alone() -> None:
     siblings, policy = Siblings(), SplitwisePolicy(PolicyOptions(rng=random.Random(3)))
     single = GenerateRequest("r", "m", [1] * 10, SamplingParams(), "api", 0)
-    assert [p.twins for p in decided(siblings, single, policy).placements] == [1, 1]
+    decided(siblings, single, policy)
     assert siblings.follow(single, WORKERS, Local()) is None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import cast
 
 import pytest
@@ -21,6 +21,7 @@ from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import Failed
 from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry, SchedulerLease, WorkerRecord
+from splitbus.bus.request_stream import Submissions
 from splitbus.placement.policies.stagger import next_boundary
 from splitbus.placement.stagger import RELEASE_LEAD_S
 from splitbus.scheduler.config import SchedulerConfig
@@ -343,3 +344,41 @@ async def test_forged_worker_loads_draw_no_work_and_stop_no_scheduler(
 
 async def _live(scheduler: Scheduler) -> list[str]:
     return sorted(w.record.worker_id for w in scheduler.view.live())
+
+
+async def test_a_responses_choices_go_to_one_pair_each_prefill_task_saying_how_many(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """Written together, read together: the first choice placed by the policy, the others after
+    it, and P told that three come (``Task.twins``), which it waits for to prefill them once."""
+    registry = Registry(redis, bus_config)
+    workers = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
+    for worker, role in workers.items():
+        load = WorkerLoad(free_kv_blocks=1000, total_kv_blocks=1000)
+        await registry.register(WorkerRecord(worker, role, "m", engine="sim", load=load), lease_ms=60_000)
+    choices = [
+        dataclasses.replace(request(), request_id=f"cmpl-1-{i}", choices=3, choice_group="cmpl-1") for i in range(3)
+    ]
+    scheduler = _replica(bus_config, "s1")
+    runner = asyncio.create_task(scheduler.run())
+    try:
+        assert await _eventually(lambda: _live(scheduler), sorted(workers))
+        await Submissions(redis, Producer(redis, bus_config), bus_config.keys).submit_together(choices)
+
+        async def tasks() -> dict[str, list[tuple[str, int]]]:
+            found = {w: await tasks_in(redis, bus_config.keys.tasks(w)) for w in workers}
+            return {w: sorted((t.request.request_id, t.twins) for t in ts) for w, ts in found.items() if ts}
+
+        assert await _eventually(lambda: _count(tasks()), 6)
+        placed = await tasks()
+        prefill = [ts for w, ts in placed.items() if workers[w] == "prefill"]
+        decode = [ts for w, ts in placed.items() if workers[w] == "decode"]
+        assert prefill == [[(f"cmpl-1-{i}", 3) for i in range(3)]]  # one P, told of three
+        assert decode == [[(f"cmpl-1-{i}", 1) for i in range(3)]]  # one D
+    finally:
+        scheduler.stopping.set()
+        await asyncio.wait_for(runner, 10)
+
+
+async def _count(tasks: Awaitable[dict[str, list[tuple[str, int]]]]) -> int:
+    return sum(len(ts) for ts in (await tasks).values())
