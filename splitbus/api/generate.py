@@ -75,14 +75,43 @@ async def prepare(request: Request, params: GenerationParams) -> list[Generation
     protocol.check_prompt_scores(params, len(prompt_ids))
     protocol.check_logits_options(params.logits, tokenizer.vocab_size, max_tokens)
     salt = cache_salt(request.state.tenant, params.cache_salt)
+    queueing = Queueing(request_priority(request, params), request_tenant(request))
     prefix = await prefix_hashes(state, prompt_ids, salt)
     grammar = await request_grammar(state, tokenizer, params.grammar, request_id)
     if params.n == 1:
-        return [Generation(state, params, prompt_ids, max_tokens, prefix, salt, request_id, grammar=grammar)]
+        return [Generation(state, params, prompt_ids, max_tokens, prefix, salt, request_id, grammar, queueing=queueing)]
     return [
-        Generation(state, params, prompt_ids, max_tokens, prefix, salt, f"{request_id}-{i}", grammar, i, request_id)
+        Generation(
+            state, params, prompt_ids, max_tokens, prefix, salt, f"{request_id}-{i}", grammar, i, request_id, queueing
+        )
         for i in range(params.n)
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Queueing:
+    """Where a request stands in a scheduler's waiting queue (docs/tenants.md, "Priorities and fair share")."""
+
+    priority: int = 0
+    """``GenerateRequest.priority``: lower is handled earlier."""
+    tenant: str = ""
+    """``GenerateRequest.tenant``: the API key's tenant's name ("" the default tenant)."""
+
+
+def request_tenant(request: Request) -> str:
+    """The name of the request's tenant (``request.state.tenant_name``, set by the API's key
+    check), "" for the default tenant."""
+    name = getattr(request.state, "tenant_name", "")
+    return name if isinstance(name, str) else ""
+
+
+def request_priority(request: Request, params: GenerationParams) -> int:
+    """The body's ``priority``, else its tenant's default (``request.state.tenant_limits``, set by
+    the API's key check when the key's tenant has limits), else 0."""
+    if params.priority is not None:
+        return params.priority
+    default = getattr(getattr(request.state, "tenant_limits", None), "priority", None)
+    return default if type(default) is int else 0
 
 
 async def answer(request: Request, generation: Generation) -> Response:
@@ -233,8 +262,11 @@ class Generation:
         grammar: str | None = None,
         index: int = 0,
         response_id: str | None = None,
+        queueing: Queueing = Queueing(),
     ) -> None:
         self.state = state
+        self.queueing = queueing
+        """Its priority and tenant, as the bus carries them."""
         self.index = index
         """Its choice's index in the response (``n``): each choice is a request of its own on the bus."""
         self.grammar = grammar
@@ -303,6 +335,8 @@ class Generation:
                 self.salt,
                 p.n,
                 self.response_id if p.n > 1 else "",
+                self.queueing.priority,
+                self.queueing.tenant,
             )
         except ValueError as exc:  # the bus's own text (its field names, bounds): logged, not sent
             log.warning("request %s refused by the bus's bounds: %s", self.request_id, exc)

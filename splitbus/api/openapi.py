@@ -15,6 +15,7 @@ from splitbus.bus.messages._check import (
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
     PENALTY_RANGE,
+    PRIORITY_RANGE,
 )
 from splitbus.grammar.request import MAX_GRAMMAR_SOURCE_CHARS
 
@@ -150,6 +151,13 @@ _COMMON = {
         "minimum": 1,
         "maximum": MAX_CHOICES,
         "description": "choices, each a request of its own",
+    },
+    "priority": {
+        "type": ["integer", "null"],
+        "minimum": PRIORITY_RANGE[0],
+        "maximum": PRIORITY_RANGE[1],
+        "description": "vLLM's extension: lower is handled earlier in the scheduler's queue; "
+        "absent or null: the tenant's default (0 unless set)",
     },
     **_LOGITS_OPTIONS,
     **_STRUCTURED,

@@ -24,6 +24,7 @@ from splitbus.bus.messages._check import (  # the bus's bounds, the same here
     MAX_TOKEN_ID,
     MAX_TOKENS,
     PENALTY_RANGE,
+    PRIORITY_RANGE,
     SEED_RANGE,
 )
 from splitbus.grammar.outcomes import GrammarError
@@ -115,6 +116,9 @@ class GenerationParams:
 
     grammar: GrammarSpec | None = None
     """Structured output (``response_format``, ``guided_*``), compiled before admission."""
+    priority: int | None = None
+    """vLLM's extension: lower is handled earlier, in the scheduler's waiting queue and stagger
+    windows; None: the tenant's default (``generate.request_priority``)."""
 
     @property
     def prompt_top(self) -> int | None:
@@ -183,7 +187,15 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         n=_choices(body),
         logits=_logits_options(body),
         grammar=_grammar(body),
+        priority=_priority(body),
     )
+
+
+def _priority(body: dict[str, Any]) -> int | None:
+    """vLLM's ``priority``: absent or null is the tenant's default; else an int32."""
+    if body.get("priority") is None:
+        return None
+    return _int(body, "priority", minimum=PRIORITY_RANGE[0], maximum=PRIORITY_RANGE[1])
 
 
 def _prompt_top(body: dict[str, Any], stream: bool) -> int | None:

@@ -173,7 +173,10 @@ def fill_group(
         RankLoad(rid, queued_prefill(r, reserved(local, r)), free_blocks(r, reserved(local, r)))
         for rid, r in by_id.items()
     ]
-    jobs = [Job(key, len(request.prompt_token_ids), 0, cached(request)) for key, request in requests.items()]
+    jobs = [
+        Job(key, len(request.prompt_token_ids), 0, cached(request), request.priority)
+        for key, request in requests.items()
+    ]
     return {key: by_id[rank_id] for key, rank_id in water_fill(jobs, loads, credit(cost)).items()}
 
 

@@ -31,7 +31,7 @@ arrival is placed as ``dp`` (naive) places it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -65,6 +65,8 @@ class Job:
     blocks: int
     cached: Mapping[str, int] = field(default_factory=dict)
     """Its prompt tokens each rank holds cached, by rank id: computed nowhere else."""
+    priority: int = 0
+    """Its request's priority (lower first): a job of a lower value takes the ranks' room first."""
 
 
 OVERLAP_WEIGHT = 4.0
@@ -85,7 +87,8 @@ NO_CREDIT = Credit(overlap_weight=0.0)
 
 
 def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad], credit: Credit = NO_CREDIT) -> dict[str, str]:
-    """Assign jobs to ranks, largest first, each to the rank with the lowest level of queued
+    """Assign jobs to ranks by priority (lower first: when KV blocks run out, the lowest priority
+    is what is left), and largest first within a priority, each to the rank with the lowest level of queued
     prefill tokens once it took the job (less ``overlap_weight`` per token of the job it holds
     cached, unless its level is over the lowest by more than ``load_cap_tokens``) that has KV
     blocks for it; the rank's level grows by what it computes, the job's uncached tokens. Ties
@@ -95,7 +98,7 @@ def water_fill(jobs: Sequence[Job], ranks: Sequence[RankLoad], credit: Credit = 
     levels = {r.rank_id: RankLoad(r.rank_id, r.queued_tokens, r.free_blocks) for r in ranks}
     order = {r.rank_id: i for i, r in enumerate(ranks)}
     placed: dict[str, str] = {}
-    for job in sorted(jobs, key=lambda j: (-j.tokens, j.key)):
+    for job in sorted(jobs, key=lambda j: (j.priority, -j.tokens, j.key)):
         fits = [r for r in levels.values() if r.free_blocks >= job.blocks]
         if not fits:
             continue
@@ -153,9 +156,10 @@ class StaggerWindow(Generic[T]):
         due = self.due_at()
         return bool(self.held) and due is not None and now >= due
 
-    def release(self) -> list[T]:
+    def release(self, priority: Callable[[T], int] | None = None) -> list[T]:
+        """What the window held, by ``priority`` (lower first) then arrival; by arrival without."""
         batch, self.held, self.opened_at, self.boundary_at = self.held, [], None, None
-        return batch
+        return batch if priority is None else sorted(batch, key=priority)
 
 
 def group_boundary_s(ends_ms_by_group: dict[str, list[int]]) -> float:

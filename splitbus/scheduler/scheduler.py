@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from enum import Enum
 from typing import TypeVar
 
@@ -39,6 +39,7 @@ from splitbus.bus.roles import Phase
 from splitbus.placement import policies
 from splitbus.placement.decision import Placed, Placement, Waiting
 from splitbus.placement.dispatcher import Dispatcher
+from splitbus.placement.fairness import ServedTokens, waiting_order
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PlacingContext
@@ -89,6 +90,11 @@ class Scheduler:
         self.dead_letters: list[tuple[NamedRequest, str]] = []
         """(the request and its reader, reason) of entries dead-lettered since the last step: failed then."""
         self.waiting: list[Waiting] = []
+        """Requests read and not placed yet, decided by priority, fair share, arrival (``place_waiting``)."""
+        self.served = ServedTokens()
+        """Prompt tokens this replica dispatched per tenant, decayed: the waiting queue's fair share."""
+        self.weights: Mapping[str, float] = {}
+        """Tenants' fair-share weights; a tenant not named here weighs 1 (``fairness.DEFAULT_WEIGHT``)."""
         self.local = Local()
         """Reservations the registry snapshot does not show yet (kept by ``ledger``)."""
         self.ledger = Ledger(self.local)
@@ -187,8 +193,11 @@ class Scheduler:
         return int(self.config.refresh_s * 1000) if self.waiting else None
 
     async def place_waiting(self) -> None:
-        """Place what waits (with the lock held); what cannot be placed yet waits on."""
-        self.waiting = await self.place_all(self.waiting)
+        """Place what waits (with the lock held), by priority, then tenants' fair share, then
+        arrival: under overload the lowest priority waits longest, and is the first refused once
+        it has waited ``no_worker_wait_s``. What cannot be placed yet waits on."""
+        ordered = waiting_order(self.waiting, self.served.decayed(time.monotonic()), self.weights)
+        self.waiting = await self.place_all(ordered)
         await self.fail_dead_letters()  # requests dead-lettered as they were read
         if self.writer.pending:
             await self.writer.flush()
@@ -305,11 +314,17 @@ class Scheduler:
                 waiting.delivery.entry_id,
             )
         metrics.DISPATCHES.labels(outcome.label).inc()
-        if outcome is DispatchOutcome.DISPATCHED and waiting.delivery.published_us is not None:
-            metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
+        if outcome is DispatchOutcome.DISPATCHED:
+            self._dispatched(waiting, request)
         if outcome is DispatchOutcome.RECOVERING:
             self.recovery.begin()
         return outcome
+
+    def _dispatched(self, waiting: Waiting, request: GenerateRequest) -> None:
+        """Count a request's tasks written: its queue wait, and its tenant's served prompt tokens."""
+        self.served.charge(request.tenant, len(request.prompt_token_ids), time.monotonic())
+        if waiting.delivery.published_us is not None:
+            metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
 
     def _reserve_locally(self, decision: Placed) -> None:
         for placement in decision.placements:

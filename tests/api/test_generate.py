@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from splitbus.api.errors import BadRequest
-from splitbus.api.generate import Generation
+from splitbus.api.generate import Generation, Queueing, request_priority, request_tenant
 from splitbus.api.protocol import parse_completion
 from splitbus.bus.messages import Failed, Finished, TokenDelta
 from splitbus.bus.results import Subscription
@@ -74,3 +74,34 @@ def test_a_value_the_bus_refuses_is_a_400_without_the_bus_text() -> None:
     with pytest.raises(BadRequest) as raised:
         Generation(state, params, [1], 8, request_id="cmpl-1").message()  # type: ignore[arg-type]
     assert raised.value.message == "A parameter is outside the bounds this server accepts (request id cmpl-1)"
+
+
+def test_the_priority_and_tenant_travel_in_the_bus_message() -> None:
+    reader = SimpleNamespace(reader_of=lambda request_id: "api-1.out.0")
+    state = SimpleNamespace(config=SimpleNamespace(request_timeout_s=60, node_id="api-1"), reader=reader)
+    params = parse_completion({"model": "m", "prompt": "x", "n": 2})
+    message = Generation(state, params, [1], 8, request_id="cmpl-1-1", queueing=Queueing(-3, "team-a")).message()  # type: ignore[arg-type]
+    assert (message.priority, message.tenant, message.choices) == (-3, "team-a", 2)
+    plain = Generation(state, parse_completion({"model": "m", "prompt": "x"}), [1], 8).message()  # type: ignore[arg-type]
+    assert (plain.priority, plain.tenant) == (0, "")
+
+
+def _http(**state: object) -> object:
+    return SimpleNamespace(state=SimpleNamespace(**state))
+
+
+def test_a_request_takes_the_bodys_priority_else_its_tenants_default_else_0() -> None:
+    body, default = {"model": "m", "prompt": "x"}, parse_completion({"model": "m", "prompt": "x"})
+    limits = SimpleNamespace(priority=5)
+    assert request_priority(_http(tenant_limits=limits), parse_completion({**body, "priority": -1})) == -1  # type: ignore[arg-type]
+    assert request_priority(_http(tenant_limits=limits), parse_completion({**body, "priority": 0})) == 0  # type: ignore[arg-type]
+    assert request_priority(_http(tenant_limits=limits), default) == 5  # type: ignore[arg-type]
+    assert request_priority(_http(), default) == 0  # type: ignore[arg-type]  # no tenant limits: keys alone
+    assert request_priority(_http(tenant_limits=SimpleNamespace()), default) == 0  # type: ignore[arg-type]
+    assert request_priority(_http(tenant_limits=SimpleNamespace(priority="5")), default) == 0  # type: ignore[arg-type]
+
+
+def test_a_requests_tenant_is_its_keys_tenants_name_or_the_default_tenant() -> None:
+    assert request_tenant(_http(tenant_name="team-a")) == "team-a"  # type: ignore[arg-type]
+    assert request_tenant(_http()) == ""  # type: ignore[arg-type]
+    assert request_tenant(_http(tenant_name=None)) == ""  # type: ignore[arg-type]

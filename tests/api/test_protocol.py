@@ -122,3 +122,25 @@ def test_prompt_logprobs_are_bounded_and_not_streamed() -> None:
     assert refused.value.param == "echo"
     with pytest.raises(BadRequest, match="not available when 'stream' is true"):
         parse_completion({"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True})
+
+
+def test_priority_is_taken_in_both_bodies_as_vllm_does() -> None:
+    assert parse_completion({"model": "m", "prompt": "x"}).priority is None  # the tenant's default
+    assert parse_completion({"model": "m", "prompt": "x", "priority": None}).priority is None
+    assert parse_completion({"model": "m", "prompt": "x", "priority": -(2**31)}).priority == -(2**31)
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": 7})
+    assert chat.priority == 7
+
+
+@pytest.mark.parametrize(
+    ("priority", "says"),
+    [(2**31, "must be <= 2147483647"), (-(2**31) - 1, "must be >= -2147483648"), (1.5, "integer"), (True, "integer")],
+)
+def test_a_bad_priority_is_a_400(priority: object, says: str) -> None:
+    for parse, body in (
+        (parse_completion, {"prompt": "x"}),
+        (parse_chat, {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        with pytest.raises(BadRequest, match=says) as info:
+            parse({"model": "m", "priority": priority, **body})
+        assert info.value.param == "priority" and info.value.status == 400

@@ -48,6 +48,27 @@ def test_kv_blocks_are_respected() -> None:
     assert placed == {"needs10": "r1"}  # r0 is emptier but too full of KV; "huge" fits nowhere
 
 
+def test_when_kv_blocks_run_out_the_lowest_priority_is_left() -> None:
+    """Room for two of three jobs: the two of the lower priority values get it, whatever their size."""
+    jobs = [Job("big-low", 500, 10, priority=5), Job("small-high", 10, 10, priority=-1), Job("mid", 100, 10)]
+    assert water_fill(jobs, [RankLoad("r0", 0, 20)]) == {"small-high": "r0", "mid": "r0"}
+    # Within a priority, largest first as before: the big job's level decides the next.
+    levels = water_fill([Job("s", 10, 1, priority=1), Job("b", 100, 1, priority=1)], _ranks(0, 50))
+    assert levels == {"b": "r0", "s": "r1"}
+
+
+def test_a_window_releases_by_priority_then_arrival() -> None:
+    window = busy_window(0.05, now=1.0)
+    window.open(1.0, boundary_at=1.03)
+    for item in ("a5", "b0", "c-2", "d0", "e5"):
+        window.add(item, 1.0)
+    assert window.release(priority=lambda item: int(item[1:])) == ["c-2", "b0", "d0", "a5", "e5"]
+    window.open(2.0, boundary_at=2.03)
+    for item in ("x1", "y0"):
+        window.add(item, 2.0)
+    assert window.release() == ["x1", "y0"]  # without a priority: arrival order
+
+
 def test_window_closes_just_before_the_step_ends_with_every_arrival_of_the_step() -> None:
     window = busy_window(0.05, now=1.0)
     assert not window.ready(0.0) and window.due_at() is None

@@ -382,3 +382,38 @@ async def test_a_responses_choices_go_to_one_pair_each_prefill_task_saying_how_m
 
 async def _count(tasks: Awaitable[dict[str, list[tuple[str, int]]]]) -> int:
     return sum(len(ts) for ts in (await tasks).values())
+
+
+async def test_the_waiting_queue_goes_by_priority_then_fair_share_then_arrival(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """One mixed worker with KV room for three requests; tenant A's backlog of five arrives first,
+    then B's one, then C's one at a higher priority (a lower value). C's goes first, then A's
+    first and B's (each tenant's first at an equal share, by arrival); A's other four wait, in
+    arrival order, and the tenants' served prompt tokens are counted."""
+    load = WorkerLoad(free_kv_blocks=24, total_kv_blocks=1000)  # 8 blocks a request (128 tokens, blocks of 16)
+    await Registry(redis, bus_config).register(
+        WorkerRecord("w0", "mixed", "m", engine="sim", load=load), lease_ms=60_000
+    )
+    sent = [("a0", "A", 0), ("a1", "A", 0), ("a2", "A", 0), ("a3", "A", 0), ("a4", "A", 0), ("b0", "B", 0)]
+    sent.append(("c0", "C", -1))
+    scheduler = Scheduler(SchedulerConfig(bus_config, mode="mixed", name="s1"))
+    try:
+        await scheduler.requests.ensure_group()
+        await scheduler.view.refresh()
+        for request_id, tenant, priority in sent:
+            message = dataclasses.replace(request(), request_id=request_id, tenant=tenant, priority=priority)
+            await Producer(redis, bus_config).send(bus_config.keys.requests, message)
+        await scheduler.step()
+        placed = sorted(t.request.request_id for t in await tasks_in(redis, bus_config.keys.tasks("w0")))
+        left = [w.delivery.message.request_id for w in scheduler.waiting]  # type: ignore[union-attr]
+        served = dict(scheduler.served.decayed(time.monotonic()))
+    finally:
+        await scheduler.redis.aclose()
+    assert placed == ["a0", "b0", "c0"]  # in arrival order alone: a0, a1, a2
+    assert left == ["a1", "a2", "a3", "a4"]
+    assert served == {
+        "A": pytest.approx(100, rel=0.01),
+        "B": pytest.approx(100, rel=0.01),
+        "C": pytest.approx(100, rel=0.01),
+    }

@@ -44,6 +44,8 @@ answers -9999.0 there too."""
 MAX_GRAMMAR_CHARS = 2**18
 """Longest structured-output grammar (llguidance's JSON form, ``SamplingParams.grammar``): the
 API's bound on a request's schema or grammar (64 Ki characters) once compiled and escaped."""
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+"""A request's ``priority`` (vLLM's field: lower is handled earlier): an int32, as vLLM's is any int."""
 MAX_DEADLINE_MS = 2**53
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What JSON carries as an integer (orjson refuses anything wider)."""

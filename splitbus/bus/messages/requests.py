@@ -23,6 +23,7 @@ from splitbus.bus.messages._check import (
     MAX_TOKEN_ID,
     MAX_TOKENS,
     PENALTY_RANGE,
+    PRIORITY_RANGE,
     SEED_RANGE,
     require,
     require_bias_map,
@@ -160,6 +161,15 @@ class GenerateRequest:
     """With ``choices`` > 1: the response's id, the same for each of its choices (empty else).
     Untrusted like every field: a worker shares a prefill only between requests of one group with
     the same salt and the very same tokens."""
+    priority: int = 0
+    """vLLM's ``priority``: lower is handled earlier (the body's, else its tenant's default). A
+    scheduler's waiting queue and stagger windows are ordered by it, then by fair share among
+    tenants, then by arrival (docs/routing.md, "The waiting queue")."""
+    tenant: str = ""
+    """The name of the API key's tenant ("" the default tenant): whose fair share of prompt tokens
+    the request counts in (docs/tenants.md). Untrusted like every field: a wrong one moves the
+    request in the queue, never changes what it computes or which cached prompts it may reuse
+    (``cache_salt`` decides that)."""
 
     def __post_init__(self) -> None:
         if self.reader == "" and isinstance(self.api_node, str):
@@ -176,6 +186,8 @@ class GenerateRequest:
         self._check_prefix()
         self._check_salt()
         self._check_choices()
+        require_int(self.priority, "priority", *PRIORITY_RANGE)
+        require_str(self.tenant, "tenant", nonempty=False)
 
     def _check_prefix(self) -> None:
         require_int(self.prefix_block_size, "prefix_block_size", minimum=0, maximum=MAX_PREFIX_BLOCK_SIZE)

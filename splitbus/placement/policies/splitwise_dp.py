@@ -25,6 +25,7 @@ from splitbus.bus.registry import Registry, WorkerInfo
 from splitbus.bus.roles import Role
 from splitbus.placement.costs import choose, prefill_cost
 from splitbus.placement.decision import Admitted, Decision, NoPlacement, Placed, Waiting
+from splitbus.placement.fairness import priority_of
 from splitbus.placement.groups import UnitsCache, decode_rank, fill_group, pd_placements, prefill_unit
 from splitbus.placement.ledger import Local, reserve
 from splitbus.placement.policies import register
@@ -118,7 +119,7 @@ class SplitwiseDpPolicy(Policy):
 
     def _release(self, group: str) -> list[Waiting]:
         self.held_tokens.pop(group, None)
-        return self.windows[group].release()
+        return self.windows[group].release(priority_of)
 
     def place_batch(self, group: str, batch: list[Waiting], workers: Sequence[WorkerInfo], local: Local) -> Admitted:
         """Water-fill a prefill group's held requests over its ranks, each with a decode rank; what

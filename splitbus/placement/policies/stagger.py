@@ -24,6 +24,7 @@ from splitbus.placement.costs import (
     reserved,
 )
 from splitbus.placement.decision import Admitted, Placed, Waiting
+from splitbus.placement.fairness import priority_of
 from splitbus.placement.ledger import Local
 from splitbus.placement.policies import register
 from splitbus.placement.policies.base import PlacingContext, PolicyOptions
@@ -47,7 +48,7 @@ class StaggerPolicy(DpPolicy):
             self.window.add(waiting, waiting.since)
         if not self.window.ready(time.monotonic()):
             return Admitted([], wake_at=self.window.due_at())
-        return self.place_batch(self.window.release(), context.view.workers, context.local)
+        return self.place_batch(self.window.release(priority_of), context.view.workers, context.local)
 
     def place_batch(self, batch: list[Waiting], workers: Sequence[WorkerInfo], local: Local) -> Admitted:
         """Water-fill the batch over the DP ranks, model by model; what it cannot place (and
@@ -79,6 +80,7 @@ class StaggerPolicy(DpPolicy):
                 len(_request(w).prompt_token_ids),
                 blocks_needed(_request(w), block_size),
                 self.cached(_request(w), ranks),
+                _request(w).priority,
             )
             for k, w in jobs.items()
         ]

@@ -292,6 +292,25 @@ def test_a_choice_of_a_response_round_trips() -> None:
             Task("prefill", request, "d1", twins=twins)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("priority", "tenant"), [(-(2**31) - 1, ""), (2**31, ""), (True, ""), (1.5, ""), ("1", ""), (0, 5), (0, "t" * 257)]
+)
+def test_a_requests_priority_and_tenant_are_bounded(priority: object, tenant: object) -> None:
+    with pytest.raises(ValueError, match="priority|tenant"):
+        _request(priority=priority, tenant=tenant)
+
+
+def test_a_requests_priority_and_tenant_round_trip_and_default_to_the_default_tenant() -> None:
+    request = _request(priority=-(2**31), tenant="team-a")
+    assert codec.decode(codec.encode(request)) == request
+    plain = codec.decode(codec.encode(_request()))
+    assert isinstance(plain, GenerateRequest) and (plain.priority, plain.tenant) == (0, "")
+    data = orjson.loads(codec.encode(_request())[b"data"])  # an entry of an API node that predates the fields
+    del data["priority"], data["tenant"]
+    old = codec.decode({b"type": b"request", b"data": orjson.dumps(data), b"ts": b"1"})
+    assert isinstance(old, GenerateRequest) and (old.priority, old.tenant) == (0, "")
+
+
 def test_script_argv_is_the_encoded_entry_in_field_order() -> None:
     kind, data, ts = codec.script_argv(Cancel("r1", "deadline"))
     assert kind == b"cancel" and orjson.loads(data) == orjson.loads(codec.encode(Cancel("r1", "deadline"))[b"data"])

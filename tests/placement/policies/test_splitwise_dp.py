@@ -103,6 +103,24 @@ def test_what_finds_no_decode_room_joins_the_queue_and_leaves_the_batch() -> Non
     assert broken == Admitted(arrivals, [])
 
 
+def test_a_window_releases_by_priority_so_the_lowest_priority_misses_the_decode_room() -> None:
+    """Decode room for one request: of the window's batch the lower priority value gets it,
+    although it arrived last."""
+    workers = [*[rank("p0", i, 2, role="prefill") for i in range(2)], rank("d0", 0, 1, role="decode", free=8)]
+    policy, now = _policy(), time.monotonic()
+    arrivals = [
+        Waiting(Delivery("sb:requests", f"{i}-0", dataclasses.replace(request(), priority=p)), now)
+        for i, p in enumerate((2, 0, -5))
+    ]
+    window = policy.windows["p0"] = busy_window(10.0, now)
+    window.open(now, boundary_at=now)
+    for waiting in arrivals:
+        window.add(waiting, now)
+    batch = policy.place_batch("p0", policy._release("p0"), workers, {})
+    assert {w.delivery.entry_id for w, _ in batch.placed} == {"2-0"}
+    assert [w.delivery.entry_id for w in batch.queue] == ["1-0", "0-0"]  # by priority: the queue reorders anyway
+
+
 async def _context(
     redis: aioredis.Redis, bus_config: BusConfig, workers: list[WorkerInfo], ends_ms: int
 ) -> PlacingContext:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import redis.asyncio as aioredis
@@ -45,6 +46,14 @@ def test_what_finds_no_rank_joins_the_queue() -> None:
     arrivals = _arrivals(2)
     full = [rank("g0", 0, 1, free=3)]
     assert _policy().place_batch(arrivals, full, {}) == Admitted(arrivals, [])
+
+
+def test_when_the_ranks_are_full_the_lowest_priority_joins_the_queue() -> None:
+    """Room for one request's blocks: the batch's lower priority value gets it, though it came last."""
+    low = Waiting(Delivery("sb:requests", "1-0", dataclasses.replace(request(), priority=3)), time.monotonic())
+    high = Waiting(Delivery("sb:requests", "2-0", dataclasses.replace(request(), priority=-1)), time.monotonic())
+    admitted = _policy().place_batch([low, high], [rank("g0", 0, 1, free=9)], {})
+    assert admitted.queue == [low] and [w for w, _ in admitted.placed] == [high]
 
 
 async def test_arrivals_wait_for_the_groups_step_to_end(redis: aioredis.Redis, bus_config: BusConfig) -> None:
