@@ -126,6 +126,9 @@ def test_served_tokens_halve_every_half_life_and_are_forgotten_below_one_token()
     assert FORGET_BELOW == 1.0
     served.charge("A", 10, now=130.0)
     assert served.decayed(130.0) == {"A": pytest.approx(135.0)}
+    served.charge("A", 10, now=130.05)  # within DECAY_EVERY_S: counted, not decayed yet
+    assert served.decayed(130.05) == {"A": pytest.approx(145.0)}
+    assert served.decayed(140.0) == {"A": pytest.approx(145.0 / 2)}
 
 
 def test_served_tokens_keep_at_most_max_tenants() -> None:
