@@ -58,6 +58,20 @@ def test_a_cache_salt_salts_the_requests_chain(api: ApiProcess, responder: Respo
     assert salts[0] == salts[2] != salts[1] and "" not in salts and not any("team" in s for s in salts)
 
 
+def test_a_requests_priority_reaches_the_bus_and_a_bad_one_is_a_400(api: ApiProcess, responder: Responder) -> None:
+    """vLLM's ``priority`` on both endpoints; without it the default tenant's 0 (no keys: tenant "")."""
+    client = _client(api)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"priority": -7}
+    )
+    plain = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    sent = {r.request_id: (r.priority, r.tenant) for r in responder.requests}
+    assert (sent[chat.id], sent[plain.id]) == ((-7, ""), (0, ""))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"priority": 2**31})
+    assert info.value.status_code == 400 and "'priority' must be <= 2147483647" in info.value.message
+
+
 def test_streamed_completion_with_usage(api: ApiProcess) -> None:
     stream = _client(api).completions.create(
         model="tiny", prompt="Stream it", max_tokens=20, stream=True, stream_options={"include_usage": True}
