@@ -7,6 +7,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from splitbus.bus.core.streams import Delivery
 from splitbus.bus.messages import GenerateRequest, SamplingParams
@@ -75,6 +77,35 @@ def test_a_trickle_keeps_being_served_while_the_backlog_waits() -> None:
             served[first.tenant] = served.get(first.tenant, 0.0) + first.tokens
             picks.append(first.name)
         assert f"b{round_}" in picks
+
+
+@settings(max_examples=200, deadline=None)
+@given(backlogs=st.lists(st.lists(st.integers(1, 1000), max_size=30), min_size=1, max_size=6))
+def test_a_trickle_goes_before_every_backlog_but_one_request_of_each(backlogs: list[list[int]]) -> None:
+    """Whatever the other tenants queued before it, a tenant served nothing lately has its request
+    taken after at most one of each other tenant's (those that, served nothing either, arrived first)."""
+    queue = [Req(f"t{t}-{i}", f"t{t}", tokens) for t, sizes in enumerate(backlogs) for i, tokens in enumerate(sizes)]
+    order = _fair([*queue, Req("trickle", "T", 1000)])
+    assert order.index("trickle") <= sum(1 for sizes in backlogs if sizes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 1000), st.integers(1, 1000)), min_size=40, max_size=40),
+    weights=st.tuples(st.sampled_from([0.5, 1.0, 2.0, 3.0]), st.sampled_from([0.5, 1.0, 2.0, 3.0])),
+    rounds=st.integers(1, 40),  # neither backlog of 40 runs out before the last pick
+)
+def test_two_backlogs_are_served_in_proportion_to_their_weights_within_one_request_each(
+    sizes: list[tuple[int, int]], weights: tuple[float, float], rounds: int
+) -> None:
+    """Start-time fair queueing's bound: while both have a backlog, the tenants' served tokens
+    over their weights differ by at most one request's tokens over its weight, each."""
+    queue = [Req(f"a{i}", "A", a) for i, (a, _) in enumerate(sizes)] + [
+        Req(f"b{i}", "B", b) for i, (_, b) in enumerate(sizes)
+    ]
+    got = _serve(queue, {"A": weights[0], "B": weights[1]}, rounds)
+    bound = 1000 / weights[0] + 1000 / weights[1]
+    assert abs(got["A"] / weights[0] - got["B"] / weights[1]) <= bound
 
 
 @pytest.mark.parametrize(("weights", "share"), [({"A": 2.0, "B": 1.0}, 2.0), ({}, 1.0), ({"B": 3.0}, 1 / 3)])
