@@ -33,6 +33,7 @@ from splitbus.api.tenants import cache_salt
 from splitbus.bus.blocks import chain_hex
 from splitbus.bus.core.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
+from splitbus.bus.messages._check import PRIORITY_RANGE
 from splitbus.bus.results import Subscription
 from splitbus.grammar.outcomes import GrammarError
 from splitbus.grammar.request import GrammarSpec, compile_grammar
@@ -107,11 +108,12 @@ def request_tenant(request: Request) -> str:
 
 def request_priority(request: Request, params: GenerationParams) -> int:
     """The body's ``priority``, else its tenant's default (``request.state.tenant_limits``, set by
-    the API's key check when the key's tenant has limits), else 0."""
+    the API's key check when the key's tenant has limits), held to the bus's range, else 0."""
     if params.priority is not None:
         return params.priority
     default = getattr(getattr(request.state, "tenant_limits", None), "priority", None)
-    return default if type(default) is int else 0
+    low, high = PRIORITY_RANGE
+    return min(max(default, low), high) if type(default) is int else 0
 
 
 async def answer(request: Request, generation: Generation) -> Response:

@@ -98,6 +98,7 @@ def test_a_request_takes_the_bodys_priority_else_its_tenants_default_else_0() ->
     assert request_priority(_http(tenant_limits=limits), default) == 5  # type: ignore[arg-type]
     assert request_priority(_http(), default) == 0  # type: ignore[arg-type]  # no tenant limits: keys alone
     assert request_priority(_http(tenant_limits=SimpleNamespace()), default) == 0  # type: ignore[arg-type]
+    assert request_priority(_http(tenant_limits=SimpleNamespace(priority=2**40)), default) == 2**31 - 1  # type: ignore[arg-type]
     assert request_priority(_http(tenant_limits=SimpleNamespace(priority="5")), default) == 0  # type: ignore[arg-type]
 
 
