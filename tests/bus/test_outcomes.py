@@ -12,12 +12,16 @@ import pytest
 from splitbus.bus.core.scripts import SCRIPTS
 from splitbus.bus.dispatch import DispatchOutcome, ReassertOutcome, SettleOutcome
 from splitbus.bus.runs import RunState
+from splitbus.bus.tenants import AddOutcome, SetOutcome
 
 ENUMS: dict[str, type[IntEnum]] = {
     "dispatch": DispatchOutcome,
     "settle_failed": SettleOutcome,
     "reassert": ReassertOutcome,
     "settle_run": RunState,
+    "add_tenant": AddOutcome,
+    "add_tenant_keys": AddOutcome,
+    "set_tenant": SetOutcome,
 }
 
 

@@ -87,6 +87,16 @@ class Keys:
         (``splitbus.bus.registry_view``)."""
         return self._control("registry")
 
+    @property
+    def tenants(self) -> str:
+        """Hash: each tenant's record (its name -> its limits, as JSON; ``splitbus.bus.tenants``)."""
+        return self._control("tenants")
+
+    @property
+    def tenant_keys(self) -> str:
+        """Hash: the SHA-256 of each API key (hex) -> the name of its tenant; no key in clear."""
+        return self._control("tenant-keys")
+
     def tasks(self, worker: str) -> str:
         """Stream of tasks for one worker (group ``workers``)."""
         return self._control("tasks", worker)
