@@ -16,6 +16,7 @@ from splitbus.cli import (
     redis_cmd,
     scheduler_cmd,
     status_cmd,
+    tenants_cmd,
     up,
     worker_cmd,
 )
@@ -27,7 +28,19 @@ def build_parser(env: Env) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitbus", description="Disaggregated LLM serving over Redis Streams.")
     parser.add_argument("--version", action="version", version=f"splitbus {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    commands = (up, redis_cmd, api_cmd, scheduler_cmd, worker_cmd, status_cmd, ctl_cmd, redis_cli_cmd, model_cmd, bench)
+    commands = (
+        up,
+        redis_cmd,
+        api_cmd,
+        scheduler_cmd,
+        worker_cmd,
+        status_cmd,
+        tenants_cmd,
+        ctl_cmd,
+        redis_cli_cmd,
+        model_cmd,
+        bench,
+    )
     for module in commands:
         module.add_parser(subparsers, env)
     return parser
