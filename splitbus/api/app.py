@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import ipaddress
 import logging
 import uuid
@@ -26,11 +25,12 @@ from splitbus.api.errors import (
     MethodNotAllowed,
     MisdirectedRequest,
     NotFound,
+    ServiceUnavailable,
     Unauthorized,
 )
 from splitbus.api.generate import ClientDisconnected
 from splitbus.api.state import ApiState
-from splitbus.api.tenants import NO_TENANT, tenant_of
+from splitbus.api.tenants import ANONYMOUS, Authenticator, Caller, LookupFailed
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def create_app(config: ApiConfig) -> Starlette:
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.exit_code = 0
-    app.add_middleware(RequireApiKey, keys=config.api_keys)
+    app.add_middleware(RequireApiKey)
     app.add_middleware(RequireKnownHost, names=known_host_names(config))
     app.add_middleware(CountRequests)
     return app
@@ -108,32 +108,53 @@ EXCEPTION_HANDLERS = {
 
 
 class RequireApiKey:
-    """Bearer keys on ``/v1/*`` and the tokenizer routes (``needs_key``) when keys are configured;
-    probes and metrics stay open. The key a request came with names its tenant
-    (``request.state.tenant``, splitbus.api.tenants): whose cached prompts it may reuse."""
+    """Bearer keys on ``/v1/*`` and the tenant routes (``needs_key``) once keys are required
+    (``Authenticator.required``: keys given at start, or tenants in the store); probes and metrics
+    stay open. The key names the request's tenant (splitbus.api.tenants): ``request.state``'s
+    ``tenant_name`` and ``tenant_limits`` (for admission), and ``tenant``, whose cached prompts it
+    may reuse. An unknown key is 401; one Redis cannot be read for (and never was) 503."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.keys = [(key.encode(), tenant_of(key)) for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            tenant = self._tenant(scope) if self.keys else NO_TENANT
-            if tenant is None and needs_key(scope["path"]):
-                await Unauthorized("Incorrect or missing API key; send 'Authorization: Bearer <key>'")(
-                    scope, receive, send
-                )
+            try:
+                caller = await self._caller(scope)
+            except ApiError as refused:
+                await refused(scope, receive, send)
                 return
-            scope.setdefault("state", {})["tenant"] = tenant
+            state = scope.setdefault("state", {})
+            state.update(tenant=caller.cache, tenant_name=caller.name, tenant_limits=caller.limits)
         await self.app(scope, receive, send)
 
-    def _tenant(self, scope: Scope) -> bytes | None:
-        """The tenant of the request's bearer key; None for a missing or unknown key."""
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None
-        return next((tenant for key, tenant in self.keys if hmac.compare_digest(token.strip(), key)), None)
+    async def _caller(self, scope: Scope) -> Caller:
+        """The request's tenant: ``ANONYMOUS`` where no key is needed; else its key's, or an error."""
+        auth = _authenticator(scope)
+        if not needs_key(scope["path"]) or not auth.required:
+            return ANONYMOUS
+        try:
+            caller = await auth.caller(_bearer(scope))
+        except LookupFailed:
+            raise ServiceUnavailable(
+                "the API key cannot be checked now (Redis is not reachable); retry later"
+            ) from None
+        if caller is None:
+            raise Unauthorized("Incorrect or missing API key; send 'Authorization: Bearer <key>'")
+        return caller
+
+
+def _authenticator(scope: Scope) -> Authenticator:
+    """The process's ``Authenticator``, from the lifespan's state."""
+    auth: Authenticator = scope["state"]["api"].auth
+    return auth
+
+
+def _bearer(scope: Scope) -> bytes:
+    """The request's bearer token (b"" for none)."""
+    header = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 def needs_key(path: str) -> bool:
@@ -180,7 +201,8 @@ def _is_ip_address(name: str) -> bool:
 
 
 class RequireKnownHost:
-    """Without API keys, the API serves only requests whose Host names this server (421
+    """Without API keys (none given at start, no tenant in the store), the API serves only
+    requests whose Host names this server (421
     otherwise): a web page that rebinds its own domain name to this address (DNS rebinding)
     sends its domain as the Host, and is refused before it can read an answer, the probes',
     the metrics' and the OpenAPI document's included (they name the served models). A probe
@@ -191,7 +213,7 @@ class RequireKnownHost:
         self.names = names
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.names is not None:
+        if scope["type"] == "http" and self.names is not None and not _authenticator(scope).required:
             host = dict(scope["headers"]).get(b"host")
             if host is not None and not host_is_known(host.decode("latin-1"), self.names):
                 refused = MisdirectedRequest(

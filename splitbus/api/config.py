@@ -84,6 +84,13 @@ class ApiConfig:
     """Block size of the hash chain each request carries for cache-aware routing
     (``GenerateRequest.prefix_hashes``; the workers' ``--block-size``); 0: none, the scheduler
     hashes prompts itself."""
+    tenant_cache_s: float = 2.0
+    """How long an API key's tenant (or that it is no tenant's) is kept before the tenant store
+    is read again for it (``splitbus.api.tenants``): a key removed or a limit changed with
+    ``splitbus tenants`` takes at most this long to reach each API node. Also how often a node
+    that requires no key yet looks for the store's first tenant."""
+    tenant_cache_entries: int = 10_000
+    """Keys whose answer is kept at most (the least recently used goes first)."""
     tool_call_parser: str | None = None
     """The ``tool_parsers`` parser that reads tool calls out of the text of a chat with tools and
     ``tool_choice`` ``auto`` (the served models' family's); None: such text stays content."""
@@ -111,10 +118,17 @@ class ApiConfig:
             self.max_backlog,
             self.redis_connections,
             1 if self.reader_shards is None else self.reader_shards,
+            self.tenant_cache_entries,
         )
         if min(limits) < 1:
             raise ValueError("limits must be >= 1")
-        timeouts = (self.request_timeout_s, self.registry_refresh_s, self.body_timeout_s, self.header_timeout_s)
+        timeouts = (
+            self.request_timeout_s,
+            self.registry_refresh_s,
+            self.body_timeout_s,
+            self.header_timeout_s,
+            self.tenant_cache_s,
+        )
         if min(timeouts) <= 0:
             raise ValueError("timeouts must be > 0")
 

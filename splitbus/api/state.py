@@ -16,6 +16,7 @@ from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
 from splitbus.api.logprobs import TokenLabels
 from splitbus.api.placing import ApiPlacer
+from splitbus.api.tenants import Authenticator
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.core.loops import Loops
@@ -26,6 +27,7 @@ from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.request_stream import Submissions, backlog
 from splitbus.bus.results import ResultReader
 from splitbus.bus.runs import Runs, ServerRuns
+from splitbus.bus.tenants import TenantStore
 from splitbus.tokenization import ModelTokenizer
 from splitbus.tokenization.template_process import TemplateLimits, TemplatePool
 
@@ -53,6 +55,13 @@ class ApiState:
             else None
         )
         """With ``--dispatch api``: what places requests here (``submit``)."""
+        self.auth = Authenticator(
+            config.api_keys,
+            TenantStore(self.redis, config.bus.keys),
+            config.tenant_cache_s,
+            config.tenant_cache_entries,
+        )
+        """Who a key belongs to, and whether keys are required (``RequireApiKey``)."""
         self.inflight = 0
         self.backlog = 0
         self.bodies = BodySlots(config)
@@ -67,11 +76,13 @@ class ApiState:
         tokenizers = {name: ModelTokenizer.load(folder, name) for name, folder in config.models}
         state = cls(config, tokenizers)
         state.templates.start()  # its children load Jinja now, not on the first chat request
+        await state.auth.watch()  # a restart with tenants in the store never serves without a key
         await state.reader.start()
         await state.workers.refresh()
         state.loops.start(state.workers.follow, name="registry view")
         state.loops.start(state.read_backlog, every_s=config.registry_refresh_s)
         state.loops.start(state.watch_runs, every_s=RUNS_EVERY_S)
+        state.loops.start(state.auth.watch, every_s=config.tenant_cache_s, name="tenant store")
         return state
 
     async def submit(self, request: GenerateRequest) -> None:

@@ -391,7 +391,11 @@ class TenantStore:
     async def by_key(self, key: bytes) -> Tenant | None:
         """The tenant of an API key; None for a key that is no tenant's (or whose tenant is gone);
         ``BadTenantRecord`` for a bad record."""
-        found = await self._by_key(keys=list(reversed(self._keys)), args=[key_digest(key)])
+        return await self.by_digest(key_digest(key))
+
+    async def by_digest(self, digest: str) -> Tenant | None:
+        """``by_key`` for a key's digest (``key_digest``)."""
+        found = await self._by_key(keys=list(reversed(self._keys)), args=[digest])
         if not isinstance(found, list) or len(found) != 2 or found[1] is None:
             return None
         return Tenant.from_record(_text(found[0]), found[1])

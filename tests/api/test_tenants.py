@@ -1,9 +1,42 @@
-"""Tenants of the prefix cache (pure logic): a request's chain salt, from its key and cache_salt."""
+"""Tenants in the API: a request's chain salt, from its tenant and cache_salt (pure logic); a key's
+tenant from the store, cached, and whether keys are required (``Authenticator``, on a real Redis);
+a live API taking store keys beside the keys it was started with."""
 
 from __future__ import annotations
 
-from splitbus.api.tenants import NO_TENANT, cache_salt, tenant_of
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import openai
+import pytest
+import redis as sync_redis
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from splitbus.api.tenants import (
+    DEFAULT_TENANT,
+    NO_TENANT,
+    Authenticator,
+    Caller,
+    LookupFailed,
+    cache_salt,
+    tenant_of,
+    tenant_of_store,
+)
 from splitbus.bus.blocks import HEX_DIGITS
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.tenants import Tenant, TenantLimits, TenantStore, key_digest
+from splitbus.redis_server import EmbeddedRedis
+from tests.api.conftest import ApiProcess, start_api, stop_api
+from tests.api.responder import Responder
+from tests.api.test_errors import _until
+
+T = TypeVar("T")
 
 
 def test_without_keys_or_cache_salt_the_chain_is_unsalted() -> None:
@@ -17,3 +50,164 @@ def test_each_key_and_cache_salt_has_a_salt_of_its_own_that_shows_neither() -> N
     assert all(len(bytes.fromhex(s)) * 2 == len(s) == HEX_DIGITS for s in salts)
     assert cache_salt(a, "x") == cache_salt(tenant_of("sk-a-0123456789"), "x")  # the same across API replicas
     assert not any("0123456789" in s or a.hex() in s for s in salts)  # neither the key nor its tenant digest
+
+
+# The Authenticator: a key's tenant from the store, kept a while; whether keys are required.
+
+STORE_KEY = "sk-acme-store-key-0123"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store(redis: aioredis.Redis, bus_config: BusConfig) -> TenantStore:
+    return TenantStore(redis, bus_config.keys)
+
+
+async def test_a_store_key_names_its_tenant_and_limits_a_started_key_the_default(store: TenantStore) -> None:
+    acme = Tenant("acme", limits=TenantLimits(rps=3, priority=2))
+    await store.add(acme, (key_digest(STORE_KEY), key_digest(STORE_KEY + "-2")))
+    await store.add(Tenant("beta"), (key_digest("sk-beta-store-key-0123"),))
+    auth = Authenticator(("k1",), store, ttl_s=2, max_entries=100)
+    assert await auth.caller(STORE_KEY.encode()) == Caller("acme", acme.limits, tenant_of_store(acme))
+    assert await auth.caller(b"k1") == Caller(DEFAULT_TENANT, TenantLimits(), tenant_of("k1"))
+    identities = {(await auth.caller(key)).cache for key in (STORE_KEY.encode(), b"sk-acme-store-key-0123-2")}  # type: ignore[union-attr]
+    assert len(identities) == 1  # one tenant, one cache
+    others = {tenant_of("k1"), (await auth.caller(b"sk-beta-store-key-0123")).cache}  # type: ignore[union-attr]
+    assert len(identities | others) == 3
+    for unknown in (b"", b"k2", b"sk-nobody-0123456789", b"x" * 300):
+        assert await auth.caller(unknown) is None
+
+
+async def test_keys_are_required_once_the_store_has_a_tenant_and_stay_so(store: TenantStore) -> None:
+    auth = Authenticator((), store, ttl_s=2, max_entries=100)
+    await auth.watch()
+    assert not auth.required
+    await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
+    await auth.watch()
+    assert auth.required
+    await store.remove("acme")
+    await auth.watch()
+    assert auth.required  # removing the last tenant does not open a running API
+    assert Authenticator(("k1",), store, ttl_s=2, max_entries=100).required
+
+
+async def test_an_answer_is_kept_ttl_then_read_again(store: TenantStore) -> None:
+    clock = Clock()
+    auth = Authenticator((), store, ttl_s=2, max_entries=100, clock=clock)
+    assert await auth.caller(STORE_KEY.encode()) is None
+    await store.add(Tenant("acme", limits=TenantLimits(concurrency=1)), (key_digest(STORE_KEY),))
+    assert await auth.caller(STORE_KEY.encode()) is None  # "no tenant" is kept too
+    clock.now = 2.0
+    assert (await auth.caller(STORE_KEY.encode())).limits.concurrency == 1  # type: ignore[union-attr]
+    await store.set("acme", concurrency=5)
+    await store.remove("acme")
+    clock.now = 3.9
+    assert (await auth.caller(STORE_KEY.encode())).limits.concurrency == 1  # type: ignore[union-attr]
+    clock.now = 4.0
+    assert await auth.caller(STORE_KEY.encode()) is None
+
+
+async def test_a_bad_record_refuses_only_its_tenants_keys(
+    store: TenantStore, redis_admin: sync_redis.Redis, bus_config: BusConfig
+) -> None:
+    await store.add(Tenant("good"), (key_digest("sk-good-store-key-0123"),))
+    redis_admin.hset(bus_config.keys.tenants, "acme", b'{"id": "' + b"a" * 32 + b'", "rps": -1}')
+    redis_admin.hset(bus_config.keys.tenant_keys, key_digest(STORE_KEY), "acme")
+    auth = Authenticator((), store, ttl_s=2, max_entries=100)
+    assert await auth.caller(STORE_KEY.encode()) is None
+    assert await auth.caller(b"sk-good-store-key-0123") is not None
+
+
+class UnreachableStore:
+    """A store whose Redis went away after ``answers`` reads."""
+
+    def __init__(self, store: TenantStore, answers: int) -> None:
+        self.store, self.answers = store, answers
+
+    async def by_digest(self, digest: str) -> Tenant | None:
+        self.answers -= 1
+        if self.answers < 0:
+            raise RedisConnectionError("Connection refused")
+        return await self.store.by_digest(digest)
+
+
+async def test_while_redis_is_away_the_last_answer_stands_and_a_new_key_is_503(store: TenantStore) -> None:
+    await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
+    clock = Clock()
+    auth = Authenticator((), UnreachableStore(store, answers=1), ttl_s=2, max_entries=100, clock=clock)  # type: ignore[arg-type]
+    assert await auth.caller(STORE_KEY.encode()) is not None
+    clock.now = 100.0
+    assert await auth.caller(STORE_KEY.encode()) is not None
+    with pytest.raises(LookupFailed, match="Connection refused"):
+        await auth.caller(b"sk-never-seen-0123456789")
+
+
+async def test_the_cache_is_bounded_the_least_recently_used_going_first(store: TenantStore) -> None:
+    await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
+    reads = UnreachableStore(store, answers=3)
+    auth = Authenticator((), reads, ttl_s=60, max_entries=2)  # type: ignore[arg-type]
+    await auth.caller(STORE_KEY.encode())
+    await auth.caller(b"sk-unknown-0123456789-a")
+    await auth.caller(STORE_KEY.encode())  # kept: no read
+    await auth.caller(b"sk-unknown-0123456789-b")  # the unknown -a goes
+    assert reads.answers == 0
+    assert await auth.caller(STORE_KEY.encode()) is not None  # still kept
+    with pytest.raises(LookupFailed):
+        await auth.caller(b"sk-unknown-0123456789-a")
+
+
+# A live API: keys from the store and keys given at start, side by side.
+
+
+def _with_store(url: str, prefix: str, action: Callable[[TenantStore], Awaitable[T]]) -> T:
+    async def main() -> T:
+        config = BusConfig(redis_url=url, prefix=prefix)
+        client = connect(config)
+        try:
+            return await action(TenantStore(client, config.keys))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+def _status(api: ApiProcess, key: str | None, path: str = "/v1/models") -> int:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(api.url + path, headers=headers).status_code
+
+
+def test_a_live_api_takes_store_keys_beside_its_own(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
+    url = redis_server.url
+    _with_store(url, prefix, lambda s: s.add(Tenant("acme"), (key_digest(STORE_KEY), key_digest(STORE_KEY + "-2"))))
+    _with_store(url, prefix, lambda s: s.add(Tenant("beta"), (key_digest("sk-beta-store-key-0123"),)))
+    api = start_api(url, prefix, [tiny_model], "--api-key", "sk-started-with-0123")
+    try:
+        assert [_status(api, key) for key in (None, "sk-nobody-0123456789", STORE_KEY, "sk-started-with-0123")] == [
+            401,
+            401,
+            200,
+            200,
+        ]
+        assert _status(api, None, "/health") == 200
+        salts = {}
+        for key in (STORE_KEY, STORE_KEY + "-2", "sk-beta-store-key-0123", "sk-started-with-0123"):
+            client = openai.OpenAI(base_url=api.v1, api_key=key, max_retries=0)
+            reply = client.completions.create(model="tiny", prompt=list(range(40)), max_tokens=2)
+            (request,) = [r for r in responder.requests if r.request_id == reply.id]
+            assert "store-key" not in codec.encode(request)[b"data"].decode()
+            salts[key] = request.cache_salt
+        assert salts[STORE_KEY] == salts[STORE_KEY + "-2"] and len(set(salts.values())) == 3
+        _with_store(url, prefix, lambda s: s.remove("acme"))
+        _until(lambda: _status(api, STORE_KEY) == 401)
+        assert _status(api, "sk-beta-store-key-0123") == 200
+    finally:
+        stop_api(api)
