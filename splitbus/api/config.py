@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitbus.api import tool_parsers
+from splitbus.api.tenants_file import FileTenant
 from splitbus.bus.core.config import BusConfig
 from splitbus.tokenization.tokenizer import MAX_CHARS_PER_TOKEN
 
@@ -91,6 +92,8 @@ class ApiConfig:
     that requires no key yet looks for the store's first tenant."""
     tenant_cache_entries: int = 10_000
     """Keys whose answer is kept at most (the least recently used goes first)."""
+    tenants: tuple[FileTenant, ...] = ()
+    """The tenants of ``--tenants-file``, put in the tenant store at start (``tenants_file.seed``)."""
     tool_call_parser: str | None = None
     """The ``tool_parsers`` parser that reads tool calls out of the text of a chat with tools and
     ``tool_choice`` ``auto`` (the served models' family's); None: such text stays content."""

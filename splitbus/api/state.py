@@ -17,6 +17,7 @@ from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyReques
 from splitbus.api.logprobs import TokenLabels
 from splitbus.api.placing import ApiPlacer
 from splitbus.api.tenants import Authenticator
+from splitbus.api.tenants_file import seed
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.core.loops import Loops
@@ -55,12 +56,8 @@ class ApiState:
             else None
         )
         """With ``--dispatch api``: what places requests here (``submit``)."""
-        self.auth = Authenticator(
-            config.api_keys,
-            TenantStore(self.redis, config.bus.keys),
-            config.tenant_cache_s,
-            config.tenant_cache_entries,
-        )
+        self.tenants = TenantStore(self.redis, config.bus.keys)
+        self.auth = Authenticator(config.api_keys, self.tenants, config.tenant_cache_s, config.tenant_cache_entries)
         """Who a key belongs to, and whether keys are required (``RequireApiKey``)."""
         self.inflight = 0
         self.backlog = 0
@@ -76,6 +73,7 @@ class ApiState:
         tokenizers = {name: ModelTokenizer.load(folder, name) for name, folder in config.models}
         state = cls(config, tokenizers)
         state.templates.start()  # its children load Jinja now, not on the first chat request
+        await seed(state.tenants, config.tenants)
         await state.auth.watch()  # a restart with tenants in the store never serves without a key
         await state.reader.start()
         await state.workers.refresh()

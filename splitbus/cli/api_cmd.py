@@ -47,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=list(env.api_keys),
         help="accepted Bearer key (repeatable; prefer SPLITBUS_API_KEYS: argv is public)",
     )
+    add_tenants_file_argument(p)
     p.add_argument(
         "--allowed-hosts",
         default="",
@@ -128,6 +129,18 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.set_defaults(run=run)
 
 
+def add_tenants_file_argument(p: argparse.ArgumentParser) -> None:
+    """``--tenants-file`` (``splitbus api`` and ``splitbus up``)."""
+    p.add_argument(
+        "--tenants-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSON file of tenants, their limits and their keys' SHA-256, put in the tenant store at start "
+        "(docs/tenants.md)",
+    )
+
+
 def add_tool_call_parser_argument(p: argparse.ArgumentParser) -> None:
     """``--tool-call-parser``, its choices the parsers' table (``splitbus api`` and ``splitbus up``)."""
     p.add_argument(
@@ -142,6 +155,7 @@ def add_tool_call_parser_argument(p: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
     from splitbus.api.config import ApiConfig
+    from splitbus.api.tenants_file import read_tenants_file
     from splitbus.bus.core.config import BusConfig
     from splitbus.model_files.resolve import resolve_model, served_name
 
@@ -155,6 +169,7 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
         ),
         models=models,
         api_keys=tuple(args.api_key),
+        tenants=read_tenants_file(args.tenants_file) if args.tenants_file else (),
         host=args.host,
         allowed_hosts=tuple(name.strip() for name in args.allowed_hosts.split(",") if name.strip()),
         max_inflight=args.max_inflight,
@@ -193,7 +208,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
     keys = (
         f"{len(config.api_keys)} API key(s)"
         if config.api_keys
-        else "no API key: anyone who reaches the port may use it"
+        else "no API key given: keys from the tenant store once it holds a tenant (splitbus tenants add), "
+        "until then anyone who reaches the port may use it"
     )
     redis = mask_url(config.bus.redis_url)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")

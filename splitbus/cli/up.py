@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitbus.bus.roles import Role
-from splitbus.cli.api_cmd import add_tool_call_parser_argument
+from splitbus.cli.api_cmd import add_tenants_file_argument, add_tool_call_parser_argument
 from splitbus.cli.cluster_up import (
     MAX_NODE_RESTARTS,
     ClusterUp,
@@ -129,6 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "one hop fewer; the schedulers' mode, splitwise or mixed)",
     )
     add_tool_call_parser_argument(p)
+    add_tenants_file_argument(p)
     add_embedded_options(p, env)
     add_cluster_option(p)
     p.set_defaults(run=run)
@@ -396,9 +397,14 @@ def _start_parts(
         str(args.result_grace),
         *(["--dispatch", "api", "--dispatch-mode", mode] if args.dispatch == "api" else []),
         *_tool_call_parser(args),
+        *_tenants_file(args),
         *args.api_arg,
     ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
+
+
+def _tenants_file(args: argparse.Namespace) -> list[str]:
+    return ["--tenants-file", str(args.tenants_file.resolve())] if args.tenants_file else []
 
 
 def _tool_call_parser(args: argparse.Namespace) -> list[str]:
@@ -494,6 +500,15 @@ def _wait_ready(check: Callable[[], str | None], args: argparse.Namespace) -> st
     return f"the API was not ready within {READY_TIMEOUT_S:.0f}s"
 
 
+def _no_key_given(args: argparse.Namespace) -> str:
+    if args.tenants_file:
+        return f"  API keys: those of the tenants in {args.tenants_file} and the tenant store (docs/tenants.md)"
+    return (
+        "  API keys: none: anyone who reaches the port may use the API (set SPLITBUS_API_KEYS, or add a tenant: "
+        "splitbus tenants add)"
+    )
+
+
 def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, server: Embedded | None) -> None:
     """Where everything is, and where the secrets are kept; never a key or a password."""
     base = f"http://{args.host}:{args.port}"
@@ -502,7 +517,7 @@ def _announce(args: argparse.Namespace, env: Env, url: str, model: ServedModel, 
         shown = ", ".join(mask_key(k) for k in args.api_key)
         say(f"  API keys: {len(args.api_key)} ({shown}), from SPLITBUS_API_KEYS or --api-key; send one as $KEY")
     else:
-        say("  API keys: none: anyone who reaches the port may use the API (set SPLITBUS_API_KEYS)")
+        say(_no_key_given(args))
     auth = ' -H "Authorization: Bearer $KEY"' if args.api_key else ""
     body = json.dumps({"model": model.name, "prompt": "Hello", "max_tokens": 16, "stream": True})
     say(f"  try: curl -sN {base}/v1/completions{auth} -H 'Content-Type: application/json' \\")
