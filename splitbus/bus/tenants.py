@@ -85,7 +85,7 @@ class TenantLimits:
         """Limits from a record's or a file's fields; an unknown field or a bad value is refused."""
         unknown = set(fields) - LIMIT_FIELDS
         if unknown:
-            raise BadTenantRecord(f"unknown tenant field(s): {', '.join(sorted(map(str, unknown)))}")
+            raise BadTenantRecord(f"unknown tenant field(s): {', '.join(sorted(repr(str(f)[:64]) for f in unknown))}")
         try:
             return cls(**fields)
         except TypeError as exc:  # not reached with known names; kept as the record's own error

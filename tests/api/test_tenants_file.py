@@ -48,7 +48,7 @@ def test_a_file_lists_tenants_their_limits_and_their_keys_digests(tmp_path: Path
         ({"a b": {}}, "a tenant's name is"),
         ({"acme": []}, "tenant 'acme': not a JSON object"),
         ({"acme": {"rps": -1}}, "tenant 'acme': rps must be in"),
-        ({"acme": {"key": ACME_KEY}}, "tenant 'acme': unknown tenant field(s): key"),
+        ({"acme": {"key": ACME_KEY}}, "tenant 'acme': unknown tenant field(s): 'key'"),
         ({"acme": {"keys_sha256": ACME_KEY}}, "keys_sha256 must be a list"),
         ({"acme": {"keys_sha256": [ACME_KEY]}}, "a key's SHA-256 is 64 lower-case hex digits, got 'sk-acme"),
     ],
