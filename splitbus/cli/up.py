@@ -227,6 +227,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     try:
         counts = worker_counts(args)
         _check_api_keys(args.api_key)
+        _check_tenants_file(args)
         check_cluster_options(args)
     except ValueError as exc:
         say(f"splitbus up: {mask_text(str(exc))}")
@@ -317,6 +318,15 @@ def _check_api_keys(keys: list[str]) -> None:
     for key in keys:
         if not key or any(c in key for c in ", \t\n"):
             raise ValueError("an API key must be non-empty, without commas or white space")
+
+
+def _check_tenants_file(args: argparse.Namespace) -> None:
+    """A tenants file that does not read stops ``up`` before it starts anything (the API would
+    exit at each restart)."""
+    if args.tenants_file:
+        from splitbus.api.tenants_file import read_tenants_file
+
+        read_tenants_file(args.tenants_file)
 
 
 def _check_port_free(host: str, port: int) -> None:

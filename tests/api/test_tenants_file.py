@@ -97,10 +97,12 @@ async def test_a_files_key_that_is_another_tenants_stops_the_start(
     assert await store.get("gamma") is None and await store.key_counts() == {"acme": 1}
 
 
-def test_the_api_refuses_a_bad_file_before_it_starts(tmp_path: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize("command", ["api", "up"])
+def test_a_bad_file_stops_the_api_or_up_before_it_starts(tmp_path: Path, tiny_model: Path, command: str) -> None:
     path = _file(tmp_path, {"acme": {"rps": "fast"}})
-    args = ["api", "--model", str(tiny_model), "--tenants-file", str(path), "--redis-url", "redis://127.0.0.1:1/0"]
+    args = [command, "--model", str(tiny_model), "--tenants-file", str(path), "--redis-url", "redis://127.0.0.1:1/0"]
     done = subprocess.run(
-        [sys.executable, "-m", "splitbus.cli.main", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "splitbus.cli.main", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert done.returncode == 2 and f"tenants file {path}: tenant 'acme': rps must be a number" in done.stdout
+    assert not (tmp_path / ".splitbus").exists()  # up made nothing
