@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TypeVar
 
 import httpx
@@ -15,7 +16,9 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from starlette.types import Message, Receive, Scope, Send
 
+from splitbus.api.app import RequireApiKey
 from splitbus.api.tenants import (
     DEFAULT_TENANT,
     NO_TENANT,
@@ -211,3 +214,58 @@ def test_a_live_api_takes_store_keys_beside_its_own(
         assert _status(api, "sk-beta-store-key-0123") == 200
     finally:
         stop_api(api)
+
+
+# RequireApiKey: what a request's state carries, and what it is refused with.
+
+
+async def _through(auth: Authenticator, path: str, key: bytes | None) -> tuple[int, dict[str, object]]:
+    """Send one request through ``RequireApiKey`` alone: the status and the state the app saw."""
+    seen: dict[str, object] = {}
+    sent: list[int] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.update(scope["state"])
+        sent.append(200)
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    headers = [(b"authorization", b"Bearer " + key)] if key is not None else []
+    scope = {"type": "http", "path": path, "headers": headers, "state": {"api": SimpleNamespace(auth=auth)}}
+    await RequireApiKey(app)(scope, _no_body, send)
+    return sent[0], {name: value for name, value in seen.items() if name != "api"}
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b""}
+
+
+async def test_the_request_state_names_the_tenant_and_its_limits(store: TenantStore) -> None:
+    acme = Tenant("acme", limits=TenantLimits(rps=2, concurrency=3))
+    await store.add(acme, (key_digest(STORE_KEY),))
+    auth = Authenticator(("k1",), store, ttl_s=2, max_entries=100)
+    assert await _through(auth, "/v1/completions", STORE_KEY.encode()) == (
+        200,
+        {"tenant": tenant_of_store(acme), "tenant_name": "acme", "tenant_limits": acme.limits},
+    )
+    assert await _through(auth, "/tokenize", b"k1") == (
+        200,
+        {"tenant": tenant_of("k1"), "tenant_name": DEFAULT_TENANT, "tenant_limits": TenantLimits()},
+    )
+    assert (await _through(auth, "/v1/models", b"sk-nobody-0123456789"))[0] == 401
+    assert (await _through(auth, "/v1/models", None))[0] == 401
+    assert (await _through(auth, "/health", None))[1]["tenant_name"] == DEFAULT_TENANT  # probes stay open
+
+
+async def test_without_keys_every_request_is_the_default_tenant_and_a_lost_redis_is_503(store: TenantStore) -> None:
+    open_api = Authenticator((), store, ttl_s=2, max_entries=100)
+    assert await _through(open_api, "/v1/models", None) == (
+        200,
+        {"tenant": NO_TENANT, "tenant_name": DEFAULT_TENANT, "tenant_limits": TenantLimits()},
+    )
+    await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
+    away = Authenticator(("k1",), UnreachableStore(store, answers=0), ttl_s=2, max_entries=100)  # type: ignore[arg-type]
+    assert (await _through(away, "/v1/models", STORE_KEY.encode()))[0] == 503
+    assert (await _through(away, "/v1/models", b"k1"))[0] == 200  # a key given at start needs no Redis
