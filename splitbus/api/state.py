@@ -57,6 +57,7 @@ class ApiState:
         )
         """With ``--dispatch api``: what places requests here (``submit``)."""
         self.tenants = TenantStore(self.redis, config.bus.keys)
+        self._seed_owed = bool(config.tenants)
         self.auth = Authenticator(config.api_keys, self.tenants, config.tenant_cache_s, config.tenant_cache_entries)
         """Who a key belongs to, and whether keys are required (``RequireApiKey``)."""
         self.inflight = 0
@@ -73,14 +74,14 @@ class ApiState:
         tokenizers = {name: ModelTokenizer.load(folder, name) for name, folder in config.models}
         state = cls(config, tokenizers)
         state.templates.start()  # its children load Jinja now, not on the first chat request
-        await seed(state.tenants, config.tenants)
-        await state.auth.watch()  # a restart with tenants in the store never serves without a key
+        with contextlib.suppress(*TRANSIENT_ERRORS):  # Redis away: keys are required until it answers
+            await state.watch_tenants()
         await state.reader.start()
         await state.workers.refresh()
         state.loops.start(state.workers.follow, name="registry view")
         state.loops.start(state.read_backlog, every_s=config.registry_refresh_s)
         state.loops.start(state.watch_runs, every_s=RUNS_EVERY_S)
-        state.loops.start(state.auth.watch, every_s=config.tenant_cache_s, name="tenant store")
+        state.loops.start(state.watch_tenants, every_s=config.tenant_cache_s, name="tenant store")
         return state
 
     async def submit(self, request: GenerateRequest) -> None:
@@ -104,6 +105,14 @@ class ApiState:
         rest = [r for r, here in zip(requests, placed, strict=True) if not here]
         if rest:
             await self.submissions.submit_together(rest)
+
+    async def watch_tenants(self) -> None:
+        """Put ``--tenants-file``'s tenants in the store (once: at start, or as soon as Redis takes
+        them), then look whether the store holds a tenant (keys are then required)."""
+        if self._seed_owed:
+            await seed(self.tenants, self.config.tenants)
+            self._seed_owed = False
+        await self.auth.watch()
 
     async def watch_runs(self) -> None:
         """After a new Redis run, submit again the requests not yet started (owed until done: a

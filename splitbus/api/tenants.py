@@ -91,7 +91,8 @@ class LookupFailed(Exception):
 class Authenticator:
     """Finds a key's tenant (``caller``), and whether keys are required at all (``required``):
     when the API was started with keys, or once the store has held a tenant (then until the
-    process ends: removing the last tenant does not open a running API)."""
+    process ends: removing the last tenant does not open a running API), or while the store has
+    not been read yet (Redis unreachable since the start: closed, not open, until it answers)."""
 
     def __init__(
         self,
@@ -107,17 +108,20 @@ class Authenticator:
         self._max_entries = max_entries
         self._clock = clock
         self._cache: OrderedDict[str, tuple[float, Caller | None]] = OrderedDict()
-        self._store_used = False
+        self._store_used: bool | None = None
+        """Whether the store has held a tenant; None: not read yet."""
 
     @property
     def required(self) -> bool:
-        return bool(self._static) or self._store_used
+        return bool(self._static) or self._store_used is not False
 
     async def watch(self) -> None:
         """Whether the store holds a tenant (called at start, then every ``ttl_s``): the first
         one turns keys on."""
-        if not self._store_used and await self._store.any():
-            self._store_used = True
+        if self._store_used:
+            return
+        self._store_used = await self._store.any()
+        if self._store_used:
             log.info("the tenant store holds tenants: API keys are required from now on")
 
     async def caller(self, token: bytes) -> Caller | None:
@@ -125,6 +129,8 @@ class Authenticator:
         when Redis cannot say, and never said."""
         digest = key_digest(token)
         static = self._static.get(digest)
+        if static is None and self._store_used is None:
+            raise LookupFailed("the tenant store has not been read since the start")
         if static is not None or not KEY_CHARS[0] <= len(token) <= KEY_CHARS[1]:
             return static  # a token no store key can be is looked up nowhere
         return await self._cached(digest)

@@ -78,6 +78,7 @@ async def test_a_store_key_names_its_tenant_and_limits_a_started_key_the_default
     await store.add(acme, (key_digest(STORE_KEY), key_digest(STORE_KEY + "-2")))
     await store.add(Tenant("beta"), (key_digest("sk-beta-store-key-0123"),))
     auth = Authenticator(("k1",), store, ttl_s=2, max_entries=100)
+    await auth.watch()
     assert await auth.caller(STORE_KEY.encode()) == Caller("acme", acme.limits, tenant_of_store(acme))
     assert await auth.caller(b"k1") == Caller(DEFAULT_TENANT, TenantLimits(), tenant_of("k1"))
     identities = {(await auth.caller(key)).cache for key in (STORE_KEY.encode(), b"sk-acme-store-key-0123-2")}  # type: ignore[union-attr]
@@ -90,6 +91,7 @@ async def test_a_store_key_names_its_tenant_and_limits_a_started_key_the_default
 
 async def test_keys_are_required_once_the_store_has_a_tenant_and_stay_so(store: TenantStore) -> None:
     auth = Authenticator((), store, ttl_s=2, max_entries=100)
+    assert auth.required  # not read yet: closed
     await auth.watch()
     assert not auth.required
     await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
@@ -104,6 +106,7 @@ async def test_keys_are_required_once_the_store_has_a_tenant_and_stay_so(store: 
 async def test_an_answer_is_kept_ttl_then_read_again(store: TenantStore) -> None:
     clock = Clock()
     auth = Authenticator((), store, ttl_s=2, max_entries=100, clock=clock)
+    await auth.watch()
     assert await auth.caller(STORE_KEY.encode()) is None
     await store.add(Tenant("acme", limits=TenantLimits(concurrency=1)), (key_digest(STORE_KEY),))
     assert await auth.caller(STORE_KEY.encode()) is None  # "no tenant" is kept too
@@ -124,6 +127,7 @@ async def test_a_bad_record_refuses_only_its_tenants_keys(
     redis_admin.hset(bus_config.keys.tenants, "acme", b'{"id": "' + b"a" * 32 + b'", "rps": -1}')
     redis_admin.hset(bus_config.keys.tenant_keys, key_digest(STORE_KEY), "acme")
     auth = Authenticator((), store, ttl_s=2, max_entries=100)
+    await auth.watch()
     assert await auth.caller(STORE_KEY.encode()) is None
     assert await auth.caller(b"sk-good-store-key-0123") is not None
 
@@ -133,6 +137,9 @@ class UnreachableStore:
 
     def __init__(self, store: TenantStore, answers: int) -> None:
         self.store, self.answers = store, answers
+
+    async def any(self) -> bool:
+        return await self.store.any()
 
     async def by_digest(self, digest: str) -> Tenant | None:
         self.answers -= 1
@@ -145,6 +152,7 @@ async def test_while_redis_is_away_the_last_answer_stands_and_a_new_key_is_503(s
     await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
     clock = Clock()
     auth = Authenticator((), UnreachableStore(store, answers=1), ttl_s=2, max_entries=100, clock=clock)  # type: ignore[arg-type]
+    await auth.watch()
     assert await auth.caller(STORE_KEY.encode()) is not None
     clock.now = 100.0
     assert await auth.caller(STORE_KEY.encode()) is not None
@@ -156,6 +164,7 @@ async def test_the_cache_is_bounded_the_least_recently_used_going_first(store: T
     await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
     reads = UnreachableStore(store, answers=3)
     auth = Authenticator((), reads, ttl_s=60, max_entries=2)  # type: ignore[arg-type]
+    await auth.watch()
     await auth.caller(STORE_KEY.encode())
     await auth.caller(b"sk-unknown-0123456789-a")
     await auth.caller(STORE_KEY.encode())  # kept: no read
@@ -246,6 +255,7 @@ async def test_the_request_state_names_the_tenant_and_its_limits(store: TenantSt
     acme = Tenant("acme", limits=TenantLimits(rps=2, concurrency=3))
     await store.add(acme, (key_digest(STORE_KEY),))
     auth = Authenticator(("k1",), store, ttl_s=2, max_entries=100)
+    await auth.watch()
     assert await _through(auth, "/v1/completions", STORE_KEY.encode()) == (
         200,
         {"tenant": tenant_of_store(acme), "tenant_name": "acme", "tenant_limits": acme.limits},
@@ -261,11 +271,36 @@ async def test_the_request_state_names_the_tenant_and_its_limits(store: TenantSt
 
 async def test_without_keys_every_request_is_the_default_tenant_and_a_lost_redis_is_503(store: TenantStore) -> None:
     open_api = Authenticator((), store, ttl_s=2, max_entries=100)
+    assert (await _through(open_api, "/v1/models", None))[0] == 503  # the store not read yet: closed
+    await open_api.watch()
     assert await _through(open_api, "/v1/models", None) == (
         200,
         {"tenant": NO_TENANT, "tenant_name": DEFAULT_TENANT, "tenant_limits": TenantLimits()},
     )
     await store.add(Tenant("acme"), (key_digest(STORE_KEY),))
     away = Authenticator(("k1",), UnreachableStore(store, answers=0), ttl_s=2, max_entries=100)  # type: ignore[arg-type]
+    await away.watch()
     assert (await _through(away, "/v1/models", STORE_KEY.encode()))[0] == 503
     assert (await _through(away, "/v1/models", b"k1"))[0] == 200  # a key given at start needs no Redis
+
+
+def test_an_api_started_while_redis_is_away_serves_no_one_without_a_key_until_it_answers(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """It cannot tell whether the store holds tenants: 503, not open; once Redis answers, the
+    tenant it held decides."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    url = server.url
+    _with_store(url, "away", lambda s: s.add(Tenant("acme"), (key_digest(STORE_KEY),)))
+    server.stop()  # its AOF keeps the tenant
+    api = start_api(url, "away", [tiny_model])
+    try:
+        assert _status(api, None) == 503 and _status(api, STORE_KEY) == 503
+        assert _status(api, None, "/health") == 200
+        server.start()  # same port, password and data folder
+        _until(lambda: _status(api, STORE_KEY) == 200, timeout_s=20)
+        assert _status(api, None) == 401 and _status(api, "sk-nobody-0123456789") == 401
+    finally:
+        stop_api(api)
+        server.stop()
