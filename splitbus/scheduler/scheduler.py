@@ -36,6 +36,7 @@ from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.request_stream import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.roles import Phase
+from splitbus.bus.tenants import Tenant, TenantStore
 from splitbus.placement import policies
 from splitbus.placement.decision import Placed, Placement, Waiting
 from splitbus.placement.dispatcher import Dispatcher
@@ -53,6 +54,8 @@ from splitbus.scheduler.recovery import Recovery
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRIM_EVERY_S = 5.0
+WEIGHTS_EVERY_S = 5.0
+"""How often a replica reads the tenants' fair-share weights (a change takes effect within this)."""
 KV_EVENTS_BLOCK_MS = 100
 """How long one read of the workers' KV event streams waits for a new batch."""
 
@@ -94,7 +97,9 @@ class Scheduler:
         self.served = ServedTokens()
         """Prompt tokens this replica dispatched per tenant, decayed: the waiting queue's fair share."""
         self.weights: Mapping[str, float] = {}
-        """Tenants' fair-share weights; a tenant not named here weighs 1 (``fairness.DEFAULT_WEIGHT``)."""
+        """Tenants' fair-share weights, read from the tenant store every ``WEIGHTS_EVERY_S``; a
+        tenant not named here weighs 1 (``fairness.DEFAULT_WEIGHT``)."""
+        self.tenants = TenantStore(self.redis, bus.keys)
         self.local = Local()
         """Reservations the registry snapshot does not show yet (kept by ``ledger``)."""
         self.ledger = Ledger(self.local)
@@ -144,6 +149,7 @@ class Scheduler:
         self.loops.start(self.reap_dead, every_s=config.reap_every_s)
         self.loops.start(self.recover, every_s=config.heartbeat_s)
         self.loops.start(self.trim_requests, every_s=TRIM_EVERY_S)
+        self.loops.start(self.read_weights, every_s=WEIGHTS_EVERY_S)
         if config.uses_kv_index:
             self.loops.start(self.follow_kv_events, name="KV events")
         log.info("scheduler %s (%s) started", config.name, config.mode)
@@ -363,6 +369,12 @@ class Scheduler:
         for p in placements:
             if p.phase != Phase.DECODE:
                 self.prefixes.routed(request, p.worker)
+
+    async def read_weights(self) -> None:
+        """The tenants' fair-share weights, from the tenant store (``splitbus tenants``); a record
+        that does not read weighs 1 (the store says why, to whoever lists it)."""
+        tenants = await self.tenants.all()
+        self.weights = {t.name: t.limits.weight for t in tenants if isinstance(t, Tenant)}
 
     async def trim_requests(self) -> None:
         """Delete request entries every replica has acked: the stream stays as long as its backlog."""

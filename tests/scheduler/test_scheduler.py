@@ -22,6 +22,7 @@ from splitbus.bus.messages import Failed
 from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry, SchedulerLease, WorkerRecord
 from splitbus.bus.request_stream import Submissions
+from splitbus.bus.tenants import Tenant, TenantLimits, TenantStore
 from splitbus.placement.policies.stagger import next_boundary
 from splitbus.placement.stagger import RELEASE_LEAD_S
 from splitbus.scheduler.config import SchedulerConfig
@@ -417,3 +418,15 @@ async def test_the_waiting_queue_goes_by_priority_then_fair_share_then_arrival(
         "B": pytest.approx(100, rel=0.01),
         "C": pytest.approx(100, rel=0.01),
     }
+
+
+async def test_a_replica_takes_the_tenants_weights_from_the_store(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    store = TenantStore(redis, bus_config.keys)
+    await store.add(Tenant("heavy", limits=TenantLimits(weight=3.0)))
+    await store.add(Tenant("light"))
+    scheduler = _replica(bus_config, "s1")
+    await scheduler.read_weights()
+    assert scheduler.weights == {"heavy": 3.0, "light": 1.0}
+    await store.set("heavy", weight=0.5)
+    await scheduler.read_weights()
+    assert scheduler.weights["heavy"] == 0.5
