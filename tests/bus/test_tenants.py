@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from typing import Any, cast
 
 import pytest
 import redis as sync_redis
@@ -26,6 +27,7 @@ from splitbus.bus.tenants import (
     new_key,
 )
 from splitbus.redis_cluster import EmbeddedCluster
+from splitbus.redis_server import EmbeddedRedis
 
 KEY = "sk-acme-0123456789abcdef"
 
@@ -93,27 +95,30 @@ async def test_remove_takes_the_tenants_keys_and_no_others(store: TenantStore) -
 
 
 async def test_no_key_is_stored_in_clear(
-    store: TenantStore, redis_admin: sync_redis.Redis, bus_config: BusConfig
+    store: TenantStore, redis_server: EmbeddedRedis, bus_config: BusConfig
 ) -> None:
     key = new_key()
     await store.add(Tenant("acme", limits=TenantLimits(rps=1)), (key_digest(key),))
-    stored = [item for name in redis_admin.scan_iter(match="*") for item in _everything(redis_admin, name)]
-    assert not any(key in item or key[3:20] in item for item in stored)
-    assert key_digest(key) in stored and "acme" in stored
+    # As bytes: the server may hold other tests' binary values (KV payloads), which are no UTF-8.
+    raw = redis_server.admin_client()
+    stored = [item for name in raw.scan_iter(match="*") for item in _everything(raw, name)]
+    raw.close()
+    assert not any(key.encode() in item or key[3:20].encode() in item for item in stored)
+    assert key_digest(key).encode() in stored and b"acme" in stored
 
 
-def _everything(client: sync_redis.Redis, name: str) -> list[str]:
-    """A key's name and every string it holds (strings, hashes, sets, sorted sets, lists, streams)."""
-    kind = client.type(name)
-    values: list[str] = {
+def _everything(client: sync_redis.Redis, name: bytes) -> list[bytes]:
+    """A key's name and every value it holds (strings, hashes, sets, sorted sets, lists, streams)."""
+    kind = cast(bytes, client.type(name)).decode()
+    reads: dict[str, Any] = {
         "string": lambda: [client.get(name)],
-        "hash": lambda: [item for pair in client.hgetall(name).items() for item in pair],
-        "set": lambda: list(client.smembers(name)),
-        "zset": lambda: list(client.zrange(name, 0, -1)),
-        "list": lambda: list(client.lrange(name, 0, -1)),
-        "stream": lambda: [str(entry) for entry in client.xrange(name)],
-    }[kind]()
-    return [name, *values]
+        "hash": lambda: [item for pair in cast(dict[bytes, bytes], client.hgetall(name)).items() for item in pair],
+        "set": lambda: list(cast(set[bytes], client.smembers(name))),
+        "zset": lambda: list(cast(list[bytes], client.zrange(name, 0, -1))),
+        "list": lambda: list(cast(list[bytes], client.lrange(name, 0, -1))),
+        "stream": lambda: [repr(entry).encode() for entry in cast(list[Any], client.xrange(name))],
+    }
+    return [name, *(bytes(v) for v in reads[kind]())]
 
 
 @pytest.mark.parametrize(

@@ -166,7 +166,8 @@ class GenerateRequest:
     scheduler's waiting queue and stagger windows are ordered by it, then by fair share among
     tenants, then by arrival (docs/routing.md, "The waiting queue")."""
     tenant: str = ""
-    """The name of the API key's tenant ("" the default tenant): whose fair share of prompt tokens
+    """The name of the API key's tenant (``default`` for the keys an API was started with, or no
+    key; "" from an API node that predates tenants): whose fair share of prompt tokens
     the request counts in (docs/tenants.md). Untrusted like every field: a wrong one moves the
     request in the queue, never changes what it computes or which cached prompts it may reuse
     (``cache_salt`` decides that)."""
