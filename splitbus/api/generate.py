@@ -107,13 +107,14 @@ def request_tenant(request: Request) -> str:
 
 
 def request_priority(request: Request, params: GenerationParams) -> int:
-    """The body's ``priority``, else its tenant's default (``request.state.tenant_limits``, set by
-    the API's key check when the key's tenant has limits), held to the bus's range, else 0."""
-    if params.priority is not None:
-        return params.priority
+    """The request's priority: its tenant's (``request.state.tenant_limits``, set by the API's key
+    check; 0 without one), held to the bus's range; the body's ``priority`` may ask for a later
+    one (a larger number), never an earlier one: a client cannot put itself before the tenants
+    an operator ranked above it."""
     default = getattr(getattr(request.state, "tenant_limits", None), "priority", None)
     low, high = PRIORITY_RANGE
-    return min(max(default, low), high) if type(default) is int else 0
+    tenants = min(max(default, low), high) if type(default) is int else 0
+    return tenants if params.priority is None else max(params.priority, tenants)
 
 
 async def answer(request: Request, generation: Generation) -> Response:

@@ -30,13 +30,21 @@ from redis.exceptions import RedisError
 
 from splitbus.bus.blocks import HEX_DIGITS
 from splitbus.bus.core.connection import TRANSIENT_ERRORS
-from splitbus.bus.tenants import KEY_CHARS, BadTenantRecord, Tenant, TenantLimits, TenantStore, key_digest
+from splitbus.bus.tenants import (
+    KEY_CHARS,
+    RESERVED_NAME,
+    BadTenantRecord,
+    Tenant,
+    TenantLimits,
+    TenantStore,
+    key_digest,
+)
 
 log = logging.getLogger(__name__)
 
 NO_TENANT = b""
 """The cache identity of every request when no API key is required."""
-DEFAULT_TENANT = "default"
+DEFAULT_TENANT = RESERVED_NAME
 """The tenant of the keys the API was started with, and of every request when none is required."""
 _DIGEST = HEX_DIGITS // 2
 UNREADABLE: tuple[type[BaseException], ...] = (RedisError, *TRANSIENT_ERRORS)

@@ -159,10 +159,17 @@ class Tenant:
             raise BadTenantRecord(f"tenant {name[:64]!r}: {exc}") from None
 
 
+RESERVED_NAME = "default"
+"""The tenant of the keys an API is started with (and of no key): no stored tenant may take its
+name, which would share its fair share, its weight and its metrics with theirs."""
+
+
 def check_name(name: object) -> str:
     """A tenant's name, checked: it is a hash field, a metrics label and a column of a table."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise BadTenantRecord(f"a tenant's name is 1 to 64 letters, digits, '_', '.' or '-', got {str(name)[:80]!r}")
+    if name == RESERVED_NAME:
+        raise BadTenantRecord(f"{RESERVED_NAME!r} names the keys an API is started with; choose another name")
     return name
 
 

@@ -3,8 +3,9 @@ tokens, then arrival (docs/routing.md, "The waiting queue"). Pure logic: the sch
 state (``ServedTokens``) and passes it in.
 
 Fair share is start-time fair queueing on prompt tokens: each request of a priority gets a
-virtual start, its tenant's served tokens (decayed) plus the tokens of that tenant's requests
-ahead of it in the queue, divided by the tenant's weight; the least first. A tenant with a deep
+virtual start, its tenant's served tokens (decayed) over the tenant's weight, at least the
+virtual time (the start of the request dispatched last), plus the tokens of that tenant's
+requests ahead of it in the queue over its weight; the least first. A tenant with a deep
 backlog has its later requests' starts pushed far ahead, so one request of a tenant with a
 trickle (little served, nothing ahead) goes before them, and over a backlog two tenants of
 weights 2 and 1 get prompt tokens 2:1. Prompt tokens, not requests, because prefill is what the
@@ -46,18 +47,25 @@ def fair_order(
     tokens: Callable[[T], int],
     served: Mapping[str, float],
     weights: Mapping[str, float],
+    floor: float = 0.0,
 ) -> list[T]:
-    """``items`` (of one priority, in arrival order) by virtual start: (the tenant's ``served``
-    tokens + its tokens ahead in ``items``) / its weight (``weights``, else ``DEFAULT_WEIGHT``);
+    """``items`` (of one priority, in arrival order) by virtual start: the tenant's ``served``
+    tokens over its weight (``weights``, else ``DEFAULT_WEIGHT``), at least ``floor`` (the
+    virtual time: ``ServedTokens.floor``), plus its tokens ahead in ``items`` over its weight;
     ties in arrival order."""
     ahead: dict[str, float] = {}
     starts: list[float] = []
     for item in items:
         name = tenant(item)
-        start = ahead.get(name, served.get(name, 0.0))
-        ahead[name] = start + tokens(item)
-        starts.append(start / max(weights.get(name, DEFAULT_WEIGHT), MIN_WEIGHT))
+        weight = _weight(weights, name)
+        start = ahead.get(name, max(served.get(name, 0.0) / weight, floor))
+        ahead[name] = start + tokens(item) / weight
+        starts.append(start)
     return [items[i] for i in sorted(range(len(items)), key=starts.__getitem__)]  # sorted is stable
+
+
+def _weight(weights: Mapping[str, float], name: str) -> float:
+    return max(weights.get(name, DEFAULT_WEIGHT), MIN_WEIGHT)
 
 
 def queue_order(
@@ -67,6 +75,7 @@ def queue_order(
     tokens: Callable[[T], int],
     served: Mapping[str, float],
     weights: Mapping[str, float],
+    floor: float = 0.0,
 ) -> list[T]:
     """``items`` (in arrival order) by priority (lower first, as vLLM's), then by fair share
     among those of one priority (``fair_order``), then by arrival."""
@@ -74,7 +83,7 @@ def queue_order(
     return [
         item
         for _, level in groupby(by_priority, key=priority)
-        for item in fair_order(list(level), tenant, tokens, served, weights)
+        for item in fair_order(list(level), tenant, tokens, served, weights, floor)
     ]
 
 
@@ -88,13 +97,22 @@ class ServedTokens:
     tokens: dict[str, float] = field(default_factory=dict)
     at: float | None = None
     """When ``tokens`` were last decayed (monotonic seconds)."""
+    floor: float = 0.0
+    """The virtual time: the virtual start of the request dispatched last. A tenant's requests
+    start no earlier (``fair_order``), so a tenant that comes back, or comes new, after others
+    were served takes its share from now on, instead of everything until it has caught up with
+    their past (start-time fair queueing's virtual time)."""
 
-    def charge(self, tenant: str, tokens: int, now: float) -> None:
-        """Count ``tokens`` served to ``tenant`` at ``now``."""
+    def charge(self, tenant: str, tokens: int, now: float, weight: float = DEFAULT_WEIGHT) -> None:
+        """Count ``tokens`` served to ``tenant`` (of ``weight``) at ``now``: its request started at
+        its virtual start, which the virtual time moves to."""
         self.decayed(now)
-        self.tokens[tenant] = self.tokens.get(tenant, 0.0) + tokens
-        if len(self.tokens) > MAX_TENANTS:
-            del self.tokens[min(self.tokens, key=self.tokens.__getitem__)]
+        weight = max(weight, MIN_WEIGHT)
+        start = max(self.tokens.get(tenant, 0.0) / weight, self.floor)
+        self.floor = start
+        self.tokens[tenant] = start * weight + tokens
+        if len(self.tokens) > MAX_TENANTS:  # the least served other than this one: it comes back at the floor
+            del self.tokens[min((t for t in self.tokens if t != tenant), key=self.tokens.__getitem__)]
 
     def decayed(self, now: float) -> Mapping[str, float]:
         """The served tokens as of ``now``; entries decayed under ``FORGET_BELOW`` are dropped."""
@@ -104,6 +122,7 @@ class ServedTokens:
             factor = 0.5 ** ((now - self.at) / self.half_life_s)
             kept = {name: value * factor for name, value in self.tokens.items()}
             self.tokens = {name: value for name, value in kept.items() if value >= FORGET_BELOW}
+            self.floor *= factor
             self.at = now
         return self.tokens
 
@@ -125,9 +144,9 @@ def prompt_tokens(waiting: Waiting) -> int:
 
 
 def waiting_order(
-    waiting: Sequence[Waiting], served: Mapping[str, float], weights: Mapping[str, float]
+    waiting: Sequence[Waiting], served: Mapping[str, float], weights: Mapping[str, float], floor: float = 0.0
 ) -> list[Waiting]:
     """A scheduler's waiting entries in the order it decides them (``queue_order``), arrival being
     the order of their entry ids in the requests stream."""
     arrived = sorted(waiting, key=lambda w: entry_order(w.delivery.entry_id))
-    return queue_order(arrived, priority_of, tenant_of, prompt_tokens, served, weights)
+    return queue_order(arrived, priority_of, tenant_of, prompt_tokens, served, weights, floor)

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Mapping, Sequence
 from enum import Enum
 from typing import TypeVar
 
+from redis.exceptions import RedisError
+
 from splitbus.bus.core.codec import NamedRequest
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect, is_transient, transient_suppressed, until_done
@@ -40,7 +42,7 @@ from splitbus.bus.tenants import Tenant, TenantStore
 from splitbus.placement import policies
 from splitbus.placement.decision import Placed, Placement, Waiting
 from splitbus.placement.dispatcher import Dispatcher
-from splitbus.placement.fairness import ServedTokens, waiting_order
+from splitbus.placement.fairness import DEFAULT_WEIGHT, ServedTokens, waiting_order
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PlacingContext
@@ -202,7 +204,8 @@ class Scheduler:
         """Place what waits (with the lock held), by priority, then tenants' fair share, then
         arrival: under overload the lowest priority waits longest, and is the first refused once
         it has waited ``no_worker_wait_s``. What cannot be placed yet waits on."""
-        ordered = waiting_order(self.waiting, self.served.decayed(time.monotonic()), self.weights)
+        served = self.served.decayed(time.monotonic())
+        ordered = waiting_order(self.waiting, served, self.weights, self.served.floor)
         self.waiting = await self.place_all(ordered)
         await self.fail_dead_letters()  # requests dead-lettered as they were read
         if self.writer.pending:
@@ -328,7 +331,8 @@ class Scheduler:
 
     def _dispatched(self, waiting: Waiting, request: GenerateRequest) -> None:
         """Count a request's tasks written: its queue wait, and its tenant's served prompt tokens."""
-        self.served.charge(request.tenant, len(request.prompt_token_ids), time.monotonic())
+        weight = self.weights.get(request.tenant, DEFAULT_WEIGHT)
+        self.served.charge(request.tenant, len(request.prompt_token_ids), time.monotonic(), weight)
         if waiting.delivery.published_us is not None:
             metrics.QUEUE_WAIT.observe(max(0.0, time.time() - waiting.delivery.published_us / 1e6))
 
@@ -373,7 +377,13 @@ class Scheduler:
     async def read_weights(self) -> None:
         """The tenants' fair-share weights, from the tenant store (``splitbus tenants``); a record
         that does not read weighs 1 (the store says why, to whoever lists it)."""
-        tenants = await self.tenants.all()
+        try:
+            tenants = await self.tenants.all()
+        except RedisError as exc:  # a forged key of another type (WRONGTYPE): the weights stay as they were
+            if is_transient(exc):
+                raise
+            log.warning("the tenants' weights could not be read (%s); keeping the last ones", exc)
+            return
         self.weights = {t.name: t.limits.weight for t in tenants if isinstance(t, Tenant)}
 
     async def trim_requests(self) -> None:

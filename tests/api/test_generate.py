@@ -90,11 +90,13 @@ def _http(**state: object) -> object:
     return SimpleNamespace(state=SimpleNamespace(**state))
 
 
-def test_a_request_takes_the_bodys_priority_else_its_tenants_default_else_0() -> None:
+def test_a_request_takes_its_tenants_priority_or_a_later_one_it_asks_for() -> None:
     body, default = {"model": "m", "prompt": "x"}, parse_completion({"model": "m", "prompt": "x"})
     limits = SimpleNamespace(priority=5)
-    assert request_priority(_http(tenant_limits=limits), parse_completion({**body, "priority": -1})) == -1  # type: ignore[arg-type]
-    assert request_priority(_http(tenant_limits=limits), parse_completion({**body, "priority": 0})) == 0  # type: ignore[arg-type]
+    # Never earlier than its tenant's: a flooding client cannot jump the tenants ranked above it.
+    assert request_priority(_http(tenant_limits=limits), parse_completion({**body, "priority": -1})) == 5  # type: ignore[arg-type]
+    assert request_priority(_http(tenant_limits=limits), parse_completion({**body, "priority": 9})) == 9  # type: ignore[arg-type]
+    assert request_priority(_http(), parse_completion({**body, "priority": -1})) == 0  # type: ignore[arg-type]
     assert request_priority(_http(tenant_limits=limits), default) == 5  # type: ignore[arg-type]
     assert request_priority(_http(), default) == 0  # type: ignore[arg-type]  # no tenant limits: keys alone
     assert request_priority(_http(tenant_limits=SimpleNamespace()), default) == 0  # type: ignore[arg-type]

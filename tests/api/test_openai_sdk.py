@@ -62,11 +62,11 @@ def test_a_requests_priority_reaches_the_bus_and_a_bad_one_is_a_400(api: ApiProc
     """vLLM's ``priority`` on both endpoints; without it the tenant's default, 0 (no keys: "default")."""
     client = _client(api)
     chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"priority": -7}
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"priority": 7}
     )
     plain = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
     sent = {r.request_id: (r.priority, r.tenant) for r in responder.requests}
-    assert (sent[chat.id], sent[plain.id]) == ((-7, "default"), (0, "default"))
+    assert (sent[chat.id], sent[plain.id]) == ((7, "default"), (0, "default"))
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"priority": 2**31})
     assert info.value.status_code == 400 and "'priority' must be <= 2147483647" in info.value.message

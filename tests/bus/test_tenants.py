@@ -168,6 +168,11 @@ def test_a_bad_name_is_refused(name: str) -> None:
         check_name(name)
 
 
+def test_the_start_keys_tenants_name_is_reserved() -> None:
+    with pytest.raises(BadTenantRecord, match="'default' names the keys an API is started with"):
+        Tenant("default")
+
+
 def test_keys_and_digests_are_checked() -> None:
     assert check_key(new_key()) and len(new_key()) == 46 and new_key() != new_key()
     for bad in ("short", "has a space in it ok", "x" * 257, "ctrl\x07-0123456789ab"):

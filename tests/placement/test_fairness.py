@@ -166,11 +166,28 @@ def test_served_tokens_keep_at_most_max_tenants() -> None:
     served = ServedTokens()
     for i in range(MAX_TENANTS):
         served.charge(f"t{i}", 10 + i, now=0.0)
-    served.charge("new", 5, now=0.0)  # the least served is dropped: here the newcomer
+    served.charge("new", 5, now=0.0)  # the least served other than the one charged is dropped
     assert len(served.tokens) == MAX_TENANTS
-    assert "new" not in served.tokens and "t0" in served.tokens
+    assert "new" in served.tokens and "t0" not in served.tokens
     served.charge("big", 10**6, now=0.0)
-    assert len(served.tokens) == MAX_TENANTS and "big" in served.tokens and "t0" not in served.tokens
+    assert len(served.tokens) == MAX_TENANTS and "big" in served.tokens and "new" not in served.tokens
+
+
+def test_a_tenant_that_comes_after_others_were_served_takes_its_share_from_now_on() -> None:
+    """The virtual time: B, new after A was served alone for a while, alternates with A instead
+    of taking everything until it has caught up with A's past (30 s of it, at a 30 s half-life)."""
+    served = ServedTokens()
+    for _ in range(100):
+        served.charge("A", 100, now=0.0)
+    assert served.floor == 99 * 100  # the start of A's last request
+    queue = [_waiting(f"0-{i}", "A", tokens=100) for i in range(3)] + [
+        _waiting(f"1-{i}", "B", tokens=100) for i in range(3)
+    ]
+    order = waiting_order(queue, served.decayed(0.0), {}, served.floor)
+    assert [w.delivery.message.tenant for w in order] == ["B", "A", "B", "A", "B", "A"]
+    assert [w.delivery.message.tenant for w in waiting_order(queue, served.decayed(0.0), {})][:4] == ["B"] * 3 + ["A"]
+    served.decayed(30.0)
+    assert served.floor == pytest.approx(99 * 100 / 2)  # decays with the served tokens
 
 
 def _waiting(entry_id: str, tenant: str, priority: int = 0, tokens: int = 10) -> Waiting:
