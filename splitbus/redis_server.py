@@ -76,6 +76,7 @@ SPLITBUS_COMMANDS = (
     "zrange",
     "zrem",
     "zcard",
+    "zremrangebyscore",  # a tenant's expired leases (splitbus.bus.limits)
     "get",
     "set",
     "del",

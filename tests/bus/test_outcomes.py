@@ -11,6 +11,7 @@ import pytest
 
 from splitbus.bus.core.scripts import SCRIPTS
 from splitbus.bus.dispatch import DispatchOutcome, ReassertOutcome, SettleOutcome
+from splitbus.bus.limits import Ended
 from splitbus.bus.runs import RunState
 from splitbus.bus.tenants import AddOutcome, SetOutcome
 
@@ -22,6 +23,7 @@ ENUMS: dict[str, type[IntEnum]] = {
     "add_tenant": AddOutcome,
     "add_tenant_keys": AddOutcome,
     "set_tenant": SetOutcome,
+    "end_request": Ended,
 }
 
 

@@ -124,9 +124,9 @@ def test_the_script_table_in_docs_bus_md_is_the_declared_scripts() -> None:
 
 
 SAMPLE_IDS = [
-    {"worker": "prefill-0", "request": "cmpl-7f3a", "reader": "api-1a2b.out.0"},
-    {"worker": "decode-3", "request": "cmpl-0c9e:1796121154658-0", "reader": "api-1a2b.out.0"},
-    {"worker": "dp-g0-r1", "request": "chatcmpl-42", "reader": "api-1a2b.out.0"},
+    {"worker": "prefill-0", "request": "cmpl-7f3a", "reader": "api-1a2b.out.0", "tenant": "acme"},
+    {"worker": "decode-3", "request": "cmpl-0c9e:1796121154658-0", "reader": "api-1a2b.out.0", "tenant": "acme"},
+    {"worker": "dp-g0-r1", "request": "chatcmpl-42", "reader": "api-1a2b.out.0", "tenant": "acme"},
 ]
 """Ids for the keys of one run: several workers and requests (a dispatch's tasks, a snapshot's
 workers, a step's requests) of one cell, and one reader shard (what one write_step covers)."""

@@ -97,6 +97,16 @@ class Keys:
         """Hash: the SHA-256 of each API key (hex) -> the name of its tenant; no key in clear."""
         return self._control("tenant-keys")
 
+    def limits(self, tenant: str) -> str:
+        """Hash: one tenant's token buckets (``splitbus.bus.limits``), each field the Redis time (ms)
+        at which that bucket is full again; TTL: until the last of them is."""
+        return self._control("limits", tenant)
+
+    def inflight(self, tenant: str) -> str:
+        """Sorted set: one tenant's requests in flight (their ids), scored by when each one's lease
+        ends (Redis time, ms); TTL: the last lease taken."""
+        return self._control("inflight", tenant)
+
     def tasks(self, worker: str) -> str:
         """Stream of tasks for one worker (group ``workers``)."""
         return self._control("tasks", worker)
