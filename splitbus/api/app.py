@@ -29,8 +29,10 @@ from splitbus.api.errors import (
     Unauthorized,
 )
 from splitbus.api.generate import ClientDisconnected
+from splitbus.api.limits import with_headers
 from splitbus.api.state import ApiState
 from splitbus.api.tenants import ANONYMOUS, Authenticator, Caller, LookupFailed
+from splitbus.bus.limits import limited
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +111,12 @@ EXCEPTION_HANDLERS = {
 
 class RequireApiKey:
     """Bearer keys on ``/v1/*`` and the tenant routes (``needs_key``) once keys are required
-    (``Authenticator.required``: keys given at start, or tenants in the store); probes and metrics
-    stay open. The key names the request's tenant (splitbus.api.tenants): ``request.state``'s
-    ``tenant_name`` and ``tenant_limits`` (for admission), and ``tenant``, whose cached prompts it
-    may reuse. An unknown key is 401; one Redis cannot be read for (and never was) 503."""
+        (``Authenticator.required``: keys given at start, or tenants in the store); probes and metrics
+        stay open. The key names the request's tenant (splitbus.api.tenants): ``request.state``'s
+        ``tenant_name`` and ``tenant_limits`` (for admission), and ``tenant``, whose cached prompts it
+        may reuse. An unknown key is 401; one Redis cannot be read for (and never was) 503. Every
+    response to a tenant with limits carries its admission's ``x-ratelimit-*`` headers
+    (``splitbus.api.limits``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -126,6 +130,8 @@ class RequireApiKey:
                 return
             state = scope.setdefault("state", {})
             state.update(tenant=caller.cache, tenant_name=caller.name, tenant_limits=caller.limits)
+            if limited(caller.limits):  # its admission's x-ratelimit-* headers go on every response
+                send = with_headers(state, send)
         await self.app(scope, receive, send)
 
     async def _caller(self, scope: Scope) -> Caller:

@@ -36,6 +36,7 @@ async def generate_many(request: Request, many: list[Generation]) -> Response:
         for generation in many:
             generation.state.admit(generation.params.model)
             admitted.append(generation)
+        await many[0].limit(request, many)
         firsts = await _firsts(request, many)
     except BaseException as exc:
         _close(admitted, cancel_reason(exc))

@@ -9,7 +9,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import orjson
@@ -26,6 +26,7 @@ from splitbus.api.errors import (
     ServiceUnavailable,
     from_failure,
 )
+from splitbus.api.limits import Lease
 from splitbus.api.logprobs import Choice, merged
 from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
@@ -122,6 +123,7 @@ async def answer(request: Request, generation: Generation) -> Response:
     state, params = generation.state, generation.params
     state.admit(params.model)
     try:
+        await generation.limit(request)
         await generation.publish()
         first = await generation.until_disconnect(request, generation.next_result())
     except BaseException as exc:
@@ -292,6 +294,10 @@ class Generation:
         self.created = protocol.now_s()
         self.arrival = time.monotonic()
         self.sub: Subscription | None = None
+        self.lease: Lease | None = None
+        """Its hold on its tenant's limits (``limit``), ended when it closes; None: none taken."""
+        self.output_tokens = 0
+        """Tokens generated so far (charged to its tenant's limits when it closes)."""
         self._last_token_at: float | None = None
         self._closed = False
         self.tool_calls = (
@@ -354,6 +360,14 @@ class Generation:
         echoed = "" if not p.echo else p.prompt if isinstance(p.prompt, str) else None
         prompt_text = echoed if echoed is not None else tokenizer.decode(self.prompt_ids, skip_special_tokens=False)
         return Choice(p, self.prompt_ids, self.state.token_labels(p.model), prompt_text)
+
+    async def limit(self, request: Request, choices: Sequence[Generation] = ()) -> None:
+        """Take the request's tenant's limits (429 when one has no room) for the response: its
+        ``choices`` (default: this one) count as one request, their prompt once."""
+        group = list(choices) or [self]
+        lease = await self.state.limits.admit(request, len(self.prompt_ids), self.response_id, len(group))
+        for generation in group:
+            generation.lease = lease
 
     async def publish(self) -> None:
         """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is
@@ -549,6 +563,7 @@ class Generation:
         now = time.monotonic()
         if isinstance(result, TokenDelta) or (isinstance(result, Finished) and result.token_ids):
             metrics.GENERATION_TOKENS.inc(len(result.token_ids))
+            self.output_tokens += len(result.token_ids)
             if self._last_token_at is None:
                 metrics.TTFT.observe(now - self.arrival)
             else:
@@ -569,6 +584,8 @@ class Generation:
             if cancel is not None:
                 self.state.cancel_later(self.request_id, cancel)
         self.state.release()
+        if self.lease is not None:
+            self.lease.done(self.output_tokens)
 
 
 def cancel_reason(exc: BaseException) -> str | None:

@@ -14,6 +14,7 @@ import anyio.to_thread
 from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
+from splitbus.api.limits import LEASE_GRACE_S, TenantLimiter
 from splitbus.api.logprobs import TokenLabels
 from splitbus.api.placing import ApiPlacer
 from splitbus.api.tenants import Authenticator
@@ -22,6 +23,7 @@ from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect
 from splitbus.bus.core.loops import Loops
 from splitbus.bus.core.streams import Producer
+from splitbus.bus.limits import Limiter
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry
 from splitbus.bus.registry_view import RegistryView
@@ -60,6 +62,10 @@ class ApiState:
         self._seed_owed = bool(config.tenants)
         self.auth = Authenticator(config.api_keys, self.tenants, config.tenant_cache_s, config.tenant_cache_entries)
         """Who a key belongs to, and whether keys are required (``RequireApiKey``)."""
+        self.limits = TenantLimiter(
+            Limiter(self.redis, config.bus.keys), config.request_timeout_s + LEASE_GRACE_S, self.spawn
+        )
+        """Tenants' limits, checked with every other API node (``generate.Generation.limit``)."""
         self.inflight = 0
         self.backlog = 0
         self.bodies = BodySlots(config)
