@@ -7,14 +7,18 @@ the limited tenants' rates are a request per 100 s."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 import redis as sync_redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from splitbus.api.limits import duration, headers
+from splitbus.api.limits import WARN_EVERY_S, Lease, TenantLimiter, duration, headers
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
 from splitbus.bus.limits import Admission, Room, Verdict
@@ -151,3 +155,54 @@ def test_the_headers_as_openai_writes_them() -> None:
         (b"x-ratelimit-reset-tokens", b"7.2s"),
     ]
     assert headers(TenantLimits(concurrency=3), Admission(Verdict.ADMITTED, 0, {})) == []
+
+
+# While Redis cannot answer: admitted unchecked, said once a minute (a stub limiter: pure logic).
+
+
+class _Away:
+    """A limiter whose Redis is gone (a failover in progress)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def admit(self, *args: object) -> Admission:
+        self.asked += 1
+        raise RedisConnectionError("Connection refused")
+
+
+def _request(limits: TenantLimits) -> Any:
+    return SimpleNamespace(state=SimpleNamespace(tenant_name="acme", tenant_limits=limits))
+
+
+async def test_while_redis_is_away_requests_are_admitted_unchecked_and_said_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock, away = [0.0], _Away()
+    limiter = TenantLimiter(away, 60, spawn=lambda coro: coro.close(), clock=lambda: clock[0])  # type: ignore[arg-type]
+    request = _request(TenantLimits(rps=1, concurrency=1))
+    with caplog.at_level(logging.WARNING, logger="splitbus.api.limits"):
+        assert [await limiter.admit(request, 10, f"r{i}", 1) for i in range(3)] == [None] * 3
+        clock[0] = WARN_EVERY_S
+        assert await limiter.admit(request, 10, "r3", 1) is None
+    assert away.asked == 4 and not hasattr(request.state, "ratelimit_headers")
+    assert [r.getMessage().startswith("tenants' limits are not checked") for r in caplog.records] == [True, True]
+
+
+async def test_the_default_tenant_never_asks_the_limiter() -> None:
+    away = _Away()
+    limiter = TenantLimiter(away, 60, spawn=lambda coro: coro.close())  # type: ignore[arg-type]
+    assert await limiter.admit(_request(TenantLimits()), 10, "r", 1) is None
+    assert await limiter.admit(SimpleNamespace(state=SimpleNamespace()), 10, "r", 1) is None  # type: ignore[arg-type]
+    assert away.asked == 0
+
+
+def test_a_response_of_n_choices_ends_once_when_its_last_choice_ends() -> None:
+    ended: list[tuple[object, ...]] = []
+    owner = SimpleNamespace(end=lambda *args: ended.append(args))
+    lease = Lease(owner, "acme", "cmpl-1", TenantLimits(concurrency=1), 3)  # type: ignore[arg-type]
+    lease.done(4)
+    lease.done(0)
+    assert ended == []
+    lease.done(5)
+    assert ended == [("acme", "cmpl-1", TenantLimits(concurrency=1), 9)]
