@@ -16,7 +16,7 @@ hash() { printf %s "$1" | sha256sum | cut -d' ' -f1; }
 COMMANDS="+ping +select +client|setname +client|setinfo +xadd +xread +xreadgroup +xack +xautoclaim +xclaim \
 +xpending +xdel +xtrim +xlen +xrange +xrevrange +xgroup|create +xgroup|createconsumer \
 +xgroup|delconsumer +xinfo|groups +xinfo|consumers +xinfo|stream +hset +hget +hmget +hgetall \
-+hincrby +hdel +zadd +zrange +zrem +zcard +get +set +del +exists +incr +incrby +expire +pexpire \
++hincrby +hdel +zadd +zrange +zrem +zcard +zremrangebyscore +get +set +del +exists +incr +incrby +expire +pexpire \
 +persist +ttl +pttl +scan +eval +evalsha +script|load +script|exists +time +info|server"
 # Redis 7.0 and 7.1 refuse an ACL rule naming a subcommand they lack (CLIENT SETINFO came in 7.2), as
 # splitbus.redis_server.commands_for says: an image of those versions runs without it.

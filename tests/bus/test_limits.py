@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,6 +16,7 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
 from splitbus.bus.limits import BUCKETS, Admission, BadLimiterReply, Ended, Limiter, Room, Verdict, limited
 from splitbus.bus.tenants import TenantLimits
+from splitbus.redis_cluster import EmbeddedCluster
 
 LEASE_MS = 600_000
 
@@ -145,3 +147,17 @@ def test_a_bad_reply_is_refused_not_trusted() -> None:
 def test_only_a_tenant_with_a_limit_is_limited() -> None:
     assert not limited(TenantLimits(priority=3, weight=2))
     assert all(limited(TenantLimits(**{f: 1})) for f in ("rps", "tpm", "prompt_tpm", "output_tpm", "concurrency"))
+
+
+async def test_on_a_cluster_two_nodes_share_one_tenants_limits(redis_cluster: EmbeddedCluster) -> None:
+    """Both keys under the cell's tag: each script runs on the one primary of that slot."""
+    config = BusConfig(redis_url=redis_cluster.url, prefix=f"t{uuid.uuid4().hex[:10]}")
+    clients = [connect(config), connect(config)]
+    try:
+        nodes = (Limiter(clients[0], config.keys), Limiter(clients[1], config.keys))
+        verdicts = await _interleaved(nodes, TenantLimits(concurrency=5, tpm=1000), 20)
+        assert verdicts.count(Verdict.ADMITTED) == 5 and verdicts.count(Verdict.CONCURRENCY) == 15
+        assert await nodes[1].end("acme", "r0", TenantLimits(concurrency=5, tpm=1000), 3) is Ended.RELEASED
+    finally:
+        for client in clients:
+            await client.aclose()
