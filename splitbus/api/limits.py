@@ -12,6 +12,7 @@ is never refused or lost for it), and the API says so in its log once a minute.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -134,6 +135,9 @@ class TenantLimiter:
         except UNANSWERED as exc:
             self._warn(exc)
             return None
+        except asyncio.CancelledError:  # its client left mid-call: a place it may hold is given back
+            self.end(name, request_id, limits, 0)
+            raise
 
     def _warn(self, exc: BaseException) -> None:
         now = self._clock()

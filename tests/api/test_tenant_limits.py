@@ -206,3 +206,30 @@ def test_a_response_of_n_choices_ends_once_when_its_last_choice_ends() -> None:
     assert ended == []
     lease.done(5)
     assert ended == [("acme", "cmpl-1", TenantLimits(concurrency=1), 9)]
+
+
+class _Slow:
+    """A limiter that answers only when told: the client leaves while it is asked."""
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[object, ...]] = []
+
+    async def admit(self, *args: object) -> Admission:
+        await asyncio.sleep(3600)
+        raise AssertionError("not reached")
+
+    async def end(self, *args: object) -> None:
+        self.ended.append(args)
+
+
+async def test_a_client_that_leaves_while_its_admission_is_asked_gives_its_place_back() -> None:
+    slow, spawned = _Slow(), []
+    limiter = TenantLimiter(slow, 60, spawn=spawned.append)  # type: ignore[arg-type]
+    asking = asyncio.ensure_future(limiter.admit(_request(TenantLimits(concurrency=1)), 10, "r1", 1))
+    await asyncio.sleep(0)
+    asking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    (end,) = spawned
+    await end
+    assert slow.ended == [("acme", "r1", TenantLimits(concurrency=1), 0)]
