@@ -139,6 +139,14 @@ class ServiceUnavailable(ApiError):
     type = "service_unavailable_error"
     code = "service_unavailable"
 
+    def __init__(self, message: str, retry_after_s: int | None = None, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+        """When to come back (``Retry-After``), where the API can say: an early refusal."""
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
 
 class GatewayTimeout(ApiError):
     status = 504

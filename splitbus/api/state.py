@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from splitbus.api import metrics
+from splitbus.api import admission, metrics
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
 from splitbus.api.limits import LEASE_GRACE_S, TenantLimiter
@@ -27,7 +28,7 @@ from splitbus.bus.limits import Limiter
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry
 from splitbus.bus.registry_view import RegistryView
-from splitbus.bus.request_stream import Submissions, backlog
+from splitbus.bus.request_stream import Submissions, backlog, unread_requests
 from splitbus.bus.results import ResultReader
 from splitbus.bus.runs import Runs, ServerRuns
 from splitbus.bus.tenants import TenantStore
@@ -68,6 +69,10 @@ class ApiState:
         """Tenants' limits, checked with every other API node (``generate.Generation.limit``)."""
         self.inflight = 0
         self.backlog = 0
+        self.unread = 0
+        """Requests in the request stream no scheduler replica has read yet (early refusal's queue)."""
+        self.prefill_rates = admission.PrefillRates()
+        """Each model's measured prefill rate, for early refusal (``admit``)."""
         self.bodies = BodySlots(config)
         self.tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         self.templates = TemplatePool(TemplateLimits(workers=config.tokenize_threads))
@@ -136,9 +141,12 @@ class ApiState:
                 )
 
     async def read_backlog(self) -> None:
-        """The request stream's length, read at the registry's pace (never per request)."""
+        """The request stream's length and its entries not yet read, at the registry's pace (never
+        per request), and a reading of the workers' prefill counters (``admission.PrefillRates``)."""
+        self.prefill_rates.observe(self.workers.live(), time.monotonic())
         with contextlib.suppress(*TRANSIENT_ERRORS):
             self.backlog = await backlog(self.redis, self.config.bus.keys)
+            self.unread = await unread_requests(self.redis, self.config.bus.keys)
 
     async def close(self) -> None:
         self.workers.stop()
@@ -191,8 +199,23 @@ class ApiState:
             raise ServiceUnavailable("Redis is unreachable")
         if not self.workers.serves(model):
             raise ServiceUnavailable(f"no live worker serves model '{model}'")
+        self.refuse_late(model)
         self.inflight += 1
         metrics.INFLIGHT.set(self.inflight)
+
+    def refuse_late(self, model: str) -> None:
+        """503 with ``Retry-After`` when the request could not start before its deadline (the
+        server's ``request_timeout_s``) at the measured prefill rate (docs/tenants.md, "Early refusal")."""
+        ahead = admission.queued_ahead(self.workers.live(), model, self.unread)
+        wait_s = admission.predicted_wait_s(ahead, self.prefill_rates.rate(model))
+        refused = admission.judge(wait_s, self.config.request_timeout_s)
+        if refused is not None:
+            raise ServiceUnavailable(
+                f"the queue ahead is predicted to take {refused.wait_s:.0f}s, past the "
+                f"{self.config.request_timeout_s:g}s timeout; retry in {refused.retry_after_s}s",
+                retry_after_s=refused.retry_after_s,
+                code="overloaded",
+            )
 
     def release(self) -> None:
         self.inflight -= 1

@@ -13,9 +13,12 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, Keys
 from splitbus.bus.core.replies import text
 from splitbus.bus.core.scripts import LuaScript, declare, lua_string
-from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed
+from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed, unread
 from splitbus.bus.messages import GenerateRequest
 
+UNREAD_LIMIT = 10_000
+"""The most unread entries counted where Redis has no ``lag`` (6.2: an ``XRANGE``): the API's
+default ``max_backlog``, past which it refuses anyway."""
 _TYPE, _DATA, _TS = map(lua_string, ("type", "data", "ts"))  # an entry's fields (``codec.encode``)
 
 
@@ -48,6 +51,12 @@ async def submit(producer: Producer, keys: Keys, request: GenerateRequest) -> st
 async def backlog(redis: aioredis.Redis, keys: Keys) -> int:
     """The stream's length: entries not yet trimmed (``trim_requests``), read or not."""
     return int(await redis.xlen(keys.requests))
+
+
+async def unread_requests(redis: aioredis.Redis, keys: Keys, limit: int = UNREAD_LIMIT) -> int:
+    """The entries no scheduler replica has read yet (``XINFO GROUPS``' ``lag``; on Redis 6.2
+    counted, at most ``limit``): unlike ``backlog``, not the entries read and not yet trimmed."""
+    return await unread(redis, keys.requests, SCHEDULER_GROUP, limit)
 
 
 def request_consumer(

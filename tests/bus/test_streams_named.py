@@ -8,9 +8,10 @@ import time
 import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.core.streams import Producer
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.request_stream import backlog, request_consumer, submit, trim_requests
+from splitbus.bus.request_stream import backlog, request_consumer, submit, trim_requests, unread_requests
 from splitbus.bus.tasks import task_consumer, trim_tasks, unread_tasks
 
 DEADLINE_MS = int(time.time() * 1000) + 3_600_000
@@ -20,20 +21,34 @@ def request(i: int) -> GenerateRequest:
     return GenerateRequest(f"r{i}", "m", [1, 2, 3], SamplingParams(max_tokens=4), "api-1", DEADLINE_MS)
 
 
+async def _submitted(redis: aioredis.Redis, bus_config: BusConfig, count: int) -> tuple[GroupConsumer, Keys]:
+    """The schedulers' group, with ``count`` requests submitted to it."""
+    consumer = request_consumer(redis, bus_config, "s1")
+    await consumer.ensure_group()
+    producer = Producer(redis, bus_config)
+    for i in range(count):
+        await submit(producer, bus_config.keys, request(i))
+    return consumer, bus_config.keys
+
+
 async def test_submitted_requests_reach_a_scheduler_and_trim_once_acked(
     redis: aioredis.Redis, bus_config: BusConfig
 ) -> None:
-    consumer = request_consumer(redis, bus_config, "s1")
-    await consumer.ensure_group()
-    producer, keys = Producer(redis, bus_config), bus_config.keys
-    for i in range(3):
-        await submit(producer, keys, request(i))
+    consumer, keys = await _submitted(redis, bus_config, 3)
     assert await backlog(redis, keys) == 3
     read = await consumer.read(10, block_ms=0)
     assert [d.message for d in read] == [request(i) for i in range(3)]
     await consumer.ack(read[0].entry_id, read[1].entry_id)
     assert await trim_requests(redis, keys) == 2
     assert await backlog(redis, keys) == 1  # the unacked one stays
+
+
+async def test_unread_requests_are_those_no_scheduler_read_yet(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    consumer, keys = await _submitted(redis, bus_config, 4)
+    assert await unread_requests(redis, keys) == 4
+    await consumer.read(3, block_ms=0)
+    assert await unread_requests(redis, keys) == 1
+    assert await backlog(redis, keys) == 4  # read, not yet trimmed: still in the stream
 
 
 async def test_a_workers_unread_tasks_are_counted_and_acked_ones_trimmed(

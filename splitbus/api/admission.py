@@ -1,0 +1,127 @@
+"""Early refusal (docs/tenants.md, "Early refusal"): a request the fleet cannot start before its
+deadline is refused at admission (503, ``Retry-After``) rather than admitted and left to time out.
+
+The prediction is in requests, from what the registry already carries: the requests ahead of a
+new one (the request stream's entries no scheduler has read yet, and those waiting at or reserved
+for the live prefill and mixed workers of its model) divided by the rate at which those workers start them (their
+``prefills_done`` counters' growth, as an EWMA). The rate is measured only over intervals in which
+prefills were done: an idle fleet says nothing of its capacity, and a fleet that did none in an
+interval is left to its other guards rather than made to refuse everything. With no measurement
+yet (a cold start) nothing is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from splitbus.bus.registry import WorkerInfo
+from splitbus.bus.roles import Role
+
+PREFILLING = (Role.PREFILL.value, Role.MIXED.value)
+"""The roles whose workers start requests (their prefill)."""
+MIN_WINDOW_S = 2.0
+"""The shortest interval one rate sample spans: a shorter one counts too few prefills to say much."""
+EWMA_ALPHA = 0.3
+"""The weight of a new sample in the rate: about the last five samples (ten seconds) count."""
+MAX_RETRY_AFTER_S = 60
+"""The longest ``Retry-After`` a refusal advises: a queue may drain faster than predicted."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is refused: the predicted wait and when to come back."""
+
+    wait_s: float
+    retry_after_s: int
+
+
+def queued_ahead(workers: Iterable[WorkerInfo], model: str, unread: int) -> int:
+    """The requests a new one for ``model`` waits behind: the request stream's ``unread`` entries
+    (every model's: the schedulers read it in order) and the waiting and reserved ones of the live
+    workers that prefill ``model``. Not counted: those a scheduler has read and holds unplaced (at
+    most its ``batch``), which the API cannot see; the wait is then under-predicted, never over."""
+    return unread + sum(
+        w.record.load.waiting + w.reserved.reserved_requests
+        for w in workers
+        if w.alive and w.record.model == model and w.record.role in PREFILLING
+    )
+
+
+def prefills_done(workers: Iterable[WorkerInfo], model: str) -> dict[str, int]:
+    """Each live prefilling worker of ``model``'s ``prefills_done`` counter, by worker id."""
+    return {
+        w.record.worker_id: w.record.load.prefills_done
+        for w in workers
+        if w.alive and w.record.model == model and w.record.role in PREFILLING
+    }
+
+
+def counted(before: dict[str, int], now: dict[str, int]) -> int:
+    """The prefills done between two readings of the counters: each worker in both counts its
+    growth; one new since, or restarted (its counter went back), counts nothing."""
+    return sum(max(done - before[worker], 0) for worker, done in now.items() if worker in before)
+
+
+def predicted_wait_s(ahead: int, rate: float | None) -> float | None:
+    """How long ``ahead`` requests take to start at ``rate`` per second; None without a rate."""
+    if ahead <= 0:
+        return 0.0
+    if rate is None or rate <= 0:
+        return None
+    return ahead / rate
+
+
+def judge(wait_s: float | None, deadline_s: float) -> Refusal | None:
+    """A refusal when the predicted wait passes the deadline; None (admit) otherwise or unknown."""
+    if wait_s is None or wait_s <= deadline_s:
+        return None
+    retry = min(max(math.ceil(wait_s - deadline_s), 1), MAX_RETRY_AFTER_S)
+    return Refusal(wait_s, retry)
+
+
+def ewma(rate: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
+    """The rate with ``sample`` in (the first sample is the rate)."""
+    return sample if rate is None else alpha * sample + (1 - alpha) * rate
+
+
+@dataclass
+class _Model:
+    """One model's prefill rate as measured so far."""
+
+    counters: dict[str, int]
+    since: float
+    rate: float | None = None
+
+
+@dataclass
+class PrefillRates:
+    """The measured prefill rate of each model's fleet (requests started per second), fed with the
+    registry view's rows at the API's registry pace (``observe``)."""
+
+    min_window_s: float = MIN_WINDOW_S
+    models: dict[str, _Model] = field(default_factory=dict)
+
+    def observe(self, workers: list[WorkerInfo], now: float) -> None:
+        """Take a reading of every model's counters; a model whose window is long enough gets a
+        sample when prefills were done in it."""
+        for model in {w.record.model for w in workers}:
+            self._observe(model, prefills_done(workers, model), now)
+
+    def _observe(self, model: str, counters: dict[str, int], now: float) -> None:
+        known = self.models.get(model)
+        if known is None:
+            self.models[model] = _Model(counters, now)
+            return
+        if now - known.since < self.min_window_s:
+            return
+        done = counted(known.counters, counters)
+        if done > 0:
+            known.rate = ewma(known.rate, done / (now - known.since))
+        known.counters, known.since = counters, now
+
+    def rate(self, model: str) -> float | None:
+        """Requests per second ``model``'s fleet started, or None before a measurement."""
+        known = self.models.get(model)
+        return None if known is None else known.rate
