@@ -5,8 +5,10 @@ The prediction is in requests, from what the registry already carries: the reque
 new one (the request stream's entries no scheduler has read yet, and those waiting at or reserved
 for the live prefill and mixed workers of its model) divided by the rate at which those workers start them (their
 ``prefills_done`` counters' growth, as an EWMA). The rate is measured only over intervals in which
-prefills were done: an idle fleet says nothing of its capacity, and a fleet that did none in an
-interval is left to its other guards rather than made to refuse everything. With no measurement
+prefills were done and requests waited at the workers at both ends: a fleet with nothing waiting
+runs below its capacity and its rate is the demand's, which would predict a burst's wait too
+long; a fleet that did none in an interval is left to its other guards rather than made to
+refuse everything. With no measurement
 yet (a cold start) nothing is refused.
 """
 
@@ -92,6 +94,8 @@ class _Model:
 
     counters: dict[str, int]
     since: float
+    busy: bool
+    """Whether its workers had requests waiting at the reading that began the window."""
     rate: float | None = None
 
 
@@ -107,19 +111,20 @@ class PrefillRates:
         """Take a reading of every model's counters; a model whose window is long enough gets a
         sample when prefills were done in it."""
         for model in {w.record.model for w in workers}:
-            self._observe(model, prefills_done(workers, model), now)
+            busy = queued_ahead(workers, model, 0) > 0
+            self._observe(model, prefills_done(workers, model), busy, now)
 
-    def _observe(self, model: str, counters: dict[str, int], now: float) -> None:
+    def _observe(self, model: str, counters: dict[str, int], busy: bool, now: float) -> None:
         known = self.models.get(model)
         if known is None:
-            self.models[model] = _Model(counters, now)
+            self.models[model] = _Model(counters, now, busy)
             return
         if now - known.since < self.min_window_s:
             return
         done = counted(known.counters, counters)
-        if done > 0:
+        if done > 0 and known.busy and busy:
             known.rate = ewma(known.rate, done / (now - known.since))
-        known.counters, known.since = counters, now
+        known.counters, known.since, known.busy = counters, now, busy
 
     def rate(self, model: str) -> float | None:
         """Requests per second ``model``'s fleet started, or None before a measurement."""

@@ -79,23 +79,35 @@ def test_the_verdict(wait: float | None, deadline: float, verdict: Refusal | Non
     assert admission.judge(wait, deadline) == verdict
 
 
-def test_the_rate_is_measured_over_windows_with_prefills_and_smoothed() -> None:
+def test_the_rate_is_measured_over_busy_windows_with_prefills_and_smoothed() -> None:
     rates = PrefillRates(min_window_s=2.0)
-    rates.observe([_worker("a", done=0)], now=0.0)
+    rates.observe([_worker("a", waiting=5, done=0)], now=0.0)
     assert rates.rate("m") is None  # cold start: one reading measures nothing
-    rates.observe([_worker("a", done=100)], now=1.0)
+    rates.observe([_worker("a", waiting=5, done=100)], now=1.0)
     assert rates.rate("m") is None  # the window is too short: the reading waits
-    rates.observe([_worker("a", done=20)], now=2.0)
+    rates.observe([_worker("a", waiting=5, done=20)], now=2.0)
     assert rates.rate("m") == 10.0  # 20 prefills in 2 s
-    rates.observe([_worker("a", done=20)], now=4.0)
-    assert rates.rate("m") == 10.0  # an interval without prefills says nothing of capacity
-    rates.observe([_worker("a", done=60)], now=6.0)
+    rates.observe([_worker("a", waiting=5, done=20)], now=4.0)
+    assert rates.rate("m") == 10.0  # a window without prefills says nothing of capacity
+    rates.observe([_worker("a", waiting=5, done=60)], now=6.0)
     assert rates.rate("m") == pytest.approx(admission.EWMA_ALPHA * 20 + (1 - admission.EWMA_ALPHA) * 10)
     assert rates.rate("other") is None
 
 
+def test_a_window_with_nothing_waiting_measures_demand_not_capacity() -> None:
+    rates = PrefillRates(min_window_s=1.0)
+    rates.observe([_worker("a", done=0)], now=0.0)
+    rates.observe([_worker("a", done=2, waiting=3)], now=2.0)
+    assert rates.rate("m") is None  # nothing waited at its start: a trickle, not the fleet's pace
+    rates.observe([_worker("a", done=4)], now=4.0)
+    assert rates.rate("m") is None  # nothing waits at its end
+    rates.observe([_worker("a", done=5, reserved=1)], now=6.0)
+    rates.observe([_worker("a", done=9, waiting=1)], now=8.0)
+    assert rates.rate("m") == 2.0  # requests waited at both ends: 4 in 2 s
+
+
 def test_a_restarted_worker_does_not_count_its_counter_twice() -> None:
     rates = PrefillRates(min_window_s=1.0)
-    rates.observe([_worker("a", done=500), _worker("b", role="mixed", done=0)], now=0.0)
-    rates.observe([_worker("a", done=3), _worker("b", role="mixed", done=4)], now=2.0)
+    rates.observe([_worker("a", waiting=1, done=500), _worker("b", role="mixed", done=0)], now=0.0)
+    rates.observe([_worker("a", waiting=1, done=3), _worker("b", role="mixed", done=4)], now=2.0)
     assert rates.rate("m") == 2.0  # b's 4 in 2 s; a went back (restarted) and counts nothing
