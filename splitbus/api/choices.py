@@ -74,6 +74,9 @@ async def _publish(many: list[Generation]) -> None:
     await many[0].submitted(state.submit_together([g.message() for g in many]))
     for generation in many[1:]:
         metrics.PROMPT_TOKENS.inc(len(generation.prompt_ids))
+        metrics.TENANT_PROMPT_TOKENS.labels(metrics.TENANT_LABEL(generation.queueing.tenant)).inc(
+            len(generation.prompt_ids)
+        )
 
 
 async def _collected(request: Request, many: list[Generation], firsts: list[Result]) -> dict[str, Any]:

@@ -386,8 +386,10 @@ class Generation:
             await submit
         except TRANSIENT_ERRORS as exc:
             log.warning("request %s not published: Redis is unreachable: %s", self.request_id, exc)
+            metrics.REFUSALS.add(self.queueing.tenant, "unavailable", "(503): Redis could not take them")
             raise ServiceUnavailable("Redis is unreachable; retry later").for_request(self.request_id) from None
         metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))
+        metrics.admitted(self.queueing.tenant, len(self.prompt_ids))
 
     async def next_result(self) -> Result:
         assert self.sub is not None
@@ -563,9 +565,13 @@ class Generation:
         now = time.monotonic()
         if isinstance(result, TokenDelta) or (isinstance(result, Finished) and result.token_ids):
             metrics.GENERATION_TOKENS.inc(len(result.token_ids))
+            metrics.TENANT_GENERATION_TOKENS.labels(metrics.TENANT_LABEL(self.queueing.tenant)).inc(
+                len(result.token_ids)
+            )
             self.output_tokens += len(result.token_ids)
             if self._last_token_at is None:
                 metrics.TTFT.observe(now - self.arrival)
+                metrics.TENANT_TTFT.labels(metrics.TENANT_LABEL(self.queueing.tenant)).observe(now - self.arrival)
             else:
                 metrics.ITL.observe(now - self._last_token_at)
             self._last_token_at = now

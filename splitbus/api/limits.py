@@ -23,6 +23,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import Message, Send
 
+from splitbus.api import metrics
 from splitbus.api.errors import TooManyRequests
 from splitbus.api.tenants import UNREADABLE
 from splitbus.bus.limits import Admission, BadLimiterReply, Limiter, Verdict, limited
@@ -126,6 +127,9 @@ class TenantLimiter:
             return None
         request.state.ratelimit_headers = headers(limits, admission)
         if admission.verdict is not Verdict.ADMITTED:
+            metrics.REFUSALS.add(
+                name, admission.verdict.name.lower(), f"at their tenant's {REFUSED[admission.verdict]}"
+            )
             raise refusal(name, admission)
         return Lease(self, name, request_id, limits, choices) if limits.concurrency or _charged_after(limits) else None
 

@@ -1,8 +1,15 @@
-"""Prometheus metrics of the API. Labels are bounded: route templates and status codes."""
+"""Prometheus metrics of the API. Labels are bounded: route templates, status codes, reasons, and
+tenants' names (at most ``MAX_TENANT_LABELS`` of them, the rest as ``OTHER_TENANT``)."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -33,3 +40,94 @@ DISPATCHES = Counter(
     "dispatched already); no_worker, recovering, worker_gone (submitted to the schedulers instead).",
     ["outcome"],
 )
+
+# Per tenant (docs/tenants.md, "Seeing it"). Tenants' names come from the store, which only
+# operators write, but a label per name is a series per name for as long as the process runs: the
+# first MAX_TENANT_LABELS names seen keep their own label, any later one is counted as OTHER_TENANT.
+MAX_TENANT_LABELS = 100
+"""Distinct tenant labels one API process (or scheduler) gives; the rest share ``OTHER_TENANT``."""
+OTHER_TENANT = "(other)"
+"""The label of tenants past ``MAX_TENANT_LABELS``: not a tenant's name (names are letters, digits, ``_.-``)."""
+DEFAULT_LABEL = "default"
+"""The label of the default tenant (the keys the API was started with, or none), whose name is ""
+on the bus."""
+REFUSALS_LOG_EVERY_S = 10.0
+"""The refusals of one reason are logged at most this often (a flooding tenant sends thousands)."""
+
+TENANT_REQUESTS = Counter(
+    "splitbus_api_tenant_requests_total",
+    "Generation requests (a response of n choices is one) per tenant, by outcome: admitted (published to "
+    "the bus); refused before the first byte: requests, tokens (its rate limits), concurrency (429), "
+    "unavailable (503: Redis could not take it), deadline (503: it could not start before its deadline).",
+    ["tenant", "outcome"],
+)
+TENANT_PROMPT_TOKENS = Counter(
+    "splitbus_api_tenant_prompt_tokens_total", "Prompt tokens of admitted requests, per tenant.", ["tenant"]
+)
+TENANT_GENERATION_TOKENS = Counter(
+    "splitbus_api_tenant_generation_tokens_total", "Tokens relayed to clients, per tenant.", ["tenant"]
+)
+TENANT_TTFT = Histogram(
+    "splitbus_api_tenant_time_to_first_token_seconds",
+    "Arrival to first token, per tenant.",
+    ["tenant"],
+    buckets=_LATENCY_BUCKETS,
+)
+
+
+class TenantLabels:
+    """Bounded tenant labels: a name keeps its own label if it is among the first ``cap`` seen."""
+
+    def __init__(self, cap: int = MAX_TENANT_LABELS) -> None:
+        self.cap = cap
+        self._seen: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        name = tenant or DEFAULT_LABEL
+        if name in self._seen:
+            return name
+        if len(self._seen) >= self.cap:
+            return OTHER_TENANT
+        self._seen.add(name)
+        return name
+
+
+TENANT_LABEL = TenantLabels()
+
+
+class Refusals:
+    """Requests refused before their first byte, per tenant and reason: counted, and logged once
+    per reason per ``REFUSALS_LOG_EVERY_S`` (with how many, and of how many tenants), as the
+    connection guard logs its closes."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.unlogged: dict[str, set[str]] = {}
+        self.counts: dict[str, int] = {}
+        self.logged_at: dict[str, float] = {}
+
+    def add(self, tenant: str, reason: str, why: str) -> None:
+        """One request of ``tenant`` refused for ``reason`` (a ``TENANT_REQUESTS`` outcome); ``why``
+        says it in the log."""
+        TENANT_REQUESTS.labels(TENANT_LABEL(tenant), reason).inc()
+        self.unlogged.setdefault(reason, set()).add(TENANT_LABEL(tenant))
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        now = self._clock()
+        if now - self.logged_at.get(reason, -REFUSALS_LOG_EVERY_S) >= REFUSALS_LOG_EVERY_S:
+            self._log(reason, why, now)
+
+    def _log(self, reason: str, why: str, now: float) -> None:
+        count, tenants = self.counts.pop(reason), sorted(self.unlogged.pop(reason))
+        self.logged_at[reason] = now
+        shown = ", ".join(tenants[:5]) + (f" and {len(tenants) - 5} more" if len(tenants) > 5 else "")
+        log.warning("refused %d request%s (%s) %s; tenants: %s", count, "" if count == 1 else "s", reason, why, shown)
+
+
+REFUSALS = Refusals()
+
+
+def admitted(tenant: str, prompt_tokens: int) -> None:
+    """A response of ``tenant`` was published to the bus, its prompt of ``prompt_tokens``."""
+    label = TENANT_LABEL(tenant)
+    TENANT_REQUESTS.labels(label, "admitted").inc()
+    TENANT_PROMPT_TOKENS.labels(label).inc(prompt_tokens)

@@ -34,6 +34,7 @@ TENANTS = {
     "beta": (TenantLimits(concurrency=2, tpm=100_000), "sk-beta-limits-key-0123"),
     "gamma": (TenantLimits(rps=0.01), "sk-gamma-limits-key-0123"),
     "delta": (TenantLimits(tpm=1), "sk-delta-limits-key-0123"),
+    "epsilon": (TenantLimits(rps=0.01), "sk-epsilon-limits-key-0123"),
 }
 RATE_HEADERS = {f"x-ratelimit-{n}-{k}" for n in ("limit", "remaining", "reset") for k in ("requests", "tokens")}
 
@@ -80,6 +81,32 @@ def test_a_tenants_rate_is_one_across_two_nodes_and_a_refusal_says_when(nodes: l
     error = refused.json()["error"]
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
     assert "requests per second" in error["message"] and "beta" not in error["message"]
+
+
+def _samples(api: ApiProcess, name: str) -> dict[str, float]:
+    """The values of metric ``name`` on ``api``'s /metrics, by their labels as written."""
+    found = {}
+    for line in httpx.get(api.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            found[labels] = float(value)
+    return found
+
+
+def test_each_tenant_is_counted_under_its_own_labels(nodes: list[ApiProcess]) -> None:
+    """epsilon (rps 0.01) on one node: an admitted request, then a refusal at its rate; the default
+    tenant's requests under ``default``; tokens and TTFT per tenant."""
+    api, key = nodes[0], TENANTS["epsilon"][1]
+    assert _complete(api, key).status_code == 200 and _complete(api, key).status_code == 429
+    assert _complete(api, STARTED_KEY).status_code == 200
+    requests = _samples(api, "splitbus_api_tenant_requests_total")
+    assert requests['{outcome="admitted",tenant="epsilon"}'] == 1
+    assert requests['{outcome="requests",tenant="epsilon"}'] == 1
+    assert requests['{outcome="admitted",tenant="default"}'] >= 1
+    assert not any('outcome="tokens"' in labels and "epsilon" in labels for labels in requests)
+    assert _samples(api, "splitbus_api_tenant_prompt_tokens_total")['{tenant="epsilon"}'] == 20
+    assert _samples(api, "splitbus_api_tenant_generation_tokens_total")['{tenant="epsilon"}'] == 3
+    assert _samples(api, "splitbus_api_tenant_time_to_first_token_seconds_count")['{tenant="epsilon"}'] == 1
 
 
 def test_a_stream_carries_the_headers_and_its_place_is_released(
