@@ -1,5 +1,5 @@
 """Prometheus metrics of the API. Labels are bounded: route templates, status codes, reasons, and
-tenants' names (at most ``MAX_TENANT_LABELS`` of them, the rest as ``OTHER_TENANT``)."""
+tenants' names (``splitbus.placement.metrics.TenantLabels``: at most ``MAX_TENANT_LABELS``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from splitbus.placement.metrics import TenantLabels
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +43,7 @@ DISPATCHES = Counter(
     ["outcome"],
 )
 
-# Per tenant (docs/tenants.md, "Seeing it"). Tenants' names come from the store, which only
-# operators write, but a label per name is a series per name for as long as the process runs: the
-# first MAX_TENANT_LABELS names seen keep their own label, any later one is counted as OTHER_TENANT.
-MAX_TENANT_LABELS = 100
-"""Distinct tenant labels one API process (or scheduler) gives; the rest share ``OTHER_TENANT``."""
-OTHER_TENANT = "(other)"
-"""The label of tenants past ``MAX_TENANT_LABELS``: not a tenant's name (names are letters, digits, ``_.-``)."""
-DEFAULT_LABEL = "default"
-"""The label of the default tenant (the keys the API was started with, or none), whose name is ""
-on the bus."""
+# Per tenant (docs/tenants.md, "Seeing it"): labels bounded by ``TenantLabels``.
 REFUSALS_LOG_EVERY_S = 10.0
 """The refusals of one reason are logged at most this often (a flooding tenant sends thousands)."""
 
@@ -73,23 +66,6 @@ TENANT_TTFT = Histogram(
     ["tenant"],
     buckets=_LATENCY_BUCKETS,
 )
-
-
-class TenantLabels:
-    """Bounded tenant labels: a name keeps its own label if it is among the first ``cap`` seen."""
-
-    def __init__(self, cap: int = MAX_TENANT_LABELS) -> None:
-        self.cap = cap
-        self._seen: set[str] = set()
-
-    def __call__(self, tenant: str) -> str:
-        name = tenant or DEFAULT_LABEL
-        if name in self._seen:
-            return name
-        if len(self._seen) >= self.cap:
-            return OTHER_TENANT
-        self._seen.add(name)
-        return name
 
 
 TENANT_LABEL = TenantLabels()

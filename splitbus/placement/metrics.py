@@ -1,6 +1,7 @@
 """Prometheus metrics of placement: the KV index and conditional disaggregation. Named
 ``splitbus_scheduler_*`` as before they moved here: a scheduler replica exposes them, and so does an
-API node that places (``--dispatch api``)."""
+API node that places (``--dispatch api``). Also the bound on tenant labels that the API's and the
+scheduler's per-tenant metrics share (``TenantLabels``)."""
 
 from prometheus_client import Counter, Gauge
 
@@ -40,3 +41,32 @@ DISAGG_DECISIONS = Counter(
     "long_prompt).",
     ["decision", "reason"],
 )
+
+
+# Tenants as labels (docs/tenants.md, "Seeing it"). Tenants' names come from the store, which only
+# operators write, but a label per name is a series per name for as long as the process runs: the
+# first MAX_TENANT_LABELS names seen keep their own label, any later one is counted as OTHER_TENANT.
+MAX_TENANT_LABELS = 100
+"""Distinct tenant labels one API process (or scheduler) gives; the rest share ``OTHER_TENANT``."""
+OTHER_TENANT = "(other)"
+"""The label of tenants past ``MAX_TENANT_LABELS``: not a tenant's name (names are letters, digits, ``_.-``)."""
+DEFAULT_LABEL = "default"
+"""The label of the default tenant (the keys the API was started with, or none), whose name is ""
+on the bus."""
+
+
+class TenantLabels:
+    """Bounded tenant labels: a name keeps its own label if it is among the first ``cap`` seen."""
+
+    def __init__(self, cap: int = MAX_TENANT_LABELS) -> None:
+        self.cap = cap
+        self._seen: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        name = tenant or DEFAULT_LABEL
+        if name in self._seen:
+            return name
+        if len(self._seen) >= self.cap:
+            return OTHER_TENANT
+        self._seen.add(name)
+        return name

@@ -1,6 +1,11 @@
 """Prometheus metrics of the scheduler process (what placement counts: ``splitbus.placement.metrics``)."""
 
-from prometheus_client import Counter, Histogram
+from collections import Counter as Tally
+from collections.abc import Iterable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from splitbus.placement.metrics import TenantLabels
 
 DISPATCHES = Counter(
     "splitbus_scheduler_dispatches_total",
@@ -13,3 +18,27 @@ QUEUE_WAIT = Histogram(
     "From the API's XADD to the tasks being written.",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+TENANT_QUEUED = Gauge(
+    "splitbus_scheduler_tenant_queued_requests",
+    "Requests this replica has read and not placed yet (its waiting queue), per tenant (at most "
+    "MAX_TENANT_LABELS tenant labels, the rest as (other)).",
+    ["tenant"],
+)
+
+
+class QueuedByTenant:
+    """``TENANT_QUEUED`` from a waiting queue's tenants: a tenant shown before and waiting no more
+    reads 0 (not its last count)."""
+
+    def __init__(self, gauge: Gauge = TENANT_QUEUED, labels: TenantLabels | None = None) -> None:
+        self._gauge = gauge
+        self._labels = labels or TenantLabels()
+        self._shown: set[str] = set()
+
+    def show(self, tenants: Iterable[str]) -> None:
+        counts = Tally(map(self._labels, tenants))
+        for label in self._shown - counts.keys():
+            self._gauge.labels(label).set(0)
+        for label, count in counts.items():
+            self._gauge.labels(label).set(count)
+        self._shown |= counts.keys()

@@ -42,7 +42,7 @@ from splitbus.bus.tenants import Tenant, TenantStore
 from splitbus.placement import policies
 from splitbus.placement.decision import Placed, Placement, Waiting
 from splitbus.placement.dispatcher import Dispatcher
-from splitbus.placement.fairness import DEFAULT_WEIGHT, ServedTokens, waiting_order
+from splitbus.placement.fairness import DEFAULT_WEIGHT, ServedTokens, tenant_of, waiting_order
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PlacingContext
@@ -102,6 +102,8 @@ class Scheduler:
         """Tenants' fair-share weights, read from the tenant store every ``WEIGHTS_EVERY_S``; a
         tenant not named here weighs 1 (``fairness.DEFAULT_WEIGHT``)."""
         self.tenants = TenantStore(self.redis, bus.keys)
+        self.queued = metrics.QueuedByTenant()
+        """``splitbus_scheduler_tenant_queued_requests``, from ``waiting``."""
         self.local = Local()
         """Reservations the registry snapshot does not show yet (kept by ``ledger``)."""
         self.ledger = Ledger(self.local)
@@ -169,6 +171,7 @@ class Scheduler:
         async with self._placing:
             if self.recovery.recovering:  # placed once the cell is settled on the new Redis run
                 self.waiting += arrivals
+                self.queued.show(map(tenant_of, self.waiting))
                 return
             admitted = await self.policy.admit(arrivals, self.context)
             self._wake_at = admitted.wake_at
@@ -207,6 +210,7 @@ class Scheduler:
         served = self.served.decayed(time.monotonic())
         ordered = waiting_order(self.waiting, served, self.weights, self.served.floor)
         self.waiting = await self.place_all(ordered)
+        self.queued.show(map(tenant_of, self.waiting))
         await self.fail_dead_letters()  # requests dead-lettered as they were read
         if self.writer.pending:
             await self.writer.flush()

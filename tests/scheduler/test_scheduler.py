@@ -413,6 +413,7 @@ async def test_the_waiting_queue_goes_by_priority_then_fair_share_then_arrival(
         await scheduler.redis.aclose()
     assert placed == ["a0", "b0", "c0"]  # in arrival order alone: a0, a1, a2
     assert left == ["a1", "a2", "a3", "a4"]
+    assert REGISTRY.get_sample_value("splitbus_scheduler_tenant_queued_requests", {"tenant": "A"}) == 4
     assert served == {
         "A": pytest.approx(100, rel=0.01),
         "B": pytest.approx(100, rel=0.01),
