@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 import redis.asyncio as aioredis
 
@@ -263,3 +264,18 @@ class Limiter:
             _rate(limits.prompt_tpm),
             _rate(limits.output_tpm),
         ]
+
+
+class ReadsSortedSet(Protocol):
+    """A sync client (``splitbus status``'s): what ``in_flight`` needs of it."""
+
+    def zrange(self, name: str, start: str, end: str, *, byscore: bool) -> object: ...
+
+
+def in_flight(client: ReadsSortedSet, keys: Keys, tenant: str, now_ms: int) -> int:
+    """How many of ``tenant``'s requests hold a place (``concurrency``) at ``now_ms`` (Redis's
+    clock): its leases not run out. Read-only, for ``splitbus status``; only a tenant with a
+    ``concurrency`` limit takes leases (at most that many live ones). ZRANGE, not ZCOUNT: the
+    splitbus ACL user may run the one (docs/bus.md), not the other."""
+    held = client.zrange(keys.inflight(tenant), f"({now_ms}", "+inf", byscore=True)
+    return len(held) if isinstance(held, list) else 0

@@ -17,7 +17,7 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import redis.asyncio as aioredis
@@ -421,3 +421,18 @@ def _read(name: str, raw: object) -> Tenant | BadTenantRecord:
         return Tenant.from_record(name, raw)
     except BadTenantRecord as exc:
         return exc
+
+
+class ReadsHash(Protocol):
+    """A sync client (``splitbus status``'s): what ``stored_tenants`` needs of it."""
+
+    def hgetall(self, name: str) -> object: ...
+
+
+def stored_tenants(client: ReadsHash, keys: Keys) -> list[Tenant | BadTenantRecord]:
+    """``TenantStore.all`` on a sync client, for ``splitbus status``: every tenant, by name; a bad
+    record as its error."""
+    records = client.hgetall(keys.tenants)
+    if not isinstance(records, dict):
+        return []
+    return [_read(_text(name), raw) for name, raw in sorted(records.items())]

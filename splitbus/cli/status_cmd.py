@@ -72,7 +72,29 @@ def collect(client: SyncClient, prefix: str, cell: str) -> dict[str, Any]:
             _link(client, key)
             for key in sorted(client.scan_iter(match=keys.rdma("*", "*").replace("{*}", "*"), count=1000))
         ],
+        "tenants": _tenants(client, keys, now_ms),
     }
+
+
+def _tenants(client: SyncClient, keys: Any, now_ms: int) -> list[dict[str, Any]]:
+    """Each stored tenant's limits and, for one with a ``concurrency`` limit, its requests in flight
+    (their leases, across every API node); a bad record as ``invalid``."""
+    from splitbus.bus.tenants import BadTenantRecord, Tenant, stored_tenants
+
+    none: list[Tenant | BadTenantRecord] = []
+    tenants = _unless_wrong_type(lambda: stored_tenants(client, keys), none)
+    return [
+        {"invalid": str(t)} if isinstance(t, BadTenantRecord) else _tenant(client, keys, t, now_ms) for t in tenants
+    ]
+
+
+def _tenant(client: SyncClient, keys: Any, tenant: Any, now_ms: int) -> dict[str, Any]:
+    from splitbus.bus.limits import in_flight
+
+    held = None
+    if tenant.limits.concurrency:  # only then are leases taken
+        held = _unless_wrong_type(lambda: in_flight(client, keys, tenant.name, now_ms), 0)
+    return {"name": tenant.name, "in_flight": held, **tenant.limits.to_json()}
 
 
 def _unless_wrong_type(read: Callable[[], T], default: T) -> T:
@@ -206,7 +228,23 @@ def render(status: dict[str, Any]) -> str:
         _shown(f"  {link['prefill']} -> {link['decode']}: {link['state']} {link['error']}".rstrip())
         for link in status["links"]
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _tenant_lines(status["tenants"]))
+
+
+def _tenant_lines(tenants: list[dict[str, Any]]) -> list[str]:
+    """The tenants' table: in flight (of ``concurrency``; "-" for a tenant without that limit,
+    which takes no lease) and the limits; none when the cell has no tenant."""
+    if not tenants:
+        return []
+    lines = ["", f"{'TENANT':<24} {'IN FLIGHT':>12} LIMITS"]
+    for t in tenants:
+        if "invalid" in t:
+            lines.append(f"{'?':<24} invalid record: {_shown(t['invalid'])}")
+            continue
+        held = "-" if t["in_flight"] is None else f"{t['in_flight']}/{t['concurrency']}"
+        limits = ", ".join(f"{k} {v:g}" for k, v in t.items() if k not in ("name", "in_flight"))
+        lines.append(f"{_shown(t['name']):<24} {held:>12} {limits}")
+    return lines
 
 
 def _worker_line(w: dict[str, Any]) -> str:

@@ -10,11 +10,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import redis as sync_redis
 import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
-from splitbus.bus.limits import BUCKETS, Admission, BadLimiterReply, Ended, Limiter, Room, Verdict, limited
+from splitbus.bus.limits import BUCKETS, Admission, BadLimiterReply, Ended, Limiter, Room, Verdict, in_flight, limited
 from splitbus.bus.tenants import TenantLimits
 from splitbus.redis_cluster import EmbeddedCluster
 
@@ -61,10 +62,15 @@ async def test_a_slow_rate_admits_exactly_its_burst(nodes: tuple[Limiter, Limite
     assert verdicts.count(Verdict.ADMITTED) == 1
 
 
-async def test_two_nodes_share_one_concurrency_bound_released_on_end(nodes: tuple[Limiter, Limiter]) -> None:
+async def test_two_nodes_share_one_concurrency_bound_released_on_end(
+    nodes: tuple[Limiter, Limiter], redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
     limits = TenantLimits(concurrency=5)
     verdicts = await _interleaved(nodes, limits, 20)
     assert verdicts.count(Verdict.ADMITTED) == 5 and verdicts.count(Verdict.CONCURRENCY) == 15
+    with sync_redis.Redis.from_url(bus_config.redis_url) as status:  # as `splitbus status` reads it
+        assert in_flight(status, bus_config.keys, "acme", int(await _server_ms(redis))) == 5
+        assert in_flight(status, bus_config.keys, "other", int(await _server_ms(redis))) == 0
     held = [f"r{i}" for i, v in enumerate(verdicts) if v is Verdict.ADMITTED]
     assert await nodes[1].end("acme", held[0], limits, 0) is Ended.RELEASED  # ended on the other node
     assert await nodes[1].end("acme", held[0], limits, 0) is Ended.NO_LEASE  # once

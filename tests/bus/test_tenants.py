@@ -25,6 +25,7 @@ from splitbus.bus.tenants import (
     check_name,
     key_digest,
     new_key,
+    stored_tenants,
 )
 from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
@@ -149,6 +150,8 @@ async def test_a_bad_record_is_refused_with_a_clear_error_and_hides_no_other(
     bad, good = await store.all()  # by name: acme, good
     assert isinstance(bad, BadTenantRecord) and error in str(bad) and "acme" in str(bad)
     assert good == await store.by_key(b"sk-good-0123456789")
+    sync_bad, sync_good = stored_tenants(redis_admin, bus_config.keys)  # `splitbus status`'s read: the same
+    assert isinstance(sync_bad, BadTenantRecord) and str(sync_bad) == str(bad) and sync_good == good
 
 
 async def test_a_key_of_a_tenant_with_a_bad_name_or_no_record_finds_none(

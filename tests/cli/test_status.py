@@ -13,8 +13,10 @@ import redis.asyncio as aioredis
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import WORKER_GROUP
+from splitbus.bus.limits import Limiter, Verdict
 from splitbus.bus.records import ExpertLoad, WorkerLoad
 from splitbus.bus.registry import Registry, WorkerRecord
+from splitbus.bus.tenants import Tenant, TenantLimits, TenantStore
 from splitbus.cli.status_cmd import collect, render
 
 SPLITBUS = [sys.executable, "-m", "splitbus.cli.main"]
@@ -57,6 +59,42 @@ async def test_status_shows_a_moe_workers_experts(redis: aioredis.Redis, bus_con
     counts = " ".join(map(str, range(100, 116)))
     assert shown == f"  experts 32-63 of 64, 3.0 + 0.5 MiB of weights, tokens since start: {counts} ... (16 more)"
     assert sum(line.startswith("  experts") for line in lines) == 1  # none under the dense worker
+
+
+async def test_status_shows_the_tenants_in_flight_and_their_limits(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """acme (concurrency 3) holds two places, taken by two API nodes' limiters (and a lease that
+    ran out, not counted); beta has no
+    concurrency limit, so no count; a forged record is shown as such, the others whole."""
+    store, keys = TenantStore(redis, bus_config.keys), bus_config.keys
+    acme = TenantLimits(rps=5, concurrency=3, priority=1)
+    await store.add(Tenant("acme", limits=acme))
+    await store.add(Tenant("beta", limits=TenantLimits(tpm=100_000)))
+    await redis.hset(keys.tenants, "forged", "not json")
+    for node, request_id in enumerate(("r1", "r2")):
+        admission = await Limiter(redis, keys).admit("acme", f"{request_id}-{node}", acme, 10, lease_ms=60_000)
+        assert admission.verdict is Verdict.ADMITTED
+    await redis.zadd(keys.inflight("acme"), {"crashed": 1})  # a lease that ran out long ago: not counted
+    with sync_redis.Redis.from_url(bus_config.redis_url, decode_responses=True) as client:
+        status = collect(client, bus_config.prefix, bus_config.cell)
+    rows = {t.get("name", "?"): t for t in status["tenants"]}
+    assert rows["acme"]["in_flight"] == 2 and rows["acme"]["concurrency"] == 3 and rows["acme"]["rps"] == 5
+    assert rows["beta"]["in_flight"] is None and rows["beta"]["tpm"] == 100_000
+    assert "not JSON" in rows["?"]["invalid"]
+    lines = render(status).splitlines()
+    assert lines[lines.index(next(line for line in lines if line.startswith("TENANT"))) :] == [
+        f"{'TENANT':<24} {'IN FLIGHT':>12} LIMITS",
+        f"{'acme':<24} {'2/3':>12} rps 5, concurrency 3, priority 1, weight 1",
+        f"{'beta':<24} {'-':>12} tpm 100000, priority 0, weight 1",
+        f"{'?':<24} invalid record: tenant 'forged': the record is not JSON",
+    ]
+
+
+async def test_status_shows_no_tenants_table_without_tenants(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    with sync_redis.Redis.from_url(bus_config.redis_url, decode_responses=True) as client:
+        status = collect(client, bus_config.prefix, bus_config.cell)
+    assert status["tenants"] == [] and "TENANT" not in render(status)
 
 
 def test_status_watch_into_a_pipe_closed_early_ends_quietly(bus_config: BusConfig) -> None:
