@@ -386,7 +386,7 @@ class Generation:
             await submit
         except TRANSIENT_ERRORS as exc:
             log.warning("request %s not published: Redis is unreachable: %s", self.request_id, exc)
-            metrics.REFUSALS.add(self.queueing.tenant, "unavailable", "(503): Redis could not take them")
+            metrics.REFUSALS.add(self.queueing.tenant, "unavailable", "with 503: Redis could not take them")
             raise ServiceUnavailable("Redis is unreachable; retry later").for_request(self.request_id) from None
         metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))
         metrics.admitted(self.queueing.tenant, len(self.prompt_ids))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -13,8 +15,16 @@ from starlette.responses import JSONResponse, Response
 
 from splitbus.api import protocol
 from splitbus.api.choices import respond
-from splitbus.api.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
+from splitbus.api.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceUnavailable,
+    TooManyRequests,
+    UnsupportedMediaType,
+)
 from splitbus.api.generate import ClientDisconnected
+from splitbus.api.metrics import REFUSALS
 from splitbus.api.openapi import openapi_spec
 from splitbus.api.state import ApiState
 from splitbus.bus.core.connection import TRANSIENT_ERRORS
@@ -32,7 +42,10 @@ async def read_json(request: Request) -> Any:
     declared = _content_length(request)
     if declared is not None and declared > state.config.max_body_bytes:
         raise PayloadTooLarge(f"the request body is larger than {state.config.max_body_bytes} bytes")
-    with state.bodies.slot(declared):
+    with (
+        _refusal_counted(request, "body_reads", "with 429: too many bodies were being received"),
+        state.bodies.slot(declared),
+    ):
         try:
             with anyio.fail_after(state.config.body_timeout_s):
                 body = await _read_body(request, state.config.max_body_bytes)
@@ -44,6 +57,18 @@ async def read_json(request: Request) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+@contextlib.contextmanager
+def _refusal_counted(request: Request, reason: str, why: str) -> Iterator[None]:
+    """A 429 raised within (a read slot not free) is counted, and logged, as a refusal of the
+    request's tenant for ``reason`` (``REFUSALS``). (``metrics`` here is the /metrics route.)"""
+    try:
+        yield
+    except TooManyRequests:
+        name = getattr(request.state, "tenant_name", "")
+        REFUSALS.add(name if isinstance(name, str) else "", reason, why)
+        raise
 
 
 def check_json_media_type(content_type: str | None) -> None:

@@ -327,6 +327,7 @@ def test_stalled_big_uploads_hold_bounded_memory_and_leave_room_for_others(patie
     for s in socks:
         s.close()
     assert _metric(api, 'splitbus_api_body_reads_rejected_total{size="large"}') >= 32
+    assert _metric(api, 'splitbus_api_tenant_requests_total{outcome="body_reads",tenant="default"}') >= 32
     spaces = b"{" + b" " * 200_000 + b"}"
     ok = httpx.post(api.v1 + "/completions", content=spaces, headers={"content-type": "application/json"}, timeout=10)
     # a slot is free again
