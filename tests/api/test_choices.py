@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from splitbus.api import choices
+from splitbus.api import choices, metrics
 
 
 class State:
@@ -30,6 +31,7 @@ class Choice:
         self.name, self.state, self.fails, self.delay_s = name, state, fails, delay_s
         self.subscribed = False
         self.prompt_ids = [1, 2]
+        self.queueing = SimpleNamespace(tenant="choices-test")
 
     async def subscribe(self) -> None:
         await asyncio.sleep(self.delay_s)
@@ -48,8 +50,11 @@ async def test_the_choices_are_written_together_once_each_follows_its_stream() -
     state = State()
     many: list[Any] = [Choice(f"c-{i}", state, delay_s=0.01 * (3 - i)) for i in range(3)]
     state.choices = many
+    tenant_prompt = metrics.TENANT_PROMPT_TOKENS.labels("choices-test")
+    before = tenant_prompt._value.get()
     await choices._publish(many)
     assert state.written == [["c-0", "c-1", "c-2"]]
+    assert tenant_prompt._value.get() - before == 4  # the other choices' prompts (the first's: submitted)
     assert state.subscribed_when_written == [True] * 3  # no entry before its stream is followed
 
 
