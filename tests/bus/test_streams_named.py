@@ -43,6 +43,12 @@ async def test_submitted_requests_reach_a_scheduler_and_trim_once_acked(
     assert await backlog(redis, keys) == 1  # the unacked one stays
 
 
+async def test_no_request_is_unread_before_the_stream_exists(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """An API started before any scheduler (a fresh Redis): the stream and its group are not there yet."""
+    assert not await redis.exists(bus_config.keys.requests)
+    assert await unread_requests(redis, bus_config.keys) == 0
+
+
 async def test_unread_requests_are_those_no_scheduler_read_yet(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     consumer, keys = await _submitted(redis, bus_config, 4)
     assert await unread_requests(redis, keys) == 4

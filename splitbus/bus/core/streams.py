@@ -494,8 +494,15 @@ def entry_order(entry_id: str) -> tuple[int, int]:
 
 async def unread(redis: aioredis.Redis, stream: str, group: str, limit: int = 100_000) -> int:
     """Entries the group has not read yet (at most ``limit``); Redis 6.2 has no ``lag`` field,
-    so they are counted past the group's last-delivered id."""
-    for info in cast(list[XInfoGroup], await redis.xinfo_groups(stream)):
+    so they are counted past the group's last-delivered id. No stream yet (nobody has written
+    or read it): none."""
+    try:
+        groups = cast(list[XInfoGroup], await redis.xinfo_groups(stream))
+    except ResponseError as exc:
+        if "no such key" not in str(exc):
+            raise
+        return 0
+    for info in groups:
         if text(info["name"]) == group:
             lag = info.get("lag")
             if lag is not None:
