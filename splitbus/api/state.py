@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -38,6 +39,8 @@ from splitbus.tokenization.template_process import TemplateLimits, TemplatePool
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RUNS_EVERY_S = 0.5
+TEMPLATES_START_S = 10.0
+"""The longest an API waits at start for its chat-template children to be up (they take ~0.5 s)."""
 """How often the API looks for a new Redis server run (one ``INFO server`` per primary)."""
 
 
@@ -84,7 +87,8 @@ class ApiState:
     async def open(cls, config: ApiConfig) -> ApiState:
         tokenizers = {name: ModelTokenizer.load(folder, name) for name, folder in config.models}
         state = cls(config, tokenizers)
-        state.templates.start()  # its children load Jinja now, not on the first chat request
+        # Its children load Jinja now, not on the first chat request, and are up before the API says it is.
+        await asyncio.to_thread(state.templates.start, TEMPLATES_START_S)
         with contextlib.suppress(*TRANSIENT_ERRORS):  # Redis away: keys are required until it answers
             await state.watch_tenants()
         await state.reader.start()

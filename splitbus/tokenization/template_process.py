@@ -104,9 +104,15 @@ class TemplatePool:
                 return self._submit(pool, args)
         return self._starter.submit(self._schedule, args).result()
 
-    def start(self) -> None:
-        """Start the children now (they take ~0.5 s to load Jinja), not on the first render."""
-        self._starter.submit(self._schedule, ("", "{}", [], 0, False, None))
+    def start(self, wait_s: float = 0.0) -> None:
+        """Start the children now (they take ~0.5 s to load Jinja), not on the first render, and
+        wait up to ``wait_s`` for them to have started (blocking: call it from a thread). A
+        process that went on at once, stopped by a Ctrl-C just after, stopped children still
+        unpickling their start-up state, whose interpreters printed a traceback."""
+        started = self._starter.submit(self._schedule, ("", "{}", [], 0, False, None))
+        if wait_s > 0:
+            with contextlib.suppress(Exception):  # a slow or failed start: the first render starts them again
+                started.result(wait_s).result(wait_s)
 
     def _schedule(self, args: tuple[Any, ...]) -> concurrent.futures.Future[tuple[Outcome, str]]:
         if self._pool is None or not self._pool.active:  # not yet, or broken: every child died at once
