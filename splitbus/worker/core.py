@@ -359,11 +359,12 @@ class WorkerCore:
 
     def plan_prefill(self) -> list[Sequence]:
         """The next prefill batch, now PREFILLING, each with its blocks (taken as its prefill
-        starts, with the prefix cache's blocks of its prompt as they are then): the oldest queued
-        first, up to ``max_prefill_tokens``; a response's choices once they are all here, the
-        first computing the prompt for all (``splitbus.worker.twins``). Empty with requests
-        queued: no blocks for the first, or choices still gathering (``kv_blocked``: the loop
-        looks again shortly)."""
+        starts, with the prefix cache's blocks of its prompt as they are then): by priority,
+        then the oldest queued first (``RequestTable.prefill_queue``), up to
+        ``max_prefill_tokens``; a response's choices once they are all here, the first computing
+        the prompt for all (``splitbus.worker.twins``). Empty with requests queued: no blocks for
+        the first (a request of a lower priority does not pass it), or choices still gathering
+        (``kv_blocked``: the loop looks again shortly)."""
         batch = self.table.start_prefill(
             self.limits.max_prefill_tokens, self.engine.first_to_compute, self.engine.reserve, self.forks()
         )
@@ -388,7 +389,7 @@ class WorkerCore:
 
     def abort_prefill(self) -> None:
         """The engine call did not end (Redis refused after it, or the worker stops): the batch
-        is QUEUED again, first in line, its blocks kept."""
+        is QUEUED again, first in line within its priority, its blocks kept."""
         self.table.abort_prefill()
 
     def end_prefill(self, results: list[tuple[Sequence, int]]) -> list[Effect]:

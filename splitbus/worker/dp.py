@@ -1,13 +1,13 @@
 """DP groups: the ranks of a group step together, as EP's all-to-all forces. A group's ranks
 share a role: mixed, prefill or decode (``DpStepper``).
 
-Before each step every rank posts its plan (has prefill work, has decode work, how long its
-oldest prefill has waited) to ``sb:dp:{group}`` and reads the others'. From the same plans every
-rank makes the same decision: the group steps if any rank has work, and a rank with nothing to
-do runs an idle forward (counted). With ``dp_align_ms`` above 0 (0, off, by default) prefills are
-aligned: a task of a staggered batch names the batch and how many ranks it went to, and a rank
-waits (up to ``dp_align_ms``) until all of them have their part, so the batch's prefills share a
-step. Prefill work that comes after a rank
+Before each step every rank posts its plan (has prefill work, has decode work, how long its next
+prefill, the first of its queue by priority then arrival, has waited) to ``sb:dp:{group}`` and
+reads the others'. From the same plans every rank makes the same decision: the group steps if any
+rank has work, and a rank with nothing to do runs an idle forward (counted). With ``dp_align_ms``
+above 0 (0, off, by default) prefills are aligned: a task of a staggered batch names the batch and
+how many ranks it went to, and a rank waits (up to ``dp_align_ms``) until all of them have their
+part, so the batch's prefills share a step. Prefill work that comes after a rank
 posted its plan still joins the step (``bind_late``). With the sim engine, which has no EP, the
 ranks also wait for each other at the end of each step (``GroupBarrier.finish``), so tokens
 come out when the group's step ends, as they would with EP; the engine says how long the step
@@ -73,7 +73,8 @@ class StepPlan:
     decode: bool
     waited_ms: float
     batch_id: str = ""
-    """The scheduler batch of this rank's oldest prefill work ("" when not staggered)."""
+    """The scheduler batch of this rank's next prefill (``RequestTable.next_prefill``: the
+    first by priority, then arrival; "" when not staggered)."""
     batch_ranks: int = 0
     held_batches: tuple[str, ...] = ()
     """Every staggered batch this rank holds prefill work from: a rank still working through
@@ -475,14 +476,16 @@ class DpStepper:
             self.steps.counters["idle_forward_us"] += int(act_s * 1e6)
 
     def plan(self) -> StepPlan:
-        queued, running = self.table.of(Status.QUEUED), self.table.count(Status.RUNNING)
-        if not queued:
+        first, running = self.table.next_prefill(), self.table.count(Status.RUNNING)
+        if first is None:
             return StepPlan(self.config.dp_rank, False, bool(running), 0.0, decode_seqs=running)
-        oldest = queued[0]
-        waited = (time.monotonic() - oldest.queued_at) * 1000
+        # The prefill this rank runs next, not its oldest: an older one of a lower priority waits
+        # behind it, so the batch to align is this one's, and its wait is what bounds the alignment.
+        waited = (time.monotonic() - first.queued_at) * 1000
+        queued = self.table.of(Status.QUEUED)
         held = tuple(dict.fromkeys(seq.task.batch_id for seq in queued if seq.task.batch_id))
         tokens = self.core.prefill_batch_size()[1]
-        batch = oldest.task.batch_id, oldest.task.batch_ranks
+        batch = first.task.batch_id, first.task.batch_ranks
         return StepPlan(self.config.dp_rank, True, bool(running), waited, *batch, held, tokens, running)
 
     async def act(self, action: str) -> str:

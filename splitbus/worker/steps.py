@@ -118,7 +118,7 @@ class EngineSteps:
 
         Called by the stepper once per turn: a worker on its own before each decode, a DP rank
         when the group's plans say this rank prefills. Redis refusing during it (the lease
-        check after the engine call) leaves the batch QUEUED, first in line, for the next turn.
+        check after the engine call) leaves the batch QUEUED, first in line within its priority, for the next turn.
         Returns whether it ran an engine call (False: nothing to prefill, or no blocks for it)."""
         batch = self.core.plan_prefill()
         if not batch:

@@ -4,7 +4,11 @@ the core's (``splitbus.worker.core``), which owns the table and answers with eff
 
 A request leaves the table when it leaves the worker (finished, failed, handed off, moved,
 cancelled); its task is acked at the next publish. Within a status, requests keep the order they
-reached it in: the oldest queued prefill goes first, the running ones decode in arrival order.
+reached it in: the running ones decode in arrival order. Queued prefills go by the request's
+priority (lower first, as vLLM's ``--scheduling-policy priority``), then in the order they
+reached QUEUED (``prefill_queue``): the scheduler dispatches as soon as a worker has KV blocks, so under load the
+queue that a high-priority request waits in is this one, and it must not wait behind every
+lower-priority request queued here before it.
 """
 
 from __future__ import annotations
@@ -131,19 +135,25 @@ class RequestTable:
         """When an AWAITING_KV task's KV must have come (monotonic; 0 in any other status)."""
         return self._entries[seq.request_id].kv_deadline if self.holds(seq, Status.AWAITING_KV) else 0.0
 
+    def prefill_queue(self) -> list[Sequence]:
+        """The QUEUED requests in the order they are prefilled: by priority (lower first), then in
+        the order they reached QUEUED (a stable sort: a batch whose prefill was aborted, queued
+        again at the front, is first again within its priority). Sorted once per plan: the
+        table may hold thousands."""
+        return sorted(self.of(Status.QUEUED), key=_priority)
+
+    def next_prefill(self) -> Sequence | None:
+        """The first of ``prefill_queue`` (None if none is queued), found without sorting: a DP
+        rank's plan names its batch and how long it has waited."""
+        return min(self.of(Status.QUEUED), key=_priority, default=None)  # the first of the least: stable
+
     def prefill_batch_size(self, max_tokens: int, forks: Forks = NO_FORKS) -> tuple[int, int]:
-        """How many queued requests the next prefill batch takes (the oldest first, at least one),
-        and their tokens: as many as fit in ``max_tokens``, a twin that waits or shares a
-        forward counting none (``forks``). Asked by ``start_prefill`` and by a DP rank that
-        announces how long its prefill will take (``WorkerCore.prefill_batch_size``)."""
-        count = tokens = 0
-        leaders: dict[Hashable, Sequence] = {}
-        for seq in self.of(Status.QUEUED):
-            uncached = forks.cost(seq, leaders)
-            if count and tokens + uncached > max_tokens:
-                break
-            count, tokens = count + 1, tokens + uncached
-        return count, tokens
+        """How many queued requests the next prefill batch takes (the first of ``prefill_queue``
+        first, at least one), and their tokens: as many as fit in ``max_tokens``, a twin that
+        waits or shares a forward counting none (``forks``). Asked by a DP rank that announces
+        how long its prefill will take (``WorkerCore.prefill_batch_size``); ``start_prefill``
+        plans the same batch from the same order."""
+        return _batch_size(self.prefill_queue(), max_tokens, forks)
 
     def start_prefill(
         self,
@@ -158,15 +168,17 @@ class RequestTable:
         cached instead of computing it again (siblings sharing a prefix arrive together). Each
         other one without blocks yet is given its KV blocks (``reserve``: ``Engine.reserve``, for
         its prompt and first token, with the prefix cache's blocks as they are then); the first
-        that gets none ends the batch, and waits, first in line, for a request to leave. Twins
+        that gets none ends the batch, and waits, first in line (``prefill_queue``: the requests
+        of a lower priority do not pass it), for a request to leave. Twins
         (``forks``, ``splitbus.worker.twins``) still waiting for their response's other choices
         stay QUEUED; one whose twin is in the batch already joins it forked from that one. The
         engine's functions are passed in, not the core's: the core calls the table, never the
         other way round."""
-        count, _ = self.prefill_batch_size(max_tokens, forks)
+        queue = self.prefill_queue()
+        count, _ = _batch_size(queue, max_tokens, forks)
         batch: list[Sequence] = []
         computing: set[int] = set()
-        for seq in self.of(Status.QUEUED)[:count]:
+        for seq in queue[:count]:
             if forks.waits(seq):
                 continue
             if forks.fork(seq):
@@ -192,7 +204,8 @@ class RequestTable:
 
     def abort_prefill(self) -> list[Sequence]:
         """The prefill did not end (Redis refused during it, or the worker stops): what is still
-        PREFILLING is QUEUED again, first in line, to be prefilled again (its blocks kept)."""
+        PREFILLING is QUEUED again, first in line within its priority (``prefill_queue``), to be
+        prefilled again (its blocks kept)."""
         batch = {e.seq.request_id: _Entry(e.seq, Status.QUEUED) for e in self._select((Status.PREFILLING,))}
         self._entries = {**batch, **{rid: e for rid, e in self._entries.items() if rid not in batch}}
         return [e.seq for e in batch.values()]
@@ -210,3 +223,22 @@ class RequestTable:
         for seq in taken:
             del self._entries[seq.request_id]
         return taken
+
+
+def _priority(seq: Sequence) -> int:
+    """What orders ``prefill_queue`` before arrival: the request's ``GenerateRequest.priority``
+    (an int, checked as the task was decoded)."""
+    return seq.request.priority
+
+
+def _batch_size(queue: list[Sequence], max_tokens: int, forks: Forks) -> tuple[int, int]:
+    """The requests and tokens of the prefill batch taken from the front of ``queue``
+    (``RequestTable.prefill_batch_size``)."""
+    count = tokens = 0
+    leaders: dict[Hashable, Sequence] = {}
+    for seq in queue:
+        uncached = forks.cost(seq, leaders)
+        if count and tokens + uncached > max_tokens:
+            break
+        count, tokens = count + 1, tokens + uncached
+    return count, tokens

@@ -56,10 +56,11 @@ def task(
     handoff: str = "",
     deadline_ms: int = 0,
     model: str = "tiny",
+    priority: int = 0,
+    token: int = 97,
 ) -> Task:
-    request = GenerateRequest(
-        request_id, model, [97] * prompt, SamplingParams(max_tokens=max_tokens), "api", deadline_ms
-    )
+    sampling = SamplingParams(max_tokens=max_tokens)
+    request = GenerateRequest(request_id, model, [token] * prompt, sampling, "api", deadline_ms, priority=priority)
     peer = "" if phase == "mixed" else ("d1" if phase == "prefill" else "p1")
     return Task(phase, request, peer, reserved=list(reserved), handoff=handoff)
 
@@ -334,6 +335,24 @@ def test_a_prefill_that_did_not_end_is_queued_again_first_in_line(core: WorkerCo
     later = taken(core, "3-0", task("mixed", "r3"))
     core.abort_prefill()
     assert core.table.of(Status.QUEUED) == [first, second, later] and first.blocks and second.blocks
+
+
+async def test_a_request_of_a_higher_priority_passes_the_queue_and_waits_first_for_blocks(
+    tiny_model: Path,
+) -> None:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    engine = SimEngine(FREE, tokenizer, 4, 16)  # 4 blocks of 16: one 40-token prompt (3) at a time
+    core = WorkerCore(Limits("w1", "tiny", block_size=16, max_prefill_tokens=40), engine, tokenizer)
+    low = taken(core, "1-0", task("mixed", "low", prompt=40, priority=1))
+    await prefill(core)
+    assert core.table.status(low) is Status.RUNNING and core.engine.free_blocks == 1
+    others = [taken(core, f"{i}-0", task("mixed", f"r{i}", prompt=8, priority=1)) for i in (2, 3)]
+    high = taken(core, "4-0", task("mixed", "high", prompt=40, priority=-1, token=98))  # no prefix cached
+    assert core.prefill_batch_size() == (1, 40) and core.plan_prefill() == [] and core.kv_blocked
+    assert core.table.of(Status.QUEUED) == [*others, high]  # the small ones, which would fit, wait behind it
+    core.cancel("low")
+    core.look_for_blocks_again()
+    assert core.plan_prefill() == [high] and core.table.of(Status.QUEUED) == others  # its 40 tokens fill the batch
 
 
 def test_a_poisoned_request_fails_unless_it_left_meanwhile(core: WorkerCore) -> None:

@@ -4,6 +4,7 @@ Redis; and the loops the worker runs them under."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -67,12 +68,17 @@ def ep_rank(bus_config: BusConfig, tiny_model: Path, rank: int, costs: SimConfig
 
 
 def queue(
-    worker: Worker, request_id: str, max_tokens: int = 4, batch: str = "", entry: str = "1-0", prompt: int = 2
+    worker: Worker,
+    request_id: str,
+    max_tokens: int = 4,
+    batch: str = "",
+    entry: str = "1-0",
+    prompt: int = 2,
+    priority: int = 0,
 ) -> Sequence:
     """A mixed task taken (a ``prompt``-token prompt): its writer open, its blocks reserved, queued to prefill."""
-    request = GenerateRequest(
-        request_id, "tiny", [97, 98] * (prompt // 2), SamplingParams(max_tokens=max_tokens), "api", 0
-    )
+    sampling = SamplingParams(max_tokens=max_tokens)
+    request = GenerateRequest(request_id, "tiny", [97, 98] * (prompt // 2), sampling, "api", 0, priority=priority)
     task = Task("mixed", request, batch_id=batch, batch_ranks=2 if batch else 0)
     seq = Sequence(task, entry, TextStream(worker.tokenizer, []))
     worker.writer.open(request_id, reader=request.reader)
@@ -114,6 +120,22 @@ async def test_a_dp_rank_is_a_worker_given_the_group_stepper(bus_config: BusConf
         plan = worker.stepper.plan()
         assert (plan.prefill, plan.decode, plan.batch_id, plan.batch_ranks) == (True, False, "b1", 2)
         assert plan.held_batches == ("b1", "b2")
+    finally:
+        await worker.redis.aclose()
+
+
+async def test_a_dp_ranks_plan_names_the_prefill_it_runs_next_by_priority(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
+    worker = dp_worker(bus_config, tiny_model)
+    try:
+        older = queue(worker, "r-low", batch="b1", entry="1-0", priority=2)
+        urgent = queue(worker, "r-high", batch="b2", entry="2-0", priority=0)
+        now = time.monotonic()
+        older.queued_at, urgent.queued_at = now - 3600, now - 60  # the older one waited an hour
+        plan = worker.stepper.plan()
+        assert (plan.batch_id, plan.held_batches) == ("b2", ("b1", "b2"))
+        assert 60_000 <= plan.waited_ms < 3_600_000  # r-high's wait, the batch it aligns
     finally:
         await worker.redis.aclose()
 

@@ -20,8 +20,9 @@ Make = Callable[..., Sequence]
 def make(tiny_model: Path) -> Make:
     tokenizer = ModelTokenizer.load(tiny_model, "tiny")
 
-    def make(request_id: str, tokens: int = 1, entry: str = "1-0") -> Sequence:
-        request = GenerateRequest(request_id, "tiny", [97] * tokens, SamplingParams(max_tokens=4), "api", 0)
+    def make(request_id: str, tokens: int = 1, entry: str = "1-0", priority: int = 0) -> Sequence:
+        sampling = SamplingParams(max_tokens=4)
+        request = GenerateRequest(request_id, "tiny", [97] * tokens, sampling, "api", 0, priority=priority)
         return Sequence(Task("mixed", request), entry, TextStream(tokenizer, []))
 
     return make
@@ -116,3 +117,52 @@ def test_of_siblings_computing_the_same_block_only_the_first_joins_a_prefill_bat
     batch = table.start_prefill(4096, lambda seq: shared[seq.request_id])
     assert [s.request_id for s in batch] == ["r0", "r1", "r3"]
     assert [s.request_id for s in table.of(Status.QUEUED)] == ["r2"]  # next step, finding r0's blocks cached
+
+
+def ids(seqs: list[Sequence]) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def queued(table: RequestTable, make: Make, *requests: tuple[str, int, int]) -> None:
+    """Queue (request id, prompt tokens, priority) in this order."""
+    for request_id, tokens, priority in requests:
+        table.add(make(request_id, tokens=tokens, priority=priority), Status.QUEUED)
+
+
+def test_a_later_request_of_a_higher_priority_is_prefilled_before_earlier_ones(make: Make) -> None:
+    table = RequestTable()
+    queued(table, make, ("low1", 4, 5), ("low2", 4, 5), ("mid", 4, 0), ("high", 4, -3), ("low3", 4, 5))
+    assert ids(table.prefill_queue()) == ["high", "mid", "low1", "low2", "low3"]  # lower first; FIFO within
+    assert ids(table.of(Status.QUEUED)) == ["low1", "low2", "mid", "high", "low3"]  # the table's own order stays
+    next_prefill = table.next_prefill()
+    assert next_prefill is not None and next_prefill.request_id == "high"
+    assert ids(table.start_prefill(max_tokens=8)) == ["high", "mid"]
+    assert ids(table.start_prefill(max_tokens=8)) == ["low1", "low2"]
+
+
+def test_requests_of_one_priority_are_prefilled_in_the_order_they_were_queued(make: Make) -> None:
+    table = RequestTable()
+    queued(table, make, ("a", 4, 2), ("b", 4, 2), ("c", 4, 2))
+    assert ids(table.prefill_queue()) == ["a", "b", "c"] and ids(table.start_prefill(max_tokens=8)) == ["a", "b"]
+    assert RequestTable().next_prefill() is None and RequestTable().prefill_queue() == []
+
+
+def test_an_aborted_prefill_is_first_again_within_its_priority_only(make: Make) -> None:
+    table = RequestTable()
+    queued(table, make, ("b1", 4, 1), ("b2", 4, 1), ("same", 4, 1))
+    assert ids(table.start_prefill(max_tokens=8)) == ["b1", "b2"]
+    queued(table, make, ("urgent", 4, 0), ("later", 4, 1))  # taken while the batch ran
+    assert ids(table.abort_prefill()) == ["b1", "b2"]
+    assert ids(table.prefill_queue()) == ["urgent", "b1", "b2", "same", "later"]
+    assert ids(table.start_prefill(max_tokens=12)) == ["urgent", "b1", "b2"]  # b1 and b2 keep their blocks
+
+
+def test_the_batch_size_a_rank_announces_is_the_batch_it_plans(make: Make) -> None:
+    table = RequestTable()
+    queued(table, make, ("a", 300, 4), ("b", 100, 4), ("c", 50, 1), ("d", 60, 2), ("e", 10, 1), ("f", 500, 0))
+    # In order: f (500), c (50), e (10), d (60), a (300), b (100).
+    for max_tokens, expected in ((400, ["f"]), (560, ["f", "c", "e"]), (620, ["f", "c", "e", "d"])):
+        size = table.prefill_batch_size(max_tokens)
+        batch = table.start_prefill(max_tokens)
+        assert ids(batch) == expected and size == (len(batch), sum(len(s.all_tokens) for s in batch))
+        table.abort_prefill()  # the same queue again for the next size

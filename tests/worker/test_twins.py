@@ -46,12 +46,21 @@ def choice(
     phase: str = "prefill",
     top: int | None = None,
     twins: int | None = None,
+    priority: int = 0,
 ) -> Task:
     """Choice ``i`` of a response of ``n``, its task saying ``twins`` were sent here (all ``n``
     by default, as a scheduler that read them together says)."""
     sampling = SamplingParams(max_tokens=4, seed=1000 + i, prompt_logprobs=top)
     request = GenerateRequest(
-        f"{group}-{i}", "tiny", list(prompt), sampling, "api", 0, choices=n, choice_group=group if n > 1 else ""
+        f"{group}-{i}",
+        "tiny",
+        list(prompt),
+        sampling,
+        "api",
+        0,
+        choices=n,
+        choice_group=group if n > 1 else "",
+        priority=priority,
     )
     return Task(phase, request, "d1" if phase == "prefill" else "p1", twins=n if twins is None else twins)
 
@@ -184,3 +193,15 @@ async def test_a_batch_prefilled_again_after_an_abort_keeps_its_blocks(core: Wor
     assert core.table.count(Status.PREFILLING) == 2
     core.end_prefill(list(zip(again, await core.engine.prefill(again), strict=True)))
     assert core.counters["prefills_shared"] == 1  # counted once the prefill ended, not per plan
+
+
+async def test_choices_queued_among_other_priorities_still_prefill_once(core: WorkerCore) -> None:
+    core.limits = Limits("p1", "tiny", block_size=16, max_prefill_tokens=80)
+    late = choice(0, n=1, group="late", prompt=[98] * 40, priority=-1)  # a higher priority, come between
+    low = choice(0, n=1, group="low", prompt=[99] * 40, priority=3)
+    admit(core, low, choice(0, priority=1), late, choice(1, priority=1), choice(2, priority=1))
+    assert core.prefill_batch_size() == (4, 80)  # the choices' prompt counted once
+    batch, emits = await prefill(core)
+    assert [s.request_id for s in batch] == ["late-0", "cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+    assert [s.fork_of for s in batch] == [None, None, batch[1], batch[1]] and len(emits) == 4
+    assert core.counters["prefills_shared"] == 2 and core.table.of(Status.QUEUED)[0].request_id == "low-0"
