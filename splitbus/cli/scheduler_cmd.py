@@ -66,6 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         help="after a Redis restart or failover, seconds to dispatch nothing while workers re-assert what they hold"
         " (default %(default)s)",
     )
+    p.add_argument(
+        "--max-queued-prefill-tokens",
+        type=int,
+        default=0,
+        help="splitwise, mixed: give a worker requests to prefill only while it has fewer prompt tokens queued; the "
+        "rest waits here, by priority and tenants' fair share (default %(default)s: no bound; docs/tenants.md)",
+    )
     add_routing_arguments(p)
     add_metrics_arguments(p)
     p.set_defaults(run=run)
@@ -137,6 +144,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
                 args.local_prefill_max_tokens, args.prefill_queue_bound, args.local_prefill_min_free_kv
             ),
             kv_events=not args.no_kv_events,
+            max_queued_prefill_tokens=args.max_queued_prefill_tokens,
             **({"name": args.name} if args.name else {}),
         )
     except ValueError as exc:

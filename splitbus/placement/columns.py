@@ -148,6 +148,12 @@ class LoadTable:
                 loads.active[i] += r.reserved_requests
         return loads
 
+    def open_queues(self, rows: Ints, loads: Loads, bound: int) -> Ints:
+        """``rows`` whose queued prefill tokens are under ``bound`` (all of them when it is 0):
+        a worker with a longer queue takes no more until it has prefilled some
+        (``PolicyOptions.max_queued_prefill_tokens``)."""
+        return rows[loads.queued[rows] < bound] if bound > 0 else rows
+
     def roomy(self, request: GenerateRequest, loads: Loads) -> Ints:
         """The rows with free KV blocks for the request's prompt and output
         (``costs.roomy``), in order."""

@@ -54,9 +54,21 @@ class Placed:
 @dataclass(frozen=True)
 class NoPlacement:
     """No placement exists now, and why: the request waits, and once it has waited
-    ``no_worker_wait_s`` its client gets a 503 that says this."""
+    ``no_worker_wait_s`` (unless ``busy``) its client gets a 503 that says this."""
 
     reason: str
+    busy: bool = False
+    """The workers are there but their queues are full (``PolicyOptions.max_queued_prefill_tokens``):
+    the request waits for room until its deadline, not ``no_worker_wait_s``."""
+
+
+def no_room(model: str, role: str, open_rooms: int) -> NoPlacement:
+    """Why no worker of ``role`` takes a request for ``model`` now: none with room for it
+    (``open_rooms`` 0), or every one that has room has a full prefill queue (``busy``: the
+    request waits for room)."""
+    if open_rooms:
+        return NoPlacement(f"every {role} worker with room for model '{model}' has a full prefill queue", busy=True)
+    return NoPlacement(f"no live {role} worker with room serves model '{model}'")
 
 
 Decision = Placed | NoPlacement

@@ -70,6 +70,10 @@ class SchedulerConfig:
     disagg: Disaggregation = Disaggregation()
     """splitwise: when a request prefills on its decode worker (``--local-prefill-max-tokens``,
     ``--prefill-queue-bound``, ``--local-prefill-min-free-kv``; off by default)."""
+    max_queued_prefill_tokens: int = 0
+    """splitwise, mixed: give a worker a request to prefill only while its queued prefill tokens
+    are under this (``--max-queued-prefill-tokens``; 0: no bound). The rest waits here, where
+    priority and tenants' fair share order it (``PolicyOptions.max_queued_prefill_tokens``)."""
     kv_events: bool = True
     """Follow the workers' KV events into this replica's index (``--no-kv-events``: place as if no
     worker cached anything)."""
@@ -93,6 +97,7 @@ class SchedulerConfig:
             stagger=self.stagger,
             cost=self.cost,
             disagg=self.disagg,
+            max_queued_prefill_tokens=self.max_queued_prefill_tokens,
         )
 
     def duplicate_window_s(self) -> float:
@@ -123,6 +128,8 @@ class SchedulerConfig:
     def _check_periods(self) -> None:
         if self.refresh_s <= 0 or self.no_worker_wait_s <= 0 or self.batch < 1:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
+        if self.max_queued_prefill_tokens < 0:
+            raise ValueError("max_queued_prefill_tokens must be >= 0 (0: no bound)")
         if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats (heartbeat_s > 0)")
         if self.recovery_grace_s < 0:

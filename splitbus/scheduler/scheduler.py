@@ -303,7 +303,7 @@ class Scheduler:
             self._reserve_locally(decision)  # the next decisions must see this load before it is written
             self.routed(request, decision.placements)
             return decision
-        if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
+        if not decision.busy and time.monotonic() - waiting.since > self.config.no_worker_wait_s:
             await self.fail(waiting, "no_worker", decision.reason, 503)
             return Verdict.DROP
         return Verdict.WAIT

@@ -7,7 +7,8 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import cast
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
@@ -23,6 +24,7 @@ from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry, SchedulerLease, WorkerRecord
 from splitbus.bus.request_stream import Submissions
 from splitbus.bus.tenants import Tenant, TenantLimits, TenantStore
+from splitbus.placement.decision import NoPlacement
 from splitbus.placement.policies.stagger import next_boundary
 from splitbus.placement.stagger import RELEASE_LEAD_S
 from splitbus.scheduler.config import SchedulerConfig
@@ -161,6 +163,24 @@ async def test_a_request_waits_for_a_worker_then_fails_with_the_policys_reason(
         assert isinstance(failed, Failed) and (failed.code, failed.status) == ("no_worker", 503)
         assert failed.message == "no live prefill worker with room serves model 'm'"
         assert not await replica.requests.owns(delivery.entry_id)  # acked: done with
+    finally:
+        await replica.redis.aclose()
+
+
+async def test_a_request_that_finds_every_queue_full_waits_past_the_no_worker_wait(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """Workers there with full prefill queues (``NoPlacement.busy``): the request waits in the
+    scheduler's queue past ``no_worker_wait_s`` (until its deadline), and nothing is failed."""
+    await _held_by(redis, bus_config, "s1", lease_ms=5000)
+    replica = _replica(bus_config, "s1", no_worker_wait_s=1.0)
+    busy = NoPlacement("every prefill worker with room for model 'm' has a full prefill queue", busy=True)
+    replica.policy = cast("Any", SimpleNamespace(place=lambda *_: busy))
+    try:
+        delivery = (await replica.requests.claim_idle(min_idle_ms=0))[0]
+        assert await replica.decide(Waiting(delivery, time.monotonic() - 60)) is Verdict.WAIT
+        assert not await redis.exists(bus_config.keys.out("api", "r"))
+        assert await replica.requests.owns(delivery.entry_id)  # still held: not acked, not lost
     finally:
         await replica.redis.aclose()
 

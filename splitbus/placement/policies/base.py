@@ -42,6 +42,11 @@ class PolicyOptions:
     """How a worker's cached prompt tokens weigh against its load (docs/routing.md, "The cost")."""
     disagg: Disaggregation = Disaggregation()
     """splitwise: when a request prefills on its decode worker (off by default)."""
+    max_queued_prefill_tokens: int = 0
+    """splitwise, mixed: a worker is given a request to prefill only while its queued prefill
+    tokens (reported and reserved) are under this; 0: no bound. What finds every queue full waits
+    in the scheduler's queue, in its order (priority, then tenants' fair share), until a worker
+    has room or its deadline passes (``NoPlacement.busy``; docs/tenants.md, "Where requests wait")."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from splitbus.bus.records import Reserved
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Phase, Role
 from splitbus.placement.costs import blocks_needed
-from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement
+from splitbus.placement.decision import Decision, Placed, Placement, no_room
 from splitbus.placement.ledger import Local
 from splitbus.placement.policies import register
 from splitbus.placement.policies.base import Policy, PolicyOptions
@@ -32,12 +32,13 @@ class MixedPolicy(Policy):
     def place(self, request: GenerateRequest, workers: Sequence[WorkerInfo], local: Local) -> Decision:
         table = self.tables(workers, request.model, Role.MIXED)
         loads = table.loads(local)
-        rows = table.roomy(request, loads)
+        roomy = table.roomy(request, loads)
+        rows = table.open_queues(roomy, loads, self.options.max_queued_prefill_tokens)
         cached = self.cached(request, table.candidates)
         costs = self.columns.mixed_costs(table, loads, rows, request, cached, self.options.cost)
         row = self.columns.pick(rows, costs, self.rng)
         if row is None:
-            return NoPlacement(f"no live mixed worker with room serves model '{request.model}'")
+            return no_room(request.model, Role.MIXED, len(roomy))
         worker = table.workers[row]
         blocks = blocks_needed(request, worker.record.block_size)
         # what it computes: the prompt less what it holds cached (or will: a sibling routed there)

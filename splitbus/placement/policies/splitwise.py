@@ -20,7 +20,7 @@ from splitbus.bus.records import Reserved
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Phase, Role
 from splitbus.placement.costs import blocks_needed
-from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement
+from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement, no_room
 from splitbus.placement.disagg import split
 from splitbus.placement.ledger import Local
 from splitbus.placement.policies import register
@@ -57,11 +57,11 @@ class SplitwisePolicy(Policy):
         if where.count().local:
             uncached = tokens - cached.get(decode.record.worker_id, 0)
             return Placed((Placement(decode, Phase.MIXED, "", Reserved(uncached, 1, blocks)),))
-        every = prefills.every()
+        every = prefills.open_queues(prefills.every(), p_loads, self.options.max_queued_prefill_tokens)
         costs = self.columns.prefill_costs(prefills, p_loads, every, request, cached, self.options.cost)
         chosen = self.columns.pick(every, costs, self.rng)
         if chosen is None:
-            return NoPlacement(f"no live prefill worker with room serves model '{request.model}'")
+            return no_room(request.model, Role.PREFILL, len(prefills))
         prefill = prefills.workers[chosen]
         return Placed(
             (

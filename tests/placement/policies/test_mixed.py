@@ -22,3 +22,18 @@ def test_mixed_mode_uses_one_mixed_worker() -> None:
 def test_no_mixed_worker_with_room_says_why() -> None:
     full = [worker("x", "mixed", free=3), worker("p", "prefill"), worker("d", "decode")]
     assert create("mixed").place(request(), full, {}) == NoPlacement("no live mixed worker with room serves model 'm'")
+
+
+def test_a_prefill_queue_bound_keeps_requests_off_full_mixed_queues() -> None:
+    """A mixed worker at the bound takes no more; all at it: busy (it waits). Without KV room the
+    request is not busy: the bound only applies among workers that have room."""
+    bounded = create("mixed", PolicyOptions(rng=random.Random(0), max_queued_prefill_tokens=500))
+    workers = [worker("x", "mixed", queued=500), worker("y", "mixed", queued=100, free=100)]
+    plan = bounded.place(request(), workers, {})
+    assert isinstance(plan, Placed) and plan.placements[0].worker.record.worker_id == "y"
+    full = [worker("x", "mixed", queued=500), worker("y", "mixed", queued=600)]
+    assert bounded.place(request(), full, {}) == NoPlacement(
+        "every mixed worker with room for model 'm' has a full prefill queue", busy=True
+    )
+    no_room = [worker("x", "mixed", queued=0, free=3)]
+    assert bounded.place(request(), no_room, {}) == NoPlacement("no live mixed worker with room serves model 'm'")

@@ -89,3 +89,19 @@ def test_no_placement_says_why() -> None:
     assert "decode" in _reason(policy.place(request(), full, {}))
     other_model = [worker("p", "prefill", model="x"), worker("d", "decode", model="x")]
     assert "model 'm'" in _reason(policy.place(request(), other_model, {}))
+
+
+def test_a_prefill_queue_bound_keeps_requests_off_full_queues() -> None:
+    """With ``max_queued_prefill_tokens``, a prefill worker with that many tokens queued (reported
+    or reserved) takes no more; when every one is full the request waits, busy, not failed."""
+    bounded = create("splitwise", PolicyOptions(rng=random.Random(0), max_queued_prefill_tokens=1000))
+    decode = worker("d", "decode")
+    open_one = [worker("p-full", "prefill", queued=1000), worker("p-open", "prefill", queued=999), decode]
+    assert _placed(bounded.place(request(), open_one, {})).placements[1].worker.record.worker_id == "p-open"
+    reserved = {"p-open": Reserved(reserved_prefill_tokens=1)}  # this replica's own reservation counts
+    busy = bounded.place(request(), open_one, reserved)
+    assert busy == NoPlacement("every prefill worker with room for model 'm' has a full prefill queue", busy=True)
+    unbounded = _policy(0).place(request(), open_one, reserved)  # 0: no bound: both full ones take it, as before
+    assert _placed(unbounded).placements[1].worker.record.worker_id in ("p-full", "p-open")
+    nobody = bounded.place(request(), [decode], {})
+    assert nobody == NoPlacement("no live prefill worker with room serves model 'm'")  # not busy: nobody there
