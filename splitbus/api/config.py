@@ -64,6 +64,11 @@ class ApiConfig:
     requests get 429: the schedulers are behind."""
     request_timeout_s: float = 600.0
     """Deadline of a request; past it the client gets an error and workers free its state."""
+    early_refusal: bool = True
+    """Whether a request the fleet is predicted not to start before its deadline is refused at
+    admission (503 ``overloaded``: ``ApiState.refuse_late``). Off (``--no-early-refusal``), such
+    requests are admitted and wait, up to their deadline: for a comparison run, or a fleet whose
+    clients would rather queue than retry. The prefill rates are measured either way."""
     redis_connections: int = 7
     """Connections of the shared pool (XADD, cancellations, registry, wake-ups); with the
     reader's one, 8 in all by default, however many streams are open."""

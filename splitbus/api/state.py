@@ -209,7 +209,10 @@ class ApiState:
 
     def refuse_late(self, model: str) -> None:
         """503 with ``Retry-After`` when the request could not start before its deadline (the
-        server's ``request_timeout_s``) at the measured prefill rate (docs/tenants.md, "Early refusal")."""
+        server's ``request_timeout_s``) at the measured prefill rate (docs/tenants.md, "Early refusal");
+        never with ``config.early_refusal`` off."""
+        if not self.config.early_refusal:
+            return
         ahead = admission.queued_ahead(self.workers.live(), model, self.unread)
         wait_s = admission.predicted_wait_s(ahead, self.prefill_rates.rate(model))
         refused = admission.judge(wait_s, self.config.request_timeout_s)

@@ -68,6 +68,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds before a request fails (default %(default)s)"
     )
     p.add_argument(
+        "--no-early-refusal",
+        dest="early_refusal",
+        action="store_false",
+        help="admit a request even when the queue ahead is predicted to outlast its timeout (default: 503 "
+        "overloaded at once; docs/tenants.md)",
+    )
+    p.add_argument(
         "--dispatch",
         choices=("scheduler", "api"),
         default="scheduler",
@@ -176,6 +183,7 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
         max_connections=args.max_connections,
         max_backlog=args.max_backlog,
         request_timeout_s=args.request_timeout,
+        early_refusal=args.early_refusal,
         max_body_bytes=args.max_body_bytes,
         max_large_body_reads=args.max_large_bodies,
         body_timeout_s=args.body_timeout,

@@ -49,6 +49,15 @@ def test_up_passes_the_tool_call_parser_to_the_api_and_the_api_takes_it(tiny_mod
     assert build_config(build_parser(env).parse_args(argv), env).tool_call_parser is None
 
 
+def test_up_passes_no_early_refusal_to_the_api_and_the_api_takes_it(tiny_model: Path, tmp_path: Path) -> None:
+    api = started("--api-arg=--no-early-refusal")["api"][0]
+    assert api[-1] == "--no-early-refusal"
+    env = load_env({})
+    argv = ["api", "--model", str(tiny_model), "--data-dir", str(tmp_path)]
+    assert build_config(build_parser(env).parse_args([*argv, "--no-early-refusal"]), env).early_refusal is False
+    assert build_config(build_parser(env).parse_args(argv), env).early_refusal is True
+
+
 def test_an_unknown_tool_call_parser_is_refused_naming_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser(load_env({})).parse_args(["up", "--tool-call-parser", "mistral"])

@@ -1,0 +1,47 @@
+"""Early refusal as an API process applies it (``ApiState.refuse_late``), with no Redis: a state
+whose registry view holds a prefill worker with a deep queue and whose prefill rate is measured,
+so that the prediction passes the deadline."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitbus.api.config import ApiConfig
+from splitbus.api.errors import ServiceUnavailable
+from splitbus.api.state import ApiState
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.registry import WorkerInfo, WorkerRecord
+
+WAITING = 1000
+"""The prefill worker's queue: at the measured 1 request/s, a predicted wait of 1000 s."""
+UNUSED_REDIS = "redis://127.0.0.1:1/0"
+"""Nothing here reaches Redis: the state's client connects only when used."""
+
+
+def _prefill(done: int) -> WorkerInfo:
+    load = WorkerLoad(waiting=WAITING, prefills_done=done)
+    return WorkerInfo(WorkerRecord(worker_id="p", role="prefill", model="m", load=load), 0, 1000, Reserved())
+
+
+def overloaded_state(**config: object) -> ApiState:
+    """An API state whose fleet for model ``m`` starts 1 request/s with ``WAITING`` waiting."""
+    state = ApiState(ApiConfig(bus=BusConfig(redis_url=UNUSED_REDIS), models=(), request_timeout_s=5, **config), {})
+    for at_s, done in ((0.0, 0), (10.0, 10)):  # 10 prefills in 10 s, requests waiting throughout
+        state.workers.workers = [_prefill(done)]
+        state.prefill_rates.observe(state.workers.live(), at_s)
+    assert state.prefill_rates.rate("m") == 1.0
+    return state
+
+
+def test_a_request_predicted_to_wait_past_its_deadline_is_refused() -> None:
+    with pytest.raises(ServiceUnavailable) as refused:
+        overloaded_state().refuse_late("m")
+    assert refused.value.code == "overloaded"
+    assert refused.value.headers() == {"Retry-After": "60"}  # 995 s past it: the longest advice
+    assert "past the 5s timeout" in str(refused.value)
+
+
+def test_with_early_refusal_off_nothing_is_refused_and_the_rate_is_still_measured() -> None:
+    state = overloaded_state(early_refusal=False)  # its rate measured: overloaded_state checks it
+    state.refuse_late("m")
