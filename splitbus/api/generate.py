@@ -121,7 +121,7 @@ def request_priority(request: Request, params: GenerationParams) -> int:
 async def answer(request: Request, generation: Generation) -> Response:
     """Admit, publish and answer one request: SSE, or the whole body."""
     state, params = generation.state, generation.params
-    state.admit(params.model)
+    state.admit(params.model, generation.queueing.tenant)
     try:
         await generation.limit(request)
         await generation.publish()

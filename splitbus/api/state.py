@@ -191,8 +191,9 @@ class ApiState:
         finally:
             metrics.TOKENIZING.dec()
 
-    def admit(self, model: str) -> None:
-        """Take an in-flight slot, or say why not (429 over the bound, 503 nobody to serve)."""
+    def admit(self, model: str, tenant: str = "") -> None:
+        """Take an in-flight slot for a request of ``tenant`` (its name; "" the default one), or say
+        why not (429 over the bound, 503 nobody to serve or not in time)."""
         if self.inflight >= self.config.max_inflight:
             raise TooManyRequests(f"more than {self.config.max_inflight} requests in flight; retry later")
         if self.backlog >= self.config.max_backlog:
@@ -203,26 +204,29 @@ class ApiState:
             raise ServiceUnavailable("Redis is unreachable")
         if not self.workers.serves(model):
             raise ServiceUnavailable(f"no live worker serves model '{model}'")
-        self.refuse_late(model)
+        self.refuse_late(model, tenant)
         self.inflight += 1
         metrics.INFLIGHT.set(self.inflight)
 
-    def refuse_late(self, model: str) -> None:
+    def refuse_late(self, model: str, tenant: str = "") -> None:
         """503 with ``Retry-After`` when the request could not start before its deadline (the
-        server's ``request_timeout_s``) at the measured prefill rate (docs/tenants.md, "Early refusal");
-        never with ``config.early_refusal`` off."""
+        server's ``request_timeout_s``) at the measured prefill rate (docs/tenants.md, "Early
+        refusal"), counted and logged as a refusal of ``tenant`` (``overloaded``); never with
+        ``config.early_refusal`` off."""
         if not self.config.early_refusal:
             return
+        deadline_s = self.config.request_timeout_s
         ahead = admission.queued_ahead(self.workers.live(), model, self.unread)
-        wait_s = admission.predicted_wait_s(ahead, self.prefill_rates.rate(model))
-        refused = admission.judge(wait_s, self.config.request_timeout_s)
-        if refused is not None:
-            raise ServiceUnavailable(
-                f"the queue ahead is predicted to take {refused.wait_s:.0f}s, past the "
-                f"{self.config.request_timeout_s:g}s timeout; retry in {refused.retry_after_s}s",
-                retry_after_s=refused.retry_after_s,
-                code="overloaded",
-            )
+        refused = admission.judge(admission.predicted_wait_s(ahead, self.prefill_rates.rate(model)), deadline_s)
+        if refused is None:
+            return
+        metrics.REFUSALS.add(tenant, "overloaded", "with 503: the queue ahead was predicted to outlast their timeout")
+        raise ServiceUnavailable(
+            f"the queue ahead is predicted to take {refused.wait_s:.0f}s, past the "
+            f"{deadline_s:g}s timeout; retry in {refused.retry_after_s}s",
+            retry_after_s=refused.retry_after_s,
+            code="overloaded",
+        )
 
     def release(self) -> None:
         self.inflight -= 1

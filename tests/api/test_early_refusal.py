@@ -2,7 +2,8 @@
 prefill worker of the model reports a deep queue. While its prefill counter stands still the API
 has no measured rate and admits (a cold start never refuses); once the counter grows, the
 predicted wait passes the 5 s timeout and requests are refused with 503 and ``Retry-After``
-before anything is published; once its queue is empty again, requests are admitted."""
+before anything is published, and counted as refusals of their tenant; once its queue is empty
+again, requests are admitted."""
 
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ def _until(api: ApiProcess, forged: Forged, status: int) -> httpx.Response:
     raise AssertionError(f"no {status} within 40 s")
 
 
+def _overloaded(api: ApiProcess) -> float:
+    """The early refusals of the default tenant on ``api``'s /metrics."""
+    sample = 'splitbus_api_tenant_requests_total{outcome="overloaded",tenant="default"} '
+    lines = httpx.get(api.url + "/metrics", timeout=5).text.splitlines()
+    return sum(float(line[len(sample) :]) for line in lines if line.startswith(sample))
+
+
 def test_a_cold_start_never_refuses(api: ApiProcess, forged: Forged) -> None:
     for _ in range(3):  # a deep queue, but no prefill measured yet
         assert _complete(api).status_code == 200
@@ -92,5 +100,6 @@ def test_a_request_that_cannot_start_in_time_is_refused_early(api: ApiProcess, f
     error = refused.json()["error"]
     assert error["code"] == "overloaded"
     assert "past the 5s timeout" in error["message"]
+    assert _overloaded(api) >= 1  # counted as its tenant's refusal (no keys: the tenant default)
     forged.waiting = 0  # the queue drained: admitted again
     assert _until(api, forged, 200).json()["choices"][0]["text"]

@@ -4,8 +4,11 @@ so that the prediction passes the deadline."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ServiceUnavailable
 from splitbus.api.state import ApiState
@@ -24,9 +27,11 @@ def _prefill(done: int) -> WorkerInfo:
     return WorkerInfo(WorkerRecord(worker_id="p", role="prefill", model="m", load=load), 0, 1000, Reserved())
 
 
-def overloaded_state(**config: object) -> ApiState:
-    """An API state whose fleet for model ``m`` starts 1 request/s with ``WAITING`` waiting."""
-    state = ApiState(ApiConfig(bus=BusConfig(redis_url=UNUSED_REDIS), models=(), request_timeout_s=5, **config), {})
+def overloaded_state(timeout_s: float = 5, **config: object) -> ApiState:
+    """An API state with a ``timeout_s`` request timeout whose fleet for model ``m`` starts
+    1 request/s with ``WAITING`` waiting."""
+    bus = BusConfig(redis_url=UNUSED_REDIS)
+    state = ApiState(ApiConfig(bus=bus, models=(), request_timeout_s=timeout_s, **config), {})
     for at_s, done in ((0.0, 0), (10.0, 10)):  # 10 prefills in 10 s, requests waiting throughout
         state.workers.workers = [_prefill(done)]
         state.prefill_rates.observe(state.workers.live(), at_s)
@@ -45,3 +50,18 @@ def test_a_request_predicted_to_wait_past_its_deadline_is_refused() -> None:
 def test_with_early_refusal_off_nothing_is_refused_and_the_rate_is_still_measured() -> None:
     state = overloaded_state(early_refusal=False)  # its rate measured: overloaded_state checks it
     state.refuse_late("m")
+
+
+def test_an_early_refusal_is_counted_under_its_tenant_and_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(metrics, "REFUSALS", metrics.Refusals())  # logged now, whatever refused before
+    counted = metrics.TENANT_REQUESTS.labels("refuse-late", "overloaded")
+    before = counted._value.get()
+    with caplog.at_level(logging.WARNING, logger="splitbus.api.metrics"), pytest.raises(ServiceUnavailable):
+        overloaded_state().refuse_late("m", "refuse-late")
+    assert counted._value.get() - before == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused 1 request (overloaded) with 503: the queue ahead was predicted to outlast their timeout; "
+        "tenants: refuse-late"
+    ]
