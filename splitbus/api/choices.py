@@ -34,7 +34,7 @@ async def generate_many(request: Request, many: list[Generation]) -> Response:
     admitted: list[Generation] = []
     try:
         for generation in many:
-            generation.state.admit(generation.params.model, generation.queueing.tenant)
+            generation.state.admit(generation.params.model, generation.queueing.tenant, generation.timeout_s)
             admitted.append(generation)
         await many[0].limit(request, many)
         firsts = await _firsts(request, many)

@@ -121,7 +121,7 @@ def request_priority(request: Request, params: GenerationParams) -> int:
 async def answer(request: Request, generation: Generation) -> Response:
     """Admit, publish and answer one request: SSE, or the whole body."""
     state, params = generation.state, generation.params
-    state.admit(params.model, generation.queueing.tenant)
+    state.admit(params.model, generation.queueing.tenant, generation.timeout_s)
     try:
         await generation.limit(request)
         await generation.publish()
@@ -308,12 +308,19 @@ class Generation:
         """With tools: reads the calls out of the chat's text (``splitbus.api.tools``); None keeps
         that module off the path of the other requests."""
 
+    @property
+    def timeout_s(self) -> float:
+        """Seconds from its start to its deadline: the body's ``timeout``, held to the server's
+        ``--request-timeout`` (a client may ask for less time, never for more)."""
+        server_s = self.state.config.request_timeout_s
+        return server_s if self.params.timeout is None else min(self.params.timeout, server_s)
+
     def message(self) -> GenerateRequest:
         """The request as the bus carries it. The bus bounds every field itself (a scheduler would
         dead-letter an entry past them); a value the API's own checks let through but the bus
         refuses is the client's error, a 400, not a 500."""
         p = self.params
-        deadline_ms = int((time.time() + self.state.config.request_timeout_s) * 1000)
+        deadline_ms = int((time.time() + self.timeout_s) * 1000)
         try:
             sampling = SamplingParams(
                 max_tokens=max(self.max_tokens, 1),  # echo with max_tokens 0: one token, not shown
@@ -378,7 +385,7 @@ class Generation:
     async def subscribe(self) -> None:
         """Follow the request's result stream (before its entry is written: ``publish``)."""
         self.sub = await self.state.reader.subscribe(self.request_id)
-        self.sub.expire_at(asyncio.get_running_loop().time() + self.state.config.request_timeout_s + DEADLINE_GRACE_S)
+        self.sub.expire_at(asyncio.get_running_loop().time() + self.timeout_s + DEADLINE_GRACE_S)
 
     async def submitted(self, submit: Awaitable[None]) -> None:
         """Await the write of the request's entry (its own, or its response's choices' at once)."""
@@ -399,8 +406,7 @@ class Generation:
         try:
             result = await self.sub.get()
         except TimeoutError:
-            timeout_s = self.state.config.request_timeout_s
-            raise GatewayTimeout(f"the request did not finish within {timeout_s:.0f}s").for_request(
+            raise GatewayTimeout(f"the request did not finish within {self.timeout_s:g}s").for_request(
                 self.request_id
             ) from None
         self._observe(result)

@@ -159,6 +159,12 @@ _COMMON = {
         "description": "vLLM's extension: lower is handled earlier in the scheduler's queue; "
         "absent or null: the tenant's default (0 unless set)",
     },
+    "timeout": {
+        "type": ["number", "null"],
+        "exclusiveMinimum": 0,
+        "description": "seconds before the request fails (504); at most the server's --request-timeout (a larger "
+        "value is held to it); absent or null: the server's",
+    },
     **_LOGITS_OPTIONS,
     **_STRUCTURED,
 }

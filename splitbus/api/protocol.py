@@ -6,6 +6,7 @@ get a 400 that names them.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -119,6 +120,10 @@ class GenerationParams:
     priority: int | None = None
     """vLLM's extension: lower is handled earlier, in the scheduler's waiting queue and stagger
     windows; None: the tenant's default (``generate.request_priority``)."""
+    timeout: float | None = None
+    """The request's own timeout in seconds, > 0 (an int as large as JSON gives is kept as it
+    is); it may shorten the server's ``--request-timeout``, never lengthen it
+    (``generate.Generation.timeout_s``); None: the server's."""
 
     @property
     def prompt_top(self) -> int | None:
@@ -188,6 +193,7 @@ def _common(body: Any, kind: Literal["completion", "chat"]) -> GenerationParams:
         logits=_logits_options(body),
         grammar=_grammar(body),
         priority=_priority(body),
+        timeout=_timeout(body),
     )
 
 
@@ -196,6 +202,18 @@ def _priority(body: dict[str, Any]) -> int | None:
     if body.get("priority") is None:
         return None
     return _int(body, "priority", minimum=PRIORITY_RANGE[0], maximum=PRIORITY_RANGE[1])
+
+
+def _timeout(body: dict[str, Any]) -> float | None:
+    """The request's ``timeout``: absent or null is the server's; else a number of seconds > 0
+    (finite: JSON has no NaN, but a body built otherwise may). Not clamped here: the server's
+    timeout is the API's config, applied by ``generate.Generation.timeout_s``."""
+    value = body.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise BadRequest(f"'timeout' must be a number of seconds > 0, got {_short(value)}", "timeout")
+    return value
 
 
 def _prompt_top(body: dict[str, Any], stream: bool) -> int | None:

@@ -191,9 +191,10 @@ class ApiState:
         finally:
             metrics.TOKENIZING.dec()
 
-    def admit(self, model: str, tenant: str = "") -> None:
-        """Take an in-flight slot for a request of ``tenant`` (its name; "" the default one), or say
-        why not (429 over the bound, 503 nobody to serve or not in time)."""
+    def admit(self, model: str, tenant: str = "", timeout_s: float | None = None) -> None:
+        """Take an in-flight slot for a request of ``tenant`` (its name; "" the default one) whose
+        deadline is ``timeout_s`` from now (None: the server's), or say why not (429 over the
+        bound, 503 nobody to serve or not in time)."""
         if self.inflight >= self.config.max_inflight:
             raise TooManyRequests(f"more than {self.config.max_inflight} requests in flight; retry later")
         if self.backlog >= self.config.max_backlog:
@@ -204,18 +205,18 @@ class ApiState:
             raise ServiceUnavailable("Redis is unreachable")
         if not self.workers.serves(model):
             raise ServiceUnavailable(f"no live worker serves model '{model}'")
-        self.refuse_late(model, tenant)
+        self.refuse_late(model, tenant, timeout_s)
         self.inflight += 1
         metrics.INFLIGHT.set(self.inflight)
 
-    def refuse_late(self, model: str, tenant: str = "") -> None:
-        """503 with ``Retry-After`` when the request could not start before its deadline (the
-        server's ``request_timeout_s``) at the measured prefill rate (docs/tenants.md, "Early
-        refusal"), counted and logged as a refusal of ``tenant`` (``overloaded``); never with
-        ``config.early_refusal`` off."""
+    def refuse_late(self, model: str, tenant: str = "", timeout_s: float | None = None) -> None:
+        """503 with ``Retry-After`` when the request could not start before its deadline
+        (``timeout_s``, or the server's ``request_timeout_s``) at the measured prefill rate
+        (docs/tenants.md, "Early refusal"), counted and logged as a refusal of ``tenant``
+        (``overloaded``); never with ``config.early_refusal`` off."""
         if not self.config.early_refusal:
             return
-        deadline_s = self.config.request_timeout_s
+        deadline_s = self.config.request_timeout_s if timeout_s is None else timeout_s
         ahead = admission.queued_ahead(self.workers.live(), model, self.unread)
         refused = admission.judge(admission.predicted_wait_s(ahead, self.prefill_rates.rate(model)), deadline_s)
         if refused is None:

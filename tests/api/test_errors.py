@@ -174,6 +174,15 @@ def test_request_past_its_deadline_is_504_and_cancelled(api: ApiProcess, respond
     _until(lambda: rid in responder.cancelled)
 
 
+def test_a_requests_own_timeout_ends_its_wait_sooner(api: ApiProcess, responder: Responder) -> None:
+    """Its ``timeout`` of 1 s, not the server's 5 s, is the relay's wait: the 504 says so."""
+    response = _post(api, "/completions", {"model": "tiny", "prompt": "[silent]", "timeout": 1})
+    error = _error(response, 504)
+    assert error["type"] == "timeout_error" and error["message"].startswith("the request did not finish within 1s ")
+    rid = responder.served[-1]
+    _until(lambda: rid in responder.cancelled)
+
+
 def test_body_over_the_limit_is_413(api: ApiProcess) -> None:
     big = json.dumps({"model": "tiny", "prompt": "x" * (5 * 1024 * 1024)})
     _error(_post(api, "/completions", big), 413)

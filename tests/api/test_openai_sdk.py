@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -70,6 +72,27 @@ def test_a_requests_priority_reaches_the_bus_and_a_bad_one_is_a_400(api: ApiProc
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"priority": 2**31})
     assert info.value.status_code == 400 and "'priority' must be <= 2147483647" in info.value.message
+
+
+def test_a_requests_timeout_sets_its_deadline_on_the_bus_held_to_the_servers(
+    api: ApiProcess, responder: Responder
+) -> None:
+    """The module's API runs with --request-timeout 5: a request's ``timeout`` of 1.5 s shortens its
+    deadline, one of 10^6 s is held to 5 s, none is 5 s; a bad one is a 400 naming the field."""
+    client = _client(api)
+    for asked, given_s in ((1.5, 1.5), (10**6, 5), (None, 5)):
+        before = time.time()
+        reply = client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, extra_body={} if asked is None else {"timeout": asked}
+        )
+        after = time.time()
+        (request,) = [r for r in responder.requests if r.request_id == reply.id]
+        assert int((before + given_s) * 1000) <= request.deadline_ms <= int((after + given_s) * 1000)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"timeout": -1}
+        )
+    assert info.value.status_code == 400 and "'timeout' must be a number of seconds > 0" in info.value.message
 
 
 def test_streamed_completion_with_usage(api: ApiProcess) -> None:

@@ -144,3 +144,23 @@ def test_a_bad_priority_is_a_400(priority: object, says: str) -> None:
         with pytest.raises(BadRequest, match=says) as info:
             parse({"model": "m", "priority": priority, **body})
         assert info.value.param == "priority" and info.value.status == 400
+
+
+def test_a_requests_timeout_is_taken_in_both_bodies() -> None:
+    assert parse_completion({"model": "m", "prompt": "x"}).timeout is None  # the server's
+    assert parse_completion({"model": "m", "prompt": "x", "timeout": None}).timeout is None
+    assert parse_completion({"model": "m", "prompt": "x", "timeout": 2.5}).timeout == 2.5
+    assert parse_completion({"model": "m", "prompt": "x", "timeout": 10**30}).timeout == 10**30  # held later
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "timeout": 30})
+    assert chat.timeout == 30
+
+
+@pytest.mark.parametrize("timeout", [0, -1, 0.0, float("nan"), float("inf"), "10", True, [5], {"s": 5}])
+def test_a_bad_timeout_is_a_400_naming_the_field(timeout: object) -> None:
+    for parse, body in (
+        (parse_completion, {"prompt": "x"}),
+        (parse_chat, {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        with pytest.raises(BadRequest, match="'timeout' must be a number of seconds > 0") as info:
+            parse({"model": "m", "timeout": timeout, **body})
+        assert info.value.param == "timeout" and info.value.status == 400

@@ -65,3 +65,13 @@ def test_an_early_refusal_is_counted_under_its_tenant_and_logged(
         "refused 1 request (overloaded) with 503: the queue ahead was predicted to outlast their timeout; "
         "tenants: refuse-late"
     ]
+
+
+def test_a_request_is_judged_against_its_own_timeout() -> None:
+    """A server timeout of 2000 s admits a 1000 s wait; a request's own 5 s does not."""
+    state = overloaded_state(timeout_s=2000)
+    state.refuse_late("m")
+    with pytest.raises(ServiceUnavailable, match="past the 5s timeout") as refused:
+        state.refuse_late("m", "", 5.0)
+    assert refused.value.code == "overloaded"
+    state.refuse_late("m", "", 1999.5)  # its own, longer than the wait: admitted
