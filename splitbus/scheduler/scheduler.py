@@ -33,14 +33,14 @@ from splitbus.bus.core.streams import Delivery, entry_order
 from splitbus.bus.dispatch import PLACE_AGAIN, DispatchOutcome, SettleOutcome
 from splitbus.bus.kv_events import KvEventReader
 from splitbus.bus.messages import GenerateRequest
-from splitbus.bus.registry import Registry, SchedulerLease
+from splitbus.bus.registry import Registry, SchedulerLease, WorkerInfo
 from splitbus.bus.registry_view import RegistryView
 from splitbus.bus.request_stream import request_consumer, trim_requests
 from splitbus.bus.results import ResultWriter
 from splitbus.bus.roles import Phase
 from splitbus.bus.tenants import Tenant, TenantStore
 from splitbus.placement import policies
-from splitbus.placement.decision import Placed, Placement, Waiting
+from splitbus.placement.decision import Decision, NoPlacement, Placed, Placement, Waiting
 from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.fairness import DEFAULT_WEIGHT, ServedTokens, tenant_of, waiting_order
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
@@ -59,6 +59,10 @@ TRIM_EVERY_S = 5.0
 WEIGHTS_EVERY_S = 5.0
 """How often a replica reads the tenants' fair-share weights (a change takes effect within this)."""
 KV_EVENTS_BLOCK_MS = 100
+BUSY_POLL_MS = 10
+"""How often the loop looks again while requests wait for a full prefill queue to open
+(``--max-queued-prefill-tokens``): a worker reports its load as it takes a batch, the registry
+view has it within milliseconds, and a request should not wait a whole ``refresh_s`` on top."""
 """How long one read of the workers' KV event streams waits for a new batch."""
 
 __all__ = ["EXIT_FATAL", "Scheduler", "Verdict", "Waiting"]
@@ -115,6 +119,10 @@ class Scheduler:
         self.recovery = Recovery(self.redis, bus.keys, config.recovery_grace_s, config.name)
         self._wake_at: float | None = None
         """When the policy wants the loop back for arrivals it holds (its last ``admit``)."""
+        self._busy: dict[str, NoPlacement] = {}
+        """The models whose workers' prefill queues were all full in the last pass
+        (``NoPlacement.busy``): their requests wait for a queue to open, which the registry view
+        shows within milliseconds, so the loop looks again every ``BUSY_POLL_MS``."""
         self.loops = Loops(f"scheduler {config.name}", part="the scheduler")
         """Every loop of this replica, its main one included: a loop's bug stops it, exit code
         ``EXIT_FATAL``."""
@@ -182,9 +190,9 @@ class Scheduler:
     async def read_requests(self) -> list[Waiting]:
         room = self.config.batch - len(self.waiting)
         block_ms = self._block_ms()
-        if room > 0 and self._wake_at is not None:
+        if room > 0 and (self._wake_at is not None or self._busy):
             assert block_ms is not None
-            deliveries = await self.requests.read_within(room, block_ms)  # the policy's wake-up is due on time
+            deliveries = await self.requests.read_within(room, block_ms)  # due on time: not a BLOCK (read's docstring)
         elif room > 0:
             deliveries = await self.requests.read(room, block_ms=block_ms)
         else:
@@ -199,6 +207,9 @@ class Scheduler:
     def _block_ms(self) -> int | None:
         """How long a read may block: until the policy's wake-up (a batch window closing), or
         the next registry refresh when requests wait for a worker, else the bus default."""
+        if self._busy:
+            wake = BUSY_POLL_MS if self._wake_at is None else (self._wake_at - time.monotonic()) * 1000
+            return max(1, int(min(wake, BUSY_POLL_MS)))
         if self._wake_at is not None:
             return max(1, int((self._wake_at - time.monotonic()) * 1000))
         return int(self.config.refresh_s * 1000) if self.waiting else None
@@ -220,6 +231,7 @@ class Scheduler:
         then write all their tasks at once: the dispatch scripts share one pipeline. Returns
         the requests still waiting for a worker."""
         left, decided = [], []
+        self._busy = {}
         for w in waiting:
             decision = await self.contained(w, self.decide(w))
             if decision is Verdict.WAIT:
@@ -296,17 +308,24 @@ class Scheduler:
             await self.fail(waiting, "deadline", "the request's deadline passed before it was scheduled", 504)
             return Verdict.DROP
         workers = self.view.workers
-        decision = self.siblings.decide(
-            request, workers, self.local, lambda: self.policy.place(request, workers, self.local)
-        )
+        decision = self.siblings.decide(request, workers, self.local, lambda: self._place(request, workers))
         if isinstance(decision, Placed):
             self._reserve_locally(decision)  # the next decisions must see this load before it is written
             self.routed(request, decision.placements)
             return decision
-        if not decision.busy and time.monotonic() - waiting.since > self.config.no_worker_wait_s:
+        if decision.busy:
+            self._busy[request.model] = decision
+            return Verdict.WAIT
+        if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
             await self.fail(waiting, "no_worker", decision.reason, 503)
             return Verdict.DROP
         return Verdict.WAIT
+
+    def _place(self, request: GenerateRequest, workers: Sequence[WorkerInfo]) -> Decision:
+        """The policy's decision, or the model's busy one of this pass again: every queue was full
+        a decision ago, and this pass only adds to them (a response's later choices, which follow
+        the first, do not come here)."""
+        return self._busy.get(request.model) or self.policy.place(request, workers, self.local)
 
     async def dispatch(
         self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]

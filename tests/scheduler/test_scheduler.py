@@ -28,7 +28,7 @@ from splitbus.placement.decision import NoPlacement
 from splitbus.placement.policies.stagger import next_boundary
 from splitbus.placement.stagger import RELEASE_LEAD_S
 from splitbus.scheduler.config import SchedulerConfig
-from splitbus.scheduler.scheduler import Scheduler, Verdict, Waiting
+from splitbus.scheduler.scheduler import BUSY_POLL_MS, Scheduler, Verdict, Waiting
 from tests.placement.snapshot import request, tasks_in
 
 
@@ -181,6 +181,32 @@ async def test_a_request_that_finds_every_queue_full_waits_past_the_no_worker_wa
         assert await replica.decide(Waiting(delivery, time.monotonic() - 60)) is Verdict.WAIT
         assert not await redis.exists(bus_config.keys.out("api", "r"))
         assert await replica.requests.owns(delivery.entry_id)  # still held: not acked, not lost
+    finally:
+        await replica.redis.aclose()
+
+
+async def test_a_full_model_is_asked_once_a_pass_and_the_loop_looks_again_soon(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """Once the policy finds every queue of a model full, the pass's later requests of that model
+    wait without asking it again (placing them could only add to full queues), and the loop looks
+    again within BUSY_POLL_MS, not refresh_s: the view shows a queue opening within milliseconds."""
+    await _held_by(redis, bus_config, "s1", lease_ms=5000)
+    replica = _replica(bus_config, "s1")
+    busy = NoPlacement("every prefill worker with room for model 'm' has a full prefill queue", busy=True)
+    calls: list[str] = []
+    replica.policy = cast("Any", SimpleNamespace(place=lambda request, *_: calls.append(request.request_id) or busy))
+    try:
+        delivery = (await replica.requests.claim_idle(min_idle_ms=0))[0]
+        assert replica._block_ms() is None  # nothing waits: the bus's default block
+        now = time.monotonic()
+        left = await replica.place_all([Waiting(delivery, now), Waiting(delivery, now)])
+        assert len(left) == 2 and calls == ["r"]  # asked once for the two
+        replica.waiting = left
+        assert replica._block_ms() == BUSY_POLL_MS < replica.config.refresh_s * 1000
+        replica.policy = cast("Any", SimpleNamespace(place=lambda request, *_: calls.append("again") or busy))
+        await replica.place_all(left)
+        assert calls == ["r", "again"]  # a new pass asks again
     finally:
         await replica.redis.aclose()
 
