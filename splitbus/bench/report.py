@@ -883,3 +883,93 @@ def choices_plot(report: dict[str, Any], path: Path) -> None:
         fontsize=10,
     )
     _save(plt, fig, path, dpi=100)
+
+
+def tenants_table(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [
+        f"tenants on {report['target']}: capacity {cfg['capacity_rps']:.2f} req/s; a at {cfg['flood']:g}x, b and c at "
+        f"{cfg['steady']:g}x each (c at an earlier priority); {cfg['duration_s']:g} s a run, timeout "
+        f"{cfg['request_timeout_s']:g} s; limits on: a's rps {cfg['a_rps']:g}x and early refusal",
+        f"{'run':<11} {'tenant':<6} {'sent':>5} {'done':>5} {'429':>5} {'503':>5} {'failed':>6} {'lost':>4} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'out tok/s':>9}",
+    ]
+    for run, row in report["runs"].items():
+        for tenant, s in row["tenants"].items():
+            lines.append(
+                f"{run:<11} {tenant:<6} {s['sent']:>5} {s['completed']:>5} {s['refused_429']:>5} {s['refused_503']:>5} "
+                f"{s['failed']:>6} {s['lost']:>4} {_tenant_ms(s['ttft_p50_ms']):>9} {_tenant_ms(s['ttft_p99_ms']):>9} "
+                f"{s['output_tokens_per_s']:>9.1f}"
+            )
+    return "\n".join([*lines, *_tenants_targets(report)])
+
+
+def _tenant_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _tenants_targets(report: dict[str, Any]) -> list[str]:
+    t, share = report["targets"], report["a_limit_share"]
+    a = t["a_refused_early"]
+    return [
+        "targets:",
+        *(
+            f"  {x}'s TTFT p99 beside a's flood / alone: {t[f'{x}_ttft_p99_ratio']['measured']:.2f}x "
+            f"(at most {t[f'{x}_ttft_p99_ratio']['bound']:g}x): {_met(t[f'{x}_ttft_p99_ratio']['met'])}"
+            for x in ("b", "c")
+        ),
+        "  (beside a's flood / b and c without it: "
+        + ", ".join(f"{x} {r:.2f}x" for x, r in t["ttft_p99_over_no_flood"].items())
+        + ")",
+        f"  a refused before the first byte ({a['refused']}), none failed after admission "
+        f"({a['failed_after_admission']}): {_met(a['met'])}",
+        f"  zero admitted requests lost (lost by run: {t['zero_lost']['lost_by_run']}): {_met(t['zero_lost']['met'])}",
+        f"  a's rps limit ({share['rps_limit']:g}) held by two API nodes together: {share['admitted']} admitted, "
+        f"one exact bucket admits {share['one_bucket']} of the same arrivals ({share['ratio']:.3f}; within 5 %; "
+        f"at most {share['allowed']:.1f} allowed): {_met(t['limit_across_two_nodes']['met'])}",
+    ]
+
+
+def tenants_plot(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, (ttft, outcomes) = plt.subplots(1, 2, figsize=(13, 4.5))
+    runs = report["runs"]
+    colors = {"a": "#c0392b", "b": "#2980b9", "c": "#27ae60"}
+    labels, p50, p99, bar_colors = [], [], [], []
+    for run, row in runs.items():
+        for tenant, s in row["tenants"].items():
+            labels.append(f"{tenant}\n{run}")
+            p50.append(s["ttft_p50_ms"] or 0)
+            p99.append(s["ttft_p99_ms"] or 0)
+            bar_colors.append(colors[tenant])
+    x = range(len(labels))
+    ttft.bar(x, p99, color=bar_colors, alpha=0.45, label="p99")
+    ttft.bar(x, p50, color=bar_colors, label="p50")
+    ttft.set_xticks(list(x), labels, fontsize=7)
+    ttft.set_yscale("log")
+    ttft.set_ylabel("TTFT of completed requests (ms, log)")
+    ttft.legend(fontsize=8)
+    _tenant_outcomes(outcomes, runs)
+    cfg = report["config"]
+    fig.suptitle(
+        f"splitbus bench tenants: a floods at {cfg['flood']:g}x capacity ({cfg['capacity_rps']:.1f} req/s), b and c "
+        f"at {cfg['steady']:g}x each, c earlier; limits on vs off",
+        fontsize=10,
+    )
+    _save(plt, fig, path, dpi=100)
+
+
+def _tenant_outcomes(axis: Any, runs: dict[str, Any]) -> None:
+    """Each tenant's requests by outcome in the runs with all three."""
+    kinds = (("completed", "#27ae60"), ("refused", "#f39c12"), ("failed", "#c0392b"), ("lost", "#000000"))
+    labels = [f"{t}\n{run}" for run in ("limits_on", "limits_off") for t in runs[run]["tenants"]]
+    rows = [runs[run]["tenants"][t] for run in ("limits_on", "limits_off") for t in runs[run]["tenants"]]
+    bottom = [0] * len(rows)
+    for kind, color in kinds:
+        values = [r[kind] for r in rows]
+        axis.bar(labels, values, bottom=bottom, color=color, label=kind)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axis.set_yscale("symlog")
+    axis.set_ylim(0, max(bottom, default=1) * 3)  # room above the tallest bar for the legend
+    axis.set_ylabel("requests")
+    axis.legend(fontsize=8)

@@ -1,4 +1,4 @@
-"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar|choices``: each prints a table
+"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar|choices|tenants``: each prints a table
 and writes JSON + PNG."""
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         _add_routing,
         _add_grammar,
         _add_choices,
+        _add_tenants,
     )
     for add in adders:
         add(kinds, env)
@@ -337,6 +338,41 @@ def _add_choices(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--seed", type=int, default=0, help="seeds the prompts and the sampling (default %(default)s)")
     add("--engine", choices=("paddle", "sim"), default="paddle", help="up's worker engine (default %(default)s)")
     choices.set_defaults(run=run_choices)
+
+
+def _add_tenants(kinds: argparse._SubParsersAction, env: Env) -> None:
+    tenants = kinds.add_parser(
+        "tenants", help="one tenant flooding beside two steady ones: limits on vs off, each tenant's TTFT and refusals"
+    )
+    add = tenants.add_argument
+    add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    add("--duration", type=float, default=30.0, help="seconds of arrivals in each of the 4 runs (default %(default)s)")
+    add("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default %(default)s)")
+    add("--output-tokens", type=int, default=16, help="max_tokens of every request (default %(default)s)")
+    add(
+        "--prefill-us-per-token",
+        type=float,
+        default=400.0,
+        help="the sim engine's prefill cost, which sets the fleet's capacity (default %(default)s)",
+    )
+    add("--flood", type=float, default=5.0, help="a's rate, times the capacity (default %(default)s)")
+    add("--steady", type=float, default=0.3, help="b's and c's rates, each, times the capacity (default %(default)s)")
+    add("--a-rps", type=float, default=0.1, help="a's rps limit, times the capacity (default %(default)s)")
+    add(
+        "--queued-prefill-tokens",
+        type=int,
+        default=512,
+        help="the scheduler's --max-queued-prefill-tokens, in every run (0: no bound; default %(default)s)",
+    )
+    add(
+        "--prefill-batch-tokens",
+        type=int,
+        default=256,
+        help="the workers' --max-prefill-tokens, in every run (0: their default; default %(default)s)",
+    )
+    add("--request-timeout", type=float, default=10.0, help="the fleet's --request-timeout (default %(default)s)")
+    add("--seed", type=int, default=0, help="seeds the arrivals and the prompts (default %(default)s)")
+    tenants.set_defaults(run=run_tenants)
 
 
 @contextlib.contextmanager
@@ -714,6 +750,34 @@ def run_choices(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus bench choices: {exc}")
         return 1
     return run.finish(result, report.choices_plot, report.choices_table)
+
+
+def run_tenants(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import report
+    from splitbus.bench.tenants import TenantsBenchConfig, run_tenants_bench
+
+    config = _config(
+        "tenants",
+        lambda: TenantsBenchConfig(
+            duration_s=args.duration,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            prefill_us_per_token=args.prefill_us_per_token,
+            flood=args.flood,
+            steady=args.steady,
+            a_rps=args.a_rps,
+            queued_prefill_tokens=args.queued_prefill_tokens,
+            prefill_batch_tokens=args.prefill_batch_tokens,
+            request_timeout_s=args.request_timeout,
+            seed=args.seed,
+        ),
+    )
+    if config is None:
+        return 2
+    run = _Run("tenants", args.out)
+    with tempfile.TemporaryDirectory(prefix="splitbus-bench-tenants-") as folder:
+        result = run_tenants_bench(config, Path(folder), run.progress)
+    return run.finish(result, report.tenants_plot, report.tenants_table)
 
 
 def _choices_model(args: argparse.Namespace) -> tuple[Path | None, str | None]:

@@ -44,6 +44,12 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--worker-id", default=None, help="default: role, host and pid")
     p.add_argument("--max-requests", type=int, default=64, help="requests held at once (default %(default)s)")
     p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens in one prefill batch, at most (a longer prompt goes alone; default %(default)s)",
+    )
+    p.add_argument(
         "--kv-blocks",
         type=int,
         default=None,
@@ -99,6 +105,7 @@ def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
         model_name=served_name(args.model, args.served_model_name),
         worker_id=args.worker_id or "",
         max_requests=args.max_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
         transfer_host=args.transfer_host,
         transfer_port=args.transfer_port,
         transfer_advertise_host=args.transfer_advertise_host,
