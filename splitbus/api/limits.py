@@ -7,13 +7,13 @@ tokens are charged together when the last of them ends. The default tenant (the 
 started with, or none) and a tenant without limits never reach Redis here.
 
 While Redis cannot answer, requests are admitted unchecked (limits are briefly loose; a request
-is never refused or lost for it), and the API says so in its log once a minute.
+is never refused or lost for it), and the API says so in its log once a minute; a request that
+ends meanwhile gives its place back once Redis answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -26,6 +26,7 @@ from starlette.types import Message, Send
 from splitbus.api import metrics
 from splitbus.api.errors import TooManyRequests
 from splitbus.api.tenants import UNREADABLE
+from splitbus.bus.core.connection import backoff_delays, is_transient
 from splitbus.bus.limits import Admission, BadLimiterReply, Limiter, Verdict, limited
 from splitbus.bus.tenants import TenantLimits
 
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 LEASE_GRACE_S = 30.0
 """How long past the request timeout a request's place (``concurrency``) is held if its API node
 never ends it (a crash): then the place is free again."""
+END_RETRY_S = (0.05, 2.0)
+"""An end Redis cannot take is tried again after a jittered wait from the first, doubling, to the
+second (at most): a request that ends during a failover gives its place back once Redis is back,
+not when its lease runs out (the request timeout plus ``LEASE_GRACE_S``)."""
 WARN_EVERY_S = 60.0
 """How often a limiter that cannot answer is logged (not once per request)."""
 TOKEN_BUCKETS = (("tok", "tpm"), ("prompt", "prompt_tpm"), ("output", "output_tpm"))
@@ -150,12 +155,29 @@ class TenantLimiter:
             log.warning("tenants' limits are not checked (admitting unchecked) while the limiter fails: %s", exc)
 
     def end(self, tenant: str, request_id: str, limits: TenantLimits, output_tokens: int) -> None:
-        """End an admitted response in the background (a lost end: its lease runs out instead)."""
+        """End an admitted response in the background (one Redis cannot take is tried again; a
+        lost end: its lease runs out instead). Only a response admitted with a lease has an end to
+        retry, so the retries are bounded by the responses in flight when Redis went away: while it
+        is away the API admits none (503), or none with a lease (admitted unchecked)."""
         self._spawn(self._end(tenant, request_id, limits, output_tokens))
 
     async def _end(self, tenant: str, request_id: str, limits: TenantLimits, output_tokens: int) -> None:
-        with contextlib.suppress(*UNREADABLE, ValueError):
+        """Tried again while Redis cannot take it (a failover, a restart), until its lease would
+        have run out by itself: then there is nothing left to give back."""
+        until = self._clock() + self._lease_ms / 1000
+        delays = backoff_delays(*END_RETRY_S)
+        while not await self._ended(tenant, request_id, limits, output_tokens) and self._clock() < until:
+            await anext(delays)
+
+    async def _ended(self, tenant: str, request_id: str, limits: TenantLimits, output_tokens: int) -> bool:
+        """Whether the end is done with: written, or refused for good (an error retrying cannot fix)."""
+        try:
             await self._limiter.end(tenant, request_id, limits, output_tokens)
+        except UNREADABLE as exc:
+            return not is_transient(exc)
+        except ValueError:  # a reply that is not the script's: nothing to retry
+            return True
+        return True
 
 
 def _charged_after(limits: TenantLimits) -> bool:

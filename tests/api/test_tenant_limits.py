@@ -7,6 +7,7 @@ the limited tenants' rates are a request per 100 s."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +18,12 @@ import httpx
 import pytest
 import redis as sync_redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from splitbus.api.limits import WARN_EVERY_S, Lease, TenantLimiter, duration, headers
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
-from splitbus.bus.limits import Admission, Room, Verdict
+from splitbus.bus.limits import Admission, Ended, Room, Verdict
 from splitbus.bus.tenants import Tenant, TenantLimits, TenantStore, key_digest
 from splitbus.redis_server import EmbeddedRedis
 from tests.api.conftest import ApiProcess, _wait_for_model, start_api, stop_api
@@ -260,3 +262,50 @@ async def test_a_client_that_leaves_while_its_admission_is_asked_gives_its_place
     (end,) = spawned
     await end
     assert slow.ended == [("acme", "r1", TenantLimits(concurrency=1), 0)]
+
+
+class _Back:
+    """A limiter whose Redis cannot take the first ``away`` ends (a failover), then can."""
+
+    def __init__(self, away: int, error: Exception) -> None:
+        self.away, self.error, self.tries = away, error, 0
+
+    async def end(self, *args: object) -> Ended:
+        self.tries += 1
+        if self.tries <= self.away:
+            raise self.error
+        return Ended.RELEASED
+
+
+@pytest.fixture
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("splitbus.api.limits.END_RETRY_S", (0.001, 0.002))
+
+
+@pytest.mark.usefixtures("quick_retries")
+@pytest.mark.parametrize(
+    ("error", "tries"),
+    [
+        (RedisConnectionError("Connection refused"), 4),  # away, then back: the place is given back
+        (ResponseError("READONLY You can't write against a read only replica."), 4),  # a failover under way
+        (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), 1),  # no retry fixes it
+        (ValueError("invalid literal for int()"), 1),  # not the script's reply
+    ],
+)
+async def test_an_end_redis_cannot_take_is_tried_again_until_it_can(error: Exception, tries: int) -> None:
+    back, spawned = _Back(away=3, error=error), []
+    limiter = TenantLimiter(back, 60, spawn=spawned.append)  # type: ignore[arg-type]
+    limiter.end("acme", "r1", TenantLimits(concurrency=1), 5)
+    (end,) = spawned
+    await end
+    assert back.tries == tries
+
+
+@pytest.mark.usefixtures("quick_retries")
+async def test_an_end_is_given_up_when_its_lease_would_have_run_out() -> None:
+    ticks = itertools.count(0, 10)  # each reading of the clock 10 s after the last
+    never, spawned = _Back(away=10**6, error=RedisConnectionError("Connection refused")), []
+    limiter = TenantLimiter(never, 60, spawn=spawned.append, clock=lambda: next(ticks))  # type: ignore[arg-type]
+    limiter.end("acme", "r1", TenantLimits(concurrency=1), 0)
+    await spawned[0]
+    assert never.tries == 6  # at 0, 10, ..., 50 s: by 60 s its lease (60 s) has run out
