@@ -60,14 +60,19 @@ class NoPlacement:
     busy: bool = False
     """The workers are there but their queues are full (``PolicyOptions.max_queued_prefill_tokens``):
     the request waits for room until its deadline, not ``no_worker_wait_s``."""
+    model_wide: bool = False
+    """``busy`` whatever the request: every worker of the model that could prefill it is at the
+    bound, not only those with room for this one, so a later request of the model is answered
+    the same until a queue opens (the scheduler asks the policy once a pass)."""
 
 
-def no_room(model: str, role: str, open_rooms: int) -> NoPlacement:
+def no_room(model: str, role: str, open_rooms: int, model_wide: bool = False) -> NoPlacement:
     """Why no worker of ``role`` takes a request for ``model`` now: none with room for it
     (``open_rooms`` 0), or every one that has room has a full prefill queue (``busy``: the
-    request waits for room)."""
+    request waits for room; ``model_wide``: whatever the request)."""
     if open_rooms:
-        return NoPlacement(f"every {role} worker with room for model '{model}' has a full prefill queue", busy=True)
+        reason = f"every {role} worker with room for model '{model}' has a full prefill queue"
+        return NoPlacement(reason, busy=True, model_wide=model_wide)
     return NoPlacement(f"no live {role} worker with room serves model '{model}'")
 
 

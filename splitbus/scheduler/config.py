@@ -130,6 +130,10 @@ class SchedulerConfig:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
         if self.max_queued_prefill_tokens < 0:
             raise ValueError("max_queued_prefill_tokens must be >= 0 (0: no bound)")
+        if self.max_queued_prefill_tokens and self.mode not in ("splitwise", "mixed"):
+            raise ValueError(
+                "--max-queued-prefill-tokens bounds single workers' queues: modes splitwise and mixed only"
+            )
         if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats (heartbeat_s > 0)")
         if self.recovery_grace_s < 0:

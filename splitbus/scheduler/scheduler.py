@@ -17,6 +17,7 @@ lost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
@@ -45,7 +46,7 @@ from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.fairness import DEFAULT_WEIGHT, ServedTokens, tenant_of, waiting_order
 from splitbus.placement.kv_index import KvIndex, KvIndexFeeder
 from splitbus.placement.ledger import Ledger, Local
-from splitbus.placement.policies.base import PlacingContext
+from splitbus.placement.policies.base import PlacingContext, Policy
 from splitbus.placement.prefixes import NO_PREFIXES, IndexPrefixes
 from splitbus.placement.siblings import Siblings, twins
 from splitbus.scheduler import metrics
@@ -59,11 +60,11 @@ TRIM_EVERY_S = 5.0
 WEIGHTS_EVERY_S = 5.0
 """How often a replica reads the tenants' fair-share weights (a change takes effect within this)."""
 KV_EVENTS_BLOCK_MS = 100
+"""How long one read of the workers' KV event streams waits for a new batch."""
 BUSY_POLL_MS = 10
 """How often the loop looks again while requests wait for a full prefill queue to open
 (``--max-queued-prefill-tokens``): a worker reports its load as it takes a batch, the registry
 view has it within milliseconds, and a request should not wait a whole ``refresh_s`` on top."""
-"""How long one read of the workers' KV event streams waits for a new batch."""
 
 __all__ = ["EXIT_FATAL", "Scheduler", "Verdict", "Waiting"]
 
@@ -115,17 +116,29 @@ class Scheduler:
         self._placing = asyncio.Lock()
         """Held while requests are placed: by the scheduling loop, and by the claimer, which
         places what it claimed at once rather than after the loop's blocked read returns."""
-        self.reaper = Reaper(self.redis, bus, config.name, self.view, self.policy, self.dispatcher, self.local)
+        self.reaper = Reaper(self.redis, bus, config.name, self.view, self._moves_policy(), self.dispatcher, self.local)
         self.recovery = Recovery(self.redis, bus.keys, config.recovery_grace_s, config.name)
         self._wake_at: float | None = None
         """When the policy wants the loop back for arrivals it holds (its last ``admit``)."""
         self._busy: dict[str, NoPlacement] = {}
-        """The models whose workers' prefill queues were all full in the last pass
-        (``NoPlacement.busy``): their requests wait for a queue to open, which the registry view
-        shows within milliseconds, so the loop looks again every ``BUSY_POLL_MS``."""
+        """The models whose workers' prefill queues were all full in this pass, whatever the
+        request (``NoPlacement.model_wide``): their later requests are answered the same."""
+        self._queue_waits = False
+        """Whether a request of the last pass waits for a full prefill queue to open
+        (``NoPlacement.busy``): the registry view shows one opening within milliseconds, so the
+        loop looks again every ``BUSY_POLL_MS``."""
         self.loops = Loops(f"scheduler {config.name}", part="the scheduler")
         """Every loop of this replica, its main one included: a loop's bug stops it, exit code
         ``EXIT_FATAL``."""
+
+    def _moves_policy(self) -> Policy:
+        """The policy a dead worker's requests are placed again by: ``policy``, less the bound on
+        prefill queues. They were admitted long ago, and a bound would fail them (``worker_died``)
+        when the surviving workers' queues are full, the overload the bound is for."""
+        if not self.config.max_queued_prefill_tokens:
+            return self.policy
+        unbounded = dataclasses.replace(self.config.policy_options(), max_queued_prefill_tokens=0)
+        return policies.create(self.config.policy, unbounded, self.prefixes)
 
     @property
     def stopping(self) -> asyncio.Event:
@@ -190,14 +203,14 @@ class Scheduler:
     async def read_requests(self) -> list[Waiting]:
         room = self.config.batch - len(self.waiting)
         block_ms = self._block_ms()
-        if room > 0 and (self._wake_at is not None or self._busy):
+        if room > 0 and (self._wake_at is not None or self._queue_waits):
             assert block_ms is not None
             deliveries = await self.requests.read_within(room, block_ms)  # due on time: not a BLOCK (read's docstring)
         elif room > 0:
             deliveries = await self.requests.read(room, block_ms=block_ms)
         else:
             deliveries = []
-            await asyncio.sleep(self.config.refresh_s)
+            await asyncio.sleep((BUSY_POLL_MS / 1000) if self._queue_waits else self.config.refresh_s)
         if self.view.refreshed.is_set():
             self.view.refreshed.clear()
             self.ledger.view_refreshed(self.view.read_at)  # what the fresh snapshot shows is forgotten
@@ -207,7 +220,7 @@ class Scheduler:
     def _block_ms(self) -> int | None:
         """How long a read may block: until the policy's wake-up (a batch window closing), or
         the next registry refresh when requests wait for a worker, else the bus default."""
-        if self._busy:
+        if self._queue_waits:
             wake = BUSY_POLL_MS if self._wake_at is None else (self._wake_at - time.monotonic()) * 1000
             return max(1, int(min(wake, BUSY_POLL_MS)))
         if self._wake_at is not None:
@@ -231,7 +244,7 @@ class Scheduler:
         then write all their tasks at once: the dispatch scripts share one pipeline. Returns
         the requests still waiting for a worker."""
         left, decided = [], []
-        self._busy = {}
+        self._busy, self._queue_waits = {}, False
         for w in waiting:
             decision = await self.contained(w, self.decide(w))
             if decision is Verdict.WAIT:
@@ -313,8 +326,10 @@ class Scheduler:
             self._reserve_locally(decision)  # the next decisions must see this load before it is written
             self.routed(request, decision.placements)
             return decision
-        if decision.busy:
-            self._busy[request.model] = decision
+        if decision.busy and request.deadline_ms:  # until its deadline; without one, as any other wait
+            self._busy.update({request.model: decision} if decision.model_wide else {})
+            self._queue_waits = True
+            waiting.since = time.monotonic()  # time waited for a full queue is not waited for a worker
             return Verdict.WAIT
         if time.monotonic() - waiting.since > self.config.no_worker_wait_s:
             await self.fail(waiting, "no_worker", decision.reason, 503)

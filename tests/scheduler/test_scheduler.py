@@ -75,12 +75,14 @@ async def test_a_group_that_has_not_stepped_gives_a_boundary_already_past(
     assert await next_boundary(scheduler.view, scheduler.registry) < time.monotonic()
 
 
-async def _held_by(redis: aioredis.Redis, bus_config: BusConfig, name: str, lease_ms: int | None) -> str:
-    """A request entry read (and left pending) by replica ``name``, whose lease is held for
-    ``lease_ms`` (None: it holds none: dead, or hung past it)."""
+async def _held_by(
+    redis: aioredis.Redis, bus_config: BusConfig, name: str, lease_ms: int | None, message: Any = None
+) -> str:
+    """A request entry (``message``, else ``request()``) read (and left pending) by replica
+    ``name``, whose lease is held for ``lease_ms`` (None: it holds none: dead, or hung past it)."""
     consumer = GroupConsumer(redis, bus_config, bus_config.keys.requests, SCHEDULER_GROUP, name)
     await consumer.ensure_group()
-    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    await Producer(redis, bus_config).send(bus_config.keys.requests, message or request())
     if lease_ms is not None:
         await SchedulerLease(redis, bus_config, name, lease_ms).renew()
     return (await consumer.read(1))[0].entry_id
@@ -171,16 +173,25 @@ async def test_a_request_that_finds_every_queue_full_waits_past_the_no_worker_wa
     redis: aioredis.Redis, bus_config: BusConfig
 ) -> None:
     """Workers there with full prefill queues (``NoPlacement.busy``): the request waits in the
-    scheduler's queue past ``no_worker_wait_s`` (until its deadline), and nothing is failed."""
-    await _held_by(redis, bus_config, "s1", lease_ms=5000)
+    scheduler's queue past ``no_worker_wait_s`` (until its deadline), and nothing is failed; the
+    time it waited so is not counted against ``no_worker_wait_s`` if its workers then go. A
+    request without a deadline waits no longer than any other."""
+    deadline_ms = int(time.time() * 1000) + 60_000
+    await _held_by(redis, bus_config, "s1", 5000, dataclasses.replace(request(), deadline_ms=deadline_ms))
     replica = _replica(bus_config, "s1", no_worker_wait_s=1.0)
     busy = NoPlacement("every prefill worker with room for model 'm' has a full prefill queue", busy=True)
     replica.policy = cast("Any", SimpleNamespace(place=lambda *_: busy))
     try:
         delivery = (await replica.requests.claim_idle(min_idle_ms=0))[0]
-        assert await replica.decide(Waiting(delivery, time.monotonic() - 60)) is Verdict.WAIT
+        waiting = Waiting(delivery, time.monotonic() - 60)
+        assert await replica.decide(waiting) is Verdict.WAIT
         assert not await redis.exists(bus_config.keys.out("api", "r"))
         assert await replica.requests.owns(delivery.entry_id)  # still held: not acked, not lost
+        replica.policy = cast("Any", SimpleNamespace(place=lambda *_: NoPlacement("no live prefill worker")))
+        assert await replica.decide(waiting) is Verdict.WAIT  # its wait for a worker starts now
+        timeless = dataclasses.replace(delivery, message=request())  # deadline 0
+        replica.policy = cast("Any", SimpleNamespace(place=lambda *_: busy))
+        assert await replica.decide(Waiting(timeless, time.monotonic() - 60)) is Verdict.DROP
     finally:
         await replica.redis.aclose()
 
@@ -190,10 +201,13 @@ async def test_a_full_model_is_asked_once_a_pass_and_the_loop_looks_again_soon(
 ) -> None:
     """Once the policy finds every queue of a model full, the pass's later requests of that model
     wait without asking it again (placing them could only add to full queues), and the loop looks
-    again within BUSY_POLL_MS, not refresh_s: the view shows a queue opening within milliseconds."""
-    await _held_by(redis, bus_config, "s1", lease_ms=5000)
+    again within BUSY_POLL_MS, not refresh_s: the view shows a queue opening within milliseconds.
+    A busy answer for this request only (``model_wide`` unset) is not reused."""
+    deadline_ms = int(time.time() * 1000) + 60_000
+    await _held_by(redis, bus_config, "s1", 5000, dataclasses.replace(request(), deadline_ms=deadline_ms))
     replica = _replica(bus_config, "s1")
     busy = NoPlacement("every prefill worker with room for model 'm' has a full prefill queue", busy=True)
+    busy = dataclasses.replace(busy, model_wide=True)
     calls: list[str] = []
     replica.policy = cast("Any", SimpleNamespace(place=lambda request, *_: calls.append(request.request_id) or busy))
     try:
@@ -207,6 +221,10 @@ async def test_a_full_model_is_asked_once_a_pass_and_the_loop_looks_again_soon(
         replica.policy = cast("Any", SimpleNamespace(place=lambda request, *_: calls.append("again") or busy))
         await replica.place_all(left)
         assert calls == ["r", "again"]  # a new pass asks again
+        mine = dataclasses.replace(busy, model_wide=False)  # full for this request only: ask for each
+        replica.policy = cast("Any", SimpleNamespace(place=lambda request, *_: calls.append("each") or mine))
+        assert len(await replica.place_all(left)) == 2 and calls[2:] == ["each", "each"]
+        assert replica._block_ms() == BUSY_POLL_MS
     finally:
         await replica.redis.aclose()
 
@@ -477,3 +495,17 @@ async def test_a_replica_takes_the_tenants_weights_from_the_store(redis: aioredi
     await store.set("heavy", weight=0.5)
     await scheduler.read_weights()
     assert scheduler.weights["heavy"] == 0.5
+
+
+def test_a_dead_workers_requests_are_moved_without_the_queue_bound(bus_config: BusConfig) -> None:
+    """The reaper places a dead worker's requests again with the policy less the bound: they were
+    admitted long ago, and the bound would fail them when every survivor's queue is full."""
+    config = SchedulerConfig(bus_config, mode="splitwise", name="s1", max_queued_prefill_tokens=512)
+    bounded = Scheduler(config)
+    assert bounded.policy.options.max_queued_prefill_tokens == 512
+    assert bounded.reaper.policy.options.max_queued_prefill_tokens == 0
+    assert type(bounded.reaper.policy) is type(bounded.policy)
+    plain = Scheduler(dataclasses.replace(config, max_queued_prefill_tokens=0))
+    assert plain.reaper.policy is plain.policy
+    with pytest.raises(ValueError, match="splitwise and mixed"):
+        dataclasses.replace(config, mode="dp")

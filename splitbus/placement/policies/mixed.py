@@ -33,12 +33,14 @@ class MixedPolicy(Policy):
         table = self.tables(workers, request.model, Role.MIXED)
         loads = table.loads(local)
         roomy = table.roomy(request, loads)
-        rows = table.open_queues(roomy, loads, self.options.max_queued_prefill_tokens)
+        bound = self.options.max_queued_prefill_tokens
+        rows = table.open_queues(roomy, loads, bound)
         cached = self.cached(request, table.candidates)
         costs = self.columns.mixed_costs(table, loads, rows, request, cached, self.options.cost)
         row = self.columns.pick(rows, costs, self.rng)
         if row is None:
-            return no_room(request.model, Role.MIXED, len(roomy))
+            every_full = not len(table.open_queues(table.every(), loads, bound))  # room for a smaller one?
+            return no_room(request.model, Role.MIXED, len(roomy), model_wide=every_full)
         worker = table.workers[row]
         blocks = blocks_needed(request, worker.record.block_size)
         # what it computes: the prompt less what it holds cached (or will: a sibling routed there)

@@ -61,7 +61,8 @@ class SplitwisePolicy(Policy):
         costs = self.columns.prefill_costs(prefills, p_loads, every, request, cached, self.options.cost)
         chosen = self.columns.pick(every, costs, self.rng)
         if chosen is None:
-            return no_room(request.model, Role.PREFILL, len(prefills))
+            # with disaggregation off, whether P has room does not depend on the request
+            return no_room(request.model, Role.PREFILL, len(prefills), model_wide=not self.options.disagg.enabled)
         prefill = prefills.workers[chosen]
         return Placed(
             (

@@ -32,8 +32,11 @@ def test_a_prefill_queue_bound_keeps_requests_off_full_mixed_queues() -> None:
     plan = bounded.place(request(), workers, {})
     assert isinstance(plan, Placed) and plan.placements[0].worker.record.worker_id == "y"
     full = [worker("x", "mixed", queued=500), worker("y", "mixed", queued=600)]
-    assert bounded.place(request(), full, {}) == NoPlacement(
-        "every mixed worker with room for model 'm' has a full prefill queue", busy=True
-    )
+    reason = "every mixed worker with room for model 'm' has a full prefill queue"
+    assert bounded.place(request(), full, {}) == NoPlacement(reason, busy=True, model_wide=True)
+    # a large request finds x full and no room on y; a small one would fit y: busy for this one only
+    mixed = [worker("x", "mixed", queued=600), worker("y", "mixed", queued=0, free=5)]
+    assert bounded.place(request(prompt=200), mixed, {}) == NoPlacement(reason, busy=True)
+    assert isinstance(bounded.place(request(prompt=10, max_tokens=10), mixed, {}), Placed)
     no_room = [worker("x", "mixed", queued=0, free=3)]
     assert bounded.place(request(), no_room, {}) == NoPlacement("no live mixed worker with room serves model 'm'")

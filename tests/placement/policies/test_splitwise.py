@@ -8,6 +8,7 @@ from collections import Counter
 from splitbus.bus.records import Reserved
 from splitbus.placement.costs import blocks_needed
 from splitbus.placement.decision import Decision, NoPlacement, Placed
+from splitbus.placement.disagg import Disaggregation
 from splitbus.placement.policies import create
 from splitbus.placement.policies.base import Policy, PolicyOptions
 from tests.placement.snapshot import request, worker
@@ -100,7 +101,11 @@ def test_a_prefill_queue_bound_keeps_requests_off_full_queues() -> None:
     assert _placed(bounded.place(request(), open_one, {})).placements[1].worker.record.worker_id == "p-open"
     reserved = {"p-open": Reserved(reserved_prefill_tokens=1)}  # this replica's own reservation counts
     busy = bounded.place(request(), open_one, reserved)
-    assert busy == NoPlacement("every prefill worker with room for model 'm' has a full prefill queue", busy=True)
+    full = "every prefill worker with room for model 'm' has a full prefill queue"
+    assert busy == NoPlacement(full, busy=True, model_wide=True)  # P's room does not depend on the request
+    disagg = PolicyOptions(max_queued_prefill_tokens=1000, disagg=Disaggregation(local_prefill_max_tokens=10))
+    long_prompt = create("splitwise", disagg).place(request(), open_one, reserved)  # 100 tokens: not local
+    assert long_prompt == NoPlacement(full, busy=True)  # a shorter prompt may prefill on D: not model-wide
     unbounded = _policy(0).place(request(), open_one, reserved)  # 0: no bound: both full ones take it, as before
     assert _placed(unbounded).placements[1].worker.record.worker_id in ("p-full", "p-open")
     nobody = bounded.place(request(), [decode], {})
