@@ -166,3 +166,18 @@ def test_the_batch_size_a_rank_announces_is_the_batch_it_plans(make: Make) -> No
         batch = table.start_prefill(max_tokens)
         assert ids(batch) == expected and size == (len(batch), sum(len(s.all_tokens) for s in batch))
         table.abort_prefill()  # the same queue again for the next size
+
+
+def test_a_request_holding_blocks_is_prefilled_before_an_earlier_priority_that_gets_none(make: Make) -> None:
+    """An aborted batch keeps its KV blocks; a request of an earlier priority that comes meanwhile
+    and finds no blocks would end every plan before it, and the blocks it waits for are the ones
+    the batch behind it holds: the request holding blocks goes first."""
+    table = RequestTable()
+    queued(table, make, ("held", 4, 5))
+    [held] = table.start_prefill(max_tokens=8)
+    held.blocks = 1  # what the engine's reserve gave it
+    queued(table, make, ("urgent", 4, 0))
+    table.abort_prefill()
+    assert ids(table.prefill_queue()) == ["held", "urgent"]
+    assert ids(table.start_prefill(max_tokens=8, reserve=lambda *_: False)) == ["held"]  # KV short: it still runs
+    assert ids(table.prefill_queue()) == ["urgent"]
