@@ -102,13 +102,15 @@ class Lease:
         self._args = (tenant, request_id, tenant_limits)
         self._pending = choices
         self._output_tokens = 0
+        self._runs_out = limits.lease_runs_out()
+        """When its place would be given back by itself (its lease's end, on this node's clock)."""
 
     def done(self, output_tokens: int) -> None:
         """One choice ended, having generated ``output_tokens``."""
         self._output_tokens += output_tokens
         self._pending -= 1
         if self._pending == 0:
-            self._limits.end(*self._args, self._output_tokens)
+            self._limits.end(*self._args, self._output_tokens, self._runs_out)
 
 
 class TenantLimiter:
@@ -154,17 +156,24 @@ class TenantLimiter:
             self._warned_at = now
             log.warning("tenants' limits are not checked (admitting unchecked) while the limiter fails: %s", exc)
 
-    def end(self, tenant: str, request_id: str, limits: TenantLimits, output_tokens: int) -> None:
-        """End an admitted response in the background (one Redis cannot take is tried again; a
-        lost end: its lease runs out instead). Only a response admitted with a lease has an end to
-        retry, so the retries are bounded by the responses in flight when Redis went away: while it
-        is away the API admits none (503), or none with a lease (admitted unchecked)."""
-        self._spawn(self._end(tenant, request_id, limits, output_tokens))
+    def lease_runs_out(self) -> float:
+        """When a lease taken now runs out by itself (this node's monotonic clock)."""
+        return self._clock() + self._lease_ms / 1000
 
-    async def _end(self, tenant: str, request_id: str, limits: TenantLimits, output_tokens: int) -> None:
+    def end(
+        self, tenant: str, request_id: str, limits: TenantLimits, output_tokens: int, until: float | None = None
+    ) -> None:
+        """End an admitted response in the background (one Redis cannot take is tried again until
+        ``until``, when its lease runs out by itself; default: a lease taken now). Only a response
+        admitted with a lease has an end to retry, so the retries are bounded by the responses in
+        flight when Redis went away: while it is away the API admits none (503), or none with a
+        lease (admitted unchecked). An end whose reply was lost (a timeout) and that is tried again
+        may charge its output tokens twice; its place is given back once."""
+        self._spawn(self._end(tenant, request_id, limits, output_tokens, until or self.lease_runs_out()))
+
+    async def _end(self, tenant: str, request_id: str, limits: TenantLimits, output_tokens: int, until: float) -> None:
         """Tried again while Redis cannot take it (a failover, a restart), until its lease would
         have run out by itself: then there is nothing left to give back."""
-        until = self._clock() + self._lease_ms / 1000
         delays = backoff_delays(*END_RETRY_S)
         while not await self._ended(tenant, request_id, limits, output_tokens) and self._clock() < until:
             await anext(delays)
