@@ -137,6 +137,8 @@ class Outcome(enum.Enum):
     """Admitted, then ended with an error: its deadline passed, among others."""
     LOST = "lost"
     """Admitted, and no end seen by the request timeout plus ``LOST_MARGIN_S``."""
+    UNSENT = "unsent"
+    """The client could not reach the API (no connection): never admitted, nor refused by it."""
 
 
 @dataclass
@@ -169,6 +171,8 @@ class Client:
         await asyncio.gather(*(c.aclose() for c in self.clients))
 
     async def send(self, index: int, item: Item) -> Sent:
+        import httpx
+
         node = index % len(self.clients)
         sent = Sent(item.tenant, node, item.arrival_s)
         body = {
@@ -188,19 +192,29 @@ class Client:
                 if response.status_code != 200:
                     return refused_or_failed(sent, await response.aread())
                 await _relay(sent, response, started)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:  # it never reached the API
+            sent.outcome, sent.code = Outcome.UNSENT, type(exc).__name__
         except Exception as exc:  # the client's timeout or a dropped connection: no end seen
             sent.outcome, sent.code = Outcome.LOST, type(exc).__name__
         return sent
 
 
+REFUSED_503 = ("overloaded", "service_unavailable")
+"""The codes of a 503 the API answers at admission (early refusal; Redis or the model's workers
+unreachable): nothing was published. A 503 of another code came after admission (the scheduler's
+``no_worker``, the reaper's ``worker_died``): a failure."""
+
+
 def refused_or_failed(sent: Sent, body: bytes) -> Sent:
-    """A status before the first byte: 429 and 503 are refusals, anything else a failure of an
-    admitted request (the API answers a request that failed before its first token so)."""
-    sent.outcome = Outcome.REFUSED if sent.status in (429, 503) else Outcome.FAILED
+    """A status before the first byte: a 429, or a 503 of ``REFUSED_503``, is a refusal; anything
+    else a failure of an admitted request (the API answers one that failed before its first token
+    so)."""
     try:
         sent.code = str(orjson.loads(body)["error"].get("code") or sent.status)
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         sent.code = str(sent.status)
+    refused = sent.status == 429 or (sent.status == 503 and sent.code in REFUSED_503)
+    sent.outcome = Outcome.REFUSED if refused else Outcome.FAILED
     return sent
 
 
@@ -248,11 +262,11 @@ def _counts(sent: list[Sent]) -> dict[str, Any]:
     refused with 429 and with 503; the other outcomes by code."""
     outcomes = Counter(s.outcome for s in sent)
     refused = Counter(s.status for s in sent if s.outcome is Outcome.REFUSED)
-    nodes = Counter(s.node for s in sent if s.outcome is not Outcome.REFUSED)
+    nodes = Counter(s.node for s in sent if s.outcome not in (Outcome.REFUSED, Outcome.UNSENT))
     return {
         "sent": len(sent),
         **{o.value: outcomes[o] for o in Outcome},
-        "admitted": len(sent) - outcomes[Outcome.REFUSED],
+        "admitted": len(sent) - outcomes[Outcome.REFUSED] - outcomes[Outcome.UNSENT],
         "refused_429": refused[429],
         "refused_503": refused[503],
         "by_code": _by_code(s for s in sent if s.outcome is not Outcome.COMPLETED),
@@ -392,15 +406,27 @@ def run_once(config: TenantsBenchConfig, run: str, folder: Path) -> tuple[list[I
 
         sent, wall = asyncio.run(go())
     finally:
-        if second is not None:
-            second.terminate()
-            second.wait(30)
-        system.stop()
+        try:
+            _stop(second)
+        finally:
+            system.stop()
     return trace, sent, wall
 
 
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_tenants_bench(config: TenantsBenchConfig, folder: Path, progress: Callable[[str], None]) -> dict[str, Any]:
-    """The four runs, each tenant's summary in each, and the targets."""
+    """The five runs, each tenant's summary in each, and the targets."""
     cap = config.capacity_rps
     progress(
         f"capacity {cap:.2f} req/s (one P: {config.prompt_tokens} tokens x {config.prefill_us_per_token:g} us); "

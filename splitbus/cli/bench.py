@@ -346,7 +346,7 @@ def _add_tenants(kinds: argparse._SubParsersAction, env: Env) -> None:
     )
     add = tenants.add_argument
     add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
-    add("--duration", type=float, default=30.0, help="seconds of arrivals in each of the 4 runs (default %(default)s)")
+    add("--duration", type=float, default=30.0, help="seconds of arrivals in each of the 5 runs (default %(default)s)")
     add("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default %(default)s)")
     add("--output-tokens", type=int, default=16, help="max_tokens of every request (default %(default)s)")
     add(

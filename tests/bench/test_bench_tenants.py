@@ -65,6 +65,8 @@ def test_statuses_before_the_first_byte_are_refusals_others_failures() -> None:
     assert (overloaded.outcome, overloaded.code) == (Outcome.REFUSED, "overloaded")
     late = refused_or_failed(Sent("a", 0, 0.0, status=504), b"not json")
     assert (late.outcome, late.code) == (Outcome.FAILED, "504")
+    gone = refused_or_failed(Sent("a", 0, 0.0, status=503), b'{"error": {"code": "no_worker"}}')
+    assert (gone.outcome, gone.code) == (Outcome.FAILED, "no_worker")  # the scheduler's, after admission
 
 
 def test_a_tenant_summary_counts_outcomes_and_nodes() -> None:
@@ -74,11 +76,18 @@ def test_a_tenant_summary_counts_outcomes_and_nodes() -> None:
         Sent("a", 0, 0.2, Outcome.REFUSED, 429, "rate_limit_exceeded"),
         Sent("a", 1, 0.3, Outcome.REFUSED, 503, "overloaded"),
         Sent("a", 1, 0.4, Outcome.FAILED, 504, "504"),
+        Sent("a", 0, 0.5, Outcome.UNSENT, 0, "ConnectError"),
     ]
     s = tenant_summary(sent, duration_s=2.0)
-    assert (s["sent"], s["completed"], s["refused"], s["failed"], s["lost"], s["admitted"]) == (5, 2, 2, 1, 0, 3)
+    assert (s["sent"], s["completed"], s["refused"], s["failed"], s["lost"], s["admitted"]) == (6, 2, 2, 1, 0, 3)
+    assert s["unsent"] == 1
     assert (s["refused_429"], s["refused_503"], s["admitted_by_node"]) == (1, 1, [1, 2])
-    assert s["by_code"] == {"failed:504": 1, "refused:overloaded": 1, "refused:rate_limit_exceeded": 1}
+    assert s["by_code"] == {
+        "failed:504": 1,
+        "refused:overloaded": 1,
+        "refused:rate_limit_exceeded": 1,
+        "unsent:ConnectError": 1,
+    }
     assert s["ttft_p50_ms"] == pytest.approx(200) and s["output_tokens_per_s"] == 4.0
     assert tenant_summary([], 1.0)["ttft_p99_ms"] is None
 
@@ -152,7 +161,7 @@ def test_tenants_bench_runs_through_the_cli(tmp_path: Path) -> None:
     assert list(runs) == list(RUNS)
     for run in runs.values():
         for s in run["tenants"].values():
-            assert s["lost"] == 0 and s["sent"] == s["completed"] + s["refused"] + s["failed"]
+            assert s["lost"] == s["unsent"] == 0 and s["sent"] == s["completed"] + s["refused"] + s["failed"]
     on, off = runs["limits_on"]["tenants"], runs["limits_off"]["tenants"]
     assert on["a"]["refused_429"] > 0 and on["a"]["by_code"].get("refused:rate_limit_exceeded", 0) > 0
     assert on["b"]["refused"] == on["c"]["refused"] == 0
