@@ -10,12 +10,19 @@ runs below its capacity and its rate is the demand's, which would predict a burs
 long; a fleet that did none in an interval is left to its other guards rather than made to
 refuse everything. With no measurement
 yet (a cold start) nothing is refused.
+
+The queue ahead is priority-blind (the registry counts requests, not their priorities), but the
+queues are not: schedulers and workers start a lower priority number first. So a request of
+priority p counts only the share of the queue ahead at priority p or earlier, estimated from this
+API node's own requests that have not started yet (``Waiting``, ``ahead_at``): the API nodes are
+assumed to see similar mixes of priorities. Under overload the lowest priority is refused first.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from splitbus.bus.registry import WorkerInfo
@@ -75,6 +82,19 @@ def predicted_wait_s(ahead: int, rate: float | None) -> float | None:
     return ahead / rate
 
 
+def ahead_at(ahead: int, mix: Mapping[int, int], priority: int) -> int:
+    """The requests of ``ahead`` that a request of ``priority`` waits behind, with ``mix`` the
+    priorities of the requests not started yet as one API node sees them (requests by priority):
+    the share at ``priority`` or earlier (a number not larger), rounded up. With none in ``mix``
+    the share is 1: every request ahead. An estimate: the queue's own priorities are not
+    reported, and ``mix`` is taken to be the fleet's."""
+    total = sum(mix.values())
+    if total <= 0:
+        return ahead
+    before = sum(count for p, count in mix.items() if p <= priority)
+    return -(-ahead * before // total)  # the ceiling, in integers: exact for any counts
+
+
 def judge(wait_s: float | None, deadline_s: float) -> Refusal | None:
     """A refusal when the predicted wait passes the deadline; None (admit) otherwise or unknown."""
     if wait_s is None or wait_s <= deadline_s:
@@ -130,3 +150,35 @@ class PrefillRates:
         """Requests per second ``model``'s fleet started, or None before a measurement."""
         known = self.models.get(model)
         return None if known is None else known.rate
+
+
+@dataclass
+class Waiting:
+    """The requests this API node published that have not started yet (no first result: a token
+    or a failure), by priority: the mix ``ahead_at`` shares the queue ahead by. Keyed by request
+    id, so that ending a request twice (its first result, then its close) counts once, and one
+    never added (refused or failed before it was published) counts nothing."""
+
+    priorities: dict[str, int] = field(default_factory=dict)
+    """Each request's priority, by request id."""
+    mix: Counter[int] = field(default_factory=Counter)
+    """How many requests wait at each priority (a priority with none is removed: bounded by the
+    requests in flight)."""
+
+    def __len__(self) -> int:
+        return len(self.priorities)
+
+    def add(self, request_id: str, priority: int) -> None:
+        """A request published (submitted, or placed by this node), its first result not come."""
+        if request_id not in self.priorities:
+            self.priorities[request_id] = priority
+            self.mix[priority] += 1
+
+    def started(self, request_id: str) -> None:
+        """The request has its first result, or ended without one: it waits no longer."""
+        priority = self.priorities.pop(request_id, None)
+        if priority is None:
+            return
+        self.mix[priority] -= 1
+        if self.mix[priority] <= 0:
+            del self.mix[priority]

@@ -34,7 +34,8 @@ async def generate_many(request: Request, many: list[Generation]) -> Response:
     admitted: list[Generation] = []
     try:
         for generation in many:
-            generation.state.admit(generation.params.model, generation.queueing.tenant, generation.timeout_s)
+            queueing = generation.queueing
+            generation.state.admit(generation.params.model, queueing.tenant, generation.timeout_s, queueing.priority)
             admitted.append(generation)
         await many[0].limit(request, many)
         firsts = await _firsts(request, many)

@@ -121,7 +121,7 @@ def request_priority(request: Request, params: GenerationParams) -> int:
 async def answer(request: Request, generation: Generation) -> Response:
     """Admit, publish and answer one request: SSE, or the whole body."""
     state, params = generation.state, generation.params
-    state.admit(params.model, generation.queueing.tenant, generation.timeout_s)
+    state.admit(params.model, generation.queueing.tenant, generation.timeout_s, generation.queueing.priority)
     try:
         await generation.limit(request)
         await generation.publish()
@@ -567,7 +567,7 @@ class Generation:
 
     def _observe(self, result: Result) -> None:
         if self._last_token_at is None:  # it runs on a worker: a lost entry is not the API's to publish again
-            self.state.submissions.started(self.request_id)
+            self.state.started(self.request_id)
         now = time.monotonic()
         if isinstance(result, TokenDelta) or (isinstance(result, Finished) and result.token_ids):
             metrics.GENERATION_TOKENS.inc(len(result.token_ids))
@@ -590,7 +590,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        self.state.submissions.started(self.request_id)
+        self.state.started(self.request_id)
         if self.sub is not None:
             self.state.reader.unsubscribe(self.sub)
             if cancel is not None:

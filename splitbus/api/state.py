@@ -76,6 +76,9 @@ class ApiState:
         """Requests in the request stream no scheduler replica has read yet (early refusal's queue)."""
         self.prefill_rates = admission.PrefillRates()
         """Each model's measured prefill rate, for early refusal (``admit``)."""
+        self.waiting = admission.Waiting()
+        """This node's published requests not started yet, by priority: early refusal's estimate
+        of the queue ahead's priorities (``refuse_late``)."""
         self.bodies = BodySlots(config)
         self.tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         self.templates = TemplatePool(TemplateLimits(workers=config.tokenize_threads))
@@ -107,6 +110,7 @@ class ApiState:
             self.submissions.hold(request)
         else:
             await self.submissions.submit(request)
+        self.waiting.add(request.request_id, request.priority)
 
     async def submit_together(self, requests: Sequence[GenerateRequest]) -> None:
         """``submit`` the choices of one response: each placed here in order (``--dispatch
@@ -120,6 +124,15 @@ class ApiState:
         rest = [r for r, here in zip(requests, placed, strict=True) if not here]
         if rest:
             await self.submissions.submit_together(rest)
+        for request in requests:  # each choice a request of the queue ahead, as the stream counts them
+            self.waiting.add(request.request_id, request.priority)
+
+    def started(self, request_id: str) -> None:
+        """The request has its first result, or ended without one (refused, failed, cancelled,
+        its client gone): nothing to submit again, and it no longer waits (called on every path:
+        ``Generation.close``; twice is harmless)."""
+        self.submissions.started(request_id)
+        self.waiting.started(request_id)
 
     async def watch_tenants(self) -> None:
         """Put ``--tenants-file``'s tenants in the store (once: at start, or as soon as Redis takes
@@ -191,10 +204,10 @@ class ApiState:
         finally:
             metrics.TOKENIZING.dec()
 
-    def admit(self, model: str, tenant: str = "", timeout_s: float | None = None) -> None:
-        """Take an in-flight slot for a request of ``tenant`` (its name; "" the default one) whose
-        deadline is ``timeout_s`` from now (None: the server's), or say why not (429 over the
-        bound, 503 nobody to serve or not in time)."""
+    def admit(self, model: str, tenant: str = "", timeout_s: float | None = None, priority: int = 0) -> None:
+        """Take an in-flight slot for a request of ``tenant`` (its name; "" the default one) and
+        ``priority`` whose deadline is ``timeout_s`` from now (None: the server's), or say why not
+        (429 over the bound, 503 nobody to serve or not in time)."""
         if self.inflight >= self.config.max_inflight:
             raise TooManyRequests(f"more than {self.config.max_inflight} requests in flight; retry later")
         if self.backlog >= self.config.max_backlog:
@@ -205,19 +218,21 @@ class ApiState:
             raise ServiceUnavailable("Redis is unreachable")
         if not self.workers.serves(model):
             raise ServiceUnavailable(f"no live worker serves model '{model}'")
-        self.refuse_late(model, tenant, timeout_s)
+        self.refuse_late(model, tenant, timeout_s, priority)
         self.inflight += 1
         metrics.INFLIGHT.set(self.inflight)
 
-    def refuse_late(self, model: str, tenant: str = "", timeout_s: float | None = None) -> None:
+    def refuse_late(self, model: str, tenant: str = "", timeout_s: float | None = None, priority: int = 0) -> None:
         """503 with ``Retry-After`` when the request could not start before its deadline
-        (``timeout_s``, or the server's ``request_timeout_s``) at the measured prefill rate
-        (docs/tenants.md, "Early refusal"), counted and logged as a refusal of ``tenant``
-        (``overloaded``); never with ``config.early_refusal`` off."""
+        (``timeout_s``, or the server's ``request_timeout_s``) at the measured prefill rate, behind
+        the share of the queue ahead at its ``priority`` or earlier (``admission.ahead_at``, from
+        this node's requests not started yet; docs/tenants.md, "Early refusal"), counted and
+        logged as a refusal of ``tenant`` (``overloaded``); never with ``config.early_refusal`` off."""
         if not self.config.early_refusal:
             return
         deadline_s = self.config.request_timeout_s if timeout_s is None else timeout_s
-        ahead = admission.queued_ahead(self.workers.live(), model, self.unread)
+        queued = admission.queued_ahead(self.workers.live(), model, self.unread)
+        ahead = admission.ahead_at(queued, self.waiting.mix, priority)
         refused = admission.judge(admission.predicted_wait_s(ahead, self.prefill_rates.rate(model)), deadline_s)
         if refused is None:
             return

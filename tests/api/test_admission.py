@@ -1,12 +1,12 @@
-"""Early refusal's predictor as pure functions (splitbus/api/admission.py): the queue ahead, the
-measured prefill rate, and the verdict against the deadline."""
+"""Early refusal's predictor as pure functions (splitbus/api/admission.py): the queue ahead, its
+share at a request's priority, the measured prefill rate, and the verdict against the deadline."""
 
 from __future__ import annotations
 
 import pytest
 
 from splitbus.api import admission
-from splitbus.api.admission import PrefillRates, Refusal
+from splitbus.api.admission import PrefillRates, Refusal, Waiting
 from splitbus.bus.records import Reserved, WorkerLoad
 from splitbus.bus.registry import WorkerInfo, WorkerRecord
 
@@ -40,6 +40,44 @@ def _worker(
 )
 def test_the_queue_ahead(workers: list[WorkerInfo], unread: int, ahead: int) -> None:
     assert admission.queued_ahead(workers, "m", unread) == ahead
+
+
+@pytest.mark.parametrize(
+    ("ahead", "mix", "priority", "share"),
+    [
+        (1000, {}, 0, 1000),  # nothing tracked: every request ahead, as without priorities
+        (1000, {0: 95, -1: 5}, -1, 50),  # 5 % at its priority or earlier
+        (1000, {0: 95, -1: 5}, 0, 1000),  # the lowest of the mix waits behind all
+        (1000, {0: 95, -1: 5}, 3, 1000),  # later than every one tracked: all
+        (1000, {0: 95, -1: 5}, -2, 0),  # earlier than every one tracked: none
+        (10, {0: 2, 1: 1}, 0, 7),  # 6.67 rounded up: never predicted short by the rounding
+        (1, {0: 999, -5: 1}, -5, 1),  # one ahead and a share above nothing: one
+        (0, {0: 3}, 0, 0),  # nothing ahead
+        (7, {0: 0}, 0, 7),  # an empty count is no mix
+    ],
+)
+def test_the_share_of_the_queue_ahead_at_a_priority(ahead: int, mix: dict[int, int], priority: int, share: int) -> None:
+    assert admission.ahead_at(ahead, mix, priority) == share
+
+
+def test_a_lower_priority_number_never_waits_behind_more() -> None:
+    mix = {-3: 4, 0: 17, 2: 9, 10: 1}
+    shares = [admission.ahead_at(500, mix, p) for p in range(-5, 12)]
+    assert shares == sorted(shares) and shares[0] == 0 and shares[-1] == 500
+
+
+def test_the_requests_waiting_are_counted_by_priority_and_each_ends_once() -> None:
+    waiting = Waiting()
+    for request_id, priority in (("a", 0), ("b", 0), ("c", -1), ("a", 0)):  # "a" added twice counts once
+        waiting.add(request_id, priority)
+    assert (len(waiting), waiting.mix) == (3, {0: 2, -1: 1})
+    waiting.started("a")
+    waiting.started("a")  # its first result, then its close: counted once
+    waiting.started("never-added")  # refused before it was published
+    assert (len(waiting), waiting.mix) == (2, {0: 1, -1: 1})
+    waiting.started("b")
+    waiting.started("c")
+    assert (len(waiting), waiting.mix, waiting.priorities) == (0, {}, {})  # no priority left behind at 0
 
 
 @pytest.mark.parametrize(

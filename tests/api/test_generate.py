@@ -15,7 +15,7 @@ from splitbus.bus.results import Subscription
 
 def _merge(*arrived: object) -> list[object]:
     """The first result as the stream loop holds it, the rest already arrived."""
-    state = SimpleNamespace(submissions=SimpleNamespace(started=lambda request_id: None))
+    state = SimpleNamespace(started=lambda request_id: None)
     generation = Generation(state, parse_completion({"model": "m", "prompt": "x", "stream": True}), [1], 8)  # type: ignore[arg-type]
     generation.sub = Subscription("r", "k")
     for result in arrived:

@@ -75,3 +75,56 @@ def test_a_request_is_judged_against_its_own_timeout() -> None:
         state.refuse_late("m", "", 5.0)
     assert refused.value.code == "overloaded"
     state.refuse_late("m", "", 1999.5)  # its own, longer than the wait: admitted
+
+
+def _mix(state: ApiState, priorities: dict[int, int]) -> None:
+    """The node's requests not started yet: ``priorities[p]`` of priority p."""
+    for priority, count in priorities.items():
+        for i in range(count):
+            state.waiting.add(f"r{priority}-{i}", priority)
+
+
+def test_under_overload_the_lowest_priority_is_refused_first() -> None:
+    """1000 requests ahead at 1/s; the node's own not-started requests are 95 % priority 0 and 5 %
+    priority -1: a priority -1 request waits behind about 50 (50 s), a priority 0 one behind all."""
+    state = overloaded_state(timeout_s=100)
+    _mix(state, {0: 95, -1: 5})
+    state.workers.redis_ok = True  # as after the view's first read: admit's other guards pass
+    state.refuse_late("m", "", 100.0, priority=-1)
+    state.admit("m", "", 100.0, priority=-1)  # the whole admission too: it takes its slot
+    assert state.inflight == 1
+    with pytest.raises(ServiceUnavailable, match="predicted to take 1000s") as refused:
+        state.admit("m", "", 100.0, priority=0)
+    assert refused.value.code == "overloaded" and state.inflight == 1
+    with pytest.raises(ServiceUnavailable, match="predicted to take 1000s"):
+        state.refuse_late("m", "", 100.0, priority=5)  # later than all the node tracks: behind all
+
+
+def test_the_priority_share_is_judged_against_the_deadline() -> None:
+    """At priority -1 the predicted wait is 50 s: admitted with 60 s, refused with 40 s."""
+    state = overloaded_state(timeout_s=100)
+    _mix(state, {0: 95, -1: 5})
+    state.refuse_late("m", "", 60.0, priority=-1)
+    with pytest.raises(ServiceUnavailable, match="predicted to take 50s, past the 40s timeout"):
+        state.refuse_late("m", "", 40.0, priority=-1)
+
+
+def test_with_nothing_tracked_every_priority_waits_behind_the_whole_queue() -> None:
+    """No request of the node's own waits: no mix to share by, the queue ahead counts whole."""
+    state = overloaded_state(timeout_s=100)
+    with pytest.raises(ServiceUnavailable, match="predicted to take 1000s"):
+        state.refuse_late("m", "", 100.0, priority=-1)
+
+
+def test_requests_leave_the_mix_when_they_start() -> None:
+    """Once the node's priority 0 requests have started, only priority -1 ones wait: a new one of
+    priority -1 is behind the whole queue again."""
+    state = overloaded_state(timeout_s=100)
+    _mix(state, {0: 95, -1: 5})
+    state.refuse_late("m", "", 100.0, priority=-1)
+    for i in range(95):
+        state.started(f"r0-{i}")
+        state.started(f"r0-{i}")  # its first result, then its close: once
+    assert state.waiting.mix == {-1: 5}
+    with pytest.raises(ServiceUnavailable, match="predicted to take 1000s"):
+        state.refuse_late("m", "", 100.0, priority=-1)
