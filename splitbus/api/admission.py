@@ -47,10 +47,10 @@ class Refusal:
 
 
 def queued_ahead(workers: Iterable[WorkerInfo], model: str, unread: int) -> int:
-    """The requests a new one for ``model`` waits behind: the request stream's ``unread`` entries
-    (every model's: the schedulers read it in order) and the waiting and reserved ones of the live
-    workers that prefill ``model``. Not counted: those a scheduler has read and holds unplaced (at
-    most its ``batch``), which the API cannot see; the wait is then under-predicted, never over."""
+    """The requests a new one for ``model`` waits behind: the request stream's ``unread`` entries,
+    those no scheduler has placed yet (every model's: unread, and read but held for a worker, as
+    a bounded prefill queue leaves them: ``unplaced_requests``), and the waiting and reserved ones
+    of the live workers that prefill ``model``."""
     return unread + sum(
         w.record.load.waiting + w.reserved.reserved_requests
         for w in workers

@@ -29,7 +29,7 @@ from splitbus.bus.limits import Limiter
 from splitbus.bus.messages import GenerateRequest
 from splitbus.bus.registry import Registry
 from splitbus.bus.registry_view import RegistryView
-from splitbus.bus.request_stream import Submissions, backlog, unread_requests
+from splitbus.bus.request_stream import Submissions, backlog, unplaced_requests
 from splitbus.bus.results import ResultReader
 from splitbus.bus.runs import Runs, ServerRuns
 from splitbus.bus.tenants import TenantStore
@@ -73,7 +73,8 @@ class ApiState:
         self.inflight = 0
         self.backlog = 0
         self.unread = 0
-        """Requests in the request stream no scheduler replica has read yet (early refusal's queue)."""
+        """Requests in the request stream no scheduler replica has placed yet: unread, or read and
+        held for a worker (early refusal's queue)."""
         self.prefill_rates = admission.PrefillRates()
         """Each model's measured prefill rate, for early refusal (``admit``)."""
         self.waiting = admission.Waiting()
@@ -158,12 +159,12 @@ class ApiState:
                 )
 
     async def read_backlog(self) -> None:
-        """The request stream's length and its entries not yet read, at the registry's pace (never
+        """The request stream's length and its entries not yet placed, at the registry's pace (never
         per request), and a reading of the workers' prefill counters (``admission.PrefillRates``)."""
         self.prefill_rates.observe(self.workers.live(), time.monotonic())
         with contextlib.suppress(*TRANSIENT_ERRORS):
             self.backlog = await backlog(self.redis, self.config.bus.keys)
-            self.unread = await unread_requests(self.redis, self.config.bus.keys)
+            self.unread = await unplaced_requests(self.redis, self.config.bus.keys)
 
     async def close(self) -> None:
         self.workers.stop()

@@ -59,6 +59,13 @@ async def unread_requests(redis: aioredis.Redis, keys: Keys, limit: int = UNREAD
     return await unread(redis, keys.requests, SCHEDULER_GROUP, limit)
 
 
+async def unplaced_requests(redis: aioredis.Redis, keys: Keys, limit: int = UNREAD_LIMIT) -> int:
+    """The requests no scheduler replica has placed yet: those unread (``unread_requests``) and
+    those a replica read and holds, waiting for a worker (pending: a request's entry is acked
+    when its tasks are written), in one ``XINFO GROUPS``."""
+    return await unread(redis, keys.requests, SCHEDULER_GROUP, limit, with_pending=True)
+
+
 def request_consumer(
     redis: aioredis.Redis, config: BusConfig, name: str, on_dead: Callable[[NamedRequest, str], None] | None = None
 ) -> GroupConsumer:

@@ -11,7 +11,14 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import Keys
 from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.request_stream import backlog, request_consumer, submit, trim_requests, unread_requests
+from splitbus.bus.request_stream import (
+    backlog,
+    request_consumer,
+    submit,
+    trim_requests,
+    unplaced_requests,
+    unread_requests,
+)
 from splitbus.bus.tasks import task_consumer, trim_tasks, unread_tasks
 
 DEADLINE_MS = int(time.time() * 1000) + 3_600_000
@@ -72,3 +79,16 @@ async def test_a_workers_unread_tasks_are_counted_and_acked_ones_trimmed(
     assert await trim_tasks(redis, keys, "w1") == 2
     reaper = task_consumer(redis, bus_config, "w1", "reaper.s1")  # takes what is left of w1's
     assert [d.message for d in await reaper.read(10, block_ms=0)] == [request(2)]
+
+
+async def test_unplaced_requests_are_the_unread_and_those_read_not_acked(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """A scheduler holds what it read until it is placed (its entry is acked with its dispatch):
+    early refusal counts those too, not only the entries nobody read."""
+    consumer, keys = await _submitted(redis, bus_config, 4)
+    assert await unplaced_requests(redis, keys) == 4
+    read = await consumer.read(3, block_ms=0)
+    assert (await unread_requests(redis, keys), await unplaced_requests(redis, keys)) == (1, 4)  # 3 held
+    await consumer.ack(read[0].entry_id)
+    assert await unplaced_requests(redis, keys) == 3
