@@ -51,7 +51,8 @@ TENANT_REQUESTS = Counter(
     "splitbus_api_tenant_requests_total",
     "Generation requests (a response of n choices is one) per tenant, by outcome: admitted (published to "
     "the bus); refused before the first byte: requests, tokens (its rate limits), concurrency (429), "
-    "body_reads (429: too many bodies were being received), unavailable (503: Redis could not take it), "
+    "body_reads (429: too many bodies were being received), inflight, backlog (429: the API's own bounds), "
+    "unavailable (503: Redis could not take it), no_worker (503: no live worker serves its model), "
     "overloaded (503: the queue ahead was predicted to outlast its timeout).",
     ["tenant", "outcome"],
 )

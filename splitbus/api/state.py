@@ -15,7 +15,7 @@ import anyio.to_thread
 
 from splitbus.api import admission, metrics
 from splitbus.api.config import ApiConfig
-from splitbus.api.errors import ModelNotFound, ServiceUnavailable, TooManyRequests
+from splitbus.api.errors import ApiError, ModelNotFound, ServiceUnavailable, TooManyRequests
 from splitbus.api.limits import LEASE_GRACE_S, TenantLimiter
 from splitbus.api.logprobs import TokenLabels
 from splitbus.api.placing import ApiPlacer
@@ -210,15 +210,18 @@ class ApiState:
         ``priority`` whose deadline is ``timeout_s`` from now (None: the server's), or say why not
         (429 over the bound, 503 nobody to serve or not in time)."""
         if self.inflight >= self.config.max_inflight:
-            raise TooManyRequests(f"more than {self.config.max_inflight} requests in flight; retry later")
+            message = f"more than {self.config.max_inflight} requests in flight; retry later"
+            raise refused(tenant, "inflight", "with 429: too many requests in flight", TooManyRequests(message))
         if self.backlog >= self.config.max_backlog:
-            raise TooManyRequests(
-                f"the request queue holds {self.backlog} entries (bound {self.config.max_backlog}); retry later"
-            )
+            message = f"the request queue holds {self.backlog} entries (bound {self.config.max_backlog}); retry later"
+            raise refused(tenant, "backlog", "with 429: the request queue is full", TooManyRequests(message))
         if not self.workers.redis_ok:
-            raise ServiceUnavailable("Redis is unreachable")
+            raise refused(
+                tenant, "unavailable", "with 503: Redis is unreachable", ServiceUnavailable("Redis is unreachable")
+            )
         if not self.workers.serves(model):
-            raise ServiceUnavailable(f"no live worker serves model '{model}'")
+            message = f"no live worker serves model '{model}'"
+            raise refused(tenant, "no_worker", "with 503: no live worker serves the model", ServiceUnavailable(message))
         self.refuse_late(model, tenant, timeout_s, priority)
         self.inflight += 1
         metrics.INFLIGHT.set(self.inflight)
@@ -256,6 +259,13 @@ class ApiState:
     async def _cancel(self, request_id: str, reason: str) -> None:
         with contextlib.suppress(*TRANSIENT_ERRORS):
             await publish_cancel(self.redis, self.config.bus, request_id, reason)
+
+
+def refused(tenant: str, reason: str, why: str, error: ApiError) -> ApiError:
+    """``error``, once counted and logged (once per reason per interval, saying ``why``: no
+    client text in it) as a refusal of ``tenant`` for ``reason`` (a ``TENANT_REQUESTS`` outcome)."""
+    metrics.REFUSALS.add(tenant, reason, why)
+    return error
 
 
 class BodySlots:

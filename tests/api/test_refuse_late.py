@@ -10,7 +10,7 @@ import pytest
 
 from splitbus.api import metrics
 from splitbus.api.config import ApiConfig
-from splitbus.api.errors import ServiceUnavailable
+from splitbus.api.errors import ApiError, ServiceUnavailable
 from splitbus.api.state import ApiState
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.records import Reserved, WorkerLoad
@@ -128,3 +128,31 @@ def test_requests_leave_the_mix_when_they_start() -> None:
     assert state.waiting.mix == {-1: 5}
     with pytest.raises(ServiceUnavailable, match="predicted to take 1000s"):
         state.refuse_late("m", "", 100.0, priority=-1)
+
+
+@pytest.mark.parametrize(
+    ("setup", "outcome", "status"),
+    [
+        ({"inflight": 10}, "inflight", 429),
+        ({"backlog": 10}, "backlog", 429),
+        ({"redis_ok": False}, "unavailable", 503),
+        ({"workers": []}, "no_worker", 503),
+    ],
+)
+def test_every_refusal_at_admission_counts_under_its_tenant(
+    setup: dict[str, object], outcome: str, status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API's own bounds and a fleet it cannot reach refuse a request before anything is
+    published: each counts as its tenant's refusal, by reason, as the tenant limits' do."""
+    monkeypatch.setattr(metrics, "REFUSALS", metrics.Refusals())
+    state = overloaded_state(early_refusal=False, max_inflight=10, max_backlog=10)
+    state.inflight, state.backlog = int(setup.get("inflight", 0)), int(setup.get("backlog", 0))  # type: ignore[call-overload]
+    state.workers.redis_ok = "redis_ok" not in setup  # as a view that has read the registry
+    if "workers" in setup:
+        state.workers.workers = []
+    counted = metrics.TENANT_REQUESTS.labels("admission-bounds", outcome)
+    before = counted._value.get()
+    with pytest.raises(ApiError) as refused:
+        state.admit("m", "admission-bounds")
+    assert refused.value.status == status and counted._value.get() == before + 1
+    assert state.inflight == int(setup.get("inflight", 0))  # type: ignore[call-overload]  # no slot taken
