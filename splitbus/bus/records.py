@@ -93,6 +93,10 @@ class WorkerLoad:
     """DP ranks: the epoch (ms) of the group this rank steps in, written as the group forms; 0
     while it forms. Schedulers place on a group only while all its ranks show one epoch: a rank
     restarted after a kill shows 0 until the survivors, who still show the old one, re-form with it."""
+    first_queued_priority: int = 0
+    """The priority of the request first in its prefill queue (the earliest, lower first; 0 when
+    none is queued). A scheduler bounding prefill queues lets a request of an earlier priority
+    past the bound: it would go to the queue's head (``PolicyOptions.max_queued_prefill_tokens``)."""
     experts: ExpertLoad | None = None
     """A MoE engine's expert placement and loads (``ExpertParallel.expert_load``); None for a dense
     model or an engine without experts. Kept last: the fields before it are the integer ones."""

@@ -22,7 +22,7 @@ from splitbus.bus.core import codec, metrics
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.replies import SnapshotReply, for_xadd, pairs, text
 from splitbus.bus.core.scripts import LuaScript, declare, lua_string
-from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, require_int, require_str
+from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, PRIORITY_RANGE, require_int, require_str
 from splitbus.bus.messages.kv_events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from splitbus.bus.records import MAX_EXPERTS, ExpertLoad, Reserved, WorkerLoad
 from splitbus.bus.roles import ROLES, Word
@@ -207,6 +207,7 @@ _RANGES: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("step_time_us", "idle_time_us", "busy_time_us", "idle_forward_us"), (0, MAX_COUNTER)),
     "forward_ends_ms": (0, MAX_AMOUNT),
     "dp_epoch": (0, MAX_AMOUNT),
+    "first_queued_priority": PRIORITY_RANGE,
     "experts_per_layer": (1, MAX_EXPERTS),
     "experts_first": (0, MAX_EXPERTS - 1),
     "experts_end": (1, MAX_EXPERTS),

@@ -81,6 +81,8 @@ class LoadTable:
         ws = self.workers
         self.block_size = _column([w.record.block_size for w in ws])
         self.total = _column([w.record.load.total_kv_blocks for w in ws])
+        self.first_priority = _column([w.record.load.first_queued_priority for w in ws])
+        """The priority first in each worker's prefill queue (``WorkerLoad.first_queued_priority``)."""
         self._base = Loads(
             _column([w.record.load.free_kv_blocks - w.reserved.reserved_kv_blocks for w in ws]),
             _column([w.record.load.queued_prefill_tokens + w.reserved.reserved_prefill_tokens for w in ws]),
@@ -123,6 +125,7 @@ class LoadTable:
             return False
         self.workers[i] = worker
         load, held = worker.record.load, worker.reserved
+        self.first_priority[i] = load.first_queued_priority
         change = (
             load.free_kv_blocks - held.reserved_kv_blocks - self._base.free[i],
             load.queued_prefill_tokens + held.reserved_prefill_tokens - self._base.queued[i],
@@ -148,11 +151,14 @@ class LoadTable:
                 loads.active[i] += r.reserved_requests
         return loads
 
-    def open_queues(self, rows: Ints, loads: Loads, bound: int) -> Ints:
-        """``rows`` whose queued prefill tokens are under ``bound`` (all of them when it is 0):
-        a worker with a longer queue takes no more until it has prefilled some
-        (``PolicyOptions.max_queued_prefill_tokens``)."""
-        return rows[loads.queued[rows] < bound] if bound > 0 else rows
+    def open_queues(self, rows: Ints, loads: Loads, bound: int, priority: int) -> Ints:
+        """``rows`` whose queued prefill tokens are under ``bound`` (all of them when it is 0), or
+        whose queue a request of ``priority`` would head (an earlier one than its first): a worker
+        with a longer queue takes no more until it has prefilled some, but one that would go
+        first anyway waits no longer here (``PolicyOptions.max_queued_prefill_tokens``)."""
+        if bound <= 0:
+            return rows
+        return rows[(loads.queued[rows] < bound) | (self.first_priority[rows] > priority)]
 
     def roomy(self, request: GenerateRequest, loads: Loads) -> Ints:
         """The rows with free KV blocks for the request's prompt and output

@@ -61,9 +61,10 @@ class NoPlacement:
     """The workers are there but their queues are full (``PolicyOptions.max_queued_prefill_tokens``):
     the request waits for room until its deadline, not ``no_worker_wait_s``."""
     model_wide: bool = False
-    """``busy`` whatever the request: every worker of the model that could prefill it is at the
-    bound, not only those with room for this one, so a later request of the model is answered
-    the same until a queue opens (the scheduler asks the policy once a pass)."""
+    """``busy`` whatever the request but its priority: every worker of the model that could
+    prefill it is at the bound, not only those with room for this one, so a later request of the
+    model and priority is answered the same until a queue opens (the scheduler asks the policy
+    once a pass)."""
 
 
 def no_room(model: str, role: str, open_rooms: int, model_wide: bool = False) -> NoPlacement:

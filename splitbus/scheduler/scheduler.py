@@ -120,9 +120,10 @@ class Scheduler:
         self.recovery = Recovery(self.redis, bus.keys, config.recovery_grace_s, config.name)
         self._wake_at: float | None = None
         """When the policy wants the loop back for arrivals it holds (its last ``admit``)."""
-        self._busy: dict[str, NoPlacement] = {}
+        self._busy: dict[tuple[str, int], NoPlacement] = {}
         """The models whose workers' prefill queues were all full in this pass, whatever the
-        request (``NoPlacement.model_wide``): their later requests are answered the same."""
+        request (``NoPlacement.model_wide``), by priority (an earlier one may head a full queue):
+        their later requests of that priority are answered the same."""
         self._queue_waits = False
         """Whether a request of the last pass waits for a full prefill queue to open
         (``NoPlacement.busy``): the registry view shows one opening within milliseconds, so the
@@ -327,7 +328,7 @@ class Scheduler:
             self.routed(request, decision.placements)
             return decision
         if decision.busy and request.deadline_ms:  # until its deadline; without one, as any other wait
-            self._busy.update({request.model: decision} if decision.model_wide else {})
+            self._busy.update({(request.model, request.priority): decision} if decision.model_wide else {})
             self._queue_waits = True
             waiting.since = time.monotonic()  # time waited for a full queue is not waited for a worker
             return Verdict.WAIT
@@ -340,7 +341,7 @@ class Scheduler:
         """The policy's decision, or the model's busy one of this pass again: every queue was full
         a decision ago, and this pass only adds to them (a response's later choices, which follow
         the first, do not come here)."""
-        return self._busy.get(request.model) or self.policy.place(request, workers, self.local)
+        return self._busy.get((request.model, request.priority)) or self.policy.place(request, workers, self.local)
 
     async def dispatch(
         self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]

@@ -166,6 +166,7 @@ class WorkerCore:
             free_kv_blocks=self.engine.free_blocks,
             total_kv_blocks=self.engine.total_blocks,
             **self.counters,
+            first_queued_priority=first.request.priority if (first := table.next_prefill()) is not None else 0,
             experts=self.engine.expert_load() if isinstance(self.engine, ExpertParallel) else None,
         )
 

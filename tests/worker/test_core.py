@@ -447,3 +447,7 @@ def test_the_load_counts_what_the_table_holds(core: WorkerCore) -> None:
     load = core.load()
     assert (load.running, load.waiting, load.queued_prefill_tokens) == (0, 2, 40)
     assert (load.free_kv_blocks, load.total_kv_blocks) == (BLOCKS - 1, BLOCKS)
+    assert load.first_queued_priority == 0
+    taken(core, "3-0", task("mixed", "r3", prompt=4, priority=-7))
+    taken(core, "4-0", task("mixed", "r4", prompt=4, priority=3))
+    assert core.load().first_queued_priority == -7  # the request first in the prefill queue

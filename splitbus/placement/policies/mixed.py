@@ -34,12 +34,12 @@ class MixedPolicy(Policy):
         loads = table.loads(local)
         roomy = table.roomy(request, loads)
         bound = self.options.max_queued_prefill_tokens
-        rows = table.open_queues(roomy, loads, bound)
+        rows = table.open_queues(roomy, loads, bound, request.priority)
         cached = self.cached(request, table.candidates)
         costs = self.columns.mixed_costs(table, loads, rows, request, cached, self.options.cost)
         row = self.columns.pick(rows, costs, self.rng)
         if row is None:
-            every_full = not len(table.open_queues(table.every(), loads, bound))  # room for a smaller one?
+            every_full = not len(table.open_queues(table.every(), loads, bound, request.priority))  # a smaller one?
             return no_room(request.model, Role.MIXED, len(roomy), model_wide=every_full)
         worker = table.workers[row]
         blocks = blocks_needed(request, worker.record.block_size)

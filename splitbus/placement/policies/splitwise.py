@@ -57,7 +57,8 @@ class SplitwisePolicy(Policy):
         if where.count().local:
             uncached = tokens - cached.get(decode.record.worker_id, 0)
             return Placed((Placement(decode, Phase.MIXED, "", Reserved(uncached, 1, blocks)),))
-        every = prefills.open_queues(prefills.every(), p_loads, self.options.max_queued_prefill_tokens)
+        bound = self.options.max_queued_prefill_tokens
+        every = prefills.open_queues(prefills.every(), p_loads, bound, request.priority)
         costs = self.columns.prefill_costs(prefills, p_loads, every, request, cached, self.options.cost)
         chosen = self.columns.pick(every, costs, self.rng)
         if chosen is None:

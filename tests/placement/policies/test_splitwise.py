@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -110,3 +111,19 @@ def test_a_prefill_queue_bound_keeps_requests_off_full_queues() -> None:
     assert _placed(unbounded).placements[1].worker.record.worker_id in ("p-full", "p-open")
     nobody = bounded.place(request(), [decode], {})
     assert nobody == NoPlacement("no live prefill worker with room serves model 'm'")  # not busy: nobody there
+
+
+def test_a_request_that_would_head_a_full_queue_is_let_past_the_bound() -> None:
+    """The bound holds back only what would queue behind: a request of an earlier priority than
+    the first in P's queue goes to its head, so it is placed; one of the same priority waits."""
+    bounded = create("splitwise", PolicyOptions(rng=random.Random(0), max_queued_prefill_tokens=1000))
+    full = worker("p", "prefill", queued=5000)
+    full = dataclasses.replace(
+        full,
+        record=dataclasses.replace(full.record, load=dataclasses.replace(full.record.load, first_queued_priority=0)),
+    )
+    workers = [full, worker("d", "decode")]
+    urgent = dataclasses.replace(request(), priority=-1)
+    assert _placed(bounded.place(urgent, workers, {})).placements[1].worker.record.worker_id == "p"
+    same = bounded.place(request(), workers, {})
+    assert isinstance(same, NoPlacement) and same.busy
