@@ -112,11 +112,20 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         self._check_mode()
         self._check_periods()
+        self._check_bound()
         if self.dispatched_ttl_s < self.duplicate_window_s():
             raise ValueError(
                 f"dispatched_ttl_s must cover the XADD retries, claim_idle_ms, no_worker_wait_s, one claim pass and"
                 f" one refresh ({self.duplicate_window_s():.1f} s): a duplicate request entry held that long"
                 " by a stuck replica would be dispatched again"
+            )
+
+    def _check_bound(self) -> None:
+        if self.max_queued_prefill_tokens < 0:
+            raise ValueError("max_queued_prefill_tokens must be >= 0 (0: no bound)")
+        if self.max_queued_prefill_tokens and self.mode not in ("splitwise", "mixed"):
+            raise ValueError(
+                "--max-queued-prefill-tokens bounds single workers' queues: modes splitwise and mixed only"
             )
 
     def _check_mode(self) -> None:
@@ -128,12 +137,6 @@ class SchedulerConfig:
     def _check_periods(self) -> None:
         if self.refresh_s <= 0 or self.no_worker_wait_s <= 0 or self.batch < 1:
             raise ValueError("refresh_s, no_worker_wait_s and batch must be positive")
-        if self.max_queued_prefill_tokens < 0:
-            raise ValueError("max_queued_prefill_tokens must be >= 0 (0: no bound)")
-        if self.max_queued_prefill_tokens and self.mode not in ("splitwise", "mixed"):
-            raise ValueError(
-                "--max-queued-prefill-tokens bounds single workers' queues: modes splitwise and mixed only"
-            )
         if self.heartbeat_s <= 0 or self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats (heartbeat_s > 0)")
         if self.recovery_grace_s < 0:
