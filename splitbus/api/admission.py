@@ -46,12 +46,13 @@ class Refusal:
     retry_after_s: int
 
 
-def queued_ahead(workers: Iterable[WorkerInfo], model: str, unread: int) -> int:
-    """The requests a new one for ``model`` waits behind: the request stream's ``unread`` entries,
-    those no scheduler has placed yet (every model's: unread, and read but held for a worker, as
-    a bounded prefill queue leaves them: ``unplaced_requests``), and the waiting and reserved ones
-    of the live workers that prefill ``model``."""
-    return unread + sum(
+def queued_ahead(workers: Iterable[WorkerInfo], model: str, held: int) -> int:
+    """The requests a new one for ``model`` waits behind in queues ordered by priority: those a
+    scheduler read and holds for a worker (``held``, every model's; a bounded prefill queue leaves
+    them there: ``Unplaced.held``) and the waiting and reserved ones of the live workers that
+    prefill ``model``. The request stream's unread entries come on top of these whatever the
+    priority: the schedulers read them in arrival order (``ApiState.refuse_late``)."""
+    return held + sum(
         w.record.load.waiting + w.reserved.reserved_requests
         for w in workers
         if w.alive and w.record.model == model and w.record.role in PREFILLING

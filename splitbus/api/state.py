@@ -73,8 +73,11 @@ class ApiState:
         self.inflight = 0
         self.backlog = 0
         self.unread = 0
-        """Requests in the request stream no scheduler replica has placed yet: unread, or read and
-        held for a worker (early refusal's queue)."""
+        """Requests in the request stream no scheduler replica has read yet (early refusal's
+        queue: read in arrival order, whatever their priority)."""
+        self.held = 0
+        """Requests a scheduler replica read and holds for a worker (early refusal's queue: ordered
+        by priority, as the workers' queues are)."""
         self.prefill_rates = admission.PrefillRates()
         """Each model's measured prefill rate, for early refusal (``admit``)."""
         self.waiting = admission.Waiting()
@@ -164,7 +167,7 @@ class ApiState:
         self.prefill_rates.observe(self.workers.live(), time.monotonic())
         with contextlib.suppress(*TRANSIENT_ERRORS):
             self.backlog = await backlog(self.redis, self.config.bus.keys)
-            self.unread = await unplaced_requests(self.redis, self.config.bus.keys)
+            self.unread, self.held = await unplaced_requests(self.redis, self.config.bus.keys)
 
     async def close(self) -> None:
         self.workers.stop()
@@ -235,8 +238,8 @@ class ApiState:
         if not self.config.early_refusal:
             return
         deadline_s = self.config.request_timeout_s if timeout_s is None else timeout_s
-        queued = admission.queued_ahead(self.workers.live(), model, self.unread)
-        ahead = admission.ahead_at(queued, self.waiting.mix, priority)
+        ordered = admission.queued_ahead(self.workers.live(), model, self.held)
+        ahead = self.unread + admission.ahead_at(ordered, self.waiting.mix, priority)  # the unread in arrival order
         refused = admission.judge(admission.predicted_wait_s(ahead, self.prefill_rates.rate(model)), deadline_s)
         if refused is None:
             return

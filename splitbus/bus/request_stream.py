@@ -4,6 +4,7 @@ replicas read. Reads and writes are bus/core/streams.py's; this module names the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 
@@ -13,7 +14,7 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import SCHEDULER_GROUP, Keys
 from splitbus.bus.core.replies import text
 from splitbus.bus.core.scripts import LuaScript, declare, lua_string
-from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed, unread
+from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed, unread, unread_and_pending
 from splitbus.bus.messages import GenerateRequest
 
 UNREAD_LIMIT = 10_000
@@ -59,11 +60,20 @@ async def unread_requests(redis: aioredis.Redis, keys: Keys, limit: int = UNREAD
     return await unread(redis, keys.requests, SCHEDULER_GROUP, limit)
 
 
-async def unplaced_requests(redis: aioredis.Redis, keys: Keys, limit: int = UNREAD_LIMIT) -> int:
-    """The requests no scheduler replica has placed yet: those unread (``unread_requests``) and
-    those a replica read and holds, waiting for a worker (pending: a request's entry is acked
-    when its tasks are written), in one ``XINFO GROUPS``."""
-    return await unread(redis, keys.requests, SCHEDULER_GROUP, limit, with_pending=True)
+class Unplaced(NamedTuple):
+    """The requests no scheduler replica has placed yet (``unplaced_requests``)."""
+
+    unread: int
+    """Not read yet: the schedulers read them in arrival order."""
+    held: int
+    """Read and held for a worker (pending: a request's entry is acked when its tasks are
+    written), which a scheduler orders by priority and fair share."""
+
+
+async def unplaced_requests(redis: aioredis.Redis, keys: Keys, limit: int = UNREAD_LIMIT) -> Unplaced:
+    """The requests no scheduler replica has placed yet, in one ``XINFO GROUPS``: unread (at
+    most ``limit``, as ``unread_requests``) and held."""
+    return Unplaced(*await unread_and_pending(redis, keys.requests, SCHEDULER_GROUP, limit))
 
 
 def request_consumer(

@@ -153,12 +153,15 @@ class LoadTable:
 
     def open_queues(self, rows: Ints, loads: Loads, bound: int, priority: int) -> Ints:
         """``rows`` whose queued prefill tokens are under ``bound`` (all of them when it is 0), or
-        whose queue a request of ``priority`` would head (an earlier one than its first): a worker
-        with a longer queue takes no more until it has prefilled some, but one that would go
-        first anyway waits no longer here (``PolicyOptions.max_queued_prefill_tokens``)."""
+        under twice it for a request of an earlier priority than the first in the worker's queue
+        (it would head it): a worker with a longer queue takes no more until it has prefilled
+        some, but one that would go first waits no longer here. Twice, not unbounded: the first
+        priority is the worker's last report, which does not know what was placed since, so a
+        flood of an earlier priority would pass for ever (``PolicyOptions.max_queued_prefill_tokens``)."""
         if bound <= 0:
             return rows
-        return rows[(loads.queued[rows] < bound) | (self.first_priority[rows] > priority)]
+        queued = loads.queued[rows]
+        return rows[(queued < bound) | ((queued < 2 * bound) & (self.first_priority[rows] > priority))]
 
     def roomy(self, request: GenerateRequest, loads: Loads) -> Ints:
         """The rows with free KV blocks for the request's prompt and output

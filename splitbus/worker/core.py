@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitbus.bus.messages import Task
+from splitbus.bus.messages._check import PRIORITY_RANGE
 from splitbus.bus.records import Reservation, Reserved, WorkerLoad, blocks_needed
 from splitbus.bus.roles import Phase
 from splitbus.grammar.outcomes import GrammarError
@@ -166,7 +167,7 @@ class WorkerCore:
             free_kv_blocks=self.engine.free_blocks,
             total_kv_blocks=self.engine.total_blocks,
             **self.counters,
-            first_queued_priority=first.request.priority if (first := table.next_prefill()) is not None else 0,
+            first_queued_priority=first_priority(table.next_prefill()),
             experts=self.engine.expert_load() if isinstance(self.engine, ExpertParallel) else None,
         )
 
@@ -684,3 +685,12 @@ def _tokens_problem(task: Task, tokens: Any, vocab_size: int) -> str | None:
     if tokens[: len(before)] != before:
         return "output_token_ids must start with the task's own output_token_ids"
     return None
+
+
+def first_priority(first: Sequence | None) -> int:
+    """``WorkerLoad.first_queued_priority`` for the request first in the prefill queue: its
+    priority; 0 with none queued; the earliest there is for one that holds KV blocks (it goes
+    first whatever its priority: no request would head the queue before it)."""
+    if first is None:
+        return 0
+    return PRIORITY_RANGE[0] if first.blocks > 0 else first.request.priority

@@ -109,6 +109,19 @@ def test_the_priority_share_is_judged_against_the_deadline() -> None:
         state.refuse_late("m", "", 40.0, priority=-1)
 
 
+def test_the_unread_stream_counts_whole_whatever_the_priority() -> None:
+    """The request stream's unread entries are read in arrival order: a request of an earlier
+    priority waits behind all of them, and its share counts only the queues ordered by priority
+    (held by a scheduler, waiting at the workers). 200 unread, 100 held, 1000 at the worker, the
+    mix 95/5: at priority -1, 200 + 55 requests ahead (255 s)."""
+    state = overloaded_state(timeout_s=300)
+    _mix(state, {0: 95, -1: 5})
+    state.unread, state.held = 200, 100
+    state.refuse_late("m", "", 300.0, priority=-1)
+    with pytest.raises(ServiceUnavailable, match="predicted to take 255s, past the 250s timeout"):
+        state.refuse_late("m", "", 250.0, priority=-1)
+
+
 def test_with_nothing_tracked_every_priority_waits_behind_the_whole_queue() -> None:
     """No request of the node's own waits: no mix to share by, the queue ahead counts whole."""
     state = overloaded_state(timeout_s=100)

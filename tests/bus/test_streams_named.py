@@ -12,6 +12,7 @@ from splitbus.bus.core.keys import Keys
 from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.request_stream import (
+    Unplaced,
     backlog,
     request_consumer,
     submit,
@@ -87,8 +88,8 @@ async def test_unplaced_requests_are_the_unread_and_those_read_not_acked(
     """A scheduler holds what it read until it is placed (its entry is acked with its dispatch):
     early refusal counts those too, not only the entries nobody read."""
     consumer, keys = await _submitted(redis, bus_config, 4)
-    assert await unplaced_requests(redis, keys) == 4
+    assert await unplaced_requests(redis, keys) == (4, 0)
     read = await consumer.read(3, block_ms=0)
-    assert (await unread_requests(redis, keys), await unplaced_requests(redis, keys)) == (1, 4)  # 3 held
+    assert await unplaced_requests(redis, keys) == Unplaced(unread=1, held=3)
     await consumer.ack(read[0].entry_id)
-    assert await unplaced_requests(redis, keys) == 3
+    assert await unplaced_requests(redis, keys) == (1, 2)

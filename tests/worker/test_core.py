@@ -11,7 +11,7 @@ import pytest
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task, TokenDelta
 from splitbus.bus.records import Reserved
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.core import AdmissionFailed, HandOffEnd, Limits, WorkerCore
+from splitbus.worker.core import AdmissionFailed, HandOffEnd, Limits, WorkerCore, first_priority
 from splitbus.worker.effects import (
     Ack,
     CancelPeer,
@@ -451,3 +451,8 @@ def test_the_load_counts_what_the_table_holds(core: WorkerCore) -> None:
     taken(core, "3-0", task("mixed", "r3", prompt=4, priority=-7))
     taken(core, "4-0", task("mixed", "r4", prompt=4, priority=3))
     assert core.load().first_queued_priority == -7  # the request first in the prefill queue
+    assert first_priority(None) == 0
+    holder = core.table.get("r4")
+    assert holder is not None
+    holder.blocks = 1  # an aborted batch's: it goes first, and nothing could head the queue before it
+    assert core.load().first_queued_priority == -(2**31)

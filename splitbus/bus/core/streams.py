@@ -492,24 +492,27 @@ def entry_order(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-async def unread(
-    redis: aioredis.Redis, stream: str, group: str, limit: int = 100_000, with_pending: bool = False
-) -> int:
-    """Entries the group has not read yet (at most ``limit``); Redis 6.2 has no ``lag`` field,
-    so they are counted past the group's last-delivered id. ``with_pending``: and those it read
-    and has not acked yet. No stream yet (nobody has written or read it): none."""
+async def unread(redis: aioredis.Redis, stream: str, group: str, limit: int = 100_000) -> int:
+    """Entries the group has not read yet (at most ``limit``); ``unread_and_pending``'s first."""
+    return (await unread_and_pending(redis, stream, group, limit))[0]
+
+
+async def unread_and_pending(redis: aioredis.Redis, stream: str, group: str, limit: int = 100_000) -> tuple[int, int]:
+    """Entries the group has not read yet (at most ``limit``; Redis 6.2 has no ``lag`` field, so
+    they are counted past the group's last-delivered id), and those it read and has not acked
+    yet, from one ``XINFO GROUPS``. No stream yet (nobody has written or read it): none."""
     try:
         groups = cast(list[XInfoGroup], await redis.xinfo_groups(stream))
     except ResponseError as exc:
         if "no such key" not in str(exc):
             raise
-        return 0
+        return 0, 0
     for info in groups:
         if text(info["name"]) == group:
-            pending = int(info.get("pending") or 0) if with_pending else 0
+            pending = int(info.get("pending") or 0)
             lag = info.get("lag")
             if lag is not None:
-                return int(lag) + pending
+                return int(lag), pending
             after = "(" + text(info["last-delivered-id"])
-            return len(await redis.xrange(stream, min=after, count=limit) or []) + pending
-    return int(await redis.xlen(stream))
+            return len(await redis.xrange(stream, min=after, count=limit) or []), pending
+    return int(await redis.xlen(stream)), 0

@@ -2,9 +2,10 @@
 
 A policy decides where a request's tasks go, from a registry snapshot and this replica's own
 reservations since it was read. Each scheduler replica makes one policy at start-up
-(``policies.create``); its scheduling loop and its reaper share it. They call it from one event
-loop, under the scheduler's placing lock or between the reaper's awaits, so a policy needs no
-lock of its own.
+(``policies.create``); its scheduling loop and its reaper share it (with prefill queues bounded,
+the reaper has one of its own without the bound: ``Scheduler._moves_policy``). They call it
+from one event loop, under the scheduler's placing lock or between the reaper's awaits, so a
+policy needs no lock of its own.
 """
 
 from __future__ import annotations

@@ -114,10 +114,12 @@ def test_a_prefill_queue_bound_keeps_requests_off_full_queues() -> None:
 
 
 def test_a_request_that_would_head_a_full_queue_is_let_past_the_bound() -> None:
-    """The bound holds back only what would queue behind: a request of an earlier priority than
-    the first in P's queue goes to its head, so it is placed; one of the same priority waits."""
+    """The bound holds back what would queue behind: a request of an earlier priority than the
+    first in P's queue goes to its head, so it is placed up to twice the bound (the first
+    priority is P's last report: what was placed since is not in it); one of the same priority
+    waits."""
     bounded = create("splitwise", PolicyOptions(rng=random.Random(0), max_queued_prefill_tokens=1000))
-    full = worker("p", "prefill", queued=5000)
+    full = worker("p", "prefill", queued=1500)  # over the bound, under twice it
     full = dataclasses.replace(
         full,
         record=dataclasses.replace(full.record, load=dataclasses.replace(full.record.load, first_queued_priority=0)),
@@ -127,3 +129,5 @@ def test_a_request_that_would_head_a_full_queue_is_let_past_the_bound() -> None:
     assert _placed(bounded.place(urgent, workers, {})).placements[1].worker.record.worker_id == "p"
     same = bounded.place(request(), workers, {})
     assert isinstance(same, NoPlacement) and same.busy
+    flooded = bounded.place(urgent, workers, {"p": Reserved(reserved_prefill_tokens=500)})  # 2,000 queued
+    assert isinstance(flooded, NoPlacement) and flooded.busy  # past twice the bound: even an earlier one waits
