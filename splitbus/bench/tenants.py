@@ -323,12 +323,12 @@ class Fleet:
     config: TenantsBenchConfig
     limits: bool
     folder: Path
-    keys: dict[str, str] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=lambda: {t: "sb-bench-" + secrets.token_hex(16) for t in TENANTS})
+    """Each tenant's API key, fresh for each fleet (its tenants file holds their digests)."""
 
     def tenants_file(self) -> Path:
         """The three tenants, their keys as digests (the file holds no secret); ``a`` limited
         with the limits on."""
-        self.keys = {t: "sb-bench-" + secrets.token_hex(16) for t in TENANTS}
         records: dict[str, Any] = {t: {"keys_sha256": [_sha256(self.keys[t])]} for t in TENANTS}
         records["c"]["priority"] = C_PRIORITY
         if self.limits:
