@@ -97,6 +97,25 @@ class WorkerLoad:
     """The priority of the request first in its prefill queue (the earliest, lower first; 0 when
     none is queued). A scheduler bounding prefill queues lets a request of an earlier priority
     past the bound: it would go to the queue's head (``PolicyOptions.max_queued_prefill_tokens``)."""
+    prompt_tokens_done: int = 0
+    """Cumulative: prompt tokens of the requests prefilled here (each whole prompt, its cached
+    part included). With ``prefills_done`` it gives the mean prompt length (``splitbus.planner``)."""
+    prompt_tokens_cached: int = 0
+    """Cumulative: of ``prompt_tokens_done``, those not computed here: a prefix cache held them, or
+    a twin's forward computed them (``prefills_shared``). The prefix hit ratio is its share."""
+    prefill_busy_us: int = 0
+    """Cumulative: time inside prefill engine calls. The tokens computed over it are what a prefill
+    worker can do at the batch sizes it runs: a capacity, where a rate over wall time is the demand."""
+    decode_tokens_done: int = 0
+    """Cumulative: tokens decode steps emitted (a prefill's first token is not one)."""
+    decode_steps: int = 0
+    """Cumulative: decode engine calls. Tokens over steps is the mean decode batch."""
+    decode_time_us: int = 0
+    """Cumulative: each decode step's time to the next one's start (to its own end when none
+    follows at once): what a request sees between tokens, prefills run in between included. Over
+    ``decode_steps``, the mean inter-token latency at the mean batch."""
+    draining: int = 0
+    """1 while the worker drains: it takes no new task, finishes what it holds, then leaves."""
     experts: ExpertLoad | None = None
     """A MoE engine's expert placement and loads (``ExpertParallel.expert_load``); None for a dense
     model or an engine without experts. Kept last: the fields before it are the integer ones."""

@@ -208,6 +208,11 @@ _RANGES: dict[str, tuple[int, int]] = {
     "forward_ends_ms": (0, MAX_AMOUNT),
     "dp_epoch": (0, MAX_AMOUNT),
     "first_queued_priority": PRIORITY_RANGE,
+    **dict.fromkeys(
+        ("prompt_tokens_done", "prompt_tokens_cached", "decode_tokens_done", "decode_steps"), (0, MAX_COUNTER)
+    ),
+    **dict.fromkeys(("prefill_busy_us", "decode_time_us"), (0, MAX_COUNTER)),
+    "draining": (0, 1),
     "experts_per_layer": (1, MAX_EXPERTS),
     "experts_first": (0, MAX_EXPERTS - 1),
     "experts_end": (1, MAX_EXPERTS),

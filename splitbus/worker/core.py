@@ -73,9 +73,16 @@ COUNTERS = (
     "idle_forward_us",
     "forward_ends_ms",
     "dp_epoch",
+    "prompt_tokens_done",
+    "prompt_tokens_cached",
+    "prefill_busy_us",
+    "decode_tokens_done",
+    "decode_steps",
+    "decode_time_us",
+    "draining",
 )
-"""What the worker's load report carries from its steps: counters, and two DP values a rank sets
-(``forward_ends_ms``, ``dp_epoch``; see ``WorkerLoad``)."""
+"""What the worker's load report carries from its steps: counters, two DP values a rank sets
+(``forward_ends_ms``, ``dp_epoch``) and the draining flag (see ``WorkerLoad``)."""
 RESERVABLE = {Phase.PREFILL: (1, 0, 0), Phase.DECODE: (0, 1, 1), Phase.MIXED: (1, 1, 1)}
 """Which of (prompt tokens, one request, KV blocks) a scheduler reserves for a task of each phase."""
 
@@ -402,9 +409,21 @@ class WorkerCore:
         effects: list[Effect] = []
         for seq, token in results:
             if any(s is seq for s in still):
+                self.count_prompt(seq)
                 effects.append(self.emit(seq, token))
                 effects += self.after_prefill(seq)
         return effects
+
+    def count_prompt(self, seq: Sequence) -> None:
+        """Before its first token: the prompt just prefilled, and what of it was not computed here
+        (a prefix cache's hits; all of it for a twin, whose leader's forward computed it)."""
+        prompt = len(seq.all_tokens)
+        self.counters["prompt_tokens_done"] += prompt
+        self.counters["prompt_tokens_cached"] += prompt if seq.fork_of is not None else min(seq.prompt_cached, prompt)
+
+    def start_draining(self) -> None:
+        """From now on every load report says the worker drains: schedulers place nothing more here."""
+        self.counters["draining"] = 1
 
     def after_prefill(self, seq: Sequence) -> list[Effect]:
         self.counters["prefills_done"] += 1

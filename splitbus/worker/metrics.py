@@ -15,6 +15,10 @@ from prometheus_client.registry import REGISTRY, Collector
 from splitbus.bus.records import MAX_EXPERTS, ExpertLoad
 
 PROMPT_TOKENS = Counter("splitbus_worker_prompt_tokens_total", "Prompt tokens prefilled.")
+PROMPT_CACHED_TOKENS = Counter(
+    "splitbus_worker_prompt_cached_tokens_total",
+    "Of the prompt tokens prefilled, those not computed here: prefix cache hits, and twins' prompts.",
+)
 GENERATION_TOKENS = Counter(
     "splitbus_worker_generation_tokens_total", "Tokens generated (prefill's first token included)."
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +36,38 @@ WAIT_FOR_BLOCKS_S = 0.01
 again this often: a hand-off, a cancellation or an import may free blocks meanwhile."""
 
 EngineCall = Callable[[list[Sequence]], Awaitable[list[int]]]
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
+class DecodeClock:
+    """``decode_time_us``: each decode step counts its time to the next step's start, prefills run
+    in between included (what a request sees between two tokens); the last step of a busy spell,
+    with none after it, counts to its own end. So the time over ``decode_steps`` is the mean ITL."""
+
+    def __init__(self, counters: dict[str, int]) -> None:
+        self.counters = counters
+        self.started: float | None = None
+        """When the step that has not been counted yet began (None: no decode since the last idle)."""
+        self.ended = 0.0
+
+    def step_starts(self, now: float) -> None:
+        if self.started is not None:
+            self.counters["decode_time_us"] += _us(now - self.started)
+        self.started = now
+
+    def step_ends(self, now: float, tokens: int) -> None:
+        self.ended = now
+        self.counters["decode_steps"] += 1
+        self.counters["decode_tokens_done"] += tokens
+
+    def idle(self) -> None:
+        """Nothing is running: the last step counts to its end, and the next spell starts afresh."""
+        if self.started is not None:
+            self.counters["decode_time_us"] += _us(max(self.ended - self.started, 0.0))
+            self.started = None
 
 
 class CollectiveFailed(Exception):
@@ -63,6 +96,7 @@ class EngineSteps:
         self.apply, self.expire_waits, self.settle = outbox.apply, expire_waits, settle
         self.wake = outbox.wake
         """Set when the engine loop has something new to do (work came, a request left)."""
+        self.decode_clock = DecodeClock(core.counters)
         self.collective = False
         """Every engine call is a collective of a group (expert parallelism; the DP stepper sets
         it): one that raises breaks the group (``CollectiveFailed``) instead of being run again
@@ -126,13 +160,17 @@ class EngineSteps:
         if report_load:
             self.report_load_soon()
         metrics.PROMPT_TOKENS.inc(sum(len(seq.all_tokens) for seq in batch))
+        counters, started = self.core.counters, time.perf_counter()
         try:
             results = await self.run_engine(self.engine.prefill, batch)
+            counters["prefill_busy_us"] += _us(time.perf_counter() - started)
             await self.settle()
         except BaseException:  # Redis refused (the loop waits it out): dropped here, the batch would be lost
             self.core.abort_prefill()
             raise
+        cached = counters["prompt_tokens_cached"]
         self.apply(self.core.end_prefill(results))
+        metrics.PROMPT_CACHED_TOKENS.inc(counters["prompt_tokens_cached"] - cached)
         return True
 
     async def decode_running(self) -> bool:
@@ -143,8 +181,11 @@ class EngineSteps:
         when the group's plans say this rank decodes. Returns whether it ran an engine call."""
         batch = self.core.plan_decode()
         if not batch:
+            self.decode_clock.idle()
             return False
+        self.decode_clock.step_starts(time.perf_counter())
         results = await self.run_engine(self.engine.decode, batch)
+        self.decode_clock.step_ends(time.perf_counter(), len(results))
         await self.settle()
         self.apply(self.core.end_decode(results))
         return True

@@ -126,7 +126,8 @@ def test_every_integer_field_of_a_record_has_a_range() -> None:
     """A field added to the load or the record without a range fails every parse, not silently."""
     integers = [f.name for f in dataclasses.fields(WorkerLoad) if f.type == "int"]
     assert integers == LOAD_FIELDS  # the load's integer fields come first, its expert load after them
-    record = WorkerRecord("w", "mixed", "m", load=WorkerLoad(*range(1, len(integers) + 1)))
+    load = dataclasses.replace(WorkerLoad(*range(1, len(integers) + 1)), draining=1)  # a flag: 0 or 1
+    record = WorkerRecord("w", "mixed", "m", load=load)
     assert WorkerRecord.from_hash(record.to_hash()) == record
 
 
@@ -202,3 +203,10 @@ async def test_snapshot_follows_workers_that_come_and_go(redis: aioredis.Redis, 
     assert second.record == _record("second") and second.alive
     await redis.zadd(bus_config.keys.workers, {"left": 1})  # listed, its record gone (it left meanwhile)
     assert [w.record.worker_id for w in await Registry(redis, bus_config).snapshot()] == ["second"]
+
+
+def test_the_draining_flag_is_0_or_1() -> None:
+    record = WorkerRecord("w", "prefill", "m", load=WorkerLoad(draining=1))
+    assert WorkerRecord.from_hash(record.to_hash()).load.draining == 1
+    with pytest.raises(ValueError, match="draining must be <= 1"):
+        WorkerRecord.from_hash(record.to_hash() | {"draining": "2"})

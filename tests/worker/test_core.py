@@ -456,3 +456,20 @@ def test_the_load_counts_what_the_table_holds(core: WorkerCore) -> None:
     assert holder is not None
     holder.blocks = 1  # an aborted batch's: it goes first, and nothing could head the queue before it
     assert core.load().first_queued_priority == -(2**31)
+
+
+async def test_prefills_count_their_prompt_tokens_and_those_a_prefix_cache_held(core: WorkerCore) -> None:
+    """The planner's inputs (``WorkerLoad.prompt_tokens_done``, ``prompt_tokens_cached``)."""
+    taken(core, "1-0", task("mixed", "first", max_tokens=1, prompt=40))
+    await prefill(core)  # done at its first token: its blocks go back to the cache
+    second = taken(core, "2-0", task("mixed", "second", max_tokens=1, prompt=40))
+    await prefill(core)
+    assert second.prompt_cached == 32  # its two full blocks: the last, partial one is computed again
+    assert (core.counters["prompt_tokens_done"], core.counters["prompt_tokens_cached"]) == (80, 32)
+    assert (core.load().prompt_tokens_done, core.load().prompt_tokens_cached) == (80, 32)
+
+
+def test_a_draining_worker_says_so_in_every_load_report(core: WorkerCore) -> None:
+    assert core.load().draining == 0
+    core.start_draining()
+    assert core.load().draining == 1 and core.load().draining == 1

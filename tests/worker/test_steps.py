@@ -10,6 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import TokenDelta
+from splitbus.worker.steps import DecodeClock
 from splitbus.worker.table import Status
 from tests.worker.test_stepper import entries, mixed_worker, queue
 
@@ -64,6 +65,43 @@ async def test_a_poisoned_request_whose_dead_letter_raises_stays_held(
         with pytest.raises(RedisConnectionError):
             await worker.steps.prefill_queued()
         assert worker.requests.of(Status.QUEUED) == [seq] and seq.blocks
+    finally:
+        await worker.loops.close()
+        await worker.redis.aclose()
+
+
+def test_the_decode_clock_counts_each_step_to_the_next_and_a_spells_last_to_its_end() -> None:
+    counters = dict.fromkeys(("decode_time_us", "decode_steps", "decode_tokens_done"), 0)
+    clock = DecodeClock(counters)
+    clock.step_starts(10.0)
+    clock.step_ends(10.1, tokens=4)
+    clock.step_starts(10.5)  # a prefill ran in between: the requests waited for it too
+    clock.step_ends(10.6, tokens=3)
+    clock.idle()  # nothing more runs: the last step counts to its own end
+    clock.idle()
+    assert counters == {"decode_time_us": 600_000, "decode_steps": 2, "decode_tokens_done": 7}
+    clock.step_starts(20.0)  # a new spell: the idle time before it is not counted
+    clock.step_ends(20.2, tokens=1)
+    clock.idle()
+    assert counters == {"decode_time_us": 800_000, "decode_steps": 3, "decode_tokens_done": 8}
+
+
+async def test_steps_count_prefill_busy_time_and_decode_steps_and_tokens(
+    bus_config: BusConfig, tiny_model: Path
+) -> None:
+    worker = mixed_worker(bus_config, tiny_model)
+    queue(worker, "r-1", entry="1-0")
+    queue(worker, "r-2", entry="2-0")
+    try:
+        assert await worker.steps.prefill_queued()
+        assert await worker.steps.decode_running()
+        load = worker.core.load()
+        assert load.prefill_busy_us > 0 and load.prompt_tokens_done > 0
+        assert (load.decode_steps, load.decode_tokens_done) == (1, 2)
+        assert load.decode_time_us == 0  # the step is counted when the next one starts or the spell ends
+        while await worker.steps.decode_running():
+            pass
+        assert worker.core.load().decode_time_us > 0
     finally:
         await worker.loops.close()
         await worker.redis.aclose()
