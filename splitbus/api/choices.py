@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from splitbus.api import metrics, protocol
+from splitbus.api import metrics, protocol, spans
 from splitbus.api.generate import SSE_HEADERS, Generation, answer, cancel_reason, event, prepare
 from splitbus.api.protocol import GenerationParams
 from splitbus.bus.messages import Failed, Result
@@ -32,6 +32,7 @@ async def respond(request: Request, params: GenerationParams) -> Response:
 async def generate_many(request: Request, many: list[Generation]) -> Response:
     """Admit, publish and answer every choice; if any cannot start, none is answered."""
     admitted: list[Generation] = []
+    spans.enter(many[0].trace, "api.admission")
     try:
         for generation in many:
             queueing = generation.queueing
@@ -52,8 +53,11 @@ async def generate_many(request: Request, many: list[Generation]) -> Response:
 async def _firsts(request: Request, many: list[Generation]) -> list[Result]:
     """Every choice published, then each one's first result; a choice that failed at once fails
     the request (the others are cancelled), as one request would with its own status."""
+    spans.enter(many[0].trace, "api.request_entry")
     await _publish(many)
+    spans.enter(many[0].trace, "")
     firsts = [await g.until_disconnect(request, g.next_result()) for g in many]
+    spans.enter(many[0].trace, "api.stream_back")
     failed = next(((g, f) for g, f in zip(many, firsts, strict=True) if isinstance(f, Failed)), None)
     if failed is not None:
         _close(many, SIBLING_FAILED)

@@ -16,7 +16,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from splitbus.api import metrics, protocol, tools
+from splitbus.api import metrics, protocol, spans, tools
 from splitbus.api.errors import (
     ApiError,
     BadRequest,
@@ -80,11 +80,27 @@ async def prepare(request: Request, params: GenerationParams) -> list[Generation
     queueing = Queueing(request_priority(request, params), request_tenant(request))
     prefix = await prefix_hashes(state, prompt_ids, salt)
     grammar = await request_grammar(state, tokenizer, params.grammar, request_id)
+    trace = spans.of(request)
     if params.n == 1:
-        return [Generation(state, params, prompt_ids, max_tokens, prefix, salt, request_id, grammar, queueing=queueing)]
+        return [
+            Generation(
+                state, params, prompt_ids, max_tokens, prefix, salt, request_id, grammar, queueing=queueing, trace=trace
+            )
+        ]
     return [
         Generation(
-            state, params, prompt_ids, max_tokens, prefix, salt, f"{request_id}-{i}", grammar, i, request_id, queueing
+            state,
+            params,
+            prompt_ids,
+            max_tokens,
+            prefix,
+            salt,
+            f"{request_id}-{i}",
+            grammar,
+            i,
+            request_id,
+            queueing,
+            trace,
         )
         for i in range(params.n)
     ]
@@ -121,11 +137,15 @@ def request_priority(request: Request, params: GenerationParams) -> int:
 async def answer(request: Request, generation: Generation) -> Response:
     """Admit, publish and answer one request: SSE, or the whole body."""
     state, params = generation.state, generation.params
+    spans.enter(generation.trace, "api.admission")
     state.admit(params.model, generation.queueing.tenant, generation.timeout_s, generation.queueing.priority)
     try:
         await generation.limit(request)
+        spans.enter(generation.trace, "api.request_entry")
         await generation.publish()
+        spans.enter(generation.trace, "")
         first = await generation.until_disconnect(request, generation.next_result())
+        spans.enter(generation.trace, "api.stream_back")
     except BaseException as exc:
         generation.close(cancel_reason(exc))
         raise
@@ -268,8 +288,11 @@ class Generation:
         index: int = 0,
         response_id: str | None = None,
         queueing: Queueing = Queueing(),
+        trace: spans.RequestTrace | None = None,
     ) -> None:
         self.state = state
+        self.trace = trace
+        """Its ``api.request`` span, shared by a response's choices (``splitbus.api.spans``); None: untraced."""
         self.queueing = queueing
         """Its priority and tenant, as the bus carries them."""
         self.index = index
@@ -353,6 +376,7 @@ class Generation:
                 self.response_id if p.n > 1 else "",
                 self.queueing.priority,
                 self.queueing.tenant,
+                "" if self.trace is None else self.trace.traceparent,
             )
         except ValueError as exc:  # the bus's own text (its field names, bounds): logged, not sent
             log.warning("request %s refused by the bus's bounds: %s", self.request_id, exc)

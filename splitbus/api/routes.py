@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from splitbus.api import protocol
+from splitbus.api import protocol, spans
 from splitbus.api.choices import respond
 from splitbus.api.errors import (
     BadRequest,
@@ -95,10 +95,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+@spans.traced
 async def completions(request: Request) -> Response:
     return await respond(request, protocol.parse_completion(await read_json(request)))
 
 
+@spans.traced
 async def chat_completions(request: Request) -> Response:
     return await respond(request, protocol.parse_chat(await read_json(request)))
 

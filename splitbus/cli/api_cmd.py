@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from splitbus import tracing
 from splitbus.api import tool_parsers
 from splitbus.cli.common import add_redis_url_argument, data_dir, redis_url, say
 from splitbus.env import Env
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
     _raise_descriptor_limit(config.max_connections + DESCRIPTORS_BESIDE_CONNECTIONS)
     app = create_app(config)
-    with _failure_exit_kept(app):
+    with _failure_exit_kept(app), tracing.process("api"):
         uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
     return int(app.state.exit_code)
 

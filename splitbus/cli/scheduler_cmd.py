@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitbus import tracing
 from splitbus.cli.common import (
     add_metrics_arguments,
     add_redis_url_argument,
@@ -152,4 +153,5 @@ def run(args: argparse.Namespace, env: Env) -> int:
         return 2
     if not serve_metrics(args, "scheduler"):
         return 2
-    return run_service(Scheduler(config))
+    with tracing.process("scheduler"):
+        return run_service(Scheduler(config))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from splitbus import tracing
 from splitbus.bus.roles import Role
 from splitbus.cli.common import (
     add_metrics_arguments,
@@ -158,7 +159,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
     if not serve_metrics(args, "worker"):
         return 2
     stepper = DpStepper if config.dp_size else SoloStepper
-    code = run_service(Worker(config, tokenizer, engine, stepper))
+    with tracing.process("worker", {"splitbus.role": config.role}):
+        code = run_service(Worker(config, tokenizer, engine, stepper))
     if config.ep and code == EXIT_GROUP_BROKEN:
         # The engine's thread may still wait in a collective a hung rank never joins (until gloo's
         # own 30 s timeout), and the interpreter would join it at exit: what the worker owed is

@@ -21,15 +21,21 @@ class Dispatcher:
         self._script = DispatchScript(redis, config, dispatched_ttl_s)
 
     async def dispatch(
-        self, entry_id: str, request: GenerateRequest, placements: Sequence[Placement], consumer: str = ""
+        self,
+        entry_id: str,
+        request: GenerateRequest,
+        placements: Sequence[Placement],
+        consumer: str = "",
+        traceparent: str = "",
     ) -> DispatchOutcome:
         """Returns DISPATCHED, ALREADY_ACKED (without ``consumer``), NOT_OURS (with ``consumer``:
         the entry is not pending with it), DUPLICATE (the request is dispatched already: the entry is acked),
         RECOVERING or WORKER_GONE (nothing written: place it again).
-        The tasks' hand-off id becomes the request's current one."""
+        The tasks' hand-off id becomes the request's current one; their ``traceparent`` is
+        the placing span's (the request's own without one)."""
         entry = self._script.request_entry(entry_id, request.request_id)
         handoff = _handoff()
-        tasks = _tasks(request, placements, handoff)
+        tasks = _tasks(request, placements, handoff, traceparent=traceparent)
         return await self._script.write(
             entry, request.request_id, handoff, tasks, consumer=consumer, deadline_ms=request.deadline_ms
         )
@@ -51,6 +57,7 @@ class Dispatcher:
         placements: Sequence[Placement],
         first_seq: int,
         tokens: list[int],
+        traceparent: str = "",
     ) -> DispatchOutcome:
         """Move a dead worker's task: ack it in that worker's stream and write new tasks that
         continue at ``first_seq`` after the ``tokens`` already sent; DISPATCHED, ALREADY_ACKED,
@@ -61,7 +68,7 @@ class Dispatcher:
         request = task.request
         entry = self._script.task_entry(dead_worker, entry_id, request.request_id)
         handoff = _handoff()
-        tasks = _tasks(request, placements, handoff, first_seq, tokens)
+        tasks = _tasks(request, placements, handoff, first_seq, tokens, traceparent)
         # replaces: the hand-off id that must still be the request's current one (none left: the
         # request ended, STALE); a task written before hand-off ids has none to compare
         replaces = task.handoff or ANY_HANDOFF
@@ -87,6 +94,7 @@ def _tasks(
     handoff: str,
     first_seq: int = 0,
     tokens: Sequence[int] = (),
+    traceparent: str = "",
 ) -> list[TaskWrite]:
     return [
         TaskWrite(
@@ -102,6 +110,7 @@ def _tasks(
                 list(dataclasses.astuple(p.reserve)),
                 handoff,
                 p.twins,
+                traceparent or request.traceparent,
             ),
         )
         for p in placements

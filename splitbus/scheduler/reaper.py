@@ -30,6 +30,7 @@ from enum import Enum
 
 import redis.asyncio as aioredis
 
+from splitbus import tracing
 from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
@@ -47,6 +48,7 @@ from splitbus.placement.decision import NoPlacement
 from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.ledger import Local
 from splitbus.placement.policies.base import Policy
+from splitbus.scheduler import spans
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +188,11 @@ class Reaper:
             return Ended(False, self.no_placement(dead, decision.reason))
         placement = decision.placements
         # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
-        outcome = await self.dispatcher.redispatch(dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens)
+        span = spans.move(task, dead) if tracing.on else None
+        outcome = await self.dispatcher.redispatch(
+            dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens, tracing.traceparent(span)
+        )
+        spans.moved(span, outcome)
         if outcome in PLACE_AGAIN:  # a new Redis run, or the new worker died: nothing was written;
             return Move.WAIT  # the next pass moves it
         log.debug(

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from redis.exceptions import RedisError
 
+from splitbus import tracing
 from splitbus.bus.core.codec import NamedRequest
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect, is_transient, transient_suppressed, until_done
@@ -49,7 +50,7 @@ from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PlacingContext, Policy
 from splitbus.placement.prefixes import NO_PREFIXES, IndexPrefixes
 from splitbus.placement.siblings import Siblings, twins
-from splitbus.scheduler import metrics
+from splitbus.scheduler import metrics, spans
 from splitbus.scheduler.config import SchedulerConfig
 from splitbus.scheduler.reaper import Reaper
 from splitbus.scheduler.recovery import Recovery
@@ -347,7 +348,11 @@ class Scheduler:
         self, waiting: Waiting, request: GenerateRequest, placements: Sequence[Placement]
     ) -> DispatchOutcome:
         """Write the request's tasks; the outcome (RECOVERING, WORKER_GONE: nothing written, it waits)."""
-        outcome = await self.dispatcher.dispatch(waiting.delivery.entry_id, request, placements, self.config.name)
+        placing = spans.place(request, waiting.delivery.published_us) if tracing.on else None
+        traceparent = "" if placing is None else placing.traceparent
+        entry_id = waiting.delivery.entry_id
+        outcome = await self.dispatcher.dispatch(entry_id, request, placements, self.config.name, traceparent)
+        spans.placed(placing, outcome)
         if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
             log.debug(
                 "dispatch of %s (entry %s) to %s: outcome %d",

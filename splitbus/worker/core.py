@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitbus.bus.messages import Task
-from splitbus.bus.messages._check import PRIORITY_RANGE
+from splitbus.bus.messages._check import PRIORITY_RANGE, traceparent_problem
 from splitbus.bus.records import Reservation, Reserved, WorkerLoad, blocks_needed
 from splitbus.bus.roles import Phase
 from splitbus.grammar.outcomes import GrammarError
@@ -689,7 +689,7 @@ def meta_problem(task: Task, meta: dict[str, Any], vocab_size: int) -> str | Non
     cached, prompt = meta.get("cached_tokens", 0), len(task.request.prompt_token_ids)
     if type(cached) is not int or not 0 <= cached <= prompt:
         return f"cached_tokens must be an integer in [0, {prompt}], got {cached!r:.40}"
-    return None
+    return traceparent_problem(meta.get("traceparent", ""))  # P's kv_transfer span (docs/metrics.md, "Spans")
 
 
 def _tokens_problem(task: Task, tokens: Any, vocab_size: int) -> str | None:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from splitbus import tracing
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.streams import Delivery, GroupConsumer, entry_order
@@ -20,6 +21,7 @@ from splitbus.bus.records import Reserved
 from splitbus.bus.registry import Registry
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.tasks import missing_entries, trim_tasks
+from splitbus.worker import spans
 from splitbus.worker.core import Admission, AdmissionFailed, WorkerCore
 from splitbus.worker.outbox import NewRun, Outbox
 from splitbus.worker.sequence import Sequence
@@ -199,6 +201,8 @@ class TaskFeed:
             await self.reject(delivery, *admission.rejected)
             return
         self.apply(admission.effects)
+        if tracing.on:
+            spans.taken(self.core.table, delivery)
         if admission.awaiting_kv is not None:
             await self.reserve_kv(admission.awaiting_kv)
 

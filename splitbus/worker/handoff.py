@@ -14,12 +14,14 @@ with ``splitbus.worker.core.meta_problem``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from splitbus import tracing
 from splitbus.bus.core.aio import cancel_and_wait
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient, transient_suppressed
@@ -28,7 +30,7 @@ from splitbus.bus.records import Reservation
 from splitbus.bus.registry import Registry
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
-from splitbus.worker import metrics
+from splitbus.worker import metrics, spans
 from splitbus.worker.core import HandOffEnd, WorkerCore, dispatched_again
 from splitbus.worker.effects import Apply
 from splitbus.worker.links import PeerLinks
@@ -127,7 +129,7 @@ class HandOff:
             "next_seq": self.writer.next_seq(seq.request_id),
             "cached_tokens": min(seq.prompt_cached, seq.prompt_len),  # for the usage D reports
         }
-        with metrics.KV_TRANSFER.time():
+        with metrics.KV_TRANSFER.time(), spans.kv_transfer(seq, meta) if tracing.on else contextlib.nullcontext():
             payload = await self.engine.export_kv(seq)
             self.check_still_mine(seq)  # a worker back from a stop must not ship a moved request
             await self.links.client.send(endpoint, seq.request_id, meta, payload, secret)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 
+from splitbus import tracing
 from splitbus.bus.core.connection import transient_suppressed
 from splitbus.bus.core.loops import Loops
 from splitbus.bus.dispatch import CurrentDispatch
 from splitbus.bus.reaping import Reaping
+from splitbus.worker import spans
 from splitbus.worker.core import WorkerCore, dispatched_again
 from splitbus.worker.effects import Apply
 from splitbus.worker.kv_proof import Header
@@ -43,9 +45,13 @@ class Receiver:
         if refusal is not None:
             return refusal
         seq = self.core.start_import(header.ident)
+        if tracing.on:
+            spans.import_started(seq, header.meta)
         error = await self.core.engine.import_kv(seq, payload)
         refusal, effects = self.core.end_import(seq, header.meta, error)
         self.apply(effects)
+        if tracing.on:
+            spans.import_ended(seq, refusal)
         return refusal
 
     def expire_waits(self) -> None:

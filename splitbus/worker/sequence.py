@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from splitbus.bus.messages import GenerateRequest, Logprobs, Task
 from splitbus.bus.roles import Phase
@@ -24,6 +24,19 @@ class Text(Protocol):
     def push(self, token_ids: list[int]) -> str: ...
 
     def flush(self) -> str: ...
+
+
+@dataclass
+class SeqSpans:
+    """One request's open spans on a worker (``splitbus.worker.spans`` makes and ends them; the
+    spans are the SDK's, typed loosely so that the core imports nothing of it)."""
+
+    parent: str
+    """The task's ``traceparent``: every span here is its child (but ``worker.kv_import``)."""
+    step: Any = None
+    """The stage it is in: ``worker.prefill_queue``, ``worker.prefill``, ``worker.kv_wait`` or ``worker.kv_import``."""
+    decode: Any = None
+    """``worker.decode``, from its first decode step here."""
 
 
 @dataclass(eq=False)
@@ -55,6 +68,8 @@ class Sequence:
     grammar: Constraint | None = None
     """Structured output: the request's grammar as of ``output_ids`` (built when the worker takes
     the task, given the tokens generated before, then each one as it is added)."""
+    trace: SeqSpans | None = None
+    """Its open spans on this worker; None: untraced."""
 
     @property
     def seed(self) -> int:

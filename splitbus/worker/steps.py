@@ -17,13 +17,13 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from splitbus import aio
+from splitbus import aio, tracing
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.loops import Loops
 from splitbus.bus.core.streams import Delivery, GroupConsumer
 from splitbus.bus.registry import Registry
-from splitbus.worker import metrics
+from splitbus.worker import metrics, spans
 from splitbus.worker.core import WorkerCore
 from splitbus.worker.outbox import Outbox
 from splitbus.worker.sequence import Sequence
@@ -160,6 +160,8 @@ class EngineSteps:
         if report_load:
             self.report_load_soon()
         metrics.PROMPT_TOKENS.inc(sum(len(seq.all_tokens) for seq in batch))
+        if tracing.on:
+            spans.prefill_started(batch)
         counters, started = self.core.counters, time.perf_counter()
         try:
             results = await self.run_engine(self.engine.prefill, batch)
@@ -171,6 +173,8 @@ class EngineSteps:
         cached = counters["prompt_tokens_cached"]
         self.apply(self.core.end_prefill(results))
         metrics.PROMPT_CACHED_TOKENS.inc(counters["prompt_tokens_cached"] - cached)
+        if tracing.on:
+            spans.prefill_ended(batch)
         return True
 
     async def decode_running(self) -> bool:
@@ -183,11 +187,15 @@ class EngineSteps:
         if not batch:
             self.decode_clock.idle()
             return False
+        if tracing.on:
+            spans.decoding(batch)
         self.decode_clock.step_starts(time.perf_counter())
         results = await self.run_engine(self.engine.decode, batch)
         self.decode_clock.step_ends(time.perf_counter(), len(results))
         await self.settle()
         self.apply(self.core.end_decode(results))
+        if tracing.on:
+            spans.decoded(batch, self.core.table)
         return True
 
     async def run_engine(self, step: EngineCall, batch: list[Sequence]) -> list[tuple[Sequence, int]]:

@@ -314,6 +314,16 @@ def test_d_takes_exactly_what_p_could_send_for_a_new_or_a_moved_request() -> Non
     assert meta_problem(moved, {"output_token_ids": [1, 2, 3, 4], "next_seq": 4, "cached_tokens": 1}, 100) is None
 
 
+def test_a_frames_traceparent_is_empty_or_w3cs_like_any_field_of_its_meta() -> None:
+    task, meta = continued_task(0, []), {"output_token_ids": [5], "next_seq": 1}
+    traced = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert meta_problem(task, {**meta, "traceparent": traced}, 100) is None
+    assert meta_problem(task, {**meta, "traceparent": ""}, 100) is None
+    for bad in (traced.upper(), traced + "-x", 7, None, "x" * 5000):
+        problem = meta_problem(task, {**meta, "traceparent": bad}, 100)
+        assert problem is not None and "traceparent" in problem and len(problem) < 200
+
+
 async def handing_off(worker: Worker, request_id: str, endpoint: str) -> tuple[Sequence, asyncio.Task[None]]:
     """P's hand-off of ``request_id`` to a registered, leased d2 at ``endpoint``, running."""
     await register_decode(worker, "d2", endpoint)

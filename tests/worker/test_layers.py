@@ -18,8 +18,9 @@ CORE = {"core", "table", "effects", "sequence", "text", "twins"}
 BESIDE_CORE = {"kv_proof", "engines.interface"}
 """What the core may import besides itself: the KV frame's header and proof check (``kv_proof``),
 and the engine's interface."""
-SHARED = {"metrics", "config"}
-"""What any part of the shell may read, and the core does not: the worker's metrics and config."""
+SHARED = {"metrics", "config", "spans"}
+"""What any part of the shell may read, and the core does not: the worker's metrics, config and
+spans (the traces each part adds to, as to the metrics)."""
 SHELL_BASE = {"outbox", "transfer"}
 """What the shell's parts share: the outbox, where every part puts the core's effects (no I/O;
 the publisher writes them), and the KV transfer's frames over TCP (the hand-off, the P-D links

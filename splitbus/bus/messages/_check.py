@@ -128,6 +128,30 @@ def require_str_list(value: Any, name: str, max_items: int, max_chars: int) -> N
     require(longest <= max_chars, f"{name}: each must be at most {max_chars} characters, got {longest}")
 
 
+TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+"""W3C Trace Context's ``traceparent``, version 00, exactly: 55 characters, lowercase hex, ids not
+all zero. Nothing longer or looser is carried (a trace id is an id, never a place for data)."""
+
+
+def is_traceparent(value: Any) -> bool:
+    """Whether ``value`` is a ``traceparent`` in exactly the form ``TRACEPARENT`` gives."""
+    return isinstance(value, str) and TRACEPARENT.fullmatch(value) is not None
+
+
+def traceparent_problem(value: Any, name: str = "traceparent") -> str | None:
+    """Why ``value`` cannot be a carried ``traceparent``, or None: ``""`` (not traced) or
+    exactly a W3C one (``is_traceparent``)."""
+    if value == "" or is_traceparent(value):
+        return None
+    return f"{name} must be empty or a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>), got {_short(value)}"
+
+
+def require_traceparent(value: Any, name: str = "traceparent") -> None:
+    problem = traceparent_problem(value, name)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

@@ -32,6 +32,7 @@ from splitbus.bus.messages._check import (
     require_number,
     require_str,
     require_str_list,
+    require_traceparent,
 )
 from splitbus.env import valid_tag
 
@@ -171,6 +172,9 @@ class GenerateRequest:
     the request counts in (docs/tenants.md). Untrusted like every field: a wrong one moves the
     request in the queue, never changes what it computes or which cached prompts it may reuse
     (``cache_salt`` decides that)."""
+    traceparent: str = ""
+    """The W3C ``traceparent`` of the API's ``api.request`` span (docs/metrics.md, "Spans"): the
+    parent of the scheduler's spans. Empty: not traced (the API runs without tracing)."""
 
     def __post_init__(self) -> None:
         if self.reader == "" and isinstance(self.api_node, str):
@@ -189,6 +193,7 @@ class GenerateRequest:
         self._check_choices()
         require_int(self.priority, "priority", *PRIORITY_RANGE)
         require_str(self.tenant, "tenant", nonempty=False)
+        require_traceparent(self.traceparent)
 
     def _check_prefix(self) -> None:
         require_int(self.prefix_block_size, "prefix_block_size", minimum=0, maximum=MAX_PREFIX_BLOCK_SIZE)

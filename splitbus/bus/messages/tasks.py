@@ -15,6 +15,7 @@ from splitbus.bus.messages._check import (
     require_int,
     require_int_list,
     require_str,
+    require_traceparent,
 )
 from splitbus.bus.messages.requests import GenerateRequest
 from splitbus.bus.roles import PHASES, Phase
@@ -58,6 +59,10 @@ class Task:
     """A prefill task of a choice (``GenerateRequest.choices`` > 1): how many of its response's
     choices its scheduler sent to this worker together, this one included. P waits for that
     many (a short while at most) to prefill their prompt once (docs/api.md, "n"). 1: none."""
+    traceparent: str = ""
+    """The W3C ``traceparent`` of the span that placed the task (the scheduler's
+    ``scheduler.place`` or the reaper's ``scheduler.move``): the parent of the worker's spans.
+    Empty: not traced."""
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, f"phase must be one of {PHASES}")
@@ -70,5 +75,6 @@ class Task:
         require(type(self.reserved) is list and len(self.reserved) == 3, "reserved must hold 3 numbers")
         require_str(self.handoff, "handoff", nonempty=False, max_chars=64)
         require_int(self.twins, "twins", minimum=1, maximum=MAX_CHOICES)
+        require_traceparent(self.traceparent)
         for value, name, most in zip(self.reserved, RESERVED_NAMES, (MAX_TOKENS, 1, MAX_KV_BLOCKS), strict=True):
             require_int(value, f"reserved {name}", minimum=0, maximum=most)

@@ -335,3 +335,47 @@ def test_flat_entries_carry_one_field_per_value() -> None:
     assert codec.flat_text(codec.flat({"w": "d", "at": 5})) == {"w": "d", "at": "5"}
     with pytest.raises(ValueError):
         codec.flat_text({b"w": b"\xff"})
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        TRACEPARENT.upper(),
+        "01" + TRACEPARENT[2:],
+        "00-" + "0" * 32 + TRACEPARENT[35:],
+        TRACEPARENT[:36] + "0" * 16 + "-01",
+        TRACEPARENT + "-x",
+        TRACEPARENT[:-1],
+        " " + TRACEPARENT,
+        "x" * 10_000,
+        7,
+        None,
+    ],
+)
+def test_a_traceparent_is_empty_or_exactly_w3cs(traceparent: object) -> None:
+    from splitbus.bus.messages import Task
+
+    with pytest.raises(ValueError, match="traceparent"):
+        _request(traceparent=traceparent)
+    with pytest.raises(ValueError, match="traceparent"):
+        Task("prefill", _request(), "d1", traceparent=traceparent)  # type: ignore[arg-type]
+    data = orjson.loads(codec.encode(_request())[b"data"])
+    data["traceparent"] = traceparent
+    with pytest.raises(DecodeError):  # an entry that carries one fails alone, as any bad field
+        codec.decode({b"type": b"request", b"data": orjson.dumps(data), b"ts": b"1"})
+
+
+def test_a_traceparent_round_trips_and_an_older_entry_has_none() -> None:
+    from splitbus.bus.messages import Task
+
+    request = _request(traceparent=TRACEPARENT)
+    assert codec.decode(codec.encode(request)) == request
+    task = Task("decode", request, "p1", traceparent=TRACEPARENT[:36] + "1" * 16 + "-00")
+    assert codec.decode(codec.encode(task)) == task
+    data = orjson.loads(codec.encode(_request())[b"data"])
+    del data["traceparent"]  # an API node that predates the field
+    old = codec.decode({b"type": b"request", b"data": orjson.dumps(data), b"ts": b"1"})
+    assert isinstance(old, GenerateRequest) and old.traceparent == ""
