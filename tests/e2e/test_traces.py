@@ -1,0 +1,71 @@
+"""Traces across the hops: one request through ``splitbus up`` with a prefill and a decode worker,
+every process exporting over OTLP/HTTP to a loopback receiver (tests/e2e/otlp.py), makes one
+trace: the client's, connected from the API through the scheduler to P and D."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+
+from splitbus.worker.engines.sim import sim_text
+from tests.e2e.conftest import start_system, stop_system
+from tests.e2e.otlp import OtlpReceiver, ReceivedSpan
+
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+WHERE = {
+    "api.request": ("splitbus-api", ""),
+    "api.admission": ("splitbus-api", ""),
+    "api.request_entry": ("splitbus-api", ""),
+    "api.stream_back": ("splitbus-api", ""),
+    "scheduler.wait": ("splitbus-scheduler", ""),
+    "scheduler.place": ("splitbus-scheduler", ""),
+    "worker.prefill_queue": ("splitbus-worker", "prefill"),
+    "worker.prefill": ("splitbus-worker", "prefill"),
+    "worker.kv_transfer": ("splitbus-worker", "prefill"),
+    "worker.kv_wait": ("splitbus-worker", "decode"),
+    "worker.kv_import": ("splitbus-worker", "decode"),
+    "worker.decode": ("splitbus-worker", "decode"),
+}
+"""Each span of the request, and the process (service, worker role) it comes from."""
+
+
+def test_one_request_through_up_is_one_trace_across_every_process(tmp_path: Path) -> None:
+    with OtlpReceiver() as receiver:
+        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        system = start_system(tmp_path, "--prefill", "1", "--decode", "1", environ=environ)
+        try:
+            client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+            traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+            completion = client.completions.create(
+                model="tiny", prompt="Hello", max_tokens=6, seed=3, extra_headers={"traceparent": traceparent}
+            )
+            assert completion.choices[0].text == sim_text(3, 6)
+            spans = receiver.wait_for({*WHERE, "worker.task_wait"}, CLIENT_TRACE, timeout_s=30)
+        finally:
+            assert stop_system(system) == []
+        everything = list(receiver.spans)
+    _check_connected(spans, everything)
+
+
+def _check_connected(spans: list[ReceivedSpan], everything: list[ReceivedSpan]) -> None:
+    names = {s.name for s in spans}
+    assert set(WHERE) <= names, f"missing: {set(WHERE) - names}"
+    assert {s.trace_id for s in everything} == {CLIENT_TRACE}  # nothing of the request outside its trace
+    (root,) = [s for s in spans if s.name == "api.request"]
+    assert root.parent_span_id == CLIENT_SPAN
+    ids = {s.span_id for s in spans}
+    assert all(s.parent_span_id in ids for s in spans if s is not root), [
+        (s.name, s.parent_span_id) for s in spans if s.parent_span_id not in ids
+    ]
+    for span in spans:
+        assert WHERE.get(span.name, (span.service, span.role)) == (span.service, span.role), span
+        assert span.end_ns >= span.start_ns > 0, span
+    roles = {s.role for s in spans if s.name == "worker.task_wait"}
+    assert roles == {"prefill", "decode"}  # each worker took its task
+    (decode,) = [s for s in spans if s.name == "worker.decode"]
+    assert decode.attributes["splitbus.output_tokens"] == 6  # one span for the whole decode
+    (transfer,) = [s for s in spans if s.name == "worker.kv_transfer"]
+    (imported,) = [s for s in spans if s.name == "worker.kv_import"]
+    assert imported.parent_span_id == transfer.span_id  # the frame's meta carried P's span across
