@@ -8,6 +8,8 @@ from pathlib import Path
 
 import openai
 
+from splitbus.bench.serve import HOPS
+from splitbus.bench.spans import SpanTimes, hops_from_spans
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import start_system, stop_system
 from tests.e2e.otlp import OtlpReceiver, ReceivedSpan
@@ -53,19 +55,38 @@ def _check_connected(spans: list[ReceivedSpan], everything: list[ReceivedSpan]) 
     names = {s.name for s in spans}
     assert set(WHERE) <= names, f"missing: {set(WHERE) - names}"
     assert {s.trace_id for s in everything} == {CLIENT_TRACE}  # nothing of the request outside its trace
-    (root,) = [s for s in spans if s.name == "api.request"]
+    _check_tree(spans)
+    _check_processes(spans)
+    _check_hand_off(spans)
+    hops = hops_from_spans(SpanTimes(s.name, s.start_ns, s.end_ns) for s in spans)
+    assert list(hops) == list(HOPS)  # bench serve's breakdown, read off the trace
+    assert min(hops.values()) >= 0, hops  # one machine, one clock: in order
+
+
+def _named(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
+    return [s for s in spans if s.name == name]
+
+
+def _check_tree(spans: list[ReceivedSpan]) -> None:
+    """The root's parent is the client's span; every other span's parent is one of the trace's."""
+    (root,) = _named(spans, "api.request")
     assert root.parent_span_id == CLIENT_SPAN
     ids = {s.span_id for s in spans}
-    assert all(s.parent_span_id in ids for s in spans if s is not root), [
-        (s.name, s.parent_span_id) for s in spans if s.parent_span_id not in ids
-    ]
-    for span in spans:
-        assert WHERE.get(span.name, (span.service, span.role)) == (span.service, span.role), span
-        assert span.end_ns >= span.start_ns > 0, span
-    roles = {s.role for s in spans if s.name == "worker.task_wait"}
-    assert roles == {"prefill", "decode"}  # each worker took its task
-    (decode,) = [s for s in spans if s.name == "worker.decode"]
+    orphans = [(s.name, s.parent_span_id) for s in spans if s is not root and s.parent_span_id not in ids]
+    assert orphans == []
+
+
+def _check_processes(spans: list[ReceivedSpan]) -> None:
+    """Each span from its process; a task_wait from each worker."""
+    elsewhere = [s for s in spans if WHERE.get(s.name, (s.service, s.role)) != (s.service, s.role)]
+    assert elsewhere == []
+    assert all(s.end_ns >= s.start_ns > 0 for s in spans)
+    assert {s.role for s in _named(spans, "worker.task_wait")} == {"prefill", "decode"}
+
+
+def _check_hand_off(spans: list[ReceivedSpan]) -> None:
+    (decode,) = _named(spans, "worker.decode")
     assert decode.attributes["splitbus.output_tokens"] == 6  # one span for the whole decode
-    (transfer,) = [s for s in spans if s.name == "worker.kv_transfer"]
-    (imported,) = [s for s in spans if s.name == "worker.kv_import"]
+    (transfer,) = _named(spans, "worker.kv_transfer")
+    (imported,) = _named(spans, "worker.kv_import")
     assert imported.parent_span_id == transfer.span_id  # the frame's meta carried P's span across
