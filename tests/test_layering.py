@@ -2,7 +2,7 @@
 (splitbus/bus/core/) imports no protocol; placement imports only bus, api never imports worker or
 the scheduler process, worker never imports api, bench never imports cli, gpu_ops imports only
 paddle and numpy, architectures imports only tokenization, grammar (structured output) imports
-neither the API nor the workers that share it."""
+neither the API nor the workers that share it, the planner imports only the bus."""
 
 from __future__ import annotations
 
@@ -52,6 +52,17 @@ FORBIDDEN = {
     # Structured output, shared by the API (compiles) and the workers (masks): above the bus and
     # the tokenizers only.
     "grammar": ("splitbus.api", "splitbus.worker", "splitbus.gpu_ops", "splitbus.cli", "splitbus.scheduler"),
+    # The planner reads the registry and publishes its advice through the bus; it places nothing
+    # and runs no engine (docs/planner.md).
+    "planner": (
+        "splitbus.api",
+        "splitbus.scheduler",
+        "splitbus.worker",
+        "splitbus.placement",
+        "splitbus.gpu_ops",
+        "splitbus.cli",
+        "splitbus.tokenization",
+    ),
     # What a benchmark shares with a command lives below both (the default model: the engine's own).
     "bench": ("splitbus.cli",),
     # The one table of model architectures: plain data and config arithmetic that the API, the

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from splitbus.bus.records import counter_growth
 from splitbus.bus.registry import WorkerInfo
 from splitbus.bus.roles import Role
 
@@ -66,12 +67,6 @@ def prefills_done(workers: Iterable[WorkerInfo], model: str) -> dict[str, int]:
         for w in workers
         if w.alive and w.record.model == model and w.record.role in PREFILLING
     }
-
-
-def counted(before: dict[str, int], now: dict[str, int]) -> int:
-    """The prefills done between two readings of the counters: each worker in both counts its
-    growth; one new since, or restarted (its counter went back), counts nothing."""
-    return sum(max(done - before[worker], 0) for worker, done in now.items() if worker in before)
 
 
 def predicted_wait_s(ahead: int, rate: float | None) -> float | None:
@@ -142,7 +137,7 @@ class PrefillRates:
             return
         if now - known.since < self.min_window_s:
             return
-        done = counted(known.counters, counters)
+        done = counter_growth(known.counters, counters)
         if done > 0 and known.busy and busy:
             known.rate = ewma(known.rate, done / (now - known.since))
         known.counters, known.since, known.busy = counters, now, busy

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,13 @@ class WorkerLoad:
     experts: ExpertLoad | None = None
     """A MoE engine's expert placement and loads (``ExpertParallel.expert_load``); None for a dense
     model or an engine without experts. Kept last: the fields before it are the integer ones."""
+
+
+def counter_growth(before: Mapping[str, int], now: Mapping[str, int]) -> int:
+    """How much a cumulative counter grew between two readings of it, by worker id: each worker
+    in both counts its growth; one new since, or restarted (its counter went back), counts nothing
+    (early refusal's prefill rate and the planner's rates read the registry's counters alike)."""
+    return sum(max(count - before[worker], 0) for worker, count in now.items() if worker in before)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 
 from splitbus.api import admission
 from splitbus.api.admission import PrefillRates, Refusal, Waiting
-from splitbus.bus.records import Reserved, WorkerLoad
+from splitbus.bus.records import Reserved, WorkerLoad, counter_growth
 from splitbus.bus.registry import WorkerInfo, WorkerRecord
 
 
@@ -91,7 +91,7 @@ def test_the_requests_waiting_are_counted_by_priority_and_each_ends_once() -> No
     ],
 )
 def test_prefills_counted_between_readings(before: dict[str, int], now: dict[str, int], done: int) -> None:
-    assert admission.counted(before, now) == done
+    assert counter_growth(before, now) == done
 
 
 @pytest.mark.parametrize(

@@ -78,13 +78,18 @@ def test_importing_the_core_loads_no_io_module() -> None:
     """Not only the core's own modules: nothing it imports, however deep (the bus's records and
     messages, the tokenizer, the engine's interface), loads an event loop, a socket or a Redis
     client. A fresh interpreter, so that no other test's imports count."""
+    assert io_modules_loaded_by("splitbus.worker.core") == "[]"
+
+
+def io_modules_loaded_by(module: str) -> str:
+    """The I/O modules importing ``module`` loads, as a printed list, in a fresh interpreter."""
     probe = (
-        "import sys, splitbus.worker.core\n"
+        f"import sys, {module}\n"
         f"print(sorted(m for m in {sorted(IO_MODULES | {'redis.asyncio'})!r} if m in sys.modules))"
     )
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
-    assert done.stdout.strip() == "[]"
+    return done.stdout.strip()
 
 
 def test_the_check_sees_a_crossing(tmp_path: Path) -> None:

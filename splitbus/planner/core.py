@@ -1,0 +1,217 @@
+"""The planner's core: once an interval, a reading of the fleet in, the advised prefill and
+decode counts out, with their reasons (``Planner.step``). Pure: no Redis, no event loop, no
+clock of its own (the reading carries the server's); ``splitbus.planner.service`` feeds it and
+publishes what it decides, and ``splitbus bench planner`` runs it on simulated workers."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitbus.bus.roles import Role
+from splitbus.planner.config import PlannerConfig
+from splitbus.planner.fit import Line, Point, feedback_batch, fit_line
+from splitbus.planner.hysteresis import Stabilizer
+from splitbus.planner.model import Count, Reason, ceil, decode_count, grouped, kv_batch, prefill_count
+from splitbus.planner.predictors import EWMA_ALPHA, PREDICTORS
+from splitbus.planner.rates import Reading, Sample, WorkerReading, sample
+
+__all__ = ["Decision", "Planner", "PlannerConfig", "Reading", "Reason", "Sizing", "WorkerReading"]
+
+SIZED = (Role.PREFILL.value, Role.DECODE.value)
+"""The roles the planner sizes; ``mixed`` workers are neither counted nor sized (a limit)."""
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """One role's advice."""
+
+    desired: int
+    """Workers wanted (after bounds and damping; DP ranks for a grouped role)."""
+    groups: int
+    """DP groups wanted (= ``desired`` for solo workers)."""
+    actual: int
+    """Live workers of the role, not draining."""
+    draining: int
+    """Live workers of the role that drain (take no new task)."""
+    reason: Reason
+    why: str = ""
+    """The figures behind the count, for the log line."""
+
+    def describe(self, role: str) -> str:
+        return f"{role} {self.actual} -> {self.desired} ({self.why or self.reason.value})"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One interval's advice, with what it was computed from."""
+
+    at_s: float
+    arrivals_rps: float
+    """Measured over the interval that ended (0 at the first)."""
+    predicted_rps: float
+    """Expected over the next (the predictor's)."""
+    prompt_tokens: float
+    """Mean prompt length, tokens (0: not measured yet)."""
+    hit_ratio: float
+    """Share of prompt tokens served from the prefix cache."""
+    output_tokens: float
+    """Mean output length, tokens (0: not measured yet)."""
+    prefill_tokens_per_s: float | None
+    """Uncached prompt tokens a prefill worker computes per second; None before a measurement."""
+    batch_at_slo: int | None
+    """Requests per decode worker planned for (the ITL target's, or the KV cache's)."""
+    prefill: Sizing
+    decode: Sizing
+
+    def describe(self) -> str:
+        """The one-line why, for the log."""
+        return f"{self.prefill.describe(Role.PREFILL.value)}; {self.decode.describe(Role.DECODE.value)}"
+
+    def sizing(self, role: str) -> Sizing:
+        return self.prefill if role == Role.PREFILL.value else self.decode
+
+
+@dataclass
+class _Measured:
+    """The fleet's figures as measured so far: each an EWMA of the intervals that measured it."""
+
+    prompt_tokens: float | None = None
+    hit_ratio: float | None = None
+    output_tokens: float | None = None
+    prefill_rate: float | None = None
+    blocks_per_request: float | None = None
+    kv_blocks: int | None = None
+    """The smallest decode worker's KV cache, blocks (the last seen)."""
+
+    def update(self, got: Sample) -> None:
+        for name in ("prompt_tokens", "hit_ratio", "output_tokens", "blocks_per_request"):
+            setattr(self, name, _ewma(getattr(self, name), getattr(got, _SAMPLED.get(name, name))))
+        self.prefill_rate = _ewma(self.prefill_rate, got.prefill_tokens_per_s)
+        self.kv_blocks = got.decode_kv_blocks if got.decode_kv_blocks is not None else self.kv_blocks
+
+    @property
+    def uncached_tokens(self) -> float | None:
+        if self.prompt_tokens is None:
+            return None
+        return self.prompt_tokens * (1 - (self.hit_ratio or 0.0))
+
+
+_SAMPLED = {"blocks_per_request": "kv_blocks_per_request"}
+
+
+def _ewma(mean: float | None, value: float | None) -> float | None:
+    if value is None:
+        return mean
+    return value if mean is None else EWMA_ALPHA * value + (1 - EWMA_ALPHA) * mean
+
+
+class Planner:
+    """Feeds on one reading an interval and advises the prefill and decode counts."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        self._predictor = PREDICTORS[config.predictor]()
+        self._measured = _Measured()
+        self._points: deque[Point] = deque(maxlen=config.fit_window)
+        self._stable = {role: Stabilizer(config.scale_down_window_s) for role in SIZED}
+        self._last: Reading | None = None
+        self._batch: int | None = None
+
+    def step(self, reading: Reading) -> Decision:
+        """The advice at ``reading``; the first call measures (``Reason.MEASURING``)."""
+        before, self._last = self._last, reading
+        got = None if before is None else sample(before, reading, self.config.min_busy_s, self.config.min_decode_steps)
+        if got is not None:
+            self._predictor.observe(got.arrivals_rps)
+            self._measured.update(got)
+            self._points.extend(got.decode_points)
+        rps = self._predictor.predict()
+        prefill = self._size(reading, Role.PREFILL.value, self._prefill(reading, got, rps))
+        decode = self._size(reading, Role.DECODE.value, self._decode(reading, got, rps))
+        m = self._measured
+        return Decision(
+            at_s=reading.at_s,
+            arrivals_rps=got.arrivals_rps if got else 0.0,
+            predicted_rps=rps,
+            prompt_tokens=m.prompt_tokens or 0.0,
+            hit_ratio=m.hit_ratio or 0.0,
+            output_tokens=m.output_tokens or 0.0,
+            prefill_tokens_per_s=m.prefill_rate,
+            batch_at_slo=self._batch,
+            prefill=prefill,
+            decode=decode,
+        )
+
+    def _prefill(self, reading: Reading, got: Sample | None, rps: float) -> Count:
+        actual = _actual(reading, Role.PREFILL.value)
+        uncached, rate = self._measured.uncached_tokens, self._measured.prefill_rate
+        if got is None or uncached is None or rate is None:
+            return Count(max(actual, 1 if rps > 0 else 0), Reason.MEASURING)
+        queued = got.queued_prefill_tokens + (reading.unread + reading.held) * uncached
+        c = self.config
+        count = prefill_count(rps, uncached, rate, c.prefill_budget_s, c.target_utilization, queued)
+        return Count(actual, count.reason, count.why) if count.reason is Reason.SLO_UNREACHABLE else count
+
+    def _decode(self, reading: Reading, got: Sample | None, rps: float) -> Count:
+        actual = _actual(reading, Role.DECODE.value)
+        floor = max(actual, 1 if rps > 0 else 0)
+        line = fit_line(self._points)
+        by_itl = self._batch_at_itl(line, got)
+        if line is not None and by_itl == 0:
+            why = f"a step takes {line.a * 1000:.1f} ms with no request in it"
+            return Count(actual, Reason.SLO_UNREACHABLE, why)
+        by_kv = kv_batch(self._measured.kv_blocks, self._blocks_per_request(reading))
+        self._batch = _smallest(by_itl, by_kv)
+        output = self._measured.output_tokens
+        if got is None or output is None or self._batch is None:
+            return Count(floor, Reason.MEASURING if output is None else Reason.HELD)
+        itl_s = line.itl_s(self._batch) if line is not None else self.config.itl_slo_s
+        count = decode_count(rps, output, self._batch, itl_s, got.decode_held)
+        return _decode_reason(count, by_itl, by_kv, floor)
+
+    def _batch_at_itl(self, line: Line | None, got: Sample | None) -> int | None:
+        if line is not None:
+            return line.batch_at(self.config.itl_slo_s * self.config.itl_headroom)
+        return feedback_batch(got.decode_points, self.config.itl_slo_s) if got is not None else None
+
+    def _blocks_per_request(self, reading: Reading) -> float | None:
+        """The mean KV blocks a decode request holds: as measured, else from the mean lengths."""
+        m = self._measured
+        if m.blocks_per_request is not None:
+            return m.blocks_per_request
+        sizes = [w.block_size for w in reading.of_role(Role.DECODE.value)]
+        if m.prompt_tokens is None or m.output_tokens is None or not sizes:
+            return None
+        return float(ceil((m.prompt_tokens + m.output_tokens) / max(sizes)))
+
+    def _size(self, reading: Reading, role: str, count: Count) -> Sizing:
+        workers = reading.of_role(role)
+        dp_size = max((w.dp_size for w in workers), default=1)
+        bounded = min(max(count.workers, self.config.min_workers), self.config.max_workers)
+        raw, _ = grouped(bounded, dp_size)
+        desired = self._stable[role].settle(reading.at_s, raw)
+        reason = Reason.HELD if desired > raw else count.reason
+        _, groups = grouped(desired, dp_size)
+        draining = sum(1 for w in workers if w.load.draining)
+        return Sizing(desired, groups, len(workers) - draining, draining, reason, count.why)
+
+
+def _actual(reading: Reading, role: str) -> int:
+    return sum(1 for w in reading.of_role(role) if not w.load.draining)
+
+
+def _smallest(by_itl: int | None, by_kv: int | None) -> int | None:
+    """The batch a decode worker is planned for: the smaller known bound, at least one request."""
+    known = [batch for batch in (by_itl, by_kv) if batch is not None]
+    return max(min(known), 1) if known else None
+
+
+def _decode_reason(count: Count, by_itl: int | None, by_kv: int | None, floor: int) -> Count:
+    """The decode count's reason: the KV cache's when it bounds the batch; with no measure of the
+    batch at the ITL target, the count only rises (held otherwise)."""
+    kv_bound = by_kv is not None and (by_itl is None or by_kv < by_itl)
+    reason = Reason.KV_BOUND if kv_bound and count.reason is Reason.SLO else count.reason
+    if by_itl is None and count.workers <= floor:
+        return Count(floor, Reason.HELD, count.why)
+    return Count(count.workers, reason, count.why)

@@ -1,0 +1,102 @@
+"""The planner's arithmetic, one formula a function (docs/planner.md, "Formulas"): the prefill
+workers that start the predicted arrivals within the TTFT target, the decode batch that meets
+the ITL target and the decode workers that hold the predicted concurrency at that batch. Plain
+numbers in, a count and its reason out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from splitbus.bus.roles import Word
+
+KV_USE_MAX = 0.9
+"""The share of a decode worker's KV blocks its batch may be planned to hold."""
+_EPSILON = 1e-9
+"""Slack for ``ceil``: 2.0000000001 workers computed from decimal inputs are 2."""
+
+
+class Reason(Word):
+    """What set a role's advised count."""
+
+    MEASURING = "measuring"
+    """Not measured yet (the first interval, or no work of the kind done): the current count."""
+    SLO = "slo"
+    """The predicted arrivals at the target's utilization (prefill) or concurrency (decode)."""
+    BACKLOG = "backlog"
+    """What waits now: its clearing within the target needs more than the arrivals do."""
+    KV_BOUND = "kv_bound"
+    """Decode: the KV cache, not the ITL target, bounds the batch."""
+    SLO_UNREACHABLE = "slo_unreachable"
+    """One request alone misses the target: more workers would not help; the current count."""
+    HELD = "held"
+    """Kept above what was computed: a count goes down only after the window (or decode has no
+    measure of the batch at the target yet)."""
+
+
+@dataclass(frozen=True)
+class Count:
+    """A role's count as computed, before bounds and damping."""
+
+    workers: int
+    reason: Reason
+    why: str = ""
+    """The figures behind it, for the log line."""
+
+
+def ceil(value: float) -> int:
+    return max(math.ceil(value - _EPSILON), 0)
+
+
+def utilization(service_s: float, budget_s: float, target: float) -> float | None:
+    """The busiest a prefill worker may be so that a prompt's wait and service fit ``budget_s``
+    (M/D/1: ``W = ρs/(2(1−ρ))``, ``s + W ≤ S`` gives ``ρ ≤ 2(S − s)/(2S − s)``), at most ``target``;
+    None when one prompt's service alone takes the budget."""
+    if service_s >= budget_s:
+        return None
+    return min(target, 2 * (budget_s - service_s) / (2 * budget_s - service_s))
+
+
+def prefill_count(
+    rps: float, uncached_tokens: float, rate: float, budget_s: float, target: float, queued_tokens: float
+) -> Count:
+    """Prefill workers for ``rps`` prompts of ``uncached_tokens`` at ``rate`` tokens/s each, and
+    for clearing the ``queued_tokens`` waiting now within ``budget_s``."""
+    service_s = uncached_tokens / rate
+    rho = utilization(service_s, budget_s, target)
+    if rho is None:
+        why = f"one prompt takes {service_s:.3f} s of a {budget_s:.3f} s budget"
+        return Count(0, Reason.SLO_UNREACHABLE, why)
+    by_rate = ceil(rps * uncached_tokens / (rate * rho))
+    by_queue = ceil(queued_tokens / (rate * budget_s))
+    if by_queue > by_rate:
+        why = f"backlog: {queued_tokens:.0f} tokens queued / {rate:.0f} tok/s per worker within {budget_s:.2f} s"
+        return Count(by_queue, Reason.BACKLOG, why)
+    rates = f"{rps:.1f} req/s predicted x {uncached_tokens:.0f} uncached tokens / {rate:.0f} tok/s per worker"
+    return Count(max(by_rate, 1 if rps > 0 else 0), Reason.SLO, f"slo: {rates} at rho {rho:.2f}")
+
+
+def kv_batch(total_blocks: int | None, blocks_per_request: float | None) -> int | None:
+    """The requests a decode worker's KV cache holds at ``KV_USE_MAX``; None if unknown."""
+    if total_blocks is None or blocks_per_request is None or blocks_per_request <= 0:
+        return None
+    return math.floor(KV_USE_MAX * total_blocks / blocks_per_request)
+
+
+def decode_count(rps: float, output_tokens: float, batch: int, itl_s: float, held: int) -> Count:
+    """Decode workers for the concurrency of ``rps`` requests of ``output_tokens`` each at
+    ``itl_s`` a token (Little's law: ``C = λ·O·itl``), ``batch`` per worker, and for the
+    requests they hold now."""
+    concurrency = rps * output_tokens * itl_s
+    by_rate, by_held = ceil(concurrency / batch), ceil(held / batch)
+    if by_held > by_rate:
+        return Count(by_held, Reason.BACKLOG, f"backlog: {held} requests held / batch {batch}")
+    figures = f"{rps:.1f} req/s x {output_tokens:.0f} tokens x {itl_s * 1000:.1f} ms = {concurrency:.1f} running"
+    why = f"slo: {figures} / batch {batch}"
+    return Count(max(by_rate, 1 if rps > 0 else 0), Reason.SLO, why)
+
+
+def grouped(workers: int, dp_size: int) -> tuple[int, int]:
+    """(workers, DP groups) for ``workers`` ranks of groups of ``dp_size``: whole groups."""
+    groups = ceil(workers / max(dp_size, 1))
+    return groups * max(dp_size, 1), groups

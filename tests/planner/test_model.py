@@ -1,0 +1,114 @@
+"""The planner's arithmetic by hand (docs/planner.md, "Formulas"): prefill by the M/D/1 bound on
+utilization, decode by the fitted step time and Little's law, then the whole core on two
+readings of a made-up fleet."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitbus.planner.config import PlannerConfig
+from splitbus.planner.core import Planner, Reason
+from splitbus.planner.fit import Line
+from splitbus.planner.model import decode_count, grouped, kv_batch, prefill_count, utilization
+from tests.planner.fleet import decoder, prefiller, reading
+
+BUDGET_S = 0.5 * 0.9
+"""A TTFT target of 0.5 s less the 10 % reserve."""
+
+
+def test_utilization_is_the_target_while_the_wait_leaves_room() -> None:
+    assert utilization(0.05, BUDGET_S, 0.8) == 0.8
+    assert utilization(0.05, BUDGET_S, 1.0) == pytest.approx(2 * 0.40 / 0.85)  # ρ_max = 2(S − s)/(2S − s)
+    assert utilization(0.4, BUDGET_S, 0.8) == pytest.approx(2 * 0.05 / 0.5)  # a long prompt: the SLO bounds it
+
+
+@pytest.mark.parametrize(("rps", "workers"), [(10, 1), (40, 3), (0, 0)])
+def test_prefill_workers_for_the_arrivals(rps: float, workers: int) -> None:
+    # 10 req/s x 1000 tokens / (20 000 tok/s x 0.8) = 0.625 -> 1; 40 req/s: 2.5 -> 3
+    count = prefill_count(rps, 1000, 20_000, BUDGET_S, 0.8, queued_tokens=0)
+    assert (count.workers, count.reason) == (workers, Reason.SLO)
+
+
+def test_a_prompt_longer_than_the_budget_is_unreachable() -> None:
+    count = prefill_count(10, 10_000, 20_000, BUDGET_S, 0.8, queued_tokens=0)  # s = 0.5 s >= S = 0.45 s
+    assert count.reason is Reason.SLO_UNREACHABLE
+    assert "0.500 s of a 0.450 s budget" in count.why
+
+
+def test_the_backlog_beats_the_rate_when_it_needs_more() -> None:
+    # 30 000 tokens queued / (20 000 tok/s x 0.45 s) = 3.3 -> 4 > the rate's 1
+    count = prefill_count(10, 1000, 20_000, BUDGET_S, 0.8, queued_tokens=30_000)
+    assert (count.workers, count.reason) == (4, Reason.BACKLOG)
+
+
+def test_decode_batch_and_workers_from_the_sims_own_line() -> None:
+    line = Line(a=0.004, c=0.0001)  # the sim engine's step: 4 ms + 0.1 ms a request
+    assert line.batch_at(0.020 * 0.9) == 140  # ⌊(18 − 4)/0.1⌋
+    # 100 req/s x 200 tokens x 18 ms = 360 running / 140 a worker = 2.6 -> 3
+    count = decode_count(100, 200, 140, line.itl_s(140), held=0)
+    assert (count.workers, count.reason) == (3, Reason.SLO)
+    assert decode_count(100, 200, 140, line.itl_s(140), held=500).workers == 4  # 500 held / 140: the backlog
+
+
+def test_kv_bounds_the_batch() -> None:
+    assert kv_batch(1000, 10) == 90  # 90 % of 1000 blocks at 10 a request
+    assert kv_batch(None, 10) is None
+    assert kv_batch(1000, None) is None
+
+
+@pytest.mark.parametrize(
+    ("workers", "dp_size", "expected"), [(5, 4, (8, 2)), (4, 4, (4, 1)), (0, 4, (0, 0)), (3, 1, (3, 3))]
+)
+def test_grouped_roles_round_to_whole_groups(workers: int, dp_size: int, expected: tuple[int, int]) -> None:
+    assert grouped(workers, dp_size) == expected
+
+
+CONFIG = PlannerConfig(ttft_slo_s=0.5, itl_slo_s=0.020)
+
+
+def test_the_first_reading_only_measures() -> None:
+    decision = Planner(CONFIG).step(reading(0.0, prefiller(), decoder()))
+    assert (decision.prefill.reason, decision.decode.reason) == (Reason.MEASURING, Reason.MEASURING)
+    assert (decision.prefill.desired, decision.decode.desired) == (1, 1)  # the current counts
+
+
+def test_two_readings_by_hand() -> None:
+    planner = Planner(CONFIG)
+    kv = {"total_kv_blocks": 10_000, "free_kv_blocks": 9_000, "running": 10}  # 100 blocks a request
+    planner.step(reading(0.0, prefiller(), decoder(**kv)))
+    # 10 s: 100 prompts of 1000 tokens in 5 s of prefill (20 000 tok/s); 100 outputs of 200 tokens
+    decision = planner.step(reading(10.0, prefiller(prefills=100, busy_s=5.0), decoder(decodes=100, **kv)))
+    assert decision.arrivals_rps == pytest.approx(10)
+    assert (decision.prompt_tokens, decision.output_tokens) == (pytest.approx(1000), pytest.approx(200))
+    assert decision.prefill_tokens_per_s == pytest.approx(20_000)
+    assert (decision.prefill.desired, decision.prefill.reason) == (1, Reason.SLO)
+    # the one decode point meets the ITL target (10 ms): no fit, no feedback; the KV cache holds 90
+    assert decision.batch_at_slo == 90
+    assert (decision.decode.desired, decision.decode.reason) == (1, Reason.HELD)
+    assert decision.describe().startswith("prefill 1 -> 1 (slo: 10.0 req/s predicted x 1000 uncached tokens")
+
+
+def test_a_step_rise_adds_prefill_workers_at_once_and_a_dp_role_whole_groups() -> None:
+    planner = Planner(CONFIG)
+    ranks = [decoder(f"d{i}", dp_size=4) for i in range(4)]
+    planner.step(reading(0.0, prefiller(), *ranks))
+    busy = prefiller(prefills=400, busy_s=20.0)  # 40 req/s at 20 000 tok/s
+    ranks = [
+        decoder(f"d{i}", dp_size=4, decodes=400, batch=10 * (i + 1), itl_s=0.004 + 0.001 * (i + 1)) for i in range(4)
+    ]
+    decision = planner.step(reading(10.0, busy, *ranks))
+    assert (decision.prefill.desired, decision.prefill.actual) == (3, 1)
+    # the four ranks measured 10..40 a step at 5..8 ms: itl = 4 ms + 0.1 ms·b, batch at 18 ms = 140
+    assert decision.batch_at_slo == 140
+    # 40 req/s x 200 x 18 ms = 144 running / 140 = 2 ranks: one whole group of 4
+    assert (decision.decode.desired, decision.decode.groups) == (4, 1)
+
+
+def test_a_prefix_cache_lowers_the_prompt_to_compute() -> None:
+    planner = Planner(CONFIG)
+    planner.step(reading(0.0, prefiller()))
+    half = prefiller(prefills=400, busy_s=10.0, prompt_tokens_cached=200_000)  # half of 400 000 cached
+    decision = planner.step(reading(10.0, half))
+    assert decision.hit_ratio == pytest.approx(0.5)
+    assert decision.prefill_tokens_per_s == pytest.approx(20_000)
+    assert decision.prefill.desired == 2  # 40 req/s x 500 uncached / (20 000 x 0.8) = 1.25
