@@ -8,30 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from splitbus.bus.roles import Word
+from splitbus.bus.planner import Reason
 
 KV_USE_MAX = 0.9
 """The share of a decode worker's KV blocks its batch may be planned to hold."""
 _EPSILON = 1e-9
 """Slack for ``ceil``: 2.0000000001 workers computed from decimal inputs are 2."""
-
-
-class Reason(Word):
-    """What set a role's advised count."""
-
-    MEASURING = "measuring"
-    """Not measured yet (the first interval, or no work of the kind done): the current count."""
-    SLO = "slo"
-    """The predicted arrivals at the target's utilization (prefill) or concurrency (decode)."""
-    BACKLOG = "backlog"
-    """What waits now: its clearing within the target needs more than the arrivals do."""
-    KV_BOUND = "kv_bound"
-    """Decode: the KV cache, not the ITL target, bounds the batch."""
-    SLO_UNREACHABLE = "slo_unreachable"
-    """One request alone misses the target: more workers would not help; the current count."""
-    HELD = "held"
-    """Kept above what was computed: a count goes down only after the window (or decode has no
-    measure of the batch at the target yet)."""
 
 
 @dataclass(frozen=True)

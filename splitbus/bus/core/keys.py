@@ -97,6 +97,12 @@ class Keys:
         """Hash: the SHA-256 of each API key (hex) -> the name of its tenant; no key in clear."""
         return self._control("tenant-keys")
 
+    @property
+    def planner(self) -> str:
+        """Hash: the planner's last advice (``splitbus.bus.planner``); it expires three intervals
+        after it was written, so a stopped planner's advice is not acted on."""
+        return self._control("planner")
+
     def limits(self, tenant: str) -> str:
         """Hash: one tenant's token buckets (``splitbus.bus.limits``), each field the Redis time (ms)
         at which that bucket is full again; TTL: until the last of them is."""
