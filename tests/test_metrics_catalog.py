@@ -12,6 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 import splitbus.api.metrics
 import splitbus.bus.core.metrics
 import splitbus.placement.metrics
+import splitbus.planner.metrics
 import splitbus.scheduler.metrics
 import splitbus.worker.metrics  # noqa: F401  (registers the worker's metrics)
 

@@ -43,6 +43,8 @@ class PlannerConfig:
     short prompts say little of the rate at real batch sizes."""
     min_decode_steps: int = 20
     """The least decode steps a worker must have run in an interval to give a measurement."""
+    model: str = ""
+    """Size only the workers serving this model ("": every worker; one model per planner)."""
 
     def __post_init__(self) -> None:
         for name in ("ttft_slo_s", "itl_slo_s", "interval_s"):

@@ -30,3 +30,7 @@ def test_the_core_defines_no_coroutine_and_imports_no_io() -> None:
 def test_importing_the_core_loads_no_io_module() -> None:
     """Nothing the core imports, however deep (the bus's records and roles), loads one either."""
     assert io_modules_loaded_by("splitbus.planner.core") == "[]"
+
+
+def test_the_check_sees_the_shell() -> None:
+    assert _io_uses("service")  # the shell awaits Redis: in the core, the check above would fail
