@@ -159,6 +159,7 @@ class Planner:
         line = fit_line(self._points)
         by_itl = self._batch_at_itl(line, got)
         if line is not None and by_itl == 0:
+            self._batch = None
             why = f"a step takes {line.a * 1000:.1f} ms with no request in it"
             return Count(actual, Reason.SLO_UNREACHABLE, why)
         by_kv = kv_batch(self._measured.kv_blocks, self._blocks_per_request(reading))
@@ -191,10 +192,11 @@ class Planner:
         bounded = min(max(count.workers, self.config.min_workers), self.config.max_workers)
         raw, _ = grouped(bounded, dp_size)
         desired = self._stable[role].settle(reading.at_s, raw)
-        reason = Reason.HELD if desired > raw else count.reason
+        if desired > raw:
+            count = Count(raw, Reason.HELD, f"held: {raw} computed, {desired} kept for the scale-down window")
         _, groups = grouped(desired, dp_size)
         draining = sum(1 for w in workers if w.load.draining)
-        return Sizing(desired, groups, len(workers) - draining, draining, reason, count.why)
+        return Sizing(desired, groups, len(workers) - draining, draining, count.reason, count.why)
 
 
 def _actual(reading: Reading, role: str) -> int:

@@ -4,6 +4,7 @@ trip, read back whole on a sync client, every field checked, under the cell's ha
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import pytest
 import redis as sync_redis
@@ -11,9 +12,11 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
 from splitbus.bus.core.errors import DecodeError
 from splitbus.bus.core.keys import Keys
 from splitbus.bus.planner import FIELDS, Advice, Reason, publish, read_advice
+from splitbus.redis_cluster import EmbeddedCluster
 
 ADVICE = Advice(
     at_ms=1_764_000_000_000,
@@ -116,3 +119,15 @@ def test_a_hash_read_as_bytes_is_decoded_and_a_huge_value_refused_undecoded() ->
     assert read_advice(_BytesClient(raw), Keys()) == ADVICE
     with pytest.raises(DecodeError, match="batch_at_slo"):
         read_advice(_BytesClient(raw | {b"batch_at_slo": b"\xff" * 10_000_000}), Keys())
+
+
+async def test_written_and_read_on_a_redis_cluster(redis_cluster: EmbeddedCluster) -> None:
+    config = BusConfig(redis_url=redis_cluster.url, prefix=f"t{uuid.uuid4().hex[:10]}")
+    client = connect(config, name="t-planner")
+    reader = redis_cluster.client()
+    try:
+        await publish(client, config.keys, ADVICE)
+        assert read_advice(reader, config.keys) == ADVICE
+    finally:
+        reader.close()
+        await client.aclose()

@@ -4,6 +4,8 @@ readings of a made-up fleet."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from splitbus.planner.config import PlannerConfig
@@ -112,3 +114,14 @@ def test_a_prefix_cache_lowers_the_prompt_to_compute() -> None:
     assert decision.hit_ratio == pytest.approx(0.5)
     assert decision.prefill_tokens_per_s == pytest.approx(20_000)
     assert decision.prefill.desired == 2  # 40 req/s x 500 uncached / (20 000 x 0.8) = 1.25
+
+
+def test_a_fall_is_held_for_the_scale_down_window() -> None:
+    planner = Planner(dataclasses.replace(CONFIG, predictor="last"))
+    planner.step(reading(0.0, prefiller()))
+    assert planner.step(reading(10.0, prefiller(prefills=400, busy_s=20.0))).prefill.desired == 3  # 40 req/s
+    fell = planner.step(reading(20.0, prefiller(prefills=410, busy_s=20.5)))  # 1 req/s
+    assert (fell.prefill.desired, fell.prefill.reason) == (3, Reason.HELD)
+    assert fell.describe().startswith("prefill 1 -> 3 (held: 1 computed, 3 kept for the scale-down window)")
+    later = planner.step(reading(40.0, prefiller(prefills=430, busy_s=21.5)))  # the 3 (at 10 s) left the window
+    assert (later.prefill.desired, later.prefill.reason) == (1, Reason.SLO)
