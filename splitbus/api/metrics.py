@@ -39,7 +39,7 @@ CONNECTIONS_CLOSED = Counter(
 DISPATCHES = Counter(
     "splitbus_api_dispatches_total",
     "Requests this API node placed itself (--dispatch api), by outcome: dispatched; duplicate (its id was "
-    "dispatched already); no_worker, recovering, worker_gone (submitted to the schedulers instead).",
+    "dispatched already); no_worker, recovering, worker_gone, worker_draining (submitted to the schedulers instead).",
     ["outcome"],
 )
 

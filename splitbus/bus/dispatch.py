@@ -34,7 +34,9 @@ dispatched mark, ``sb:current:{cell}:<request>``, ``sb:run:{cell}``, the registr
 reservation is logged there for the registry views), then per task the worker's hash, task
 stream and lease. A task is written only for a worker whose lease exists as the script
 runs (else WORKER_GONE): a placement made from a registry view read before the lease expired is
-made again, so no request is placed on a worker after its lease has expired.
+made again, so no request is placed on a worker after its lease has expired. Likewise for a worker
+whose hash says it is draining (else WORKER_DRAINING): a view that does not show the flag yet
+places nothing on it once the worker has written the flag.
 
 Both strings are per request, so both are kept no longer than their purpose needs (under load,
 what each finished request leaves is what Redis holds). The mark only has to outlive the moment a
@@ -92,6 +94,11 @@ class DispatchOutcome(IntEnum):
     NOT_OURS = -5
     """The entry is not pending with ``consumer``: claimed by another replica, or acked already.
     Nothing is written."""
+    WORKER_DRAINING = -6
+    """A chosen worker is draining (its hash's ``draining`` is set: it finishes what it holds and
+    takes nothing new) after the registry view the placement was made from was read: nothing is
+    written, the entry stays pending; place it again. No task is written once the flag is in the
+    hash, so a draining worker's task stream ends with what it must finish."""
 
     @property
     def label(self) -> str:
@@ -100,7 +107,7 @@ class DispatchOutcome(IntEnum):
         return "already_acked" if self is DispatchOutcome.NOT_OURS else self.name.lower()
 
 
-PLACE_AGAIN = frozenset({DispatchOutcome.RECOVERING, DispatchOutcome.WORKER_GONE})
+PLACE_AGAIN = frozenset({DispatchOutcome.RECOVERING, DispatchOutcome.WORKER_GONE, DispatchOutcome.WORKER_DRAINING})
 """Dispatch outcomes that wrote nothing and leave the request to be placed again."""
 
 ANY_HANDOFF = "*"
@@ -119,6 +126,9 @@ bus-level client's), or one whose deadline is further off (the dispatch script's
 _TOKENS, _REQUESTS, _BLOCKS = map(lua_string, RESERVED_FIELDS)  # a task's ARGV holds its counts in this order
 _TOKENS_CHANGE, _REQUESTS_CHANGE, _BLOCKS_CHANGE = (lua_string(change_field(name)) for name in RESERVED_FIELDS)
 _W, _OP, _RESERVE = map(lua_string, (LOG_WORKER, LOG_OP, LogOp.RESERVE))
+DRAINING_FIELD = "draining"
+"""The worker hash's field (``WorkerLoad.draining``) the script reads: 1 once the worker drains."""
+_DRAINING = lua_string(DRAINING_FIELD)
 
 _DISPATCH = declare(
     LuaScript(
@@ -143,7 +153,8 @@ _DISPATCH = declare(
         returns=(
             "1 dispatched; 0 already acked; -1 duplicate (acked only); -2 stale (acked only);"
             " -3 recovering (the server's run is not the cell's settled one: nothing written); -4 a worker's lease is"
-            " gone (nothing written); -5 not pending with the consumer (claimed by another, or acked: nothing written)"
+            " gone (nothing written); -5 not pending with the consumer (claimed by another, or acked: nothing written);"
+            " -6 a worker is draining (nothing written)"
         ),
         source=f"""
 local info = redis.pcall('INFO', 'server')
@@ -154,6 +165,8 @@ if ARGV[5] ~= '' and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2],
 end
 for i = 0, tonumber(ARGV[4]) - 1 do
   if redis.call('EXISTS', KEYS[8 + 3 * i]) == 0 then return -4 end
+  local draining = redis.call('HGET', KEYS[6 + 3 * i], {_DRAINING})
+  if draining and draining ~= '0' then return -6 end
 end
 if ARGV[2] ~= '' and redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local current = redis.call('GET', KEYS[3])
@@ -342,8 +355,8 @@ class DispatchScript:
         ``ANY_HANDOFF``: a task written before hand-off ids); ``deadline_ms``: the request's (0:
         none), which bounds how long the hand-off id is kept. Returns DISPATCHED, ALREADY_ACKED,
         NOT_OURS, DUPLICATE, STALE, RECOVERING (nothing written: the cell is not settled on
-        the server's run, ``splitbus.bus.runs``) or WORKER_GONE (nothing written: a worker's
-        lease is gone)."""
+        the server's run, ``splitbus.bus.runs``), WORKER_GONE (nothing written: a worker's
+        lease is gone) or WORKER_DRAINING (nothing written: a worker is draining)."""
         keys = [entry.stream, entry.mark, self._keys.current(request_id), self._keys.run, self._keys.registry_log]
         args: list[bytes | str | int] = [
             entry.group,

@@ -349,6 +349,12 @@ class WorkerInfo:
     def alive(self) -> bool:
         return self.lease_ttl_ms > 0
 
+    @property
+    def placeable(self) -> bool:
+        """Alive and not draining: a worker new tasks may go to. A draining one is still alive (it
+        finishes what it holds, and the reaper must not take its tasks), but is placed nothing."""
+        return self.alive and not self.record.load.draining
+
 
 class Registry:
     def __init__(self, redis: aioredis.Redis, config: BusConfig) -> None:

@@ -233,8 +233,8 @@ class Tables:
 
 
 def _key(worker: WorkerInfo) -> tuple[str, str] | None:
-    """The table a worker is a row of (None: none, it is dead)."""
-    return (worker.record.model, worker.record.role) if worker.alive else None
+    """The table a worker is a row of (None: none, it is dead or draining: placed nothing)."""
+    return (worker.record.model, worker.record.role) if worker.placeable else None
 
 
 def pick(rows: Ints, costs: Floats | Ints, rng: random.Random) -> int | None:

@@ -120,7 +120,7 @@ def choose(candidates: Sequence[C], cost: Callable[[C], float], rng: random.Rand
 
 
 def eligible(workers: Sequence[WorkerInfo], model: str, role: str) -> list[WorkerInfo]:
-    return [w for w in workers if w.alive and w.record.model == model and w.record.role == role]
+    return [w for w in workers if w.placeable and w.record.model == model and w.record.role == role]
 
 
 class Eligible:

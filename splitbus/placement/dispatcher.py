@@ -30,7 +30,7 @@ class Dispatcher:
     ) -> DispatchOutcome:
         """Returns DISPATCHED, ALREADY_ACKED (without ``consumer``), NOT_OURS (with ``consumer``:
         the entry is not pending with it), DUPLICATE (the request is dispatched already: the entry is acked),
-        RECOVERING or WORKER_GONE (nothing written: place it again).
+        RECOVERING, WORKER_GONE or WORKER_DRAINING (nothing written: place it again).
         The tasks' hand-off id becomes the request's current one; their ``traceparent`` is
         the placing span's (the request's own without one)."""
         entry = self._script.request_entry(entry_id, request.request_id)
@@ -43,7 +43,7 @@ class Dispatcher:
     async def dispatch_direct(self, request: GenerateRequest, placements: Sequence[Placement]) -> DispatchOutcome:
         """Write the tasks of a request that has no entry (an API node places it itself:
         ``splitbus api --dispatch api``); DISPATCHED, DUPLICATE (dispatched already),
-        RECOVERING or WORKER_GONE (nothing written: the caller submits it to the schedulers)."""
+        RECOVERING, WORKER_GONE or WORKER_DRAINING (nothing written: the caller submits it to the schedulers)."""
         handoff = _handoff()
         tasks = _tasks(request, placements, handoff)
         entry = self._script.direct(request.request_id)

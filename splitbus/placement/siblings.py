@@ -72,7 +72,7 @@ class Siblings:
         pair = self._pairs.get(_key(request))
         if pair is None:
             return None
-        found = {w.record.worker_id: w for w in workers if w.alive}
+        found = {w.record.worker_id: w for w in workers if w.placeable}
         decode, prefill = found.get(pair.decode), found.get(pair.prefill)
         if decode is None or prefill is None:
             return None

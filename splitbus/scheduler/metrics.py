@@ -10,7 +10,7 @@ from splitbus.placement.metrics import TenantLabels
 DISPATCHES = Counter(
     "splitbus_scheduler_dispatches_total",
     "Requests handled, by outcome (dispatched, duplicate, already_acked: acked, or claimed by another replica; "
-    "no_worker, deadline; recovering, worker_gone: nothing written, placed again).",
+    "no_worker, deadline; recovering, worker_gone, worker_draining: nothing written, placed again).",
     ["outcome"],
 )
 QUEUE_WAIT = Histogram(

@@ -8,8 +8,14 @@ import redis.asyncio as aioredis
 
 from splitbus.bus import dispatch
 from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import SCHEDULER_GROUP
+from splitbus.bus.core.streams import GroupConsumer, Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
-from splitbus.bus.records import blocks_needed
+from splitbus.bus.records import Reserved, WorkerLoad, blocks_needed
+from splitbus.bus.registry import LOAD_FIELDS, Registry, WorkerRecord
+from splitbus.placement.decision import Placement
+from splitbus.placement.dispatcher import Dispatcher
+from tests.placement.snapshot import request, worker
 
 
 def test_the_script_builds_no_key_name() -> None:
@@ -33,3 +39,39 @@ def test_entries_are_named_by_the_keys_module(redis: aioredis.Redis, bus_config:
 def test_a_request_reserves_the_blocks_of_its_prompt_and_its_longest_answer() -> None:
     request = GenerateRequest("r", "m", [1] * 100, SamplingParams(max_tokens=28), "api", 0)
     assert [blocks_needed(request, size) for size in (16, 128, 0)] == [8, 1, 128]
+
+
+def test_the_draining_flag_the_script_reads_is_a_load_field_of_the_worker_hash() -> None:
+    assert dispatch.DRAINING_FIELD in LOAD_FIELDS
+    assert dispatch.DispatchOutcome.WORKER_DRAINING in dispatch.PLACE_AGAIN
+
+
+async def test_no_task_is_written_for_a_draining_worker(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    """A placement made from a registry view read before the decode worker set its draining flag:
+    the script writes nothing (not P's task either, nor a reservation) and the entry stays
+    pending, to be placed again; once the flag is cleared (a restarted worker), it dispatches."""
+    registry = Registry(redis, bus_config)
+    for wid, role in (("p", "prefill"), ("d", "decode")):
+        await registry.register(WorkerRecord(worker_id=wid, role=role, model="m"), 5000)
+    consumer = GroupConsumer(redis, bus_config, bus_config.keys.requests, SCHEDULER_GROUP, "s1")
+    await consumer.ensure_group()
+    await Producer(redis, bus_config).send(bus_config.keys.requests, request())
+    delivery = (await consumer.read(1))[0]
+    plan = [
+        Placement(worker("d", "decode"), "decode", "p", Reserved(0, 1, 8)),
+        Placement(worker("p", "prefill"), "prefill", "d", Reserved(100, 0, 0)),
+    ]
+    dispatcher = Dispatcher(redis, bus_config, 60)
+    await registry.heartbeat("d", WorkerLoad(draining=1), 5000)
+    outcome = await dispatcher.dispatch(delivery.entry_id, delivery.message, plan, "s1")
+    assert outcome is dispatch.DispatchOutcome.WORKER_DRAINING
+    assert outcome.label == "worker_draining"
+    assert [await redis.xlen(bus_config.keys.tasks(w)) for w in ("p", "d")] == [0, 0]
+    assert {w.record.worker_id: w.reserved for w in await registry.snapshot()} == dict.fromkeys("pd", Reserved())
+    assert await redis.get(bus_config.keys.current("r")) is None
+    assert (await redis.xpending(bus_config.keys.requests, SCHEDULER_GROUP))["pending"] == 1
+    await registry.heartbeat("d", WorkerLoad(draining=0), 5000)
+    assert (
+        await dispatcher.dispatch(delivery.entry_id, delivery.message, plan, "s1")
+        is dispatch.DispatchOutcome.DISPATCHED
+    )

@@ -50,4 +50,5 @@ def test_the_dispatch_labels_are_the_metrics_values() -> None:
         DispatchOutcome.STALE: "stale",
         DispatchOutcome.RECOVERING: "recovering",
         DispatchOutcome.WORKER_GONE: "worker_gone",
+        DispatchOutcome.WORKER_DRAINING: "worker_draining",
     }

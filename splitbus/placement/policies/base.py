@@ -89,7 +89,7 @@ class Policy(ABC):
         Called by the scheduler for each request in its waiting queue, in arrival order, on
         every loop step until the request is placed or has waited ``no_worker_wait_s``; and by
         the reaper for each task of a dead worker that it moves. ``workers`` is the current
-        registry snapshot (dead workers included: check ``alive``); ``local`` holds this
+        registry snapshot (dead and draining workers included: check ``placeable``); ``local`` holds this
         replica's reservations since it was read, and the caller adds this decision's before the
         next call. Pure: no I/O and no change to its arguments, so it is tested on hand-made
         snapshots."""
