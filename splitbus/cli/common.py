@@ -136,15 +136,16 @@ def _drain(fd: int) -> None:
             pass
 
 
-def run_service(service: object) -> int:
+def run_service(service: object, on_sigterm: Callable[[], object] | None = None) -> int:
     """Run an asyncio service (``run()`` + ``stopping`` event) until it ends or a signal
-    arrives; the signal sets ``stopping`` so the service closes cleanly."""
+    arrives; the signal sets ``stopping`` so the service closes cleanly. ``on_sigterm``: what
+    SIGTERM does instead (a worker's drain); SIGINT still stops at once."""
     import asyncio
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, service.stopping.set)  # type: ignore[attr-defined]
+        loop.add_signal_handler(signal.SIGINT, service.stopping.set)  # type: ignore[attr-defined]
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm or service.stopping.set)  # type: ignore[attr-defined]
         await service.run()  # type: ignore[attr-defined]
 
     try:

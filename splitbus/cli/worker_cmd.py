@@ -83,6 +83,14 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument(
         "--ep-timeout", type=float, default=10.0, help="seconds before a stuck expert exchange breaks the group"
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="SIGTERM drains: no new task, finish what is held for up to S seconds (then the rest migrates), "
+        "leave, exit 0 (default 0: SIGTERM stops at once; SIGINT always does)",
+    )
     engines.add_arguments(p)
     add_metrics_arguments(p)
     p.set_defaults(run=run)
@@ -119,6 +127,7 @@ def build_config(args: argparse.Namespace, env: Env) -> WorkerConfig:
         dp_barrier_timeout_s=args.dp_barrier_timeout,
         ep=args.ep,
         ep_timeout_s=args.ep_timeout,
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -159,8 +168,9 @@ def run(args: argparse.Namespace, env: Env) -> int:
     if not serve_metrics(args, "worker"):
         return 2
     stepper = DpStepper if config.dp_size else SoloStepper
+    worker = Worker(config, tokenizer, engine, stepper)
     with tracing.process("worker", {"splitbus.role": config.role}):
-        code = run_service(Worker(config, tokenizer, engine, stepper))
+        code = run_service(worker, on_sigterm=worker.drain)
     if config.ep and code == EXIT_GROUP_BROKEN:
         # The engine's thread may still wait in a collective a hung rank never joins (until gloo's
         # own 30 s timeout), and the interpreter would join it at exit: what the worker owed is

@@ -11,6 +11,9 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.roles import ROLES, Role
 from splitbus.worker import engines
 
+MAX_DRAIN_TIMEOUT_S = 86_400.0
+"""The longest drain (--drain-timeout): a day; nothing held runs for longer."""
+
 
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -57,6 +60,10 @@ class WorkerConfig:
     """Expert parallelism: the group's ranks split each MoE layer's experts between them and
     exchange tokens in every MoE layer (``splitbus.gpu_ops.expert_parallel``)."""
     ep_timeout_s: float = 10.0
+    drain_timeout_s: float = 0.0
+    """SIGTERM drains the worker for up to this long (``Worker.drain``): it takes no new task,
+    finishes what it holds, leaves the registry and exits 0; what it still holds then is moved
+    by the reaper. 0, the default: SIGTERM stops at once, as SIGINT does."""
     """With ``ep``: a forward whose exchanges have not finished after this long (a rank died or
     hangs) breaks the group."""
 
@@ -77,6 +84,7 @@ class WorkerConfig:
         if self.lease_ms < self.heartbeat_s * 2000:
             raise ValueError("lease_ms must cover at least two heartbeats")
         self._check_dp()
+        self._check_drain()
         if not self.worker_id:
             object.__setattr__(self, "worker_id", default_worker_id(self.role))
 
@@ -87,6 +95,14 @@ class WorkerConfig:
         if not self.dp_size and (self.dp_group or self.dp_rank != -1):
             raise ValueError("--dp-group and --dp-rank need --dp-size (the group's ranks)")
         self._check_ep()
+
+    def _check_drain(self) -> None:
+        """A drain is bounded, and a worker's own: a DP rank that left alone would break its group
+        (its ranks step together), so a group is stopped whole."""
+        if not 0 <= self.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:
+            raise ValueError(f"--drain-timeout must be in [0, {MAX_DRAIN_TIMEOUT_S}] seconds")
+        if self.drain_timeout_s and self.dp_size:
+            raise ValueError("--drain-timeout drains a worker on its own, not a DP rank (a group stops whole)")
 
     def _check_ep(self) -> None:
         """Expert parallelism needs a group to split experts over, and an engine that runs them."""

@@ -79,10 +79,9 @@ COUNTERS = (
     "decode_tokens_done",
     "decode_steps",
     "decode_time_us",
-    "draining",
 )
-"""What the worker's load report carries from its steps: counters, two DP values a rank sets
-(``forward_ends_ms``, ``dp_epoch``) and the draining flag (see ``WorkerLoad``)."""
+"""What the worker's load report carries from its steps: counters, and two DP values a rank sets
+(``forward_ends_ms``, ``dp_epoch``; see ``WorkerLoad``)."""
 RESERVABLE = {Phase.PREFILL: (1, 0, 0), Phase.DECODE: (0, 1, 1), Phase.MIXED: (1, 1, 1)}
 """Which of (prompt tokens, one request, KV blocks) a scheduler reserves for a task of each phase."""
 
@@ -156,6 +155,9 @@ class WorkerCore:
         """How the engine forks a twin from its leader (None: it does not; each prefills alone)."""
         self.gathering = Gathering()
         """When each response's first twin came here (``splitbus.worker.twins``)."""
+        self.draining = False
+        """Set once the worker drains (``Worker.drain``): every load it reports from then on says
+        so, and schedulers place nothing more on it."""
 
     @property
     def id(self) -> str:
@@ -175,6 +177,7 @@ class WorkerCore:
             total_kv_blocks=self.engine.total_blocks,
             **self.counters,
             first_queued_priority=first_priority(table.next_prefill()),
+            draining=int(self.draining),
             experts=self.engine.expert_load() if isinstance(self.engine, ExpertParallel) else None,
         )
 
@@ -420,10 +423,6 @@ class WorkerCore:
         prompt = len(seq.all_tokens)
         self.counters["prompt_tokens_done"] += prompt
         self.counters["prompt_tokens_cached"] += prompt if seq.fork_of is not None else min(seq.prompt_cached, prompt)
-
-    def start_draining(self) -> None:
-        """From now on every load report says the worker drains: schedulers place nothing more here."""
-        self.counters["draining"] = 1
 
     def after_prefill(self, seq: Sequence) -> list[Effect]:
         self.counters["prefills_done"] += 1

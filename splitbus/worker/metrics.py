@@ -46,6 +46,7 @@ GAUGES = {
     "queued_prefill_tokens": ("splitbus_worker_queued_prefill_tokens", "Prompt tokens queued to prefill."),
     "free_kv_blocks": ("splitbus_worker_kv_blocks_free", "Free KV cache blocks."),
     "total_kv_blocks": ("splitbus_worker_kv_blocks_capacity", "KV cache blocks in all, free or used."),
+    "draining": ("splitbus_worker_draining", "1 while the worker drains (takes no new task), else 0."),
 }
 COUNTERS = {  # field: (name, help, scale)
     "steps": ("splitbus_worker_dp_steps", "DP ranks: group steps taken.", 1),

@@ -32,7 +32,7 @@ from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.tasks import task_consumer
+from splitbus.bus.tasks import task_consumer, unread_tasks
 from splitbus.grammar.outcomes import GrammarError
 from splitbus.grammar.tokenizer import grammar_tokenizer
 from splitbus.tokenization import ModelTokenizer
@@ -41,6 +41,7 @@ from splitbus.worker.cancellation import Cancellation
 from splitbus.worker.config import WorkerConfig
 from splitbus.worker.control import control_server
 from splitbus.worker.core import Limits, WorkerCore
+from splitbus.worker.drain import Drain
 from splitbus.worker.effects import Effect
 from splitbus.worker.engines.interface import Engine
 from splitbus.worker.feed import TaskFeed
@@ -79,6 +80,7 @@ class Worker:
         self.server = TransferServer(self.id, self.receiver.admit_kv, self.receiver.import_kv)
         self.control = control_server(self)
         self.stop_reporting_load = metrics.watch_load(self.load)
+        self.draining = Drain(self.core, self.loops, self._report_load, self._unread_tasks, self._unwritten)
 
     def _build_shell(self, stepper: StepperFactory) -> None:
         """Each part is built after the parts it calls, so that calls run one way: the worker
@@ -209,6 +211,14 @@ class Worker:
         log.info("worker %s (%s) ready, KV endpoint %s", self.id, self.config.role, self.endpoint)
         await self.stepper.start()
 
+    def drain(self) -> None:
+        """SIGTERM with ``--drain-timeout``: take no new task, finish what is held, leave
+        (``splitbus.worker.drain``). Without a drain timeout, stop at once."""
+        if self.config.drain_timeout_s <= 0:
+            self.loops.stop()
+        else:
+            self.draining.begin(self.config.drain_timeout_s)
+
     async def prepare_grammars(self) -> None:
         """llguidance's view of the vocabulary, built before any task (0.2-0.5 s for SmolLM2's 49k
         tokens) in a thread: the core builds a request's grammar on the event loop as it takes its
@@ -286,3 +296,13 @@ class Worker:
 
     async def _recover(self) -> None:
         await self.recovery.recover_if_owed()
+
+    async def _report_load(self) -> None:
+        await self.registry.report_load(self.id, self.load())
+
+    async def _unread_tasks(self) -> int:
+        return await unread_tasks(self.redis, self.keys, self.id)
+
+    def _unwritten(self) -> int:
+        """Writes the outbox holds: results, task acks, stale reservations."""
+        return self.writer.pending + len(self.outbox.done_entries) + len(self.outbox.stale_reservations)

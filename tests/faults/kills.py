@@ -8,7 +8,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import openai
 
@@ -27,12 +27,14 @@ async def streams_with_a_kill(
     timeout_s: float = 120,
     logprobs: int | None = None,
     extra_body: Mapping[str, object] | None = None,
+    act: Callable[[], object] | None = None,
 ) -> list[str]:
     """Stream ``count`` completions (request i with seed ``first_seed + i``; ``extra_body``: more
     fields for each) and kill -9 the part whose command line matches ``victim`` ``after_s`` in; the
     texts, in request order. With ``logprobs``, each stream asks for them, and its tokens' logprobs
     must be the sim model's (``sim_logprobs``): one per token of the text, none lost or repeated
-    where the request moved."""
+    where the request moved. ``act``: what happens ``after_s`` in instead of the kill (a signal to
+    a part ``up`` does not run: ``victim`` is then unused)."""
     client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=timeout_s)
 
     async def one(i: int) -> str:
@@ -56,7 +58,10 @@ async def streams_with_a_kill(
 
     async def killer() -> None:
         await asyncio.sleep(after_s)
-        os.kill(system.pid_of(victim), signal.SIGKILL)
+        if act is not None:
+            act()
+        else:
+            os.kill(system.pid_of(victim), signal.SIGKILL)
 
     try:
         kill = asyncio.ensure_future(killer())  # beside the streams, not in their gather

@@ -53,3 +53,19 @@ def test_ep_needs_a_group_of_two_and_an_engine_that_splits_experts() -> None:
         ep("paddle", 1)
     with pytest.raises(ValueError, match=r"the sim engine \(which simulates EP's cost: --sim-ep-a2a-ms\)"):
         ep("sim", 2)
+
+
+def test_a_drain_is_bounded_and_a_solo_workers_own() -> None:
+    def drain(timeout_s: float, size: int = 0) -> WorkerConfig:
+        group = ("g0", 0, size) if size else ("", -1, 0)
+        return WorkerConfig(
+            bus=BusConfig(), role="decode", model_dir=Path("m"), model_name="m",
+            dp_group=group[0], dp_rank=group[1], dp_size=group[2], drain_timeout_s=timeout_s,
+        )  # fmt: skip
+
+    assert drain(30).drain_timeout_s == 30 and drain(0, 2).drain_timeout_s == 0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"--drain-timeout must be in \[0, 86400.0\] seconds"):
+            drain(bad)
+    with pytest.raises(ValueError, match="not a DP rank"):
+        drain(30, 2)

@@ -469,7 +469,8 @@ async def test_prefills_count_their_prompt_tokens_and_those_a_prefix_cache_held(
     assert (core.load().prompt_tokens_done, core.load().prompt_tokens_cached) == (80, 32)
 
 
-def test_a_draining_worker_says_so_in_every_load_report(core: WorkerCore) -> None:
+def test_a_draining_core_says_so_in_every_load_it_reports(core: WorkerCore) -> None:
     assert core.load().draining == 0
-    core.start_draining()
-    assert core.load().draining == 1 and core.load().draining == 1
+    core.draining = True
+    taken(core, "1-0", task("mixed", "r1", prompt=40))
+    assert core.load().draining == 1
