@@ -62,6 +62,11 @@ class Child:
     gave_up: bool = False
     exits: dict[int, str] = field(default_factory=dict)
     """What an exit code of this part means, said when it exits with it."""
+    stop_signal: signal.Signals = signal.SIGTERM
+    """What ``Supervisor.stop`` sends it: SIGINT for a worker on which SIGTERM drains (``up``'s own
+    stop then takes seconds, not a drain's bound)."""
+    retiring: bool = False
+    """Sent SIGTERM by ``Supervisor.retire``: when it exits, it is removed, not restarted."""
 
 
 def how_it_ended(code: int) -> str:
@@ -84,14 +89,29 @@ class Supervisor:
         self._print_lock = threading.Lock()
 
     def start(
-        self, name: str, args: list[str], env: Mapping[str, str] | None = None, exits: Mapping[int, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        env: Mapping[str, str] | None = None,
+        exits: Mapping[int, str] | None = None,
+        stop_signal: signal.Signals = signal.SIGTERM,
     ) -> Child:
         """Start ``splitbus ARGS``; ``env`` adds to (or overrides) this process's environment:
         secrets go there, never in ``args`` (which ``ps`` shows to every user). ``exits``: what
-        this part's exit codes mean, for the line that says it ended."""
-        child = Child(name, list(args), dict(env or {}), self._spawn(name, args, env or {}), exits=dict(exits or {}))
+        this part's exit codes mean, for the line that says it ended; ``stop_signal``: what
+        ``stop`` sends it."""
+        proc = self._spawn(name, args, env or {})
+        child = Child(name, list(args), dict(env or {}), proc, exits=dict(exits or {}), stop_signal=stop_signal)
         self.children.append(child)
         return child
+
+    def retire(self, child: Child) -> None:
+        """SIGTERM to ``child`` (a worker started with ``--drain-timeout`` drains, then exits); its
+        exit is not restarted: the child is removed once it has ended."""
+        child.retiring = True
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        self.say(f"{child.name} (pid {child.proc.pid}) retiring: SIGTERM")
 
     def _spawn(self, name: str, args: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -121,7 +141,7 @@ class Supervisor:
         if self.stopping:
             return None
         now = time.monotonic()
-        for child in self.children:
+        for child in list(self.children):  # a retired child leaves the list
             self._tend(child, now)
         return self._fatal()
 
@@ -133,7 +153,10 @@ class Supervisor:
                 self._restart(child, now)
             return
         code = child.proc.poll()
-        if code is not None:
+        if code is not None and child.retiring:
+            self.children.remove(child)
+            self.say(f"{child.name} retired: {how_it_ended(code)} after {now - child.started_s:.1f}s")
+        elif code is not None:
             self._schedule(child, code, now)
 
     def _schedule(self, child: Child, code: int, now: float) -> None:
@@ -171,11 +194,12 @@ class Supervisor:
                 child.proc.kill()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM to every child (API first), SIGKILL to one that lingers; no restart after."""
+        """Each child's stop signal (SIGTERM, or SIGINT: ``Child.stop_signal``) to every child (API
+        first), SIGKILL to one that lingers; no restart after."""
         self.stopping = True
         for child in reversed(self.children):
             if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+                child.proc.send_signal(child.stop_signal)
                 child.proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) acts on it only once woken
         deadline = time.monotonic() + timeout_s  # one wait for all: they stop at once, not in turn
         for child in reversed(self.children):

@@ -36,6 +36,13 @@ def _wait_printed(capsys: pytest.CaptureFixture[str], text: str) -> str:
     return seen
 
 
+def _wait_all_ready(capsys: pytest.CaptureFixture[str], children: int) -> None:
+    """Until each child printed 'ready' (its signal handlers are set)."""
+    seen = ""
+    while seen.count("ready") < children:
+        seen += _wait_printed(capsys, "ready")
+
+
 def _waits(out: str, name: str) -> list[float]:
     return [float(w) for w in re.findall(rf"^{name} .*; restarting it in ([\d.]+)s", out, re.M)]
 
@@ -172,3 +179,37 @@ def test_children_that_ignore_sigterm_are_killed_after_one_wait_for_all(capsys: 
         "rank1",
         "rank2",
     ]
+
+
+@pytest.mark.timeout(60)
+def test_a_retired_child_gets_sigterm_and_is_removed_not_restarted(capsys: pytest.CaptureFixture[str]) -> None:
+    """A drained worker's end: SIGTERM (it drains, then exits 0), and its exit restarts nothing."""
+    drains = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    supervisor = Supervisor(FAST, command=_python(drains))
+    leaving, staying = supervisor.start("decode1", []), supervisor.start("decode0", [])
+    try:
+        _wait_all_ready(capsys, 2)
+        supervisor.retire(leaving)
+        assert leaving.proc.wait(10) == 0
+        _watch_for(supervisor, 1.0)
+        assert supervisor.children == [staying] and leaving.restarts == 0 and staying.proc.poll() is None
+    finally:
+        supervisor.stop()
+    out = capsys.readouterr().out
+    assert re.search(r"^decode1 retired: exited with code 0 after [\d.]+s$", out, re.M), out
+    assert "restarting" not in out
+
+
+@pytest.mark.timeout(60)
+def test_stop_sends_each_child_its_own_stop_signal(capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker on which SIGTERM drains is stopped with SIGINT: `up`'s own stop stays seconds."""
+    supervisor = Supervisor(FAST, command=_python("import time; print('ready', flush=True); time.sleep(60)"))
+    worker = supervisor.start("decode0", [], stop_signal=signal.SIGINT)
+    api = supervisor.start("api", [])
+    _wait_all_ready(capsys, 2)
+    supervisor.stop()
+    assert worker.proc.returncode == -signal.SIGINT  # Python ends an uncaught KeyboardInterrupt so
+    assert api.proc.returncode == -signal.SIGTERM
