@@ -20,8 +20,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Generic, Protocol, TypeVar
 
+import redis
+
+from splitbus.bus.core.errors import DecodeError
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.planner import read_advice
 from splitbus.bus.roles import Role
 from splitbus.cli.supervisor import Child, Supervisor
+from splitbus.worker.config import default_worker_id
 
 SCALED = (Role.PREFILL, Role.DECODE)
 """The roles ``--autoscale`` sizes (mixed workers and DP groups are not: a limit)."""
@@ -159,3 +165,40 @@ class Autoscaler:
             self.fleet.children.setdefault(action.role, []).append(child)
         else:
             self.supervisor.retire(action.child)
+
+
+def advice_reader(client: redis.Redis, keys: Keys, say: Callable[[str], None]) -> Callable[[], Advice | None]:
+    """``read_advice`` on ``up``'s client, for ``Autoscaler``: Redis unreachable, or a hash that is
+    not a sane advice, is no advice (nothing is done), said once until it changes."""
+    said = [""]
+
+    def read() -> Advice | None:
+        try:
+            advice, why = read_advice(client, keys), ""
+        except (redis.RedisError, OSError, DecodeError) as exc:
+            advice, why = None, f"autoscale: no advice read ({type(exc).__name__}: {str(exc)[:200]}); nothing changes"
+        if why != said[0] and why:
+            say(why)
+        said[0] = why
+        return advice
+
+    return read
+
+
+def held_reader(client: redis.Redis, keys: Keys) -> Callable[[str, Child], int]:
+    """Requests a child's worker holds (running + waiting in its hash; a value that is not a
+    count, or none, reads as none: it only orders which worker drains first)."""
+
+    def held(role: str, child: Child) -> int:
+        try:
+            values = client.hmget(keys.worker(default_worker_id(role, child.proc.pid)), ["running", "waiting"])
+        except (redis.RedisError, OSError):
+            return 0
+        return sum(_count(v) for v in values)
+
+    return held
+
+
+def _count(value: object) -> int:
+    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value or "0")
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else 0

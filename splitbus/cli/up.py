@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import shlex
 import signal
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from splitbus.bus.roles import Role
 from splitbus.cli.api_cmd import add_tenants_file_argument, add_tool_call_parser_argument
+from splitbus.cli.autoscale import Autoscaler, Bounds, Fleet, advice_reader, held_reader
 from splitbus.cli.cluster_up import (
     MAX_NODE_RESTARTS,
     ClusterUp,
@@ -34,7 +36,7 @@ from splitbus.cli.cluster_up import (
 )
 from splitbus.cli.common import say, wait_for_stop
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
-from splitbus.cli.supervisor import Supervisor
+from splitbus.cli.supervisor import Child, Supervisor
 from splitbus.env import Env
 from splitbus.folders import private_folder
 from splitbus.masking import mask_key, mask_text, mask_url
@@ -42,10 +44,12 @@ from splitbus.model_files import fetch
 from splitbus.model_files.resolve import resolve_model, served_name
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
 from splitbus.worker import engines
+from splitbus.worker.config import MAX_DRAIN_TIMEOUT_S
 
 Embedded = EmbeddedRedis | ClusterUp
 """What ``up`` started for the bus: the single embedded Redis, or the embedded cluster."""
 READY_TIMEOUT_S = 60.0
+NOT_AUTOSCALED = "--autoscale starts and drains single prefill and decode workers: not with DP groups or --mixed"
 EXIT_DP_GROUP_BROKEN = 3
 """A DP rank's exit code when its group broke (``DpStepper.leave`` in splitbus/worker/dp.py)."""
 
@@ -128,11 +132,32 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         help="who places requests: the scheduler (default: by load and by KV cache) or the API itself (by load, "
         "one hop fewer; the schedulers' mode, splitwise or mixed)",
     )
+    _add_autoscale_arguments(p)
     add_tool_call_parser_argument(p)
     add_tenants_file_argument(p)
     add_embedded_options(p, env)
     add_cluster_option(p)
     p.set_defaults(run=run)
+
+
+def _add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--autoscale",
+        type=Bounds.parse,
+        default=None,
+        metavar="MIN:MAX",
+        help="run `splitbus planner` and start and drain prefill and decode workers to its advice, MIN to MAX of "
+        "each (--prefill and --decode: how many start; not with DP groups or --mixed)",
+    )
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="with --autoscale: the planner's TTFT target")
+    p.add_argument("--itl-slo-ms", type=float, default=None, help="with --autoscale: the planner's ITL target")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="with --autoscale: each worker's --drain-timeout, how long a drained worker may take to finish "
+        "its requests before the rest migrate (default %(default)s)",
+    )
 
 
 def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -152,10 +177,31 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     decode = args.decode if args.decode is not None else (0 if mixed else 1)
     _check_counts(prefill, decode, mixed)
     _check_placeable(args, prefill, mixed)
+    if args.autoscale is not None:
+        _check_autoscale(args, mixed)
+        return args.autoscale.clamp(prefill), args.autoscale.clamp(decode), 0
     return prefill, decode, mixed
 
 
+def _check_autoscale(args: argparse.Namespace, mixed: int) -> None:
+    """``--autoscale`` sizes single prefill and decode workers to both SLOs; DP groups are advised,
+    not acted on, and mixed workers are not sized."""
+    if max(args.prefill_dp, args.decode_dp) > 1 or mixed:
+        raise ValueError(
+            "--autoscale starts and drains single prefill and decode workers: not with DP groups or --mixed"
+        )
+    for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--itl-slo-ms", args.itl_slo_ms)):
+        if value is None or not 0 < value < math.inf:
+            raise ValueError(f"--autoscale needs {flag}, a positive number of milliseconds")
+    if not 0 < args.drain_timeout <= MAX_DRAIN_TIMEOUT_S:
+        raise ValueError(f"--drain-timeout must be in (0, {MAX_DRAIN_TIMEOUT_S:g}] seconds with --autoscale")
+
+
 def _check_dp_alone(args: argparse.Namespace) -> None:
+    if args.autoscale is not None:
+        raise ValueError(
+            "--autoscale starts and drains single prefill and decode workers: not with DP groups or --mixed"
+        )
     if args.dp < 1 or args.mixed or args.prefill or args.decode or max(args.prefill_dp, args.decode_dp) > 1:
         raise ValueError(
             "--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed"
@@ -265,8 +311,9 @@ def _start_and_serve(
     model = pick_model(args, env)
     if noted:  # a Ctrl-C during the first run's download or conversion: start nothing
         return noted[0]
-    _start_parts(supervisor, args, url, model, counts)
-    return _serve(_watcher(supervisor, server, noted), args, env, url, model, server)
+    fleet, start_worker = _start_parts(supervisor, args, url, model, counts)
+    autoscaler = _autoscaler(supervisor, args, env, url, fleet, start_worker)
+    return _serve(_watcher(supervisor, server, noted, autoscaler), args, env, url, model, server)
 
 
 @contextlib.contextmanager
@@ -364,7 +411,9 @@ def _scheduler_mode(args: argparse.Namespace, prefill: int, mixed: int) -> str:
 
 def _start_parts(
     supervisor: Supervisor, args: argparse.Namespace, url: str, model: ServedModel, counts: tuple[int, int, int]
-) -> None:
+) -> tuple[Fleet, Callable[[str, int], Child]]:
+    """Start every part; returns the single prefill and decode workers by role, and how to start
+    another (``--autoscale``: each with ``--drain-timeout``, stopped by ``up`` with SIGINT)."""
     prefill, decode, mixed = counts
     mode = _scheduler_mode(args, prefill, mixed)
     bus_env = {"SPLITBUS_REDIS_URL": url, "SPLITBUS_API_KEYS": ""}  # only the API gets the keys
@@ -379,6 +428,13 @@ def _start_parts(
     served = ["--model", str(model.folder), "--served-model-name", model.name]
     worker = ["worker", "--engine", args.engine, *served, *args.worker_arg]
     ranks_of_group = [*worker, *(["--ep"] if args.ep else [])]
+    fleet = Fleet({})
+
+    drains, stop = _drain_options(args)
+
+    def solo(role: str, i: int) -> Child:
+        return supervisor.start(f"{role}{i}", [*worker, "--role", role, *drains, *metrics()], bus_env, stop_signal=stop)
+
     for role, n, ranks in (
         (Role.PREFILL, prefill, args.prefill_dp),
         (Role.DECODE, decode, args.decode_dp),
@@ -388,7 +444,7 @@ def _start_parts(
             if ranks > 1:
                 _start_group(supervisor, [*ranks_of_group, "--role", role], f"{role[0]}{i}", ranks, bus_env, metrics)
             else:
-                supervisor.start(f"{role}{i}", [*worker, "--role", role, *metrics()], bus_env)
+                fleet.children.setdefault(role, []).append(solo(role, i))
     if args.dp:
         _start_group(
             supervisor, [*ranks_of_group, "--role", Role.MIXED], "g0", args.dp, bus_env, metrics, part="rank{rank}"
@@ -411,6 +467,45 @@ def _start_parts(
         *args.api_arg,
     ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
+    _start_planner(supervisor, args, bus_env, metrics)
+    return fleet, solo
+
+
+def _drain_options(args: argparse.Namespace) -> tuple[list[str], signal.Signals]:
+    """A single worker's drain arguments, and what ``up``'s own stop sends it: with ``--autoscale``,
+    SIGTERM drains it, so SIGINT (``up``'s stop stays seconds, not a drain's bound)."""
+    if args.autoscale is None:
+        return [], signal.SIGTERM
+    return ["--drain-timeout", str(args.drain_timeout)], signal.SIGINT
+
+
+def _start_planner(
+    supervisor: Supervisor, args: argparse.Namespace, env: dict[str, str], metrics: Callable[[], list[str]]
+) -> None:
+    """``--autoscale``: the planner, to the SLOs given (it only advises; ``up`` acts)."""
+    if args.autoscale is not None:
+        slos = ["--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms)]
+        supervisor.start("planner", ["planner", *slos, *metrics()], env)
+
+
+def _autoscaler(
+    supervisor: Supervisor,
+    args: argparse.Namespace,
+    env: Env,
+    url: str,
+    fleet: Fleet,
+    start_worker: Callable[[str, int], Child],
+) -> Autoscaler | None:
+    """``--autoscale``: what acts on the planner's advice, on a client of its own (None without it)."""
+    if args.autoscale is None:
+        return None
+    from splitbus.bus.core.connection import connect_sync
+    from splitbus.bus.core.keys import Keys
+
+    client = connect_sync(url, socket_timeout=2, socket_connect_timeout=2)
+    keys = Keys(env.prefix, env.cell)
+    read = advice_reader(client, keys, say)
+    return Autoscaler(supervisor, fleet, args.autoscale, read, start_worker, held_reader(client, keys))
 
 
 def _tenants_file(args: argparse.Namespace) -> list[str]:
@@ -445,11 +540,20 @@ def _start_group(
         supervisor.start(name, [*worker, *dp, *metrics()], env, exits=broken)
 
 
-def _watcher(supervisor: Supervisor, server: Embedded | None, noted: list[str]) -> Callable[[], str | None]:
-    """Called every 0.1 s on the main thread: restarts dead parts; says why to stop, if so (a
-    signal noted before `wait_for_stop` took them over, first)."""
+def _watcher(
+    supervisor: Supervisor, server: Embedded | None, noted: list[str], autoscaler: Autoscaler | None = None
+) -> Callable[[], str | None]:
+    """Called every 0.1 s on the main thread: restarts dead parts, acts on the planner's advice
+    (``--autoscale``); says why to stop, if so (a signal noted before `wait_for_stop` took them
+    over, first)."""
     restarts = [0]
-    return lambda: (noted[0] if noted else None) or supervisor.watch() or _redis_gone(server, restarts)
+
+    def check() -> str | None:
+        if autoscaler is not None and not noted:
+            autoscaler.tick()
+        return (noted[0] if noted else None) or supervisor.watch() or _redis_gone(server, restarts)
+
+    return check
 
 
 def _redis_gone(server: Embedded | None, restarts: list[int]) -> str | None:

@@ -15,8 +15,10 @@ MAX_DRAIN_TIMEOUT_S = 86_400.0
 """The longest drain (--drain-timeout): a day; nothing held runs for longer."""
 
 
-def default_worker_id(role: str) -> str:
-    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+def default_worker_id(role: str, pid: int | None = None) -> str:
+    """``<role>-<host>-<pid>``: this process's id (``pid``: another process's on this host, as
+    ``up`` names the workers it started)."""
+    return f"{role}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
 @dataclass(frozen=True)

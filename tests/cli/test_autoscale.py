@@ -4,11 +4,21 @@ the workers running and draining, and the bounds give what to start and what to 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+import time
 from dataclasses import dataclass
 
 import pytest
 
-from splitbus.cli.autoscale import Bounds, Drain, Start, reconcile
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect_sync
+from splitbus.cli import up
+from splitbus.cli.autoscale import Autoscaler, Bounds, Drain, Fleet, Start, advice_reader, held_reader, reconcile
+from splitbus.cli.supervisor import Child, RestartPolicy, Supervisor
+from splitbus.env import load_env
+from splitbus.worker.config import default_worker_id
+from tests.cli.test_supervisor import wait_all_ready
 
 
 @dataclass(frozen=True)
@@ -60,3 +70,113 @@ def test_bad_bounds_are_a_usage_error(text: str) -> None:
 
 def test_bounds_parse() -> None:
     assert Bounds.parse("1:3") == ONE_TO_THREE and Bounds.parse("2:2").clamp(9) == 2
+
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers(), load_env({}))
+    return parser.parse_args(["up", "--engine", "sim", *argv])
+
+
+SLOS = ("--ttft-slo-ms", "500", "--itl-slo-ms", "50")
+
+
+def test_up_starts_its_counts_clamped_to_the_bounds() -> None:
+    args = _up_args("--autoscale", "2:3", "--prefill", "1", "--decode", "5", *SLOS)
+    assert up.worker_counts(args) == (2, 3, 0)
+    assert up.worker_counts(_up_args("--autoscale", "1:3", *SLOS)) == (1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--prefill-dp", "2", *SLOS), "not with DP groups or --mixed"),
+        (("--dp", "2", *SLOS), "not with DP groups or --mixed"),
+        (("--mixed", "1", "--prefill", "1", "--decode", "1", *SLOS), "not with DP groups or --mixed"),
+        (("--ttft-slo-ms", "500"), "needs --itl-slo-ms"),
+        (("--itl-slo-ms", "50", "--ttft-slo-ms", "nan"), "needs --ttft-slo-ms"),
+        (("--drain-timeout", "0", *SLOS), "--drain-timeout must be in (0, 86400]"),
+    ],
+)
+def test_up_autoscale_usage_errors_exit_2(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert up.run(_up_args("--autoscale", "1:3", *argv), load_env({})) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_up_refuses_bad_bounds_as_argparse_does(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _up_args("--autoscale", "3:1")
+    assert exit_.value.code == 2 and "1 <= MIN <= MAX" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_the_autoscaler_starts_and_retires_real_children_to_the_advice(capsys: pytest.CaptureFixture[str]) -> None:
+    """The shell on a real supervisor: a rise starts a decode worker; a fall retires the one that
+    holds least (SIGTERM: it 'drains' and exits 0), which is removed, not restarted."""
+    drains = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    supervisor = Supervisor(RestartPolicy(first_delay_s=0.2), command=[sys.executable, "-c", drains])
+    fleet = Fleet({role: [supervisor.start(f"{role}0", [])] for role in ("prefill", "decode")})
+    advice: list[Advice | None] = [None]
+    loads: dict[int, int] = {}
+
+    def start(role: str, index: int) -> Child:
+        return supervisor.start(f"{role}{index}", [])
+
+    scaler = Autoscaler(
+        supervisor, fleet, ONE_TO_THREE, lambda: advice[0], start, lambda _, c: loads.get(c.proc.pid, 0)
+    )
+    try:
+        scaler.tick()
+        assert [c.name for c in supervisor.children] == ["prefill0", "decode0"]  # no advice: nothing
+        advice[0] = Advice(1, 2)
+        _tick(scaler)
+        assert [c.name for c in supervisor.children] == ["prefill0", "decode0", "decode1"]
+        decode0, decode1 = fleet.children["decode"]
+        wait_all_ready(capsys, 3)  # each child's handler is set
+        loads.update({decode0.proc.pid: 5, decode1.proc.pid: 0})
+        advice[0] = Advice(1, 1)
+        _tick(scaler)
+        assert decode1.retiring and not decode0.retiring
+        assert decode1.proc.wait(10) == 0
+        deadline = time.monotonic() + 10
+        while decode1 in supervisor.children:
+            assert time.monotonic() < deadline
+            _tick(scaler)
+            supervisor.watch()
+        _tick(scaler)
+        assert fleet.children["decode"] == [decode0] and decode1.restarts == 0
+    finally:
+        supervisor.stop()
+    assert re.search(r"^decode1 retired: exited with code 0", capsys.readouterr().out, re.M)
+
+
+def _tick(scaler: Autoscaler) -> None:
+    """A tick that acts now (they are at most every READ_EVERY_S)."""
+    scaler._next_read = 0.0
+    scaler.tick()
+
+
+def test_the_readers_take_a_forged_or_missing_hash_as_nothing_and_say_so_once(bus_config: BusConfig) -> None:
+    client = connect_sync(bus_config.redis_url)
+    keys, said = bus_config.keys, []
+    read = advice_reader(client, keys, said.append)
+    assert read() is None and said == []  # no planner: no advice, nothing to say
+    client.hset(keys.planner, mapping={"desired_prefill": "-1"})
+    assert read() is None and read() is None
+    assert len(said) == 1 and said[0].startswith("autoscale: no advice read (DecodeError")
+    held = held_reader(client, keys)
+    child = Supervisor().start("decode0", ["--version"])
+    try:
+        worker = keys.worker(default_worker_id("decode", child.proc.pid))
+        client.hset(worker, mapping={"running": "3", "waiting": "2"})
+        assert held("decode", child) == 5
+        client.hset(worker, mapping={"running": "x" * 40, "waiting": "-7"})
+        assert held("decode", child) == 0
+    finally:
+        child.proc.wait(30)
+        client.close()

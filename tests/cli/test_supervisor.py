@@ -36,7 +36,7 @@ def _wait_printed(capsys: pytest.CaptureFixture[str], text: str) -> str:
     return seen
 
 
-def _wait_all_ready(capsys: pytest.CaptureFixture[str], children: int) -> None:
+def wait_all_ready(capsys: pytest.CaptureFixture[str], children: int) -> None:
     """Until each child printed 'ready' (its signal handlers are set)."""
     seen = ""
     while seen.count("ready") < children:
@@ -191,7 +191,7 @@ def test_a_retired_child_gets_sigterm_and_is_removed_not_restarted(capsys: pytes
     supervisor = Supervisor(FAST, command=_python(drains))
     leaving, staying = supervisor.start("decode1", []), supervisor.start("decode0", [])
     try:
-        _wait_all_ready(capsys, 2)
+        wait_all_ready(capsys, 2)
         supervisor.retire(leaving)
         assert leaving.proc.wait(10) == 0
         _watch_for(supervisor, 1.0)
@@ -209,7 +209,7 @@ def test_stop_sends_each_child_its_own_stop_signal(capsys: pytest.CaptureFixture
     supervisor = Supervisor(FAST, command=_python("import time; print('ready', flush=True); time.sleep(60)"))
     worker = supervisor.start("decode0", [], stop_signal=signal.SIGINT)
     api = supervisor.start("api", [])
-    _wait_all_ready(capsys, 2)
+    wait_all_ready(capsys, 2)
     supervisor.stop()
     assert worker.proc.returncode == -signal.SIGINT  # Python ends an uncaught KeyboardInterrupt so
     assert api.proc.returncode == -signal.SIGTERM
