@@ -13,6 +13,12 @@ DISPATCHES = Counter(
     "no_worker, deadline; recovering, worker_gone, worker_draining: nothing written, placed again).",
     ["outcome"],
 )
+TASKS_MOVED = Counter(
+    "splitbus_scheduler_tasks_moved_total",
+    "Tasks of dead workers (or of workers that gave their lease up: a drain past its bound) the reaper handled, "
+    "by outcome: moved (written on a live worker), finished, failed, acked (the request had ended, or moved).",
+    ["outcome"],
+)
 QUEUE_WAIT = Histogram(
     "splitbus_scheduler_queue_wait_seconds",
     "From the API's XADD to the tasks being written.",

@@ -48,7 +48,7 @@ from splitbus.placement.decision import NoPlacement
 from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.ledger import Local
 from splitbus.placement.policies.base import Policy
-from splitbus.scheduler import spans
+from splitbus.scheduler import metrics, spans
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,13 @@ class Ended:
     """True: it had sent every token it may (``max_tokens``): finished, reason ``length``."""
     reason: str = ""
     """Why it failed (its client's 503 says this); "" when finished."""
+
+
+def _moved_label(outcome: Move | Ended) -> str:
+    """``splitbus_scheduler_tasks_moved_total``'s outcome for a task that went on or ended."""
+    if isinstance(outcome, Ended):
+        return "finished" if outcome.finished else "failed"
+    return "moved"
 
 
 class Reaper:
@@ -151,6 +158,7 @@ class Reaper:
         request = task.request
         sent = await read_sent(self.redis, self.config, request.reader, request.request_id)
         if sent.ended or await self.superseded(task):
+            metrics.TASKS_MOVED.labels("acked").inc()
             log.debug(
                 "task %s of %s on %s: %s; acked only",
                 delivery.entry_id,
@@ -165,6 +173,7 @@ class Reaper:
         outcome = await self.continue_request(dead, delivery, task, sent)
         if outcome is Move.WAIT:
             return False
+        metrics.TASKS_MOVED.labels(_moved_label(outcome)).inc()
         if isinstance(outcome, Ended):
             await stream.ack(delivery.entry_id)
             if outcome.finished or not await self.superseded(task):  # else it lives on elsewhere

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from splitbus.bus.control import ControlServer
 from splitbus.bus.core import codec
@@ -133,6 +134,10 @@ async def test_a_failed_reap_ends_neither_the_pass_nor_the_loop(
     assert loops.exit_code == 0  # and the loop did not stop the scheduler
 
 
+def _moved(outcome: str) -> float:
+    return REGISTRY.get_sample_value("splitbus_scheduler_tasks_moved_total", {"outcome": outcome}) or 0.0
+
+
 async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once(
     redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler
 ) -> None:
@@ -166,8 +171,10 @@ async def test_a_request_whose_prefill_and_decode_workers_both_die_is_moved_once
     )
     await asyncio.sleep(0.1)  # p1 and d1 die
     await scheduler.view.refresh()
+    before = {outcome: _moved(outcome) for outcome in ("moved", "acked")}
     assert await scheduler.reaper.reap("p1") == 1
     assert await scheduler.reaper.reap("d1") == 1
+    assert {outcome: _moved(outcome) - count for outcome, count in before.items()} == {"moved": 1, "acked": 1}
     written = {w: await tasks_in(redis, config.keys.tasks(w)) for w in ("p2", "d2")}
     assert [(t.phase, t.peer) for t in written["p2"]] == [("prefill", "d2")]
     assert [(t.phase, t.peer) for t in written["d2"]] == [("decode", "p2")]
