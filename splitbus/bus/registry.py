@@ -14,12 +14,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from splitbus import __version__
 from splitbus.bus.core import codec, metrics
 from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.keys import Keys
 from splitbus.bus.core.replies import SnapshotReply, for_xadd, pairs, text
 from splitbus.bus.core.scripts import LuaScript, declare, lua_string
 from splitbus.bus.messages._check import MAX_NAME_CHARS, MAX_SEQ, PRIORITY_RANGE, require_int, require_str
@@ -316,6 +318,21 @@ def _counts(text: str, name: str, held: int) -> tuple[int, ...]:
     if len(counts) != held or max(counts) > MAX_COUNTER:
         raise ValueError(f"{name} must be {held} counts in [0, {MAX_COUNTER}], got {len(counts)}")
     return counts
+
+
+def held_requests(client: redis.Redis, keys: Keys, worker_id: str) -> int:
+    """Requests a worker holds (``running`` + ``waiting`` in its hash), on a sync client: ``up``'s
+    autoscaler drains the worker holding least. A field that is not a count in range reads as none
+    (it only orders the drains)."""
+    values = client.hmget(keys.worker(worker_id), ["running", "waiting"])
+    return sum(_held_count(value, name) for value, name in zip(values, ("running", "waiting"), strict=True))
+
+
+def _held_count(value: object, name: str) -> int:
+    try:
+        return parse_int(text(cast(bytes, value)) if value is not None else "0", name)
+    except (ValueError, UnicodeDecodeError):
+        return 0
 
 
 def reserved(values: Mapping[str, int]) -> Reserved:

@@ -25,6 +25,7 @@ import redis
 from splitbus.bus.core.errors import DecodeError
 from splitbus.bus.core.keys import Keys
 from splitbus.bus.planner import read_advice
+from splitbus.bus.registry import held_requests
 from splitbus.bus.roles import Role
 from splitbus.cli.supervisor import Child, Supervisor
 from splitbus.worker.config import default_worker_id
@@ -186,19 +187,13 @@ def advice_reader(client: redis.Redis, keys: Keys, say: Callable[[str], None]) -
 
 
 def held_reader(client: redis.Redis, keys: Keys) -> Callable[[str, Child], int]:
-    """Requests a child's worker holds (running + waiting in its hash; a value that is not a
-    count, or none, reads as none: it only orders which worker drains first)."""
+    """Requests a child's worker holds (``held_requests``; Redis unreachable reads as none: it only
+    orders which worker drains first)."""
 
     def held(role: str, child: Child) -> int:
         try:
-            values = client.hmget(keys.worker(default_worker_id(role, child.proc.pid)), ["running", "waiting"])
+            return held_requests(client, keys, default_worker_id(role, child.proc.pid))
         except (redis.RedisError, OSError):
             return 0
-        return sum(_count(v) for v in values)
 
     return held
-
-
-def _count(value: object) -> int:
-    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value or "0")
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else 0
