@@ -39,8 +39,8 @@ class PlannerConfig:
     fit_window: int = 60
     """Decode measurements (one per decode worker and interval) the ITL line is fitted to."""
     min_busy_s: float = 0.2
-    """The least prefill time an interval must hold to measure the prefill rate from: a few
-    short prompts say little of the rate at real batch sizes."""
+    """The least prefill time one measurement of the prefill rate spans (intervals add up until
+    they hold it): a few short prompts say little of the rate at real batch sizes."""
     min_decode_steps: int = 20
     """The least decode steps a worker must have run in an interval to give a measurement."""
     model: str = ""

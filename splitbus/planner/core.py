@@ -83,12 +83,20 @@ class _Measured:
     blocks_per_request: float | None = None
     kv_blocks: int | None = None
     """The smallest decode worker's KV cache, blocks (the last seen)."""
+    computed_tokens: int = 0
+    busy_s: float = 0.0
+    """Prefill work not yet in ``prefill_rate``: intervals add up until they hold ``min_busy_s``
+    (short prompts, or a prefix cache that serves most of them, may take a few)."""
 
-    def update(self, got: Sample) -> None:
+    def update(self, got: Sample, min_busy_s: float) -> None:
         for name in ("prompt_tokens", "hit_ratio", "output_tokens", "blocks_per_request"):
             setattr(self, name, _ewma(getattr(self, name), getattr(got, _SAMPLED.get(name, name))))
-        self.prefill_rate = _ewma(self.prefill_rate, got.prefill_tokens_per_s)
         self.kv_blocks = got.decode_kv_blocks if got.decode_kv_blocks is not None else self.kv_blocks
+        self.computed_tokens += got.prefill_computed_tokens
+        self.busy_s += got.prefill_busy_s
+        if self.busy_s >= max(min_busy_s, 1e-6):
+            self.prefill_rate = _ewma(self.prefill_rate, self.computed_tokens / self.busy_s)
+            self.computed_tokens, self.busy_s = 0, 0.0
 
     @property
     def uncached_tokens(self) -> float | None:
@@ -121,10 +129,10 @@ class Planner:
     def step(self, reading: Reading) -> Decision:
         """The advice at ``reading``; the first call measures (``Reason.MEASURING``)."""
         before, self._last = self._last, reading
-        got = None if before is None else sample(before, reading, self.config.min_busy_s, self.config.min_decode_steps)
+        got = None if before is None else sample(before, reading, self.config.min_decode_steps)
         if got is not None:
             self._predictor.observe(got.arrivals_rps)
-            self._measured.update(got)
+            self._measured.update(got, self.config.min_busy_s)
             self._points.extend(got.decode_points)
         rps = self._predictor.predict()
         prefill = self._size(reading, Role.PREFILL.value, self._prefill(reading, got, rps))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from splitbus.bus.records import Reserved, WorkerLoad, counter_growth
 from splitbus.bus.roles import Role
@@ -63,8 +64,10 @@ class Sample:
     """Share of those prompt tokens the prefix cache served (``h``)."""
     output_tokens: float | None
     """Mean output length, the first token (prefill's) included (``O``)."""
-    prefill_tokens_per_s: float | None
-    """Uncached prompt tokens one prefill worker computes per second of prefill (``μ``)."""
+    prefill_computed_tokens: int
+    """Prompt tokens the prefill workers computed (not cached) over the interval."""
+    prefill_busy_s: float
+    """Their time inside prefill calls over the interval: with the tokens, the rate ``μ``."""
     decode_points: tuple[Point, ...]
     """Each decode worker's mean batch and step time, where it ran enough steps."""
     kv_blocks_per_request: float | None
@@ -77,7 +80,7 @@ class Sample:
     """Requests running, waiting or reserved at the decode workers now."""
 
 
-def sample(before: Reading, now: Reading, min_busy_s: float, min_steps: int) -> Sample | None:
+def sample(before: Reading, now: Reading, min_steps: int) -> Sample | None:
     """The interval from ``before`` to ``now``; None when it has no length (the same reading)."""
     dt_s = now.at_s - before.at_s
     if dt_s <= 0:
@@ -90,7 +93,7 @@ def sample(before: Reading, now: Reading, min_busy_s: float, min_steps: int) -> 
         prompt_tokens=_ratio(prompts, grown("prefills_done", _reporting(now, "prompt_tokens_done"))),
         hit_ratio=_ratio(cached, prompts),
         output_tokens=_output_tokens(grown, now),
-        prefill_tokens_per_s=_prefill_rate(grown, now, min_busy_s),
+        **_prefill_work(grown, now),
         decode_points=tuple(_points(grown, now, min_steps)),
         kv_blocks_per_request=_kv_per_request(now),
         decode_kv_blocks=min(_kv_caches(now), default=None),
@@ -145,12 +148,11 @@ def _output_tokens(grown: _Growth, now: Reading) -> float | None:
     return None if per_request is None else per_request + 1  # the first token is the prefill's
 
 
-def _prefill_rate(grown: _Growth, now: Reading, min_busy_s: float) -> float | None:
+def _prefill_work(grown: _Growth, now: Reading) -> dict[str, Any]:
+    """The prefill workers' computed tokens and busy time (those that report busy time only)."""
     prefillers = _reporting(now, "prefill_busy_us", Role.PREFILL.value)
-    busy_s = grown("prefill_busy_us", prefillers) / 1e6
-    if busy_s < max(min_busy_s, 1e-6):
-        return None
-    return (grown("prompt_tokens_done", prefillers) - grown("prompt_tokens_cached", prefillers)) / busy_s
+    computed = grown("prompt_tokens_done", prefillers) - grown("prompt_tokens_cached", prefillers)
+    return {"prefill_computed_tokens": max(computed, 0), "prefill_busy_s": grown("prefill_busy_us", prefillers) / 1e6}
 
 
 def _points(grown: _Growth, now: Reading, min_steps: int) -> list[Point]:

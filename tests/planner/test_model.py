@@ -125,3 +125,13 @@ def test_a_fall_is_held_for_the_scale_down_window() -> None:
     assert fell.describe().startswith("prefill 1 -> 3 (held: 1 computed, 3 kept for the scale-down window)")
     later = planner.step(reading(40.0, prefiller(prefills=430, busy_s=21.5)))  # the 3 (at 10 s) left the window
     assert (later.prefill.desired, later.prefill.reason) == (1, Reason.SLO)
+
+
+def test_short_prefills_add_up_across_intervals_to_one_rate() -> None:
+    planner = Planner(CONFIG)  # min_busy_s 0.2: 0.1 s of prefill an interval is too little alone
+    planner.step(reading(0.0, prefiller()))
+    first = planner.step(reading(1.0, prefiller(prefills=2, busy_s=0.1)))
+    assert (first.prefill_tokens_per_s, first.prefill.reason) == (None, Reason.MEASURING)
+    second = planner.step(reading(2.0, prefiller(prefills=4, busy_s=0.2)))
+    assert second.prefill_tokens_per_s == pytest.approx(20_000)  # 4000 tokens over the two intervals' 0.2 s
+    assert second.prefill.reason is Reason.SLO

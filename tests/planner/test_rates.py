@@ -12,7 +12,7 @@ from tests.planner.fleet import decoder, prefiller, reading, worker
 
 
 def _sample(before: Reading, now: Reading) -> Sample:
-    got = sample(before, now, min_busy_s=0.2, min_steps=20)
+    got = sample(before, now, min_steps=20)
     assert got is not None
     return got
 
@@ -22,13 +22,13 @@ def test_growth_over_the_interval() -> None:
     assert got.dt_s == 2
     assert got.arrivals_rps == pytest.approx(10)  # 20 prefills in 2 s
     assert got.prompt_tokens == pytest.approx(1000)
-    assert got.prefill_tokens_per_s == pytest.approx(20_000)  # 20 000 tokens in 1 s of prefill
+    assert (got.prefill_computed_tokens, got.prefill_busy_s) == (20_000, pytest.approx(1.0))
 
 
 def test_a_restarted_worker_counts_nothing() -> None:
     got = _sample(reading(0, prefiller(prefills=500, busy_s=50)), reading(2, prefiller(prefills=20, busy_s=2)))
     assert got.arrivals_rps == 0
-    assert (got.prompt_tokens, got.prefill_tokens_per_s) == (None, None)
+    assert (got.prompt_tokens, got.prefill_computed_tokens, got.prefill_busy_s) == (None, 0, 0)
 
 
 def test_new_and_gone_workers_count_nothing() -> None:
@@ -53,7 +53,8 @@ def test_an_old_worker_gives_no_sample() -> None:
     now = [worker("p1", prefills_done=20), worker("d1", "decode", decodes_done=20, running=4)]
     got = _sample(reading(0, *old), reading(2, *now))
     assert got.arrivals_rps == pytest.approx(5)  # prefills_done is old: it still counts arrivals
-    assert (got.prompt_tokens, got.hit_ratio, got.output_tokens, got.prefill_tokens_per_s) == (None,) * 4
+    assert (got.prompt_tokens, got.hit_ratio, got.output_tokens) == (None,) * 3
+    assert (got.prefill_computed_tokens, got.prefill_busy_s) == (0, 0)
     assert got.decode_points == ()
 
 
@@ -77,4 +78,4 @@ def test_levels_now_kv_queues_and_held() -> None:
 
 
 def test_the_same_reading_twice_is_no_interval() -> None:
-    assert sample(reading(5), reading(5), 0.2, 20) is None
+    assert sample(reading(5), reading(5), 20) is None
