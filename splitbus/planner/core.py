@@ -223,5 +223,5 @@ def _decode_reason(count: Count, by_itl: int | None, by_kv: int | None, floor: i
     kv_bound = by_kv is not None and (by_itl is None or by_kv < by_itl)
     reason = Reason.KV_BOUND if kv_bound and count.reason is Reason.SLO else count.reason
     if by_itl is None and count.workers <= floor:
-        return Count(floor, Reason.HELD, count.why)
+        return Count(floor, Reason.HELD, f"held: no batch at the ITL target measured to size by; {count.why}")
     return Count(count.workers, reason, count.why)
