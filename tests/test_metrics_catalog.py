@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
@@ -15,8 +14,8 @@ import splitbus.placement.metrics
 import splitbus.planner.metrics
 import splitbus.scheduler.metrics
 import splitbus.worker.metrics  # noqa: F401  (registers the worker's metrics)
+from tests.metrics_docs import documented
 
-CATALOG = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 UNBOUNDED_LABELS = re.compile(r"request|worker|entry|id$|key|model")
 
 
@@ -36,13 +35,8 @@ def _exposed(name: str, kind: str) -> str:
     return f"{name}_total" if kind == "counter" else name
 
 
-def _documented() -> dict[str, tuple[str, tuple[str, ...]]]:
-    rows = re.findall(r"^\| `(splitbus_\w+)` \| (\w+) \| ([^|]+) \|", CATALOG.read_text(), re.MULTILINE)
-    return {name: (kind, tuple(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
-
-
 def test_every_metric_is_in_the_catalog_with_its_type_and_labels() -> None:
-    assert _metrics() == _documented()
+    assert _metrics() == documented()
 
 
 @pytest.mark.parametrize("name", sorted(_metrics()))

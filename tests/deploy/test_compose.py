@@ -19,42 +19,17 @@ from pathlib import Path
 import openai
 import pytest
 import redis as redis_client
-import yaml
 
 from splitbus.model_files.fetch import DEFAULT, SOURCES, fetched_path
 from splitbus.redis_server import SPLITBUS_COMMANDS, EmbeddedRedis, free_port
 from splitbus.worker.engines.sim import sim_text
+from tests.deploy.compose import ROOT, SECRETS, compose, compose_config, host_ip, parse_command
 
-ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("api", "scheduler", "prefill", "decode")
-SECRETS = {"SPLITBUS_API_KEYS": "compose-test-key-0123456789", "SPLITBUS_REDIS_PASSWORD": "compose-redis-pw-0123456789"}
-
-
-def _compose(*profiles: str, **variables: str) -> subprocess.CompletedProcess[str]:
-    if shutil.which("docker-compose") is None:
-        if os.environ.get("SPLITBUS_REQUIRE_COMPOSE"):
-            pytest.fail("docker-compose is not installed (.ci/run installs Debian's package)")
-        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITBUS_")} | variables
-    return subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), *(f"--profile={p}" for p in profiles), "config"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-
-
-def _compose_config(*profiles: str, **variables: str) -> dict:
-    out = _compose(*profiles, **(SECRETS | variables))
-    assert out.returncode == 0, out.stderr
-    return yaml.safe_load(out.stdout)
 
 
 def test_the_compose_file_is_valid_and_complete() -> None:
-    config = _compose_config()
+    config = compose_config()
     services = config["services"]
     assert set(PARTS) | {"redis"} <= set(services)
     redis = services["redis"]
@@ -74,30 +49,60 @@ ENTRYPOINT = ROOT / "deploy" / "redis-entrypoint.sh"
 
 
 def test_nothing_is_published_beyond_this_host_by_default() -> None:
-    services = _compose_config()["services"]
+    services = compose_config()["services"]
     published = [(name, port) for name, s in services.items() for port in s.get("ports", [])]
-    assert {name for name, _ in published} == {"api", "prometheus"}  # Redis, workers, metrics: not at all
+    assert {name for name, _ in published} == {"api", "prometheus", "grafana"}  # Redis, workers, metrics: not at all
     for name, port in published:
-        assert _host_ip(port) == "127.0.0.1", (name, port)
-    opened = _compose_config(SPLITBUS_API_BIND="0.0.0.0")["services"]["api"]["ports"][0]
-    assert _host_ip(opened) == "0.0.0.0"  # only when asked for
+        assert host_ip(port) == "127.0.0.1", (name, port)
+    opened = compose_config(SPLITBUS_API_BIND="0.0.0.0")["services"]["api"]["ports"][0]
+    assert host_ip(opened) == "0.0.0.0"  # only when asked for
 
 
-def _host_ip(port: str | dict) -> str:
-    """docker-compose 1.x prints ``IP:HOST:CONTAINER/tcp``, Compose v2 a mapping."""
-    return port["host_ip"] if isinstance(port, dict) else port.rsplit(":", 2)[0]
+@pytest.mark.parametrize(
+    ("service", "variable"), [("prometheus", "SPLITBUS_PROMETHEUS_BIND"), ("grafana", "SPLITBUS_GRAFANA_BIND")]
+)
+def test_the_monitoring_services_publish_on_this_host_unless_asked(service: str, variable: str) -> None:
+    """Published only with the monitoring profile, on loopback; another address only when given,
+    and no secret of their own is needed (compose interpolates every profile's variables)."""
+    services = compose_config("monitoring")["services"]
+    assert services[service]["profiles"] == ["monitoring"]
+    assert [host_ip(port) for port in services[service]["ports"]] == ["127.0.0.1"]
+    opened = compose_config("monitoring", **{variable: "0.0.0.0"})["services"][service]["ports"]
+    assert [host_ip(port) for port in opened] == ["0.0.0.0"]
+
+
+def test_grafana_shows_to_anonymous_viewers_only() -> None:
+    grafana = compose_config("monitoring")["services"]["grafana"]
+    assert ":" in grafana["image"] and not grafana["image"].endswith(":latest")  # pinned
+    env = grafana["environment"]
+    assert (env["GF_AUTH_ANONYMOUS_ENABLED"], env["GF_AUTH_ANONYMOUS_ORG_ROLE"]) == ("true", "Viewer")
+    assert (env["GF_AUTH_DISABLE_LOGIN_FORM"], env["GF_AUTH_BASIC_ENABLED"], env["GF_USERS_ALLOW_SIGN_UP"]) == (
+        "true",
+        "false",
+        "false",
+    )
+
+
+def test_the_planner_advises_with_metrics_on_the_parts_port() -> None:
+    planner = compose_config("monitoring")["services"]["planner"]
+    assert planner["profiles"] == ["monitoring"] and "ports" not in planner
+    assert planner["environment"]["SPLITBUS_REDIS_URL"].startswith("redis://splitbus:")
+    args = parse_command(planner["command"])  # fails until `splitbus planner` is on the command line
+    assert args.command == "planner" and (args.metrics_port, args.metrics_host) == (9100, "0.0.0.0")
+    assert (args.ttft_slo_ms, args.itl_slo_ms) == (2000, 100)
+    assert planner["healthcheck"]["test"][-1].endswith("urlopen('http://127.0.0.1:9100/metrics', timeout=3)")
 
 
 @pytest.mark.parametrize("missing", sorted(SECRETS))
 def test_the_secrets_are_required(missing: str) -> None:
-    out = _compose(**{k: v for k, v in SECRETS.items() if k != missing})
+    out = compose(**{k: v for k, v in SECRETS.items() if k != missing})
     assert out.returncode != 0 and f"set {missing}" in out.stderr
 
 
 def test_secrets_reach_the_parts_by_environment_only() -> None:
-    services = _compose_config()["services"]
+    services = compose_config()["services"]
     assert services["api"]["environment"]["SPLITBUS_API_KEYS"] == SECRETS["SPLITBUS_API_KEYS"]
-    for name in ("scheduler", "prefill", "decode"):
+    for name in ("scheduler", "prefill", "decode", "planner"):
         assert "SPLITBUS_API_KEYS" not in services[name]["environment"], name  # only the API needs them
     for name, service in services.items():
         words = " ".join(map(str, [*service.get("command", []), *service.get("entrypoint", [])]))
@@ -153,7 +158,7 @@ def test_the_compose_redis_starts_locked_down(tmp_path: Path) -> None:
 
 
 def test_environment_switches_engine_and_model() -> None:
-    services = _compose_config(SPLITBUS_ENGINE="sim", SPLITBUS_MODEL="/models/qwen", SPLITBUS_MODELS_DIR="/srv/hf")[
+    services = compose_config(SPLITBUS_ENGINE="sim", SPLITBUS_MODEL="/models/qwen", SPLITBUS_MODELS_DIR="/srv/hf")[
         "services"
     ]
     for name in ("prefill", "decode"):
@@ -172,7 +177,7 @@ def test_the_cluster_profile_forms_six_nodes_and_points_the_parts_at_them() -> N
     from splitbus.cli.embedded import parse_cluster_url
 
     pointed = {"SPLITBUS_REDIS_SCHEME": "redis+cluster", "SPLITBUS_REDIS_ADDRESS": CLUSTER_ADDRESS}
-    services = _compose_config("cluster", SPLITBUS_REDIS_ADMIN_PASSWORD="compose-admin-pw-0123456789", **pointed)[
+    services = compose_config("cluster", SPLITBUS_REDIS_ADMIN_PASSWORD="compose-admin-pw-0123456789", **pointed)[
         "services"
     ]
     for node in CLUSTER_NODES:
@@ -296,7 +301,7 @@ def test_the_parts_serve_the_model_the_image_bakes_in() -> None:
     """The default --model is where `splitbus fetch-model` puts SmolLM2 in the image's data folder,
     and the Dockerfile fetches and converts it there at build time."""
     baked = fetched_path(SOURCES[DEFAULT], Path("/opt/splitbus/models"))
-    services = _compose_config()["services"]
+    services = compose_config()["services"]
     for name in ("api", "prefill", "decode"):
         command = services[name]["command"]
         assert command[command.index("--model") + 1] == str(baked), name
@@ -380,7 +385,7 @@ class Deployment:
 
 @pytest.fixture
 def deployment(redis_server: EmbeddedRedis, tiny_model: Path) -> Iterator[Deployment]:
-    services = _compose_config(SPLITBUS_ENGINE="sim", SPLITBUS_MODEL=str(tiny_model))["services"]
+    services = compose_config(SPLITBUS_ENGINE="sim", SPLITBUS_MODEL=str(tiny_model))["services"]
     running = Deployment(services, redis_server.url, f"d{uuid.uuid4().hex[:8]}")
     yield running
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal (exit status 143).
