@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import promql_parser
 import pytest
 import yaml
 
@@ -20,6 +21,9 @@ DASHBOARD = GRAFANA / "dashboards" / "splitbus.json"
 DATASOURCES = GRAFANA / "provisioning" / "datasources" / "prometheus.yml"
 PROVIDERS = GRAFANA / "provisioning" / "dashboards" / "splitbus.yml"
 METRIC = re.compile(r"\bsplitbus_\w+")
+GRAFANA_INTERVALS = re.compile(
+    r"\$__(rate_interval|interval|range)\b"
+)  # Grafana fills them in before Prometheus sees the query
 SERIES_SUFFIX = re.compile(r"_(bucket|sum|count)$")  # a histogram's series, named in the catalog by its family
 # What operators look at (issue 39): every one is a panel, by title.
 PANELS = (
@@ -73,6 +77,18 @@ def test_every_panel_queries_the_provisioned_prometheus() -> None:
             assert target.get("datasource", panel["datasource"]) == panel["datasource"], panel["title"]
     ids = [panel["id"] for panel in panels]
     assert len(ids) == len(set(ids)), "panel ids repeat"
+
+
+@pytest.mark.parametrize("expr", _exprs())
+def test_every_query_is_promql(expr: str) -> None:
+    promql_parser.parse(GRAFANA_INTERVALS.sub("1m", expr))  # raises ValueError on a syntax error
+
+
+def test_the_promql_check_can_fail() -> None:
+    with pytest.raises(ValueError):
+        promql_parser.parse(
+            GRAFANA_INTERVALS.sub("1m", 'sum by (outcome) (rate(x{outcome!="admitted"}[$__rate_interval])')
+        )
 
 
 def test_every_metric_a_query_names_is_in_the_catalog() -> None:

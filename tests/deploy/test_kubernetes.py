@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import jsonschema_rs
+import promql_parser
 import pytest
 import yaml
 
@@ -144,3 +145,7 @@ def test_prometheus_adapter_serves_the_metric_the_hpas_read() -> None:
         rule = served[metric["external"]["metric"]["name"]]
         assert METRIC.findall(rule["seriesQuery"]) == [rule["name"]["as"]]
         assert "by (role)" in rule["metricsQuery"]  # the HPAs select by role
+        promql_parser.parse(rule["seriesQuery"])
+        # the adapter's template, filled in as it does for the prefill HPA's selector
+        filled = rule["metricsQuery"].replace("<<.Series>>", rule["name"]["as"])
+        promql_parser.parse(filled.replace("<<.LabelMatchers>>", 'role="prefill"'))
