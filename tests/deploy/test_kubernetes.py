@@ -102,6 +102,8 @@ def test_the_planners_arguments_parse() -> None:
     (service,) = _by_kind("Service").values()
     assert service["spec"]["selector"] == planner["spec"]["template"]["metadata"]["labels"]
     assert [port["port"] for port in service["spec"]["ports"]] == [args.metrics_port]
+    for hpa in _by_kind("HorizontalPodAutoscaler").values():  # the advice is what the HPAs can apply
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (args.min_workers, args.max_workers)
 
 
 def test_no_secret_is_on_a_command_line_and_redis_comes_from_a_secret() -> None:
