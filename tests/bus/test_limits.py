@@ -117,13 +117,15 @@ async def test_a_request_larger_than_the_bucket_goes_when_it_is_full(nodes: tupl
 
 
 async def test_a_refusal_writes_nothing(nodes: tuple[Limiter, Limiter]) -> None:
-    """A request refused by one limit charges none of the others."""
-    limits = TenantLimits(rps=1000, concurrency=1, tpm=1000)
+    """A request refused by one limit charges none of the others. The buckets refill between the
+    two calls (a charge of 1 request takes 0.1 s to come back, one of 10 tokens 0.6 s): a refusal
+    leaves at least as much room as the admission before it did, never less."""
+    limits = TenantLimits(rps=10, concurrency=1, tpm=1000)
     first = await nodes[0].admit("acme", "a", limits, 10, LEASE_MS)
     refused = await nodes[0].admit("acme", "b", limits, 10, LEASE_MS)
     assert refused.verdict is Verdict.CONCURRENCY and refused.retry_after_ms == 1000
-    assert refused.rooms["tok"].left == first.rooms["tok"].left
-    assert refused.rooms["req"].left == first.rooms["req"].left
+    assert refused.rooms["tok"].left >= first.rooms["tok"].left
+    assert refused.rooms["req"].left >= first.rooms["req"].left
 
 
 async def test_tenants_have_buckets_of_their_own(nodes: tuple[Limiter, Limiter]) -> None:
