@@ -3,10 +3,14 @@ joined into one trace by the W3C ``traceparent`` each hop carries (the request e
 the KV frame's meta).
 
 Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set (and
-``OTEL_SDK_DISABLED`` is not ``true``): then opentelemetry is never imported and every helper
-returns on its first line, so an untraced deployment pays one attribute read per hop; hot paths
-guard with ``if tracing.on:``. On: a ``TracerProvider`` named ``splitbus-<part>`` sends its spans
-in batches over OTLP/HTTP (the SDK reads the exporter's ``OTEL_*`` variables itself).
+``OTEL_SDK_DISABLED`` is not ``true``): then splitbus loads none of the tracing SDK, exporter or
+propagator (redis-py imports OpenTelemetry's metrics modules when they are installed, for its own
+observability) and every helper returns on its first line, so an untraced deployment pays one
+attribute read per hop; hot paths guard with ``if tracing.on:``. On: a ``TracerProvider`` named
+``splitbus-<part>`` sends its spans in batches over OTLP/HTTP to the endpoint (and with the
+headers) of the environment ``setup`` was given; the SDK reads the exporter's other ``OTEL_*``
+variables itself. ``shutdown`` flushes for at most ``FLUSH_S``: a collector that is down must
+not hold a stopping process past its supervisor's stop.
 
 Spans are started with an explicit parent (a ``traceparent`` string) and ended by hand, never
 made current: a request's hops run in different tasks and processes, and a parent passed by
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +32,16 @@ from splitbus.bus.messages._check import is_traceparent
 log = logging.getLogger(__name__)
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+"""Each pair: the general variable, then the traces' own, which wins (the OTLP exporter's rule)."""
+TRACES_PATH = "/v1/traces"
+"""What OTLP/HTTP appends to the general endpoint (the traces' own endpoint is taken whole)."""
+MAX_WAIT_NS = 3600 * 10**9
+"""The longest wait a span is made for (``wait_start``): an hour, longer than any request waits."""
+FLUSH_S = 2.0
+"""How long ``shutdown`` waits for the last spans to be sent: an exporter retries a refused or
+silent collector for longer (6.8 s measured against a closed port), and ``splitbus up`` gives each
+child 10 s to stop, its drain included."""
 
 on = False
 """Whether this process traces: read it (``tracing.on``) before building a span's attributes."""
@@ -46,27 +61,45 @@ def wanted(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def setup(part: str, attributes: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> bool:
-    """Start tracing for this process (``part``: api, scheduler, worker, ...) when ``wanted``;
-    whether it is on. Asked for but not installed (the ``otel`` extra): one warning, off."""
+    """Start tracing for this process (``part``: api, scheduler, worker, ...) when ``environ``
+    (``os.environ`` if None) ``wanted`` it, exporting to its endpoint with its headers; whether
+    it is on. Asked for but not installed (the ``otel`` extra): one warning, off."""
+    environ = os.environ if environ is None else environ
     if not wanted(environ):
         return False
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.util.re import parse_env_headers
     except ImportError as exc:
         log.warning("tracing: an OTLP endpoint is set but opentelemetry is not installed (%s); tracing off", exc)
         return False
+    headers = parse_env_headers(_last_set(environ, HEADER_VARIABLES), liberal=True)
+    exporter = OTLPSpanExporter(endpoint=traces_endpoint(environ), headers=headers or None)
     provider = _provider_for(part, attributes or {})
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     install(provider)
     return True
+
+
+def traces_endpoint(environ: Mapping[str, str]) -> str:
+    """Where the spans go: the traces' own endpoint as given, else the general one's ``/v1/traces``."""
+    general, own = (environ.get(name, "").strip() for name in ENDPOINT_VARIABLES)
+    return own or general.removesuffix("/") + TRACES_PATH
+
+
+def _last_set(environ: Mapping[str, str], names: tuple[str, ...]) -> str:
+    """The value of the last of ``names`` that is set (the more specific variable), or ``""``."""
+    return next((environ[name] for name in reversed(names) if environ.get(name, "").strip()), "")
 
 
 def _provider_for(part: str, attributes: Mapping[str, str]) -> Any:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    return TracerProvider(resource=Resource.create({"service.name": f"splitbus-{part}", **attributes}))
+    # No flush of the SDK's own at exit: ``shutdown``'s is bounded, the SDK's is not.
+    resource = Resource.create({"service.name": f"splitbus-{part}", **attributes})
+    return TracerProvider(resource=resource, shutdown_on_exit=False)
 
 
 def install(provider: Any) -> None:
@@ -75,12 +108,19 @@ def install(provider: Any) -> None:
     _provider, _tracer, on = provider, provider.get_tracer("splitbus"), True
 
 
-def shutdown() -> None:
-    """Flush the spans not yet sent and stop tracing (each part's close)."""
+def shutdown(flush_s: float = FLUSH_S) -> None:
+    """Flush the spans not yet sent and stop tracing (each part's close), waiting at most
+    ``flush_s``: past it the flush goes on in a daemon thread, and whatever it has not sent when
+    the process exits is lost (said once)."""
     global on, _tracer, _provider
     provider, _provider, _tracer, on = _provider, None, None, False
-    if provider is not None:
-        provider.shutdown()
+    if provider is None:
+        return
+    flushing = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+    flushing.start()
+    flushing.join(flush_s)
+    if flushing.is_alive():
+        log.warning("tracing: the last spans were not sent within %.1f s (is the collector up?); left unsent", flush_s)
 
 
 @contextmanager
@@ -142,6 +182,17 @@ def span(name: str, parent: str = "", attributes: Mapping[str, Any] | None = Non
     end(started)
 
 
+def wait_start(published_us: int | None, now_ns: int) -> int | None:
+    """When a wait that began at an entry's ``ts`` (µs since the epoch, its writer's clock) starts,
+    in ns, or None: no wait span. A ``ts`` that is no time (0 or less) or older than ``MAX_WAIT_NS``
+    is a forged or broken entry: a span started there would be refused by the OTLP encoder, and
+    with it the whole batch of spans, other requests' too. One ahead of ``now_ns`` starts now (the
+    writer's clock may run ahead of this one)."""
+    if published_us is None or published_us <= 0 or now_ns - published_us * 1000 > MAX_WAIT_NS:
+        return None
+    return min(published_us * 1000, now_ns)
+
+
 def traceparent(span: Span) -> str:
     """The ``traceparent`` that makes ``span`` the parent of the next hop's spans; ``""`` for None."""
     if span is None:
@@ -152,7 +203,10 @@ def traceparent(span: Span) -> str:
 
 def _context(parent: str) -> Any:
     if not parent:
-        return None
+        # An empty context, not None: None would make whatever span is current the parent.
+        from opentelemetry.context import Context
+
+        return Context()
     # W3C's propagator itself, whatever OTEL_PROPAGATORS says: the bus carries traceparent only.
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 

@@ -5,22 +5,26 @@ request through every process of ``splitbus up``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
+from starlette.types import Message, Scope
 
 from splitbus import tracing
 from splitbus.api import spans as api_spans
@@ -34,25 +38,17 @@ from splitbus.scheduler import spans as scheduler_spans
 from splitbus.worker import spans as worker_spans
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.table import RequestTable, Status
-
-CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
-CLIENT_SPAN = "00f067aa0ba902b7"
-CLIENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+from tests import traced
+from tests.e2e.otlp import OtlpReceiver
+from tests.traced import CLIENT, CLIENT_SPAN, CLIENT_TRACE
+from tests.traced import named as _named
 
 
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
     """Tracing on, into memory, for one test."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider)
-    yield exporter
-    tracing.shutdown()
-
-
-def _named(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
-    return {s.name: s for s in exporter.get_finished_spans()}
+    with traced.in_memory() as exporter:
+        yield exporter
 
 
 def _parent_id(span: ReadableSpan) -> int | None:
@@ -90,6 +86,59 @@ def test_setup_names_the_service_by_its_part() -> None:
     finally:
         tracing.shutdown()
     assert tracing.on is False
+
+
+def test_setup_exports_to_the_endpoint_and_with_the_headers_of_the_environment_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)  # only the environment given says where
+    with OtlpReceiver() as receiver:
+        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint + "/", "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=t1"}
+        assert tracing.setup("scheduler", environ=environ)
+        tracing.end(tracing.start("scheduler.place"))
+        tracing.shutdown()
+        assert [(s.service, s.name) for s in receiver.spans] == [("splitbus-scheduler", "scheduler.place")]
+        assert receiver.headers[0]["x-tenant"] == "t1"
+
+
+@pytest.mark.parametrize(
+    ("environ", "endpoint"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "http://c:4318/v1/traces"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": " http://c:4318/ "}, "http://c:4318/v1/traces"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x"},
+            "http://t/x",
+        ),
+    ],
+)
+def test_the_traces_endpoint_is_the_traces_own_else_the_generals_path(environ: dict[str, str], endpoint: str) -> None:
+    assert tracing.traces_endpoint(environ) == endpoint
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_shutdown_gives_up_on_a_collector_that_refuses_within_its_bound() -> None:
+    # Unbounded, the exporter's retries held this for 6.8 s, past what ``up`` gives a child to stop.
+    assert tracing.setup("worker", environ={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"})
+    tracing.end(tracing.start("worker.decode"))
+    began = time.monotonic()
+    tracing.shutdown()
+    assert time.monotonic() - began < 5  # a correctness bound (FLUSH_S is 2 s), not a timing
+    assert tracing.on is False
+
+
+def test_a_new_root_has_no_parent_even_inside_a_current_span(exported: InMemorySpanExporter) -> None:
+    current = tracing.start("other")
+    with trace.use_span(current, end_on_exit=True):  # made current, as another library's span would be
+        root = tracing.start("api.request", tracing.client_parent(None), server=True)
+    tracing.end(root)
+    assert _named(exported)["api.request"].parent is None
 
 
 # -- the API's server span ----------------------------------------------------------------------
@@ -161,6 +210,27 @@ def test_a_streamed_answer_ends_its_spans_after_the_last_chunk(
     assert {"api.request", "api.admission", "api.stream_back"} <= set(spans)
     assert spans["api.stream_back"].end_time is not None and spans["api.request"].end_time is not None
     assert spans["api.stream_back"].end_time <= spans["api.request"].end_time
+
+
+def test_a_streamed_answer_whose_start_cannot_be_sent_still_ends_its_spans(exported: InMemorySpanExporter) -> None:
+    """The client left before the response started: its body is never read, and the spans the
+    body's end would close end with the send's error instead."""
+    app = Starlette(routes=[Route("/v1/completions", api_spans.traced(_answer), methods=["POST"])])
+    scope: Scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/v1/completions"}
+    scope.update(query_string=b"stream=1", headers=[], scheme="http", server=("t", 80), root_path="")
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        raise OSError("the client is gone")  # as uvicorn's send raises once the client has gone
+
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(app(scope, receive, send))
+    spans = _named(exported)
+    assert spans["api.request"].status.status_code is StatusCode.ERROR
+    assert spans["api.request"].status.description == "ClientDisconnect"
+    assert spans["api.stream_back"].status.status_code is StatusCode.ERROR
 
 
 def test_a_refused_request_ends_its_span_as_an_error_with_its_status(
@@ -270,6 +340,29 @@ def test_a_dispatch_that_wrote_nothing_has_no_wait_span(exported: InMemorySpanEx
     (place,) = exported.get_finished_spans()
     assert place.name == "scheduler.place"
     assert place.attributes is not None and place.attributes["splitbus.outcome"] == "worker_gone"
+
+
+@pytest.mark.parametrize("published_us", [-5, 0, 1, time.time_ns() // 1000 - 2 * 3600 * 10**6], ids=str)
+def test_an_entry_whose_ts_is_no_time_makes_no_wait_span_and_the_batch_still_encodes(
+    exported: InMemorySpanExporter, published_us: int
+) -> None:
+    """A forged or broken ``ts`` (no time, the epoch, two hours ago): a wait span from it would fail the
+    OTLP encoder, and the whole export batch, other requests' spans too, with it."""
+    request = _request(CLIENT)
+    placing = scheduler_spans.place(request, published_us)
+    scheduler_spans.placed(placing, DispatchOutcome.DISPATCHED)
+    _taken(RequestTable(), Task("decode", request, "p1", traceparent=CLIENT), Status.AWAITING_KV, published_us)
+    tracing.end(tracing.start("api.request", CLIENT))  # another span of the batch
+    assert {s.name for s in exported.get_finished_spans()} == {"scheduler.place", "api.request"}
+    assert traced.encodes(exported)
+
+
+def test_an_entry_written_by_a_clock_ahead_waits_from_now(exported: InMemorySpanExporter) -> None:
+    ahead_us = time.time_ns() // 1000 + 60 * 10**6
+    scheduler_spans.placed(scheduler_spans.place(_request(CLIENT), ahead_us), DispatchOutcome.DISPATCHED)
+    waited = _named(exported)["scheduler.wait"]
+    assert waited.start_time == waited.end_time
+    assert traced.encodes(exported)
 
 
 def test_a_decode_that_goes_on_keeps_its_one_span_open(exported: InMemorySpanExporter) -> None:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Content, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from splitbus import tracing
 from splitbus.api.errors import ApiError
@@ -29,6 +30,7 @@ class RequestTrace:
         self.traceparent = tracing.traceparent(self.span)
         """What the request's bus entries carry."""
         self.step: tracing.Span = None
+        self.closed = False
 
     def enter(self, name: str) -> None:
         """End the open step (if any) and start ``name`` (none if empty)."""
@@ -36,7 +38,11 @@ class RequestTrace:
         self.step = tracing.start(name, self.traceparent) if name else None
 
     def close(self, request: Request, status: int, error: str = "") -> None:
-        """The response is sent (or failed): end the open step and the request's span."""
+        """The response is sent (or failed): end the open step and the request's span (once: a
+        streamed answer's body and its sending both close it, whichever ends first)."""
+        if self.closed:
+            return
+        self.closed = True
         tracing.end(self.step, error=error)
         self.step = None
         request_id = getattr(request.state, "request_id", "")
@@ -59,8 +65,8 @@ def traced(route: Route) -> Route:
             raise
         if isinstance(response, StreamingResponse):
             response.body_iterator = _closing(response.body_iterator, request, trace)
-        else:
-            trace.close(request, response.status_code)
+            return _SendClosing(response, request, trace)
+        trace.close(request, response.status_code)
         return response
 
     return handler
@@ -74,6 +80,26 @@ async def _closing(body: AsyncIterable[Content], request: Request, trace: Reques
         trace.close(request, 200, type(exc).__name__)
         raise
     trace.close(request, 200)
+
+
+class _SendClosing(Response):
+    """A streamed answer whose trace ends however its sending ends: its body closes it at the
+    last chunk (``_closing``), but a body never read (sending the response's start failed: the
+    client left) would leave it open; here it ends with the error."""
+
+    def __init__(self, streamed: StreamingResponse, request: Request, trace: RequestTrace) -> None:
+        # Not Response.__init__ (it renders a body): the streamed answer's own status and headers.
+        self.streamed, self.request, self.trace = streamed, request, trace
+        self.status_code, self.media_type, self.background = streamed.status_code, streamed.media_type, None
+        self.raw_headers = streamed.raw_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.streamed(scope, receive, send)
+        except BaseException as exc:
+            self.trace.close(self.request, self.status_code, type(exc).__name__)
+            raise
+        self.trace.close(self.request, self.status_code)
 
 
 def of(request: Request) -> RequestTrace | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -35,7 +36,7 @@ from splitbus.bus.cancel import publish_cancel
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.streams import Delivery, GroupConsumer
-from splitbus.bus.dispatch import PLACE_AGAIN, CurrentDispatch
+from splitbus.bus.dispatch import PLACE_AGAIN, CurrentDispatch, DispatchOutcome
 from splitbus.bus.messages import GenerateRequest, Task
 from splitbus.bus.reaping import Reaping
 from splitbus.bus.registry import Registry
@@ -44,7 +45,7 @@ from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter, Sent, read_sent
 from splitbus.bus.roles import Phase, Role
 from splitbus.bus.tasks import task_consumer
-from splitbus.placement.decision import NoPlacement
+from splitbus.placement.decision import NoPlacement, Placement
 from splitbus.placement.dispatcher import Dispatcher
 from splitbus.placement.ledger import Local
 from splitbus.placement.policies.base import Policy
@@ -197,11 +198,7 @@ class Reaper:
             return Ended(False, self.no_placement(dead, decision.reason))
         placement = decision.placements
         # STALE (moved meanwhile by another reaper, off the task's other worker) is acked only
-        span = spans.move(task, dead) if tracing.on else None
-        outcome = await self.dispatcher.redispatch(
-            dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens, tracing.traceparent(span)
-        )
-        spans.moved(span, outcome)
+        outcome = await self.redispatch(dead, delivery, task, placement, sent)
         if outcome in PLACE_AGAIN:  # a new Redis run, or the new worker died: nothing was written;
             return Move.WAIT  # the next pass moves it
         log.debug(
@@ -213,6 +210,21 @@ class Reaper:
             outcome,
         )
         return Move.MOVED
+
+    async def redispatch(
+        self, dead: str, delivery: Delivery, task: Task, placement: Sequence[Placement], sent: Sent
+    ) -> DispatchOutcome:
+        """The move's write, in its ``scheduler.move`` span (ended failed if the write raises)."""
+        span = spans.move(task, dead) if tracing.on else None
+        try:
+            outcome = await self.dispatcher.redispatch(
+                dead, delivery.entry_id, task, placement, sent.next_seq, sent.tokens, tracing.traceparent(span)
+            )
+        except BaseException as exc:  # Redis refused, a bug: the span must end all the same
+            spans.not_moved(span, exc)
+            raise
+        spans.moved(span, outcome)
+        return outcome
 
     def group_may_reform(self, dead: str, deadline_ms: int) -> bool:
         """Whether a task of ``dead`` with nothing to take it should wait: ``dead`` was a rank of

@@ -351,7 +351,11 @@ class Scheduler:
         placing = spans.place(request, waiting.delivery.published_us) if tracing.on else None
         traceparent = "" if placing is None else placing.traceparent
         entry_id = waiting.delivery.entry_id
-        outcome = await self.dispatcher.dispatch(entry_id, request, placements, self.config.name, traceparent)
+        try:
+            outcome = await self.dispatcher.dispatch(entry_id, request, placements, self.config.name, traceparent)
+        except BaseException as exc:  # Redis refused, a bug: the span must end all the same
+            spans.not_placed(placing, exc)
+            raise
         spans.placed(placing, outcome)
         if log.isEnabledFor(logging.DEBUG):  # per request: the placement list only when it is logged
             log.debug(

@@ -1,7 +1,8 @@
 """The scheduler's spans (docs/metrics.md, "Spans"), children of the request entry's
 ``traceparent`` (the API's ``api.request``): ``scheduler.wait``, from the entry's ``ts`` (its
 XADD, the API's clock) to the dispatch that wrote its tasks, and ``scheduler.place``, that
-dispatch (the script's write; each try of it a span, with its outcome); the reaper's
+dispatch (the script's write; each try of it a span, with its outcome, or failed by the error's
+type when the write raised); the reaper's
 ``scheduler.move``, the write of a dead worker's task to new workers. The tasks written carry the
 placing span's ``traceparent``: the parent of the workers' spans.
 
@@ -31,10 +32,14 @@ class Placing:
     def ended(self, outcome: DispatchOutcome) -> None:
         """The dispatch's outcome; once its tasks are written, the wait before it as well."""
         tracing.end(self.span, attributes={"splitbus.outcome": outcome.label})
-        if outcome is DispatchOutcome.DISPATCHED and self.published_us is not None:
-            start_ns = min(self.published_us * 1000, self.started_ns)  # the API's clock may run ahead
+        start_ns = tracing.wait_start(self.published_us, self.started_ns)
+        if outcome is DispatchOutcome.DISPATCHED and start_ns is not None:
             waited = tracing.start("scheduler.wait", self.parent, start_ns)
             tracing.end(waited, end_ns=self.started_ns)
+
+    def failed(self, exc: BaseException) -> None:
+        """The dispatch raised (Redis refused, a bug): its span ends failed, by the error's type."""
+        tracing.end(self.span, type(exc).__name__)
 
 
 def place(request: GenerateRequest, published_us: int | None) -> Placing | None:
@@ -48,6 +53,11 @@ def placed(placing: Placing | None, outcome: DispatchOutcome) -> None:
         placing.ended(outcome)
 
 
+def not_placed(placing: Placing | None, exc: BaseException) -> None:
+    if placing is not None:
+        placing.failed(exc)
+
+
 def move(task: Task, dead: str) -> tracing.Span:
     """The reaper's ``scheduler.move`` of ``task`` off ``dead``: a child of the task's placing span."""
     parent = task.traceparent or task.request.traceparent
@@ -59,3 +69,8 @@ def move(task: Task, dead: str) -> tracing.Span:
 
 def moved(span: tracing.Span, outcome: DispatchOutcome) -> None:
     tracing.end(span, attributes={"splitbus.outcome": outcome.label})
+
+
+def not_moved(span: tracing.Span, exc: BaseException) -> None:
+    """The move's write raised: its span ends failed, by the error's type."""
+    tracing.end(span, type(exc).__name__)

@@ -496,7 +496,7 @@ class WorkerCore:
         effects: list[Effect] = [Ack(seq.entry_id)] if ack else []
         if seq.task.phase == Phase.DECODE:
             effects.append(DropReservation(seq.request_id, seq.entry_id))
-        return [*effects, Left()]
+        return [*effects, Left(seq)]
 
     def moved_away(self, seq: Sequence, reapers: bool = False) -> list[Effect]:
         """Forget a request the reaper moved: free its blocks, write nothing more for it. One

@@ -11,7 +11,7 @@ cancels. Nothing here does I/O; a test compares the lists.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitbus.bus.messages import Logprobs, Task
 from splitbus.worker.sequence import Sequence
@@ -94,7 +94,11 @@ class DropReservation:
 
 @dataclass(frozen=True)
 class Left:
-    """A request left and freed its blocks: the task feed may read again, the publisher writes."""
+    """A request left and freed its blocks: the task feed may read again, the publisher writes;
+    its spans still open end (``splitbus.worker.spans.left``)."""
+
+    seq: Sequence | None = field(default=None, compare=False)
+    """The task that left (not compared: an effect is what it does, not whose it is)."""
 
 
 @dataclass(frozen=True)

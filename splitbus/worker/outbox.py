@@ -20,9 +20,10 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from splitbus import tracing
 from splitbus.bus.core.loops import Loops
 from splitbus.bus.results import ResultWriter
-from splitbus.worker import metrics
+from splitbus.worker import metrics, spans
 from splitbus.worker.effects import (
     Ack,
     CancelPeer,
@@ -125,8 +126,10 @@ class Outbox:
                 self.loops.spawn(self.ship(seq))
             case CancelPeer(request_id, reason):
                 self.loops.spawn(self.cancel(request_id, reason))
-            case Left():
+            case Left(seq):
                 self.room.set()
                 self.soon()
+                if tracing.on and seq is not None:
+                    spans.left(seq)
             case Wake():
                 self.wake.set()

@@ -6,8 +6,10 @@ engine call of its batch) and, on P, ``worker.kv_transfer`` (the export and send
 frame's arrival) and ``worker.kv_import`` (a child of P's transfer span); ``worker.decode``, its
 first decode step to its last (one span a request, never one a token).
 
-A request's open spans live on its ``Sequence`` (``trace``); a request that leaves the worker
-another way (cancelled, moved, failed) drops them unended: no span is sent for it. The shell
+A request's open spans live on its ``Sequence`` (``trace``); when it leaves the worker
+(``left``: finished, cancelled, moved, failed, handed off) the ones still open end there, with
+the outcome ``ended`` unless it finished (a prefill that raised ends failed, by the error's type,
+and the request waits in ``worker.prefill_queue`` again). The shell
 calls these only ``if tracing.on:``; a request whose task carries no ``traceparent`` (its API
 does not trace) has none here either: a worker starts no trace of its own."""
 
@@ -38,9 +40,9 @@ def taken(table: Table, delivery: Delivery) -> None:
     if seq is None or seq.task is not task or not _parent(task):
         return  # not taken (acked as a duplicate, refused, failed at once), or not traced
     parent, now = _parent(task), time.time_ns()
-    if delivery.published_us is not None:
-        waited = tracing.start("worker.task_wait", parent, min(delivery.published_us * 1000, now), _ids(seq))
-        tracing.end(waited, end_ns=now)
+    start_ns = tracing.wait_start(delivery.published_us, now)
+    if start_ns is not None:
+        tracing.end(tracing.start("worker.task_wait", parent, start_ns, _ids(seq)), end_ns=now)
     stage = "worker.kv_wait" if task.phase == Phase.DECODE else "worker.prefill_queue"
     seq.trace = SeqSpans(parent, tracing.start(stage, parent, now, _ids(seq)))
 
@@ -74,6 +76,14 @@ def prefill_started(batch: list[Sequence]) -> None:
 def prefill_ended(batch: list[Sequence]) -> None:
     for seq in batch:
         _end_step(seq, attributes={"splitbus.cached_tokens": seq.prompt_cached})
+
+
+def prefill_failed(batch: list[Sequence], exc: BaseException) -> None:
+    """The prefill raised and its batch is queued again: ``worker.prefill`` ends failed (the next
+    turn's would otherwise end it as a success), ``worker.prefill_queue`` starts again."""
+    for seq in batch:
+        _end_step(seq, type(exc).__name__)
+        _next_step(seq, "worker.prefill_queue")
 
 
 @contextlib.contextmanager
@@ -116,11 +126,22 @@ def decoding(batch: list[Sequence]) -> None:
 def decoded(batch: list[Sequence], table: Table) -> None:
     """After a decode step: ``worker.decode`` ends for the requests that finished (or left)."""
     for seq in batch:
-        spans = seq.trace
-        if spans is not None and spans.decode is not None and _left(seq, table):
-            ended = {"splitbus.output_tokens": len(seq.output_ids), "splitbus.outcome": seq.finish_reason or "ended"}
-            tracing.end(spans.decode, attributes=ended)
-            spans.decode = None
+        if _left(seq, table):
+            _end_decode(seq)
+
+
+def left(seq: Sequence) -> None:
+    """``seq`` left the worker (``Left``): whatever of its spans is still open ends now."""
+    _end_step(seq, attributes={"splitbus.outcome": "ended"})
+    _end_decode(seq)
+
+
+def _end_decode(seq: Sequence) -> None:
+    spans = seq.trace
+    if spans is not None and spans.decode is not None:
+        ended = {"splitbus.output_tokens": len(seq.output_ids), "splitbus.outcome": seq.finish_reason or "ended"}
+        tracing.end(spans.decode, attributes=ended)
+        spans.decode = None
 
 
 def _left(seq: Sequence, table: Table) -> bool:

@@ -167,8 +167,10 @@ class EngineSteps:
             results = await self.run_engine(self.engine.prefill, batch)
             counters["prefill_busy_us"] += _us(time.perf_counter() - started)
             await self.settle()
-        except BaseException:  # Redis refused (the loop waits it out): dropped here, the batch would be lost
+        except BaseException as exc:  # Redis refused (the loop waits it out): dropped here, the batch would be lost
             self.core.abort_prefill()
+            if tracing.on:
+                spans.prefill_failed(batch, exc)
             raise
         cached = counters["prompt_tokens_cached"]
         self.apply(self.core.end_prefill(results))

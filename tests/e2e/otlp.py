@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,6 +42,8 @@ class OtlpReceiver:
 
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
+        self.headers: list[dict[str, str]] = []
+        """Each export request's HTTP headers (names lower-cased)."""
         self.lock = threading.Lock()
         receiver = self
 
@@ -53,7 +56,7 @@ class OtlpReceiver:
                 body = self.rfile.read(length)
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
-                receiver.take(ExportTraceServiceRequest.FromString(body))
+                receiver.take(ExportTraceServiceRequest.FromString(body), self.headers.items())
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -79,7 +82,9 @@ class OtlpReceiver:
         self.server.shutdown()
         self.server.server_close()
 
-    def take(self, request: ExportTraceServiceRequest) -> None:
+    def take(self, request: ExportTraceServiceRequest, headers: Iterable[tuple[str, str]] = ()) -> None:
+        with self.lock:
+            self.headers.append({name.lower(): value for name, value in headers})
         for resource_spans in request.resource_spans:
             resource = _attributes(resource_spans.resource.attributes)
             for scope in resource_spans.scope_spans:
