@@ -235,10 +235,12 @@ def _failure_exit_kept(app: Starlette) -> Iterator[None]:
     ends by it. After a background loop's failure that signal is the API's own SIGTERM (see
     splitbus/api/state.py): its repeat is dropped here, so that ``run`` returns the exit code the
     app kept (``EXIT_FATAL``), not death by SIGTERM. A stop from outside (exit code 0) still ends
-    the process by its signal, as it always did."""
+    the process by its signal, as it always did: its spans are flushed first, since nothing after
+    the signal runs (``tracing.process``'s own flush would not)."""
 
     def on_sigterm(signum: int, _frame: object) -> None:
         if not app.state.exit_code:
+            tracing.shutdown()
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
+import pytest
 
 from splitbus.bench.serve import HOPS
 from splitbus.bench.spans import SpanTimes, hops_from_spans
 from splitbus.worker.engines.sim import sim_text
-from tests.e2e.conftest import start_system, stop_system
+from tests.e2e.conftest import System, start_system, stop_system
 from tests.e2e.otlp import OtlpReceiver, ReceivedSpan
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -33,22 +34,35 @@ WHERE = {
 """Each span of the request, and the process (service, worker role) it comes from."""
 
 
-def test_one_request_through_up_is_one_trace_across_every_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("at_exit", [False, True], ids=["batched", "flushed-at-exit"])
+def test_one_request_through_up_is_one_trace_across_every_process(tmp_path: Path, at_exit: bool) -> None:
+    """Sent in batches as they end; and, with a batch delay longer than the test (60 s), sent
+    only by each process's flush as it stops: nothing before ``stop_system``, everything after."""
     with OtlpReceiver() as receiver:
-        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        delay = "60000" if at_exit else "100"
+        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": delay}
         system = start_system(tmp_path, "--prefill", "1", "--decode", "1", environ=environ)
         try:
-            client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
-            traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
-            completion = client.completions.create(
-                model="tiny", prompt="Hello", max_tokens=6, seed=3, extra_headers={"traceparent": traceparent}
-            )
-            assert completion.choices[0].text == sim_text(3, 6)
-            spans = receiver.wait_for({*WHERE, "worker.task_wait"}, CLIENT_TRACE, timeout_s=30)
+            _complete(system)
+            if not at_exit:
+                spans = receiver.wait_for({*WHERE, "worker.task_wait"}, CLIENT_TRACE, timeout_s=30)
+            else:
+                assert receiver.spans == []  # one request's spans are far fewer than a batch
         finally:
             assert stop_system(system) == []
+        if at_exit:  # every process has exited: its flush is done
+            spans = receiver.wait_for({*WHERE, "worker.task_wait"}, CLIENT_TRACE, timeout_s=0)
         everything = list(receiver.spans)
     _check_connected(spans, everything)
+
+
+def _complete(system: System) -> None:
+    client = openai.OpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=60)
+    traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+    completion = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=6, seed=3, extra_headers={"traceparent": traceparent}
+    )
+    assert completion.choices[0].text == sim_text(3, 6)
 
 
 def _check_connected(spans: list[ReceivedSpan], everything: list[ReceivedSpan]) -> None:
