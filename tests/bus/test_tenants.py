@@ -118,6 +118,7 @@ def _everything(client: sync_redis.Redis, name: bytes) -> list[bytes]:
         "zset": lambda: list(cast(list[bytes], client.zrange(name, 0, -1))),
         "list": lambda: list(cast(list[bytes], client.lrange(name, 0, -1))),
         "stream": lambda: [repr(entry).encode() for entry in cast(list[Any], client.xrange(name))],
+        "none": lambda: [],  # expired since the scan named it (the server is shared with other tests' keys)
     }
     return [name, *(bytes(v) for v in reads[kind]())]
 
