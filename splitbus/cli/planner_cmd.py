@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from splitbus.cli.common import (
     add_metrics_arguments,
@@ -22,9 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     add_redis_url_argument(p)
     p.add_argument("--cell", default=env.cell, help="the cell to plan for (default: SPLITBUS_CELL, else %(default)s)")
     p.add_argument("--model", default="", help="size only the workers of this model (default: every worker)")
-    p.add_argument("--ttft-slo-ms", type=float, required=True, help="time to first token each request should meet")
-    p.add_argument("--itl-slo-ms", type=float, required=True, help="mean time between output tokens to meet")
-    p.add_argument("--interval-s", type=float, default=5.0, help="seconds between decisions (default %(default)s)")
+    p.add_argument("--ttft-slo-ms", type=positive, required=True, help="time to first token each request should meet")
+    p.add_argument("--itl-slo-ms", type=positive, required=True, help="mean time between output tokens to meet")
+    p.add_argument("--interval-s", type=positive, default=5.0, help="seconds between decisions (default %(default)s)")
     p.add_argument(
         "--predictor",
         choices=sorted(PREDICTORS),
@@ -36,12 +37,35 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--max-workers", type=int, default=1000, help="most workers advised per role (default %(default)s)")
     p.add_argument(
         "--scale-down-window-s",
-        type=float,
+        type=non_negative,
         default=30.0,
         help="a count goes down only to the highest computed over this window (default %(default)s)",
     )
     add_metrics_arguments(p)
     p.set_defaults(run=run)
+
+
+def positive(text: str) -> float:
+    """A finite number above 0 (``inf`` and ``nan`` parse as floats: refused here, with the usage)."""
+    value = _number(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text[:40]!r}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A finite number of at least 0."""
+    value = _number(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text[:40]!r}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan  # refused by every bound, with the one message
 
 
 def run(args: argparse.Namespace, env: Env) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 from splitbus.planner.predictors import PREDICTORS
 
@@ -47,6 +48,8 @@ class PlannerConfig:
     """Size only the workers serving this model ("": every worker; one model per planner)."""
 
     def __post_init__(self) -> None:
+        for field in fields(self):  # inf passes every bound below, then overflows math.floor
+            _require(field.type != "float" or math.isfinite(getattr(self, field.name)), f"{field.name} must be finite")
         for name in ("ttft_slo_s", "itl_slo_s", "interval_s"):
             _require(getattr(self, name) > 0, f"{name} must be > 0")
         _require(self.predictor in PREDICTORS, f"predictor must be one of {sorted(PREDICTORS)}")

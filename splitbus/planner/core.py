@@ -5,12 +5,13 @@ publishes what it decides, and ``splitbus bench planner`` runs it on simulated w
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 from splitbus.bus.roles import Role
 from splitbus.planner.config import PlannerConfig
-from splitbus.planner.fit import Line, Point, feedback_batch, fit_line
+from splitbus.planner.fit import Line, Point, feedback_batch, fit_line, largest_met
 from splitbus.planner.hysteresis import Stabilizer
 from splitbus.planner.model import Count, Reason, ceil, decode_count, grouped, kv_batch, prefill_count
 from splitbus.planner.predictors import EWMA_ALPHA, PREDICTORS
@@ -95,7 +96,7 @@ class _Measured:
         self.computed_tokens += got.prefill_computed_tokens
         self.busy_s += got.prefill_busy_s
         if self.busy_s >= max(min_busy_s, 1e-6):
-            self.prefill_rate = _ewma(self.prefill_rate, self.computed_tokens / self.busy_s)
+            self.prefill_rate = _ewma(self.prefill_rate, _prefill_rate(self.computed_tokens, self.busy_s))
             self.computed_tokens, self.busy_s = 0, 0.0
 
     @property
@@ -106,6 +107,13 @@ class _Measured:
 
 
 _SAMPLED = {"blocks_per_request": "kv_blocks_per_request"}
+
+
+def _prefill_rate(computed_tokens: int, busy_s: float) -> float | None:
+    """Uncached tokens per busy second; None when none were computed: busy time spent on prompts
+    the prefix cache served whole (or counted a beat before their tokens) says nothing of the rate,
+    and a rate of 0 would size prefill by dividing by it."""
+    return computed_tokens / busy_s if computed_tokens > 0 else None
 
 
 def _ewma(mean: float | None, value: float | None) -> float | None:
@@ -153,13 +161,16 @@ class Planner:
 
     def _prefill(self, reading: Reading, got: Sample | None, rps: float) -> Count:
         actual = _actual(reading, Role.PREFILL.value)
+        floor = max(actual, 1 if rps > 0 else 0)
         uncached, rate = self._measured.uncached_tokens, self._measured.prefill_rate
         if got is None or uncached is None or rate is None:
-            return Count(max(actual, 1 if rps > 0 else 0), Reason.MEASURING)
+            return Count(floor, Reason.MEASURING)
         queued = got.queued_prefill_tokens + (reading.unread + reading.held) * uncached
         c = self.config
         count = prefill_count(rps, uncached, rate, c.prefill_budget_s, c.target_utilization, queued)
-        return Count(actual, count.reason, count.why) if count.reason is Reason.SLO_UNREACHABLE else count
+        if count.reason is Reason.SLO_UNREACHABLE:
+            return Count(actual, count.reason, count.why)
+        return Count(floor, count.reason, count.why) if count.reason is Reason.MEASURING else count
 
     def _decode(self, reading: Reading, got: Sample | None, rps: float) -> Count:
         actual = _actual(reading, Role.DECODE.value)
@@ -172,12 +183,40 @@ class Planner:
             return Count(actual, Reason.SLO_UNREACHABLE, why)
         by_kv = kv_batch(self._measured.kv_blocks, self._blocks_per_request(reading))
         self._batch = _smallest(by_itl, by_kv)
+        if _idle(got, rps):
+            return Count(0, Reason.SLO, "slo: no demand: none predicted, running or queued")
         output = self._measured.output_tokens
-        if got is None or output is None or self._batch is None:
+        if got is None or output is None:
             return Count(floor, Reason.MEASURING if output is None else Reason.HELD)
-        itl_s = line.itl_s(self._batch) if line is not None else self.config.itl_slo_s
-        count = decode_count(rps, output, self._batch, itl_s, got.decode_held)
-        return _decode_reason(count, by_itl, by_kv, floor)
+        return self._decode_sized(rps, output, got.decode_held, line, (by_itl, by_kv), floor)
+
+    def _decode_sized(
+        self, rps: float, output: float, held: int, line: Line | None, bounds: tuple[int | None, int | None], floor: int
+    ) -> Count:
+        """Decode workers at the batch planned for; with no batch at the ITL target, a rise by the
+        KV cache's batch, else ``_decode_below``."""
+        by_itl, by_kv = bounds
+        batch = self._batch
+        itl_s = line.itl_s(batch) if line is not None and batch else self.config.itl_slo_s
+        count = decode_count(rps, output, batch, itl_s, held) if batch else None
+        if count is None or (by_itl is None and count.workers <= floor):  # no batch, or only the KV cache's
+            return self._decode_below(rps, output, held, by_kv, floor, count)
+        return _decode_reason(count, by_itl, by_kv)
+
+    def _decode_below(
+        self, rps: float, output: float, held: int, by_kv: int | None, floor: int, count: Count | None
+    ) -> Count:
+        """Without a batch at the ITL target, a count no higher than the current one: the largest
+        mean batch in the window that met the target is a lower bound for it, so the count it needs
+        is at least what the fleet needs (a fall to it is safe); held without such a batch."""
+        met = largest_met(self._points, self.config.itl_slo_s * self.config.itl_headroom)
+        if met is not None:
+            batch = _smallest(math.floor(met.batch), by_kv) or 1
+            low = decode_count(rps, output, batch, met.itl_s, held)
+            if low.workers < floor:
+                return Count(low.workers, low.reason, f"{low.why} (batch {batch} met the ITL target)")
+        why = f"; {count.why}" if count is not None else ""
+        return Count(floor, Reason.HELD, f"held: no batch at the ITL target measured to size by{why}")
 
     def _batch_at_itl(self, line: Line | None, got: Sample | None) -> int | None:
         if line is not None:
@@ -197,18 +236,44 @@ class Planner:
     def _size(self, reading: Reading, role: str, count: Count) -> Sizing:
         workers = reading.of_role(role)
         dp_size = max((w.dp_size for w in workers), default=1)
+        if not workers and not self._measured_role(role):
+            count = self._unread(role)
         bounded = min(max(count.workers, self.config.min_workers), self.config.max_workers)
-        raw, _ = grouped(bounded, dp_size)
+        raw, _ = self._grouped(bounded, dp_size)
         desired = self._stable[role].settle(reading.at_s, raw)
         if desired > raw:
             count = Count(raw, Reason.HELD, f"held: {raw} computed, {desired} kept for the scale-down window")
-        _, groups = grouped(desired, dp_size)
+        desired, groups = self._grouped(desired, dp_size)
         draining = sum(1 for w in workers if w.load.draining)
         return Sizing(desired, groups, len(workers) - draining, draining, count.reason, count.why)
+
+    def _measured_role(self, role: str) -> bool:
+        """Whether anything of ``role``'s workers was measured: the prefill rate, decode's points."""
+        return self._measured.prefill_rate is not None if role == Role.PREFILL.value else bool(self._points)
+
+    def _unread(self, role: str) -> Count:
+        """A role with no reading yet (none of its workers registered, nothing measured: the first
+        intervals after a start): the count advised last, else the least; 0 running is no reading."""
+        last = self._stable[role].desired
+        why = f"measuring: no {role} worker registered yet"
+        return Count(self.config.min_workers if last is None else last, Reason.MEASURING, why)
+
+    def _grouped(self, workers: int, dp_size: int) -> tuple[int, int]:
+        """(workers, groups) in whole DP groups, rounded up, then down to whole groups within the
+        most advised (rounding up past it would make an advice its readers refuse)."""
+        rounded, groups = grouped(workers, dp_size)
+        if rounded <= self.config.max_workers:
+            return rounded, groups
+        return grouped(self.config.max_workers // max(dp_size, 1) * max(dp_size, 1), dp_size)
 
 
 def _actual(reading: Reading, role: str) -> int:
     return sum(1 for w in reading.of_role(role) if not w.load.draining)
+
+
+def _idle(got: Sample | None, rps: float) -> bool:
+    """Whether decode has no demand at all: none predicted, and none running or queued now."""
+    return got is not None and rps <= 0 and got.decode_held == 0
 
 
 def _smallest(by_itl: int | None, by_kv: int | None) -> int | None:
@@ -217,11 +282,8 @@ def _smallest(by_itl: int | None, by_kv: int | None) -> int | None:
     return max(min(known), 1) if known else None
 
 
-def _decode_reason(count: Count, by_itl: int | None, by_kv: int | None, floor: int) -> Count:
-    """The decode count's reason: the KV cache's when it bounds the batch; with no measure of the
-    batch at the ITL target, the count only rises (held otherwise)."""
+def _decode_reason(count: Count, by_itl: int | None, by_kv: int | None) -> Count:
+    """The decode count's reason: the KV cache's when it bounds the batch."""
     kv_bound = by_kv is not None and (by_itl is None or by_kv < by_itl)
     reason = Reason.KV_BOUND if kv_bound and count.reason is Reason.SLO else count.reason
-    if by_itl is None and count.workers <= floor:
-        return Count(floor, Reason.HELD, f"held: no batch at the ITL target measured to size by; {count.why}")
     return Count(count.workers, reason, count.why)

@@ -60,3 +60,9 @@ def feedback_batch(points: Sequence[Point], itl_slo_s: float) -> int | None:
     if slowest is None or slowest.itl_s <= itl_slo_s:
         return None
     return max(math.floor(slowest.batch * itl_slo_s / slowest.itl_s + _EPSILON), 1)
+
+
+def largest_met(points: Sequence[Point], itl_s: float) -> Point | None:
+    """The point of the largest batch whose step time was at most ``itl_s``: that batch is a lower
+    bound for the batch at the target (the line, unmeasured, may allow more); None when none met it."""
+    return max((p for p in points if p.itl_s <= itl_s), key=lambda p: p.batch, default=None)

@@ -43,7 +43,10 @@ def prefill_count(
     rps: float, uncached_tokens: float, rate: float, budget_s: float, target: float, queued_tokens: float
 ) -> Count:
     """Prefill workers for ``rps`` prompts of ``uncached_tokens`` at ``rate`` tokens/s each, and
-    for clearing the ``queued_tokens`` waiting now within ``budget_s``."""
+    for clearing the ``queued_tokens`` waiting now within ``budget_s``; measuring while no rate
+    above 0 is known (every rate divides by it)."""
+    if rate <= 0:
+        return Count(0, Reason.MEASURING, "measuring: no prefill rate above 0 tokens/s yet")
     service_s = uncached_tokens / rate
     rho = utilization(service_s, budget_s, target)
     if rho is None:

@@ -1,7 +1,7 @@
 """The planner's shell: every interval it reads the registry and the request stream's backlog,
 steps the core, and publishes the advice (``sb:planner:{cell}``), its gauges, and one log line
 when an advised count changes. It only advises: nothing here starts or stops a worker. A Redis
-error skips the interval (logged); the next one measures over both."""
+error, or any error deciding, skips the interval (logged); the next one measures over both."""
 
 from __future__ import annotations
 
@@ -58,21 +58,42 @@ class PlannerService:
             await asyncio.wait_for(self.stopping.wait(), self.config.interval_s)
 
     async def tick(self) -> Decision | None:
-        """One interval: read, decide, publish. None when Redis failed (the interval skipped)."""
+        """One interval: read, decide, publish. None when reading or deciding failed (the interval skipped)."""
         try:
             reading = await self._read()
         except SKIPPED as exc:
             log.warning("planner: skipping an interval, reading Redis failed: %.200s", exc)
             return None
-        decision = self._planner.step(reading)
+        decided = self._decide(reading)
+        if decided is None:
+            return None
+        decision, advised = decided
         try:
-            await publish(self._redis, self.bus.keys, advice(decision, self.config))
+            await publish(self._redis, self.bus.keys, advised)
         except SKIPPED as exc:
             log.warning("planner: could not publish the advice: %.200s", exc)
-        metrics.show(decision, reading, self._last)
-        self._say(decision)
-        self._last = decision
+        self._show(decision, reading)
         return decision
+
+    def _decide(self, reading: Reading) -> tuple[Decision, Advice] | None:
+        """The core's decision and its advice; None when computing them failed. Any error: a
+        figure no test foresaw must cost one interval, not the planner (which then advises
+        nothing, and the advice key expires)."""
+        try:
+            decision = self._planner.step(reading)
+            return decision, advice(decision, self.config)
+        except Exception:
+            log.exception("planner: skipping an interval, deciding failed")
+            return None
+
+    def _show(self, decision: Decision, reading: Reading) -> None:
+        """The gauges and the log line; an error in them is logged, the advice stands."""
+        try:
+            metrics.show(decision, reading, self._last)
+            self._say(decision)
+        except Exception:
+            log.exception("planner: could not show the decision")
+        self._last = decision
 
     async def _read(self) -> Reading:
         snapshot = await self._registry.snapshot_at()

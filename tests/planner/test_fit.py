@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitbus.planner.fit import Point, feedback_batch, fit_line
+from splitbus.planner.fit import Point, feedback_batch, fit_line, largest_met
 
 
 def test_the_fit_recovers_the_sims_line() -> None:
@@ -33,3 +33,10 @@ def test_batch_at_a_target_below_the_empty_step_is_none() -> None:
     line = fit_line([Point(10, 0.005), Point(40, 0.008)])
     assert line is not None
     assert line.batch_at(0.003) == 0
+
+
+def test_the_largest_batch_that_met_the_target() -> None:
+    points = [Point(10, 0.010), Point(30, 0.017), Point(40, 0.025)]
+    assert largest_met(points, itl_s=0.018) == Point(30, 0.017)  # 40 missed it: 30 is the bound
+    assert largest_met([Point(40, 0.025)], itl_s=0.018) is None
+    assert largest_met([], itl_s=0.018) is None

@@ -5,6 +5,7 @@ readings of a made-up fleet."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -135,3 +136,71 @@ def test_short_prefills_add_up_across_intervals_to_one_rate() -> None:
     second = planner.step(reading(2.0, prefiller(prefills=4, busy_s=0.2)))
     assert second.prefill_tokens_per_s == pytest.approx(20_000)  # 4000 tokens over the two intervals' 0.2 s
     assert second.prefill.reason is Reason.SLO
+
+
+def test_busy_time_with_no_token_computed_is_no_rate() -> None:
+    # every prompt served whole by the prefix cache (twins), or the busy time counted a beat before the tokens
+    assert prefill_count(10, 1000, 0, BUDGET_S, 0.8, queued_tokens=0).reason is Reason.MEASURING  # no division
+    planner = Planner(CONFIG)
+    planner.step(reading(0.0, prefiller()))
+    cached = planner.step(reading(1.0, prefiller(prefills=10, busy_s=0.5, prompt_tokens_cached=10_000)))
+    assert cached.prefill_tokens_per_s is None
+    assert (cached.prefill.desired, cached.prefill.reason) == (1, Reason.MEASURING)
+    measured = planner.step(reading(2.0, prefiller(prefills=20, busy_s=1.0, prompt_tokens_cached=10_000)))
+    assert measured.prefill_tokens_per_s == pytest.approx(20_000)  # the next interval that computed measures
+    assert measured.prefill.reason is Reason.SLO
+
+
+def test_decode_falls_by_the_largest_batch_that_met_the_target() -> None:
+    planner = Planner(CONFIG)  # ITL 20 ms; the points are all at batch 10, 10 ms: no spread, no line
+    decoders = [decoder(f"d{i}") for i in range(4)]
+    planner.step(reading(0.0, prefiller(), *decoders))
+    # 20 req/s x 200 tokens x 10 ms = 40 running, 10 a worker: the 4 running
+    decoders = [decoder(f"d{i}", decodes=50) for i in range(4)]
+    steady = planner.step(reading(10.0, prefiller(prefills=200, busy_s=10.0), *decoders))
+    assert (steady.decode.desired, steady.decode.reason, steady.batch_at_slo) == (4, Reason.HELD, None)
+    idle = [planner.step(reading(at, prefiller(prefills=200, busy_s=10.0), *decoders)) for at in range(20, 110, 10)]
+    assert idle[0].decode.desired == 4  # the 4 computed at 10 s is in the scale-down window
+    assert (idle[-1].decode.desired, idle[-1].decode.reason) == (1, Reason.SLO)  # the predicted rate decays
+    assert idle[-1].decode.why.endswith("/ batch 10 (batch 10 met the ITL target)")
+
+
+def test_decode_with_no_demand_at_all_falls_to_the_least() -> None:
+    planner = Planner(dataclasses.replace(CONFIG, min_workers=1, scale_down_window_s=0))
+    planner.step(reading(0.0, decoder("d1"), decoder("d2")))  # never any traffic: no batch, no length measured
+    idle = planner.step(reading(10.0, decoder("d1"), decoder("d2")))
+    assert (idle.decode.desired, idle.decode.reason) == (1, Reason.SLO)
+    held = planner.step(reading(20.0, decoder("d1", running=1), decoder("d2")))  # one request running: not idle
+    assert (held.decode.desired, held.decode.reason) == (2, Reason.MEASURING)
+
+
+def test_a_role_with_no_worker_yet_measures_at_its_last_count() -> None:
+    config = dataclasses.replace(CONFIG, min_workers=1)
+    first = Planner(config).step(reading(0.0))  # `up` starts the planner before any worker registered
+    assert (first.prefill.desired, first.prefill.reason) == (1, Reason.MEASURING)
+    assert first.describe() == (
+        "prefill 0 -> 1 (measuring: no prefill worker registered yet); decode 0 -> 1 (measuring: no decode worker"
+        " registered yet)"
+    )
+    planner = Planner(config)
+    planner.step(reading(0.0, prefiller("p1"), prefiller("p2"), decoder("d1"), decoder("d2"), decoder("d3")))
+    gone = [planner.step(reading(at)) for at in (10.0, 50.0)]  # all restarting, past the scale-down window
+    assert [(d.prefill.desired, d.decode.desired) for d in gone] == [(2, 3), (2, 3)]
+    assert {(d.prefill.reason, d.decode.reason) for d in gone} == {(Reason.MEASURING, Reason.MEASURING)}
+
+
+def test_whole_groups_never_pass_the_most_advised() -> None:
+    planner = Planner(dataclasses.replace(CONFIG, max_workers=6))
+    planner.step(reading(0.0, *(prefiller(f"p{i}", dp_size=4) for i in range(4))))
+    # 100 req/s x 1000 tokens / (20 000 tok/s x 0.8) = 6.25 -> 7 -> 6 at most; 2 groups of 4 would be 8
+    ranks = [prefiller(f"p{i}", dp_size=4, prefills=250, busy_s=12.5) for i in range(4)]
+    decision = planner.step(reading(10.0, *ranks))
+    assert (decision.prefill.desired, decision.prefill.groups) == (4, 1)
+
+
+def test_every_float_setting_must_be_finite() -> None:
+    for name in ("ttft_slo_s", "itl_slo_s", "interval_s", "scale_down_window_s", "min_busy_s", "ttft_reserve"):
+        with pytest.raises(ValueError, match=f"{name} must be finite"):
+            dataclasses.replace(CONFIG, **{name: math.inf})
+    with pytest.raises(ValueError, match="itl_slo_s must be finite"):
+        dataclasses.replace(CONFIG, itl_slo_s=math.nan)

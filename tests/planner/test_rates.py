@@ -79,3 +79,17 @@ def test_levels_now_kv_queues_and_held() -> None:
 
 def test_the_same_reading_twice_is_no_interval() -> None:
     assert sample(reading(5), reading(5), 20) is None
+
+
+def test_a_worker_restarted_under_its_id_counts_nothing_then_measures_again() -> None:
+    # Kubernetes: the worker is pid 1 in its container, so a restart keeps its id; its counters start from 0
+    ran = reading(0, prefiller(prefills=500, busy_s=25), decoder(decodes=500, waiting=3))
+    restarted = reading(2, prefiller(prefills=20, busy_s=1), decoder(decodes=20))
+    got = _sample(ran, restarted)
+    assert (got.arrivals_rps, got.prefill_computed_tokens, got.prefill_busy_s) == (0, 0, 0)  # nothing, none negative
+    assert (got.prompt_tokens, got.hit_ratio, got.output_tokens, got.decode_points) == (None, None, None, ())
+    again = _sample(restarted, reading(4, prefiller(prefills=40, busy_s=2), decoder(decodes=40)))
+    assert again.arrivals_rps == pytest.approx(10)  # 20 prefills in 2 s, counted from the restarted counters
+    assert (again.prompt_tokens, again.output_tokens) == (pytest.approx(1000), pytest.approx(200))
+    assert (again.prefill_computed_tokens, again.prefill_busy_s) == (20_000, pytest.approx(1.0))
+    assert again.decode_points == (Point(pytest.approx(10), pytest.approx(0.01)),)

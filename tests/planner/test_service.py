@@ -20,7 +20,7 @@ from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.cli.main import build_parser
 from splitbus.env import Env
 from splitbus.planner.config import PlannerConfig
-from splitbus.planner.core import Decision
+from splitbus.planner.core import Decision, Reading
 from splitbus.planner.predictors import PREDICTORS
 from splitbus.planner.service import PlannerService
 
@@ -154,6 +154,26 @@ async def test_a_redis_error_skips_the_interval(
     assert await redis.exists(bus_config.keys.planner) == 0
 
 
+async def test_an_error_deciding_skips_the_interval_and_the_next_decides(
+    redis: aioredis.Redis, bus_config: BusConfig, fleet: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = PlannerService(bus_config, CONFIG, redis)
+    step = service._planner.step
+
+    def broken(reading: Reading) -> Decision:
+        raise ZeroDivisionError("division by zero")
+
+    service._planner.step = broken  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING, "splitbus.planner.service")
+    assert await service.tick() is None
+    assert "planner: skipping an interval, deciding failed" in caplog.text
+    assert "ZeroDivisionError: division by zero" in caplog.text  # the traceback logged with it
+    assert await redis.exists(bus_config.keys.planner) == 0
+    service._planner.step = step  # type: ignore[method-assign]
+    assert await service.tick() is not None
+    assert await redis.exists(bus_config.keys.planner) == 1
+
+
 async def test_run_advises_until_asked_to_stop(redis: aioredis.Redis, bus_config: BusConfig) -> None:
     service = PlannerService(bus_config, CONFIG, redis)
     running = asyncio.create_task(service.run())
@@ -185,3 +205,23 @@ def test_the_cli_defaults_and_refuses_an_unknown_predictor() -> None:
     )
     with pytest.raises(SystemExit):
         build_parser(Env()).parse_args([*PLANNER, "--predictor", "arima"])
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--itl-slo-ms", "inf"),
+        ("--ttft-slo-ms", "nan"),
+        ("--itl-slo-ms", "0"),
+        ("--interval-s", "-1"),
+        ("--scale-down-window-s", "inf"),
+        ("--ttft-slo-ms", "1e400"),
+    ],
+)
+def test_the_cli_refuses_a_number_not_finite_or_out_of_range(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser(Env()).parse_args([*PLANNER, flag, value])
+    error = capsys.readouterr().err
+    assert f"argument {flag}: must be a finite number" in error and "usage:" in error
