@@ -19,6 +19,7 @@ from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.cli.main import build_parser
 from splitbus.env import Env
+from splitbus.planner import metrics
 from splitbus.planner.config import PlannerConfig
 from splitbus.planner.core import Decision, Reading
 from splitbus.planner.predictors import PREDICTORS
@@ -172,6 +173,25 @@ async def test_an_error_deciding_skips_the_interval_and_the_next_decides(
     service._planner.step = step  # type: ignore[method-assign]
     assert await service.tick() is not None
     assert await redis.exists(bus_config.keys.planner) == 1
+
+
+async def test_an_error_showing_the_decision_keeps_the_advice(
+    redis: aioredis.Redis,
+    bus_config: BusConfig,
+    fleet: Registry,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = PlannerService(bus_config, CONFIG, redis)
+
+    def broken(*args: object) -> None:
+        raise ValueError("a gauge refused")
+
+    monkeypatch.setattr(metrics, "show", broken)
+    caplog.set_level(logging.WARNING, "splitbus.planner.service")
+    assert await service.tick() is not None
+    assert "planner: could not show the decision" in caplog.text and "ValueError: a gauge refused" in caplog.text
+    assert await redis.exists(bus_config.keys.planner) == 1  # published before the gauges
 
 
 async def test_run_advises_until_asked_to_stop(redis: aioredis.Redis, bus_config: BusConfig) -> None:
