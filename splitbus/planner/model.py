@@ -44,7 +44,10 @@ def prefill_count(
 ) -> Count:
     """Prefill workers for ``rps`` prompts of ``uncached_tokens`` at ``rate`` tokens/s each, and
     for clearing the ``queued_tokens`` waiting now within ``budget_s``; measuring while no rate
-    above 0 is known (every rate divides by it)."""
+    above 0 is known (every rate divides by it) and there is demand: with none predicted or queued,
+    no worker is needed whatever the rate (an idle fleet falls to its minimum)."""
+    if rps <= 0 and queued_tokens <= 0:
+        return Count(0, Reason.SLO, "slo: no prompt predicted or queued")
     if rate <= 0:
         return Count(0, Reason.MEASURING, "measuring: no prefill rate above 0 tokens/s yet")
     service_s = uncached_tokens / rate

@@ -20,7 +20,14 @@ class Recorded:
     def __init__(self) -> None:
         self.parts: dict[str, tuple[list[str], dict[int, str]]] = {}
 
-    def start(self, name: str, args: list[str], env: object = None, exits: dict[int, str] | None = None) -> None:
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        env: object = None,
+        exits: dict[int, str] | None = None,
+        stop_signal: object = None,
+    ) -> None:
         self.parts[name] = (args, dict(exits or {}))
 
 

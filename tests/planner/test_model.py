@@ -204,3 +204,11 @@ def test_every_float_setting_must_be_finite() -> None:
             dataclasses.replace(CONFIG, **{name: math.inf})
     with pytest.raises(ValueError, match="itl_slo_s must be finite"):
         dataclasses.replace(CONFIG, itl_slo_s=math.nan)
+
+
+def test_no_prompt_predicted_or_queued_needs_no_prefill_worker_whatever_the_rate() -> None:
+    """An idle fleet falls to its minimum even when no prefill rate was ever measured."""
+    for rate in (0, 20_000):
+        idle = prefill_count(0, 1000, rate, BUDGET_S, 0.8, queued_tokens=0)
+        assert (idle.workers, idle.reason) == (0, Reason.SLO)
+    assert prefill_count(0, 1000, 0, BUDGET_S, 0.8, queued_tokens=5000).reason is Reason.MEASURING  # a queue, no rate
