@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from splitbus.bus.core.codec import NamedRequest
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import WORKER_GROUP, Keys
-from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed, unread
+from splitbus.bus.core.streams import GroupConsumer, Producer, trim_consumed, unread, unread_and_pending
 from splitbus.bus.messages import Task
 
 
@@ -36,6 +36,12 @@ async def trim_tasks(redis: aioredis.Redis, keys: Keys, worker_id: str) -> int:
 async def unread_tasks(redis: aioredis.Redis, keys: Keys, worker_id: str) -> int:
     """Tasks the worker has not read yet."""
     return await unread(redis, keys.tasks(worker_id), WORKER_GROUP)
+
+
+async def unsettled_tasks(redis: aioredis.Redis, keys: Keys, worker_id: str) -> int:
+    """Tasks the worker has not read, or has read and not acked: none once all written to it is
+    done (a task read but not yet taken into its table counts here, not as held)."""
+    return sum(await unread_and_pending(redis, keys.tasks(worker_id), WORKER_GROUP))
 
 
 async def missing_entries(redis: aioredis.Redis, keys: Keys, worker_id: str, entry_ids: Iterable[str]) -> set[str]:

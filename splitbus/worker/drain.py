@@ -6,9 +6,11 @@ the flag is written to the worker's hash: from that write on the dispatch script
 it (``DispatchOutcome.WORKER_DRAINING``), and placements skip it once their registry view shows it
 (``WorkerInfo.placeable``). Every loop keeps running meanwhile, so the task feed reads the tasks
 written before the flag. The worker is drained when its hash holds the flag, it holds no request
-(a prefill's hand-off in flight counts), its task stream holds no unread entry and its outbox
-has written everything. Past the timeout it stops with work held: it gives its lease up
-(``Registry.resign``) and the reaper moves each request mid-stream to another worker.
+(a prefill's hand-off in flight counts), every entry of its task stream is read and acked (a task
+read but not yet taken into the table is neither held nor unread: only its missing ack tells)
+and its outbox has written everything (the acks included). Past the timeout it stops with work
+held: it gives its lease up (``Registry.resign``) and the reaper moves each request mid-stream to
+another worker.
 """
 
 from __future__ import annotations
@@ -17,31 +19,34 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.loops import Loops
 from splitbus.worker.core import WorkerCore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_S = 0.1
 """How often a draining worker checks whether it is done."""
 
 
 class Drain:
-    """One worker's drain. ``flag`` writes its load (the flag in it) to its hash; ``unread`` counts
-    its task stream's unread entries; ``unwritten`` counts what its outbox has not written yet."""
+    """One worker's drain. ``flag`` writes its load (the flag in it) to its hash; ``unsettled``
+    counts its task stream's entries not read or not acked; ``unwritten`` counts what its outbox
+    has not written yet."""
 
     def __init__(
         self,
         core: WorkerCore,
         loops: Loops,
         flag: Callable[[], Awaitable[object]],
-        unread: Callable[[], Awaitable[int]],
+        unsettled: Callable[[], Awaitable[int]],
         unwritten: Callable[[], int],
     ) -> None:
         self.core, self.loops = core, loops
-        self.flag, self.unread, self.unwritten = flag, unread, unwritten
+        self.flag, self.unsettled, self.unwritten = flag, unsettled, unwritten
         self.started = False
         self._flagged = False
 
@@ -55,11 +60,13 @@ class Drain:
     async def run(self, timeout_s: float) -> None:
         """Drain for up to ``timeout_s``, then stop the worker: drained or not, it leaves."""
         self.core.draining = True
+        tasks = await self.guarded(self.unsettled, -1)
         log.info(
-            "worker %s draining: no new task; up to %.1f s to finish %d requests",
+            "worker %s draining: no new task; up to %.1f s to finish %d requests and %d tasks not yet done",
             self.core.id,
             timeout_s,
             self.core.held(),
+            tasks,  # -1: Redis did not say
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -76,14 +83,24 @@ class Drain:
 
     async def drained(self) -> bool:
         """Whether nothing is left to do: the flag is in the hash (no task can come after), nothing
-        is held, unread or unwritten. Redis refusing for now: not yet."""
+        is held, unwritten, unread or unacked. Redis refusing for now: not yet."""
+        if not self._flagged:
+            self._flagged = await self.guarded(self._flag, False)
+        if not self._flagged or self.core.held() or self.unwritten():
+            return False
+        return await self.guarded(self.unsettled, 1) == 0
+
+    async def _flag(self) -> bool:
+        await self.flag()
+        return True
+
+    @staticmethod
+    async def guarded(read: Callable[[], Awaitable[T]], otherwise: T) -> T:
+        """``read()``, or ``otherwise`` while Redis refuses or is unreachable (logged)."""
         try:
-            if not self._flagged:
-                await self.flag()
-                self._flagged = True
-            return not self.core.held() and not self.unwritten() and not await self.unread()
+            return await read()
         except Exception as exc:
             if not is_transient(exc):
                 raise
             log.warning("drain: Redis refuses or is unreachable (%s); retrying", exc)
-            return False
+            return otherwise

@@ -32,7 +32,7 @@ from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.bus.reservations import Reservations
 from splitbus.bus.results import ResultWriter
-from splitbus.bus.tasks import task_consumer, unread_tasks
+from splitbus.bus.tasks import task_consumer, unsettled_tasks
 from splitbus.grammar.outcomes import GrammarError
 from splitbus.grammar.tokenizer import grammar_tokenizer
 from splitbus.tokenization import ModelTokenizer
@@ -80,7 +80,7 @@ class Worker:
         self.server = TransferServer(self.id, self.receiver.admit_kv, self.receiver.import_kv)
         self.control = control_server(self)
         self.stop_reporting_load = metrics.watch_load(self.load)
-        self.draining = Drain(self.core, self.loops, self._report_load, self._unread_tasks, self._unwritten)
+        self.draining = Drain(self.core, self.loops, self._report_load, self._unsettled_tasks, self._unwritten)
 
     def _build_shell(self, stepper: StepperFactory) -> None:
         """Each part is built after the parts it calls, so that calls run one way: the worker
@@ -300,8 +300,8 @@ class Worker:
     async def _report_load(self) -> None:
         await self.registry.report_load(self.id, self.load())
 
-    async def _unread_tasks(self) -> int:
-        return await unread_tasks(self.redis, self.keys, self.id)
+    async def _unsettled_tasks(self) -> int:
+        return await unsettled_tasks(self.redis, self.keys, self.id)
 
     def _unwritten(self) -> int:
         """Writes the outbox holds: results, task acks, stale reservations."""

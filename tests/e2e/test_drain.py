@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from splitbus.bus.core.keys import Keys
 from splitbus.redis_server import embedded_url
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
-from tests.faults.conftest import Part
+from tests.faults.conftest import Part, wait_until
 from tests.faults.kills import moved_tasks, streams_with_a_kill
 
 STEP_ARG = "--sim-decode-step-ms=25"
@@ -46,13 +47,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     assert stop_system(system) == []
 
 
-def _decode_worker(fleet: Fleet, worker_id: str, drain_timeout_s: float) -> Part:
-    """A decode worker beside `up`'s, on its Redis with the workers' own user (not `up`'s child)."""
+def _worker(fleet: Fleet, role: str, worker_id: str, drain_timeout_s: float, slow: str = STEP_ARG) -> Part:
+    """A worker beside `up`'s, on its Redis with the workers' own user (not `up`'s child)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITBUS_REDIS_URL": embedded_url(fleet.data_dir / "redis") or ""}
     env.pop("SPLITBUS_PREFIX", None)
-    args = ["--role", "decode", "--engine", "sim", "--served-model-name", "tiny", "--worker-id", worker_id]
+    args = ["--role", role, "--engine", "sim", "--served-model-name", "tiny", "--worker-id", worker_id]
     model = fleet.data_dir / "models" / "tiny"
-    command = [sys.executable, "-m", "splitbus.cli.main", "worker", *args, "--model", str(model), STEP_ARG]
+    command = [sys.executable, "-m", "splitbus.cli.main", "worker", *args, "--model", str(model), slow]
     proc = subprocess.Popen(
         [*command, "--drain-timeout", str(drain_timeout_s)],
         stdout=subprocess.PIPE,
@@ -67,23 +68,49 @@ def _decode_worker(fleet: Fleet, worker_id: str, drain_timeout_s: float) -> Part
     return part
 
 
-def _drain_under_load(fleet: Fleet, worker_id: str, drain_timeout_s: float, first_seed: int) -> Part:
-    """16 streams of 200 tokens over both decode workers; SIGTERM to ours 1 s in. Every text is
-    exact; ours exits 0 and leaves the registry."""
-    part = _decode_worker(fleet, worker_id, drain_timeout_s)
+def _drain_under_load(
+    fleet: Fleet, part: Part, worker_id: str, first_seed: int, max_tokens: int = 200, letter: int = 97
+) -> Part:
+    """16 streams over both workers of ``part``'s role (prompts of ``letter``); SIGTERM to it once a
+    task was written to it. Every text is exact; it exits 0 and leaves the registry."""
     try:
-        term = functools.partial(part.proc.send_signal, signal.SIGTERM)
+        term = functools.partial(_term_once_tasked, fleet, part, worker_id)
         streams = streams_with_a_kill(
-            fleet.system, 16, 200, 20, "", after_s=1.0, first_seed=first_seed, timeout_s=50, act=term
+            fleet.system,
+            16,
+            max_tokens,
+            100,
+            "",
+            after_s=0.5,
+            first_seed=first_seed,
+            timeout_s=50,
+            act=term,
+            letter=letter,
         )
         texts = asyncio.run(streams)
-        assert texts == [sim_text(first_seed + i, 200) for i in range(16)]
+        assert texts == [sim_text(first_seed + i, max_tokens) for i in range(16)]
         assert part.wait(40) == 0, part.log()
     finally:
         part.stop()
     r = fleet.system.redis()
     assert r.zscore(Keys().workers, worker_id) is None
     return part
+
+
+def _term_once_tasked(fleet: Fleet, part: Part, worker_id: str) -> None:
+    """SIGTERM once a task has been written to the worker (bounded): the drain has work to do."""
+    r = fleet.system.redis()
+    tasked = wait_until(
+        lambda: r.exists(Keys().tasks(worker_id)) and r.xinfo_stream(Keys().tasks(worker_id))["entries-added"], 10
+    )
+    assert tasked, f"no task was written to {worker_id}"
+    part.proc.send_signal(signal.SIGTERM)
+
+
+def _had_work(part: Part, timeout_s: float) -> bool:
+    """Whether the worker held requests, or had tasks not yet done, when the signal came."""
+    found = re.search(rf"up to {timeout_s:.1f} s to finish (\d+) requests and (-?\d+) tasks not yet done", part.log())
+    return found is not None and max(int(found.group(1)), int(found.group(2))) > 0
 
 
 def _flag_ms(fleet: Fleet, worker_id: str) -> int:
@@ -102,9 +129,8 @@ def _last_task_ms(fleet: Fleet, worker_id: str) -> int:
 
 @pytest.mark.timeout(120)
 def test_a_drained_decode_worker_finishes_its_streams_and_leaves(fleet: Fleet) -> None:
-    part = _drain_under_load(fleet, "d-drain", 30, first_seed=700)
-    started = part.wait_for_log(r"draining: no new task; up to 30.0 s to finish ([1-9]\d*) requests", 1)
-    assert started, part.log()  # it held streams when the signal came
+    part = _drain_under_load(fleet, _worker(fleet, "decode", "d-drain", 30), "d-drain", first_seed=700)
+    assert _had_work(part, 30), part.log()
     assert "drained: leaving the registry" in part.log() and "handed over by migration" not in part.log()
     assert _last_task_ms(fleet, "d-drain") <= _flag_ms(fleet, "d-drain")
     tasks_before = fleet.system.redis().xinfo_stream(Keys().tasks("d-drain"))["entries-added"]
@@ -116,6 +142,18 @@ def test_a_drained_decode_worker_finishes_its_streams_and_leaves(fleet: Fleet) -
 @pytest.mark.timeout(120)
 def test_past_its_drain_timeout_what_a_worker_holds_migrates_exactly(fleet: Fleet) -> None:
     since = len(fleet.system.output)
-    part = _drain_under_load(fleet, "d-short", 0.5, first_seed=900)
+    part = _drain_under_load(fleet, _worker(fleet, "decode", "d-short", 0.5), "d-short", first_seed=900)
     assert part.wait_for_log(r"drained: [1-9]\d* requests handed over by migration after 0.5 s", 1), part.log()
     assert moved_tasks(fleet.system, since) > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_drained_prefill_worker_hands_off_what_it_holds_and_leaves(fleet: Fleet) -> None:
+    """Our prefill worker is slow (2 ms a prompt token): the signal finds prompts queued and
+    prefilling on it; each is prefilled and handed off before it leaves."""
+    slow = _worker(fleet, "prefill", "p-drain", 30, slow="--sim-prefill-us-per-token=2000")
+    # Prompts of their own: `up`'s prefill worker has cached the others, and would draw them all.
+    part = _drain_under_load(fleet, slow, "p-drain", first_seed=1100, max_tokens=20, letter=65)
+    assert _had_work(part, 30), part.log()
+    assert "drained: leaving the registry" in part.log() and "handed over by migration" not in part.log()
+    assert _last_task_ms(fleet, "p-drain") <= _flag_ms(fleet, "p-drain")

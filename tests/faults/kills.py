@@ -28,19 +28,21 @@ async def streams_with_a_kill(
     logprobs: int | None = None,
     extra_body: Mapping[str, object] | None = None,
     act: Callable[[], object] | None = None,
+    letter: int = 97,
 ) -> list[str]:
     """Stream ``count`` completions (request i with seed ``first_seed + i``; ``extra_body``: more
     fields for each) and kill -9 the part whose command line matches ``victim`` ``after_s`` in; the
     texts, in request order. With ``logprobs``, each stream asks for them, and its tokens' logprobs
     must be the sim model's (``sim_logprobs``): one per token of the text, none lost or repeated
     where the request moved. ``act``: what happens ``after_s`` in instead of the kill (a signal to
-    a part ``up`` does not run: ``victim`` is then unused)."""
+    a part ``up`` does not run: ``victim`` is then unused); ``letter``: the token the prompts are
+    made of (``_prompt``), another for prompts no worker has cached from an earlier test."""
     client = openai.AsyncOpenAI(base_url=system.v1, api_key="x", max_retries=0, timeout=timeout_s)
 
     async def one(i: int) -> str:
         stream = await client.completions.create(
             model="tiny",
-            prompt=_prompt(i, prompt_tokens),
+            prompt=_prompt(i, prompt_tokens, letter),
             max_tokens=max_tokens,
             seed=first_seed + i,
             stream=True,
@@ -72,11 +74,11 @@ async def streams_with_a_kill(
         await client.close()
 
 
-def _prompt(i: int, tokens: int) -> list[int]:
+def _prompt(i: int, tokens: int, letter: int = 97) -> list[int]:
     """Request ``i``'s prompt: its own first token, so that no two share a block and cache-aware
     routing spreads them by load as the kills expect (the same prompt would all go where it is
     cached)."""
-    return [97 + i % 26] + [97] * (tokens - 1)
+    return [letter + i % 26] + [letter] * (tokens - 1)
 
 
 def moved_tasks(system: System, since: int) -> int:
