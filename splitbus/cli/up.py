@@ -158,6 +158,12 @@ def _add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
         help="with --autoscale: each worker's --drain-timeout, how long a drained worker may take to finish "
         "its requests before the rest migrate (default %(default)s)",
     )
+    p.add_argument(
+        "--planner-arg",
+        action="append",
+        default=[],
+        help="with --autoscale: extra argument for the planner (repeatable), e.g. --planner-arg=--interval-s=2",
+    )
 
 
 def worker_counts(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -467,7 +473,7 @@ def _start_parts(
         *args.api_arg,
     ]
     supervisor.start("api", api, {**bus_env, "SPLITBUS_API_KEYS": ",".join(args.api_key)})
-    _start_planner(supervisor, args, bus_env, metrics)
+    _start_planner(supervisor, args, model.name, bus_env, metrics)
     return fleet, solo
 
 
@@ -480,12 +486,16 @@ def _drain_options(args: argparse.Namespace) -> tuple[list[str], signal.Signals]
 
 
 def _start_planner(
-    supervisor: Supervisor, args: argparse.Namespace, env: dict[str, str], metrics: Callable[[], list[str]]
+    supervisor: Supervisor, args: argparse.Namespace, model: str, env: dict[str, str], metrics: Callable[[], list[str]]
 ) -> None:
-    """``--autoscale``: the planner, to the SLOs given (it only advises; ``up`` acts)."""
-    if args.autoscale is not None:
-        slos = ["--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms)]
-        supervisor.start("planner", ["planner", *slos, *metrics()], env)
+    """``--autoscale``: the planner, to the SLOs given, for the served model, within the bounds (so
+    that its advice and gauges are the counts ``up`` acts on); it only advises, ``up`` acts."""
+    if args.autoscale is None:
+        return
+    slos = ["--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms)]
+    bounds = ["--min-workers", str(args.autoscale.low), "--max-workers", str(args.autoscale.high)]
+    planner = ["planner", *slos, "--model", model, *bounds, *metrics(), *args.planner_arg]
+    supervisor.start("planner", planner, env)
 
 
 def _autoscaler(

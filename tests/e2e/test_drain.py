@@ -157,3 +157,47 @@ def test_a_drained_prefill_worker_hands_off_what_it_holds_and_leaves(fleet: Flee
     assert _had_work(part, 30), part.log()
     assert "drained: leaving the registry" in part.log() and "handed over by migration" not in part.log()
     assert _last_task_ms(fleet, "p-drain") <= _flag_ms(fleet, "p-drain")
+
+
+async def _burst(system: System, seconds: int, per_second: int, first_seed: int) -> list[str]:
+    """``per_second`` streams of 200-token prompts (10 tokens each) started every second for
+    ``seconds``; their texts in order. Each second's prompts are of their own letter: uncached."""
+    batches = []
+    for k in range(seconds):
+        seed = first_seed + per_second * k
+        batch = streams_with_a_kill(
+            system, per_second, 10, 200, "", after_s=0, first_seed=seed, act=lambda: None, letter=65 + k
+        )
+        batches.append(asyncio.ensure_future(batch))
+        await asyncio.sleep(1)
+    return [text for batch in batches for text in await batch]
+
+
+@pytest.mark.timeout(120)
+def test_up_autoscale_starts_a_worker_for_a_burst_and_drains_one_after_it(tmp_path: Path) -> None:
+    """`up --autoscale 1:2` with the planner deciding every second: a burst beyond one prefill
+    worker's 500 tokens/s (2 ms a token) starts a second; once it is over, one of the two is
+    drained and retired (not restarted). Every stream is exact throughout."""
+    system = start_system(
+        tmp_path,
+        "--autoscale",
+        "1:2",
+        "--ttft-slo-ms",
+        "1000",
+        "--itl-slo-ms",
+        "100",
+        "--planner-arg=--interval-s=1",
+        "--planner-arg=--scale-down-window-s=2",
+        "--worker-arg=--sim-prefill-us-per-token=2000",
+    )
+    try:
+        texts = asyncio.run(_burst(system, 6, 4, first_seed=2000))
+        assert texts == [sim_text(2000 + i, 10) for i in range(24)]
+        system.wait_output(r"^prefill1 +\| .* worker prefill-\S+ \(prefill\) ready", 1)
+        retired = system.wait_output(r"^(prefill\d) retired: exited with code 0", 30)
+        r = system.redis()
+        roles = sorted(r.hget(Keys().worker(w), "role") for w in r.zrange(Keys().workers, 0, -1))
+        assert roles == ["decode", "prefill"]
+        assert f"{retired.group(1)} restarted" not in "".join(system.output)
+    finally:
+        assert stop_system(system) == []
