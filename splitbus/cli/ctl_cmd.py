@@ -12,15 +12,17 @@ from splitbus.masking import mask_text
 
 
 def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
-    p = subparsers.add_parser("ctl", help="send a control command (get_payload, get_metrics, connect_rdma) to a worker")
+    p = subparsers.add_parser(
+        "ctl", help="send a control command (get_payload, get_metrics, connect_rdma, drain) to a worker"
+    )
     p.add_argument("worker", help="worker id (see splitbus status)")
-    p.add_argument("cmd", help="get_payload, get_metrics or connect_rdma")
+    p.add_argument("cmd", help="get_payload, get_metrics, connect_rdma or drain")
     p.add_argument(
         "--arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a command argument, e.g. decode_worker=decode-0",
+        help="a command argument, e.g. decode_worker=decode-0, timeout_s=60",
     )
     add_redis_url_argument(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")

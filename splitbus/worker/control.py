@@ -15,6 +15,7 @@ from splitbus.bus.registry import Registry
 from splitbus.bus.roles import Role
 from splitbus.bus.tasks import unread_tasks
 from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import MAX_DRAIN_TIMEOUT_S
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.table import RequestTable, Status
 from splitbus.worker.transfer import TransferError
@@ -43,6 +44,8 @@ class ServedConfig(Protocol):
     def dp_rank(self) -> int: ...
     @property
     def dp_size(self) -> int: ...
+    @property
+    def drain_timeout_s(self) -> float: ...
 
 
 class ControlledWorker(Protocol):
@@ -67,6 +70,7 @@ class ControlledWorker(Protocol):
     @property
     def requests(self) -> RequestTable: ...
     def load(self) -> WorkerLoad: ...
+    def begin_drain(self, timeout_s: float) -> bool: ...
 
 
 def control_server(worker: ControlledWorker) -> ControlServer:
@@ -74,6 +78,7 @@ def control_server(worker: ControlledWorker) -> ControlServer:
         "get_payload": lambda args: get_payload(worker),
         "get_metrics": lambda args: get_metrics(),
         "connect_rdma": lambda args: connect_rdma(worker, args),
+        "drain": lambda args: drain(worker, args),
     }
     return ControlServer(worker.redis, worker.config.bus, worker.id, handlers)
 
@@ -135,6 +140,23 @@ async def connect_rdma(worker: ControlledWorker, args: dict[str, Any]) -> dict[s
         "endpoint": endpoint,
         "key": worker.links.records.key(decode_worker),
     }
+
+
+async def drain(worker: ControlledWorker, args: dict[str, Any]) -> dict[str, Any]:
+    """Drain this worker, as SIGTERM does with ``--drain-timeout`` (``splitbus.worker.drain``), for
+    orchestrators that cannot signal it: ``args["timeout_s"]`` bounds it (default: the worker's
+    ``--drain-timeout``, which must then be set). Answered at once; the worker leaves once drained."""
+    config = worker.config
+    if config.dp_size:
+        raise CommandFailed(f"{worker.id} is a DP rank: a group stops whole, it is not drained")
+    timeout_s = args.get("timeout_s", config.drain_timeout_s)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise CommandFailed("drain takes args.timeout_s, a number of seconds")
+    if not 0 < timeout_s <= MAX_DRAIN_TIMEOUT_S:
+        unset = "" if "timeout_s" in args else " (the worker has no --drain-timeout: give one)"
+        raise CommandFailed(f"drain needs 0 < args.timeout_s <= {MAX_DRAIN_TIMEOUT_S:g}{unset}")
+    started = worker.begin_drain(float(timeout_s))
+    return {"state": "draining", "timeout_s": float(timeout_s), "already": not started}
 
 
 async def _endpoint_of(worker: ControlledWorker, decode_worker: str) -> str:

@@ -50,12 +50,14 @@ class Drain:
         self.started = False
         self._flagged = False
 
-    def begin(self, timeout_s: float) -> None:
-        """Start the drain in the background (a signal handler's call; a second one does nothing)."""
+    def begin(self, timeout_s: float) -> bool:
+        """Start the drain in the background (a signal handler's call, or a control command's);
+        False, and nothing done, once a drain has begun or the worker stops."""
         if self.started or self.loops.stopped:
-            return
+            return False
         self.started = True
         self.loops.spawn(self.run(timeout_s))
+        return True
 
     async def run(self, timeout_s: float) -> None:
         """Drain for up to ``timeout_s``, then stop the worker: drained or not, it leaves."""

@@ -219,6 +219,10 @@ class Worker:
         else:
             self.draining.begin(self.config.drain_timeout_s)
 
+    def begin_drain(self, timeout_s: float) -> bool:
+        """The ``drain`` control command's: drain for up to ``timeout_s``; False if a drain had begun."""
+        return self.draining.begin(timeout_s)
+
     async def prepare_grammars(self) -> None:
         """llguidance's view of the vocabulary, built before any task (0.2-0.5 s for SmolLM2's 49k
         tokens) in a thread: the core builds a request's grammar on the event loop as it takes its

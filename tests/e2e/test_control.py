@@ -241,3 +241,40 @@ def test_splitbus_ctl_prints_the_reply_and_exits_by_it(workers: Workers) -> None
     assert metrics.returncode == 0 and "# TYPE splitbus_worker_kv_blocks_free gauge" in metrics.stdout
     missing = ctl("ghost", "get_payload", "--timeout", "0.3")
     assert missing.returncode == 2 and "worker ghost did not answer get_payload within 0.3 s" in missing.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ({}, "drain needs 0 < args.timeout_s <= 86400 (the worker has no --drain-timeout: give one)"),
+        ({"timeout_s": "soon"}, "drain takes args.timeout_s, a number of seconds"),
+        ({"timeout_s": True}, "drain takes args.timeout_s, a number of seconds"),
+        ({"timeout_s": -1}, "drain needs 0 < args.timeout_s <= 86400"),
+        ({"timeout_s": 1e9}, "drain needs 0 < args.timeout_s <= 86400"),
+    ],
+)
+async def test_a_drain_command_out_of_bounds_is_refused_and_the_worker_goes_on(
+    workers: Workers, args: dict, error: str
+) -> None:
+    reply = await _call(workers, "d0", "drain", args)
+    assert not reply.ok and reply.error.endswith(error)
+    assert (await _call(workers, "d0", "get_payload")).ok
+
+
+async def test_a_drain_command_drains_the_worker_which_leaves_and_exits_0(workers: Workers, tiny_model: Path) -> None:
+    """For orchestrators that cannot signal a worker: as SIGTERM with --drain-timeout does."""
+    proc = _worker("decode", "d-ctl", tiny_model, workers.redis_url, workers.prefix)
+    client = redis.Redis.from_url(workers.redis_url, decode_responses=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not client.exists(Keys(workers.prefix).lease("d-ctl")):
+            assert time.monotonic() < deadline and proc.poll() is None, "d-ctl did not register"
+            time.sleep(0.1)
+        reply = await _call(workers, "d-ctl", "drain", {"timeout_s": 5})
+        assert reply.ok and reply.result == {"state": "draining", "timeout_s": 5.0, "already": False}
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert "d-ctl" not in client.zrange(Keys(workers.prefix).workers, 0, -1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        client.close()

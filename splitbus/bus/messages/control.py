@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import require, require_str
 
-COMMANDS = ("get_payload", "get_metrics", "connect_rdma")
+COMMANDS = ("get_payload", "get_metrics", "connect_rdma", "drain")
 
 
 @message
