@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitbus.bus.messages.control import MAX_DRAIN_TIMEOUT_S
 from splitbus.bus.roles import Role
 from splitbus.cli.api_cmd import add_tenants_file_argument, add_tool_call_parser_argument
 from splitbus.cli.autoscale import Autoscaler, Bounds, Fleet, advice_reader, held_reader
@@ -44,7 +45,6 @@ from splitbus.model_files import fetch
 from splitbus.model_files.resolve import resolve_model, served_name
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
 from splitbus.worker import engines
-from splitbus.worker.config import MAX_DRAIN_TIMEOUT_S
 
 Embedded = EmbeddedRedis | ClusterUp
 """What ``up`` started for the bus: the single embedded Redis, or the embedded cluster."""

@@ -8,11 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitbus.bus.core.config import BusConfig
+from splitbus.bus.messages.control import MAX_DRAIN_TIMEOUT_S
 from splitbus.bus.roles import ROLES, Role
 from splitbus.worker import engines
-
-MAX_DRAIN_TIMEOUT_S = 86_400.0
-"""The longest drain (--drain-timeout): a day; nothing held runs for longer."""
 
 
 def default_worker_id(role: str, pid: int | None = None) -> str:

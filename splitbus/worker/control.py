@@ -10,12 +10,12 @@ from prometheus_client import generate_latest
 from splitbus.bus.control import CommandFailed, ControlServer, Handler
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.keys import Keys
+from splitbus.bus.messages.control import MAX_DRAIN_TIMEOUT_S
 from splitbus.bus.records import WorkerLoad
 from splitbus.bus.registry import Registry
 from splitbus.bus.roles import Role
 from splitbus.bus.tasks import unread_tasks
 from splitbus.tokenization import ModelTokenizer
-from splitbus.worker.config import MAX_DRAIN_TIMEOUT_S
 from splitbus.worker.links import PeerLinks
 from splitbus.worker.table import RequestTable, Status
 from splitbus.worker.transfer import TransferError

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from splitbus import tracing
 from splitbus.bus.core.streams import Delivery
@@ -26,7 +26,15 @@ from splitbus.bus.messages import Task
 from splitbus.bus.messages._check import is_traceparent
 from splitbus.bus.roles import Phase
 from splitbus.worker.sequence import SeqSpans, Sequence
-from splitbus.worker.table import RequestTable as Table
+
+
+class Table(Protocol):
+    """What spans read of the worker's ``RequestTable`` (a protocol: the table's module sits below
+    the steps that call here, and importing it would lengthen the worker's import chain)."""
+
+    def get(self, request_id: str) -> Sequence | None: ...
+
+    def holds(self, seq: Sequence, *statuses: Any) -> bool: ...
 
 
 def _ids(seq: Sequence) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import require, require_str
 
 COMMANDS = ("get_payload", "get_metrics", "connect_rdma", "drain")
+MAX_DRAIN_TIMEOUT_S = 86_400.0
+"""The longest drain (``drain``'s ``timeout_s``, a worker's --drain-timeout): a day; nothing held runs for longer."""
 
 
 @message
