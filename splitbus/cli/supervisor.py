@@ -107,11 +107,15 @@ class Supervisor:
 
     def retire(self, child: Child) -> None:
         """SIGTERM to ``child`` (a worker started with ``--drain-timeout`` drains, then exits); its
-        exit is not restarted: the child is removed once it has ended."""
+        exit is not restarted: the child is removed once it has ended. One that has ended already
+        (waiting to restart, or given up) is removed at once: no restart may bring it back."""
         child.retiring = True
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
-        self.say(f"{child.name} (pid {child.proc.pid}) retiring: SIGTERM")
+            self.say(f"{child.name} (pid {child.proc.pid}) retiring: SIGTERM")
+            return
+        child.restart_at = None
+        self._remove_retired(child, time.monotonic())
 
     def _spawn(self, name: str, args: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -154,10 +158,14 @@ class Supervisor:
             return
         code = child.proc.poll()
         if code is not None and child.retiring:
-            self.children.remove(child)
-            self.say(f"{child.name} retired: {how_it_ended(code)} after {now - child.started_s:.1f}s")
+            self._remove_retired(child, now)
         elif code is not None:
             self._schedule(child, code, now)
+
+    def _remove_retired(self, child: Child, now: float) -> None:
+        if child in self.children:  # retired twice: gone already
+            self.children.remove(child)
+        self.say(f"{child.name} retired: {how_it_ended(child.proc.wait())} after {now - child.started_s:.1f}s")
 
     def _schedule(self, child: Child, code: int, now: float) -> None:
         if code == EXIT_USAGE:

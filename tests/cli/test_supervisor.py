@@ -204,6 +204,41 @@ def test_a_retired_child_gets_sigterm_and_is_removed_not_restarted(capsys: pytes
 
 
 @pytest.mark.timeout(60)
+def test_a_child_retired_while_it_waits_to_restart_is_removed_at_once_not_restarted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A worker that crashed is dead: there is nothing to signal, and a restart would bring back
+    a worker marked retiring that no one signalled (its role never drains again)."""
+    supervisor = Supervisor(RestartPolicy(first_delay_s=30.0), command=_python("import sys; sys.exit(3)"))
+    crashed = supervisor.start("decode1", [])
+    try:
+        crashed.proc.wait(10)
+        supervisor.watch()
+        assert crashed.restart_at is not None  # it waits to restart
+        supervisor.retire(crashed)
+        assert supervisor.children == [] and crashed.restart_at is None
+        _watch_for(supervisor, 0.3)
+        assert crashed.restarts == 0
+    finally:
+        supervisor.stop()
+    assert re.search(r"^decode1 retired: exited with code 3 after [\d.]+s$", capsys.readouterr().out, re.M)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_gave_up_is_removed_at_once_when_retired() -> None:
+    supervisor = Supervisor(FAST, command=_python("import sys; sys.exit(2)"))
+    wrong = supervisor.start("decode1", [])
+    try:
+        wrong.proc.wait(10)
+        supervisor.watch()
+        assert wrong.gave_up
+        supervisor.retire(wrong)
+        assert supervisor.children == []
+    finally:
+        supervisor.stop()
+
+
+@pytest.mark.timeout(60)
 def test_stop_sends_each_child_its_own_stop_signal(capsys: pytest.CaptureFixture[str]) -> None:
     """A worker on which SIGTERM drains is stopped with SIGINT: `up`'s own stop stays seconds."""
     supervisor = Supervisor(FAST, command=_python("import time; print('ready', flush=True); time.sleep(60)"))
