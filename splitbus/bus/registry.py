@@ -320,12 +320,25 @@ def _counts(text: str, name: str, held: int) -> tuple[int, ...]:
     return counts
 
 
-def held_requests(client: redis.Redis, keys: Keys, worker_id: str) -> int:
-    """Requests a worker holds (``running`` + ``waiting`` in its hash), on a sync client: ``up``'s
-    autoscaler drains the worker holding least. A field that is not a count in range reads as none
-    (it only orders the drains)."""
-    values = client.hmget(keys.worker(worker_id), ["running", "waiting"])
-    return sum(_held_count(value, name) for value, name in zip(values, ("running", "waiting"), strict=True))
+@dataclass(frozen=True)
+class Standing:
+    """What ``up``'s autoscaler reads of one of its workers (``worker_standing``)."""
+
+    registered: bool
+    """It holds its lease: it has started (a worker still loading its model has none yet)."""
+    held: int
+    """Requests it holds (``running`` + ``waiting`` in its hash): the one holding least drains first."""
+
+
+def worker_standing(client: redis.Redis, keys: Keys, worker_id: str) -> Standing:
+    """Whether a worker holds its lease and what it holds, on a sync client, in one round trip. A
+    field that is not a count in range reads as none (it only orders the drains)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.exists(keys.lease(worker_id))
+    pipe.hmget(keys.worker(worker_id), ["running", "waiting"])
+    leases, values = pipe.execute()
+    held = sum(_held_count(value, name) for value, name in zip(values, ("running", "waiting"), strict=True))
+    return Standing(bool(leases), held)
 
 
 def _held_count(value: object, name: str) -> int:
@@ -564,6 +577,11 @@ class Registry:
         for name, amount in given.items():
             pipe.hincrby(self._keys.worker(worker_id), name, amount)
         await pipe.execute()
+
+    async def draining_shown(self, worker_id: str) -> bool:
+        """Whether the worker's hash holds the draining flag now (read fresh: a beat or load report
+        built before the flag was set may have written 0 after it)."""
+        return await self._redis.hget(self._keys.worker(worker_id), "draining") == b"1"
 
     async def leases(self, worker_ids: list[str]) -> list[bool]:
         """Whether each worker holds its lease now (one pipeline of ``EXISTS``)."""

@@ -1,14 +1,17 @@
 """``splitbus up --autoscale MIN:MAX``: ``up`` starts and drains its prefill and decode workers to
 the planner's advice (``sb:planner:{cell}``, written by ``splitbus planner``, which ``up`` runs).
 
-``reconcile`` is the rule, pure: each role's desired count clamped to [MIN, MAX]; workers are
-started at once for a rise, and drained one at a time per role for a fall (a drain takes its
-workers' streams to their end, so the next waits for it to leave); nothing without advice (the
-planner is gone or still measuring: its key expires after three intervals). ``Autoscaler`` is the
-shell, called from ``up``'s 0.1 s watch: it reads the advice, asks ``reconcile`` what to do, starts
-workers through the supervisor, and retires the one that holds least (``Supervisor.retire``:
-SIGTERM, on which a worker started with ``--drain-timeout`` drains, then exits 0 and is not
-restarted).
+``reconcile`` is the rule, pure: each role's desired count clamped to [MIN, MAX], compared with
+``up``'s own workers of the role (started, registered or still loading, and not draining: the
+registry's count would miss those still loading and start them again); workers are started at once
+for a rise, and drained one at a time per role for a fall (a drain takes its workers' streams to
+their end, so the next waits for it to leave), only a fall the planner measured (``FALLS``: a hold
+advises the count registered, which a worker still loading is not in) and only of a worker past its
+start (registered, and started ``START_GRACE_S`` ago); nothing without advice (the planner is gone
+or still measuring: its key expires after three intervals). ``Autoscaler`` is the shell, called
+from ``up``'s 0.1 s watch: it reads the advice, asks ``reconcile`` what to do, starts workers
+through the supervisor, and retires the one that holds least (``Supervisor.retire``: SIGTERM, on
+which a worker started with ``--drain-timeout`` drains, then exits 0 and is not restarted).
 """
 
 from __future__ import annotations
@@ -17,15 +20,14 @@ import argparse
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Generic, Protocol, TypeVar
 
 import redis
 
 from splitbus.bus.core.errors import DecodeError
 from splitbus.bus.core.keys import Keys
-from splitbus.bus.planner import read_advice
-from splitbus.bus.registry import held_requests
+from splitbus.bus.planner import Reason, read_advice
+from splitbus.bus.registry import Standing, worker_standing
 from splitbus.bus.roles import Role
 from splitbus.cli.supervisor import Child, Supervisor
 from splitbus.worker.config import default_worker_id
@@ -36,6 +38,13 @@ MAX_WORKERS = 1000
 """The most workers of a role ``--autoscale`` accepts as its MAX."""
 READ_EVERY_S = 1.0
 """How often the advice is read: a planner decides every few seconds."""
+START_GRACE_S = 10.0
+"""A worker younger than this is not drained even once registered: restarted under a fixed
+``--worker-id``, it finds its predecessor's lease for up to a lease (3 s by default)."""
+FALLS = frozenset({Reason.SLO, Reason.BACKLOG, Reason.KV_BOUND})
+"""The reasons whose fall is acted on: a need the planner measured. The others hold (``measuring``,
+``held``, ``slo_unreachable`` advise the count registered, which can be 0 while ``up``'s workers
+load their model)."""
 
 C = TypeVar("C")
 
@@ -47,6 +56,10 @@ class Advice(Protocol):
     def desired_prefill(self) -> int: ...
     @property
     def desired_decode(self) -> int: ...
+    @property
+    def reason_prefill(self) -> Reason: ...
+    @property
+    def reason_decode(self) -> Reason: ...
 
 
 @dataclass(frozen=True)
@@ -90,25 +103,44 @@ class Drain(Generic[C]):
     child: C
 
 
+@dataclass(frozen=True)
+class Roster(Generic[C]):
+    """One autoscaled role's workers, as ``reconcile`` sees them."""
+
+    running: int
+    """Started and not draining: registered or still loading (a rise counts them all)."""
+    drainable: Sequence[C] = ()
+    """The running ones that may be drained (registered and past their start grace), the one to
+    drain first first (the least loaded)."""
+    draining: int = 0
+    """How many are draining."""
+
+
 def desired(advice: Advice, role: str) -> int:
     return advice.desired_prefill if role == Role.PREFILL else advice.desired_decode
 
 
-def reconcile(
-    advice: Advice | None, running: Mapping[str, Sequence[C]], draining: Mapping[str, int], bounds: Bounds
-) -> list[Start | Drain[C]]:
-    """What to do now, per autoscaled role. ``running``: the role's workers that are not draining,
-    the first the one to drain first (the least loaded); ``draining``: how many are draining."""
+def reason(advice: Advice, role: str) -> Reason:
+    return advice.reason_prefill if role == Role.PREFILL else advice.reason_decode
+
+
+def reconcile(advice: Advice | None, rosters: Mapping[str, Roster[C]], bounds: Bounds) -> list[Start | Drain[C]]:
+    """What to do now, per autoscaled role (a role missing from ``rosters`` has no worker)."""
     if advice is None:
         return []
     actions: list[Start | Drain[C]] = []
     for role in SCALED:
-        have, target = running.get(role, ()), bounds.clamp(desired(advice, role))
-        if target > len(have):
-            actions += [Start(role)] * (target - len(have))
-        elif target < len(have) and not draining.get(role, 0):
-            actions.append(Drain(role, have[0]))
+        actions += _for_role(role, advice, rosters.get(role, Roster(0)), bounds)
     return actions
+
+
+def _for_role(role: str, advice: Advice, roster: Roster[C], bounds: Bounds) -> list[Start | Drain[C]]:
+    target = bounds.clamp(desired(advice, role))
+    if target > roster.running:
+        return [Start(role)] * (target - roster.running)
+    if target < roster.running and reason(advice, role) in FALLS and roster.drainable and not roster.draining:
+        return [Drain(role, roster.drainable[0])]
+    return []
 
 
 @dataclass
@@ -117,22 +149,20 @@ class Fleet:
 
     children: dict[str, list[Child]]
 
-    def running(self) -> dict[str, list[Child]]:
-        return {role: [c for c in kids if not c.retiring] for role, kids in self.children.items()}
-
-    def draining(self) -> dict[str, int]:
-        return {role: sum(c.retiring for c in kids) for role, kids in self.children.items()}
-
-    def forget_gone(self, supervisor: Supervisor) -> None:
-        """Drop the retired children the supervisor has removed (they exited)."""
+    def forget_gone(self, supervisor: Supervisor) -> list[tuple[str, Child]]:
+        """Drop the retired children the supervisor has removed (they exited) and those that gave
+        up (exit 2: they run no worker, though the supervisor keeps them); returns the latter."""
+        gave_up = [(role, c) for role, kids in self.children.items() for c in kids if c.gave_up]
         for role, kids in self.children.items():
-            self.children[role] = [c for c in kids if c in supervisor.children]
+            self.children[role] = [c for c in kids if c in supervisor.children and not c.gave_up]
+        return gave_up
 
 
 class Autoscaler:
     """The shell: ``tick`` from ``up``'s watch. ``read`` gives the advice (None: none);
-    ``start(role, index)`` starts a worker and returns its child; ``held(role, child)`` says how
-    many requests its worker holds (running + waiting, from the registry)."""
+    ``start(role, index)`` starts a worker and returns its child; ``standing(role, child)`` says
+    whether its worker is registered and how many requests it holds (from the registry);
+    ``grace_s``: how long after its start a worker may not be drained."""
 
     def __init__(
         self,
@@ -141,12 +171,15 @@ class Autoscaler:
         bounds: Bounds,
         read: Callable[[], Advice | None],
         start: Callable[[str, int], Child],
-        held: Callable[[str, Child], int],
+        standing: Callable[[str, Child], Standing],
+        grace_s: float = START_GRACE_S,
     ) -> None:
         self.supervisor, self.fleet, self.bounds = supervisor, fleet, bounds
-        self.read, self.start, self.held = read, start, held
+        self.read, self.start, self.standing, self.grace_s = read, start, standing, grace_s
         self._next_read = 0.0
         self._started: dict[str, int] = {role: len(fleet.children.get(role, [])) for role in SCALED}
+        self.stuck: set[str] = set()
+        """Roles a worker of which gave up: one started with the same arguments would too."""
 
     def tick(self) -> None:
         """Act on the advice, at most every ``READ_EVERY_S``."""
@@ -154,18 +187,34 @@ class Autoscaler:
         if now < self._next_read:
             return
         self._next_read = now + READ_EVERY_S
-        self.fleet.forget_gone(self.supervisor)
-        running = {role: sorted(kids, key=partial(self.held, role)) for role, kids in self.fleet.running().items()}
-        for action in reconcile(self.read(), running, self.fleet.draining(), self.bounds):
+        for role, child in self.fleet.forget_gone(self.supervisor):
+            self.give_up(role, child)
+        rosters = {role: self.roster(role, kids, now) for role, kids in self.fleet.children.items()}
+        for action in reconcile(self.read(), rosters, self.bounds):
             self.act(action)
 
+    def roster(self, role: str, kids: list[Child], now: float) -> Roster[Child]:
+        """The role's workers: those running, and of them the registered ones past their start
+        grace and not waiting to restart, the one holding least first."""
+        running = [c for c in kids if not c.retiring]
+        aged = [c for c in running if now - c.started_s >= self.grace_s and c.restart_at is None]
+        standings = [self.standing(role, c) for c in aged]
+        ordered = sorted(zip(standings, aged, strict=True), key=lambda pair: pair[0].held)
+        drainable = [c for standing, c in ordered if standing.registered]
+        return Roster(len(running), drainable, len(kids) - len(running))
+
+    def give_up(self, role: str, child: Child) -> None:
+        if role not in self.stuck:
+            self.stuck.add(role)
+            self.supervisor.say(f"autoscale: {child.name} gave up, so no {role} worker is started any more")
+
     def act(self, action: Start | Drain[Child]) -> None:
-        if isinstance(action, Start):
+        if isinstance(action, Drain):
+            self.supervisor.retire(action.child)
+        elif action.role not in self.stuck:
             child = self.start(action.role, self._started[action.role])
             self._started[action.role] += 1
             self.fleet.children.setdefault(action.role, []).append(child)
-        else:
-            self.supervisor.retire(action.child)
 
 
 def advice_reader(client: redis.Redis, keys: Keys, say: Callable[[str], None]) -> Callable[[], Advice | None]:
@@ -186,14 +235,26 @@ def advice_reader(client: redis.Redis, keys: Keys, say: Callable[[str], None]) -
     return read
 
 
-def held_reader(client: redis.Redis, keys: Keys) -> Callable[[str, Child], int]:
-    """Requests a child's worker holds (``held_requests``; Redis unreachable reads as none: it only
-    orders which worker drains first)."""
+def held_reader(client: redis.Redis, keys: Keys) -> Callable[[str, Child], Standing]:
+    """Whether a child's worker is registered and what it holds (``worker_standing``, under the id
+    it was started with); Redis unreachable reads as not registered (it is not drained meanwhile)."""
 
-    def held(role: str, child: Child) -> int:
+    def standing(role: str, child: Child) -> Standing:
         try:
-            return held_requests(client, keys, default_worker_id(role, child.proc.pid))
+            return worker_standing(client, keys, worker_id(role, child))
         except (redis.RedisError, OSError):
-            return 0
+            return Standing(registered=False, held=0)
 
-    return held
+    return standing
+
+
+def worker_id(role: str, child: Child) -> str:
+    """The id a child's worker registers under: the ``--worker-id`` it was started with (the last
+    one, as argparse takes it), else the default, from its role and pid."""
+    found = default_worker_id(role, child.proc.pid)
+    for arg, following in zip(child.args, [*child.args[1:], None], strict=True):
+        if arg == "--worker-id" and following is not None:
+            found = following
+        elif arg.startswith("--worker-id="):
+            found = arg.partition("=")[2]
+    return found

@@ -8,13 +8,27 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect_sync
+from splitbus.bus.planner import Reason
+from splitbus.bus.registry import Standing
 from splitbus.cli import up
-from splitbus.cli.autoscale import Autoscaler, Bounds, Drain, Fleet, Start, advice_reader, held_reader, reconcile
+from splitbus.cli.autoscale import (
+    FALLS,
+    Autoscaler,
+    Bounds,
+    Drain,
+    Fleet,
+    Roster,
+    Start,
+    advice_reader,
+    held_reader,
+    reconcile,
+)
 from splitbus.cli.supervisor import Child, RestartPolicy, Supervisor
 from splitbus.env import load_env
 from splitbus.worker.config import default_worker_id
@@ -27,39 +41,65 @@ class Advice:
 
     desired_prefill: int
     desired_decode: int
+    reason_prefill: Reason = Reason.SLO
+    reason_decode: Reason = Reason.SLO
 
 
 ONE_TO_THREE = Bounds(1, 3)
 
 
-def _running(prefill: int, decode: int) -> dict[str, list[str]]:
-    """Workers by role, least loaded first: ``p0``, ``p1``... and ``d0``, ``d1``..."""
-    return {"prefill": [f"p{i}" for i in range(prefill)], "decode": [f"d{i}" for i in range(decode)]}
+def _running(prefill: int, decode: int, draining: dict[str, int] | None = None) -> dict[str, Roster[str]]:
+    """Workers by role, every one registered, least loaded first: ``p0``, ``p1``... and ``d0``,
+    ``d1``...; ``draining``: how many more of each role are draining."""
+    names = {"prefill": [f"p{i}" for i in range(prefill)], "decode": [f"d{i}" for i in range(decode)]}
+    return {role: Roster(len(kids), kids, (draining or {}).get(role, 0)) for role, kids in names.items()}
 
 
 def test_no_advice_does_nothing_whatever_the_fleet() -> None:
-    assert reconcile(None, _running(0, 9), {}, ONE_TO_THREE) == []
+    assert reconcile(None, _running(0, 9), ONE_TO_THREE) == []
 
 
 def test_a_rise_starts_every_worker_missing_at_once() -> None:
-    actions = reconcile(Advice(3, 2), _running(1, 1), {}, ONE_TO_THREE)
+    actions = reconcile(Advice(3, 2), _running(1, 1), ONE_TO_THREE)
     assert actions == [Start("prefill"), Start("prefill"), Start("decode")]
 
 
 def test_the_advice_is_clamped_to_the_bounds() -> None:
-    assert reconcile(Advice(10, 0), _running(3, 1), {}, ONE_TO_THREE) == []
-    assert reconcile(Advice(10, 0), _running(2, 2), {}, ONE_TO_THREE) == [Start("prefill"), Drain("decode", "d0")]
-    assert reconcile(Advice(0, 0), _running(0, 0), {}, Bounds(2, 4)) == [Start("prefill")] * 2 + [Start("decode")] * 2
+    assert reconcile(Advice(10, 0), _running(3, 1), ONE_TO_THREE) == []
+    assert reconcile(Advice(10, 0), _running(2, 2), ONE_TO_THREE) == [Start("prefill"), Drain("decode", "d0")]
+    assert reconcile(Advice(0, 0), _running(0, 0), Bounds(2, 4)) == [Start("prefill")] * 2 + [Start("decode")] * 2
 
 
 def test_a_fall_drains_one_worker_per_role_at_a_time_the_least_loaded() -> None:
-    assert reconcile(Advice(1, 1), _running(3, 3), {}, ONE_TO_THREE) == [Drain("prefill", "p0"), Drain("decode", "d0")]
+    assert reconcile(Advice(1, 1), _running(3, 3), ONE_TO_THREE) == [Drain("prefill", "p0"), Drain("decode", "d0")]
     # One decode worker is draining still: the next decode drain waits for it to leave.
-    assert reconcile(Advice(1, 1), _running(2, 2), {"decode": 1}, ONE_TO_THREE) == [Drain("prefill", "p0")]
+    assert reconcile(Advice(1, 1), _running(2, 2, {"decode": 1}), ONE_TO_THREE) == [Drain("prefill", "p0")]
 
 
 def test_a_draining_worker_is_not_counted_so_a_rise_meanwhile_starts_another() -> None:
-    assert reconcile(Advice(2, 2), _running(2, 1), {"decode": 1}, ONE_TO_THREE) == [Start("decode")]
+    assert reconcile(Advice(2, 2), _running(2, 1, {"decode": 1}), ONE_TO_THREE) == [Start("decode")]
+
+
+@pytest.mark.parametrize("hold", sorted(set(Reason) - FALLS))
+def test_a_hold_drains_nothing_though_its_count_is_lower(hold: Reason) -> None:
+    """``measuring``, ``held`` and ``slo_unreachable`` advise the count registered: 0 at ``up``'s
+    start, while its workers load their model. A rise under a hold still starts what is missing."""
+    assert reconcile(Advice(0, 0, hold, hold), _running(3, 3), ONE_TO_THREE) == []
+    assert reconcile(Advice(0, 3, hold, hold), _running(3, 1), ONE_TO_THREE) == [Start("decode"), Start("decode")]
+
+
+@pytest.mark.parametrize("fall", sorted(FALLS))
+def test_a_measured_fall_drains(fall: Reason) -> None:
+    assert reconcile(Advice(1, 3, fall, Reason.HELD), _running(2, 3), ONE_TO_THREE) == [Drain("prefill", "p0")]
+
+
+def test_a_worker_still_starting_counts_as_running_and_is_never_drained() -> None:
+    """Two decode workers started, one registered: the advice of 2 starts none, a fall to 1 drains
+    the registered one, and with none registered nothing is drained."""
+    one_starting = _running(1, 0) | {"decode": Roster(2, ["d0"])}
+    assert reconcile(Advice(1, 2), one_starting, ONE_TO_THREE) == []
+    assert reconcile(Advice(1, 1), one_starting, ONE_TO_THREE) == [Drain("decode", "d0")]
+    assert reconcile(Advice(1, 1), _running(1, 0) | {"decode": Roster[str](2)}, ONE_TO_THREE) == []
 
 
 @pytest.mark.parametrize("text", ["0:3", "3:2", "1", "a:b", "1:1001", ":"])
@@ -128,7 +168,13 @@ def test_the_autoscaler_starts_and_retires_real_children_to_the_advice(capsys: p
         return supervisor.start(f"{role}{index}", [])
 
     scaler = Autoscaler(
-        supervisor, fleet, ONE_TO_THREE, lambda: advice[0], start, lambda _, c: loads.get(c.proc.pid, 0)
+        supervisor,
+        fleet,
+        ONE_TO_THREE,
+        lambda: advice[0],
+        start,
+        lambda _, c: Standing(registered=True, held=loads.get(c.proc.pid, 0)),
+        grace_s=0.0,
     )
     try:
         scaler.tick()
@@ -155,6 +201,64 @@ def test_the_autoscaler_starts_and_retires_real_children_to_the_advice(capsys: p
     assert re.search(r"^decode1 retired: exited with code 0", capsys.readouterr().out, re.M)
 
 
+SLEEPS = "import sys, time; sys.exit(2) if 'bad' in sys.argv else print('ready', flush=True); time.sleep(60)"
+"""A child that runs (or, given ``bad``, exits 2: its options are wrong)."""
+
+
+def _scaler(
+    supervisor: Supervisor, fleet: Fleet, advice: Advice, standings: dict[int, Standing], **kw: Any
+) -> Autoscaler:
+    def start(role: str, index: int) -> Child:
+        return supervisor.start(f"{role}{index}", [])
+
+    def standing(role: str, child: Child) -> Standing:
+        return standings.get(child.proc.pid, Standing(registered=False, held=0))
+
+    return Autoscaler(supervisor, fleet, ONE_TO_THREE, lambda: advice, start, standing, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_the_autoscaler_drains_neither_a_worker_still_loading_nor_one_within_its_start_grace() -> None:
+    """A worker started for a rise and loading its model for longer than the planner's window
+    holds nothing: it must not be the one drained (it is not registered yet)."""
+    supervisor = Supervisor(command=[sys.executable, "-c", SLEEPS])
+    fleet = Fleet({"decode": [supervisor.start("decode0", []), supervisor.start("decode1", [])]})
+    decode0, decode1 = fleet.children["decode"]
+    scaler = _scaler(supervisor, fleet, Advice(1, 1), {decode0.proc.pid: Standing(True, 5)}, grace_s=3600.0)
+    try:
+        _tick(scaler)
+        assert not decode0.retiring and not decode1.retiring  # both within the grace
+        scaler.grace_s = 0.0
+        _tick(scaler)
+        assert decode0.retiring and not decode1.retiring  # decode1 holds less, but is still loading
+        _tick(scaler)
+        assert not decode1.retiring  # one drain at a time
+    finally:
+        supervisor.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_gave_up_is_not_counted_and_its_role_gets_no_more(capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 (its options or model are wrong): it runs no worker, so it is neither counted nor
+    drained (a retire would mark it draining for ever); one started the same way would fail alike."""
+    supervisor = Supervisor(command=[sys.executable, "-c", SLEEPS])
+    fleet = Fleet({"decode": [supervisor.start("decode0", []), supervisor.start("decode1", ["bad"])]})
+    fleet.children["prefill"] = [supervisor.start("prefill0", [])]
+    decode0, decode1 = fleet.children["decode"]
+    assert decode1.proc.wait(30) == 2
+    supervisor.watch()
+    scaler = _scaler(supervisor, fleet, Advice(1, 1), {decode0.proc.pid: Standing(True, 5)}, grace_s=0.0)
+    try:
+        _tick(scaler)
+        assert fleet.children["decode"] == [decode0] and not decode0.retiring and not decode1.retiring
+        scaler.read = lambda: Advice(1, 2)
+        _tick(scaler)
+        assert fleet.children["decode"] == [decode0] and len(supervisor.children) == 3  # none started
+    finally:
+        supervisor.stop()
+    assert "autoscale: decode1 gave up, so no decode worker is started any more" in capsys.readouterr().out
+
+
 def _tick(scaler: Autoscaler) -> None:
     """A tick that acts now (they are at most every READ_EVERY_S)."""
     scaler._next_read = 0.0
@@ -174,9 +278,30 @@ def test_the_readers_take_a_forged_or_missing_hash_as_nothing_and_say_so_once(bu
     try:
         worker = keys.worker(default_worker_id("decode", child.proc.pid))
         client.hset(worker, mapping={"running": "3", "waiting": "2"})
-        assert held("decode", child) == 5
+        assert held("decode", child) == Standing(registered=False, held=5)  # no lease: still loading
+        client.set(keys.lease(default_worker_id("decode", child.proc.pid)), "1", px=60_000)
+        assert held("decode", child) == Standing(registered=True, held=5)
         client.hset(worker, mapping={"running": "x" * 40, "waiting": "-7"})
-        assert held("decode", child) == 0
+        assert held("decode", child) == Standing(registered=True, held=0)
+    finally:
+        child.proc.wait(30)
+        client.close()
+
+
+@pytest.mark.parametrize("given", [["--worker-id", "d-fixed"], ["--worker-id=other", "--worker-id=d-fixed"]])
+def test_the_held_reader_reads_the_worker_id_the_child_was_started_with(
+    bus_config: BusConfig, given: list[str]
+) -> None:
+    """``up --worker-arg=--worker-id=...``: the worker registers under that id, not its pid's."""
+    client = connect_sync(bus_config.redis_url)
+    keys = bus_config.keys
+    held = held_reader(client, keys)
+    child = Supervisor().start("decode0", ["--version"])
+    try:
+        named = Child("decode0", ["worker", "--role", "decode", *given], {}, child.proc)
+        client.hset(keys.worker("d-fixed"), mapping={"running": "4", "waiting": "0"})
+        client.set(keys.lease("d-fixed"), "1", px=60_000)
+        assert held("decode", named) == Standing(registered=True, held=4)
     finally:
         child.proc.wait(30)
         client.close()
