@@ -578,10 +578,14 @@ class Registry:
             pipe.hincrby(self._keys.worker(worker_id), name, amount)
         await pipe.execute()
 
-    async def draining_shown(self, worker_id: str) -> bool:
-        """Whether the worker's hash holds the draining flag now (read fresh: a beat or load report
-        built before the flag was set may have written 0 after it)."""
-        return await self._redis.hget(self._keys.worker(worker_id), "draining") == b"1"
+    async def show_draining(self, worker_id: str, load: WorkerLoad) -> bool:
+        """Whether the worker's hash holds the draining flag now (read fresh); when it does not,
+        writes ``load`` (which carries the flag) again and says no: a beat or load report built
+        before the flag was set may have written 0 after it, and the dispatch script reads the hash."""
+        if await self._redis.hget(self._keys.worker(worker_id), "draining") == b"1":
+            return True
+        await self.report_load(worker_id, load)
+        return False
 
     async def leases(self, worker_ids: list[str]) -> list[bool]:
         """Whether each worker holds its lease now (one pipeline of ``EXISTS``)."""

@@ -33,22 +33,21 @@ POLL_S = 0.1
 
 
 class Drain:
-    """One worker's drain. ``flag`` writes its load (the flag in it) to its hash; ``unsettled``
-    counts its task stream's entries not read or not acked; ``unwritten`` counts what its outbox
-    has not written yet."""
+    """One worker's drain. ``flag`` says whether its hash shows the flag, writing its load (the flag
+    in it) again when it does not; ``unsettled`` counts its task stream's entries not read or not
+    acked; ``unwritten`` counts what its outbox has not written yet."""
 
     def __init__(
         self,
         core: WorkerCore,
         loops: Loops,
-        flag: Callable[[], Awaitable[object]],
+        flag: Callable[[], Awaitable[bool]],
         unsettled: Callable[[], Awaitable[int]],
         unwritten: Callable[[], int],
     ) -> None:
         self.core, self.loops = core, loops
         self.flag, self.unsettled, self.unwritten = flag, unsettled, unwritten
         self.started = False
-        self._flagged = False
 
     def begin(self, timeout_s: float) -> bool:
         """Start the drain in the background (a signal handler's call, or a control command's);
@@ -77,24 +76,22 @@ class Drain:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.loops.stopping.wait(), POLL_S)
-        if held := self.core.held():
+        held = self.core.held()
+        if held and loop.time() >= deadline:
             log.warning("drained: %d requests handed over by migration after %.1f s", held, timeout_s)
+        elif held:  # stopped before the bound (SIGINT, a failed loop): the stop says what follows
+            log.info("worker %s stopped while draining, holding %d requests", self.core.id, held)
         else:
             log.info("worker %s drained: leaving the registry", self.core.id)
         self.loops.stop()
 
     async def drained(self) -> bool:
-        """Whether nothing is left to do: the flag is in the hash (no task can come after), nothing
-        is held, unwritten, unread or unacked. Redis refusing for now: not yet."""
-        if not self._flagged:
-            self._flagged = await self.guarded(self._flag, False)
-        if not self._flagged or self.core.held() or self.unwritten():
+        """Whether nothing is left to do: the flag is in the hash (no task can come after; read back
+        every poll, as a beat built before the flag may write 0 after it), nothing is held,
+        unwritten, unread or unacked. Redis refusing for now: not yet."""
+        if not await self.guarded(self.flag, False) or self.core.held() or self.unwritten():
             return False
         return await self.guarded(self.unsettled, 1) == 0
-
-    async def _flag(self) -> bool:
-        await self.flag()
-        return True
 
     @staticmethod
     async def guarded(read: Callable[[], Awaitable[T]], otherwise: T) -> T:

@@ -80,7 +80,7 @@ class Worker:
         self.server = TransferServer(self.id, self.receiver.admit_kv, self.receiver.import_kv)
         self.control = control_server(self)
         self.stop_reporting_load = metrics.watch_load(self.load)
-        self.draining = Drain(self.core, self.loops, self._report_load, self._unsettled_tasks, self._unwritten)
+        self.draining = Drain(self.core, self.loops, self._show_draining, self._unsettled_tasks, self._unwritten)
 
     def _build_shell(self, stepper: StepperFactory) -> None:
         """Each part is built after the parts it calls, so that calls run one way: the worker
@@ -301,8 +301,8 @@ class Worker:
     async def _recover(self) -> None:
         await self.recovery.recover_if_owed()
 
-    async def _report_load(self) -> None:
-        await self.registry.report_load(self.id, self.load())
+    async def _show_draining(self) -> bool:
+        return await self.registry.show_draining(self.id, self.load())
 
     async def _unsettled_tasks(self) -> int:
         return await unsettled_tasks(self.redis, self.keys, self.id)

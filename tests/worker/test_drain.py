@@ -1,16 +1,23 @@
-"""A worker's drain (splitbus/worker/drain.py) on a real core, with Redis's answers given: what
-it waits for before it says it is done, and how it ends (drained, or past its bound)."""
+"""A worker's drain (splitbus/worker/drain.py) on a real core: with Redis's answers given, what it
+waits for before it says it is done and how it ends (drained, or past its bound); against real
+Redis, its flag (``Registry.show_draining``): a beat built before the flag and written after it
+writes ``draining=0`` back, the next poll writes the flag again, and the drain is done only once
+the hash shows it."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.loops import Loops
+from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker.core import Limits, WorkerCore
 from splitbus.worker.drain import Drain
@@ -25,15 +32,17 @@ def core(tiny_model: Path) -> WorkerCore:
 
 
 class Answers:
-    """What the drain's reads give: ``flag`` raises while ``refusing``."""
+    """What the drain's reads give: ``flag`` raises while ``refusing``, and says whether the hash
+    shows the flag (``shown``)."""
 
     def __init__(self) -> None:
-        self.refusing, self.flags, self.unsettled, self.unwritten = False, 0, 0, 0
+        self.refusing, self.shown, self.flags, self.unsettled, self.unwritten = False, True, 0, 0, 0
 
-    async def flag(self) -> None:
+    async def flag(self) -> bool:
         if self.refusing:
             raise RedisConnectionError("refused")
         self.flags += 1
+        return self.shown
 
     async def count_unsettled(self) -> int:
         if self.refusing:
@@ -50,12 +59,14 @@ async def test_done_only_once_flagged_and_nothing_is_held_unwritten_or_unsettled
     drain = _drain(core, answers)
     answers.refusing = True
     assert not await drain.drained()  # the flag is not in the hash yet: a task may still come
-    answers.refusing, answers.unwritten = False, 2
-    assert not await drain.drained() and answers.flags == 1
+    answers.refusing, answers.shown = False, False
+    assert not await drain.drained() and answers.flags == 1  # the hash does not show it (yet)
+    answers.shown, answers.unwritten = True, 2
+    assert not await drain.drained() and answers.flags == 2
     answers.unwritten, answers.unsettled = 0, 1  # a task read and not yet taken, or not yet acked
     assert not await drain.drained()
     answers.unsettled = 0
-    assert await drain.drained() and answers.flags == 1  # the flag is written once
+    assert await drain.drained() and answers.flags == 4  # the flag is read back at every poll
     taken(core, "1-0", task("mixed"))
     assert not await drain.drained()  # a request held
 
@@ -96,3 +107,42 @@ async def test_past_its_bound_a_drain_stops_with_work_held_for_the_reaper(
     await asyncio.wait_for(_drain(core, Answers(), loops).run(0.3), 5)
     assert loops.stopped and core.held() == 1
     assert "drained: 1 requests handed over by migration after 0.3 s" in caplog.text
+
+
+LEASE_MS = 60_000
+
+
+async def _none() -> int:
+    return 0
+
+
+async def test_a_late_beat_that_writes_the_flag_back_to_0_is_undone_at_the_next_poll(
+    redis: aioredis.Redis, bus_config: BusConfig, tiny_model: Path
+) -> None:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    core = WorkerCore(Limits("d0", "tiny", block_size=16), SimEngine(FREE, tokenizer, 32, 16), tokenizer)
+    registry, hash_key = Registry(redis, bus_config), bus_config.keys.worker("d0")
+    await registry.register(WorkerRecord("d0", "decode", "tiny", load=core.load()), LEASE_MS)
+    late = core.load()  # a beat's load, built before the flag
+    core.draining = True
+    drain = Drain(core, Loops("worker d0"), lambda: registry.show_draining("d0", core.load()), _none, lambda: 0)
+
+    assert not await drain.drained()  # the hash did not show the flag yet: written now
+    assert await redis.hget(hash_key, "draining") == b"1"
+    assert await drain.drained()  # shown: nothing held, unread or unwritten
+
+    await registry.heartbeat("d0", late, LEASE_MS)  # the late beat: draining=0 again
+    assert await redis.hget(hash_key, "draining") == b"0" and late.draining == 0
+    assert not await drain.drained()  # not done while the hash says 0
+    assert await redis.hget(hash_key, "draining") == b"1"
+    assert await drain.drained()
+
+
+async def test_the_flag_shown_writes_nothing(redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    registry = Registry(redis, bus_config)
+    record = WorkerRecord("d1", "decode", "tiny")
+    await registry.register(dataclasses.replace(record, load=dataclasses.replace(record.load, draining=1)), LEASE_MS)
+    log_length = await redis.xlen(registry.log_key)
+    assert await registry.show_draining("d1", record.load)  # the load given (draining=0) is not written
+    assert await redis.xlen(registry.log_key) == log_length
+    assert await redis.hget(bus_config.keys.worker("d1"), "draining") == b"1"
