@@ -116,11 +116,15 @@ async def _none() -> int:
     return 0
 
 
+def _core(tiny_model: Path, worker_id: str = "d0") -> WorkerCore:
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    return WorkerCore(Limits(worker_id, "tiny", block_size=16), SimEngine(FREE, tokenizer, 32, 16), tokenizer)
+
+
 async def test_a_late_beat_that_writes_the_flag_back_to_0_is_undone_at_the_next_poll(
     redis: aioredis.Redis, bus_config: BusConfig, tiny_model: Path
 ) -> None:
-    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
-    core = WorkerCore(Limits("d0", "tiny", block_size=16), SimEngine(FREE, tokenizer, 32, 16), tokenizer)
+    core = _core(tiny_model)
     registry, hash_key = Registry(redis, bus_config), bus_config.keys.worker("d0")
     await registry.register(WorkerRecord("d0", "decode", "tiny", load=core.load()), LEASE_MS)
     late = core.load()  # a beat's load, built before the flag
@@ -146,3 +150,34 @@ async def test_the_flag_shown_writes_nothing(redis: aioredis.Redis, bus_config: 
     assert await registry.show_draining("d1", record.load)  # the load given (draining=0) is not written
     assert await redis.xlen(registry.log_key) == log_length
     assert await redis.hget(bus_config.keys.worker("d1"), "draining") == b"1"
+
+
+@pytest.mark.parametrize(
+    ("bound_s", "stopped_first", "said"),
+    [
+        (0.0, False, "drained: 2 requests handed over by migration after 0.0 s"),
+        (30.0, True, "worker d0 stopped while draining, holding 2 requests"),
+    ],
+)
+async def test_the_end_of_a_drain_says_migration_only_once_the_bound_has_passed(
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    bound_s: float,
+    stopped_first: bool,
+    said: str,
+) -> None:
+    """Stopped before its bound (SIGINT) a worker did not wait the bound out: no 'after S s'."""
+    core, loops = _core(tiny_model), Loops("worker d0")
+    monkeypatch.setattr(core, "held", lambda: 2)
+    if stopped_first:
+        loops.stop()
+
+    async def shown() -> bool:
+        return True
+
+    with caplog.at_level(logging.INFO, logger="splitbus.worker.drain"):
+        await Drain(core, loops, shown, _none, lambda: 0).run(bound_s)
+    messages = [r.getMessage() for r in caplog.records if r.name == "splitbus.worker.drain"]
+    assert said in messages and loops.stopped
+    assert stopped_first == all("migration" not in m for m in messages)
