@@ -159,7 +159,6 @@ class Reaper:
         request = task.request
         sent = await read_sent(self.redis, self.config, request.reader, request.request_id)
         if sent.ended or await self.superseded(task):
-            metrics.TASKS_MOVED.labels("acked").inc()
             log.debug(
                 "task %s of %s on %s: %s; acked only",
                 delivery.entry_id,
@@ -168,18 +167,26 @@ class Reaper:
                 "ended" if sent.ended else "its dispatch was replaced, or it ended",
             )
             await stream.ack(delivery.entry_id)
+            metrics.TASKS_MOVED.labels("acked").inc()  # once acked: a failed ack is retried, and counted, next pass
             return True
         if task.phase == Phase.PREFILL:
             await self.release_decode_side(task)
         outcome = await self.continue_request(dead, delivery, task, sent)
         if outcome is Move.WAIT:
             return False
-        metrics.TASKS_MOVED.labels(_moved_label(outcome)).inc()
         if isinstance(outcome, Ended):
-            await stream.ack(delivery.entry_id)
-            if outcome.finished or not await self.superseded(task):  # else it lives on elsewhere
-                self.fail_or_finish(request, sent, outcome)
+            await self.end(stream, delivery.entry_id, task, sent, outcome)
+        else:
+            metrics.TASKS_MOVED.labels(_moved_label(outcome)).inc()  # the dispatch that moved it acked it
         return True
+
+    async def end(self, stream: GroupConsumer, entry_id: str, task: Task, sent: Sent, ended: Ended) -> None:
+        """Ack the task of a request that ends here, count it once acked (a failed ack is retried,
+        and counted, at the next pass), then fail or finish the request."""
+        await stream.ack(entry_id)
+        metrics.TASKS_MOVED.labels(_moved_label(ended)).inc()
+        if ended.finished or not await self.superseded(task):  # else it lives on elsewhere
+            self.fail_or_finish(task.request, sent, ended)
 
     async def continue_request(self, dead: str, delivery: Delivery, task: Task, sent: Sent) -> Move | Ended:
         """Write the new tasks (``Move.MOVED``), keep the task for the next pass (``Move.WAIT``),

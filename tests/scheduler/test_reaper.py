@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from splitbus.bus.control import ControlServer
 from splitbus.bus.core import codec
@@ -236,6 +237,40 @@ async def test_a_finished_requests_task_is_only_acked_once_its_stream_is_gone(
     assert [await redis.xlen(config.keys.tasks(w)) for w in ("p2", "d2")] == [0, 0]
     assert (await redis.xpending(config.keys.tasks("d1"), WORKER_GROUP))["pending"] == 0
     assert not await redis.exists(out, config.keys.out("api", "r"))  # no error written either
+
+
+class _AckFailsOnce(GroupConsumer):
+    """A dead worker's task stream as the reaper reads it, whose first ``XACK`` fails (Redis gone
+    for an instant): the reaper's next pass takes the task again."""
+
+    failed = False
+
+    async def ack(self, *entry_ids: str) -> int:
+        if not self.failed:
+            self.failed = True
+            raise RedisConnectionError("Connection reset by peer")
+        return await super().ack(*entry_ids)
+
+
+@pytest.mark.parametrize(("handoff", "outcome"), [("h-replaced", "acked"), ("", "failed")])
+async def test_a_task_whose_ack_fails_is_counted_once_at_the_pass_that_acks_it(
+    redis: aioredis.Redis, config: BusConfig, scheduler: Scheduler, handoff: str, outcome: str
+) -> None:
+    """``acked``: its dispatch was replaced (another hand-off id is current); ``failed``: it was
+    moved too often already (nothing is live to take it either)."""
+    await redis.set(config.keys.current("r"), b"h-current")
+    await redis.set(config.keys.moved("r"), config.max_deliveries)
+    stream = _AckFailsOnce(redis, config, config.keys.tasks("d1"), f"reaper.{scheduler.reaper.name}", "d1")
+    await stream.ensure_group()
+    await Producer(redis, config).send(config.keys.tasks("d1"), Task("decode", request(), peer="p1", handoff=handoff))
+    (delivery,) = await stream.read(1, block_ms=0)
+    before = _moved(outcome)
+    with pytest.raises(RedisConnectionError):
+        await scheduler.reaper.move("d1", stream, delivery)
+    assert _moved(outcome) == before  # not acked: not counted (the next pass does it)
+    assert await scheduler.reaper.move("d1", stream, delivery)
+    assert _moved(outcome) == before + 1
+    assert (await redis.xpending(config.keys.tasks("d1"), f"reaper.{scheduler.reaper.name}"))["pending"] == 0
 
 
 @pytest.mark.parametrize(("made_for", "cancelled"), [("h1", True), ("h0", False)])
