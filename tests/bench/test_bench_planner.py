@@ -1,0 +1,144 @@
+"""The simulated fleet behind ``splitbus bench planner``, on hand-made and tiny traces."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from splitbus.bench import planner_sim
+from splitbus.bench.planner_sim import H100_8B, FleetSim, Registry, SimCosts, TraceConfig, TraceRequest, trace
+from splitbus.bus.roles import Role
+
+TINY = TraceConfig(rate=4.0, phase_s=6.0, long_tokens=1024)
+
+
+def _request(rid: int, at: float, prompt: int = 512, output: int = 8, prefix: int | None = None) -> TraceRequest:
+    key = None if prefix is None else (prefix, prompt)
+    return TraceRequest(rid, at, prompt, output, key, 0 if prefix is None else prompt // 2)
+
+
+def _counters(run: planner_sim.Run, role: Role) -> list[planner_sim.Counters]:
+    return [w.counters for w in run.workers if w.role == role]
+
+
+def test_one_request_takes_its_prefill_transfer_and_decode_steps() -> None:
+    costs = H100_8B
+    run = FleetSim(costs, (1, 1)).run([_request(0, 1.0, prompt=512, output=8)])
+    req = run.requests[0]
+    first = 1.0 + costs.prefill_s(512)
+    assert req.first_token_at == pytest.approx(first)
+    # the KV arrives, then 7 steps of one request each give the other 7 tokens
+    assert req.done_at == pytest.approx(first + costs.transfer_s(512) + 7 * costs.decode_s(1))
+    assert req.itl_s() == pytest.approx((costs.transfer_s(512) + 7 * costs.decode_s(1)) / 7)
+    assert req.ends == 1
+
+
+def test_workers_keep_the_heartbeat_counters() -> None:
+    costs = H100_8B
+    run = FleetSim(costs, (1, 1)).run([_request(0, 0.0, output=8, prefix=3), _request(1, 5.0, output=4, prefix=3)])
+    (p,) = _counters(run, Role.PREFILL)
+    assert (p.prefills_done, p.prompt_tokens_done, p.prompt_tokens_cached) == (
+        2,
+        1024,
+        256,
+    )  # the second hit the prefix
+    assert p.prefill_busy_us == round(costs.prefill_s(512) * 1e6) + round(costs.prefill_s(256) * 1e6)
+    assert (p.running, p.waiting, p.queued_prefill_tokens) == (0, 0, 0)
+    (d,) = _counters(run, Role.DECODE)
+    assert (d.decodes_done, d.decode_steps, d.decode_tokens_done) == (2, 7 + 3, 7 + 3)
+    assert d.decode_time_us == 7 * round(costs.decode_s(1) * 1e6) + 3 * round(costs.decode_s(1) * 1e6)
+    assert (d.running, d.waiting, d.free_kv_blocks) == (0, 0, d.total_kv_blocks)  # every block came back
+
+
+def test_a_prefill_batch_is_bounded_by_its_tokens() -> None:
+    costs = replace(H100_8B, max_prefill_tokens=1024)
+    run = FleetSim(costs, (1, 1)).run([_request(i, 0.0) for i in range(4)])  # 4 x 512 tokens
+    first_tokens = sorted({r.first_token_at or 0.0 for r in run.requests})
+    # the first starts alone (the queue held one when it came); then two fit the bound, then the last
+    one, two = costs.prefill_s(512), costs.prefill_s(1024)
+    assert first_tokens == pytest.approx([one, one + two, one + two + one])
+
+
+def test_a_request_no_decode_worker_has_room_for_waits_its_turn() -> None:
+    costs = replace(H100_8B, kv_blocks=40)  # room for one 512 + 8 token request (33 blocks) at a time
+    run = FleetSim(costs, (1, 1)).run([_request(0, 0.0), _request(1, 0.0)])
+    first, second = run.requests
+    assert first.done_at is not None and second.first_token_at is not None
+    assert second.first_token_at > first.done_at  # placed only once the first gave its blocks back
+    assert all(r.ends == 1 for r in run.requests)
+
+
+def test_no_worker_of_a_role_refuses() -> None:
+    run = FleetSim(H100_8B, (1, 0)).run([_request(0, 0.0)])
+    assert run.requests[0].refused and run.requests[0].ends == 1
+
+
+def test_the_trace_has_its_phases_and_its_mix() -> None:
+    cfg = TraceConfig(rate=50.0, phase_s=40.0)
+    reqs = trace(cfg, seed=1)
+    counts = [sum(k * cfg.phase_s <= r.arrival_s < (k + 1) * cfg.phase_s for r in reqs) for k in range(3)]
+    assert counts[1] / counts[0] == pytest.approx(3, rel=0.15)
+    assert counts[1] / counts[2] == pytest.approx(3, rel=0.15)
+    first, last = reqs[: len(reqs) // 6], reqs[-len(reqs) // 6 :]
+    assert sum(r.prompt_tokens == cfg.long_tokens for r in first) / len(first) < 0.35  # from 20 % long...
+    assert sum(r.prompt_tokens == cfg.long_tokens for r in last) / len(last) > 0.65  # ...to 80 %
+    assert sum(r.prefix is not None for r in reqs) / len(reqs) == pytest.approx(cfg.shared, abs=0.05)
+    assert sum(r.output_tokens for r in reqs) / len(reqs) == pytest.approx(cfg.output_mean, rel=0.15)
+    assert trace(cfg, seed=1) == reqs and trace(cfg, seed=2) != reqs
+
+
+class _Script:
+    """A controller that asks for a fixed count after a given time: scales the fleet up, then down."""
+
+    def __init__(self, steps: list[tuple[float, tuple[int, int]]]) -> None:
+        self.steps = steps
+        self.seen: list[Registry] = []
+
+    def __call__(self, registry: Registry) -> tuple[int, int] | None:
+        self.seen.append(registry)
+        wanted = [fleet for at, fleet in self.steps if registry.at_s >= at]
+        return wanted[-1] if wanted else None
+
+
+def test_drains_under_load_lose_and_duplicate_nothing() -> None:
+    costs = replace(H100_8B, start_delay_s=2.0)
+    script = _Script([(3.0, (3, 3)), (9.0, (1, 1))])
+    run = FleetSim(costs, (1, 1), script, interval_s=1.0).run(trace(replace(TINY, rate=8.0), seed=5))
+    assert [r.ends for r in run.requests] == [1] * len(run.requests)
+    assert not any(r.refused for r in run.requests)
+    assert len(run.workers) == 6  # two more of each role started...
+    assert sum(w.left_at is not None for w in run.workers) == 4  # ...and drained away
+    assert max(s.prefill for s in run.samples) == 3 and run.samples[-1].prefill == 1
+    assert any(s.draining != (0, 0) or s.starting != (0, 0) for s in run.samples)
+    # the registry shows only workers that are up, and a draining one says so
+    draining = [c.draining for reg in script.seen for _, _, c in reg.workers]
+    assert 1 in draining and set(draining) == {0, 1}
+
+
+def test_a_worker_is_paid_from_its_ask_to_its_leave() -> None:
+    costs = replace(H100_8B, start_delay_s=2.0)
+    run = FleetSim(costs, (1, 1), _Script([(1.0, (2, 1)), (2.0, (1, 1))]), interval_s=1.0).run([_request(0, 5.0)])
+    extra = run.workers[-1]
+    assert (extra.asked_at, extra.left_at) == (1.0, 2.0)  # asked for, then drained while it still started
+    assert run.worker_seconds() == pytest.approx(2 * run.end_s + 1.0)
+
+
+def test_a_run_is_deterministic_per_seed() -> None:
+    reqs = trace(TINY, seed=3)
+
+    def outcome(seed: int) -> list[tuple[float | None, float | None]]:
+        run = FleetSim(H100_8B, (2, 1), seed=seed).run(reqs)
+        return [(r.first_token_at, r.done_at) for r in run.requests]
+
+    assert outcome(1) == outcome(1)
+
+
+def test_costs_are_checked() -> None:
+    with pytest.raises(ValueError):
+        SimCosts(prefill_s_per_token=-1)
+    with pytest.raises(ValueError):
+        SimCosts(kv_blocks=0)
+    with pytest.raises(ValueError):
+        TraceConfig(long_to=1.5)
+    assert H100_8B.kv_bytes_per_token == 128 * 1024  # 32 layers x 8 KV heads x 128 x K and V x 2 bytes
