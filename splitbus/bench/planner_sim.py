@@ -20,7 +20,7 @@ The model and its assumptions:
 - **Workers** start ``start_delay_s`` after they are asked for and are paid from the ask. A
   draining worker takes nothing new, finishes what it holds, then leaves (paid until then).
   The fleet changes only through a ``Controller`` called every ``interval_s`` with what the
-  registry would show (each worker's ``Counters``: the fields of a heartbeat's ``WorkerLoad``).
+  registry would show (each worker's heartbeat, a ``WorkerLoad`` of the counters it keeps).
 
 Every request ends exactly once, finished or refused; the run counts any that did not (lost)
 or ended twice (duplicated), so a drain that dropped one would show.
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from splitbus.bus.records import WorkerLoad
 from splitbus.bus.roles import Role
 from splitbus.placement.costs import choose
 
@@ -179,7 +180,8 @@ def _request(rng: np.random.Generator, cfg: TraceConfig, rid: int, at: float, ou
 
 @dataclass
 class Counters:
-    """What a worker's heartbeat carries: the names and meanings of ``WorkerLoad``'s fields."""
+    """What a worker's heartbeat carries, by ``WorkerLoad``'s names and meanings (the fields a
+    dense solo worker fills). Mutable, as every event moves one: ``load`` is the heartbeat."""
 
     running: int = 0
     waiting: int = 0
@@ -195,6 +197,9 @@ class Counters:
     decode_steps: int = 0
     decode_time_us: int = 0
     draining: int = 0
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(**vars(self))
 
 
 @dataclass
@@ -282,7 +287,7 @@ class Registry:
     """What a controller sees at a tick: every worker that is up (draining ones included)."""
 
     at_s: float
-    workers: tuple[tuple[str, Role, Counters], ...]
+    workers: tuple[tuple[str, Role, WorkerLoad], ...]
     held: int
     """Requests no decode worker had room for, waiting to be placed."""
 
@@ -416,7 +421,7 @@ class FleetSim:
             worker.left_at = self.now
 
     def _registry(self) -> Registry:
-        up = tuple((w.wid, w.role, _copy(w.counters)) for w in self.workers if w.up(self.now))
+        up = tuple((w.wid, w.role, w.counters.load()) for w in self.workers if w.up(self.now))
         return Registry(self.now, up, len(self.held))
 
     def _sample(self, desired: tuple[int, int] | None) -> Sample:
@@ -597,7 +602,3 @@ def _load(worker: _Worker) -> float:
 
 def _free(worker: _Worker) -> int:
     return worker.counters.free_kv_blocks
-
-
-def _copy(counters: Counters) -> Counters:
-    return Counters(**vars(counters))

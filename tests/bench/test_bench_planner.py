@@ -112,7 +112,7 @@ def test_drains_under_load_lose_and_duplicate_nothing() -> None:
     assert max(s.prefill for s in run.samples) == 3 and run.samples[-1].prefill == 1
     assert any(s.draining != (0, 0) or s.starting != (0, 0) for s in run.samples)
     # the registry shows only workers that are up, and a draining one says so
-    draining = [c.draining for reg in script.seen for _, _, c in reg.workers]
+    draining = [load.draining for reg in script.seen for _, _, load in reg.workers]
     assert 1 in draining and set(draining) == {0, 1}
 
 
