@@ -1,5 +1,5 @@
-"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar|choices|tenants``: each prints a table
-and writes JSON + PNG."""
+"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar|choices|tenants|planner``: each prints a
+table and writes JSON + PNG."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,6 +18,7 @@ from splitbus.masking import mask_text, mask_url
 from splitbus.redis_server import EmbeddedRedis
 
 if TYPE_CHECKING:
+    from splitbus.bench.planner import PlannerBenchConfig
     from splitbus.bench.serve_trace import ServeConfig, Workload
 
 C = TypeVar("C")
@@ -37,6 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         _add_grammar,
         _add_choices,
         _add_tenants,
+        _add_planner,
     )
     for add in adders:
         add(kinds, env)
@@ -373,6 +376,30 @@ def _add_tenants(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--request-timeout", type=float, default=10.0, help="the fleet's --request-timeout (default %(default)s)")
     add("--seed", type=int, default=0, help="seeds the arrivals and the prompts (default %(default)s)")
     tenants.set_defaults(run=run_tenants)
+
+
+def _add_planner(kinds: argparse._SubParsersAction, env: Env) -> None:
+    from splitbus.planner.predictors import PREDICTORS
+
+    planner = kinds.add_parser(
+        "planner", help="fixed P:D fleets vs the planner's autoscaled one on a 3x rate step (simulated 8B on H100)"
+    )
+    add = planner.add_argument
+    add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    add("--rate", type=float, default=20.0, help="arrivals/s of the first and last thirds (default %(default)s)")
+    add("--peak", type=float, default=3.0, help="the middle third's rate, times --rate (default %(default)s)")
+    add("--phase-s", type=float, default=300.0, help="seconds of each third (default %(default)s)")
+    add("--ttft-slo-ms", type=float, default=500.0, help="TTFT target (default %(default)s)")
+    add("--itl-slo-ms", type=float, default=20.0, help="mean ITL target of each request (default %(default)s)")
+    add("--interval-s", type=float, default=5.0, help="the planner's interval (default %(default)s)")
+    add("--predictor", choices=sorted(PREDICTORS), default="peak", help="the planner's (default %(default)s)")
+    add("--autoscale", default="1:8", metavar="MIN:MAX", help="workers of each role (default %(default)s)")
+    add("--max-fleet", type=int, default=10, help="fixed fleets swept: every P:D with P + D <= this (default 10)")
+    add("--max-decode", type=int, default=4, help="... and D <= this (default %(default)s)")
+    add("--start-delay-s", type=float, default=30.0, help="from a worker's ask to serving (default %(default)s)")
+    add("--seeds", type=int, default=3, help="seeded traces, each run on every fleet (default %(default)s)")
+    add("--seed", type=int, default=1, help="the first seed (default %(default)s)")
+    planner.set_defaults(run=run_planner)
 
 
 @contextlib.contextmanager
@@ -778,6 +805,40 @@ def run_tenants(args: argparse.Namespace, env: Env) -> int:
     with tempfile.TemporaryDirectory(prefix="splitbus-bench-tenants-") as folder:
         result = run_tenants_bench(config, Path(folder), run.progress)
     return run.finish(result, report.tenants_plot, report.tenants_table)
+
+
+def run_planner(args: argparse.Namespace, env: Env) -> int:
+    from splitbus.bench import planner
+
+    config = _config("planner", lambda: _planner_config(args))
+    if config is None:
+        return 2
+    run = _Run("planner", args.out)
+    return run.finish(planner.run_planner_bench(config, run.progress), planner.plot, planner.table)
+
+
+def _planner_config(args: argparse.Namespace) -> PlannerBenchConfig:
+    from splitbus.bench.planner import PlannerBenchConfig
+    from splitbus.bench.planner_sim import H100_8B, TraceConfig
+
+    low, sep, high = args.autoscale.partition(":")
+    if not sep or not low.isdigit() or not high.isdigit():
+        raise ValueError(f"--autoscale {args.autoscale!r}: MIN:MAX, two whole numbers")
+    if args.seeds < 1:
+        raise ValueError("--seeds must be at least 1")
+    return PlannerBenchConfig(
+        trace=TraceConfig(rate=args.rate, peak=args.peak, phase_s=args.phase_s),
+        costs=replace(H100_8B, start_delay_s=args.start_delay_s),
+        ttft_slo_s=args.ttft_slo_ms / 1e3,
+        itl_slo_s=args.itl_slo_ms / 1e3,
+        seeds=tuple(range(args.seed, args.seed + args.seeds)),
+        interval_s=args.interval_s,
+        predictor=args.predictor,
+        min_workers=int(low),
+        max_workers=int(high),
+        max_fleet=args.max_fleet,
+        max_decode=args.max_decode,
+    )
 
 
 def _choices_model(args: argparse.Namespace) -> tuple[Path | None, str | None]:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from splitbus.bench import planner_sim
+from splitbus.bench.planner import PlannerBenchConfig, comparisons, reactions, run_planner_bench, sized_fleet
 from splitbus.bench.planner_sim import H100_8B, FleetSim, Registry, SimCosts, TraceConfig, TraceRequest, trace
 from splitbus.bus.roles import Role
 
@@ -142,3 +148,114 @@ def test_costs_are_checked() -> None:
     with pytest.raises(ValueError):
         TraceConfig(long_to=1.5)
     assert H100_8B.kv_bytes_per_token == 128 * 1024  # 32 layers x 8 KV heads x 128 x K and V x 2 bytes
+
+
+# ---------------------------------------------------------------- the bench: fleets, comparisons, the CLI
+
+SMALL = PlannerBenchConfig(
+    trace=TraceConfig(rate=3.0, phase_s=15.0, long_tokens=1024),
+    costs=replace(H100_8B, start_delay_s=2.0),
+    seeds=(1, 2),
+    interval_s=1.0,
+    max_workers=3,
+    max_fleet=3,
+)
+
+
+@pytest.fixture(scope="module")
+def small_report() -> dict[str, Any]:
+    return run_planner_bench(SMALL, lambda line: None)
+
+
+def test_the_bench_reports_every_fleet_and_accounts_every_request(small_report: dict[str, Any]) -> None:
+    requests = sum(len(trace(SMALL.trace, seed)) for seed in SMALL.seeds)
+    assert [(f["prefill"], f["decode"]) for f in small_report["fixed"]] == [(1, 1), (1, 2), (2, 1)]
+    for fleet in [*small_report["fixed"], small_report["autoscale"]]:
+        _accounted(fleet, requests)
+    assert set(small_report["comparisons"]) == {"average_sized", "smallest_matching"}
+    assert json.loads(json.dumps(small_report)) == small_report  # all JSON
+    assert run_planner_bench(SMALL, lambda line: None) == small_report  # deterministic per seed
+
+
+def test_the_autoscaled_fleet_reports_its_reactions_and_timeline(small_report: dict[str, Any]) -> None:
+    auto = small_report["autoscale"]
+    assert set(auto["reaction"]) == {"up", "down"}
+    assert len(auto["reaction"]["up"]["by_seed"]) == len(SMALL.seeds)
+    assert auto["timeline"][0]["t_s"] == SMALL.interval_s
+    assert all(s["desired"] is not None for s in auto["timeline"])  # the planner answered every interval
+
+
+def _accounted(fleet: dict[str, Any], requests: int) -> None:
+    """Every request of every seed counted once, none lost, duplicated or refused."""
+    assert fleet["requests"] == requests
+    assert (fleet["lost"], fleet["duplicated"], fleet["refused"]) == (0, 0, 0)
+    assert 0 <= fleet["attainment"] <= 1 and fleet["worker_seconds"] > 0
+
+
+def test_the_fleet_sized_for_a_rate_by_hand() -> None:
+    # prompt 1152 (half long), 892.8 uncached (30 % x 3/4 cached): 33.3 req/s x 54.6 ms / 0.8 = 2.3 -> 3;
+    # decode: 183 a worker at 18 ms, 33.3 x 128 x 18 ms / 183 = 0.42 -> 1
+    config = PlannerBenchConfig()
+    assert sized_fleet(config, config.trace.mean_rate()) == (3, 1)
+    assert sized_fleet(config, 3 * config.trace.mean_rate()) == (7, 2)
+
+
+def _fleet(p: int, d: int, attainment: float, seconds: float) -> dict[str, object]:
+    return {"prefill": p, "decode": d, "attainment": attainment, "worker_seconds": seconds}
+
+
+def test_the_targets_are_judged_against_both_readings_of_the_best_fixed_fleet() -> None:
+    fixed = [_fleet(2, 1, 0.7, 300.0), _fleet(1, 2, 0.5, 300.0), _fleet(3, 1, 0.95, 400.0), _fleet(4, 1, 0.99, 500.0)]
+    auto = {"attainment": 0.96, "worker_seconds": 320.0}
+    found = comparisons(fixed, auto, 3)
+    a, b = found["average_sized"], found["smallest_matching"]
+    assert a["fleet"] == "2:1" and a["attainment_met"] and not a["saving_met"] and not a["met"]
+    assert b["fleet"] == "4:1" and b["attainment_met"] is False  # 0.99 > 0.96
+    assert b["saving"] == pytest.approx(1 - 320 / 500) and b["saving_met"]
+    assert comparisons(fixed, {"attainment": 1.0, "worker_seconds": 1.0}, 9)["smallest_matching"] is None
+
+
+def _sample(t: float, serving: tuple[int, int], desired: tuple[int, int]) -> planner_sim.Sample:
+    return planner_sim.Sample(t, 0.0, serving[0], serving[1], (0, 0), (0, 0), desired)
+
+
+def test_reaction_times_after_a_step() -> None:
+    samples = [
+        _sample(5, (2, 1), (2, 1)),
+        _sample(10, (2, 1), (2, 1)),  # the step comes at 10
+        _sample(15, (2, 1), (2, 1)),
+        _sample(20, (2, 1), (4, 1)),  # the planner: 10 s
+        _sample(25, (3, 1), (4, 2)),
+        _sample(30, (4, 2), (4, 2)),  # the fleet: 20 s
+    ]
+    run = planner_sim.Run([], [], samples, 30.0)
+    config = replace(SMALL, trace=replace(SMALL.trace, phase_s=10.0))
+    assert reactions(config, [run])["up"] == {
+        "planner_s": 10.0,
+        "fleet_s": 20.0,
+        "by_seed": [{"planner_s": 10.0, "fleet_s": 20.0}],
+    }
+    assert reactions(config, [run])["down"]["planner_s"] is None  # it never went down
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "splitbus.cli.main", "bench", "planner", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_the_cli_runs_and_writes_json_and_png(tmp_path: Path) -> None:
+    args = ("--rate", "2", "--phase-s", "10", "--seeds", "1", "--max-fleet", "3", "--autoscale", "1:2")
+    proc = _cli(*args, "--start-delay-s", "2", "--interval-s", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "bench_planner.json").read_text())
+    assert report["config"]["seeds"] == [1] and report["config"]["max_workers"] == 2
+    assert report["config"]["costs"]["start_delay_s"] == 2.0 and report["machine"]["cpus"]
+    assert (tmp_path / "bench_planner.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "autoscale" in proc.stdout and "(b) smallest" in proc.stdout
+
+
+@pytest.mark.parametrize("bad", [("--autoscale", "3"), ("--autoscale", "4:2"), ("--seeds", "0"), ("--peak", "0")])
+def test_the_cli_refuses_bad_options(bad: tuple[str, str], tmp_path: Path) -> None:
+    proc = _cli(*bad, "--out", str(tmp_path))
+    assert proc.returncode == 2 and "splitbus bench planner:" in proc.stdout + proc.stderr
+    assert not (tmp_path / "bench_planner.json").exists()
