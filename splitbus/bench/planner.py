@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +28,13 @@ import numpy as np
 
 from splitbus.bench.planner_sim import (
     H100_8B,
-    Controller,
     FleetSim,
     Registry,
     Request,
     Run,
     SimCosts,
     TraceConfig,
+    TraceRequest,
     trace,
 )
 
@@ -104,16 +104,41 @@ def run_planner_bench(config: PlannerBenchConfig, progress: Callable[[str], None
     )
     fixed = [_fixed(config, fleet, traces) for fleet in config.fixed_fleets()]
     progress(f"fixed fleets done; the autoscaled fleet ({config.min_workers}:{config.max_workers} per role)")
-    runs = [_autoscaled(config, traces[seed], seed) for seed in config.seeds]
-    auto = {**summary(config, runs), "reaction": reactions(config, runs), "timeline": timeline(runs[0])}
+    predictors = {name: _autoscale_runs(replace(config, predictor=name), traces) for name in _predictors()}
+    auto = predictors[config.predictor]
     average = sized_fleet(config, config.trace.mean_rate())
     return {
         "config": _config_row(config),
         "fixed": fixed,
         "autoscale": auto,
+        "predictors": {name: _brief(run) for name, run in predictors.items()},
         "sized_for_average": {"prefill": average[0], "decode": average[1]},
         "comparisons": comparisons(fixed, auto, sum(average)),
     }
+
+
+def _predictors() -> list[str]:
+    from splitbus.planner.predictors import PREDICTORS
+
+    return sorted(PREDICTORS)
+
+
+def _autoscale_runs(config: PlannerBenchConfig, traces: dict[int, list[TraceRequest]]) -> dict[str, Any]:
+    """The autoscaled fleet with ``config.predictor`` on every seed's trace."""
+    planners = {seed: PlannerFleet(config) for seed in traces}
+    runs = [_autoscaled(config, traces[seed], seed, planners[seed]) for seed in traces]
+    return {
+        "predictor": config.predictor,
+        **summary(config, runs),
+        "arrival_mape": arrival_mape([p.seen for p in planners.values()], config.trace.duration_s),
+        "reaction": reactions(config, runs),
+        "timeline": timeline(runs[0]),
+    }
+
+
+def _brief(auto: dict[str, Any]) -> dict[str, Any]:
+    """A predictor's row: its fleet's figures without the timeline."""
+    return {k: v for k, v in auto.items() if k != "timeline"}
 
 
 def _config_row(config: PlannerBenchConfig) -> dict[str, Any]:
@@ -130,45 +155,60 @@ def _fixed(config: PlannerBenchConfig, fleet: tuple[int, int], traces: dict[int,
     return {"prefill": fleet[0], "decode": fleet[1], **summary(config, runs)}
 
 
-def _autoscaled(config: PlannerBenchConfig, requests: list[Any], seed: int) -> Run:
+def _autoscaled(config: PlannerBenchConfig, requests: list[TraceRequest], seed: int, planner: PlannerFleet) -> Run:
     start = sized_fleet(config, config.trace.rate)
     bounded = tuple(min(max(n, config.min_workers), config.max_workers) for n in start)
-    sim = FleetSim(
-        config.costs,
-        (bounded[0], bounded[1]),
-        autoscaler(config),
-        config.interval_s,
-        (config.min_workers, config.max_workers),
-        seed,
-    )
-    return sim.run(requests)
+    bounds = (config.min_workers, config.max_workers)
+    return FleetSim(config.costs, (bounded[0], bounded[1]), planner, config.interval_s, bounds, seed).run(requests)
 
 
-def autoscaler(config: PlannerBenchConfig) -> Controller:
-    """The real planner, fed the simulated registry each interval."""
-    from splitbus.bus.records import Reserved
-    from splitbus.planner.core import Planner, PlannerConfig, Reading, WorkerReading
+class PlannerFleet:
+    """The real planner as the fleet's controller: each interval the simulated registry (every
+    worker's ``WorkerLoad``, the held requests) goes in as a ``Reading``, the desired counts come
+    out. Keeps each decision's measured and predicted arrivals."""
 
-    planner = Planner(
-        PlannerConfig(
-            config.ttft_slo_s,
-            config.itl_slo_s,
-            interval_s=config.interval_s,
-            predictor=config.predictor,
-            min_workers=config.min_workers,
-            max_workers=config.max_workers,
+    def __init__(self, config: PlannerBenchConfig) -> None:
+        from splitbus.planner.core import Planner, PlannerConfig
+
+        self.planner = Planner(
+            PlannerConfig(
+                config.ttft_slo_s,
+                config.itl_slo_s,
+                interval_s=config.interval_s,
+                predictor=config.predictor,
+                min_workers=config.min_workers,
+                max_workers=config.max_workers,
+            )
         )
-    )
-    block = config.costs.block_size
+        self.block_size = config.costs.block_size
+        self.seen: list[tuple[float, float, float]] = []
+        """(when, arrivals measured over the interval that ended then, arrivals predicted for the
+        next), per second."""
 
-    def decide(registry: Registry) -> tuple[int, int]:
+    def __call__(self, registry: Registry) -> tuple[int, int]:
+        from splitbus.bus.records import Reserved
+        from splitbus.planner.core import Reading, WorkerReading
+
         workers = tuple(
-            WorkerReading(wid, role.value, 1, block, load, Reserved()) for wid, role, load in registry.workers
+            WorkerReading(wid, role.value, 1, self.block_size, load, Reserved()) for wid, role, load in registry.workers
         )
-        decision = planner.step(Reading(registry.at_s, workers, 0, registry.held))
+        decision = self.planner.step(Reading(registry.at_s, workers, 0, registry.held))
+        self.seen.append((registry.at_s, decision.arrivals_rps, decision.predicted_rps))
         return decision.prefill.desired, decision.decode.desired
 
-    return decide
+
+def arrival_mape(seen: list[list[tuple[float, float, float]]], until: float) -> float | None:
+    """How far each interval's prediction was from the arrivals then measured over the next, as a
+    share of those (mean absolute percentage error), every seed's intervals pooled. Left out: the
+    first decision, which measures nothing, and the intervals that end after ``until`` (the
+    trace's end: the last requests drain, and a share of nearly nothing says nothing)."""
+    errors = [
+        abs(predicted - measured) / measured
+        for one in seen
+        for (_, _, predicted), (at, measured, _) in zip(one[1:], one[2:], strict=False)
+        if measured > 0 and at <= until
+    ]
+    return float(np.mean(errors)) if errors else None
 
 
 def summary(config: PlannerBenchConfig, runs: list[Run]) -> dict[str, Any]:
@@ -177,11 +217,19 @@ def summary(config: PlannerBenchConfig, runs: list[Run]) -> dict[str, Any]:
     return {
         "requests": len(reqs),
         "attainment": sum(met_slo(config, r) for r in reqs) / max(len(reqs), 1),
+        "attainment_by_phase": by_phase(config, reqs),
         "worker_seconds": float(np.mean([run.worker_seconds() for run in runs])),
         "ttft_p99_s": _p99([r.ttft_s() for r in reqs]),
         "itl_p99_s": _p99([r.itl_s() for r in reqs]),
         **outcomes(reqs),
     }
+
+
+def by_phase(config: PlannerBenchConfig, reqs: list[Request]) -> list[float | None]:
+    """Attainment of the requests that arrived in each third (low, peak, low)."""
+    phase = config.trace.phase_s
+    thirds = [[r for r in reqs if k * phase <= r.trace.arrival_s < (k + 1) * phase] for k in range(3)]
+    return [sum(met_slo(config, r) for r in third) / len(third) if third else None for third in thirds]
 
 
 def outcomes(reqs: list[Request]) -> dict[str, int]:
@@ -288,39 +336,47 @@ def _versus(fleet: dict[str, Any] | None, auto: dict[str, Any]) -> dict[str, Any
 
 
 def table(report: dict[str, Any]) -> str:
-    from splitbus.bench.report import _met
-
-    cfg = report["config"]
+    cfg, auto = report["config"], report["autoscale"]
     lines = [
         f"bench planner: {len(cfg['seeds'])} seeds of {cfg['duration_s']:g} s, mean {cfg['mean_rate']:.1f} req/s "
         f"(x{cfg['trace']['peak']:g} in the middle third); TTFT <= {cfg['ttft_slo_s'] * 1000:g} ms, "
         f"ITL <= {cfg['itl_slo_s'] * 1000:g} ms",
         f"{'fleet':<10} {'attain':>7} {'worker-s':>9} {'TTFT p99':>9} {'ITL p99':>8} {'refused':>7} {'lost':>4} "
-        f"{'dup':>4}",
+        f"{'dup':>4}  attainment by third",
     ]
     rows = [(f"{f['prefill']}:{f['decode']}", f) for f in report["fixed"]]
-    rows.append(("autoscale", report["autoscale"]))
+    rows += [(f"auto {name}", f) for name, f in report["predictors"].items()]
     lines += [_row(name, f) for name, f in rows]
-    lines.append(_reaction_line(report["autoscale"]["reaction"]))
-    for name, label in (
-        ("average_sized", "(a) best P:D at the average's total"),
-        ("smallest_matching", "(b) smallest as good"),
-    ):
-        v = report["comparisons"][name]
-        if v is None:
-            lines.append(f"{label}: no fixed fleet")
-            continue
-        lines.append(
-            f"{label} {v['fleet']}: attainment {v['attainment']:.2%} vs {report['autoscale']['attainment']:.2%} "
-            f"({_met(v['attainment_met'])}); worker-seconds {v['saving']:+.1%} fewer ({_met(v['saving_met'])})"
-        )
-    return "\n".join(lines)
+    lines += [
+        f"predictor {name}: next-interval arrivals off by {_pct(f['arrival_mape'])} (MAPE); "
+        + _reaction_text(f["reaction"])
+        for name, f in report["predictors"].items()
+    ]
+    lines.append(f"autoscale = auto {auto['predictor']}; its fleet against the best fixed one, read two ways:")
+    labels = {"average_sized": "(a) best P:D at the average's total", "smallest_matching": "(b) smallest as good"}
+    return "\n".join(lines + [_versus_line(labels[k], v, auto) for k, v in report["comparisons"].items()])
+
+
+def _versus_line(label: str, v: dict[str, Any] | None, auto: dict[str, Any]) -> str:
+    from splitbus.bench.report import _met
+
+    if v is None:
+        return f"{label}: no fixed fleet"
+    return (
+        f"{label} {v['fleet']}: attainment {v['attainment']:.2%} vs {auto['attainment']:.2%} "
+        f"({_met(v['attainment_met'])}); worker-seconds {v['saving']:+.1%} fewer ({_met(v['saving_met'])})"
+    )
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def _row(name: str, f: dict[str, Any]) -> str:
+    thirds = " / ".join(_pct(a) for a in f["attainment_by_phase"])
     return (
         f"{name:<10} {f['attainment']:>7.2%} {f['worker_seconds']:>9,.0f} {_ms(f['ttft_p99_s']):>9} "
-        f"{_ms(f['itl_p99_s']):>8} {f['refused']:>7} {f['lost']:>4} {f['duplicated']:>4}"
+        f"{_ms(f['itl_p99_s']):>8} {f['refused']:>7} {f['lost']:>4} {f['duplicated']:>4}  {thirds}"
     )
 
 
@@ -328,9 +384,9 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:,.0f}"
 
 
-def _reaction_line(reaction: dict[str, Any]) -> str:
+def _reaction_text(reaction: dict[str, Any]) -> str:
     parts = [f"{k}: planner {_s(v['planner_s'])}, fleet {_s(v['fleet_s'])}" for k, v in reaction.items()]
-    return "reaction after the rate steps (mean of seeds) - " + "; ".join(parts)
+    return "after the rate steps (mean of seeds) " + "; ".join(parts)
 
 
 def _s(value: float | None) -> str:
@@ -370,8 +426,9 @@ def _fleets_plot(ax: Any, report: dict[str, Any]) -> None:
     )
     for f in fixed:
         ax.annotate(f"{f['prefill']}:{f['decode']}", (f["worker_seconds"], f["attainment"]), fontsize=6)
-    auto = report["autoscale"]
-    ax.scatter([auto["worker_seconds"]], [auto["attainment"]], color="#c0392b", marker="*", s=150, label="autoscale")
+    colors = ("#c0392b", "#e67e22", "#27ae60", "#8e44ad")
+    for (name, auto), color in zip(report["predictors"].items(), colors, strict=False):  # more names: fewer colors
+        ax.scatter([auto["worker_seconds"]], [auto["attainment"]], color=color, marker="*", s=150, label=f"auto {name}")
     ax.set_xlabel("worker-seconds (mean of seeds)")
     ax.set_ylabel("SLO attainment")
     ax.legend(fontsize=8)

@@ -108,7 +108,7 @@ class TraceConfig:
     rate: float = 20.0
     """λ0, arrivals per second of the first and last phases."""
     peak: float = 3.0
-    phase_s: float = 120.0
+    phase_s: float = 300.0
     short_tokens: int = 256
     long_tokens: int = 2048
     long_from: float = 0.2

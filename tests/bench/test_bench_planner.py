@@ -12,9 +12,17 @@ from typing import Any
 import pytest
 
 from splitbus.bench import planner_sim
-from splitbus.bench.planner import PlannerBenchConfig, comparisons, reactions, run_planner_bench, sized_fleet
+from splitbus.bench.planner import (
+    PlannerBenchConfig,
+    arrival_mape,
+    comparisons,
+    reactions,
+    run_planner_bench,
+    sized_fleet,
+)
 from splitbus.bench.planner_sim import H100_8B, FleetSim, Registry, SimCosts, TraceConfig, TraceRequest, trace
 from splitbus.bus.roles import Role
+from splitbus.planner.predictors import PREDICTORS
 
 TINY = TraceConfig(rate=4.0, phase_s=6.0, long_tokens=1024)
 
@@ -183,6 +191,18 @@ def test_the_autoscaled_fleet_reports_its_reactions_and_timeline(small_report: d
     assert len(auto["reaction"]["up"]["by_seed"]) == len(SMALL.seeds)
     assert auto["timeline"][0]["t_s"] == SMALL.interval_s
     assert all(s["desired"] is not None for s in auto["timeline"])  # the planner answered every interval
+    assert auto["predictor"] == SMALL.predictor and len(auto["attainment_by_phase"]) == 3
+    assert list(small_report["predictors"]) == sorted(PREDICTORS)  # each predictor's own autoscaled runs
+    assert small_report["predictors"][SMALL.predictor]["attainment"] == auto["attainment"]
+
+
+def test_the_arrival_error_compares_each_prediction_with_the_next_interval() -> None:
+    # the first decision measures nothing; then 10 predicted, 20 came (50 % off); 20 predicted, 10 came (100 %);
+    # the last interval ends after the trace: left out
+    seen = [(5.0, 0.0, 0.0), (10.0, 10.0, 10.0), (15.0, 20.0, 20.0), (20.0, 10.0, 10.0), (25.0, 0.5, 1.0)]
+    assert arrival_mape([seen], until=20.0) == pytest.approx(0.75)
+    assert arrival_mape([seen], until=25.0) == pytest.approx((0.5 + 1.0 + 19.0) / 3)
+    assert arrival_mape([seen[:2], [(5.0, 0.0, 0.0), (10.0, 0.0, 5.0), (15.0, 0.0, 0.0)]], until=20.0) is None
 
 
 def _accounted(fleet: dict[str, Any], requests: int) -> None:
