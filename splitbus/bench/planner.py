@@ -37,6 +37,7 @@ from splitbus.bench.planner_sim import (
     TraceRequest,
     trace,
 )
+from splitbus.bus.roles import Role
 
 TARGET_SAVING = 0.2
 """The autoscaled fleet should use at least this share fewer worker-seconds than a fixed one."""
@@ -219,6 +220,10 @@ def summary(config: PlannerBenchConfig, runs: list[Run]) -> dict[str, Any]:
         "attainment": sum(met_slo(config, r) for r in reqs) / max(len(reqs), 1),
         "attainment_by_phase": by_phase(config, reqs),
         "worker_seconds": float(np.mean([run.worker_seconds() for run in runs])),
+        "worker_seconds_by_role": {
+            role.value: float(np.mean([run.worker_seconds(role) for run in runs]))
+            for role in (Role.PREFILL, Role.DECODE)
+        },
         "ttft_p99_s": _p99([r.ttft_s() for r in reqs]),
         "itl_p99_s": _p99([r.itl_s() for r in reqs]),
         **outcomes(reqs),

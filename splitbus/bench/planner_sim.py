@@ -319,8 +319,9 @@ class Run:
     samples: list[Sample]
     end_s: float
 
-    def worker_seconds(self) -> float:
-        return sum(w.paid_s(self.end_s) for w in self.workers)
+    def worker_seconds(self, role: Role | None = None) -> float:
+        """Paid seconds of every worker, or of ``role``'s."""
+        return sum(w.paid_s(self.end_s) for w in self.workers if role in (None, w.role))
 
 
 class FleetSim:

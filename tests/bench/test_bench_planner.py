@@ -136,6 +136,8 @@ def test_a_worker_is_paid_from_its_ask_to_its_leave() -> None:
     extra = run.workers[-1]
     assert (extra.asked_at, extra.left_at) == (1.0, 2.0)  # asked for, then drained while it still started
     assert run.worker_seconds() == pytest.approx(2 * run.end_s + 1.0)
+    assert run.worker_seconds(Role.PREFILL) == pytest.approx(run.end_s + 1.0)
+    assert run.worker_seconds(Role.DECODE) == pytest.approx(run.end_s)
 
 
 def test_a_run_is_deterministic_per_seed() -> None:
@@ -210,6 +212,7 @@ def _accounted(fleet: dict[str, Any], requests: int) -> None:
     assert fleet["requests"] == requests
     assert (fleet["lost"], fleet["duplicated"], fleet["refused"]) == (0, 0, 0)
     assert 0 <= fleet["attainment"] <= 1 and fleet["worker_seconds"] > 0
+    assert sum(fleet["worker_seconds_by_role"].values()) == pytest.approx(fleet["worker_seconds"])
 
 
 def test_the_fleet_sized_for_a_rate_by_hand() -> None:
