@@ -3,8 +3,10 @@ the simulated fleet of ``planner_sim`` (costs of an 8B model on one H100, ``SimC
 
 Every fixed fleet within the bound is run on each seed's trace, then the autoscaled one: the real
 ``splitbus.planner`` core (``Planner.step``) reads the simulated workers' counters every interval,
-and its desired counts are acted on (workers asked for start after the start delay; those no
-longer wanted drain). Each run starts from fresh state.
+and its advice (counts and reasons) is acted on as ``up --autoscale`` acts on it, by its rule
+(``splitbus.cli.autoscale.reconcile``): workers asked for start after the start delay; a fall the
+planner measured drains one worker per role at a time, past its start grace, the least loaded
+first. Each run starts from fresh state.
 
 Reported per fleet, the seeds pooled: SLO attainment (the requests whose TTFT and mean ITL both
 meet their targets; a refused request misses), worker-seconds (paid from the ask to the leave),
@@ -37,7 +39,9 @@ from splitbus.bench.planner_sim import (
     TraceRequest,
     trace,
 )
+from splitbus.bus.planner import Advice
 from splitbus.bus.roles import Role
+from splitbus.cli.autoscale import Bounds
 
 TARGET_SAVING = 0.2
 """The autoscaled fleet should use at least this share fewer worker-seconds than a fixed one."""
@@ -70,10 +74,13 @@ class PlannerBenchConfig:
             raise ValueError("SLOs and the interval must be > 0")
         if not self.seeds:
             raise ValueError("at least one seed")
-        if not 1 <= self.min_workers <= self.max_workers:
-            raise ValueError("need 1 <= MIN <= MAX: the fleet keeps a worker of each role")
+        self.bounds()  # MIN >= 1: the fleet keeps a worker of each role
         if self.max_fleet < 2 or self.max_decode < 1:
             raise ValueError("the fixed fleets need room for a prefill and a decode worker")
+
+    def bounds(self) -> Bounds:
+        """``--autoscale MIN:MAX`` as ``up`` takes it (a ValueError out of bounds)."""
+        return Bounds(self.min_workers, self.max_workers)
 
     def fixed_fleets(self) -> list[tuple[int, int]]:
         return [
@@ -157,16 +164,16 @@ def _fixed(config: PlannerBenchConfig, fleet: tuple[int, int], traces: dict[int,
 
 
 def _autoscaled(config: PlannerBenchConfig, requests: list[TraceRequest], seed: int, planner: PlannerFleet) -> Run:
-    start = sized_fleet(config, config.trace.rate)
-    bounded = tuple(min(max(n, config.min_workers), config.max_workers) for n in start)
-    bounds = (config.min_workers, config.max_workers)
-    return FleetSim(config.costs, (bounded[0], bounded[1]), planner, config.interval_s, bounds, seed).run(requests)
+    bounds = config.bounds()
+    prefill, decode = (bounds.clamp(n) for n in sized_fleet(config, config.trace.rate))
+    return FleetSim(config.costs, (prefill, decode), planner, config.interval_s, bounds, seed).run(requests)
 
 
 class PlannerFleet:
     """The real planner as the fleet's controller: each interval the simulated registry (every
-    worker's ``WorkerLoad``, the held requests) goes in as a ``Reading``, the desired counts come
-    out. Keeps each decision's measured and predicted arrivals."""
+    worker's ``WorkerLoad``, the held requests) goes in as a ``Reading``, and the advice the
+    planner would publish (its counts and their reasons, ``Advice``) comes out. Keeps each
+    decision's measured and predicted arrivals."""
 
     def __init__(self, config: PlannerBenchConfig) -> None:
         from splitbus.planner.core import Planner, PlannerConfig
@@ -186,16 +193,17 @@ class PlannerFleet:
         """(when, arrivals measured over the interval that ended then, arrivals predicted for the
         next), per second."""
 
-    def __call__(self, registry: Registry) -> tuple[int, int]:
+    def __call__(self, registry: Registry) -> Advice:
         from splitbus.bus.records import Reserved
         from splitbus.planner.core import Reading, WorkerReading
+        from splitbus.planner.service import advice
 
         workers = tuple(
             WorkerReading(wid, role.value, 1, self.block_size, load, Reserved()) for wid, role, load in registry.workers
         )
         decision = self.planner.step(Reading(registry.at_s, workers, 0, registry.held))
         self.seen.append((registry.at_s, decision.arrivals_rps, decision.predicted_rps))
-        return decision.prefill.desired, decision.decode.desired
+        return advice(decision, self.planner.config)
 
 
 def arrival_mape(seen: list[list[tuple[float, float, float]]], until: float) -> float | None:

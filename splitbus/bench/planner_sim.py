@@ -20,7 +20,11 @@ The model and its assumptions:
 - **Workers** start ``start_delay_s`` after they are asked for and are paid from the ask. A
   draining worker takes nothing new, finishes what it holds, then leaves (paid until then).
   The fleet changes only through a ``Controller`` called every ``interval_s`` with what the
-  registry would show (each worker's heartbeat, a ``WorkerLoad`` of the counters it keeps).
+  registry would show (each worker's heartbeat, a ``WorkerLoad`` of the counters it keeps); its
+  advice (counts and reasons) is acted on as ``up --autoscale`` acts on the planner's, by the
+  same rule (``splitbus.cli.autoscale.reconcile``): workers start at once for a rise; a fall the
+  planner measured drains one worker per role at a time, only one serving and asked for
+  ``START_GRACE_S`` ago, the one holding least first.
 
 Every request ends exactly once, finished or refused; the run counts any that did not (lost)
 or ended twice (duplicated), so a drain that dropped one would show.
@@ -40,6 +44,7 @@ import numpy as np
 
 from splitbus.bus.records import WorkerLoad
 from splitbus.bus.roles import Role
+from splitbus.cli.autoscale import MAX_WORKERS, SCALED, START_GRACE_S, Advice, Bounds, Drain, Roster, Start, reconcile
 from splitbus.placement.costs import choose
 
 
@@ -292,8 +297,12 @@ class Registry:
     """Requests no decode worker had room for, waiting to be placed."""
 
 
-Controller = Callable[[Registry], tuple[int, int] | None]
-"""Called every interval: the (prefill, decode) workers wanted, or None to leave the fleet."""
+Controller = Callable[[Registry], Advice | None]
+"""Called every interval: the advice (each role's count and its reason, as the planner publishes
+them), or None to leave the fleet."""
+
+UNBOUNDED = Bounds(1, MAX_WORKERS)
+"""A fleet's bounds when none are given: ``up --autoscale``'s widest."""
 
 
 @dataclass(frozen=True)
@@ -333,7 +342,7 @@ class FleetSim:
         fleet: tuple[int, int],
         controller: Controller | None = None,
         interval_s: float = 5.0,
-        bounds: tuple[int, int] = (1, 1000),
+        bounds: Bounds = UNBOUNDED,
         seed: int = 0,
     ) -> None:
         self.costs, self.controller, self.interval_s, self.bounds = costs, controller, interval_s, bounds
@@ -368,11 +377,13 @@ class FleetSim:
         heapq.heappush(self.events, (when, self._seq, act))
 
     def _tick(self, horizon: float) -> None:
-        """Sample the fleet, ask the controller, act; again until the trace and the work are over."""
-        desired = self.controller(self._registry()) if self.controller is not None else None
-        if desired is not None:
-            for role, want in zip((Role.PREFILL, Role.DECODE), desired, strict=True):
-                self._resize(role, min(max(want, self.bounds[0]), self.bounds[1]))
+        """Ask the controller, act as ``up --autoscale`` would, sample the fleet; again until the
+        trace and the work are over."""
+        advice = self.controller(self._registry()) if self.controller is not None else None
+        rosters: dict[str, Roster[_Worker]] = {role: self._roster(role) for role in SCALED}
+        for action in reconcile(advice, rosters, self.bounds):
+            self._act(action)
+        desired = None if advice is None else (advice.desired_prefill, advice.desired_decode)
         self.samples.append(self._sample(desired))
         if self.now < horizon or self._busy():
             self._at(self.now + self.interval_s, lambda: self._tick(horizon))
@@ -402,15 +413,21 @@ class FleetSim:
     def _of(self, role: Role) -> Iterator[_Worker]:
         return (w for w in self.workers if w.role == role and w.left_at is None and not w.draining)
 
-    def _resize(self, role: Role, want: int) -> None:
-        current = list(self._of(role))
-        for _ in range(want - len(current)):
-            self._add(role, self.now + self.costs.start_delay_s)
-        surplus = len(current) - want
-        if surplus > 0:  # those still starting go first, the newest first; then the least loaded
-            order = sorted(current, key=lambda w: (w.up(self.now), _load(w), -w.asked_at))
-            for worker in order[:surplus]:
-                self._drain(worker)
+    def _roster(self, role: Role) -> Roster[_Worker]:
+        """The role's workers as ``up``'s autoscaler sees its own (``Autoscaler.roster``): running
+        (not draining, those starting included); of them the drainable, serving (a worker registers
+        once it serves) and asked for ``START_GRACE_S`` ago, the one holding least first; and the
+        draining ones."""
+        running = list(self._of(role))
+        aged = [w for w in running if w.up(self.now) and self.now - w.asked_at >= START_GRACE_S]
+        draining = sum(w.draining for w in self.workers if w.role == role and w.left_at is None)
+        return Roster(len(running), sorted(aged, key=_held), draining)
+
+    def _act(self, action: Start | Drain[_Worker]) -> None:
+        if isinstance(action, Drain):
+            self._drain(action.child)
+        else:
+            self._add(Role(action.role), self.now + self.costs.start_delay_s)
 
     def _drain(self, worker: _Worker) -> None:
         worker.draining = True
@@ -599,6 +616,11 @@ def _load(worker: _Worker) -> float:
     """The placement cost: queued prefill tokens on P, requests held on D."""
     c = worker.counters
     return c.queued_prefill_tokens if worker.role == Role.PREFILL else c.running + c.waiting
+
+
+def _held(worker: _Worker) -> int:
+    """What a worker holds as ``worker_standing`` reads it: its heartbeat's running + waiting."""
+    return worker.counters.running + worker.counters.waiting
 
 
 def _free(worker: _Worker) -> int:

@@ -379,6 +379,7 @@ def _add_tenants(kinds: argparse._SubParsersAction, env: Env) -> None:
 
 
 def _add_planner(kinds: argparse._SubParsersAction, env: Env) -> None:
+    from splitbus.cli.autoscale import Bounds
     from splitbus.planner.predictors import PREDICTORS
 
     planner = kinds.add_parser(
@@ -393,7 +394,13 @@ def _add_planner(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--itl-slo-ms", type=float, default=20.0, help="mean ITL target of each request (default %(default)s)")
     add("--interval-s", type=float, default=5.0, help="the planner's interval (default %(default)s)")
     add("--predictor", choices=sorted(PREDICTORS), default="peak", help="the planner's (default %(default)s)")
-    add("--autoscale", default="1:8", metavar="MIN:MAX", help="workers of each role (default %(default)s)")
+    add(
+        "--autoscale",
+        type=Bounds.parse,
+        default="1:8",
+        metavar="MIN:MAX",
+        help="workers of each role, as up --autoscale takes them (default %(default)s)",
+    )
     add("--max-fleet", type=int, default=10, help="fixed fleets swept: every P:D with P + D <= this (default 10)")
     add("--max-decode", type=int, default=4, help="... and D <= this (default %(default)s)")
     add("--start-delay-s", type=float, default=30.0, help="from a worker's ask to serving (default %(default)s)")
@@ -821,9 +828,6 @@ def _planner_config(args: argparse.Namespace) -> PlannerBenchConfig:
     from splitbus.bench.planner import PlannerBenchConfig
     from splitbus.bench.planner_sim import H100_8B, TraceConfig
 
-    low, sep, high = args.autoscale.partition(":")
-    if not sep or not low.isdigit() or not high.isdigit():
-        raise ValueError(f"--autoscale {args.autoscale!r}: MIN:MAX, two whole numbers")
     if args.seeds < 1:
         raise ValueError("--seeds must be at least 1")
     return PlannerBenchConfig(
@@ -834,8 +838,8 @@ def _planner_config(args: argparse.Namespace) -> PlannerBenchConfig:
         seeds=tuple(range(args.seed, args.seed + args.seeds)),
         interval_s=args.interval_s,
         predictor=args.predictor,
-        min_workers=int(low),
-        max_workers=int(high),
+        min_workers=args.autoscale.low,
+        max_workers=args.autoscale.high,
         max_fleet=args.max_fleet,
         max_decode=args.max_decode,
     )

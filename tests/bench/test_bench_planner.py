@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ from splitbus.bench.planner import (
     sized_fleet,
 )
 from splitbus.bench.planner_sim import H100_8B, FleetSim, Registry, SimCosts, TraceConfig, TraceRequest, trace
+from splitbus.bus.planner import Reason
 from splitbus.bus.roles import Role
+from splitbus.cli.autoscale import START_GRACE_S
 from splitbus.planner.predictors import PREDICTORS
 
 TINY = TraceConfig(rate=4.0, phase_s=6.0, long_tokens=1024)
@@ -102,17 +105,28 @@ def test_the_trace_has_its_phases_and_its_mix() -> None:
     assert trace(cfg, seed=1) == reqs and trace(cfg, seed=2) != reqs
 
 
-class _Script:
-    """A controller that asks for a fixed count after a given time: scales the fleet up, then down."""
+@dataclass(frozen=True)
+class _Advice:
+    """What ``reconcile`` reads of the planner's advice."""
 
-    def __init__(self, steps: list[tuple[float, tuple[int, int]]]) -> None:
-        self.steps = steps
+    desired_prefill: int
+    desired_decode: int
+    reason_prefill: Reason
+    reason_decode: Reason
+
+
+class _Script:
+    """A controller that advises a fixed count after a given time, for ``reason``: scales the
+    fleet up, then down."""
+
+    def __init__(self, steps: list[tuple[float, tuple[int, int]]], reason: Reason = Reason.SLO) -> None:
+        self.steps, self.reason = steps, reason
         self.seen: list[Registry] = []
 
-    def __call__(self, registry: Registry) -> tuple[int, int] | None:
+    def __call__(self, registry: Registry) -> _Advice | None:
         self.seen.append(registry)
         wanted = [fleet for at, fleet in self.steps if registry.at_s >= at]
-        return wanted[-1] if wanted else None
+        return _Advice(*wanted[-1], self.reason, self.reason) if wanted else None
 
 
 def test_drains_under_load_lose_and_duplicate_nothing() -> None:
@@ -132,12 +146,55 @@ def test_drains_under_load_lose_and_duplicate_nothing() -> None:
 
 def test_a_worker_is_paid_from_its_ask_to_its_leave() -> None:
     costs = replace(H100_8B, start_delay_s=2.0)
-    run = FleetSim(costs, (1, 1), _Script([(1.0, (2, 1)), (2.0, (1, 1))]), interval_s=1.0).run([_request(0, 5.0)])
-    extra = run.workers[-1]
-    assert (extra.asked_at, extra.left_at) == (1.0, 2.0)  # asked for, then drained while it still started
-    assert run.worker_seconds() == pytest.approx(2 * run.end_s + 1.0)
-    assert run.worker_seconds(Role.PREFILL) == pytest.approx(run.end_s + 1.0)
+    script = _Script([(1.0, (2, 1)), (2.0, (1, 1))])
+    run = FleetSim(costs, (1, 1), script, interval_s=1.0).run([_request(0, 5.0), _request(1, 15.0)])
+    first, extra = [w for w in run.workers if w.role == Role.PREFILL]
+    assert (extra.asked_at, extra.left_at) == (1.0, None)  # asked for, then kept to the end...
+    assert (first.asked_at, first.left_at) == (0.0, START_GRACE_S)  # ...as the first, past its grace, drained
+    paid_prefill = START_GRACE_S + run.end_s - 1.0
+    assert run.worker_seconds() == pytest.approx(paid_prefill + run.end_s)
+    assert run.worker_seconds(Role.PREFILL) == pytest.approx(paid_prefill)
     assert run.worker_seconds(Role.DECODE) == pytest.approx(run.end_s)
+
+
+def test_a_fall_the_planner_did_not_measure_drains_nothing() -> None:
+    script = _Script([(0.0, (1, 1))], reason=Reason.HELD)  # as a hold advises the count registered
+    run = FleetSim(H100_8B, (3, 2), script, interval_s=1.0).run([_request(0, 20.0)])
+    assert all(w.left_at is None and not w.draining for w in run.workers)
+    assert [(s.prefill, s.decode) for s in run.samples] == [(3, 2)] * len(run.samples)
+    assert run.samples[-1].desired == (1, 1) and run.samples[-1].t_s > START_GRACE_S
+
+
+def test_surplus_workers_drain_one_at_a_time() -> None:
+    script = _Script([(0.0, (1, 1))])
+    run = FleetSim(H100_8B, (3, 1), script, interval_s=1.0).run([_request(0, 20.0)])
+    prefill = [w for w in run.workers if w.role == Role.PREFILL]
+    # idle, each leaves as soon as it drains: one a tick, from the first tick past the start grace
+    assert sorted(w.left_at for w in prefill if w.left_at is not None) == [START_GRACE_S, START_GRACE_S + 1]
+    assert max(s.draining[0] for s in run.samples) <= 1 and run.samples[-1].prefill == 1
+
+
+def test_the_next_drain_waits_for_a_draining_worker_to_leave() -> None:
+    costs = replace(H100_8B, prefill_s_per_token=0.01)  # a 512-token prefill: 5 s
+    script = _Script([(0.0, (1, 1))])
+    requests = [*(_request(i, 8.0) for i in range(6)), _request(6, 40.0)]
+    run = FleetSim(costs, (3, 1), script, interval_s=1.0).run(requests)
+    # one drains, holding its requests for seconds, while a surplus one serves on, not drained meanwhile
+    assert any(s.draining[0] == 1 and s.prefill == 2 for s in run.samples)
+    assert max(s.draining[0] for s in run.samples) == 1 and run.samples[-1].prefill == 1
+    first, second = sorted(w.left_at for w in run.workers if w.left_at is not None)
+    assert first > START_GRACE_S + 1 and second == math.ceil(first)  # drained at the first tick after it left
+    assert [r.ends for r in run.requests] == [1] * 7 and not any(r.refused for r in run.requests)
+
+
+def test_a_starting_worker_is_never_drained() -> None:
+    costs = replace(H100_8B, start_delay_s=20.0)
+    script = _Script([(1.0, (2, 1)), (2.0, (1, 1))])
+    run = FleetSim(costs, (1, 1), script, interval_s=1.0).run([_request(0, 30.0)])
+    first, starting = [w for w in run.workers if w.role == Role.PREFILL]
+    assert starting.ready_at == 21.0 and starting.left_at is None and not starting.draining
+    assert first.left_at == START_GRACE_S  # the fall drained the one serving, once past its start grace
+    assert run.requests[0].ends == 1 and not run.requests[0].refused  # served by the one that started
 
 
 def test_a_run_is_deterministic_per_seed() -> None:
@@ -277,7 +334,9 @@ def test_the_cli_runs_and_writes_json_and_png(tmp_path: Path) -> None:
     assert "autoscale" in proc.stdout and "(b) smallest" in proc.stdout
 
 
-@pytest.mark.parametrize("bad", [("--autoscale", "3"), ("--autoscale", "4:2"), ("--seeds", "0"), ("--peak", "0")])
+@pytest.mark.parametrize(
+    "bad", [("--autoscale", "3"), ("--autoscale", "4:2"), ("--autoscale", "1:1001"), ("--seeds", "0"), ("--peak", "0")]
+)
 def test_the_cli_refuses_bad_options(bad: tuple[str, str], tmp_path: Path) -> None:
     proc = _cli(*bad, "--out", str(tmp_path))
     assert proc.returncode == 2 and "splitbus bench planner:" in proc.stdout + proc.stderr
