@@ -251,9 +251,9 @@ class Worker:
         await self.loops.close()
         self.stop_reporting_load()
         with transient_suppressed("leaving the registry"):
-            if self.exit_code == 0 and not self.core.held():
+            if self.exit_code == 0 and not self.core.held() and not self.draining.unfinished:
                 await self.registry.deregister(self.id)
-            else:  # what it held must move: deregistered, no reaper would ever look at it
+            else:  # what it held or left (a task read, not taken) must move: no reaper looks at a deregistered one
                 await self.registry.resign(self.id)
         await self.server.close()
         await self.links.client.close()

@@ -17,11 +17,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.loops import Loops
+from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.bus.registry import Registry, WorkerRecord
 from splitbus.tokenization import ModelTokenizer
+from splitbus.worker.config import WorkerConfig
 from splitbus.worker.core import Limits, WorkerCore
 from splitbus.worker.drain import Drain
-from splitbus.worker.engines.sim import SimEngine
+from splitbus.worker.engines.sim import SimConfig, SimEngine
+from splitbus.worker.worker import Worker
+from tests.worker import replies
 from tests.worker.test_core import BLOCKS, FREE, taken, task
 
 
@@ -109,6 +113,39 @@ async def test_past_its_bound_a_drain_stops_with_work_held_for_the_reaper(
     assert "drained: 1 requests handed over by migration after 0.3 s" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("left", "said"),
+    [
+        ({"unsettled": 1}, "1 tasks unread or unacked"),
+        ({"unwritten": 2}, "2 results unwritten"),
+        ({"shown": False}, "the flag not shown in its hash"),
+    ],
+)
+async def test_a_drain_past_its_bound_holding_nothing_but_not_drained_says_what_is_left_and_does_not_leave(
+    core: WorkerCore, caplog: pytest.LogCaptureFixture, left: dict[str, object], said: str
+) -> None:
+    """A task read but not taken is held by no request: the drain must not take 'nothing held'
+    for drained, or the worker would deregister and orphan it (no reaper looks at one)."""
+    answers, loops = Answers(), Loops("w1")
+    for name, value in left.items():
+        setattr(answers, name, value)
+    drain = _drain(core, answers, loops)
+    caplog.set_level(logging.INFO, "splitbus.worker.drain")
+    await asyncio.wait_for(drain.run(0.3), 5)
+    assert loops.stopped and core.held() == 0
+    assert not drain.finished and drain.unfinished
+    (end,) = [r.getMessage() for r in caplog.records if "not drained" in r.getMessage()]
+    assert end == f"worker w1 not drained after 0.3 s: {said}; it resigns, for the reaper to move what is left"
+    assert "leaving the registry" not in caplog.text
+
+
+async def test_a_drain_that_finished_may_leave_the_registry(core: WorkerCore) -> None:
+    drain = _drain(core, Answers())
+    assert not drain.unfinished  # no drain began
+    await asyncio.wait_for(drain.run(30), 5)
+    assert drain.finished and not drain.unfinished
+
+
 LEASE_MS = 60_000
 
 
@@ -181,3 +218,22 @@ async def test_the_end_of_a_drain_says_migration_only_once_the_bound_has_passed(
     messages = [r.getMessage() for r in caplog.records if r.name == "splitbus.worker.drain"]
     assert said in messages and loops.stopped
     assert stopped_first == all("migration" not in m for m in messages)
+
+
+async def test_a_worker_whose_drain_did_not_finish_resigns_instead_of_leaving_the_registry(
+    redis: aioredis.Redis, bus_config: BusConfig, tiny_model: Path
+) -> None:
+    """Its drain ends holding nothing, with a task in its stream never read: the worker keeps its
+    record (without a lease), for the reaper to move that task."""
+    tokenizer = ModelTokenizer.load(tiny_model, "tiny")
+    config = WorkerConfig(bus=bus_config, role="mixed", model_dir=tiny_model, model_name="tiny", worker_id="d2")
+    worker = Worker(config, tokenizer, SimEngine(SimConfig(), tokenizer, 64, 16))
+    await worker.tasks.ensure_group()
+    await worker.registry.register(worker.record(), LEASE_MS)
+    request = GenerateRequest("r-unread", "tiny", [97, 98], SamplingParams(max_tokens=4), "api", 0)
+    await replies.add(redis, bus_config.keys.tasks("d2"), Task("mixed", request))
+    await asyncio.wait_for(worker.draining.run(0.3), 5)
+    assert worker.exit_code == 0 and worker.core.held() == 0 and worker.draining.unfinished
+    await worker.close()
+    assert await redis.exists(bus_config.keys.worker("d2")) == 1  # still there, for the reaper
+    assert await redis.exists(bus_config.keys.lease("d2")) == 0  # resigned
