@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -322,7 +322,7 @@ def _counts(text: str, name: str, held: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Standing:
-    """What ``up``'s autoscaler reads of one of its workers (``worker_standing``)."""
+    """What ``up``'s autoscaler reads of one of its workers (``worker_standings``)."""
 
     registered: bool
     """It holds its lease: it has started (a worker still loading its model has none yet)."""
@@ -330,13 +330,22 @@ class Standing:
     """Requests it holds (``running`` + ``waiting`` in its hash): the one holding least drains first."""
 
 
-def worker_standing(client: redis.Redis, keys: Keys, worker_id: str) -> Standing:
-    """Whether a worker holds its lease and what it holds, on a sync client, in one round trip. A
-    field that is not a count in range reads as none (it only orders the drains)."""
+def worker_standings(client: redis.Redis, keys: Keys, worker_ids: Sequence[str]) -> list[Standing]:
+    """Whether each worker holds its lease and what it holds, in ``worker_ids``' order, on a sync
+    client, in one round trip for them all (``up``'s watch waits on it: a Redis that hangs costs
+    one socket timeout, not one per worker). A field that is not a count in range reads as none
+    (it only orders the drains)."""
+    if not worker_ids:
+        return []
     pipe = client.pipeline(transaction=False)
-    pipe.exists(keys.lease(worker_id))
-    pipe.hmget(keys.worker(worker_id), ["running", "waiting"])
-    leases, values = pipe.execute()
+    for worker_id in worker_ids:
+        pipe.exists(keys.lease(worker_id))
+        pipe.hmget(keys.worker(worker_id), ["running", "waiting"])
+    replies = pipe.execute()
+    return [_standing(leases, values) for leases, values in zip(replies[::2], replies[1::2], strict=True)]
+
+
+def _standing(leases: object, values: Sequence[object]) -> Standing:
     held = sum(_held_count(value, name) for value, name in zip(values, ("running", "waiting"), strict=True))
     return Standing(bool(leases), held)
 

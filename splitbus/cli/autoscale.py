@@ -7,11 +7,13 @@ registry's count would miss those still loading and start them again); workers a
 for a rise, and drained one at a time per role for a fall (a drain takes its workers' streams to
 their end, so the next waits for it to leave), only a fall the planner measured (``FALLS``: a hold
 advises the count registered, which a worker still loading is not in) and only of a worker past its
-start (registered, and started ``START_GRACE_S`` ago); nothing without advice (the planner is gone
-or still measuring: its key expires after three intervals). ``Autoscaler`` is the shell, called
-from ``up``'s 0.1 s watch: it reads the advice, asks ``reconcile`` what to do, starts workers
-through the supervisor, and retires the one that holds least (``Supervisor.retire``: SIGTERM, on
-which a worker started with ``--drain-timeout`` drains, then exits 0 and is not restarted).
+start (registered, and started ``START_GRACE_S`` ago); nothing without advice (no planner, or one
+gone: its key expires after three intervals). A planner still measuring does advise (the count
+registered): a rise it advises is acted on, a fall not. ``Autoscaler`` is the shell, called from
+``up``'s 0.1 s watch: it reads the advice (then, only with advice, the standings of its workers,
+in one round trip), asks ``reconcile`` what to do, starts workers through the supervisor, and
+retires the one that holds least (``Supervisor.retire``: SIGTERM, on which a worker started with
+``--drain-timeout`` drains, then exits 0 and is not restarted).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import redis
 from splitbus.bus.core.errors import DecodeError
 from splitbus.bus.core.keys import Keys
 from splitbus.bus.planner import Reason, read_advice
-from splitbus.bus.registry import Standing, worker_standing
+from splitbus.bus.registry import Standing, worker_standings
 from splitbus.bus.roles import Role
 from splitbus.cli.supervisor import Child, Supervisor
 from splitbus.worker.config import default_worker_id
@@ -158,11 +160,20 @@ class Fleet:
         return gave_up
 
 
+def roster(kids: list[Child], standings: Mapping[int, Standing]) -> Roster[Child]:
+    """A role's workers: those running, and of them the registered ones whose standing was read
+    (by ``id``: past their start grace), the one holding least first."""
+    running = [c for c in kids if not c.retiring]
+    read = [(standings[id(c)], c) for c in running if id(c) in standings]
+    drainable = [c for standing, c in sorted(read, key=lambda pair: pair[0].held) if standing.registered]
+    return Roster(len(running), drainable, len(kids) - len(running))
+
+
 class Autoscaler:
     """The shell: ``tick`` from ``up``'s watch. ``read`` gives the advice (None: none);
-    ``start(role, index)`` starts a worker and returns its child; ``standing(role, child)`` says
-    whether its worker is registered and how many requests it holds (from the registry);
-    ``grace_s``: how long after its start a worker may not be drained."""
+    ``start(role, index)`` starts a worker and returns its child; ``standings([(role, child)...])``
+    says, in one read of the registry, whether each one's worker is registered and how many
+    requests it holds; ``grace_s``: how long after its start a worker may not be drained."""
 
     def __init__(
         self,
@@ -171,37 +182,41 @@ class Autoscaler:
         bounds: Bounds,
         read: Callable[[], Advice | None],
         start: Callable[[str, int], Child],
-        standing: Callable[[str, Child], Standing],
+        standings: Callable[[Sequence[tuple[str, Child]]], list[Standing]],
         grace_s: float = START_GRACE_S,
     ) -> None:
         self.supervisor, self.fleet, self.bounds = supervisor, fleet, bounds
-        self.read, self.start, self.standing, self.grace_s = read, start, standing, grace_s
+        self.read, self.start, self.standings, self.grace_s = read, start, standings, grace_s
         self._next_read = 0.0
         self._started: dict[str, int] = {role: len(fleet.children.get(role, [])) for role in SCALED}
         self.stuck: set[str] = set()
         """Roles a worker of which gave up: one started with the same arguments would too."""
 
     def tick(self) -> None:
-        """Act on the advice, at most every ``READ_EVERY_S``."""
+        """Act on the advice, at most every ``READ_EVERY_S``. The advice is read first: without
+        it nothing is done, and the registry is not read (``up``'s watch, which also restarts
+        Redis, waits on each read)."""
         now = time.monotonic()
         if now < self._next_read:
             return
         self._next_read = now + READ_EVERY_S
         for role, child in self.fleet.forget_gone(self.supervisor):
             self.give_up(role, child)
-        rosters = {role: self.roster(role, kids, now) for role, kids in self.fleet.children.items()}
-        for action in reconcile(self.read(), rosters, self.bounds):
+        advice = self.read()
+        if advice is None:
+            return
+        for action in reconcile(advice, self.rosters(now), self.bounds):
             self.act(action)
 
-    def roster(self, role: str, kids: list[Child], now: float) -> Roster[Child]:
-        """The role's workers: those running, and of them the registered ones past their start
-        grace and not waiting to restart, the one holding least first."""
-        running = [c for c in kids if not c.retiring]
-        aged = [c for c in running if now - c.started_s >= self.grace_s and c.restart_at is None]
-        standings = [self.standing(role, c) for c in aged]
-        ordered = sorted(zip(standings, aged, strict=True), key=lambda pair: pair[0].held)
-        drainable = [c for standing, c in ordered if standing.registered]
-        return Roster(len(running), drainable, len(kids) - len(running))
+    def rosters(self, now: float) -> dict[str, Roster[Child]]:
+        """Each role's workers, with the standings of those that may be drained read at once."""
+        aged = [(role, c) for role, kids in self.fleet.children.items() for c in kids if self.aged(c, now)]
+        standings = {id(c): standing for (_, c), standing in zip(aged, self.standings(aged), strict=True)}
+        return {role: roster(kids, standings) for role, kids in self.fleet.children.items()}
+
+    def aged(self, child: Child, now: float) -> bool:
+        """Running, past its start grace and not waiting to restart: its standing is worth reading."""
+        return not child.retiring and now - child.started_s >= self.grace_s and child.restart_at is None
 
     def give_up(self, role: str, child: Child) -> None:
         if role not in self.stuck:
@@ -235,17 +250,18 @@ def advice_reader(client: redis.Redis, keys: Keys, say: Callable[[str], None]) -
     return read
 
 
-def held_reader(client: redis.Redis, keys: Keys) -> Callable[[str, Child], Standing]:
-    """Whether a child's worker is registered and what it holds (``worker_standing``, under the id
-    it was started with); Redis unreachable reads as not registered (it is not drained meanwhile)."""
+def held_reader(client: redis.Redis, keys: Keys) -> Callable[[Sequence[tuple[str, Child]]], list[Standing]]:
+    """Whether each child's worker is registered and what it holds (``worker_standings``, one round
+    trip, under the id each was started with); Redis unreachable reads as none registered (none is
+    drained meanwhile)."""
 
-    def standing(role: str, child: Child) -> Standing:
+    def standings(children: Sequence[tuple[str, Child]]) -> list[Standing]:
         try:
-            return worker_standing(client, keys, worker_id(role, child))
+            return worker_standings(client, keys, [worker_id(role, child) for role, child in children])
         except (redis.RedisError, OSError):
-            return Standing(registered=False, held=0)
+            return [Standing(registered=False, held=0)] * len(children)
 
-    return standing
+    return standings
 
 
 def worker_id(role: str, child: Child) -> str:

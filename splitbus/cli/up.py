@@ -50,6 +50,7 @@ Embedded = EmbeddedRedis | ClusterUp
 """What ``up`` started for the bus: the single embedded Redis, or the embedded cluster."""
 READY_TIMEOUT_S = 60.0
 NOT_AUTOSCALED = "--autoscale starts and drains single prefill and decode workers: not with DP groups or --mixed"
+"""``up``'s error for ``--autoscale`` with ``--dp``, ``--prefill-dp``/``--decode-dp`` above 1 or ``--mixed``."""
 EXIT_DP_GROUP_BROKEN = 3
 """A DP rank's exit code when its group broke (``DpStepper.leave`` in splitbus/worker/dp.py)."""
 
@@ -193,9 +194,7 @@ def _check_autoscale(args: argparse.Namespace, mixed: int) -> None:
     """``--autoscale`` sizes single prefill and decode workers to both SLOs; DP groups are advised,
     not acted on, and mixed workers are not sized."""
     if max(args.prefill_dp, args.decode_dp) > 1 or mixed:
-        raise ValueError(
-            "--autoscale starts and drains single prefill and decode workers: not with DP groups or --mixed"
-        )
+        raise ValueError(NOT_AUTOSCALED)
     for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--itl-slo-ms", args.itl_slo_ms)):
         if value is None or not 0 < value < math.inf:
             raise ValueError(f"--autoscale needs {flag}, a positive number of milliseconds")
@@ -205,9 +204,7 @@ def _check_autoscale(args: argparse.Namespace, mixed: int) -> None:
 
 def _check_dp_alone(args: argparse.Namespace) -> None:
     if args.autoscale is not None:
-        raise ValueError(
-            "--autoscale starts and drains single prefill and decode workers: not with DP groups or --mixed"
-        )
+        raise ValueError(NOT_AUTOSCALED)
     if args.dp < 1 or args.mixed or args.prefill or args.decode or max(args.prefill_dp, args.decode_dp) > 1:
         raise ValueError(
             "--dp N starts one DP group of N ranks; it does not combine with --prefill, --decode or --mixed"

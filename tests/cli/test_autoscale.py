@@ -7,6 +7,7 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +174,7 @@ def test_the_autoscaler_starts_and_retires_real_children_to_the_advice(capsys: p
         ONE_TO_THREE,
         lambda: advice[0],
         start,
-        lambda _, c: Standing(registered=True, held=loads.get(c.proc.pid, 0)),
+        lambda children: [Standing(registered=True, held=loads.get(c.proc.pid, 0)) for _, c in children],
         grace_s=0.0,
     )
     try:
@@ -211,10 +212,10 @@ def _scaler(
     def start(role: str, index: int) -> Child:
         return supervisor.start(f"{role}{index}", [])
 
-    def standing(role: str, child: Child) -> Standing:
-        return standings.get(child.proc.pid, Standing(registered=False, held=0))
+    def read(children: Sequence[tuple[str, Child]]) -> list[Standing]:
+        return [standings.get(child.proc.pid, Standing(registered=False, held=0)) for _, child in children]
 
-    return Autoscaler(supervisor, fleet, ONE_TO_THREE, lambda: advice, start, standing, **kw)
+    return Autoscaler(supervisor, fleet, ONE_TO_THREE, lambda: advice, start, read, **kw)
 
 
 @pytest.mark.timeout(60)
@@ -259,6 +260,58 @@ def test_a_worker_that_gave_up_is_not_counted_and_its_role_gets_no_more(capsys: 
     assert "autoscale: decode1 gave up, so no decode worker is started any more" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(60)
+def test_the_autoscaler_reads_the_registry_only_with_advice_and_once_for_all_its_workers() -> None:
+    """``up``'s watch (which also restarts Redis) waits on each read: no advice, no registry read;
+    with advice, the standings of every aged worker of both roles in one call."""
+    supervisor = Supervisor(command=[sys.executable, "-c", SLEEPS])
+    fleet = Fleet({role: [supervisor.start(f"{role}{i}", []) for i in range(2)] for role in ("prefill", "decode")})
+    advice: list[Advice | None] = [None]
+    calls: list[list[str]] = []
+
+    def standings(children: Sequence[tuple[str, Child]]) -> list[Standing]:
+        calls.append([child.name for _, child in children])
+        return [Standing(registered=True, held=0)] * len(children)
+
+    def start(role: str, index: int) -> Child:
+        return supervisor.start(f"{role}{index}", [])
+
+    scaler = Autoscaler(supervisor, fleet, ONE_TO_THREE, lambda: advice[0], start, standings, grace_s=0.0)
+    try:
+        _tick(scaler)
+        assert calls == []  # no advice: the registry is not read
+        advice[0] = Advice(2, 2)
+        _tick(scaler)
+        assert calls == [["prefill0", "prefill1", "decode0", "decode1"]]
+    finally:
+        supervisor.stop()
+
+
+def test_the_held_reader_reads_every_child_in_one_round_trip(bus_config: BusConfig) -> None:
+    client = connect_sync(bus_config.redis_url)
+    keys = bus_config.keys
+    proc = Supervisor().start("decode0", ["--version"]).proc
+    children = [Child(f"decode{i}", ["--worker-id", f"d{i}"], {}, proc) for i in range(3)]
+    client.hset(keys.worker("d1"), mapping={"running": "1", "waiting": "1"})
+    client.set(keys.lease("d1"), "1", px=60_000)
+    client.set(keys.lease("d2"), "1", px=60_000)
+    trips: list[object] = []
+    real_pipeline = client.pipeline
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        trips.append(args)
+        return real_pipeline(*args, **kwargs)
+
+    client.pipeline = counted  # type: ignore[method-assign]
+    try:
+        read = held_reader(client, keys)([("decode", c) for c in children])
+        assert read == [Standing(False, 0), Standing(True, 2), Standing(True, 0)] and len(trips) == 1
+        assert held_reader(client, keys)([]) == [] and len(trips) == 1  # none to read: no round trip
+    finally:
+        proc.wait(30)
+        client.close()
+
+
 def _tick(scaler: Autoscaler) -> None:
     """A tick that acts now (they are at most every READ_EVERY_S)."""
     scaler._next_read = 0.0
@@ -278,11 +331,11 @@ def test_the_readers_take_a_forged_or_missing_hash_as_nothing_and_say_so_once(bu
     try:
         worker = keys.worker(default_worker_id("decode", child.proc.pid))
         client.hset(worker, mapping={"running": "3", "waiting": "2"})
-        assert held("decode", child) == Standing(registered=False, held=5)  # no lease: still loading
+        assert held([("decode", child)]) == [Standing(registered=False, held=5)]  # no lease: still loading
         client.set(keys.lease(default_worker_id("decode", child.proc.pid)), "1", px=60_000)
-        assert held("decode", child) == Standing(registered=True, held=5)
+        assert held([("decode", child)]) == [Standing(registered=True, held=5)]
         client.hset(worker, mapping={"running": "x" * 40, "waiting": "-7"})
-        assert held("decode", child) == Standing(registered=True, held=0)
+        assert held([("decode", child)]) == [Standing(registered=True, held=0)]
     finally:
         child.proc.wait(30)
         client.close()
@@ -301,7 +354,7 @@ def test_the_held_reader_reads_the_worker_id_the_child_was_started_with(
         named = Child("decode0", ["worker", "--role", "decode", *given], {}, child.proc)
         client.hset(keys.worker("d-fixed"), mapping={"running": "4", "waiting": "0"})
         client.set(keys.lease("d-fixed"), "1", px=60_000)
-        assert held("decode", named) == Standing(registered=True, held=4)
+        assert held([("decode", named)]) == [Standing(registered=True, held=4)]
     finally:
         child.proc.wait(30)
         client.close()

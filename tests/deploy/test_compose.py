@@ -87,7 +87,7 @@ def test_the_planner_advises_with_metrics_on_the_parts_port() -> None:
     planner = compose_config("monitoring")["services"]["planner"]
     assert planner["profiles"] == ["monitoring"] and "ports" not in planner
     assert planner["environment"]["SPLITBUS_REDIS_URL"].startswith("redis://splitbus:")
-    args = parse_command(planner["command"])  # fails until `splitbus planner` is on the command line
+    args = parse_command(planner["command"])
     assert args.command == "planner" and (args.metrics_port, args.metrics_host) == (9100, "0.0.0.0")
     assert (args.ttft_slo_ms, args.itl_slo_ms) == (2000, 100)
     assert planner["healthcheck"]["test"][-1].endswith("urlopen('http://127.0.0.1:9100/metrics', timeout=3)")

@@ -89,7 +89,7 @@ def test_every_metric_named_is_in_the_catalog() -> None:
 @pytest.mark.parametrize("role", ROLES)
 def test_the_workers_arguments_parse_and_a_drain_ends_within_the_grace_period(role: str) -> None:
     deployment = _by_kind("Deployment")[f"splitbus-{role}"]
-    args = parse_command(_container(deployment)["args"])  # --drain-timeout: fails until the flag is on main
+    args = parse_command(_container(deployment)["args"])
     assert (args.command, args.role) == ("worker", role)
     assert args.drain_timeout == 60 and args.metrics_port == 9100
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout
@@ -97,7 +97,7 @@ def test_the_workers_arguments_parse_and_a_drain_ends_within_the_grace_period(ro
 
 def test_the_planners_arguments_parse() -> None:
     planner = _by_kind("Deployment")["splitbus-planner"]
-    args = parse_command(_container(planner)["args"])  # fails until `splitbus planner` is on main
+    args = parse_command(_container(planner)["args"])
     assert args.command == "planner" and (args.metrics_port, args.metrics_host) == (9100, "0.0.0.0")
     (service,) = _by_kind("Service").values()
     assert service["spec"]["selector"] == planner["spec"]["template"]["metadata"]["labels"]
