@@ -188,23 +188,29 @@ class Planner:
         output = self._measured.output_tokens
         if got is None or output is None:
             return Count(floor, Reason.MEASURING if output is None else Reason.HELD)
-        return self._decode_sized(rps, output, got.decode_held, line, (by_itl, by_kv), floor)
+        return self._decode_sized(rps, output, got.decode_running, line, (by_itl, by_kv), floor)
 
     def _decode_sized(
-        self, rps: float, output: float, held: int, line: Line | None, bounds: tuple[int | None, int | None], floor: int
+        self,
+        rps: float,
+        output: float,
+        running: int,
+        line: Line | None,
+        bounds: tuple[int | None, int | None],
+        floor: int,
     ) -> Count:
         """Decode workers at the batch planned for; with no batch at the ITL target, a rise by the
         KV cache's batch, else ``_decode_below``."""
         by_itl, by_kv = bounds
         batch = self._batch
         itl_s = line.itl_s(batch) if line is not None and batch else self.config.itl_slo_s
-        count = decode_count(rps, output, batch, itl_s, held) if batch else None
+        count = decode_count(rps, output, batch, itl_s, running) if batch else None
         if count is None or (by_itl is None and count.workers <= floor):  # no batch, or only the KV cache's
-            return self._decode_below(rps, output, held, by_kv, floor, count)
+            return self._decode_below(rps, output, running, by_kv, floor, count)
         return _decode_reason(count, by_itl, by_kv)
 
     def _decode_below(
-        self, rps: float, output: float, held: int, by_kv: int | None, floor: int, count: Count | None
+        self, rps: float, output: float, running: int, by_kv: int | None, floor: int, count: Count | None
     ) -> Count:
         """Without a batch at the ITL target, a count no higher than the current one: the largest
         mean batch in the window that met the target is a lower bound for it, so the count it needs
@@ -212,7 +218,7 @@ class Planner:
         met = largest_met(self._points, self.config.itl_slo_s * self.config.itl_headroom)
         if met is not None:
             batch = _smallest(math.floor(met.batch), by_kv) or 1
-            low = decode_count(rps, output, batch, met.itl_s, held)
+            low = decode_count(rps, output, batch, met.itl_s, running)
             if low.workers < floor:
                 return Count(low.workers, low.reason, f"{low.why} (batch {batch} met the ITL target)")
         why = f"; {count.why}" if count is not None else ""

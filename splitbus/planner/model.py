@@ -71,14 +71,16 @@ def kv_batch(total_blocks: int | None, blocks_per_request: float | None) -> int 
     return math.floor(KV_USE_MAX * total_blocks / blocks_per_request)
 
 
-def decode_count(rps: float, output_tokens: float, batch: int, itl_s: float, held: int) -> Count:
+def decode_count(rps: float, output_tokens: float, batch: int, itl_s: float, running: int) -> Count:
     """Decode workers for the concurrency of ``rps`` requests of ``output_tokens`` each at
     ``itl_s`` a token (Little's law: ``C = λ·O·itl``), ``batch`` per worker, and for the
-    requests they hold now."""
+    requests decoding now. Only those: a request placed on a decode worker waits there for its KV
+    while it is queued at prefill, and its decode demand is already in ``C`` (counting it too
+    sized decode for a prefill backlog, with no request to decode)."""
     concurrency = rps * output_tokens * itl_s
-    by_rate, by_held = ceil(concurrency / batch), ceil(held / batch)
-    if by_held > by_rate:
-        return Count(by_held, Reason.BACKLOG, f"backlog: {held} requests held / batch {batch}")
+    by_rate, by_running = ceil(concurrency / batch), ceil(running / batch)
+    if by_running > by_rate:
+        return Count(by_running, Reason.BACKLOG, f"backlog: {running} requests running / batch {batch}")
     figures = f"{rps:.1f} req/s x {output_tokens:.0f} tokens x {itl_s * 1000:.1f} ms = {concurrency:.1f} running"
     why = f"slo: {figures} / batch {batch}"
     return Count(max(by_rate, 1 if rps > 0 else 0), Reason.SLO, why)

@@ -77,7 +77,10 @@ class Sample:
     queued_prefill_tokens: int
     """Prompt tokens queued or reserved at the prefilling workers now."""
     decode_held: int
-    """Requests running, waiting or reserved at the decode workers now."""
+    """Requests running, waiting or reserved at the decode workers now (any: decode has demand)."""
+    decode_running: int
+    """Requests decoding at the decode workers now: those waiting there wait for their KV, most of
+    them still queued at prefill (a decode worker reserves their blocks at placement)."""
 
 
 def sample(before: Reading, now: Reading, min_steps: int) -> Sample | None:
@@ -101,6 +104,7 @@ def sample(before: Reading, now: Reading, min_steps: int) -> Sample | None:
             w.load.queued_prefill_tokens + w.reserved.reserved_prefill_tokens for w in _starting(now)
         ),
         decode_held=sum(_held(w) for w in now.of_role(Role.DECODE.value)),
+        decode_running=sum(w.load.running for w in now.of_role(Role.DECODE.value)),
     )
 
 

@@ -48,9 +48,9 @@ def test_decode_batch_and_workers_from_the_sims_own_line() -> None:
     line = Line(a=0.004, c=0.0001)  # the sim engine's step: 4 ms + 0.1 ms a request
     assert line.batch_at(0.020 * 0.9) == 140  # ⌊(18 − 4)/0.1⌋
     # 100 req/s x 200 tokens x 18 ms = 360 running / 140 a worker = 2.6 -> 3
-    count = decode_count(100, 200, 140, line.itl_s(140), held=0)
+    count = decode_count(100, 200, 140, line.itl_s(140), running=0)
     assert (count.workers, count.reason) == (3, Reason.SLO)
-    assert decode_count(100, 200, 140, line.itl_s(140), held=500).workers == 4  # 500 held / 140: the backlog
+    assert decode_count(100, 200, 140, line.itl_s(140), running=500).workers == 4  # 500 running / 140: the backlog
 
 
 def test_kv_bounds_the_batch() -> None:
@@ -89,6 +89,17 @@ def test_two_readings_by_hand() -> None:
     assert decision.batch_at_slo == 90
     assert (decision.decode.desired, decision.decode.reason) == (1, Reason.HELD)
     assert decision.describe().startswith("prefill 1 -> 1 (slo: 10.0 req/s predicted x 1000 uncached tokens")
+
+
+def test_decode_is_not_sized_for_requests_still_waiting_for_their_kv() -> None:
+    """A decode worker reserves blocks at placement: its ``waiting`` holds requests queued at prefill,
+    whose decode is already in the arrivals x output term. 400 of them would have asked 5 workers."""
+    planner = Planner(CONFIG)
+    kv = {"total_kv_blocks": 10_000, "free_kv_blocks": 9_000, "running": 10}  # a batch of 90 by the KV cache
+    planner.step(reading(0.0, prefiller(), decoder(**kv)))
+    waiting = decoder(decodes=100, waiting=400, **kv)
+    decision = planner.step(reading(10.0, prefiller(prefills=100, busy_s=5.0), waiting))
+    assert (decision.decode.desired, decision.decode.reason) == (1, Reason.HELD)
 
 
 def test_a_step_rise_adds_prefill_workers_at_once_and_a_dp_role_whole_groups() -> None:

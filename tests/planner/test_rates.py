@@ -75,6 +75,7 @@ def test_levels_now_kv_queues_and_held() -> None:
     assert got.kv_blocks_per_request == pytest.approx(50)  # 400 blocks held by 8
     assert got.decode_kv_blocks == 500
     assert (got.queued_prefill_tokens, got.decode_held) == (3000, 11)
+    assert got.decode_running == 8  # waiting and reserved: for their KV, not decoding
 
 
 def test_the_same_reading_twice_is_no_interval() -> None:
