@@ -184,6 +184,7 @@ class PlannerFleet:
                 config.itl_slo_s,
                 interval_s=config.interval_s,
                 predictor=config.predictor,
+                start_delay_s=config.costs.start_delay_s,  # told as an operator would be: the fleet's own
                 min_workers=config.min_workers,
                 max_workers=config.max_workers,
             )

@@ -36,6 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument("--min-workers", type=int, default=0, help="fewest workers advised per role (default %(default)s)")
     p.add_argument("--max-workers", type=int, default=1000, help="most workers advised per role (default %(default)s)")
     p.add_argument(
+        "--start-delay-s",
+        type=non_negative,
+        default=30.0,
+        help="seconds from asking for a worker to its first request: a prefill backlog cleared sooner"
+        " gets no worker (default %(default)s)",
+    )
+    p.add_argument(
         "--scale-down-window-s",
         type=non_negative,
         default=30.0,
@@ -81,6 +88,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
             interval_s=args.interval_s,
             predictor=args.predictor,
             scale_down_window_s=args.scale_down_window_s,
+            start_delay_s=args.start_delay_s,
             min_workers=args.min_workers,
             max_workers=args.max_workers,
             model=args.model,

@@ -31,6 +31,11 @@ class PlannerConfig:
     first token's way back."""
     itl_headroom: float = 0.9
     """The share of the ITL target a decode batch is sized to: the fitted line is a mean."""
+    start_delay_s: float = 30.0
+    """From asking for a worker to its first request (``--start-delay-s``): a prefill backlog the
+    workers serving now clear sooner gets no worker for it (``model.backlog_workers``). 30 s: an 8B
+    model's 16 GB of weights loaded from local NVMe, CUDA graphs captured, the worker registered;
+    set it to what the fleet's workers take (a cold node, a larger model, take minutes)."""
     scale_down_window_s: float = 30.0
     """A count goes down only to the highest one computed over this many seconds (up at once)."""
     min_workers: int = 0
@@ -56,7 +61,10 @@ class PlannerConfig:
         for name in ("target_utilization", "itl_headroom"):
             _require(0 < getattr(self, name) <= 1, f"{name} must be in (0, 1]")
         _require(0 <= self.ttft_reserve < 1, "ttft_reserve must be in [0, 1)")
-        _require(self.scale_down_window_s >= 0 and self.min_busy_s >= 0, "windows must be >= 0")
+        _require(
+            min(self.scale_down_window_s, self.min_busy_s, self.start_delay_s) >= 0,
+            "windows and start_delay_s must be >= 0",
+        )
         _require(0 <= self.min_workers <= self.max_workers <= MAX_WORKERS, f"need 0 <= min <= max <= {MAX_WORKERS}")
         _require(self.fit_window >= 2 and self.min_decode_steps >= 1, "fit_window >= 2, min_decode_steps >= 1")
 

@@ -13,7 +13,7 @@ from splitbus.bus.roles import Role
 from splitbus.planner.config import PlannerConfig
 from splitbus.planner.fit import Line, Point, feedback_batch, fit_line, largest_met
 from splitbus.planner.hysteresis import Stabilizer
-from splitbus.planner.model import Count, Reason, ceil, decode_count, grouped, kv_batch, prefill_count
+from splitbus.planner.model import Backlog, Count, Reason, ceil, decode_count, grouped, kv_batch, prefill_count
 from splitbus.planner.predictors import EWMA_ALPHA, PREDICTORS
 from splitbus.planner.rates import Reading, Sample, WorkerReading, sample
 
@@ -167,7 +167,8 @@ class Planner:
             return Count(floor, Reason.MEASURING)
         queued = got.queued_prefill_tokens + (reading.unread + reading.held) * uncached
         c = self.config
-        count = prefill_count(rps, uncached, rate, c.prefill_budget_s, c.target_utilization, queued)
+        backlog = Backlog(queued, actual, c.start_delay_s)
+        count = prefill_count(rps, uncached, rate, c.prefill_budget_s, c.target_utilization, backlog)
         if count.reason is Reason.SLO_UNREACHABLE:
             return Count(actual, count.reason, count.why)
         return Count(floor, count.reason, count.why) if count.reason is Reason.MEASURING else count

@@ -39,14 +39,26 @@ def utilization(service_s: float, budget_s: float, target: float) -> float | Non
     return min(target, 2 * (budget_s - service_s) / (2 * budget_s - service_s))
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """The prompts waiting to be prefilled now, and what clears them until more workers come."""
+
+    tokens: float
+    """Uncached prompt tokens queued, reserved or not placed yet."""
+    serving: int = 0
+    """Prefill workers serving now (not draining)."""
+    start_delay_s: float = 0.0
+    """From asking for a worker to its first prefill (``PlannerConfig.start_delay_s``)."""
+
+
 def prefill_count(
-    rps: float, uncached_tokens: float, rate: float, budget_s: float, target: float, queued_tokens: float
+    rps: float, uncached_tokens: float, rate: float, budget_s: float, target: float, backlog: Backlog
 ) -> Count:
     """Prefill workers for ``rps`` prompts of ``uncached_tokens`` at ``rate`` tokens/s each, and
-    for clearing the ``queued_tokens`` waiting now within ``budget_s``; measuring while no rate
-    above 0 is known (every rate divides by it) and there is demand: with none predicted or queued,
-    no worker is needed whatever the rate (an idle fleet falls to its minimum)."""
-    if rps <= 0 and queued_tokens <= 0:
+    for the ``backlog`` left when workers asked now come (``backlog_workers``); measuring while no
+    rate above 0 is known (every rate divides by it) and there is demand: with none predicted or
+    queued, no worker is needed whatever the rate (an idle fleet falls to its minimum)."""
+    if rps <= 0 and backlog.tokens <= 0:
         return Count(0, Reason.SLO, "slo: no prompt predicted or queued")
     if rate <= 0:
         return Count(0, Reason.MEASURING, "measuring: no prefill rate above 0 tokens/s yet")
@@ -56,12 +68,36 @@ def prefill_count(
         why = f"one prompt takes {service_s:.3f} s of a {budget_s:.3f} s budget"
         return Count(0, Reason.SLO_UNREACHABLE, why)
     by_rate = ceil(rps * uncached_tokens / (rate * rho))
-    by_queue = ceil(queued_tokens / (rate * budget_s))
-    if by_queue > by_rate:
-        why = f"backlog: {queued_tokens:.0f} tokens queued / {rate:.0f} tok/s per worker within {budget_s:.2f} s"
-        return Count(by_queue, Reason.BACKLOG, why)
+    by_backlog, left = backlog_workers(rps * uncached_tokens, rate, budget_s, backlog)
+    if by_backlog > by_rate:
+        why = (
+            f"backlog: {backlog.tokens:.0f} tokens queued, {left:.0f} left when a worker asked now comes"
+            f" (in {backlog.start_delay_s:.0f} s); cleared within {max(backlog.start_delay_s, budget_s):.2f} s"
+            f" at {rate:.0f} tok/s per worker"
+        )
+        return Count(by_backlog, Reason.BACKLOG, why)
     rates = f"{rps:.1f} req/s predicted x {uncached_tokens:.0f} uncached tokens / {rate:.0f} tok/s per worker"
     return Count(max(by_rate, 1 if rps > 0 else 0), Reason.SLO, f"slo: {rates} at rho {rho:.2f}")
+
+
+def backlog_workers(demand_tokens_s: float, rate: float, budget_s: float, backlog: Backlog) -> tuple[int, float]:
+    """(workers, tokens left): the prefill workers that clear the backlog still there when a worker
+    asked now comes, while serving ``demand_tokens_s``. A worker comes ``d`` = ``start_delay_s``
+    after the ask, so it cannot help with what the ``serving`` workers clear before then, nor with
+    the requests that waited past their target meanwhile: the backlog it finds is ``B = Q +
+    (demand - serving x rate) x d``; none (0 workers) when that is not above 0, or when nothing is
+    queued now (``Q`` = 0: the serving workers keep up so far, and a backlog projected from the
+    predicted rate alone would multiply the predictor's error by ``d``). What is left is
+    cleared within ``H = max(d, budget_s)``: ``(demand + B / H) / rate`` workers. With workers that
+    come at once (``d`` = 0) that is the TTFT budget; otherwise one more start delay, so that the
+    misses it causes are at most twice those the start delay makes
+    unavoidable, with workers of the order of the rate's (a horizon of the budget would ask for
+    ``d / budget_s`` times as many, each paid a start delay for seconds of work)."""
+    d = backlog.start_delay_s
+    left = backlog.tokens + (demand_tokens_s - backlog.serving * rate) * d
+    if backlog.tokens <= 0 or left <= 0:
+        return 0, 0.0
+    return ceil((demand_tokens_s + left / max(d, budget_s)) / rate), left
 
 
 def kv_batch(total_blocks: int | None, blocks_per_request: float | None) -> int | None:

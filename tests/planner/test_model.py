@@ -12,7 +12,7 @@ import pytest
 from splitbus.planner.config import PlannerConfig
 from splitbus.planner.core import Planner, Reason
 from splitbus.planner.fit import Line
-from splitbus.planner.model import decode_count, grouped, kv_batch, prefill_count, utilization
+from splitbus.planner.model import Backlog, backlog_workers, decode_count, grouped, kv_batch, prefill_count, utilization
 from tests.planner.fleet import decoder, prefiller, reading
 
 BUDGET_S = 0.5 * 0.9
@@ -28,20 +28,38 @@ def test_utilization_is_the_target_while_the_wait_leaves_room() -> None:
 @pytest.mark.parametrize(("rps", "workers"), [(10, 1), (40, 3), (0, 0)])
 def test_prefill_workers_for_the_arrivals(rps: float, workers: int) -> None:
     # 10 req/s x 1000 tokens / (20 000 tok/s x 0.8) = 0.625 -> 1; 40 req/s: 2.5 -> 3
-    count = prefill_count(rps, 1000, 20_000, BUDGET_S, 0.8, queued_tokens=0)
+    count = prefill_count(rps, 1000, 20_000, BUDGET_S, 0.8, Backlog(0))
     assert (count.workers, count.reason) == (workers, Reason.SLO)
 
 
 def test_a_prompt_longer_than_the_budget_is_unreachable() -> None:
-    count = prefill_count(10, 10_000, 20_000, BUDGET_S, 0.8, queued_tokens=0)  # s = 0.5 s >= S = 0.45 s
+    count = prefill_count(10, 10_000, 20_000, BUDGET_S, 0.8, Backlog(0))  # s = 0.5 s >= S = 0.45 s
     assert count.reason is Reason.SLO_UNREACHABLE
     assert "0.500 s of a 0.450 s budget" in count.why
 
 
 def test_the_backlog_beats_the_rate_when_it_needs_more() -> None:
-    # 30 000 tokens queued / (20 000 tok/s x 0.45 s) = 3.3 -> 4 > the rate's 1
-    count = prefill_count(10, 1000, 20_000, BUDGET_S, 0.8, queued_tokens=30_000)
+    # workers that come at once: (10 000 tok/s + 30 000 tokens queued / 0.45 s) / 20 000 tok/s = 3.8 -> 4 > the rate's 1
+    count = prefill_count(10, 1000, 20_000, BUDGET_S, 0.8, Backlog(30_000))
     assert (count.workers, count.reason) == (4, Reason.BACKLOG)
+
+
+def test_a_backlog_the_serving_workers_clear_before_a_new_one_comes_gets_none() -> None:
+    # 100 000 tokens queued; 1 worker serving 20 000 tok/s against 10 000 arriving clears them in 10 s < 30 s
+    assert backlog_workers(10_000, 20_000, BUDGET_S, Backlog(100_000, serving=1, start_delay_s=30)) == (0, 0.0)
+    count = prefill_count(10, 1000, 20_000, BUDGET_S, 0.8, Backlog(100_000, serving=1, start_delay_s=30))
+    assert (count.workers, count.reason) == (1, Reason.SLO)  # the rate's; at once, the queue would ask 12
+    # nothing queued now: no backlog from the predicted rate alone, however short the fleet falls
+    assert backlog_workers(40_000, 20_000, BUDGET_S, Backlog(0, serving=1, start_delay_s=30)) == (0, 0.0)
+
+
+def test_a_backlog_left_when_workers_come_is_cleared_within_the_start_delay() -> None:
+    # 40 000 tok/s arriving, 1 worker serving 20 000: 100 000 + 20 000 x 30 s = 700 000 tokens left in 30 s,
+    # then (40 000 + 700 000 / 30 s) / 20 000 = 3.2 -> 4 workers (the rate's 2.5 -> 3)
+    assert backlog_workers(40_000, 20_000, BUDGET_S, Backlog(100_000, serving=1, start_delay_s=30)) == (4, 700_000)
+    count = prefill_count(40, 1000, 20_000, BUDGET_S, 0.8, Backlog(100_000, serving=1, start_delay_s=30))
+    assert (count.workers, count.reason) == (4, Reason.BACKLOG)
+    assert "700000 left when a worker asked now comes (in 30 s); cleared within 30.00 s" in count.why
 
 
 def test_decode_batch_and_workers_from_the_sims_own_line() -> None:
@@ -102,6 +120,15 @@ def test_decode_is_not_sized_for_requests_still_waiting_for_their_kv() -> None:
     assert (decision.decode.desired, decision.decode.reason) == (1, Reason.HELD)
 
 
+def test_a_queue_the_serving_prefill_workers_clear_before_a_new_one_comes_adds_none() -> None:
+    queued = prefiller(prefills=100, busy_s=5.0, queued_prefill_tokens=30_000)  # 10 req/s, 1.5 s of work queued
+    for delay_s, expected in ((30.0, (1, Reason.SLO)), (0.0, (4, Reason.BACKLOG))):
+        planner = Planner(dataclasses.replace(CONFIG, start_delay_s=delay_s))
+        planner.step(reading(0.0, prefiller()))
+        decision = planner.step(reading(10.0, queued))
+        assert (decision.prefill.desired, decision.prefill.reason) == expected
+
+
 def test_a_step_rise_adds_prefill_workers_at_once_and_a_dp_role_whole_groups() -> None:
     planner = Planner(CONFIG)
     ranks = [decoder(f"d{i}", dp_size=4) for i in range(4)]
@@ -151,7 +178,7 @@ def test_short_prefills_add_up_across_intervals_to_one_rate() -> None:
 
 def test_busy_time_with_no_token_computed_is_no_rate() -> None:
     # every prompt served whole by the prefix cache (twins), or the busy time counted a beat before the tokens
-    assert prefill_count(10, 1000, 0, BUDGET_S, 0.8, queued_tokens=0).reason is Reason.MEASURING  # no division
+    assert prefill_count(10, 1000, 0, BUDGET_S, 0.8, Backlog(0)).reason is Reason.MEASURING  # no division
     planner = Planner(CONFIG)
     planner.step(reading(0.0, prefiller()))
     cached = planner.step(reading(1.0, prefiller(prefills=10, busy_s=0.5, prompt_tokens_cached=10_000)))
@@ -210,7 +237,15 @@ def test_whole_groups_never_pass_the_most_advised() -> None:
 
 
 def test_every_float_setting_must_be_finite() -> None:
-    for name in ("ttft_slo_s", "itl_slo_s", "interval_s", "scale_down_window_s", "min_busy_s", "ttft_reserve"):
+    for name in (
+        "ttft_slo_s",
+        "itl_slo_s",
+        "interval_s",
+        "scale_down_window_s",
+        "min_busy_s",
+        "ttft_reserve",
+        "start_delay_s",
+    ):
         with pytest.raises(ValueError, match=f"{name} must be finite"):
             dataclasses.replace(CONFIG, **{name: math.inf})
     with pytest.raises(ValueError, match="itl_slo_s must be finite"):
@@ -220,6 +255,11 @@ def test_every_float_setting_must_be_finite() -> None:
 def test_no_prompt_predicted_or_queued_needs_no_prefill_worker_whatever_the_rate() -> None:
     """An idle fleet falls to its minimum even when no prefill rate was ever measured."""
     for rate in (0, 20_000):
-        idle = prefill_count(0, 1000, rate, BUDGET_S, 0.8, queued_tokens=0)
+        idle = prefill_count(0, 1000, rate, BUDGET_S, 0.8, Backlog(0))
         assert (idle.workers, idle.reason) == (0, Reason.SLO)
-    assert prefill_count(0, 1000, 0, BUDGET_S, 0.8, queued_tokens=5000).reason is Reason.MEASURING  # a queue, no rate
+    assert prefill_count(0, 1000, 0, BUDGET_S, 0.8, Backlog(5000)).reason is Reason.MEASURING  # a queue, no rate
+
+
+def test_a_negative_start_delay_is_refused() -> None:
+    with pytest.raises(ValueError, match="start_delay_s must be >= 0"):
+        dataclasses.replace(CONFIG, start_delay_s=-1.0)

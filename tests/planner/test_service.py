@@ -223,6 +223,7 @@ def test_the_cli_defaults_and_refuses_an_unknown_predictor() -> None:
         0,
         1000,
     )
+    assert args.start_delay_s == PlannerConfig(0.5, 0.02).start_delay_s == 30.0
     with pytest.raises(SystemExit):
         build_parser(Env()).parse_args([*PLANNER, "--predictor", "arima"])
 
@@ -235,6 +236,7 @@ def test_the_cli_defaults_and_refuses_an_unknown_predictor() -> None:
         ("--itl-slo-ms", "0"),
         ("--interval-s", "-1"),
         ("--scale-down-window-s", "inf"),
+        ("--start-delay-s", "-1"),
         ("--ttft-slo-ms", "1e400"),
     ],
 )
