@@ -58,7 +58,7 @@ class PlannerBenchConfig:
     seeds: tuple[int, ...] = (1, 2, 3)
     interval_s: float = 5.0
     """The planner's interval, and the fleet's sampling period."""
-    predictor: str = "peak"
+    predictor: str = "last"
     min_workers: int = 1
     max_workers: int = 8
     """The autoscaled fleet's bounds, per role (``--autoscale MIN:MAX``)."""

@@ -393,7 +393,7 @@ def _add_planner(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--ttft-slo-ms", type=float, default=500.0, help="TTFT target (default %(default)s)")
     add("--itl-slo-ms", type=float, default=20.0, help="mean ITL target of each request (default %(default)s)")
     add("--interval-s", type=float, default=5.0, help="the planner's interval (default %(default)s)")
-    add("--predictor", choices=sorted(PREDICTORS), default="peak", help="the planner's (default %(default)s)")
+    add("--predictor", choices=sorted(PREDICTORS), default="last", help="the planner's (default %(default)s)")
     add(
         "--autoscale",
         type=Bounds.parse,

@@ -29,9 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     p.add_argument(
         "--predictor",
         choices=sorted(PREDICTORS),
-        default="peak",
-        help="arrivals next interval: the last interval's (last), an EWMA (ewma), or the larger of both (peak,"
-        " the default: up at once, down over about five intervals)",
+        default="last",
+        help="arrivals next interval: the last interval's (last, the default), an EWMA (ewma), or the larger of"
+        " both (peak: up at once, down over about five intervals)",
     )
     p.add_argument("--min-workers", type=int, default=0, help="fewest workers advised per role (default %(default)s)")
     p.add_argument("--max-workers", type=int, default=1000, help="most workers advised per role (default %(default)s)")

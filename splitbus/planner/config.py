@@ -21,8 +21,9 @@ class PlannerConfig:
     """Mean time between output tokens each request should meet (``--itl-slo-ms``)."""
     interval_s: float = 5.0
     """Seconds between two decisions; the rates are measured over one interval."""
-    predictor: str = "peak"
-    """How the next interval's arrivals are predicted from the measured ones (``PREDICTORS``)."""
+    predictor: str = "last"
+    """How the next interval's arrivals are predicted from the measured ones (``PREDICTORS``): the
+    last interval's by default, which ``splitbus bench planner`` found best (docs/planner.md)."""
     target_utilization: float = 0.8
     """The busiest a prefill worker is planned to be, even where the TTFT target would allow more:
     a queue near saturation grows with any burst."""

@@ -163,6 +163,8 @@ class Planner:
         actual = _actual(reading, Role.PREFILL.value)
         floor = max(actual, 1 if rps > 0 else 0)
         uncached, rate = self._measured.uncached_tokens, self._measured.prefill_rate
+        if _no_prompts(reading, got, rps):
+            return Count(0, Reason.SLO, "slo: no demand: none predicted or queued")  # whatever was measured
         if got is None or uncached is None or rate is None:
             return Count(floor, Reason.MEASURING)
         queued = got.queued_prefill_tokens + (reading.unread + reading.held) * uncached
@@ -276,6 +278,11 @@ class Planner:
 
 def _actual(reading: Reading, role: str) -> int:
     return sum(1 for w in reading.of_role(role) if not w.load.draining)
+
+
+def _no_prompts(reading: Reading, got: Sample | None, rps: float) -> bool:
+    """Whether prefill has no demand at all: none predicted, none queued at a worker or unplaced."""
+    return got is not None and rps <= 0 and got.queued_prefill_tokens == 0 and not reading.unread + reading.held
 
 
 def _idle(got: Sample | None, rps: float) -> bool:

@@ -190,7 +190,9 @@ def test_busy_time_with_no_token_computed_is_no_rate() -> None:
 
 
 def test_decode_falls_by_the_largest_batch_that_met_the_target() -> None:
-    planner = Planner(CONFIG)  # ITL 20 ms; the points are all at batch 10, 10 ms: no spread, no line
+    # ITL 20 ms; the points are all at batch 10, 10 ms: no spread, no line. `peak`, so that the predicted
+    # rate decays over the intervals after the traffic (with `last` it is 0 at once: no demand at all)
+    planner = Planner(dataclasses.replace(CONFIG, predictor="peak"))
     decoders = [decoder(f"d{i}") for i in range(4)]
     planner.step(reading(0.0, prefiller(), *decoders))
     # 20 req/s x 200 tokens x 10 ms = 40 running, 10 a worker: the 4 running
@@ -210,6 +212,19 @@ def test_decode_with_no_demand_at_all_falls_to_the_least() -> None:
     assert (idle.decode.desired, idle.decode.reason) == (1, Reason.SLO)
     held = planner.step(reading(20.0, decoder("d1", running=1), decoder("d2")))  # one request running: not idle
     assert (held.decode.desired, held.decode.reason) == (2, Reason.MEASURING)
+
+
+def test_prefill_with_no_demand_at_all_falls_to_the_least() -> None:
+    """Never measured (no prompt came) or measured long ago: with none predicted or queued, no prefill
+    worker is needed; a queue, or a request unread, keeps it."""
+    planner = Planner(dataclasses.replace(CONFIG, min_workers=1, scale_down_window_s=0))
+    planner.step(reading(0.0, prefiller("p1"), prefiller("p2"), decoder()))
+    idle = planner.step(reading(10.0, prefiller("p1"), prefiller("p2"), decoder()))
+    assert (idle.prefill.desired, idle.prefill.reason) == (1, Reason.SLO)
+    queued = planner.step(reading(20.0, prefiller("p1", queued_prefill_tokens=500), prefiller("p2"), decoder()))
+    assert (queued.prefill.desired, queued.prefill.reason) == (2, Reason.MEASURING)
+    unread = planner.step(dataclasses.replace(reading(30.0, prefiller("p1"), prefiller("p2"), decoder()), unread=1))
+    assert (unread.prefill.desired, unread.prefill.reason) == (2, Reason.MEASURING)
 
 
 def test_a_role_with_no_worker_yet_measures_at_its_last_count() -> None:

@@ -217,7 +217,7 @@ def test_every_predictor_is_a_cli_choice(name: str) -> None:
 def test_the_cli_defaults_and_refuses_an_unknown_predictor() -> None:
     args = build_parser(Env()).parse_args(PLANNER)
     assert (args.predictor, args.interval_s, args.cell, args.min_workers, args.max_workers) == (
-        "peak",
+        "last",
         5.0,
         "main",
         0,
