@@ -41,7 +41,7 @@ from splitbus.bench.planner_sim import (
 )
 from splitbus.bus.planner import Advice
 from splitbus.bus.roles import Role
-from splitbus.cli.autoscale import Bounds
+from splitbus.planner.autoscale import Bounds
 
 TARGET_SAVING = 0.2
 """The autoscaled fleet should use at least this share fewer worker-seconds than a fixed one."""

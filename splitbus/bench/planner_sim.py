@@ -44,8 +44,18 @@ import numpy as np
 
 from splitbus.bus.records import WorkerLoad
 from splitbus.bus.roles import Role
-from splitbus.cli.autoscale import MAX_WORKERS, SCALED, START_GRACE_S, Advice, Bounds, Drain, Roster, Start, reconcile
 from splitbus.placement.costs import choose
+from splitbus.planner.autoscale import (
+    MAX_WORKERS,
+    SCALED,
+    START_GRACE_S,
+    Advice,
+    Bounds,
+    Drain,
+    Roster,
+    Start,
+    reconcile,
+)
 
 
 @dataclass(frozen=True)

@@ -379,7 +379,7 @@ def _add_tenants(kinds: argparse._SubParsersAction, env: Env) -> None:
 
 
 def _add_planner(kinds: argparse._SubParsersAction, env: Env) -> None:
-    from splitbus.cli.autoscale import Bounds
+    from splitbus.planner.autoscale import Bounds
     from splitbus.planner.predictors import PREDICTORS
 
     planner = kinds.add_parser(

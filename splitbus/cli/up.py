@@ -27,7 +27,7 @@ from pathlib import Path
 from splitbus.bus.messages.control import MAX_DRAIN_TIMEOUT_S
 from splitbus.bus.roles import Role
 from splitbus.cli.api_cmd import add_tenants_file_argument, add_tool_call_parser_argument
-from splitbus.cli.autoscale import Autoscaler, Bounds, Fleet, advice_reader, held_reader
+from splitbus.cli.autoscale import Autoscaler, Fleet, advice_reader, held_reader
 from splitbus.cli.cluster_up import (
     MAX_NODE_RESTARTS,
     ClusterUp,
@@ -43,6 +43,7 @@ from splitbus.folders import private_folder
 from splitbus.masking import mask_key, mask_text, mask_url
 from splitbus.model_files import fetch
 from splitbus.model_files.resolve import resolve_model, served_name
+from splitbus.planner.autoscale import Bounds
 from splitbus.redis_server import EmbeddedRedis, RedisServerError
 from splitbus.worker import engines
 

@@ -24,7 +24,7 @@ from splitbus.bench.planner import (
 from splitbus.bench.planner_sim import H100_8B, FleetSim, Registry, SimCosts, TraceConfig, TraceRequest, trace
 from splitbus.bus.planner import Reason
 from splitbus.bus.roles import Role
-from splitbus.cli.autoscale import START_GRACE_S
+from splitbus.planner.autoscale import START_GRACE_S
 from splitbus.planner.predictors import PREDICTORS
 
 TINY = TraceConfig(rate=4.0, phase_s=6.0, long_tokens=1024)

@@ -18,20 +18,10 @@ from splitbus.bus.core.connection import connect_sync
 from splitbus.bus.planner import Reason
 from splitbus.bus.registry import Standing
 from splitbus.cli import up
-from splitbus.cli.autoscale import (
-    FALLS,
-    Autoscaler,
-    Bounds,
-    Drain,
-    Fleet,
-    Roster,
-    Start,
-    advice_reader,
-    held_reader,
-    reconcile,
-)
+from splitbus.cli.autoscale import Autoscaler, Fleet, advice_reader, held_reader
 from splitbus.cli.supervisor import Child, RestartPolicy, Supervisor
 from splitbus.env import load_env
+from splitbus.planner.autoscale import FALLS, Bounds, Drain, Roster, Start, reconcile
 from splitbus.worker.config import default_worker_id
 from tests.cli.test_supervisor import wait_all_ready
 

@@ -8,7 +8,7 @@ import ast
 from tests.test_layering import PACKAGE
 from tests.worker.test_layers import IO_MODULES, io_modules_loaded_by
 
-CORE = ("config", "core", "rates", "model", "fit", "predictors", "hysteresis")
+CORE = ("config", "core", "rates", "model", "fit", "predictors", "hysteresis", "autoscale")
 
 
 def _io_uses(name: str) -> list[str]:
