@@ -241,7 +241,10 @@ def test_a_child_that_gave_up_is_removed_at_once_when_retired() -> None:
 @pytest.mark.timeout(60)
 def test_stop_sends_each_child_its_own_stop_signal(capsys: pytest.CaptureFixture[str]) -> None:
     """A worker on which SIGTERM drains is stopped with SIGINT: `up`'s own stop stays seconds."""
-    supervisor = Supervisor(FAST, command=_python("import time; print('ready', flush=True); time.sleep(60)"))
+    # A process started in the background inherits SIGINT ignored, and Python then leaves it so (a
+    # worker sets its own handler: cli/common.py run_service); the child takes it as a worker does.
+    child = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); print('ready', flush=True)"
+    supervisor = Supervisor(FAST, command=_python(child + "; time.sleep(60)"))
     worker = supervisor.start("decode0", [], stop_signal=signal.SIGINT)
     api = supervisor.start("api", [])
     wait_all_ready(capsys, 2)
