@@ -629,7 +629,7 @@ def _load(worker: _Worker) -> float:
 
 
 def _held(worker: _Worker) -> int:
-    """What a worker holds as ``worker_standing`` reads it: its heartbeat's running + waiting."""
+    """What a worker holds as ``worker_standings`` reads it: its heartbeat's running + waiting."""
     return worker.counters.running + worker.counters.waiting
 
 
