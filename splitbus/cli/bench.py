@@ -1,5 +1,5 @@
-"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar|choices|tenants|planner``: each prints a
-table and writes JSON + PNG."""
+"""``splitbus bench bus|engine|stagger|ep|serve|scheduler|api|routing|grammar|choices|tenants|planner|client``: each
+prints a table and writes JSON + PNG."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         _add_choices,
         _add_tenants,
         _add_planner,
+        _add_client,
     )
     for add in adders:
         add(kinds, env)
@@ -407,6 +408,36 @@ def _add_planner(kinds: argparse._SubParsersAction, env: Env) -> None:
     add("--seeds", type=int, default=3, help="seeded traces, each run on every fleet (default %(default)s)")
     add("--seed", type=int, default=1, help="the first seed (default %(default)s)")
     planner.set_defaults(run=run_planner)
+
+
+def _add_client(kinds: argparse._SubParsersAction, env: Env) -> None:
+    client = kinds.add_parser(
+        "client", help="the bus's hot Redis operations through each Redis client (redis-py, valkey-glide), side by side"
+    )
+    add = client.add_argument
+    add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
+    add("--redis-url", default=None, help="measure this Redis; its user may run INFO (default: start an embedded one)")
+    add("--rounds", type=int, default=5, help="rounds, every client in each (default %(default)s)")
+    add("--calls", type=int, default=2000, help="timed calls of each operation a round (default %(default)s)")
+    add("--wakes", type=int, default=200, help="timed wake-ups of each read kind a round (default %(default)s)")
+    add("--pipeline", type=int, default=32, help="XADDs in one pipeline (default %(default)s)")
+    add("--step-streams", type=int, default=8, help="result streams one write_step call writes (default %(default)s)")
+    add(
+        "--clients",
+        nargs="+",
+        default=["bus-connect", "redis-py", "redis-py-pure", "glide"],
+        metavar="CLIENT",
+        help="some of bus-connect (redis-py as the bus connects), redis-py (bare), redis-py-pure (its Python parser), "
+        "glide (valkey-glide, where importable); default: all",
+    )
+    add(
+        "--glide-path",
+        type=Path,
+        default=None,
+        help="a folder valkey-glide was installed into (pip install --target), searched after the environment's own",
+    )
+    add("--quick", action="store_true", help="one small round: checks that it works")
+    client.set_defaults(run=run_client)
 
 
 @contextlib.contextmanager
@@ -822,6 +853,29 @@ def run_planner(args: argparse.Namespace, env: Env) -> int:
         return 2
     run = _Run("planner", args.out)
     return run.finish(planner.run_planner_bench(config, run.progress), planner.plot, planner.table)
+
+
+def run_client(args: argparse.Namespace, env: Env) -> int:
+    if args.glide_path is not None:
+        import sys
+
+        sys.path.append(str(args.glide_path))  # last: the environment's own packages win over the folder's copies
+    from splitbus.bench import client
+
+    clients = tuple(args.clients)
+    options = {"rounds": args.rounds, "calls": args.calls, "wakes": args.wakes, "pipeline": args.pipeline}
+    if args.quick:
+        config = _config("client", lambda: client.ClientBenchConfig.quick(clients))
+    else:
+        config = _config(
+            "client", lambda: client.ClientBenchConfig(**options, step_streams=args.step_streams, clients=clients)
+        )
+    if config is None:
+        return 2
+    run = _Run("client", args.out)
+    with _redis(args.redis_url) as url:
+        result = client.run_client_bench(url, config, run.progress)
+    return run.finish(result, client.plot, client.table)
 
 
 def _planner_config(args: argparse.Namespace) -> PlannerBenchConfig:

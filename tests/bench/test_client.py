@@ -1,0 +1,126 @@
+"""``splitbus bench client``: the redis-py clients' side, a tiny run on a real Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis as sync_redis
+
+from splitbus.bench import client
+from splitbus.bench.client import OPS, ClientBenchConfig, measure, table
+from splitbus.redis_server import EmbeddedRedis
+
+REDIS_PY = ("bus-connect", "redis-py", "redis-py-pure")
+TINY = ClientBenchConfig(rounds=2, calls=6, wakes=3, pipeline=4, step_streams=3, clients=REDIS_PY)
+
+
+async def test_every_operation_is_timed_per_call_for_each_client(redis_server: EmbeddedRedis) -> None:
+    lines: list[str] = []
+    report = await measure(redis_server.admin_url, TINY, lines.append)
+    assert list(report["clients"]) == list(REDIS_PY) and report["skipped"] == {}
+    expected = {"ping": 12, "xadd": 12, "wake_xreadgroup": 6, "wake_xread": 6, "evalsha": 12, "pipeline": 2}
+    for summary in report["clients"].values():
+        assert {op: summary["ops"][op]["n"] for op in OPS} == expected  # two rounds pooled
+        for op in OPS:
+            row = summary["ops"][op]
+            assert 0 < row["p50_us"] <= row["p99_us"]
+            assert row["round_p50_us"][0] <= row["round_p50_us"][1]
+    assert len(lines) == 2 * len(REDIS_PY) and "wake_xread" in lines[0]
+
+
+async def test_the_parser_each_client_reads_replies_with(redis_server: EmbeddedRedis) -> None:
+    """hiredis is a dependency (``redis[hiredis]``): redis-py picks it for the bus's own
+    connections too; the pure client is on redis-py's Python parser."""
+    report = await measure(redis_server.admin_url, ClientBenchConfig.quick(REDIS_PY), lambda _: None)
+    parsers = {name: c["parser"] for name, c in report["clients"].items()}
+    assert parsers == {
+        "bus-connect": "_AsyncHiredisParser",
+        "redis-py": "_AsyncHiredisParser",
+        "redis-py-pure": "_AsyncRESP2Parser",
+    }
+
+
+async def test_what_the_operations_write_is_real_and_deleted_after(redis_server: EmbeddedRedis) -> None:
+    admin = redis_server.admin_client()
+    try:
+        commands_before = _calls(admin)
+        await measure(redis_server.admin_url, TINY, lambda _: None)
+        calls = {name: n - commands_before.get(name, 0) for name, n in _calls(admin).items()}
+        assert not list(admin.scan_iter(match="bench-client-*"))
+    finally:
+        admin.close()
+    rounds = TINY.rounds * len(REDIS_PY)
+    assert calls["xreadgroup"] >= TINY.wakes * rounds and calls["xread"] >= TINY.wakes * rounds
+    # The write_step script: its warm-up calls and the timed ones, each writing every step stream.
+    assert calls["evalsha"] == (TINY.calls + 2) * rounds
+    # Each XADD timed, one per wake, the pipeline's, and one per step stream in each script call.
+    assert (
+        calls["xadd"] >= (TINY.calls + TINY.wakes * 2 + TINY.pipeline + (TINY.calls + 2) * TINY.step_streams) * rounds
+    )
+
+
+def _calls(admin: sync_redis.Redis) -> dict[str, int]:
+    stats = admin.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(row["calls"]) for name, row in stats.items()}
+
+
+async def test_glide_not_importable_is_reported_not_measured(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client, "glide_module", lambda: (None, "not importable (no module named 'glide')"))
+    config = ClientBenchConfig.quick(("redis-py", "glide"))
+    report = await measure(redis_server.admin_url, config, lambda _: None)
+    assert list(report["clients"]) == ["redis-py"]
+    assert report["skipped"] == {"glide": "not importable (no module named 'glide')"}
+    assert "glide: not measured, not importable" in table(report)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rounds": 0},
+        {"calls": 0},
+        {"wakes": 0},
+        {"pipeline": 0},
+        {"step_streams": 0},
+        {"clients": ("redis-py", "jedis")},
+    ],
+)
+def test_bad_settings_are_refused(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        ClientBenchConfig(**options)  # type: ignore[arg-type]
+
+
+def test_the_table_has_a_row_per_operation_and_the_parsers() -> None:
+    row = {"n": 1, "p50_us": 41.6, "p99_us": 1234.0, "round_p50_us": [41.6, 41.6]}
+    report = {"clients": {"redis-py": {"parser": "_AsyncHiredisParser", "ops": dict.fromkeys(OPS, row)}}, "skipped": {}}
+    lines = table(report).splitlines()
+    assert [line.split()[0] for line in lines[2 : 2 + len(OPS)]] == list(OPS)
+    assert "42 / 1,234" in lines[2] and "_AsyncHiredisParser" in lines[-1]
+
+
+def test_the_cli_runs_and_writes_json_and_png(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    argv = ("--quick", "--clients", "redis-py", "glide", "--redis-url", redis_server.admin_url, "--out", str(tmp_path))
+    proc = _cli(*argv, "--glide-path", str(tmp_path / "no-glide-here"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "bench_client.json").read_text())
+    assert report["config"]["clients"] == ["redis-py", "glide"] and report["machine"]["cpus"]
+    assert "redis-py" in report["clients"]
+    assert ("glide" in report["clients"]) != ("glide" in report["skipped"])  # measured where installed, else why not
+    assert (tmp_path / "bench_client.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wake_xreadgroup" in proc.stdout
+
+
+def test_the_cli_refuses_an_unknown_client(tmp_path: Path) -> None:
+    proc = _cli("--clients", "jedis", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "splitbus bench client:" in proc.stdout + proc.stderr
+    assert not (tmp_path / "bench_client.json").exists()
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "splitbus.cli.main", "bench", "client", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
