@@ -51,10 +51,11 @@ from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.messages.results import TokenDelta
 
 OPS = ("ping", "xadd", "wake_xreadgroup", "wake_xread", "evalsha", "pipeline")
-CLIENTS = ("bus-connect", "redis-py", "redis-py-pure", "glide")
-"""``bus-connect``: redis-py as ``splitbus.bus.core.connection.connect`` builds it; ``redis-py``: bare
-(``from_url``, RESP2), its parser redis-py's choice; ``redis-py-pure``: bare on the pure-Python
-RESP2 parser; ``glide``: valkey-glide."""
+CLIENTS = ("bus-connect", "bus-settings", "redis-py", "redis-py-pure", "glide")
+"""``bus-connect``: redis-py as ``splitbus.bus.core.connection.connect`` builds it; ``bus-settings``:
+the same connections and settings on redis-py's default pool, which never waits (what the
+blocking pool costs); ``redis-py``: bare (``from_url``, RESP2), its parser redis-py's choice;
+``redis-py-pure``: bare on the pure-Python RESP2 parser; ``glide``: valkey-glide."""
 GLIDE = "glide"
 PROMPT_TOKENS = 128
 """As ``bench scheduler``'s requests: the request's JSON is most of what its XADD carries."""
@@ -211,12 +212,27 @@ async def open_side(name: str, url: str) -> Side:
     source = SCRIPTS["write_step"].source
     if name == GLIDE:
         return await _open_glide(url, source)
-    if name == "bus-connect":
-        return RedisPySide(connect(BusConfig(redis_url=url), name="bench-client"), source)
+    if name in ("bus-connect", "bus-settings"):
+        bus = connect(BusConfig(redis_url=url), name="bench-client")
+        if name == "bus-settings":
+            plain = on_plain_pool(bus)
+            await bus.aclose()  # it made no connection: only its settings were read
+            return RedisPySide(plain, source)
+        return RedisPySide(bus, source)
     settings: dict[str, Any] = {"protocol": 2}  # as connect(): RESP2 reply shapes
     if name == "redis-py-pure":
         settings["parser_class"] = _AsyncRESP2Parser
     return RedisPySide(aioredis.Redis.from_url(url, **settings), source)
+
+
+def on_plain_pool(bus: aioredis.Redis) -> aioredis.Redis:
+    """A client with ``bus``'s connection class and settings on redis-py's default pool."""
+    pool = bus.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    plain = aioredis.ConnectionPool(
+        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+    )
+    return aioredis.Redis.from_pool(plain)
 
 
 async def _open_glide(url: str, source: str) -> Side:

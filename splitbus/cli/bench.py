@@ -425,10 +425,10 @@ def _add_client(kinds: argparse._SubParsersAction, env: Env) -> None:
     add(
         "--clients",
         nargs="+",
-        default=["bus-connect", "redis-py", "redis-py-pure", "glide"],
+        default=["bus-connect", "bus-settings", "redis-py", "redis-py-pure", "glide"],
         metavar="CLIENT",
-        help="some of bus-connect (redis-py as the bus connects), redis-py (bare), redis-py-pure (its Python parser), "
-        "glide (valkey-glide, where importable); default: all",
+        help="some of bus-connect (redis-py as the bus connects), bus-settings (the same on redis-py's default pool), "
+        "redis-py (bare), redis-py-pure (its Python parser), glide (valkey-glide, where importable); default: all",
     )
     add(
         "--glide-path",

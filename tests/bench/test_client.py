@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 import redis as sync_redis
+import redis.asyncio as aioredis
 
 from splitbus.bench import client
-from splitbus.bench.client import OPS, ClientBenchConfig, measure, table
+from splitbus.bench.client import OPS, ClientBenchConfig, measure, on_plain_pool, table
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.core.wire import BusConnection
 from splitbus.redis_server import EmbeddedRedis
 
-REDIS_PY = ("bus-connect", "redis-py", "redis-py-pure")
+REDIS_PY = ("bus-connect", "bus-settings", "redis-py", "redis-py-pure")
 TINY = ClientBenchConfig(rounds=2, calls=6, wakes=3, pipeline=4, step_streams=3, clients=REDIS_PY)
 
 
@@ -39,9 +43,25 @@ async def test_the_parser_each_client_reads_replies_with(redis_server: EmbeddedR
     parsers = {name: c["parser"] for name, c in report["clients"].items()}
     assert parsers == {
         "bus-connect": "_AsyncHiredisParser",
+        "bus-settings": "_AsyncHiredisParser",
         "redis-py": "_AsyncHiredisParser",
         "redis-py-pure": "_AsyncRESP2Parser",
     }
+
+
+async def test_bus_settings_are_connects_on_a_pool_that_never_waits(redis_server: EmbeddedRedis) -> None:
+    bus = connect(BusConfig(redis_url=redis_server.url), name="bench-client")
+    plain = on_plain_pool(bus)
+    try:
+        assert isinstance(bus.connection_pool, aioredis.BlockingConnectionPool)
+        assert not isinstance(plain.connection_pool, aioredis.BlockingConnectionPool)
+        assert plain.connection_pool.connection_class is bus.connection_pool.connection_class is BusConnection
+        assert plain.connection_pool.connection_kwargs == bus.connection_pool.connection_kwargs
+        assert plain.connection_pool.max_connections == bus.connection_pool.max_connections
+        assert await plain.ping()
+    finally:
+        await plain.aclose()
+        await bus.aclose()
 
 
 async def test_what_the_operations_write_is_real_and_deleted_after(redis_server: EmbeddedRedis) -> None:
