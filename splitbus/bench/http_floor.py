@@ -54,24 +54,26 @@ def serving() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "splitbus.bench.http_floor", str(port)], preexec_fn=die_with_parent)
     try:
-        _wait_listening(port, proc)
+        wait_listening(port, proc)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
+def wait_listening(port: int, proc: subprocess.Popen[bytes], name: str = "the HTTP floor server") -> None:
+    """Return once ``proc`` (``name`` in the errors) listens on ``port``; RuntimeError if it exits
+    or does not listen within ``START_TIMEOUT_S``."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the HTTP floor server exited with {proc.returncode}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"the HTTP floor server did not listen on port {port} within {START_TIMEOUT_S:g} s")
+    raise RuntimeError(f"{name} did not listen on port {port} within {START_TIMEOUT_S:g} s")
 
 
 if __name__ == "__main__":

@@ -233,12 +233,12 @@ def _run_points(rows: list[dict[str, Any]], mode: str, loads: list[str], offset:
 
 def serve_table(report: dict[str, Any]) -> str:
     rows = [
-        f"{'path':<9} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'path':<12} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p99':>9}  (ms)"
     ]
     for r in report["runs"]:
         rows.append(
-            f"{r['path']:<9} {r['request_rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.1f} "
+            f"{r['path']:<12} {_run_label(r):>6} {r['completed']:>5} {r['request_throughput']:>7.1f} "
             f"{r['output_throughput']:>9,.0f} "
             f"{_ms(r['median_ttft_ms'], 9)} {_ms(r['p99_ttft_ms'], 9)} {_ms(r['median_tpot_ms'], 9)} "
             f"{_ms(r['median_itl_ms'], 8)} {_ms(r['p99_itl_ms'], 8)} {_ms(r['p99_e2el_ms'], 9)}"
@@ -263,7 +263,7 @@ def serve_table(report: dict[str, Any]) -> str:
         )
     for o in report.get("overhead", []):
         rows.append(
-            f"added by {o.get('path', 'splitbus')} at {o['request_rate']} req/s: "
+            f"added by {o.get('path', 'splitbus')} {_overhead_where(o)}: "
             f"TTFT p50 {_ms(o['added_median_ttft_ms'], 0, '+')} ms, "
             f"mean {_ms(o['added_mean_ttft_ms'], 0, '+')}, "
             f"p99 {_ms(o['added_p99_ttft_ms'], 0, '+')}; per token (TPOT) p50 {_ms(o['added_median_tpot_ms'], 0, '+')} "
@@ -272,6 +272,19 @@ def serve_table(report: dict[str, Any]) -> str:
             f"{_ms(o['added_p99_itl_ms'], 0, '+')}"
         )
     return "\n".join(rows)
+
+
+def _overhead_where(row: dict[str, Any]) -> str:
+    """Over what, and where: the rate (over the engine driven in-process), or the max concurrency
+    over another baseline (``--vs-direct-http``: the engine behind its own HTTP server)."""
+    if "max_concurrency" in row:
+        return f"over {row.get('baseline', 'direct')} at max concurrency {row['max_concurrency']}"
+    return f"at {row['request_rate']} req/s"
+
+
+def _run_label(run: dict[str, Any]) -> str:
+    """A run's place in a series: its max concurrency where the series varies it, else its rate."""
+    return f"c={run['max_concurrency']}" if "max_concurrency" in run else str(run["request_rate"])
 
 
 def _cache_row(run: dict[str, Any]) -> str:
@@ -295,9 +308,10 @@ def _ms(value: float | None, width: int, sign: str = "") -> str:
 
 
 def _rate_order(rate: str) -> float:
-    """Offered rates in order, ``inf`` last; a trace's run (its own times) after them."""
+    """Offered rates (or ``c=N`` max concurrencies) in order, ``inf`` last; a trace's run (its own
+    times) after them."""
     try:
-        return float(rate)
+        return float(rate.removeprefix("c="))
     except ValueError:
         return math.inf
 
@@ -307,13 +321,13 @@ def serve_plot(report: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = plt.get_cmap("viridis")
-    rates = sorted({str(r["request_rate"]) for r in report["runs"]}, key=_rate_order)
+    rates = sorted({_run_label(r) for r in report["runs"]}, key=_rate_order)
     # Three of the four axes: the fourth, below, plots throughput.
     for ax, (metric, title) in zip(
         axes.flat, (("ttft", "TTFT"), ("itl", "inter-token latency"), ("e2el", "end-to-end latency")), strict=False
     ):
         for run in report["runs"]:
-            color = colors(rates.index(str(run["request_rate"])) / max(1, len(rates) - 1) * 0.85)
+            color = colors(rates.index(_run_label(run)) / max(1, len(rates) - 1) * 0.85)
             _serve_cdf(ax, run, run["cdf_ms"][metric], color)
         ax.set_xscale("log")
         ax.set_xlabel("ms")
@@ -331,16 +345,16 @@ def _serve_cdf(ax: Any, run: dict[str, Any], values: list[float], color: Any) ->
         ax.plot(
             values,
             [i / (len(values) - 1) for i in range(len(values))],
-            "--" if run["path"] == "direct" else "-",
+            "--" if run["path"].startswith("direct") else "-",
             color=color,
-            label=f"{run['path']} {run['request_rate']} req/s",
+            label=f"{run['path']} {_run_label(run)}" + ("" if "max_concurrency" in run else " req/s"),
         )
 
 
 def _serve_throughput(ax: Any, runs: list[dict[str, Any]]) -> None:
     """Output tokens/s against completed requests/s, one line per path, each point labelled with its rate."""
     for path_name in dict.fromkeys(r["path"] for r in runs):  # splitbus, direct, http, splitbus:<policy>
-        marker = "s--" if path_name == "direct" else "o-"
+        marker = "s--" if path_name.startswith("direct") else "o-"
         of_path = [r for r in runs if r["path"] == path_name]
         if of_path:
             ax.plot(
@@ -350,7 +364,7 @@ def _serve_throughput(ax: Any, runs: list[dict[str, Any]]) -> None:
                 label=path_name,
             )
             for r in of_path:
-                ax.annotate(f"{r['request_rate']}", (r["request_throughput"], r["output_throughput"]), fontsize=7)
+                ax.annotate(_run_label(r), (r["request_throughput"], r["output_throughput"]), fontsize=7)
     ax.set_xlabel("completed requests/s")
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput vs offered rate (labels)")

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from splitbus.bench.serve_trace import (
     replay,
     summarize,
 )
-from splitbus.bench.workloads import ideal_for, make_items
+from splitbus.bench.workloads import ideal_for, make_items, run_config
 from splitbus.bus.core.keys import Keys
 from splitbus.bus.core.streams import entry_order
 from splitbus.redis_server import embedded_url
@@ -173,9 +174,9 @@ def run_serve_bench(
     runs: list[dict[str, Any]] = []
     if base_url:
         check_target(base_url, config.model, api_key)
-        for rate in config.rates:
+        for i, rate in enumerate(config.rates):
             progress(f"{base_url}: {rate:g} req/s, {config.workload.dataset} requests")
-            row = measure_memory(redis_url, measure_http(base_url, config, rate, api_key))
+            row = measure_memory(redis_url, measure_http(base_url, run_config(config, i), rate, api_key))
             runs.append(_run_row("http", base_url, _rate(config, rate), *row))
         return {"config": asdict(config), "target": base_url, "runs": runs}
     if config.policies:
@@ -205,7 +206,9 @@ def _measure_stack(
     config: ServeConfig, dispatch: str, runs: list[dict[str, Any]], progress: Callable[[str], None], with_direct: bool
 ) -> dict[str, dict[str, float]]:
     """One ``splitbus up --dispatch DISPATCH``: its hops, then each rate (after the engine driven
-    directly at that rate, with ``with_direct``); rows are added to ``runs``."""
+    directly at that rate, with ``with_direct``); rows are added to ``runs``. The i-th rate's
+    requests are drawn with seed ``seed + i`` on both paths (``run_config``): the stack serves
+    every rate, and the same prompts again would hit what the earlier rates cached."""
     from splitbus.bench.serve_direct import measure_direct
     from splitbus.bench.system import LocalSystem
 
@@ -215,17 +218,101 @@ def _measure_stack(
         model_dir = system.data_dir / "models" / "tiny"
         progress(f"--dispatch {dispatch}: where the time to first token goes: 50 requests one at a time, each hop")
         hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.model, config.input_len))
-        for rate in config.rates:
+        for i, rate in enumerate(config.rates):
+            fresh = run_config(config, i)
             if with_direct:
                 progress(f"direct (sim engine in-process): {rate:g} req/s, {config.workload.dataset} requests")
-                row = measure_direct(model_dir, config, rate)
+                row = measure_direct(model_dir, fresh, rate)
                 runs.append(_run_row("direct", "in-process", _rate(config, rate), *row))
             progress(f"splitbus --dispatch {dispatch} (API + bus + scheduler + worker): {rate:g} req/s")
-            row = measure_memory(admin_url, measure_http(system.base_url, config, rate))
+            row = measure_memory(admin_url, measure_http(system.base_url, fresh, rate))
             runs.append(_run_row(stack_path(dispatch), system.base_url, _rate(config, rate), *row))
     finally:
         system.stop()
     return hops
+
+
+VS_DIRECT_HTTP_LEVELS = (1, 16, 64)
+"""``--vs-direct-http``'s max concurrencies by default: where the Rust routers' overhead is known."""
+
+
+def run_vs_direct_http(config: ServeConfig, levels: tuple[int, ...], progress: Callable[[str], None]) -> dict[str, Any]:
+    """splitbus against the sim engine behind its own HTTP server (``sim_http``), closed loop at
+    each max concurrency of ``levels`` (every request at once, ``max_concurrency`` in flight):
+    rows ``direct-http`` and ``splitbus[:DISPATCH]``, and an ``overhead`` row per level and
+    dispatch with ``"baseline": "direct-http"``. Both sides get the same requests at a level,
+    the i-th level's drawn with seed ``seed + i`` (``run_config``), and neither runs while the
+    other is measured: the server is stopped before the stack starts."""
+    runs: list[dict[str, Any]] = []
+    direct = _measure_direct_http(config, levels, progress)
+    runs += direct
+    rows: list[dict[str, Any]] = []
+    for dispatch in config.dispatch:
+        stack = _measure_stack_levels(config, levels, dispatch, progress)
+        runs += stack
+        rows += [_level_overhead(run, base) for run, base in zip(stack, direct, strict=True)]
+    target = "splitbus up --engine sim --mixed 1 vs the sim engine behind its own HTTP server (bench/sim_http.py)"
+    return {"config": asdict(config), "target": target, "runs": runs, "overhead": rows}
+
+
+def _level_config(config: ServeConfig, i: int, level: int) -> ServeConfig:
+    return replace(run_config(config, i), max_concurrency=level)
+
+
+def _measure_direct_http(
+    config: ServeConfig, levels: tuple[int, ...], progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """The sim engine's own HTTP server at each level, over the model ``up`` makes for the sim
+    engine (made here, in a folder of its own)."""
+    import tempfile
+
+    from splitbus.bench.sim_http import serving
+
+    runs = []
+    with (
+        tempfile.TemporaryDirectory(prefix="splitbus-sim-http-") as folder,
+        serving(_tiny_model(Path(folder)), config.model) as base_url,
+    ):
+        for i, level in enumerate(levels):
+            progress(f"direct-http (the sim engine behind its own HTTP server): max concurrency {level}")
+            row = measure_memory(None, measure_http(base_url, _level_config(config, i, level), math.inf))
+            runs.append({**_run_row("direct-http", base_url, "inf", *row), "max_concurrency": level})
+    return runs
+
+
+def _tiny_model(folder: Path) -> Path:
+    """The model ``splitbus up --engine sim`` serves when given none, written into ``folder``."""
+    from splitbus.worker import engines
+
+    model = folder / "tiny"
+    model.mkdir()
+    engines.get("sim").make_default_model(model)
+    return model
+
+
+def _measure_stack_levels(
+    config: ServeConfig, levels: tuple[int, ...], dispatch: str, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """One ``splitbus up --dispatch DISPATCH`` at each level."""
+    from splitbus.bench.system import LocalSystem
+
+    system = LocalSystem("--engine", "sim", "--mixed", "1", "--dispatch", dispatch)
+    admin_url = embedded_url(system.data_dir / "redis", admin=True)
+    runs = []
+    try:
+        for i, level in enumerate(levels):
+            progress(f"splitbus --dispatch {dispatch}: max concurrency {level}")
+            row = measure_memory(admin_url, measure_http(system.base_url, _level_config(config, i, level), math.inf))
+            runs.append({**_run_row(stack_path(dispatch), system.base_url, "inf", *row), "max_concurrency": level})
+    finally:
+        system.stop()
+    return runs
+
+
+def _level_overhead(run: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """What the stack added over the HTTP engine at one max concurrency, in ms."""
+    head = {"path": run["path"], "baseline": "direct-http", "request_rate": run["request_rate"]}
+    return {**head, "max_concurrency": run["max_concurrency"], **added(run, base)}
 
 
 def policy_up_args(policy: str, up_args: tuple[str, ...]) -> list[str]:
@@ -239,8 +326,8 @@ def policy_up_args(policy: str, up_args: tuple[str, ...]) -> list[str]:
 def compare_policies(config: ServeConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     """Each policy on its own fresh ``splitbus up`` (an empty cache), the same requests at each
     rate: rows ``splitbus:<policy>``. The run at the i-th rate draws its requests with seed
-    ``seed + i``: one system serves every rate, and the same prompts again would find the
-    prefixes its earlier runs cached (a hit ratio over the ideal one)."""
+    ``seed + i`` (``run_config``): one system serves every rate, and the same prompts again would
+    find the prefixes its earlier runs cached (a hit ratio over the ideal one)."""
     from splitbus.bench.system import LocalSystem
 
     runs: list[dict[str, Any]] = []
@@ -250,8 +337,7 @@ def compare_policies(config: ServeConfig, progress: Callable[[str], None]) -> di
         try:
             for i, rate in enumerate(config.rates):
                 progress(f"policy {policy}: {rate:g} req/s, {config.workload.dataset} requests")
-                fresh = replace(config, seed=config.seed + i)
-                row = measure_memory(admin_url, measure_http(system.base_url, fresh, rate))
+                row = measure_memory(admin_url, measure_http(system.base_url, run_config(config, i), rate))
                 runs.append(_run_row(f"splitbus:{policy}", system.base_url, _rate(config, rate), *row))
         finally:
             system.stop()
@@ -299,26 +385,33 @@ def _run_row(
     }
 
 
+OVERHEAD_FIELDS = (
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+)
+"""The latencies an ``overhead`` row gives the difference of, as ``added_<field>``."""
+
+
 def overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the stack adds over the direct engine, per rate, in ms."""
-    fields = (
-        "mean_ttft_ms",
-        "median_ttft_ms",
-        "p99_ttft_ms",
-        "mean_tpot_ms",
-        "median_tpot_ms",
-        "p99_tpot_ms",
-        "mean_itl_ms",
-        "median_itl_ms",
-        "p99_itl_ms",
-    )
     direct = {r["request_rate"]: r for r in runs if r["path"] == "direct"}
-    rows = []
-    for run in (r for r in runs if r["path"].startswith("splitbus") and r["request_rate"] in direct):
-        base = direct[run["request_rate"]]
-        added = {f"added_{f}": _minus(run[f], base[f]) for f in fields}
-        rows.append({"path": run["path"], "request_rate": run["request_rate"], **added})
-    return rows
+    return [
+        {"path": run["path"], "request_rate": run["request_rate"], **added(run, direct[run["request_rate"]])}
+        for run in runs
+        if run["path"].startswith("splitbus") and run["request_rate"] in direct
+    ]
+
+
+def added(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """``run``'s latencies minus ``base``'s (ms), as ``added_<field>``."""
+    return {f"added_{f}": _minus(run[f], base[f]) for f in OVERHEAD_FIELDS}
 
 
 PROBE_WARMUP = 5

@@ -24,15 +24,53 @@ from splitbus.worker.sequence import Sequence
 from splitbus.worker.text import TextStream
 
 
-class _Pending:
-    def __init__(self, seq: Sequence, result: RequestResult) -> None:
-        self.seq, self.result = seq, result
-        self.sent = self.last = time.perf_counter()
+class Pending:
+    """A request in the engine loop: its sequence, and what each of its tokens is given to."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
         self.done = asyncio.get_running_loop().create_future()
+
+    def token(self, text: str) -> None:
+        """One generated token's text; ``seq.finish_reason`` is set on the last."""
+        raise NotImplementedError
+
+
+class _Timed(Pending):
+    """A request of the in-process run: each token timed as the benchmark's HTTP client times it."""
+
+    def __init__(self, seq: Sequence, result: RequestResult) -> None:
+        super().__init__(seq)
+        self.result = result
+        self.sent = self.last = time.perf_counter()
+
+    def token(self, text: str) -> None:
+        now, result = time.perf_counter(), self.result
+        if result.output_tokens == 0:
+            result.ttft_s = now - self.sent
+        else:
+            result.itl_s.append(now - self.last)
+        self.last = now
+        result.output_tokens += 1
+        if self.seq.finish_reason:
+            result.e2el_s, result.ok = now - self.sent, True
+            result.cached_tokens = self.seq.prompt_cached  # as a worker reports it in the usage
+
+
+def new_sequence(tokenizer: ModelTokenizer, prompt: list[int], max_tokens: int) -> Sequence:
+    """A mixed task's sequence for ``prompt``, greedy to ``max_tokens`` (EOS ignored), as a
+    worker holds it."""
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    request = GenerateRequest(uuid.uuid4().hex, tokenizer.name, prompt, sampling, "direct", 0)
+    return Sequence(Task(Phase.MIXED, request), "", TextStream(tokenizer, []))
 
 
 class DirectLoop:
-    """One worker's engine loop without the bus, with a worker's capacities and engine costs."""
+    """One worker's engine loop without the bus, with a worker's capacities and engine costs.
+
+    Its engine is built as ``splitbus up --engine sim`` builds its worker's, with the same cache
+    settings: the prefix cache on, the worker's default block size (16 tokens) and the sim
+    engine's default KV blocks (8,192), so a prompt finds what the stack's worker would find."""
 
     def __init__(self, tokenizer: ModelTokenizer, config: WorkerConfig) -> None:
         self.tokenizer = tokenizer
@@ -40,27 +78,29 @@ class DirectLoop:
         self.max_prefill_tokens = config.max_prefill_tokens
         setup = engines.EngineSetup(config.model_dir, tokenizer, block_size=config.block_size)
         self.engine = engines.create("sim", setup)  # as the worker CLI builds it, with its defaults
-        self.waiting: deque[_Pending] = deque()  # not admitted: no room yet
-        self.queued: deque[_Pending] = deque()
-        self.running: list[_Pending] = []
+        self.waiting: deque[Pending] = deque()  # not admitted: no room yet
+        self.queued: deque[Pending] = deque()
+        self.running: list[Pending] = []
         self.wake = asyncio.Event()
 
-    async def send(self, item: TraceItem) -> RequestResult:
-        request = GenerateRequest(
-            uuid.uuid4().hex,
-            self.tokenizer.name,
-            item.prompt_token_ids,
-            SamplingParams(max_tokens=item.max_tokens, ignore_eos=True),
-            "direct",
-            0,
-        )
-        pending = _Pending(
-            Sequence(Task(Phase.MIXED, request), "", TextStream(self.tokenizer, [])),
-            RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)),
-        )
+    @classmethod
+    def load(cls, model_dir: Path, model: str) -> DirectLoop:
+        """The loop over the model in ``model_dir``, served as ``model``, with the worker
+        settings ``up`` gives a mixed worker (its defaults)."""
+        worker = WorkerConfig(bus=BusConfig(), role=Role.MIXED, model_dir=model_dir, model_name=model)
+        return cls(ModelTokenizer.load(model_dir, model), worker)
+
+    def submit(self, pending: Pending) -> None:
+        """Queue a request; its tokens go to ``pending.token``, and ``pending.done`` is set after the last."""
         self.waiting.append(pending)
         self.wake.set()
-        return await pending.done
+
+    async def send(self, item: TraceItem) -> RequestResult:
+        seq = new_sequence(self.tokenizer, item.prompt_token_ids, item.max_tokens)
+        pending = _Timed(seq, RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)))
+        self.submit(pending)
+        await pending.done
+        return pending.result
 
     async def run(self) -> None:
         while True:
@@ -78,7 +118,7 @@ class DirectLoop:
             await self.wake.wait()
 
     async def prefill_queued(self) -> None:
-        batch: list[_Pending] = []
+        batch: list[Pending] = []
         tokens = 0
         while self.queued and (not batch or tokens + self.queued[0].seq.prompt_len <= self.max_prefill_tokens):
             batch.append(self.queued.popleft())
@@ -95,27 +135,16 @@ class DirectLoop:
                 self.emit(pending, token)
             self.running = [p for p in self.running if not p.done.done()]
 
-    def emit(self, pending: _Pending, token: int) -> None:
-        pending.seq.add_token(token, self.engine.eos_token_ids)
-        now, result = time.perf_counter(), pending.result
-        if result.output_tokens == 0:
-            result.ttft_s = now - pending.sent
-        else:
-            result.itl_s.append(now - pending.last)
-        pending.last = now
-        result.output_tokens += 1
+    def emit(self, pending: Pending, token: int) -> None:
+        pending.token(pending.seq.add_token(token, self.engine.eos_token_ids))
         if pending.seq.finish_reason:
-            result.e2el_s, result.ok = now - pending.sent, True
             self.engine.release(pending.seq)
-            pending.done.set_result(result)
+            pending.done.set_result(None)
 
 
 def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
     async def main() -> tuple[list[RequestResult], float]:
-        worker = WorkerConfig(
-            bus=BusConfig(), role=Role.MIXED, model_dir=model_dir, model_name=config.model
-        )  # the defaults `up` uses
-        loop = DirectLoop(ModelTokenizer.load(model_dir, config.model), worker)
+        loop = DirectLoop.load(model_dir, config.model)
         engine = asyncio.create_task(loop.run())
         try:
             return await replay(loop.send, items, config.max_concurrency)

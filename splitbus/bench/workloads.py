@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +227,39 @@ def make_items(config: ServeConfig, rate: float) -> list[TraceItem]:
 def ideal_for(config: ServeConfig, items: Sequence[TraceItem]) -> float:
     """The ideal prefix hit ratio of the run's prompts, in the order they are sent."""
     return ideal_hit_ratio((item.prompt_token_ids for item in items), config.workload.block_size)
+
+
+def run_config(config: ServeConfig, run: int) -> ServeConfig:
+    """The config of the ``run``-th run of a series (0, 1, ...: a rate, a concurrency): its own
+    seed, ``seed + run``. One system serves every run of a series, and the same prompts again
+    would find what the earlier runs cached: a hit ratio over the ideal, and a TTFT that
+    flatters the system against a baseline that starts empty."""
+    return replace(config, seed=config.seed + run)
+
+
+HIT_RATIO_SLACK = 1e-9
+"""Float rounding only: a measured ratio above the ideal by more than this is a real excess."""
+
+
+def above_ideal(runs: Iterable[dict[str, Any]]) -> list[str]:
+    """Why each run whose measured prefix hit ratio exceeds its workload's ideal one cannot be
+    trusted, naming both figures (none: every run is within its ideal). The ideal counts every
+    reuse a cache that never evicts could make of this run's own prompts; more than that means
+    the server had them cached before the run began, so its latencies flatter it."""
+    return [_excess(run) for run in runs if _exceeds(run)]
+
+
+def _exceeds(run: dict[str, Any]) -> bool:
+    measured, ideal = run.get("prefix_hit_ratio"), run.get("ideal_prefix_hit_ratio")
+    return isinstance(measured, float | int) and isinstance(ideal, float | int) and measured > ideal + HIT_RATIO_SLACK
+
+
+def _excess(run: dict[str, Any]) -> str:
+    where = f"{run['path']} at {run['request_rate']} req/s"
+    if "max_concurrency" in run:
+        where += f", max concurrency {run['max_concurrency']}"
+    return (
+        f"{where}: prefix hit ratio {run['prefix_hit_ratio']:.3%} exceeds its ideal {run['ideal_prefix_hit_ratio']:.3%}"
+        " (the server had this run's prompts cached before it began: its figures flatter it; restart the server"
+        " or pass another --seed)"
+    )

@@ -195,6 +195,15 @@ def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
         "--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1±ratio) (default %(default)s)"
     )
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--vs-direct-http",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="C",
+        help="compare splitbus with the sim engine behind its own OpenAI HTTP server, all requests at once, "
+        "at each max concurrency C (default 1 16 64)",
+    )
     _add_serve_workloads(serve)
     serve.set_defaults(run=run_serve)
 
@@ -639,22 +648,56 @@ def run_ep_paddle(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
-    from splitbus.bench.serve import TargetError, run_serve_bench
+    from splitbus.bench.serve import TargetError
     from splitbus.bench.workloads import TraceError
 
     config = _config("serve", lambda: _serve_config(args))
     if config is None:
         return 2
-    if args.policy and args.base_url:
-        say("splitbus bench serve: --policy starts its own splitbus up for each policy; it does not take --base-url")
+    if refused := _serve_refusal(args):
+        say(f"splitbus bench serve: {refused}")
         return 2
     run = _Run("serve", args.out)
     try:
-        result = run_serve_bench(config, args.base_url, args.api_key, run.progress, _serve_redis(args, env))
+        result = _serve_result(config, args, env, run.progress)
     except (TargetError, TraceError) as exc:
         say(f"splitbus bench serve: {exc}")
         return 2
-    return run.finish(result, report.serve_plot, report.serve_table)
+    return run.finish(result, report.serve_plot, report.serve_table) or _within_ideal(result["runs"])
+
+
+def _serve_refusal(args: argparse.Namespace) -> str:
+    """Why these options do not go together ("": they do)."""
+    if args.policy and args.base_url:
+        return "--policy starts its own splitbus up for each policy; it does not take --base-url"
+    if args.vs_direct_http is not None and (args.policy or args.base_url):
+        return "--vs-direct-http starts its own servers; it takes neither --policy nor --base-url"
+    if any(c < 1 for c in args.vs_direct_http or ()):
+        return "--vs-direct-http's max concurrencies must be >= 1"
+    return ""
+
+
+def _serve_result(
+    config: ServeConfig, args: argparse.Namespace, env: Env, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """``bench serve``'s result: against the engine's own HTTP server with ``--vs-direct-http``,
+    else as ``run_serve_bench`` measures."""
+    from splitbus.bench.serve import VS_DIRECT_HTTP_LEVELS, run_serve_bench, run_vs_direct_http
+
+    if args.vs_direct_http is not None:
+        return run_vs_direct_http(config, tuple(args.vs_direct_http) or VS_DIRECT_HTTP_LEVELS, progress)
+    return run_serve_bench(config, args.base_url, args.api_key, progress, _serve_redis(args, env))
+
+
+def _within_ideal(runs: list[dict[str, Any]]) -> int:
+    """1, each reason said, if a run found more of its prompts cached than its ideal allows (its
+    figures flatter the server: the results are written, for a look, but the run fails)."""
+    from splitbus.bench.workloads import above_ideal
+
+    excesses = above_ideal(runs)
+    for excess in excesses:
+        say(f"splitbus bench serve: FAILED: {excess}")
+    return 1 if excesses else 0
 
 
 def _serve_config(args: argparse.Namespace) -> ServeConfig:

@@ -1,0 +1,185 @@
+"""The sim engine behind its own OpenAI HTTP server, as vLLM serves an engine: the baseline of
+``splitbus bench serve --vs-direct-http``.
+
+One process: a Starlette app on uvicorn (the API's loop and HTTP parser) whose
+``POST /v1/completions`` streams SSE chunks in OpenAI's shape (vLLM's fields), fed by the same
+engine loop that ``serve_direct`` drives in-process (``DirectLoop``: a worker's capacities, the
+sim engine's costs and its prefix cache, as ``splitbus up --engine sim`` builds them). What
+splitbus adds over this server is what it adds over an engine that a client, or a router in
+front of it, reaches over HTTP: the number the Rust routers are known by.
+
+Run as ``python -m splitbus.bench.sim_http PORT MODEL_DIR MODEL_NAME`` (``serving`` starts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from splitbus.bench.http_floor import wait_listening
+from splitbus.bench.serve_direct import DirectLoop, Pending, new_sequence
+from splitbus.worker.sequence import Sequence
+
+MAX_BODY_BYTES = 4 << 20
+MAX_PROMPT_TOKENS = 32_768
+MAX_OUTPUT_TOKENS = 4096
+"""Bounds on a request: its body, its prompt and what it may ask for (a body is untrusted input)."""
+
+
+class BadRequest(ValueError):
+    """A request body this server does not take; the message says why (HTTP 400, or 413)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Streamed(Pending):
+    """A request whose tokens go to its HTTP response: (text, finish reason or None) each."""
+
+    def __init__(self, seq: Sequence) -> None:
+        super().__init__(seq)
+        self.tokens: asyncio.Queue[tuple[str, str | None]] = asyncio.Queue()
+
+    def token(self, text: str) -> None:
+        self.tokens.put_nowait((text, self.seq.finish_reason))
+
+
+def parse_request(body: bytes, vocab_size: int) -> tuple[list[int], int, bool]:
+    """A completions body's prompt (token ids), ``max_tokens`` and whether it asks for the usage
+    chunk; BadRequest naming what is wrong."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise BadRequest("the body is not JSON") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    max_tokens = data.get("max_tokens", 16)
+    if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_OUTPUT_TOKENS:
+        raise BadRequest(f"max_tokens must be an integer in [1, {MAX_OUTPUT_TOKENS}]")
+    options = data.get("stream_options")
+    return _prompt(data, vocab_size), max_tokens, isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _prompt(data: dict[str, Any], vocab_size: int) -> list[int]:
+    """The body's prompt: token ids only (the benchmark's client sends no text)."""
+    prompt = data.get("prompt")
+    if not isinstance(prompt, list) or not 1 <= len(prompt) <= MAX_PROMPT_TOKENS:
+        raise BadRequest(f"prompt must be a list of 1 to {MAX_PROMPT_TOKENS} token ids")
+    if not all(type(t) is int and 0 <= t < vocab_size for t in prompt):
+        raise BadRequest(f"prompt token ids must be integers in [0, {vocab_size})")
+    return prompt
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, at most ``MAX_BODY_BYTES`` (BadRequest 413 past it, before reading the rest)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes", 413)
+    return bytes(body)
+
+
+def app(model_dir: Path, model: str) -> Starlette:
+    """The server over the model in ``model_dir``, served as ``model``; the engine loop runs
+    for the app's lifespan."""
+    loops: list[DirectLoop] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        loops.append(DirectLoop.load(model_dir, model))
+        engine = asyncio.create_task(loops[0].run())
+        try:
+            yield
+        finally:
+            engine.cancel()
+
+    async def completions(request: Request) -> Response:
+        loop = loops[0]
+        try:
+            prompt, max_tokens, usage = parse_request(await _read_body(request), loop.tokenizer.vocab_size)
+        except BadRequest as exc:
+            error = {"message": str(exc), "type": "invalid_request_error"}
+            return JSONResponse({"error": error}, status_code=exc.status)
+        pending = _Streamed(new_sequence(loop.tokenizer, prompt, max_tokens))
+        loop.submit(pending)
+        return StreamingResponse(_events(pending, model, usage), media_type="text/event-stream")
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "owned_by": "splitbus"}]})
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _events(pending: _Streamed, model: str, usage: bool) -> AsyncIterator[bytes]:
+    """One chunk per token, as vLLM streams a completion; then the usage chunk if asked, and
+    ``[DONE]``."""
+    head: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
+    head.update(created=int(time.time()), model=model)
+    finish: str | None = None
+    while finish is None:
+        text, finish = await pending.tokens.get()
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        yield _sse({**head, "choices": [choice]})
+    if usage:
+        yield _sse({**head, "choices": [], "usage": _usage(pending.seq)})
+    yield b"data: [DONE]\n\n"
+
+
+def _usage(seq: Sequence) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens found in the prefix cache (as the API reports them)."""
+    prompt, completion = seq.prompt_len, len(seq.output_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": seq.prompt_cached},
+    }
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, model: str) -> Iterator[str]:
+    """The server, started as its own process for the block: its base URL."""
+    from splitbus.redis_server import die_with_parent, free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "splitbus.bench.sim_http", str(port), str(model_dir), model]
+    proc = subprocess.Popen(argv, preexec_fn=die_with_parent)
+    try:
+        wait_listening(port, proc, "the sim engine's HTTP server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    uvicorn.run(
+        app(Path(sys.argv[2]), sys.argv[3]),
+        host="127.0.0.1",
+        port=int(sys.argv[1]),
+        log_level="warning",
+        loop="auto",  # uvloop, as the worker's loop and the API's: its timers set the sim engine's sleeps
+        http="httptools",
+    )
