@@ -119,3 +119,19 @@ def test_a_run_that_finds_its_prompts_already_cached_fails_naming_both_ratios(si
 def _bench_serve(out: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "splitbus.cli.main", "bench", "serve", *args, "--out", str(out)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--vs-direct-http", "--base-url", "http://127.0.0.1:1"], "it takes neither --policy nor --base-url"),
+        (["--vs-direct-http", "1", "--policy", "mixed"], "it takes neither --policy nor --base-url"),
+        (["--vs-direct-http", "1", "0"], "--vs-direct-http's max concurrencies must be >= 1"),
+    ],
+)
+def test_the_comparison_refuses_what_it_cannot_do_before_starting_anything(
+    args: list[str], reason: str, tmp_path: Path
+) -> None:
+    proc = _bench_serve(tmp_path, args)
+    assert proc.returncode == 2 and reason in proc.stdout + proc.stderr
+    assert not (tmp_path / "bench_serve.json").exists()
