@@ -1,8 +1,10 @@
 """``splitbus bench bus --redis-cluster N``: the token path on one Redis against a cluster of N.
 
-The token path of ``bench bus`` (one engine writing one entry per stream per step through
+The token path of ``bench bus`` (engines writing one entry per stream per step through
 ``ResultWriter``), with the streams split over several API nodes, each a process with its own
-``ResultReader`` (one shard: one reader tag), run side by side on:
+``ResultReader`` (one shard: one reader tag), and over ``engines`` writer processes (one by
+default; a fleet has many, and one writer alone measures the writer rather than the bus), run
+side by side on:
 
 - ``1 primary``: one embedded Redis;
 - ``N primaries, hashed tags``: an embedded cluster of N primaries with a replica each, the API
@@ -12,7 +14,8 @@ The token path of ``bench bus`` (one engine writing one entry per stream per ste
   itself, as the API does (one ``INCRBY`` for its turn, then a tag on primary ``turn mod N``:
   docs/cluster.md), so the nodes' tags land on distinct primaries.
 
-Each setup reports tokens/s (flat out, median of the runs), every primary's share of the
+Each setup reports tokens/s (flat out, median of the runs: every writer's tokens over one window,
+from the first writer's first step to the last token read), every primary's share of the
 commands it served during the runs (the delta of its ``INFO commandstats``, read as the admin
 user; commands a script runs count, as Redis counts them) and commands per token. The issue's
 target: the busiest primary's share at most ``1/N + 10 %``.
@@ -24,6 +27,7 @@ import contextlib
 import multiprocessing as mp
 import statistics
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -45,6 +49,15 @@ API_NODE = "bench-api"
 ``bench-api-<k>.0-<j>`` on the node's primary (placed)."""
 SPREAD_MARGIN = 0.10
 """The target: the busiest primary serves at most ``1/N`` + this share of the commands."""
+MAX_ENGINES = 16
+"""The most writer processes a run starts: each is a whole interpreter with its own connections,
+and more of them than a host has cores measures their contention, not the bus."""
+BARRIER_TIMEOUT_S = 60.0
+"""How long a writer waits at the start barrier for the others (spawned processes import the
+project first: seconds on a loaded host); past it the run fails rather than hangs."""
+
+Stream = tuple[str, str]
+"""A stream an engine writes: (request id, the reader tag that follows it)."""
 
 
 @dataclass(frozen=True)
@@ -52,13 +65,16 @@ class ClusterBenchConfig:
     primaries: int = 3
     """Primaries of the cluster (each with one replica), against one Redis."""
     streams: int = 1000
-    """Concurrent result streams, split round-robin over the API nodes."""
+    """Concurrent result streams, split round-robin over the API nodes and over the engines."""
     steps: int = 40
     """Engine steps, sent flat out (one token per stream per step)."""
     api_nodes: int = 3
     """API processes, each following its streams with one reader shard (one reader tag)."""
     repeat: int = 3
     """Runs per setup: tokens/s is their median, command counts their sum."""
+    engines: int = 1
+    """Writer processes, each writing its share of the streams; they pass one barrier before
+    their first step, so that no writer runs alone."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.primaries <= 16:
@@ -67,6 +83,8 @@ class ClusterBenchConfig:
             raise ValueError("streams, steps, API nodes and repeat must be >= 1")
         if self.api_nodes > min(self.streams, 16):
             raise ValueError("API nodes must be at most 16 and at most the number of streams")
+        if not 1 <= self.engines <= min(self.streams, MAX_ENGINES):
+            raise ValueError(f"--engines must be between 1 and {MAX_ENGINES} and at most the number of streams")
 
 
 @dataclass(frozen=True)
@@ -87,11 +105,17 @@ class Setup:
 @dataclass(frozen=True)
 class Run:
     tokens: int
+    """Tokens the API nodes read, all of them together."""
     seconds: float
+    """From the first engine's first step to the last token read."""
     calls: list[dict[str, int]]
     """Per primary: commands served during the run, by name."""
     readers: tuple[str, ...]
     """Each API node's reader tag, as its ``ResultReader`` named its shard."""
+    written: int
+    """Tokens the engines wrote, all of them together: each should reach a reader."""
+    start_spread_us: int
+    """From the first engine's first step to the last engine's: how together they started."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,13 +140,19 @@ async def api_node(conn: Any, url: str, prefix: str, name: str, rids: list[str],
     return count, last_us
 
 
-async def engine(conn: Any, url: str, prefix: str, streams: list[tuple[str, str]], steps: int) -> int:
-    """An engine: one entry per (request, reader tag) per step, one ``flush`` per step."""
+async def engine(
+    conn: Any, url: str, prefix: str, streams: list[Stream], steps: int, start: threading.Barrier
+) -> tuple[int, int]:
+    """An engine: one entry per (request, reader tag) per step, one ``flush`` per step, once
+    every engine has reached ``start``. Its first step's time (µs) and the tokens it wrote."""
     config = _bus_config(url, prefix)
     client = connect(config)
     writer = ResultWriter(client, config)
     for rid, tag in streams:
         writer.open(rid, reader=tag)
+    # Blocking the event loop is harmless here (this process has no task yet), and waiting in a
+    # thread would add a wake-up of its own to each engine's start.
+    start.wait(BARRIER_TIMEOUT_S)
     start_us = codec.now_us()
     for step in range(steps):
         stamp = str(codec.now_us())
@@ -130,7 +160,7 @@ async def engine(conn: Any, url: str, prefix: str, streams: list[tuple[str, str]
             writer.tokens(rid, [step], stamp)
         await writer.flush()
     await client.aclose()
-    return start_us
+    return start_us, len(streams) * steps
 
 
 # ---------------------------------------------------------------- one run
@@ -141,27 +171,43 @@ def assignment(cfg: ClusterBenchConfig) -> list[list[str]]:
     return [[request_id(i) for i in range(k, cfg.streams, cfg.api_nodes)] for k in range(cfg.api_nodes)]
 
 
+def split(streams: list[Stream], engines: int) -> list[list[Stream]]:
+    """The streams each engine writes: the ``i``-th goes to engine ``i mod engines`` (so each
+    engine writes to every API node's tag when there are streams enough)."""
+    return [streams[e::engines] for e in range(engines)]
+
+
 def run_once(setup: Setup, prefix: str, cfg: ClusterBenchConfig, timeout_s: float = 120) -> Run:
-    """Start the API nodes, wait until each follows its streams, run the engine flat out,
-    and count what every primary served meanwhile."""
+    """Start the API nodes, wait until each follows its streams, run the engines flat out (from
+    one barrier), and count what every primary served meanwhile."""
     ctx = mp.get_context("spawn")
     groups = assignment(cfg)
+    # Held here until the engines have answered: the barrier's semaphores go when the last
+    # reference in this process does, and a spawned engine may open them only later.
+    start = ctx.Barrier(cfg.engines)
     procs, pipes = _start_api_nodes(ctx, setup, prefix, cfg, groups)
-    e_parent, e_child = ctx.Pipe()
     try:
         readers = tuple(_ready(pipe, timeout_s) for pipe in pipes)
         streams = [(rid, readers[k]) for k, rids in enumerate(groups) for rid in rids]
-        procs.append(ctx.Process(target=_in_process, args=(engine, e_child, setup.url, prefix, streams, cfg.steps)))
         before = [commandstats(client()) for client in setup.primaries]
-        procs[-1].start()
-        start_us = _expect(e_parent, None, timeout_s)
+        engines = _start_engines(ctx, procs, (setup.url, prefix, cfg.steps), split(streams, cfg.engines), start)
+        starts = [_expect(pipe, None, timeout_s) for pipe in engines]
         ends = [_expect(pipe, None, timeout_s) for pipe in pipes]
         after = [commandstats(client()) for client in setup.primaries]
     finally:
         _stop(procs)
-    tokens = sum(count for count, _ in ends)
-    seconds = (max(last for _, last in ends) - start_us) / 1e6
-    return Run(tokens, seconds, [delta(b, a) for b, a in zip(before, after, strict=True)], readers)
+    calls = [delta(b, a) for b, a in zip(before, after, strict=True)]
+    return _run(starts, ends, calls, readers)
+
+
+def _run(
+    starts: list[tuple[int, int]], ends: list[tuple[int, int]], calls: list[dict[str, int]], readers: tuple[str, ...]
+) -> Run:
+    """A run from what its engines said (first step's µs, tokens written) and its API nodes
+    (tokens read, last read's µs): one window over all of them."""
+    first_us, last_us = min(s for s, _ in starts), max(s for s, _ in starts)
+    seconds = (max(last for _, last in ends) - first_us) / 1e6
+    return Run(sum(n for n, _ in ends), seconds, calls, readers, sum(n for _, n in starts), last_us - first_us)
 
 
 def _start_api_nodes(
@@ -178,10 +224,29 @@ def _start_api_nodes(
     return procs, pipes
 
 
+def _start_engines(
+    ctx: Any,
+    procs: list[mp.process.BaseProcess],
+    where: tuple[str, str, int],
+    shares: list[list[Stream]],
+    start: threading.Barrier,
+) -> list[Any]:
+    """One process per share of the streams (appended to ``procs``), all behind ``start`` (a
+    barrier for as many); ``where`` is (URL, key prefix, steps). Their pipes."""
+    url, prefix, steps = where
+    pipes = []
+    for streams in shares:
+        parent, child = ctx.Pipe()
+        procs.append(ctx.Process(target=_in_process, args=(engine, child, url, prefix, streams, steps, start)))
+        pipes.append(parent)
+        procs[-1].start()
+    return pipes
+
+
 def _stop(procs: list[mp.process.BaseProcess]) -> None:
     """Join each started process for up to 5 s, then kill it."""
     for proc in procs:
-        if proc.pid is None:  # the engine never started: an API node failed first
+        if proc.pid is None:  # never started: an earlier process failed first
             continue
         proc.join(5)
         if proc.is_alive():
@@ -222,37 +287,53 @@ def hashed_readers(cfg: ClusterBenchConfig) -> tuple[str, ...]:
     return tuple(shard_name(name, 0) for name in api_names(cfg))
 
 
+def writers(cfg: ClusterBenchConfig) -> str:
+    """How many engines write, as each setup's name ends (the plot's and the table's labels)."""
+    return f"{cfg.engines} writer" + ("s" if cfg.engines > 1 else "")
+
+
+@contextlib.contextmanager
+def single_setups(server: EmbeddedRedis, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]:
+    """The one-Redis setup on a running server."""
+    admin = server.admin_client()
+    try:
+        yield [Setup(f"1 primary, {writers(cfg)}", server.url, False, (lambda: admin,), lambda slot: 0)]
+    finally:
+        admin.close()
+
+
+def cluster_setups(embedded: EmbeddedCluster, cfg: ClusterBenchConfig) -> list[Setup]:
+    """The cluster's two setups (hashed tags, placed tags) on a running cluster of ``cfg.primaries``."""
+    ranges = slot_ranges(cfg.primaries)
+    nodes: list[ClusterNodeServer] = [embedded.primary_of_slot(low) for low, _ in ranges]
+
+    def owner(slot: int) -> int:
+        return next(i for i, (low, high) in enumerate(ranges) if low <= slot <= high)
+
+    admins = tuple(node.admin for node in nodes)
+    n, w = cfg.primaries, writers(cfg)
+    return [
+        Setup(f"{n} primaries, hashed tags, {w}", embedded.url, False, admins, owner),
+        Setup(f"{n} primaries, placed tags, {w}", embedded.url, True, admins, owner),
+    ]
+
+
 @contextlib.contextmanager
 def single_redis(folder: Path, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]:
-    with EmbeddedRedis(folder, appendonly=False) as server:
-        admin = server.admin_client()
-        try:
-            yield [Setup("1 primary", server.url, False, (lambda: admin,), lambda slot: 0)]
-        finally:
-            admin.close()
+    with EmbeddedRedis(folder, appendonly=False) as server, single_setups(server, cfg) as setups:
+        yield setups
 
 
 @contextlib.contextmanager
 def cluster(folder: Path, cfg: ClusterBenchConfig) -> Iterator[list[Setup]]:
     with EmbeddedCluster(folder, primaries=cfg.primaries, replicas=1, appendonly=False) as embedded:
-        nodes: list[ClusterNodeServer] = [embedded.primary_of_slot(low) for low, _ in slot_ranges(cfg.primaries)]
-        ranges = slot_ranges(cfg.primaries)
-
-        def owner(slot: int) -> int:
-            return next(i for i, (low, high) in enumerate(ranges) if low <= slot <= high)
-
-        admins = tuple(node.admin for node in nodes)
-        n = cfg.primaries
-        yield [
-            Setup(f"{n} primaries, hashed tags", embedded.url, False, admins, owner),
-            Setup(f"{n} primaries, placed tags", embedded.url, True, admins, owner),
-        ]
+        yield cluster_setups(embedded, cfg)
 
 
 # ---------------------------------------------------------------- report
 
 
-def summarize(setup: Setup, runs: list[Run]) -> dict[str, Any]:
+def summarize(setup: Setup, runs: list[Run], engines: int) -> dict[str, Any]:
     primaries = len(setup.primaries)
     by_primary = _by_primary(primaries, runs)
     totals = [sum(calls.values()) for calls in by_primary]
@@ -261,16 +342,26 @@ def summarize(setup: Setup, runs: list[Run]) -> dict[str, Any]:
     return {
         "name": setup.name,
         "primaries": primaries,
+        "engines": engines,
         "readers": [_reader(setup, tag) for tag in runs[0].readers],
         "runs_primaries": [[_reader(setup, tag)["primary"] for tag in run.readers] for run in runs],
         "tokens_per_s": round(statistics.median(run.tokens_per_s for run in runs), 1),
         "runs_tokens_per_s": [round(run.tokens_per_s, 1) for run in runs],
         "tokens": tokens,
+        **_writers(runs),
         "commands": commands,
         "commands_per_token": _ratio(commands, tokens),
         "primary_shares": shares,
         "busiest_share": max(shares),
         "commands_by_primary": by_primary,
+    }
+
+
+def _writers(runs: list[Run]) -> dict[str, Any]:
+    """What the engines wrote (all runs), and the widest spread of their starts in one run."""
+    return {
+        "written": sum(run.written for run in runs),
+        "start_spread_ms": round(max(run.start_spread_us for run in runs) / 1000, 3),
     }
 
 
@@ -312,10 +403,13 @@ def run_cluster_bench(cfg: ClusterBenchConfig, progress: Callable[[str], None]) 
             )
             with start(Path(data) / start.__name__, cfg) as setups:
                 for setup in setups:
-                    results.append(summarize(setup, _runs(setup, cfg, progress)))
+                    results.append(summarize(setup, _runs(setup, cfg, progress), cfg.engines))
     report["setups"] = results
     placed = results[-1]
     report["target_met"] = placed["busiest_share"] <= report["target_busiest_share"]
+    # The same engines on both: how much the cluster's placed tags carry over one Redis.
+    single = results[0]["tokens_per_s"]
+    report["placed_over_one_primary"] = round(placed["tokens_per_s"] / single, 3) if single else 0.0
     return report
 
 
