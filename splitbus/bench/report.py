@@ -519,13 +519,13 @@ def _ep_change(ax: Any, metric: str, pairs: list[tuple[float, float]]) -> None:
 
 def bus_cluster_table(report: dict[str, Any]) -> str:
     rows = [
-        f"{'setup':<28} {'tokens/s':>10} {'cmds/token':>10} {'busiest':>8}  shares by primary (reader tag -> primary)"
+        f"{'setup':<36} {'tokens/s':>10} {'cmds/token':>10} {'busiest':>8}  shares by primary (reader tag -> primary)"
     ]
     for s in report["setups"]:
         shares = " ".join(f"{share:.0%}" for share in s["primary_shares"])
         tags = ", ".join(f"{r['tag']}->{r['primary']}" for r in s["readers"])
         rows.append(
-            f"{s['name']:<28} {s['tokens_per_s']:>10,.0f} {s['commands_per_token']:>10.3f} "
+            f"{s['name']:<36} {s['tokens_per_s']:>10,.0f} {s['commands_per_token']:>10.3f} "
             f"{s['busiest_share']:>8.0%}  {shares} ({tags})"
         )
     verdict = "met" if report["target_met"] else "not met"
