@@ -28,6 +28,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
 
 
 def app() -> Starlette:
@@ -57,8 +58,18 @@ def serving() -> Iterator[str]:
         wait_listening(port, proc)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM, and SIGKILL if ``proc`` has not exited within ``grace_s``: a server that hangs
+    in its shutdown does not hang the benchmark (nor leave a process behind)."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_listening(port: int, proc: subprocess.Popen[bytes], name: str = "the HTTP floor server") -> None:
@@ -79,4 +90,12 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], name: str = "the HT
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop="auto", http="httptools")
+    uvicorn.run(
+        app(),
+        host="127.0.0.1",
+        port=int(sys.argv[1]),
+        log_level="warning",
+        loop="auto",
+        http="httptools",
+        timeout_graceful_shutdown=2,  # a stream still open at SIGTERM does not hold the shutdown
+    )

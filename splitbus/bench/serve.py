@@ -26,6 +26,7 @@ from splitbus.bench.serve_trace import (
     RequestResult,
     ServeConfig,
     TraceItem,
+    Workload,
     cdf_samples,
     replay,
     summarize,
@@ -234,6 +235,10 @@ def _measure_stack(
 
 VS_DIRECT_HTTP_LEVELS = (1, 16, 64)
 """``--vs-direct-http``'s max concurrencies by default: where the Rust routers' overhead is known."""
+WARMUP_REQUESTS = 4
+"""Requests each side of ``--vs-direct-http`` serves, untimed, before its first level: the first
+requests of a fresh process pay for its imports, connections and first allocations, and only one
+side would otherwise pay them inside a level (the side that starts second at each level does not)."""
 
 
 def run_vs_direct_http(config: ServeConfig, levels: tuple[int, ...], progress: Callable[[str], None]) -> dict[str, Any]:
@@ -242,7 +247,9 @@ def run_vs_direct_http(config: ServeConfig, levels: tuple[int, ...], progress: C
     rows ``direct-http`` and ``splitbus[:DISPATCH]``, and an ``overhead`` row per level and
     dispatch with ``"baseline": "direct-http"``. Both sides get the same requests at a level,
     the i-th level's drawn with seed ``seed + i`` (``run_config``), and neither runs while the
-    other is measured: the server is stopped before the stack starts."""
+    other is measured: the server is stopped before the stack starts. Each side is warmed first
+    (``warm_up``). The JSON's ``config`` has the levels; the rates and max concurrency it would
+    otherwise show are not used (every request is sent at once, at each level's concurrency)."""
     runs: list[dict[str, Any]] = []
     direct = _measure_direct_http(config, levels, progress)
     runs += direct
@@ -252,11 +259,24 @@ def run_vs_direct_http(config: ServeConfig, levels: tuple[int, ...], progress: C
         runs += stack
         rows += [_level_overhead(run, base) for run, base in zip(stack, direct, strict=True)]
     target = "splitbus up --engine sim --mixed 1 vs the sim engine behind its own HTTP server (bench/sim_http.py)"
-    return {"config": asdict(config), "target": target, "runs": runs, "overhead": rows}
+    return {"config": levels_config(config, levels), "target": target, "runs": runs, "overhead": rows}
+
+
+def levels_config(config: ServeConfig, levels: tuple[int, ...]) -> dict[str, Any]:
+    """``config`` as ``--vs-direct-http`` uses it: its levels, not the rates and max concurrency."""
+    row = {k: v for k, v in asdict(config).items() if k not in ("rates", "max_concurrency")}
+    return {**row, "vs_direct_http_max_concurrency": list(levels), "warmup_requests": WARMUP_REQUESTS}
 
 
 def _level_config(config: ServeConfig, i: int, level: int) -> ServeConfig:
     return replace(run_config(config, i), max_concurrency=level)
+
+
+def warm_up(base_url: str, config: ServeConfig, levels: tuple[int, ...]) -> None:
+    """``WARMUP_REQUESTS`` random requests one at a time, not recorded, on a seed no level uses
+    (``seed + len(levels)``): nothing they cache is asked for again by a level."""
+    spare = replace(run_config(config, len(levels)), num_prompts=WARMUP_REQUESTS, max_concurrency=1)
+    measure_memory(None, measure_http(base_url, replace(spare, workload=Workload()), math.inf))
 
 
 def _measure_direct_http(
@@ -273,6 +293,8 @@ def _measure_direct_http(
         tempfile.TemporaryDirectory(prefix="splitbus-sim-http-") as folder,
         serving(_tiny_model(Path(folder)), config.model) as base_url,
     ):
+        progress(f"direct-http: {WARMUP_REQUESTS} requests to warm it, not recorded")
+        warm_up(base_url, config, levels)
         for i, level in enumerate(levels):
             progress(f"direct-http (the sim engine behind its own HTTP server): max concurrency {level}")
             row = measure_memory(None, measure_http(base_url, _level_config(config, i, level), math.inf))
@@ -300,6 +322,8 @@ def _measure_stack_levels(
     admin_url = embedded_url(system.data_dir / "redis", admin=True)
     runs = []
     try:
+        progress(f"splitbus --dispatch {dispatch}: {WARMUP_REQUESTS} requests to warm it, not recorded")
+        warm_up(system.base_url, config, levels)
         for i, level in enumerate(levels):
             progress(f"splitbus --dispatch {dispatch}: max concurrency {level}")
             row = measure_memory(admin_url, measure_http(system.base_url, _level_config(config, i, level), math.inf))

@@ -5,6 +5,7 @@ HTTP, bus or scheduler: the baseline ``splitbus bench serve`` compares the whole
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import deque
@@ -23,17 +24,25 @@ from splitbus.worker.config import WorkerConfig
 from splitbus.worker.sequence import Sequence
 from splitbus.worker.text import TextStream
 
+log = logging.getLogger("splitbus.bench.serve_direct")
+
 
 class Pending:
     """A request in the engine loop: its sequence, and what each of its tokens is given to."""
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
-        self.done = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.cancelled = False
 
     def token(self, text: str) -> None:
         """One generated token's text; ``seq.finish_reason`` is set on the last."""
         raise NotImplementedError
+
+    def fail(self, message: str) -> None:
+        """The request ends without its tokens: the engine loop stopped (``message`` says how)."""
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 class _Timed(Pending):
@@ -56,6 +65,10 @@ class _Timed(Pending):
             result.e2el_s, result.ok = now - self.sent, True
             result.cached_tokens = self.seq.prompt_cached  # as a worker reports it in the usage
 
+    def fail(self, message: str) -> None:
+        self.result.error = message
+        super().fail(message)
+
 
 def new_sequence(tokenizer: ModelTokenizer, prompt: list[int], max_tokens: int) -> Sequence:
     """A mixed task's sequence for ``prompt``, greedy to ``max_tokens`` (EOS ignored), as a
@@ -76,11 +89,14 @@ class DirectLoop:
         self.tokenizer = tokenizer
         self.max_requests = config.max_requests
         self.max_prefill_tokens = config.max_prefill_tokens
+        self.block_size = config.block_size
         setup = engines.EngineSetup(config.model_dir, tokenizer, block_size=config.block_size)
         self.engine = engines.create("sim", setup)  # as the worker CLI builds it, with its defaults
         self.waiting: deque[Pending] = deque()  # not admitted: no room yet
         self.queued: deque[Pending] = deque()
         self.running: list[Pending] = []
+        self.live: set[Pending] = set()  # submitted and not done: what fails if the loop stops
+        self.stopped = ""  # why the engine loop ended by an error ("": it runs)
         self.wake = asyncio.Event()
 
     @classmethod
@@ -90,10 +106,61 @@ class DirectLoop:
         worker = WorkerConfig(bus=BusConfig(), role=Role.MIXED, model_dir=model_dir, model_name=model)
         return cls(ModelTokenizer.load(model_dir, model), worker)
 
+    @property
+    def kv_tokens(self) -> int:
+        """The positions the whole KV pool holds: a request that needs more can never be served."""
+        return self.engine.total_blocks * self.block_size
+
+    @staticmethod
+    def need(seq: Sequence) -> int:
+        """The positions a request reserves: its prompt and all it may generate."""
+        return seq.prompt_len + seq.request.sampling.max_tokens
+
+    def refusal(self, seq: Sequence) -> str:
+        """Why the loop can never serve the request ("": it can): the engine loop stopped, or the
+        request does not fit the whole KV pool (it would wait first in line forever)."""
+        if not self.stopped and self.need(seq) > self.kv_tokens:
+            return f"{self.need(seq)} tokens never fit the {self.kv_tokens} of the KV pool"
+        return self.stopped
+
     def submit(self, pending: Pending) -> None:
-        """Queue a request; its tokens go to ``pending.token``, and ``pending.done`` is set after the last."""
+        """Queue a request; its tokens go to ``pending.token``, and ``pending.done`` is set after the
+        last (or when it fails: the loop stopped)."""
+        if refused := self.refusal(pending.seq):
+            pending.fail(refused)
+            return
+        self.live.add(pending)
+        pending.done.add_done_callback(lambda _: self.live.discard(pending))
         self.waiting.append(pending)
         self.wake.set()
+
+    def start(self) -> asyncio.Task[None]:
+        """The engine loop as a task. If it ends by an error, the error is logged and every request
+        in it fails (none waits for tokens that will not come), as does any submitted later."""
+        task = asyncio.create_task(self.run())
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("the sim engine's loop stopped", exc_info=task.exception())
+        self.stopped = f"the engine loop stopped: {task.exception()!r}"
+        for pending in list(self.live):
+            pending.fail(self.stopped)
+
+    def cancel(self, pending: Pending) -> None:
+        """Drop a request whose client left: at once where it waits (its blocks released if it
+        holds any); one in the engine's step now leaves at its next token. Finished: nothing."""
+        if pending.done.done():
+            return
+        pending.cancelled = True
+        if pending in self.waiting:
+            self.waiting.remove(pending)
+            pending.done.set_result(None)
+        elif pending in self.queued:
+            self.queued.remove(pending)
+            self.finish(pending)
 
     async def send(self, item: TraceItem) -> RequestResult:
         seq = new_sequence(self.tokenizer, item.prompt_token_ids, item.max_tokens)
@@ -103,16 +170,20 @@ class DirectLoop:
         return pending.result
 
     async def run(self) -> None:
+        """Step forever (until cancelled); see ``start``."""
         while True:
             await self.wait_for_work()
             await self.prefill_queued()
             await self.decode_running()
 
     async def wait_for_work(self) -> None:
+        """Admit what has room: a request whose blocks are not free yet waits, first in line, until
+        a request leaves (as a worker leaves a decode task unread: ``kv_room_for``)."""
         while self.waiting and len(self.queued) + len(self.running) < self.max_requests:
-            pending = self.waiting.popleft()
-            self.engine.reserve(pending.seq, pending.seq.prompt_len + pending.seq.request.sampling.max_tokens)
-            self.queued.append(pending)
+            seq = self.waiting[0].seq
+            if not self.engine.reserve(seq, self.need(seq)):
+                break
+            self.queued.append(self.waiting.popleft())
         if not self.queued and not self.running:
             self.wake.clear()
             await self.wake.wait()
@@ -136,16 +207,22 @@ class DirectLoop:
             self.running = [p for p in self.running if not p.done.done()]
 
     def emit(self, pending: Pending, token: int) -> None:
+        if pending.cancelled:  # its client left during the step: it takes no token, and leaves
+            self.finish(pending)
+            return
         pending.token(pending.seq.add_token(token, self.engine.eos_token_ids))
         if pending.seq.finish_reason:
-            self.engine.release(pending.seq)
-            pending.done.set_result(None)
+            self.finish(pending)
+
+    def finish(self, pending: Pending) -> None:
+        self.engine.release(pending.seq)
+        pending.done.set_result(None)
 
 
 def measure_direct(model_dir: Path, config: ServeConfig, rate: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
     async def main() -> tuple[list[RequestResult], float]:
         loop = DirectLoop.load(model_dir, config.model)
-        engine = asyncio.create_task(loop.run())
+        engine = loop.start()
         try:
             return await replay(loop.send, items, config.max_concurrency)
         finally:

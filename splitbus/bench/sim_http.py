@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from splitbus.bench.http_floor import wait_listening
+from splitbus.bench.http_floor import stop, wait_listening
 from splitbus.bench.serve_direct import DirectLoop, Pending, new_sequence
 from splitbus.worker.sequence import Sequence
 
@@ -37,6 +37,9 @@ MAX_BODY_BYTES = 4 << 20
 MAX_PROMPT_TOKENS = 32_768
 MAX_OUTPUT_TOKENS = 4096
 """Bounds on a request: its body, its prompt and what it may ask for (a body is untrusted input)."""
+TOKEN_TIMEOUT_S = 60.0
+"""The longest a stream waits for its next token before it ends with an error: a stalled engine
+fails its streams instead of holding the client (and the benchmark) forever."""
 
 
 class BadRequest(ValueError):
@@ -52,15 +55,21 @@ class _Streamed(Pending):
 
     def __init__(self, seq: Sequence) -> None:
         super().__init__(seq)
-        self.tokens: asyncio.Queue[tuple[str, str | None]] = asyncio.Queue()
+        self.tokens: asyncio.Queue[tuple[str, str | None] | str] = asyncio.Queue()
+        """Each token's (text, finish reason or None), or why the request failed."""
 
     def token(self, text: str) -> None:
         self.tokens.put_nowait((text, self.seq.finish_reason))
 
+    def fail(self, message: str) -> None:
+        self.tokens.put_nowait(message)
+        super().fail(message)
 
-def parse_request(body: bytes, vocab_size: int) -> tuple[list[int], int, bool]:
+
+def parse_request(body: bytes, vocab_size: int, model: str) -> tuple[list[int], int, bool]:
     """A completions body's prompt (token ids), ``max_tokens`` and whether it asks for the usage
-    chunk; BadRequest naming what is wrong."""
+    chunk; BadRequest naming what is wrong. It must stream (all this server does), and name
+    ``model`` if it names one (404 otherwise, as vLLM answers)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -70,8 +79,13 @@ def parse_request(body: bytes, vocab_size: int) -> tuple[list[int], int, bool]:
     max_tokens = data.get("max_tokens", 16)
     if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_OUTPUT_TOKENS:
         raise BadRequest(f"max_tokens must be an integer in [1, {MAX_OUTPUT_TOKENS}]")
+    prompt = _prompt(data, vocab_size)
+    if data.get("stream") is not True:
+        raise BadRequest("this server only streams: stream must be true")
+    if data.get("model", model) != model:
+        raise BadRequest(f"the model {str(data.get('model'))[:100]!r} does not exist", 404)
     options = data.get("stream_options")
-    return _prompt(data, vocab_size), max_tokens, isinstance(options, dict) and options.get("include_usage") is True
+    return prompt, max_tokens, isinstance(options, dict) and options.get("include_usage") is True
 
 
 def _prompt(data: dict[str, Any], vocab_size: int) -> list[int]:
@@ -94,6 +108,19 @@ async def _read_body(request: Request) -> bytes:
     return bytes(body)
 
 
+def admit(loop: DirectLoop, prompt: list[int], max_tokens: int) -> Sequence:
+    """The request's sequence, if the engine can ever serve it: BadRequest 400 past the model's
+    context length, 503 where it would never fit the KV pool or the engine loop has stopped."""
+    context = loop.tokenizer.context_length
+    if len(prompt) + max_tokens > context:
+        message = f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the model's context length {context}"
+        raise BadRequest(message)
+    seq = new_sequence(loop.tokenizer, prompt, max_tokens)
+    if refused := loop.refusal(seq):
+        raise BadRequest(refused, 503)
+    return seq
+
+
 def app(model_dir: Path, model: str) -> Starlette:
     """The server over the model in ``model_dir``, served as ``model``; the engine loop runs
     for the app's lifespan."""
@@ -102,7 +129,7 @@ def app(model_dir: Path, model: str) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         loops.append(DirectLoop.load(model_dir, model))
-        engine = asyncio.create_task(loops[0].run())
+        engine = loops[0].start()
         try:
             yield
         finally:
@@ -111,13 +138,13 @@ def app(model_dir: Path, model: str) -> Starlette:
     async def completions(request: Request) -> Response:
         loop = loops[0]
         try:
-            prompt, max_tokens, usage = parse_request(await _read_body(request), loop.tokenizer.vocab_size)
+            prompt, max_tokens, usage = parse_request(await _read_body(request), loop.tokenizer.vocab_size, model)
+            pending = _Streamed(admit(loop, prompt, max_tokens))
         except BadRequest as exc:
-            error = {"message": str(exc), "type": "invalid_request_error"}
-            return JSONResponse({"error": error}, status_code=exc.status)
-        pending = _Streamed(new_sequence(loop.tokenizer, prompt, max_tokens))
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            return JSONResponse({"error": {"message": str(exc), "type": kind}}, status_code=exc.status)
         loop.submit(pending)
-        return StreamingResponse(_events(pending, model, usage), media_type="text/event-stream")
+        return StreamingResponse(events(loop, pending, model, usage), media_type="text/event-stream")
 
     async def models(_: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "owned_by": "splitbus"}]})
@@ -126,19 +153,37 @@ def app(model_dir: Path, model: str) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-async def _events(pending: _Streamed, model: str, usage: bool) -> AsyncIterator[bytes]:
+async def events(loop: DirectLoop, pending: _Streamed, model: str, usage: bool) -> AsyncIterator[bytes]:
     """One chunk per token, as vLLM streams a completion; then the usage chunk if asked, and
-    ``[DONE]``."""
+    ``[DONE]``. A failed request (or one whose next token takes over ``TOKEN_TIMEOUT_S``) ends
+    with an error chunk instead. However it ends (its client gone included: the response is
+    cancelled), it leaves the engine loop."""
     head: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
     head.update(created=int(time.time()), model=model)
+    try:
+        async for chunk in _chunks(pending, head):
+            yield chunk
+        if usage and pending.seq.finish_reason:  # not after an error chunk
+            yield _sse({**head, "choices": [], "usage": _usage(pending.seq)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        loop.cancel(pending)  # nothing for a finished request
+
+
+async def _chunks(pending: _Streamed, head: dict[str, Any]) -> AsyncIterator[bytes]:
+    """The token chunks, until the last; an error chunk ends them early."""
     finish: str | None = None
     while finish is None:
-        text, finish = await pending.tokens.get()
+        try:
+            item = await asyncio.wait_for(pending.tokens.get(), TOKEN_TIMEOUT_S)
+        except TimeoutError:
+            item = f"no token within {TOKEN_TIMEOUT_S:g} s"
+        if isinstance(item, str):
+            yield _sse({"error": {"message": item, "type": "server_error", "code": 500}})
+            return
+        text, finish = item
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         yield _sse({**head, "choices": [choice]})
-    if usage:
-        yield _sse({**head, "choices": [], "usage": _usage(pending.seq)})
-    yield b"data: [DONE]\n\n"
 
 
 def _usage(seq: Sequence) -> dict[str, Any]:
@@ -168,8 +213,7 @@ def serving(model_dir: Path, model: str) -> Iterator[str]:
         wait_listening(port, proc, "the sim engine's HTTP server")
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
 
 
 if __name__ == "__main__":
@@ -182,4 +226,5 @@ if __name__ == "__main__":
         log_level="warning",
         loop="auto",  # uvloop, as the worker's loop and the API's: its timers set the sim engine's sleeps
         http="httptools",
+        timeout_graceful_shutdown=2,  # a stream still open at SIGTERM does not hold the shutdown
     )

@@ -190,11 +190,14 @@ def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
         type=float,
         nargs="+",
         default=[10.0, 25.0, 50.0],
-        help="requests/s, one run each; inf: all at once",
+        help="requests/s, one run each; inf: all at once (not used by --vs-direct-http)",
     )
     serve.add_argument("--num-prompts", type=int, default=200, help="requests per run (default %(default)s)")
     serve.add_argument(
-        "--max-concurrency", type=int, default=512, help="requests in flight at most (default %(default)s)"
+        "--max-concurrency",
+        type=int,
+        default=512,
+        help="requests in flight at most (default %(default)s; --vs-direct-http uses its own levels)",
     )
     serve.add_argument("--input-len", type=int, default=128, help="mean prompt tokens (default %(default)s)")
     serve.add_argument("--output-len", type=int, default=64, help="mean output tokens (default %(default)s)")
@@ -209,7 +212,8 @@ def _add_serve(kinds: argparse._SubParsersAction, env: Env) -> None:
         default=None,
         metavar="C",
         help="compare splitbus with the sim engine behind its own OpenAI HTTP server, all requests at once, "
-        "at each max concurrency C (default 1 16 64)",
+        "at each max concurrency C (default 1 16 64); --request-rate and --max-concurrency are not used, "
+        "and --dataset trace is refused (its arrival times are its point)",
     )
     _add_serve_workloads(serve)
     serve.set_defaults(run=run_serve)
@@ -432,7 +436,12 @@ def _add_client(kinds: argparse._SubParsersAction, env: Env) -> None:
     )
     add = client.add_argument
     add("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
-    add("--redis-url", default=None, help="measure this Redis; its user may run INFO (default: start an embedded one)")
+    add(
+        "--redis-url",
+        default=None,
+        help="measure this Redis, idle: the wakes count its blocked clients, so another client blocking there "
+        "spoils them; its user may run INFO (default: start an embedded one)",
+    )
     add("--rounds", type=int, default=5, help="rounds, every client in each (default %(default)s)")
     add("--calls", type=int, default=2000, help="timed calls of each operation a round (default %(default)s)")
     add("--wakes", type=int, default=200, help="timed wake-ups of each read kind a round (default %(default)s)")
@@ -674,11 +683,11 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench.serve import TargetError
     from splitbus.bench.workloads import TraceError
 
-    config = _config("serve", lambda: _serve_config(args))
-    if config is None:
-        return 2
     if refused := _serve_refusal(args):
         say(f"splitbus bench serve: {refused}")
+        return 2
+    config = _config("serve", lambda: _serve_config(args))
+    if config is None:
         return 2
     run = _Run("serve", args.out)
     try:
@@ -686,17 +695,28 @@ def run_serve(args: argparse.Namespace, env: Env) -> int:
     except (TargetError, TraceError) as exc:
         say(f"splitbus bench serve: {exc}")
         return 2
-    return run.finish(result, report.serve_plot, report.serve_table) or _within_ideal(result["runs"])
+    try:
+        finished = run.finish(result, report.serve_plot, report.serve_table)
+    finally:
+        within = _within_ideal(result["runs"])  # said even where writing the results failed
+    return finished or within
 
 
 def _serve_refusal(args: argparse.Namespace) -> str:
     """Why these options do not go together ("": they do)."""
     if args.policy and args.base_url:
         return "--policy starts its own splitbus up for each policy; it does not take --base-url"
-    if args.vs_direct_http is not None and (args.policy or args.base_url):
+    return "" if args.vs_direct_http is None else _vs_direct_http_refusal(args)
+
+
+def _vs_direct_http_refusal(args: argparse.Namespace) -> str:
+    """Why ``--vs-direct-http`` does not go with these options ("": it does)."""
+    if args.policy or args.base_url:
         return "--vs-direct-http starts its own servers; it takes neither --policy nor --base-url"
-    if any(c < 1 for c in args.vs_direct_http or ()):
+    if any(c < 1 for c in args.vs_direct_http):
         return "--vs-direct-http's max concurrencies must be >= 1"
+    if args.dataset[0] == "trace":
+        return "--vs-direct-http sends every request at once: it does not take --dataset trace (arrival times)"
     return ""
 
 
