@@ -20,8 +20,11 @@ The operations, each timed per call at concurrency 1 (a hop's cost, not a throug
 * ``pipeline``: ``pipeline`` ``XADD`` commands in one non-transactional pipeline (``Producer.send_many``).
 
 Every round runs every client in turn (the order rotated each round) on keys of its own, deleted
-after; the reported p50 and p99 pool the rounds' samples, and each round's p50 is kept to show the
-spread.
+after; the reported p50 and p99 pool the rounds' samples. Each round's p50 is kept to show the
+spread: ``p50_by_round_us`` in round order, and ``round_p50_us`` their [min, max].
+
+The wakes count Redis's blocked clients (``INFO clients``) to know the reader is blocked: the
+Redis measured must be idle, as the embedded one the command starts by default is.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ REQUESTS_MAXLEN = 100_000
 BLOCK_MS = 5000
 """A reader's BLOCK: long enough never to end before its wake on a loaded host."""
 BLOCKED_WAIT_S = 10.0
+ADMIN_TIMEOUT_S = 10.0
+"""The admin connection's socket timeout (its INFO, SCAN and DEL): a Redis that stops answering
+fails the run instead of hanging it."""
 _GROUP = (SCHEDULER_GROUP, "bench")
 """The group and consumer of the XREADGROUP wake."""
 
@@ -342,7 +348,16 @@ async def _blocked_clients(admin: aioredis.Redis) -> int:
 
 
 async def _until_blocked(admin: aioredis.Redis, count: int, reading: asyncio.Future[object]) -> None:
-    """Wait until ``count`` clients are blocked in Redis: the reader's read has arrived."""
+    """Wait until ``count`` clients are blocked in Redis: the reader's read has arrived. If it does
+    not, ``reading`` is cancelled before the error is raised (no read is left pending)."""
+    try:
+        await _poll_blocked(admin, count, reading)
+    except BaseException:
+        reading.cancel()
+        raise
+
+
+async def _poll_blocked(admin: aioredis.Redis, count: int, reading: asyncio.Future[object]) -> None:
     deadline = time.monotonic() + BLOCKED_WAIT_S
     while await _blocked_clients(admin) < count:
         if reading.done():
@@ -353,7 +368,12 @@ async def _until_blocked(admin: aioredis.Redis, count: int, reading: asyncio.Fut
 
 
 async def _client_round(name: str, url: str, admin: aioredis.Redis, config: ClientBenchConfig) -> dict[str, Any]:
-    writer, reader = await open_side(name, url), await open_side(name, url)
+    writer = await open_side(name, url)
+    try:
+        reader = await open_side(name, url)
+    except BaseException:
+        await writer.close()
+        raise
     measured = _Round(writer, reader, admin, config)
     try:
         samples = await measured.run()
@@ -370,7 +390,7 @@ async def measure(url: str, config: ClientBenchConfig, progress: Callable[[str],
     pooled: dict[str, dict[str, Any]] = {
         n: {"parser": "", "ops": {op: [] for op in OPS}, "round_p50": []} for n in names
     }
-    admin = aioredis.Redis.from_url(url, protocol=2)
+    admin = aioredis.Redis.from_url(url, protocol=2, socket_timeout=ADMIN_TIMEOUT_S)
     try:
         for r in range(config.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
@@ -414,6 +434,7 @@ def _summary(pooled: dict[str, Any]) -> dict[str, Any]:
             "p50_us": _quantile(samples, 0.5),
             "p99_us": _quantile(samples, 0.99),
             "round_p50_us": [min(per_round), max(per_round)],
+            "p50_by_round_us": per_round,
         }
     return {"parser": pooled["parser"], "ops": ops}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -33,6 +34,8 @@ async def test_every_operation_is_timed_per_call_for_each_client(redis_server: E
             row = summary["ops"][op]
             assert 0 < row["p50_us"] <= row["p99_us"]
             assert row["round_p50_us"][0] <= row["round_p50_us"][1]
+            assert len(row["p50_by_round_us"]) == TINY.rounds
+            assert row["round_p50_us"] == [min(row["p50_by_round_us"]), max(row["p50_by_round_us"])]
     assert len(lines) == 2 * len(REDIS_PY) and "wake_xread" in lines[0]
 
 
@@ -81,6 +84,58 @@ async def test_what_the_operations_write_is_real_and_deleted_after(redis_server:
     assert (
         calls["xadd"] >= (TINY.calls + TINY.wakes * 2 + TINY.pipeline + (TINY.calls + 2) * TINY.step_streams) * rounds
     )
+
+
+class _Closed:
+    """A side that notes its close, and nothing else."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_client_whose_second_connection_fails_closes_its_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = _Closed()
+    opened: list[object] = [writer, ConnectionError("refused")]
+
+    async def open_side(name: str, url: str) -> object:
+        side = opened.pop(0)
+        if isinstance(side, Exception):
+            raise side
+        return side
+
+    monkeypatch.setattr(client, "open_side", open_side)
+    with pytest.raises(ConnectionError, match="refused"):
+        await client._client_round("redis-py", "redis://unused", None, TINY)  # type: ignore[arg-type]
+    assert writer.closed
+
+
+async def test_a_read_that_never_blocks_is_cancelled_with_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Admin:
+        async def info(self, section: str) -> dict[str, int]:
+            return {"blocked_clients": 0}  # the read never arrives
+
+    monkeypatch.setattr(client, "BLOCKED_WAIT_S", 0.05)
+    reading = asyncio.ensure_future(asyncio.sleep(3600))
+    with pytest.raises(RuntimeError, match="did not block within"):
+        await client._until_blocked(Admin(), 1, reading)  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert reading.cancelled()
+
+
+def test_the_admin_connection_has_a_socket_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict[str, object]] = []
+
+    def from_url(url: str, **settings: object) -> aioredis.Redis:
+        made.append(settings)
+        raise ConnectionError("noted")
+
+    monkeypatch.setattr(aioredis.Redis, "from_url", from_url)
+    with pytest.raises(ConnectionError, match="noted"):
+        asyncio.run(measure("redis://unused", ClientBenchConfig.quick(("redis-py",)), lambda _: None))
+    assert made == [{"protocol": 2, "socket_timeout": client.ADMIN_TIMEOUT_S}]
 
 
 def _calls(admin: sync_redis.Redis) -> dict[str, int]:
