@@ -32,6 +32,7 @@ from splitbus.api.protocol import GenerationParams
 from splitbus.api.state import ApiState
 from splitbus.api.tenants import cache_salt
 from splitbus.bus.blocks import chain_hex
+from splitbus.bus.core import hopmarks
 from splitbus.bus.core.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
 from splitbus.bus.messages._check import PRIORITY_RANGE
@@ -72,7 +73,12 @@ async def prepare(request: Request, params: GenerationParams) -> list[Generation
     check_prompt_chars(state.config.prompt_char_limit(tokenizer.context_length), params)
     request_id = f"{'chatcmpl' if params.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     request.state.request_id = request_id  # what an error's body and log name
+    if hopmarks.on:
+        for name, ns in getattr(request.state, "hop_marks", ()):
+            hopmarks.mark(request_id, name, ns)
     prompt_ids = await tokenize(state, tokenizer, params, request_id)
+    if hopmarks.on:
+        hopmarks.mark(request_id, "api.tokenized")
     max_tokens = resolve_max_tokens(tokenizer, params, len(prompt_ids))
     protocol.check_prompt_scores(params, len(prompt_ids))
     protocol.check_logits_options(params.logits, tokenizer.vocab_size, max_tokens)
@@ -81,6 +87,8 @@ async def prepare(request: Request, params: GenerationParams) -> list[Generation
     prefix = await prefix_hashes(state, prompt_ids, salt)
     grammar = await request_grammar(state, tokenizer, params.grammar, request_id)
     trace = spans.of(request)
+    if hopmarks.on:
+        hopmarks.mark(request_id, "api.prepared")
     if params.n == 1:
         return [
             Generation(
@@ -145,6 +153,8 @@ async def answer(request: Request, generation: Generation) -> Response:
         await generation.publish()
         spans.enter(generation.trace, "")
         first = await generation.until_disconnect(request, generation.next_result())
+        if hopmarks.on:
+            hopmarks.mark(generation.request_id, "api.resumed")
         spans.enter(generation.trace, "api.stream_back")
     except BaseException as exc:
         generation.close(cancel_reason(exc))
@@ -403,8 +413,12 @@ class Generation:
     async def publish(self) -> None:
         """Subscribe, then XADD: the reader starts at the stream's beginning, so no entry is
         missed however fast the workers answer."""
+        if hopmarks.on:
+            hopmarks.mark(self.request_id, "api.admitted")
         await self.subscribe()
         await self.submitted(self.state.submit(self.message()))
+        if hopmarks.on:
+            hopmarks.mark(self.request_id, "api.written")
 
     async def subscribe(self) -> None:
         """Follow the request's result stream (before its entry is written: ``publish``)."""
@@ -512,6 +526,8 @@ class Generation:
                 events = [event for r in merged for event in self._events(r)]
                 result = merged[-1]
                 if events:
+                    if hopmarks.on:
+                        hopmarks.mark(self.request_id, "api.sse")
                     yield b"".join(events)
                 if result.terminal:
                     break

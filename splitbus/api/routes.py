@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import anyio
 import orjson
@@ -27,10 +28,12 @@ from splitbus.api.generate import ClientDisconnected
 from splitbus.api.metrics import REFUSALS
 from splitbus.api.openapi import openapi_spec
 from splitbus.api.state import ApiState
+from splitbus.bus.core import hopmarks
 from splitbus.bus.core.connection import TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
 JSON_MEDIA_TYPE = "application/json"
+T = TypeVar("T")
 
 
 async def read_json(request: Request) -> Any:
@@ -97,12 +100,32 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 @spans.traced
 async def completions(request: Request) -> Response:
+    if hopmarks.on:
+        return await respond(request, _marked(request, protocol.parse_completion, await _read_marked(request)))
     return await respond(request, protocol.parse_completion(await read_json(request)))
 
 
 @spans.traced
 async def chat_completions(request: Request) -> Response:
+    if hopmarks.on:
+        return await respond(request, _marked(request, protocol.parse_chat, await _read_marked(request)))
     return await respond(request, protocol.parse_chat(await read_json(request)))
+
+
+async def _read_marked(request: Request) -> Any:
+    """``read_json`` with hop marks (``splitbus.bus.core.hopmarks``): the route entered, the body read as
+    JSON; kept on the request until it has an id (``generate.prepare``)."""
+    request.state.hop_marks = [("api.route", time.time_ns())]
+    body = await read_json(request)
+    request.state.hop_marks.append(("api.body", time.time_ns()))
+    return body
+
+
+def _marked(request: Request, parse: Callable[[Any], T], body: Any) -> T:
+    """``parse(body)``, with its hop mark (``api.parsed``)."""
+    params = parse(body)
+    request.state.hop_marks.append(("api.parsed", time.time_ns()))
+    return params
 
 
 async def models(request: Request) -> Response:

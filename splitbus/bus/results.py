@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisClusterException
 from redis.typing import EncodableT
 
-from splitbus.bus.core import cluster, codec, follow, metrics
+from splitbus.bus.core import cluster, codec, follow, hopmarks, metrics
 from splitbus.bus.core.batching import Batcher
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import TRANSIENT_ERRORS, connect, wait_until_reachable
@@ -207,6 +207,9 @@ class ResultWriter:
         reloaded = False
         while self._writes.pending:
             done = await self._writes.write([self._script_args(run) for run in self._writes.runs()])
+            if hopmarks.on:
+                for p in done.written:
+                    hopmarks.mark(p.request_id, "worker.written")
             self._settle(done.written)
             if done.lost_script and not reloaded:
                 await self._writes.reload()
@@ -478,6 +481,8 @@ class _Shard:
         self.woken_xread = -1
         self.closing = False
         self._reads = 0
+        self._read_ns = 0
+        """When the last read's reply came (``time.time_ns()``), with hop marks on."""
 
     async def run(self) -> None:
         fresh = True
@@ -501,9 +506,12 @@ class _Shard:
         streams.update((key, sub.last_id) for key, sub in self.subs.items())
         self.xreads += 1
         self.blocked = True
+        if hopmarks.on:  # about to wait: the marks so far go to their file now, not on a hop
+            hopmarks.flush()
         # On a cluster, to the primary of the shard's slot (its wake stream's): no COMMAND GETKEYS.
         reply = await follow.read_reply(self._redis, streams, self._config.reader_count, self._config.block_ms)
         self.blocked = False
+        self._read_ns = time.time_ns() if hopmarks.on else 0
         for key, entries in cast(RawXReadReply, reply or []):
             self._dispatch(key.decode(), entries)
 
@@ -535,6 +543,9 @@ class _Shard:
             log.error("undecodable result entry %s on %s: %s", entry_id, sub.key, exc)
             return
         if isinstance(result, (TokenDelta, Finished, Failed)):
+            if hopmarks.on:
+                hopmarks.mark(sub.request_id, "api.read", self._read_ns)
+                hopmarks.mark(sub.request_id, "api.decoded")
             sub.accept(result)
         else:
             log.error("result entry %s on %s is a %s, not a result", entry_id, sub.key, result.TYPE)

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from splitbus import tracing
+from splitbus.bus.core import hopmarks
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.streams import Delivery, GroupConsumer, entry_order
@@ -201,6 +202,8 @@ class TaskFeed:
             await self.reject(delivery, *admission.rejected)
             return
         self.apply(admission.effects)
+        if hopmarks.on:
+            hopmarks.mark_message(delivery.message, "worker.taken")
         if tracing.on:
             spans.taken(self.core.table, delivery)
         if admission.awaiting_kv is not None:

@@ -18,6 +18,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 
 from splitbus import aio, tracing
+from splitbus.bus.core import hopmarks
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import is_transient
 from splitbus.bus.core.loops import Loops
@@ -36,6 +37,14 @@ WAIT_FOR_BLOCKS_S = 0.01
 again this often: a hand-off, a cancellation or an import may free blocks meanwhile."""
 
 EngineCall = Callable[[list[Sequence]], Awaitable[list[int]]]
+
+
+def _mark(batch: list[Sequence], name: str) -> None:
+    """Hop marks (``splitbus.bus.core.hopmarks``), when on: ``name`` for each request of the
+    batch (a call a batch when off, not a branch in each caller: the step's own stay readable)."""
+    if hopmarks.on:
+        for seq in batch:
+            hopmarks.mark(seq.request_id, name)
 
 
 def _us(seconds: float) -> int:
@@ -163,9 +172,11 @@ class EngineSteps:
         if tracing.on:
             spans.prefill_started(batch)
         counters, started = self.core.counters, time.perf_counter()
+        _mark(batch, "worker.prefill")
         try:
             results = await self.run_engine(self.engine.prefill, batch)
             counters["prefill_busy_us"] += _us(time.perf_counter() - started)
+            _mark(batch, "worker.prefilled")
             await self.settle()
         except BaseException as exc:  # Redis refused (the loop waits it out): dropped here, the batch would be lost
             self.core.abort_prefill()
@@ -174,6 +185,7 @@ class EngineSteps:
             raise
         cached = counters["prompt_tokens_cached"]
         self.apply(self.core.end_prefill(results))
+        _mark(batch, "worker.token")
         metrics.PROMPT_CACHED_TOKENS.inc(counters["prompt_tokens_cached"] - cached)
         if tracing.on:
             spans.prefill_ended(batch)

@@ -13,7 +13,7 @@ from typing import Generic, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from splitbus.bus.core import cluster, codec, metrics
+from splitbus.bus.core import cluster, codec, hopmarks, metrics
 from splitbus.bus.core.batching import Batcher
 from splitbus.bus.core.codec import Message
 from splitbus.bus.core.config import BusConfig
@@ -220,7 +220,10 @@ class GroupConsumer:
         await self.send_graves()
         if self._pending_cursor is None:
             block = self._config.block_ms if block_ms is None else block_ms
-            return await self._decode_all(await self._xreadgroup(">", capacity, block if block > 0 else None))
+            if hopmarks.on:  # about to wait: the marks so far go to their file now, not on a hop
+                hopmarks.flush()
+            read = await self._xreadgroup(">", capacity, block if block > 0 else None)
+            return await self._decode_all(read)
         kept = await self._reread_own(self._pending_cursor, capacity)
         return kept or await self.read(capacity, block_ms)  # none left, or all buried: on to the next ones
 
@@ -439,12 +442,22 @@ class GroupConsumer:
         return cast(XReadGroupReply, reply or [])
 
     async def _decode_all(self, raw: Iterable[MaybeEntry | _Read]) -> list[Delivery[Message]]:
+        read_ns = time.time_ns() if hopmarks.on else 0  # the reply is here (hop marks: bench serve)
         deliveries = []
         for entry_id, fields in raw:
             delivery = await self._decode_one(text(entry_id), fields)
             if delivery is not None:
                 deliveries.append(delivery)
+        if hopmarks.on:
+            self._mark(deliveries, read_ns)
         return deliveries
+
+    def _mark(self, deliveries: list[Delivery[Message]], read_ns: int) -> None:
+        """Hop marks: each delivery's request read (``KIND.read``) and decoded (``KIND.decoded``)."""
+        decoded_ns = time.time_ns()
+        for delivery in deliveries:
+            hopmarks.mark_message(delivery.message, f"{self._kind}.read", read_ns)
+            hopmarks.mark_message(delivery.message, f"{self._kind}.decoded", decoded_ns)
 
     async def _decode_one(self, entry_id: str, fields: Mapping[bytes, bytes] | None) -> Delivery[Message] | None:
         metrics.ENTRIES_CONSUMED.labels(self._kind).inc()

@@ -1,0 +1,213 @@
+"""``bench serve``'s hop breakdown to the microsecond, inside each process: the four hops of
+``splitbus.bench.serve.HOPS`` cut at every step a request takes, from the hop marks each process
+keeps with ``SPLITBUS_HOP_MARKS`` set (``splitbus.bus.core.hopmarks``) and the ``ts`` of its entries.
+
+Requests are sent one at a time (an idle system), as ``serve.hop_breakdown`` sends them; each
+step is the time from the mark before it on the request's critical path to its own, p50 and p90
+over the requests. A step a request does not take (``--dispatch api`` has no request entry and no
+scheduler) is left out of that request's row: the next step counts from the mark before it.
+
+    python -m splitbus.bench.hop_trace --dispatch scheduler --count 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from splitbus.bus.core.hopmarks import ENV
+from splitbus.bus.core.keys import Keys
+from splitbus.bus.core.streams import entry_order
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step on a request's critical path: the mark that ends it, and what it is."""
+
+    mark: str
+    """A hop mark's name (``splitbus.bus.core.hopmarks``), or ``client.sent``/``client.first`` (the
+    client's), or ``request.ts``/``task.ts``/``token.ts`` (an entry's ``ts``: when it was encoded)."""
+    hop: str
+    """Which of ``serve.HOPS``' process hops it is in: ``api``, ``scheduler``, ``worker``, ``reader``."""
+    what: str
+
+
+PATH = (
+    Step("api.route", "api", "client send -> the API's route runs (httpx, loopback, uvicorn's HTTP parse)"),
+    Step("api.body", "api", "the body read and parsed as JSON"),
+    Step("api.parsed", "api", "the OpenAI parameters checked (protocol.parse_*)"),
+    Step("api.tokenized", "api", "the request id, the prompt tokenized (or its ids checked)"),
+    Step("api.prepared", "api", "max_tokens, the hash chain for routing, grammar (none)"),
+    Step("api.admitted", "api", "admission (overload, the tenant's limits)"),
+    Step("request.ts", "api", "subscribed, the request built and encoded (its entry's ts)"),
+    Step("requests.read", "scheduler", "the XADD through Redis to the scheduler's blocked read, its reply parsed"),
+    Step("requests.decoded", "scheduler", "the entry decoded and validated"),
+    Step("task.ts", "scheduler", "admitted, placed, the task encoded (its entry's ts)"),
+    Step("tasks.read", "worker", "the dispatch through Redis to the worker's blocked read, its reply parsed"),
+    Step("tasks.decoded", "worker", "the task decoded and validated"),
+    Step("worker.taken", "worker", "taken (the request table, the engine's queue)"),
+    Step("worker.prefill", "worker", "the engine loop awake, the prefill batch formed, the engine called"),
+    Step("worker.prefilled", "worker", "the engine's prefill (the sim's sleep)"),
+    Step("worker.token", "worker", "settled (the lease), the first token handed to the writer"),
+    Step("token.ts", "worker", "the publisher awake, the token's entry encoded (its ts)"),
+    Step("api.read", "reader", "the script through Redis to the API reader's blocked read, its reply parsed"),
+    Step("api.decoded", "reader", "the result decoded"),
+    Step("api.resumed", "reader", "the request's handler resumed with it"),
+    Step("api.sse", "reader", "the response started, the first event built"),
+    Step("client.first", "reader", "the event written, loopback, httpx and the SSE parse"),
+)
+SIDE = (
+    ("request.ts", "api.written", "request entry encoded -> the API has its XADD's reply"),
+    ("token.ts", "worker.written", "token entry encoded -> the worker has its script's reply"),
+)
+"""Off the critical path: a write's round trip as its writer sees it."""
+
+
+def read_marks(folder: Path) -> dict[str, dict[str, int]]:
+    """Every request's marks from the ``*.marks`` files in ``folder``: the first of each name
+    (a later one is another result of the request, or a retry)."""
+    marks: dict[str, dict[str, int]] = {}
+    for path in sorted(folder.glob("*.marks")):
+        for request_id, name, ns in _lines(path.read_text(errors="replace")):
+            marks.setdefault(request_id, {}).setdefault(name, ns)
+    return marks
+
+
+def _lines(text: str) -> Iterator[tuple[str, str, int]]:
+    """``ID MARK NS`` lines; anything else (a line cut by a process's end) skipped."""
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if len(fields) == 3 and fields[2].isdigit():
+            yield fields[0], fields[1], int(fields[2])
+
+
+def steps_us(stamps: dict[str, int]) -> dict[str, float]:
+    """One request's steps in µs, by ``Step.mark``: each from the last mark present before it."""
+    out: dict[str, float] = {}
+    before = stamps.get("client.sent")
+    for step in PATH:
+        at = stamps.get(step.mark)
+        if at is None:
+            continue
+        if before is not None:
+            out[step.mark] = (at - before) / 1000
+        before = at
+    for start, end, _ in SIDE:
+        if start in stamps and end in stamps:
+            out[end] = (stamps[end] - stamps[start]) / 1000
+    return out
+
+
+def table(rows: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """p50 and p90 (µs) of each step over ``rows`` (``steps_us``), in path order, with each
+    hop's total and the TTFT; a step no row has is left out."""
+    lines = [line for hop in ("api", "scheduler", "worker", "reader") for line in _hop_lines(rows, hop)]
+    lines.append(_line("ttft", "", "TTFT", [sum(r.get(s.mark, 0.0) for s in PATH) for r in rows]))
+    return lines + [_line(end, "side", what, _values(rows, end)) for _, end, what in SIDE if _values(rows, end)]
+
+
+def _hop_lines(rows: list[dict[str, float]], hop: str) -> list[dict[str, Any]]:
+    """The steps of one hop that some row has, then the hop's total (none without a step)."""
+    steps = [s for s in PATH if s.hop == hop and _values(rows, s.mark)]
+    if not steps:
+        return []
+    totals = [sum(r.get(s.mark, 0.0) for s in steps) for r in rows]
+    return [
+        *(_line(s.mark, hop, s.what, _values(rows, s.mark)) for s in steps),
+        _line(f"{hop}.total", hop, f"the {hop} hop", totals),
+    ]
+
+
+def _values(rows: list[dict[str, float]], mark: str) -> list[float]:
+    return [r[mark] for r in rows if mark in r]
+
+
+def _line(mark: str, hop: str, what: str, values: Iterable[float]) -> dict[str, Any]:
+    listed = list(values)
+    return {
+        "mark": mark,
+        "hop": hop,
+        "what": what,
+        "p50_us": float(np.median(listed)),
+        "p90_us": float(np.percentile(listed, 90)),
+    }
+
+
+async def entry_stamps(r: Any, keys: Keys) -> dict[str, Any]:
+    """The latest request's id and its entries' ``ts`` (ns): the newest task entry of any worker,
+    the request entry if it is that request's (none with ``--dispatch api``), its first result."""
+    workers = [w.decode() for w in await r.zrange(keys.workers, 0, -1)]
+    latest = [e for w in workers for e in await r.xrevrange(keys.tasks(w), count=1)]
+    task = max(latest, key=lambda e: entry_order(e[0].decode()))
+    data = orjson.loads(task[1][b"data"])["request"]
+    stamps = {"id": data["request_id"], "task.ts": int(task[1][b"ts"]) * 1000}
+    request = await r.xrevrange(keys.requests, count=1)
+    if request and orjson.loads(request[0][1][b"data"])["request_id"] == data["request_id"]:
+        stamps["request.ts"] = int(request[0][1][b"ts"]) * 1000
+    out = keys.out(data.get("reader") or data["api_node"], data["request_id"])
+    stamps["token.ts"] = int((await r.xrange(out, count=1))[0][1][b"ts"]) * 1000
+    return stamps
+
+
+async def trace_hops(
+    base_url: str, redis_url: str, marks: Path, model: str, prompt_len: int, count: int
+) -> list[dict[str, Any]]:
+    """``count`` requests one at a time (after ``serve.PROBE_WARMUP``), each cut into its steps."""
+    import redis.asyncio as aioredis
+
+    from splitbus.bench.serve import _one_at_a_time
+
+    r, found = aioredis.Redis.from_url(redis_url), []
+    try:
+        async with contextlib.aclosing(_one_at_a_time(base_url, model, prompt_len, count)) as probes:
+            async for sent, result in probes:
+                stamps = await entry_stamps(r, Keys())
+                first = sent + result.ttft_s
+                found.append({**stamps, "client.sent": int(sent * 1e9), "client.first": int(first * 1e9)})
+    finally:
+        await r.aclose()
+    await asyncio.sleep(1.5)  # every process's marks flushed: a blocked read's bus timeout (1 s) has passed
+    kept = read_marks(marks)
+    return table([steps_us({**kept.get(f["id"], {}), **f}) for f in found])
+
+
+def measure(dispatch: str, count: int, model: str = "tiny", prompt_len: int = 128) -> list[dict[str, Any]]:
+    """``splitbus up --engine sim --mixed 1 --dispatch DISPATCH`` with hop marks on, traced."""
+    from splitbus.bench.system import LocalSystem
+
+    with tempfile.TemporaryDirectory(prefix="splitbus-marks-") as folder:
+        system = LocalSystem("--engine", "sim", "--mixed", "1", "--dispatch", dispatch, environ={ENV: folder})
+        try:
+            return asyncio.run(trace_hops(system.base_url, system.redis_url, Path(folder), model, prompt_len, count))
+        finally:
+            system.stop()
+
+
+def markdown(lines: list[dict[str, Any]]) -> str:
+    rows = [f"| {x['hop']} | {x['what']} | {x['p50_us']:.0f} | {x['p90_us']:.0f} |" for x in lines]
+    return "\n".join(["| hop | step | p50 µs | p90 µs |", "| --- | --- | ---: | ---: |", *rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--dispatch", choices=("scheduler", "api"), default="scheduler")
+    parser.add_argument("--count", type=int, default=50, help="requests timed, after the warm-up")
+    parser.add_argument("--json", help="also write the steps here")
+    args = parser.parse_args(argv)
+    lines = measure(args.dispatch, args.count)
+    print(markdown(lines))
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(lines, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Hop marks (splitbus/bus/core/hopmarks.py): what a process writes for ``bench serve``'s hop breakdown,
+and a group consumer's marks against a real redis-server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from splitbus.bench.hop_trace import read_marks
+from splitbus.bus.core import hopmarks
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.streams import Producer
+from splitbus.bus.messages import GenerateRequest, SamplingParams
+from splitbus.bus.request_stream import request_consumer
+
+
+@pytest.fixture
+def marks_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Hop marks on, written to ``tmp_path`` (as ``SPLITBUS_HOP_MARKS`` set at start would)."""
+    monkeypatch.setattr(hopmarks, "FOLDER", str(tmp_path))
+    monkeypatch.setattr(hopmarks, "on", True)
+    monkeypatch.setattr(hopmarks, "_fd", None)
+    monkeypatch.setattr(hopmarks, "_marks", [])
+    return tmp_path
+
+
+def _request(request_id: str) -> GenerateRequest:
+    return GenerateRequest(request_id, "m", [1, 2], SamplingParams(), "api", 0)
+
+
+def test_marks_are_kept_in_memory_until_flushed_then_appended(marks_on: Path) -> None:
+    hopmarks.mark("cmpl-1", "api.route", 100)
+    hopmarks.mark("cmpl-1", "api.body")
+    assert not list(marks_on.glob("*.marks"))  # nothing written between two marks
+    hopmarks.flush()
+    hopmarks.flush()  # nothing new: nothing written
+    hopmarks.mark("cmpl-2", "api.route", 300)
+    hopmarks.flush()
+    (path,) = marks_on.glob("*.marks")
+    lines = path.read_text().splitlines()
+    assert lines[0] == "cmpl-1 api.route 100" and lines[2] == "cmpl-2 api.route 300"
+    assert lines[1].startswith("cmpl-1 api.body ") and int(lines[1].split()[2]) > 300
+
+
+def test_a_message_is_marked_by_its_request_a_task_by_its_request_s(marks_on: Path) -> None:
+    class Task:
+        request = _request("cmpl-t")
+
+    hopmarks.mark_message(_request("cmpl-r"), "requests.read", 1)
+    hopmarks.mark_message(Task(), "tasks.read", 2)
+    hopmarks.mark_message(object(), "other.read", 3)  # names no request: not marked
+    hopmarks.mark("bad id", "api.route", 4)  # a space would break the line: dropped
+    hopmarks.flush()
+    assert read_marks(marks_on) == {"cmpl-r": {"requests.read": 1}, "cmpl-t": {"tasks.read": 2}}
+
+
+async def test_a_group_consumer_marks_each_request_read_and_decoded(
+    marks_on: Path, redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    consumer = request_consumer(redis, bus_config, "s1")
+    await consumer.ensure_group()
+    await Producer(redis, bus_config).send(bus_config.keys.requests, _request("cmpl-a"))
+    (got,) = await consumer.read(10, block_ms=1000)
+    await consumer.read(10, block_ms=1)  # the next read flushes before it waits
+    marks = read_marks(marks_on)["cmpl-a"]
+    assert got.message.request_id == "cmpl-a"
+    assert marks["requests.read"] <= marks["requests.decoded"]
+    assert marks["requests.read"] >= int(got.published_us or 0) * 1000  # after the entry was encoded
+
+
+async def test_no_marks_when_off(tmp_path: Path, redis: aioredis.Redis, bus_config: BusConfig) -> None:
+    assert not hopmarks.on  # the test run does not set SPLITBUS_HOP_MARKS
+    consumer = request_consumer(redis, bus_config, "s1")
+    await consumer.ensure_group()
+    await Producer(redis, bus_config).send(bus_config.keys.requests, _request("cmpl-b"))
+    assert len(await consumer.read(10, block_ms=1000)) == 1
+    assert hopmarks._marks == []
