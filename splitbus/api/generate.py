@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from splitbus.api import metrics, protocol, spans, tools
 from splitbus.api.errors import (
@@ -36,7 +37,7 @@ from splitbus.bus.core import hopmarks
 from splitbus.bus.core.connection import TRANSIENT_ERRORS
 from splitbus.bus.messages import Failed, Finished, GenerateRequest, Result, SamplingParams, TokenDelta
 from splitbus.bus.messages._check import PRIORITY_RANGE
-from splitbus.bus.results import Subscription
+from splitbus.bus.results import ClientLeft, Subscription
 from splitbus.grammar.outcomes import GrammarError
 from splitbus.grammar.request import GrammarSpec, compile_grammar
 from splitbus.grammar.tokenizer import grammar_tokenizer
@@ -152,7 +153,7 @@ async def answer(request: Request, generation: Generation) -> Response:
         spans.enter(generation.trace, "api.request_entry")
         await generation.publish()
         spans.enter(generation.trace, "")
-        first = await generation.until_disconnect(request, generation.next_result())
+        first = await generation.first_result(request)
         if hopmarks.on:
             hopmarks.mark(generation.request_id, "api.resumed")
         spans.enter(generation.trace, "api.stream_back")
@@ -163,7 +164,7 @@ async def answer(request: Request, generation: Generation) -> Response:
         generation.close(None)
         raise generation.failure(first)
     if params.stream:
-        return StreamingResponse(generation.sse(first), media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(generation.sse(first), media_type="text/event-stream", headers=SSE_HEADERS)
     return JSONResponse(await generation.collect(request, first))
 
 
@@ -450,6 +451,26 @@ class Generation:
         self._observe(result)
         return result
 
+    async def first_result(self, request: Request) -> Result:
+        """The first result, unless the client disconnects first (then the request is
+        cancelled). Awaited in the request's own task, which the reader's delivery wakes
+        directly: ``until_disconnect`` waits in a task of its own and wakes this one after it,
+        two more turns of the loop on every request's first token (docs/benchmarks.md, "Each
+        hop, to the microsecond"). The watcher only tells the subscription that the client left."""
+        ready = self._ready()
+        if ready is not None:
+            return ready
+        assert self.sub is not None
+        sub = self.sub
+        watcher = asyncio.ensure_future(_disconnected(request))
+        watcher.add_done_callback(functools.partial(_client_left, sub))
+        try:
+            return await self.next_result()
+        except ClientLeft:
+            raise ClientDisconnected(self.request_id) from None
+        finally:
+            watcher.cancel()
+
     async def until_disconnect(self, request: Request, work: Awaitable[T]) -> T:
         """Await ``work`` unless the client disconnects first (then cancel the request)."""
         task = asyncio.ensure_future(work)
@@ -514,21 +535,19 @@ class Generation:
         """The choice's server-sent events; an error after the headers went out becomes an error event."""
         reason: str | None = "client_disconnected"  # unless the loop below ends the stream
         try:
-            if self.params.kind == "chat":
-                yield self._out(
-                    protocol.chat_chunk(
-                        self.response_id, self.created, self.params.model, {"role": "assistant", "content": ""}, None
-                    )
-                )
+            head = self._role_chunk() if self.params.kind == "chat" else b""
             result = first
             while True:
                 merged = self._merge_ready(result)
                 events = [event for r in merged for event in self._events(r)]
                 result = merged[-1]
-                if events:
+                if events or head:
                     if hopmarks.on:
                         hopmarks.mark(self.request_id, "api.sse")
-                    yield b"".join(events)
+                    # A chat's role chunk goes out with its first token's events, in one write (the
+                    # first, which ``EventStream`` sends from the request's own task).
+                    yield head + b"".join(events)
+                    head = b""
                 if result.terminal:
                     break
                 result = await self.next_result()
@@ -538,6 +557,11 @@ class Generation:
             yield event(exc.body())
         finally:
             self.close(reason)
+
+    def _role_chunk(self) -> bytes:
+        """A chat stream's first chunk: the assistant's role, no content yet (as OpenAI's)."""
+        delta = {"role": "assistant", "content": ""}
+        return self._out(protocol.chat_chunk(self.response_id, self.created, self.params.model, delta, None))
 
     def _merge_ready(self, result: Result) -> list[Result]:
         """Token deltas that have arrived together go out as one event with their text joined
@@ -650,8 +674,41 @@ def cancel_reason(exc: BaseException) -> str | None:
     return "client_disconnected"
 
 
+class EventStream(StreamingResponse):
+    """A ``StreamingResponse`` whose start and first event go out from the request's own task.
+    Starlette streams a body (under uvicorn's ASGI 2.3) from a task group: a task started for it,
+    a turn of the loop before its first byte. The first event is ready when the response is made
+    (``answer`` has the first result), so nothing waits here that a disconnect must interrupt;
+    the rest streams as Starlette does, with its disconnect listener."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self.body_iterator = body = aiter(self.body_iterator)
+        first = await anext(body, None)
+        if first is not None:
+            chunk = first if isinstance(first, bytes | memoryview) else first.encode(self.charset)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        return await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Send) -> None:
+        """The rest of the body (``StreamingResponse``'s, less the start already sent)."""
+        async for chunk in self.body_iterator:
+            body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _client_left(sub: Subscription, watcher: asyncio.Future[None]) -> None:
+    """``first_result``'s watcher ended: unless it was cancelled (the result came first), the
+    client went away."""
+    if not watcher.cancelled():
+        sub.leave()
 
 
 async def _disconnected(request: Request) -> None:

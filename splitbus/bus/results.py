@@ -347,6 +347,10 @@ class ResultWriter:
         self._writes.add(reader, request_id, _Pending(request_id, reader, result, first=first))
 
 
+class ClientLeft(Exception):
+    """A subscription's client went away while it waited for a result (``Subscription.leave``)."""
+
+
 @dataclass(eq=False)
 class Subscription:
     """The results of one request, in ``seq`` order, ending with its terminal entry."""
@@ -363,6 +367,8 @@ class Subscription:
     _waiter: asyncio.Future[None] | None = None
     _timer: asyncio.TimerHandle | None = None
     expired: bool = False
+    left: bool = False
+    """Its client went away (``leave``): ``get`` raises ``ClientLeft`` instead of waiting."""
 
     def accept(self, result: Result) -> None:
         """Deliver in order; hold early entries, drop duplicates. An error ends at once."""
@@ -393,6 +399,16 @@ class Subscription:
 
     def _expire(self) -> None:
         self.expired = True
+        self._wake()
+
+    def leave(self) -> None:
+        """Its client went away: a ``get`` waiting now (or later, with nothing ready) raises
+        ``ClientLeft``. What watches the client calls it, so the request's own task waits on
+        its results alone, woken by the reader directly (not by a task that waits for it)."""
+        self.left = True
+        self._wake()
+
+    def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -405,6 +421,8 @@ class Subscription:
         while not self._ready:
             if self.expired:
                 raise TimeoutError(f"no result for {self.request_id} in time")
+            if self.left:
+                raise ClientLeft(self.request_id)
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from splitbus.api.errors import BadRequest
-from splitbus.api.generate import Generation, Queueing, request_priority, request_tenant
+from splitbus.api.generate import EventStream, Generation, Queueing, request_priority, request_tenant
 from splitbus.api.protocol import parse_completion
 from splitbus.bus.messages import Failed, Finished, TokenDelta
 from splitbus.bus.results import Subscription
@@ -108,3 +111,48 @@ def test_a_requests_tenant_is_its_keys_tenants_name_or_the_default_tenant() -> N
     assert request_tenant(_http(tenant_name="team-a")) == "team-a"  # type: ignore[arg-type]
     assert request_tenant(_http()) == ""  # type: ignore[arg-type]
     assert request_tenant(_http(tenant_name=None)) == ""  # type: ignore[arg-type]
+
+
+async def test_an_event_stream_sends_its_start_and_first_event_before_it_listens_or_streams_the_rest() -> None:
+    """``EventStream``: the head and the first event from the request's own task, before
+    Starlette's task group (its disconnect listener, the task that streams the rest) starts;
+    then every other event in order and the end, as a ``StreamingResponse``."""
+    log: list[Any] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        for chunk in (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"):
+            log.append(("yield", chunk))
+            yield chunk
+
+    async def send(message: dict[str, Any]) -> None:
+        log.append((message["type"], message.get("body")))
+
+    async def receive() -> dict[str, Any]:
+        log.append(("receive", None))
+        await asyncio.Event().wait()  # the client never leaves: the listener is cancelled at the end
+        raise AssertionError("unreachable")
+
+    await EventStream(body(), media_type="text/event-stream")({"type": "http", "asgi": {}}, receive, send)
+    sent = [entry for entry in log if entry[0] == "http.response.body"]
+    assert log[:3] == [("http.response.start", None), ("yield", b"data: 1\n\n"), ("http.response.body", b"data: 1\n\n")]
+    assert log.index(("receive", None)) > 2
+    assert [b for _, b in sent] == [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n", b""]
+
+
+async def test_an_event_stream_with_no_event_sends_its_start_and_its_end() -> None:
+    async def body() -> AsyncIterator[bytes]:
+        return
+        yield b""
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    await EventStream(body())({"type": "http", "asgi": {}}, receive, send)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1]["more_body"] is False

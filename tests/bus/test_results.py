@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from splitbus.bus.core import codec
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.messages import Cancel, Failed, Finished, TokenDelta
-from splitbus.bus.results import ResultReader, ResultWriter, Sent, Subscription, read_sent
+from splitbus.bus.results import ClientLeft, ResultReader, ResultWriter, Sent, Subscription, read_sent
 
 R = "api-test.0"
 """The reader shard of the streams a test writes without following them."""
@@ -118,6 +118,23 @@ async def test_reader_holds_early_entries_and_drops_duplicates(redis: aioredis.R
     sub.accept(TokenDelta(seq=5, token_ids=[5]))  # after the end: ignored
     got = await _collect(sub)
     assert [r.seq for r in got] == [0, 1, 2, 3, 4]
+
+
+async def test_a_subscription_whose_client_left_stops_waiting_after_what_is_here() -> None:
+    """``leave`` wakes a ``get`` that waits (the request's task, not a task of its own, waits on
+    its results: generate.first_result); what arrived before still comes first."""
+    sub = Subscription("r", "k")
+    waiting = asyncio.ensure_future(sub.get())
+    await asyncio.sleep(0)
+    sub.leave()
+    with pytest.raises(ClientLeft):
+        await asyncio.wait_for(waiting, 5)
+    ready = Subscription("r2", "k2")
+    ready.accept(TokenDelta(seq=0, token_ids=[1]))
+    ready.leave()
+    assert (await ready.get()).seq == 0
+    with pytest.raises(ClientLeft):
+        await ready.get()
 
 
 async def test_error_entry_ends_the_stream_whatever_its_seq(

@@ -123,7 +123,7 @@ class Producer:
     async def send(self, stream: str, msg: Message, maxlen: int | None = None) -> str:
         fields = for_xadd(codec.encode(msg))
         if self._batcher is not None:
-            entry_id = await self._batcher.call("xadd", stream, fields, maxlen=maxlen, approximate=True)
+            entry_id = await self._batcher.run("xadd", stream, fields, maxlen=maxlen, approximate=True)
         else:
             entry_id = await self._redis.xadd(stream, fields, maxlen=maxlen, approximate=True)
         metrics.ENTRIES_PRODUCED.labels(self._keys.kind(stream)).inc()

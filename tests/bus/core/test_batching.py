@@ -37,3 +37,31 @@ async def test_a_cancelled_caller_does_not_break_the_batch(redis: aioredis.Redis
     first = batcher.call("incr", f"{bus_config.prefix}:c")
     first.cancel()
     assert await batcher.call("incr", f"{bus_config.prefix}:c") == 2  # the cancelled one still ran
+
+
+async def test_run_sends_at_once_alone_and_what_queues_meanwhile_goes_after_it(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    batcher = Batcher(redis)
+    key = f"{bus_config.prefix}:r"
+    assert await batcher.run("incr", key) == 1
+    assert batcher.pipelines == 0  # nothing in flight: a command of its own, no pipeline
+    first = asyncio.ensure_future(batcher.run("incr", key))
+    await asyncio.sleep(0)  # in flight now
+    queued = [batcher.call("incr", key) for _ in range(5)] + [asyncio.ensure_future(batcher.run("incr", key))]
+    assert await first == 2
+    assert sorted(await asyncio.gather(*queued)) == list(range(3, 9))
+    assert batcher.pipelines == 1  # all six that queued meanwhile, together, after it
+    assert await batcher.run("incr", key) == 9 and batcher.pipelines == 1  # idle again: at once
+
+
+async def test_run_raises_its_command_s_error_and_the_batcher_goes_on(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    batcher = Batcher(redis)
+    text = f"{bus_config.prefix}:text2"
+    await redis.set(text, "not a stream")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await batcher.run("xadd", text, {"a": "1"})
+    assert await batcher.run("xadd", f"{bus_config.prefix}:s2", {"a": "1"})
+    assert await batcher.call("incr", f"{bus_config.prefix}:c2") == 1
