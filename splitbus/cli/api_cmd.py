@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import signal
+import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -132,9 +136,37 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         help="seconds a result stream is kept once this API read its final entry, for inspection; 0: deleted "
         "at once (default %(default)s)",
     )
-    p.add_argument("--node-id", default=None, help="this API's name on the bus (default: random)")
+    p.add_argument(
+        "--node-id",
+        default=None,
+        help="this API's name on the bus (default: random); with --workers N > 1, process i is NODE-i",
+    )
+    add_workers_argument(p, "--workers")
     add_tool_call_parser_argument(p)
     p.set_defaults(run=run)
+
+
+def add_workers_argument(p: argparse.ArgumentParser, flag: str) -> None:
+    """``--workers`` (``splitbus api``) or ``--api-workers`` (``splitbus up``): API processes on one port."""
+    from splitbus.api.procs import MAX_DEFAULT_WORKERS, default_workers
+
+    p.add_argument(
+        flag,
+        type=_positive_int,
+        default=default_workers(),
+        metavar="N",
+        help=f"API processes sharing the port with SO_REUSEPORT, each a node of its own with its own Redis "
+        f"connections and its own --max-connections and --max-inflight (default: the host's cores, at most "
+        f"{MAX_DEFAULT_WORKERS}, since each holds its own connections and tokenizers: here %(default)s; "
+        f"1: one process, no parent)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_tenants_file_argument(p: argparse.ArgumentParser) -> None:
@@ -200,9 +232,6 @@ def build_config(args: argparse.Namespace, env: Env) -> ApiConfig:
 
 
 def run(args: argparse.Namespace, env: Env) -> int:
-    import uvicorn
-
-    from splitbus.api.app import create_app
     from splitbus.tokenization import ModelFilesError
 
     try:
@@ -214,19 +243,66 @@ def run(args: argparse.Namespace, env: Env) -> int:
     except (ValueError, ModelFilesError) as exc:
         say(f"splitbus api: {exc}")
         return 2
+    if args.workers > 1:
+        return _run_processes(config, args.host, args.port, args.workers, env)
+    say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, {_about(config)})")
+    return serve(config, args.host, args.port)
+
+
+def _about(config: ApiConfig) -> str:
+    """The banner's Redis and keys part: the URL masked, the keys counted, never shown."""
     keys = (
         f"{len(config.api_keys)} API key(s)"
         if config.api_keys
         else "no API key given: keys from the tenant store once it holds a tenant (splitbus tenants add), "
         "until then anyone who reaches the port may use it"
     )
-    redis = mask_url(config.bus.redis_url)
-    say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, Redis {redis}, {keys})")
+    return f"Redis {mask_url(config.bus.redis_url)}, {keys}"
+
+
+def serve(config: ApiConfig, host: str, port: int, sock: socket.socket | None = None) -> int:
+    """Serve ``config`` on ``host:port`` until stopped (uvicorn binds it), or on ``sock`` (a
+    process of ``--workers N``, whose socket shares the port); the app's exit code."""
+    import uvicorn
+
+    from splitbus.api.app import create_app
+
     _raise_descriptor_limit(config.max_connections + DESCRIPTORS_BESIDE_CONNECTIONS)
     app = create_app(config)
     with _failure_exit_kept(app), tracing.process("api"):
-        uvicorn.run(app, host=args.host, port=args.port, **server_options(config))
+        if sock is None:
+            uvicorn.run(app, host=host, port=port, **server_options(config))
+        else:
+            uvicorn.Server(uvicorn.Config(app, **server_options(config))).run(sockets=[sock])
     return int(app.state.exit_code)
+
+
+def _run_processes(config: ApiConfig, host: str, port: int, workers: int, env: Env) -> int:
+    """``--workers N`` > 1: N API processes on one port, this one their parent (splitbus/api/procs.py)."""
+    from splitbus.api.procs import Ending, node_ids, run_group
+
+    nodes = node_ids(config.node_id, workers)
+    say(f"API on http://{host}:{port}/v1 ({workers} processes, nodes {nodes[0]}..{nodes[-1]}, {_about(config)})")
+    targets = [
+        functools.partial(serve_process, dataclasses.replace(config, node_id=node), host, port, env, i)
+        for i, node in enumerate(nodes)
+    ]
+    return 0 if run_group(targets, say) is Ending.STOPPED else 1
+
+
+def serve_process(config: ApiConfig, host: str, port: int, env: Env, index: int) -> None:
+    """One process of ``--workers N`` (its own interpreter): its socket on the shared port, then
+    the app; it exits with the app's code (2: the port cannot be shared)."""
+    from splitbus.api.procs import reuse_port_socket
+    from splitbus.cli.common import setup_logging
+
+    setup_logging(env, f"api{index}")
+    try:
+        sock = reuse_port_socket(host, port, LISTEN_BACKLOG)
+    except OSError as exc:
+        say(f"splitbus api: process {index} cannot listen on {host}:{port}: {exc}")
+        sys.exit(2)
+    sys.exit(serve(config, host, port, sock))
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from splitbus.bus.messages.control import MAX_DRAIN_TIMEOUT_S
 from splitbus.bus.roles import Role
-from splitbus.cli.api_cmd import add_tenants_file_argument, add_tool_call_parser_argument
+from splitbus.cli.api_cmd import add_tenants_file_argument, add_tool_call_parser_argument, add_workers_argument
 from splitbus.cli.autoscale import Autoscaler, Fleet, advice_reader, held_reader
 from splitbus.cli.cluster_up import (
     MAX_NODE_RESTARTS,
@@ -127,6 +127,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)"
     )
     p.add_argument("--api-arg", action="append", default=[], help="extra argument for the API (repeatable)")
+    add_workers_argument(p, "--api-workers")
     p.add_argument(
         "--dispatch",
         choices=("scheduler", "api"),
@@ -465,6 +466,8 @@ def _start_parts(
         str(args.request_timeout),
         "--result-grace",
         str(args.result_grace),
+        "--workers",
+        str(args.api_workers),
         *(["--dispatch", "api", "--dispatch-mode", mode] if args.dispatch == "api" else []),
         *_tool_call_parser(args),
         *_tenants_file(args),

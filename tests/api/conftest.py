@@ -51,6 +51,8 @@ def start_api(redis_url: str, prefix: str, models: list[Path], *extra: str, stde
         redis_url,
         "--node-id",
         node_id,
+        "--workers",  # one process: the tests read its node id, its log and its /metrics as the API's
+        "1",
     ]
     for folder in models:
         args += ["--model", str(folder)]

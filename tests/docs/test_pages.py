@@ -75,8 +75,16 @@ def _shell_env(folder: Path) -> dict[str, str]:
 def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pages]:
     folder = tmp_path_factory.mktemp("docs")
     (folder / ".venv").symlink_to(Path(sys.prefix))
-    # docs/redis-cli.md inspects a finished request's stream: kept 120 s, not the default 5 s.
-    system = start_system(folder / ".splitbus", "--result-grace", "120", environ={"SPLITBUS_API_KEYS": API_KEY})
+    # docs/redis-cli.md inspects a finished request's stream: kept 120 s, not the default 5 s. One
+    # API process: docs/api.md shows its per-process bounds (the 9th large body of one process).
+    system = start_system(
+        folder / ".splitbus",
+        "--result-grace",
+        "120",
+        "--api-workers",
+        "1",
+        environ={"SPLITBUS_API_KEYS": API_KEY},
+    )
     running = Pages(system, folder)
     yield running
     for shell in running.shells.values():

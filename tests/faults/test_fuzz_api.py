@@ -26,7 +26,13 @@ def test_fuzzing_finds_no_server_error(tmp_path: Path) -> None:
         json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256})
     )
     system = start_system(
-        tmp_path / "up", "--model", str(model), "--worker-arg=--sim-decode-step-ms", "--worker-arg=0.2"
+        tmp_path / "up",
+        "--model",
+        str(model),
+        "--worker-arg=--sim-decode-step-ms",
+        "--worker-arg=0.2",
+        "--api-workers",  # one API process: its /metrics count every request the fuzzer sent
+        "1",
     )
     try:
         schema = schemathesis.openapi.from_url(system.base_url + "/openapi.json")

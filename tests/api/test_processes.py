@@ -1,0 +1,124 @@
+"""``splitbus api --workers 2`` on loopback, with the scripted responder as scheduler and workers:
+two processes on one port, each a node of its own (the requests name it), under a parent that
+stops them together and fails when one of them ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import redis
+
+from splitbus.redis_server import EmbeddedRedis
+from tests.api.conftest import ApiProcess, _wait_for_model, start_api, stop_api
+from tests.api.responder import Responder, expected_text
+from tests.e2e.conftest import _descendants, alive
+
+
+def _two_processes(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str) -> ApiProcess:
+    """``splitbus api --workers 2``, once both processes hold their Redis connections and one
+    answers /ready (the other's queue holds what reaches it until it serves)."""
+    api = start_api(redis_server.url, prefix, [tiny_model], "--workers", "2")
+    client = redis.Redis.from_url(redis_server.admin_url, decode_responses=True)
+    deadline = time.monotonic() + 30
+    nodes = {f"{api.node_id}-0", f"{api.node_id}-1"}
+    while not nodes <= {c["name"] for c in client.client_list()}:
+        assert time.monotonic() < deadline and api.proc.poll() is None, "both API processes never connected"
+        time.sleep(0.05)
+    client.close()
+    _wait_for_model(api)
+    return api
+
+
+def _processes_of(api: ApiProcess) -> list[int]:
+    """The API processes: the parent's children that run ``spawn_main`` (not multiprocessing's
+    resource tracker; each API process's chat-template processes are its own children)."""
+    return [
+        pid
+        for pid in _descendants(api.proc.pid)
+        if _parent(pid) == api.proc.pid and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+
+
+def _outlived(pids: list[int], wait_s: float = 10.0) -> list[int]:
+    """Those of ``pids`` still alive after up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_requests_spread_over_both_processes_and_stream_whole(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
+    api = _two_processes(redis_server, tiny_model, prefix)
+    try:
+        want, _ = expected_text(24)
+        for _ in range(30):  # each on a connection of its own: the kernel spreads them by address
+            with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as http:
+                client = openai.OpenAI(base_url=api.v1, api_key="x", max_retries=0, http_client=http)
+                stream = client.completions.create(model="tiny", prompt="hello", max_tokens=24, stream=True)
+                assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+        served = {r.api_node for r in responder.requests if r.api_node.startswith(api.node_id)}
+        assert served == {f"{api.node_id}-0", f"{api.node_id}-1"}
+    finally:
+        stop_api(api)
+
+
+def test_sigterm_to_the_parent_stops_every_process(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
+    api = _two_processes(redis_server, tiny_model, prefix)
+    children, everything = _processes_of(api), _descendants(api.proc.pid)
+    assert len(children) == 2
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(30) == 0
+    assert not any(alive(pid) for pid in children)
+    assert _outlived(everything) == []  # their own children too (chat-template processes, the tracker)
+
+
+def test_a_killed_process_stops_the_others_and_the_parent_fails(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
+    api = _two_processes(redis_server, tiny_model, prefix)
+    try:
+        children, everything = _processes_of(api), _descendants(api.proc.pid)
+        os.kill(children[0], signal.SIGKILL)
+        assert api.proc.wait(30) == 1
+        assert not any(alive(pid) for pid in children)
+        assert _outlived(everything) == []
+    finally:
+        if api.proc.poll() is None:
+            api.proc.kill()
+
+
+def test_a_process_that_cannot_bind_fails_the_api(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
+) -> None:
+    plain = socket.socket()  # holds the port without SO_REUSEPORT
+    plain.bind(("127.0.0.1", 0))
+    plain.listen(1)
+    port = plain.getsockname()[1]
+    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_REDIS_URL": redis_server.url}
+    cmd = [*_python_splitbus(), "api", "--model", str(tiny_model), "--port", str(port), "--workers", "2"]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        plain.close()
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr + done.stdout
+
+
+def _python_splitbus() -> list[str]:
+    return [sys.executable, "-m", "splitbus.cli.main"]

@@ -1,0 +1,45 @@
+"""``splitbus api --workers N`` and ``splitbus up --api-workers N``: the flags, their default and its cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitbus.api.procs import MAX_DEFAULT_WORKERS
+from splitbus.cli.main import build_parser
+from splitbus.env import load_env
+from tests.cli.test_up_groups import started
+
+
+def _parsed(monkeypatch: pytest.MonkeyPatch, cpus: int | None, *argv: str) -> int:
+    monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    args = build_parser(load_env({})).parse_args(argv)
+    return int(args.workers if args.command == "api" else args.api_workers)
+
+
+@pytest.mark.parametrize("command", [("api", "--model", "m"), ("up",)])
+def test_the_default_is_the_hosts_cores_capped(monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...]) -> None:
+    assert _parsed(monkeypatch, 2, *command) == 2
+    assert _parsed(monkeypatch, 1, *command) == 1
+    assert _parsed(monkeypatch, 64, *command) == MAX_DEFAULT_WORKERS == 8
+    assert _parsed(monkeypatch, None, *command) == 1  # cores unknown: one process
+
+
+def test_the_flags_take_any_positive_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _parsed(monkeypatch, 2, "api", "--model", "m", "--workers", "16") == 16
+    assert _parsed(monkeypatch, 64, "up", "--api-workers", "1") == 1
+
+
+@pytest.mark.parametrize("argv", [("api", "--model", "m", "--workers", "0"), ("up", "--api-workers", "-1")])
+def test_a_count_below_one_is_a_usage_error(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        build_parser(load_env({})).parse_args(argv)
+    assert ended.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_up_hands_the_count_to_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    api = started("--api-workers", "3")["api"][0]
+    assert api[api.index("--workers") + 1] == "3"
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    api = started()["api"][0]
+    assert api[api.index("--workers") + 1] == str(MAX_DEFAULT_WORKERS)
