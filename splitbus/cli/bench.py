@@ -291,7 +291,7 @@ def _add_scheduler(kinds: argparse._SubParsersAction, env: Env) -> None:
 
 def _add_api(kinds: argparse._SubParsersAction, env: Env) -> None:
     api = kinds.add_parser(
-        "api", help="many concurrent streams through one API process: Redis connections and tokens/s"
+        "api", help="many concurrent streams through one API (N processes): tokens/s, resets, Redis connections"
     )
     api.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default %(default)s)")
     api.add_argument("--redis-url", default=env.redis_url, help="measure this Redis (default: start an embedded one)")
@@ -302,6 +302,14 @@ def _add_api(kinds: argparse._SubParsersAction, env: Env) -> None:
     )
     api.add_argument(
         "--client-processes", type=int, default=2, help="processes holding the streams (default %(default)s)"
+    )
+    api.add_argument(
+        "--api-workers",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="N",
+        help="the API's processes (splitbus api --workers N): one run per N, e.g. 1 2 4 $(nproc) (default 1)",
     )
     api.set_defaults(run=run_api)
 
@@ -826,7 +834,10 @@ def run_api(args: argparse.Namespace, env: Env) -> int:
     from splitbus.bench import report
     from splitbus.bench.api_load import ApiBenchConfig, run_api_bench
 
-    config = _config("api", lambda: ApiBenchConfig(args.streams, args.tokens, args.step_ms, args.client_processes))
+    config = _config(
+        "api",
+        lambda: ApiBenchConfig(args.streams, args.tokens, args.step_ms, args.client_processes, tuple(args.api_workers)),
+    )
     if config is None:
         return 2
     run = _Run("api", args.out)

@@ -213,8 +213,9 @@ def test_api_bench_counts_tokens_and_connections(tmp_path: Path, redis_server: A
         "--client-processes",
         "2",
     )
-    assert report["completed"] == 40 and report["tokens"] == 40 * 12 and not report["errors"]
-    assert 1 <= report["api_redis_connections_peak"] <= 8
+    (run,) = report["runs"]  # one API process, the default
+    assert run["completed"] == 40 and run["tokens"] == 40 * 12 and not run["errors"]
+    assert 1 <= run["api_redis_connections_peak"] <= 8
 
 
 def test_the_trace_is_seeded_and_lengths_stay_in_range() -> None:
