@@ -1,22 +1,29 @@
 """``splitbus api --workers 2`` on loopback, with the scripted responder as scheduler and workers:
 two processes on one port, each a node of its own (the requests name it), under a parent that
-stops them together and fails when one of them ends."""
+stops them together and fails when one of them ends; a tenant's limit holds across them (its
+bucket is in Redis)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import openai
 import redis
 
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.connection import connect
+from splitbus.bus.tenants import Tenant, TenantLimits, TenantStore, key_digest
 from splitbus.redis_server import EmbeddedRedis
+from splitbus.tokenization import ModelTokenizer
 from tests.api.conftest import ApiProcess, _wait_for_model, start_api, stop_api
 from tests.api.responder import Responder, expected_text
 from tests.e2e.conftest import _descendants, alive
@@ -122,3 +129,29 @@ def test_a_process_that_cannot_bind_fails_the_api(
 
 def _python_splitbus() -> list[str]:
     return [sys.executable, "-m", "splitbus.cli.main"]
+
+
+def test_a_tenants_rate_is_one_across_the_processes(redis_server: EmbeddedRedis, tiny_model: Path) -> None:
+    """Its bucket is in Redis: one request per 100 s, whichever process each connection reaches
+    (twelve connections of their own, spread by the kernel)."""
+    prefix, key = f"proclimits{uuid.uuid4().hex[:6]}", "sk-procs-limits-key-0123"
+    bus = BusConfig(redis_url=redis_server.url, prefix=prefix)
+
+    async def add() -> None:
+        client = connect(bus)
+        await TenantStore(client, bus.keys).add(Tenant("acme", limits=TenantLimits(rps=0.01)), (key_digest(key),))
+        await client.aclose()
+
+    asyncio.run(add())
+    responder = Responder(bus, ModelTokenizer.load(tiny_model, "tiny")).start()
+    api = _two_processes(redis_server, tiny_model, prefix)
+    try:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+        auth = {"authorization": f"Bearer {key}"}
+        codes = [
+            httpx.post(api.v1 + "/completions", json=body, headers=auth, timeout=30).status_code for _ in range(12)
+        ]
+        assert sorted(codes) == [200] + [429] * 11
+    finally:
+        stop_api(api)
+        responder.stop()
