@@ -1,7 +1,7 @@
 """The files one request crosses, from the API handler to its last token, measured on the real
-stack: `splitbus up --engine sim` (embedded Redis, one scheduler, one prefill and one decode
-worker, the API), every Python process of it recording its calls into the splitbus package
-(tools/path_trace/sitecustomize.py, loaded only here, through PYTHONPATH).
+stack: `splitbus up --engine sim --api-workers 1` (embedded Redis, one scheduler, one prefill and
+one decode worker, one API process), every Python process of it recording its calls into the
+splitbus package (tools/path_trace/sitecustomize.py, loaded only here, through PYTHONPATH).
 
     python -m tools.request_path [--requests 10] [--json FILE]
 
@@ -217,7 +217,8 @@ def record(requests: int, folder: Path) -> tuple[list[Process], Window, list[Win
         "PYTHONPATH": os.pathsep.join([str(HOOK), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
     with _environ(recording):  # for `splitbus up` and its children only: not this process's later ones
-        system = LocalSystem("--engine", "sim", "--prefill", "1", "--decode", "1")
+        # one API process, which its argv names (--workers N > 1 would serve from spawned children)
+        system = LocalSystem("--engine", "sim", "--prefill", "1", "--decode", "1", "--api-workers", "1")
     try:
         with httpx.Client(base_url=system.base_url, timeout=60) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
