@@ -104,6 +104,8 @@ def _up(tmp_path: Path, cluster: EmbeddedCluster) -> System:
         str(DEADLINE_S),
         "--worker-arg=--sim-decode-step-ms",
         "--worker-arg=20",
+        "--api-workers",  # one API node: _reader_tag reads its id from the banner
+        "1",
         environ={"SPLITBUS_REDIS_URL": cluster.url},
     )
 
