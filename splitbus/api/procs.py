@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 MAX_DEFAULT_WORKERS = 8
 """The default process count is the host's cores, but at most this many: each process holds its
-own Redis connections (``ApiConfig.max_redis_connections``) and tokenizers in memory, and past 8
-the API is rarely what limits a host (the engines are); more can be asked for with ``--workers``."""
+own Redis connections (``ApiConfig.max_redis_connections``) and tokenizers in memory, so a large
+host does not open dozens of each unasked; more can be asked for with ``--workers``."""
 STOP_TIMEOUT_S = 10.0
 """How long the processes get to stop after SIGTERM before they are killed."""
 
