@@ -34,8 +34,14 @@ def test_a_killed_api_process_has_up_restart_the_api_whole(tmp_path: Path) -> No
             r"^api\s+\| API process api-1 \(pid \d+\) was killed by SIGKILL: stopping the others", 30, mark
         )
         system.wait_output(r"^api exited with code 1 after", 30, mark)
-        system.wait_output(r"^api\s+\| .* api\d\s+INFO .* ready; models: tiny", 60, mark)
+        system.wait_output(r"^api restarted \(pid \d+\)", 30, mark)
+        restarted = next(i for i in range(mark, len(system.output)) if system.output[i].startswith("api restarted"))
+        # a ready line of the new processes: the old ones may have printed theirs after the kill
+        system.wait_output(r"^api\s+\| .* api\d\s+INFO .* ready; models: tiny", 60, restarted)
         _fifty_concurrent_requests(system)  # the restarted processes answer, exactly
+    except BaseException:
+        print("".join(system.output))  # the parts' own lines say what went wrong
+        raise
     finally:
         assert stop_system(system) == []
 
