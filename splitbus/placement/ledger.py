@@ -104,20 +104,25 @@ class Ledger:
         self.local = local
         self._clock = clock
         self._entries: list[_Entry] = []
+        self._in_flight: list[_Entry] = []
+        """The entries not stamped ``written`` yet: an API node calls ``written`` after each
+        request's write, and a walk of every entry since the snapshot each time made a decision's
+        cost grow with the load (90 µs at 256 concurrent writes, ``bench scheduler``, issue 40)."""
 
     def reserve(self, placement: Placement) -> None:
         """Called as a decision is made, before its dispatch is written."""
         entry = _Entry(placement.worker.record.worker_id, placement.reserve)
         self._entries.append(entry)
+        self._in_flight.append(entry)
         self._add(entry)
 
     def written(self) -> None:
         """Called once the dispatches of the reservations made so far have returned (written or
         not: one that wrote nothing is forgotten with the next snapshot, as an overestimate)."""
         now = self._clock()
-        for entry in self._entries:
-            if entry.written_at is None:
-                entry.written_at = now
+        for entry in self._in_flight:
+            entry.written_at = now
+        self._in_flight = []
 
     def view_refreshed(self, read_at: float) -> None:
         """Called with a new snapshot, read from ``read_at`` (monotonic) on: what it shows is

@@ -38,3 +38,24 @@ def test_reserve_adds_each_placements_load_to_its_workers_and_journals_it() -> N
     reserve(local, [_placement("a", 10), _placement("b", 5), _placement("a", 2)])
     assert local == {"a": Reserved(201, 3, 13), "b": Reserved(100, 1, 5)}
     assert local.journal == ["a", "a", "b", "a"]  # each change, so that a table's columns follow it
+
+
+def test_each_reservation_keeps_the_time_its_own_write_returned() -> None:
+    """``written`` stamps only what was reserved since the last call (an API node calls it after
+    each request's write): a reservation written at 1.0 is forgotten by a snapshot read from 2.0
+    on, though another written later is kept, and one still in flight across a snapshot is
+    stamped by the next call."""
+    now = [1.0]
+    local = Local()
+    ledger = Ledger(local, clock=lambda: now[0])
+    ledger.reserve(_placement("a", 10))
+    ledger.written()
+    ledger.reserve(_placement("b", 5))
+    ledger.view_refreshed(read_at=2.0)  # b in flight: kept
+    assert local == {"b": Reserved(100, 1, 5)}
+    now[0] = 5.0
+    ledger.written()
+    ledger.view_refreshed(read_at=2.0)  # a: written at 1.0, in the snapshot; b: at 5.0, not yet
+    assert local == {"b": Reserved(100, 1, 5)}
+    ledger.view_refreshed(read_at=5.5)
+    assert local == {}
