@@ -18,20 +18,33 @@ with ``CHANGED_ROWS`` rows changed and the ledger forgets all but the reservatio
 Both draw from one seeded ``random.Random`` each and must choose the same workers
 (``tests/placement/test_columns.py`` checks the rules; here the choices are compared too).
 Timed with ``time.perf_counter_ns`` per decision, the garbage collector off.
+
+``measure_stages`` times the rest of a scheduler's own work on one request, stage by stage, with
+no I/O either (issue 40: where a decision's time goes besides the policy): decoding its entry,
+the decision and its reservations, its tasks, the dispatch script's arguments (the tasks' JSON:
+``DispatchScript.write`` with its call kept, not sent) and the packing of the script call, as
+redis-py packs each command of a pipeline.
+
+    python -m splitbus.bench.decisions [--workers 256] [--requests 5000]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
+import redis.asyncio as aioredis
 
 from splitbus.bus.blocks import chain_hex
+from splitbus.bus.core import codec
+from splitbus.bus.core.config import BusConfig
+from splitbus.bus.dispatch import DispatchOutcome, DispatchScript
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.records import Reserved, WorkerLoad
 from splitbus.bus.registry import WorkerInfo, WorkerRecord
@@ -39,6 +52,7 @@ from splitbus.bus.roles import Phase, Role
 from splitbus.placement import policies
 from splitbus.placement.costs import Eligible, blocks_needed, choose, decode_worker, prefill_cost
 from splitbus.placement.decision import Placed, Placement
+from splitbus.placement.dispatcher import task_writes
 from splitbus.placement.kv_index import KvIndex
 from splitbus.placement.ledger import Ledger, Local
 from splitbus.placement.policies.base import PolicyOptions
@@ -157,3 +171,95 @@ def measure_decisions(counts: Sequence[int], decisions: int, seed: int) -> list[
         row["same_choices"] = chosen["columns"] == chosen["rows"]
         results.append(row)
     return results
+
+
+STAGES = ("decode", "place", "tasks", "arguments", "pack")
+"""A request's stages in a scheduler, in order (``measure_stages``)."""
+Stage = Callable[[int], Any]
+"""One stage of request ``i``, given what the stages before it made."""
+
+
+def measure_stages(count: int, requests: int, seed: int) -> dict[str, float]:
+    """Mean µs per request of each of ``STAGES``, one stage over every request at a time (the
+    garbage collector off): ``decode``, the request's stream entry to a ``GenerateRequest``;
+    ``place``, splitwise's decision on ``count`` workers and its reservations (``run_placer``'s
+    snapshot, never refreshed); ``tasks``, the decision's two ``Task``s; ``arguments``, the
+    dispatch script's KEYS and ARGV (each task's JSON); ``pack``, the ``EVALSHA`` command's bytes."""
+    entries = [codec.encode(_request(i)) for i in range(requests)]
+    workers, local = snapshot(count, random.Random(seed)), Local()
+    ledger, place = Ledger(local), columns_placer(seed)
+    script = _Recorded(aioredis.Redis(), BusConfig(redis_url="redis://127.0.0.1:1"), 60)
+    packer = aioredis.Connection()
+    made: dict[str, list[Any]] = {}
+
+    def placed(i: int) -> tuple[Placement, ...]:
+        placements = place(made["decode"][i], workers, local)
+        for p in placements:
+            ledger.reserve(p)
+        return placements
+
+    def arguments(i: int) -> tuple[list[str], list[Any]]:
+        entry = script.request_entry(f"{i}-0", f"r{i}")
+        _finish(script.write(entry, f"r{i}", "0" * 16, made["tasks"][i], consumer="bench"))
+        return script.calls.pop()
+
+    def pack(i: int) -> Any:
+        keys, args = made["arguments"][i]
+        return packer.pack_command("EVALSHA", "0" * 40, len(keys), *keys, *args)
+
+    stages: dict[str, Stage] = {
+        "decode": lambda i: codec.decode(entries[i]),
+        "place": placed,
+        "tasks": lambda i: task_writes(made["decode"][i], made["place"][i], "0" * 16),
+        "arguments": arguments,
+        "pack": pack,
+    }
+    return {name: _timed(stages[name], requests, made.setdefault(name, [])) for name in STAGES}
+
+
+class _Recorded(DispatchScript):
+    """The dispatch script's calls kept, not sent: ``write`` makes its arguments and returns."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.calls: list[tuple[list[str], list[Any]]] = []
+
+    async def _run(self, keys: list[str], args: list[Any], script: Any) -> int:
+        self.calls.append((keys, args))
+        return int(DispatchOutcome.DISPATCHED)
+
+
+def _finish(call: Coroutine[Any, Any, Any]) -> None:
+    """Run a coroutine that never waits (``_Recorded.write``) to its end, with no event loop."""
+    try:
+        call.send(None)
+    except StopIteration:
+        return
+    raise RuntimeError("the recorded write waited")
+
+
+def _timed(stage: Stage, requests: int, out: list[Any]) -> float:
+    """Mean µs of ``stage`` over every request, its results kept in ``out``."""
+    gc.disable()
+    try:
+        start = time.perf_counter_ns()
+        out.extend(stage(i) for i in range(requests))
+        return round((time.perf_counter_ns() - start) / requests / 1000, 1)
+    finally:
+        gc.enable()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a scheduler's own work on one request, by stage (no I/O)")
+    parser.add_argument("--workers", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    stages = measure_stages(args.workers, args.requests, args.seed)
+    for name, us in stages.items():
+        print(f"{name:>10} {us:8.1f} µs")
+    print(f"{'total':>10} {sum(stages.values()):8.1f} µs")
+
+
+if __name__ == "__main__":
+    main()

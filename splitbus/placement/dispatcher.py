@@ -35,7 +35,7 @@ class Dispatcher:
         the placing span's (the request's own without one)."""
         entry = self._script.request_entry(entry_id, request.request_id)
         handoff = _handoff()
-        tasks = _tasks(request, placements, handoff, traceparent=traceparent)
+        tasks = task_writes(request, placements, handoff, traceparent=traceparent)
         return await self._script.write(
             entry, request.request_id, handoff, tasks, consumer=consumer, deadline_ms=request.deadline_ms
         )
@@ -45,7 +45,7 @@ class Dispatcher:
         ``splitbus api --dispatch api``); DISPATCHED, DUPLICATE (dispatched already),
         RECOVERING, WORKER_GONE or WORKER_DRAINING (nothing written: the caller submits it to the schedulers)."""
         handoff = _handoff()
-        tasks = _tasks(request, placements, handoff)
+        tasks = task_writes(request, placements, handoff)
         entry = self._script.direct(request.request_id)
         return await self._script.write(entry, request.request_id, handoff, tasks, deadline_ms=request.deadline_ms)
 
@@ -68,7 +68,7 @@ class Dispatcher:
         request = task.request
         entry = self._script.task_entry(dead_worker, entry_id, request.request_id)
         handoff = _handoff()
-        tasks = _tasks(request, placements, handoff, first_seq, tokens, traceparent)
+        tasks = task_writes(request, placements, handoff, first_seq, tokens, traceparent)
         # replaces: the hand-off id that must still be the request's current one (none left: the
         # request ended, STALE); a task written before hand-off ids has none to compare
         replaces = task.handoff or ANY_HANDOFF
@@ -88,7 +88,7 @@ def _handoff() -> str:
     return secrets.token_hex(8)
 
 
-def _tasks(
+def task_writes(
     request: GenerateRequest,
     placements: Sequence[Placement],
     handoff: str,
@@ -96,6 +96,8 @@ def _tasks(
     tokens: Sequence[int] = (),
     traceparent: str = "",
 ) -> list[TaskWrite]:
+    """One task per placement, each carrying ``handoff`` (and, for a moved task, where its
+    output continues)."""
     return [
         TaskWrite(
             p.worker.record.worker_id,
