@@ -448,6 +448,8 @@ class Generation:
             raise GatewayTimeout(f"the request did not finish within {self.timeout_s:g}s").for_request(
                 self.request_id
             ) from None
+        except ClientLeft:  # first_result's watcher saw the client leave: events() and collect() end quietly
+            raise ClientDisconnected(self.request_id) from None
         self._observe(result)
         return result
 
@@ -461,14 +463,15 @@ class Generation:
         if ready is not None:
             return ready
         assert self.sub is not None
-        sub = self.sub
+        watch = _Watch(self.sub)
         watcher = asyncio.ensure_future(_disconnected(request))
-        watcher.add_done_callback(functools.partial(_client_left, sub))
+        watcher.add_done_callback(watch.ended)
         try:
             return await self.next_result()
-        except ClientLeft:
-            raise ClientDisconnected(self.request_id) from None
         finally:
+            # A disconnect in the loop turn the result came in runs ``ended`` after this returned:
+            # disarmed, it leaves the subscription alone (the stream's own listener sees the disconnect).
+            watch.armed = False
             watcher.cancel()
 
     async def until_disconnect(self, request: Request, work: Awaitable[T]) -> T:
@@ -536,27 +539,35 @@ class Generation:
         reason: str | None = "client_disconnected"  # unless the loop below ends the stream
         try:
             head = self._role_chunk() if self.params.kind == "chat" else b""
-            result = first
+            result, opening = first, True
             while True:
-                merged = self._merge_ready(result)
-                events = [event for r in merged for event in self._events(r)]
-                result = merged[-1]
-                if events or head:
-                    if hopmarks.on:
+                # A chat's role chunk goes out with its first token's events, in one write (the
+                # first, which ``EventStream`` sends from the request's own task). The first pass
+                # always yields, b"" when the first token shows nothing (part of a character): the
+                # wait for the next result is then Starlette's, under its disconnect listener.
+                chunk, result = self._chunk_of(result, head)
+                head = b""
+                if chunk or opening:
+                    if hopmarks.on and chunk:
                         hopmarks.mark(self.request_id, "api.sse")
-                    # A chat's role chunk goes out with its first token's events, in one write (the
-                    # first, which ``EventStream`` sends from the request's own task).
-                    yield head + b"".join(events)
-                    head = b""
+                    yield chunk
+                    opening = False
                 if result.terminal:
                     break
                 result = await self.next_result()
             reason = None
+        except ClientDisconnected:
+            return  # the client is gone: nothing to send it (``reason`` says why the request is cancelled)
         except ApiError as exc:
             reason = cancel_reason(exc)
             yield event(exc.body())
         finally:
             self.close(reason)
+
+    def _chunk_of(self, result: Result, head: bytes) -> tuple[bytes, Result]:
+        """``head`` and the events of ``result`` and those ready after it (``_merge_ready``), and the last of them."""
+        merged = self._merge_ready(result)
+        return head + b"".join(event for r in merged for event in self._events(r)), merged[-1]
 
     def _role_chunk(self) -> bytes:
         """A chat stream's first chunk: the assistant's role, no content yet (as OpenAI's)."""
@@ -687,16 +698,17 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self.body_iterator = body = aiter(self.body_iterator)
         first = await anext(body, None)
-        if first is not None:
+        if first:  # an empty first chunk (``events``: its first token showed nothing) is not sent
             chunk = first if isinstance(first, bytes | memoryview) else first.encode(self.charset)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         return await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
-        """The rest of the body (``StreamingResponse``'s, less the start already sent)."""
+        """The rest of the body (``StreamingResponse``'s, less the start already sent), empty chunks left out."""
         async for chunk in self.body_iterator:
             body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+            if body:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -704,11 +716,18 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _client_left(sub: Subscription, watcher: asyncio.Future[None]) -> None:
-    """``first_result``'s watcher ended: unless it was cancelled (the result came first), the
-    client went away."""
-    if not watcher.cancelled():
-        sub.leave()
+@dataclasses.dataclass(eq=False)
+class _Watch:
+    """``first_result``'s watch on its client: the subscription told when the client leaves,
+    until ``armed`` is cleared (the first result returned)."""
+
+    sub: Subscription
+    armed: bool = True
+
+    def ended(self, watcher: asyncio.Future[None]) -> None:
+        """The watcher ended: unless it was cancelled or the wait is over, the client went away."""
+        if self.armed and not watcher.cancelled():
+            self.sub.leave()
 
 
 async def _disconnected(request: Request) -> None:

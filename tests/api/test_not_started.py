@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,13 +18,14 @@ from starlette.responses import StreamingResponse
 from splitbus.api import choices
 from splitbus.api.config import ApiConfig
 from splitbus.api.errors import ApiError, GatewayTimeout, ServiceUnavailable, TooManyRequests
-from splitbus.api.generate import ClientDisconnected, Generation, Queueing, answer
+from splitbus.api.generate import ClientDisconnected, EventStream, Generation, Queueing, answer
 from splitbus.api.protocol import parse_completion
 from splitbus.api.state import ApiState
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.messages import Failed, GenerateRequest, TokenDelta
+from splitbus.bus.messages import Failed, Finished, GenerateRequest, TokenDelta
 from splitbus.bus.records import Reserved, WorkerLoad
 from splitbus.bus.registry import WorkerInfo, WorkerRecord
+from splitbus.tokenization import ModelTokenizer
 
 UNUSED_REDIS = "redis://127.0.0.1:1/0"
 """Nothing here reaches Redis: the state's client connects only when used."""
@@ -64,6 +66,13 @@ def state(monkeypatch: pytest.MonkeyPatch) -> ApiState:
     monkeypatch.setattr(api, "cancel_later", lambda request_id, reason: cancelled.append((request_id, reason)))
     api.cancelled = cancelled  # type: ignore[attr-defined]
     return api
+
+
+@pytest.fixture
+def streaming(state: ApiState, tiny_model: Path) -> ApiState:
+    """``state`` with a tokenizer for ``m``: its streams render their events."""
+    state.tokenizers["m"] = ModelTokenizer.load(tiny_model)
+    return state
 
 
 def _generation(state: ApiState, priority: int, n: int = 1, index: int = 0) -> Generation:
@@ -113,6 +122,60 @@ async def test_a_client_that_leaves_before_its_first_result_waits_no_longer(stat
         await task
     assert len(state.waiting) == 0 and state.inflight == 0
     assert state.cancelled == [("cmpl-2-0", "client_disconnected")]  # type: ignore[attr-defined]
+
+
+async def test_a_client_leaving_in_the_turn_its_first_result_comes_is_left_to_the_stream(streaming: ApiState) -> None:
+    """The watcher ends (the client left) in the loop turn the first result comes: its callback
+    runs after ``first_result`` returned and must not mark the subscription left, or the stream's
+    next wait raises out of the response (a 500); the stream's own listener sees the disconnect."""
+    client, generation = Client(), _generation(streaming, 0)
+    task = await _published(streaming, answer(client, generation), "cmpl-0-0")  # type: ignore[arg-type]
+    assert generation.sub is not None
+    client.gone.set()
+    generation.sub.accept(TokenDelta(0, [5], "a"))  # the same turn: both the watcher and the request wake
+    response = await task
+    await asyncio.sleep(0)  # (the watcher's done-callback has run)
+    assert isinstance(response, EventStream) and not generation.sub.left
+    generation.sub.accept(Finished(1, "stop", 1, 1))
+    chunks = [chunk async for chunk in response.body_iterator]
+    assert chunks[-1] == b"data: [DONE]\n\n" and b'"text":"a"' in chunks[0]
+    assert streaming.cancelled == []  # type: ignore[attr-defined]
+
+
+async def test_a_stream_whose_client_left_while_it_waited_ends_quietly(streaming: ApiState) -> None:
+    """A subscription told its client left (``leave``) ends the events without an error: the
+    request is cancelled as a disconnect, nothing raised out of the response."""
+    generation = _generation(streaming, 0)
+    task = await _published(streaming, answer(Client(), generation), "cmpl-0-0")  # type: ignore[arg-type]
+    assert generation.sub is not None
+    generation.sub.accept(TokenDelta(0, [5], "a"))
+    response = await task
+    generation.sub.leave()
+    chunks = [chunk async for chunk in response.body_iterator]
+    assert len(chunks) == 2 and b'"text":"a"' in chunks[0] and chunks[1] == b"data: [DONE]\n\n"
+    assert streaming.cancelled == [("cmpl-0-0", "client_disconnected")]  # type: ignore[attr-defined]
+
+
+async def test_a_first_token_that_shows_nothing_leaves_the_wait_to_the_disconnect_listener(streaming: ApiState) -> None:
+    """A first token with no text (part of a character) and no logprobs renders no event: the
+    stream still yields (b"") on its first pass, so the response starts Starlette's disconnect
+    listener before it waits for the next result, and a client that leaves is let go."""
+    client, generation = Client(), _generation(streaming, 0)
+    task = await _published(streaming, answer(client, generation), "cmpl-0-0")  # type: ignore[arg-type]
+    assert generation.sub is not None
+    generation.sub.accept(TokenDelta(0, [5], ""))
+    response = await task
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    client.gone.set()
+    async with asyncio.timeout(30):  # (without the first yield, the response waits for a token that never comes)
+        await response({"type": "http", "asgi": {}}, client.receive, send)
+    assert [m["type"] for m in sent] == ["http.response.start"]  # the empty chunk is not sent
+    await response.body_iterator.aclose()  # type: ignore[attr-defined]
+    assert streaming.cancelled == [("cmpl-0-0", "client_disconnected")]  # type: ignore[attr-defined]
 
 
 async def test_a_request_cancelled_before_its_first_result_waits_no_longer(state: ApiState) -> None:
