@@ -207,9 +207,10 @@ class ResultWriter:
         reloaded = False
         while self._writes.pending:
             done = await self._writes.write([self._script_args(run) for run in self._writes.runs()])
-            if hopmarks.on:
+            if hopmarks.on:  # the first token's write alone (bench serve's side step), not one mark a token
                 for p in done.written:
-                    hopmarks.mark(p.request_id, "worker.written")
+                    if p.first:
+                        hopmarks.mark(p.request_id, "worker.written")
             self._settle(done.written)
             if done.lost_script and not reloaded:
                 await self._writes.reload()

@@ -14,6 +14,7 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.streams import Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.request_stream import request_consumer
+from splitbus.bus.results import ResultWriter
 
 
 @pytest.fixture
@@ -68,6 +69,21 @@ async def test_a_group_consumer_marks_each_request_read_and_decoded(
     assert got.message.request_id == "cmpl-a"
     assert marks["requests.read"] <= marks["requests.decoded"]
     assert marks["requests.read"] >= int(got.published_us or 0) * 1000  # after the entry was encoded
+
+
+async def test_a_result_writer_marks_a_request_s_first_write_only(
+    marks_on: Path, redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    writer = ResultWriter(redis, bus_config)
+    writer.open("cmpl-w", reader="api")
+    writer.tokens("cmpl-w", [1], "a")
+    await writer.flush()
+    for token in (2, 3):
+        writer.tokens("cmpl-w", [token], "b")
+        await writer.flush()
+    writer.finish("cmpl-w", "stop", 2, 3)
+    await writer.flush()
+    assert [m[:2] for m in hopmarks._marks] == [("cmpl-w", "worker.written")]  # not one a token
 
 
 async def test_no_marks_when_off(tmp_path: Path, redis: aioredis.Redis, bus_config: BusConfig) -> None:
