@@ -3,6 +3,8 @@ and a group consumer's marks against a real redis-server."""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,8 @@ def test_a_message_is_marked_by_its_request_a_task_by_its_request_s(marks_on: Pa
     hopmarks.mark_message(Task(), "tasks.read", 2)
     hopmarks.mark_message(object(), "other.read", 3)  # names no request: not marked
     hopmarks.mark("bad id", "api.route", 4)  # a space would break the line: dropped
+    hopmarks.mark("bad\nid", "api.route", 5)  # and so would a line break
+    hopmarks.mark("bad\u2028id", "api.route", 6)  # (any splitlines reads by)
     hopmarks.flush()
     assert read_marks(marks_on) == {"cmpl-r": {"requests.read": 1}, "cmpl-t": {"tasks.read": 2}}
 
@@ -84,6 +88,40 @@ async def test_a_result_writer_marks_a_request_s_first_write_only(
     writer.finish("cmpl-w", "stop", 2, 3)
     await writer.flush()
     assert [m[:2] for m in hopmarks._marks] == [("cmpl-w", "worker.written")]  # not one a token
+
+
+def test_a_folder_that_cannot_take_the_file_turns_marks_off_with_one_warning_at_start(
+    marks_on: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    hopmarks.FOLDER = str(marks_on / "missing")  # (marks_on's monkeypatch restores it)
+    with caplog.at_level(logging.WARNING, logger=hopmarks.__name__):
+        hopmarks.start()
+    assert not hopmarks.on
+    assert [r.getMessage() for r in caplog.records] == [
+        f"hop marks off: SPLITBUS_HOP_MARKS={marks_on / 'missing'} cannot be written: "
+        f"[Errno 2] No such file or directory: '{marks_on / 'missing'}/{os.getpid()}.marks'"
+    ]
+
+
+async def test_a_bad_folder_leaves_a_bus_read_loop_reading(
+    marks_on: Path, redis: aioredis.Redis, bus_config: BusConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Marks kept, then their file cannot be made (the folder is a file): the read that flushes
+    them goes on, the marks turn off with one warning."""
+    hopmarks.FOLDER = str(marks_on / "a-file")
+    (marks_on / "a-file").write_text("")
+    consumer = request_consumer(redis, bus_config, "s1")
+    await consumer.ensure_group()
+    producer = Producer(redis, bus_config)
+    await producer.send(bus_config.keys.requests, _request("cmpl-a"))
+    with caplog.at_level(logging.WARNING, logger=hopmarks.__name__):
+        assert len(await consumer.read(10, block_ms=1000)) == 1
+        await producer.send(bus_config.keys.requests, _request("cmpl-b"))
+        (got,) = await consumer.read(10, block_ms=1000)  # flushes cmpl-a's marks first
+        await producer.send(bus_config.keys.requests, _request("cmpl-c"))
+        assert len(await consumer.read(10, block_ms=1000)) == 1
+    assert got.message.request_id == "cmpl-b" and not hopmarks.on and hopmarks._marks == []
+    assert len(caplog.records) == 1 and "hop marks off" in caplog.records[0].getMessage()
 
 
 async def test_no_marks_when_off(tmp_path: Path, redis: aioredis.Redis, bus_config: BusConfig) -> None:

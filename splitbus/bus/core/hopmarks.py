@@ -6,21 +6,31 @@ to ``FOLDER/PID.marks``, one ``ID MARK NS`` line a mark, where a process is abou
 a blocking read): no file write between two marks of one hop. The wall clock, as the ``ts`` of the
 bus's entries, so that marks from every process on one host and the entries' stamps compare.
 
-Not tracing (``splitbus.tracing``): no exporter, no span objects, nothing but a tuple a mark, and
-only for benchmarks; a deployment never sets it."""
+Not tracing (``splitbus.tracing``): no exporter, no span objects, nothing but a tuple a mark. For
+benchmarks only; a deployment never sets it: the file grows by a line a mark, several a request,
+and nothing trims it. The file is opened when this module is imported: a folder that cannot take
+it turns the marks off with one warning then (and so does a later write that fails), never an
+error in the bus's read loops, which flush. A request id with whitespace (a space or a line
+break would break its line) is left out."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 ENV = "SPLITBUS_HOP_MARKS"
 FOLDER = os.environ.get(ENV, "")
 on = bool(FOLDER)
-"""Whether marks are kept (``SPLITBUS_HOP_MARKS`` set when this module was imported)."""
+"""Whether marks are kept (``SPLITBUS_HOP_MARKS`` set when this module was imported, and its
+folder writable)."""
 _marks: list[tuple[str, str, int]] = []
 _fd: int | None = None
+_fd_pid = 0
+"""The process that opened ``_fd``: a forked child opens a file of its own."""
 
 
 def mark(request_id: str, name: str, ns: int | None = None) -> None:
@@ -37,12 +47,47 @@ def mark_message(message: Any, name: str, ns: int | None = None) -> None:
 
 
 def flush() -> None:
-    """Write the marks kept so far to this process's file (appended) and forget them."""
-    global _fd
+    """Write the marks kept so far to this process's file (appended) and forget them; marks off,
+    with a warning, if the file cannot be written."""
     if not _marks:
         return
-    lines = "".join(f"{request_id} {name} {ns}\n" for request_id, name, ns in _marks if " " not in request_id)
+    lines = "".join(f"{request_id} {name} {ns}\n" for request_id, name, ns in _marks if _one_word(request_id))
     _marks.clear()
-    if _fd is None:
+    try:
+        os.write(_file(), lines.encode())
+    except OSError as exc:
+        _off(exc)
+
+
+def _one_word(request_id: str) -> bool:
+    """No whitespace in it (``str.split``'s is every line break ``splitlines`` reads by)."""
+    return request_id.split() == [request_id]
+
+
+def _file() -> int:
+    """This process's marks file, opened (created) on first use."""
+    global _fd, _fd_pid
+    if _fd is None or _fd_pid != os.getpid():
         _fd = os.open(os.path.join(FOLDER, f"{os.getpid()}.marks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.write(_fd, lines.encode())
+        _fd_pid = os.getpid()
+    return _fd
+
+
+def _off(exc: OSError) -> None:
+    """Marks off for the rest of this process (one warning): their file cannot be written."""
+    global on
+    on = False
+    _marks.clear()
+    log.warning("hop marks off: %s=%s cannot be written: %s", ENV, FOLDER, exc)
+
+
+def start() -> None:
+    """Open the marks file now, if marks are on (at import): a bad folder warns at a process's start."""
+    if on:
+        try:
+            _file()
+        except OSError as exc:
+            _off(exc)
+
+
+start()
