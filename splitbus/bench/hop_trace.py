@@ -4,8 +4,10 @@ keeps with ``SPLITBUS_HOP_MARKS`` set (``splitbus.bus.core.hopmarks``) and the `
 
 Requests are sent one at a time (an idle system), as ``serve.hop_breakdown`` sends them; each
 step is the time from the mark before it on the request's critical path to its own, p50 and p90
-over the requests. A step a request does not take (``--dispatch api`` has no request entry and no
-scheduler) is left out of that request's row: the next step counts from the mark before it.
+over the requests, and how many requests it has (n). A step a dispatch mode does not take
+(``--dispatch api`` has no request entry and no scheduler: ``SKIPPED``) is left out of that
+request's row: the next step counts from the mark before it. Any other mark missing fails the
+trace (``TraceError``): folded into the next step, it would pass for that step's time.
 
     python -m splitbus.bench.hop_trace --dispatch scheduler --count 50
 """
@@ -70,6 +72,29 @@ SIDE = (
     ("token.ts", "worker.written", "token entry encoded -> the worker has its script's reply"),
 )
 """Off the critical path: a write's round trip as its writer sees it."""
+SKIPPED = {
+    "scheduler": frozenset[str](),
+    "api": frozenset({"request.ts", "requests.read", "requests.decoded"}),
+}
+"""By dispatch mode, the steps of ``PATH`` its requests do not take; every other mark must be there."""
+
+
+class TraceError(RuntimeError):
+    """The trace cannot be cut: a mark or an entry a step needs is missing."""
+
+
+def missing(stamps: dict[str, int], dispatch: str) -> list[str]:
+    """The marks one request's ``stamps`` lack that its dispatch mode's path needs, in path order."""
+    needed = ["client.sent", *(s.mark for s in PATH if s.mark not in SKIPPED[dispatch])]
+    return [mark for mark in needed if mark not in stamps]
+
+
+def check(found: list[dict[str, Any]], dispatch: str) -> None:
+    """``TraceError`` naming each request (by ``id``) that lacks a mark its path needs."""
+    lacking = {str(f.get("id")): gone for f in found if (gone := missing(f, dispatch))}
+    if lacking:
+        listed = "; ".join(f"{rid}: {', '.join(gone)}" for rid, gone in lacking.items())
+        raise TraceError(f"{len(lacking)} of {len(found)} requests lack marks ({dispatch} dispatch): {listed}")
 
 
 def read_marks(folder: Path) -> dict[str, dict[str, int]]:
@@ -137,6 +162,7 @@ def _line(mark: str, hop: str, what: str, values: Iterable[float]) -> dict[str, 
         "mark": mark,
         "hop": hop,
         "what": what,
+        "n": len(listed),
         "p50_us": float(np.median(listed)),
         "p90_us": float(np.percentile(listed, 90)),
     }
@@ -147,6 +173,8 @@ async def entry_stamps(r: Any, keys: Keys) -> dict[str, Any]:
     the request entry if it is that request's (none with ``--dispatch api``), its first result."""
     workers = [w.decode() for w in await r.zrange(keys.workers, 0, -1)]
     latest = [e for w in workers for e in await r.xrevrange(keys.tasks(w), count=1)]
+    if not latest:
+        raise TraceError(f"no task entry on the streams of {len(workers)} registered workers: nothing was dispatched")
     task = max(latest, key=lambda e: entry_order(e[0].decode()))
     data = orjson.loads(task[1][b"data"])["request"]
     stamps = {"id": data["request_id"], "task.ts": int(task[1][b"ts"]) * 1000}
@@ -154,14 +182,17 @@ async def entry_stamps(r: Any, keys: Keys) -> dict[str, Any]:
     if request and orjson.loads(request[0][1][b"data"])["request_id"] == data["request_id"]:
         stamps["request.ts"] = int(request[0][1][b"ts"]) * 1000
     out = keys.out(data.get("reader") or data["api_node"], data["request_id"])
-    stamps["token.ts"] = int((await r.xrange(out, count=1))[0][1][b"ts"]) * 1000
+    first = await r.xrange(out, count=1)
+    if first:  # (none: ``check`` names token.ts as missing)
+        stamps["token.ts"] = int(first[0][1][b"ts"]) * 1000
     return stamps
 
 
 async def trace_hops(
-    base_url: str, redis_url: str, marks: Path, model: str, prompt_len: int, count: int
+    base_url: str, redis_url: str, marks: Path, model: str, prompt_len: int, count: int, dispatch: str
 ) -> list[dict[str, Any]]:
-    """``count`` requests one at a time (after ``serve.PROBE_WARMUP``), each cut into its steps."""
+    """``count`` requests one at a time (after ``serve.PROBE_WARMUP``), each cut into its steps;
+    ``TraceError`` if one lacks a mark its ``dispatch`` mode's path needs."""
     import redis.asyncio as aioredis
 
     from splitbus.bench.serve import _one_at_a_time
@@ -177,7 +208,9 @@ async def trace_hops(
         await r.aclose()
     await asyncio.sleep(1.5)  # every process's marks flushed: a blocked read's bus timeout (1 s) has passed
     kept = read_marks(marks)
-    return table([steps_us({**kept.get(f["id"], {}), **f}) for f in found])
+    stamped = [{**kept.get(f["id"], {}), **f} for f in found]
+    check(stamped, dispatch)
+    return table([steps_us(s) for s in stamped])
 
 
 def measure(dispatch: str, count: int, model: str = "tiny", prompt_len: int = 128) -> list[dict[str, Any]]:
@@ -187,14 +220,15 @@ def measure(dispatch: str, count: int, model: str = "tiny", prompt_len: int = 12
     with tempfile.TemporaryDirectory(prefix="splitbus-marks-") as folder:
         system = LocalSystem("--engine", "sim", "--mixed", "1", "--dispatch", dispatch, environ={ENV: folder})
         try:
-            return asyncio.run(trace_hops(system.base_url, system.redis_url, Path(folder), model, prompt_len, count))
+            traced = trace_hops(system.base_url, system.redis_url, Path(folder), model, prompt_len, count, dispatch)
+            return asyncio.run(traced)
         finally:
             system.stop()
 
 
 def markdown(lines: list[dict[str, Any]]) -> str:
-    rows = [f"| {x['hop']} | {x['what']} | {x['p50_us']:.0f} | {x['p90_us']:.0f} |" for x in lines]
-    return "\n".join(["| hop | step | p50 µs | p90 µs |", "| --- | --- | ---: | ---: |", *rows])
+    rows = [f"| {x['hop']} | {x['what']} | {x['n']} | {x['p50_us']:.0f} | {x['p90_us']:.0f} |" for x in lines]
+    return "\n".join(["| hop | step | n | p50 µs | p90 µs |", "| --- | --- | ---: | ---: | ---: |", *rows])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, default=50, help="requests timed, after the warm-up")
     parser.add_argument("--json", help="also write the steps here")
     args = parser.parse_args(argv)
-    lines = measure(args.dispatch, args.count)
+    if args.count < 1:
+        parser.error(f"--count must be >= 1, got {args.count}")
+    try:
+        lines = measure(args.dispatch, args.count)
+    except TraceError as exc:
+        raise SystemExit(f"hop_trace: {exc}") from None
     print(markdown(lines))
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(lines, option=orjson.OPT_INDENT_2))

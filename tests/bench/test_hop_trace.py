@@ -1,13 +1,29 @@
 """bench serve's microsecond hop breakdown (splitbus/bench/hop_trace.py): reading the marks'
-files and cutting a request's way into its steps (pure: the marks given here)."""
+files and cutting a request's way into its steps (pure: the marks given here); the entries' stamps
+against a real redis-server."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
+import redis.asyncio as aioredis
 
-from splitbus.bench.hop_trace import PATH, markdown, read_marks, steps_us, table
+from splitbus.bench.hop_trace import (
+    PATH,
+    SKIPPED,
+    TraceError,
+    check,
+    entry_stamps,
+    main,
+    markdown,
+    missing,
+    read_marks,
+    steps_us,
+    table,
+)
+from splitbus.bus.core.keys import Keys
 
 
 def test_marks_files_are_read_first_mark_of_a_name_wins_bad_lines_skipped(tmp_path: Path) -> None:
@@ -49,4 +65,60 @@ def test_the_table_has_each_hop_s_total_and_the_ttft() -> None:
     assert lines["scheduler.total"]["p50_us"] == 60.0  # three steps
     assert lines["ttft"]["p50_us"] == pytest.approx(20.0 * len(PATH))
     assert "api.written" not in lines  # no row has it
-    assert "| reader | the reader hop | 100 | 140 |" in markdown(table(rows))
+    assert lines["api.route"]["n"] == 3 and lines["ttft"]["n"] == 3
+    assert "| reader | the reader hop | 3 | 100 | 140 |" in markdown(table(rows))
+
+
+def test_a_step_some_rows_lack_counts_only_the_rows_that_have_it() -> None:
+    partial = _stamps(30.0)
+    del partial["api.body"]
+    lines = {line["mark"]: line for line in table([steps_us(_stamps(10.0)), steps_us(partial)])}
+    assert lines["api.body"]["n"] == 1 and lines["api.route"]["n"] == 2
+
+
+def test_each_dispatch_mode_needs_every_mark_of_its_path() -> None:
+    whole = _stamps()
+    assert missing(whole, "scheduler") == [] and missing(whole, "api") == []
+    api = {m: ns for m, ns in whole.items() if m not in SKIPPED["api"]}
+    assert missing(api, "api") == []
+    assert missing(api, "scheduler") == ["request.ts", "requests.read", "requests.decoded"]
+    del api["worker.token"], api["client.sent"]
+    assert missing(api, "api") == ["client.sent", "worker.token"]
+
+
+def test_a_request_that_lacks_a_mark_fails_the_trace_by_name() -> None:
+    """A missing mark would fold its step into the next one's time: the trace fails instead."""
+    lacking = {**_stamps(), "id": "cmpl-b"}
+    del lacking["worker.prefilled"]
+    check([{**_stamps(), "id": "cmpl-a"}], "scheduler")  # nothing missing: no error
+    with pytest.raises(
+        TraceError, match=r"^1 of 2 requests lack marks \(scheduler dispatch\): cmpl-b: worker.prefilled$"
+    ):
+        check([{**_stamps(), "id": "cmpl-a"}, lacking], "scheduler")
+
+
+def test_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--count", "0"])
+    assert exited.value.code == 2 and "--count must be >= 1, got 0" in capsys.readouterr().err
+
+
+async def test_entry_stamps_with_no_task_entry_fail_by_name(redis: aioredis.Redis) -> None:
+    keys = Keys()
+    with pytest.raises(TraceError, match="no task entry on the streams of 0 registered workers"):
+        await entry_stamps(redis, keys)
+    await redis.zadd(keys.workers, {"w1": 1})
+    with pytest.raises(TraceError, match="no task entry on the streams of 1 registered workers"):
+        await entry_stamps(redis, keys)
+
+
+async def test_entry_stamps_leave_out_a_first_result_that_is_not_there(redis: aioredis.Redis) -> None:
+    keys = Keys()
+    await redis.zadd(keys.workers, {"w1": 1})
+    request = {"request_id": "cmpl-x", "api_node": "api"}
+    await redis.xadd(keys.tasks("w1"), {"data": orjson.dumps({"request": request}), "ts": 7})
+    stamps = await entry_stamps(redis, keys)
+    assert stamps == {"id": "cmpl-x", "task.ts": 7000}  # no request entry, no result yet
+    whole = {**_stamps(), **stamps}
+    del whole["token.ts"]
+    assert missing(whole, "api") == ["token.ts"]  # which check names
