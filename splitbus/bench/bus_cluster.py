@@ -28,6 +28,7 @@ import multiprocessing as mp
 import statistics
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -55,6 +56,8 @@ and more of them than a host has cores measures their contention, not the bus.""
 BARRIER_TIMEOUT_S = 60.0
 """How long a writer waits at the start barrier for the others (spawned processes import the
 project first: seconds on a loaded host); past it the run fails rather than hangs."""
+STOP_TIMEOUT_S = 5.0
+"""How long a run's end waits, in all, for its terminated processes before it kills them."""
 
 Stream = tuple[str, str]
 """A stream an engine writes: (request id, the reader tag that follows it)."""
@@ -185,8 +188,9 @@ def run_once(setup: Setup, prefix: str, cfg: ClusterBenchConfig, timeout_s: floa
     # Held here until the engines have answered: the barrier's semaphores go when the last
     # reference in this process does, and a spawned engine may open them only later.
     start = ctx.Barrier(cfg.engines)
-    procs, pipes = _start_api_nodes(ctx, setup, prefix, cfg, groups)
-    try:
+    procs: list[mp.process.BaseProcess] = []
+    try:  # (from the first start: a node that fails to start stops those started before it)
+        pipes = _start_api_nodes(ctx, procs, setup, prefix, cfg, groups)
         readers = tuple(_ready(pipe, timeout_s) for pipe in pipes)
         streams = [(rid, readers[k]) for k, rids in enumerate(groups) for rid in rids]
         before = [commandstats(client()) for client in setup.primaries]
@@ -207,21 +211,30 @@ def _run(
     (tokens read, last read's µs): one window over all of them."""
     first_us, last_us = min(s for s, _ in starts), max(s for s, _ in starts)
     seconds = (max(last for _, last in ends) - first_us) / 1e6
-    return Run(sum(n for n, _ in ends), seconds, calls, readers, sum(n for _, n in starts), last_us - first_us)
+    read, written = sum(n for n, _ in ends), sum(n for _, n in starts)
+    if read != written:  # a token lost (or read twice) would pass for the bus's rate
+        raise RuntimeError(f"the API nodes read {read} tokens, the engines wrote {written}")
+    return Run(read, seconds, calls, readers, written, last_us - first_us)
 
 
 def _start_api_nodes(
-    ctx: Any, setup: Setup, prefix: str, cfg: ClusterBenchConfig, groups: list[list[str]]
-) -> tuple[list[mp.process.BaseProcess], list[Any]]:
-    """One process per API node, following its group of streams; the processes and their pipes."""
-    procs, pipes = [], []
+    ctx: Any,
+    procs: list[mp.process.BaseProcess],
+    setup: Setup,
+    prefix: str,
+    cfg: ClusterBenchConfig,
+    groups: list[list[str]],
+) -> list[Any]:
+    """One process per API node (appended to ``procs`` as it starts), following its group of
+    streams; their pipes."""
+    pipes = []
     for name, rids in zip(api_names(cfg), groups, strict=True):
         parent, child = ctx.Pipe()
         args = (api_node, child, setup.url, prefix, name, rids, cfg.steps, setup.placed)
         procs.append(ctx.Process(target=_in_process, args=args))
         pipes.append(parent)
         procs[-1].start()
-    return procs, pipes
+    return pipes
 
 
 def _start_engines(
@@ -243,14 +256,19 @@ def _start_engines(
     return pipes
 
 
-def _stop(procs: list[mp.process.BaseProcess]) -> None:
-    """Join each started process for up to 5 s, then kill it."""
-    for proc in procs:
-        if proc.pid is None:  # never started: an earlier process failed first
-            continue
-        proc.join(5)
+def _stop(procs: list[mp.process.BaseProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Terminate every started process, then join them all within ``timeout_s`` in all and kill
+    what is left: a failed run with every process stuck waits once, not once per process."""
+    started = [proc for proc in procs if proc.pid is not None]  # (not started: an earlier one failed first)
+    for proc in started:
+        proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in started:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in started:
         if proc.is_alive():
             proc.kill()
+            proc.join()
 
 
 def _ready(pipe: Any, timeout_s: float) -> str:
