@@ -1,7 +1,7 @@
 """``splitbus bench client``: the bus's hot Redis operations through each candidate client, side
 by side, on one Redis, from one asyncio process on the loop every service runs (``splitbus.aio``).
 
-The clients: redis-py's asyncio client as the bus builds it (``connect()``: a blocking pool of
+The clients: redis-py's asyncio client as the bus builds it (``connect()``: the bus's pool of
 guarded connections, health checks, retries), the same client bare (``from_url``, redis-py's
 parser choice: hiredis where it is installed), bare on redis-py's pure-Python RESP2 parser, and
 valkey-glide (a Rust core with asyncio bindings) where it can be imported. Each client holds two
@@ -57,7 +57,7 @@ OPS = ("ping", "xadd", "wake_xreadgroup", "wake_xread", "evalsha", "pipeline")
 CLIENTS = ("bus-connect", "bus-settings", "redis-py", "redis-py-pure", "glide")
 """``bus-connect``: redis-py as ``splitbus.bus.core.connection.connect`` builds it; ``bus-settings``:
 the same connections and settings on redis-py's default pool, which never waits (what the
-blocking pool costs); ``redis-py``: bare (``from_url``, RESP2), its parser redis-py's choice;
+bus's pool costs beside it); ``redis-py``: bare (``from_url``, RESP2), its parser redis-py's choice;
 ``redis-py-pure``: bare on the pure-Python RESP2 parser; ``glide``: valkey-glide."""
 GLIDE = "glide"
 PROMPT_TOKENS = 128

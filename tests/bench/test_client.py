@@ -16,6 +16,7 @@ from splitbus.bench import client
 from splitbus.bench.client import OPS, ClientBenchConfig, measure, on_plain_pool, table
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
+from splitbus.bus.core.pool import BusPool
 from splitbus.bus.core.wire import BusConnection
 from splitbus.redis_server import EmbeddedRedis
 
@@ -56,8 +57,8 @@ async def test_bus_settings_are_connects_on_a_pool_that_never_waits(redis_server
     bus = connect(BusConfig(redis_url=redis_server.url), name="bench-client")
     plain = on_plain_pool(bus)
     try:
-        assert isinstance(bus.connection_pool, aioredis.BlockingConnectionPool)
-        assert not isinstance(plain.connection_pool, aioredis.BlockingConnectionPool)
+        assert isinstance(bus.connection_pool, BusPool)
+        assert type(plain.connection_pool) is aioredis.ConnectionPool  # redis-py's own, which never waits
         assert plain.connection_pool.connection_class is bus.connection_pool.connection_class is BusConnection
         assert plain.connection_pool.connection_kwargs == bus.connection_pool.connection_kwargs
         assert plain.connection_pool.max_connections == bus.connection_pool.max_connections

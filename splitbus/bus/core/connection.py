@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from splitbus.bus.core.cluster import BusCluster, is_cluster_url, parse_cluster_url
 from splitbus.bus.core.config import BusConfig
+from splitbus.bus.core.pool import BusPool
 from splitbus.bus.core.wire import BusConnection, closed_transport
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
         # command mixins), which is all the bus calls on it; the few places where the two differ
         # ask splitbus.bus.core.cluster.as_cluster. One cast here, not a union in every signature.
         return cast(aioredis.Redis, connect_cluster(config, max_connections=max_connections, name=name))
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = BusPool.from_url(
         config.redis_url,
         max_connections=max_connections,
         timeout=config.socket_timeout_s,
