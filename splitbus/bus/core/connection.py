@@ -64,9 +64,11 @@ def connect(config: BusConfig, *, max_connections: int = 32, name: str | None = 
     """A client for ``config.redis_url`` holding at most ``max_connections`` connections (on a
     cluster: per node).
 
-    A full pool makes callers wait for a connection (redis-py's default pool raises at once; on
-    a cluster, commands wait for one of ``max_connections`` places instead, and for a connection
-    of a full node pool: :class:`~splitbus.bus.core.cluster.BusCluster`). RESP2 keeps reply shapes
+    A full pool makes callers wait for a connection, in turn
+    (:class:`~splitbus.bus.core.pool.BusPool`, which hands a free one out without the blocking
+    pool's locking on every command; redis-py's default pool raises at once; on a cluster,
+    commands wait for one of ``max_connections`` places instead, and for a connection of a full
+    node pool: :class:`~splitbus.bus.core.cluster.BusCluster`). RESP2 keeps reply shapes
     identical on Redis 6.2 and 7. Retries are few and short, of connection errors only: the bus's
     loops own reconnection (with backoff), so a dead server surfaces in seconds, not the minute
     that redis-py 8's defaults take. ``name`` is set with CLIENT SETNAME, so ``redis-cli CLIENT LIST`` shows which
