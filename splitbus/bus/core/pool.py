@@ -44,8 +44,9 @@ class BusPool(aioredis.ConnectionPool):
     (``ensure_connection``: reconnect a dropped one, refuse one with unread data); a connection
     marked for reconnect is closed as it comes back; redis-py's connection-count metrics; the
     release event, dispatched once a streaming credential provider has asked for
-    re-authentication (its one listener). redis-py's lock is still honoured: while a re-authentication or
-    a maintenance step holds it to walk the connections, callers wait for it as before.
+    re-authentication (its one listener). redis-py's lock is still honoured: while a
+    re-authentication or a maintenance step holds it to walk the connections, callers wait for it
+    as before.
 
     After a fork the child starts with no connections (as redis-py's synchronous pool does;
     its asyncio pool does not look): the inherited ones are the parent's sockets, dropped here
@@ -70,8 +71,8 @@ class BusPool(aioredis.ConnectionPool):
         connection = self._take_at_once()
         if connection is None:
             connection = await self._wait_for_one()
-        await self._count_taken(connection)
         try:
+            await self._count_taken(connection)
             await self.ensure_connection(connection)
         except BaseException:
             await self.release(connection)
