@@ -2,7 +2,8 @@
 ``splitbus.bench.serve.HOPS`` cut at every step a request takes, from the hop marks each process
 keeps with ``SPLITBUS_HOP_MARKS`` set (``splitbus.bus.core.hopmarks``) and the ``ts`` of its entries.
 
-Requests are sent one at a time (an idle system), as ``serve.hop_breakdown`` sends them; each
+Requests are sent one at a time (an idle system, ``serve.one_at_a_time``), as ``bench serve``
+sends its probes (it starts its stack with the marks on and reports both tables); each
 step is the time from the mark before it on the request's critical path to its own, p50 and p90
 over the requests, and how many requests it has (n). A step a dispatch mode does not take
 (``--dispatch api`` has no request entry and no scheduler: ``SKIPPED``) is left out of that
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -188,29 +190,68 @@ async def entry_stamps(r: Any, keys: Keys) -> dict[str, Any]:
     return stamps
 
 
-async def trace_hops(
-    base_url: str, redis_url: str, marks: Path, model: str, prompt_len: int, count: int, dispatch: str
-) -> list[dict[str, Any]]:
-    """``count`` requests one at a time (after ``serve.PROBE_WARMUP``), each cut into its steps;
-    ``TraceError`` if one lacks a mark its ``dispatch`` mode's path needs."""
+FLUSH_WAIT_S = 1.5
+"""After the last probe, before the marks are read: a blocked read's bus timeout (1 s) has passed,
+so every process has written its marks (``hopmarks.flush``)."""
+
+
+async def probe(base_url: str, redis_url: str, model: str, prompt_len: int, count: int) -> list[dict[str, Any]]:
+    """``count`` requests one at a time (after ``serve.PROBE_WARMUP``): each one's id, its
+    entries' ``ts`` (``entry_stamps``), when the client sent it and had its first token (ns)."""
     import redis.asyncio as aioredis
 
-    from splitbus.bench.serve import _one_at_a_time
+    from splitbus.bench.serve import one_at_a_time
 
     r, found = aioredis.Redis.from_url(redis_url), []
     try:
-        async with contextlib.aclosing(_one_at_a_time(base_url, model, prompt_len, count)) as probes:
+        async with contextlib.aclosing(one_at_a_time(base_url, model, prompt_len, count)) as probes:
             async for sent, result in probes:
                 stamps = await entry_stamps(r, Keys())
                 first = sent + result.ttft_s
                 found.append({**stamps, "client.sent": int(sent * 1e9), "client.first": int(first * 1e9)})
     finally:
         await r.aclose()
-    await asyncio.sleep(1.5)  # every process's marks flushed: a blocked read's bus timeout (1 s) has passed
+    return found
+
+
+def hops_ms(found: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """``serve.HOPS`` (p50 and p90, ms) from the probes' stamps: the hops between the client and
+    the request, task and first result entries. A request the API dispatched itself (``--dispatch
+    api``) has no request entry: its first hop ends at its task's, and the scheduler's hop is 0."""
+    from splitbus.bench.serve import HOPS
+
+    rows = [_hops(f) for f in found]
+    return {name: _p50_p90([row[k] for row in rows]) for k, name in enumerate(HOPS)}
+
+
+def _hops(f: dict[str, Any]) -> list[float]:
+    """One request's ``serve.HOPS`` in ms."""
+    edges = [f["client.sent"], f.get("request.ts", f["task.ts"]), f["task.ts"], f["token.ts"], f["client.first"]]
+    return [(b - a) / 1e6 for a, b in itertools.pairwise(edges)] + [(edges[-1] - edges[0]) / 1e6]
+
+
+def _p50_p90(values: list[float]) -> dict[str, float]:
+    return {"p50": float(np.median(values)), "p90": float(np.percentile(values, 90))}
+
+
+async def breakdown(
+    base_url: str,
+    redis_url: str,
+    marks: Path,
+    model: str,
+    prompt_len: int,
+    count: int = 45,
+    dispatch: str = "scheduler",
+) -> tuple[dict[str, dict[str, float]], list[dict[str, Any]]]:
+    """``count`` probes (``probe``) of a system whose processes keep hop marks in ``marks``: its
+    hops (``hops_ms``) and their steps (``table``); ``TraceError`` if a request lacks a mark its
+    ``dispatch`` mode's path needs."""
+    found = await probe(base_url, redis_url, model, prompt_len, count)
+    await asyncio.sleep(FLUSH_WAIT_S)
     kept = read_marks(marks)
     stamped = [{**kept.get(f["id"], {}), **f} for f in found]
     check(stamped, dispatch)
-    return table([steps_us(s) for s in stamped])
+    return hops_ms(found), table([steps_us(s) for s in stamped])
 
 
 def measure(dispatch: str, count: int, model: str = "tiny", prompt_len: int = 128) -> list[dict[str, Any]]:
@@ -220,8 +261,8 @@ def measure(dispatch: str, count: int, model: str = "tiny", prompt_len: int = 12
     with tempfile.TemporaryDirectory(prefix="splitbus-marks-") as folder:
         system = LocalSystem("--engine", "sim", "--mixed", "1", "--dispatch", dispatch, environ={ENV: folder})
         try:
-            traced = trace_hops(system.base_url, system.redis_url, Path(folder), model, prompt_len, count, dispatch)
-            return asyncio.run(traced)
+            probes = breakdown(system.base_url, system.redis_url, Path(folder), model, prompt_len, count, dispatch)
+            return asyncio.run(probes)[1]
         finally:
             system.stop()
 

@@ -255,6 +255,7 @@ def serve_table(report: dict[str, Any]) -> str:
             rows.append(
                 f"  idle system, --dispatch {dispatch}, {name}: p50 {hop['p50']:.2f} ms, p90 {hop['p90']:.2f} ms"
             )
+    rows += _step_rows(report)
     if floor := report.get("http_floor_ttft_ms"):
         rows.append(
             f"  idle, the HTTP floor (this client and one HTTP server with nothing behind it, bench/http_floor.py): "
@@ -272,6 +273,17 @@ def serve_table(report: dict[str, Any]) -> str:
             f"{_ms(o['added_p99_itl_ms'], 0, '+')}"
         )
     return "\n".join(rows)
+
+
+def _step_rows(report: dict[str, Any]) -> list[str]:
+    """Each hop's steps to the microsecond (``hop_trace.table``'s lines), per dispatch."""
+    by_dispatch: dict[str, list[dict[str, Any]]] = report.get("hop_steps_us_by_dispatch") or {}
+    return [
+        f"    --dispatch {dispatch}, {line['hop'] or 'all'}: {line['what']}: "
+        f"p50 {line['p50_us']:,.0f} us, p90 {line['p90_us']:,.0f} us"
+        for dispatch, lines in by_dispatch.items()
+        for line in lines
+    ]
 
 
 def _overhead_where(row: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import tempfile
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import asdict, replace
@@ -32,8 +33,7 @@ from splitbus.bench.serve_trace import (
     summarize,
 )
 from splitbus.bench.workloads import ideal_for, make_items, run_config
-from splitbus.bus.core.keys import Keys
-from splitbus.bus.core.streams import entry_order
+from splitbus.bus.core import hopmarks
 from splitbus.redis_server import embedded_url
 
 
@@ -183,8 +183,9 @@ def run_serve_bench(
     if config.policies:
         return compare_policies(config, progress)
     hops: dict[str, dict[str, dict[str, float]]] = {}
+    steps: dict[str, list[dict[str, Any]]] = {}
     for first, dispatch in enumerate(config.dispatch):
-        hops[dispatch] = _measure_stack(config, dispatch, runs, progress, with_direct=first == 0)
+        hops[dispatch], steps[dispatch] = _measure_stack(config, dispatch, runs, progress, with_direct=first == 0)
     progress("the HTTP floor: the same client and one HTTP server with nothing behind it, 50 requests one at a time")
     floor = measure_http_floor(config.model, config.input_len)
     return {
@@ -194,6 +195,8 @@ def run_serve_bench(
         "overhead": overhead(runs),
         "hops_ms": hops[config.dispatch[0]],
         "hops_ms_by_dispatch": hops,
+        "hop_steps_us": steps[config.dispatch[0]],
+        "hop_steps_us_by_dispatch": steps,
         "http_floor_ttft_ms": floor,
     }
 
@@ -205,31 +208,38 @@ def stack_path(dispatch: str) -> str:
 
 def _measure_stack(
     config: ServeConfig, dispatch: str, runs: list[dict[str, Any]], progress: Callable[[str], None], with_direct: bool
-) -> dict[str, dict[str, float]]:
-    """One ``splitbus up --dispatch DISPATCH``: its hops, then each rate (after the engine driven
-    directly at that rate, with ``with_direct``); rows are added to ``runs``. The i-th rate's
-    requests are drawn with seed ``seed + i`` on both paths (``run_config``): the stack serves
-    every rate, and the same prompts again would hit what the earlier rates cached."""
+) -> tuple[dict[str, dict[str, float]], list[dict[str, Any]]]:
+    """One ``splitbus up --dispatch DISPATCH``, hop marks on: its hops and their steps
+    (``hop_trace.breakdown``), then each rate (after the engine driven directly at that rate,
+    with ``with_direct``); rows are added to ``runs``. The i-th rate's requests are drawn with
+    seed ``seed + i`` (``run_config``) on both paths: the stack serves every rate, and the same
+    prompts again would hit what the earlier rates cached. The marks stay on for the rates (a
+    tuple appended at each site, written out before a blocking read)."""
+    from splitbus.bench import hop_trace
     from splitbus.bench.serve_direct import measure_direct
     from splitbus.bench.system import LocalSystem
 
-    system = LocalSystem("--engine", "sim", "--mixed", "1", "--dispatch", dispatch)
-    admin_url = embedded_url(system.data_dir / "redis", admin=True)
-    try:
-        model_dir = system.data_dir / "models" / "tiny"
-        progress(f"--dispatch {dispatch}: where the time to first token goes: 50 requests one at a time, each hop")
-        hops = asyncio.run(hop_breakdown(system.base_url, system.redis_url, config.model, config.input_len))
-        for i, rate in enumerate(config.rates):
-            fresh = run_config(config, i)
-            if with_direct:
-                progress(f"direct (sim engine in-process): {rate:g} req/s, {config.workload.dataset} requests")
-                row = measure_direct(model_dir, fresh, rate)
-                runs.append(_run_row("direct", "in-process", _rate(config, rate), *row))
-            progress(f"splitbus --dispatch {dispatch} (API + bus + scheduler + worker): {rate:g} req/s")
-            row = measure_memory(admin_url, measure_http(system.base_url, fresh, rate))
-            runs.append(_run_row(stack_path(dispatch), system.base_url, _rate(config, rate), *row))
-    finally:
-        system.stop()
+    with tempfile.TemporaryDirectory(prefix="splitbus-marks-") as marks:
+        system = LocalSystem("--engine", "sim", "--mixed", "1", "--dispatch", dispatch, environ={hopmarks.ENV: marks})
+        admin_url = embedded_url(system.data_dir / "redis", admin=True)
+        try:
+            model_dir = system.data_dir / "models" / "tiny"
+            progress(f"--dispatch {dispatch}: where the time to first token goes: 50 requests one at a time, each step")
+            probe = hop_trace.breakdown(
+                system.base_url, system.redis_url, Path(marks), config.model, config.input_len, dispatch=dispatch
+            )
+            hops = asyncio.run(probe)
+            for i, rate in enumerate(config.rates):
+                fresh = run_config(config, i)
+                if with_direct:
+                    progress(f"direct (sim engine in-process): {rate:g} req/s, {config.workload.dataset} requests")
+                    row = measure_direct(model_dir, fresh, rate)
+                    runs.append(_run_row("direct", "in-process", _rate(config, rate), *row))
+                progress(f"splitbus --dispatch {dispatch} (API + bus + scheduler + worker): {rate:g} req/s")
+                row = measure_memory(admin_url, measure_http(system.base_url, fresh, rate))
+                runs.append(_run_row(stack_path(dispatch), system.base_url, _rate(config, rate), *row))
+        finally:
+            system.stop()
     return hops
 
 
@@ -439,7 +449,7 @@ def added(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
 
 
 PROBE_WARMUP = 5
-"""Requests sent one at a time before those that are timed (``hop_breakdown``, the HTTP floor)."""
+"""Requests sent one at a time before those that are timed (``hop_trace.breakdown``, the HTTP floor)."""
 HOPS = (
     "client send -> request XADD",
     "request XADD -> task XADD",
@@ -449,27 +459,12 @@ HOPS = (
 )
 
 
-async def hop_breakdown(
-    base_url: str, redis_url: str, model: str, prompt_len: int, count: int = 50
-) -> dict[str, dict[str, float]]:
-    """Requests one at a time (an idle system), each timed at every hop by the ``ts`` that its
-    request, task and first result entries carry (one machine, one clock)."""
-    import redis.asyncio as aioredis
-
-    r = aioredis.Redis.from_url(redis_url)
-    try:  # ``count`` in all, the warm-up included
-        async with contextlib.aclosing(_one_at_a_time(base_url, model, prompt_len, count - PROBE_WARMUP)) as probes:
-            rows = [await _hops(r, sent, result) async for sent, result in probes]
-    finally:
-        await r.aclose()
-    return {name: _p50_p90([row[k] for row in rows]) for k, name in enumerate(HOPS)}
-
-
-async def _one_at_a_time(
+async def one_at_a_time(
     base_url: str, model: str, prompt_len: int, count: int
 ) -> AsyncGenerator[tuple[float, RequestResult], None]:
     """``PROBE_WARMUP`` requests, then ``count`` more, one at a time: when each was sent (epoch
-    s) and its result, for those after the warm-up."""
+    s) and its result, for those after the warm-up. The idle probe of ``hop_trace`` (each hop,
+    each step) and of the HTTP floor."""
     client = HttpClient(base_url, model, "", 1)
     try:
         for i in range(PROBE_WARMUP + count):
@@ -491,40 +486,15 @@ def _p50_p90(values: list[float]) -> dict[str, float]:
 def measure_http_floor(model: str, prompt_len: int, count: int = 50) -> dict[str, float]:
     """TTFT p50 and p90 (ms) through this benchmark's client and one HTTP server with nothing
     behind it (``splitbus.bench.http_floor``): ``count`` requests one at a time, after
-    ``PROBE_WARMUP`` of warm-up, as ``hop_breakdown`` times the stack's."""
+    ``PROBE_WARMUP`` of warm-up, as ``hop_trace.breakdown`` times the stack's."""
     from splitbus.bench.http_floor import serving
 
     async def ttft_ms(base_url: str) -> list[float]:
-        async with contextlib.aclosing(_one_at_a_time(base_url, model, prompt_len, count)) as probes:
+        async with contextlib.aclosing(one_at_a_time(base_url, model, prompt_len, count)) as probes:
             return [result.ttft_s * 1000 async for _, result in probes]
 
     with serving() as base_url:
         return _p50_p90(asyncio.run(ttft_ms(base_url)))
-
-
-async def _hops(r: Any, sent: float, result: RequestResult) -> list[float]:
-    """The request's hops, from the ``ts`` of its entries. A request the API dispatched itself
-    (``--dispatch api``) has no request entry: its first hop ends at its task's XADD, and the
-    scheduler's hop is 0."""
-    keys = Keys()  # the system the benchmark started uses the default prefix
-    workers = [w.decode() for w in await r.zrange(keys.workers, 0, -1)]
-    latest = [e for w in workers for e in await r.xrevrange(keys.tasks(w), count=1)]
-    task = max(latest, key=lambda e: entry_order(e[0].decode()))
-    task_ts, data = int(task[1][b"ts"]) / 1e6, orjson.loads(task[1][b"data"])["request"]
-    request = await r.xrevrange(keys.requests, count=1)
-    request_ts = task_ts
-    if request and orjson.loads(request[0][1][b"data"])["request_id"] == data["request_id"]:
-        request_ts = int(request[0][1][b"ts"]) / 1e6
-    out = keys.out(data.get("reader") or data["api_node"], data["request_id"])
-    token_ts = int((await r.xrange(out, count=1))[0][1][b"ts"]) / 1e6
-    first = sent + result.ttft_s
-    return [
-        (request_ts - sent) * 1000,
-        (task_ts - request_ts) * 1000,
-        (token_ts - task_ts) * 1000,
-        (first - token_ts) * 1000,
-        result.ttft_s * 1000,
-    ]
 
 
 def _minus(a: float | None, b: float | None) -> float | None:

@@ -78,6 +78,9 @@ def test_serve_compares_the_stack_with_the_engine_driven_directly(tmp_path: Path
     assert [o["request_rate"] for o in report["overhead"]] == [20.0, "inf"]
     floor = report["http_floor_ttft_ms"]  # the client and one HTTP server, nothing behind it
     assert 0 < floor["p50"] <= floor["p90"] < report["hops_ms"]["TTFT"]["p90"]
+    steps = {line["mark"]: line for line in report["hop_steps_us"]}  # each hop to the microsecond
+    assert {"api.total", "scheduler.total", "worker.total", "reader.total", "ttft"} <= set(steps)
+    assert all(0 < steps[mark]["p50_us"] <= steps[mark]["p90_us"] for mark in ("api.route", "worker.prefilled"))
 
 
 def _check_redis_memory(run: dict[str, Any], requests: int, measured: bool) -> None:

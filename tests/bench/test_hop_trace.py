@@ -16,6 +16,7 @@ from splitbus.bench.hop_trace import (
     TraceError,
     check,
     entry_stamps,
+    hops_ms,
     main,
     markdown,
     missing,
@@ -23,6 +24,7 @@ from splitbus.bench.hop_trace import (
     steps_us,
     table,
 )
+from splitbus.bench.serve import HOPS
 from splitbus.bus.core.keys import Keys
 
 
@@ -122,3 +124,19 @@ async def test_entry_stamps_leave_out_a_first_result_that_is_not_there(redis: ai
     whole = {**_stamps(), **stamps}
     del whole["token.ts"]
     assert missing(whole, "api") == ["token.ts"]  # which check names
+
+
+def test_bench_serve_s_four_hops_come_from_the_same_probes() -> None:
+    """client send, request/task/first token entries' ts, client's first token: 1, 2, 3, 4 ms."""
+    ms = 1_000_000
+    found = [{"client.sent": 0, "request.ts": ms, "task.ts": 3 * ms, "token.ts": 6 * ms, "client.first": 10 * ms}]
+    hops = hops_ms(found)
+    assert list(hops) == list(HOPS)
+    assert [hops[name]["p50"] for name in HOPS] == [1.0, 2.0, 3.0, 4.0, 10.0]
+
+
+def test_without_a_request_entry_the_scheduler_s_hop_is_zero() -> None:
+    """--dispatch api: the first hop ends at the task's XADD."""
+    ms = 1_000_000
+    hops = hops_ms([{"client.sent": 0, "task.ts": 2 * ms, "token.ts": 5 * ms, "client.first": 6 * ms}])
+    assert [hops[name]["p50"] for name in HOPS] == [2.0, 0.0, 3.0, 1.0, 6.0]
