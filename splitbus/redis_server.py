@@ -170,10 +170,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def die_with_parent() -> None:
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process ``signum`` when its parent ends (Linux; elsewhere nothing)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, signum)
 
 
 def _private_child() -> None:

@@ -68,6 +68,7 @@ def create_app(config: ApiConfig) -> Starlette:
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.exit_code = 0
+    app.state.metrics_registry = metrics.exposition_registry()
     app.add_middleware(RequireApiKey)
     app.add_middleware(RequireKnownHost, names=known_host_names(config))
     app.add_middleware(CountRequests)

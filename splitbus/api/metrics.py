@@ -1,13 +1,23 @@
 """Prometheus metrics of the API. Labels are bounded: route templates, status codes, reasons, and
-tenants' names (``splitbus.placement.metrics.TenantLabels``: at most ``MAX_TENANT_LABELS``)."""
+tenants' names (``splitbus.placement.metrics.TenantLabels``: at most ``MAX_TENANT_LABELS``).
+
+An API in N processes (``--workers N``) keeps them in prometheus_client's multiprocess mode: each
+process writes its values to files in a folder the parent made (``shared_across_processes``), and
+/metrics, in whichever process a scrape reaches, serves them all summed (``exposition_registry``).
+Each gauge says how its processes' values combine (``multiprocess_mode``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from splitbus.placement.metrics import TenantLabels
 
@@ -16,7 +26,9 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 REQUESTS = Counter("splitbus_api_requests_total", "HTTP requests by route and status.", ["route", "status"])
-INFLIGHT = Gauge("splitbus_api_inflight_requests", "Generation requests admitted and not finished.")
+INFLIGHT = Gauge(
+    "splitbus_api_inflight_requests", "Generation requests admitted and not finished.", multiprocess_mode="livesum"
+)
 TTFT = Histogram("splitbus_api_time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS)
 ITL = Histogram(
     "splitbus_api_inter_token_latency_seconds", "Time between consecutive token deltas.", buckets=_LATENCY_BUCKETS
@@ -25,7 +37,11 @@ E2E = Histogram("splitbus_api_e2e_request_latency_seconds", "Arrival to last ent
 PROMPT_TOKENS = Counter("splitbus_api_prompt_tokens_total", "Prompt tokens of admitted requests.")
 GENERATION_TOKENS = Counter("splitbus_api_generation_tokens_total", "Tokens relayed to clients.")
 CANCELLATIONS = Counter("splitbus_api_cancellations_total", "Requests cancelled on the bus, by reason.", ["reason"])
-TOKENIZING = Gauge("splitbus_api_tokenizing", "Prompts being tokenized (or waiting for a tokenizer thread).")
+TOKENIZING = Gauge(
+    "splitbus_api_tokenizing",
+    "Prompts being tokenized (or waiting for a tokenizer thread).",
+    multiprocess_mode="livesum",
+)
 BODY_REJECTED = Counter(
     "splitbus_api_body_reads_rejected_total",
     "Requests refused (429) because too many bodies were being read.",
@@ -109,3 +125,36 @@ def admitted(tenant: str, prompt_tokens: int) -> None:
     label = TENANT_LABEL(tenant)
     TENANT_REQUESTS.labels(label, "admitted").inc()
     TENANT_PROMPT_TOKENS.labels(label).inc(prompt_tokens)
+
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Where prometheus_client's multiprocess mode keeps the values (read once, when it is imported)."""
+
+
+@contextlib.contextmanager
+def shared_across_processes() -> Iterator[str]:
+    """A private, empty folder (mode 0700) in ``MULTIPROCESS_DIR_ENV`` while the processes that
+    read it are started and run: they inherit it from this environment (``spawn`` starts each
+    with it, before it imports prometheus_client). Removed, and the variable put back, after."""
+    folder = tempfile.mkdtemp(prefix="splitbus-api-metrics-")
+    previous = os.environ.get(MULTIPROCESS_DIR_ENV)
+    os.environ[MULTIPROCESS_DIR_ENV] = folder
+    try:
+        yield folder
+    finally:
+        if previous is None:
+            os.environ.pop(MULTIPROCESS_DIR_ENV, None)
+        else:
+            os.environ[MULTIPROCESS_DIR_ENV] = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def exposition_registry() -> CollectorRegistry:
+    """What /metrics serves: this process's registry, or in multiprocess mode (the folder set)
+    every process's values, combined, read at each scrape. (That registry has no ``process_*``
+    or ``python_*`` metrics: they describe one process.)"""
+    if not os.environ.get(MULTIPROCESS_DIR_ENV):
+        return REGISTRY
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return registry

@@ -161,7 +161,8 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    """This process's metrics, or with ``--workers N`` every process's, summed (``exposition_registry``)."""
+    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def openapi(request: Request) -> Response:

@@ -244,6 +244,9 @@ def run(args: argparse.Namespace, env: Env) -> int:
         say(f"splitbus api: {exc}")
         return 2
     if args.workers > 1:
+        if args.port == 0:  # each process would be given a port of its own
+            say("splitbus api: --port 0 needs --workers 1: processes that share a port need it named")
+            return 2
         return _run_processes(config, args.host, args.port, args.workers, env)
     say(f"API on http://{args.host}:{args.port}/v1 (node {config.node_id}, {_about(config)})")
     return serve(config, args.host, args.port)
@@ -262,7 +265,8 @@ def _about(config: ApiConfig) -> str:
 
 def serve(config: ApiConfig, host: str, port: int, sock: socket.socket | None = None) -> int:
     """Serve ``config`` on ``host:port`` until stopped (uvicorn binds it), or on ``sock`` (a
-    process of ``--workers N``, whose socket shares the port); the app's exit code."""
+    process of ``--workers N``, whose socket shares the port: bound, and listened on by uvicorn
+    once the app has started); the app's exit code."""
     import uvicorn
 
     from splitbus.api.app import create_app
@@ -278,30 +282,41 @@ def serve(config: ApiConfig, host: str, port: int, sock: socket.socket | None = 
 
 
 def _run_processes(config: ApiConfig, host: str, port: int, workers: int, env: Env) -> int:
-    """``--workers N`` > 1: N API processes on one port, this one their parent (splitbus/api/procs.py)."""
-    from splitbus.api.procs import Ending, node_ids, run_group
+    """``--workers N`` > 1: N API processes on one port, this one their parent (splitbus/api/procs.py),
+    their metrics kept in a folder of their own for /metrics to sum (splitbus/api/metrics.py)."""
+    from splitbus.api.metrics import shared_across_processes
+    from splitbus.api.procs import NoReusePort, check_port, node_ids, run_group
 
+    try:
+        check_port(host, port)
+    except NoReusePort as exc:
+        say(f"splitbus api: {exc}")
+        return 2
+    except OSError as exc:  # in use: as one process that cannot bind, an exit that may be retried
+        say(f"splitbus api: cannot listen on {host}:{port}: {exc}")
+        return 1
     nodes = node_ids(config.node_id, workers)
     say(f"API on http://{host}:{port}/v1 ({workers} processes, nodes {nodes[0]}..{nodes[-1]}, {_about(config)})")
     targets = [
         functools.partial(serve_process, dataclasses.replace(config, node_id=node), host, port, env, i)
         for i, node in enumerate(nodes)
     ]
-    return 0 if run_group(targets, say) is Ending.STOPPED else 1
+    with shared_across_processes():
+        return run_group(targets, say).exit_code
 
 
 def serve_process(config: ApiConfig, host: str, port: int, env: Env, index: int) -> None:
     """One process of ``--workers N`` (its own interpreter): its socket on the shared port, then
-    the app; it exits with the app's code (2: the port cannot be shared)."""
-    from splitbus.api.procs import reuse_port_socket
+    the app; it exits with the app's code (2: the port cannot be shared; 1: it cannot be bound)."""
+    from splitbus.api.procs import EXIT_USAGE, NoReusePort, reuse_port_socket
     from splitbus.cli.common import setup_logging
 
     setup_logging(env, f"api{index}")
     try:
-        sock = reuse_port_socket(host, port, LISTEN_BACKLOG)
+        sock = reuse_port_socket(host, port)
     except OSError as exc:
         say(f"splitbus api: process {index} cannot listen on {host}:{port}: {exc}")
-        sys.exit(2)
+        sys.exit(EXIT_USAGE if isinstance(exc, NoReusePort) else 1)
     sys.exit(serve(config, host, port, sock))
 
 
@@ -344,6 +359,12 @@ def _raise_descriptor_limit(wanted: int) -> None:
         say(f"splitbus api: at most {target} open files (the hard limit): fewer connections than --max-connections")
 
 
+GRACEFUL_SHUTDOWN_S = 5
+"""Seconds uvicorn lets requests in progress (streams) finish after SIGTERM before it cancels
+them: the app's own shutdown (closing its Redis connections, flushing spans) must then fit before
+the group's parent kills the process (``procs.STOP_TIMEOUT_S``, 8 s) and ``splitbus up`` kills
+the API (10 s)."""
+
 LISTEN_BACKLOG = 16384
 """Connections the kernel queues before uvicorn accepts them (capped by ``net.core.somaxconn``):
 a burst of thousands of clients connecting at once waits there instead of being refused."""
@@ -357,14 +378,15 @@ class ServerOptions(TypedDict):
     loop: str
     http: type[GuardedHttpToolsProtocol]
     timeout_keep_alive: int
+    timeout_graceful_shutdown: int
     backlog: int
 
 
 def server_options(config: ApiConfig) -> ServerOptions:
     """uvicorn's options: its HTTP protocol with a header deadline (uvicorn has none; see
     splitbus/api/server.py), idle keep-alive connections closed after 5 s (uvicorn's default,
-    said here because the slow-loris bound relies on it), and a listen backlog that absorbs
-    bursts of new connections."""
+    said here because the slow-loris bound relies on it), streams cut ``GRACEFUL_SHUTDOWN_S``
+    after SIGTERM, and a listen backlog that absorbs bursts of new connections."""
     from splitbus.api.server import guarded_protocol
 
     return {
@@ -374,5 +396,6 @@ def server_options(config: ApiConfig) -> ServerOptions:
             config.header_timeout_s, config.max_header_bytes, config.body_timeout_s, config.max_connections
         ),
         "timeout_keep_alive": 5,
+        "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
         "backlog": LISTEN_BACKLOG,
     }

@@ -33,6 +33,7 @@ def overlap_bucket(blocks: int) -> str:
 KV_SILENT_WORKERS = Gauge(
     "splitbus_scheduler_kv_silent_workers",
     "Workers routed to that sent no KV events since, for 10 s or more (events not published: the index is blind).",
+    multiprocess_mode="livemax",  # each API process placing (--dispatch api) keeps its own index of the same workers
 )
 DISAGG_DECISIONS = Counter(
     "splitbus_scheduler_disagg_decisions_total",

@@ -1,6 +1,7 @@
 """``splitbus api --workers 2`` on loopback, with the scripted responder as scheduler and workers:
 two processes on one port, each a node of its own (the requests name it), under a parent that
-stops them together and fails when one of them ends; a tenant's limit holds across them (its
+stops them together and fails when one of them ends; one scrape of /metrics counts both; a port
+already held is refused before any process starts; a tenant's limit holds across them (its
 bucket is in Redis)."""
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
+from splitbus.api.procs import reuse_port_socket
 from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.connection import connect
 from splitbus.bus.tenants import Tenant, TenantLimits, TenantStore, key_digest
@@ -66,7 +71,7 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def test_requests_spread_over_both_processes_and_stream_whole(
+def test_requests_spread_over_both_processes_stream_whole_and_are_counted_in_one_scrape(
     redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
 ) -> None:
     api = _two_processes(redis_server, tiny_model, prefix)
@@ -79,8 +84,18 @@ def test_requests_spread_over_both_processes_and_stream_whole(
                 assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
         served = {r.api_node for r in responder.requests if r.api_node.startswith(api.node_id)}
         assert served == {f"{api.node_id}-0", f"{api.node_id}-1"}
+        for _ in range(6):  # each scrape on a connection of its own, served by either process: the same sum
+            assert _sample(api, "splitbus_api_requests_total", route="/v1/completions", status="200") == 30
+            assert _sample(api, "splitbus_api_inflight_requests") == 0
     finally:
         stop_api(api)
+
+
+def _sample(api: ApiProcess, name: str, **labels: str) -> float:
+    """The value of ``name``'s sample with ``labels`` in one scrape of the API's /metrics."""
+    text = httpx.get(api.url + "/metrics", headers={"connection": "close"}, timeout=10).text
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
 
 
 def test_sigterm_to_the_parent_stops_every_process(
@@ -110,21 +125,46 @@ def test_a_killed_process_stops_the_others_and_the_parent_fails(
             api.proc.kill()
 
 
-def test_a_process_that_cannot_bind_fails_the_api(
-    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder
-) -> None:
-    plain = socket.socket()  # holds the port without SO_REUSEPORT
+def _plain_listener() -> socket.socket:
+    """A port held without SO_REUSEPORT."""
+    plain = socket.socket()
     plain.bind(("127.0.0.1", 0))
-    plain.listen(1)
-    port = plain.getsockname()[1]
-    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_REDIS_URL": redis_server.url}
-    cmd = [*_python_splitbus(), "api", "--model", str(tiny_model), "--port", str(port), "--workers", "2"]
+    return plain
+
+
+def _another_group() -> socket.socket:
+    """A port held by another group of API processes (SO_REUSEPORT: this group's could join it)."""
+    return reuse_port_socket("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("holder", [_plain_listener, _another_group])
+def test_a_port_in_use_fails_the_api_before_any_process_starts(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, holder: Callable[[], socket.socket]
+) -> None:
+    held = holder()
+    held.listen(1)
+    port = held.getsockname()[1]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        done = _api_with_workers(redis_server, tiny_model, prefix, "--port", str(port))
     finally:
-        plain.close()
+        held.close()
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr + done.stdout
+    assert "processes, nodes" not in done.stderr + done.stdout  # refused before the banner and the start
+
+
+def test_port_0_is_refused_with_several_processes(redis_server: EmbeddedRedis, tiny_model: Path, prefix: str) -> None:
+    done = _api_with_workers(redis_server, tiny_model, prefix, "--port", "0")
+    assert done.returncode == 2
+    assert "--port 0 needs --workers 1" in done.stderr + done.stdout
+
+
+def _api_with_workers(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SPLITBUS_PREFIX": prefix, "SPLITBUS_REDIS_URL": redis_server.url}
+    cmd = [*_python_splitbus(), "api", "--model", str(tiny_model), "--workers", "2", *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
 
 
 def _python_splitbus() -> list[str]:

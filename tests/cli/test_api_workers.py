@@ -11,7 +11,8 @@ from tests.cli.test_up_groups import started
 
 
 def _parsed(monkeypatch: pytest.MonkeyPatch, cpus: int | None, *argv: str) -> int:
-    monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cpus or 0)))
+    monkeypatch.setattr("splitbus.api.procs.cgroup_cpus", lambda: None)
     args = build_parser(load_env({})).parse_args(argv)
     return int(args.workers if args.command == "api" else args.api_workers)
 
@@ -40,6 +41,7 @@ def test_a_count_below_one_is_a_usage_error(argv: tuple[str, ...], capsys: pytes
 def test_up_hands_the_count_to_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
     api = started("--api-workers", "3")["api"][0]
     assert api[api.index("--workers") + 1] == "3"
-    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(64)))
+    monkeypatch.setattr("splitbus.api.procs.cgroup_cpus", lambda: None)
     api = started()["api"][0]
     assert api[api.index("--workers") + 1] == str(MAX_DEFAULT_WORKERS)

@@ -169,6 +169,13 @@ def test_environment_switches_engine_and_model() -> None:
     assert services["api"]["command"][services["api"]["command"].index("--model") + 1] == "/models/qwen"
 
 
+def test_the_api_runs_a_pinned_number_of_processes() -> None:
+    """Not the API's default (one per core it may use): every part shares the compose host's cores."""
+    for env, workers in (({}, "2"), ({"SPLITBUS_API_WORKERS": "4"}, "4")):
+        command = compose_config(**env)["services"]["api"]["command"]
+        assert command[command.index("--workers") + 1] == workers
+
+
 CLUSTER_NODES = [f"redis-node-{i}" for i in range(6)]
 CLUSTER_ADDRESS = ",".join(f"{node}:6379" for node in CLUSTER_NODES)
 
