@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -108,6 +109,38 @@ def test_sigterm_to_the_parent_stops_every_process(
     assert api.proc.wait(30) == 0
     assert not any(alive(pid) for pid in children)
     assert _outlived(everything) == []  # their own children too (chat-template processes, the tracker)
+
+
+def test_a_stream_that_never_ends_does_not_hold_the_stop_past_the_grace(
+    redis_server: EmbeddedRedis, tiny_model: Path, prefix: str, responder: Responder, tmp_path: Path
+) -> None:
+    """uvicorn would wait for it forever: the bounded grace cuts it, and each process stops by
+    itself, before the parent's kill."""
+    err = tmp_path / "api.err"
+    api = start_api(redis_server.url, prefix, [tiny_model], "--workers", "2", stderr=err)
+    _wait_for_model(api)
+    before = len(responder.served)
+    body = {"model": "tiny", "prompt": "[silent]", "max_tokens": 3, "stream": True}
+    ended: list[str] = []
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", api.v1 + "/completions", json=body, timeout=120) as response:
+                response.read()
+            ended.append("closed")
+        except httpx.HTTPError as exc:
+            ended.append(type(exc).__name__)
+
+    client = threading.Thread(target=stream)
+    client.start()
+    deadline = time.monotonic() + 30
+    while len(responder.served) == before:  # the request is on the bus: its stream is open
+        assert time.monotonic() < deadline, "the request never reached the responder"
+        time.sleep(0.05)
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(60) == 0
+    client.join(60)
+    assert ended and "did not stop within" not in err.read_text()
 
 
 def test_a_killed_process_stops_the_others_and_the_parent_fails(

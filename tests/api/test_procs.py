@@ -3,7 +3,9 @@ ids, the shared port and its check, and the parent that runs the group."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import logging
 import multiprocessing
 import os
@@ -13,9 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
+import uvicorn
+from starlette.applications import Starlette
 
 from splitbus.api import procs
 from splitbus.api.procs import (
@@ -29,6 +35,8 @@ from splitbus.api.procs import (
     run_group,
     usable_cpus,
 )
+from splitbus.cli.api_cmd import GRACEFUL_SHUTDOWN_S, LISTEN_BACKLOG
+from splitbus.cli.supervisor import Supervisor
 from splitbus.redis_server import free_port
 
 
@@ -92,6 +100,47 @@ def test_a_bound_socket_takes_no_connection_until_it_listens() -> None:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
         sock.close()
+
+
+def test_uvicorn_listens_on_a_given_socket_only_once_the_app_has_started() -> None:
+    """``serve`` hands uvicorn a bound socket (its loop as the API runs it: uvloop here): no
+    connection is queued for a process whose startup is still running, or failing."""
+    sock = reuse_port_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    starting, release = threading.Event(), threading.Event()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        starting.set()
+        await anyio.to_thread.run_sync(release.wait)
+        yield
+
+    options = {"log_level": "warning", "loop": "auto", "backlog": LISTEN_BACKLOG}
+    server = uvicorn.Server(uvicorn.Config(Starlette(lifespan=lifespan), **options))  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        assert starting.wait(30)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        release.set()
+        _connect_when_listening(port)
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def _connect_when_listening(port: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "uvicorn never listened"
+            time.sleep(0.05)
 
 
 def test_a_port_another_group_listens_on_is_found_in_use() -> None:
@@ -181,6 +230,13 @@ def test_a_process_that_refuses_to_start_makes_the_group_a_usage_error() -> None
     """Exit code 2 (the port cannot be shared): ``splitbus up`` gives up on a 2, not on a 1."""
     ending = run_group([_sleep_forever, functools.partial(_exit_with, procs.EXIT_USAGE)], [].append)
     assert ending is Ending.REFUSED and ending.exit_code == 2
+
+
+def test_each_stop_ends_before_the_one_above_kills() -> None:
+    """Streams are cut before the parent kills a process, and the parent kills before ``splitbus
+    up`` kills the parent: an orderly stop comes through the parent."""
+    up_kills_after = inspect.signature(Supervisor.stop).parameters["timeout_s"].default
+    assert GRACEFUL_SHUTDOWN_S < procs.STOP_TIMEOUT_S < up_kills_after
 
 
 def test_a_process_deaf_to_sigterm_is_killed_after_the_stop_timeout(
