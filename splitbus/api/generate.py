@@ -451,6 +451,8 @@ class Generation:
         except ClientLeft:  # first_result's watcher saw the client leave: events() and collect() end quietly
             raise ClientDisconnected(self.request_id) from None
         self._observe(result)
+        if hopmarks.on:  # the token path's "handler resumed" (a result that was here already waited for nothing)
+            hopmarks.mark_entry(self.request_id, result.seq, "tok.resumed")
         return result
 
     async def first_result(self, request: Request) -> Result:
@@ -528,6 +530,12 @@ class Generation:
         shown = 0 if self.choice.echo_only else finished.completion_tokens
         return protocol.usage(finished.prompt_tokens, shown, finished.cached_tokens)
 
+    def _mark_sse(self, merged: list[Result]) -> None:
+        """Hop marks: the first event built (``api.sse``), and each entry's (``tok.sse``)."""
+        hopmarks.mark(self.request_id, "api.sse")
+        for result in merged:
+            hopmarks.mark_entry(self.request_id, result.seq, "tok.sse")
+
     async def sse(self, first: Result) -> AsyncIterator[bytes]:
         """Server-sent events, then the end of the stream."""
         async for event in self.events(first):
@@ -545,11 +553,11 @@ class Generation:
                 # first, which ``EventStream`` sends from the request's own task). The first pass
                 # always yields, b"" when the first token shows nothing (part of a character): the
                 # wait for the next result is then Starlette's, under its disconnect listener.
-                chunk, result = self._chunk_of(result, head)
-                head = b""
+                chunk, merged = self._chunk_of(result, head)
+                result, head = merged[-1], b""
                 if chunk or opening:
                     if hopmarks.on and chunk:
-                        hopmarks.mark(self.request_id, "api.sse")
+                        self._mark_sse(merged)
                     yield chunk
                     opening = False
                 if result.terminal:
@@ -564,10 +572,10 @@ class Generation:
         finally:
             self.close(reason)
 
-    def _chunk_of(self, result: Result, head: bytes) -> tuple[bytes, Result]:
-        """``head`` and the events of ``result`` and those ready after it (``_merge_ready``), and the last of them."""
+    def _chunk_of(self, result: Result, head: bytes) -> tuple[bytes, list[Result]]:
+        """``head`` and the events of ``result`` and those ready after it (``_merge_ready``), and those results."""
         merged = self._merge_ready(result)
-        return head + b"".join(event for r in merged for event in self._events(r)), merged[-1]
+        return head + b"".join(event for r in merged for event in self._events(r)), merged
 
     def _role_chunk(self) -> bytes:
         """A chat stream's first chunk: the assistant's role, no content yet (as OpenAI's)."""

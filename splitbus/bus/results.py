@@ -16,7 +16,7 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -171,6 +171,13 @@ class ResultWriter:
         """The sequence number the request's next entry will get here."""
         return self._next_seq[request_id]
 
+    def mark_next(self, request_ids: Iterable[str], name: str) -> None:
+        """Hop marks: ``name`` for the next entry of each open request (``hopmarks.mark_entry``)."""
+        for request_id in request_ids:
+            seq = self._next_seq.get(request_id)
+            if seq is not None:
+                hopmarks.mark_entry(request_id, seq, name)
+
     def forget(self, request_id: str) -> None:
         """Stop writing a request without ending it (another worker continues it)."""
         self._next_seq.pop(request_id, None)
@@ -206,11 +213,12 @@ class ResultWriter:
         is loaded again once."""
         reloaded = False
         while self._writes.pending:
-            done = await self._writes.write([self._script_args(run) for run in self._writes.runs()])
-            if hopmarks.on:  # the first token's write alone (bench serve's side step), not one mark a token
-                for p in done.written:
-                    if p.first:
-                        hopmarks.mark(p.request_id, "worker.written")
+            runs = self._writes.runs()
+            if hopmarks.on:
+                _mark_entries([p for run in runs for p in run], "tok.flush")
+            done = await self._writes.write([self._script_args(run) for run in runs])
+            if hopmarks.on:
+                _mark_written(done.written)
             self._settle(done.written)
             if done.lost_script and not reloaded:
                 await self._writes.reload()
@@ -343,9 +351,36 @@ class ResultWriter:
         return seq
 
     def _append(self, request_id: str, result: Result) -> None:
+        if hopmarks.on:
+            hopmarks.mark_entry(request_id, result.seq, "tok.step")
         first = result.seq == self._first_seq.get(request_id)
         reader = self._readers[request_id]
         self._writes.add(reader, request_id, _Pending(request_id, reader, result, first=first))
+
+
+def _mark_entries(pending: Iterable[_Pending], name: str) -> None:
+    """Hop marks: ``name`` for each of these entries (the token path's, one set a token)."""
+    for p in pending:
+        hopmarks.mark_entry(p.request_id, p.result.seq, name)
+
+
+def _mark_written(written: list[_Pending]) -> None:
+    """Hop marks: ``tok.written`` for each entry written, and ``worker.written`` for a request's first
+    entry from this writer only (the first token's write, bench serve's side step), not one a token."""
+    _mark_entries(written, "tok.written")
+    for p in written:
+        if p.first:
+            hopmarks.mark(p.request_id, "worker.written")
+
+
+def _mark_read(request_id: str, seq: int, read_ns: int) -> None:
+    """Hop marks: a result entry read (its shard's reply, ``read_ns``) and decoded (now), for the
+    first token's hop (``api.*``) and the token path (``tok.*``)."""
+    decoded_ns = time.time_ns()
+    hopmarks.mark(request_id, "api.read", read_ns)
+    hopmarks.mark(request_id, "api.decoded", decoded_ns)
+    hopmarks.mark_entry(request_id, seq, "tok.read", read_ns)
+    hopmarks.mark_entry(request_id, seq, "tok.decoded", decoded_ns)
 
 
 class ClientLeft(Exception):
@@ -476,6 +511,14 @@ async def read_sent(redis: aioredis.Redis, config: BusConfig, reader: str, reque
     return sent
 
 
+HAND_OVER_STREAMS = 4
+"""A reply of at most this many streams is handed over before the shard reads again: one loop
+turn (``asyncio.sleep(0)``) in which the handlers it woke send their events, before the next XREAD
+is built and written (60-80 µs of a token's way at c = 1, hop marks: ``bench.hop_trace
+--tokens``). A larger reply's XREAD goes out first, as before: under load Redis then gathers the
+next batch while the handlers write."""
+
+
 class _Shard:
     """One connection and one XREAD loop over a subset of the subscribed streams; ``retire`` is
     called with each subscription whose final entry it read."""
@@ -531,8 +574,11 @@ class _Shard:
         reply = await follow.read_reply(self._redis, streams, self._config.reader_count, self._config.block_ms)
         self.blocked = False
         self._read_ns = time.time_ns() if hopmarks.on else 0
-        for key, entries in cast(RawXReadReply, reply or []):
+        read = cast(RawXReadReply, reply or [])
+        for key, entries in read:
             self._dispatch(key.decode(), entries)
+        if len(read) <= HAND_OVER_STREAMS:
+            await asyncio.sleep(0)
 
     def _dispatch(self, key: str, entries: list[RawEntry]) -> None:
         if key == self.wake_key:
@@ -563,8 +609,7 @@ class _Shard:
             return
         if isinstance(result, (TokenDelta, Finished, Failed)):
             if hopmarks.on:
-                hopmarks.mark(sub.request_id, "api.read", self._read_ns)
-                hopmarks.mark(sub.request_id, "api.decoded")
+                _mark_read(sub.request_id, result.seq, self._read_ns)
             sub.accept(result)
         else:
             log.error("result entry %s on %s is a %s, not a result", entry_id, sub.key, result.TYPE)

@@ -204,13 +204,21 @@ class EngineSteps:
         if tracing.on:
             spans.decoding(batch)
         self.decode_clock.step_starts(time.perf_counter())
+        self._mark_next(batch, "tok.engine")
         results = await self.run_engine(self.engine.decode, batch)
         self.decode_clock.step_ends(time.perf_counter(), len(results))
+        self._mark_next(batch, "tok.engined")
         await self.settle()
         self.apply(self.core.end_decode(results))
         if tracing.on:
             spans.decoded(batch, self.core.table)
         return True
+
+    def _mark_next(self, batch: list[Sequence], name: str) -> None:
+        """Hop marks, when on: ``name`` for the entry each request of the batch writes next (the
+        token path's marks: ``hop_trace``'s token table)."""
+        if hopmarks.on:
+            self.outbox.writer.mark_next((seq.request_id for seq in batch), name)
 
     async def run_engine(self, step: EngineCall, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
         """One engine call for the batch. If it raises, each sequence runs alone to find the

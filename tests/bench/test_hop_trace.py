@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from splitbus.bench.hop_trace import (
     PATH,
     SKIPPED,
+    TOKEN_PATH,
     TraceError,
     check,
     entry_stamps,
@@ -23,6 +24,8 @@ from splitbus.bench.hop_trace import (
     read_marks,
     steps_us,
     table,
+    token_rows,
+    token_table,
 )
 from splitbus.bench.serve import HOPS
 from splitbus.bus.core.keys import Keys
@@ -140,3 +143,46 @@ def test_without_a_request_entry_the_scheduler_s_hop_is_zero() -> None:
     ms = 1_000_000
     hops = hops_ms([{"client.sent": 0, "task.ts": 2 * ms, "token.ts": 5 * ms, "client.first": 6 * ms}])
     assert [hops[name]["p50"] for name in HOPS] == [2.0, 0.0, 3.0, 1.0, 6.0]
+
+
+def test_a_steady_token_is_cut_from_the_step_before_it_to_the_client() -> None:
+    """Token 2 of a stream: its step from token 1's end; the ITL from token 1's chunk; token 1 (the
+    second, whose step starts at the prefill's hand-over) and a token without marks left out."""
+    kept = {"cmpl-a/1": {"tok.step": 1_000_000}}
+    kept["cmpl-a/2"] = {s.mark: 1_000_000 + (i + 1) * 10_000 for i, s in enumerate(TOKEN_PATH) if s.mark != "token.ts"}
+    kept["cmpl-a/2"]["tok.written"] = kept["cmpl-a/2"]["tok.flush"] + 300_000
+    found = [
+        {
+            "cmpl-a/1": {"token.ts": 900_000, "client.token": 1_500_000},
+            "cmpl-a/2": {"token.ts": 1_045_000, "client.token": 5_600_000},
+            "cmpl-a/3": {"token.ts": 1_200_000, "client.token": 9_000_000},
+        }
+    ]
+    (row,) = token_rows(found, kept)
+    assert row["tok.engine"] == 10.0 and row["tok.flush"] == 10.0 and row["token.ts"] == 5.0
+    assert row["tok.read"] == 15.0  # from the entry's ts
+    assert row["client.token"] == (5_600_000 - 1_090_000) / 1000  # from its event built
+    assert row["tok.written"] == 295.0 and row["client.itl"] == 4100.0
+    assert row["tok.cadence"] == (kept["cmpl-a/2"]["tok.step"] - 1_000_000) / 1000
+    lines = {line["mark"]: line for line in token_table([row])}
+    assert lines["step.total"]["p50_us"] == 30.0 and lines["worker.total"]["p50_us"] == 15.0
+
+
+def test_no_steady_token_fails_the_token_trace() -> None:
+    """Streams whose tokens did not pair with their chunks (or had no marks) give no row: the trace
+    fails instead of printing a table of nothing."""
+    assert token_rows([{}], {}) == []
+    with pytest.raises(TraceError, match="no steady token has its marks"):
+        token_table([])
+
+
+def test_the_token_marks_do_not_count_in_a_request_s_required_marks(tmp_path: Path) -> None:
+    """The per-token marks (kept under REQUEST/SEQ) stay out of the request's marks: its required
+    marks' check sees only its own, whichever dispatch mode."""
+    lines = [f"cmpl-a {mark} {ns}" for mark, ns in _stamps().items() if mark != "client.sent"]
+    lines += ["cmpl-a/0 tok.step 5", "cmpl-a/1 tok.read 6", "cmpl-a/1 tok.sse 7"]
+    (tmp_path / "1.marks").write_text("\n".join(lines) + "\n")
+    kept = read_marks(tmp_path)
+    assert set(kept) == {"cmpl-a", "cmpl-a/0", "cmpl-a/1"}
+    assert not any(mark.startswith("tok.") for mark in kept["cmpl-a"])
+    check([{**kept["cmpl-a"], "id": "cmpl-a", "client.sent": _stamps()["client.sent"]}], "scheduler")

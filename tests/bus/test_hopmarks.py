@@ -16,7 +16,7 @@ from splitbus.bus.core.config import BusConfig
 from splitbus.bus.core.streams import Producer
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.request_stream import request_consumer
-from splitbus.bus.results import ResultWriter
+from splitbus.bus.results import ResultReader, ResultWriter
 
 
 @pytest.fixture
@@ -87,7 +87,10 @@ async def test_a_result_writer_marks_a_request_s_first_write_only(
         await writer.flush()
     writer.finish("cmpl-w", "stop", 2, 3)
     await writer.flush()
-    assert [m[:2] for m in hopmarks._marks] == [("cmpl-w", "worker.written")]  # not one a token
+    request_marks = [m[:2] for m in hopmarks._marks if m[0] == "cmpl-w"]
+    assert request_marks == [("cmpl-w", "worker.written")]  # not one a token
+    written = [m[0] for m in hopmarks._marks if m[1] == "tok.written"]  # the token path's: one an entry
+    assert written == [hopmarks.entry_key("cmpl-w", seq) for seq in range(4)]
 
 
 def test_a_folder_that_cannot_take_the_file_turns_marks_off_with_one_warning_at_start(
@@ -131,3 +134,51 @@ async def test_no_marks_when_off(tmp_path: Path, redis: aioredis.Redis, bus_conf
     await Producer(redis, bus_config).send(bus_config.keys.requests, _request("cmpl-b"))
     assert len(await consumer.read(10, block_ms=1000)) == 1
     assert hopmarks._marks == []
+
+
+async def test_the_token_path_marks_each_entry_by_its_seq(
+    marks_on: Path, redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """The writer's step, flush and reply, the API reader's read and decode, under REQUEST/SEQ."""
+    reader = ResultReader(bus_config, redis, name="api-marks", shards=1)
+    await reader.start()
+    try:
+        sub = await reader.subscribe("cmpl-k")
+        writer = ResultWriter(redis, bus_config)
+        writer.open("cmpl-k", reader=reader.reader_of("cmpl-k"))
+        writer.mark_next(["cmpl-k", "cmpl-unopened"], "tok.engine")  # an unopened request: no mark
+        writer.tokens("cmpl-k", [10])
+        writer.finish("cmpl-k", "length", prompt_tokens=1, completion_tokens=1)
+        await writer.flush()
+        assert [r.seq async for r in sub] == [0, 1]
+    finally:
+        await reader.close()
+    hopmarks.flush()
+    marks = read_marks(marks_on)
+    token = marks[hopmarks.entry_key("cmpl-k", 0)]
+    order = ["tok.engine", "tok.step", "tok.flush", "tok.written"]
+    assert sorted(order, key=token.__getitem__) == order
+    assert token["tok.flush"] <= token["tok.read"] <= token["tok.decoded"]
+    assert set(marks[hopmarks.entry_key("cmpl-k", 1)]) >= {"tok.step", "tok.flush", "tok.read"}  # the Finished
+    assert "cmpl-unopened/0" not in marks and marks["cmpl-k"]["api.read"] == token["tok.read"]
+
+
+async def test_the_token_marks_turn_off_with_the_rest_when_the_file_cannot_be_written(
+    marks_on: Path, redis: aioredis.Redis, bus_config: BusConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer's per-token marks kept, then their file cannot be made: marks off, and the next
+    tokens' writes keep none."""
+    hopmarks.FOLDER = str(marks_on / "a-file")
+    (marks_on / "a-file").write_text("")
+    writer = ResultWriter(redis, bus_config)
+    writer.open("cmpl-o", reader="api")
+    writer.mark_next(["cmpl-o"], "tok.engine")
+    writer.tokens("cmpl-o", [1])
+    await writer.flush()
+    assert {m[1] for m in hopmarks._marks} >= {"tok.engine", "tok.step", "tok.flush", "tok.written"}
+    with caplog.at_level(logging.WARNING, logger=hopmarks.__name__):
+        hopmarks.flush()
+    assert not hopmarks.on and hopmarks._marks == [] and len(caplog.records) == 1
+    writer.tokens("cmpl-o", [2])
+    await writer.flush()
+    assert hopmarks._marks == [] and not list(marks_on.glob("*.marks"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from collections.abc import Callable
 
 import pytest
 import redis as sync_redis
@@ -369,3 +370,37 @@ def test_the_grace_is_at_most_the_backstop() -> None:
         BusConfig(result_grace_s=-1)
     with pytest.raises(ValueError, match="result_grace_s"):
         BusConfig(result_grace_s=121, finished_result_ttl_s=120)
+
+
+async def test_a_small_reply_is_handed_over_before_the_shard_reads_again(
+    redis: aioredis.Redis, bus_config: BusConfig
+) -> None:
+    """The handler a token wakes runs before the shard's next XREAD is built and sent (one loop
+    turn: HAND_OVER_STREAMS); the shard's xreads still counts the read that delivered it."""
+    reader = ResultReader(bus_config, redis, name="api-hand", shards=1)
+    await reader.start()
+    try:
+        sub = await reader.subscribe("r-hand")
+        (shard,) = reader._shards
+        writer = ResultWriter(redis, bus_config)
+        writer.open("r-hand", reader=reader.reader_of("r-hand"))
+        writer.tokens("r-hand", [10])
+
+        async def handler() -> int:
+            await sub.get()
+            return shard.xreads  # as the handler resumes
+
+        waiting = asyncio.ensure_future(handler())
+        await asyncio.sleep(0.1)  # the shard is blocked on its read with the stream in it
+        reads = shard.xreads
+        await writer.flush()
+        assert await asyncio.wait_for(waiting, 5) == reads  # resumed before the next XREAD was issued
+        assert await asyncio.wait_for(_until(lambda: shard.xreads == reads + 1), 5)  # then it reads again
+    finally:
+        await reader.close()
+
+
+async def _until(condition: Callable[[], bool]) -> bool:
+    while not condition():
+        await asyncio.sleep(0.01)
+    return True

@@ -46,6 +46,17 @@ def mark_message(message: Any, name: str, ns: int | None = None) -> None:
         mark(request_id, name, ns)
 
 
+def mark_entry(request_id: str, seq: int, name: str, ns: int | None = None) -> None:
+    """Stamp ``name`` for one result entry of ``request_id`` (its ``seq``): the token path's marks,
+    one set a token, under ``REQUEST_ID/SEQ`` (``entry_key``)."""
+    _marks.append((entry_key(request_id, seq), name, time.time_ns() if ns is None else ns))
+
+
+def entry_key(request_id: str, seq: int) -> str:
+    """The id a result entry's marks are kept under: its request's, ``/``, its seq."""
+    return f"{request_id}/{seq}"
+
+
 def flush() -> None:
     """Write the marks kept so far to this process's file (appended) and forget them; marks off,
     with a warning, if the file cannot be written."""
