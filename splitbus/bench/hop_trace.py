@@ -11,6 +11,12 @@ request's row: the next step counts from the mark before it. Any other mark miss
 trace (``TraceError``): folded into the next step, it would pass for that step's time.
 
     python -m splitbus.bench.hop_trace --dispatch scheduler --count 50
+
+With ``--tokens``: the token path instead (``TOKEN_PATH``), ``--count`` streams of 64 tokens at
+c = 1, each steady token cut from the end of the decode step before it to the client's chunk.
+The required marks are the TTFT's (a token's marks are kept under ``REQUEST_ID/SEQ``, apart): a
+token's step counts from the last mark present (a result already waiting has no ``tok.resumed``),
+and a run in which no steady token has its marks fails (``TraceError``).
 """
 
 from __future__ import annotations
@@ -413,7 +419,7 @@ def markdown(lines: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--dispatch", choices=("scheduler", "api"), default="scheduler")
-    parser.add_argument("--count", type=int, default=50, help="requests timed, after the warm-up")
+    parser.add_argument("--count", type=int, default=50, help="requests timed after the warm-up (--tokens: streams)")
     parser.add_argument("--json", help="also write the steps here")
     parser.add_argument("--tokens", action="store_true", help="the token path (ITL) at c = 1 instead of the TTFT's")
     args = parser.parse_args(argv)
