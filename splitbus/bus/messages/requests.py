@@ -186,7 +186,8 @@ class GenerateRequest:
         require(isinstance(self.sampling, SamplingParams), "sampling must be an object")
         require_str(self.api_node, "api_node")
         require_str(self.reader, "reader")
-        require(valid_tag(self.reader), f"reader must be a hash tag: no braces, colons or spaces, got {self.reader!r}")
+        if not valid_tag(self.reader):
+            raise ValueError(f"reader must be a hash tag: no braces, colons or spaces, got {self.reader!r}")
         require_int(self.deadline_ms, "deadline_ms", minimum=0, maximum=MAX_DEADLINE_MS)
         self._check_prefix()
         self._check_salt()
@@ -201,10 +202,10 @@ class GenerateRequest:
         if not self.prefix_hashes:
             return
         blocks = (len(self.prompt_token_ids) - 1) // max(self.prefix_block_size, 1)
-        require(
-            self.prefix_block_size > 0 and len(self.prefix_hashes) == blocks * HEX_DIGITS,
-            f"prefix_hashes must hold {HEX_DIGITS} hex digits for each of the prompt's {blocks} full blocks",
-        )
+        if self.prefix_block_size <= 0 or len(self.prefix_hashes) != blocks * HEX_DIGITS:
+            raise ValueError(
+                f"prefix_hashes must hold {HEX_DIGITS} hex digits for each of the prompt's {blocks} full blocks"
+            )
         require(_HEX_RUN.fullmatch(self.prefix_hashes) is not None, "prefix_hashes must be lowercase hex")
 
     def _check_choices(self) -> None:
@@ -215,4 +216,5 @@ class GenerateRequest:
     def _check_salt(self) -> None:
         require(type(self.cache_salt) is str, "cache_salt must be a string")
         salted = len(self.cache_salt) == HEX_DIGITS and _HEX_RUN.fullmatch(self.cache_salt) is not None
-        require(self.cache_salt == "" or salted, f"cache_salt must be empty or {HEX_DIGITS} lowercase hex digits")
+        if self.cache_salt and not salted:
+            raise ValueError(f"cache_salt must be empty or {HEX_DIGITS} lowercase hex digits")
