@@ -44,7 +44,7 @@ import redis.asyncio as aioredis
 from splitbus.bus.blocks import chain_hex
 from splitbus.bus.core import codec
 from splitbus.bus.core.config import BusConfig
-from splitbus.bus.dispatch import DispatchOutcome, DispatchScript
+from splitbus.bus.dispatch import DispatchOutcome, DispatchScript, Key
 from splitbus.bus.messages import GenerateRequest, SamplingParams
 from splitbus.bus.records import Reserved, WorkerLoad
 from splitbus.bus.registry import WorkerInfo, WorkerRecord
@@ -198,7 +198,7 @@ def measure_stages(count: int, requests: int, seed: int) -> dict[str, float]:
             ledger.reserve(p)
         return placements
 
-    def arguments(i: int) -> tuple[list[str], list[Any]]:
+    def arguments(i: int) -> tuple[Sequence[Key], list[Any]]:
         entry = script.request_entry(f"{i}-0", f"r{i}")
         _finish(script.write(entry, f"r{i}", "0" * 16, made["tasks"][i], consumer="bench"))
         return script.calls.pop()
@@ -222,9 +222,9 @@ class _Recorded(DispatchScript):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.calls: list[tuple[list[str], list[Any]]] = []
+        self.calls: list[tuple[Sequence[Key], list[Any]]] = []
 
-    async def _run(self, keys: list[str], args: list[Any], script: Any) -> int:
+    async def _run(self, keys: Sequence[Key], args: list[Any], script: Any) -> int:
         self.calls.append((keys, args))
         return int(DispatchOutcome.DISPATCHED)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import orjson
 
 from splitbus.bus.core.codec import message
 from splitbus.bus.messages._check import (
@@ -21,6 +23,7 @@ from splitbus.bus.messages.requests import GenerateRequest
 from splitbus.bus.roles import PHASES, Phase
 
 RESERVED_NAMES = ("prefill tokens", "requests", "KV blocks")
+_RESERVED_LABELS = tuple(f"reserved {name}" for name in RESERVED_NAMES)
 MAX_RANKS = 4096
 
 
@@ -65,7 +68,8 @@ class Task:
     Empty: not traced."""
 
     def __post_init__(self) -> None:
-        require(self.phase in PHASES, f"phase must be one of {PHASES}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}")
         require(isinstance(self.request, GenerateRequest), "request must be an object")
         require_str(self.peer, "peer", nonempty=self.phase != Phase.MIXED)
         require_int(self.first_seq, "first_seq", minimum=0, maximum=MAX_SEQ)
@@ -76,5 +80,31 @@ class Task:
         require_str(self.handoff, "handoff", nonempty=False, max_chars=64)
         require_int(self.twins, "twins", minimum=1, maximum=MAX_CHOICES)
         require_traceparent(self.traceparent)
-        for value, name, most in zip(self.reserved, RESERVED_NAMES, (MAX_TOKENS, 1, MAX_KV_BLOCKS), strict=True):
-            require_int(value, f"reserved {name}", minimum=0, maximum=most)
+        for value, name, most in zip(self.reserved, _RESERVED_LABELS, (MAX_TOKENS, 1, MAX_KV_BLOCKS), strict=True):
+            require_int(value, name, minimum=0, maximum=most)
+
+
+class RequestJson:
+    """The JSON of the requests a dispatch's tasks carry, each encoded once however many tasks
+    carry it (a decision's prefill and decode task carry one request: issue 40)."""
+
+    def __init__(self) -> None:
+        self._encoded: dict[int, tuple[GenerateRequest, orjson.Fragment]] = {}
+
+    def of(self, request: GenerateRequest) -> orjson.Fragment:
+        # keyed by identity, the request kept alongside so that its id is not reused meanwhile
+        found = self._encoded.get(id(request))
+        if found is None:
+            found = self._encoded[id(request)] = (request, orjson.Fragment(orjson.dumps(request)))
+        return found[1]
+
+
+_TASK_FIELDS = tuple(f.name for f in fields(Task) if f.name != "request")
+
+
+def task_json(task: Task, requests: RequestJson) -> bytes:
+    """The task's entry ``data``, as ``orjson.dumps(task)`` gives it, its request's JSON from
+    ``requests`` rather than encoded again."""
+    data: dict[str, Any] = {name: getattr(task, name) for name in _TASK_FIELDS}
+    data["request"] = requests.of(task.request)
+    return orjson.dumps(data)
