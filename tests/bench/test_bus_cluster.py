@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,6 +60,15 @@ def test_a_run_whose_readers_missed_a_written_token_fails() -> None:
         _run([(100, 6), (110, 6)], [(11, 2_100_000)], [], ("t",))
 
 
+@pytest.fixture
+def default_sigterm() -> Iterator[None]:
+    """Forked stand-ins inherit this process's SIGTERM handler: one an earlier test left installed
+    (a Python handler that returns) would make ``time.sleep`` resume after a terminate."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
 def _deaf(ready: Any) -> None:
     """A process that ignores SIGTERM (one stuck where it cannot be interrupted)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -67,6 +76,7 @@ def _deaf(ready: Any) -> None:
     time.sleep(60)
 
 
+@pytest.mark.usefixtures("default_sigterm")
 def test_stop_terminates_every_process_then_kills_what_outlives_the_wait() -> None:
     ctx = mp.get_context("fork")
     ready = ctx.Event()
@@ -79,6 +89,7 @@ def test_stop_terminates_every_process_then_kills_what_outlives_the_wait() -> No
     assert (sleeping.exitcode, deaf.exitcode, never.exitcode) == (-signal.SIGTERM, -signal.SIGKILL, None)
 
 
+@pytest.mark.usefixtures("default_sigterm")
 def test_an_api_node_that_fails_to_start_stops_those_started_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
     fork, started = mp.get_context("fork"), []
 
