@@ -4,8 +4,12 @@ for one only when the pool is full (see docs/bus.md, "redis-py settings")."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections import deque
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -13,10 +17,17 @@ from redis.asyncio.connection import (
     AbstractConnection,
     async_timeout,  # redis-py's choice: asyncio's from 3.11.3 (its issue 2633)
 )
-from redis.asyncio.observability.recorder import record_connection_count
+from redis.asyncio.observability.recorder import (
+    record_connection_count,
+    record_connection_create_time,
+    record_connection_timeout,
+    record_connection_wait_time,
+)
 from redis.auth.token import TokenInterface
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.observability.attributes import ConnectionState, get_pool_name
+
+logger = logging.getLogger(__name__)
 
 NO_CONNECTION = "No connection available."
 """What a wait past the timeout raises (a ``ConnectionError``), word for word as redis-py's
@@ -42,15 +53,21 @@ class BusPool(aioredis.ConnectionPool):
     ``_in_use_connections``), so ``disconnect``, ``aclose``, ``set_retry`` and the connection
     counts work unchanged; the check of a connection before it is handed out
     (``ensure_connection``: reconnect a dropped one, refuse one with unread data); a connection
-    marked for reconnect is closed as it comes back; redis-py's connection-count metrics; the
-    release event, dispatched once a streaming credential provider has asked for
-    re-authentication (its one listener). redis-py's lock is still honoured: while a
-    re-authentication or a maintenance step holds it to walk the connections, callers wait for it
-    as before.
+    marked for reconnect is closed as it comes back; redis-py's metrics: the connection counts,
+    and on the waiting path (the only one the blocking pool had) the wait, the timeout and the
+    time to make a connection; the release event, dispatched once a streaming credential provider
+    has asked for re-authentication (its one listener), before the connection is free again, so
+    that no one is handed it in the middle of its ``AUTH``. redis-py's lock is still honoured:
+    while a re-authentication or a maintenance step holds it to walk the connections, callers wait
+    for it, and nothing here changes the lists under it (what would be done then is done once
+    the lock is free).
 
     After a fork the child starts with no connections (as redis-py's synchronous pool does;
-    its asyncio pool does not look): the inherited ones are the parent's sockets, dropped here
-    without being closed, which the parent goes on using."""
+    its asyncio pool does not look) and a lock of its own. The inherited connections are the
+    parent's sockets, which the parent goes on using: the child keeps them, untouched, for its
+    whole life, because a connection that is garbage-collected closes its transport, and in a
+    child that shares its parent's event-loop selector that takes the parent's socket out of the
+    parent's selector too."""
 
     def __init__(self, *, timeout: float | None = 5.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -58,6 +75,8 @@ class BusPool(aioredis.ConnectionPool):
         """How long a caller waits for a connection of a full pool (``None``: for ever)."""
         self._waiters: deque[asyncio.Future[AbstractConnection]] = deque()
         self._pid = os.getpid()
+        self._inherited: list[AbstractConnection] = []
+        """After a fork, the parent's connections: held, never used or closed (see the class)."""
         self._fresh: set[AbstractConnection] = set()
         """Connections made for a caller that has not had them yet (they were never idle)."""
         self._re_auth = False
@@ -69,15 +88,33 @@ class BusPool(aioredis.ConnectionPool):
         """A connected connection: at once when one is free and no one waits before this caller,
         else after a wait (see the class)."""
         connection = self._take_at_once()
-        if connection is None:
-            connection = await self._wait_for_one()
+        if connection is not None:
+            return await self._checked(connection)
+        started = time.monotonic()
+        connection = await self._wait_for_one()
+        await self._checked(connection, created=connection in self._fresh)
+        await record_connection_wait_time(pool_name=get_pool_name(self), duration_seconds=time.monotonic() - started)
+        return connection
+
+    async def _checked(self, connection: AbstractConnection, created: bool = False) -> AbstractConnection:
+        """``connection`` counted as taken and connected, or given back if that fails (the
+        failure raised, not one of the release's)."""
+        started = time.monotonic()
         try:
             await self._count_taken(connection)
             await self.ensure_connection(connection)
         except BaseException:
-            await self.release(connection)
+            await self._release_quietly(connection)
             raise
+        if created:  # on the waiting path only, as the blocking pool recorded it
+            await record_connection_create_time(connection_pool=self, duration_seconds=time.monotonic() - started)
         return connection
+
+    async def _release_quietly(self, connection: AbstractConnection) -> None:
+        try:
+            await self.release(connection)
+        except Exception:  # the connection is back; the caller's own error is the one that matters
+            logger.warning("giving back a connection that failed its check failed too", exc_info=True)
 
     async def release(self, connection: AbstractConnection) -> None:
         """Give ``connection`` back: to the longest waiter, or to the free list."""
@@ -87,15 +124,20 @@ class BusPool(aioredis.ConnectionPool):
             finally:
                 self._hand_on()
             return
-        self._put_back(connection)
         if self._re_auth:
-            await self._finish_release(connection)  # the release event, which re-authenticates, and the counts
-        else:
-            await self._count(idle=1, used=-1)
+            try:  # the release event (re-authentication) and the counts, while no one else can have it
+                await self._finish_release(connection)
+            finally:
+                self._give_back(connection)
+            return
+        self._put_back(connection)
+        await self._count(idle=1, used=-1)
 
     def _take_at_once(self) -> AbstractConnection | None:
         """A connection without waiting, or ``None`` when callers wait before this one or
         redis-py's lock is held (a re-authentication or a maintenance step walking the lists)."""
+        if self._pid != os.getpid():  # before the lock's check: a forked child must not wait on its parent's lock
+            self._forked()
         if self._waiters or self._lock.locked():
             return None
         return self._take()
@@ -103,8 +145,6 @@ class BusPool(aioredis.ConnectionPool):
     def _take(self) -> AbstractConnection | None:
         """A free connection, else a new one below the cap (not yet connected), marked in use;
         ``None`` at the cap. No ``await`` here: the check and the update are one step."""
-        if self._pid != os.getpid():
-            self._forked()
         if self._available_connections:
             connection = self._available_connections.pop()
         elif len(self._in_use_connections) < self.max_connections:
@@ -121,16 +161,40 @@ class BusPool(aioredis.ConnectionPool):
         self._available_connections.append(connection)
         self._hand_on()
 
+    def _give_back(self, connection: AbstractConnection) -> None:
+        """``_put_back``, or once redis-py's lock is free when someone holds it."""
+        if self._lock.locked():
+            self._when_lock_free(partial(self._put_back, connection))
+        else:
+            self._put_back(connection)
+
     def _hand_on(self) -> None:
-        """Hand free connections (or room for new ones) to the waiters, longest first."""
+        """Hand free connections (or room for new ones) to the waiters, longest first; once
+        redis-py's lock is free when someone holds it (the lists are theirs to walk)."""
+        if self._lock.locked():
+            if self._waiters:
+                self._when_lock_free(self._hand_on)
+            return
         while self._waiters:
-            if self._waiters[0].done():  # cancelled or timed out, not yet back on the loop to withdraw
+            waiter = self._waiters[0]
+            if waiter.done():  # cancelled or timed out, not yet back on the loop to withdraw
                 self._waiters.popleft()
                 continue
-            connection = self._take()
+            try:
+                connection = self._take()
+            except Exception as exc:  # make_connection failed: the waiter it was for gets the error
+                self._waiters.popleft().set_exception(exc)
+                continue
             if connection is None:
                 return
             self._waiters.popleft().set_result(connection)
+
+    def _when_lock_free(self, step: Callable[[], None]) -> None:
+        self._run_in_background(self._after_lock(step))  # redis-py's: the task held, a failure logged
+
+    async def _after_lock(self, step: Callable[[], None]) -> None:
+        await self._lock_free()
+        step()
 
     async def _wait_for_one(self) -> AbstractConnection:
         waiter: asyncio.Future[AbstractConnection] = asyncio.get_running_loop().create_future()
@@ -143,6 +207,7 @@ class BusPool(aioredis.ConnectionPool):
         except BaseException as exc:
             self._withdraw(waiter)
             if isinstance(exc, asyncio.TimeoutError):  # TimeoutError itself from 3.11
+                await record_connection_timeout(pool_name=get_pool_name(self))
                 raise RedisConnectionError(NO_CONNECTION) from exc
             raise
 
@@ -156,11 +221,16 @@ class BusPool(aioredis.ConnectionPool):
         as it was cancelled (or timed out) goes on to the next."""
         if waiter in self._waiters:
             self._waiters.remove(waiter)
-        if waiter.done() and not waiter.cancelled():
-            self._put_back(waiter.result())
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            self._give_back(waiter.result())
 
     def _forked(self) -> None:
-        self.reset()
+        """In a forked child: start empty, keeping the parent's connections (see the class)."""
+        self._inherited.extend(self._available_connections)
+        self._inherited.extend(self._in_use_connections)
+        self._available_connections = []
+        self._in_use_connections = set()
+        self._lock = asyncio.Lock()  # the parent's may be held, and is bound to the parent's loop
         self._waiters.clear()
         self._fresh.clear()
         self._pid = os.getpid()

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
-from collections.abc import AsyncIterator, Callable
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
+from redis.auth.token import SimpleToken
+from redis.event import AsyncAfterConnectionReleasedEvent, EventDispatcher
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from splitbus.bus.core import pool as pool_module
@@ -67,10 +73,19 @@ async def admin(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-def small_pool(bus_config: BusConfig, max_connections: int, timeout: float | None) -> BusPool:
+def small_pool(bus_config: BusConfig, max_connections: int, timeout: float | None, **kwargs: object) -> BusPool:
     return BusPool.from_url(
-        bus_config.redis_url, max_connections=max_connections, timeout=timeout, connection_class=BusConnection
+        bus_config.redis_url, max_connections=max_connections, timeout=timeout, connection_class=BusConnection, **kwargs
     )
+
+
+async def queued(pool: BusPool, count: int = 1) -> list[asyncio.Task[AbstractConnection]]:
+    """``count`` callers of a full pool, each waiting on its future (past the lock) when this returns."""
+    tasks = []
+    for _ in range(count):
+        tasks.append(asyncio.create_task(pool.get_connection()))
+        await until(lambda: len(pool._waiters) == len(tasks))
+    return tasks
 
 
 async def test_connect_builds_the_bus_pool_with_the_cap_and_the_socket_timeout_as_its_wait(
@@ -213,7 +228,7 @@ async def test_callers_wait_while_redis_pys_pool_lock_is_held(bus_config: BusCon
     async with pool._lock:
         taking = asyncio.create_task(pool.get_connection())
         giving = asyncio.create_task(pool.release(connection))
-        await asyncio.sleep(0.02)
+        await until(lambda: len(pool._lock._waiters or ()) == 2)  # both queued on the lock
         assert not taking.done() and not giving.done() and counts(pool) == (0, 1)
     other = await taking
     await giving
@@ -237,3 +252,247 @@ async def test_after_a_fork_the_child_drops_the_parents_connections_unclosed(
     await pool.release(childs)
     await pool.aclose()
     await parents.disconnect()
+
+
+async def ping_on(pool: BusPool) -> bool:
+    connection = await pool.get_connection()
+    try:
+        await connection.send_command("PING")
+        return bool(await connection.read_response() == b"PONG")
+    finally:
+        await pool.release(connection)
+        gc.collect()  # as a child living on would, sooner or later: what the pool dropped is finalized
+
+
+def child_pings(pool: BusPool) -> None:
+    """A forked child's life: a PING on a connection of ``pool``, from an event loop of its own (in a
+    thread: this one still holds the parent's running loop), then exit 0 if it was answered."""
+    code = 1
+    try:
+        answered: list[bool] = []
+        thread = threading.Thread(target=lambda: answered.append(asyncio.run(asyncio.wait_for(ping_on(pool), 10))))
+        thread.start()
+        thread.join()
+        code = 0 if answered == [True] else 1
+    finally:
+        os._exit(code)  # never back into pytest
+
+
+async def test_a_forked_child_using_the_pool_leaves_the_parents_connection_working(bus_config: BusConfig) -> None:
+    """Dropping the inherited connections let them be garbage-collected in the child, which closed
+    their transports and so took the parent's socket out of the selector the two share: the
+    parent's next reply never came (its PING timed out). The fork comes while the parent holds
+    redis-py's lock (a re-authentication under way), which the child must not wait for."""
+    redis = connect(bus_config, max_connections=1)
+    pool = redis.connection_pool
+    assert await redis.ping()
+    (parents,) = map(id, pool._available_connections)  # no reference: that would keep it alive
+    async with pool._lock:
+        pid = os.fork()
+        if pid == 0:
+            child_pings(pool)
+        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # the child had a connection of its own, answered
+    assert await redis.ping()  # the parent's, on the same connection
+    assert list(map(id, pool._available_connections)) == [parents]
+    await redis.aclose()
+
+
+class HeldRelease:
+    """A listener of redis-py's release event that holds it until let go: a re-authentication's
+    ``AUTH`` in flight."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def listen(self, event: AsyncAfterConnectionReleasedEvent) -> None:
+        self.started.set()
+        await self.go.wait()
+
+
+async def test_a_connection_re_authenticating_as_it_comes_back_is_handed_out_only_after(bus_config: BusConfig) -> None:
+    listener = HeldRelease()
+    dispatcher = EventDispatcher({AsyncAfterConnectionReleasedEvent: [listener]})
+    pool = small_pool(bus_config, 1, timeout=5.0, event_dispatcher=dispatcher)
+    await pool.re_auth_callback(SimpleToken("new", -1, -1, {}))  # nothing to re-authenticate yet; releases now do
+    connection = await pool.get_connection()
+    releasing = asyncio.create_task(pool.release(connection))
+    await listener.started.wait()
+    taking = asyncio.create_task(pool.get_connection())
+    await until(lambda: pool._waiters or taking.done())
+    assert not taking.done() and counts(pool) == (0, 1)  # still in use while its AUTH is under way
+    listener.go.set()
+    await releasing
+    assert await taking is connection
+    await pool.release(connection)
+    assert counts(pool) == (1, 0)
+    await pool.aclose()
+
+
+async def test_a_waiter_that_gives_up_while_the_lock_is_held_passes_its_connection_on_after(
+    bus_config: BusConfig,
+) -> None:
+    pool = small_pool(bus_config, 1, timeout=5.0)
+    held = await pool.get_connection()
+    first, second = await queued(pool, 2)
+    await pool.release(held)  # handed to the first, which has not run yet
+    async with pool._lock:  # a re-authentication walking the lists
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert list(pool._waiters) and held in pool._in_use_connections  # nothing moved under the lock
+        assert not second.done()
+    assert await second is held  # passed on once the lock was free
+    await pool.release(held)
+    assert counts(pool) == (1, 0)
+    await pool.aclose()
+
+
+async def test_a_connection_back_under_the_lock_goes_to_a_waiter_once_the_lock_is_free(bus_config: BusConfig) -> None:
+    pool = small_pool(bus_config, 1, timeout=5.0)
+    held = await pool.get_connection()
+    (waiter,) = await queued(pool)
+    async with pool._lock:
+        pool._in_use_connections.remove(held)  # what redis-py's release does under the lock
+        pool._available_connections.append(held)
+        pool._hand_on()  # as release's own call does when someone took the lock again
+        assert pool._available_connections == [held] and len(pool._waiters) == 1
+    assert await waiter is held
+    await pool.release(held)
+    await pool.aclose()
+
+
+async def test_a_connection_that_cannot_be_made_fails_its_waiter_not_the_release(
+    bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = small_pool(bus_config, 1, timeout=5.0)
+    held = await pool.get_connection()
+    first, second = await queued(pool, 2)
+    pool.max_connections = 2  # room for a second connection, appearing while both wait
+    monkeypatch.setattr(pool, "make_connection", lambda: (_ for _ in ()).throw(RedisConnectionError("unmade")))
+    await pool.release(held)  # the first gets it; making the second's fails, not this release
+    assert await first is held
+    with pytest.raises(RedisConnectionError, match="unmade"):
+        await second
+    assert counts(pool) == (0, 1) and not pool._waiters
+    await pool.release(held)
+    await pool.aclose()
+
+
+def refused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed on leaving: nothing listens there
+
+
+async def test_a_failed_connect_gives_its_place_back() -> None:
+    pool = BusPool.from_url(
+        f"redis://127.0.0.1:{refused_port()}", max_connections=1, timeout=5.0, connection_class=BusConnection
+    )
+    for _ in range(2):  # the second has the place the first gave back: refused too, not left waiting
+        with pytest.raises(RedisConnectionError) as raised:
+            await pool.get_connection()
+        assert str(raised.value) != NO_CONNECTION
+    assert counts(pool) == (1, 0) and not pool._waiters
+    await pool.aclose()
+
+
+class FailingRelease:
+    """A listener of redis-py's release event that fails: a re-authentication refused."""
+
+    async def listen(self, event: AsyncAfterConnectionReleasedEvent) -> None:
+        raise RuntimeError("re-authentication refused")
+
+
+async def test_a_failed_connect_raises_its_own_error_when_giving_the_place_back_fails_too() -> None:
+    dispatcher = EventDispatcher({AsyncAfterConnectionReleasedEvent: [FailingRelease()]})
+    pool = BusPool.from_url(
+        f"redis://127.0.0.1:{refused_port()}",
+        max_connections=1,
+        timeout=5.0,
+        connection_class=BusConnection,
+        event_dispatcher=dispatcher,
+    )
+    await pool.re_auth_callback(SimpleToken("new", -1, -1, {}))  # releases now dispatch the event
+    with pytest.raises(RedisConnectionError) as raised:
+        await pool.get_connection()
+    assert str(raised.value) != NO_CONNECTION  # the connect's error, not the listener's
+    assert counts(pool) == (1, 0)  # the place given back all the same
+    await pool.aclose()
+
+
+async def test_a_caller_cancelled_while_connecting_gives_its_place_back() -> None:
+    """A server that accepts and never answers keeps the connect inside ``ensure_connection``."""
+    accepted = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        await reader.read()  # until the client goes
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = BusPool.from_url(f"redis://127.0.0.1:{port}", max_connections=1, timeout=5.0, connection_class=BusConnection)
+    connecting = asyncio.create_task(pool.get_connection())
+    await accepted.wait()
+    connecting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await connecting
+    assert counts(pool) == (1, 0) and not pool._waiters
+    await pool.aclose()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    "close", [partial(BusPool.disconnect, inuse_connections=True), BusPool.aclose], ids=["disconnect", "aclose"]
+)
+async def test_closing_the_pool_while_a_caller_waits_leaves_it_a_connected_connection(
+    bus_config: BusConfig, close: Callable[[BusPool], Awaitable[None]]
+) -> None:
+    pool = small_pool(bus_config, 1, timeout=5.0)
+    held = await pool.get_connection()
+    (waiter,) = await queued(pool)
+    await close(pool)
+    assert not held.is_connected and not waiter.done()
+    await pool.release(held)
+    handed = await waiter
+    assert handed is held and handed.is_connected  # reconnected by the check before it is handed out
+    await pool.release(handed)
+    assert counts(pool) == (1, 0)
+    await pool.aclose()
+
+
+async def test_the_waiting_path_records_redis_pys_wait_metrics(
+    bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait, the timeout and a connection made for a waiter, as the blocking pool recorded
+    them; nothing on the path that does not wait."""
+    recorded: list[str] = []
+
+    async def record(name: str, **_: object) -> None:
+        recorded.append(name)
+
+    for name in ("timeout", "wait_time", "create_time"):
+        monkeypatch.setattr(pool_module, f"record_connection_{name}", partial(record, name))
+    pool = small_pool(bus_config, 1, timeout=0.05)
+    held = await pool.get_connection()
+    assert recorded == []
+    with pytest.raises(RedisConnectionError):
+        await pool.get_connection()
+    assert recorded == ["timeout"]
+    pool.timeout = 5.0
+    (waiter,) = await queued(pool)
+    await pool.release(held)
+    assert await waiter is held and recorded == ["timeout", "wait_time"]  # a free one: nothing made
+    await pool.release(held)
+    await pool.aclose()
+    other = small_pool(bus_config, 1, timeout=5.0)
+    async with other._lock:  # a caller that waits for the lock, then has a new connection made
+        making = asyncio.create_task(other.get_connection())
+        await until(lambda: other._waiters)
+    made = await making
+    assert made.is_connected and recorded == ["timeout", "wait_time", "create_time", "wait_time"]
+    await other.release(made)
+    await other.aclose()
