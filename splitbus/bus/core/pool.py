@@ -88,27 +88,29 @@ class BusPool(aioredis.ConnectionPool):
         """A connected connection: at once when one is free and no one waits before this caller,
         else after a wait (see the class)."""
         connection = self._take_at_once()
-        if connection is not None:
-            return await self._checked(connection)
-        started = time.monotonic()
-        connection = await self._wait_for_one()
-        await self._checked(connection, created=connection in self._fresh)
-        await record_connection_wait_time(pool_name=get_pool_name(self), duration_seconds=time.monotonic() - started)
-        return connection
-
-    async def _checked(self, connection: AbstractConnection, created: bool = False) -> AbstractConnection:
-        """``connection`` counted as taken and connected, or given back if that fails (the
-        failure raised, not one of the release's)."""
-        started = time.monotonic()
-        try:
+        waited_since = made_since = None
+        if connection is None:
+            waited_since = time.monotonic()
+            connection = await self._wait_for_one()
+            made_since = time.monotonic() if connection in self._fresh else None
+        try:  # inline, not a helper coroutine: this is every command's path
             await self._count_taken(connection)
             await self.ensure_connection(connection)
         except BaseException:
             await self._release_quietly(connection)
             raise
-        if created:  # on the waiting path only, as the blocking pool recorded it
-            await record_connection_create_time(connection_pool=self, duration_seconds=time.monotonic() - started)
+        if waited_since is not None:
+            await self._record_wait(waited_since, made_since)
         return connection
+
+    async def _record_wait(self, waited_since: float, made_since: float | None) -> None:
+        """redis-py's wait metrics, on the waiting path only, as its blocking pool recorded them:
+        the wait (to a connected connection) and, for a connection made for this caller, its
+        connect."""
+        now = time.monotonic()
+        if made_since is not None:
+            await record_connection_create_time(connection_pool=self, duration_seconds=now - made_since)
+        await record_connection_wait_time(pool_name=get_pool_name(self), duration_seconds=now - waited_since)
 
     async def _release_quietly(self, connection: AbstractConnection) -> None:
         try:
