@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from splitbus.api.protocol import MAX_CHOICES, choice_seed
-from splitbus.bench.serve import cached_tokens
+from splitbus.bench.http_client import cached_tokens
 from splitbus.bench.serve_trace import FIRST_TOKEN_ID, LAST_TOKEN_ID
 from splitbus.bus.core.keys import Keys
 

@@ -1,8 +1,8 @@
 """``bench serve``'s hop breakdown to the microsecond, inside each process: the four hops of
-``splitbus.bench.serve.HOPS`` cut at every step a request takes, from the hop marks each process
+``splitbus.bench.http_client.HOPS`` cut at every step a request takes, from the hop marks each process
 keeps with ``SPLITBUS_HOP_MARKS`` set (``splitbus.bus.core.hopmarks``) and the ``ts`` of its entries.
 
-Requests are sent one at a time (an idle system, ``serve.one_at_a_time``), as ``bench serve``
+Requests are sent one at a time (an idle system, ``http_client.one_at_a_time``), as ``bench serve``
 sends its probes (it starts its stack with the marks on and reports both tables); each
 step is the time from the mark before it on the request's critical path to its own, p50 and p90
 over the requests, and how many requests it has (n). A step a dispatch mode does not take
@@ -48,7 +48,7 @@ class Step:
     """A hop mark's name (``splitbus.bus.core.hopmarks``), or ``client.sent``/``client.first`` (the
     client's), or ``request.ts``/``task.ts``/``token.ts`` (an entry's ``ts``: when it was encoded)."""
     hop: str
-    """Which of ``serve.HOPS``' process hops it is in: ``api``, ``scheduler``, ``worker``, ``reader``."""
+    """Which of ``http_client.HOPS``' process hops it is in: ``api``, ``scheduler``, ``worker``, ``reader``."""
     what: str
 
 
@@ -241,11 +241,11 @@ so every process has written its marks (``hopmarks.flush``)."""
 
 
 async def probe(base_url: str, redis_url: str, model: str, prompt_len: int, count: int) -> list[dict[str, Any]]:
-    """``count`` requests one at a time (after ``serve.PROBE_WARMUP``): each one's id, its
+    """``count`` requests one at a time (after ``http_client.PROBE_WARMUP``): each one's id, its
     entries' ``ts`` (``entry_stamps``), when the client sent it and had its first token (ns)."""
     import redis.asyncio as aioredis
 
-    from splitbus.bench.serve import one_at_a_time
+    from splitbus.bench.http_client import one_at_a_time
 
     r, found = aioredis.Redis.from_url(redis_url), []
     try:
@@ -260,17 +260,17 @@ async def probe(base_url: str, redis_url: str, model: str, prompt_len: int, coun
 
 
 def hops_ms(found: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """``serve.HOPS`` (p50 and p90, ms) from the probes' stamps: the hops between the client and
+    """``http_client.HOPS`` (p50 and p90, ms) from the probes' stamps: the hops between the client and
     the request, task and first result entries. A request the API dispatched itself (``--dispatch
     api``) has no request entry: its first hop ends at its task's, and the scheduler's hop is 0."""
-    from splitbus.bench.serve import HOPS
+    from splitbus.bench.http_client import HOPS
 
     rows = [_hops(f) for f in found]
     return {name: _p50_p90([row[k] for row in rows]) for k, name in enumerate(HOPS)}
 
 
 def _hops(f: dict[str, Any]) -> list[float]:
-    """One request's ``serve.HOPS`` in ms."""
+    """One request's ``http_client.HOPS`` in ms."""
     edges = [f["client.sent"], f.get("request.ts", f["task.ts"]), f["task.ts"], f["token.ts"], f["client.first"]]
     return [(b - a) / 1e6 for a, b in itertools.pairwise(edges)] + [(edges[-1] - edges[0]) / 1e6]
 
@@ -307,13 +307,13 @@ step starts where the first was handed over (not a steady decode step)."""
 async def token_probe(
     base_url: str, redis_url: str, model: str, prompt_len: int, max_tokens: int, count: int
 ) -> list[dict[str, dict[str, int]]]:
-    """``count`` streams of ``max_tokens`` one at a time (c = 1, after ``serve.PROBE_WARMUP``
+    """``count`` streams of ``max_tokens`` one at a time (c = 1, after ``http_client.PROBE_WARMUP``
     short ones): each token's client stamps (``token_stamps``) and its entry's ``ts``, by
     ``hopmarks.entry_key``."""
     import httpx
     import redis.asyncio as aioredis
 
-    from splitbus.bench.serve import PROBE_WARMUP, one_at_a_time
+    from splitbus.bench.http_client import PROBE_WARMUP, one_at_a_time
 
     r, found = aioredis.Redis.from_url(redis_url), []
     async with contextlib.aclosing(one_at_a_time(base_url, model, prompt_len, 0)) as warm:

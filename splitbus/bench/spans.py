@@ -1,4 +1,4 @@
-"""``bench serve``'s hop breakdown (``splitbus.bench.serve.HOPS``) read off one request's trace
+"""``bench serve``'s hop breakdown (``splitbus.bench.http_client.HOPS``) read off one request's trace
 (docs/metrics.md, "Spans") instead of its entries' ``ts``: the same hops, from a live system's
 traces, with no probe requests.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from splitbus.bench.serve import HOPS
+from splitbus.bench.http_client import HOPS
 
 
 @dataclass(frozen=True)

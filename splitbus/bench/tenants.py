@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from splitbus.bench.serve import HttpClient
+from splitbus.bench.http_client import HttpClient
 from splitbus.bench.serve_trace import FIRST_TOKEN_ID, LAST_TOKEN_ID, RequestResult
 
 TENANTS = ("a", "b", "c")

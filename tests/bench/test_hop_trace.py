@@ -27,7 +27,7 @@ from splitbus.bench.hop_trace import (
     token_rows,
     token_table,
 )
-from splitbus.bench.serve import HOPS
+from splitbus.bench.http_client import HOPS
 from splitbus.bus.core.keys import Keys
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitbus.bench.serve import HOPS
+from splitbus.bench.http_client import HOPS
 from splitbus.bench.spans import MissingSpan, SpanTimes, hops_from_spans
 
 MS = 1_000_000

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from splitbus.bench.serve import cached_tokens
+from splitbus.bench.http_client import cached_tokens
 from splitbus.bench.serve_trace import RequestResult, ServeConfig, TraceItem, Workload, meets_slos, replay, summarize
 from splitbus.bench.workloads import (
     TRACE_BLOCK_TOKENS,

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from splitbus.bench.serve import HOPS
+from splitbus.bench.http_client import HOPS
 from splitbus.bench.spans import SpanTimes, hops_from_spans
 from splitbus.worker.engines.sim import sim_text
 from tests.e2e.conftest import System, start_system, stop_system
