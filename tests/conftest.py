@@ -20,6 +20,12 @@ from splitbus.redis_cluster import EmbeddedCluster
 from splitbus.redis_server import EmbeddedRedis
 from tests.bus.slots import watch_slots
 
+# Every `up` and `api` a test starts runs one API process unless the test asks for more: the
+# default, one per core, would double the API's start-up in every end-to-end test on a CI host.
+# The several-process path has its own tests (tests/api/test_processes.py,
+# tests/e2e/test_api_processes.py), which pass their counts explicitly.
+os.environ.setdefault("SPLITBUS_API_WORKERS", "1")
+
 
 @pytest.fixture(autouse=True)
 def one_slot_per_command(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:

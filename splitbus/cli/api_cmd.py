@@ -141,23 +141,24 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=None,
         help="this API's name on the bus (default: random); with --workers N > 1, process i is NODE-i",
     )
-    add_workers_argument(p, "--workers")
+    add_workers_argument(p, "--workers", env)
     add_tool_call_parser_argument(p)
     p.set_defaults(run=run)
 
 
-def add_workers_argument(p: argparse.ArgumentParser, flag: str) -> None:
+def add_workers_argument(p: argparse.ArgumentParser, flag: str, env: Env) -> None:
     """``--workers`` (``splitbus api``) or ``--api-workers`` (``splitbus up``): API processes on one port."""
     from splitbus.api.procs import MAX_DEFAULT_WORKERS, default_workers
 
     p.add_argument(
         flag,
         type=_positive_int,
-        default=default_workers(),
+        default=env.api_workers or default_workers(),
         metavar="N",
         help=f"API processes sharing the port with SO_REUSEPORT, each a node of its own with its own Redis "
-        f"connections and its own --max-connections and --max-inflight (default: the host's cores, at most "
-        f"{MAX_DEFAULT_WORKERS}, since each holds its own connections and tokenizers: here %(default)s; "
+        f"connections and its own --max-connections and --max-inflight (default: SPLITBUS_API_WORKERS, else the "
+        f"host's cores, at most {MAX_DEFAULT_WORKERS}, since each holds its own connections and tokenizers: "
+        f"here %(default)s; "
         f"1: one process, no parent)",
     )
 

@@ -127,7 +127,7 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--scheduler-arg", action="append", default=[], help="extra argument for every scheduler (repeatable)"
     )
     p.add_argument("--api-arg", action="append", default=[], help="extra argument for the API (repeatable)")
-    add_workers_argument(p, "--api-workers")
+    add_workers_argument(p, "--api-workers", env)
     p.add_argument(
         "--dispatch",
         choices=("scheduler", "api"),

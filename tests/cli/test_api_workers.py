@@ -45,3 +45,19 @@ def test_up_hands_the_count_to_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("splitbus.api.procs.cgroup_cpus", lambda: None)
     api = started()["api"][0]
     assert api[api.index("--workers") + 1] == str(MAX_DEFAULT_WORKERS)
+
+
+@pytest.mark.parametrize("command", [("api", "--model", "m"), ("up",)])
+def test_splitbus_api_workers_sets_the_default_and_the_flag_wins(command: tuple[str, ...]) -> None:
+    flag = "--workers" if command[0] == "api" else "--api-workers"
+    dest = flag.lstrip("-").replace("-", "_")
+    env = load_env({"SPLITBUS_API_WORKERS": "3"})
+    assert getattr(build_parser(env).parse_args(list(command)), dest) == 3
+    assert getattr(build_parser(env).parse_args([*command, flag, "2"]), dest) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_bad_splitbus_api_workers_is_refused_by_name(value: str) -> None:
+    with pytest.raises(ValueError, match=f"^SPLITBUS_API_WORKERS must be a whole number of 1 or more: '{value}'$"):
+        load_env({"SPLITBUS_API_WORKERS": value})
+    assert load_env({"SPLITBUS_API_WORKERS": ""}).api_workers is None
