@@ -148,7 +148,6 @@ class CausalLM:
         c = self.config
         return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, dtype=KV_DTYPE)
 
-    @paddle.no_grad()
     def forward(
         self,
         chunks: list[Chunk],
@@ -156,10 +155,21 @@ class CausalLM:
         counted: bool = True,
         prompt_top: Mapping[int, int] | None = None,
     ) -> np.ndarray:
-        """Logits ``[len(chunks), vocab]`` at the last token of each chunk; writes the chunks'
-        K/V into ``cache`` at their positions. ``counted``: its tokens count in the experts'
-        loads (``expert_tokens``; not an idle forward's). ``prompt_top``: chunk index -> k, the
-        chunks whose every token's logprob (after the first) is wanted too, with the top k of
+        """``run``'s logits, on the host."""
+        return self.run(chunks, cache, counted, prompt_top).numpy()
+
+    @paddle.no_grad()
+    def run(
+        self,
+        chunks: list[Chunk],
+        cache: PagedKVCache | None = None,
+        counted: bool = True,
+        prompt_top: Mapping[int, int] | None = None,
+    ) -> paddle.Tensor:
+        """Logits ``[len(chunks), vocab]`` at the last token of each chunk, on the device; writes
+        the chunks' K/V into ``cache`` at their positions. ``counted``: its tokens count in the
+        experts' loads (``expert_tokens``; not an idle forward's). ``prompt_top``: chunk index -> k,
+        the chunks whose every token's logprob (after the first) is wanted too, with the top k of
         each position: left in ``prompt_logprobs`` by chunk index."""
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
         positions = np.concatenate([np.arange(ch.start, ch.start + len(ch.tokens)) for ch in chunks])
@@ -182,8 +192,8 @@ class CausalLM:
         # The LM head only for the last position of each chunk: vocabularies reach 150k.
         return self._logits(last)
 
-    def _logits(self, x: paddle.Tensor) -> np.ndarray:
-        return paddle.matmul(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).numpy()
+    def _logits(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head)
 
     def _scores(self, x: paddle.Tensor, span: tuple[Chunk, int, int], k: int) -> Logprobs:
         """The logprobs of a chunk's tokens after its first, each from the position before it,
@@ -191,7 +201,9 @@ class CausalLM:
         chunk, a, b = span
         targets = np.asarray(chunk.tokens[1:], dtype=np.int64)
         parts = [
-            logprobs.of_rows(self._logits(x[row : min(row + PROMPT_ROWS, b - 1)]), targets[row - a :][:PROMPT_ROWS], k)
+            logprobs.of_rows(
+                self._logits(x[row : min(row + PROMPT_ROWS, b - 1)]).numpy(), targets[row - a :][:PROMPT_ROWS], k
+            )
             for row in range(a, b - 1, PROMPT_ROWS)
         ]
         return sum(parts[1:], parts[0]) if parts else Logprobs([], [], [])
