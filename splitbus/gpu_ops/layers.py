@@ -14,6 +14,24 @@ def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[pad
     return paddle.to_tensor(np.cos(emb).astype(np.float32)), paddle.to_tensor(np.sin(emb).astype(np.float32))
 
 
+class RopeTables:
+    """cos and sin of every position up to a length, on the device: a step picks its positions'
+    rows with one gather instead of computing them on the host. Made at load for the first
+    ``length`` positions and doubled when a position past them comes (computed in float64 on the
+    host then, as ``rope_tables`` does)."""
+
+    def __init__(self, head_dim: int, theta: float, length: int) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self.cos, self.sin = rope_tables(np.arange(max(1, length)), head_dim, theta)
+
+    def at(self, positions: paddle.Tensor, last: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sin of ``positions`` (``[T]``, on the device), ``[T, 1, head_dim]``; ``last``:
+        the largest of them, known on the host."""
+        if last >= self.cos.shape[0]:
+            self.cos, self.sin = rope_tables(np.arange(2 * last + 1), self.head_dim, self.theta)
+        return paddle.index_select(self.cos, positions, axis=0), paddle.index_select(self.sin, positions, axis=0)
+
+
 def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
     """x ``[T, heads, head_dim]``."""
     first, second = paddle.split(x, 2, axis=-1)

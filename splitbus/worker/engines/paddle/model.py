@@ -3,8 +3,10 @@ forward pass for any mix of prefill and decode chunks. ``FORWARDS`` names it for
 architectures (``Architecture.forward``).
 
 Every chunk is a run of tokens of one sequence starting at an absolute position. Linear layers
-run on all chunks' tokens at once; attention runs per chunk, over the paged cache (or, with no
-cache, over the chunk itself: the full-recompute reference).
+run on all chunks' tokens at once, and so does attention (``batched_attention``): over the paged
+cache, or with no cache over each chunk itself (the full-recompute reference). What a step needs
+on the device (token ids, positions, cache slots, the attention's rows and masks) is made once per
+step, never per layer; RoPE's tables are made at load.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import paddle.nn.functional as F
 from splitbus.architectures import ModelConfig, load_config
 from splitbus.architectures.base import MixtureOfExperts
 from splitbus.bus.messages import Logprobs
-from splitbus.gpu_ops.attention import attention
+from splitbus.gpu_ops.attention import Run, batched_attention, plan
 from splitbus.gpu_ops.expert_parallel import ExpertGroup, expert_shard
 from splitbus.gpu_ops.kv_cache import PagedKVCache
-from splitbus.gpu_ops.layers import apply_rope, rms_norm, rope_tables
+from splitbus.gpu_ops.layers import RopeTables, apply_rope, rms_norm
 from splitbus.gpu_ops.moe import Expert, combine, gated_mlp, route, run_experts, tally
 from splitbus.worker.engines.paddle import logprobs, weights
 from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
 from splitbus.worker.engines.paddle.logprobs import PROMPT_ROWS
+
+ROPE_AT_LOAD = 8192
+"""Positions whose RoPE rows are made at load (more are made when a longer sequence comes)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class CausalLM:
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
         self.lm_head = _t(head.T)  # HF Linear is [out, in]; matmul wants [in, out]
         self.layers = [self._layer(tensors, i) for i in range(config.layers)]
+        self.rope = RopeTables(config.head_dim, config.rope_theta, min(config.max_position_embeddings, ROPE_AT_LOAD))
 
     def _layer(self, t: dict[str, np.ndarray], i: int) -> Layer:
         p = f"model.layers.{i}."
@@ -174,8 +180,8 @@ class CausalLM:
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
         positions = np.concatenate([np.arange(ch.start, ch.start + len(ch.tokens)) for ch in chunks])
         ends = np.cumsum([len(ch.tokens) for ch in chunks])
-        plan = _Plan(chunks, ends, cache)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        plan = _Plan(chunks, ends, cache, self.config.heads)
+        cos, sin = self.rope.at(paddle.to_tensor(positions), int(positions.max()))
         x = F.embedding(paddle.to_tensor(tokens), self.embed)
         self.expert_tokens[:] = 0
         if self.group is not None:
@@ -222,13 +228,7 @@ class CausalLM:
             q, k = rms_norm(q, layer.qk_norm[0], c.rms_norm_eps), rms_norm(k, layer.qk_norm[1], c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape([-1, c.kv_heads, c.head_dim])
-        if plan.cache is not None:
-            plan.cache.write(index, plan.new_slots, k, v)
-        outs = [
-            attention(q[a:b], *plan.keys(index, j, k[a:b], v[a:b]), q_offset=ch.start)
-            for j, (ch, a, b) in enumerate(plan.spans)
-        ]
-        return paddle.matmul(paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0], layer.w_o)
+        return paddle.matmul(batched_attention(q, *plan.sources(index, k, v), plan.attention), layer.w_o)
 
 
 FORWARDS: dict[str, type[CausalLM]] = {"decoder": CausalLM}
@@ -257,26 +257,32 @@ def _other_ranks_experts(config: ModelConfig, shard: tuple[int, int]) -> set[str
 
 
 class _Plan:
-    """Slot tensors of one forward pass, computed once and used by every layer."""
+    """A forward pass's layout, made once on the host and uploaded as a few device tensors that
+    every layer reads: where the chunks' new K/V go in the cache, and the attention's rows and masks."""
 
-    def __init__(self, chunks: list[Chunk], ends: np.ndarray, cache: PagedKVCache | None) -> None:
+    def __init__(self, chunks: list[Chunk], ends: np.ndarray, cache: PagedKVCache | None, heads: int) -> None:
         starts = np.concatenate([[0], ends[:-1]]).astype(int)
         self.spans = [(ch, int(a), int(b)) for ch, a, b in zip(chunks, starts, ends, strict=True)]
         self.cache = cache
-        if cache is not None:
-            self.new_slots = paddle.to_tensor(
-                np.concatenate([cache.slots(ch.table or [], ch.start, ch.start + len(ch.tokens)) for ch in chunks])
-            )
-            self.all_slots = [
-                paddle.to_tensor(cache.slots(ch.table or [], 0, ch.start + len(ch.tokens))) if ch.start else None
-                for ch in chunks
-            ]
+        total = int(ends[-1])
+        if cache is None:  # no cache: each chunk is a whole sequence, attending to its own keys
+            runs = [Run(a, 0, b - a, np.arange(a, b)) for _, a, b in self.spans]
+            self.attention = plan(runs, heads, key_pad=total, total=total)
+            return
+        slots = [cache.slots(ch.table or [], 0, ch.start + len(ch.tokens)) for ch in chunks]
+        self.new_slots = paddle.to_tensor(np.concatenate([s[ch.start :] for s, ch in zip(slots, chunks, strict=True)]))
+        runs = [Run(a, ch.start, b - a, s) for (ch, a, b), s in zip(self.spans, slots, strict=True)]
+        # Padding reads slot 0, in the scratch block: masked, and written only with finite values.
+        self.attention = plan(runs, heads, key_pad=0, total=total)
 
-    def keys(self, layer: int, chunk: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K and V a chunk attends to: its own when it starts the sequence, else the cache's."""
-        if self.cache is None or (slots := self.all_slots[chunk]) is None:
-            return k, v
-        return self.cache.gather(layer, slots)
+    def sources(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The rows the layer's queries attend to: the cache's pools (the step's K/V written in
+        them), or with no cache the step's own K/V and a zero row to pad with."""
+        if self.cache is not None:
+            self.cache.write(layer, self.new_slots, k, v)
+            return self.cache.k[layer], self.cache.v[layer]
+        zero = paddle.zeros([1, *k.shape[1:]], k.dtype)
+        return paddle.concat([k, zero]), paddle.concat([v, zero])
 
 
 def _bytes(t: paddle.Tensor) -> int:
