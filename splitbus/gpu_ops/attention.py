@@ -90,6 +90,20 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Packed:
+    """The step's runs unpadded, as FlashAttention's varlen kernel reads them; device tensors."""
+
+    key_rows: paddle.Tensor
+    """Every run's key rows, one run after another."""
+    cu_queries: paddle.Tensor
+    """``[runs + 1]`` int32: where each run's queries start in the packed queries, and the total."""
+    cu_keys: paddle.Tensor
+    """``[runs + 1]`` int32: where each run's keys start in ``key_rows``, and the total."""
+    max_queries: int
+    max_keys: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """A step's attention layout, built once per step and read by every layer."""
 
@@ -100,10 +114,15 @@ class Plan:
     """The packed queries' row count T: the zero row appended at T pads query runs."""
     key_pad: int
     """The key source's row that pads key runs (a scratch slot, or the zero row appended)."""
+    packed: Packed | None = None
+    """The unpadded layout, made when the attention kernel reads it (``Kernels.unpadded``)."""
 
 
-def plan(runs: Sequence[Run], heads: int, key_pad: int, total: int) -> Plan:
-    """The step's groups, and the permutation back to packed order."""
+def plan(runs: Sequence[Run], heads: int, key_pad: int, total: int, unpadded: bool = False) -> Plan:
+    """The step's groups and the permutation back to packed order; with ``unpadded``, only the
+    unpadded layout (``Packed``) that a varlen kernel reads instead."""
+    if unpadded:
+        return Plan([], paddle.zeros([0], "int64"), total, key_pad, _packed(runs))
     order = sorted(range(len(runs)), key=lambda i: runs[i].queries)
     groups, out_rows, offset = [], np.zeros(total, dtype=np.int64), 0
     for members in _split(order, runs):
@@ -115,6 +134,17 @@ def plan(runs: Sequence[Run], heads: int, key_pad: int, total: int) -> Plan:
         groups.append(group)
         offset += group.count * group.queries
     return Plan(groups, paddle.to_tensor(out_rows), total, key_pad)
+
+
+def _packed(runs: Sequence[Run]) -> Packed:
+    keys = [len(r.key_rows) for r in runs]
+    return Packed(
+        paddle.to_tensor(np.concatenate([r.key_rows for r in runs]).astype(np.int64)),
+        paddle.to_tensor(np.concatenate([[0], np.cumsum([r.queries for r in runs])]).astype(np.int32)),
+        paddle.to_tensor(np.concatenate([[0], np.cumsum(keys)]).astype(np.int32)),
+        max(r.queries for r in runs),
+        max(keys),
+    )
 
 
 def _split(order: list[int], runs: Sequence[Run]) -> list[list[int]]:

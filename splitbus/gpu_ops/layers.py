@@ -1,9 +1,11 @@
-"""RoPE (rotate-half, as Llama and Qwen2 in Hugging Face) and RMSNorm."""
+"""RoPE (rotate-half, as Llama and Qwen2 in Hugging Face), RMSNorm and SwiGLU's activation, in
+Paddle's plain ops (``splitbus.gpu_ops.kernels`` swaps in fused kernels where the device has them)."""
 
 from __future__ import annotations
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -41,3 +43,9 @@ def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> padd
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     variance = paddle.mean(x * x, axis=-1, keepdim=True)
     return x * paddle.rsqrt(variance + eps) * weight
+
+
+def silu_and_mul(gate_up: paddle.Tensor) -> paddle.Tensor:
+    """SwiGLU's activation of the fused gate and up projections: ``silu(gate) * up``."""
+    gate, up = paddle.split(gate_up, 2, axis=-1)
+    return F.silu(gate) * up

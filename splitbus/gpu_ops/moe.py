@@ -13,12 +13,14 @@ experts are split.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+
+from splitbus.gpu_ops.layers import silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,12 @@ def route(h: paddle.Tensor, w_router: paddle.Tensor, k: int, renormalise: bool) 
     return Routing(experts.numpy(), weights)
 
 
-def gated_mlp(h: paddle.Tensor, mlp: Expert) -> paddle.Tensor:
-    """A SwiGLU MLP: ``down(silu(gate(h)) * up(h))`` (a dense layer's, or one expert's)."""
-    gate, up = paddle.split(paddle.matmul(h, mlp.w_gate_up), 2, axis=-1)
-    return paddle.matmul(F.silu(gate) * up, mlp.w_down)
+def gated_mlp(
+    h: paddle.Tensor, mlp: Expert, swiglu: Callable[[paddle.Tensor], paddle.Tensor] = silu_and_mul
+) -> paddle.Tensor:
+    """A SwiGLU MLP: ``down(silu(gate(h)) * up(h))`` (a dense layer's, or one expert's);
+    ``swiglu``: the activation's kernel (``Kernels.swiglu``)."""
+    return paddle.matmul(swiglu(paddle.matmul(h, mlp.w_gate_up)), mlp.w_down)
 
 
 def run_experts(h: paddle.Tensor, routing: Routing, experts: Mapping[int, Expert]) -> paddle.Tensor:

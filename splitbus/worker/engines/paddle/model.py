@@ -22,10 +22,11 @@ import paddle.nn.functional as F
 from splitbus.architectures import ModelConfig, load_config
 from splitbus.architectures.base import MixtureOfExperts
 from splitbus.bus.messages import Logprobs
-from splitbus.gpu_ops.attention import Run, batched_attention, plan
+from splitbus.gpu_ops.attention import Run, plan
 from splitbus.gpu_ops.expert_parallel import ExpertGroup, expert_shard
+from splitbus.gpu_ops.kernels import Kernels, chosen
 from splitbus.gpu_ops.kv_cache import PagedKVCache
-from splitbus.gpu_ops.layers import RopeTables, apply_rope, rms_norm
+from splitbus.gpu_ops.layers import RopeTables
 from splitbus.gpu_ops.moe import Expert, combine, gated_mlp, route, run_experts, tally
 from splitbus.worker.engines.paddle import logprobs, weights
 from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
@@ -113,6 +114,8 @@ class CausalLM:
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
         self.lm_head = _t(head.T)  # HF Linear is [out, in]; matmul wants [in, out]
         self.layers = [self._layer(tensors, i) for i in range(config.layers)]
+        self.kernels: Kernels = chosen()
+        """The ops its layers call: Paddle's fused kernels where the device has them (``--kernels``)."""
         self.rope = RopeTables(config.head_dim, config.rope_theta, min(config.max_position_embeddings, ROPE_AT_LOAD))
 
     def _layer(self, t: dict[str, np.ndarray], i: int) -> Layer:
@@ -180,7 +183,7 @@ class CausalLM:
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
         positions = np.concatenate([np.arange(ch.start, ch.start + len(ch.tokens)) for ch in chunks])
         ends = np.cumsum([len(ch.tokens) for ch in chunks])
-        plan = _Plan(chunks, ends, cache, self.config.heads)
+        plan = _Plan(chunks, ends, cache, self.config.heads, self.kernels.unpadded)
         cos, sin = self.rope.at(paddle.to_tensor(positions), int(positions.max()))
         x = F.embedding(paddle.to_tensor(tokens), self.embed)
         self.expert_tokens[:] = 0
@@ -188,18 +191,18 @@ class CausalLM:
             self.group.begin(len(tokens), counted)
         for index, layer in enumerate(self.layers):
             x = x + self._attend(layer, index, x, cos, sin, plan)
-            h = rms_norm(x, layer.ln2, self.config.rms_norm_eps)
+            h = self.kernels.rms_norm(x, layer.ln2, self.config.rms_norm_eps)
             if isinstance(layer.mlp, Experts):
                 x = x + layer.mlp(h, self.group, self.expert_tokens, counted)
             else:
-                x = x + gated_mlp(h, layer.mlp)
+                x = x + gated_mlp(h, layer.mlp, self.kernels.swiglu)
         self.prompt_logprobs = {j: self._scores(x, plan.spans[j], k) for j, k in (prompt_top or {}).items()}
         last = paddle.index_select(x, paddle.to_tensor(ends - 1), axis=0)
         # The LM head only for the last position of each chunk: vocabularies reach 150k.
         return self._logits(last)
 
     def _logits(self, x: paddle.Tensor) -> paddle.Tensor:
-        return paddle.matmul(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head)
+        return paddle.matmul(self.kernels.rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head)
 
     def _scores(self, x: paddle.Tensor, span: tuple[Chunk, int, int], k: int) -> Logprobs:
         """The logprobs of a chunk's tokens after its first, each from the position before it,
@@ -218,17 +221,18 @@ class CausalLM:
         self, layer: Layer, index: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, plan: _Plan
     ) -> paddle.Tensor:
         c = self.config
-        h = rms_norm(x, layer.ln1, c.rms_norm_eps)
+        ops = self.kernels
+        h = ops.rms_norm(x, layer.ln1, c.rms_norm_eps)
         qkv = paddle.matmul(h, layer.w_qkv)
         if layer.b_qkv is not None:
             qkv = qkv + layer.b_qkv
         q, k, v = paddle.split(qkv, [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], axis=-1)
         q, k = q.reshape([-1, c.heads, c.head_dim]), k.reshape([-1, c.kv_heads, c.head_dim])
         if layer.qk_norm is not None:
-            q, k = rms_norm(q, layer.qk_norm[0], c.rms_norm_eps), rms_norm(k, layer.qk_norm[1], c.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = ops.rms_norm(q, layer.qk_norm[0], c.rms_norm_eps), ops.rms_norm(k, layer.qk_norm[1], c.rms_norm_eps)
+        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         v = v.reshape([-1, c.kv_heads, c.head_dim])
-        return paddle.matmul(batched_attention(q, *plan.sources(index, k, v), plan.attention), layer.w_o)
+        return paddle.matmul(ops.attention(q, *plan.sources(index, k, v), plan.attention), layer.w_o)
 
 
 FORWARDS: dict[str, type[CausalLM]] = {"decoder": CausalLM}
@@ -260,20 +264,22 @@ class _Plan:
     """A forward pass's layout, made once on the host and uploaded as a few device tensors that
     every layer reads: where the chunks' new K/V go in the cache, and the attention's rows and masks."""
 
-    def __init__(self, chunks: list[Chunk], ends: np.ndarray, cache: PagedKVCache | None, heads: int) -> None:
+    def __init__(
+        self, chunks: list[Chunk], ends: np.ndarray, cache: PagedKVCache | None, heads: int, unpadded: bool
+    ) -> None:
         starts = np.concatenate([[0], ends[:-1]]).astype(int)
         self.spans = [(ch, int(a), int(b)) for ch, a, b in zip(chunks, starts, ends, strict=True)]
         self.cache = cache
         total = int(ends[-1])
         if cache is None:  # no cache: each chunk is a whole sequence, attending to its own keys
             runs = [Run(a, 0, b - a, np.arange(a, b)) for _, a, b in self.spans]
-            self.attention = plan(runs, heads, key_pad=total, total=total)
+            self.attention = plan(runs, heads, key_pad=total, total=total, unpadded=unpadded)
             return
         slots = [cache.slots(ch.table or [], 0, ch.start + len(ch.tokens)) for ch in chunks]
         self.new_slots = paddle.to_tensor(np.concatenate([s[ch.start :] for s, ch in zip(slots, chunks, strict=True)]))
         runs = [Run(a, ch.start, b - a, s) for (ch, a, b), s in zip(self.spans, slots, strict=True)]
         # Padding reads slot 0, in the scratch block: masked, and written only with finite values.
-        self.attention = plan(runs, heads, key_pad=0, total=total)
+        self.attention = plan(runs, heads, key_pad=0, total=total, unpadded=unpadded)
 
     def sources(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """The rows the layer's queries attend to: the cache's pools (the step's K/V written in
