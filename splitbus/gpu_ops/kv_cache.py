@@ -3,6 +3,13 @@
 A request owns a list of blocks (its block table); position p lives in slot
 ``table[p // block_size] * block_size + p % block_size``. Block 0 is never handed out: it is
 the scratch block that padding may write to.
+
+A 16-bit pool (bfloat16, float16) is written with ``index_put_``: Paddle's CPU ``scatter`` has no
+16-bit kernel (3.3.1: float32, float64, int32, int64; ``index_put_`` has bfloat16, ~67 µs for 128
+tokens against ``scatter_``'s ~6 µs in float32, and only a GPU computes in bfloat16). Its bytes
+cross processes as a 2-byte unsigned view (numpy has no bfloat16; Paddle's ``Tensor.numpy()``
+gives a bfloat16 tensor's bits as uint16 and ``paddle.to_tensor`` reads uint16 back as
+bfloat16). Paddle's CPU build has no float16 ``index_select``: a float16 cache works on a GPU only.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import paddle
 
 KVDtype = Literal["float32", "float16", "bfloat16"]
 """Element types a KV pool may hold (paddle's names for them)."""
+
+HOST_DTYPES: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+"""The numpy type a pool's elements travel as: bfloat16 as its raw 2-byte bits."""
 
 
 class BlockAllocator:
@@ -57,24 +67,26 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
         # In place: non-inplace scatter copies the whole pool, fancy assignment is 10-100x slower.
-        paddle.scatter_(self.k[layer], slots, k, overwrite=True)
-        paddle.scatter_(self.v[layer], slots, v, overwrite=True)
+        if self.dtype == "float32":
+            paddle.scatter_(self.k[layer], slots, k, overwrite=True)
+            paddle.scatter_(self.v[layer], slots, v, overwrite=True)
+        else:  # no 16-bit scatter kernel on the CPU
+            paddle.index_put_(self.k[layer], (slots,), k)
+            paddle.index_put_(self.v[layer], (slots,), v)
 
     def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         return paddle.index_select(self.k[layer], slots, axis=0), paddle.index_select(self.v[layer], slots, axis=0)
 
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+        return 2 * self.layers * self.kv_heads * self.head_dim * np.dtype(HOST_DTYPES[self.dtype]).itemsize
 
     def export(self, table: list[int], length: int) -> bytes:
-        """Positions [0, length) of a request, every layer's K then V, as one byte string."""
+        """Positions [0, length) of a request, every layer's K then V, as one byte string: one
+        gather per pool and one concat on the device, then one copy to the host."""
         slots = paddle.to_tensor(self.slots(table, 0, length))
-        parts = [
-            paddle.index_select(pool, slots, axis=0).numpy()
-            for layer in range(self.layers)
-            for pool in (self.k[layer], self.v[layer])
-        ]
-        return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+        pools = (pool for layer in range(self.layers) for pool in (self.k[layer], self.v[layer]))
+        parts = [paddle.index_select(pool, slots, axis=0) for pool in pools]
+        return paddle.concat(parts, axis=0).numpy().tobytes()
 
     def import_(self, table: list[int], length: int, payload: bytes, start: int = 0) -> None:
         """Write an exported request into this cache under another block table: positions
@@ -84,8 +96,11 @@ class PagedKVCache:
             raise ValueError(f"KV payload has {len(payload)} bytes, expected {expected} for {length} tokens")
         if start >= length:
             return
-        rows = np.frombuffer(payload, dtype=self.dtype).reshape(self.layers, 2, length, self.kv_heads, self.head_dim)
+        rows = np.frombuffer(payload, HOST_DTYPES[self.dtype]).reshape(
+            self.layers, 2, length, self.kv_heads, self.head_dim
+        )
+        # One copy to the device of every position to write; the layers' K and V are slices of it.
+        on_device = paddle.to_tensor(np.ascontiguousarray(rows[:, :, start:]), dtype=self.dtype)
         slots = paddle.to_tensor(self.slots(table, start, length))
         for layer in range(self.layers):
-            k, v = (paddle.to_tensor(np.ascontiguousarray(rows[layer, i, start:])) for i in (0, 1))
-            self.write(layer, slots, k, v)
+            self.write(layer, slots, on_device[layer, 0], on_device[layer, 1])
