@@ -36,6 +36,7 @@ from splitbus.cli.cluster_up import (
     start_cluster,
 )
 from splitbus.cli.common import say, wait_for_stop
+from splitbus.cli.gpus import allot
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.cli.supervisor import Child, Supervisor
 from splitbus.env import Env
@@ -436,9 +437,11 @@ def _start_parts(
     fleet = Fleet({})
 
     drains, stop = _drain_options(args)
+    gpus = allot(args)
 
     def solo(role: str, i: int) -> Child:
-        return supervisor.start(f"{role}{i}", [*worker, "--role", role, *drains, *metrics()], bus_env, stop_signal=stop)
+        own = [*drains, *metrics(), *gpus.args(f"{role}{i}")]
+        return supervisor.start(f"{role}{i}", [*worker, "--role", role, *own], bus_env, stop_signal=stop)
 
     for role, n, ranks in (
         (Role.PREFILL, prefill, args.prefill_dp),
@@ -447,13 +450,14 @@ def _start_parts(
     ):
         for i in range(n):
             if ranks > 1:
-                _start_group(supervisor, [*ranks_of_group, "--role", role], f"{role[0]}{i}", ranks, bus_env, metrics)
+                group = [*ranks_of_group, "--role", role]
+                _start_group(supervisor, group, f"{role[0]}{i}", ranks, bus_env, metrics, gpus.args)
             else:
                 fleet.children.setdefault(role, []).append(solo(role, i))
     if args.dp:
-        _start_group(
-            supervisor, [*ranks_of_group, "--role", Role.MIXED], "g0", args.dp, bus_env, metrics, part="rank{rank}"
-        )
+        group = [*ranks_of_group, "--role", Role.MIXED]
+        _start_group(supervisor, group, "g0", args.dp, bus_env, metrics, gpus.args, part="rank{rank}")
+    gpus.announce()
     api = [
         "api",
         "--host",
@@ -534,6 +538,7 @@ def _start_group(
     size: int,
     env: dict[str, str],
     metrics: Callable[[], list[str]],
+    devices: Callable[[str], list[str]],
     part: str = "{group}-r{rank}",
 ) -> None:
     """The ranks of DP group ``group``: parts ``p0-r0``, ``p0-r1``... (``rank0``... for ``--dp``'s
@@ -548,7 +553,7 @@ def _start_group(
     for rank in range(size):
         dp = ["--dp-group", group, "--dp-rank", str(rank), "--dp-size", str(size)]
         name = part.format(group=group, rank=rank)
-        supervisor.start(name, [*worker, *dp, *metrics()], env, exits=broken)
+        supervisor.start(name, [*worker, *dp, *metrics(), *devices(name)], env, exits=broken)
 
 
 def _watcher(

@@ -56,8 +56,20 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         default=None,
         help=f"KV blocks of 16 tokens (default: {_kv_blocks_defaults('sim')})",
     )
-    p.add_argument("--kv-cache-mb", type=int, default=256, help="paddle: memory for the KV cache (default %(default)s)")
+    p.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=None,
+        help="paddle: memory for the KV cache (default: 90%% of a GPU's free memory once the weights are loaded; "
+        "256 on the CPU)",
+    )
     p.add_argument("--threads", type=int, default=1, help="paddle: math threads on the CPU (default %(default)s)")
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="auto",
+        help="paddle: auto (the first GPU Paddle sees, else the CPU), cpu or gpu:N (default %(default)s)",
+    )
     p.add_argument("--transfer-host", default="127.0.0.1", help="address of the KV transfer server")
     p.add_argument("--transfer-port", type=int, default=0, help="port of the KV transfer server (default: free)")
     p.add_argument(
@@ -94,6 +106,16 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
     engines.add_arguments(p)
     add_metrics_arguments(p)
     p.set_defaults(run=run)
+
+
+def _device(text: str) -> str:
+    """``--device``'s value, checked: a bad one is argparse's usage error, not a traceback."""
+    from splitbus.gpu_ops.device import parse_device
+
+    try:
+        return parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _kv_blocks_defaults(first: str) -> str:
@@ -144,8 +166,9 @@ def build_engine(config: WorkerConfig, tokenizer: ModelTokenizer, args: argparse
         tokenizer=tokenizer,
         block_size=config.block_size,
         kv_blocks=args.kv_blocks or None,
-        kv_cache_bytes=args.kv_cache_mb * 2**20,
+        kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb * 2**20,
         threads=args.threads,
+        device=args.device,
         shard=(config.dp_rank, config.dp_size) if config.ep else (0, 1),
         options=engine_type.options_from(args),
     )

@@ -57,8 +57,11 @@ class EngineSetup:
     kv_blocks: int | None = None
     """KV blocks to allocate (``--kv-blocks``); None: the engine sizes its cache itself, from
     ``kv_cache_bytes`` and its model, or by its own default."""
-    kv_cache_bytes: int = 256 * 2**20
-    """Memory the KV cache may take (``--kv-cache-mb``) when ``kv_blocks`` is None."""
+    kv_cache_bytes: int | None = None
+    """Memory the KV cache may take (``--kv-cache-mb``) when ``kv_blocks`` is None; None: the
+    engine's default (paddle: 256 MiB on the CPU, 90% of a GPU's free memory)."""
+    device: str = "auto"
+    """Where an engine that computes runs (``--device``): ``auto``, ``cpu`` or ``gpu:N``."""
     threads: int = 1
     """Math threads on the CPU (1 when several workers share few cores)."""
     shard: tuple[int, int] = (0, 1)
@@ -68,8 +71,11 @@ class EngineSetup:
     """The engine's own options, as its ``options_from`` made them; None: its defaults."""
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or (self.kv_blocks is not None and self.kv_blocks < 1):
+        from splitbus.gpu_ops.device import parse_device  # plain Python: no paddle
+
+        if self.block_size < 1 or any(n is not None and n < 1 for n in (self.kv_blocks, self.kv_cache_bytes)):
             raise ValueError("capacities must be >= 1")
+        parse_device(self.device)
 
 
 class EngineType(ABC):

@@ -8,7 +8,8 @@ by ``PaddleType.create``, after the worker's CPU tuning.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Final
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, kv_bytes_per_token, register
 
@@ -18,7 +19,13 @@ if TYPE_CHECKING:  # types only: the registry imports this package to build the 
     from splitbus.architectures import ModelConfig
     from splitbus.worker.engines import Engine
 
-from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
+from splitbus.worker.engines.paddle.dtypes import KV_DTYPE, compute_dtype
+
+CPU_KV_CACHE_BYTES: Final = 256 * 2**20
+"""The KV cache's memory on the CPU without ``--kv-cache-mb`` (or ``--kv-blocks``)."""
+GPU_FREE_FRACTION: Final = 0.9
+"""The share of a GPU's free memory, once the weights are loaded, that the KV cache takes without
+``--kv-cache-mb`` (or ``--kv-blocks``): the rest is headroom for a step's activations."""
 
 
 def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str = KV_DTYPE) -> int:
@@ -28,11 +35,28 @@ def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str
     return max(2, budget_bytes // (per_token * block_size))
 
 
+def kv_budget(where: str, kv_cache_bytes: int | None) -> int:
+    """Bytes the KV cache may take on ``where`` (``device.select_device``'s answer), asked once
+    the weights are loaded: ``kv_cache_bytes`` when given (``--kv-cache-mb``), else
+    ``GPU_FREE_FRACTION`` of what a GPU has free, or ``CPU_KV_CACHE_BYTES`` on the CPU."""
+    from splitbus.gpu_ops import device
+
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes
+    free = device.free_bytes(where)
+    return CPU_KV_CACHE_BYTES if free is None else int(free * GPU_FREE_FRACTION)
+
+
+def _blocks_on(model: ModelConfig, setup: EngineSetup, where: str) -> int:
+    """The KV blocks of ``setup`` on ``where``, in the dtype the model computes in there."""
+    return kv_blocks(model, kv_budget(where, setup.kv_cache_bytes), setup.block_size, compute_dtype(where))
+
+
 @register
 class PaddleType(EngineType):
     name = "paddle"
     capabilities = Capabilities(real_weights=True, needs_paddle=True, expert_parallel=True)
-    kv_blocks_default = "from --kv-cache-mb"
+    kv_blocks_default = "from --kv-cache-mb, or a GPU's free memory"
 
     def make_default_model(self, folder: Path) -> None:
         from splitbus.gpu_ops import device
@@ -49,7 +73,13 @@ class PaddleType(EngineType):
             from splitbus.worker.engines.paddle.engine import PaddleEngine
         except ImportError as exc:
             raise ValueError(f"the paddle engine needs PaddlePaddle: pip install 'splitbus[paddle]' ({exc})") from None
-        blocks = setup.kv_blocks or kv_blocks(load_config(setup.model_dir), setup.kv_cache_bytes, setup.block_size)
+        blocks = setup.kv_blocks or partial(_blocks_on, load_config(setup.model_dir), setup)
         return PaddleEngine.load(
-            setup.model_dir, setup.tokenizer.eos_token_ids, blocks, setup.block_size, setup.threads, setup.shard
+            setup.model_dir,
+            setup.tokenizer.eos_token_ids,
+            blocks,
+            setup.block_size,
+            setup.threads,
+            setup.shard,
+            setup.device,
         )

@@ -20,6 +20,7 @@ from splitbus.gpu_ops.logits import process
 from splitbus.gpu_ops.sampling import sample
 from splitbus.grammar.constraint import mask_logits
 from splitbus.worker.engines.paddle import logprobs
+from splitbus.worker.engines.paddle.dtypes import compute_dtype
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.prefix import PagedBlocks
 from splitbus.worker.sequence import Sequence
@@ -48,15 +49,18 @@ class PaddleEngine(PagedBlocks):
         cls,
         folder: Path,
         eos_token_ids: tuple[int, ...],
-        total_blocks: int,
+        total_blocks: int | Callable[[str], int],
         block_size: int,
         threads: int = 1,
         shard: tuple[int, int] = (0, 1),
+        spec: str = "auto",
     ) -> PaddleEngine:
+        """The engine on the device ``spec`` (``--device``), in its ``dtypes.compute_dtype``; its
+        KV blocks given, or counted by ``total_blocks(device)`` once the weights are loaded."""
         from splitbus.gpu_ops import device
 
-        where = device.select_device(threads)
-        model = load_model(folder, shard)
+        where = device.select_device(threads, spec)
+        model = load_model(folder, shard, compute_dtype(where))
         device.release_unused_memory()
         log.info("loaded %s (%s, %d layers) on %s", folder, model.config.arch, model.config.layers, where)
         if model.held:
@@ -67,7 +71,8 @@ class PaddleEngine(PagedBlocks):
                 *shard, model.held.start, model.held.stop - 1, len(model.expert_tokens),
                 (dense + experts) / 2**20, dense / 2**20, experts / 2**20,
             )  # fmt: skip
-        return cls(model, eos_token_ids, total_blocks, block_size)
+        blocks = total_blocks if isinstance(total_blocks, int) else total_blocks(where)
+        return cls(model, eos_token_ids, blocks, block_size)
 
     async def form_expert_group(self, host: str, port: int, rank: int, size: int, timeout_s: float) -> None:
         from splitbus.gpu_ops.expert_parallel import ExpertGroup, Rendezvous

@@ -25,7 +25,7 @@ from splitbus.bus.messages import Logprobs
 from splitbus.gpu_ops.attention import Run, plan
 from splitbus.gpu_ops.expert_parallel import ExpertGroup, expert_shard
 from splitbus.gpu_ops.kernels import Kernels, chosen
-from splitbus.gpu_ops.kv_cache import PagedKVCache
+from splitbus.gpu_ops.kv_cache import KVDtype, PagedKVCache
 from splitbus.gpu_ops.layers import RopeTables
 from splitbus.gpu_ops.moe import Expert, combine, gated_mlp, route, run_experts, tally
 from splitbus.worker.engines.paddle import logprobs, weights
@@ -84,21 +84,30 @@ class Experts:
         return combine([group.combine(run_experts(every, routed, self.experts))])
 
 
-def _t(array: np.ndarray) -> paddle.Tensor:
-    return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
+def _t(array: np.ndarray, dtype: KVDtype = KV_DTYPE) -> paddle.Tensor:
+    tensor = paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
+    return tensor if dtype == KV_DTYPE else tensor.astype(dtype)
 
 
-def _expert(t: dict[str, np.ndarray], names: tuple[str, str, str]) -> Expert:
+def _expert(t: dict[str, np.ndarray], names: tuple[str, str, str], dtype: KVDtype) -> Expert:
     """A gated MLP from its gate, up and down projections (HF [out, in]), gate and up fused."""
     gate, up, down = (t[name] for name in names)
-    return Expert(w_gate_up=_t(np.concatenate([gate, up], axis=0).T), w_down=_t(down.T))
+    return Expert(w_gate_up=_t(np.concatenate([gate, up], axis=0).T, dtype), w_down=_t(down.T, dtype))
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, np.ndarray],
+        shard: tuple[int, int] = (0, 1),
+        dtype: KVDtype = KV_DTYPE,
+    ) -> None:
         """``shard``: (rank, ranks) of an expert-parallel group: the model holds that rank's share
-        of each MoE layer's experts (``expert_shard``); (0, 1) holds them all."""
+        of each MoE layer's experts (``expert_shard``); (0, 1) holds them all. ``dtype``: of its
+        weights and KV cache (``dtypes.compute_dtype``)."""
         self.config = config
+        self.dtype = dtype
         count = config.experts.count if config.experts is not None else 0
         self.held = expert_shard(count, *shard) if count else range(0)
         """The experts of each MoE layer this model holds."""
@@ -109,10 +118,10 @@ class CausalLM:
         """The expert-parallel group, once formed (``ExpertGroup.form``); None: every expert is here."""
         self.prompt_logprobs: dict[int, Logprobs] = {}
         """The last forward's prompt logprobs, by chunk index (its ``prompt_top``)."""
-        self.embed = _t(tensors["model.embed_tokens.weight"])
-        self.norm = _t(tensors["model.norm.weight"])
+        self.embed = _t(tensors["model.embed_tokens.weight"], dtype)
+        self.norm = _t(tensors["model.norm.weight"], dtype)
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
-        self.lm_head = _t(head.T)  # HF Linear is [out, in]; matmul wants [in, out]
+        self.lm_head = _t(head.T, dtype)  # HF Linear is [out, in]; matmul wants [in, out]
         self.layers = [self._layer(tensors, i) for i in range(config.layers)]
         self.kernels: Kernels = chosen()
         """The ops its layers call: Paddle's fused kernels where the device has them (``--kernels``)."""
@@ -123,12 +132,12 @@ class CausalLM:
         qkv = np.concatenate([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0).T
         bias = np.concatenate([t[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) if self.config.qkv_bias else None
         return Layer(
-            ln1=_t(t[p + "input_layernorm.weight"]),
-            w_qkv=_t(qkv),
-            b_qkv=_t(bias) if bias is not None else None,
-            w_o=_t(t[p + "self_attn.o_proj.weight"].T),
-            ln2=_t(t[p + "post_attention_layernorm.weight"]),
-            qk_norm=(_t(t[p + "self_attn.q_norm.weight"]), _t(t[p + "self_attn.k_norm.weight"]))
+            ln1=_t(t[p + "input_layernorm.weight"], self.dtype),
+            w_qkv=_t(qkv, self.dtype),
+            b_qkv=_t(bias, self.dtype) if bias is not None else None,
+            w_o=_t(t[p + "self_attn.o_proj.weight"].T, self.dtype),
+            ln2=_t(t[p + "post_attention_layernorm.weight"], self.dtype),
+            qk_norm=(_t(t[p + "self_attn.q_norm.weight"], self.dtype), _t(t[p + "self_attn.k_norm.weight"], self.dtype))
             if self.config.architecture.qk_norm
             else None,
             mlp=self._mlp(t, i),
@@ -138,9 +147,9 @@ class CausalLM:
         arch, experts = self.config.architecture, self.config.experts
         if experts is None or i not in experts.layers or not isinstance(arch, MixtureOfExperts):
             p = f"model.layers.{i}.mlp."
-            return _expert(t, (p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"))
-        held = {e: _expert(t, arch.expert(i, e)) for e in self.held}
-        return Experts(_t(t[arch.router(i)].T), held, experts.count, experts.per_token, experts.renormalise)
+            return _expert(t, (p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"), self.dtype)
+        held = {e: _expert(t, arch.expert(i, e), self.dtype) for e in self.held}
+        return Experts(_t(t[arch.router(i)].T, self.dtype), held, experts.count, experts.per_token, experts.renormalise)
 
     def weight_bytes(self) -> tuple[int, int]:
         """Bytes of the weights held: (everything but the experts, the experts)."""
@@ -154,8 +163,9 @@ class CausalLM:
         return sum(map(_bytes, every)) - experts, experts
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A KV cache in the model's dtype."""
         c = self.config
-        return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, dtype=KV_DTYPE)
+        return PagedKVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, dtype=self.dtype)
 
     def forward(
         self,
@@ -239,16 +249,17 @@ FORWARDS: dict[str, type[CausalLM]] = {"decoder": CausalLM}
 """An architecture's ``forward`` -> the model that runs it here."""
 
 
-def load_model(folder: Path, shard: tuple[int, int] = (0, 1)) -> CausalLM:
+def load_model(folder: Path, shard: tuple[int, int] = (0, 1), dtype: KVDtype = KV_DTYPE) -> CausalLM:
     """The model of a Hugging Face folder, run by the forward its architecture names; ``shard``:
-    (rank, ranks) of an expert-parallel group, whose share of the experts it holds."""
+    (rank, ranks) of an expert-parallel group, whose share of the experts it holds; ``dtype``: its
+    weights' and KV cache's."""
     config = load_config(folder)
     forward = FORWARDS.get(config.architecture.forward)
     if forward is None:
         raise ValueError(
             f"the paddle engine has no forward {config.architecture.forward!r} for {config.architecture.hf_name}"
         )
-    return forward(config, dict(weights.load(folder, config, _other_ranks_experts(config, shard))), shard)
+    return forward(config, dict(weights.load(folder, config, _other_ranks_experts(config, shard))), shard, dtype)
 
 
 def _other_ranks_experts(config: ModelConfig, shard: tuple[int, int]) -> set[str]:

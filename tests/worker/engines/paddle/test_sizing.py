@@ -1,17 +1,22 @@
-"""The paddle engine's KV cache, built through the registry, is the size its budget allows."""
+"""The paddle engine's KV cache, built through the registry, is the size its budget allows: given,
+or the CPU's default, or a share of a GPU's free memory (the GPU faked: this machine has none)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import paddle
 import pytest
 
 from splitbus.architectures import load_config
+from splitbus.gpu_ops import device
 from splitbus.tokenization import ModelTokenizer
 from splitbus.worker import engines
 from splitbus.worker.engines import EngineSetup, kv_bytes_per_token
-from splitbus.worker.engines.paddle import KV_DTYPE, kv_blocks
+from splitbus.worker.engines.paddle import CPU_KV_CACHE_BYTES, GPU_FREE_FRACTION, KV_DTYPE, kv_blocks, kv_budget
+from splitbus.worker.engines.paddle.dtypes import compute_dtype
 from splitbus.worker.engines.paddle.engine import PaddleEngine
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
 
@@ -23,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("sizing") / "m", "llama", seed=2)
 
 
-def _engine(model_dir: Path, **setup: int) -> PaddleEngine:
+def _engine(model_dir: Path, **setup: Any) -> PaddleEngine:
     engine = engines.create("paddle", EngineSetup(model_dir, ModelTokenizer.load(model_dir), **setup))
     assert isinstance(engine, PaddleEngine)
     return engine
@@ -42,3 +47,40 @@ def test_the_cache_fills_its_budget_in_the_engines_own_dtype(model_dir: Path) ->
 
 def test_kv_blocks_given_are_taken_as_they_are(model_dir: Path) -> None:
     assert _engine(model_dir, kv_blocks=10, block_size=32).total_blocks == 9
+
+
+def test_without_a_budget_the_cpu_takes_256_mib_and_a_gpu_90_percent_of_its_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(device, "free_bytes", lambda where: {"gpu:1": 10_000 * MIB}.get(where))
+    assert kv_budget("cpu", None) == CPU_KV_CACHE_BYTES == 256 * MIB
+    assert kv_budget("gpu:1", None) == int(10_000 * MIB * GPU_FREE_FRACTION) == 9_000 * MIB
+    assert kv_budget("gpu:1", 5 * MIB) == kv_budget("cpu", 5 * MIB) == 5 * MIB  # --kv-cache-mb wins
+
+
+def _on_a_fake_gpu(monkeypatch: pytest.MonkeyPatch, free: int, bf16: bool) -> list[str]:
+    """The engine believes it runs on ``gpu:1`` with ``free`` bytes free once its weights are
+    loaded (Paddle still computes on the CPU); the devices it asked for, recorded."""
+    asked: list[str] = []
+    monkeypatch.setattr(device, "select_device", lambda threads, spec: asked.append(spec) or "gpu:1")
+    monkeypatch.setattr(device, "free_bytes", lambda where: free if where == "gpu:1" else None)
+    monkeypatch.setattr(device, "computes_bf16", lambda where: bf16 and where == "gpu:1")
+    return asked
+
+
+@pytest.mark.parametrize(("bf16", "dtype", "blocks"), [(False, "float32", 47), (True, "bfloat16", 95)])
+def test_on_a_gpu_the_cache_fills_90_percent_of_the_free_memory_in_the_compute_dtype(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, bf16: bool, dtype: str, blocks: int
+) -> None:
+    config = load_config(model_dir)
+    asked = _on_a_fake_gpu(monkeypatch, free=int(3 * MIB / GPU_FREE_FRACTION) + 1, bf16=bf16)
+    engine = _engine(model_dir, device="gpu:1")
+    assert asked == ["gpu:1"]
+    assert engine.model.dtype == engine.cache.dtype == dtype and engine.model.embed.dtype == getattr(paddle, dtype)
+    assert engine.total_blocks == kv_blocks(config, 3 * MIB, 16, dtype) - 1 == blocks  # bf16: twice the tokens
+    assert _engine(model_dir, device="gpu:1", kv_cache_bytes=MIB).total_blocks == kv_blocks(config, MIB, 16, dtype) - 1
+
+
+def test_the_cpu_never_computes_in_bf16(model_dir: Path) -> None:
+    assert compute_dtype("cpu") == KV_DTYPE == "float32"
+    assert _engine(model_dir, device="cpu").model.dtype == "float32"
