@@ -99,8 +99,13 @@ class PagedKVCache:
         rows = np.frombuffer(payload, HOST_DTYPES[self.dtype]).reshape(
             self.layers, 2, length, self.kv_heads, self.head_dim
         )
-        # One copy to the device of every position to write; the layers' K and V are slices of it.
-        on_device = paddle.to_tensor(np.ascontiguousarray(rows[:, :, start:]), dtype=self.dtype)
+        # One copy to the device of every position to write, [layers x 2 x tokens, heads, dim]; the
+        # layers' K and V are row ranges of it. ``_slice`` is a view (indexing copies when
+        # FLAGS_use_stride_kernel=0: 2048 tokens of SmolLM2's shape, 29 ms against 14 ms).
+        n = length - start
+        rows = np.ascontiguousarray(rows[:, :, start:]).reshape(-1, self.kv_heads, self.head_dim)
+        on_device = paddle.to_tensor(rows, dtype=self.dtype)
         slots = paddle.to_tensor(self.slots(table, start, length))
         for layer in range(self.layers):
-            self.write(layer, slots, on_device[layer, 0], on_device[layer, 1])
+            k, v = (on_device._slice(i * n, (i + 1) * n) for i in (2 * layer, 2 * layer + 1))
+            self.write(layer, slots, k, v)
