@@ -16,7 +16,8 @@ def _devices(monkeypatch: pytest.MonkeyPatch, gpus: int, *argv: str) -> dict[str
     """Each worker part's ``--device`` (None: none given) on a machine with ``gpus`` GPUs."""
     monkeypatch.setattr(device, "count_gpus", lambda: gpus)
     args, supervisor = parse(*argv), Recorded()
-    up._start_parts(supervisor, args, "redis://x", up.ServedModel(Path("m"), "m"), up.worker_counts(args))  # type: ignore[arg-type]  # a recorder
+    model, counts = up.ServedModel(Path("m"), "m"), up.worker_counts(args)
+    up._start_parts(supervisor, args, "redis://x", model, counts)  # type: ignore[arg-type]  # a recorder
     workers = {name: argv for name, (argv, _) in supervisor.parts.items() if argv[0] == "worker"}
     return {name: w[w.index("--device") + 1] if "--device" in w else None for name, w in workers.items()}
 

@@ -25,7 +25,8 @@ def _setup(monkeypatch: pytest.MonkeyPatch, *argv: str) -> EngineSetup:
     """The setup ``build_engine`` gives the sim engine for these arguments."""
     made: list[EngineSetup] = []
     monkeypatch.setattr(type(engines.get("sim")), "create", lambda self, setup: made.append(setup))
-    worker_cmd.build_engine(_Config(), None, _parse("--model", "m", *argv))  # type: ignore[arg-type]  # what build_engine reads
+    args = _parse("--model", "m", *argv)
+    worker_cmd.build_engine(_Config(), None, args)  # type: ignore[arg-type]  # what build_engine reads
     return made[0]
 
 
