@@ -7,6 +7,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from splitbus.gpu_ops.kv_cache import KVDtype
+
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
     """cos and sin, ``[T, 1, head_dim]``, with ``cos = concat(freqs, freqs)`` (not interleaved)."""
@@ -20,17 +22,21 @@ class RopeTables:
     """cos and sin of every position up to a length, on the device: a step picks its positions'
     rows with one gather instead of computing them on the host. Made at load for the first
     ``length`` positions and doubled when a position past them comes (computed in float64 on the
-    host then, as ``rope_tables`` does)."""
+    host then, as ``rope_tables`` does), in the model's ``dtype``."""
 
-    def __init__(self, head_dim: int, theta: float, length: int) -> None:
-        self.head_dim, self.theta = head_dim, theta
-        self.cos, self.sin = rope_tables(np.arange(max(1, length)), head_dim, theta)
+    def __init__(self, head_dim: int, theta: float, length: int, dtype: KVDtype = "float32") -> None:
+        self.head_dim, self.theta, self.dtype = head_dim, theta, dtype
+        self.cos, self.sin = self._tables(max(1, length))
+
+    def _tables(self, length: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        cos, sin = rope_tables(np.arange(length), self.head_dim, self.theta)
+        return (cos, sin) if self.dtype == "float32" else (cos.astype(self.dtype), sin.astype(self.dtype))
 
     def at(self, positions: paddle.Tensor, last: int) -> tuple[paddle.Tensor, paddle.Tensor]:
         """cos and sin of ``positions`` (``[T]``, on the device), ``[T, 1, head_dim]``; ``last``:
         the largest of them, known on the host."""
         if last >= self.cos.shape[0]:
-            self.cos, self.sin = rope_tables(np.arange(2 * last + 1), self.head_dim, self.theta)
+            self.cos, self.sin = self._tables(2 * last + 1)
         return paddle.index_select(self.cos, positions, axis=0), paddle.index_select(self.sin, positions, axis=0)
 
 

@@ -125,7 +125,8 @@ class CausalLM:
         self.layers = [self._layer(tensors, i) for i in range(config.layers)]
         self.kernels: Kernels = chosen()
         """The ops its layers call: Paddle's fused kernels where the device has them (``--kernels``)."""
-        self.rope = RopeTables(config.head_dim, config.rope_theta, min(config.max_position_embeddings, ROPE_AT_LOAD))
+        length = min(config.max_position_embeddings, ROPE_AT_LOAD)
+        self.rope = RopeTables(config.head_dim, config.rope_theta, length, dtype)
 
     def _layer(self, t: dict[str, np.ndarray], i: int) -> Layer:
         p = f"model.layers.{i}."
