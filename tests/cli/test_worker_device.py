@@ -58,3 +58,16 @@ def test_a_gpu_paddle_does_not_see_stops_the_worker_at_start(
     args = _parse("--engine", "paddle", "--model", str(model), "--device", "gpu:3", "--data-dir", str(tmp_path))
     assert worker_cmd.run(args, load_env({})) == 2
     assert "splitbus worker: --device gpu:3: Paddle sees 0 GPU(s) here (a CPU build?)" in capsys.readouterr().out
+
+
+def test_the_kernels_choice_reaches_the_paddle_engine_and_a_bad_one_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from splitbus.worker.engines.paddle import PaddleOptions
+
+    paddle_type = engines.get("paddle")
+    assert paddle_type.options_from(_parse("--model", "m")) == PaddleOptions("auto")
+    assert paddle_type.options_from(_parse("--model", "m", "--paddle-kernels", "paddle")) == PaddleOptions("paddle")
+    with pytest.raises(SystemExit) as stopped:
+        _parse("--model", "m", "--paddle-kernels", "turbo")
+    assert stopped.value.code == 2 and "argument --paddle-kernels: invalid choice: 'turbo'" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import paddle
 import pytest
@@ -10,7 +12,7 @@ from splitbus.gpu_ops import kernels
 from splitbus.gpu_ops.attention import Run, plan
 from splitbus.gpu_ops.kernels import FUSED, Kernels, chosen, with_fused
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk
-from splitbus.worker.engines.paddle.tiny import tiny_config
+from splitbus.worker.engines.paddle.tiny import make_tiny_model, tiny_config
 
 GPU_ONLY = {"fused_rotary_position_embedding", "flash_attn_unpadded"}
 
@@ -86,3 +88,19 @@ def test_the_unpadded_layout_gives_each_run_its_queries_and_keys() -> None:
     assert packed.key_rows.numpy().tolist() == [9, 4, 7, 20, 21, 22, 23, 24, 25, 1, 2, 3, 8]
     assert (packed.max_queries, packed.max_keys) == (3, 6)
     assert packed.cu_queries.dtype == paddle.int32 and packed.cu_keys.dtype == paddle.int32
+
+
+def test_the_worker_offers_exactly_the_registered_kernels() -> None:
+    """The CLI's choices are written out (its parser is built without paddle): they must be the registry's."""
+    from splitbus.worker.engines.paddle import KERNEL_CHOICES
+
+    assert set(KERNEL_CHOICES) == set(kernels.KERNELS)
+
+
+def test_the_engine_loads_with_the_kernels_it_is_told(tmp_path: Path) -> None:
+    from splitbus.worker.engines.paddle.engine import PaddleEngine
+
+    folder = make_tiny_model(tmp_path / "tiny", "llama", seed=2)
+    plain = PaddleEngine.load(folder, (0,), 8, 4, kernels="paddle")
+    fused = PaddleEngine.load(folder, (0,), 8, 4)
+    assert plain.model.kernels == Kernels() and fused.model.kernels == chosen()

@@ -8,12 +8,14 @@ by ``PaddleType.create``, after the worker's CPU tuning.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Final
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, kv_bytes_per_token, register
 
 if TYPE_CHECKING:  # types only: the registry imports this package to build the CLI's parser
+    import argparse
     from pathlib import Path
 
     from splitbus.architectures import ModelConfig
@@ -26,6 +28,20 @@ CPU_KV_CACHE_BYTES: Final = 256 * 2**20
 GPU_FREE_FRACTION: Final = 0.9
 """The share of a GPU's free memory, once the weights are loaded, that the KV cache takes without
 ``--kv-cache-mb`` (or ``--kv-blocks``): the rest is headroom for a step's activations."""
+
+
+KERNEL_CHOICES: Final = ("auto", "paddle")
+"""``--paddle-kernels``: the names of ``splitbus.gpu_ops.kernels.KERNELS``, written out here because
+the worker's parser is built without importing paddle (a test holds the two equal)."""
+
+
+@dataclass(frozen=True)
+class PaddleOptions:
+    """The paddle engine's own options."""
+
+    kernels: str = "auto"
+    """``--paddle-kernels``: ``auto``, Paddle's fused kernels where the device has them (the batched
+    Paddle ops for the rest); ``paddle``, the batched Paddle ops only."""
 
 
 def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str = KV_DTYPE) -> int:
@@ -58,6 +74,18 @@ class PaddleType(EngineType):
     capabilities = Capabilities(real_weights=True, needs_paddle=True, expert_parallel=True)
     kv_blocks_default = "from --kv-cache-mb, or a GPU's free memory"
 
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--paddle-kernels",
+            choices=KERNEL_CHOICES,
+            default=PaddleOptions.kernels,
+            help="auto: Paddle's fused kernels where the device has them (RMSNorm and SwiGLU on the CPU); "
+            "paddle: plain Paddle ops only (default %(default)s)",
+        )
+
+    def options_from(self, args: argparse.Namespace) -> PaddleOptions:
+        return PaddleOptions(args.paddle_kernels)
+
     def make_default_model(self, folder: Path) -> None:
         from splitbus.gpu_ops import device
 
@@ -82,4 +110,5 @@ class PaddleType(EngineType):
             setup.threads,
             setup.shard,
             setup.device,
+            setup.options.kernels if isinstance(setup.options, PaddleOptions) else PaddleOptions.kernels,
         )

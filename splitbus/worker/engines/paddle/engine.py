@@ -54,15 +54,22 @@ class PaddleEngine(PagedBlocks):
         threads: int = 1,
         shard: tuple[int, int] = (0, 1),
         spec: str = "auto",
+        kernels: str = "auto",
     ) -> PaddleEngine:
         """The engine on the device ``spec`` (``--device``), in its ``dtypes.compute_dtype``; its
-        KV blocks given, or counted by ``total_blocks(device)`` once the weights are loaded."""
+        KV blocks given, or counted by ``total_blocks(device)`` once the weights are loaded;
+        ``kernels``: ``splitbus.gpu_ops.kernels.KERNELS``'s name (``--paddle-kernels``)."""
         from splitbus.gpu_ops import device
+        from splitbus.gpu_ops.kernels import chosen
 
         where = device.select_device(threads, spec)
         model = load_model(folder, shard, compute_dtype(where))
+        model.kernels = chosen(kernels)
         device.release_unused_memory()
-        log.info("loaded %s (%s, %d layers) on %s", folder, model.config.arch, model.config.layers, where)
+        log.info(
+            "loaded %s (%s, %d layers) on %s, %s, kernels: %s",
+            folder, model.config.arch, model.config.layers, where, model.dtype, model.kernels.name,
+        )  # fmt: skip
         if model.held:
             dense, experts = model.weight_bytes()
             log.info(
