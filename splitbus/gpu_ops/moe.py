@@ -61,9 +61,15 @@ def gated_mlp(
     return paddle.matmul(swiglu(paddle.matmul(h, mlp.w_gate_up)), mlp.w_down)
 
 
-def run_experts(h: paddle.Tensor, routing: Routing, experts: Mapping[int, Expert]) -> paddle.Tensor:
+def run_experts(
+    h: paddle.Tensor,
+    routing: Routing,
+    experts: Mapping[int, Expert],
+    swiglu: Callable[[paddle.Tensor], paddle.Tensor] = silu_and_mul,
+) -> paddle.Tensor:
     """``[tokens, k, hidden]``: for each token's k slots, the weighted output of the slot's expert
-    when ``experts`` (id -> expert) holds it; zero for a slot whose expert it does not hold."""
+    when ``experts`` (id -> expert) holds it; zero for a slot whose expert it does not hold.
+    ``swiglu``: the experts' activation kernel (``Kernels.swiglu``)."""
     tokens, k = routing.experts.shape
     out = paddle.zeros([tokens * k, h.shape[-1]], dtype=h.dtype)
     for expert_id, expert in experts.items():
@@ -73,7 +79,9 @@ def run_experts(h: paddle.Tensor, routing: Routing, experts: Mapping[int, Expert
         flat = paddle.to_tensor(rows * k + slots)
         weight = paddle.index_select(routing.weights.reshape([-1]), flat).reshape([-1, 1])
         # Each (token, slot) has one expert: adding into zeros writes it, exactly.
-        out = paddle.index_add(out, flat, 0, gated_mlp(paddle.index_select(h, paddle.to_tensor(rows)), expert) * weight)
+        out = paddle.index_add(
+            out, flat, 0, gated_mlp(paddle.index_select(h, paddle.to_tensor(rows)), expert, swiglu) * weight
+        )
     return out.reshape([tokens, k, -1])
 
 

@@ -11,7 +11,7 @@ step, never per layer; RoPE's tables are made at load.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from splitbus.gpu_ops.attention import Run, plan
 from splitbus.gpu_ops.expert_parallel import ExpertGroup, expert_shard
 from splitbus.gpu_ops.kernels import Kernels, chosen
 from splitbus.gpu_ops.kv_cache import KVDtype, PagedKVCache
-from splitbus.gpu_ops.layers import RopeTables
+from splitbus.gpu_ops.layers import RopeTables, silu_and_mul
 from splitbus.gpu_ops.moe import Expert, combine, gated_mlp, route, run_experts, tally
 from splitbus.worker.engines.paddle import logprobs, weights
 from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
@@ -69,7 +69,12 @@ class Experts:
     renormalise: bool
 
     def __call__(
-        self, h: paddle.Tensor, group: ExpertGroup | None, counts: np.ndarray, counted: bool = True
+        self,
+        h: paddle.Tensor,
+        group: ExpertGroup | None,
+        counts: np.ndarray,
+        counted: bool = True,
+        swiglu: Callable[[paddle.Tensor], paddle.Tensor] = silu_and_mul,
     ) -> paddle.Tensor:
         """The MoE MLP of this rank's tokens ``h``; with a ``group``, its tokens and the other
         ranks' go to the ranks holding their experts and come back (``ExpertGroup``). Adds to
@@ -78,10 +83,10 @@ class Experts:
         if group is None:
             if counted:
                 tally(routing, counts)
-            return combine([run_experts(h, routing, self.experts)])
+            return combine([run_experts(h, routing, self.experts, swiglu)])
         every, routed = group.dispatch(h, routing, self.count)
         tally(routed, counts, group.counted)
-        return combine([group.combine(run_experts(every, routed, self.experts))])
+        return combine([group.combine(run_experts(every, routed, self.experts, swiglu))])
 
 
 def _t(array: np.ndarray, dtype: KVDtype = KV_DTYPE) -> paddle.Tensor:
@@ -204,7 +209,7 @@ class CausalLM:
             x = x + self._attend(layer, index, x, cos, sin, plan)
             h = self.kernels.rms_norm(x, layer.ln2, self.config.rms_norm_eps)
             if isinstance(layer.mlp, Experts):
-                x = x + layer.mlp(h, self.group, self.expert_tokens, counted)
+                x = x + layer.mlp(h, self.group, self.expert_tokens, counted, self.kernels.swiglu)
             else:
                 x = x + gated_mlp(h, layer.mlp, self.kernels.swiglu)
         self.prompt_logprobs = {j: self._scores(x, plan.spans[j], k) for j, k in (prompt_top or {}).items()}
