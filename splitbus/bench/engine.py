@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import functools
 import math
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from splitbus.architectures import config_from
+from splitbus.bench import engine_hf, engine_long
+from splitbus.bench.engine_hf import best_of
 from splitbus.gpu_ops.sampling import sample
 from splitbus.worker.engines.paddle.logprobs import of_rows
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
@@ -44,41 +48,87 @@ LOGPROBS_K = 5
 """The top alternatives the logprobs figures ask for (issue 37's target: K = 5 costs <= 10 %)."""
 
 
-def random_model(raw: dict[str, Any], seed: int = 0) -> CausalLM:
-    config = config_from(raw)
+SAMPLED_BATCH = 32
+"""The batch whose decode step is timed with sampling (temperature 1) against greedy."""
+LONG_PROMPT = 4096
+"""``--long-prompt``'s default: the engine's prefill bound (32 x 128 tokens)."""
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a ``bench engine`` run measures beyond the figures every run has."""
+
+    long_prompt: int = 0
+    """Tokens of the one long prompt prefilled in a child process (``engine_long``); 0: none."""
+    vs_transformers: bool = False
+    """Time the same weights in Hugging Face transformers too (``engine_hf``)."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """A model to measure, and the Hugging Face folder it was loaded from or saved to."""
+
+    model: CausalLM
+    folder: Path | None
+    """None: a random model kept in memory only (no figure needed a folder)."""
+
+
+def random_tensors(raw: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+    """Random fp32 weights, Hugging Face names and layouts, of the model ``raw`` describes."""
     rng = np.random.default_rng(seed)
-    tensors = {
-        name: (0.02 * rng.standard_normal(shape, dtype=np.float32)) for name, shape in config.tensor_shapes().items()
-    }
-    return CausalLM(config, tensors)
+    shapes = config_from(raw).tensor_shapes()
+    return {name: (0.02 * rng.standard_normal(shape, dtype=np.float32)) for name, shape in shapes.items()}
 
 
-def _best_of(runs: int, work: Callable[[], Any]) -> float:
-    """Seconds of the fastest of ``runs`` timed calls, after one warm-up."""
-    work()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def random_model(raw: dict[str, Any], seed: int = 0) -> CausalLM:
+    return CausalLM(config_from(raw), random_tensors(raw, seed))
+
+
+def _random_built(raw: dict[str, Any], folder: Path | None) -> Built:
+    """A random model; saved as a Hugging Face folder first when ``folder`` is given (transformers
+    and the long prompt's child process load it from there)."""
+    if folder is None:
+        return Built(random_model(raw), None)
+    config = config_from(raw)
+    tensors = random_tensors(raw)
+    engine_hf.save_folder(raw, tensors, folder, config.architecture.model_type)
+    return Built(CausalLM(config, tensors), folder)
 
 
 def bench_model(
     name: str,
-    build: Callable[[], CausalLM],
+    build: Callable[[], Built],
     runs: int,
     progress: Callable[[str], None],
     prefill_batches: Sequence[int] = (1,),
+    extras: Extras = Extras(),
 ) -> dict[str, Any]:
+    """One model's figures: the paddle engine's, then those of ``extras`` (they need its folder)."""
     progress(f"{name}: building the model")
-    model = build()
+    built = build()
+    folder = built.folder
+    result = _paddle_figures(name, built.model, runs, progress, prefill_batches)
+    del built  # the paddle model's memory, before a child or transformers loads its own copy
+    if extras.long_prompt and folder is not None:
+        progress(f"{name}: a {extras.long_prompt}-token prompt in a child process")
+        result.update(engine_long.measure(folder, extras.long_prompt))
+    if extras.vs_transformers and folder is not None:
+        result.update(engine_hf.bench_transformers(folder, runs, BATCHES, progress))
+        result.update(engine_hf.ratios(result, BATCHES))
+    return result
+
+
+def _paddle_figures(
+    name: str, model: CausalLM, runs: int, progress: Callable[[str], None], prefill_batches: Sequence[int]
+) -> dict[str, Any]:
+    """The figures of every run: prefill at each batch, decode (with the logprobs cost) at each of
+    ``BATCHES``, sampled against greedy decode, and KV export/import."""
     cache = model.new_cache(2 + 40 * 4, 16)
     result: dict[str, Any] = {"model": name, "params_m": round(_params(model) / 1e6, 1), "prefill_tokens": 128}
     for batch in prefill_batches:
         progress(f"{name}: prefill at batch {batch}")
         chunks = [Chunk(list(range(1, 129)), 0)] * batch
-        prefill_s = _best_of(runs, functools.partial(model.forward, chunks))
+        prefill_s = best_of(runs, functools.partial(model.forward, chunks))
         key = "prefill" if batch == 1 else f"prefill_b{batch}"
         result[f"{key}_tok_s"] = round(128 * batch / prefill_s, 1)
         result[f"{key}_ms"] = round(prefill_s * 1000, 1)
@@ -88,27 +138,17 @@ def bench_model(
         result[f"decode_b{batch}_tok_s"] = round(batch / step_s, 1)
         result[f"decode_b{batch}_step_ms"] = round(step_s * 1000, 2)
         result.update(_logprobs_cost(model, cache, batch, runs))
+    progress(f"{name}: decode at batch {SAMPLED_BATCH}, greedy against temperature 1")
+    result.update(_sampling_cost(model, cache, runs))
     result.update(_transfer(model, cache, runs))
     return result
 
 
 def _logprobs_cost(model: CausalLM, cache: Any, batch: int, runs: int) -> dict[str, float]:
-    """A decode step with the engine's greedy choice per sequence, and with that and the token's
+    """A decode step with the engine's greedy choice per sequence, against that and the token's
     logprobs with the top ``LOGPROBS_K`` (the engine's ``logprobs.sampled``: one row at a time, in
-    float64): the two alternate, step after step on the same sequences, and each keeps its
-    fastest of ``runs`` (at least 3), so that a load that comes and goes on the machine meets both."""
-    tables = [cache.allocator.allocate(4) for _ in range(batch)]
-    model.forward([Chunk(list(range(1, 17)), 0, t) for t in tables], cache)
-    best = {_greedy: math.inf, _greedy_with_logprobs: math.inf}
-    for position in range(16, 16 + 2 * max(runs, 3) + 2):
-        after = _greedy if position % 2 else _greedy_with_logprobs
-        start = time.perf_counter()
-        after(model.forward([Chunk([7], position, t) for t in tables], cache))
-        if position >= 18:  # the first two are warm-ups
-            best[after] = min(best[after], time.perf_counter() - start)
-    for t in tables:
-        cache.allocator.release(t)
-    sampled, scored = best[_greedy], best[_greedy_with_logprobs]
+    float64)."""
+    sampled, scored = _alternate(model, cache, batch, runs, (_greedy, _greedy_with_logprobs))
     return {
         f"decode_b{batch}_sampled_step_ms": round(sampled * 1000, 2),
         f"decode_b{batch}_logprobs{LOGPROBS_K}_step_ms": round(scored * 1000, 2),
@@ -116,15 +156,56 @@ def _logprobs_cost(model: CausalLM, cache: Any, batch: int, runs: int) -> dict[s
     }
 
 
-def _greedy(logits: np.ndarray) -> None:
-    for row in logits:
-        sample(row, 0.0, 0, 1.0, 0, 0)
+def _sampling_cost(model: CausalLM, cache: Any, runs: int) -> dict[str, float]:
+    """A decode step at batch ``SAMPLED_BATCH`` with the greedy choice, against the same with
+    ``choose_t1`` (issue 41's target: within 10 % of greedy)."""
+    greedy, sampled = _alternate(model, cache, SAMPLED_BATCH, runs, (_greedy, choose_t1))
+    b = SAMPLED_BATCH
+    return {
+        f"decode_b{b}_greedy_step_ms": round(greedy * 1000, 2),
+        f"decode_b{b}_sampled_t1_step_ms": round(sampled * 1000, 2),
+        f"decode_b{b}_sampled_t1_cost_pct": round((sampled / greedy - 1) * 100, 1),
+    }
 
 
-def _greedy_with_logprobs(logits: np.ndarray) -> None:
+Choice = Callable[[np.ndarray, int], Any]
+"""What a decode step does with its logits ``[batch, vocab]`` on the host, given the step number."""
+
+
+def _alternate(model: CausalLM, cache: Any, batch: int, runs: int, choices: tuple[Choice, Choice]) -> list[float]:
+    """Seconds of the fastest decode step of ``batch`` sequences followed by each of the two
+    ``choices``: they alternate, step after step on the same sequences, and each keeps its fastest
+    of ``runs`` (at least 3), so that a load that comes and goes on the machine meets both."""
+    tables = [cache.allocator.allocate(4) for _ in range(batch)]
+    model.forward([Chunk(list(range(1, 17)), 0, t) for t in tables], cache)
+    best = [math.inf, math.inf]
+    for position in range(16, 16 + 2 * max(runs, 3) + 2):
+        which = position % 2
+        start = time.perf_counter()
+        choices[which](model.forward([Chunk([7], position, t) for t in tables], cache), position)
+        if position >= 18:  # the first two are warm-ups
+            best[which] = min(best[which], time.perf_counter() - start)
+    for t in tables:
+        cache.allocator.release(t)
+    return best
+
+
+def _greedy(logits: np.ndarray, step: int) -> None:
     for row in logits:
-        token = sample(row, 0.0, 0, 1.0, 0, 0)
+        sample(row, 0.0, 0, 1.0, 0, step)
+
+
+def _greedy_with_logprobs(logits: np.ndarray, step: int) -> None:
+    for row in logits:
+        token = sample(row, 0.0, 0, 1.0, 0, step)
         of_rows(row[None, :], np.array([token]), LOGPROBS_K)
+
+
+def choose_t1(logits: np.ndarray, step: int) -> list[int]:
+    """The sampled choice the figure times: temperature 1, no top-k or top-p (OpenAI's defaults),
+    each sequence its own seed. Today ``sampling.sample`` one row at a time; the one place to switch
+    when the engine samples a batch at once."""
+    return [sample(row, 1.0, 0, 1.0, seed, step) for seed, row in enumerate(logits)]
 
 
 def _decode_step(model: CausalLM, cache: Any, batch: int, runs: int) -> float:
@@ -136,7 +217,7 @@ def _decode_step(model: CausalLM, cache: Any, batch: int, runs: int) -> float:
         model.forward([Chunk([7], position[0], t) for t in tables], cache)
         position[0] += 1
 
-    seconds = _best_of(min(runs, 5), step)
+    seconds = best_of(min(runs, 5), step)
     for t in tables:
         cache.allocator.release(t)
     return seconds
@@ -146,8 +227,8 @@ def _transfer(model: CausalLM, cache: Any, runs: int) -> dict[str, float]:
     table = cache.allocator.allocate(8)
     model.forward([Chunk(list(range(1, 129)), 0, table)], cache)
     payload = cache.export(table, 128)
-    export_s = _best_of(runs, lambda: cache.export(table, 128))
-    import_s = _best_of(runs, lambda: cache.import_(table, 128, payload))
+    export_s = best_of(runs, lambda: cache.export(table, 128))
+    import_s = best_of(runs, lambda: cache.import_(table, 128, payload))
     cache.allocator.release(table)
     size = len(payload)
     return {
@@ -167,14 +248,35 @@ def run_engine_bench(
     progress: Callable[[str], None],
     folders: Sequence[tuple[str, Path]] = (),
     prefill_batches: Sequence[int] = (1,),
+    extras: Extras = Extras(),
 ) -> dict[str, Any]:
     """``models``: names of random models (``MODELS``); ``folders``: (name, folder) of real ones;
     ``prefill_batches``: how many 128-token prompts each timed prefill forward takes (one forward
-    of the batch, as the engine prefills; 32 x 128 is the engine's default 4096-token bound)."""
+    of the batch, as the engine prefills; 32 x 128 is the engine's default 4096-token bound).
+    Raises ``engine_hf.MissingTransformers`` before measuring anything when ``extras`` asks for
+    transformers and it is not installed."""
     from splitbus.gpu_ops import device
 
+    if extras.vs_transformers:
+        engine_hf.require()
     where = device.select_device(1)
-    builds = [(m, lambda raw=MODELS[m]: random_model(raw)) for m in models]
-    builds += [(name, lambda folder=folder: load_model(folder)) for name, folder in folders]
-    results = [bench_model(n, b, runs, progress, prefill_batches) for n, b in builds]
-    return {"device": where, "threads": 1, "prefill_batches": list(prefill_batches), "results": results}
+    needs_folder = bool(extras.long_prompt or extras.vs_transformers)
+    with tempfile.TemporaryDirectory(prefix="splitbus-bench-engine-") as scratch:
+        builds = [
+            (m, functools.partial(_random_built, MODELS[m], Path(scratch) / m if needs_folder else None))
+            for m in models
+        ]
+        builds += [(name, functools.partial(_folder_built, folder)) for name, folder in folders]
+        results = [bench_model(n, b, runs, progress, prefill_batches, extras) for n, b in builds]
+    return {
+        "device": where,
+        "threads": 1,
+        "prefill_batches": list(prefill_batches),
+        "long_prompt": extras.long_prompt,
+        "vs_transformers": extras.vs_transformers,
+        "results": results,
+    }
+
+
+def _folder_built(folder: Path) -> Built:
+    return Built(load_model(folder), folder)

@@ -102,26 +102,87 @@ def engine_table(report: dict[str, Any]) -> str:
         costs = [(b, r.get(f"decode_b{b}_logprobs5_cost_pct")) for b in (1, 8, 32)]
         shown = ", ".join(f"b{b} {c:+.1f} %" for b, c in costs if c is not None)
         rows.append(f"{r['model']}: a decode step with logprobs K=5 against greedy sampling alone: {shown}")
+        rows += _engine_extra_lines(r)
+    rows += _engine_vs_hf_rows(report["results"])
     return f"device {report['device']}, {report['threads']} thread(s)\n" + "\n".join(rows)
+
+
+def _engine_extra_lines(r: dict[str, Any]) -> list[str]:
+    """The sampled-decode cost and the long prompt of one model, where the run measured them."""
+    lines = []
+    if "decode_b32_sampled_t1_step_ms" in r:
+        lines.append(
+            f"{r['model']}: a decode step at b32, greedy {r['decode_b32_greedy_step_ms']} ms, temperature 1 "
+            f"{r['decode_b32_sampled_t1_step_ms']} ms ({r['decode_b32_sampled_t1_cost_pct']:+.1f} %)"
+        )
+    if "long_prompt_ms" in r:
+        peak = r["long_prompt_peak_mib"]
+        lines.append(
+            f"{r['model']}: a {r['long_prompt_tokens']:,}-token prompt: {r['long_prompt_ms']:,} ms "
+            f"({r['long_prompt_tok_s']:,} tok/s), peak RSS "
+            + (f"+{peak:,} MiB" if peak is not None else "not measured (no /proc/self/clear_refs)")
+            + f" over {r['long_prompt_rss_after_load_mib']:,} MiB after load (one layer's whole-prompt fp32 "
+            f"score matrix: {r['long_prompt_score_matrix_mib']:,} MiB)"
+        )
+    return lines
+
+
+ENGINE_VS_HF = ("prefill", "decode_b1", "decode_b8", "decode_b32")
+"""The figures ``--vs-transformers`` measures on both sides, as tokens/s."""
+
+
+def _engine_vs_hf_rows(results: list[dict[str, Any]]) -> list[str]:
+    """paddle against transformers, tokens/s, with paddle's multiple of it (> 1: paddle faster)."""
+    compared = [r for r in results if "hf_prefill_tok_s" in r]
+    if not compared:
+        return []
+    rows = ["", f"{'model':<20} {'side':<12} " + " ".join(f"{k + ' tok/s':>17}" for k in ENGINE_VS_HF)]
+    for r in compared:
+        rows.append(f"{r['model']:<20} {'paddle':<12} " + " ".join(f"{r[k + '_tok_s']:>17,}" for k in ENGINE_VS_HF))
+        rows.append(
+            f"{'':<20} {'transformers':<12} " + " ".join(f"{r['hf_' + k + '_tok_s']:>17,}" for k in ENGINE_VS_HF)
+        )
+        rows.append(f"{'':<20} {'paddle / hf':<12} " + " ".join(f"{r['vs_hf_' + k + '_x']:>16}x" for k in ENGINE_VS_HF))
+    return rows
 
 
 def engine_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
 
     results = report["results"]
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.4), squeeze=False)
+    labels = ["prefill 128", "decode b1", "decode b8", "decode b32"]
     for ax, r in zip(axes[0], results, strict=True):
-        labels = ["prefill 128", "decode b1", "decode b8", "decode b32"]
-        values = [r["prefill_tok_s"], r["decode_b1_tok_s"], r["decode_b8_tok_s"], r["decode_b32_tok_s"]]
-        bars = ax.bar(labels, values, color=["#8e44ad", "#16a085", "#16a085", "#16a085"])
+        hf = "hf_prefill_tok_s" in r
+        width, offset = (0.4, 0.2) if hf else (0.8, 0.0)
+        values = [r[f"{k}_tok_s"] for k in ENGINE_VS_HF]
+        bars = ax.bar([i - offset for i in range(4)], values, width=width, label="paddle", color="#16a085")
         ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
-        ax.set_title(
-            f"{r['model']} ({r['params_m']}M params): tokens/s\nKV export {r['kv_export_gb_s']} GB/s, import "
-            f"{r['kv_import_gb_s']} GB/s",
-            fontsize=9,
-        )
+        if hf:
+            theirs = [r[f"hf_{k}_tok_s"] for k in ENGINE_VS_HF]
+            bars = ax.bar([i + offset for i in range(4)], theirs, width=width, label="transformers", color="#7f8c8d")
+            ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
+            ax.legend(fontsize=8)
+        ax.set_xticks(range(4), labels)
+        ax.set_title(_engine_plot_title(r), fontsize=8)
     fig.suptitle(f"splitbus bench engine on {report['device']} ({report['threads']} thread)", fontsize=10)
     _save(plt, fig, path, dpi=110)
+
+
+def _engine_plot_title(r: dict[str, Any]) -> str:
+    """A model's panel title: tokens/s, and the figures that are not tokens/s."""
+    lines = [
+        f"{r['model']} ({r['params_m']}M params): tokens/s",
+        f"KV export {r['kv_export_gb_s']} GB/s, import {r['kv_import_gb_s']} GB/s",
+    ]
+    if "decode_b32_sampled_t1_cost_pct" in r:
+        lines.append(f"b32 step at temperature 1: {r['decode_b32_sampled_t1_cost_pct']:+.1f} % over greedy")
+    if r.get("long_prompt_peak_mib") is not None:
+        lines.append(
+            f"{r['long_prompt_tokens']:,}-token prompt: {r['long_prompt_ms'] / 1000:.1f} s, "
+            f"peak +{r['long_prompt_peak_mib']:,.0f} MiB"
+        )
+    return "\n".join(lines)
 
 
 def stagger_table(report: dict[str, Any]) -> str:

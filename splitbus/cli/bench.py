@@ -111,6 +111,20 @@ def _add_engine(kinds: argparse._SubParsersAction, env: Env) -> None:
         metavar="N",
         help="128-token prompts per timed prefill forward, 1-32 (default 1; e.g. 1 8 32)",
     )
+    engine.add_argument(
+        "--long-prompt",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="also prefill one N-token prompt in a child process: its time and peak memory "
+        "(default %(default)s; 0: skip)",
+    )
+    engine.add_argument(
+        "--vs-transformers",
+        action="store_true",
+        help="also run the same weights in Hugging Face transformers (torch CPU, one thread): pip install "
+        "'splitbus[bench-hf]'",
+    )
     engine.set_defaults(run=run_engine)
 
 
@@ -590,10 +604,12 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
 
     device.prepare(1)
     from splitbus.bench import report
-    from splitbus.bench.engine import run_engine_bench
+    from splitbus.bench.engine import Extras, run_engine_bench
+    from splitbus.bench.engine_hf import MissingTransformers
 
-    if any(not 1 <= b <= 32 for b in args.prefill_batches):
-        say("splitbus bench engine: --prefill-batches must be between 1 and 32 (32 x 128 tokens: the engine's bound)")
+    problem = _engine_args_problem(args)
+    if problem:
+        say(f"splitbus bench engine: {problem}")
         return 2
     try:
         folders = _engine_folders(args)
@@ -603,8 +619,22 @@ def run_engine(args: argparse.Namespace, env: Env) -> int:
     randoms = args.models if args.models is not None else ([] if args.model else ["tiny", "qwen2.5-0.5b-shape"])
     run = _Run("engine", args.out)
     batches = list(dict.fromkeys(args.prefill_batches))
-    result = run_engine_bench(randoms, args.runs, progress=run.progress, folders=folders, prefill_batches=batches)
+    extras = Extras(args.long_prompt, args.vs_transformers)
+    try:
+        result = run_engine_bench(randoms, args.runs, run.progress, folders, batches, extras)
+    except MissingTransformers as exc:
+        say(f"splitbus bench engine: {exc}")
+        return 2
     return run.finish(result, report.engine_plot, report.engine_table)
+
+
+def _engine_args_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with bench engine's numbers, said before any model is built; None: nothing."""
+    if any(not 1 <= b <= 32 for b in args.prefill_batches):
+        return "--prefill-batches must be between 1 and 32 (32 x 128 tokens: the engine's bound)"
+    if args.long_prompt < 0:
+        return "--long-prompt must be 0 (skip) or a number of tokens"
+    return None
 
 
 def _engine_folders(args: argparse.Namespace) -> list[tuple[str, Path]]:
