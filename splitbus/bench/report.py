@@ -95,9 +95,10 @@ def engine_table(report: dict[str, Any]) -> str:
         "kv_export_gb_s",
         "kv_import_gb_s",
     )
-    rows = [f"{'model':<20} {'params M':>8} " + " ".join(f"{c:>17}" for c in cols)]
+    w = _name_width(report["results"])
+    rows = [f"{'model':<{w}} {'params M':>8} " + " ".join(f"{c:>17}" for c in cols)]
     for r in report["results"]:
-        rows.append(f"{r['model']:<20} {r['params_m']:>8} " + " ".join(f"{r[c]:>17,}" for c in cols))
+        rows.append(f"{r['model']:<{w}} {r['params_m']:>8} " + " ".join(f"{r[c]:>17,}" for c in cols))
     for r in report["results"]:
         costs = [(b, r.get(f"decode_b{b}_logprobs5_cost_pct")) for b in (1, 8, 32)]
         shown = ", ".join(f"b{b} {c:+.1f} %" for b, c in costs if c is not None)
@@ -127,6 +128,11 @@ def _engine_extra_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _name_width(results: list[dict[str, Any]]) -> int:
+    """The model column's width: 20, or the longest name (a .gguf file's stem runs longer)."""
+    return max([20, *(len(r["model"]) for r in results)])
+
+
 ENGINE_VS_HF = ("prefill", "decode_b1", "decode_b8", "decode_b32")
 """The figures ``--vs-transformers`` measures on both sides, as tokens/s."""
 
@@ -136,13 +142,16 @@ def _engine_vs_hf_rows(results: list[dict[str, Any]]) -> list[str]:
     compared = [r for r in results if "hf_prefill_tok_s" in r]
     if not compared:
         return []
-    rows = ["", f"{'model':<20} {'side':<12} " + " ".join(f"{k + ' tok/s':>17}" for k in ENGINE_VS_HF)]
+    w = _name_width(compared)
+    rows = ["", f"{'model':<{w}} {'side':<12} " + " ".join(f"{k + ' tok/s':>17}" for k in ENGINE_VS_HF)]
     for r in compared:
-        rows.append(f"{r['model']:<20} {'paddle':<12} " + " ".join(f"{r[k + '_tok_s']:>17,}" for k in ENGINE_VS_HF))
+        rows.append(f"{r['model']:<{w}} {'paddle':<12} " + " ".join(f"{r[k + '_tok_s']:>17,}" for k in ENGINE_VS_HF))
         rows.append(
-            f"{'':<20} {'transformers':<12} " + " ".join(f"{r['hf_' + k + '_tok_s']:>17,}" for k in ENGINE_VS_HF)
+            f"{'':<{w}} {'transformers':<12} " + " ".join(f"{r['hf_' + k + '_tok_s']:>17,}" for k in ENGINE_VS_HF)
         )
-        rows.append(f"{'':<20} {'paddle / hf':<12} " + " ".join(f"{r['vs_hf_' + k + '_x']:>16}x" for k in ENGINE_VS_HF))
+        rows.append(
+            f"{'':<{w}} {'paddle / hf':<12} " + " ".join(f"{r['vs_hf_' + k + '_x']:>16}x" for k in ENGINE_VS_HF)
+        )
     return rows
 
 
