@@ -2,10 +2,12 @@
 
 Prefill tokens/s (one forward of 1, or of each ``--prefill-batches`` count of, 128-token
 prompts), decode tokens/s at batch 1, 8 and 32 (16-token prompts, then steps of the whole batch),
-what logprobs (K = 5) add to a decode step, and KV export/import GB/s, for the tiny test model
-and for a random model of Qwen2.5-0.5B's shape, or for real models (``--model``: a folder or a
-.gguf file, resolved by the CLI). Random weights are built in memory: speed does not depend on
-their values.
+what logprobs (K = 5) add to a decode step, what sampling at temperature 1 adds at batch 32, and
+KV export/import GB/s, for the tiny test model and for a random model of Qwen2.5-0.5B's shape, or
+for real models (``--model``: a folder or a .gguf file, resolved by the CLI). Random weights are
+built in memory (speed does not depend on their values), and saved to a temporary Hugging Face
+folder when a figure needs one: a long prompt's prefill in a child process (``engine_long``) and
+the same weights in transformers (``engine_hf``).
 """
 
 from __future__ import annotations
