@@ -38,7 +38,7 @@ def test_worker_with_a_bad_model_folder_exits_naming_the_problem(tmp_path: Path,
 
 
 def test_bench_engine_writes_json_and_png(tmp_path: Path) -> None:
-    out = _run("bench", "engine", "--models", "tiny", "--runs", "1", "--out", str(tmp_path))
+    out = _run("bench", "engine", "--models", "tiny", "--runs", "1", "--long-prompt", "256", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "bench_engine.json").read_text())
     (tiny,) = report["results"]
@@ -49,6 +49,7 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path) -> None:
         "decode_b32_tok_s",
         "kv_export_gb_s",
         "kv_import_gb_s",
+        "long_prompt_tok_s",
     ):
         assert tiny[key] > 0
     assert (tmp_path / "bench_engine.png").read_bytes()[:4] == b"\x89PNG"
@@ -57,7 +58,8 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path) -> None:
 def test_bench_engine_measures_a_given_model_folder(tmp_path: Path) -> None:
     assert _run("make-tiny-model", str(tmp_path / "my-model"), "--hidden", "64", "--layers", "2").returncode == 0
     model, o = str(tmp_path / "my-model"), str(tmp_path / "o")
-    out = _run("bench", "engine", "--model", model, "--runs", "1", "--out", o, "--prefill-batches", "1", "8")
+    argv = ("--runs", "1", "--out", o, "--prefill-batches", "1", "8", "--long-prompt", "0")
+    out = _run("bench", "engine", "--model", model, *argv)
     assert out.returncode == 0, out.stdout + out.stderr
     (result,) = json.loads((tmp_path / "o" / "bench_engine.json").read_text())["results"]  # not the random ones
     assert result["model"] == "my-model" and result["decode_b32_tok_s"] > 0
