@@ -5,12 +5,12 @@ sees key j when ``j <= start + i``. Aligned bottom-right, the mask is right when
 than keys (decode, chunked prefill, prefix reuse), unlike a top-left ``is_causal``.
 
 ``batched_attention`` is what the model runs: every chunk of a step in one gather of its keys and
-one batched matmul pair per layer, the chunks padded to a common query and key length. Its
-``Plan`` holds the step's row indices and masks as device tensors, built once per step from the
-chunks' shapes and used by every layer. Chunks whose query runs differ by more than twice go to
-separate groups, so a long prompt beside short ones does not pad them all to its length; and a
-group whose score matrix would pass ``SCORE_BUDGET`` elements runs in tiles of queries, so a long
-prompt never makes its whole-prompt score matrix. ``attention`` is the one-sequence reference
+one batched matmul pair per layer and group, the chunks of a group padded to a common query and
+key length. Its ``Plan`` holds the step's row indices and masks as device tensors, built once per
+step from the chunks' shapes and used by every layer. Chunks share a group when their query counts
+lie within one power of two and their key counts do (``_groups``), so padding at most doubles
+either; a group whose score matrix would pass ``SCORE_BUDGET`` elements runs in tiles of queries,
+so a long prompt never makes its whole-prompt score matrix. ``attention`` is the one-sequence reference
 the tests compare it with.
 """
 
@@ -24,11 +24,13 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from splitbus.gpu_ops.kv_cache import KVDtype
+
 SCORE_BUDGET = 1 << 23
 """Score elements (32 MiB in float32) one batched matmul may make; a group past it runs in tiles of
 queries. The whole-prompt matrix of a 4096-token prompt over SmolLM2's 9 heads is 151 M."""
-GROUP_SPREAD = 2
-"""Chunks share a group while its longest query run is at most this many times its shortest."""
+MIN_TILE = 16
+"""The fewest queries a tile holds."""
 
 
 def causal_mask(queries: int, keys: int, q_offset: int) -> np.ndarray:
@@ -87,6 +89,8 @@ class Group:
     """Queries per matmul: ``queries`` when the group fits ``SCORE_BUDGET``."""
     last_start: int
     """The latest first position of its runs: a tile's queries see no key past it plus the tile's end."""
+    dtype: KVDtype
+    """The scores' dtype, which its masks are made in."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,10 @@ class Packed:
     """``[runs + 1]`` int32: where each run's keys start in ``key_rows``, and the total."""
     max_queries: int
     max_keys: int
+    causal: bool
+    """Whether the kernel masks causally: its mask is aligned top-left (Paddle's FlashAttention
+    fork), right only when every run starts its sequence; a layout of one query per run (a decode
+    step) sees every key of its run, with no mask. Other steps get no unpadded layout."""
 
 
 @dataclass(frozen=True)
@@ -118,15 +126,17 @@ class Plan:
     """The unpadded layout, made when the attention kernel reads it (``Kernels.unpadded``)."""
 
 
-def plan(runs: Sequence[Run], heads: int, key_pad: int, total: int, unpadded: bool = False) -> Plan:
-    """The step's groups and the permutation back to packed order; with ``unpadded``, only the
-    unpadded layout (``Packed``) that a varlen kernel reads instead."""
-    if unpadded:
+def plan(
+    runs: Sequence[Run], heads: int, key_pad: int, total: int, unpadded: bool = False, dtype: KVDtype = "float32"
+) -> Plan:
+    """The step's groups and the permutation back to packed order; with ``unpadded``, the
+    unpadded layout (``Packed``) a varlen kernel reads instead, when its causal mask is right for
+    these runs. ``dtype``: the scores' (the masks are made in it)."""
+    if unpadded and (all(r.start == 0 for r in runs) or all(r.queries == 1 for r in runs)):
         return Plan([], paddle.zeros([0], "int64"), total, key_pad, _packed(runs))
-    order = sorted(range(len(runs)), key=lambda i: runs[i].queries)
     groups, out_rows, offset = [], np.zeros(total, dtype=np.int64), 0
-    for members in _split(order, runs):
-        group = _group([runs[i] for i in members], heads, key_pad, total)
+    for members in _groups(runs, heads):
+        group = _group([runs[i] for i in members], heads, key_pad, total, dtype)
         for slot, i in enumerate(members):
             run = runs[i]
             padded = offset + slot * group.queries + np.arange(run.queries)
@@ -137,6 +147,8 @@ def plan(runs: Sequence[Run], heads: int, key_pad: int, total: int, unpadded: bo
 
 
 def _packed(runs: Sequence[Run]) -> Packed:
+    if [r.first_row for r in runs] != [0, *np.cumsum([r.queries for r in runs[:-1]]).tolist()]:
+        raise ValueError("the unpadded layout needs the runs in the packed queries' order")
     keys = [len(r.key_rows) for r in runs]
     return Packed(
         paddle.to_tensor(np.concatenate([r.key_rows for r in runs]).astype(np.int64)),
@@ -144,21 +156,27 @@ def _packed(runs: Sequence[Run]) -> Packed:
         paddle.to_tensor(np.concatenate([[0], np.cumsum(keys)]).astype(np.int32)),
         max(r.queries for r in runs),
         max(keys),
+        causal=any(r.queries > 1 for r in runs),
     )
 
 
-def _split(order: list[int], runs: Sequence[Run]) -> list[list[int]]:
-    """``order`` (by query count) cut where a run is more than ``GROUP_SPREAD`` times the group's first."""
-    parts: list[list[int]] = []
-    for i in order:
-        if parts and runs[i].queries <= GROUP_SPREAD * runs[parts[-1][0]].queries:
-            parts[-1].append(i)
-        else:
-            parts.append([i])
+def _groups(runs: Sequence[Run], heads: int) -> list[list[int]]:
+    """Runs whose query counts lie within one power of two, and whose key counts do, share a
+    group: padding at most doubles either (a decode beside an 8000-token context pads to 20, not to
+    8000). A group whose smallest tile would still pass ``SCORE_BUDGET`` is cut by runs."""
+    sizes: dict[tuple[int, int], list[int]] = {}
+    for i, r in enumerate(runs):
+        sizes.setdefault((r.queries.bit_length(), len(r.key_rows).bit_length()), []).append(i)
+    parts = []
+    for members in sizes.values():
+        queries = max(runs[i].queries for i in members)
+        keys = max(len(runs[i].key_rows) for i in members)
+        per = max(1, SCORE_BUDGET // (heads * min(queries, MIN_TILE) * keys))
+        parts += [members[j : j + per] for j in range(0, len(members), per)]
     return parts
 
 
-def _group(runs: list[Run], heads: int, key_pad: int, q_pad: int) -> Group:
+def _group(runs: list[Run], heads: int, key_pad: int, q_pad: int, dtype: KVDtype) -> Group:
     queries = max(r.queries for r in runs)
     keys = max(len(r.key_rows) for r in runs)
     q_rows = np.full((len(runs), queries), q_pad, dtype=np.int64)
@@ -171,24 +189,25 @@ def _group(runs: list[Run], heads: int, key_pad: int, q_pad: int) -> Group:
         sees[i] = r.start + np.minimum(np.arange(queries), r.queries - 1)
     tile = _tile(len(runs) * heads * keys, queries)
     sees_t = paddle.to_tensor(sees.reshape(len(runs), 1, queries, 1))
-    mask = _mask(sees_t, 0, queries, keys, heads) if tile == queries else None
+    mask = _mask(sees_t, 0, queries, keys, heads, dtype) if tile == queries else None
     return Group(len(runs), queries, keys, paddle.to_tensor(q_rows.ravel()), paddle.to_tensor(key_rows.ravel()),
-                 sees_t, mask, tile, max(r.start for r in runs))  # fmt: skip
+                 sees_t, mask, tile, max(r.start for r in runs), dtype)  # fmt: skip
 
 
 def _tile(per_query: int, queries: int) -> int:
-    """Queries per matmul so that one makes at most ``SCORE_BUDGET`` scores (a power of two, >= 16)."""
+    """Queries per matmul so that one makes at most ``SCORE_BUDGET`` scores (a power of two, at
+    least ``MIN_TILE``: ``_groups`` cuts a group whose ``MIN_TILE`` would pass the budget)."""
     if per_query * queries <= SCORE_BUDGET:
         return queries
-    return max(16, 1 << int(math.log2(max(1, SCORE_BUDGET // per_query))))
+    return max(MIN_TILE, 1 << int(math.log2(max(1, SCORE_BUDGET // per_query))))
 
 
-def _mask(sees: paddle.Tensor, first: int, last: int, keys: int, heads: int) -> paddle.Tensor:
-    """The additive mask ``[count, heads, last - first, keys]`` of queries [first, last): 0 where
-    seen, -inf beyond."""
+def _mask(sees: paddle.Tensor, first: int, last: int, keys: int, heads: int, dtype: KVDtype) -> paddle.Tensor:
+    """The additive mask ``[count, heads, last - first, keys]`` of queries [first, last), in
+    ``dtype``: 0 where seen, -inf beyond."""
     positions = paddle.arange(keys, dtype="int64").reshape([1, 1, 1, keys])
     seen = positions <= sees[:, :, first:last, :]
-    mask = paddle.where(seen, paddle.zeros([1], "float32"), paddle.full([1], -math.inf, "float32"))
+    mask = paddle.where(seen, paddle.zeros([1], dtype), paddle.full([1], -math.inf, dtype))
     return mask.expand([sees.shape[0], heads, last - first, keys])
 
 
@@ -230,9 +249,9 @@ def _attend_tile(qh: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, g: Group
     else:
         keys = min(g.keys, g.last_start + last)
         q, k, v = qh[:, :, :, first:last, :], k[:, :, :keys, :], v[:, :, :keys, :]
-        mask = _mask(g.sees, first, last, keys, kv_heads * per)
+        mask = _mask(g.sees, first, last, keys, kv_heads * per, g.dtype)
     scores = paddle.matmul(q.reshape([n, kv_heads, per * (last - first), dim]), k, transpose_y=True)
     scores = scores.reshape([n, kv_heads * per, last - first, keys])
-    probs = F.softmax(scores + (mask if mask.dtype == scores.dtype else mask.astype(scores.dtype)), axis=-1)
+    probs = F.softmax(scores + mask, axis=-1)
     out = paddle.matmul(probs.reshape([n, kv_heads, per * (last - first), keys]), v)
     return out.reshape([n, kv_heads, per, last - first, dim])

@@ -26,6 +26,7 @@ import paddle.nn.functional as F
 
 from splitbus.gpu_ops import layers
 from splitbus.gpu_ops.attention import Plan, batched_attention
+from splitbus.gpu_ops.kv_cache import KVDtype
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +52,20 @@ def _fused_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> pad
 
 def _flash_attention(q: paddle.Tensor, k_source: paddle.Tensor, v_source: paddle.Tensor, layout: Plan) -> paddle.Tensor:
     """Every chunk's queries against its keys, unpadded: the keys gathered once into runs
-    (``Plan.packed``), FlashAttention's causal mask aligned bottom-right as ours is (FlashAttention
-    >= 2.1 aligns it so when a run has fewer queries than keys)."""
+    (``Plan.packed``). Paddle's FlashAttention fork aligns its causal mask top-left, so the plan
+    has an unpadded layout only for steps where that is right (``Packed.causal``); the others run
+    the batched Paddle ops."""
     from paddle.nn.functional.flash_attention import flash_attn_unpadded
 
     packed = layout.packed
     if packed is None:
-        raise ValueError("the plan was made without the unpadded layout flash attention reads")
+        return batched_attention(q, k_source, v_source, layout)
     k, v = (paddle.index_select(s, packed.key_rows, axis=0) for s in (k_source, v_source))
     dim = q.shape[-1]
     out = flash_attn_unpadded(
-        q, k, v, packed.cu_queries, packed.cu_keys, packed.max_queries, packed.max_keys, dim**-0.5, causal=True
-    )[0]
+        q, k, v, packed.cu_queries, packed.cu_keys, packed.max_queries, packed.max_keys, dim**-0.5,
+        causal=packed.causal, training=False,
+    )[0]  # fmt: skip
     return out.reshape([q.shape[0], q.shape[1] * dim])
 
 
@@ -100,30 +103,34 @@ FUSED: dict[str, tuple[str, Op]] = {
 """Paddle's fused kernels by name: the ``Kernels`` field each replaces, and the op."""
 
 
-def _probes() -> dict[str, Callable[[], object]]:
-    """A call of each fused kernel on tiny tensors of the device in use."""
-    x = paddle.ones([2, 2, 8], "float32")
-    tables = paddle.ones([2, 1, 8], "float32")
-    cu = paddle.to_tensor(np.array([0, 2], dtype=np.int32))
-    return {
-        "fused_rms_norm": lambda: _fused_rms_norm(x, paddle.ones([8]), 1e-6),
+def _probes(dtype: KVDtype) -> dict[str, Callable[[], object]]:
+    """A call of each fused kernel on tiny tensors of the device in use, in the model's ``dtype``
+    (head_dim 64). FlashAttention has only 16-bit kernels: a float32 model has no probe of it."""
+    x = paddle.ones([2, 2, 64], dtype)
+    tables = paddle.ones([2, 1, 64], dtype)
+    probes: dict[str, Callable[[], object]] = {
+        "fused_rms_norm": lambda: _fused_rms_norm(x, paddle.ones([64], dtype), 1e-6),
         "swiglu": lambda: F.swiglu(x),
         "fused_rotary_position_embedding": lambda: _fused_rope(x, tables, tables),
-        "flash_attn_unpadded": lambda: _flash_probe(x.astype("float16"), cu),
     }
+    if dtype in ("float16", "bfloat16"):
+        probes["flash_attn_unpadded"] = lambda: _flash_probe(x)
+    return probes
 
 
-def _flash_probe(x: paddle.Tensor, cu: paddle.Tensor) -> object:
+def _flash_probe(x: paddle.Tensor) -> object:
     from paddle.nn.functional.flash_attention import flash_attn_unpadded
 
-    return flash_attn_unpadded(x, x, x, cu, cu, 2, 2, 0.5, causal=True)
+    cu = paddle.to_tensor(np.array([0, 2], dtype=np.int32))
+    return flash_attn_unpadded(x, x, x, cu, cu, 2, 2, 0.125, causal=True, training=False)
 
 
 @functools.cache
-def available() -> tuple[str, ...]:
-    """The fused kernels the device in use has: each is called once; one that raises is not."""
+def available(dtype: KVDtype = "float32") -> tuple[str, ...]:
+    """The fused kernels the device in use has for a model in ``dtype``: each is called once;
+    one that raises is not."""
     found = []
-    for name, probe in _probes().items():
+    for name, probe in _probes(dtype).items():
         try:
             probe()
         except Exception as exc:  # noqa: BLE001 - a kernel missing on this device raises a NotFound, or worse
@@ -142,17 +149,16 @@ def with_fused(names: tuple[str, ...]) -> Kernels:
     return replace(Kernels(), fused=names, **ops)
 
 
-KERNELS: dict[str, Callable[[], Kernels]] = {
-    "auto": lambda: with_fused(available()),
-    "paddle": Kernels,
+KERNELS: dict[str, Callable[[KVDtype], Kernels]] = {
+    "auto": lambda dtype: with_fused(available(dtype)),
+    "paddle": lambda dtype: Kernels(),
 }
-"""``--kernels`` choices: ``auto`` uses every fused kernel the device has; ``paddle`` none."""
+"""``--paddle-kernels`` choices, each made for a model's dtype: ``auto`` uses every fused kernel
+the device has for it; ``paddle`` none (and probes nothing)."""
 
 
-def chosen(name: str = "auto") -> Kernels:
-    """``KERNELS[name]``, its fused kernels logged once they are known."""
+def chosen(name: str = "auto", dtype: KVDtype = "float32") -> Kernels:
+    """``KERNELS[name]`` for a model in ``dtype``."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernels {name!r}: choose one of {sorted(KERNELS)}")
-    kernels = KERNELS[name]()
-    log.debug("kernels %s: fused %s", name, ", ".join(kernels.fused) or "none")
-    return kernels
+    return KERNELS[name](dtype)

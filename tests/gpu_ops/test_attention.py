@@ -10,7 +10,7 @@ from splitbus.gpu_ops import attention as attention_module
 from splitbus.gpu_ops.attention import Run, attention, batched_attention, plan
 from splitbus.gpu_ops.layers import RopeTables, rope_tables
 
-HEADS, KV_HEADS, DIM, SLOTS = 6, 2, 16, 4096
+HEADS, KV_HEADS, DIM, SLOTS = 6, 2, 16, 16384
 
 
 def _batch(rng: np.random.Generator, shapes: list[tuple[int, int]]) -> tuple[list[Run], np.ndarray, np.ndarray]:
@@ -52,13 +52,21 @@ def test_a_random_batch_of_mixed_lengths_matches_each_sequence_alone(seed: int) 
     np.testing.assert_allclose(_batched(runs, q, pool), _reference(runs, q, pool), atol=2e-5)
 
 
-def test_a_decode_batch_is_one_group_and_long_and_short_prompts_are_not() -> None:
+def test_groups_pad_neither_queries_nor_keys_to_more_than_twice_a_runs_own() -> None:
+    """A decode beside an 8000-token context, a long prompt beside short ones: each run is padded
+    to less than twice its query count and key count."""
     rng = np.random.default_rng(7)
-    decodes, q, _ = _batch(rng, [(int(n), 1) for n in rng.integers(1, 300, 32)])
-    assert len(plan(decodes, HEADS, 0, len(q)).groups) == 1
-    mixed, q, _ = _batch(rng, [(0, 500), (0, 12), (0, 9), (3, 1)])
-    groups = plan(mixed, HEADS, 0, len(q)).groups
-    assert sorted(g.queries for g in groups) == [1, 12, 500]  # 9 rides with 12; 500 pads nobody
+    shapes = [(int(n), 1) for n in rng.integers(1, 300, 31)] + [(3000, 1), (0, 500), (0, 12), (0, 9), (40, 3)]
+    runs, q, _ = _batch(rng, shapes)
+    layout = plan(runs, HEADS, 0, len(q))
+    assert sum(g.count for g in layout.groups) == len(runs)
+    for g in layout.groups:
+        rows = g.key_rows.numpy().reshape(g.count, g.keys)
+        members = [r for r in runs if any(np.array_equal(row[: len(r.key_rows)], r.key_rows) for row in rows)]
+        assert len(members) == g.count
+        assert all(g.keys < 2 * len(r.key_rows) and g.queries < 2 * r.queries for r in members)
+    same, q, _ = _batch(rng, [(int(n), 1) for n in rng.integers(128, 255, 32)])
+    assert len(plan(same, HEADS, 0, len(q)).groups) == 1  # a decode batch of like contexts: one group
 
 
 @pytest.mark.parametrize("budget", [1 << 12, 1 << 16])
@@ -71,19 +79,43 @@ def test_a_long_prompt_runs_in_tiles_of_queries_with_the_same_result(
     runs, q, pool = _batch(rng, [(37, 300), (0, 200), (5, 1)])
     expected = _reference(runs, q, pool)
     monkeypatch.setattr(attention_module, "SCORE_BUDGET", budget)
-    groups = plan(runs, HEADS, 0, len(q)).groups
-    tiled = [g for g in groups if g.tile < g.queries]
+    tiled = [g for g in plan(runs, HEADS, 0, len(q)).groups if g.tile < g.queries]
     assert tiled and all(g.mask is None for g in tiled)  # no whole-prompt mask either
-    assert all(g.count * HEADS * g.tile * g.keys <= max(budget, g.count * HEADS * 16 * g.keys) for g in tiled)
+    seen: list[tuple[int, int]] = []  # (queries, keys) of each tile's mask
+    made = attention_module._mask
+    monkeypatch.setattr(
+        attention_module, "_mask", lambda s, a, b, k, h, d: seen.append((b - a, k)) or made(s, a, b, k, h, d)
+    )
+    np.testing.assert_allclose(_batched(runs, q, pool), expected, atol=2e-5)
+    # Each tile within the budget, or at the floor of MIN_TILE queries (a run's keys all needed).
+    assert seen and all(
+        HEADS * keys * queries <= budget or queries <= attention_module.MIN_TILE for queries, keys in seen
+    )
+    assert seen[0][1] < seen[-1][1]  # the first tile sees fewer keys than the last
+
+
+def test_many_prompts_after_long_prefixes_are_cut_into_groups_within_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Even the smallest tile of 24 prompts after 300-token prefixes would pass a small budget:
+    the group is cut by runs, and the result does not change."""
+    rng = np.random.default_rng(13)
+    runs, q, pool = _batch(rng, [(300, 20)] * 24)
+    expected = _reference(runs, q, pool)
+    monkeypatch.setattr(attention_module, "SCORE_BUDGET", 1 << 16)
+    groups = plan(runs, HEADS, 0, len(q)).groups
+    assert len(groups) > 1
+    assert all(g.count * HEADS * min(g.tile, attention_module.MIN_TILE) * g.keys <= 1 << 16 for g in groups)
     np.testing.assert_allclose(_batched(runs, q, pool), expected, atol=2e-5)
 
 
 def test_padding_reads_only_the_pad_slot_and_changes_nothing() -> None:
-    """Whatever the pad slot holds (here: huge values), no real query's output moves."""
+    """Whatever finite values of normal size the pad slot holds (the idle forward's K/V: here
+    large ones), no real query's output moves."""
     rng = np.random.default_rng(11)
     runs, q, pool = _batch(rng, [(0, 5), (20, 1), (3, 2)])
     expected = _batched(runs, q, pool)
-    pool[:, 0] = 1e4
+    pool[:, 0] = 50.0
     np.testing.assert_allclose(_batched(runs, q, pool), expected, atol=0)
 
 

@@ -80,14 +80,17 @@ def test_a_model_on_the_fused_kernels_gives_the_plain_paths_logits_and_greedy_to
 def test_the_unpadded_layout_gives_each_run_its_queries_and_keys() -> None:
     """What FlashAttention's varlen kernel would read: run i's queries are rows cu_q[i]..cu_q[i+1]
     of the packed queries and its keys rows cu_k[i]..cu_k[i+1] of key_rows, by position."""
-    runs = [Run(0, 0, 3, np.array([9, 4, 7])), Run(3, 5, 1, np.arange(20, 26)), Run(4, 2, 2, np.array([1, 2, 3, 8]))]
+    runs = [Run(0, 0, 3, np.array([9, 4, 7])), Run(3, 0, 1, np.array([20])), Run(4, 0, 2, np.array([1, 2]))]
     packed = plan(runs, 4, key_pad=0, total=6, unpadded=True).packed
     assert packed is not None
     assert packed.cu_queries.numpy().tolist() == [0, 3, 4, 6]
-    assert packed.cu_keys.numpy().tolist() == [0, 3, 9, 13]
-    assert packed.key_rows.numpy().tolist() == [9, 4, 7, 20, 21, 22, 23, 24, 25, 1, 2, 3, 8]
-    assert (packed.max_queries, packed.max_keys) == (3, 6)
+    assert packed.cu_keys.numpy().tolist() == [0, 3, 4, 6]
+    assert packed.key_rows.numpy().tolist() == [9, 4, 7, 20, 1, 2]
+    assert (packed.max_queries, packed.max_keys, packed.causal) == (3, 3, True)
     assert packed.cu_queries.dtype == paddle.int32 and packed.cu_keys.dtype == paddle.int32
+    decodes = [Run(0, 5, 1, np.arange(6)), Run(1, 2, 1, np.arange(10, 13))]
+    packed = plan(decodes, 4, key_pad=0, total=2, unpadded=True).packed
+    assert packed is not None and packed.cu_keys.numpy().tolist() == [0, 6, 9] and not packed.causal
 
 
 def test_the_worker_offers_exactly_the_registered_kernels() -> None:
@@ -104,3 +107,49 @@ def test_the_engine_loads_with_the_kernels_it_is_told(tmp_path: Path) -> None:
     plain = PaddleEngine.load(folder, (0,), 8, 4, kernels="paddle")
     fused = PaddleEngine.load(folder, (0,), 8, 4)
     assert plain.model.kernels == Kernels() and fused.model.kernels == chosen()
+
+
+def _top_left_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False, training=True):  # type: ignore[no-untyped-def]
+    """Paddle's FlashAttention fork as its kernel masks: query i of a run sees keys 0..i (top-left)."""
+    q, k, v, cu_q, cu_k = (t.numpy() for t in (q, k, v, cu_q, cu_k))
+    group, out = q.shape[1] // k.shape[1], np.zeros_like(q)
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = q[cu_q[i] : cu_q[i + 1]], k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
+        for h in range(q.shape[1]):
+            scores = qi[:, h] @ ki[:, h // group].T * scale
+            if causal:
+                scores[np.arange(ki.shape[0])[None, :] > np.arange(qi.shape[0])[:, None]] = -np.inf
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[cu_q[i] : cu_q[i + 1], h] = (p / p.sum(-1, keepdims=True)) @ vi[:, h // group]
+    return paddle.to_tensor(out), None
+
+
+@pytest.mark.parametrize(
+    "shapes, unpadded",
+    [([(0, 5), (0, 9), (0, 1)], True), ([(7, 1), (30, 1), (2, 1)], True), ([(0, 5), (12, 3), (20, 1)], False)],
+    ids=["fresh prompts", "decodes", "prefix-cached and mixed"],
+)
+def test_the_flash_path_is_right_under_a_top_left_causal_mask(
+    shapes: list[tuple[int, int]], unpadded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fresh prompts run it causal, decodes without a mask; a step where a top-left mask would be
+    wrong (queries after a cached prefix) has no unpadded layout and runs the batched ops."""
+    import paddle.nn.functional.flash_attention as flash
+
+    calls: list[bool] = []
+    monkeypatch.setattr(
+        flash, "flash_attn_unpadded", lambda *a, **kw: calls.append(kw["causal"]) or _top_left_flash(*a, **kw)
+    )
+    rng = np.random.default_rng(len(shapes))
+    runs, first, free = [], 0, rng.permutation(np.arange(1, 512))
+    for start, queries in shapes:
+        runs.append(Run(first, start, queries, free[: start + queries]))
+        free, first = free[start + queries :], first + queries
+    q = rng.standard_normal((first, 4, 8)).astype(np.float32)
+    pool = rng.standard_normal((2, 512, 2, 8)).astype(np.float32)
+    layout = plan(runs, 4, 0, first, unpadded=True)
+    assert (layout.packed is not None) == unpadded
+    got = with_fused(("flash_attn_unpadded",)).attention(paddle.to_tensor(q), *map(paddle.to_tensor, pool), layout)
+    expected = Kernels().attention(paddle.to_tensor(q), *map(paddle.to_tensor, pool), plan(runs, 4, 0, first))
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5)
+    assert calls == ([any(queries > 1 for _, queries in shapes)] if unpadded else [])

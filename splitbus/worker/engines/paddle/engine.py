@@ -60,11 +60,9 @@ class PaddleEngine(PagedBlocks):
         KV blocks given, or counted by ``total_blocks(device)`` once the weights are loaded;
         ``kernels``: ``splitbus.gpu_ops.kernels.KERNELS``'s name (``--paddle-kernels``)."""
         from splitbus.gpu_ops import device
-        from splitbus.gpu_ops.kernels import chosen
 
         where = device.select_device(threads, spec)
-        model = load_model(folder, shard, compute_dtype(where))
-        model.kernels = chosen(kernels)
+        model = load_model(folder, shard, compute_dtype(where), kernels)
         device.release_unused_memory()
         log.info(
             "loaded %s (%s, %d layers) on %s, %s, kernels: %s",

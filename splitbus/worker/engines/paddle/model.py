@@ -107,9 +107,11 @@ class CausalLM:
         tensors: dict[str, np.ndarray],
         shard: tuple[int, int] = (0, 1),
         dtype: KVDtype = KV_DTYPE,
+        kernels: str = "auto",
     ) -> None:
         """``shard``: (rank, ranks) of an expert-parallel group: the model holds that rank's share
-        of each MoE layer's experts (``expert_shard``); (0, 1) holds them all. ``dtype``: of its
+        of each MoE layer's experts (``expert_shard``); (0, 1) holds them all. ``kernels``: the
+        name of the ops its layers call (``splitbus.gpu_ops.kernels.KERNELS``). ``dtype``: of its
         weights and KV cache (``dtypes.compute_dtype``)."""
         self.config = config
         self.dtype = dtype
@@ -128,8 +130,8 @@ class CausalLM:
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: reuse the embedding
         self.lm_head = _t(head.T, dtype)  # HF Linear is [out, in]; matmul wants [in, out]
         self.layers = [self._layer(tensors, i) for i in range(config.layers)]
-        self.kernels: Kernels = chosen()
-        """The ops its layers call: Paddle's fused kernels where the device has them (``--kernels``)."""
+        self.kernels: Kernels = chosen(kernels, dtype)
+        """The ops its layers call: Paddle's fused kernels where the device has them (``KERNELS``)."""
         length = min(config.max_position_embeddings, ROPE_AT_LOAD)
         self.rope = RopeTables(config.head_dim, config.rope_theta, length, dtype)
 
@@ -199,7 +201,7 @@ class CausalLM:
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
         positions = np.concatenate([np.arange(ch.start, ch.start + len(ch.tokens)) for ch in chunks])
         ends = np.cumsum([len(ch.tokens) for ch in chunks])
-        plan = _Plan(chunks, ends, cache, self.config.heads, self.kernels.unpadded)
+        plan = _Plan(chunks, ends, cache, self.config.heads, self.kernels.unpadded, self.dtype)
         cos, sin = self.rope.at(paddle.to_tensor(positions), int(positions.max()))
         x = F.embedding(paddle.to_tensor(tokens), self.embed)
         self.expert_tokens[:] = 0
@@ -255,17 +257,20 @@ FORWARDS: dict[str, type[CausalLM]] = {"decoder": CausalLM}
 """An architecture's ``forward`` -> the model that runs it here."""
 
 
-def load_model(folder: Path, shard: tuple[int, int] = (0, 1), dtype: KVDtype = KV_DTYPE) -> CausalLM:
+def load_model(
+    folder: Path, shard: tuple[int, int] = (0, 1), dtype: KVDtype = KV_DTYPE, kernels: str = "auto"
+) -> CausalLM:
     """The model of a Hugging Face folder, run by the forward its architecture names; ``shard``:
     (rank, ranks) of an expert-parallel group, whose share of the experts it holds; ``dtype``: its
-    weights' and KV cache's."""
+    weights' and KV cache's; ``kernels``: ``splitbus.gpu_ops.kernels.KERNELS``'s name."""
     config = load_config(folder)
     forward = FORWARDS.get(config.architecture.forward)
     if forward is None:
         raise ValueError(
             f"the paddle engine has no forward {config.architecture.forward!r} for {config.architecture.hf_name}"
         )
-    return forward(config, dict(weights.load(folder, config, _other_ranks_experts(config, shard))), shard, dtype)
+    tensors = dict(weights.load(folder, config, _other_ranks_experts(config, shard)))
+    return forward(config, tensors, shard, dtype, kernels)
 
 
 def _other_ranks_experts(config: ModelConfig, shard: tuple[int, int]) -> set[str]:
@@ -282,21 +287,30 @@ class _Plan:
     every layer reads: where the chunks' new K/V go in the cache, and the attention's rows and masks."""
 
     def __init__(
-        self, chunks: list[Chunk], ends: np.ndarray, cache: PagedKVCache | None, heads: int, unpadded: bool
+        self,
+        chunks: list[Chunk],
+        ends: np.ndarray,
+        cache: PagedKVCache | None,
+        heads: int,
+        unpadded: bool,
+        dtype: KVDtype,
     ) -> None:
         starts = np.concatenate([[0], ends[:-1]]).astype(int)
         self.spans = [(ch, int(a), int(b)) for ch, a, b in zip(chunks, starts, ends, strict=True)]
         self.cache = cache
         total = int(ends[-1])
         if cache is None:  # no cache: each chunk is a whole sequence, attending to its own keys
+            if any(ch.start for ch in chunks):
+                raise ValueError("a forward without a cache takes whole sequences: every chunk starts at 0")
             runs = [Run(a, 0, b - a, np.arange(a, b)) for _, a, b in self.spans]
-            self.attention = plan(runs, heads, key_pad=total, total=total, unpadded=unpadded)
+            self.attention = plan(runs, heads, total, total, unpadded, dtype)
             return
         slots = [cache.slots(ch.table or [], 0, ch.start + len(ch.tokens)) for ch in chunks]
         self.new_slots = paddle.to_tensor(np.concatenate([s[ch.start :] for s, ch in zip(slots, chunks, strict=True)]))
         runs = [Run(a, ch.start, b - a, s) for (ch, a, b), s in zip(self.spans, slots, strict=True)]
-        # Padding reads slot 0, in the scratch block: masked, and written only with finite values.
-        self.attention = plan(runs, heads, key_pad=0, total=total, unpadded=unpadded)
+        # Padding reads slot 0, in the scratch block, which holds only the finite K/V an idle
+        # forward writes (PaddleEngine.idle): masked to a weight of ~1e-28, never to inf * 0.
+        self.attention = plan(runs, heads, 0, total, unpadded, dtype)
 
     def sources(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """The rows the layer's queries attend to: the cache's pools (the step's K/V written in
