@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+import paddle
 
 from splitbus.bus.records import ExpertLoad
-from splitbus.gpu_ops.logits import process
-from splitbus.gpu_ops.sampling import sample
+from splitbus.gpu_ops import logits as processors
+from splitbus.gpu_ops.sampling import Draws, sample_batch
 from splitbus.grammar.constraint import mask_logits
 from splitbus.worker.engines.paddle import logprobs
 from splitbus.worker.engines.paddle.dtypes import compute_dtype
@@ -144,7 +145,9 @@ class PaddleEngine(PagedBlocks):
                 seq.prompt_logprobs = self.model.prompt_logprobs[j]
         for seq in batch:
             seq.cached = len(seq.all_tokens)
-        return self._sample(batch, logits[rows])
+        if rows != list(range(len(own))):  # twins draw from their leader's row
+            logits = paddle.index_select(logits, paddle.to_tensor(rows, dtype="int64"))
+        return self._sample(batch, logits)
 
     def _decode(self, batch: list[Sequence]) -> list[int]:
         chunks = [Chunk([seq.output_ids[-1]], seq.cached, seq.block_table) for seq in batch]
@@ -155,23 +158,47 @@ class PaddleEngine(PagedBlocks):
 
     def _forward(
         self, chunks: list[Chunk], counted: bool = True, prompt_top: dict[int, int] | None = None
-    ) -> np.ndarray:
-        logits = self.model.forward(chunks, self.cache, counted, prompt_top)
+    ) -> paddle.Tensor:
+        logits = self.model.run(chunks, self.cache, counted, prompt_top)
         held = self.model.held
         last = self.model.expert_tokens[held.start : held.stop].copy()
         self._expert_tokens = (last, self._expert_tokens[1] + last)
         return logits
 
-    def _sample(self, batch: list[Sequence], logits: np.ndarray) -> list[int]:
-        tokens = []
-        for seq, row in zip(batch, logits, strict=True):
-            s = seq.request.sampling
-            processed = process(row, s, seq.request.prompt_token_ids, seq.output_ids, self.eos_token_ids)
-            processed = mask_logits(seq.grammar, processed)  # structured output: what the grammar refuses is -inf
-            token = sample(processed, s.temperature, s.top_k, s.top_p, seq.seed, len(seq.output_ids), s.min_p)
-            logprobs.sampled(seq, row, token)  # of the raw logits, before any processor or mask
-            tokens.append(token)
+    def _sample(self, batch: list[Sequence], logits: paddle.Tensor) -> list[int]:
+        """The batch's next tokens, drawn where the logits are (``sample_batch``). Only the rows
+        that need the host come to it: a request's raw logits for its logprobs, and those its
+        processors or grammar change, which go back processed; the tokens come back as one array."""
+        raw = _host_rows(logits, [j for j, seq in enumerate(batch) if self._on_host(seq)])
+        processed = {j: self._processed(batch[j], row) for j, row in raw.items() if _changed(batch[j])}
+        draws = Draws.of([seq.request.sampling for seq in batch], [seq.seed for seq in batch],
+                         [len(seq.output_ids) for seq in batch])  # fmt: skip
+        tokens = sample_batch(logits, draws, processed).tolist()
+        for j, row in raw.items():
+            logprobs.sampled(batch[j], row, tokens[j])  # of the raw logits, before any processor or mask
         return tokens
+
+    @staticmethod
+    def _on_host(seq: Sequence) -> bool:
+        return seq.request.sampling.logprobs is not None or _changed(seq)
+
+    def _processed(self, seq: Sequence, row: np.ndarray) -> np.ndarray:
+        s = seq.request.sampling
+        row = processors.process(row, s, seq.request.prompt_token_ids, seq.output_ids, self.eos_token_ids)
+        return mask_logits(seq.grammar, row)  # structured output: what the grammar refuses is -inf
 
     async def _run(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, work)
+
+
+def _changed(seq: Sequence) -> bool:
+    """Whether a sequence's processors or grammar change its logits this step."""
+    return seq.grammar is not None or processors.active(seq.request.sampling, len(seq.output_ids))
+
+
+def _host_rows(logits: paddle.Tensor, rows: list[int]) -> dict[int, np.ndarray]:
+    """``logits``' rows ``rows`` on the host, by row: one gather and one copy."""
+    if not rows:
+        return {}
+    values = paddle.index_select(logits, paddle.to_tensor(rows, dtype="int64")).numpy()
+    return dict(zip(rows, values, strict=True))

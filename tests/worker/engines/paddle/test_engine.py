@@ -9,11 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import paddle
 import pytest
 
 from splitbus import architectures
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.gpu_ops.logits import process
+from splitbus.gpu_ops.sampling import log_softmax_top, sample
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
 from splitbus.worker.engines.paddle.engine import PaddleEngine
 from splitbus.worker.engines.paddle.model import FORWARDS, CausalLM, Chunk, load_model
@@ -342,3 +344,29 @@ def test_choices_prefilled_once_and_sharing_blocks_on_d_draw_what_each_draws_alo
     # are held once: 33 -> 2 shared, 48 -> 2 (the block holding position 47 is each one's own).
     own = -(-(length + NEW_TOKENS) // 16)
     assert used == 3 * own - 2 * ((length - 1) // 16)
+
+
+def test_a_mixed_batch_draws_in_one_batch_what_each_request_draws_alone(model: CausalLM, model_dir: Path) -> None:
+    """Greedy, sampled, top-k/top-p, penalised and logprob-asking requests in one step: the batch
+    sampler's tokens are the per-request reference's (processors on the raw row, then ``sample``),
+    and only the requests that asked get logprobs, of the raw row."""
+    tok = ModelTokenizer.load(model_dir)
+    options: list[dict[str, object]] = [
+        dict(temperature=0.0),
+        dict(temperature=0.9, seed=4),
+        dict(temperature=1.2, top_k=7, top_p=0.8, seed=5, logprobs=2),
+        dict(temperature=0.7, repetition_penalty=1.5, logit_bias={"3": 9.0}, seed=6),
+        dict(temperature=0.0, frequency_penalty=2.0, logprobs=0),
+    ]
+    batch = [_seq("mixed", p, f"r{i}", tok, **o) for i, (p, o) in enumerate(zip(_prompts(), options, strict=True))]
+    for seq in batch:
+        seq.output_ids = [3, 3, 8]
+    logits = np.random.default_rng(8).normal(0, 2, (len(batch), model.config.vocab_size)).astype(np.float32)
+    tokens = _engine(model)._sample(batch, paddle.to_tensor(logits))
+    for seq, row, token in zip(batch, logits, tokens, strict=True):
+        s = seq.request.sampling
+        processed = process(row, s, seq.request.prompt_token_ids, seq.output_ids, ())
+        assert token == sample(processed, s.temperature, s.top_k, s.top_p, seq.seed, 3, s.min_p)
+        assert (seq.logprobs is None) == (s.logprobs is None)
+    chosen, _, _ = log_softmax_top(logits[2:3], np.array([tokens[2]]), 2)
+    assert batch[2].logprobs is not None and batch[2].logprobs.token[0] == pytest.approx(chosen[0])

@@ -74,14 +74,14 @@ def test_a_read_during_a_forward_sees_the_last_finished_one(mixtral_dir: Path) -
     read between the model's counting and the forward's end sees the previous forward's counts,
     consistent with its total, not the model's counts of the forward still running."""
     engine, seq = _engine(mixtral_dir), _seq(mixtral_dir)
-    model_forward, seen = engine.model.forward, []
+    model_run, seen = engine.model.run, []
 
-    def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
-        logits = model_forward(*args, **kwargs)
+    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        logits = model_run(*args, **kwargs)
         seen.append(engine.expert_load())  # the model has counted this forward; the engine not yet
         return logits
 
-    engine.model.forward = forward  # type: ignore[method-assign]
+    engine.model.run = run  # type: ignore[method-assign]
     assert engine.reserve(seq, len(PROMPT) + 4)
     asyncio.run(engine.prefill([seq]))
     asyncio.run(engine.idle())
