@@ -237,16 +237,25 @@ def _top_k(logits: paddle.Tensor, top_k: np.ndarray) -> paddle.Tensor:
 
 
 def _top_p_batch(weights: paddle.Tensor, top_p: np.ndarray) -> paddle.Tensor:
-    """Each row's fewest largest weights whose sum reaches ``top_p`` of the row's: sorted among
-    the largest ``TOP_P_K``, the whole row only where those fall short. As 1 and 0."""
+    """Each row's fewest largest weights whose sum reaches ``top_p`` of the row's, as 1 and 0:
+    sorted among the largest ``TOP_P_K``, the whole row only for the rows where those fall short."""
     goal = _column(top_p) * weights.sum(axis=1, keepdim=True)
     ordered = paddle.topk(weights, min(TOP_P_K, weights.shape[1]), axis=1).values
+    cut, count, reached = _top_p_cut(ordered, goal)
+    short = np.flatnonzero(~reached.numpy().reshape(-1))  # [rows] bools: the one sync
+    if short.size:
+        whole = paddle.sort(_select(weights, short), axis=1, descending=True)
+        whole_cut, whole_count, _ = _top_p_cut(whole, _select(goal, short))
+        cut, count = _put(cut, short, whole_cut), _put(count, short, whole_count)
+    return _first_batch(weights, cut, count).astype("float64")
+
+
+def _top_p_cut(ordered: paddle.Tensor, goal: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """Over weights sorted largest first: the smallest kept one and how many are kept
+    (``[rows, 1]`` each), and whether these weights reach the goal at all."""
     sums = paddle.cumsum(ordered, axis=1)
-    if not bool((sums[:, -1:] >= goal).all()):  # the K largest are not enough somewhere: sort all
-        ordered = paddle.sort(weights, axis=1, descending=True)
-        sums = paddle.cumsum(ordered, axis=1)
     count = paddle.minimum(paddle.searchsorted(sums, goal) + 1, paddle.to_tensor(ordered.shape[1], dtype="int64"))
-    return _first_batch(weights, paddle.take_along_axis(ordered, count - 1, axis=1), count).astype("float64")
+    return paddle.take_along_axis(ordered, count - 1, axis=1), count, sums[:, -1:] >= goal
 
 
 def _first_batch(values: paddle.Tensor, cut: paddle.Tensor, count: paddle.Tensor) -> paddle.Tensor:

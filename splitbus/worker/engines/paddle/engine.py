@@ -171,8 +171,8 @@ class PaddleEngine(PagedBlocks):
         processors or grammar change, which go back processed; the tokens come back as one array."""
         raw = _host_rows(logits, [j for j, seq in enumerate(batch) if self._on_host(seq)])
         processed = {j: self._processed(batch[j], row) for j, row in raw.items() if _changed(batch[j])}
-        draws = Draws.of([seq.request.sampling for seq in batch], [seq.seed for seq in batch],
-                         [len(seq.output_ids) for seq in batch])  # fmt: skip
+        seeds, steps = [seq.seed for seq in batch], [len(seq.output_ids) for seq in batch]
+        draws = Draws.of([seq.request.sampling for seq in batch], seeds, steps)
         tokens = sample_batch(logits, draws, processed).tolist()
         for j, row in raw.items():
             logprobs.sampled(batch[j], row, tokens[j])  # of the raw logits, before any processor or mask
