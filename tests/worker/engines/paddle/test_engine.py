@@ -15,8 +15,9 @@ import pytest
 from splitbus import architectures
 from splitbus.bus.messages import GenerateRequest, SamplingParams, Task
 from splitbus.gpu_ops.logits import process
-from splitbus.gpu_ops.sampling import log_softmax_top, sample
+from splitbus.gpu_ops.sampling import log_softmax_top, sample, sample_on_device
 from splitbus.tokenization import ModelFilesError, ModelTokenizer
+from splitbus.worker.engines.paddle import engine as engine_module
 from splitbus.worker.engines.paddle.engine import PaddleEngine
 from splitbus.worker.engines.paddle.model import FORWARDS, CausalLM, Chunk, load_model
 from splitbus.worker.engines.paddle.tiny import make_tiny_model
@@ -346,10 +347,18 @@ def test_choices_prefilled_once_and_sharing_blocks_on_d_draw_what_each_draws_alo
     assert used == 3 * own - 2 * ((length - 1) // 16)
 
 
-def test_a_mixed_batch_draws_in_one_batch_what_each_request_draws_alone(model: CausalLM, model_dir: Path) -> None:
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_mixed_batch_draws_in_one_batch_what_each_request_draws_alone(
+    model: CausalLM, model_dir: Path, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Greedy, sampled, top-k/top-p, penalised and logprob-asking requests in one step: the batch
     sampler's tokens are the per-request reference's (processors on the raw row, then ``sample``),
-    and only the requests that asked get logprobs, of the raw row."""
+    and only the requests that asked get logprobs, of the raw row. ``device``: the Paddle ops a
+    GPU's logits take, with the processed rows uploaded into the batch (run here on the CPU)."""
+    if where == "device":
+        monkeypatch.setattr(
+            engine_module, "sample_batch", lambda logits, draws, rows: sample_on_device(logits, draws, rows)
+        )
     tok = ModelTokenizer.load(model_dir)
     options: list[dict[str, object]] = [
         dict(temperature=0.0),
