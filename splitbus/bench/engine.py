@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import paddle
 
 from splitbus.architectures import config_from
 from splitbus.bench import engine_hf, engine_long
 from splitbus.bench.engine_hf import best_of
-from splitbus.gpu_ops.sampling import sample
+from splitbus.bus.messages import SamplingParams
+from splitbus.gpu_ops.sampling import Draws, sample_batch
 from splitbus.worker.engines.paddle.logprobs import of_rows
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.paddle.tiny import tiny_config
@@ -170,8 +172,9 @@ def _sampling_cost(model: CausalLM, cache: Any, runs: int) -> dict[str, float]:
     }
 
 
-Choice = Callable[[np.ndarray, int], Any]
-"""What a decode step does with its logits ``[batch, vocab]`` on the host, given the step number."""
+Choice = Callable[[paddle.Tensor, int], Any]
+"""What a decode step does with its logits ``[batch, vocab]`` where the model left them (the
+engine's ``CausalLM.run``), given the step number."""
 
 
 def _alternate(model: CausalLM, cache: Any, batch: int, runs: int, choices: tuple[Choice, Choice]) -> list[float]:
@@ -184,7 +187,7 @@ def _alternate(model: CausalLM, cache: Any, batch: int, runs: int, choices: tupl
     for position in range(16, 16 + 2 * max(runs, 3) + 2):
         which = position % 2
         start = time.perf_counter()
-        choices[which](model.forward([Chunk([7], position, t) for t in tables], cache), position)
+        choices[which](model.run([Chunk([7], position, t) for t in tables], cache), position)
         if position >= 18:  # the first two are warm-ups
             best[which] = min(best[which], time.perf_counter() - start)
     for t in tables:
@@ -192,22 +195,29 @@ def _alternate(model: CausalLM, cache: Any, batch: int, runs: int, choices: tupl
     return best
 
 
-def _greedy(logits: np.ndarray, step: int) -> None:
-    for row in logits:
-        sample(row, 0.0, 0, 1.0, 0, step)
+def _draws(batch: int, temperature: float, step: int) -> Draws:
+    """Every row at ``temperature``, no top-k, top-p or min-p, each its own seed (its row number)."""
+    params = [SamplingParams(temperature=temperature)] * batch
+    return Draws.of(params, range(batch), [step] * batch)
 
 
-def _greedy_with_logprobs(logits: np.ndarray, step: int) -> None:
-    for row in logits:
-        token = sample(row, 0.0, 0, 1.0, 0, step)
+def _greedy(logits: paddle.Tensor, step: int) -> np.ndarray:
+    """The engine's greedy choice for the batch (``sample_batch``)."""
+    return sample_batch(logits, _draws(logits.shape[0], 0.0, step))
+
+
+def _greedy_with_logprobs(logits: paddle.Tensor, step: int) -> None:
+    """The greedy choice, and each row's logprobs with the top ``LOGPROBS_K``, as the engine
+    makes them: its raw row on the host, one row at a time (``logprobs.sampled``)."""
+    tokens = _greedy(logits, step)
+    for row, token in zip(logits.numpy(), tokens, strict=True):
         of_rows(row[None, :], np.array([token]), LOGPROBS_K)
 
 
-def choose_t1(logits: np.ndarray, step: int) -> list[int]:
+def choose_t1(logits: paddle.Tensor, step: int) -> np.ndarray:
     """The sampled choice the figure times: temperature 1, no top-k or top-p (OpenAI's defaults),
-    each sequence its own seed. Today ``sampling.sample`` one row at a time; the one place to switch
-    when the engine samples a batch at once."""
-    return [sample(row, 1.0, 0, 1.0, seed, step) for seed, row in enumerate(logits)]
+    each sequence its own seed, drawn as the engine draws a batch (``sample_batch``)."""
+    return sample_batch(logits, _draws(logits.shape[0], 1.0, step))
 
 
 def _decode_step(model: CausalLM, cache: Any, batch: int, runs: int) -> float:
