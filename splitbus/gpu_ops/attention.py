@@ -124,6 +124,9 @@ class Plan:
     """The key source's row that pads key runs (a scratch slot, or the zero row appended)."""
     packed: Packed | None = None
     """The unpadded layout, made when the attention kernel reads it (``Kernels.unpadded``)."""
+    in_order: bool = False
+    """One group whose rows are the packed queries themselves, unpadded and in order (a decode
+    step of like contexts): nothing to gather before or put back after."""
 
 
 def plan(
@@ -143,7 +146,9 @@ def plan(
             out_rows[run.first_row : run.first_row + run.queries] = padded
         groups.append(group)
         offset += group.count * group.queries
-    return Plan(groups, paddle.to_tensor(out_rows), total, key_pad)
+    unpadded = len(groups) == 1 and groups[0].count * groups[0].queries == total
+    in_order = unpadded and bool(np.array_equal(out_rows, np.arange(total)))
+    return Plan(groups, paddle.to_tensor(out_rows), total, key_pad, in_order=in_order)
 
 
 def _packed(runs: Sequence[Run]) -> Packed:
@@ -216,20 +221,26 @@ def batched_attention(
 ) -> paddle.Tensor:
     """q ``[T, H, D]`` (every chunk's queries, packed), the key and value sources ``[M, Hkv, D]``
     (the cache's pools, or the step's own keys) -> ``[T, H * D]``."""
+    if layout.in_order:
+        return _attend_group(q, k_source, v_source, layout.groups[0], gather=False)
     q = paddle.concat([q, paddle.zeros([1, *q.shape[1:]], q.dtype)])
     outs = [_attend_group(q, k_source, v_source, g) for g in layout.groups]
     out = paddle.concat(outs) if len(outs) > 1 else outs[0]
     return paddle.index_select(out, layout.out_rows, axis=0)
 
 
-def _attend_group(q: paddle.Tensor, k_source: paddle.Tensor, v_source: paddle.Tensor, g: Group) -> paddle.Tensor:
-    """One group's padded output ``[count * queries, H * D]``."""
+def _attend_group(
+    q: paddle.Tensor, k_source: paddle.Tensor, v_source: paddle.Tensor, g: Group, gather: bool = True
+) -> paddle.Tensor:
+    """One group's padded output ``[count * queries, H * D]``; ``gather`` False: ``q`` is already
+    its rows (``Plan.in_order``)."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_source.shape[1]
     per = heads // kv_heads
     # [n, S, Hkv, G, D] -> [n, Hkv, G, S, D]; keys [n, L, Hkv, D] -> [n, Hkv, L, D]: each KV head
     # serves its G query heads, K and V never repeated.
-    qh = paddle.index_select(q, g.q_rows, axis=0).reshape([g.count, g.queries, kv_heads, per, dim])
+    rows = paddle.index_select(q, g.q_rows, axis=0) if gather else q
+    qh = rows.reshape([g.count, g.queries, kv_heads, per, dim])
     qh = qh.transpose([0, 2, 3, 1, 4]) * (dim**-0.5)
     k, v = (
         paddle.index_select(s, g.key_rows, axis=0).reshape([g.count, g.keys, kv_heads, dim]).transpose([0, 2, 1, 3])

@@ -65,8 +65,13 @@ def test_groups_pad_neither_queries_nor_keys_to_more_than_twice_a_runs_own() -> 
         members = [r for r in runs if any(np.array_equal(row[: len(r.key_rows)], r.key_rows) for row in rows)]
         assert len(members) == g.count
         assert all(g.keys < 2 * len(r.key_rows) and g.queries < 2 * r.queries for r in members)
-    same, q, _ = _batch(rng, [(int(n), 1) for n in rng.integers(128, 255, 32)])
-    assert len(plan(same, HEADS, 0, len(q)).groups) == 1  # a decode batch of like contexts: one group
+    same, q, pool = _batch(rng, [(int(n), 1) for n in rng.integers(128, 255, 32)])
+    layout = plan(same, HEADS, 0, len(q))
+    assert len(layout.groups) == 1 and layout.in_order  # a decode batch of like contexts: one group, in order
+    np.testing.assert_allclose(_batched(same, q, pool), _reference(same, q, pool), atol=2e-5)
+    padded, q, pool = _batch(rng, [(0, 3), (0, 2)])  # one group, its rows in order, one run padded
+    assert not plan(padded, HEADS, 0, len(q)).in_order
+    np.testing.assert_allclose(_batched(padded, q, pool), _reference(padded, q, pool), atol=2e-5)
 
 
 @pytest.mark.parametrize("budget", [1 << 12, 1 << 16])
