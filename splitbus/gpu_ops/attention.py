@@ -146,9 +146,14 @@ def plan(
             out_rows[run.first_row : run.first_row + run.queries] = padded
         groups.append(group)
         offset += group.count * group.queries
+    return Plan(groups, paddle.to_tensor(out_rows), total, key_pad, in_order=_in_order(groups, out_rows))
+
+
+def _in_order(groups: list[Group], out_rows: np.ndarray) -> bool:
+    """Whether the one group's rows are the packed queries themselves: none padded, none moved."""
+    total = len(out_rows)
     unpadded = len(groups) == 1 and groups[0].count * groups[0].queries == total
-    in_order = unpadded and bool(np.array_equal(out_rows, np.arange(total)))
-    return Plan(groups, paddle.to_tensor(out_rows), total, key_pad, in_order=in_order)
+    return unpadded and bool(np.array_equal(out_rows, np.arange(total)))
 
 
 def _packed(runs: Sequence[Run]) -> Packed:
