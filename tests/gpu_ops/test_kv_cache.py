@@ -91,3 +91,18 @@ def test_import_copies_to_the_device_once(monkeypatch: pytest.MonkeyPatch) -> No
     src.import_(table, 10, payload, start=2)
     rows = [a for a in uploads if a.dtype != np.int64]  # the other upload is the slot ids
     assert len(rows) == 1 and rows[0].nbytes == src.bytes_per_token() * 8
+
+
+@pytest.mark.parametrize("rows", [kv_cache._view_of_rows, kv_cache._copy_of_rows])
+def test_import_is_the_same_from_views_of_the_upload_or_from_copies(
+    monkeypatch: pytest.MonkeyPatch, rows: Callable[[paddle.Tensor, int, int], paddle.Tensor]
+) -> None:
+    """Copies are the fallback for a Paddle without the private ``Tensor._slice``."""
+    assert kv_cache._rows is kv_cache._view_of_rows  # this Paddle has it
+    monkeypatch.setattr(kv_cache, "_rows", rows)
+    taken = _counting(monkeypatch, kv_cache, "_rows")
+    src, table, values = _filled("bfloat16", 10, seed=6)
+    dst = PagedKVCache(LAYERS, 16, BLOCK, HEADS, DIM, "bfloat16")
+    dst.import_(table, 10, src.export(table, 10), start=3)
+    assert _held(dst, table, 3, 10).tobytes() == values[:, :, 3:].tobytes()
+    assert len(taken) == 2 * LAYERS
