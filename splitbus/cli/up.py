@@ -36,7 +36,7 @@ from splitbus.cli.cluster_up import (
     start_cluster,
 )
 from splitbus.cli.common import say, wait_for_stop
-from splitbus.cli.gpus import allot
+from splitbus.cli.gpus import allot, planned_workers
 from splitbus.cli.redis_cmd import add_embedded_options, start_embedded
 from splitbus.cli.supervisor import Child, Supervisor
 from splitbus.env import Env
@@ -437,7 +437,7 @@ def _start_parts(
     fleet = Fleet({})
 
     drains, stop = _drain_options(args)
-    gpus = allot(args)
+    gpus = allot(args, planned_workers(args, counts))
 
     def solo(role: str, i: int) -> Child:
         own = [*drains, *metrics(), *gpus.args(f"{role}{i}")]

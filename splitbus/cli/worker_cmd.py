@@ -22,6 +22,7 @@ from splitbus.cli.common import (
 )
 from splitbus.env import Env
 from splitbus.worker import engines
+from splitbus.worker.engines.base import GPU_MEMORY_FRACTION
 
 if TYPE_CHECKING:
     from splitbus.tokenization import ModelTokenizer
@@ -60,8 +61,16 @@ def add_parser(subparsers: argparse._SubParsersAction, env: Env) -> None:
         "--kv-cache-mb",
         type=int,
         default=None,
-        help="paddle: memory for the KV cache (default: 90%% of a GPU's free memory once the weights are loaded; "
-        "256 on the CPU)",
+        help="paddle: memory for the KV cache (default: 256 on the CPU; on a GPU, 90%% of what "
+        "--gpu-memory-fraction leaves once the weights are loaded)",
+    )
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=_fraction,
+        default=GPU_MEMORY_FRACTION,
+        metavar="F",
+        help="paddle: the part of its GPU's total memory this worker may take, weights and KV cache included, as "
+        "vLLM's --gpu-memory-utilization (default %(default)s; `splitbus up` divides it among workers sharing a GPU)",
     )
     p.add_argument("--threads", type=int, default=1, help="paddle: math threads on the CPU (default %(default)s)")
     p.add_argument(
@@ -118,6 +127,17 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _fraction(text: str) -> float:
+    """``--gpu-memory-fraction``'s value, checked: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a fraction of the GPU's memory in (0, 1], got {text!r}")
+    return value
+
+
 def _kv_blocks_defaults(first: str) -> str:
     """How each engine sizes its KV cache without --kv-blocks ("8192 for sim; ...")."""
     return "; ".join(f"{engines.get(name).kv_blocks_default} for {name}" for name in engines.names(first))
@@ -167,6 +187,7 @@ def build_engine(config: WorkerConfig, tokenizer: ModelTokenizer, args: argparse
         block_size=config.block_size,
         kv_blocks=args.kv_blocks or None,
         kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb * 2**20,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         threads=args.threads,
         device=args.device,
         shard=(config.dp_rank, config.dp_size) if config.ep else (0, 1),

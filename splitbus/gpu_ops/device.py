@@ -2,7 +2,7 @@
 
 Measured on 2 vCPU: these settings make CPU inference ~4x faster. The device is named as the
 worker's ``--device`` names it: ``auto``, ``cpu`` or ``gpu:N``. What reads a GPU (its count, compute
-capability, free memory) is behind the functions here, and has never run on a GPU: this project's
+capability, its memory) is behind the functions here, and has never run on a GPU: this project's
 machines have none, and its tests fake what Paddle would report.
 """
 
@@ -89,18 +89,21 @@ def computes_bf16(where: str) -> bool:
     return major >= BF16_MIN_CAPABILITY
 
 
-def free_bytes(where: str) -> int | None:
-    """Bytes free on the GPU ``where`` now (the driver's count, so memory that Paddle holds is not
-    free); None on the CPU, whose KV cache is sized by ``--kv-cache-mb``."""
+def gpu_memory(where: str) -> tuple[int, int] | None:
+    """(total bytes of the GPU ``where``, bytes this process holds on it), asked once the weights
+    are loaded; None on the CPU, whose KV cache is sized by ``--kv-cache-mb``. What this process
+    holds is Paddle's allocator's reservation once its cache of freed blocks is given back (what
+    loading left behind is not the weights'); neither count depends on what other processes hold
+    at the moment, so workers that start together on one GPU size alike. Paddle 2.6 and 3.x both
+    have these calls (2.6 has no ``mem_get_info``)."""
     if where == "cpu":
         return None
     import paddle
 
     index = _index(where)
-    if hasattr(paddle, "cuda") and hasattr(paddle.cuda, "mem_get_info"):  # 3.x; 2.6 has no mem_get_info
-        return int(paddle.cuda.mem_get_info(index)[0])
-    total = paddle.device.cuda.get_device_properties(index).total_memory
-    return int(total - paddle.device.cuda.memory_reserved(index))
+    paddle.device.cuda.empty_cache()
+    total = int(paddle.device.cuda.get_device_properties(index).total_memory)
+    return total, int(paddle.device.cuda.memory_reserved(index))
 
 
 def _index(where: str) -> int:
@@ -111,14 +114,28 @@ def count_gpus(
     env: Mapping[str, str] = os.environ, run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run
 ) -> int:
     """GPUs this machine offers a process, without importing Paddle (``splitbus up`` asks before
-    starting workers): the entries of ``CUDA_VISIBLE_DEVICES`` when it is set, else the GPUs that
-    ``nvidia-smi -L`` lists; 0 when neither tells (no driver, no GPU)."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [e.strip() for e in visible.split(",") if e.strip()]
-        return entries.index("-1") if "-1" in entries else len(entries)  # CUDA stops at "-1"
+    starting workers): the GPUs that ``nvidia-smi -L`` lists (0 when it fails: no driver, no GPU),
+    or as many of them as ``CUDA_VISIBLE_DEVICES`` lets through when it is set."""
     try:
         listed = run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False)
+        lines = listed.stdout.splitlines() if listed.returncode == 0 else []
     except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+        lines = []
+    gpus = sum(line.startswith("GPU ") for line in lines)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return gpus if visible is None else visible_gpus(visible, gpus)
+
+
+def visible_gpus(visible: str, gpus: int) -> int:
+    """The GPUs ``CUDA_VISIBLE_DEVICES=visible`` makes visible where ``gpus`` are installed, read
+    as CUDA reads it: entries up to the first invalid one, which is an empty entry, an index out
+    of range (or negative, like ``-1``), an index or UUID already given, or neither an index nor a
+    ``GPU-``/``MIG-`` UUID. A UUID is taken on trust (only the driver knows which exist), but
+    never more GPUs than are installed."""
+    seen: set[str] = set()
+    for entry in (e.strip() for e in visible.split(",")):
+        name = str(int(entry)) if entry.isdigit() else entry  # "01" is GPU 1
+        if name in seen or not (entry.isdigit() and int(entry) < gpus or entry.startswith(("GPU-", "MIG-"))):
+            break
+        seen.add(name)
+    return min(len(seen), gpus)

@@ -1,6 +1,6 @@
-"""``splitbus worker --device`` and ``--kv-cache-mb`` (splitbus/cli/worker_cmd.py): what reaches the
-engine's setup, a bad value as a usage error, and a GPU Paddle does not see as a clear error at
-start (this machine has none)."""
+"""``splitbus worker --device``, ``--kv-cache-mb`` and ``--gpu-memory-fraction``
+(splitbus/cli/worker_cmd.py): what reaches the engine's setup, a bad value as a usage error, and
+a GPU Paddle does not see as a clear error at start (this machine has none)."""
 
 from __future__ import annotations
 
@@ -36,9 +36,18 @@ class _Config:
 
 def test_the_device_and_the_kv_budget_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     default = _setup(monkeypatch)
-    assert (default.device, default.kv_cache_bytes) == ("auto", None)  # the engine sizes: GPU free memory or 256
-    given = _setup(monkeypatch, "--device", "gpu:1", "--kv-cache-mb", "64")
-    assert (given.device, given.kv_cache_bytes) == ("gpu:1", 64 * 2**20)
+    assert (default.device, default.kv_cache_bytes, default.gpu_memory_fraction) == ("auto", None, 0.9)
+    given = _setup(monkeypatch, "--device", "gpu:1", "--kv-cache-mb", "64", "--gpu-memory-fraction", "0.45")
+    assert (given.device, given.kv_cache_bytes, given.gpu_memory_fraction) == ("gpu:1", 64 * 2**20, 0.45)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "half", "nan"])
+def test_a_gpu_memory_fraction_outside_0_to_1_is_a_usage_error(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        _parse("--model", "m", "--gpu-memory-fraction", value)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --gpu-memory-fraction: a fraction of the GPU's memory in (0, 1], got '{value}'" in err
 
 
 @pytest.mark.parametrize("value", ["gpu", "cuda:0", "gpu:x", "GPU:1"])

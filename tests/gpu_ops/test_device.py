@@ -1,5 +1,5 @@
 """Choosing the device: ``--device``'s values, a GPU Paddle sees (faked: this machine has none),
-bfloat16 from the compute capability, free memory, and counting GPUs without Paddle."""
+bfloat16 from the compute capability, its memory, and counting GPUs without Paddle."""
 
 from __future__ import annotations
 
@@ -62,10 +62,29 @@ def test_bf16_from_compute_capability_8(
     assert asked == [1]
 
 
-def test_free_memory_is_the_drivers_count_on_a_gpu_and_none_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paddle.cuda, "mem_get_info", lambda i: (3_000 + i, 80_000))
-    assert device.free_bytes("gpu:2") == 3_002
-    assert device.free_bytes("cpu") is None
+def test_gpu_memory_is_the_total_and_what_this_process_holds_once_its_cache_is_given_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Paddle as a GPU build would answer (2.6 and 3.x alike): the reservation counted after
+    ``empty_cache``, so freed blocks left by loading are not counted as held."""
+    reserved = {2: 5_000}
+    calls: list[str] = []
+
+    def empty_cache() -> None:
+        calls.append("empty_cache")
+        reserved[2] = 3_000
+
+    def properties(index: int) -> object:
+        calls.append(f"properties {index}")
+        return type("Properties", (), {"total_memory": 80_000})()
+
+    monkeypatch.setattr(paddle.device.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(paddle.device.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(paddle.device.cuda, "memory_reserved", lambda index: reserved[index])
+    assert device.gpu_memory("gpu:2") == (80_000, 3_000)
+    assert calls == ["empty_cache", "properties 2"]
+    assert device.gpu_memory("cpu") is None
+    assert calls == ["empty_cache", "properties 2"]  # the CPU asks Paddle nothing
 
 
 def _smi(stdout: str, code: int = 0) -> object:
@@ -82,14 +101,24 @@ LISTED = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)\nGPU 1: NVIDIA H100 80GB HB
 @pytest.mark.parametrize(
     ("env", "run", "count"),
     [
-        ({"CUDA_VISIBLE_DEVICES": "0,2,3"}, _smi(LISTED), 3),  # the variable wins over the listing
+        ({}, _smi(LISTED), 2),
+        ({"CUDA_VISIBLE_DEVICES": "1"}, _smi(LISTED), 1),
+        ({"CUDA_VISIBLE_DEVICES": "1,0,5"}, _smi(LISTED), 2),  # CUDA stops at GPU 5, which is not there
+        ({"CUDA_VISIBLE_DEVICES": "0,2,3"}, _smi(LISTED * 2), 3),
         ({"CUDA_VISIBLE_DEVICES": ""}, _smi(LISTED), 0),
         ({"CUDA_VISIBLE_DEVICES": "1,-1,0"}, _smi(LISTED), 1),  # CUDA stops at -1
-        ({}, _smi(LISTED), 2),
-        ({}, _smi("", code=9), 0),  # a driver that fails
+        ({"CUDA_VISIBLE_DEVICES": "0,,1"}, _smi(LISTED), 1),  # ... at an empty entry
+        ({"CUDA_VISIBLE_DEVICES": "0,00,1"}, _smi(LISTED), 1),  # ... at a GPU given twice
+        ({"CUDA_VISIBLE_DEVICES": "1,x,0"}, _smi(LISTED), 1),  # ... at neither an index nor a UUID
+        ({"CUDA_VISIBLE_DEVICES": " 1 , GPU-b"}, _smi(LISTED), 2),  # a UUID is taken on trust
+        ({"CUDA_VISIBLE_DEVICES": "GPU-a,MIG-c,GPU-b"}, _smi(LISTED), 2),  # but never more than are installed
+        ({"CUDA_VISIBLE_DEVICES": "0"}, _smi("", code=9), 0),  # a driver that fails: no GPU to make visible
+        ({}, _smi("", code=9), 0),
     ],
 )
-def test_gpus_are_counted_without_paddle(env: dict[str, str], run: object, count: int) -> None:
+def test_gpus_are_counted_without_paddle_as_cuda_reads_the_visible_devices(
+    env: dict[str, str], run: object, count: int
+) -> None:
     assert device.count_gpus(env, run) == count  # type: ignore[arg-type]  # a fake run
 
 

@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # types only: the CLI imports the registry to build its parse
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
 """Bytes per element of the dtypes a KV cache may hold (numpy knows no bfloat16 or float8)."""
+GPU_MEMORY_FRACTION = 0.9
+"""``--gpu-memory-fraction``'s default: a worker alone on its GPU may take 90% of its memory."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,11 @@ class EngineSetup:
     ``kv_cache_bytes`` and its model, or by its own default."""
     kv_cache_bytes: int | None = None
     """Memory the KV cache may take (``--kv-cache-mb``) when ``kv_blocks`` is None; None: the
-    engine's default (paddle: 256 MiB on the CPU, 90% of a GPU's free memory)."""
+    engine's default (paddle: 256 MiB on the CPU, from ``gpu_memory_fraction`` on a GPU)."""
+    gpu_memory_fraction: float = GPU_MEMORY_FRACTION
+    """The part of a GPU's total memory this worker may take, weights included
+    (``--gpu-memory-fraction``; ``splitbus up`` divides it among the workers that share a GPU),
+    when ``kv_blocks`` and ``kv_cache_bytes`` are None. Not used on the CPU."""
     device: str = "auto"
     """Where an engine that computes runs (``--device``): ``auto``, ``cpu`` or ``gpu:N``."""
     threads: int = 1
@@ -75,6 +81,8 @@ class EngineSetup:
 
         if self.block_size < 1 or any(n is not None and n < 1 for n in (self.kv_blocks, self.kv_cache_bytes)):
             raise ValueError("capacities must be >= 1")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"the GPU memory fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         parse_device(self.device)
 
 

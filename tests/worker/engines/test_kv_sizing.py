@@ -38,7 +38,7 @@ def _fp32_blocks_as_the_cli_computed_them(model: ModelConfig, megabytes: int, bl
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("megabytes", [0, 1, 256, 4096])
+@pytest.mark.parametrize("megabytes", [2, 256, 4096])  # budgets of 2 blocks and more: fewer is an error (below)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_fp32_gives_the_numbers_of_before(name: str, megabytes: int, block_size: int) -> None:
     model = MODELS[name]
@@ -66,8 +66,11 @@ def test_half_precision_holds_twice_the_blocks_of_fp32() -> None:
     assert kv_blocks(model, 384 * MIB, 16, "float16") == 2 * kv_blocks(model, 384 * MIB, 16, "float32")
 
 
-def test_a_tiny_budget_still_gives_the_scratch_block_and_one_more() -> None:
-    assert kv_blocks(MODELS["qwen2.5-0.5b"], 1, 16, "bfloat16") == 2
+def test_a_budget_short_of_the_scratch_block_and_one_more_is_a_clear_error() -> None:
+    model = MODELS["qwen2.5-0.5b"]  # 12 KiB a token in bf16: 2 blocks of 16 tokens are 384 KiB
+    assert kv_blocks(model, 2 * 16 * 12_288, 16, "bfloat16") == 2
+    with pytest.raises(ValueError, match=r"budget, 0\.4 MiB, holds 1 block\(s\) of 16 tokens; it needs 2 \(1 MiB\)"):
+        kv_blocks(model, 2 * 16 * 12_288 - 1, 16, "bfloat16")
 
 
 def test_an_unknown_dtype_is_refused() -> None:

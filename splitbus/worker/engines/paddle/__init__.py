@@ -13,6 +13,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Final
 
 from splitbus.worker.engines import Capabilities, EngineSetup, EngineType, kv_bytes_per_token, register
+from splitbus.worker.engines.base import GPU_MEMORY_FRACTION
 
 if TYPE_CHECKING:  # types only: the registry imports this package to build the CLI's parser
     import argparse
@@ -25,9 +26,10 @@ from splitbus.worker.engines.paddle.dtypes import KV_DTYPE, compute_dtype
 
 CPU_KV_CACHE_BYTES: Final = 256 * 2**20
 """The KV cache's memory on the CPU without ``--kv-cache-mb`` (or ``--kv-blocks``)."""
-GPU_FREE_FRACTION: Final = 0.9
-"""The share of a GPU's free memory, once the weights are loaded, that the KV cache takes without
-``--kv-cache-mb`` (or ``--kv-blocks``): the rest is headroom for a step's activations."""
+KV_SHARE: Final = 0.9
+"""The part of a worker's GPU memory (``--gpu-memory-fraction`` of the GPU, less its weights) that
+the KV cache takes without ``--kv-cache-mb`` (or ``--kv-blocks``): the rest is headroom for a
+step's activations."""
 
 
 KERNEL_CHOICES: Final = ("auto", "paddle")
@@ -45,34 +47,48 @@ class PaddleOptions:
 
 
 def kv_blocks(model: ModelConfig, budget_bytes: int, block_size: int, dtype: str = KV_DTYPE) -> int:
-    """KV blocks of ``block_size`` tokens that ``budget_bytes`` holds for ``model`` in ``dtype``;
-    at least 2 (block 0 is the cache's scratch block)."""
+    """KV blocks of ``block_size`` tokens that ``budget_bytes`` holds for ``model`` in ``dtype``.
+    ValueError when that is fewer than 2 (block 0 is the cache's scratch block: one is no cache)."""
     per_token = kv_bytes_per_token(model.layers, model.kv_heads, model.head_dim, dtype)
-    return max(2, budget_bytes // (per_token * block_size))
+    blocks = budget_bytes // (per_token * block_size)
+    if blocks < 2:
+        need = -(-2 * per_token * block_size // 2**20)
+        raise ValueError(
+            f"the KV cache's budget, {budget_bytes / 2**20:.1f} MiB, holds {blocks} block(s) of {block_size} tokens; "
+            f"it needs 2 ({need} MiB): give more --kv-cache-mb, or more --gpu-memory-fraction on a GPU"
+        )
+    return blocks
 
 
-def kv_budget(where: str, kv_cache_bytes: int | None) -> int:
+def kv_budget(where: str, kv_cache_bytes: int | None, fraction: float = GPU_MEMORY_FRACTION) -> int:
     """Bytes the KV cache may take on ``where`` (``device.select_device``'s answer), asked once
-    the weights are loaded: ``kv_cache_bytes`` when given (``--kv-cache-mb``), else
-    ``GPU_FREE_FRACTION`` of what a GPU has free, or ``CPU_KV_CACHE_BYTES`` on the CPU."""
+    the weights are loaded: ``kv_cache_bytes`` when given (``--kv-cache-mb``); on the CPU
+    ``CPU_KV_CACHE_BYTES``; on a GPU ``KV_SHARE`` of this worker's share of it, ``fraction``
+    (``--gpu-memory-fraction``) of its total memory, less what the worker holds there (its
+    weights). Like vLLM's ``--gpu-memory-utilization``, the share is of the total, not of what is
+    free, so workers that start together on one GPU, each told its part, do not race for it."""
     from splitbus.gpu_ops import device
 
     if kv_cache_bytes is not None:
         return kv_cache_bytes
-    free = device.free_bytes(where)
-    return CPU_KV_CACHE_BYTES if free is None else int(free * GPU_FREE_FRACTION)
+    memory = device.gpu_memory(where)
+    if memory is None:
+        return CPU_KV_CACHE_BYTES
+    total, held = memory
+    return max(0, int((fraction * total - held) * KV_SHARE))
 
 
 def _blocks_on(model: ModelConfig, setup: EngineSetup, where: str) -> int:
     """The KV blocks of ``setup`` on ``where``, in the dtype the model computes in there."""
-    return kv_blocks(model, kv_budget(where, setup.kv_cache_bytes), setup.block_size, compute_dtype(where))
+    budget = kv_budget(where, setup.kv_cache_bytes, setup.gpu_memory_fraction)
+    return kv_blocks(model, budget, setup.block_size, compute_dtype(where))
 
 
 @register
 class PaddleType(EngineType):
     name = "paddle"
     capabilities = Capabilities(real_weights=True, needs_paddle=True, expert_parallel=True)
-    kv_blocks_default = "from --kv-cache-mb, or a GPU's free memory"
+    kv_blocks_default = "from --kv-cache-mb, or --gpu-memory-fraction of a GPU"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
