@@ -14,18 +14,28 @@ temperature <= 0 is greedy: the largest logit, the lowest id among equal maxima.
 3. the draw: ``u`` from ``numpy.random.default_rng([seed, step])``; the kept weights summed in
    ascending id order; the first id whose running sum exceeds ``u`` times their total.
 
+A row with nothing to draw from (its largest logit not finite: every token masked to -inf, a NaN,
+an overflow to +inf) draws nothing: its token is the argmax of its raw row, the model's logits
+before any processor or mask (NaN read as -inf; every one NaN: id 0). ``min_tokens`` holding
+back the only tokens a grammar allows masks a whole row; a bf16 overflow leaves NaN or inf. The
+token is then one the processors or the grammar refused (a grammar takes it as the end of the
+request's output), but it is defined, and the same on both paths.
+
 The draw walks ids, not probabilities in order: a row that asks for no top-k or top-p keeps the
 whole vocabulary and is never sorted (sorting 152k logits cost 17-19 ms a row in numpy). Top-p
 sorts only the largest ``TOP_P_K`` weights, and the whole row only when those fall short of p.
-The float64 sums make the two implementations agree but where ``u`` falls within float64
-rounding of a cut (about 1e-16 of a row's mass); greedy rows agree bit for bit (on the device,
-``paddle.argmax``'s first of equal maxima: tested on the CPU kernel, never run on a GPU's).
+The float64 sums make the two implementations agree but where ``u`` falls within the sums'
+rounding of a cut: numpy adds the weights in order, a GPU's cumsum in another order, and their
+sums over ``n`` ids may differ by up to ``n`` float64 epsilons of a row's mass (about 1e-11 at
+152k ids; typically 1e-14). Greedy rows agree bit for bit (on the device, ``paddle.argmax``'s
+first of equal maxima: tested on the CPU kernel, never run on a GPU's).
 (``paddle.seed`` is one global state and ``top_p_sampling`` has no CPU kernel: neither is used.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,14 +56,29 @@ def uniform(seed: int, step: int) -> float:
 def sample(
     logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, step: int, min_p: float = 0.0
 ) -> int:
-    """One row's token by the module's definition: the reference that ``sample_batch`` follows."""
-    return _sample_row(logits, temperature, top_k, top_p, min_p, uniform(seed, step) if temperature > 0 else 0.0)
+    """One row's token by the module's definition: the reference that ``sample_batch`` follows
+    (``logits`` is its own raw row, should it have nothing to draw from)."""
+    u = uniform(seed, step) if temperature > 0 else 0.0
+    token = _sample_row(logits, temperature, top_k, top_p, min_p, u)
+    return token if token >= 0 else raw_argmax(logits)
+
+
+def raw_argmax(raw: np.ndarray) -> int:
+    """The token of a row with nothing to draw from: its raw row's largest logit, the lowest id
+    among equal maxima, NaN read as -inf (every one NaN or -inf: id 0)."""
+    return int(np.argmax(np.where(np.isnan(raw), -np.inf, raw)))
 
 
 def _sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """The row's token; -1 when its largest logit is not finite (numpy's max and argmax take a
+    NaN as the largest): it has nothing to draw from."""
     if temperature <= 0.0:
-        return int(np.argmax(logits))  # the lowest id among equal maxima
-    weights = np.exp((logits.astype(np.float64) - logits.max()) / temperature)
+        best = int(np.argmax(logits))  # the lowest id among equal maxima
+        return best if np.isfinite(logits[best]) else -1
+    top = logits.max()
+    if not np.isfinite(top):
+        return -1
+    weights = np.exp((logits.astype(np.float64) - top) / temperature)
     weights *= weights >= min_p
     if 0 < top_k < logits.shape[0]:
         kth = np.partition(logits, logits.shape[0] - top_k)[logits.shape[0] - top_k]
@@ -139,9 +164,9 @@ def sample_batch(logits: paddle.Tensor, draws: Draws, replaced: Mapping[int, np.
     """Each row's token (``[B]`` int64), as ``sample`` draws it from ``logits`` ``[B, vocab]``,
     or from ``replaced[j]`` for a row j whose logits were processed on the host (penalties, a
     grammar's mask). Where the logits are: on a GPU, Paddle's ops (``sample_on_device``), and only
-    the tokens come to the host; on the CPU, numpy (``sample_on_host``), which ran the same draws
-    3-8 times as fast as Paddle's CPU kernels (32 rows of 152k at temperature 1: 27-29 against
-    123-131 ms; with top-p 0.9: 55-97 against 296-740 ms)."""
+    the tokens come to the host (and, when a row asks for top-p, one bool a row mid-way:
+    ``_top_p_batch``); on the CPU, numpy (``sample_on_host``), which ran the same draws several
+    times as fast as Paddle's CPU kernels (docs/engine.md's Sampling has the figures)."""
     if logits.place.is_cpu_place():
         return sample_on_host(_host_view(logits), draws, replaced or {})
     return sample_on_device(logits, draws, replaced or {})
@@ -150,29 +175,66 @@ def sample_batch(logits: paddle.Tensor, draws: Draws, replaced: Mapping[int, np.
 def _host_view(logits: paddle.Tensor) -> np.ndarray:
     """CPU logits as numpy without a copy (dlpack), which only reads them: ``numpy()`` copied
     32 rows of 152k in 7.6 ms, as long as the rest of a greedy step. Paddle 2.6's tensors have
-    no ``__dlpack__``: they copy."""
+    no ``__dlpack__``: they copy. bf16 logits are widened first (a copy; numpy has no bf16)."""
+    logits = widened(logits)
     return np.from_dlpack(logits) if hasattr(logits, "__dlpack__") else logits.numpy()
 
 
+def widened(values: paddle.Tensor) -> paddle.Tensor:
+    """``values`` in float32 where they are narrower (bf16, float16), else as they are: exact.
+    Before numpy sees them (it has no bf16: ``numpy()`` of a bf16 tensor gives its raw uint16
+    bits) and before Paddle's argmax, which has no bf16 kernel on the CPU."""
+    return values if values.dtype in (paddle.float32, paddle.float64) else values.astype("float32")
+
+
+def on_host(values: paddle.Tensor) -> np.ndarray:
+    """``values`` (logits) on the host as numpy, a copy: cast to float32 where they are first
+    when narrower (``widened``)."""
+    return widened(values).numpy()
+
+
 def sample_on_host(logits: np.ndarray, draws: Draws, replaced: Mapping[int, np.ndarray]) -> np.ndarray:
-    """``sample_batch`` over logits on the host: ``sample`` row by row."""
+    """``sample_batch`` over logits on the host: ``sample`` row by row, a row with nothing to
+    draw from given its raw row's argmax."""
     params = zip(draws.temperature, draws.top_k, draws.top_p, draws.min_p, draws.uniform, strict=True)
-    tokens = [_sample_row(replaced.get(j, row), *p) for j, (row, p) in enumerate(zip(logits, params, strict=True))]
+    drawn = [_sample_row(replaced.get(j, row), *p) for j, (row, p) in enumerate(zip(logits, params, strict=True))]
+    tokens = [token if token >= 0 else raw_argmax(raw) for token, raw in zip(drawn, logits, strict=True)]
     return np.array(tokens, dtype=np.int64)
 
 
 def sample_on_device(logits: paddle.Tensor, draws: Draws, replaced: Mapping[int, np.ndarray]) -> np.ndarray:
     """``sample_batch`` in Paddle ops where ``logits`` are; the rows in ``replaced`` uploaded into
     the batch, and one ``[B]`` copy of the tokens back."""
+    logits = widened(logits)
     greedy = np.flatnonzero(draws.temperature <= 0)
     drawn = np.flatnonzero(draws.temperature > 0)
     parts = []
     if greedy.size:
-        parts.append(paddle.argmax(_rows(logits, greedy, replaced), axis=1))
+        parts.append(_checked(lambda rows: paddle.argmax(rows, axis=1), logits, greedy, replaced))
     if drawn.size:
-        parts.append(_draw(_rows(logits, drawn, replaced), draws.take(drawn)))
+        parts.append(_checked(lambda rows: _draw(rows, draws.take(drawn)), logits, drawn, replaced))
     tokens = paddle.concat(parts) if len(parts) > 1 else parts[0]
     return tokens.numpy().astype(np.int64)[np.argsort(np.concatenate([greedy, drawn]))]
+
+
+def _checked(
+    pick: Callable[[paddle.Tensor], paddle.Tensor],
+    logits: paddle.Tensor,
+    rows: np.ndarray,
+    replaced: Mapping[int, np.ndarray],
+) -> paddle.Tensor:
+    """``pick``'s tokens of ``rows`` (``_rows``), but for a row with nothing to draw from (a NaN,
+    or a largest logit not finite) its raw row's argmax (``raw_argmax``). Any token past the
+    vocabulary is clamped to its last id: a backstop, should a kernel's search run past the end.
+    All on the device, no sync: a few passes over the rows, memory-bound on a GPU; Paddle's CPU
+    kernels (not the CPU's path: ``sample_batch``) took a greedy batch of 32 rows of 152k from 6
+    to 45 ms with them, a temperature-1 one from 135 to 182 ms."""
+    chosen = _rows(logits, rows, replaced)
+    tokens = pick(chosen)
+    stuck = paddle.isnan(chosen).any(axis=1) | ~paddle.isfinite(chosen.max(axis=1))
+    raw = _select(logits, rows)
+    fallback = paddle.argmax(paddle.where(paddle.isnan(raw), paddle.full_like(raw, -math.inf), raw), axis=1)
+    return paddle.where(stuck, fallback, paddle.minimum(tokens, paddle.to_tensor(raw.shape[1] - 1, dtype="int64")))
 
 
 def _rows(logits: paddle.Tensor, rows: np.ndarray, replaced: Mapping[int, np.ndarray]) -> paddle.Tensor:

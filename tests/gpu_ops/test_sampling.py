@@ -165,6 +165,53 @@ def test_draws_follow_the_probabilities(where: str) -> None:
     assert np.abs(np.bincount(tokens, minlength=5) / 500 - probs).max() < 0.06 and 3 not in tokens
 
 
+def test_a_row_with_nothing_to_draw_from_gets_its_raw_rows_argmax(where: str) -> None:
+    """Rows whose largest logit is not finite, greedy or sampled, top-k and top-p or not, on
+    both paths: masked whole on the host (``min_tokens`` holding back the only tokens a grammar
+    allows), a NaN, all NaN, an overflow to +inf. Each gets the argmax of its raw row (NaN read
+    as -inf); the control row draws as ``sample`` does."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(0, 2, (6, 300)).astype(np.float32)
+    logits[1, [17, 250]] = np.nan
+    logits[2] = np.nan
+    logits[3, [40, 90]] = np.inf
+    masked = np.full(300, -np.inf)
+    expected = [int(np.argmax(logits[0])), int(np.nanargmax(logits[1])), 0, 40, int(np.argmax(logits[4]))]
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.5)):
+        params = [SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)] * 6
+        seeds, steps = list(range(6)), [3] * 6
+        got = _batch(where, logits, params, seeds, steps, {0: masked, 4: masked})
+        assert got[:5] == expected
+        assert got[5] == _reference(logits[5:], params[5:], seeds[5:], steps[5:])[0]
+
+
+def test_the_reference_gives_a_row_with_nothing_to_draw_from_its_argmax() -> None:
+    row = np.array([1.0, np.nan, 3.0, np.nan], dtype=np.float32)
+    assert [sample(row, t, 0, 1.0, 1, 0) for t in (0.0, 1.0)] == [2, 2]
+    assert sample(np.full(9, -np.inf, dtype=np.float32), 1.0, 0, 0.9, 1, 0) == 0
+
+
+def test_a_device_token_past_the_vocabulary_is_clamped_to_its_last_id() -> None:
+    """The backstop behind the draw's own bound: a kernel whose search ran past the end."""
+    logits = paddle.to_tensor(np.zeros((2, 50), dtype=np.float32))
+    tokens = sampling._checked(lambda rows: paddle.full([rows.shape[0]], 50, dtype="int64"), logits, np.arange(2), {})
+    assert tokens.numpy().tolist() == [49, 49]
+
+
+def test_bf16_logits_draw_what_their_float32_values_draw() -> None:
+    """A GPU's bf16 logits: Paddle's path (its CPU kernels have no bf16 argmax) and the host's
+    (numpy has no bf16) read their values, not their bits."""
+    rng = np.random.default_rng(10)
+    bf16 = paddle.to_tensor(_logits(rng, 16, 300)).astype("bfloat16")
+    exact = bf16.astype("float32").numpy()
+    params = [_params(rng) for _ in range(16)]
+    seeds, steps = list(range(16)), [2] * 16
+    draws = Draws.of(params, seeds, steps)
+    expected = _reference(exact, params, seeds, steps)
+    assert sample_on_device(bf16, draws, {}).tolist() == expected
+    assert sample_batch(bf16, draws).tolist() == expected  # on the CPU: the host's path
+
+
 def _by_definition(row: list[float]) -> list[float]:
     total = sum(math.exp(x) for x in row)
     return [math.log(math.exp(x) / total) for x in row]
