@@ -28,7 +28,7 @@ from splitbus.architectures import config_from
 from splitbus.bench import engine_hf, engine_long
 from splitbus.bench.engine_hf import best_of
 from splitbus.bus.messages import SamplingParams
-from splitbus.gpu_ops.sampling import Draws, sample_batch
+from splitbus.gpu_ops.sampling import Draws, on_host, sample_batch
 from splitbus.worker.engines.paddle.logprobs import of_rows
 from splitbus.worker.engines.paddle.model import CausalLM, Chunk, load_model
 from splitbus.worker.engines.paddle.tiny import tiny_config
@@ -210,7 +210,7 @@ def _greedy_with_logprobs(logits: paddle.Tensor, step: int) -> None:
     """The greedy choice, and each row's logprobs with the top ``LOGPROBS_K``, as the engine
     makes them: its raw row on the host, one row at a time (``logprobs.sampled``)."""
     tokens = _greedy(logits, step)
-    for row, token in zip(logits.numpy(), tokens, strict=True):
+    for row, token in zip(on_host(logits), tokens, strict=True):
         of_rows(row[None, :], np.array([token]), LOGPROBS_K)
 
 

@@ -18,7 +18,7 @@ import paddle
 
 from splitbus.bus.records import ExpertLoad
 from splitbus.gpu_ops import logits as processors
-from splitbus.gpu_ops.sampling import Draws, sample_batch
+from splitbus.gpu_ops.sampling import Draws, on_host, sample_batch
 from splitbus.grammar.constraint import mask_logits
 from splitbus.worker.engines.paddle import logprobs
 from splitbus.worker.engines.paddle.dtypes import compute_dtype
@@ -197,8 +197,9 @@ def _changed(seq: Sequence) -> bool:
 
 
 def _host_rows(logits: paddle.Tensor, rows: list[int]) -> dict[int, np.ndarray]:
-    """``logits``' rows ``rows`` on the host, by row: one gather and one copy."""
+    """``logits``' rows ``rows`` on the host, by row: one gather and one copy, in float32 (bf16
+    logits cast on the device: ``on_host``)."""
     if not rows:
         return {}
-    values = paddle.index_select(logits, paddle.to_tensor(rows, dtype="int64")).numpy()
+    values = on_host(paddle.index_select(logits, paddle.to_tensor(rows, dtype="int64")))
     return dict(zip(rows, values, strict=True))

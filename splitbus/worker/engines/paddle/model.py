@@ -28,6 +28,7 @@ from splitbus.gpu_ops.kernels import Kernels, chosen
 from splitbus.gpu_ops.kv_cache import KVDtype, PagedKVCache
 from splitbus.gpu_ops.layers import RopeTables, silu_and_mul
 from splitbus.gpu_ops.moe import Expert, combine, gated_mlp, route, run_experts, tally
+from splitbus.gpu_ops.sampling import on_host
 from splitbus.worker.engines.paddle import logprobs, weights
 from splitbus.worker.engines.paddle.dtypes import KV_DTYPE
 from splitbus.worker.engines.paddle.logprobs import PROMPT_ROWS
@@ -182,8 +183,8 @@ class CausalLM:
         counted: bool = True,
         prompt_top: Mapping[int, int] | None = None,
     ) -> np.ndarray:
-        """``run``'s logits, on the host."""
-        return self.run(chunks, cache, counted, prompt_top).numpy()
+        """``run``'s logits, on the host, in float32 (``on_host``)."""
+        return on_host(self.run(chunks, cache, counted, prompt_top))
 
     @paddle.no_grad()
     def run(
@@ -229,7 +230,7 @@ class CausalLM:
         targets = np.asarray(chunk.tokens[1:], dtype=np.int64)
         parts = [
             logprobs.of_rows(
-                self._logits(x[row : min(row + PROMPT_ROWS, b - 1)]).numpy(), targets[row - a :][:PROMPT_ROWS], k
+                on_host(self._logits(x[row : min(row + PROMPT_ROWS, b - 1)])), targets[row - a :][:PROMPT_ROWS], k
             )
             for row in range(a, b - 1, PROMPT_ROWS)
         ]

@@ -379,3 +379,61 @@ def test_a_mixed_batch_draws_in_one_batch_what_each_request_draws_alone(
         assert (seq.logprobs is None) == (s.logprobs is None)
     chosen, _, _ = log_softmax_top(logits[2:3], np.array([tokens[2]]), 2)
     assert batch[2].logprobs is not None and batch[2].logprobs.token[0] == pytest.approx(chosen[0])
+
+
+def test_bf16_logits_come_to_the_host_as_their_values_not_their_bits(
+    model: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's logits are bf16; what comes of them to the host (the rows a request's logprobs,
+    processors or grammar need, ``forward``'s logits, the prompt's logprobs) is cast to float32
+    where they are: numpy has no bf16, and ``numpy()`` of one gives its raw uint16 bits."""
+    bf16 = paddle.to_tensor(np.random.default_rng(11).normal(0, 3, (3, 40)).astype(np.float32)).astype("bfloat16")
+    exact = bf16.astype("float32").numpy()
+    rows = engine_module._host_rows(bf16, [0, 2])
+    assert [rows[j].dtype for j in (0, 2)] == [np.float32] * 2
+    np.testing.assert_array_equal(np.stack([rows[0], rows[2]]), exact[[0, 2]])
+    prompt = _prompts()[4]
+    wide = model.forward([Chunk(prompt, 0)], prompt_top={0: 3})
+    scored = model.prompt_logprobs[0]
+    plain = model._logits
+    monkeypatch.setattr(model, "_logits", lambda x: plain(x).astype("bfloat16"))
+    narrow = model.forward([Chunk(prompt, 0)], prompt_top={0: 3})
+    assert narrow.dtype == np.float32
+    np.testing.assert_array_equal(narrow, paddle.to_tensor(wide).astype("bfloat16").astype("float32").numpy())
+    np.testing.assert_allclose(model.prompt_logprobs[0].token, scored.token, atol=0.05)  # bf16's rounding
+
+
+class _OnlyEnd:
+    """A grammar whose only allowed token is the end of sequence (its output is complete)."""
+
+    def __init__(self, vocab: int, end: int) -> None:
+        self.vocab, self.end = vocab, end
+
+    def allowed(self) -> np.ndarray:
+        allowed = np.zeros(self.vocab, dtype=bool)
+        allowed[self.end] = True
+        return allowed
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_request_whose_every_token_is_masked_gets_its_raw_rows_argmax(
+    model: CausalLM, model_dir: Path, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``min_tokens`` holds back the end of sequence, the only token the grammar allows: the row
+    has nothing to draw from. Greedy or sampled, on either path, its token is the argmax of its
+    raw row (a token the grammar refused: it ends the request)."""
+    if where == "device":
+        monkeypatch.setattr(
+            engine_module, "sample_batch", lambda logits, draws, rows: sample_on_device(logits, draws, rows)
+        )
+    tok = ModelTokenizer.load(model_dir)
+    vocab, end = model.config.vocab_size, 5
+    batch = [
+        _seq("mixed", p, f"r{i}", tok, temperature=t, seed=i, min_tokens=3)
+        for i, (p, t) in enumerate(zip(_prompts()[:2], (0.0, 1.0), strict=True))
+    ]
+    for seq in batch:
+        seq.grammar = _OnlyEnd(vocab, end)  # type: ignore[assignment]
+    logits = np.random.default_rng(12).normal(0, 2, (2, vocab)).astype(np.float32)
+    tokens = PaddleEngine(model, (end,), total_blocks=256, block_size=16)._sample(batch, paddle.to_tensor(logits))
+    assert tokens == np.argmax(logits, axis=1).tolist() and end not in tokens
