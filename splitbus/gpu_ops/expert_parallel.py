@@ -7,8 +7,11 @@ combine are made of the two collectives both backends have:
 
 - once per forward, ``begin`` all-gathers every rank's token count;
 - **dispatch**: an all-gather of each rank's tokens (hidden state, top-k expert ids and weights
-  packed in one row), padded to the largest count (gloo aborts the process on unequal shapes);
-  every rank then has the step's tokens of the whole group;
+  packed in one float32 row), padded to the largest count (gloo aborts the process on unequal
+  shapes); every rank then has the step's tokens of the whole group. float32 because the ids must
+  stay exact (bf16 holds integers exactly only to 256) and a bf16 state and weights widen
+  exactly, then come back in their own dtype: a bf16 model sends twice the bytes of its state
+  for it (gloo carries bf16 itself, in all-gather and all-reduce, on Paddle 3.3's CPU build);
 - each rank runs its own experts on the tokens routed to them (``moe.run_experts``): one output
   per (token, slot), zero for slots of experts it does not hold;
 - **combine**: an all-reduce (sum) of those outputs; a slot has one holder, so the sum is exact,
@@ -107,10 +110,11 @@ class ExpertGroup:
         self.exchange_s += time.perf_counter() - started
 
     def dispatch(self, h: paddle.Tensor, routing: Routing, experts: int) -> tuple[paddle.Tensor, Routing]:
-        """Every rank's tokens and their routing (ranks in order), from this rank's."""
+        """Every rank's tokens and their routing (ranks in order), from this rank's, in the dtypes
+        of ``h`` and ``routing.weights`` (exchanged in float32: see the module's docstring)."""
         k = routing.experts.shape[1]
         ids = paddle.to_tensor(routing.experts.astype(np.float32))  # exact below 2**24
-        packed = paddle.concat([h, ids, routing.weights], axis=1)
+        packed = paddle.concat([_as(h, paddle.float32), ids, _as(routing.weights, paddle.float32)], axis=1)
         rows = max(self.counts)
         if rows > packed.shape[0]:  # every rank sends the same shape
             packed = paddle.concat([packed, paddle.zeros([rows - packed.shape[0], packed.shape[1]], packed.dtype)])
@@ -122,7 +126,8 @@ class ExpertGroup:
         expert_ids = every[:, hidden : hidden + k].numpy().astype(np.int64)
         if expert_ids.size and not (0 <= expert_ids.min() and expert_ids.max() < experts):
             raise RuntimeError(f"an expert exchange carried expert ids outside 0..{experts - 1}")
-        return every[:, :hidden], Routing(expert_ids, every[:, hidden + k :])
+        weights = _as(every[:, hidden + k :], routing.weights.dtype)
+        return _as(every[:, :hidden], h.dtype), Routing(expert_ids, weights)
 
     def combine(self, outputs: paddle.Tensor) -> paddle.Tensor:
         """This rank's tokens' rows of the group's summed ``run_experts`` outputs."""
@@ -131,6 +136,11 @@ class ExpertGroup:
         self.exchange_s += time.perf_counter() - started
         start = sum(self.counts[: self.rank])
         return outputs[start : start + self.counts[self.rank]]
+
+
+def _as(values: paddle.Tensor, dtype: Any) -> paddle.Tensor:
+    """``values`` in ``dtype``: cast only when it differs."""
+    return values if values.dtype == dtype else values.astype(dtype)
 
 
 def _process_group(store: Any, meet: Rendezvous) -> Any:

@@ -62,6 +62,74 @@ def _waiting_rank(folder: str, port: int, rank: int, out: Any) -> None:
         out.put(f"raised {type(exc).__name__}: {exc}")
 
 
+BF16_TOKENS = (3, 5)
+"""Each rank's tokens in the bf16 exchange: unequal, so that rank 0's are padded."""
+
+
+def _bf16_part(rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rank ``rank``'s tokens for the bf16 exchange: hidden states and weights (float32 values
+    a bf16 holds exactly) and expert ids past 256, where bf16 stops holding integers exactly."""
+    rng = np.random.default_rng(rank)
+    n = BF16_TOKENS[rank]
+    h = rng.integers(-128, 128, (n, 8)).astype(np.float32) / 64
+    ids = rng.choice(np.arange(250, 1000), (n, 2), replace=False) + rank
+    return h, ids.astype(np.int64), rng.integers(1, 128, (n, 2)).astype(np.float32) / 128
+
+
+def _bf16_rank(port: int, rank: int, out: Any) -> None:
+    """Dispatch and combine a bf16 hidden state (what a bf16 model's MoE layer exchanges)."""
+    import paddle
+
+    from splitbus.gpu_ops.expert_parallel import ExpertGroup, Rendezvous
+    from splitbus.gpu_ops.moe import Routing
+
+    group = ExpertGroup.form(Rendezvous("127.0.0.1", port, rank, 2, 30))
+    group.begin(BF16_TOKENS[rank])
+    h, ids, weights = _bf16_part(rank)
+    every, routing = group.dispatch(
+        paddle.to_tensor(h).astype("bfloat16"), Routing(ids, paddle.to_tensor(weights).astype("bfloat16")), 1001
+    )
+    outputs = paddle.zeros([sum(BF16_TOKENS), 2, 8], dtype="bfloat16")
+    outputs[:, rank] = every  # slot ``rank`` of every token is this rank's: one holder a slot
+    mine = group.combine(outputs)
+    dtypes = (str(every.dtype), str(routing.weights.dtype), str(mine.dtype))
+    out.put(
+        (
+            rank,
+            dtypes,
+            every.astype("float32").numpy(),
+            routing.experts,
+            routing.weights.astype("float32").numpy(),
+            mine.astype("float32").numpy(),
+        )
+    )
+
+
+def test_a_bf16_hidden_state_and_expert_ids_past_256_cross_the_exchange_exactly() -> None:
+    """The exchange packs ids with the state: in bf16 id 257 would come back 256. Gloo (the CPU's
+    backend) carries what a bf16 model's MoE layer sends; the results keep their dtypes."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=_bf16_rank, args=(port, r, out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = dict((rank, rest) for rank, *rest in (out.get(timeout=120) for _ in range(2)))
+    for p in ranks:
+        p.join(30)
+        assert p.exitcode == 0
+    parts = [_bf16_part(r) for r in range(2)]
+    h, ids, weights = (np.concatenate([part[i] for part in parts]) for i in range(3))
+    assert ids.max() > 256 and np.any(ids % 2 == 1)  # ids a bf16 would round
+    for rank in range(2):
+        dtypes, every, experts, routed, mine = got[rank]
+        assert dtypes == ("paddle.bfloat16",) * 3
+        np.testing.assert_array_equal(every, h)
+        np.testing.assert_array_equal(experts, ids)
+        np.testing.assert_array_equal(routed, weights)
+        np.testing.assert_array_equal(mine, np.stack([parts[rank][0]] * 2, axis=1))
+
+
 def _moe(model: Any) -> Any:
     return (layer.mlp for layer in model.layers if isinstance(layer.mlp, Experts))
 
