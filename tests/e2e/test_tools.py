@@ -210,7 +210,14 @@ def test_paddle_writes_calls_that_match_under_the_grammar(tmp_path: Path) -> Non
     device.prepare()
     from splitbus.worker.engines.paddle.tiny import make_tiny_model
 
-    unit = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}
+    # No other key allowed: the random model's call then ends after "unit" whatever the seed draws
+    # (with extra keys allowed it wandered into them until max_tokens for some seeds).
+    unit = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["unit"],
+        "additionalProperties": False,
+    }
     tool: Any = {"type": "function", "function": {"name": "set_unit", "parameters": unit}}
     named: Any = {"type": "function", "function": {"name": "set_unit"}}
     model = make_tiny_model(tmp_path / "tiny", "llama", seed=3)
